@@ -1,0 +1,67 @@
+"""shardload: load already-quantized checkpoints onto N tensor-parallel workers, any N.
+
+>>> import shardload                                                   # doctest: +SKIP
+>>> params = shardload.open_checkpoint("examples/tiny_llama_q4")       # doctest: +SKIP
+>>> with shardload.ThreadedSession(num_workers=4) as sess:             # doctest: +SKIP
+...     sharded = shardload.load_sharded(params, "examples/tiny_llama_q4/shard_info.json", sess)
+...     sharded.shard("model.layers.0.self_attn.q_proj.qweight", 2).shape
+torch.Size([32, 64])
+
+Public names are imported lazily, so ``import shardload`` (and ``shardload --help``) does not
+import torch until something that needs it is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from .errors import (FormatError, PlanError, ShardloadError, UnknownShardFunctionError,
+                     WorkerCrashedError, WorkerError)
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "load_sharded": "loader",
+    "ShardedParams": "loader",
+    "LoadStats": "loader",
+    "open_checkpoint": "readers",
+    "Checkpoint": "readers",
+    "TensorMeta": "readers",
+    "ArrayCheckpoint": "readers",
+    "ShardInfo": "plan",
+    "Plan": "plan",
+    "register_shard_func": "registry",
+    "get_shard_func": "registry",
+    "list_shard_funcs": "registry",
+    "load_plugins": "registry",
+    "ShardFunc": "registry",
+    "Session": "sessions",
+    "ThreadedSession": "sessions",
+}
+
+__all__ = sorted([*_LAZY, "ShardloadError", "PlanError", "UnknownShardFunctionError",
+                  "FormatError", "WorkerError", "WorkerCrashedError", "__version__"])
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .loader import LoadStats, ShardedParams, load_sharded
+    from .plan import Plan, ShardInfo
+    from .readers import ArrayCheckpoint, Checkpoint, TensorMeta, open_checkpoint
+    from .registry import (ShardFunc, get_shard_func, list_shard_funcs, load_plugins,
+                           register_shard_func)
+    from .sessions import Session, ThreadedSession

@@ -1,0 +1,90 @@
+"""Dtype names, as plans and checkpoints spell them, mapped to torch and numpy.
+
+Plans use torch-style names (``"float16"``, ``"int32"``, ``"float8_e4m3fn"``); TVM's spellings
+(``"e4m3_float8"``) are accepted as aliases. This module knows names only; torch is imported
+when a name is turned into a ``torch.dtype``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+# canonical name -> bytes per element
+ITEMSIZE: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
+    "int32": 4, "uint32": 4, "float32": 4,
+    "int64": 8, "uint64": 8, "float64": 8,
+}
+
+ALIASES: dict[str, str] = {
+    "half": "float16", "float": "float32", "double": "float64",
+    "e4m3_float8": "float8_e4m3fn", "e5m2_float8": "float8_e5m2",
+}
+
+# safetensors header dtype -> canonical name
+SAFETENSORS: dict[str, str] = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I16": "int16", "U16": "uint16", "F16": "float16",
+    "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64",
+    "U64": "uint64", "F64": "float64",
+}
+
+# Dtypes whose torch support is limited to copies and views: byte-moving code works on a
+# same-width signed integer view of them.
+_MOVABLE_VIEW = {"uint16": "int16", "uint32": "int32", "uint64": "int64",
+                 "float8_e4m3fn": "uint8", "float8_e5m2": "uint8", "bool": "uint8"}
+
+
+def canonical(name: str) -> str:
+    """The canonical spelling of a dtype name; ``ValueError`` if unknown.
+
+    >>> canonical("e4m3_float8")
+    'float8_e4m3fn'
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"dtype must be a string, got {name!r}")
+    name = ALIASES.get(name, name)
+    if name not in ITEMSIZE:
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(sorted(ITEMSIZE))}")
+    return name
+
+
+def itemsize(name: str) -> int:
+    return ITEMSIZE[canonical(name)]
+
+
+def to_torch(name: str) -> "torch.dtype":
+    import torch
+
+    return getattr(torch, canonical(name))
+
+
+def from_torch(dtype: "torch.dtype") -> str:
+    name = str(dtype).removeprefix("torch.")
+    return canonical(name)
+
+
+def from_numpy(dtype) -> str:
+    import numpy as np
+
+    name = np.dtype(dtype).name
+    try:
+        return canonical(name)
+    except ValueError:
+        raise ValueError(f"numpy dtype {name!r} has no shardload equivalent") from None
+
+
+def movable_view(tensor: "torch.Tensor") -> "torch.Tensor":
+    """A view of ``tensor`` with a dtype that supports every copy/cat/index op in torch.
+
+    Shard functions that only move elements (splits, concatenation, replication) work on this
+    view so that uint32 (MLC) and float8 (FP8) tensors move exactly like any other.
+    """
+    import torch
+
+    target = _MOVABLE_VIEW.get(from_torch(tensor.dtype))
+    return tensor if target is None else tensor.view(getattr(torch, target))

@@ -1,0 +1,152 @@
+"""The exception tree. Every error shardload raises on purpose is a ``ShardloadError``.
+
+The CLI maps the classes to exit codes (see ``cli.py``): checkpoint and plan problems are the
+user's input (exit 2), worker failures are load failures (exit 1).
+
+This module imports nothing heavy, so ``shardload --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+__all__ = [
+    "ShardloadError",
+    "PlanError",
+    "UnknownShardFunctionError",
+    "FormatError",
+    "WorkerError",
+    "WorkerCrashedError",
+    "WorkerFailure",
+]
+
+
+class ShardloadError(Exception):
+    """Root of every error shardload raises on purpose."""
+
+
+class PlanError(ShardloadError):
+    """A ``shard_info.json`` plan is malformed or does not fit the checkpoint.
+
+    ``source`` is the plan file (or ``None`` for an in-memory plan), ``param`` the parameter and
+    ``step`` the 0-based step index the problem is in, where they apply.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None, param: str | None = None,
+                 step: int | None = None):
+        self.source = source
+        self.param = param
+        self.step = step
+        self.reason = message
+        where = []
+        if source is not None:
+            where.append(str(source))
+        if param is not None:
+            where.append(f"parameter {param!r}")
+        if step is not None:
+            where.append(f"step {step}")
+        super().__init__(f"{': '.join(where)}: {message}" if where else message)
+
+
+class UnknownShardFunctionError(PlanError, KeyError):
+    """A plan (or ``get_shard_func``) names a shard function that is not registered.
+
+    Also a ``KeyError``, as a failed registry lookup is. ``suggestions`` holds close matches.
+    """
+
+    def __init__(self, name: str, known: Iterable[str], *, source: str | None = None,
+                 param: str | None = None, step: int | None = None):
+        self.name = name
+        self.suggestions = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+        hint = (f" Did you mean {', '.join(repr(s) for s in self.suggestions)}?"
+                if self.suggestions else "")
+        message = (f"unknown shard function {name!r}.{hint} Functions are never imported by name: "
+                   "register it with @register_shard_func in a module you pass as a plugin "
+                   "(--plugin MODULE, plugins=[...]) or through the 'shardload.shard_functions' "
+                   "entry point group; `shardload funcs` lists the registered ones.")
+        PlanError.__init__(self, message, source=source, param=param, step=step)
+
+    # KeyError.__str__ would repr() the message; keep the readable one.
+    __str__ = Exception.__str__
+
+
+class FormatError(ShardloadError):
+    """A checkpoint file is malformed: truncated, a header that lies, a bad index.
+
+    ``file`` names the file and ``tensor`` the tensor, where one is concerned.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        self.file = None if file is None else str(file)
+        self.tensor = tensor
+        self.reason = message
+        where = []
+        if file is not None:
+            where.append(str(file))
+        if tensor is not None:
+            where.append(f"tensor {tensor!r}")
+        super().__init__(f"{': '.join(where)}: {message}" if where else message)
+
+
+def annotate(exc: BaseException, where: str) -> None:
+    """Record where ``exc`` happened (the parameter and step), for the worker's failure report.
+
+    The exception itself is re-raised unchanged, so callers see the original type.
+    """
+    if not getattr(exc, "_shardload_where", None):
+        exc._shardload_where = where  # type: ignore[attr-defined]
+
+
+def describe(exc: BaseException) -> str:
+    """``exc``'s message, prefixed with where it happened when that was recorded."""
+    where = getattr(exc, "_shardload_where", None)
+    return f"{where}: {exc}" if where else str(exc)
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One worker's failure: its index, the exception's type name, message and traceback."""
+
+    worker: int
+    exc_type: str
+    message: str
+    traceback: str = ""
+
+
+class WorkerError(ShardloadError):
+    """One or more workers raised. ``failures`` lists them, the earliest failure first."""
+
+    def __init__(self, failures: Sequence[WorkerFailure], context: str = ""):
+        if not failures:
+            raise ValueError("WorkerError needs at least one failure")
+        self.failures = tuple(failures)
+        first = self.failures[0]
+        others = len(self.failures) - 1
+        more = f" (and {others} more worker{'s' if others > 1 else ''} failed)" if others else ""
+        ctx = f" {context}" if context else ""
+        super().__init__(f"worker {first.worker} failed{ctx}: {first.exc_type}: {first.message}{more}")
+
+    @property
+    def workers(self) -> tuple[int, ...]:
+        return tuple(f.worker for f in self.failures)
+
+    @property
+    def traceback(self) -> str:
+        """The remote traceback of the earliest failure."""
+        return self.failures[0].traceback
+
+
+class WorkerCrashedError(ShardloadError):
+    """A worker process died (exit code or signal) instead of answering."""
+
+    def __init__(self, worker: int, *, exitcode: int | None = None, signal_name: str | None = None,
+                 context: str = ""):
+        self.worker = worker
+        self.exitcode = exitcode
+        self.signal_name = signal_name
+        how = (f"was killed by {signal_name}" if signal_name
+               else f"exited with code {exitcode}" if exitcode is not None else "died")
+        ctx = f" {context}" if context else ""
+        super().__init__(f"worker {worker} {how}{ctx}")
