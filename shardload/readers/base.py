@@ -1,0 +1,93 @@
+"""The interface every checkpoint reader implements."""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .. import dtypes
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What the planner and validator may know about a tensor without reading it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # canonical name, see shardload.dtypes
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtypes.itemsize(self.dtype)
+
+
+class Checkpoint(abc.ABC):
+    """A named set of stored tensors, read lazily.
+
+    Readers validate everything they are given at open time and raise ``FormatError`` naming the
+    file and tensor; after that, ``read`` only moves bytes. ``bytes_read`` counts the tensor
+    bytes handed out, so loaders can report what each worker read.
+    """
+
+    #: where the tensors come from (a path, or "<memory>"), for messages
+    source: str = "<checkpoint>"
+
+    def __init__(self) -> None:
+        self.bytes_read = 0
+
+    @abc.abstractmethod
+    def metadata(self) -> dict[str, TensorMeta]:
+        """Every tensor's metadata, by name, in storage order."""
+
+    @abc.abstractmethod
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor as a CPU torch tensor that owns its memory."""
+
+    def read_narrow(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """``read(name).narrow(dim, start, length)`` as an owned tensor.
+
+        Readers backed by files override this to read only the bytes of the slice.
+        """
+        full = self.read(name)
+        self.bytes_read -= full.numel() * full.element_size()
+        piece = full.narrow(dim, start, length).clone()
+        self.bytes_read += piece.numel() * piece.element_size()
+        return piece
+
+    def meta(self, name: str) -> TensorMeta:
+        try:
+            return self.metadata()[name]
+        except KeyError:
+            raise KeyError(f"{self.source}: no tensor named {name!r}") from None
+
+    def names(self) -> list[str]:
+        return list(self.metadata())
+
+    def close(self) -> None:
+        """Release files and mappings. Tensors already returned stay valid."""
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.metadata()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.metadata())
+
+    def __len__(self) -> int:
+        return len(self.metadata())
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.source!r}, {len(self)} tensors)"

@@ -1,0 +1,53 @@
+"""A checkpoint made of arrays already in memory (what TVM's own tests pass to the loader)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from .. import dtypes
+from .base import Checkpoint, TensorMeta
+
+
+def _to_torch(name: str, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        dtypes.from_numpy(value.dtype)  # refuse dtypes we cannot name, with a clear message
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if hasattr(value, "__dlpack__"):
+        return torch.from_dlpack(value)
+    raise TypeError(f"parameter {name!r}: expected a numpy array or torch tensor, "
+                    f"got {type(value).__name__}")
+
+
+class ArrayCheckpoint(Checkpoint):
+    """Wrap ``{name: numpy or torch array}``; ``read`` returns a CPU copy.
+
+    >>> ckpt = ArrayCheckpoint({"w": np.zeros((4, 2), np.float16)})
+    >>> ckpt.meta("w")
+    TensorMeta(name='w', shape=(4, 2), dtype='float16')
+    """
+
+    source = "<memory>"
+
+    def __init__(self, arrays: Mapping[str, Any]):
+        super().__init__()
+        self._tensors: dict[str, torch.Tensor] = {}
+        for name, value in arrays.items():
+            if not isinstance(name, str):
+                raise TypeError(f"parameter names must be strings, got {name!r}")
+            self._tensors[name] = _to_torch(name, value)
+        self._meta = {name: TensorMeta(name, tuple(t.shape), dtypes.from_torch(t.dtype))
+                      for name, t in self._tensors.items()}
+
+    def metadata(self) -> dict[str, TensorMeta]:
+        return self._meta
+
+    def read(self, name: str) -> torch.Tensor:
+        self.meta(name)
+        tensor = self._tensors[name].detach().to("cpu", copy=True).contiguous()
+        self.bytes_read += self._meta[name].nbytes
+        return tensor
