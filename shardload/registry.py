@@ -1,0 +1,186 @@
+"""The closed registry of shard functions.
+
+A plan names functions; the loader looks the names up here and nowhere else. Nothing is ever
+imported because a plan mentions it: plugins come from modules the user names (``plugins=[...]``,
+``--plugin MODULE``) or from the ``shardload.shard_functions`` entry point group.
+
+A shard function uses destination-passing style: ``func(input, *extra_args, output)``. The
+loader allocates ``output`` with the shape and dtype the plan declares; the return value is
+ignored. ``array`` says what the function receives: torch tensors (default), numpy arrays or
+cupy arrays, both zero-copy views through DLPack.
+
+A ``shape_rule(in_shape, in_dtype, *extra_args, num_shards=N) -> (out_shape, out_dtype)`` lets
+plans be checked before any data is read; it raises ``ValueError`` with a reason when the
+arguments do not fit the input.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from .errors import UnknownShardFunctionError
+
+__all__ = ["ShardFunc", "register_shard_func", "get_shard_func", "list_shard_funcs",
+           "load_plugins", "ENTRY_POINT_GROUP"]
+
+ENTRY_POINT_GROUP = "shardload.shard_functions"
+ARRAY_KINDS = ("torch", "numpy", "cupy")
+
+ShapeRule = Callable[..., tuple[Sequence[int], str]]
+
+
+@dataclass(frozen=True)
+class ShardFunc:
+    """A registered shard function and what the loader and validator need to know about it."""
+
+    name: str
+    func: Callable[..., Any]
+    array: str = "torch"
+    shape_rule: Optional[ShapeRule] = None
+    #: number of extra args, or (minimum, None) for a variadic function
+    nargs: tuple[int, Optional[int]] = (0, 0)
+    module: str = ""
+
+    @property
+    def doc(self) -> str:
+        """The first line of the function's docstring."""
+        text = inspect.getdoc(self.func) or ""
+        return text.strip().splitlines()[0] if text.strip() else ""
+
+    def accepts(self, n_extra: int) -> bool:
+        lo, hi = self.nargs
+        return n_extra >= lo and (hi is None or n_extra <= hi)
+
+    def arity_text(self) -> str:
+        lo, hi = self.nargs
+        return f"at least {lo}" if hi is None else str(lo)
+
+
+_lock = threading.RLock()
+_registry: dict[str, ShardFunc] = {}
+_entry_points_loaded = False
+
+
+def _extra_arity(func: Callable[..., Any]) -> tuple[int, Optional[int]]:
+    """How many extra args ``func(input, *extra, output)`` takes, from its signature."""
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):  # builtins without a signature: trust the plan
+        return (0, None)
+    positional = [p for p in params
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        # func(input, dim, *rest) where rest ends with output
+        return (max(len(positional) - 1, 0), None)
+    required = [p for p in positional if p.default is p.empty]
+    if len(positional) < 2:
+        raise TypeError(f"shard function {getattr(func, '__name__', func)!r} must take "
+                        "(input, *extra_args, output)")
+    return (max(len(required) - 2, 0), len(positional) - 2)
+
+
+def register_shard_func(name: str, func: Callable[..., Any] | None = None, *,
+                        override: bool = False, array: str = "torch",
+                        shape_rule: ShapeRule | None = None):
+    """Register ``func`` under ``name``; usable as a decorator or a plain call.
+
+    Registering a name twice raises ``ValueError`` unless ``override=True``.
+
+    >>> @register_shard_func("tests.disco.shard_dim_1", array="numpy")   # doctest: +SKIP
+    ... def shard_dim_1(input, num_shards, output):
+    ...     output[...] = input.reshape(input.shape[0], num_shards, -1).transpose(1, 0, 2)
+    """
+    if not isinstance(name, str) or not name or name != name.strip():
+        raise ValueError(f"shard function name must be a non-empty string, got {name!r}")
+    if array not in ARRAY_KINDS:
+        raise ValueError(f"array must be one of {ARRAY_KINDS}, got {array!r}")
+
+    def register(f: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(f):
+            raise TypeError(f"shard function {name!r} must be callable, got {f!r}")
+        entry = ShardFunc(name=name, func=f, array=array, shape_rule=shape_rule,
+                          nargs=_extra_arity(f), module=getattr(f, "__module__", "") or "")
+        with _lock:
+            old = _registry.get(name)
+            if old is not None and not override and old.func is not f:
+                raise ValueError(f"shard function {name!r} is already registered (by "
+                                 f"{old.module or 'unknown module'}); pass override=True to "
+                                 "replace it")
+            _registry[name] = entry
+        return f
+
+    return register if func is None else register(func)
+
+
+def get_shard_func(name: str) -> ShardFunc:
+    """The registered ``ShardFunc`` for ``name``; ``UnknownShardFunctionError`` (a ``KeyError``)
+    with close-match suggestions if there is none."""
+    _ensure_loaded()
+    with _lock:
+        entry = _registry.get(name)
+        if entry is None:
+            raise UnknownShardFunctionError(name, _registry)
+        return entry
+
+
+def list_shard_funcs() -> list[ShardFunc]:
+    """Every registered function, sorted by name."""
+    _ensure_loaded()
+    with _lock:
+        return [_registry[k] for k in sorted(_registry)]
+
+
+def unregister_shard_func(name: str) -> None:
+    """Remove ``name`` (tests and interactive sessions)."""
+    with _lock:
+        _registry.pop(name, None)
+
+
+def load_plugins(modules: Iterable[str] = ()) -> None:
+    """Import the modules the user named, so their ``@register_shard_func`` calls run.
+
+    A module that fails to import is a ``ImportError`` naming it.
+    """
+    _ensure_loaded()
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ImportError(f"cannot import shard-function plugin {module!r}: {exc}") from exc
+
+
+def _ensure_loaded() -> None:
+    """Register the built-ins and the entry-point plugins, once."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    with _lock:
+        if _entry_points_loaded:
+            return
+        _entry_points_loaded = True
+        from . import shard_functions  # noqa: F401  (registers the built-ins)
+
+        load_entry_points()
+
+
+def load_entry_points() -> list[str]:
+    """Load every plugin in the ``shardload.shard_functions`` entry point group.
+
+    Each entry point names a module (or an object in one); loading it runs its registrations.
+    Returns the loaded entry point names.
+    """
+    from importlib.metadata import entry_points
+
+    loaded = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception as exc:
+            raise ImportError(f"shard-function plugin entry point {ep.name!r} ({ep.value}) "
+                              f"failed to load: {exc}") from exc
+        loaded.append(ep.name)
+    return loaded

@@ -1,0 +1,181 @@
+"""The built-in shard functions: even splits, fused segments with GQA replication, replication.
+
+They only move elements, so they work in any tensor's own units: packed int32 words, rows of
+group scales, raw GGUF blocks. Which units a tensor is split in is the planner's business; these
+functions just need sizes that divide.
+
+Every function has a shape rule (checked before data is read) and a ``worker_ranges`` twin that
+says which slices of the input worker ``i`` keeps, so a loader can read only those bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .. import dtypes
+from ..registry import register_shard_func
+
+Shape = tuple[int, ...]
+# (start, length) ranges along the split dim that one worker keeps, concatenated in order
+Ranges = list[tuple[int, int]]
+
+
+def _axis(dim: int, ndim: int) -> int:
+    if type(dim) is not int or not -ndim <= dim < ndim:
+        raise ValueError(f"dim {dim!r} is out of range for a {ndim}-D input")
+    return dim % ndim
+
+
+def _stack_shape(in_shape: Shape, axis: int, size: int, num_shards: int) -> Shape:
+    shape = list(in_shape)
+    shape[axis] = size
+    return (num_shards, *shape)
+
+
+# ---- shardload.split ---------------------------------------------------------------------------
+
+def split_ranges(in_shape: Shape, dim: int, num_shards: int) -> tuple[int, list[Ranges]]:
+    """The split axis and, per worker, the range it keeps, for ``shardload.split``."""
+    axis = _axis(dim, len(in_shape))
+    size = in_shape[axis]
+    if size % num_shards:
+        raise ValueError(f"dim {dim} has size {size}, which does not divide into "
+                         f"{num_shards} equal shards")
+    piece = size // num_shards
+    return axis, [[(i * piece, piece)] for i in range(num_shards)]
+
+
+def _split_rule(in_shape: Shape, in_dtype: str, dim: int, *, num_shards: int):
+    axis, ranges = split_ranges(in_shape, dim, num_shards)
+    return _stack_shape(in_shape, axis, ranges[0][0][1], num_shards), in_dtype
+
+
+@register_shard_func("shardload.split", shape_rule=_split_rule)
+def split(input: torch.Tensor, dim: int, output: torch.Tensor) -> None:
+    """Split evenly along ``dim``: worker i keeps the i-th of N equal slices."""
+    n = output.shape[0]
+    axis = _axis(dim, input.dim())
+    src, dst = dtypes.movable_view(input), dtypes.movable_view(output)
+    pre, post = src.shape[:axis], src.shape[axis + 1:]
+    # [pre, N, piece, post] -> [N, pre, piece, post]: one strided copy, no temporaries.
+    blocks = src.reshape(*pre, n, src.shape[axis] // n, *post).movedim(axis, 0)
+    dst.copy_(blocks)
+
+
+# ---- shardload.split_segments ------------------------------------------------------------------
+
+def _parse_segments(extra: Sequence[int]) -> list[tuple[int, int]]:
+    if len(extra) == 0 or len(extra) % 2:
+        raise ValueError("segments must be given as pairs: size_0, units_0, size_1, units_1, ...")
+    pairs = [(extra[k], extra[k + 1]) for k in range(0, len(extra), 2)]
+    for k, (size, units) in enumerate(pairs):
+        if type(size) is not int or type(units) is not int or size < 0 or units <= 0:
+            raise ValueError(f"segment {k}: size {size!r} and units {units!r} must be "
+                             "integers, size >= 0 and units > 0")
+        if size % units:
+            raise ValueError(f"segment {k}: size {size} is not a whole number of its "
+                             f"{units} units")
+    return pairs
+
+
+def segment_ranges(in_shape: Shape, dim: int, segments: Sequence[int],
+                   num_shards: int) -> tuple[int, list[Ranges]]:
+    """The split axis and, per worker, the ranges it keeps, for ``shardload.split_segments``.
+
+    Segment ``k`` is ``size_k`` elements long along the axis and made of ``units_k`` equal units
+    (heads). With N <= units, each worker keeps units/N whole units (units % N == 0 required).
+    With N > units (GQA: more workers than KV heads), each unit is replicated to N/units workers
+    and worker i keeps unit ``i // (N // units)`` (N % units == 0 required).
+    """
+    axis = _axis(dim, len(in_shape))
+    pairs = _parse_segments(segments)
+    total = sum(size for size, _ in pairs)
+    if total != in_shape[axis]:
+        raise ValueError(f"segment sizes add up to {total}, but dim {dim} has size "
+                         f"{in_shape[axis]}")
+    per_worker: list[Ranges] = [[] for _ in range(num_shards)]
+    start = 0
+    for k, (size, units) in enumerate(pairs):
+        unit = size // units
+        if num_shards <= units:
+            if units % num_shards:
+                raise ValueError(f"segment {k} has {units} units, which do not divide among "
+                                 f"{num_shards} workers")
+            length = size // num_shards
+            for i in range(num_shards):
+                per_worker[i].append((start + i * length, length))
+        else:
+            if num_shards % units:
+                raise ValueError(f"segment {k} has {units} units; replicating them to "
+                                 f"{num_shards} workers needs {num_shards} to be a multiple "
+                                 f"of {units}")
+            replicas = num_shards // units
+            for i in range(num_shards):
+                per_worker[i].append((start + (i // replicas) * unit, unit))
+        start += size
+    return axis, per_worker
+
+
+def _segments_rule(in_shape: Shape, in_dtype: str, dim: int, *segments: int, num_shards: int):
+    axis, ranges = segment_ranges(in_shape, dim, segments, num_shards)
+    return _stack_shape(in_shape, axis, sum(n for _, n in ranges[0]), num_shards), in_dtype
+
+
+@register_shard_func("shardload.split_segments", shape_rule=_segments_rule)
+def split_segments(input: torch.Tensor, dim: int, *segments_and_output) -> None:
+    """Split a fused tensor ([q, k, v], [gate, up]) segment by segment along ``dim``.
+
+    Extra args: ``dim, size_0, units_0, size_1, units_1, ...``; each segment is split into whole
+    units on its own (units replicated when workers outnumber them, as GQA needs), and each
+    worker's pieces are concatenated in segment order.
+    """
+    *segments, output = segments_and_output
+    n = output.shape[0]
+    axis, ranges = segment_ranges(tuple(input.shape), dim, segments, n)
+    src, dst = dtypes.movable_view(input), dtypes.movable_view(output)
+    for i, worker_ranges in enumerate(ranges):
+        offset = 0
+        for start, length in worker_ranges:
+            dst[i].narrow(axis, offset, length).copy_(src.narrow(axis, start, length))
+            offset += length
+
+
+# ---- shardload.replicate -----------------------------------------------------------------------
+
+def _replicate_rule(in_shape: Shape, in_dtype: str, *, num_shards: int):
+    return (num_shards, *in_shape), in_dtype
+
+
+@register_shard_func("shardload.replicate", shape_rule=_replicate_rule)
+def replicate(input: torch.Tensor, output: torch.Tensor) -> None:
+    """Give every worker the whole tensor (stacked N times along a new axis 0)."""
+    dtypes.movable_view(output).copy_(dtypes.movable_view(input).unsqueeze(0).expand_as(
+        dtypes.movable_view(output)))
+
+
+# ---- shardload.split_rebase --------------------------------------------------------------------
+
+_INTEGER = {"int8", "int16", "int32", "int64", "uint8"}
+
+
+def _split_rebase_rule(in_shape: Shape, in_dtype: str, dim: int, *, num_shards: int):
+    if in_dtype not in _INTEGER:
+        raise ValueError(f"rebasing needs an integer index tensor, got {in_dtype}")
+    return _split_rule(in_shape, in_dtype, dim, num_shards=num_shards)
+
+
+@register_shard_func("shardload.split_rebase", shape_rule=_split_rebase_rule)
+def split_rebase(input: torch.Tensor, dim: int, output: torch.Tensor) -> None:
+    """Split like ``shardload.split``, then subtract each piece's first element from it.
+
+    For GPTQ ``g_idx`` on row-parallel layers without act-order: worker i's rows
+    ``[k0, k1)`` keep group indices ``g_idx[k0:k1] - g_idx[k0]``, counted in its own
+    slice of the scales and zeros.
+    """
+    split(input, dim, output)
+    n = output.shape[0]
+    firsts = output.reshape(n, -1)[:, :1] if output[0].numel() else None
+    if firsts is not None:
+        output.sub_(firsts.clone().reshape(n, *([1] * (output.dim() - 1))))
