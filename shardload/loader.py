@@ -1,0 +1,361 @@
+"""``load_sharded``: every worker ends up with its own piece of every parameter.
+
+The loader runs one per-worker algorithm on every worker (SPMD). Worker ``i`` of ``N``, for each
+parameter in storage order:
+
+1. **Replicated** (no steps): read the whole tensor, place it on the worker's device.
+2. **A built-in split** (one step of ``shardload.split`` / ``shardload.split_segments``): ask
+   the function which ranges worker ``i`` keeps and read only those bytes from the checkpoint.
+3. **Any other chain**: obtain the full output of the steps, keep ``output[i]``. Within one
+   process the full output is computed once, by the first worker to need it, and shared; it is
+   dropped as soon as all N workers have taken their piece, and at most ``MAX_SHARED`` such
+   outputs are alive at once, which bounds staging memory to about two of the largest
+   parameters.
+
+Every kept piece owns its memory. The plan is validated against the checkpoint's metadata
+before any of this starts, so a bad plan fails before a byte of tensor data is read.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
+
+import torch
+
+from . import dtypes
+from .errors import PlanError, ShardloadError, annotate
+from .plan import ParamPlan, Plan, ShardInfo, ValidatedPlan
+from .readers import Checkpoint, as_checkpoint
+from .registry import ShardFunc
+from .sessions.base import Session
+from .shard_functions import builtin
+
+__all__ = ["load_sharded", "ShardedParams", "LoadStats", "MAX_SHARED", "run_steps"]
+
+#: opaque chains whose full output may be alive at once (the staging bound)
+MAX_SHARED = 2
+
+ProgressCallback = Callable[[int], None]
+
+
+# ---- the result ----------------------------------------------------------------------------------
+
+@dataclass
+class LoadStats:
+    """What a load moved, per worker, and how long it took."""
+
+    seconds: float
+    num_shards: int
+    bytes_per_worker: list[int]
+    tensors_per_worker: list[int]
+    bytes_read_per_worker: list[int]
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes of all kept shards, summed over workers."""
+        return sum(self.bytes_per_worker)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_total / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def as_dict(self) -> dict:
+        return {"seconds": self.seconds, "num_shards": self.num_shards,
+                "bytes_total": self.bytes_total, "bytes_per_worker": self.bytes_per_worker,
+                "tensors_per_worker": self.tensors_per_worker,
+                "bytes_read_per_worker": self.bytes_read_per_worker}
+
+
+class ShardedParams:
+    """Every worker's shards after ``load_sharded``.
+
+    >>> sharded.shard("x_0", 2)        # worker 2's piece                  # doctest: +SKIP
+    >>> sharded.worker(2)              # {name: tensor} of worker 2        # doctest: +SKIP
+    """
+
+    def __init__(self, shards: list[dict[str, torch.Tensor]], devices: list[torch.device],
+                 stats: LoadStats, plan: ValidatedPlan):
+        self._shards = shards
+        self.devices = devices
+        self.stats = stats
+        self.plan = plan
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._shards)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._shards[0]) if self._shards else []
+
+    def shard(self, name: str, worker: int) -> torch.Tensor:
+        """Worker ``worker``'s piece of parameter ``name``."""
+        if not 0 <= worker < self.num_shards:
+            raise IndexError(f"worker {worker} out of range for {self.num_shards} workers")
+        try:
+            return self._shards[worker][name]
+        except KeyError:
+            raise KeyError(f"no parameter named {name!r}") from None
+
+    def worker(self, worker: int) -> dict[str, torch.Tensor]:
+        """All of worker ``worker``'s tensors, by name."""
+        if not 0 <= worker < self.num_shards:
+            raise IndexError(f"worker {worker} out of range for {self.num_shards} workers")
+        return dict(self._shards[worker])
+
+    def __repr__(self) -> str:
+        return (f"ShardedParams({len(self.names)} params on {self.num_shards} workers, "
+                f"{self.stats.bytes_total} bytes)")
+
+
+# ---- running a chain of steps ------------------------------------------------------------------
+
+def _as_array(tensor: torch.Tensor, kind: str):
+    if kind == "torch":
+        return tensor
+    if kind == "numpy":
+        return tensor.numpy()  # zero-copy; CPU only
+    import cupy  # optional dependency, only for cupy shard functions
+
+    return cupy.from_dlpack(tensor)
+
+
+def _call(func: ShardFunc, x: torch.Tensor, extra: tuple, out: torch.Tensor) -> None:
+    if func.array == "numpy" and x.device.type != "cpu":
+        x = x.cpu()
+    if func.array == "numpy" and out.device.type != "cpu":
+        host = torch.empty_like(out, device="cpu")
+        func.func(_as_array(x, "numpy"), *extra, _as_array(host, "numpy"))
+        out.copy_(host)
+        return
+    if func.array == "cupy" and (x.device.type != "cuda" or out.device.type != "cuda"):
+        raise ShardloadError(f"{func.name} takes cupy arrays, which need a CUDA device; "
+                             f"this worker's device is {out.device}")
+    func.func(_as_array(x, func.array), *extra, _as_array(out, func.array))
+
+
+def run_steps(param: ParamPlan, x: torch.Tensor) -> torch.Tensor:
+    """Apply ``param``'s steps to its input ``x``; the last step's full output."""
+    for step, func in zip(param.steps, param.funcs):
+        out = torch.empty(step.out_shape, dtype=dtypes.to_torch(step.dtype), device=x.device)
+        try:
+            _call(func, x.contiguous(), step.extra, out)
+        except Exception as exc:
+            annotate(exc, f"parameter {param.name!r}, step {step.index} ({step.func})")
+            raise
+        x = out
+    return x
+
+
+# ---- per-worker pieces -------------------------------------------------------------------------
+
+def direct_ranges(param: ParamPlan, num_shards: int):
+    """(axis, ranges per worker) when ``param`` can be read piecewise, else ``None``."""
+    if len(param.steps) != 1:
+        return None
+    step, name = param.steps[0], param.funcs[0].name
+    shape = param.meta.shape
+    if name == "shardload.split" and param.funcs[0].func is builtin.split:
+        return builtin.split_ranges(shape, step.extra[0], num_shards)
+    if name == "shardload.split_segments" and param.funcs[0].func is builtin.split_segments:
+        return builtin.segment_ranges(shape, step.extra[0], step.extra[1:], num_shards)
+    return None
+
+
+class _SharedOutputs:
+    """Full outputs of opaque chains, computed once and shared by the workers of a process."""
+
+    def __init__(self, num_workers: int, abort: threading.Event):
+        self._n = num_workers
+        self._abort = abort
+        self._cond = threading.Condition()
+        self._cells: dict[str, dict[str, Any]] = {}
+        self._done: set[str] = set()
+
+    def take(self, param: ParamPlan, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        name = param.name
+        with self._cond:
+            while True:
+                self._check_abort()
+                cell = self._cells.get(name)
+                if cell is not None or len(self._cells) < MAX_SHARED:
+                    break
+                self._cond.wait(0.1)
+            owner = cell is None
+            if owner:
+                cell = self._cells[name] = {"value": None, "error": None, "ready": False,
+                                            "taken": 0}
+        if owner:
+            try:
+                cell["value"] = compute()
+            except BaseException as exc:
+                cell["error"] = exc
+                raise
+            finally:
+                with self._cond:
+                    cell["ready"] = True
+                    self._cond.notify_all()
+        else:
+            with self._cond:
+                while not cell["ready"]:
+                    self._check_abort()
+                    self._cond.wait(0.1)
+            if cell["error"] is not None:
+                raise _Aborted()  # the owner reports the failure; this worker stops quietly
+        return cell["value"]
+
+    def release(self, param: ParamPlan) -> None:
+        with self._cond:
+            cell = self._cells.get(param.name)
+            if cell is None:
+                return
+            cell["taken"] += 1
+            if cell["taken"] == self._n:
+                del self._cells[param.name]
+                self._cond.notify_all()
+
+    def _check_abort(self) -> None:
+        if self._abort.is_set():
+            raise _Aborted()
+
+
+class _Aborted(ShardloadError):
+    """Another worker failed or the load was interrupted; this worker stops quietly."""
+
+
+def _place(tensor: torch.Tensor, device: torch.device, owned: bool) -> torch.Tensor:
+    """``tensor`` on ``device``, owning its memory; no copy when it already does."""
+    if tensor.device == device and owned and tensor.is_contiguous():
+        return tensor
+    if tensor.device == device:
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor.to(device, copy=True).contiguous()
+
+
+def _worker_piece(ckpt: Checkpoint, param: ParamPlan, i: int, n: int, device: torch.device,
+                  shared: _SharedOutputs) -> tuple[torch.Tensor, int]:
+    """Worker i's piece of ``param`` on ``device``, and the checkpoint bytes it read."""
+    if param.replicated:
+        return _place(ckpt.read(param.name), device, owned=True), param.meta.nbytes
+    direct = direct_ranges(param, n)
+    if direct is not None:
+        axis, ranges = direct
+        parts = [ckpt.read_narrow(param.name, axis, start, length) for start, length in ranges[i]]
+        read = sum(p.numel() * p.element_size() for p in parts)
+        piece = parts[0] if len(parts) == 1 else torch.cat(
+            [dtypes.movable_view(p) for p in parts], dim=axis).view(parts[0].dtype)
+        return _place(piece, device, owned=True), read
+
+    def compute() -> torch.Tensor:
+        x = ckpt.read(param.name)
+        if device.type != "cpu":
+            x = x.to(device)
+        return run_steps(param, x)
+
+    computed_here = []
+
+    def compute_counted() -> torch.Tensor:
+        computed_here.append(True)
+        return compute()
+
+    try:
+        full = shared.take(param, compute_counted)
+        piece = _place(full[i], device, owned=False)
+    finally:
+        shared.release(param)
+    return piece, param.meta.nbytes if computed_here else 0
+
+
+# ---- the entry point ---------------------------------------------------------------------------
+
+def _bind(shard_info: Any, num_shards: int) -> Plan:
+    if isinstance(shard_info, Plan):
+        if shard_info.num_shards != num_shards:
+            raise PlanError(f"this plan is bound to num_shards={shard_info.num_shards}, but the "
+                            f"session has {num_shards} workers", source=shard_info.source)
+        return shard_info
+    return ShardInfo.coerce(shard_info).bind(num_shards)
+
+
+def _progress_callback(progress: Union[bool, ProgressCallback], total: int):
+    """A thread-safe ``advance(nbytes)`` and a ``close()``."""
+    if callable(progress):
+        return progress, lambda: None
+    if not progress:
+        return (lambda n: None), lambda: None
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading",
+               leave=False)
+    lock = threading.Lock()
+
+    def advance(n: int) -> None:
+        with lock:
+            bar.update(n)
+
+    return advance, bar.close
+
+
+def load_sharded(params: Any, shard_info: Any, session: Session, *,
+                 progress: Union[bool, ProgressCallback] = True) -> ShardedParams:
+    """Shard ``params`` by ``shard_info`` onto the workers of ``session``.
+
+    ``params``: a ``Checkpoint`` (``open_checkpoint(path)``), a path, or a mapping of name ->
+    numpy/torch array. ``shard_info``: a ``ShardInfo``, a path to ``shard_info.json``, a dict, a
+    ``Plan`` bound to the session's N, or ``None`` (replicate everything). ``progress``: a tqdm
+    bar over bytes (``True``), none (``False``), or a callback given each kept piece's bytes.
+
+    >>> with ThreadedSession(num_workers=4) as sess:                            # doctest: +SKIP
+    ...     sharded = load_sharded(open_checkpoint("ckpt/"), "ckpt/shard_info.json", sess)
+    ...     sharded.shard("model.layers.0.mlp.down_proj.qweight", 3)
+    """
+    n = session.num_workers
+    ckpt = as_checkpoint(params)
+    # 1. bind and validate: no tensor data read before the plan is known to fit
+    validated = _bind(shard_info, n).validate(ckpt.metadata())
+    plan = list(validated)
+    total = sum(p.piece_nbytes for p in plan) * n
+    advance, close_bar = _progress_callback(progress, total)
+
+    abort = threading.Event()
+    shared = _SharedOutputs(n, abort)
+    kept: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    read = [0] * n
+
+    # 2. every worker walks the plan in storage order
+    def work(i: int) -> None:
+        device = session.devices[i]
+        try:
+            for param in plan:
+                if abort.is_set():
+                    raise _Aborted()
+                piece, nread = _worker_piece(ckpt, param, i, n, device, shared)
+                kept[i][param.name] = piece
+                read[i] += nread
+                advance(param.piece_nbytes)
+        except _Aborted:
+            return
+        except BaseException:
+            abort.set()
+            raise
+
+    start = time.perf_counter()
+    try:
+        session.run_all(work, context=f"while loading {ckpt.source}")
+    except BaseException:
+        abort.set()  # Ctrl-C in the caller: workers stop at the next parameter
+        raise
+    finally:
+        close_bar()
+    seconds = time.perf_counter() - start
+
+    stats = LoadStats(seconds=seconds, num_shards=n,
+                      bytes_per_worker=[sum(t.numel() * t.element_size() for t in k.values())
+                                        for k in kept],
+                      tensors_per_worker=[len(k) for k in kept],
+                      bytes_read_per_worker=read)
+    return ShardedParams(kept, list(session.devices), stats, validated)
