@@ -1,0 +1,86 @@
+"""The embedded example: it loads for every planned N, and every worker's GPTQ shard
+dequantizes to exactly its slice of the dequantized full weight."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import EXAMPLE
+from gptq_reference import dequantize
+from shardload import PlanError, ThreadedSession, load_sharded, open_checkpoint
+
+with open(os.path.join(EXAMPLE, "config.json")) as f:
+    CONFIG = json.load(f)
+HEAD_DIM = CONFIG["head_dim"]
+COLUMN = {"self_attn.q_proj": CONFIG["num_attention_heads"],
+          "self_attn.k_proj": CONFIG["num_key_value_heads"],
+          "self_attn.v_proj": CONFIG["num_key_value_heads"],
+          "mlp.gate_proj": None, "mlp.up_proj": None}
+ROW = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def expected_rows(w: np.ndarray, heads, n: int, i: int) -> np.ndarray:
+    """Worker i's rows of a column-parallel weight: whole heads, KV heads replicated (GQA)."""
+    if heads is None or n <= heads:
+        return np.split(w, n, axis=0)[i]
+    head = i // (n // heads)
+    return w[head * HEAD_DIM:(head + 1) * HEAD_DIM]
+
+
+@pytest.fixture(scope="module")
+def full():
+    return load_file(os.path.join(EXAMPLE, "model.safetensors"))
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_every_shard_dequantizes_to_its_slice(full, n):
+    with open_checkpoint(EXAMPLE) as ckpt, ThreadedSession(n) as sess:
+        result = load_sharded(ckpt, os.path.join(EXAMPLE, "shard_info.json"), sess,
+                              progress=False)
+    checked = 0
+    for layer in range(CONFIG["num_hidden_layers"]):
+        for proj in (*COLUMN, *ROW):
+            p = f"model.layers.{layer}.{proj}."
+            w = dequantize(*(full[p + s] for s in ("qweight", "qzeros", "scales", "g_idx")))
+            for i in range(n):
+                piece = {s: result.shard(p + s, i).numpy()
+                         for s in ("qweight", "qzeros", "scales", "g_idx")}
+                got = dequantize(piece["qweight"], piece["qzeros"], piece["scales"],
+                                 piece["g_idx"])
+                want = (np.split(w, n, axis=1)[i] if proj in ROW
+                        else expected_rows(w, COLUMN[proj], n, i))
+                np.testing.assert_array_equal(got, want, err_msg=f"{p} worker {i} of {n}")
+                checked += 1
+    assert checked == CONFIG["num_hidden_layers"] * 7 * n
+    # everything else is replicated, bit for bit
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                 "model.layers.1.input_layernorm.weight"):
+        for i in range(n):
+            np.testing.assert_array_equal(result.shard(name, i).numpy(), full[name])
+
+
+def test_three_workers_are_refused_before_reading(full):
+    with open_checkpoint(EXAMPLE) as ckpt, ThreadedSession(3) as sess:
+        with pytest.raises(PlanError, match="3"):
+            load_sharded(ckpt, os.path.join(EXAMPLE, "shard_info.json"), sess, progress=False)
+        assert ckpt.bytes_read == 0
+
+
+def test_committed_files_are_what_the_script_makes(tmp_path):
+    script = os.path.join(EXAMPLE, "make_tiny_llama_q4.py")
+    subprocess.run([sys.executable, script, str(tmp_path)], check=True, capture_output=True)
+    for name in ("model.safetensors", "shard_info.json", "config.json", "quantize_config.json"):
+        assert filecmp.cmp(tmp_path / name, os.path.join(EXAMPLE, name), shallow=False), name
+
+
+def test_example_is_small():
+    size = sum(os.path.getsize(os.path.join(EXAMPLE, f)) for f in os.listdir(EXAMPLE))
+    assert size < 4 * 1024 * 1024
