@@ -281,6 +281,20 @@ def _bind(shard_info: Any, num_shards: int) -> Plan:
     return ShardInfo.coerce(shard_info).bind(num_shards)
 
 
+def _check_devices(plan: list[ParamPlan], devices: list[torch.device],
+                   source: Optional[str]) -> None:
+    """cupy shard functions need CUDA workers; say so before anything is read."""
+    if all(d.type == "cuda" for d in devices):
+        return
+    for param in plan:
+        for step, func in zip(param.steps, param.funcs):
+            if func.array == "cupy":
+                raise PlanError(f"{func.name} takes cupy arrays, which need CUDA devices, but "
+                                f"this session's workers are on {', '.join(map(str, devices))}; "
+                                "load with --device cuda", source=source, param=param.name,
+                                step=step.index)
+
+
 def _progress_callback(progress: Union[bool, ProgressCallback], total: int):
     """A thread-safe ``advance(nbytes)`` and a ``close()``."""
     if callable(progress):
@@ -318,6 +332,7 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
     # 1. bind and validate: no tensor data read before the plan is known to fit
     validated = _bind(shard_info, n).validate(ckpt.metadata())
     plan = list(validated)
+    _check_devices(plan, session.devices, validated.plan.source)
     total = sum(p.piece_nbytes for p in plan) * n
     advance, close_bar = _progress_callback(progress, total)
 

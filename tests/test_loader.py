@@ -303,3 +303,17 @@ def test_closed_session_refuses_work():
     sess.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         load_sharded({"a": np.zeros(2)}, None, sess, progress=False)
+
+
+def test_cupy_functions_need_cuda_and_cupy_is_imported_lazily():
+    import sys
+
+    @register_shard_func("tests.loader.cupy_split", array="cupy")
+    def cupy_split(input, output):
+        output[...] = input.reshape(output.shape)
+
+    assert "cupy" not in sys.modules  # registering does not import it
+    plan = {"w": [["tests.loader.cupy_split", [[2, 4], "float32"]]]}
+    with pytest.raises(PlanError) as info:
+        load({"w": np.zeros(8, np.float32)}, plan, 2)
+    assert "need CUDA devices" in str(info.value) and info.value.param == "w"
