@@ -90,8 +90,8 @@ def _shards_option(f):
 
 def _plan_options(f):
     f = click.option("--plugin", "plugins", multiple=True, metavar="MODULE",
-                     help="Import MODULE first, so the shard functions it registers exist. "
-                          "Repeatable.")(f)
+                     help="Import MODULE first, so the shard functions it registers exist "
+                          "(it must be importable: on sys.path or PYTHONPATH). Repeatable.")(f)
     f = click.option("--shard-info", "shard_info", type=click.Path(dir_okay=False),
                      help="The plan file. Default: CKPT/shard_info.json.")(f)
     return f

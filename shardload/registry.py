@@ -143,14 +143,16 @@ def unregister_shard_func(name: str) -> None:
 def load_plugins(modules: Iterable[str] = ()) -> None:
     """Import the modules the user named, so their ``@register_shard_func`` calls run.
 
-    A module that fails to import is a ``ImportError`` naming it.
+    A module that fails to import, for whatever reason (a missing module, a syntax error, an
+    exception at import, a duplicate registration), is an ``ImportError`` naming it.
     """
     _ensure_loaded()
     for module in modules:
         try:
             importlib.import_module(module)
-        except ImportError as exc:
-            raise ImportError(f"cannot import shard-function plugin {module!r}: {exc}") from exc
+        except Exception as exc:
+            what = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
+            raise ImportError(f"cannot import shard-function plugin {module!r}: {what}") from exc
 
 
 def _ensure_loaded() -> None:

@@ -25,9 +25,9 @@ def resolve_devices(device: DeviceSpec, num_workers: int) -> list[torch.device]:
         if len(device) != num_workers:
             raise ValueError(f"{len(device)} devices given for {num_workers} workers; give one "
                              "per worker")
-        devices = [torch.device(d) for d in device]
+        devices = [_device(d) for d in device]
     else:
-        dev = torch.device(device)
+        dev = _device(device)
         if dev.type == "cuda" and dev.index is None:
             devices = [torch.device("cuda", i) for i in range(num_workers)]
         else:
@@ -42,6 +42,14 @@ def resolve_devices(device: DeviceSpec, num_workers: int) -> list[torch.device]:
         elif d.type not in ("cpu", "meta") and not hasattr(torch, d.type):
             raise ValueError(f"unsupported device {d}")
     return devices
+
+
+def _device(spec: Union[str, torch.device]) -> torch.device:
+    try:
+        return torch.device(spec)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{spec!r} is not a device: use 'cpu', 'cuda' or 'cuda:N' ({exc})") \
+            from None
 
 
 class Session(abc.ABC):

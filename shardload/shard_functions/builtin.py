@@ -10,6 +10,7 @@ says which slices of the input worker ``i`` keeps, so a loader can read only tho
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
@@ -22,10 +23,37 @@ Shape = tuple[int, ...]
 Ranges = list[tuple[int, int]]
 
 
+def _int(value, what: str) -> int:
+    """``value`` as an int; numpy integers welcome, bools and floats refused."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {value!r}") from None
+
+
 def _axis(dim: int, ndim: int) -> int:
-    if type(dim) is not int or not -ndim <= dim < ndim:
-        raise ValueError(f"dim {dim!r} is out of range for a {ndim}-D input")
+    dim = _int(dim, "dim")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"dim {dim} is out of range for a {ndim}-D input")
     return dim % ndim
+
+
+def _workers(num_shards: int) -> int:
+    num_shards = _int(num_shards, "num_shards")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+    return num_shards
+
+
+def _check_output(rule, input: torch.Tensor, extra: tuple, output: torch.Tensor) -> None:
+    """The loader allocates outputs from validated plans; a direct caller may not have."""
+    shape, dtype = rule(tuple(input.shape), dtypes.from_torch(input.dtype), *extra,
+                        num_shards=output.shape[0] if output.dim() else 0)
+    if tuple(output.shape) != tuple(shape) or dtypes.from_torch(output.dtype) != dtype:
+        raise ValueError(f"output is {list(output.shape)} {dtypes.from_torch(output.dtype)}, "
+                         f"expected {list(shape)} {dtype}")
 
 
 def _stack_shape(in_shape: Shape, axis: int, size: int, num_shards: int) -> Shape:
@@ -39,6 +67,7 @@ def _stack_shape(in_shape: Shape, axis: int, size: int, num_shards: int) -> Shap
 def split_ranges(in_shape: Shape, dim: int, num_shards: int) -> tuple[int, list[Ranges]]:
     """The split axis and, per worker, the range it keeps, for ``shardload.split``."""
     axis = _axis(dim, len(in_shape))
+    num_shards = _workers(num_shards)
     size = in_shape[axis]
     if size % num_shards:
         raise ValueError(f"dim {dim} has size {size}, which does not divide into "
@@ -55,6 +84,7 @@ def _split_rule(in_shape: Shape, in_dtype: str, dim: int, *, num_shards: int):
 @register_shard_func("shardload.split", shape_rule=_split_rule)
 def split(input: torch.Tensor, dim: int, output: torch.Tensor) -> None:
     """Split evenly along ``dim``: worker i keeps the i-th of N equal slices."""
+    _check_output(_split_rule, input, (dim,), output)
     n = output.shape[0]
     axis = _axis(dim, input.dim())
     src, dst = dtypes.movable_view(input), dtypes.movable_view(output)
@@ -69,10 +99,11 @@ def split(input: torch.Tensor, dim: int, output: torch.Tensor) -> None:
 def _parse_segments(extra: Sequence[int]) -> list[tuple[int, int]]:
     if len(extra) == 0 or len(extra) % 2:
         raise ValueError("segments must be given as pairs: size_0, units_0, size_1, units_1, ...")
-    pairs = [(extra[k], extra[k + 1]) for k in range(0, len(extra), 2)]
+    pairs = [(_int(extra[k], f"segment {k // 2} size"), _int(extra[k + 1], f"segment {k // 2} units"))
+             for k in range(0, len(extra), 2)]
     for k, (size, units) in enumerate(pairs):
-        if type(size) is not int or type(units) is not int or size < 0 or units <= 0:
-            raise ValueError(f"segment {k}: size {size!r} and units {units!r} must be "
+        if size < 0 or units <= 0:
+            raise ValueError(f"segment {k}: size {size} and units {units} must be "
                              "integers, size >= 0 and units > 0")
         if size % units:
             raise ValueError(f"segment {k}: size {size} is not a whole number of its "
@@ -90,6 +121,7 @@ def segment_ranges(in_shape: Shape, dim: int, segments: Sequence[int],
     and worker i keeps unit ``i // (N // units)`` (N % units == 0 required).
     """
     axis = _axis(dim, len(in_shape))
+    num_shards = _workers(num_shards)
     pairs = _parse_segments(segments)
     total = sum(size for size, _ in pairs)
     if total != in_shape[axis]:
@@ -132,6 +164,7 @@ def split_segments(input: torch.Tensor, dim: int, *segments_and_output) -> None:
     worker's pieces are concatenated in segment order.
     """
     *segments, output = segments_and_output
+    _check_output(_segments_rule, input, (dim, *segments), output)
     n = output.shape[0]
     axis, ranges = segment_ranges(tuple(input.shape), dim, segments, n)
     src, dst = dtypes.movable_view(input), dtypes.movable_view(output)
@@ -145,19 +178,20 @@ def split_segments(input: torch.Tensor, dim: int, *segments_and_output) -> None:
 # ---- shardload.replicate -----------------------------------------------------------------------
 
 def _replicate_rule(in_shape: Shape, in_dtype: str, *, num_shards: int):
-    return (num_shards, *in_shape), in_dtype
+    return (_workers(num_shards), *in_shape), in_dtype
 
 
 @register_shard_func("shardload.replicate", shape_rule=_replicate_rule)
 def replicate(input: torch.Tensor, output: torch.Tensor) -> None:
     """Give every worker the whole tensor (stacked N times along a new axis 0)."""
+    _check_output(_replicate_rule, input, (), output)
     dtypes.movable_view(output).copy_(dtypes.movable_view(input).unsqueeze(0).expand_as(
         dtypes.movable_view(output)))
 
 
 # ---- shardload.split_rebase --------------------------------------------------------------------
 
-_INTEGER = {"int8", "int16", "int32", "int64", "uint8"}
+_INTEGER = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
 
 
 def _split_rebase_rule(in_shape: Shape, in_dtype: str, dim: int, *, num_shards: int):
@@ -174,8 +208,12 @@ def split_rebase(input: torch.Tensor, dim: int, output: torch.Tensor) -> None:
     ``[k0, k1)`` keep group indices ``g_idx[k0:k1] - g_idx[k0]``, counted in its own
     slice of the scales and zeros.
     """
+    _check_output(_split_rebase_rule, input, (dim,), output)
     split(input, dim, output)
     n = output.shape[0]
-    firsts = output.reshape(n, -1)[:, :1] if output[0].numel() else None
-    if firsts is not None:
-        output.sub_(firsts.clone().reshape(n, *([1] * (output.dim() - 1))))
+    if output[0].numel() == 0:
+        return
+    # torch has no arithmetic on uint16/32/64; indices fit int64 either way
+    wide = output.to(torch.int64, copy=True)
+    firsts = wide.reshape(n, -1)[:, :1].clone().reshape(n, *([1] * (output.dim() - 1)))
+    output.copy_(wide - firsts)

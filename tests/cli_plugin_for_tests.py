@@ -1,0 +1,52 @@
+"""Shard functions for ``tests/test_cli.py``, loaded with ``--plugin tests.cli_plugin_for_tests``.
+
+* ``tests.cli.boom``: always raises ``RuntimeError("boom at load")`` when it runs (exit 1 path).
+* ``tests.cli.slow``: sleeps ``SLOW_SECONDS``, then splits evenly along ``dim`` (Ctrl-C path).
+  When the environment variable ``SHARDLOAD_TEST_STARTED`` names a file, the first call creates
+  it, so a test knows the load is under way before it sends SIGINT.
+
+Import this module only under the name ``tests.cli_plugin_for_tests``: importing it under a
+second name would register the same names twice, with different function objects.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from shardload.registry import register_shard_func
+
+SLOW_SECONDS = 0.2
+STARTED_ENV = "SHARDLOAD_TEST_STARTED"
+
+
+def _even_split_rule(in_shape, in_dtype, dim, *, num_shards):
+    """Output of an even split of ``in_shape`` along ``dim`` into ``num_shards`` pieces."""
+    if type(dim) is not int or not -len(in_shape) <= dim < len(in_shape):
+        raise ValueError(f"dim {dim!r} does not fit a {len(in_shape)}-D input")
+    axis = dim % len(in_shape)
+    if in_shape[axis] % num_shards:
+        raise ValueError(f"size {in_shape[axis]} does not divide by {num_shards}")
+    shape = list(in_shape)
+    shape[axis] //= num_shards
+    return (num_shards, *shape), in_dtype
+
+
+@register_shard_func("tests.cli.boom", array="numpy")
+def boom(input, dim, output):
+    """Raise RuntimeError at load time, whatever the input."""
+    raise RuntimeError("boom at load")
+
+
+@register_shard_func("tests.cli.slow", array="numpy", shape_rule=_even_split_rule)
+def slow(input, dim, output):
+    """Sleep a little, then split evenly along dim (a slow load for the Ctrl-C test)."""
+    marker = os.environ.get(STARTED_ENV)
+    if marker and not os.path.exists(marker):
+        with open(marker, "w") as f:
+            f.write("started\n")
+    time.sleep(SLOW_SECONDS)
+    n = output.shape[0]
+    output[...] = np.stack(np.split(input, n, axis=dim))

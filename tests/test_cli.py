@@ -1,0 +1,671 @@
+"""The ``shardload`` command line: output, exit codes and error messages.
+
+Exit codes (``shardload/cli.py``): 0 ok, 1 load failure, 2 bad usage / plan / checkpoint,
+130 Ctrl-C. Most tests drive ``shardload.cli.cli`` in-process with click's ``CliRunner``; the
+few that need a fresh interpreter (``--help`` must not import torch, SIGINT) run a subprocess.
+
+Expected byte counts and shapes are computed here from the safetensors header (parsed by hand)
+and the plan, not with shardload's own reader or planner.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from safetensors.numpy import save_file
+
+from shardload.cli import cli
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "tiny_llama_q4"
+PLUGIN = "tests.cli_plugin_for_tests"
+PLUGIN_FUNCS = ("tests.cli.boom", "tests.cli.slow")
+BUILTINS = ("shardload.split", "shardload.split_segments", "shardload.replicate",
+            "shardload.split_rebase")
+
+# The plugin is imported as ``tests.cli_plugin_for_tests``: ``tests`` is a namespace package
+# (no __init__.py), importable when the repository root is on sys.path. ``python -m pytest``
+# from the root puts it there; plain ``pytest`` may not, so make sure.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def run(*args: str):
+    """Invoke the CLI in-process; stdout and stderr are kept apart (click >= 8.2)."""
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def assert_ok(result) -> None:
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert result.exception is None, result.exception
+
+
+def error_line(result, exit_code: int) -> str:
+    """The one ``Error:`` line of a failed run, after checking the exit code and that no
+    exception escaped (an escaped exception is what prints a traceback outside CliRunner)."""
+    assert result.exit_code == exit_code, (result.output, result.exception)
+    assert isinstance(result.exception, SystemExit), (
+        f"an exception escaped the CLI: {result.exception!r}")
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1, result.output
+    assert "Error:" not in result.stdout
+    return lines[0]
+
+
+def bad_input(result) -> str:
+    return error_line(result, 2)
+
+
+ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
+            "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """The safetensors header of ``path`` (without ``__metadata__``) and where data starts."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def piece_shape(shape: tuple, steps: list, n: int) -> tuple:
+    """What one worker keeps of a tensor of ``shape`` under the built-in functions."""
+    if not steps:
+        return tuple(shape)
+    assert len(steps) == 1, "only one-step plans are modelled here"
+    func, _out, *extra = steps[0]
+    assert all(type(a) is int for a in extra), extra
+    shape = list(shape)
+    if func == "shardload.replicate":
+        return tuple(shape)
+    dim = extra[0] % len(shape)
+    if func in ("shardload.split", "shardload.split_rebase"):
+        assert shape[dim] % n == 0
+        shape[dim] //= n
+    elif func == "shardload.split_segments":
+        segments = extra[1:]
+        # each segment: size/N when workers <= units, else one unit (replicated, GQA)
+        shape[dim] = sum(size // n if n <= units else size // units
+                         for size, units in zip(segments[::2], segments[1::2]))
+    else:
+        raise AssertionError(f"not modelled: {func}")
+    return tuple(shape)
+
+
+def expected_pieces(ckpt_file: Path, plan_file: Path, n: int) -> dict[str, tuple[tuple, int]]:
+    """``{name: (per-worker shape, per-worker bytes)}`` from the header and the plan."""
+    header, _ = read_header(ckpt_file)
+    plan = json.loads(plan_file.read_text())
+    out = {}
+    for name, entry in header.items():
+        shape = piece_shape(tuple(entry["shape"]), plan.get(name, []), n)
+        out[name] = (shape, math.prod(shape) * ITEMSIZE[entry["dtype"]])
+    return out
+
+
+def write_json(path: Path, obj) -> Path:
+    path.write_text(json.dumps(obj))
+    return path
+
+
+# a small checkpoint: "a" split on dim 0, "b" replicated (not in the plan), "c" split on dim 1
+SMALL_PLAN = {
+    "a": [["shardload.split", [["num_shards", "8 // num_shards", 4], "float32"], 0]],
+    "c": [["shardload.split", [["num_shards", 4, "6 // num_shards"], "float16"], 1]],
+}
+
+
+@pytest.fixture
+def small(tmp_path) -> Path:
+    """A folder with model.safetensors (3 tensors) and a symbolic shard_info.json."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    save_file({"a": np.arange(32, dtype=np.float32).reshape(8, 4),
+               "b": np.arange(6, dtype=np.int32),
+               "c": np.ones((4, 6), dtype=np.float16)}, str(folder / "model.safetensors"))
+    write_json(folder / "shard_info.json", SMALL_PLAN)
+    return folder
+
+
+def plan_for(tmp_path: Path, plan: dict, name: str = "plan.json") -> Path:
+    return write_json(tmp_path / name, plan)
+
+
+@pytest.fixture
+def plugin():
+    """Make ``--plugin tests.cli_plugin_for_tests`` register its functions in this test.
+
+    The shared conftest restores the registry after every test while the module stays in
+    sys.modules, so a second import would be a no-op: drop the module and its names before and
+    after, so each test imports it afresh (and works with or without that conftest).
+    """
+    from shardload import registry
+
+    def clean():
+        sys.modules.pop(PLUGIN, None)
+        package = sys.modules.get("tests")
+        if package is not None and hasattr(package, PLUGIN.split(".")[1]):
+            delattr(package, PLUGIN.split(".")[1])
+        for name in PLUGIN_FUNCS:
+            registry.unregister_shard_func(name)
+
+    clean()
+    yield PLUGIN
+    clean()
+
+
+def subprocess_env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+# ----------------------------------------------------------------------------------------------
+# load
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_load_example_prints_one_row_per_worker_and_a_total(n):
+    result = run("load", "--shards", n, EXAMPLE)
+    assert_ok(result)
+    lines = result.stdout.splitlines()
+    rows = [line.split() for line in lines if re.match(r"^\s*\d+\s", line)]
+    assert [int(r[0]) for r in rows] == list(range(n)), result.stdout
+    assert all(r[1:3] == ["cpu", "63"] for r in rows), rows
+    assert re.match(rf"^loaded .+ onto {n} worker\(s\) in [0-9.]+ s ", lines[-1]), lines[-1]
+    assert "loading" not in result.stdout  # the progress bar goes to stderr
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_load_json_bytes_match_the_checkpoint_and_plan(n):
+    result = run("load", "--shards", n, "--json", EXAMPLE)
+    assert_ok(result)
+    assert len(result.stdout.strip().splitlines()) == 1
+    report = json.loads(result.stdout)
+    assert isinstance(report, dict)
+    assert report["num_shards"] == n
+    assert report["seconds"] > 0
+    pieces = expected_pieces(EXAMPLE / "model.safetensors", EXAMPLE / "shard_info.json", n)
+    per_worker = sum(nbytes for _, nbytes in pieces.values())
+    workers = report["workers"]
+    assert [w["index"] for w in workers] == list(range(n))
+    for w in workers:
+        assert {"index", "device", "tensors", "bytes"} <= set(w)
+        assert w["device"] == "cpu"
+        assert w["tensors"] == len(pieces) == 63
+        assert w["bytes"] == per_worker
+    assert report["bytes_total"] == sum(w["bytes"] for w in workers) == n * per_worker
+
+
+def test_load_json_small_checkpoint_split_and_replicated_bytes(small):
+    result = run("load", "-n", 2, "--json", small)
+    assert_ok(result)
+    report = json.loads(result.stdout)
+    # a: 8x4 float32 = 128 B split -> 64; b: 6 int32 = 24 B replicated; c: 4x6 f16 = 48 -> 24
+    assert [w["bytes"] for w in report["workers"]] == [64 + 24 + 24] * 2
+    assert [w["tensors"] for w in report["workers"]] == [3, 3]
+    assert report["bytes_total"] == 2 * 112
+
+
+def test_load_explicit_replicate_counts_whole_tensor_per_worker(small, tmp_path):
+    plan = plan_for(tmp_path, {"b": [["shardload.replicate", [["num_shards", 6], "int32"]]]})
+    result = run("load", "-n", 4, "--json", "--shard-info", plan, small)
+    assert_ok(result)
+    # nothing split: every worker holds all 128 + 24 + 48 bytes
+    assert [w["bytes"] for w in json.loads(result.stdout)["workers"]] == [200] * 4
+
+
+def test_load_quiet_prints_nothing(small):
+    result = run("load", "-n", 2, "--quiet", small)
+    assert_ok(result)
+    assert result.stdout == ""
+
+
+def test_load_shard_info_elsewhere(tmp_path, small):
+    ckpt = tmp_path / "bare"
+    ckpt.mkdir()
+    shutil.copy(small / "model.safetensors", ckpt / "model.safetensors")
+    plan = tmp_path / "plans" / "mine.json"
+    plan.parent.mkdir()
+    shutil.copy(small / "shard_info.json", plan)
+    for target in (ckpt, ckpt / "model.safetensors"):  # a folder or the file itself
+        result = run("load", "-n", 2, "--json", "--shard-info", plan, target)
+        assert_ok(result)
+        report = json.loads(result.stdout)
+        assert report["shard_info"] == str(plan)
+        assert [w["bytes"] for w in report["workers"]] == [112, 112]
+
+
+def test_load_device_list_one_per_worker(small):
+    result = run("load", "-n", 2, "--device", "cpu,cpu", "--json", small)
+    assert_ok(result)
+    assert [w["device"] for w in json.loads(result.stdout)["workers"]] == ["cpu", "cpu"]
+
+
+@pytest.mark.parametrize("n, devices", [(2, "cpu,cpu,cpu"), (4, "cpu,cpu")])
+def test_load_device_list_of_wrong_length(n, devices):
+    line = bad_input(run("load", "-n", n, "--device", devices, EXAMPLE))
+    assert f"{len(devices.split(','))} devices given for {n} workers" in line
+
+
+@pytest.mark.parametrize("devices", ["gpu", "cpu,"])
+def test_load_unparsable_device_is_bad_input(small, devices):
+    bad_input(run("load", "-n", 2, "--device", devices, small))
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input: exit 2, one Error: line, no traceback
+
+
+def test_unknown_function_names_parameter_and_suggests(small, tmp_path):
+    plan = plan_for(tmp_path, {"a": [["shardload.splt", [["num_shards", "8 // num_shards", 4],
+                                                         "float32"], 0]]})
+    for command in ("load", "validate", "inspect"):
+        line = bad_input(run(command, "-n", 2, "--shard-info", plan, small))
+        assert "parameter 'a'" in line
+        assert "unknown shard function 'shardload.splt'" in line
+        assert "Did you mean 'shardload.split'" in line
+
+
+def test_wrong_declared_shape(small, tmp_path):
+    plan = plan_for(tmp_path, {"a": [["shardload.split", [[2, 4, 5], "float32"], 0]]})
+    line = bad_input(run("load", "-n", 2, "--shard-info", plan, small))
+    assert "parameter 'a'" in line
+    assert "declared output [2, 4, 5]" in line and "[2, 4, 4]" in line
+
+
+def test_plan_not_json(small, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"a": [')
+    line = bad_input(run("load", "-n", 2, "--shard-info", plan, small))
+    assert str(plan) in line and "not valid JSON" in line
+
+
+def test_plan_with_duplicate_keys(small, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"a": [["shardload.split", [["num_shards", "8 // num_shards", 4], '
+                    '"float32"], 0]], "a": []}')
+    line = bad_input(run("load", "-n", 2, "--shard-info", plan, small))
+    assert "duplicate key 'a'" in line
+
+
+def test_concrete_plan_for_another_n(small, tmp_path):
+    plan = plan_for(tmp_path, {"a": [["shardload.split", [[4, 2, 4], "float32"], 0]]})
+    line = bad_input(run("load", "-n", 2, "--shard-info", plan, small))
+    assert "num_shards=4" in line and "num_shards=2" in line
+    assert "expressions of num_shards" in line
+    # ... and for the N it was written for, it loads
+    assert_ok(run("load", "-n", 4, "--quiet", "--shard-info", plan, small))
+
+
+def test_plan_key_not_in_checkpoint(small, tmp_path):
+    plan = plan_for(tmp_path, {"zz": [["shardload.split", [["num_shards", 4], "float32"], 0]]})
+    line = bad_input(run("load", "-n", 2, "--shard-info", plan, small))
+    assert "'zz'" in line and "no tensor named" in line
+
+
+def _truncate_data(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-10])
+
+
+def _cut_inside_header(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:20])
+
+
+def _garbage_header(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:8] + b"\xff" * (len(data) - 8))
+
+
+def _too_short(path: Path) -> None:
+    path.write_bytes(b"\x01\x02\x03")
+
+
+@pytest.mark.parametrize("corrupt", [_truncate_data, _cut_inside_header, _garbage_header,
+                                     _too_short])
+def test_corrupt_safetensors_names_the_file(small, corrupt):
+    target = small / "model.safetensors"
+    corrupt(target)
+    for command in ("load", "validate"):
+        line = bad_input(run(command, "-n", 2, small))
+        assert str(target) in line
+
+
+def test_missing_shard_info_says_pass_shard_info(tmp_path, small):
+    (small / "shard_info.json").unlink()
+    for target in (small, small / "model.safetensors"):
+        line = bad_input(run("load", "-n", 2, target))
+        assert "--shard-info" in line
+        assert str(small / "shard_info.json") in line
+
+
+def test_shard_info_file_that_does_not_exist(small, tmp_path):
+    missing = tmp_path / "nope.json"
+    line = bad_input(run("load", "-n", 2, "--shard-info", missing, small))
+    assert str(missing) in line
+
+
+@pytest.mark.parametrize("shards", ["0", "-1", "two"])
+def test_bad_shards_value(small, shards):
+    line = bad_input(run("load", "--shards", shards, small))
+    assert "--shards" in line
+
+
+def test_missing_shards_option(small):
+    line = bad_input(run("load", small))
+    assert "--shards" in line
+
+
+def test_nonexistent_checkpoint(tmp_path):
+    missing = tmp_path / "no_such_ckpt"
+    for command in ("load", "validate", "inspect"):
+        line = bad_input(run(command, "-n", 2, missing))
+        assert str(missing) in line
+
+
+def test_plugin_that_does_not_exist(small):
+    for args in (("load", "-n", 2, small), ("validate", "-n", 2, small), ("funcs",)):
+        line = bad_input(run(args[0], "--plugin", "no_such_module", *args[1:]))
+        assert "no_such_module" in line
+
+
+def _plugin_module(tmp_path: Path, monkeypatch, name: str, body: str) -> str:
+    folder = tmp_path / "plugins"
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.py").write_text(textwrap.dedent(body))
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return name
+
+
+@pytest.mark.parametrize("body", [
+    "raise RuntimeError('plugin exploded')\n",
+    "def f(:\n",
+    """
+    from shardload.registry import register_shard_func
+
+    @register_shard_func("shardload.split")
+    def split(input, dim, output):
+        '''A second shardload.split.'''
+    """,
+], ids=["raises", "syntax-error", "duplicate-name"])
+def test_plugin_that_fails_to_import(small, tmp_path, monkeypatch, body):
+    name = _plugin_module(tmp_path, monkeypatch, "shardload_cli_broken_plugin", body)
+    line = bad_input(run("validate", "-n", 2, "--plugin", name, small))
+    assert name in line
+
+
+def test_example_with_three_shards(tmp_path):
+    for command in ("load", "validate", "inspect"):
+        line = bad_input(run(command, "-n", 3, EXAMPLE))
+        assert "3" in line and "does not divide" in line
+
+
+# ----------------------------------------------------------------------------------------------
+# load failures: exit 1
+
+
+def _boom_plan(tmp_path: Path) -> Path:
+    return plan_for(tmp_path, {"a": [["tests.cli.boom", [["num_shards", "8 // num_shards", 4],
+                                                         "float32"], 0]]})
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_shard_function_that_raises_is_a_load_failure(small, tmp_path, plugin, n):
+    result = run("load", "-n", n, "--plugin", plugin, "--shard-info", _boom_plan(tmp_path), small)
+    line = error_line(result, 1)
+    assert re.search(r"worker \d+ failed", line), line
+    assert "parameter 'a'" in line
+    assert "boom at load" in line
+    assert "RuntimeError" in line
+
+
+def test_load_failure_with_json_keeps_stdout_empty(small, tmp_path, plugin):
+    result = run("load", "-n", 2, "--json", "--plugin", plugin, "--shard-info",
+                 _boom_plan(tmp_path), small)
+    error_line(result, 1)
+    assert result.stdout == ""
+
+
+def test_plugin_function_loads_correctly(small, tmp_path, plugin, monkeypatch):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(plugin), "SLOW_SECONDS", 0.0)
+    plan = plan_for(tmp_path, {"a": [["tests.cli.slow", [["num_shards", "8 // num_shards", 4],
+                                                         "float32"], 0]]})
+    result = run("load", "-n", 4, "--json", "--plugin", plugin, "--shard-info", plan, small)
+    assert_ok(result)
+    # a: 128 B / 4, b and c replicated: 24 + 48
+    assert [w["bytes"] for w in json.loads(result.stdout)["workers"]] == [32 + 24 + 48] * 4
+
+
+# ----------------------------------------------------------------------------------------------
+# validate
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_validate_example(n):
+    result = run("validate", "-n", n, EXAMPLE)
+    assert_ok(result)
+    assert result.stdout.startswith("ok: ")
+    assert f"for {n} worker(s): 63 tensors" in result.stdout
+
+
+def test_validate_bad_plan(small, tmp_path):
+    plan = plan_for(tmp_path, {"a": [["shardload.split", [[2, 4, 5], "float32"], 0]]})
+    line = bad_input(run("validate", "-n", 2, "--shard-info", plan, small))
+    assert "parameter 'a'" in line
+
+
+def test_validate_reads_no_tensor_data(small, monkeypatch):
+    target = small / "model.safetensors"
+    _, data_start = read_header(target)
+    raw = target.read_bytes()
+    target.write_bytes(raw[:data_start] + os.urandom(len(raw) - data_start))  # header intact
+    result = run("validate", "-n", 2, small)
+    assert_ok(result)
+    assert result.stdout.startswith("ok: ")
+    assert "3 tensors (2 sharded, 1 replicated), 112 B per worker" in result.stdout
+
+    # and stronger: any attempt to read tensor data fails the run
+    from shardload.readers.base import Checkpoint
+    from shardload.readers.safetensors import SafetensorsCheckpoint
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("validate read tensor data")
+
+    for cls in (Checkpoint, SafetensorsCheckpoint):
+        monkeypatch.setattr(cls, "read", no_reads)
+        monkeypatch.setattr(cls, "read_narrow", no_reads)
+    assert_ok(run("validate", "-n", 2, small))
+    assert_ok(run("inspect", "-n", 2, small))
+    assert run("load", "-n", 2, "--quiet", small).exit_code == 1  # the patch does bite
+
+
+def test_validate_does_not_run_shard_functions(small, tmp_path, plugin):
+    result = run("validate", "-n", 2, "--plugin", plugin, "--shard-info", _boom_plan(tmp_path),
+                 small)
+    assert_ok(result)
+    assert result.stdout.startswith("ok: ")
+
+
+# ----------------------------------------------------------------------------------------------
+# inspect
+
+
+def test_inspect_table_shows_per_worker_shapes():
+    result = run("inspect", "-n", 2, EXAMPLE)
+    assert_ok(result)
+    names = set(read_header(EXAMPLE / "model.safetensors")[0])
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()
+            if line.split() and line.split()[0] in names}
+    assert len(rows) == 63
+    o_proj = rows["model.layers.0.self_attn.o_proj.qweight"]
+    assert "[32, 256] int32" in o_proj and "[16, 256] int32" in o_proj  # split on dim 0
+    assert "shardload.split" in o_proj
+    assert "(replicated)" in rows["model.embed_tokens.weight"]
+    assert re.search(r"^63 tensors, ", result.stdout, re.M)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_inspect_json_shard_shapes(n):
+    result = run("inspect", "-n", n, "--json", EXAMPLE)
+    assert_ok(result)
+    report = json.loads(result.stdout)
+    assert report["num_shards"] == n
+    pieces = expected_pieces(EXAMPLE / "model.safetensors", EXAMPLE / "shard_info.json", n)
+    got = {p["name"]: (tuple(p["shard_shape"]), p["bytes_per_worker"]) for p in report["params"]}
+    assert got == pieces
+
+
+def test_inspect_json_small(small):
+    result = run("inspect", "-n", 2, "--json", small)
+    assert_ok(result)
+    params = {p["name"]: p for p in json.loads(result.stdout)["params"]}
+    assert params["a"]["shard_shape"] == [4, 4] and params["a"]["steps"] == ["shardload.split"]
+    assert params["b"]["shard_shape"] == [6] and params["b"]["steps"] == []
+    assert params["c"]["shard_shape"] == [4, 3]
+
+
+# ----------------------------------------------------------------------------------------------
+# funcs
+
+
+def _doc_line(func) -> str:
+    """The docstring's first line, without reST ``literal`` markup (which funcs may drop)."""
+    import inspect
+
+    return inspect.getdoc(func).strip().splitlines()[0].replace("``", "")
+
+
+def _func_rows(stdout: str) -> dict[str, str]:
+    """funcs' table rows by function name, markup dropped."""
+    return {line.split()[0]: line.replace("``", "").rstrip() for line in stdout.splitlines()
+            if line.split() and "." in line.split()[0]}
+
+
+def test_funcs_lists_builtins_with_their_docs():
+    from shardload.shard_functions import builtin
+
+    result = run("funcs")
+    assert_ok(result)
+    rows = _func_rows(result.stdout)
+    for name in BUILTINS:
+        assert name in rows, result.stdout
+        func = getattr(builtin, name.split(".", 1)[1])
+        assert rows[name].endswith(_doc_line(func)), rows[name]
+
+
+def test_funcs_lists_plugin_functions(plugin):
+    result = run("funcs", "--plugin", plugin)
+    assert_ok(result)
+    rows = _func_rows(result.stdout)
+    module = sys.modules[PLUGIN]
+    for name, func in (("tests.cli.boom", module.boom), ("tests.cli.slow", module.slow)):
+        assert name in rows, result.stdout
+        assert "numpy" in rows[name]
+        assert rows[name].endswith(_doc_line(func)), rows[name]
+    for name in BUILTINS:
+        assert name in rows
+
+
+# ----------------------------------------------------------------------------------------------
+# subprocesses: a fresh interpreter
+
+
+HELP_SCRIPT = """
+import sys
+from shardload.cli import cli
+codes = []
+for args in (["--help"], ["-h"], ["--version"], ["load", "--help"], ["validate", "--help"],
+             ["inspect", "--help"], ["funcs", "--help"]):
+    try:
+        cli.main(args, prog_name="shardload")
+    except SystemExit as exc:
+        codes.append(exc.code)
+print("CODES", codes)
+print("TORCH", "torch" in sys.modules)
+"""
+
+
+def test_help_does_not_import_torch():
+    proc = subprocess.run([sys.executable, "-c", HELP_SCRIPT], capture_output=True, text=True,
+                          cwd=REPO, env=subprocess_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "CODES [0, 0, 0, 0, 0, 0, 0]" in proc.stdout
+    assert "TORCH False" in proc.stdout
+    assert "Usage: shardload [OPTIONS] COMMAND" in proc.stdout
+
+
+def test_console_script_help():
+    exe = shutil.which("shardload")
+    if exe is None:
+        pytest.skip("the shardload console script is not on PATH")
+    proc = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("load", "validate", "inspect", "funcs"):
+        assert command in proc.stdout
+
+
+def _slow_checkpoint(tmp_path: Path, count: int = 50) -> tuple[Path, Path]:
+    ckpt = tmp_path / "slow"
+    ckpt.mkdir()
+    save_file({f"t{k:02d}": np.full((4, 4), k, dtype=np.float32) for k in range(count)},
+              str(ckpt / "model.safetensors"))
+    plan = write_json(tmp_path / "slow_plan.json",
+                      {f"t{k:02d}": [["tests.cli.slow", [["num_shards", "4 // num_shards", 4],
+                                                        "float32"], 0]] for k in range(count)})
+    return ckpt, plan
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGINT to a child process needs POSIX")
+def test_ctrl_c_exits_130_with_one_line(tmp_path):
+    ckpt, plan = _slow_checkpoint(tmp_path)  # 50 x 0.2 s: about 10 s if left alone
+    started = tmp_path / "started"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardload", "load", "--shards", "2", "--plugin", PLUGIN,
+         "--shard-info", str(plan), str(ckpt)],
+        cwd=REPO, env=subprocess_env(SHARDLOAD_TEST_STARTED=str(started)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not started.exists():  # the first shard function call: the load is under way
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the load never started"
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert proc.poll() is None, "the load finished before it could be interrupted"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=10)
+        elapsed = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, (stdout, stderr)
+    assert elapsed < 10
+    assert "Interrupted" in stderr
+    assert "Traceback" not in stderr + stdout
+    assert "worker" not in stdout  # no table: the load did not finish
