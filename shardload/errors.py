@@ -23,6 +23,12 @@ __all__ = [
 ]
 
 
+def _located(message: str, *where: object) -> str:
+    """``"file: parameter 'x': step 2: message"``, leaving out the parts that are None."""
+    parts = [str(w) for w in where if w is not None]
+    return ": ".join([*parts, message])
+
+
 class ShardloadError(Exception):
     """Root of every error shardload raises on purpose."""
 
@@ -40,14 +46,8 @@ class PlanError(ShardloadError):
         self.param = param
         self.step = step
         self.reason = message
-        where = []
-        if source is not None:
-            where.append(str(source))
-        if param is not None:
-            where.append(f"parameter {param!r}")
-        if step is not None:
-            where.append(f"step {step}")
-        super().__init__(f"{': '.join(where)}: {message}" if where else message)
+        super().__init__(_located(message, source, param and f"parameter {param!r}",
+                                  None if step is None else f"step {step}"))
 
 
 class UnknownShardFunctionError(PlanError, KeyError):
@@ -82,12 +82,7 @@ class FormatError(ShardloadError):
         self.file = None if file is None else str(file)
         self.tensor = tensor
         self.reason = message
-        where = []
-        if file is not None:
-            where.append(str(file))
-        if tensor is not None:
-            where.append(f"tensor {tensor!r}")
-        super().__init__(f"{': '.join(where)}: {message}" if where else message)
+        super().__init__(_located(message, self.file, tensor and f"tensor {tensor!r}"))
 
 
 def annotate(exc: BaseException, where: str) -> None:

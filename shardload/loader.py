@@ -304,7 +304,7 @@ def _progress_callback(progress: Union[bool, ProgressCallback], total: int):
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading",
-               leave=False)
+               leave=False, disable=None)  # None: no bar when stderr is not a terminal
     lock = threading.Lock()
 
     def advance(n: int) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping, Optional, Union
 
-from . import dtypes, symbolic
+from . import dtypes, strict_json, symbolic
 from .errors import PlanError, UnknownShardFunctionError
 from .readers.base import TensorMeta
 
@@ -57,19 +57,6 @@ def json_schema() -> dict:
 
 
 # ---- 1. parse ----------------------------------------------------------------------------------
-
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise PlanError(f"duplicate key {key!r} in the JSON: a parameter may appear once")
-        out[key] = value
-    return out
-
-
-def _reject_constant(name: str) -> Any:
-    raise PlanError(f"{name} is not valid JSON and not a valid shape or argument")
-
 
 @dataclass(frozen=True)
 class RawStep:
@@ -161,11 +148,8 @@ class ShardInfo:
         if len(text) > MAX_PLAN_BYTES:
             raise PlanError(f"plan is larger than {MAX_PLAN_BYTES} bytes", source=source)
         try:
-            data = json.loads(text, object_pairs_hook=_reject_duplicates,
-                              parse_constant=_reject_constant)
-        except PlanError as exc:
-            raise PlanError(exc.reason, source=source) from None
-        except (ValueError, UnicodeDecodeError) as exc:
+            data = strict_json.loads(text)
+        except ValueError as exc:
             raise PlanError(f"not valid JSON: {exc}", source=source) from None
         return cls.from_dict(data, source)
 

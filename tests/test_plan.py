@@ -24,7 +24,7 @@ W_META = meta(w=((8, 4), "float16"), b=((4,), "float32"))
 
 def write(tmp_path, text, name="shard_info.json"):
     path = tmp_path / name
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     return str(path)
 
 
@@ -49,6 +49,8 @@ def test_tvm_format_round_trips(tmp_path):
     ('{"w": [["shardload.split", [[2, 2], "float16"], -Infinity]]}', "-Infinity"),
     ('{"w": ', "not valid JSON"),
     ('[1, 2]', "must be a JSON object"),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
+    (b'{"w": "\xff"}', "not UTF-8"),
 ])
 def test_json_level_errors_name_the_file(tmp_path, text, phrase):
     path = write(tmp_path, text)

@@ -36,7 +36,6 @@ modified while a checkpoint has them open.
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import operator
@@ -50,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import dtypes
+from .. import dtypes, strict_json
 from ..errors import FormatError
 from .base import Checkpoint, TensorMeta
 
@@ -65,27 +64,11 @@ _REDO = "re-download or re-save the checkpoint"
 # strict JSON
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json.loads keeps the last of two equal keys; a header where one name means two things is
-    # refused instead. (The library refuses duplicate fields inside an entry, but silently keeps
-    # the last of two top-level entries with one name: we are stricter.)
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise ValueError(f"duplicate key {key!r}")
-        obj[key] = value
-    return obj
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _load_json(text: str, what: str, path: Path) -> Any:
+    # Duplicate keys are refused: the library refuses duplicate fields inside an entry, but
+    # silently keeps the last of two top-level entries with one name; we are stricter.
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
-    except RecursionError:  # a header of nested brackets must not crash the loader
-        raise FormatError(f"{what} is nested too deeply to be valid; {_REDO}", file=path) from None
+        return strict_json.loads(text)
     except ValueError as e:  # includes json.JSONDecodeError
         raise FormatError(f"{what} is not valid JSON: {e}; {_REDO}", file=path) from None
 
