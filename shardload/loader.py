@@ -166,55 +166,69 @@ def direct_ranges(param: ParamPlan, num_shards: int):
     return None
 
 
+@dataclass
+class _Cell:
+    value: Optional[torch.Tensor] = None
+    failed: bool = False
+    ready: bool = False
+    taken: int = 0
+
+
 class _SharedOutputs:
-    """Full outputs of opaque chains, computed once and shared by the workers of a process."""
+    """Full outputs of opaque chains, computed once and shared by the workers of a process.
+
+    The first worker to reach a parameter computes it; the others wait for it. A cell is dropped
+    when all N workers have taken their piece, and a new one is opened only while fewer than
+    ``MAX_SHARED`` are alive. No deadlock: a worker holds no cell while it waits for a slot, and
+    only the worker furthest ahead ever opens one, so the workers behind it, who free the
+    slots, never wait on it.
+    """
 
     def __init__(self, num_workers: int, abort: threading.Event):
         self._n = num_workers
         self._abort = abort
         self._cond = threading.Condition()
-        self._cells: dict[str, dict[str, Any]] = {}
-        self._done: set[str] = set()
+        self._cells: dict[str, _Cell] = {}
 
-    def take(self, param: ParamPlan, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-        name = param.name
+    def take(self, param: ParamPlan,
+             compute: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        """The full output for ``param`` and whether this call computed it."""
         with self._cond:
             while True:
                 self._check_abort()
-                cell = self._cells.get(name)
+                cell = self._cells.get(param.name)
                 if cell is not None or len(self._cells) < MAX_SHARED:
                     break
                 self._cond.wait(0.1)
             owner = cell is None
             if owner:
-                cell = self._cells[name] = {"value": None, "error": None, "ready": False,
-                                            "taken": 0}
+                cell = self._cells[param.name] = _Cell()
         if owner:
             try:
-                cell["value"] = compute()
-            except BaseException as exc:
-                cell["error"] = exc
+                cell.value = compute()
+            except BaseException:
+                cell.failed = True
                 raise
             finally:
                 with self._cond:
-                    cell["ready"] = True
+                    cell.ready = True
                     self._cond.notify_all()
-        else:
-            with self._cond:
-                while not cell["ready"]:
-                    self._check_abort()
-                    self._cond.wait(0.1)
-            if cell["error"] is not None:
-                raise _Aborted()  # the owner reports the failure; this worker stops quietly
-        return cell["value"]
+            return cell.value, True
+        with self._cond:
+            while not cell.ready:
+                self._check_abort()
+                self._cond.wait(0.1)
+        if cell.failed:
+            raise _Aborted()  # the owner reports the failure; this worker stops quietly
+        return cell.value, False
 
     def release(self, param: ParamPlan) -> None:
         with self._cond:
             cell = self._cells.get(param.name)
             if cell is None:
                 return
-            cell["taken"] += 1
-            if cell["taken"] == self._n:
+            cell.taken += 1
+            if cell.taken == self._n:
                 del self._cells[param.name]
                 self._cond.notify_all()
 
@@ -256,18 +270,12 @@ def _worker_piece(ckpt: Checkpoint, param: ParamPlan, i: int, n: int, device: to
             x = x.to(device)
         return run_steps(param, x)
 
-    computed_here = []
-
-    def compute_counted() -> torch.Tensor:
-        computed_here.append(True)
-        return compute()
-
     try:
-        full = shared.take(param, compute_counted)
+        full, computed = shared.take(param, compute)
         piece = _place(full[i], device, owned=False)
     finally:
         shared.release(param)
-    return piece, param.meta.nbytes if computed_here else 0
+    return piece, param.meta.nbytes if computed else 0
 
 
 # ---- the entry point ---------------------------------------------------------------------------
