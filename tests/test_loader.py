@@ -317,3 +317,22 @@ def test_cupy_functions_need_cuda_and_cupy_is_imported_lazily():
     with pytest.raises(PlanError) as info:
         load({"w": np.zeros(8, np.float32)}, plan, 2)
     assert "need CUDA devices" in str(info.value) and info.value.param == "w"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_workers_get_the_same_shards_as_cpu_workers():
+    n = 4
+    devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(n)]  # workers may share
+    x = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float16)
+    plan = {"x": [["shardload.split", [["num_shards", "64 // num_shards", 32], "float16"], 0]],
+            "y": [["shardload.replicate", [["num_shards", 64, 32], "float16"]],
+                  ["shardload.split", [["num_shards", 1, 64, 32], "float16"], 0]]}
+    cpu = load({"x": x, "y": x}, plan, n)
+    with ThreadedSession(n, device=devices) as sess:
+        gpu = load_sharded({"x": x, "y": x}, plan, sess, progress=False)
+    for i in range(n):
+        for name in ("x", "y"):
+            piece = gpu.shard(name, i)
+            assert piece.device == torch.device(devices[i])
+            assert torch.equal(piece.cpu(), cpu.shard(name, i))
