@@ -39,6 +39,10 @@ _LAZY = {
     "ShardFunc": "registry",
     "Session": "sessions",
     "ThreadedSession": "sessions",
+    "ProcessSession": "sessions",
+    "TorchDistributedSession": "sessions",
+    "WorkerContext": "sessions",
+    "register_session_func": "registry",
 }
 
 __all__ = sorted([*_LAZY, "ShardloadError", "PlanError", "UnknownShardFunctionError",
@@ -64,4 +68,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .readers import ArrayCheckpoint, Checkpoint, TensorMeta, open_checkpoint
     from .registry import (ShardFunc, get_shard_func, list_shard_funcs, load_plugins,
                            register_shard_func)
-    from .sessions import Session, ThreadedSession
+    from .registry import register_session_func
+    from .sessions import (ProcessSession, Session, ThreadedSession, TorchDistributedSession,
+                           WorkerContext)

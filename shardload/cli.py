@@ -118,6 +118,25 @@ def _prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num
     return checkpoint, validated, shard_info
 
 
+def _open_session(kind: str, num_shards: int, device: Optional[str], plugins: tuple[str, ...]):
+    from .sessions import ProcessSession, ThreadedSession, TorchDistributedSession
+
+    devices = device.split(",") if device and "," in device else device
+    try:
+        if kind == "thread":
+            return ThreadedSession(num_shards, device=devices or "cpu")
+        if kind == "process":
+            return ProcessSession(num_shards, device=devices or "cpu", plugins=plugins)
+        session = TorchDistributedSession(device=devices)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    if session.num_workers != num_shards:
+        session.close()
+        raise BadInput(f"--shards {num_shards} but this torch.distributed job has "
+                       f"{session.num_workers} ranks; they must be equal")
+    return session
+
+
 # ---- commands ----------------------------------------------------------------------------------
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -136,27 +155,33 @@ def cli() -> None:
 @cli.command()
 @_shards_option
 @_plan_options
-@click.option("--device", default="cpu", show_default=True,
-              help="'cpu', 'cuda' (worker i on cuda:i), or a comma-separated list, one per "
-                   "worker.")
+@click.option("--device", default=None,
+              help="'cpu' (the default), 'cuda' (worker i on cuda:i), or a comma-separated "
+                   "list, one per worker. With --session torch: this rank's device (default "
+                   "cuda:LOCAL_RANK where CUDA is available).")
+@click.option("--session", "session_kind", type=click.Choice(["thread", "process", "torch"]),
+              default="thread", show_default=True,
+              help="Where workers run: threads of this process, worker processes, or the "
+                   "ranks of a torchrun job (one per process).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table.")
 @_ckpt_argument
-def load(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...], device: str,
-         as_json: bool, quiet: bool, ckpt: str) -> None:
-    """Load CKPT sharded over N workers and report what each worker holds."""
+def load(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...],
+         device: Optional[str], session_kind: str, as_json: bool, quiet: bool,
+         ckpt: str) -> None:
+    """Load CKPT sharded over N workers and report what each worker holds.
+
+    Under torchrun (--session torch) every rank loads its own shards and rank 0 reports.
+    """
     from .loader import load_sharded
-    from .sessions import ThreadedSession
 
     checkpoint, validated, plan_file = _prepare(ckpt, shard_info, plugins, num_shards)
-    devices = device.split(",") if "," in device else device
-    try:
-        session = ThreadedSession(num_shards, device=devices)
-    except ValueError as exc:
-        raise BadInput(str(exc)) from None
+    session = _open_session(session_kind, num_shards, device, plugins)
     with checkpoint, session:
         result = load_sharded(checkpoint, validated.plan, session,
                               progress=not (quiet or as_json))
+    if getattr(session, "rank", 0) != 0:
+        return  # under torchrun, rank 0 speaks for all
     stats = result.stats
     workers = [{"index": i, "device": str(result.devices[i]),
                 "tensors": stats.tensors_per_worker[i], "bytes": stats.bytes_per_worker[i],

@@ -57,15 +57,17 @@ class UnknownShardFunctionError(PlanError, KeyError):
     """
 
     def __init__(self, name: str, known: Iterable[str], *, source: str | None = None,
-                 param: str | None = None, step: int | None = None):
+                 param: str | None = None, step: int | None = None,
+                 kind: str = "shard function"):
         self.name = name
         self.suggestions = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
         hint = (f" Did you mean {', '.join(repr(s) for s in self.suggestions)}?"
                 if self.suggestions else "")
-        message = (f"unknown shard function {name!r}.{hint} Functions are never imported by name: "
-                   "register it with @register_shard_func in a module you pass as a plugin "
+        decorator = "register_shard_func" if kind == "shard function" else "register_session_func"
+        message = (f"unknown {kind} {name!r}.{hint} Functions are never imported by name: "
+                   f"register it with @{decorator} in a module you pass as a plugin "
                    "(--plugin MODULE, plugins=[...]) or through the 'shardload.shard_functions' "
-                   "entry point group; `shardload funcs` lists the registered ones.")
+                   "entry point group; `shardload funcs` lists the shard functions.")
         PlanError.__init__(self, message, source=source, param=param, step=step)
 
     # KeyError.__str__ would repr() the message; keep the readable one.

@@ -34,7 +34,8 @@ from .registry import ShardFunc
 from .sessions.base import Session
 from .shard_functions import builtin
 
-__all__ = ["load_sharded", "ShardedParams", "LoadStats", "MAX_SHARED", "run_steps"]
+__all__ = ["load_sharded", "ShardedParams", "LoadStats", "WorkerLoad", "load_worker",
+           "load_in_threads", "MAX_SHARED", "run_steps"]
 
 #: opaque chains whose full output may be alive at once (the staging bound)
 MAX_SHARED = 2
@@ -73,39 +74,38 @@ class LoadStats:
 class ShardedParams:
     """Every worker's shards after ``load_sharded``.
 
+    With threads the shards are in this process and ``shard`` returns them; with worker
+    processes they stay in the workers and ``shard`` fetches a copy; under torch.distributed a
+    rank holds only its own.
+
     >>> sharded.shard("x_0", 2)        # worker 2's piece                  # doctest: +SKIP
     >>> sharded.worker(2)              # {name: tensor} of worker 2        # doctest: +SKIP
     """
 
-    def __init__(self, shards: list[dict[str, torch.Tensor]], devices: list[torch.device],
-                 stats: LoadStats, plan: ValidatedPlan):
-        self._shards = shards
+    def __init__(self, names: list[str], devices: list[torch.device], stats: LoadStats,
+                 plan: ValidatedPlan, fetch: Callable[[str, int], torch.Tensor]):
+        self.names = list(names)
+        self._known = set(names)
         self.devices = devices
         self.stats = stats
         self.plan = plan
+        self._fetch = fetch
 
     @property
     def num_shards(self) -> int:
-        return len(self._shards)
-
-    @property
-    def names(self) -> list[str]:
-        return list(self._shards[0]) if self._shards else []
+        return self.stats.num_shards
 
     def shard(self, name: str, worker: int) -> torch.Tensor:
         """Worker ``worker``'s piece of parameter ``name``."""
-        if not 0 <= worker < self.num_shards:
-            raise IndexError(f"worker {worker} out of range for {self.num_shards} workers")
-        try:
-            return self._shards[worker][name]
-        except KeyError:
-            raise KeyError(f"no parameter named {name!r}") from None
+        if type(worker) is not int or not 0 <= worker < self.num_shards:
+            raise IndexError(f"worker {worker!r} out of range for {self.num_shards} workers")
+        if name not in self._known:
+            raise KeyError(f"no parameter named {name!r}")
+        return self._fetch(name, worker)
 
     def worker(self, worker: int) -> dict[str, torch.Tensor]:
         """All of worker ``worker``'s tensors, by name."""
-        if not 0 <= worker < self.num_shards:
-            raise IndexError(f"worker {worker} out of range for {self.num_shards} workers")
-        return dict(self._shards[worker])
+        return {name: self.shard(name, worker) for name in self.names}
 
     def __repr__(self) -> str:
         return (f"ShardedParams({len(self.names)} params on {self.num_shards} workers, "
@@ -278,6 +278,82 @@ def _worker_piece(ckpt: Checkpoint, param: ParamPlan, i: int, n: int, device: to
     return piece, param.meta.nbytes if computed else 0
 
 
+# ---- the per-worker algorithm -------------------------------------------------------------------
+
+@dataclass
+class WorkerLoad:
+    """What one worker kept, and the checkpoint bytes it read to get there."""
+
+    shards: dict[str, torch.Tensor]
+    bytes_read: int
+    seconds: float
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.shards.values())
+
+
+def load_worker(ckpt: Checkpoint, plan: ValidatedPlan, rank: int, device: torch.device, *,
+                shared: Optional[_SharedOutputs] = None, abort: Any = None,
+                advance: Optional[ProgressCallback] = None) -> WorkerLoad:
+    """Worker ``rank``'s piece of every parameter, in storage order: the SPMD algorithm.
+
+    ``shared`` lets the workers of one process compute each opaque chain once; without it this
+    worker computes the chains it needs itself. ``abort`` (anything with ``is_set()``) is
+    checked between parameters.
+    """
+    abort = abort if abort is not None else threading.Event()
+    shared = shared if shared is not None else _SharedOutputs(1, abort)
+    start = time.perf_counter()
+    kept: dict[str, torch.Tensor] = {}
+    read = 0
+    for param in plan:
+        if abort.is_set():
+            raise _Aborted()
+        piece, nread = _worker_piece(ckpt, param, rank, plan.num_shards, device, shared)
+        kept[param.name] = piece
+        read += nread
+        if advance is not None:
+            advance(param.piece_nbytes)
+    return WorkerLoad(kept, read, time.perf_counter() - start)
+
+
+def load_in_threads(ckpt: Checkpoint, plan: ValidatedPlan, devices: list[torch.device],
+                    run_all: Callable[..., list], progress: Union[bool, ProgressCallback]
+                    ) -> list[WorkerLoad]:
+    """Every worker's load, the workers being threads of this process (``run_all(fn)`` runs
+    ``fn(i)`` on each); opaque chains computed once and shared."""
+    n = plan.num_shards
+    advance, close_bar = progress_callback(progress, plan.bytes_per_worker() * n)
+    abort = threading.Event()
+    shared = _SharedOutputs(n, abort)
+
+    def work(i: int) -> Optional[WorkerLoad]:
+        try:
+            return load_worker(ckpt, plan, i, devices[i], shared=shared, abort=abort,
+                               advance=advance)
+        except _Aborted:
+            return None  # another worker failed; it reports
+        except BaseException:
+            abort.set()
+            raise
+
+    try:
+        return run_all(work, context=f"while loading {ckpt.source}")
+    except BaseException:
+        abort.set()  # Ctrl-C in the caller: workers stop at the next parameter
+        raise
+    finally:
+        close_bar()
+
+
+def stats_of(loads: list[WorkerLoad], seconds: float) -> LoadStats:
+    return LoadStats(seconds=seconds, num_shards=len(loads),
+                     bytes_per_worker=[w.nbytes for w in loads],
+                     tensors_per_worker=[len(w.shards) for w in loads],
+                     bytes_read_per_worker=[w.bytes_read for w in loads])
+
+
 # ---- the entry point ---------------------------------------------------------------------------
 
 def _bind(shard_info: Any, num_shards: int) -> Plan:
@@ -303,7 +379,7 @@ def _check_devices(plan: list[ParamPlan], devices: list[torch.device],
                                 step=step.index)
 
 
-def _progress_callback(progress: Union[bool, ProgressCallback], total: int):
+def progress_callback(progress: Union[bool, ProgressCallback], total: int):
     """A thread-safe ``advance(nbytes)`` and a ``close()``."""
     if callable(progress):
         return progress, lambda: None
@@ -331,54 +407,17 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
     ``Plan`` bound to the session's N, or ``None`` (replicate everything). ``progress``: a tqdm
     bar over bytes (``True``), none (``False``), or a callback given each kept piece's bytes.
 
+    1. Open the checkpoint: headers only.
+    2. Bind the plan to the session's N and validate it against the checkpoint's metadata; a
+       plan that does not fit fails here, before a byte of tensor data is read.
+    3. The session runs the per-worker algorithm (``load_worker``) on each of its workers.
+
     >>> with ThreadedSession(num_workers=4) as sess:                            # doctest: +SKIP
     ...     sharded = load_sharded(open_checkpoint("ckpt/"), "ckpt/shard_info.json", sess)
     ...     sharded.shard("model.layers.0.mlp.down_proj.qweight", 3)
     """
-    n = session.num_workers
-    ckpt = as_checkpoint(params)
-    # 1. bind and validate: no tensor data read before the plan is known to fit
-    validated = _bind(shard_info, n).validate(ckpt.metadata())
-    plan = list(validated)
-    _check_devices(plan, session.devices, validated.plan.source)
-    total = sum(p.piece_nbytes for p in plan) * n
-    advance, close_bar = _progress_callback(progress, total)
-
-    abort = threading.Event()
-    shared = _SharedOutputs(n, abort)
-    kept: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
-    read = [0] * n
-
-    # 2. every worker walks the plan in storage order
-    def work(i: int) -> None:
-        device = session.devices[i]
-        try:
-            for param in plan:
-                if abort.is_set():
-                    raise _Aborted()
-                piece, nread = _worker_piece(ckpt, param, i, n, device, shared)
-                kept[i][param.name] = piece
-                read[i] += nread
-                advance(param.piece_nbytes)
-        except _Aborted:
-            return
-        except BaseException:
-            abort.set()
-            raise
-
-    start = time.perf_counter()
-    try:
-        session.run_all(work, context=f"while loading {ckpt.source}")
-    except BaseException:
-        abort.set()  # Ctrl-C in the caller: workers stop at the next parameter
-        raise
-    finally:
-        close_bar()
-    seconds = time.perf_counter() - start
-
-    stats = LoadStats(seconds=seconds, num_shards=n,
-                      bytes_per_worker=[sum(t.numel() * t.element_size() for t in k.values())
-                                        for k in kept],
-                      tensors_per_worker=[len(k) for k in kept],
-                      bytes_read_per_worker=read)
-    return ShardedParams(kept, list(session.devices), stats, validated)
+    with session.collective("loading"):
+        ckpt = as_checkpoint(params)
+        validated = _bind(shard_info, session.num_workers).validate(ckpt.metadata())
+        _check_devices(list(validated), session.devices, validated.plan.source)
+        return session._load(ckpt, validated, progress)

@@ -289,6 +289,11 @@ class Plan:
         return (f"Plan(num_shards={self.num_shards}, {len(self.params)} params, "
                 f"source={self.source!r})")
 
+    def to_dict(self) -> dict:
+        """The plan in ``shard_info.json`` form, every expression evaluated for this N."""
+        return {name: [[s.func, [list(s.out_shape), s.dtype], *s.extra] for s in steps]
+                for name, steps in self.params.items()}
+
     # -- 3. validate
     def validate(self, metadata: Mapping[str, TensorMeta]) -> "ValidatedPlan":
         """Check the plan against a checkpoint's metadata; no tensor data is read.

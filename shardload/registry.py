@@ -24,8 +24,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .errors import UnknownShardFunctionError
 
-__all__ = ["ShardFunc", "register_shard_func", "get_shard_func", "list_shard_funcs",
-           "load_plugins", "ENTRY_POINT_GROUP"]
+__all__ = ["ShardFunc", "SessionFunc", "register_shard_func", "get_shard_func",
+           "list_shard_funcs", "register_session_func", "get_session_func", "load_plugins",
+           "ENTRY_POINT_GROUP", "importable_module"]
 
 ENTRY_POINT_GROUP = "shardload.shard_functions"
 ARRAY_KINDS = ("torch", "numpy", "cupy")
@@ -60,9 +61,32 @@ class ShardFunc:
         return f"at least {lo}" if hi is None else str(lo)
 
 
+@dataclass(frozen=True)
+class SessionFunc:
+    """A function workers run on request: ``func(ctx, *args)``, ``ctx`` a ``WorkerContext``."""
+
+    name: str
+    func: Callable[..., Any]
+    module: str = ""
+
+
 _lock = threading.RLock()
 _registry: dict[str, ShardFunc] = {}
+_session_registry: dict[str, SessionFunc] = {}
 _entry_points_loaded = False
+
+
+def importable_module(func: Callable[..., Any]) -> Optional[str]:
+    """The module a worker process can import to register ``func`` too, or ``None``.
+
+    Functions defined in ``__main__`` or inside another function cannot be re-created by
+    importing anything; their registration stays in the process that ran it.
+    """
+    module = getattr(func, "__module__", None)
+    qualname = getattr(func, "__qualname__", "")
+    if not module or module == "__main__" or "<locals>" in qualname:
+        return None
+    return module
 
 
 def _extra_arity(func: Callable[..., Any]) -> tuple[int, Optional[int]]:
@@ -132,6 +156,46 @@ def list_shard_funcs() -> list[ShardFunc]:
     _ensure_loaded()
     with _lock:
         return [_registry[k] for k in sorted(_registry)]
+
+
+def register_session_func(name: str, func: Callable[..., Any] | None = None, *,
+                          override: bool = False):
+    """Register a function sessions can run on every worker with ``session.call(name, *args)``.
+
+    It is called as ``func(ctx, *args)`` on each worker, where ``ctx`` is that worker's
+    ``WorkerContext`` (``rank``, ``world_size``, ``device``, ``shards``, ``values``); args and
+    results are JSON values or torch tensors.
+
+    >>> @register_session_func("my_org.count_params")                 # doctest: +SKIP
+    ... def count_params(ctx):
+    ...     return sum(t.numel() for t in ctx.shards.values())
+    """
+    if not isinstance(name, str) or not name or name != name.strip():
+        raise ValueError(f"session function name must be a non-empty string, got {name!r}")
+
+    def register(f: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(f):
+            raise TypeError(f"session function {name!r} must be callable, got {f!r}")
+        with _lock:
+            old = _session_registry.get(name)
+            if old is not None and not override and old.func is not f:
+                raise ValueError(f"session function {name!r} is already registered (by "
+                                 f"{old.module or 'unknown module'}); pass override=True to "
+                                 "replace it")
+            _session_registry[name] = SessionFunc(name, f, getattr(f, "__module__", "") or "")
+        return f
+
+    return register if func is None else register(func)
+
+
+def get_session_func(name: str) -> SessionFunc:
+    """The registered ``SessionFunc``; ``UnknownShardFunctionError`` (a ``KeyError``) if none."""
+    _ensure_loaded()
+    with _lock:
+        entry = _session_registry.get(name)
+        if entry is None:
+            raise UnknownShardFunctionError(name, _session_registry, kind="session function")
+        return entry
 
 
 def unregister_shard_func(name: str) -> None:

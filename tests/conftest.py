@@ -16,8 +16,9 @@ EXAMPLE = os.path.join(REPO, "examples", "tiny_llama_q4")
 def _restore_registry():
     """Functions a test registers do not leak into the next test."""
     registry.list_shard_funcs()  # make sure built-ins and entry points are in before the snapshot
-    before = dict(registry._registry)
+    before = dict(registry._registry), dict(registry._session_registry)
     yield
     with registry._lock:
-        registry._registry.clear()
-        registry._registry.update(before)
+        for table, saved in zip((registry._registry, registry._session_registry), before):
+            table.clear()
+            table.update(saved)

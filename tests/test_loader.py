@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from shardload import (ArrayCheckpoint, PlanError, ShardInfo, ThreadedSession, WorkerError,
-                       load_sharded, register_shard_func)
+import session_plugins  # noqa: F401  (registers the test shard functions, here and in workers)
+from shardload import (ArrayCheckpoint, PlanError, ProcessSession, ShardInfo, ThreadedSession,
+                       WorkerError, load_sharded, register_shard_func)
 from shardload import loader
 
 NS = [1, 2, 3, 4, 8]
@@ -20,27 +21,52 @@ def load(params, plan, n, **kwargs):
         return load_sharded(params, plan, sess, progress=False, **kwargs)
 
 
+_process_sessions: dict[int, ProcessSession] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_process_sessions():
+    yield
+    for sess in _process_sessions.values():
+        sess.close()
+    _process_sessions.clear()
+
+
+@pytest.fixture(params=["thread", "process"])
+def session_kind(request):
+    return request.param
+
+
+@pytest.fixture
+def run(session_kind):
+    """``run(params, plan, n)``: load_sharded on a session of the kind under test.
+
+    Worker processes take a second to start, so process sessions are kept per N for the
+    module; threads are made fresh each time.
+    """
+
+    def run(params, plan, n, **kwargs):
+        kwargs.setdefault("progress", False)
+        if session_kind == "thread":
+            with ThreadedSession(n) as sess:
+                return load_sharded(params, plan, sess, **kwargs)
+        sess = _process_sessions.get(n)
+        if sess is None or sess._closed:
+            sess = _process_sessions[n] = ProcessSession(n)
+        return load_sharded(params, plan, sess, **kwargs)
+
+    return run
+
+
 # ---- the TVM Disco example ---------------------------------------------------------------------
 
-def register_shard_dim_1(flavour: str) -> None:
-    if flavour == "numpy":
-        @register_shard_func("tests.disco.shard_dim_1", array="numpy")
-        def shard_dim_1(input, num_shards, output):
-            output[...] = input.reshape(input.shape[0], num_shards, -1).transpose(1, 0, 2)
-    else:
-        @register_shard_func("tests.disco.shard_dim_1")
-        def shard_dim_1(input, num_shards, output):
-            output.copy_(input.reshape(input.shape[0], num_shards, -1).transpose(0, 1))
-
-
-@pytest.mark.parametrize("flavour", ["numpy", "torch"])
+@pytest.mark.parametrize("func", ["tests.disco.shard_dim_1", "tests.disco.shard_dim_1.torch"])
 @pytest.mark.parametrize("n", NS)
-def test_tvm_shard_dim_1(flavour, n):
-    register_shard_dim_1(flavour)
+def test_tvm_shard_dim_1(run, func, n):
     x = np.random.default_rng(n).standard_normal((64, 64 * n)).astype(np.float16)
     # exactly the plan TVM's test writes: concrete shapes, num_shards as an extra arg
-    plan = {"x_0": [["tests.disco.shard_dim_1", [[n, 64, 64], "float16"], n]]}
-    result = load({"x_0": x}, plan, n)
+    plan = {"x_0": [[func, [[n, 64, 64], "float16"], n]]}
+    result = run({"x_0": x}, plan, n)
     expected = np.split(x, n, axis=1)
     for i in range(n):
         got = result.shard("x_0", i)
@@ -52,7 +78,7 @@ def test_tvm_shard_dim_1(flavour, n):
 
 @pytest.mark.parametrize("n, kv_heads", [(1, 2), (2, 2), (3, 3), (4, 2), (8, 2), (8, 4),
                                          (4, 8), (3, 1), (8, 1)])
-def test_split_segments_with_gqa_matches_numpy(n, kv_heads):
+def test_split_segments_with_gqa_matches_numpy(run, n, kv_heads):
     # fused qkv rows: 24 q heads and kv_heads KV heads of 4 rows each, 8 columns; MQA included
     q_heads, hd, cols = 24, 4, 8
     rng = np.random.default_rng(0)
@@ -63,7 +89,7 @@ def test_split_segments_with_gqa_matches_numpy(n, kv_heads):
     rows = q_heads * hd // n + 2 * kv_rows
     plan = {"qkv": [["shardload.split_segments", [["num_shards", rows, cols], "float32"], 0,
                      q_heads * hd, q_heads, kv_heads * hd, kv_heads, kv_heads * hd, kv_heads]]}
-    result = load({"qkv": qkv}, plan, n)
+    result = run({"qkv": qkv}, plan, n)
     for i in range(n):
         kv_head = i // (n // kv_heads) if n > kv_heads else None
         if kv_head is None:
@@ -76,7 +102,7 @@ def test_split_segments_with_gqa_matches_numpy(n, kv_heads):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.uint32,
                                    torch.bool, torch.int8])
-def test_dtypes_numpy_lacks_move_exactly(dtype):
+def test_dtypes_numpy_lacks_move_exactly(run, dtype):
     high = 2 if dtype == torch.bool else 256  # a bool byte other than 0/1 is undefined
     x = torch.randint(0, high, (6, 8 * torch.empty((), dtype=dtype).element_size()),
                       dtype=torch.uint8).view(dtype)
@@ -84,7 +110,7 @@ def test_dtypes_numpy_lacks_move_exactly(dtype):
                                        str(x.dtype).removeprefix("torch.")], 1]],
             "y": [["shardload.replicate", [["num_shards", *x.shape],
                                            str(x.dtype).removeprefix("torch.")]]]}
-    result = load({"x": x, "y": x}, plan, 2)
+    result = run({"x": x, "y": x}, plan, 2)
     for i in range(2):
         got = result.shard("x", i)
         assert got.dtype == dtype
@@ -93,7 +119,7 @@ def test_dtypes_numpy_lacks_move_exactly(dtype):
         assert torch.equal(result.shard("y", i).view(torch.uint8), x.view(torch.uint8))
 
 
-def test_direct_reads_equal_the_full_computation():
+def test_direct_reads_equal_the_full_computation(run):
     # split and split_segments read only their own ranges; the answer must be what running the
     # function on the whole tensor gives.
     x = torch.arange(2 * 24 * 3, dtype=torch.int32).reshape(2, 24, 3)
@@ -102,7 +128,7 @@ def test_direct_reads_equal_the_full_computation():
                                         "int32"], 1, 16, 4, 8, 2]]}).bind(4)
     validated = plan.validate(ArrayCheckpoint({"x": x}).metadata())
     full = loader.run_steps(validated.params["x"], x)
-    result = load({"x": x}, plan, 4)
+    result = run({"x": x}, plan, 4)
     for i in range(4):
         assert torch.equal(result.shard("x", i), full[i])
 
@@ -110,23 +136,18 @@ def test_direct_reads_equal_the_full_computation():
 # ---- chains, replication, ownership --------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_two_step_chain(n):
-    @register_shard_func("tests.loader.transpose", array="numpy")
-    def transpose(input, output):
-        """[a, b] -> [b, a]: a first step that does not produce N on axis 0."""
-        output[...] = input.T
-
+def test_two_step_chain(run, n):
     x = np.arange(8 * 16, dtype=np.int32).reshape(8, 16)
     plan = {"x": [["tests.loader.transpose", [[16, 8], "int32"]],
                   ["shardload.split", [["num_shards", "16 // num_shards", 8], "int32"], 0]]}
-    result = load({"x": x}, plan, n)
+    result = run({"x": x}, plan, n)
     for i in range(n):
         np.testing.assert_array_equal(result.shard("x", i).numpy(), np.split(x.T, n)[i])
 
 
-def test_replicated_params_are_whole_and_owned():
+def test_replicated_params_are_whole_and_owned(run):
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    result = load({"norm": x}, {}, 3)
+    result = run({"norm": x}, {}, 3)
     pieces = [result.shard("norm", i) for i in range(3)]
     x.add_(100)  # the caller's array changing must not change the shards
     for p in pieces:
@@ -134,18 +155,18 @@ def test_replicated_params_are_whole_and_owned():
     assert len({p.untyped_storage().data_ptr() for p in pieces}) == 3
 
 
-def test_shards_own_their_memory():
+def test_shards_own_their_memory(run):
     x = np.arange(64, dtype=np.float32).reshape(8, 8)
     plan = {"x": [["shardload.split", [["num_shards", 2, 8], "float32"], 0]]}
-    result = load({"x": x}, plan, 4)
+    result = run({"x": x}, plan, 4)
     for i in range(4):
         piece = result.shard("x", i)
         assert piece.untyped_storage().nbytes() == piece.numel() * 4  # not a view of a bigger one
 
 
-def test_worker_mapping_and_names():
+def test_worker_mapping_and_names(run):
     x = np.arange(8, dtype=np.int64)
-    result = load({"a": x, "b": x}, {"a": [["shardload.split", [[2, 4], "int64"], 0]]}, 2)
+    result = run({"a": x, "b": x}, {"a": [["shardload.split", [[2, 4], "int64"], 0]]}, 2)
     assert sorted(result.names) == ["a", "b"]
     w1 = result.worker(1)
     assert set(w1) == {"a", "b"} and torch.equal(w1["a"], torch.arange(4, 8))
@@ -155,30 +176,30 @@ def test_worker_mapping_and_names():
         result.shard("c", 0)
 
 
-def test_accepts_a_path_a_dict_plan_and_none(tmp_path):
+def test_accepts_a_path_a_dict_plan_and_none(run, tmp_path):
     from safetensors.numpy import save_file
 
     path = tmp_path / "m.safetensors"
     save_file({"w": np.arange(8, dtype=np.float32)}, str(path))
     (tmp_path / "shard_info.json").write_text(
         '{"w": [["shardload.split", [["num_shards", "8 // num_shards"], "float32"], 0]]}')
-    a = load(str(path), str(tmp_path / "shard_info.json"), 2)
-    b = load(str(path), None, 2)
+    a = run(str(path), str(tmp_path / "shard_info.json"), 2)
+    b = run(str(path), None, 2)
     assert torch.equal(a.shard("w", 1), torch.arange(4, 8, dtype=torch.float32))
     assert torch.equal(b.shard("w", 1), torch.arange(8, dtype=torch.float32))
 
 
-def test_plan_bound_to_another_n_is_refused():
+def test_plan_bound_to_another_n_is_refused(run):
     plan = ShardInfo.from_dict({"w": [["shardload.split", [["num_shards", "8 // num_shards"],
                                                             "float32"], 0]]}).bind(4)
     with pytest.raises(PlanError, match="bound to num_shards=4, but the session has 2"):
-        load({"w": np.zeros(8, np.float32)}, plan, 2)
+        run({"w": np.zeros(8, np.float32)}, plan, 2)
 
 
 # ---- statistics and progress -------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_each_worker_reads_only_its_share(tmp_path, n):
+def test_each_worker_reads_only_its_share(run, session_kind, tmp_path, n):
     from safetensors.numpy import save_file
 
     from shardload import open_checkpoint
@@ -192,8 +213,10 @@ def test_each_worker_reads_only_its_share(tmp_path, n):
     plan.update({f"w{k}": [["shardload.split", [["num_shards", 64, "32 // num_shards"],
                                                 "float32"], 1]] for k in range(3, 6)})
     with open_checkpoint(tmp_path / "m.safetensors") as ckpt:
-        result = load(ckpt, plan, n)
-        assert ckpt.bytes_read == sum(result.stats.bytes_read_per_worker)
+        result = run(ckpt, plan, n)
+        # threads read through this checkpoint; worker processes open the file themselves
+        assert ckpt.bytes_read == (sum(result.stats.bytes_read_per_worker)
+                                   if session_kind == "thread" else 0)
     sharded = 6 * 64 * 32 * 4
     for i in range(n):
         assert result.stats.bytes_read_per_worker[i] == sharded // n + 32 * 4
@@ -202,7 +225,7 @@ def test_each_worker_reads_only_its_share(tmp_path, n):
     assert result.stats.tensors_per_worker == [7] * n and result.stats.seconds > 0
 
 
-def test_progress_callback_sees_every_byte():
+def test_progress_callback_sees_every_byte(run):
     seen = []
     lock = threading.Lock()
 
@@ -211,10 +234,8 @@ def test_progress_callback_sees_every_byte():
             seen.append(nbytes)
 
     x = np.zeros((8, 8), np.float32)
-    with ThreadedSession(4) as sess:
-        result = load_sharded({"a": x, "b": x}, {"a": [["shardload.split", [[4, 2, 8],
-                                                                            "float32"], 0]]},
-                              sess, progress=progress)
+    result = run({"a": x, "b": x}, {"a": [["shardload.split", [[4, 2, 8], "float32"], 0]]}, 4,
+                 progress=progress)
     # a: 8 of 64 floats per worker; b: replicated, all 64 floats per worker
     assert sum(seen) == result.stats.bytes_total == 4 * (16 + 64) * 4
 
@@ -223,10 +244,6 @@ def test_staging_is_bounded_for_opaque_chains(monkeypatch):
     # Opaque chains share one full output per parameter; no more than MAX_SHARED at a time.
     live, peak = set(), [0]
     lock = threading.Lock()
-
-    @register_shard_func("tests.loader.opaque")
-    def opaque(input, output):
-        output.copy_(input.reshape(output.shape))
 
     original = loader._SharedOutputs.take
 
@@ -247,40 +264,32 @@ def test_staging_is_bounded_for_opaque_chains(monkeypatch):
 
 # ---- failures ------------------------------------------------------------------------------------
 
-def test_a_raising_function_is_a_worker_error_naming_param_and_step():
-    @register_shard_func("tests.loader.boom")
-    def boom(input, output):
-        raise RuntimeError("boom in a shard function")
-
+def test_a_raising_function_is_a_worker_error_naming_param_and_step(run, session_kind):
     plan = {"ok": [["shardload.split", [[2, 4], "float32"], 0]],
             "bad": [["shardload.replicate", [[2, 8], "float32"]],
                     ["tests.loader.boom", [[2, 8], "float32"]]]}
     params = {"ok": np.zeros(8, np.float32), "bad": np.zeros(8, np.float32)}
-    with ThreadedSession(2) as sess:
-        with pytest.raises(WorkerError) as info:
-            load_sharded(params, plan, sess, progress=False)
-        err = info.value
+    with pytest.raises(WorkerError) as info:
+        run(params, plan, 2)
+    err = info.value
+    if session_kind == "thread":
         assert len(err.failures) == 1  # the worker that computed it; the other stops quietly
-        failure = err.failures[0]
-        assert failure.worker in (0, 1) and failure.exc_type == "RuntimeError"
-        assert "parameter 'bad', step 1 (tests.loader.boom): boom in a shard function" \
-            in failure.message
-        assert "in boom" in failure.traceback  # the remote traceback reaches the user
-        assert f"worker {failure.worker} failed" in str(err)
-        # the session survives a failed load
-        again = load_sharded({"ok": np.ones(8, np.float32)}, {}, sess, progress=False)
-        assert torch.equal(again.shard("ok", 1), torch.ones(8))
+    failure = err.failures[0]
+    assert failure.worker in (0, 1) and failure.exc_type == "RuntimeError"
+    assert "parameter 'bad', step 1 (tests.loader.boom): boom in a shard function" \
+        in failure.message
+    assert "in boom" in failure.traceback  # the remote traceback reaches the user
+    assert f"worker {failure.worker} failed" in str(err)
+    # the session survives a failed load
+    again = run({"ok": np.ones(8, np.float32)}, {}, 2)
+    assert torch.equal(again.shard("ok", 1), torch.ones(8))
 
 
-def test_failures_from_several_workers_are_all_reported():
-    @register_shard_func("tests.loader.fail_numpy", array="numpy")
-    def fail_numpy(input, output):
-        raise ValueError("bad values")
-
+def test_failures_from_several_workers_are_all_reported(run):
     plan = {f"p{k}": [["tests.loader.fail_numpy", [[2, 4], "float32"]]] for k in range(2)}
     params = {f"p{k}": np.zeros(8, np.float32) for k in range(2)}
     with pytest.raises(WorkerError) as info:
-        load(params, plan, 2)
+        run(params, plan, 2)
     assert info.value.failures[0].exc_type == "ValueError"
     assert {f.worker for f in info.value.failures} <= {0, 1}
 

@@ -39,6 +39,8 @@ class Checkpoint(abc.ABC):
 
     #: where the tensors come from (a path, or "<memory>"), for messages
     source: str = "<checkpoint>"
+    #: a path ``open_checkpoint`` reopens this checkpoint from (in another process), or None
+    path: "str | None" = None
 
     def __init__(self) -> None:
         self.bytes_read = 0

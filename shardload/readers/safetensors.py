@@ -335,6 +335,7 @@ class SafetensorsCheckpoint(Checkpoint):
                  index_metadata: dict[str, Any] | None = None):
         super().__init__()
         self.source = source
+        self.path = os.path.abspath(source)
         self.files: list[str] = [str(s.path) for s in shards]
         self.file_metadata: dict[str, dict[str, str]] = {str(s.path): s.metadata for s in shards}
         self.index_metadata: dict[str, Any] = dict(index_metadata or {})

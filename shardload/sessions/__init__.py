@@ -1,6 +1,13 @@
-"""Sessions host N workers and move messages; they know nothing of plans or formats."""
+"""Sessions host N workers and move messages; they know nothing of plans or formats.
 
-from .base import Session, resolve_devices
+``ThreadedSession`` (threads in this process), ``ProcessSession`` (worker processes driven over
+pipes) and ``TorchDistributedSession`` (the ranks of a torch.distributed job) share one API.
+"""
+
+from .base import Session, WorkerContext, resolve_devices
+from .process import ProcessSession
 from .threaded import ThreadedSession
+from .torchdist import TorchDistributedSession
 
-__all__ = ["Session", "ThreadedSession", "resolve_devices"]
+__all__ = ["Session", "WorkerContext", "ThreadedSession", "ProcessSession",
+           "TorchDistributedSession", "resolve_devices"]

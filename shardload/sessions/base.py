@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Sequence, Union
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Sequence, Union
 
 import torch
 
@@ -52,20 +54,58 @@ def _device(spec: Union[str, torch.device]) -> torch.device:
             from None
 
 
-class Session(abc.ABC):
-    """N workers, worker i owning ``devices[i]``.
+@dataclass
+class WorkerContext:
+    """What a worker holds: its place in the session, its shards and the values set on it.
 
-    The loader calls ``run_all(fn)``: ``fn(i)`` runs on every worker concurrently; the call
-    returns the N results in worker order, or raises ``WorkerError`` naming every worker that
-    failed (the earliest failure first) once all workers have stopped.
+    Session functions (``register_session_func``) receive it as their first argument.
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    shards: dict[str, torch.Tensor] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+class Session(abc.ABC):
+    """N workers, worker i owning ``devices[i]``; the loader's way to run code on them.
+
+    Sessions decide *where* the per-worker algorithm runs (threads, processes, the ranks of a
+    torch.distributed job); the loader decides *what* it does.
     """
 
     num_workers: int
     devices: list[torch.device]
 
     @abc.abstractmethod
-    def run_all(self, fn: Callable[[int], Any], *, context: str = "") -> list[Any]:
-        """Run ``fn(i)`` on every worker i; the results in worker order."""
+    def _load(self, ckpt, validated, progress) -> "ShardedParams":  # noqa: F821
+        """Run the per-worker load on every worker; called by ``load_sharded``."""
+
+    def collective(self, what: str) -> ContextManager[None]:
+        """A context in which a failure on any worker is reported on every worker.
+
+        Only a session whose workers run the caller's code themselves (torch.distributed)
+        needs it; elsewhere the controller sees every failure already.
+        """
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def call(self, func_name: str, *args: Any) -> list[Any]:
+        """Run the session function ``func_name(ctx, *args)`` on every worker; results in
+        worker order. Args and results are JSON values or torch tensors."""
+
+    @abc.abstractmethod
+    def set_value(self, worker: int, name: str, value: Any) -> None:
+        """Store ``value`` (a JSON value or tensor) as ``ctx.values[name]`` on one worker."""
+
+    @abc.abstractmethod
+    def get_value(self, worker: int, name: str) -> Any:
+        """A copy of ``ctx.values[name]`` from one worker."""
+
+    def _check_worker(self, worker: int) -> None:
+        if type(worker) is not int or not 0 <= worker < self.num_workers:
+            raise IndexError(f"worker {worker!r} out of range for {self.num_workers} workers")
 
     def close(self) -> None:
         """Stop the workers. Idempotent."""

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import WorkerError, WorkerFailure, describe
-from .base import DeviceSpec, Session, resolve_devices
+from .base import DeviceSpec, Session, WorkerContext, resolve_devices
 
 
 class ThreadedSession(Session):
@@ -31,10 +31,13 @@ class ThreadedSession(Session):
         # (a CUDA context and stream per worker, as a process per GPU would have).
         self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"shardload-worker-{i}")
                          for i in range(num_workers)]
+        self._contexts = [WorkerContext(i, num_workers, d) for i, d in enumerate(self.devices)]
         self._closed = False
         self._lock = threading.Lock()
 
     def run_all(self, fn: Callable[[int], Any], *, context: str = "") -> list[Any]:
+        """Run ``fn(i)`` on every worker thread; ``WorkerError`` naming each failed worker,
+        the earliest failure first, once all have stopped."""
         if self._closed:
             raise RuntimeError("this session is closed")
 
@@ -49,12 +52,40 @@ class ThreadedSession(Session):
 
         futures = [w.submit(on_worker, i) for i, w in enumerate(self._workers)]
         outcomes = [f.result() for f in futures]
-        failed = [o[1] for o in outcomes if not o[0]]
+        failed = sorted((o[1] for o in outcomes if not o[0]), key=lambda f: f[0])
         if failed:
-            failed.sort(key=lambda f: f[0])
-            error = WorkerError([f[1] for f in failed], context)
-            raise error from failed[0][2]
+            raise WorkerError([f[1] for f in failed], context) from failed[0][2]
         return [o[1] for o in outcomes]
+
+    def _load(self, ckpt, validated, progress):
+        from ..loader import ShardedParams, load_in_threads, stats_of
+
+        start = time.perf_counter()
+        loads = load_in_threads(ckpt, validated, self.devices, self.run_all, progress)
+        stats = stats_of(loads, time.perf_counter() - start)
+        for ctx, load in zip(self._contexts, loads):
+            ctx.shards.update(load.shards)
+        names = [p.name for p in validated]
+        return ShardedParams(names, list(self.devices), stats, validated,
+                             lambda name, i: loads[i].shards[name])
+
+    def call(self, func_name: str, *args: Any) -> list[Any]:
+        from ..registry import get_session_func
+
+        func = get_session_func(func_name).func
+        return self.run_all(lambda i: func(self._contexts[i], *args),
+                            context=f"in {func_name}")
+
+    def set_value(self, worker: int, name: str, value: Any) -> None:
+        self._check_worker(worker)
+        if isinstance(value, torch.Tensor):
+            value = value.to(self.devices[worker], copy=True)
+        self._contexts[worker].values[name] = value
+
+    def get_value(self, worker: int, name: str) -> Any:
+        self._check_worker(worker)
+        value = self._contexts[worker].values[name]
+        return value.clone() if isinstance(value, torch.Tensor) else value
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,82 @@
+"""Messages between a ProcessSession controller and its workers: JSON and raw bytes, no pickle.
+
+A message is one JSON object (a frame), followed by one raw frame when it carries a tensor:
+the JSON then holds ``{"tensor": {"dtype": ..., "shape": [...]}}`` and the raw frame the
+tensor's bytes in C order. Frames go over ``multiprocessing.connection.Connection`` with its
+byte methods (``send_bytes`` / ``recv_bytes``), which only frame bytes and never unpickle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from multiprocessing import BufferTooShort
+from multiprocessing.connection import Connection
+from typing import Any, Optional
+
+import torch
+
+from .. import dtypes, strict_json
+
+
+class ProtocolError(Exception):
+    """A peer sent something that is not a valid message."""
+
+
+def send(conn: Connection, message: dict, tensor: Optional[torch.Tensor] = None) -> None:
+    """Send ``message`` (JSON-able) and, if given, ``tensor``'s bytes."""
+    if tensor is not None:
+        tensor = tensor.detach().to("cpu").contiguous()
+        message = {**message, "tensor": {"dtype": dtypes.from_torch(tensor.dtype),
+                                         "shape": list(tensor.shape)}}
+    conn.send_bytes(json.dumps(message).encode())
+    if tensor is not None:
+        conn.send_bytes(_as_bytes(tensor))
+
+
+def recv(conn: Connection) -> tuple[dict, Optional[torch.Tensor]]:
+    """Receive one message and its tensor (an owned CPU tensor), if it carries one."""
+    try:
+        message = strict_json.loads(conn.recv_bytes())
+    except ValueError as exc:
+        raise ProtocolError(f"malformed message: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("a message must be a JSON object")
+    spec = message.pop("tensor", None)
+    if spec is None:
+        return message, None
+    try:
+        dtype = dtypes.canonical(spec["dtype"])
+        shape = tuple(int(d) for d in spec["shape"])
+        if any(d < 0 for d in shape):
+            raise ValueError("negative dim")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"bad tensor header {spec!r}: {exc}") from None
+    nbytes = math.prod(shape) * dtypes.itemsize(dtype)
+    out = torch.empty(shape, dtype=dtypes.to_torch(dtype))
+    # Received straight into the tensor's memory; a frame longer than the header says is refused
+    # by recv_bytes_into itself, a shorter one below.
+    buffer = out.view(-1).view(torch.uint8).numpy() if nbytes else bytearray(1)
+    try:
+        got = conn.recv_bytes_into(buffer)
+    except BufferTooShort:
+        raise ProtocolError(f"tensor header says {nbytes} bytes, more arrived") from None
+    if got != nbytes:
+        raise ProtocolError(f"tensor header says {nbytes} bytes, {got} arrived")
+    return message, out
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def to_jsonable(value: Any) -> Any:
+    """Check that ``value`` can travel as JSON (scalars, lists, dicts with str keys)."""
+    json.dumps(value)
+    return value
+
+
+__all__ = ["send", "recv", "ProtocolError", "to_jsonable"]

@@ -1,0 +1,184 @@
+"""Every rank of a torch.distributed job (torchrun) is one worker: the path to many machines.
+
+Each rank runs the caller's program (SPMD), constructs a ``TorchDistributedSession`` and calls
+``load_sharded``; each ends with exactly its own shards on its own device. Ranks agree on the
+outcome: after every load they exchange a status, so a failure on one rank is reported on every
+rank, naming it, instead of leaving the others to hang in a later collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import time
+import traceback
+from typing import Any, Iterator, Optional, Union
+
+import torch
+
+from .. import strict_json
+from ..errors import (FormatError, PlanError, ShardloadError, WorkerError, WorkerFailure,
+                      describe)
+from .base import Session, WorkerContext
+
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class TorchDistributedSession(Session):
+    """This process as rank ``RANK`` of ``WORLD_SIZE``, under torchrun or an existing group.
+
+    Without an initialised process group it creates one from the usual environment (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): NCCL when this rank's
+    device is CUDA, gloo otherwise. The device defaults to ``cuda:LOCAL_RANK`` where CUDA is
+    available, else the CPU.
+
+    >>> # torchrun --nproc-per-node 2 load.py                                 # doctest: +SKIP
+    >>> sess = TorchDistributedSession()
+    >>> mine = load_sharded("ckpt/", "ckpt/shard_info.json", sess).worker(sess.rank)
+    """
+
+    def __init__(self, device: Union[str, torch.device, None] = None, *,
+                 backend: Optional[str] = None, timeout_s: float = 600.0):
+        import torch.distributed as dist
+
+        self._dist = dist
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if device is None:
+            device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self._owns_group = False
+        if not dist.is_initialized():
+            missing = [k for k in _ENV if k not in os.environ]
+            if missing:
+                raise ShardloadError(
+                    f"TorchDistributedSession needs a torch.distributed job, and "
+                    f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: run "
+                    "under torchrun (torchrun --nproc-per-node N ...), or initialise a process "
+                    "group first")
+            backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            self._owns_group = True
+        self.rank = dist.get_rank()
+        self.num_workers = dist.get_world_size()
+        # collectives of small status messages run where the backend can: NCCL needs CUDA
+        self._comm_device = (self.device if dist.get_backend() == "nccl"
+                             else torch.device("cpu"))
+        self._ctx = WorkerContext(self.rank, self.num_workers, self.device)
+        self._pending: Optional[Any] = None
+        self._closed = False
+        self.devices = [torch.device(d) for d in self._all_gather(str(self.device))]
+
+    # ---- agreeing on outcomes --------------------------------------------------------------------
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (JSON), in rank order: sizes, then padded bytes."""
+        data = json.dumps(value).encode()
+        dev = self._comm_device
+        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        sizes = [torch.zeros_like(size) for _ in range(self.num_workers)]
+        self._dist.all_gather(sizes, size)
+        longest = max(int(s.item()) for s in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        bufs = [torch.empty_like(buf) for _ in range(self.num_workers)]
+        self._dist.all_gather(bufs, buf)
+        return [strict_json.loads(bytes(b[:int(s.item())].cpu().numpy()))
+                for b, s in zip(bufs, sizes)]
+
+    @contextlib.contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        """Run the body on every rank, then exchange outcomes: if any rank failed, every rank
+        raises (the failing ranks their own error, the others ``WorkerError`` naming them)."""
+        self._check_open()
+        status: dict[str, Any] = {"ok": True}
+        local: Optional[BaseException] = None
+        try:
+            yield
+        except BaseException as exc:
+            local = exc
+            status = {"ok": False, "exc_type": type(exc).__name__, "message": describe(exc),
+                      "traceback": traceback.format_exc()}
+        if self._pending is not None and status["ok"]:
+            status["load"] = self._pending[1]
+        statuses = self._all_gather(status)
+        result, self._pending = (self._pending or (None, None))[0], None
+        failures = [WorkerFailure(r, s["exc_type"], s["message"], s["traceback"])
+                    for r, s in enumerate(statuses) if not s["ok"]]
+        if local is not None:
+            raise local
+        if failures:
+            raise WorkerError(failures, what)
+        if result is not None:
+            loads = [s["load"] for s in statuses]
+            result.stats.bytes_per_worker = [w["bytes"] for w in loads]
+            result.stats.tensors_per_worker = [w["tensors"] for w in loads]
+            result.stats.bytes_read_per_worker = [w["bytes_read"] for w in loads]
+            result.stats.seconds = max(w["seconds"] for w in loads)
+
+    # ---- the Session API -------------------------------------------------------------------------
+
+    def _load(self, ckpt, validated, progress):
+        from ..loader import ShardedParams, load_worker, progress_callback, stats_of
+
+        advance, close_bar = progress_callback(progress if self.rank == 0 else False,
+                                               validated.bytes_per_worker())
+        start = time.perf_counter()
+        try:
+            load = load_worker(ckpt, validated, self.rank, self.device, advance=advance)
+        finally:
+            close_bar()
+        seconds = time.perf_counter() - start
+        self._ctx.shards.update(load.shards)
+        loads = [load] * self.num_workers  # placeholders until the ranks exchange statistics
+        result = ShardedParams([p.name for p in validated], list(self.devices),
+                               stats_of(loads, seconds), validated, self._fetch)
+        self._pending = (result, {"bytes": load.nbytes, "tensors": len(load.shards),
+                                  "bytes_read": load.bytes_read, "seconds": seconds})
+        return result
+
+    def _fetch(self, name: str, worker: int) -> torch.Tensor:
+        if worker != self.rank:
+            raise ShardloadError(f"rank {self.rank} holds only its own shards; worker "
+                                 f"{worker}'s are in rank {worker}'s process")
+        return self._ctx.shards[name]
+
+    def call(self, func_name: str, *args: Any) -> list[Any]:
+        """Run the session function on this rank (every rank runs its own call); the results of
+        all ranks, exchanged, in rank order."""
+        from ..registry import get_session_func
+
+        with self.collective(f"in {func_name}"):
+            value = get_session_func(func_name).func(self._ctx, *args)
+        return self._all_gather(value)
+
+    def set_value(self, worker: int, name: str, value: Any) -> None:
+        self._check_worker(worker)
+        if worker == self.rank:
+            self._ctx.values[name] = value
+
+    def get_value(self, worker: int, name: str) -> Any:
+        self._check_worker(worker)
+        if worker != self.rank:
+            raise ShardloadError(f"rank {self.rank} holds only its own values")
+        return self._ctx.values[name]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this session is closed")
+
+    def close(self) -> None:
+        """Destroy the process group if this session created it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_group and self._dist.is_initialized():
+            self._dist.destroy_process_group()
+
+    def __repr__(self) -> str:
+        return (f"TorchDistributedSession(rank={self.rank}, num_workers={self.num_workers}, "
+                f"device={self.device})")

@@ -1,0 +1,235 @@
+"""A ProcessSession worker: ``python -m shardload.sessions.worker FD``.
+
+It serves requests from its controller over the connection on file descriptor FD, one at a
+time, until ``shutdown`` or until the controller goes away: the connection closing, or this
+process being re-parented (the controller killed), ends it within a second.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any, Optional
+
+# The controller decides what a Ctrl-C means; a terminal's SIGINT reaches the whole process
+# group, and N workers must not each print a KeyboardInterrupt traceback.
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+#: send a progress message after this many bytes, or this many seconds
+PROGRESS_BYTES, PROGRESS_S = 8 << 20, 0.2
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(3)  # the controller is gone; nobody will ever ask for our shards
+
+
+class Worker:
+    """The worker's state and request handlers (``op`` -> ``_op_<op>``)."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.ctx = None
+        self.dist = False
+        # each load's shards, by the controller's load id, until its result is released
+        self.loads: dict[int, dict] = {}
+
+    def serve(self) -> None:
+        from . import protocol
+
+        while True:
+            try:
+                message, tensor = protocol.recv(self.conn)
+            except (EOFError, OSError):
+                return  # the controller closed the connection
+            op = message.get("op")
+            if op == "abort":
+                continue  # arrived after the load it meant to stop had finished
+            if op == "release":  # the controller dropped these results; no reply expected
+                for load_id in message.get("loads", []):
+                    self.loads.pop(load_id, None)
+                continue
+            try:
+                handler = getattr(self, f"_op_{op}", None)
+                if handler is None:
+                    raise ValueError(f"unknown request {op!r}")
+                reply, out = handler(message, tensor)
+                protocol.send(self.conn, {"ok": True, **reply}, out)
+            except _Aborted:
+                protocol.send(self.conn, {"ok": False, "aborted": True})
+            except BaseException as exc:
+                from ..errors import describe
+
+                protocol.send(self.conn, {"ok": False, "exc_type": type(exc).__name__,
+                                          "message": describe(exc),
+                                          "traceback": traceback.format_exc()})
+            if op == "shutdown":
+                return
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def _op_init(self, message: dict, _) -> tuple[dict, None]:
+        # The controller's import path, so its plugins import here as they did there.
+        sys.path[:0] = [p for p in message["sys_path"] if p not in sys.path]
+        import torch
+
+        from ..registry import load_plugins
+        from .base import WorkerContext
+
+        device = torch.device(message["device"])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.ctx = WorkerContext(message["rank"], message["world_size"], device)
+        load_plugins(message["plugins"])
+        dist = message.get("dist")
+        if dist:
+            import datetime
+
+            import torch.distributed as td
+
+            timeout = datetime.timedelta(seconds=float(dist["timeout_s"]))
+            store = td.TCPStore(dist["host"], int(dist["port"]), None, False, timeout=timeout)
+            td.init_process_group(dist["backend"], store=store, rank=self.ctx.rank,
+                                  world_size=self.ctx.world_size, timeout=timeout)
+            self.dist = True
+        return {"pid": os.getpid()}, None
+
+    def _op_ensure(self, message: dict, _) -> tuple[dict, None]:
+        import importlib
+
+        from .. import registry
+
+        missing = []
+        for kind, lookup in (("shard", registry.get_shard_func),
+                             ("session", registry.get_session_func)):
+            for name, module in message.get(kind, {}).items():
+                try:
+                    lookup(name)
+                    continue
+                except KeyError:
+                    pass
+                if module:  # the module the controller registered it from, already run there
+                    importlib.import_module(module)
+                try:
+                    lookup(name)
+                except KeyError:
+                    missing.append(name)
+        return {"missing": missing}, None
+
+    def _op_load(self, message: dict, _) -> tuple[dict, None]:
+        from ..loader import _Aborted as LoadAborted, load_worker
+        from ..plan import ShardInfo
+        from ..readers import open_checkpoint
+
+        with open_checkpoint(message["checkpoint"]) as ckpt:
+            plan = ShardInfo.from_dict(message["plan"]).bind(int(message["num_shards"]))
+            validated = plan.validate(ckpt.metadata())
+            progress = _Progress(self.conn)
+            try:
+                load = load_worker(ckpt, validated, self.ctx.rank, self.ctx.device,
+                                   abort=_AbortPoll(self.conn), advance=progress)
+            except LoadAborted:
+                raise _Aborted() from None
+            progress.flush()
+        self.loads[int(message["load"])] = load.shards
+        self.ctx.shards.update(load.shards)
+        return {"bytes": load.nbytes, "tensors": len(load.shards),
+                "bytes_read": load.bytes_read, "seconds": load.seconds}, None
+
+    def _op_fetch(self, message: dict, _) -> tuple[dict, Any]:
+        if message["kind"] == "shard":
+            return _as_reply(self.loads[int(message["load"])][message["name"]])
+        return _as_reply(self.ctx.values[message["name"]])
+
+    def _op_set(self, message: dict, tensor) -> tuple[dict, None]:
+        if tensor is not None:
+            tensor = tensor.to(self.ctx.device)
+        self.ctx.values[message["name"]] = tensor if tensor is not None else message.get("value")
+        return {}, None
+
+    def _op_call(self, message: dict, _) -> tuple[dict, Any]:
+        from ..registry import get_session_func
+
+        func = get_session_func(message["func"]).func
+        return _as_reply(func(self.ctx, *message.get("args", [])))
+
+    def _op_shutdown(self, message: dict, _) -> tuple[dict, None]:
+        if self.dist:
+            import torch.distributed as td
+
+            if td.is_initialized():
+                td.destroy_process_group()
+        return {}, None
+
+
+class _Aborted(Exception):
+    """The controller asked this worker to stop loading (another worker failed)."""
+
+
+class _AbortPoll:
+    """``is_set()`` is True once the controller has sent ``abort``; checked between tensors."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.set = False
+
+    def is_set(self) -> bool:
+        from . import protocol
+
+        while not self.set and self.conn.poll(0):
+            message, _ = protocol.recv(self.conn)
+            self.set = message.get("op") == "abort"
+        return self.set
+
+
+class _Progress:
+    """Batches progress into a message per PROGRESS_BYTES or PROGRESS_S."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.pending = 0
+        self.last = time.monotonic()
+
+    def __call__(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending >= PROGRESS_BYTES or time.monotonic() - self.last >= PROGRESS_S:
+            self.flush()
+
+    def flush(self) -> None:
+        from . import protocol
+
+        if self.pending:
+            protocol.send(self.conn, {"progress": self.pending})
+        self.pending, self.last = 0, time.monotonic()
+
+
+def _as_reply(value: Any) -> tuple[dict, Optional[Any]]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return {}, value
+    from . import protocol
+
+    try:
+        return {"value": protocol.to_jsonable(value)}, None
+    except TypeError:
+        raise TypeError(f"a result of type {type(value).__name__} cannot be sent to the "
+                        "controller: return JSON values or a torch tensor") from None
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        sys.exit("usage: python -m shardload.sessions.worker FD  (started by ProcessSession)")
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    Worker(Connection(int(argv[1]))).serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,43 @@
+"""A torchrun job for tests/test_torch_distributed.py (not a test module itself).
+
+    torchrun --standalone --nproc-per-node 2 tests/dist_job.py MODE OUT_DIR
+
+MODE ``example``: load the embedded example, save this rank's shards to OUT_DIR/rank{r}.safetensors.
+MODE ``fail``: rank 1 loads with a plan naming a missing tensor; every rank writes what it raised
+to OUT_DIR/rank{r}.json.
+"""
+
+import json
+import os
+import sys
+
+from safetensors.torch import save_file
+
+from shardload import TorchDistributedSession, load_sharded
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "tiny_llama_q4")
+
+
+def main(mode: str, out: str) -> None:
+    with TorchDistributedSession() as sess:
+        if mode == "example":
+            result = load_sharded(EXAMPLE, os.path.join(EXAMPLE, "shard_info.json"), sess,
+                                  progress=False)
+            save_file(result.worker(sess.rank), os.path.join(out, f"rank{sess.rank}.safetensors"))
+            with open(os.path.join(out, f"rank{sess.rank}.json"), "w") as f:
+                json.dump({"stats": result.stats.as_dict(), "rank": sess.rank}, f)
+            return
+        plan = {"no.such.tensor": []} if sess.rank == 1 else None
+        outcome = {"raised": None}
+        try:
+            load_sharded(EXAMPLE, plan, sess, progress=False)
+        except Exception as exc:
+            outcome = {"raised": type(exc).__name__, "message": str(exc),
+                       "workers": list(getattr(exc, "workers", ()))}
+        with open(os.path.join(out, f"rank{sess.rank}.json"), "w") as f:
+            json.dump(outcome, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
