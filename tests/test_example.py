@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 
 from conftest import EXAMPLE
 from gptq_reference import dequantize
-from shardload import PlanError, ThreadedSession, load_sharded, open_checkpoint
+from shardload import PlanError, ProcessSession, ThreadedSession, load_sharded, open_checkpoint
 
 with open(os.path.join(EXAMPLE, "config.json")) as f:
     CONFIG = json.load(f)
@@ -40,18 +40,24 @@ def full():
     return load_file(os.path.join(EXAMPLE, "model.safetensors"))
 
 
+@pytest.mark.parametrize("session", [ThreadedSession, ProcessSession])
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_every_shard_dequantizes_to_its_slice(full, n):
-    with open_checkpoint(EXAMPLE) as ckpt, ThreadedSession(n) as sess:
-        result = load_sharded(ckpt, os.path.join(EXAMPLE, "shard_info.json"), sess,
+def test_every_shard_dequantizes_to_its_slice(full, n, session):
+    with open_checkpoint(EXAMPLE) as ckpt, session(n) as sess:
+        loaded = load_sharded(ckpt, os.path.join(EXAMPLE, "shard_info.json"), sess,
                               progress=False)
+        result = {i: loaded.worker(i) for i in range(n)}  # fetched while the workers live
+    check_example(full, n, result)
+
+
+def check_example(full, n, shards):
     checked = 0
     for layer in range(CONFIG["num_hidden_layers"]):
         for proj in (*COLUMN, *ROW):
             p = f"model.layers.{layer}.{proj}."
             w = dequantize(*(full[p + s] for s in ("qweight", "qzeros", "scales", "g_idx")))
             for i in range(n):
-                piece = {s: result.shard(p + s, i).numpy()
+                piece = {s: shards[i][p + s].numpy()
                          for s in ("qweight", "qzeros", "scales", "g_idx")}
                 got = dequantize(piece["qweight"], piece["qzeros"], piece["scales"],
                                  piece["g_idx"])
@@ -64,7 +70,7 @@ def test_every_shard_dequantizes_to_its_slice(full, n):
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
                  "model.layers.1.input_layernorm.weight"):
         for i in range(n):
-            np.testing.assert_array_equal(result.shard(name, i).numpy(), full[name])
+            np.testing.assert_array_equal(shards[i][name].numpy(), full[name])
 
 
 def test_three_workers_are_refused_before_reading(full):
