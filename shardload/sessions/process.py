@@ -55,12 +55,17 @@ def _signal_name(returncode: Optional[int]) -> Optional[str]:
         return f"signal {-returncode}"
 
 
-def _stop(procs: Sequence[subprocess.Popen], conns: Sequence[Connection]) -> None:
-    """Ask, then terminate, then kill. Safe to call twice, and at interpreter exit."""
+def _stop(procs: Sequence[subprocess.Popen], conns: Sequence[Connection],
+          grace: Sequence[float] = (GRACE_S,)) -> None:
+    """Ask, then terminate, then kill. Safe to call twice, and at interpreter exit.
+
+    ``grace[0]`` is how long workers get to exit when asked (a list, so the session can
+    shorten it when a worker has died or the user pressed Ctrl-C: then nobody waits politely).
+    """
     for conn in conns:
         with contextlib.suppress(OSError, ValueError):
             protocol.send(conn, {"op": "shutdown"})
-    deadline = time.monotonic() + GRACE_S
+    deadline = time.monotonic() + grace[0]
     for sig in (None, signal.SIGTERM, signal.SIGKILL):
         for proc in procs:
             if proc.poll() is None and sig is not None:
@@ -100,8 +105,9 @@ class ProcessSession(Session):
         self._store = None
         self._next_load = 0
         self._released: list[int] = []  # loads whose results were garbage-collected
+        self._grace = [GRACE_S]
         # The backstop: runs at garbage collection or interpreter exit if close() never did.
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._grace)
         try:
             self._start(list(plugins), distributed, start_timeout)
         except BaseException:
@@ -161,8 +167,11 @@ class ProcessSession(Session):
                     i = pending[conn]
                     try:
                         message, tensor = protocol.recv(conn)
-                    except (EOFError, OSError, protocol.ProtocolError):
+                    except (EOFError, OSError):
                         self._crashed(i, context)
+                    except protocol.ProtocolError as exc:  # alive, but out of step with us
+                        raise ShardloadError(f"worker {i} sent a malformed reply {context}: "
+                                             f"{exc}; the session is closed") from None
                     if "progress" in message:
                         if on_progress is not None:
                             on_progress(int(message["progress"]))
@@ -182,7 +191,8 @@ class ProcessSession(Session):
                     raise ShardloadError(f"workers {sorted(pending.values())} did not answer "
                                          f"{context} within {timeout:.0f} s")
         except BaseException:
-            # a crash, a timeout or Ctrl-C: the workers' state is unknown, so stop them all
+            # a crash, a timeout or Ctrl-C: the workers' state is unknown, so stop them all now
+            self._grace[0] = 0.2
             self.close()
             raise
         if failures:

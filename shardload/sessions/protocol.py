@@ -29,7 +29,7 @@ def send(conn: Connection, message: dict, tensor: Optional[torch.Tensor] = None)
         tensor = tensor.detach().to("cpu").contiguous()
         message = {**message, "tensor": {"dtype": dtypes.from_torch(tensor.dtype),
                                          "shape": list(tensor.shape)}}
-    conn.send_bytes(json.dumps(message).encode())
+    conn.send_bytes(json.dumps(message, allow_nan=False).encode())
     if tensor is not None:
         conn.send_bytes(_as_bytes(tensor))
 
@@ -74,8 +74,14 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def to_jsonable(value: Any) -> Any:
-    """Check that ``value`` can travel as JSON (scalars, lists, dicts with str keys)."""
-    json.dumps(value)
+    """``value`` if it can travel as strict JSON; ``TypeError`` for a type JSON lacks,
+    ``ValueError`` for NaN or Infinity (as ``json.dumps`` would raise them)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{type(value).__name__} value cannot be sent between processes: "
+                         f"only JSON values (without NaN or Infinity) and torch tensors can "
+                         f"({exc})") from None
     return value
 
 

@@ -64,7 +64,7 @@ class ThreadedSession(Session):
         loads = load_in_threads(ckpt, validated, self.devices, self.run_all, progress)
         stats = stats_of(loads, time.perf_counter() - start)
         for ctx, load in zip(self._contexts, loads):
-            ctx.shards.update(load.shards)
+            ctx.shards = load.shards  # the latest load is the workers' model
         names = [p.name for p in validated]
         return ShardedParams(names, list(self.devices), stats, validated,
                              lambda name, i: loads[i].shards[name])
@@ -77,8 +77,12 @@ class ThreadedSession(Session):
                             context=f"in {func_name}")
 
     def set_value(self, worker: int, name: str, value: Any) -> None:
+        from .protocol import to_jsonable
+
         self._check_worker(worker)
-        if isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            to_jsonable(value)  # the same values a ProcessSession accepts
+        else:
             value = value.to(self.devices[worker], copy=True)
         self._contexts[worker].values[name] = value
 

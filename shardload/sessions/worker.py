@@ -38,23 +38,34 @@ class Worker:
         self.conn = conn
         self.ctx = None
         self.dist = False
-        # each load's shards, by the controller's load id, until its result is released
+        # each load's shards, by the controller's load id, until its result is released; the
+        # latest load is kept regardless: it is ctx.shards, the model session functions use
         self.loads: dict[int, dict] = {}
+        self.latest: Optional[int] = None
+        self.latest_released = False
+        self.exit_requested = False
 
     def serve(self) -> None:
         from . import protocol
 
-        while True:
+        while not self.exit_requested:
             try:
                 message, tensor = protocol.recv(self.conn)
             except (EOFError, OSError):
                 return  # the controller closed the connection
+            except protocol.ProtocolError as exc:
+                protocol.send(self.conn, {"ok": False, "exc_type": "ProtocolError",
+                                          "message": str(exc), "traceback": ""})
+                continue
             op = message.get("op")
             if op == "abort":
                 continue  # arrived after the load it meant to stop had finished
             if op == "release":  # the controller dropped these results; no reply expected
                 for load_id in message.get("loads", []):
-                    self.loads.pop(load_id, None)
+                    if load_id == self.latest:
+                        self.latest_released = True  # freed when the next load replaces it
+                    else:
+                        self.loads.pop(load_id, None)
                 continue
             try:
                 handler = getattr(self, f"_op_{op}", None)
@@ -72,6 +83,7 @@ class Worker:
                                           "traceback": traceback.format_exc()})
             if op == "shutdown":
                 return
+        # a shutdown that arrived during a load ends the worker once the load has stopped
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -131,15 +143,19 @@ class Worker:
         with open_checkpoint(message["checkpoint"]) as ckpt:
             plan = ShardInfo.from_dict(message["plan"]).bind(int(message["num_shards"]))
             validated = plan.validate(ckpt.metadata())
-            progress = _Progress(self.conn)
+            progress, poll = _Progress(self.conn), _AbortPoll(self.conn)
             try:
                 load = load_worker(ckpt, validated, self.ctx.rank, self.ctx.device,
-                                   abort=_AbortPoll(self.conn), advance=progress)
+                                   abort=poll, advance=progress)
             except LoadAborted:
+                self.exit_requested = poll.shutdown
                 raise _Aborted() from None
             progress.flush()
-        self.loads[int(message["load"])] = load.shards
-        self.ctx.shards.update(load.shards)
+        if self.latest_released:
+            self.loads.pop(self.latest, None)
+        self.latest, self.latest_released = int(message["load"]), False
+        self.loads[self.latest] = load.shards
+        self.ctx.shards = load.shards
         return {"bytes": load.nbytes, "tensors": len(load.shards),
                 "bytes_read": load.bytes_read, "seconds": load.seconds}, None
 
@@ -174,18 +190,21 @@ class _Aborted(Exception):
 
 
 class _AbortPoll:
-    """``is_set()`` is True once the controller has sent ``abort``; checked between tensors."""
+    """``is_set()`` is True once the controller has sent ``abort`` or ``shutdown``; checked
+    between tensors. Nothing else can arrive during a load: the controller waits for it."""
 
     def __init__(self, conn: Connection):
         self.conn = conn
         self.set = False
+        self.shutdown = False
 
     def is_set(self) -> bool:
         from . import protocol
 
         while not self.set and self.conn.poll(0):
             message, _ = protocol.recv(self.conn)
-            self.set = message.get("op") == "abort"
+            self.shutdown = message.get("op") == "shutdown"
+            self.set = message.get("op") in ("abort", "shutdown")
         return self.set
 
 
@@ -217,11 +236,7 @@ def _as_reply(value: Any) -> tuple[dict, Optional[Any]]:
         return {}, value
     from . import protocol
 
-    try:
-        return {"value": protocol.to_jsonable(value)}, None
-    except TypeError:
-        raise TypeError(f"a result of type {type(value).__name__} cannot be sent to the "
-                        "controller: return JSON values or a torch tensor") from None
+    return {"value": protocol.to_jsonable(value)}, None
 
 
 def main(argv: list[str]) -> None:

@@ -1,0 +1,727 @@
+"""ProcessSession: N worker processes driven over sockets (``shardload/sessions/process.py``).
+
+What is checked: loads and session functions give the same results as in-process references;
+failures come back as ``PlanError`` / ``WorkerError`` / ``WorkerCrashedError`` with the right
+fields; and, above all, no worker process outlives its session, however the session ends
+(``close``, ``with``, an exception, a crashed worker, interpreter exit, the controller killed,
+Ctrl-C in the CLI).
+
+Shard and session functions the workers run live in ``process_plugins.py`` (workers can only
+run functions they can import). Starting a session costs about two seconds (each worker imports
+torch), so the tests that leave the session usable share one module-scoped session, and the
+ones that end a session start their own. Every process a test starts is killed by pid in a
+``finally`` if it is still there.
+
+The process checks read ``/proc``, so the module runs on Linux only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.numpy import save_file
+
+import process_plugins
+from shardload import load_sharded
+from shardload.cli import cli
+from shardload.errors import (PlanError, UnknownShardFunctionError, WorkerCrashedError,
+                              WorkerError)
+from shardload import registry
+from shardload.registry import register_session_func, register_shard_func
+from shardload.sessions import ProcessSession
+from shardload.sessions import process as process_module
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="checks worker processes through /proc")
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+EXAMPLE = REPO / "examples" / "tiny_llama_q4"
+WORKER_MODULE = "shardload.sessions.worker"
+
+
+# ---- processes -----------------------------------------------------------------------------------
+
+def _stat(pid: int):
+    """``(state, ppid)`` from ``/proc/<pid>/stat``; ``None`` once the process is reaped."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return fields[0], int(fields[1])
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def _is_worker(pid: int) -> bool:
+    return WORKER_MODULE in _cmdline(pid)
+
+
+def _worker_children(parent: int) -> list[int]:
+    """The ProcessSession workers whose parent is ``parent``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name))
+            if stat is not None and stat[1] == parent and _is_worker(int(entry.name)):
+                found.append(int(entry.name))
+    return sorted(found)
+
+
+def _wait_gone(pids, timeout: float) -> list[int]:
+    """Poll until none of ``pids`` exists any more (a zombie still exists: it is gone only once
+    reaped); the ones left after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [pid for pid in pids if _stat(pid) is not None]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+def _describe(pids) -> str:
+    return ", ".join(f"{pid}: {_stat(pid)} {' '.join(_cmdline(pid))}" for pid in pids)
+
+
+def _kill(pids) -> None:
+    """Cleanup after a failed test: SIGKILL whatever of ``pids`` is still running, and reap the
+    ones that are this process's children."""
+    for pid in pids:
+        stat = _stat(pid)
+        if stat is not None and stat[0] not in "ZX":
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 2
+    for pid in pids:
+        stat = _stat(pid)
+        if stat is None or stat[1] != os.getpid():
+            continue
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+                time.sleep(0.02)
+                continue
+            break
+
+
+def _kill_popen(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=5)
+
+
+@contextlib.contextmanager
+def _session(num_workers: int = 2, **kwargs):
+    """A ProcessSession of this test's own, closed and its workers killed whatever happens."""
+    sess = ProcessSession(num_workers, **kwargs)
+    pids = list(sess.pids)
+    try:
+        yield sess
+    finally:
+        sess.close()
+        _kill(pids)
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """One line of ``proc``'s stdout (a pipe), without blocking past ``timeout`` seconds."""
+    fd = proc.stdout.fileno()
+    data = b""
+    deadline = time.monotonic() + timeout
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        assert left > 0, f"no line from the subprocess within {timeout} s (got {data!r})"
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            chunk = os.read(fd, 1)
+            if not chunk:
+                break
+            data += chunk
+    return data.decode()
+
+
+def _subprocess_env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(TESTS), str(REPO), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+# ---- data and plans ------------------------------------------------------------------------------
+
+def _step(func: str, out_shape: list, dtype: str, *extra) -> list:
+    return [[func, [out_shape, dtype], *extra]]
+
+
+def _plan(func: str, rows: int, cols: int, dtype: str) -> list:
+    """A one-step plan entry splitting a (rows, cols) tensor along dim 0 with ``func``."""
+    return _step(func, ["num_shards", f"{rows} // num_shards", cols], dtype, 0)
+
+
+def _arrays() -> dict[str, np.ndarray]:
+    return {"w": np.arange(48, dtype=np.float32).reshape(4, 12),
+            "o": (np.arange(32, dtype=np.float16) / 4).reshape(4, 8),
+            "b": np.arange(6, dtype=np.int32) - 3}
+
+
+MIXED_PLAN = {  # a built-in split, an opaque chain (split along dim 1), and "b" replicated
+    "w": _plan("shardload.split", 4, 12, "float32"),
+    "o": _step("tests.process.split", ["num_shards", 4, "8 // num_shards"], "float16", 1),
+}
+
+
+def _expected(arrays: dict[str, np.ndarray], i: int, n: int) -> dict[str, np.ndarray]:
+    return {"w": np.split(arrays["w"], n, axis=0)[i], "o": np.split(arrays["o"], n, axis=1)[i],
+            "b": arrays["b"]}
+
+
+def _assert_shards(result, arrays, n: int) -> None:
+    for i in range(n):
+        for name, want in _expected(arrays, i, n).items():
+            got = result.shard(name, i)
+            assert isinstance(got, torch.Tensor) and got.device.type == "cpu"
+            assert got.dtype == torch.from_numpy(want).dtype, (name, i)
+            np.testing.assert_array_equal(got.numpy(), want, err_msg=f"{name} on worker {i}")
+
+
+# ---- the shared session --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sess():
+    """One two-worker session for the tests that leave it usable."""
+    session = ProcessSession(2)
+    pids = list(session.pids)
+    try:
+        yield session
+    finally:
+        session.close()
+        _kill(pids)
+
+
+def _still_works(session: ProcessSession) -> None:
+    assert session.call("tests.process.rank") == list(range(session.num_workers))
+    arrays = _arrays()
+    result = load_sharded(arrays, MIXED_PLAN, session, progress=False)
+    _assert_shards(result, arrays, session.num_workers)
+
+
+# ---- 1. basics -----------------------------------------------------------------------------------
+
+def test_workers_are_live_children_of_this_process(sess):
+    pids = sess.pids
+    assert len(pids) == 2 and len(set(pids)) == 2
+    for pid in pids:
+        stat = _stat(pid)
+        assert stat is not None, f"worker {pid} does not exist"
+        assert stat[0] not in "ZX", f"worker {pid} is not running: {stat}"
+        assert stat[1] == os.getpid(), f"worker {pid}'s parent is {stat[1]}"
+        assert _is_worker(pid), _cmdline(pid)
+    envs = sess.call("tests.process.env")
+    assert envs == [{"pid": pids[0], "rank": "0", "world_size": "2"},
+                    {"pid": pids[1], "rank": "1", "world_size": "2"}]
+    assert repr(sess) == f"ProcessSession(num_workers=2, pids={pids})"
+
+
+def test_load_in_memory_dict_matches_numpy(sess):
+    arrays = _arrays()
+    result = load_sharded(arrays, MIXED_PLAN, sess, progress=False)
+    assert result.num_shards == 2
+    assert sorted(result.names) == ["b", "o", "w"]
+    assert result.devices == [torch.device("cpu")] * 2
+    _assert_shards(result, arrays, 2)
+    per_worker = 2 * 12 * 4 + 4 * 4 * 2 + 6 * 4
+    assert result.stats.bytes_per_worker == [per_worker, per_worker]
+    assert result.stats.tensors_per_worker == [3, 3]
+
+    # shard() is a copy fetched from the worker: changing it changes nothing there
+    first = result.shard("w", 1)
+    first.fill_(-1)
+    np.testing.assert_array_equal(result.shard("w", 1).numpy(), arrays["w"][2:])
+    assert set(result.worker(0)) == {"w", "o", "b"}
+
+    # each result fetches from its own load, even after another load of the same names
+    doubled = {name: array * 2 for name, array in arrays.items()}
+    second = load_sharded(doubled, MIXED_PLAN, sess, progress=False)
+    _assert_shards(second, doubled, 2)
+    _assert_shards(result, arrays, 2)
+    with pytest.raises(IndexError):
+        result.shard("w", 2)
+    with pytest.raises(KeyError):
+        result.shard("nope", 0)
+
+
+def test_load_safetensors_file_matches_numpy(sess, tmp_path):
+    arrays = _arrays()
+    file = tmp_path / "model.safetensors"
+    save_file(arrays, str(file))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(MIXED_PLAN))
+    result = load_sharded(str(file), str(plan), sess, progress=False)
+    _assert_shards(result, arrays, 2)
+    # a built-in split reads only the worker's bytes; each worker process runs an opaque chain
+    # itself, from the whole tensor; a replicated tensor is read whole
+    want_read = 2 * 12 * 4 + 4 * 8 * 2 + 6 * 4
+    assert result.stats.bytes_read_per_worker == [want_read, want_read]
+
+
+def test_call_session_functions(sess):
+    assert sess.call("tests.process.rank") == [0, 1]
+    tensors = sess.call("tests.process.tensor")
+    assert len(tensors) == 2
+    for rank, got in enumerate(tensors):
+        assert isinstance(got, torch.Tensor) and got.device.type == "cpu"
+        assert torch.equal(got, torch.arange(6, dtype=torch.float32).reshape(2, 3) * (rank + 1))
+    assert sess.call("tests.process.all_reduce") == [
+        {"sum": 3, "backend": "gloo", "world_size": 2}] * 2
+
+
+def test_set_value_then_get_value_and_ctx_values(sess):
+    tensor = torch.arange(10, dtype=torch.int64).reshape(2, 5)
+    config = {"alpha": [1, 2.5, "x"], "beta": None, "gamma": True}
+    sess.set_value(1, "test.tensor", tensor)
+    sess.set_value(0, "test.config", config)
+
+    got = sess.get_value(1, "test.tensor")
+    assert isinstance(got, torch.Tensor) and torch.equal(got, tensor)
+    assert sess.get_value(0, "test.config") == config
+
+    tensors = sess.call("tests.process.read_value", "test.tensor")
+    assert tensors[0] is None and torch.equal(tensors[1], tensor)
+    assert sess.call("tests.process.read_value", "test.config") == [config, None]
+
+    with pytest.raises(IndexError):
+        sess.set_value(2, "x", 1)
+
+
+def test_get_value_of_unknown_name_is_worker_error(sess):
+    with pytest.raises(WorkerError) as info:
+        sess.get_value(1, "test.never_set")
+    err = info.value
+    assert type(err) is WorkerError
+    assert err.workers == (1,)
+    failure = err.failures[0]
+    assert failure.worker == 1 and failure.exc_type == "KeyError"
+    assert "test.never_set" in failure.message
+    assert "KeyError" in failure.traceback
+    assert str(err).startswith("worker 1 failed while getting 'test.never_set': KeyError:")
+    assert sess.call("tests.process.rank") == [0, 1]
+
+
+def test_call_of_unregistered_name_is_unknown_function_error(sess):
+    with pytest.raises(UnknownShardFunctionError) as info:
+        sess.call("tests.process.no_such_function")
+    err = info.value
+    assert isinstance(err, KeyError)
+    assert err.name == "tests.process.no_such_function"
+    assert "unknown session function 'tests.process.no_such_function'" in str(err)
+    assert sess.call("tests.process.rank") == [0, 1]
+
+
+def test_session_function_returning_non_json_is_worker_error(sess):
+    with pytest.raises(WorkerError) as info:
+        sess.call("tests.process.not_json")
+    err = info.value
+    assert type(err) is WorkerError
+    assert err.workers == (0, 1) or err.workers == (1, 0)
+    for failure in err.failures:
+        assert failure.exc_type == "TypeError"
+        assert "JSON" in failure.message and "object" in failure.message
+    assert "in tests.process.not_json" in str(err)
+    assert sess.call("tests.process.rank") == [0, 1]
+
+
+def test_non_json_argument_is_refused_in_this_process(sess):
+    with pytest.raises(TypeError):
+        sess.set_value(0, "x", object())
+    with pytest.raises(TypeError):
+        sess.call("tests.process.read_value", {1, 2})
+    assert sess.call("tests.process.rank") == [0, 1]
+
+
+# ---- 2. a function only this process has ---------------------------------------------------------
+
+def test_closure_shard_function_is_plan_error_before_loading(sess):
+    calls = []
+
+    @register_shard_func("tests.process.closure", array="numpy",
+                         shape_rule=process_plugins.even_split_rule)
+    def closure(input, dim, output):  # defined here: no worker process can import it
+        calls.append(dim)
+        output[...] = np.stack(np.split(input, output.shape[0], axis=dim))
+
+    arrays = {"closure_replicated": np.ones(4, dtype=np.float32),
+              "closure_w": np.arange(16, dtype=np.float32).reshape(4, 4)}
+    plan = {"closure_w": _plan("tests.process.closure", 4, 4, "float32")}
+    start = time.monotonic()
+    with pytest.raises(PlanError) as info:
+        load_sharded(arrays, plan, sess, progress=False)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert type(err) is PlanError
+    assert elapsed < 5, f"took {elapsed:.1f} s"
+    assert "registered in this process only" in str(err)
+    assert "tests.process.closure" in str(err)
+    assert err.param == "closure_w" and err.step == 0
+    assert "parameter 'closure_w'" in str(err)
+    assert calls == []
+    # nothing was loaded: not even the replicated tensor that needs no function
+    for names in sess.call("tests.process.shard_names"):
+        assert "closure_replicated" not in names and "closure_w" not in names
+    _still_works(sess)
+
+
+def test_closure_session_function_is_plan_error(sess):
+    name = "tests.process.closure_session"
+
+    def closure(ctx):  # defined here: no worker process can import it
+        return ctx.rank
+
+    register_session_func(name, closure)
+    try:
+        start = time.monotonic()
+        with pytest.raises(PlanError) as info:
+            sess.call(name)
+        assert time.monotonic() - start < 5
+        assert type(info.value) is PlanError
+        assert "registered in this process only" in str(info.value)
+        assert repr(name) in str(info.value)
+    finally:
+        with registry._lock:
+            registry._session_registry.pop(name, None)
+    assert sess.call("tests.process.rank") == [0, 1]
+
+
+# ---- 3. a failure on one worker ------------------------------------------------------------------
+
+def test_shard_function_raising_on_one_worker(sess):
+    arrays = {"ok": np.arange(8, dtype=np.float32).reshape(4, 2),
+              "bad": np.arange(16, dtype=np.float32).reshape(4, 4)}
+    plan = {"ok": _plan("tests.process.split", 4, 2, "float32"),
+            "bad": _plan("tests.process.fail_on_1", 4, 4, "float32")}
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        load_sharded(arrays, plan, sess, progress=False)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert type(err) is WorkerError
+    assert elapsed < 5, f"took {elapsed:.1f} s"
+    assert err.workers == (1,)  # worker 0 finished or stopped quietly; only 1 failed
+    failure = err.failures[0]
+    assert failure.worker == 1
+    assert failure.exc_type == "ValueError"
+    assert failure.message == ("parameter 'bad', step 0 (tests.process.fail_on_1): "
+                               "fail_on_1 refuses to run on worker 1")
+    assert "in fail_on_1" in failure.traceback
+    assert err.traceback == failure.traceback
+    assert str(err).startswith("worker 1 failed while loading ")
+    assert str(err).endswith(": ValueError: " + failure.message)
+    _still_works(sess)
+
+
+# ---- 4. a worker killed mid-load -----------------------------------------------------------------
+
+def test_worker_killed_mid_load_is_crash_and_closes_session():
+    arrays = {f"t{k}": np.full((4, 4), k, dtype=np.float32) for k in range(4)}
+    plan = {name: _plan("tests.process.kill_on_1", 4, 4, "float32") for name in arrays}
+    with _session(2) as sess:
+        pids = list(sess.pids)
+        earlier = load_sharded(_arrays(), MIXED_PLAN, sess, progress=False)
+        start = time.monotonic()
+        with pytest.raises(WorkerCrashedError) as info:
+            load_sharded(arrays, plan, sess, progress=False)
+        elapsed = time.monotonic() - start
+        err = info.value
+        assert type(err) is WorkerCrashedError
+        assert elapsed < 10, f"took {elapsed:.1f} s"
+        assert err.worker == 1
+        assert err.signal_name == "SIGKILL"
+        assert err.exitcode == -signal.SIGKILL
+        assert str(err).startswith("worker 1 was killed by SIGKILL while loading ")
+
+        left = _wait_gone(pids, 5)
+        assert not left, f"still there: {_describe(left)}"
+        assert "closed" in repr(sess)
+        for use in (lambda: sess.call("tests.process.rank"),
+                    lambda: sess.set_value(0, "x", 1),
+                    lambda: sess.get_value(0, "x"),
+                    lambda: earlier.shard("w", 0),
+                    lambda: load_sharded(_arrays(), MIXED_PLAN, sess, progress=False)):
+            with pytest.raises(RuntimeError, match="closed"):
+                use()
+        sess.close()  # still fine
+
+
+def test_exception_in_controller_mid_load_closes_session_promptly():
+    """An exception raised in the controller while workers load (here from the progress
+    callback; a Ctrl-C arrives the same way) propagates unchanged, closes the session and
+    stops the busy worker without waiting the polite GRACE_S."""
+
+    class Stop(Exception):
+        pass
+
+    raised = []
+
+    def progress(nbytes):
+        raised.append(time.monotonic())
+        raise Stop()
+
+    arrays = {f"t{k:02d}": np.full((4, 4), k, dtype=np.float32) for k in range(30)}
+    plan = {name: _plan("tests.process.slow", 4, 4, "float32") for name in arrays}
+    with _session(1, distributed=False) as sess:
+        pids = list(sess.pids)
+        with pytest.raises(Stop):
+            load_sharded(arrays, plan, sess, progress=progress)
+        took = time.monotonic() - raised[0]
+        assert len(raised) == 1
+        left = _wait_gone(pids, 0.5)
+        assert not left, f"worker left: {_describe(left)}"
+        assert took < process_module.GRACE_S, f"stopping took {took:.1f} s"
+        with pytest.raises(RuntimeError, match="closed"):
+            sess.call("tests.process.rank")
+
+
+# ---- 5. close ------------------------------------------------------------------------------------
+
+def test_close_is_idempotent_and_stops_every_worker():
+    with _session(2) as sess:
+        pids = list(sess.pids)
+        assert sess.call("tests.process.rank") == [0, 1]
+        start = time.monotonic()
+        sess.close()
+        took = time.monotonic() - start
+        left = _wait_gone(pids, 0.5)
+        assert not left, f"close() returned with workers left: {_describe(left)}"
+        # idle workers exit when asked; nobody waited GRACE_S to terminate them
+        assert took < process_module.GRACE_S, f"close() took {took:.1f} s"
+        start = time.monotonic()
+        sess.close()
+        sess.close()
+        assert time.monotonic() - start < 0.5
+        assert repr(sess) == "ProcessSession(num_workers=2, closed)"
+        with pytest.raises(RuntimeError, match="closed"):
+            sess.call("tests.process.rank")
+
+
+def test_leaving_with_block_stops_every_worker():
+    pids = []
+    try:
+        with ProcessSession(2) as sess:
+            pids = list(sess.pids)
+            assert sess.call("tests.process.rank") == [0, 1]
+        left = _wait_gone(pids, 0.5)
+        assert not left, f"workers left after the with block: {_describe(left)}"
+        with pytest.raises(RuntimeError, match="closed"):
+            sess.get_value(0, "x")
+    finally:
+        _kill(pids)
+
+
+def test_exception_in_with_block_stops_every_worker():
+    pids = []
+    try:
+        with pytest.raises(ZeroDivisionError):
+            with ProcessSession(2) as sess:
+                pids = list(sess.pids)
+                1 / 0
+        assert pids
+        left = _wait_gone(pids, 0.5)
+        assert not left, f"workers left after the exception: {_describe(left)}"
+        with pytest.raises(RuntimeError, match="closed"):
+            sess.call("tests.process.rank")
+    finally:
+        _kill(pids)
+
+
+# ---- 6. and 7. the controller process ends -------------------------------------------------------
+
+OPEN_AND_EXIT = """
+from shardload.sessions import ProcessSession
+
+session = ProcessSession(2)
+print(*session.pids, flush=True)
+# no close(): the interpreter exits with the session open
+"""
+
+
+def test_interpreter_exit_with_open_session_stops_workers(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", OPEN_AND_EXIT], cwd=tmp_path,
+                            env=_subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+        pids = [int(p) for p in stdout.split()]
+        assert proc.returncode == 0, stderr
+        assert stderr == ""
+        assert len(pids) == 2
+        left = _wait_gone(pids, 5)
+        assert not left, f"workers outlived the interpreter: {_describe(left)}"
+    finally:
+        _kill_popen(proc)
+        _kill(pids)
+
+
+# Reaps the controller and, as a child subreaper, the workers it leaves behind when it is
+# killed: their /proc entries then disappear when they exit (this machine's init may never reap
+# orphans, which would leave them zombies forever).
+SUBREAPER = """
+import ctypes, os, subprocess, sys
+
+PR_SET_CHILD_SUBREAPER = 36
+if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+    sys.exit("prctl(PR_SET_CHILD_SUBREAPER) failed: errno %d" % ctypes.get_errno())
+subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+"""
+
+OPEN_AND_SLEEP = """
+import os, time
+from shardload.sessions import ProcessSession
+
+session = ProcessSession(2)
+print(os.getpid(), *session.pids, flush=True)
+time.sleep(120)
+"""
+
+
+def test_workers_exit_when_controller_is_killed(tmp_path):
+    wrapper = subprocess.Popen([sys.executable, "-c", SUBREAPER, OPEN_AND_SLEEP], cwd=tmp_path,
+                               env=_subprocess_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    pids = []
+    try:
+        line = _read_line(wrapper, 60)
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 3, (line, wrapper.poll())
+        controller, workers = pids[0], pids[1:]
+        for pid in workers:
+            assert _stat(pid)[1] == controller
+        os.kill(controller, signal.SIGKILL)
+        killed = time.monotonic()
+        left = _wait_gone(workers, 5)
+        assert not left, f"workers outlived their controller: {_describe(left)}"
+        assert time.monotonic() - killed < 5
+        wrapper.wait(timeout=5)
+        assert wrapper.returncode == 0
+    finally:
+        _kill(pids)
+        _kill_popen(wrapper)
+
+
+# ---- 8. Ctrl-C in the CLI ------------------------------------------------------------------------
+
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT as a terminal's shell gives it. An ignored SIGINT is
+    inherited through exec (pytest started as a background job of a non-interactive shell has
+    it), and Python then installs no KeyboardInterrupt handler at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def test_ctrl_c_in_cli_exits_130_and_stops_workers(tmp_path):
+    count = 40  # 40 x 0.2 s: about 8 s if left alone
+    ckpt = tmp_path / "slow"
+    ckpt.mkdir()
+    save_file({f"t{k:02d}": np.full((4, 4), k, dtype=np.float32) for k in range(count)},
+              str(ckpt / "model.safetensors"))
+    plan = tmp_path / "slow_plan.json"
+    plan.write_text(json.dumps({f"t{k:02d}": _plan("tests.process.slow", 4, 4, "float32")
+                                for k in range(count)}))
+    started = tmp_path / "started"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardload", "load", "--session", "process", "--shards", "2",
+         "--plugin", "process_plugins", "--shard-info", str(plan), str(ckpt)],
+        cwd=tmp_path, env=_subprocess_env(**{process_plugins.STARTED_ENV: str(started)}),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_default_sigint)
+    workers = []
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() or len(workers) < 2:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the load never started"
+            time.sleep(0.02)
+            workers = _worker_children(proc.pid)
+        assert len(workers) == 2, _describe(workers)
+        time.sleep(0.3)
+        assert proc.poll() is None, "the load finished before it could be interrupted"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)  # the CLI only, as a terminal would not: workers too
+        stdout, stderr = proc.communicate(timeout=10)
+        elapsed = time.monotonic() - sent
+        assert proc.returncode == 130, (stdout, stderr)
+        assert elapsed < 10
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "Interrupted" in lines[0], stderr
+        assert "Traceback" not in stderr + stdout
+        left = _wait_gone(workers, 5)
+        assert not left, f"workers outlived the interrupted CLI: {_describe(left)}"
+    finally:
+        _kill_popen(proc)
+        _kill(workers)
+
+
+# ---- 9. the CLI with --session process -----------------------------------------------------------
+
+def test_cli_load_with_process_session_matches_threads():
+    runner = CliRunner()
+    before = set(_worker_children(os.getpid()))
+    try:
+        results = {}
+        for kind in ("process", "thread"):
+            out = runner.invoke(cli, ["load", "--session", kind, "--shards", "2", str(EXAMPLE),
+                                      "--json"])
+            assert out.exit_code == 0, (out.output, out.exception)
+            results[kind] = json.loads(out.stdout)
+        left = set(_worker_children(os.getpid())) - before
+        assert not left, f"the CLI left workers running: {_describe(left)}"
+    finally:
+        _kill(sorted(set(_worker_children(os.getpid())) - before))
+    process, thread = results["process"], results["thread"]
+    assert process["num_shards"] == thread["num_shards"] == 2
+    assert [w["bytes"] for w in process["workers"]] == [w["bytes"] for w in thread["workers"]]
+    assert [w["tensors"] for w in process["workers"]] == [w["tensors"] for w in thread["workers"]]
+    assert process["bytes_total"] == thread["bytes_total"] > 0
+    assert [w["device"] for w in process["workers"]] == ["cpu", "cpu"]
+
+
+# ---- values JSON cannot carry --------------------------------------------------------------
+
+def test_session_function_returning_nan_is_worker_error():
+    with _session(1, distributed=False) as sess:
+        with pytest.raises(WorkerError) as info:
+            sess.call("tests.process.nan")
+        assert "JSON" in info.value.failures[0].message
+        assert sess.call("tests.process.rank") == [0]
+
+
+def test_set_value_nan_is_refused_in_this_process():
+    with _session(1, distributed=False) as sess:
+        with pytest.raises(ValueError):
+            sess.set_value(0, "x", float("nan"))
+        assert sess.call("tests.process.rank") == [0]
