@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -22,3 +23,13 @@ def _restore_registry():
         for table, saved in zip((registry._registry, registry._session_registry), before):
             table.clear()
             table.update(saved)
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a child that must see Ctrl-C: SIGINT as a terminal's shell gives it.
+
+    An ignored SIGINT is inherited through exec (pytest run as a background job of a
+    non-interactive shell has it), and Python then installs no KeyboardInterrupt handler.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

@@ -28,6 +28,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
+from conftest import default_sigint
 from shardload.cli import cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -596,6 +597,7 @@ def test_funcs_lists_plugin_functions(plugin):
 
 HELP_SCRIPT = """
 import sys
+from conftest import default_sigint
 from shardload.cli import cli
 codes = []
 for args in (["--help"], ["-h"], ["--version"], ["load", "--help"], ["validate", "--help"],
@@ -647,7 +649,7 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
         [sys.executable, "-m", "shardload", "load", "--shards", "2", "--plugin", PLUGIN,
          "--shard-info", str(plan), str(ckpt)],
         cwd=REPO, env=subprocess_env(SHARDLOAD_TEST_STARTED=str(started)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 30
         while not started.exists():  # the first shard function call: the load is under way

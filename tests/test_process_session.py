@@ -35,6 +35,7 @@ from click.testing import CliRunner
 from safetensors.numpy import save_file
 
 import process_plugins
+from conftest import default_sigint
 from shardload import load_sharded
 from shardload.cli import cli
 from shardload.errors import (PlanError, UnknownShardFunctionError, WorkerCrashedError,
@@ -635,14 +636,6 @@ def test_workers_exit_when_controller_is_killed(tmp_path):
 
 # ---- 8. Ctrl-C in the CLI ------------------------------------------------------------------------
 
-def _default_sigint() -> None:
-    """In the child before exec: SIGINT as a terminal's shell gives it. An ignored SIGINT is
-    inherited through exec (pytest started as a background job of a non-interactive shell has
-    it), and Python then installs no KeyboardInterrupt handler at all."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
 def test_ctrl_c_in_cli_exits_130_and_stops_workers(tmp_path):
     count = 40  # 40 x 0.2 s: about 8 s if left alone
     ckpt = tmp_path / "slow"
@@ -658,7 +651,7 @@ def test_ctrl_c_in_cli_exits_130_and_stops_workers(tmp_path):
          "--plugin", "process_plugins", "--shard-info", str(plan), str(ckpt)],
         cwd=tmp_path, env=_subprocess_env(**{process_plugins.STARTED_ENV: str(started)}),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=_default_sigint)
+        preexec_fn=default_sigint)
     workers = []
     try:
         deadline = time.monotonic() + 60
