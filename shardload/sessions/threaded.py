@@ -71,10 +71,16 @@ class ThreadedSession(Session):
 
     def call(self, func_name: str, *args: Any) -> list[Any]:
         from ..registry import get_session_func
+        from .protocol import to_jsonable
 
         func = get_session_func(func_name).func
-        return self.run_all(lambda i: func(self._contexts[i], *args),
-                            context=f"in {func_name}")
+        to_jsonable(list(args))  # the same args and results a ProcessSession can carry
+
+        def on_worker(i: int) -> Any:
+            result = func(self._contexts[i], *args)
+            return result if isinstance(result, torch.Tensor) else to_jsonable(result)
+
+        return self.run_all(on_worker, context=f"in {func_name}")
 
     def set_value(self, worker: int, name: str, value: Any) -> None:
         from .protocol import to_jsonable

@@ -1,0 +1,58 @@
+"""The Session API behaves the same on threads and on worker processes: call, set_value,
+get_value, errors, and what session functions see of the shards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import process_plugins  # noqa: F401  (session functions, registered here and in workers)
+from shardload import (ProcessSession, ThreadedSession, UnknownShardFunctionError, WorkerError,
+                       load_sharded)
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def sess(request):
+    session = (ThreadedSession(2) if request.param == "thread"
+               else ProcessSession(2, distributed=False))
+    yield session
+    session.close()
+
+
+def test_call_returns_one_result_per_worker(sess):
+    assert sess.call("tests.process.rank") == [0, 1]
+
+
+def test_session_functions_see_the_latest_load(sess):
+    plan = {"a": [["shardload.split", [[2, 4], "float32"], 0]]}
+    load_sharded({"a": np.arange(8, dtype=np.float32)}, plan, sess, progress=False)
+    first = load_sharded({"b": np.zeros(2, np.float32)}, None, sess, progress=False)
+    assert sess.call("tests.process.shard_names") == [["b"], ["b"]]
+    assert torch.equal(first.shard("b", 1), torch.zeros(2))
+
+
+def test_values_round_trip(sess):
+    sess.set_value(1, "t", torch.arange(3))
+    sess.set_value(0, "j", {"k": [1, 2.5, None, "s"]})
+    assert torch.equal(sess.get_value(1, "t"), torch.arange(3))
+    assert sess.get_value(0, "j") == {"k": [1, 2.5, None, "s"]}
+    assert sess.call("tests.process.read_value", "j") == [{"k": [1, 2.5, None, "s"]}, None]
+
+
+@pytest.mark.parametrize("bad, exc", [(object(), TypeError), (float("nan"), ValueError),
+                                      ({1, 2}, TypeError)])
+def test_values_json_cannot_carry_are_refused_here(sess, bad, exc):
+    with pytest.raises(exc):
+        sess.set_value(0, "x", bad)
+    assert sess.call("tests.process.rank") == [0, 1]
+
+
+def test_errors_are_the_same(sess):
+    with pytest.raises(UnknownShardFunctionError):
+        sess.call("tests.process.no_such")
+    with pytest.raises(WorkerError) as info:
+        sess.call("tests.process.not_json")
+    assert {f.exc_type for f in info.value.failures} == {"TypeError"}
+    with pytest.raises(IndexError):
+        sess.set_value(2, "x", 1)
