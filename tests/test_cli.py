@@ -597,7 +597,6 @@ def test_funcs_lists_plugin_functions(plugin):
 
 HELP_SCRIPT = """
 import sys
-from conftest import default_sigint
 from shardload.cli import cli
 codes = []
 for args in (["--help"], ["-h"], ["--version"], ["load", "--help"], ["validate", "--help"],
