@@ -15,15 +15,29 @@ __all__ = ["Checkpoint", "TensorMeta", "ArrayCheckpoint", "open_checkpoint", "as
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Open a checkpoint lazily: a ``.safetensors`` file or a folder of them.
+    """Open a checkpoint lazily, whatever its format.
 
-    A folder holds one ``*.safetensors`` file or an HF-sharded set listed by
-    ``model.safetensors.index.json``. Nothing but headers is read until a tensor is asked for.
+    - a ``.gguf`` file (llama.cpp), tensors under their GGUF names;
+    - a folder with ``tensor-cache.json`` (or the older ``ndarray-cache.json``): MLC-LLM;
+    - a ``.safetensors`` file, or a folder with one or an HF-sharded set listed by
+      ``model.safetensors.index.json``.
+
+    Nothing but headers is read until a tensor is asked for.
 
     >>> ckpt = open_checkpoint("examples/tiny_llama_q4")          # doctest: +SKIP
     >>> ckpt.meta("model.embed_tokens.weight").shape               # doctest: +SKIP
     (512, 256)
     """
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from .gguf import open_gguf
+
+        return open_gguf(path)
+    if os.path.isdir(path) and any(os.path.exists(os.path.join(path, name))
+                                   for name in ("tensor-cache.json", "ndarray-cache.json")):
+        from .mlc import open_mlc
+
+        return open_mlc(path)
     from .safetensors import open_safetensors
 
     return open_safetensors(path)

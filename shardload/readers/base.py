@@ -64,6 +64,21 @@ class Checkpoint(abc.ABC):
         self.bytes_read += piece.numel() * piece.element_size()
         return piece
 
+    def tensor_format(self, name: str) -> "dict | None":
+        """Format details a planner needs beyond shape and dtype, or ``None``.
+
+        GGUF answers ``{"ggml_type": "Q4_1", "block_size": 32, "type_size": 20}`` for a
+        quantized tensor stored as raw blocks.
+        """
+        return None
+
+    @property
+    def config(self) -> dict:
+        """Architecture metadata stored with the tensors: HF ``config.json`` (with
+        ``quantize_config.json`` as ``quantization_config``), GGUF key-values, MLC's
+        ``mlc-chat-config.json``. Empty when there is none."""
+        return {}
+
     def meta(self, name: str) -> TensorMeta:
         try:
             return self.metadata()[name]
