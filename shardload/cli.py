@@ -93,7 +93,8 @@ def _plan_options(f):
                      help="Import MODULE first, so the shard functions it registers exist "
                           "(it must be importable: on sys.path or PYTHONPATH). Repeatable.")(f)
     f = click.option("--shard-info", "shard_info", type=click.Path(dir_okay=False),
-                     help="The plan file. Default: CKPT/shard_info.json.")(f)
+                     help="The plan file. Default: CKPT/shard_info.json, or, without one, a "
+                          "plan made from the model's config (see `shardload plan`).")(f)
     return f
 
 
@@ -101,21 +102,29 @@ _ckpt_argument = click.argument("ckpt", type=click.Path(exists=True))
 
 
 def _prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num_shards: int):
-    """Load plugins, open the checkpoint, parse and validate the plan (no tensor data read)."""
+    """Load plugins, open the checkpoint, find or write the plan, validate it for N (no tensor
+    data read, except the few GPTQ g_idx vectors a planner looks at)."""
     from .plan import ShardInfo
+    from .planners import check_num_shards, plan_for
     from .readers import open_checkpoint
     from .registry import load_plugins
 
     load_plugins(plugins)
+    checkpoint = open_checkpoint(ckpt)
     if shard_info is None:
         folder = ckpt if os.path.isdir(ckpt) else os.path.dirname(ckpt)
-        shard_info = os.path.join(folder, "shard_info.json")
-        if not os.path.exists(shard_info):
-            raise BadInput(f"no plan: {shard_info} does not exist. Pass --shard-info FILE, or "
-                           "write a shard_info.json next to the checkpoint.")
-    checkpoint = open_checkpoint(ckpt)
-    validated = ShardInfo.load(shard_info).bind(num_shards).validate(checkpoint.metadata())
-    return checkpoint, validated, shard_info
+        candidate = os.path.join(folder, "shard_info.json")
+        if os.path.exists(candidate):
+            shard_info = candidate
+    if shard_info is None:
+        info = plan_for(checkpoint, num_shards)  # no plan file: plan from the model's config
+        source = info.source
+    else:
+        info, source = ShardInfo.load(shard_info), shard_info
+        if info.is_symbolic:
+            check_num_shards(info, checkpoint, num_shards)
+    validated = info.bind(num_shards).validate(checkpoint.metadata())
+    return checkpoint, validated, source
 
 
 def _open_session(kind: str, num_shards: int, device: Optional[str], plugins: tuple[str, ...]):
@@ -146,6 +155,7 @@ def cli() -> None:
 
     \b
       shardload load --shards 4 examples/tiny_llama_q4
+      shardload plan --shards 3 model.gguf -o shard_info.json
       shardload validate --shards 8 CKPT
       shardload inspect --shards 3 CKPT
       shardload funcs
@@ -240,6 +250,35 @@ def inspect(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...]
                         f"{r['shard_shape']} {r['shard_dtype']}", _human(r["bytes_per_worker"])]
                        for r in rows], right=(4,)))
     click.echo(f"{len(rows)} tensors, {_human(validated.bytes_per_worker())} per worker")
+
+
+@cli.command()
+@_shards_option
+@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True),
+              help="Write the plan here (default: standard output).")
+@click.option("--vocab-parallel", is_flag=True,
+              help="Split embeddings and lm_head by vocabulary rows instead of replicating.")
+@_ckpt_argument
+def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, ckpt: str) -> None:
+    """Write the plan (shard_info.json) for CKPT, checked for N workers.
+
+    The model and its quantization are read from config.json (+ quantization_config or
+    quantize_config.json), GGUF metadata or mlc-chat-config.json. The plan is written in
+    expressions of num_shards, so it also serves every other N the model allows.
+    """
+    from .planners import check_num_shards, describe_plan, valid_num_shards
+    from .readers import open_checkpoint
+
+    with open_checkpoint(ckpt) as checkpoint:
+        info, summary = describe_plan(checkpoint, vocab_parallel=vocab_parallel)
+        check_num_shards(info, checkpoint, num_shards)
+        valid = valid_num_shards(info, checkpoint)
+    if output:
+        info.dump(output)
+    else:
+        click.echo(info.dumps(), nl=False)
+    click.echo(f"{summary}; valid for N in {', '.join(map(str, valid))}"
+               f"{f' (written to {output})' if output else ''}", err=True)
 
 
 @cli.command()

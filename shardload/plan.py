@@ -229,9 +229,10 @@ class ShardInfo:
                 planned = ", ".join(str(n) for n in sorted(written))
                 raise PlanError(
                     f"this plan was written for num_shards={planned} with plain integer shapes, "
-                    f"but num_shards={num_shards} was asked for. Write the plan again for "
-                    f"{num_shards} shards, or write its shapes as expressions of num_shards "
-                    f"(e.g. \"4096 // num_shards\") so one plan serves every N.",
+                    f"but num_shards={num_shards} was asked for. Re-plan with `shardload plan "
+                    f"--shards {num_shards}` (it writes expressions of num_shards, so one plan "
+                    f"serves every N), or write the shapes as expressions such as "
+                    f"\"4096 // num_shards\".",
                     source=self.source)
         params = {}
         for name, raw_steps in self.steps.items():

@@ -105,8 +105,8 @@ def piece_shape(shape: tuple, steps: list, n: int) -> tuple:
         shape[dim] //= n
     elif func == "shardload.split_segments":
         segments = extra[1:]
-        # each segment: size/N when workers <= units, else one unit (replicated, GQA)
-        shape[dim] = sum(size // n if n <= units else size // units
+        # each segment: size/N, or one unit when replicable units (< 0) are fewer than N (GQA)
+        shape[dim] = sum(size // n if n <= abs(units) or units > 0 else size // -units
                          for size, units in zip(segments[::2], segments[1::2]))
     else:
         raise AssertionError(f"not modelled: {func}")

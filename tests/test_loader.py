@@ -88,7 +88,7 @@ def test_split_segments_with_gqa_matches_numpy(run, n, kv_heads):
     kv_rows = hd * kv_heads // min(n, kv_heads)
     rows = q_heads * hd // n + 2 * kv_rows
     plan = {"qkv": [["shardload.split_segments", [["num_shards", rows, cols], "float32"], 0,
-                     q_heads * hd, q_heads, kv_heads * hd, kv_heads, kv_heads * hd, kv_heads]]}
+                     q_heads * hd, q_heads, kv_heads * hd, -kv_heads, kv_heads * hd, -kv_heads]]}
     result = run({"qkv": qkv}, plan, n)
     for i in range(n):
         kv_head = i // (n // kv_heads) if n > kv_heads else None
@@ -125,7 +125,7 @@ def test_direct_reads_equal_the_full_computation(run):
     x = torch.arange(2 * 24 * 3, dtype=torch.int32).reshape(2, 24, 3)
     plan = ShardInfo.from_dict({"x": [["shardload.split_segments",
                                        [["num_shards", 2, "16 // num_shards + 8 // min(num_shards, 2)", 3],
-                                        "int32"], 1, 16, 4, 8, 2]]}).bind(4)
+                                        "int32"], 1, 16, 4, 8, -2]]}).bind(4)
     validated = plan.validate(ArrayCheckpoint({"x": x}).metadata())
     full = loader.run_steps(validated.params["x"], x)
     result = run({"x": x}, plan, 4)

@@ -130,7 +130,7 @@ def test_concrete_plan_with_another_n_says_how_to_replan():
         info.bind(2)
     message = str(err.value)
     assert "num_shards=4" in message and "num_shards=2" in message
-    assert "again for 2 shards" in message and "expressions of num_shards" in message
+    assert "shardload plan --shards 2" in message and "expressions of num_shards" in message
     assert err.value.source == "plan.json"
 
 

@@ -131,10 +131,14 @@ def make_plan(tensors: dict[str, np.ndarray]) -> dict[str, list]:
             if heads is None:       # MLP rows: a plain even split of the output columns
                 step = ["shardload.split",
                         [["num_shards", t.shape[0], f"{cols} // num_shards"], dtype], 1]
-            else:                   # whole heads; KV heads replicated when N > n_kv (GQA)
+            elif proj == "self_attn.q_proj":   # whole query heads
+                step = ["shardload.split_segments",
+                        [["num_shards", t.shape[0], f"{cols} // num_shards"], dtype], 1, cols,
+                        heads]
+            else:                   # whole KV heads, replicated when N > n_kv (GQA): units < 0
                 step = ["shardload.split_segments",
                         [["num_shards", t.shape[0], f"{cols} // min(num_shards, {heads})"],
-                         dtype], 1, cols, heads]
+                         dtype], 1, cols, -heads]
             plan[name] = [step]
         elif proj in row and suffix in ("qweight", "qzeros", "scales", "g_idx"):
             func = "shardload.split_rebase" if suffix == "g_idx" else "shardload.split"

@@ -73,6 +73,22 @@ def _load_json(text: str, what: str, path: Path) -> Any:
         raise FormatError(f"{what} is not valid JSON: {e}; {_REDO}", file=path) from None
 
 
+#: config files are small; a bigger one is a mistake
+_MAX_CONFIG_BYTES = 16 << 20
+
+
+def _read_small_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from a small side file, ``None`` if it does not exist."""
+    if not path.is_file():
+        return None
+    if path.stat().st_size > _MAX_CONFIG_BYTES:
+        raise FormatError(f"larger than {_MAX_CONFIG_BYTES} bytes; not a config file", file=path)
+    obj = _load_json(path.read_bytes(), "the file", path)
+    if not isinstance(obj, dict):
+        raise FormatError("must hold a JSON object", file=path)
+    return obj
+
+
 # ----------------------------------------------------------------------------------------------
 # one file
 
@@ -354,9 +370,23 @@ class SafetensorsCheckpoint(Checkpoint):
                 self._meta[meta.name] = meta
                 self._where[meta.name] = (i, begin, end)
         self._lock = threading.Lock()
+        self._config: dict[str, Any] | None = None
 
     def metadata(self) -> dict[str, TensorMeta]:
         return self._meta
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The folder's HF ``config.json``, with ``quantize_config.json`` (AutoGPTQ) as its
+        ``quantization_config`` when the config has none; ``{}`` without a config.json."""
+        if self._config is None:
+            folder = Path(self.path if os.path.isdir(self.path) else os.path.dirname(self.path))
+            config = _read_small_json(folder / "config.json") or {}
+            quant = _read_small_json(folder / "quantize_config.json")
+            if quant and "quantization_config" not in config:
+                config["quantization_config"] = {"quant_method": "gptq", **quant}
+            self._config = config
+        return self._config
 
     def byte_range(self, name: str) -> tuple[str, int, int]:
         """``(file, start, end)``: where the tensor's bytes lie, as offsets into the file."""

@@ -102,12 +102,11 @@ def _parse_segments(extra: Sequence[int]) -> list[tuple[int, int]]:
     pairs = [(_int(extra[k], f"segment {k // 2} size"), _int(extra[k + 1], f"segment {k // 2} units"))
              for k in range(0, len(extra), 2)]
     for k, (size, units) in enumerate(pairs):
-        if size < 0 or units <= 0:
-            raise ValueError(f"segment {k}: size {size} and units {units} must be "
-                             "integers, size >= 0 and units > 0")
-        if size % units:
+        if size < 0 or units == 0:
+            raise ValueError(f"segment {k}: size {size} must be >= 0 and units {units} non-zero")
+        if size % abs(units):
             raise ValueError(f"segment {k}: size {size} is not a whole number of its "
-                             f"{units} units")
+                             f"{abs(units)} units")
     return pairs
 
 
@@ -115,10 +114,11 @@ def segment_ranges(in_shape: Shape, dim: int, segments: Sequence[int],
                    num_shards: int) -> tuple[int, list[Ranges]]:
     """The split axis and, per worker, the ranges it keeps, for ``shardload.split_segments``.
 
-    Segment ``k`` is ``size_k`` elements long along the axis and made of ``units_k`` equal units
-    (heads). With N <= units, each worker keeps units/N whole units (units % N == 0 required).
-    With N > units (GQA: more workers than KV heads), each unit is replicated to N/units workers
-    and worker i keeps unit ``i // (N // units)`` (N % units == 0 required).
+    Segment ``k`` is ``size_k`` elements long along the axis and made of ``|units_k|`` equal
+    units (heads, packed words, quantization groups). Each worker keeps ``|units_k| / N`` whole
+    units of it, so N must divide ``|units_k|``. A *negative* ``units_k`` marks a segment whose
+    units may also be replicated (KV heads under GQA): when N exceeds them, N must be a multiple
+    of them and worker i keeps unit ``i // (N // |units_k|)``, as vLLM's QKVParallelLinear does.
     """
     axis = _axis(dim, len(in_shape))
     num_shards = _workers(num_shards)
@@ -129,9 +129,10 @@ def segment_ranges(in_shape: Shape, dim: int, segments: Sequence[int],
                          f"{in_shape[axis]}")
     per_worker: list[Ranges] = [[] for _ in range(num_shards)]
     start = 0
-    for k, (size, units) in enumerate(pairs):
+    for k, (size, signed_units) in enumerate(pairs):
+        units, replicable = abs(signed_units), signed_units < 0
         unit = size // units
-        if num_shards <= units:
+        if num_shards <= units or not replicable:
             if units % num_shards:
                 raise ValueError(f"segment {k} has {units} units, which do not divide among "
                                  f"{num_shards} workers")
@@ -160,8 +161,8 @@ def split_segments(input: torch.Tensor, dim: int, *segments_and_output) -> None:
     """Split a fused tensor ([q, k, v], [gate, up]) segment by segment along ``dim``.
 
     Extra args: ``dim, size_0, units_0, size_1, units_1, ...``; each segment is split into whole
-    units on its own (units replicated when workers outnumber them, as GQA needs), and each
-    worker's pieces are concatenated in segment order.
+    units on its own (negative units: replicated when workers outnumber them, as GQA's KV heads
+    need), and each worker's pieces are concatenated in segment order.
     """
     *segments, output = segments_and_output
     _check_output(_segments_rule, input, (dim, *segments), output)
@@ -217,3 +218,29 @@ def split_rebase(input: torch.Tensor, dim: int, output: torch.Tensor) -> None:
     wide = output.to(torch.int64, copy=True)
     firsts = wide.reshape(n, -1)[:, :1].clone().reshape(n, *([1] * (output.dim() - 1)))
     output.copy_(wide - firsts)
+
+
+# ---- shardload.constant ------------------------------------------------------------------------
+
+def _constant_rule(in_shape: Shape, in_dtype: str, *values: int, num_shards: int):
+    if len(in_shape) != 1 or in_shape[0] != len(values):
+        raise ValueError(f"the input must be a vector of {len(values)} values, got shape "
+                         f"{list(in_shape)}")
+    if in_dtype not in _INTEGER:
+        raise ValueError(f"constant values are integers, the input is {in_dtype}")
+    for v in values:
+        _int(v, "a constant value")
+    return (_workers(num_shards), len(values)), in_dtype
+
+
+@register_shard_func("shardload.constant", shape_rule=_constant_rule)
+def constant(input: torch.Tensor, *values_and_output) -> None:
+    """Give every worker the given integers instead of the stored vector (same length and dtype).
+
+    For metadata that describes the shard itself, such as compressed-tensors' ``weight_shape``:
+    each worker's ``[rows, cols]`` are written as expressions of ``num_shards``.
+    """
+    *values, output = values_and_output
+    _check_output(_constant_rule, input, tuple(values), output)
+    output.copy_(torch.tensor([int(v) for v in values], dtype=torch.int64).to(output.dtype)
+                 .expand_as(output))

@@ -1,0 +1,200 @@
+"""The Llama-family planner: which tensors split along which axis, in which units.
+
+Column-parallel layers (q, k, v, gate, up, and their fused forms) split their output rows N;
+row-parallel layers (o, down) split their input columns K. Attention splits in whole heads:
+query heads are never replicated, KV heads are replicated to the workers whose query heads use
+them when the workers outnumber them (GQA, MQA). Every stored tensor of a layer gets the same
+logical split, converted into its own units (``layouts.py``); a split that would cut a packed
+word, a quantization group or a GGUF block is caught by the shape rules, so a plan that binds
+and validates for N is exact for N. Norms, routers and everything unknown are replicated;
+embeddings and lm_head too, unless ``vocab_parallel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import PlanError
+from ..readers.base import Checkpoint
+from .layouts import Axis, Scheme, TensorAxes, tensor_axes
+from .model import ModelSpec
+
+# last component of a module name -> role
+HF_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "qkv_proj": "qkv", "o_proj": "o",
+            "gate_proj": "gate", "up_proj": "up", "gate_up_proj": "gate_up", "down_proj": "down",
+            "w1": "gate", "w3": "up", "w2": "down", "embed_tokens": "embed", "lm_head": "lm_head"}
+GGUF_ROLES = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_qkv": "qkv", "attn_output": "o",
+              "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down", "ffn_gate_exps": "gate",
+              "ffn_up_exps": "up", "ffn_down_exps": "down", "ffn_gate_shexp": "gate",
+              "ffn_up_shexp": "up", "ffn_down_shexp": "down", "token_embd": "embed",
+              "output": "lm_head"}
+COLUMN = {"q", "k", "v", "qkv", "gate", "up", "gate_up"}
+ROW = {"o", "down"}
+
+Segments = list[tuple[int, int]]   # (logical size, units); units < 0: replicable (KV heads)
+
+
+@dataclass
+class Planned:
+    """A plan in the making: steps by tensor, and what the planner noticed."""
+
+    steps: dict[str, list] = field(default_factory=dict)
+    replicated: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+
+
+def _intermediate(spec: ModelSpec, module: str) -> int:
+    if "shexp" in module or "shared_expert" in module:
+        size = spec.shared_expert_intermediate_size
+    elif "experts" in module or "_exps" in module:
+        size = spec.moe_intermediate_size or spec.intermediate_size
+    else:
+        size = spec.intermediate_size
+    if not size:
+        raise PlanError(f"{module}: the model config gives no intermediate size for it")
+    return size
+
+
+def segments_for(role: str, spec: ModelSpec, module: str) -> Segments:
+    """The logical split of a layer along the axis its role splits."""
+    if role == "q" or role == "o":
+        return [(spec.q_size, spec.num_heads)]
+    if role in ("k", "v"):
+        return [(spec.kv_size, -spec.num_kv_heads)]
+    if role == "qkv":
+        return [(spec.q_size, spec.num_heads), (spec.kv_size, -spec.num_kv_heads),
+                (spec.kv_size, -spec.num_kv_heads)]
+    if role in ("gate", "up", "down"):
+        size = _intermediate(spec, module)
+        return [(size, size)]
+    if role == "gate_up":
+        size = _intermediate(spec, module)
+        return [(size, size), (size, size)]
+    if role in ("embed", "lm_head"):
+        return [(spec.vocab_size, spec.vocab_size)]
+    raise AssertionError(role)
+
+
+def _in_units(segments: Segments, axis: Axis, tensor: str) -> Segments:
+    """The logical segments in the tensor's own units along ``axis``.
+
+    A unit (a head) that is a whole number of the tensor's blocks keeps its count; blocks that
+    each hold whole units become the units (a split between blocks is also between heads); a
+    unit that straddles blocks cannot be split exactly and is refused.
+    """
+    out = []
+    for size, units in segments:
+        if size % axis.elems:
+            raise PlanError(f"{tensor}: a segment of {size} elements is not a whole number of "
+                            f"the {axis.elems}-element blocks this tensor is stored in")
+        stored = size // axis.elems * axis.width
+        per_unit = size // abs(units)
+        if per_unit % axis.elems == 0:
+            out.append((stored, units))
+        elif axis.elems % per_unit == 0 and units > 0:
+            out.append((stored, size // axis.elems))
+        else:
+            raise PlanError(f"{tensor}: its {abs(units)} units of {per_unit} elements straddle "
+                            f"the {axis.elems}-element blocks it is stored in (e.g. FP8 128-row "
+                            "scale blocks across KV heads); it cannot be split exactly")
+    return out
+
+
+def _per_worker(segments: Segments) -> str:
+    """An expression of num_shards: what one worker keeps of these segments."""
+    parts = [f"{size} // num_shards" if units > 0 else f"{size} // min(num_shards, {-units})"
+             for size, units in segments]
+    return " + ".join(parts)
+
+
+def split_step(shape: tuple[int, ...], dtype: str, dim: int, segments: Segments) -> list:
+    """One step splitting ``dim`` of a tensor into the given segments (in its units)."""
+    out = ["num_shards", *shape]
+    out[dim + 1] = _per_worker(segments)
+    if len(segments) == 1 and segments[0][0] == segments[0][1]:
+        return ["shardload.split", [out, dtype], dim]
+    return ["shardload.split_segments", [out, dtype], dim,
+            *[v for pair in segments for v in pair]]
+
+
+def _trivial_g_idx(ckpt: Checkpoint, name: str, group_size: int) -> bool:
+    """GPTQ without act-order stores g_idx = k // G; anything else reorders rows."""
+    import torch
+
+    g_idx = ckpt.read(name).to(torch.int64)
+    if group_size <= 0:
+        return bool((g_idx == 0).all())
+    return bool((g_idx == torch.arange(len(g_idx)) // group_size).all())
+
+
+def plan_llama(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, *, gguf_names: bool,
+               vocab_parallel: bool = False) -> Planned:
+    """The steps for every tensor of a Llama-family checkpoint."""
+    roles = GGUF_ROLES if gguf_names else HF_ROLES
+    planned = Planned()
+    metadata = ckpt.metadata()
+    act_order: dict[str, bool] = {}
+    for name, meta in metadata.items():
+        module, _, suffix = name.rpartition(".")
+        role = roles.get(module.rpartition(".")[2])
+        if role is None or (role in ("embed", "lm_head") and not vocab_parallel):
+            planned.replicated.append(name)
+            continue
+        axes = tensor_axes(scheme, suffix, meta, ckpt.tensor_format(name))
+        if axes is None:
+            planned.unknown.append(name)
+            planned.replicated.append(name)
+            continue
+        split_n = role in COLUMN or role in ("embed", "lm_head")
+        segments = segments_for(role, spec, module)
+        step = _tensor_step(ckpt, name, meta, suffix, axes, segments, split_n, scheme, metadata,
+                            act_order, module)
+        if step is None:
+            planned.replicated.append(name)
+        else:
+            planned.steps[name] = [step]
+    return planned
+
+
+def _tensor_step(ckpt, name, meta, suffix, axes: TensorAxes, segments: Segments, split_n: bool,
+                 scheme: Scheme, metadata, act_order: dict, module: str) -> Optional[list]:
+    if axes.special == "shape":
+        return _shape_step(ckpt, name, meta, segments, split_n)
+    if axes.special == "g_idx":
+        if split_n:
+            return None  # every output column needs the whole K ordering
+        if _is_act_order(ckpt, module, name, scheme, act_order):
+            return ["shardload.split", [["num_shards", f"{meta.shape[0]} // num_shards"],
+                                        meta.dtype], 0]
+        return ["shardload.split_rebase", [["num_shards", f"{meta.shape[0]} // num_shards"],
+                                           meta.dtype], 0]
+    axis = axes.n if split_n else axes.k
+    if axis is None:
+        return None
+    if (not split_n and suffix in ("scales", "qzeros", "weight_scale", "weight_zero_point")
+            and scheme.method in ("gptq", "pack-quantized")
+            and _is_act_order(ckpt, module, None, scheme, act_order)):
+        return None  # act-order: any row may use any group, so every worker needs them all
+    return split_step(meta.shape, meta.dtype, axis.dim, _in_units(segments, axis, name))
+
+
+def _is_act_order(ckpt, module: str, g_idx_name: Optional[str], scheme: Scheme,
+                  cache: dict) -> bool:
+    if module not in cache:
+        candidates = [f"{module}.g_idx", f"{module}.weight_g_idx"]
+        found = next((c for c in candidates if c in ckpt.metadata()), None)
+        cache[module] = (scheme.act_order if found is None
+                         else not _trivial_g_idx(ckpt, found, scheme.group_size))
+    return cache[module]
+
+
+def _shape_step(ckpt, name, meta, segments: Segments, split_n: bool) -> list:
+    """compressed-tensors' ``weight_shape`` [N, K]: each worker's own shape, as expressions."""
+    n_out, k_in = (int(v) for v in ckpt.read(name).tolist())
+    per_worker = _per_worker(segments)
+    values = [per_worker, k_in] if split_n else [n_out, per_worker]
+    return ["shardload.constant", [["num_shards", 2], meta.dtype], *values]
+
+
+__all__ = ["plan_llama", "Planned", "segments_for", "split_step"]
