@@ -11,10 +11,11 @@ in AutoGPTQ's v1 layout (``checkpoint_format: "gptq"``, zeros stored minus one):
     scales  fp16  [K/G, N]
     g_idx   int32 [K]          k // G (no act-order)
 
-The plan (``shard_info.json``) is written with expressions of ``num_shards``, so the one file
-loads for N in {1, 2, 4, 8}: q/gate/up split their output columns, k/v split whole KV heads and
-replicate them when N exceeds the 2 KV heads (GQA), o/down split their input rows (scales and
-zeros by group, g_idx rebased), norms and embeddings replicated.
+The plan (``shard_info.json``) is the one ``shardload plan`` writes for this folder, in
+expressions of ``num_shards``, so the one file loads for N in {1, 2, 4, 8}: q/gate/up split
+their output columns, k/v split whole KV heads and replicate them when N exceeds the 2 KV heads
+(GQA), o/down split their input rows (scales and zeros by group, g_idx rebased), norms and
+embeddings replicated.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import sys
 import numpy as np
 from safetensors.numpy import save_file
 
-from shardload import ShardInfo
+from shardload import open_checkpoint
+from shardload.planners import plan_for
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -114,46 +116,10 @@ def make_tensors(rng: np.random.Generator) -> dict[str, np.ndarray]:
     return out
 
 
-def make_plan(tensors: dict[str, np.ndarray]) -> dict[str, list]:
-    """The shard_info.json plan, symbolic in num_shards."""
-    c = CONFIG
-    nq, nkv = c["num_attention_heads"], c["num_key_value_heads"]
-    column = {"self_attn.q_proj": nq, "self_attn.k_proj": nkv, "self_attn.v_proj": nkv,
-              "mlp.gate_proj": None, "mlp.up_proj": None}
-    row = ("self_attn.o_proj", "mlp.down_proj")
-    plan: dict[str, list] = {}
-    for name, t in tensors.items():
-        module, _, suffix = name.rpartition(".")
-        proj = module.split(".", 3)[-1] if module.startswith("model.layers.") else ""
-        dtype = str(t.dtype)
-        if proj in column and suffix in ("qweight", "qzeros", "scales"):
-            heads, cols = column[proj], t.shape[1]
-            if heads is None:       # MLP rows: a plain even split of the output columns
-                step = ["shardload.split",
-                        [["num_shards", t.shape[0], f"{cols} // num_shards"], dtype], 1]
-            elif proj == "self_attn.q_proj":   # whole query heads
-                step = ["shardload.split_segments",
-                        [["num_shards", t.shape[0], f"{cols} // num_shards"], dtype], 1, cols,
-                        heads]
-            else:                   # whole KV heads, replicated when N > n_kv (GQA): units < 0
-                step = ["shardload.split_segments",
-                        [["num_shards", t.shape[0], f"{cols} // min(num_shards, {heads})"],
-                         dtype], 1, cols, -heads]
-            plan[name] = [step]
-        elif proj in row and suffix in ("qweight", "qzeros", "scales", "g_idx"):
-            func = "shardload.split_rebase" if suffix == "g_idx" else "shardload.split"
-            plan[name] = [[func, [["num_shards", f"{t.shape[0]} // num_shards", *t.shape[1:]],
-                                  dtype], 0]]
-        # everything else (norms, embeddings, lm_head, column-parallel g_idx) is replicated
-    return plan
-
-
 def main(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     tensors = make_tensors(np.random.default_rng(0))
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    # Parsing the plan through shardload checks its structure before it is written.
-    ShardInfo.from_dict(make_plan(tensors)).dump(os.path.join(out_dir, "shard_info.json"))
     config = dict(CONFIG)
     quant = config.pop("quantization_config")
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -163,6 +129,9 @@ def main(out_dir: str) -> None:
         json.dump({"bits": BITS, "group_size": GROUP, "desc_act": False, "sym": False,
                    "checkpoint_format": "gptq"}, f, indent=2)
         f.write("\n")
+    # The plan is what `shardload plan` writes for this folder, from config.json alone.
+    with open_checkpoint(out_dir) as ckpt:
+        plan_for(ckpt, num_shards=4).dump(os.path.join(out_dir, "shard_info.json"))
     size = sum(t.nbytes for t in tensors.values())
     print(f"wrote {len(tensors)} tensors ({size} bytes) to {out_dir}")
 
