@@ -6,8 +6,11 @@ numpy slicing, ``np.split`` and ``np.concatenate``:
 
 * ``shardload.split(input, dim, output)``: worker i keeps the i-th of N equal slices along dim.
 * ``shardload.split_segments(input, dim, size_0, units_0, ..., output)``: each segment is split
-  on its own (N <= units: N equal slices; N > units: unit ``i // (N // units)`` goes to worker
-  i), and each worker's pieces are concatenated in segment order.
+  on its own into whole units, and each worker's pieces are concatenated in segment order.
+  ``units > 0``: N equal slices, N must divide units, never replicated (N > units is an error).
+  ``units < 0`` (replicable, GQA's KV heads): with U = -units, N <= U: N equal slices (N must
+  divide U); N > U: N must be a multiple of U and unit ``i // (N // U)`` goes to worker i.
+  ``units == 0`` is an error, and every size must be a multiple of ``|units|``.
 * ``shardload.replicate(input, output)``: every worker gets the whole input.
 * ``shardload.split_rebase(input, dim, output)``: split, then subtract each piece's own first
   (flattened) element from the piece; integer dtypes only.
@@ -142,22 +145,42 @@ def ref_split(x: np.ndarray, dim: int, n: int) -> np.ndarray:
     return np.stack(np.split(x, n, axis=axis))
 
 
+def ref_plan(segs, n: int) -> list[tuple[bool, int]]:
+    """Per segment, from the spec: (replicated, |units|); ValueError where the spec forbids it."""
+    plan = []
+    for size, units in segs:
+        if units == 0 or size < 0:
+            raise ValueError(f"ref: units {units} / size {size}")
+        count = abs(units)
+        if size % count:
+            raise ValueError(f"ref: size {size} is not a multiple of {count}")
+        if n <= count or units > 0:  # split; positive units are never replicated
+            if count % n:
+                raise ValueError(f"ref: {n} does not divide {count}")
+            plan.append((False, count))
+        else:  # negative units, more workers than units: replicate
+            if n % count:
+                raise ValueError(f"ref: {n} is not a multiple of {count}")
+            plan.append((True, count))
+    return plan
+
+
 def ref_segments(x: np.ndarray, dim: int, segs, n: int) -> np.ndarray:
+    """The spec's result; raises ValueError where the spec makes (segs, n) an error."""
     axis = dim % x.ndim
+    plan = ref_plan(segs, n)
     assert sum(size for size, _ in segs) == x.shape[axis]
     pieces: list[list[np.ndarray]] = [[] for _ in range(n)]
     start = 0
-    for size, units in segs:
+    for (size, _), (replicated, count) in zip(segs, plan):
         seg = x[sl(x.ndim, axis, start, start + size)]
-        if n <= units:
-            assert units % n == 0
+        if not replicated:
             parts = np.split(seg, n, axis=axis)
             for i in range(n):
                 pieces[i].append(parts[i])
         else:
-            assert n % units == 0
-            unit_parts = np.split(seg, units, axis=axis)
-            replicas = n // units
+            unit_parts = np.split(seg, count, axis=axis)
+            replicas = n // count
             for i in range(n):
                 pieces[i].append(unit_parts[i // replicas])
         start += size
@@ -178,6 +201,7 @@ def ref_rebase(x: np.ndarray, dim: int, n: int) -> np.ndarray:
 
 
 def segment_args(segs) -> list[int]:
+    """``[size_0, units_0, size_1, units_1, ...]``, signs of the units kept."""
     return [v for pair in segs for v in pair]
 
 
@@ -195,16 +219,18 @@ def check_segments_round_trip(out_bits: np.ndarray, x_bits: np.ndarray, dim: int
     """Re-assemble every segment from the workers' pieces.
 
     Without replication the N pieces of a segment concatenate back to it; with GQA replication
-    the workers of each replica group hold identical pieces and one per group gives it back.
+    (negative units, fewer than N) the workers of each replica group hold identical pieces and
+    one per group gives it back.
     """
     axis = dim % x_bits.ndim
     offset = 0  # where this segment's piece starts in each worker's output
     start = 0   # where this segment starts in the input
     for size, units in segs:
-        if n <= units:
+        if n <= abs(units):
             length, replicas = size // n, 1
         else:
-            length, replicas = size // units, n // units
+            assert units < 0, "positive units are never replicated"
+            length, replicas = size // -units, n // -units
         worker_pieces = [out_bits[i][sl(x_bits.ndim, axis, offset, offset + length)]
                          for i in range(n)]
         groups = [worker_pieces[g * replicas:(g + 1) * replicas] for g in range(n // replicas)]
@@ -300,17 +326,19 @@ def test_split_dim_out_of_range_is_an_error(dim):
 
 def segment_layouts(n: int) -> list[list[tuple[int, int]]]:
     """Layouts (size, units) valid for n workers: plain splits and, where n has proper divisors,
-    replicated (GQA) segments; unit sizes vary between segments."""
+    replicated (GQA) segments; unit sizes vary between segments. Query/gate/up units are
+    positive (split only), KV units negative (replicable)."""
     layouts = [
         [(2 * n * 3, 2 * n)],                              # one segment
-        [(2 * n * 2, 2 * n), (n * 3, n), (n * 3, n)],      # q, k, v with kv units == n
+        [(2 * n * 2, 2 * n), (n * 3, -n), (n * 3, -n)],    # q, k, v with kv units == n
         [(n * 4, n), (n * 4, 4 * n)],                      # gate, up with different units
+        [(n * 2, -n), (n * 6, -2 * n)],                    # replicable units that still split
     ]
     proper = [d for d in range(1, n) if n % d == 0]
     for d in proper:  # kv heads fewer than workers: each replicated n // d times
-        layouts.append([(2 * n * 2, 2 * n), (d * 3, d), (d * 3, d)])
+        layouts.append([(2 * n * 2, 2 * n), (d * 3, -d), (d * 3, -d)])
     if n > 1:
-        layouts.append([(n * 2, n), (0, 1), (2, 1)])       # an empty and an MQA segment
+        layouts.append([(n * 2, n), (0, -1), (2, -1)])     # an empty and an MQA segment
     return layouts
 
 
@@ -340,8 +368,9 @@ def test_split_segments_layouts_match_reference(n, k, ndim, dim):
 @pytest.mark.parametrize("dtype", MOVE_DTYPES)
 @pytest.mark.parametrize("n", NS)
 def test_split_segments_dtypes_match_reference(n, dtype):
-    # q: 2n units of 2, k/v: one unit each (replicated for n > 1), on dim 1 of a 3-D input
-    segs = [(4 * n, 2 * n), (3, 1), (3, 1)]
+    # q: 2n units of 2, k/v: one replicable unit each (replicated for n > 1), on dim 1 of a 3-D
+    # input
+    segs = [(4 * n, 2 * n), (3, -1), (3, -1)]
     shape = (2, sum(s for s, _ in segs), 3)
     x, xb = make_input(shape, dtype, seed=n)
     expected = ref_segments(xb, -2, segs, n)
@@ -370,12 +399,21 @@ def _segments_error_cases():
          [r"(?i)add up|sum|total", num(16), num(12)]),
         ("units not divisible by n", (12, 2), 0, [6, 6, 6, 2], 4,
          [r"(?i)divi|multiple", num(6), num(4)]),
-        ("n not a multiple of units", (12, 2), 0, [8, 4, 4, 2], 3,
+        ("n not a multiple of units", (12, 2), 0, [8, -4, 4, -2], 3,
          [r"(?i)divi|multiple", num(3)]),
-        ("n not a multiple of units (gqa)", (25, 2), 0, [16, 8, 9, 3], 4,
+        ("n not a multiple of units (gqa)", (25, 2), 0, [16, 8, 9, -3], 4,
          [r"(?i)divi|multiple", num(3), num(4)]),
+        ("replicable units not divisible by n", (12, 2), 0, [6, -6, 6, -2], 4,
+         [r"(?i)divi|multiple", num(6), num(4)]),
+        ("positive units fewer than n", (12, 2), 0, [4, 4, 8, 2], 4,
+         [r"(?i)divi|multiple|replic", num(2), num(4)]),
+        ("positive single unit (mqa without the sign)", (10, 2), 0, [8, 8, 1, 1, 1, 1], 2,
+         [r"(?i)divi|multiple|replic", num(1), num(2)]),
         ("units zero", (12, 2), 0, [12, 0], 2, [r"(?i)unit", num(0)]),
-        ("units negative", (12, 2), 0, [12, -2], 2, [r"(?i)unit", num(-2)]),
+        ("units zero, replicable neighbours", (12, 2), 0, [4, -1, 4, 0, 4, -2], 2,
+         [r"(?i)unit", num(0)]),
+        ("units negative, size not a multiple", (12, 2), 0, [12, -5], 1,
+         [r"(?i)unit", num(12), num(5)]),
         ("dim out of range", (12, 2), 2, [12, 2], 2, [r"(?i)dim|axis|range"]),
     ]
 
@@ -547,24 +585,29 @@ def test_mis_sized_output_raises(name, extra, bad):
 
 HEAD = 128
 Q_HEADS, KV_HEADS = 32, 8
-QKV_SEGS = [(Q_HEADS * HEAD, Q_HEADS), (KV_HEADS * HEAD, KV_HEADS),
-            (KV_HEADS * HEAD, KV_HEADS)]
+# query heads split only (positive units), KV heads replicable (negative units)
+QKV_SEGS = [(Q_HEADS * HEAD, Q_HEADS), (KV_HEADS * HEAD, -KV_HEADS),
+            (KV_HEADS * HEAD, -KV_HEADS)]
 
 
-def heads_of(worker: int, n: int, heads: int) -> list[int]:
-    """Which heads of a ``heads``-head segment worker ``worker`` of ``n`` holds (spec)."""
+def heads_of(worker: int, n: int, units: int) -> list[int]:
+    """Which heads of a segment of ``units`` (signed) heads worker ``worker`` of ``n`` holds
+    (spec); only negative units may be replicated."""
+    heads = abs(units)
     if n <= heads:
         return list(range(worker * heads // n, (worker + 1) * heads // n))
+    assert units < 0, "positive units are never replicated"
     return [worker // (n // heads)]
 
 
-def expected_qkv_rows(worker: int, n: int, q_heads: int, kv_heads: int, head: int) -> list[int]:
+def expected_qkv_rows(worker: int, n: int, q_units: int, kv_units: int, head: int) -> list[int]:
+    """Rows of a fused [q, k, v] worker ``worker`` keeps; kv_units negative to replicate."""
     rows = []
     base = 0
-    for heads in (q_heads, kv_heads, kv_heads):
-        for h in heads_of(worker, n, heads):
+    for units in (q_units, kv_units, kv_units):
+        for h in heads_of(worker, n, units):
             rows.extend(range(base + h * head, base + (h + 1) * head))
-        base += heads * head
+        base += abs(units) * head
     return rows
 
 
@@ -581,7 +624,7 @@ def test_fused_qkv(n):
     out = alloc(out_shape, "int32")
     func("shardload.split_segments")(x, 0, *segment_args(QKV_SEGS), out)
     for i in range(n):
-        want = expected_qkv_rows(i, n, Q_HEADS, KV_HEADS, HEAD)
+        want = expected_qkv_rows(i, n, Q_HEADS, -KV_HEADS, HEAD)
         assert out[i][:, 0].tolist() == want, f"worker {i}"
         assert torch.equal(out[i], out[i][:, :1].expand(-1, hidden))
     assert_bits_equal(out, ref_segments(to_bits(x), 0, QKV_SEGS, n))
@@ -634,7 +677,7 @@ def test_fused_qkv_packed_units(n, dim):
     for i in range(n):
         assert np.array_equal(unpack_int4(to_bits(out_packed[i])), to_bits(out_zeros[i])), \
             f"worker {i} holds different heads in packed and unpacked units"
-        cols = expected_qkv_rows(i, n, Q_HEADS, KV_HEADS, HEAD)
+        cols = expected_qkv_rows(i, n, Q_HEADS, -KV_HEADS, HEAD)
         assert np.array_equal(to_bits(out_zeros[i]), zeros[:, cols])
 
 
@@ -666,9 +709,10 @@ def test_fused_gate_up_indivisible():
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_mqa_kv_replicated_to_all(n):
-    """Multi-query attention: 8 query heads, one KV head that every worker gets whole."""
+    """Multi-query attention: 8 query heads, one replicable KV head that every worker gets
+    whole."""
     head, q_heads = 16, 8
-    segs = [(q_heads * head, q_heads), (head, 1), (head, 1)]
+    segs = [(q_heads * head, q_heads), (head, -1), (head, -1)]
     rows = sum(s for s, _ in segs)
     x, xb = make_input((rows, 3), "bfloat16", seed=n)
     out_shape, _ = rule("shardload.split_segments")((rows, 3), "bfloat16", 0,
@@ -685,6 +729,144 @@ def test_mqa_kv_replicated_to_all(n):
         assert np.array_equal(ob[i][q_rows:q_rows + head], k)
         assert np.array_equal(ob[i][q_rows + head:], v)
     assert_bits_equal(out, ref_segments(xb, 0, segs, n))
+
+
+# ----------------------------------------------------------------------------------------------
+# strict mode: positive units split, never replicate; negative units may replicate
+
+
+@pytest.mark.parametrize("units,n", [(1, 2), (2, 4), (4, 8), (8, 16), (3, 6), (1, 16), (2, 3),
+                                     (6, 8)])
+def test_positive_units_fewer_than_n_is_an_error(units, n):
+    """Positive units are never replicated: N > units fails, naming the units and N, in the
+    shape rule and in the function itself."""
+    head = 4
+    segs = [(units * head, units)]
+    shape = (units * head, 3)
+    assert_value_error(lambda: rule("shardload.split_segments")(
+        shape, "float16", 0, *segment_args(segs), num_shards=n),
+        r"(?i)divi|multiple|replic", num(units), num(n))
+    with pytest.raises(ValueError):
+        ref_segments(np.zeros(shape, np.int16), 0, segs, n)
+    x, _ = make_input(shape, "float16")
+    for rows in (head, max(units * head // n, 1)):  # neither a replicated nor a split output
+        with pytest.raises(Exception):
+            func("shardload.split_segments")(x, 0, *segment_args(segs),
+                                             alloc((n, rows, 3), "float16"))
+    if n % units == 0:  # the same segment, marked replicable, is fine
+        out_shape, _ = rule("shardload.split_segments")(shape, "float16", 0,
+                                                        units * head, -units, num_shards=n)
+        assert tuple(out_shape) == (n, head, 3)
+
+
+@pytest.mark.parametrize("units,n", [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (8, 4), (8, 8),
+                                     (12, 3), (16, 16)])
+@pytest.mark.parametrize("dim", [0, -1])
+def test_positive_units_dividing_n_split_evenly(units, n, dim):
+    """Positive units that N divides: worker i keeps the i-th of N equal slices, the same as
+    ``shardload.split`` and as the replicable (negative) spelling."""
+    unit = 3
+    size = units * unit
+    shape = (size, 2) if dim == 0 else (2, size)
+    x, xb = make_input(shape, "bfloat16", seed=units * 31 + n)
+    out_shape, _ = rule("shardload.split_segments")(shape, "bfloat16", dim, size, units,
+                                                    num_shards=n)
+    expected = ref_split(xb, dim, n)
+    assert tuple(out_shape) == expected.shape
+    out = alloc(out_shape, "bfloat16")
+    func("shardload.split_segments")(x, dim, size, units, out)
+    assert_bits_equal(out, expected)
+    assert_bits_equal(out, ref_segments(xb, dim, [(size, units)], n))
+    neg = alloc(out_shape, "bfloat16")
+    func("shardload.split_segments")(x, dim, size, -units, neg)
+    assert_bits_equal(neg, expected)
+
+
+STRICT_QKV = [(8, 8), (8, 2), (32, 8), (16, 1)]  # (q heads, kv heads)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", STRICT_QKV)
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+def test_fused_qkv_strict(n, q_heads, kv_heads):
+    """Fused QKV with positive q units and negative k/v units: q is only ever split, k/v are
+    replicated once workers outnumber them; N above the q heads is an error."""
+    head = 4
+    segs = [(q_heads * head, q_heads), (kv_heads * head, -kv_heads),
+            (kv_heads * head, -kv_heads)]
+    rows = sum(s for s, _ in segs)
+    shape_rule = rule("shardload.split_segments")
+    x = torch.arange(rows, dtype=torch.int32)[:, None].repeat(1, 2)
+    if n > q_heads:
+        assert_value_error(lambda: shape_rule((rows, 2), "int32", 0, *segment_args(segs),
+                                              num_shards=n), num(q_heads), num(n))
+        with pytest.raises(ValueError):
+            ref_segments(to_bits(x), 0, segs, n)
+        with pytest.raises(Exception):
+            func("shardload.split_segments")(
+                x, 0, *segment_args(segs),
+                alloc((n, head + 2 * max(kv_heads // n, 1) * head, 2), "int32"))
+        return
+    out_shape, _ = shape_rule((rows, 2), "int32", 0, *segment_args(segs), num_shards=n)
+    q_rows, kv_rows = q_heads * head // n, max(kv_heads // n, 1) * head
+    assert tuple(out_shape) == (n, q_rows + 2 * kv_rows, 2)
+    out = alloc(out_shape, "int32")
+    func("shardload.split_segments")(x, 0, *segment_args(segs), out)
+    assert_bits_equal(out, ref_segments(to_bits(x), 0, segs, n))
+    check_segments_round_trip(to_bits(out), to_bits(x), 0, segs, n)
+    q_parts = [out[i][:q_rows, 0].tolist() for i in range(n)]
+    # q is split: the workers' pieces are disjoint and cover q in order
+    assert sum(q_parts, []) == list(range(q_heads * head))
+    for i in range(n):
+        assert out[i][:, 0].tolist() == expected_qkv_rows(i, n, q_heads, -kv_heads, head)
+        k_part = out[i][q_rows:q_rows + kv_rows, 0].tolist()
+        if n > kv_heads:  # replicated: worker i holds kv head i // (n // kv_heads)
+            h = i // (n // kv_heads)
+            base = q_heads * head
+            assert k_part == list(range(base + h * head, base + (h + 1) * head))
+
+
+def test_fused_qkv_strict_replicates_kv_only():
+    """32 q heads, 8 kv heads, 16 workers: each worker its own 2 q heads, KV heads shared by
+    consecutive pairs of workers."""
+    head, n = 4, 16
+    segs = [(32 * head, 32), (8 * head, -8), (8 * head, -8)]
+    rows = sum(s for s, _ in segs)
+    x, xb = make_input((rows, 3), "float16", seed=16)
+    out_shape, _ = rule("shardload.split_segments")((rows, 3), "float16", 0,
+                                                    *segment_args(segs), num_shards=n)
+    assert tuple(out_shape) == (n, 2 * head + 2 * head, 3)
+    out = alloc(out_shape, "float16")
+    func("shardload.split_segments")(x, 0, *segment_args(segs), out)
+    ob = to_bits(out)
+    assert_bits_equal(out, ref_segments(xb, 0, segs, n))
+    for i in range(n):
+        assert np.array_equal(ob[i][:2 * head], xb[i * 2 * head:(i + 1) * 2 * head])
+        h = i // 2
+        assert np.array_equal(ob[i][2 * head:3 * head],
+                              xb[32 * head + h * head:32 * head + (h + 1) * head])
+        assert np.array_equal(ob[i][3 * head:],
+                              xb[40 * head + h * head:40 * head + (h + 1) * head])
+    for i in range(0, n, 2):  # kv equal within a pair, q never
+        assert np.array_equal(ob[i][2 * head:], ob[i + 1][2 * head:])
+        assert not np.array_equal(ob[i][:2 * head], ob[i + 1][:2 * head])
+    # the same layout with positive kv units is refused rather than silently replicated
+    positive = [(size, abs(units)) for size, units in segs]
+    assert_value_error(lambda: rule("shardload.split_segments")(
+        (rows, 3), "float16", 0, *segment_args(positive), num_shards=n), num(8), num(16))
+
+
+@pytest.mark.parametrize("args", [[8, 0], [4, 2, 4, 0], [4, 0, 4, -2], [0, 0], [4, -2, 4, 0, 0, 1]],
+                         ids=str)
+@pytest.mark.parametrize("n", [1, 2])
+def test_units_zero_is_an_error(args, n):
+    size = sum(args[::2])
+    assert_value_error(lambda: rule("shardload.split_segments")(
+        (size, 2), "int32", 0, *args, num_shards=n), r"(?i)unit", num(0))
+    with pytest.raises(ValueError):
+        ref_segments(np.zeros((size, 2), np.int32), 0, list(zip(args[::2], args[1::2])), n)
+    x, _ = make_input((size, 2), "int32")
+    with pytest.raises(Exception):
+        func("shardload.split_segments")(x, 0, *args, alloc((n, size // n, 2), "int32"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -755,17 +937,18 @@ def test_replicate_property(n, shape, dtype, seed):
 
 @st.composite
 def segment_layout(draw, n):
-    """A valid layout for n workers: each segment either splits (units a multiple of n) or, when
-    n has a proper divisor, is replicated (units a proper divisor of n)."""
+    """A valid layout for n workers: each segment either splits (units a multiple of n, of
+    either sign) or, when n has a proper divisor, is replicated (negative units, a proper
+    divisor of n)."""
     segs = []
     proper = [d for d in range(1, n) if n % d == 0]
     for _ in range(draw(st.integers(1, 4))):
         if proper and draw(st.booleans()):
-            units = draw(st.sampled_from(proper))
+            units = -draw(st.sampled_from(proper))
         else:
-            units = n * draw(st.integers(1, 3))
+            units = n * draw(st.integers(1, 3)) * draw(st.sampled_from([1, -1]))
         unit = draw(st.sampled_from([0, 1, 1, 2, 2, 3]))
-        segs.append((units * unit, units))
+        segs.append((abs(units) * unit, units))
     return segs
 
 
@@ -795,24 +978,29 @@ def test_split_segments_property(case, dtype, seed):
 @st.composite
 def invalid_segment_cases(draw):
     """A valid layout with exactly one thing broken."""
-    kind = draw(st.sampled_from(["odd", "not_multiple", "sum", "units_vs_n", "units_nonpositive",
-                                 "negative_size"]))
-    n = draw(st.integers(2 if kind == "units_vs_n" else 1, 16))
+    kind = draw(st.sampled_from(["odd", "not_multiple", "sum", "units_vs_n", "units_zero",
+                                 "negative_size", "positive_replicated"]))
+    n = draw(st.integers(2 if kind in ("units_vs_n", "positive_replicated") else 1, 16))
     segs = draw(segment_layout(n))
     k = draw(st.integers(0, len(segs) - 1))
+    sign = draw(st.sampled_from([1, -1]))
     if kind == "not_multiple":
         units = draw(st.integers(2, 3)) * n  # fits n, so only the size is wrong
-        segs[k] = (units * draw(st.integers(0, 3)) + draw(st.integers(1, units - 1)), units)
-    elif kind == "units_vs_n":
+        segs[k] = (units * draw(st.integers(0, 3)) + draw(st.integers(1, units - 1)),
+                   sign * units)
+    elif kind == "units_vs_n":  # neither divides the other: wrong with either sign
         units = draw(st.integers(2, 3 * n).filter(lambda u: u % n and n % u))
-        segs[k] = (units * draw(st.integers(1, 3)), units)
-    elif kind == "units_nonpositive":
-        segs[k] = (segs[k][0], draw(st.integers(-3, 0)))
+        segs[k] = (units * draw(st.integers(1, 3)), sign * units)
+    elif kind == "positive_replicated":  # fewer positive units than workers: never replicated
+        units = draw(st.integers(1, n - 1))
+        segs[k] = (units * draw(st.integers(0, 3)), units)
+    elif kind == "units_zero":
+        segs[k] = (segs[k][0], 0)
     elif kind == "negative_size":
         # a negative size, with a valid segment added so the sizes still add up to the dim
         units, m = segs[k][1], draw(st.integers(1, 3))
-        segs[k] = (-units * m, units)
-        segs.append((units * m * n, n))
+        segs[k] = (-abs(units) * m, units)
+        segs.append((abs(units) * m * n, n))
     total = sum(s for s, _ in segs)
     axis_size = total
     if kind == "sum":
@@ -830,6 +1018,64 @@ def test_split_segments_invalid_property(case, dtype):
     kind, n, args, shape, dim = case
     with pytest.raises(ValueError):
         rule("shardload.split_segments")(shape, dtype, dim, *args, num_shards=n)
+
+
+@st.composite
+def signed_segment_cases(draw):
+    """Any signs, any unit counts: valid or not, the function must agree with the reference."""
+    n = draw(st.integers(1, 16))
+    segs = []
+    for _ in range(draw(st.integers(1, 4))):
+        units = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 16])) * draw(st.sampled_from([1, -1]))
+        segs.append((abs(units) * draw(st.integers(0, 2)), units))
+    shape, dim = draw(shapes_with_dim(sum(s for s, _ in segs)))
+    return n, segs, shape, dim
+
+
+@given(case=signed_segment_cases(), dtype=ANY_DTYPE, seed=st.integers(0, 2**16))
+@HYPOTHESIS
+def test_split_segments_mixed_signs_property(case, dtype, seed):
+    n, segs, shape, dim = case
+    x, xb = make_input(shape, dtype, seed)
+    shape_rule = rule("shardload.split_segments")
+    try:
+        expected = ref_segments(xb, dim, segs, n)
+    except ValueError:
+        with pytest.raises(ValueError):
+            shape_rule(shape, dtype, dim, *segment_args(segs), num_shards=n)
+        return
+    out_shape, out_dtype = shape_rule(shape, dtype, dim, *segment_args(segs), num_shards=n)
+    assert tuple(out_shape) == expected.shape and out_dtype == dtype
+    out = alloc(expected.shape, dtype)
+    func("shardload.split_segments")(x, dim, *segment_args(segs), out)
+    assert_bits_equal(out, expected)
+    check_segments_round_trip(to_bits(out), xb, dim, segs, n)
+    # flipping a positive segment's sign changes nothing where n divides its units
+    flipped = [(size, -units if n <= abs(units) else units) for size, units in segs]
+    assert np.array_equal(ref_segments(xb, dim, flipped, n), expected)
+    out2 = alloc(expected.shape, dtype)
+    func("shardload.split_segments")(x, dim, *segment_args(flipped), out2)
+    assert_bits_equal(out2, expected)
+
+
+@given(n=st.integers(2, 16), data=st.data())
+@HYPOTHESIS
+def test_positive_units_are_never_replicated_property(n, data):
+    """A positive segment with fewer units than workers is an error, even where the same
+    segment with negative units replicates fine."""
+    units = data.draw(st.sampled_from([d for d in range(1, n) if n % d == 0] or [1]))
+    unit = data.draw(st.integers(1, 3))
+    q = n * data.draw(st.integers(1, 2))
+    segs = [(q * 2, q), (units * unit, units)]
+    shape = (sum(s for s, _ in segs), 2)
+    assert_value_error(lambda: rule("shardload.split_segments")(
+        shape, "int32", 0, *segment_args(segs), num_shards=n), num(units), num(n))
+    with pytest.raises(ValueError):
+        ref_segments(np.zeros(shape, np.int32), 0, segs, n)
+    replicable = [segs[0], (units * unit, -units)]
+    out_shape, _ = rule("shardload.split_segments")(shape, "int32", 0,
+                                                    *segment_args(replicable), num_shards=n)
+    assert tuple(out_shape) == (n, 2 * q // n + unit, 2)
 
 
 @st.composite

@@ -63,9 +63,10 @@ def _detect(ckpt: Checkpoint) -> tuple[ModelSpec, Scheme, bool]:
                             "q4f16_0 would need a transpose", source=source)
         return spec_from_mlc(config, source), Scheme("mlc"), False
     if not config:
-        raise PlanError("no model config next to the checkpoint (config.json, GGUF metadata or "
-                        "mlc-chat-config.json): the planner needs the head counts; write "
-                        "shard_info.json by hand or add config.json", source=source)
+        raise PlanError("no plan, and no model config next to the checkpoint (config.json, GGUF "
+                        "metadata or mlc-chat-config.json) to write one from: pass a plan "
+                        "(--shard-info FILE, or a shard_info.json beside the checkpoint), or add "
+                        "the model's config.json", source=source)
     return spec_from_hf(config, source), scheme_from_hf(config, source), False
 
 
