@@ -353,12 +353,13 @@ def test_corrupt_safetensors_names_the_file(small, corrupt):
         assert str(target) in line
 
 
-def test_missing_shard_info_says_pass_shard_info(tmp_path, small):
+def test_missing_shard_info_and_config_says_what_to_pass(tmp_path, small):
+    # without a plan the CLI plans from config.json; without that either, it says what to do
     (small / "shard_info.json").unlink()
     for target in (small, small / "model.safetensors"):
         line = bad_input(run("load", "-n", 2, target))
-        assert "--shard-info" in line
-        assert str(small / "shard_info.json") in line
+        assert "--shard-info" in line and "config.json" in line
+        assert str(target) in line
 
 
 def test_shard_info_file_that_does_not_exist(small, tmp_path):
