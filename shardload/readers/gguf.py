@@ -1,0 +1,633 @@
+"""The GGUF reader (llama.cpp's format): the one place where GGUF bytes are trusted or refused.
+
+A ``.gguf`` file (versions 2 and 3, little-endian) is::
+
+    "GGUF", u32 version, u64 tensor_count, u64 kv_count
+    kv_count key-values:    string key, u32 value type, value
+                            (a string is u64 length + UTF-8 bytes; an array is u32 element
+                            type, u64 count, the elements)
+    tensor_count infos:     string name, u32 n_dims, u64 ne[n_dims], u32 ggml type, u64 offset
+    padding to ``general.alignment`` (32 by default), then the data: each tensor's bytes at
+    data start + offset
+
+``ne`` is innermost first: ``ne[0]`` is the row length, so numpy/torch order is
+``reversed(ne)``. Quantized types store each row as ``ne[0] // block_size`` blocks of
+``type_size`` bytes (e.g. Q4_1: 32 weights in 20 bytes). This reader never dequantizes: a
+quantized tensor is exposed as its raw blocks, dtype ``uint8`` and shape
+``(*reversed(ne[1:]), ne[0] // block_size * type_size)`` (what gguf-py's ``tensor.data`` is), so
+splitting rows, or splitting the last (byte) dim at multiples of ``type_size``, splits whole
+blocks. ``tensor_format`` gives the ggml type, block size, type size and ``ne``.
+
+Trust rules. A checkpoint is input from outside, so the whole header is checked here, at open
+time, before anything is read, and every failure is a ``FormatError`` naming the file (and the
+tensor where there is one). After ``open_gguf`` returns, a read is a bounds-checked copy:
+
+* magic ``GGUF``, version 2 or 3, little-endian (big-endian files are refused, not swapped);
+* every count, length and offset in the header is bounded by the file size before it is used
+  (a corrupt count cannot make us loop or allocate); strings are valid UTF-8; value types are
+  known; arrays are not nested; bools are 0 or 1; no key appears twice;
+* ``general.alignment``, if present, is a u32 power of two;
+* each tensor: a unique non-empty name, 0..4 dims, a ggml type gguf-py knows with a block size,
+  ``ne[0]`` a multiple of that block size, an offset that is a multiple of the alignment (as
+  llama.cpp requires), and a byte size (``n_elements // block_size * type_size``, which the
+  header implies, never states) whose range lies inside the file and overlaps no other tensor.
+
+Padding between tensors and after the last one is allowed, as the format has it.
+
+The header is parsed here, with gguf-py supplying the type tables (``GGMLQuantizationType``,
+``GGML_QUANT_SIZES``, ``GGUFValueType``), rather than by ``gguf.GGUFReader``: GGUFReader builds
+numpy objects for every element of every array at open time (over 2 s for the 150k tokenizer
+entries of a 135M model, per process), and it neither bounds counts nor checks tensor ranges.
+The tests check this reader against GGUFReader byte for byte.
+
+The file is mapped, not read: opening reads only the header, ``read`` copies one tensor (or,
+with ``read_narrow``, one slice of it) out of the mapping, and large key-value arrays (the
+tokenizer) are decoded only when ``field`` asks for them. Files must not be modified while a
+checkpoint has them open.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import operator
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
+from gguf import GGUFValueType
+
+from .. import dtypes
+from ..errors import FormatError
+from .base import Checkpoint, TensorMeta
+
+__all__ = ["open_gguf", "GGUFCheckpoint", "CONFIG_MAX_ARRAY", "SUPPORTED_VERSIONS"]
+
+#: arrays longer than this are left out of ``config``; ``field`` returns them
+CONFIG_MAX_ARRAY = 1024
+SUPPORTED_VERSIONS = (2, 3)
+GGML_MAX_DIMS = 4
+_INT64_MAX = 2**63 - 1
+_REDO = "re-download or re-convert the GGUF file"
+
+# ggml types stored as plain elements -> canonical dtype name; every other type is raw blocks
+_ELEMENT_TYPES: dict[GGMLQuantizationType, str] = {
+    GGMLQuantizationType.F32: "float32", GGMLQuantizationType.F16: "float16",
+    GGMLQuantizationType.BF16: "bfloat16", GGMLQuantizationType.F64: "float64",
+    GGMLQuantizationType.I8: "int8", GGMLQuantizationType.I16: "int16",
+    GGMLQuantizationType.I32: "int32", GGMLQuantizationType.I64: "int64",
+}
+
+# value type -> (struct format, numpy dtype) of one little-endian element
+_SCALARS: dict[int, tuple[str, str]] = {
+    GGUFValueType.UINT8: ("<B", "<u1"), GGUFValueType.INT8: ("<b", "<i1"),
+    GGUFValueType.UINT16: ("<H", "<u2"), GGUFValueType.INT16: ("<h", "<i2"),
+    GGUFValueType.UINT32: ("<I", "<u4"), GGUFValueType.INT32: ("<i", "<i4"),
+    GGUFValueType.FLOAT32: ("<f", "<f4"), GGUFValueType.BOOL: ("<B", "<u1"),
+    GGUFValueType.UINT64: ("<Q", "<u8"), GGUFValueType.INT64: ("<q", "<i8"),
+    GGUFValueType.FLOAT64: ("<d", "<f8"),
+}
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+def _type_name(code: int) -> str:
+    try:
+        return GGUFValueType(code).name
+    except ValueError:
+        return str(code)
+
+
+# ----------------------------------------------------------------------------------------------
+# the header
+
+
+@dataclass(frozen=True)
+class _KV:
+    """Where one key's value lies: ``offset`` is its first byte (for an array, its first
+    element), ``count`` its element count (1 for a scalar or string)."""
+
+    key: str
+    vtype: int
+    offset: int
+    subtype: int | None = None
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    name: str
+    ne: tuple[int, ...]
+    ggml_type: GGMLQuantizationType
+    offset: int  # relative to the data start
+
+
+@dataclass
+class _Header:
+    version: int
+    kvs: dict[str, _KV]
+    infos: list[_TensorInfo]
+    alignment: int
+    data_start: int
+
+
+class _Parser:
+    """Bounds-checked reads of the header out of a mapping of the file."""
+
+    def __init__(self, buf: Any, size: int, path: Path):
+        self.buf, self.size, self.path = buf, size, path
+        self.pos = 0
+        self.where = "the header"  # what is being read, for messages
+        self.tensor: str | None = None
+
+    def fail(self, msg: str, *, redo: bool = True) -> FormatError:
+        return FormatError(f"{msg}{'; ' + _REDO if redo else ''}", file=self.path,
+                           tensor=self.tensor)
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise self.fail(f"{what} in {self.where} (at byte {self.pos}, {n} bytes) runs past the "
+                            f"end of the {self.size}-byte file: the file is truncated or its "
+                            f"header is corrupt")
+
+    def u32(self, what: str) -> int:
+        self.need(4, what)
+        (v,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return v
+
+    def u64(self, what: str) -> int:
+        self.need(8, what)
+        (v,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return v
+
+    def string(self, what: str) -> str:
+        n = self.u64(f"the length of {what}")
+        self.need(n, f"{what} ({n} bytes long)")
+        raw = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        try:
+            return str(raw, "utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(f"{what} in {self.where} is not valid UTF-8 ({e})") from None
+
+    def skip_strings(self, count: int, what: str) -> None:
+        """Walk ``count`` strings, checking each is inside the file and valid UTF-8."""
+        self.need(8 * count, f"{count} strings of {what}")  # each has at least its length
+        buf, size, pos, unpack = self.buf, self.size, self.pos, _U64.unpack_from
+        for i in range(count):
+            if size - pos < 8:
+                self.pos = pos
+                self.need(8, f"the length of string {i} of {what}")
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if n > size - pos:
+                self.pos = pos
+                self.need(n, f"string {i} of {what} ({n} bytes long)")
+            try:
+                str(buf[pos:pos + n], "utf-8")
+            except UnicodeDecodeError as e:
+                raise self.fail(f"string {i} of {what} is not valid UTF-8 ({e})") from None
+            pos += n
+        self.pos = pos
+
+    def value(self, key: str, vtype: int) -> _KV:
+        """Check and skip the value of ``key``, returning where it lies."""
+        what = f"the value of key {key!r}"
+        if vtype == GGUFValueType.STRING:
+            start = self.pos
+            self.string(what)
+            return _KV(key, vtype, start)
+        if vtype in _SCALARS:
+            fmt, _ = _SCALARS[vtype]
+            n = struct.calcsize(fmt)
+            self.need(n, what)
+            start = self.pos
+            if vtype == GGUFValueType.BOOL and self.buf[start] > 1:
+                raise self.fail(f"{what} is a bool stored as {self.buf[start]}; a GGUF bool "
+                                f"is 0 or 1")
+            self.pos += n
+            return _KV(key, vtype, start)
+        if vtype == GGUFValueType.ARRAY:
+            subtype = self.u32(f"the element type of {what}")
+            count = self.u64(f"the length of {what}")
+            start = self.pos
+            if subtype == GGUFValueType.STRING:
+                self.skip_strings(count, what)
+            elif subtype in _SCALARS:
+                _, np_type = _SCALARS[subtype]
+                n = np.dtype(np_type).itemsize
+                self.need(count * n, f"{what} ({count} elements of {n} bytes)")
+                if subtype == GGUFValueType.BOOL and count:
+                    flags = np.frombuffer(self.buf, np.uint8, count, start)
+                    bad = int(flags.max()) > 1
+                    del flags  # a view holds the mapping; do not keep it
+                    if bad:
+                        raise self.fail(f"{what} is an array of bools holding a value other "
+                                        f"than 0 or 1")
+                self.pos += count * n
+            elif subtype == GGUFValueType.ARRAY:
+                raise self.fail(f"{what} is an array of arrays; nested arrays are not part of "
+                                f"GGUF as llama.cpp reads it")
+            else:
+                raise self.fail(f"{what} is an array of unknown value type {subtype}")
+            return _KV(key, vtype, start, subtype, count)
+        raise self.fail(f"key {key!r} has unknown value type {vtype}; known: "
+                        f"{', '.join(t.name for t in GGUFValueType)}")
+
+    def header(self) -> _Header:
+        if self.size < 24:
+            raise self.fail(f"file is {self.size} bytes, too short for the 24-byte GGUF header: "
+                            f"it is truncated or not a GGUF file")
+        magic, version = struct.unpack_from("<II", self.buf, 0)
+        if magic != GGUF_MAGIC:
+            raise self.fail(f"magic is {bytes(self.buf[0:4])!r}, not b'GGUF': this is not a GGUF "
+                            f"file (or its start is corrupt)")
+        if version & 0xFFFF == 0 and (version >> 24) in SUPPORTED_VERSIONS:
+            raise self.fail("file is a big-endian GGUF; shardload reads little-endian GGUF "
+                            "only. Convert it with gguf-py's gguf_convert_endian (little)",
+                            redo=False)
+        if version not in SUPPORTED_VERSIONS:
+            raise self.fail(f"GGUF version {version} is not supported (shardload reads versions "
+                            f"{' and '.join(map(str, SUPPORTED_VERSIONS))}); re-convert the model "
+                            f"with a current llama.cpp", redo=False)
+        self.pos = 8
+        n_tensors = self.u64("the tensor count")
+        n_kv = self.u64("the key-value count")
+        # Bound the counts by what the rest of the file could hold: a key-value is at least
+        # 8 + 4 + 1 bytes, a tensor info at least 8 + 4 + 4 + 8.
+        if n_kv * 13 + n_tensors * 24 > self.size - self.pos:
+            raise self.fail(f"header claims {n_kv} key-values and {n_tensors} tensors, more than "
+                            f"the {self.size}-byte file can hold: the header is corrupt or the "
+                            f"file is truncated")
+
+        kvs: dict[str, _KV] = {}
+        for i in range(n_kv):
+            self.where = f"key-value {i}"
+            key = self.string("the key")
+            self.where = f"key-value {i} ({key!r})"
+            vtype = self.u32("the value type")
+            if key in kvs:
+                raise self.fail(f"key {key!r} appears twice; every key must be unique")
+            kvs[key] = self.value(key, vtype)
+
+        infos: list[_TensorInfo] = []
+        names: set[str] = set()
+        for i in range(n_tensors):
+            self.where, self.tensor = f"tensor info {i}", None
+            name = self.string("the tensor name")
+            if not name:
+                raise self.fail("a tensor has an empty name")
+            self.tensor = name
+            if name in names:
+                raise self.fail("two tensors have this name; every tensor name must be unique")
+            names.add(name)
+            n_dims = self.u32("the dimension count")
+            if n_dims > GGML_MAX_DIMS:
+                raise self.fail(f"tensor has {n_dims} dimensions; GGUF tensors have at most "
+                                f"{GGML_MAX_DIMS}")
+            ne = tuple(self.u64(f"dimension {d}") for d in range(n_dims))
+            code = self.u32("the tensor type")
+            offset = self.u64("the data offset")
+            infos.append(_TensorInfo(name, ne, self._ggml_type(code), offset))
+        self.where, self.tensor = "the header", None
+
+        alignment = GGUF_DEFAULT_ALIGNMENT
+        kv = kvs.get("general.alignment")
+        if kv is not None:
+            if kv.vtype != GGUFValueType.UINT32:
+                raise self.fail(f"general.alignment is a {_type_name(kv.vtype)}; it must be a "
+                                f"UINT32")
+            (alignment,) = _U32.unpack_from(self.buf, kv.offset)
+            if alignment == 0 or alignment & (alignment - 1):
+                raise self.fail(f"general.alignment is {alignment}; it must be a power of two")
+        data_start = -(-self.pos // alignment) * alignment
+        return _Header(version, kvs, infos, alignment, data_start)
+
+    def _ggml_type(self, code: int) -> GGMLQuantizationType:
+        try:
+            ggml_type = GGMLQuantizationType(code)
+        except ValueError:
+            ggml_type = None
+        if ggml_type is None or ggml_type not in GGML_QUANT_SIZES:
+            raise self.fail(f"unknown ggml tensor type {code}; the gguf package (gguf-py) "
+                            f"installed knows {len(GGML_QUANT_SIZES)} types. If the file is from "
+                            f"a newer llama.cpp, upgrade the gguf package", redo=False)
+        return ggml_type
+
+
+def _check_tensors(path: Path, header: _Header, size: int) -> list[tuple[TensorMeta, int, int]]:
+    """(meta, begin, end) of each tensor, ``begin``/``end`` file offsets, in storage order."""
+    placed = []
+    for info in header.infos:
+        def bad(msg: str, redo: bool = True) -> FormatError:
+            return FormatError(f"{msg}{'; ' + _REDO if redo else ''}", file=path,
+                               tensor=info.name)
+
+        block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
+        kind = info.ggml_type.name
+        if math.prod(max(d, 1) for d in info.ne) > _INT64_MAX:  # (so is every dim)
+            raise bad(f"dimensions {list(info.ne)} overflow 64-bit sizes")
+        ne0 = info.ne[0] if info.ne else 1
+        if ne0 % block_size:
+            raise bad(f"ne[0] (the row length) is {ne0}, not a multiple of the {kind} block size "
+                      f"{block_size}; the header is corrupt")
+        if info.offset % header.alignment:
+            raise bad(f"data offset {info.offset} is not a multiple of the file's alignment "
+                      f"{header.alignment} (llama.cpp refuses such files); the header is corrupt")
+        n_elements = math.prod(info.ne)
+        nbytes = n_elements // block_size * type_size
+        begin = header.data_start + info.offset
+        end = begin + nbytes
+        if end > size:
+            raise bad(f"data [{begin}, {end}) ({nbytes} bytes of {kind} at offset {info.offset} "
+                      f"from the data start {header.data_start}) runs past the end of the "
+                      f"{size}-byte file: the file is truncated or its header is corrupt")
+        dtype = _ELEMENT_TYPES.get(info.ggml_type)
+        np_ne = tuple(reversed(info.ne))
+        if dtype is None:  # raw blocks: the row length in bytes
+            shape = np_ne[:-1] + (ne0 // block_size * type_size,) if info.ne else (type_size,)
+            dtype = "uint8"
+        else:
+            shape = np_ne
+        meta = TensorMeta(info.name, shape, dtype)
+        assert meta.nbytes == nbytes, (info, meta)
+        placed.append((meta, begin, end))
+
+    placed.sort(key=lambda t: (t[1], t[2]))  # storage order; stable
+    prev_end, prev = 0, None
+    for meta, begin, end in placed:
+        if end == begin:
+            continue  # an empty range overlaps nothing
+        if begin < prev_end:
+            raise FormatError(f"data [{begin}, {end}) overlaps tensor {prev!r} (which ends at "
+                              f"{prev_end}); every byte belongs to one tensor. The header is "
+                              f"corrupt; {_REDO}", file=path, tensor=meta.name)
+        prev_end, prev = end, meta.name
+    return placed
+
+
+def _unmap(m: mmap.mmap) -> None:
+    try:
+        m.close()
+    except BufferError:
+        # A view of the map is still alive (a read in flight in another thread). Dropping our
+        # reference is enough: the map is unmapped when the last view of it is freed.
+        pass
+
+
+# ----------------------------------------------------------------------------------------------
+# the checkpoint
+
+
+def open_gguf(path: str | os.PathLike) -> "GGUFCheckpoint":
+    """Open a ``.gguf`` file lazily. The header is validated before this returns
+    (``FormatError`` otherwise); no tensor data is read.
+
+    >>> ckpt = open_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")          # doctest: +SKIP
+    >>> ckpt.meta("blk.0.attn_q.weight")                              # doctest: +SKIP
+    TensorMeta(name='blk.0.attn_q.weight', shape=(576, 360), dtype='uint8')
+    >>> ckpt.tensor_format("blk.0.attn_q.weight")                     # doctest: +SKIP
+    {'ggml_type': 'Q4_1', 'block_size': 32, 'type_size': 20, 'ne': [576, 576]}
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FormatError("no such file", file=p)
+    if not p.is_file():
+        raise FormatError("not a file; pass the path of a .gguf file", file=p)
+    with open(p, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise FormatError(f"file is empty: it is truncated or not a GGUF file; {_REDO}",
+                              file=p)
+        # ACCESS_COPY: a private copy-on-write mapping. torch sees a writable buffer (so no
+        # "non-writable buffer" warning), and no write through a tensor can reach the file.
+        # The mapping holds its own handle on the file, so the file object can be closed.
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        if len(mapped) != size:
+            raise FormatError("file changed size while being opened; do not modify a checkpoint "
+                              "while it is loading", file=p)
+        header = _Parser(mapped, size, p).header()
+        tensors = _check_tensors(p, header, size)
+        return GGUFCheckpoint(str(path), mapped, header, tensors)
+    except BaseException:
+        _unmap(mapped)
+        raise
+
+
+class GGUFCheckpoint(Checkpoint):
+    """The tensors of one validated, memory-mapped GGUF file, under their GGUF names.
+
+    Made by ``open_gguf``. ``read`` and ``read_narrow`` are safe to call from several threads at
+    once. After ``close()`` they, and ``field``, raise ``ValueError``; tensors already returned
+    stay valid (they own their memory), and so does ``config``.
+
+    ``config`` holds the key-values with arrays of up to ``CONFIG_MAX_ARRAY`` items;
+    ``field(key)`` decodes any key, the tokenizer arrays included; ``field_names()`` lists them.
+    """
+
+    def __init__(self, source: str, mapped: mmap.mmap, header: _Header,
+                 tensors: list[tuple[TensorMeta, int, int]]):
+        super().__init__()
+        self.source = source
+        self.path = os.path.abspath(source)
+        self.version: int = header.version
+        self.alignment: int = header.alignment
+        #: file offset of the tensor data (tensor offsets in the header count from here)
+        self.data_offset: int = header.data_start
+        self._map: mmap.mmap | None = mapped
+        # A uint8 view of the whole file. It goes through numpy on purpose: a numpy array holds a
+        # buffer export on the mmap, so mmap.close() refuses (BufferError) while any view is
+        # alive; torch.frombuffer holds none, and closing under it would leave tensors pointing
+        # at unmapped memory.
+        self._bytes: np.ndarray | None = np.frombuffer(mapped, dtype=np.uint8)
+        self._data: torch.Tensor | None = torch.from_numpy(self._bytes)
+        self._kvs = header.kvs
+        self._meta: dict[str, TensorMeta] = {}
+        self._where: dict[str, tuple[int, int]] = {}
+        infos = {info.name: info for info in header.infos}
+        self._format: dict[str, tuple[str, int, int, tuple[int, ...]]] = {}
+        for meta, begin, end in tensors:
+            info = infos[meta.name]
+            self._meta[meta.name] = meta
+            self._where[meta.name] = (begin, end)
+            self._format[meta.name] = (info.ggml_type.name, *GGML_QUANT_SIZES[info.ggml_type],
+                                       info.ne)
+        self._lock = threading.Lock()
+        self._config: dict[str, Any] | None = None
+
+    # -- metadata ------------------------------------------------------------------------------
+
+    def metadata(self) -> dict[str, TensorMeta]:
+        return self._meta
+
+    def tensor_format(self, name: str) -> dict:
+        """``{"ggml_type": "Q4_1", "block_size": 32, "type_size": 20, "ne": [ne0, ne1, ...]}``.
+
+        Every tensor has one; element types have block size 1 and type size their item size.
+        """
+        self.meta(name)
+        ggml_type, block_size, type_size, ne = self._format[name]
+        return {"ggml_type": ggml_type, "block_size": block_size, "type_size": type_size,
+                "ne": list(ne)}
+
+    def byte_range(self, name: str) -> tuple[str, int, int]:
+        """``(file, start, end)``: where the tensor's bytes lie, as offsets into the file."""
+        self.meta(name)
+        begin, end = self._where[name]
+        return self.path, begin, end
+
+    def field_names(self) -> list[str]:
+        """Every key of the file's key-values, in file order."""
+        return list(self._kvs)
+
+    def field(self, key: str) -> Any:
+        """The value of any key: a Python scalar, a ``str``, or a list for an array, decoded
+        now (arrays of strings as ``str``). ``KeyError`` if the file has no such key."""
+        kv = self._kvs.get(key)
+        if kv is None:
+            raise KeyError(f"{self.source}: no key named {key!r}")
+        with self._lock:
+            buf = self._bytes  # a view: it keeps the mapping alive while we decode
+        if buf is None:
+            raise ValueError(f"{self.source}: checkpoint is closed; open it again to read key "
+                             f"{key!r}")
+        try:
+            return _decode(buf, kv)
+        except (UnicodeDecodeError, struct.error, ValueError) as e:  # the file changed under us
+            raise FormatError(f"key {key!r} cannot be decoded ({e}); do not modify a checkpoint "
+                              f"while it is open", file=self.path) from None
+
+    @property
+    def config(self) -> dict:
+        """The key-values as a plain dict, without arrays of over ``CONFIG_MAX_ARRAY`` items
+        (use ``field`` for those). Built on first use; a new dict each time."""
+        with self._lock:
+            config, buf = self._config, self._bytes
+        if config is None:
+            if buf is None:
+                raise ValueError(f"{self.source}: checkpoint is closed; open it again to read "
+                                 f"its config")
+            config = {kv.key: _decode(buf, kv) for kv in self._kvs.values()
+                      if kv.count <= CONFIG_MAX_ARRAY}
+            with self._lock:
+                if self._config is None:
+                    self._config = config
+                config = self._config
+        return dict(config)
+
+    # -- tensors -------------------------------------------------------------------------------
+
+    def _locate(self, name: str) -> tuple[TensorMeta, torch.Tensor, int, int]:
+        meta = self.meta(name)
+        begin, end = self._where[name]
+        with self._lock:
+            data = self._data
+        if data is None:
+            raise ValueError(f"{self.source}: checkpoint is closed; open it again to read "
+                             f"{name!r}")
+        return meta, data, begin, end
+
+    def _count(self, n: int) -> None:
+        with self._lock:  # += on an attribute is not atomic across threads
+            self.bytes_read += n
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor (raw blocks for a quantized one), copied once out of the mapping
+        into a new contiguous tensor."""
+        meta, data, begin, end = self._locate(name)
+        out = torch.empty(meta.shape, dtype=dtypes.to_torch(meta.dtype))
+        if end > begin:
+            # Copy as bytes: offsets need not be aligned for the dtype.
+            out.view(-1).view(torch.uint8).copy_(data[begin:end])
+        self._count(end - begin)
+        return out
+
+    def read_narrow(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """``read(name).narrow(dim, start, length)``, copying only the slice's bytes.
+
+        For a quantized tensor the last dim counts bytes: narrowing it by multiples of
+        ``type_size`` takes whole blocks (a column split). ``dim`` and ``start`` may be
+        negative, as for ``torch.narrow``. Raises ``IndexError`` for a ``dim`` or ``start`` out
+        of range and ``ValueError`` for a bad ``length``.
+        """
+        meta, data, begin, end = self._locate(name)
+        dim, start, length = operator.index(dim), operator.index(start), operator.index(length)
+        shape, ndim = meta.shape, len(meta.shape)
+        if not -ndim <= dim < ndim:
+            raise IndexError(f"{self.source}: tensor {name!r} has shape {shape}; dim {dim} is "
+                             f"out of range")
+        dim %= ndim
+        size = shape[dim]
+        if not -size <= start <= size:
+            raise IndexError(f"{self.source}: tensor {name!r} has size {size} in dim {dim}; "
+                             f"start {start} is out of range")
+        if start < 0:
+            start += size
+        if length < 0 or start + length > size:
+            raise ValueError(f"{self.source}: tensor {name!r} has size {size} in dim {dim}; "
+                             f"cannot take {length} elements from {start}")
+
+        out = torch.empty(shape[:dim] + (length,) + shape[dim + 1:],
+                          dtype=dtypes.to_torch(meta.dtype))
+        # In C order the slice is `outer` runs of `length * inner` contiguous bytes, one run per
+        # index of the dims before `dim`: a strided uint8 view of the mapping, copied once.
+        outer = math.prod(shape[:dim])
+        inner = math.prod(shape[dim + 1:]) * dtypes.itemsize(meta.dtype)
+        nbytes = outer * length * inner
+        if nbytes:
+            src = data[begin:end].view(outer, size, inner)[:, start:start + length]
+            out.view(-1).view(torch.uint8).view(outer, length, inner).copy_(src)
+        self._count(nbytes)
+        return out
+
+    def close(self) -> None:
+        """Unmap the file. Idempotent; tensors already returned stay valid, and so does
+        ``config`` (built now if it was not yet)."""
+        try:
+            if self._config is None and self._bytes is not None:
+                self.config
+        except ValueError:
+            pass  # closed by another thread meanwhile
+        with self._lock:
+            self._data = self._bytes = None  # drop our views first: they hold buffer exports
+            mapped, self._map = self._map, None
+        if mapped is not None:
+            _unmap(mapped)
+
+
+def _decode(buf: np.ndarray, kv: _KV) -> Any:
+    """The value ``kv`` points at, as Python objects. ``buf`` is the file's bytes."""
+    if kv.vtype == GGUFValueType.STRING:
+        return _strings(buf, kv.offset, 1)[0]
+    if kv.vtype == GGUFValueType.ARRAY:
+        if kv.subtype == GGUFValueType.STRING:
+            return _strings(buf, kv.offset, kv.count)
+        _, np_type = _SCALARS[kv.subtype]
+        values = np.frombuffer(buf, np_type, kv.count, kv.offset)
+        if kv.subtype == GGUFValueType.BOOL:
+            values = values.astype(bool)
+        return values.tolist()
+    fmt, _ = _SCALARS[kv.vtype]
+    (value,) = struct.unpack_from(fmt, buf, kv.offset)
+    return bool(value) if kv.vtype == GGUFValueType.BOOL else value
+
+
+def _strings(buf: np.ndarray, pos: int, count: int) -> list[str]:
+    out, unpack = [], _U64.unpack_from
+    for _ in range(count):
+        (n,) = unpack(buf, pos)
+        pos += 8
+        if n > len(buf) - pos:
+            raise ValueError(f"a string of {n} bytes at byte {pos} runs past the end of the file")
+        out.append(str(buf[pos:pos + n].tobytes(), "utf-8"))
+        pos += n
+    return out

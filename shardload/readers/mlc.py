@@ -1,0 +1,533 @@
+"""The MLC-LLM reader: TVM "tensor cache" folders, validated strictly and read through mmap.
+
+An MLC-LLM weight folder (what ``mlc_llm convert_weight`` writes) holds::
+
+    tensor-cache.json       the index (``ndarray-cache.json`` before TVM renamed it)
+    params_shard_0.bin      raw tensor bytes, one file per shard record
+    params_shard_1.bin ...
+    mlc-chat-config.json    model and quantization settings (optional here)
+
+The index, as TVM's ``tvm.contrib.tvmjs.dump_tensor_cache`` writes it and TVM's
+``src/runtime/vm/tensor_cache_support.cc`` reads it::
+
+    {"metadata": {"ParamSize": 291, "ParamBytes": 4.0e9, "BitsPerParam": 4.5},
+     "records": [                                   # one per shard file
+       {"dataPath": "params_shard_0.bin", "format": "raw-shard",
+        "nbytes": <the file's size>, "md5sum": "<hex>",          (md5sum: optional)
+        "records": [                                # the tensors in that file
+          {"name": "model.layers.0.self_attn.qkv_proj.q_weight", "shape": [12288, 512],
+           "dtype": "uint32", "format": "f32-to-bf16", "nbytes": 25165824, "byteOffset": 0},
+          ...]},
+       ...]}
+
+Record formats. ``"raw"``: the bytes are the tensor, C order, little-endian. ``"f32-to-bf16"``:
+the writer was asked to store float32 tensors as bfloat16 bits (the high 16 bits, rounded to
+nearest even); the conversion applies to records whose ``dtype`` is ``"float32"`` only, and every
+other record under that label is raw. MLC's ``convert_weight`` labels *every* record
+``"f32-to-bf16"``, so a q4f16_1 ``q_weight`` reads ``"dtype": "uint32", "format":
+"f32-to-bf16"`` and is plain uint32. TVM's loader widens an f32-to-bf16 float32 tensor back to
+float32 (bf16 bits << 16); this reader instead exposes it as what is stored, a **bfloat16**
+tensor of the record's shape (``nbytes == numel * 2``), so reads stay one copy of the stored
+bytes and ``read_narrow`` reads only the slice. Widening it is exact:
+``t.to(torch.float32)``. ``tensor_format`` reports the record's format, so a caller can tell.
+
+Trust rules. Everything is checked at open time, before anything is read, and every failure is
+a ``FormatError`` naming the file (the index, or the shard file when that file is wrong) and the
+tensor:
+
+* the index is UTF-8 JSON with no duplicate keys and no NaN; the top level, each shard record and
+  each tensor record have exactly their known keys with the right types (unknown keys are
+  refused, so a typo or an unsupported extension cannot go unnoticed; ``metadata`` and ``md5sum``
+  are optional);
+* ``dataPath`` is a relative path inside the folder: not absolute, no ``..``, and resolving
+  symlinks it stays inside the folder; no file is listed twice; the file exists and its size is
+  the record's ``nbytes`` (TVM's check for a torn download);
+* the shard format is ``"raw-shard"``, a tensor format ``"raw"`` or ``"f32-to-bf16"``, and the
+  dtype one TVM writes (``float16``, ``bfloat16``, ``float32``, ``uint32``, ``int8``, ...);
+* each tensor's ``nbytes`` is exactly ``prod(shape) * itemsize`` of the stored dtype,
+  ``byteOffset + nbytes`` lies inside its file, tensors in one file do not overlap (gaps are
+  fine: writers may align), and no tensor name appears twice.
+
+``md5sum`` is checked for type only: verifying it would read every byte at open time.
+
+Files are mapped, not read (each shard once, copy-on-write); a read copies one tensor or one
+slice out of the mapping. Files must not be modified while a checkpoint has them open.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import mmap
+import operator
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import dtypes, strict_json
+from ..errors import FormatError
+from .base import Checkpoint, TensorMeta
+
+__all__ = ["open_mlc", "MLCCheckpoint", "INDEX_NAMES", "CONFIG_NAME", "MLC_DTYPES",
+           "MLC_FORMATS"]
+
+#: index file names, preferred first (TVM renamed ndarray-cache.json to tensor-cache.json)
+INDEX_NAMES = ("tensor-cache.json", "ndarray-cache.json")
+CONFIG_NAME = "mlc-chat-config.json"
+MAX_INDEX_SIZE = 100_000_000  # real indexes are well under 1 MB
+
+#: dtype spellings in a tensor cache -> canonical name. TVM's own names; the float8 ones in both
+#: the current spelling and the older ``e4m3_float8`` one.
+MLC_DTYPES: dict[str, str] = {
+    "bool": "bool", "int8": "int8", "uint8": "uint8", "int16": "int16", "uint16": "uint16",
+    "int32": "int32", "uint32": "uint32", "int64": "int64", "uint64": "uint64",
+    "float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
+    "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
+    "e4m3_float8": "float8_e4m3fn", "e5m2_float8": "float8_e5m2",
+}
+#: tensor record formats
+MLC_FORMATS = ("raw", "f32-to-bf16")
+
+_REDO = "re-run mlc_llm convert_weight or re-download the weights"
+_TOP_KEYS = ({"records"}, {"metadata"})  # (required, optional)
+_SHARD_KEYS = ({"dataPath", "format", "nbytes", "records"}, {"md5sum"})
+_TENSOR_KEYS = ({"name", "shape", "dtype", "format", "nbytes", "byteOffset"}, set())
+
+
+def _is_uint(x: Any) -> bool:
+    return type(x) is int and x >= 0  # type(), not isinstance(): JSON true is not a 1
+
+
+def _check_keys(obj: dict, keys: tuple[set, set], what: str, bad) -> None:
+    required, optional = keys
+    missing = sorted(required - set(obj))
+    extra = sorted(set(obj) - required - optional)
+    if missing or extra:
+        allowed = ", ".join(sorted(required)) + (
+            f" (and optionally {', '.join(sorted(optional))})" if optional else "")
+        problems = "; ".join(p for p in (missing and f"missing {missing}",
+                                         extra and f"unexpected {extra}") if p)
+        raise bad(f"{what} must have exactly the keys {allowed}; {problems}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the index
+
+
+@dataclass
+class _Record:
+    """One validated tensor record."""
+
+    meta: TensorMeta  # dtype: what is stored (bfloat16 for an f32-to-bf16 float32 record)
+    begin: int  # byte offsets into the shard file
+    end: int
+    format: str  # the record's "format", verbatim
+
+
+@dataclass
+class _ShardSpec:
+    """One validated shard record: its file and its tensors, in storage order."""
+
+    path: Path
+    nbytes: int
+    records: list[_Record]
+    md5sum: "str | None"
+
+
+def _find_index(folder: Path) -> Path:
+    for name in INDEX_NAMES:
+        p = folder / name
+        if p.is_file():
+            return p
+    raise FormatError(f"folder holds neither {' nor '.join(INDEX_NAMES)}: not an MLC-LLM weight "
+                      f"folder", file=folder)
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_INDEX_SIZE + 1)
+    except OSError as e:
+        raise FormatError(f"cannot read {what}: {e}", file=path) from None
+    if len(raw) > MAX_INDEX_SIZE:
+        raise FormatError(f"{what} is over the {MAX_INDEX_SIZE}-byte limit: it is corrupt or not "
+                          f"an MLC file", file=path)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{what} is not valid UTF-8 ({e})", file=path) from None
+    try:
+        return strict_json.loads(text)
+    except ValueError as e:  # includes json.JSONDecodeError
+        raise FormatError(f"{what} is not valid JSON: {e}", file=path) from None
+
+
+def _shard_path(index: Path, data_path: Any, where: str) -> Path:
+    """The file a shard record names, refused unless it lies inside the index's folder."""
+    def bad(msg: str) -> FormatError:
+        return FormatError(f"{where}: dataPath {data_path!r} {msg}; a tensor cache may only name "
+                           f"files in its own folder", file=index)
+
+    if not isinstance(data_path, str):
+        raise FormatError(f"{where}: dataPath must be a string, got {data_path!r:.100}",
+                          file=index)
+    if not data_path or "\x00" in data_path:
+        raise bad("is empty or holds a NUL character")
+    if os.path.isabs(data_path) or data_path.startswith(("/", "\\")):
+        raise bad("is an absolute path")
+    if ".." in Path(data_path).parts:
+        raise bad("contains '..'")
+    path = index.parent / data_path
+    try:
+        folder = index.parent.resolve()
+        resolved = path.resolve()  # follows symlinks
+        if resolved == folder:
+            raise bad("names the folder itself, not a file in it")
+        if not resolved.is_relative_to(folder):
+            raise bad(f"resolves to {str(resolved)!r}, outside the folder")
+        present = path.is_file()
+    except OSError as e:  # e.g. a name too long for the file system
+        raise FormatError(f"{where}: cannot look up the shard file: {e}", file=path) from None
+    if not present:
+        raise FormatError(f"shard file is missing: {index.name} lists it ({where}); {_REDO}",
+                          file=path)
+    return path
+
+
+def _check_tensor(index: Path, where: str, rec: Any) -> _Record:
+    name = rec.get("name") if isinstance(rec, dict) else None
+    tensor = name if isinstance(name, str) else None
+
+    def bad(msg: str) -> FormatError:
+        return FormatError(f"{where}: {msg}; {_REDO}", file=index, tensor=tensor)
+
+    if not isinstance(rec, dict):
+        raise bad(f"tensor record must be an object, got {type(rec).__name__}")
+    _check_keys(rec, _TENSOR_KEYS, "tensor record", bad)
+    if not isinstance(name, str) or not name:
+        raise bad(f"name must be a non-empty string, got {name!r:.100}")
+    shape, dtype, fmt = rec["shape"], rec["dtype"], rec["format"]
+    nbytes, offset = rec["nbytes"], rec["byteOffset"]
+    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+        raise bad(f"shape must be a list of non-negative integers, got {shape!r:.100}")
+    if not isinstance(dtype, str) or dtype not in MLC_DTYPES:
+        raise bad(f"unknown dtype {dtype!r:.50}; shardload reads {', '.join(MLC_DTYPES)}")
+    if not isinstance(fmt, str) or fmt not in MLC_FORMATS:
+        raise bad(f"unknown format {fmt!r:.50}; shardload reads {' and '.join(MLC_FORMATS)}")
+    if not _is_uint(nbytes):
+        raise bad(f"nbytes must be a non-negative integer, got {nbytes!r:.50}")
+    if not _is_uint(offset):
+        raise bad(f"byteOffset must be a non-negative integer, got {offset!r:.50}")
+    stored = MLC_DTYPES[dtype]
+    if fmt == "f32-to-bf16" and stored == "float32":
+        stored = "bfloat16"  # the bytes are bf16 bits; see the module docstring
+    meta = TensorMeta(name, tuple(shape), stored)
+    if nbytes != meta.nbytes:
+        how = (f"{math.prod(shape)} elements of {dtype} stored as {stored}"
+               if stored != MLC_DTYPES[dtype] else f"shape {shape} of {dtype}")
+        raise bad(f"nbytes is {nbytes}, but {how} is {meta.nbytes} bytes: the index lies "
+                  f"about the size")
+    return _Record(meta, offset, offset + nbytes, fmt)
+
+
+def _check_layout(index: Path, where: str, records: list[_Record], size: int) -> None:
+    """Bounds, then no overlaps among the non-empty tensors of one file (gaps are fine)."""
+    for r in records:
+        if r.end > size:
+            raise FormatError(f"{where}: byteOffset {r.begin} + nbytes {r.end - r.begin} = "
+                              f"{r.end} runs past the end of the {size}-byte shard file; the "
+                              f"index is corrupt; {_REDO}", file=index, tensor=r.meta.name)
+    covered, owner = 0, None
+    for r in sorted((r for r in records if r.end > r.begin), key=lambda r: (r.begin, r.end)):
+        if r.begin < covered:
+            raise FormatError(f"{where}: bytes [{r.begin}, {r.end}) overlap tensor {owner!r} "
+                              f"(which ends at {covered}); the index is corrupt; {_REDO}",
+                              file=index, tensor=r.meta.name)
+        covered, owner = r.end, r.meta.name
+
+
+def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
+    doc = _read_json(index, "index")
+
+    def bad(msg: str) -> FormatError:
+        return FormatError(msg, file=index)
+
+    if not isinstance(doc, dict):
+        raise bad(f"index must be a JSON object, got {type(doc).__name__}")
+    _check_keys(doc, _TOP_KEYS, "index", bad)
+    metadata = doc.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise bad(f'"metadata" must be an object, got {type(metadata).__name__}')
+    shard_records = doc["records"]
+    if not isinstance(shard_records, list):
+        raise bad(f'"records" must be a list of shard records, got '
+                  f'{type(shard_records).__name__}')
+
+    shards: list[_ShardSpec] = []
+    seen_files: dict[Path, str] = {}
+    seen_names: dict[str, str] = {}
+    for i, srec in enumerate(shard_records):
+        where = f"shard record {i}"
+        if isinstance(srec, dict) and isinstance(srec.get("dataPath"), str):
+            where += f" ({srec['dataPath']!r})"
+
+        def sbad(msg: str, where=where) -> FormatError:
+            return FormatError(f"{where}: {msg}", file=index)
+
+        if not isinstance(srec, dict):
+            raise sbad(f"must be an object, got {type(srec).__name__}")
+        _check_keys(srec, _SHARD_KEYS, "a shard record", sbad)
+        if srec["format"] != "raw-shard":
+            raise sbad(f'unknown shard format {srec["format"]!r:.50}; shardload reads '
+                       f'"raw-shard" only')
+        nbytes = srec["nbytes"]
+        if not _is_uint(nbytes):
+            raise sbad(f"nbytes must be a non-negative integer, got {nbytes!r:.50}")
+        md5 = srec.get("md5sum")
+        if md5 is not None and not isinstance(md5, str):
+            raise sbad(f"md5sum must be a string, got {md5!r:.50}")
+        tensor_records = srec["records"]
+        if not isinstance(tensor_records, list):
+            raise sbad(f'"records" must be a list of tensor records, got '
+                       f'{type(tensor_records).__name__}')
+        records = [_check_tensor(index, where, rec) for rec in tensor_records]
+        for r in records:
+            if r.meta.name in seen_names:
+                raise FormatError(f"{where}: tensor is listed twice (also in "
+                                  f"{seen_names[r.meta.name]}); a name must be unique",
+                                  file=index, tensor=r.meta.name)
+            seen_names[r.meta.name] = where
+        _check_layout(index, where, records, nbytes)
+
+        path = _shard_path(index, srec["dataPath"], where)
+        key = path.resolve()
+        if key in seen_files:
+            raise sbad(f"names the same file as {seen_files[key]}; each shard file may be "
+                       f"listed once")
+        seen_files[key] = where
+        records.sort(key=lambda r: (r.begin, r.end))  # storage order; stable for empty tensors
+        shards.append(_ShardSpec(path, nbytes, records, md5))
+    return metadata, shards
+
+
+# ----------------------------------------------------------------------------------------------
+# mapping
+
+
+def _unmap(m: "mmap.mmap | None") -> None:
+    if m is None:
+        return
+    try:
+        m.close()
+    except BufferError:
+        # A view of the map is still alive (a read in flight in another thread). Dropping our
+        # reference is enough: the map is unmapped when the last view of it is freed.
+        pass
+
+
+def _map_shard(index: Path, spec: _ShardSpec) -> "mmap.mmap | None":
+    """Map one shard file after checking its size; None for an empty file (mmap refuses those)."""
+    try:
+        f = open(spec.path, "rb")
+    except OSError as e:
+        raise FormatError(f"cannot open the shard file: {e}", file=spec.path) from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size != spec.nbytes:
+            how = "truncated" if size < spec.nbytes else "longer than listed"
+            raise FormatError(f"shard file is {size} bytes, but {index.name} says {spec.nbytes}: "
+                              f"it is {how} (an interrupted download?); {_REDO}", file=spec.path)
+        if size == 0:
+            return None
+        # ACCESS_COPY: a private copy-on-write mapping. torch sees a writable buffer, and no
+        # write through a tensor can reach the file. The map keeps its own handle on the file.
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    if len(mapped) != spec.nbytes:
+        mapped.close()
+        raise FormatError("shard file changed size while being opened; do not modify a "
+                          "checkpoint while it is loading", file=spec.path)
+    return mapped
+
+
+# ----------------------------------------------------------------------------------------------
+# the checkpoint
+
+
+def open_mlc(folder: str | os.PathLike) -> "MLCCheckpoint":
+    """Open an MLC-LLM weight folder lazily.
+
+    The index is ``tensor-cache.json``, or ``ndarray-cache.json`` when there is no
+    ``tensor-cache.json``. Everything is validated before this returns (``FormatError``
+    otherwise); only the index and ``mlc-chat-config.json`` are read, the shard files are mapped.
+    """
+    p = Path(folder)
+    if not p.exists():
+        raise FormatError("no such file or folder", file=p)
+    if not p.is_dir():
+        raise FormatError(f"an MLC-LLM checkpoint is a folder (with {INDEX_NAMES[0]}), not a "
+                          f"file", file=p)
+    index = _find_index(p)
+    metadata, specs = _read_index(index)
+
+    config: dict[str, Any] = {}
+    config_path = p / CONFIG_NAME
+    if config_path.is_file():
+        config = _read_json(config_path, CONFIG_NAME)
+        if not isinstance(config, dict):
+            raise FormatError(f"{CONFIG_NAME} must be a JSON object, got "
+                              f"{type(config).__name__}", file=config_path)
+
+    maps: list["mmap.mmap | None"] = []
+    try:
+        for spec in specs:
+            maps.append(_map_shard(index, spec))
+        return MLCCheckpoint(str(folder), index, specs, maps, metadata, config)
+    except BaseException:
+        for m in maps:
+            _unmap(m)
+        raise
+
+
+class MLCCheckpoint(Checkpoint):
+    """Tensors of a validated, memory-mapped MLC-LLM weight folder.
+
+    Made by ``open_mlc``. ``metadata()`` lists tensors in storage order: shard records in index
+    order, tensors by byte offset within each. ``read`` and ``read_narrow`` are safe to call from
+    several threads at once; after ``close()`` they raise ``ValueError``, and tensors already
+    returned stay valid (they own their memory).
+
+    ``index_file`` is the index read, ``files`` the shard files, ``cache_metadata`` the index's
+    ``metadata`` and ``md5sums`` each file's recorded ``md5sum`` (None where absent).
+    """
+
+    def __init__(self, source: str, index: Path, specs: list[_ShardSpec],
+                 maps: list["mmap.mmap | None"], cache_metadata: dict[str, Any],
+                 chat_config: dict[str, Any]):
+        super().__init__()
+        self.source = source
+        self.path = os.path.abspath(source)
+        self.index_file = str(index)
+        self.files: list[str] = [str(s.path) for s in specs]
+        self.md5sums: dict[str, "str | None"] = {str(s.path): s.md5sum for s in specs}
+        self.cache_metadata: dict[str, Any] = cache_metadata
+        self._chat_config = chat_config
+        self._maps = maps
+        # A uint8 view of each file. It goes through numpy on purpose: a numpy array holds a
+        # buffer export on the mmap, so mmap.close() refuses (BufferError) while any view is
+        # alive; torch.frombuffer holds none, and closing under it would leave tensors pointing
+        # at unmapped memory.
+        self._data: "list[torch.Tensor] | None" = [
+            torch.from_numpy(np.frombuffer(m, dtype=np.uint8)) if m is not None
+            else torch.empty(0, dtype=torch.uint8) for m in maps]
+        self._meta: dict[str, TensorMeta] = {}
+        self._where: dict[str, tuple[int, int, int]] = {}  # name -> (file index, begin, end)
+        self._format: dict[str, str] = {}
+        for i, spec in enumerate(specs):
+            for r in spec.records:
+                self._meta[r.meta.name] = r.meta
+                self._where[r.meta.name] = (i, r.begin, r.end)
+                self._format[r.meta.name] = r.format
+        self._lock = threading.Lock()
+
+    # -- what is there
+
+    def metadata(self) -> dict[str, TensorMeta]:
+        return self._meta
+
+    @property
+    def config(self) -> dict:
+        """``mlc-chat-config.json`` (``{}`` without one), plus the index's ``metadata`` under
+        ``"tensor_cache_metadata"``. A fresh copy each time."""
+        cfg = copy.deepcopy(self._chat_config)
+        cfg["tensor_cache_metadata"] = copy.deepcopy(self.cache_metadata)
+        return cfg
+
+    def tensor_format(self, name: str) -> dict:
+        """``{"mlc_format": "raw" | "f32-to-bf16"}``, the record's format as written.
+
+        For a float32 record labelled ``"f32-to-bf16"`` the tensor is exposed as the bfloat16 it
+        is stored as; for every other dtype the label changes nothing.
+        """
+        self.meta(name)
+        return {"mlc_format": self._format[name]}
+
+    def byte_range(self, name: str) -> tuple[str, int, int]:
+        """``(file, start, end)``: where the tensor's bytes lie in its shard file."""
+        self.meta(name)
+        i, begin, end = self._where[name]
+        return self.files[i], begin, end
+
+    # -- reading
+
+    def _locate(self, name: str) -> tuple[TensorMeta, torch.Tensor, int, int]:
+        meta = self.meta(name)
+        i, begin, end = self._where[name]
+        with self._lock:
+            if self._data is None:
+                raise ValueError(f"{self.source}: checkpoint is closed; open it again to read "
+                                 f"{name!r}")
+            data = self._data[i]
+        return meta, data, begin, end
+
+    def _count(self, n: int) -> None:
+        with self._lock:  # += on an attribute is not atomic across threads
+            self.bytes_read += n
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor, copied once out of the mapping into a new contiguous tensor."""
+        meta, data, begin, end = self._locate(name)
+        out = torch.empty(meta.shape, dtype=dtypes.to_torch(meta.dtype))
+        if end > begin:
+            # Copy as bytes: offsets need not be aligned for the dtype.
+            out.view(-1).view(torch.uint8).copy_(data[begin:end])
+        self._count(end - begin)
+        return out
+
+    def read_narrow(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """``read(name).narrow(dim, start, length)``, copying only the slice's bytes.
+
+        ``dim`` and ``start`` may be negative, as for ``torch.narrow``. Raises ``IndexError``
+        for a ``dim`` or ``start`` out of range and ``ValueError`` for a bad ``length``.
+        """
+        meta, data, begin, end = self._locate(name)
+        dim, start, length = operator.index(dim), operator.index(start), operator.index(length)
+        shape, ndim = meta.shape, len(meta.shape)
+        if not -ndim <= dim < ndim:
+            raise IndexError(f"{self.source}: tensor {name!r} has shape {shape}; dim {dim} is "
+                             f"out of range")
+        dim %= ndim
+        size = shape[dim]
+        if not -size <= start <= size:
+            raise IndexError(f"{self.source}: tensor {name!r} has size {size} in dim {dim}; "
+                             f"start {start} is out of range")
+        if start < 0:
+            start += size
+        if length < 0 or start + length > size:
+            raise ValueError(f"{self.source}: tensor {name!r} has size {size} in dim {dim}; "
+                             f"cannot take {length} elements from {start}")
+
+        out = torch.empty(shape[:dim] + (length,) + shape[dim + 1:],
+                          dtype=dtypes.to_torch(meta.dtype))
+        # In C order the slice is `outer` runs of `length * inner` contiguous bytes, one run per
+        # index of the dims before `dim`: a strided uint8 view of the mapping, copied once.
+        outer = math.prod(shape[:dim])
+        inner = math.prod(shape[dim + 1:]) * dtypes.itemsize(meta.dtype)
+        nbytes = outer * length * inner
+        if nbytes:
+            src = data[begin:end].view(outer, size, inner)[:, start:start + length]
+            out.view(-1).view(torch.uint8).view(outer, length, inner).copy_(src)
+        self._count(nbytes)
+        return out
+
+    def close(self) -> None:
+        """Unmap the files. Idempotent; tensors already returned stay valid."""
+        with self._lock:
+            self._data = None  # drop our views first: they hold buffer exports on the maps
+            maps, self._maps = self._maps, []
+        for m in maps:
+            _unmap(m)
