@@ -991,8 +991,8 @@ def invalid_segment_cases(draw):
     elif kind == "units_vs_n":  # neither divides the other: wrong with either sign
         units = draw(st.integers(2, 3 * n).filter(lambda u: u % n and n % u))
         segs[k] = (units * draw(st.integers(1, 3)), sign * units)
-    elif kind == "positive_replicated":  # fewer positive units than workers: never replicated
-        units = draw(st.integers(1, n - 1))
+    elif kind == "positive_replicated":  # fine if negative; positive units never replicate
+        units = draw(st.sampled_from([d for d in range(1, n) if n % d == 0]))
         segs[k] = (units * draw(st.integers(0, 3)), units)
     elif kind == "units_zero":
         segs[k] = (segs[k][0], 0)

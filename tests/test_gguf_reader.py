@@ -12,6 +12,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
+
+from gguf_blocks import K_TYPES, blocks
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFValueType as V
 from gguf.quants import dequantize, quantize
 from hypothesis import given, settings, strategies as st
@@ -24,25 +26,8 @@ from shardload.readers.gguf import CONFIG_MAX_ARRAY, GGUFCheckpoint, open_gguf
 from real_models import smollm2_gguf
 
 BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-K_TYPES = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
-# gguf-py has no K-quant quantizer: K blocks are random bytes with their f16 scales (at these
-# byte offsets in the block) set to small finite values, so dequantizing gives finite numbers.
-K_SCALE_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
-                   T.Q6_K: (208,)}
 BIG = 2000  # items in the big key-value arrays (over CONFIG_MAX_ARRAY)
 assert BIG > CONFIG_MAX_ARRAY
-
-
-def _blocks(rng: np.random.Generator, qtype: T, rows: int, cols: int) -> np.ndarray:
-    """A (rows, cols) float matrix quantized to ``qtype``, as gguf-py's uint8 block rows."""
-    if qtype not in K_TYPES:
-        return quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
-    for at in K_SCALE_OFFSETS[qtype]:
-        scale = rng.uniform(0.001, 0.1, raw.shape[:2]).astype(np.float16)
-        raw[..., at:at + 2] = scale[..., None].view(np.uint8)
-    return raw.reshape(rows, -1)
 
 
 def _tensors(rng: np.random.Generator) -> dict[str, tuple[T, np.ndarray, tuple[int, ...]]]:
@@ -59,7 +44,7 @@ def _tensors(rng: np.random.Generator) -> dict[str, tuple[T, np.ndarray, tuple[i
     out["blk.0.f64"] = (T.F64, rng.standard_normal(7), (7,))
     for qtype in BLOCK_TYPES:
         rows, cols = (4, 768) if qtype in K_TYPES else (6, 128)
-        out[f"blk.1.{qtype.name.lower()}.weight"] = (qtype, _blocks(rng, qtype, rows, cols),
+        out[f"blk.1.{qtype.name.lower()}.weight"] = (qtype, blocks(rng, qtype, rows, cols),
                                                      (rows, cols))
     q = quantize(rng.standard_normal((2, 3, 64)).astype(np.float32), T.Q8_0)
     out["blk.2.q8_0_3d.weight"] = (T.Q8_0, q, (2, 3, 64))

