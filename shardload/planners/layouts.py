@@ -147,8 +147,8 @@ def tensor_axes(scheme: Scheme, suffix: str, meta: TensorMeta,
     if suffix == "weight" and meta.dtype.startswith("float8"):
         return TensorAxes(Axis(0), Axis(1))
     if suffix in ("weight_scale", "weight_scale_inv") and scheme.method == "fp8":
-        if meta.numel == 1:
-            return TensorAxes(None, None)                      # per tensor
+        if len(meta.shape) <= 1:
+            return TensorAxes(None, None)       # per tensor (or per part of a fused tensor)
         if len(meta.shape) == 2 and meta.shape[1] == 1:
             return TensorAxes(Axis(0), None)                   # per channel
         rows, cols = scheme.block

@@ -153,7 +153,7 @@ def plan_llama(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, *, gguf_names:
         if step is None:
             planned.replicated.append(name)
         else:
-            planned.steps[name] = [step]
+            planned.steps[name] = step if isinstance(step[0], list) else [step]
     return planned
 
 
@@ -170,6 +170,9 @@ def _tensor_step(ckpt, name, meta, suffix, axes: TensorAxes, segments: Segments,
         return ["shardload.split_rebase", [["num_shards", f"{meta.shape[0]} // num_shards"],
                                            meta.dtype], 0]
     axis = axes.n if split_n else axes.k
+    if (axis is None and split_n and len(segments) > 1 and meta.numel == len(segments)
+            and suffix in ("weight_scale", "weight_scale_inv")):
+        return _per_part_scales(meta, segments, name)
     if axis is None:
         return None
     if (not split_n and suffix in ("scales", "qzeros", "weight_scale", "weight_zero_point")
@@ -177,6 +180,16 @@ def _tensor_step(ckpt, name, meta, suffix, axes: TensorAxes, segments: Segments,
             and _is_act_order(ckpt, module, None, scheme, act_order)):
         return None  # act-order: any row may use any group, so every worker needs them all
     return split_step(meta.shape, meta.dtype, axis.dim, _in_units(segments, axis, name))
+
+
+def _per_part_scales(meta, segments: Segments, name: str) -> list:
+    """A fused layer with one per-tensor scale per part ([q, k, v] -> 3 scales): expand them to
+    per-channel scales, one per row, then split those rows like the weight. Exact: every row
+    keeps the scale it was quantized with; nothing is re-quantized."""
+    rows = sum(size for size, _ in segments)
+    expand = ["shardload.repeat_segments", [[rows, 1], meta.dtype],
+              *[size for size, _ in segments]]
+    return [expand, split_step((rows, 1), meta.dtype, 0, segments)]
 
 
 def _is_act_order(ckpt, module: str, g_idx_name: Optional[str], scheme: Scheme,

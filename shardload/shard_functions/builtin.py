@@ -244,3 +244,32 @@ def constant(input: torch.Tensor, *values_and_output) -> None:
     _check_output(_constant_rule, input, tuple(values), output)
     output.copy_(torch.tensor([int(v) for v in values], dtype=torch.int64).to(output.dtype)
                  .expand_as(output))
+
+
+# ---- shardload.repeat_segments -----------------------------------------------------------------
+
+def _repeat_rule(in_shape: Shape, in_dtype: str, *sizes: int, num_shards: int):
+    sizes = tuple(_int(s, "a segment size") for s in sizes)
+    if not sizes or any(s < 0 for s in sizes):
+        raise ValueError("give one non-negative size per segment")
+    if tuple(in_shape) not in ((len(sizes),), (len(sizes), 1)):
+        raise ValueError(f"the input must hold one value per segment ({len(sizes)}), got shape "
+                         f"{list(in_shape)}")
+    _workers(num_shards)
+    return (sum(sizes), 1), in_dtype
+
+
+@register_shard_func("shardload.repeat_segments", shape_rule=_repeat_rule)
+def repeat_segments(input: torch.Tensor, *sizes_and_output) -> None:
+    """Expand one value per segment into one per row: ``[S] -> [sum(sizes), 1]``.
+
+    A fused [q, k, v] weight with a per-tensor scale for each part becomes per-channel scaled,
+    exactly (the same scale on every row of its part), so a worker's piece, which mixes rows of
+    all parts, keeps a scale it can use; a following ``split_segments`` splits it like the
+    weight. Nothing is re-quantized.
+    """
+    *sizes, output = sizes_and_output
+    _check_output(_repeat_rule, input, tuple(sizes), output)
+    values = input.reshape(-1)
+    output.copy_(torch.repeat_interleave(values, torch.tensor([int(s) for s in sizes]))
+                 .reshape(-1, 1))

@@ -1,0 +1,478 @@
+"""The planner, proven on every format: for each format, bit width, split axis and N in
+{1, 2, 3, 4, 8} that the model allows, every worker's shard dequantizes to exactly its slice of
+the dequantized full weight, ``dequant(shard_i(Q)) == shard_i(dequant(Q))``, bit for bit.
+
+The checkpoints are tiny Llama/Mixtral models written here with the reference codecs in
+``quant_refs`` (written from the formats' definitions, independently of shardload); which N are
+valid is worked out here from head counts and block sizes, independently of the planner.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from quant_refs.awq import dequantize_awq, quantize_awq
+from quant_refs.compressed_tensors import (dequantize_fp8, dequantize_pack_quantized,
+                                           quantize_fp8, quantize_pack_quantized)
+from quant_refs.gptq import dequantize_gptq, quantize_gptq
+from shardload import PlanError, ThreadedSession, load_sharded, open_checkpoint
+from shardload.planners import plan_for, valid_num_shards
+
+NS = (1, 2, 3, 4, 8)
+
+
+# ---- the model geometries ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Geometry:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    vocab: int = 64
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+GQA = Geometry(hidden=256, heads=8, kv_heads=2, head_dim=32, inter=512)       # N 1, 2, 4, 8
+THREE = Geometry(hidden=384, heads=12, kv_heads=3, head_dim=32, inter=768)    # N 1, 3
+MQA = Geometry(hidden=256, heads=8, kv_heads=1, head_dim=32, inter=512)       # KV to everyone
+WIDE = Geometry(hidden=512, heads=4, kv_heads=2, head_dim=128, inter=1024)    # FP8 blocks
+
+
+# ---- the formats -----------------------------------------------------------------------------------
+
+@dataclass
+class Format:
+    """How to quantize a weight into stored tensors, read them back, and which N fit."""
+
+    name: str
+    quant_config: Optional[dict]
+    quantize: Callable[[np.ndarray], dict]
+    dequantize: Callable[[dict], np.ndarray]
+    # logical elements that must stay together along N (column split) and K (row split)
+    n_align: int = 1
+    k_align: int = 1
+    extra_config: dict = field(default_factory=dict)
+
+
+def _fp16(w):
+    return {"weight": torch.from_numpy(w).to(torch.float16)}
+
+
+def _bf16(w):
+    return {"weight": torch.from_numpy(w).to(torch.bfloat16)}
+
+
+def _plain(t):
+    return torch.as_tensor(t["weight"]).float().numpy()
+
+
+def gptq(bits: int, group: int, version: int = 1, act_order: bool = False) -> Format:
+    pack_rows = {2: 16, 3: 32, 4: 8, 8: 4}[bits]
+
+    def quantize(w):
+        perm = np.random.default_rng(w.shape[1]).permutation(w.shape[1]) if act_order else None
+        return quantize_gptq(w, bits, group, sym=False, version=version, perm=perm)
+
+    fmt = "gptq" if version == 1 else "gptq_v2"
+    # K splits keep packed rows whole, and whole groups unless act-order replicates the scales
+    k_align = pack_rows if (act_order or group == -1) else math.lcm(pack_rows, group)
+    return Format(f"gptq{bits}-g{group}-v{version}{'-act' if act_order else ''}",
+                  {"quant_method": "gptq", "bits": bits, "group_size": group,
+                   "desc_act": act_order, "sym": False, "checkpoint_format": fmt},
+                  quantize, lambda t: dequantize_gptq(t, bits, version),
+                  n_align=pack_rows, k_align=k_align)   # qzeros pack N like qweight packs K
+
+
+def awq(group: int) -> Format:
+    return Format(f"awq-g{group}", {"quant_method": "awq", "bits": 4, "group_size": group,
+                                    "version": "gemm", "zero_point": True},
+                  lambda w: quantize_awq(w, group), lambda t: dequantize_awq(t, group),
+                  n_align=8, k_align=group)
+
+
+def pack_quantized(bits: int, group: Optional[int], symmetric: bool) -> Format:
+    strategy = "group" if group else "channel"
+    pf = 32 // bits
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy,
+               "group_size": group}
+    return Format(f"ct-int{bits}-{strategy}{group or ''}-{'sym' if symmetric else 'asym'}",
+                  {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                   "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}},
+                  lambda w: quantize_pack_quantized(w, bits, strategy=strategy, group_size=group,
+                                                    symmetric=symmetric),
+                  lambda t: dequantize_pack_quantized(t, bits),
+                  n_align=1 if symmetric else pf,       # zero points are packed along N
+                  k_align=math.lcm(pf, group or 1))
+
+
+def fp8(strategy: str) -> Format:
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True}
+    if strategy == "block":
+        weights["block_structure"] = [128, 128]
+    align = 128 if strategy == "block" else 1
+    return Format(f"fp8-{strategy}",
+                  {"quant_method": "compressed-tensors", "format": "float-quantized",
+                   "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}},
+                  lambda w: quantize_fp8(w, strategy),
+                  lambda t: dequantize_fp8(t, strategy),
+                  n_align=align, k_align=align)
+
+
+PLAIN = [Format("fp16", None, _fp16, _plain), Format("bf16", None, _bf16, _plain)]
+GPTQ = ([gptq(bits, 32) for bits in (2, 3, 4, 8)] + [gptq(4, -1), gptq(3, -1)]
+        + [gptq(4, 32, version=2), gptq(8, 32, version=2)]
+        + [gptq(4, 32, act_order=True), gptq(3, 32, act_order=True), gptq(2, 32, act_order=True)])
+OTHERS = [awq(32), pack_quantized(4, 32, True), pack_quantized(4, 32, False),
+          pack_quantized(8, None, True), fp8("tensor"), fp8("channel")]
+
+
+# ---- writing a checkpoint --------------------------------------------------------------------------
+
+ROLES_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def linear_shapes(g: Geometry, fused: bool) -> dict[str, tuple[int, int]]:
+    """HF module name (in layer 0) -> logical weight [N_out, K_in]."""
+    if fused:
+        return {"self_attn.qkv_proj": (g.q + 2 * g.kv, g.hidden), "self_attn.o_proj": (g.hidden, g.q),
+                "mlp.gate_up_proj": (2 * g.inter, g.hidden), "mlp.down_proj": (g.hidden, g.inter)}
+    return {"self_attn.q_proj": (g.q, g.hidden), "self_attn.k_proj": (g.kv, g.hidden),
+            "self_attn.v_proj": (g.kv, g.hidden), "self_attn.o_proj": (g.hidden, g.q),
+            "mlp.gate_proj": (g.inter, g.hidden), "mlp.up_proj": (g.inter, g.hidden),
+            "mlp.down_proj": (g.hidden, g.inter)}
+
+
+def moe_shapes(g: Geometry, experts: int) -> dict[str, tuple[int, int]]:
+    shapes = {"self_attn.q_proj": (g.q, g.hidden), "self_attn.k_proj": (g.kv, g.hidden),
+              "self_attn.v_proj": (g.kv, g.hidden), "self_attn.o_proj": (g.hidden, g.q)}
+    for e in range(experts):
+        shapes[f"block_sparse_moe.experts.{e}.w1"] = (g.inter, g.hidden)
+        shapes[f"block_sparse_moe.experts.{e}.w3"] = (g.inter, g.hidden)
+        shapes[f"block_sparse_moe.experts.{e}.w2"] = (g.hidden, g.inter)
+    return shapes
+
+
+@dataclass
+class Model:
+    folder: str
+    geometry: Geometry
+    fmt: Format
+    shapes: dict[str, tuple[int, int]]
+    full: dict[str, np.ndarray]       # module -> dequantized full weight
+
+
+def write_model(folder: str, g: Geometry, fmt: Format, *, fused=False, experts=0) -> Model:
+    rng = np.random.default_rng(0)
+    shapes = moe_shapes(g, experts) if experts else linear_shapes(g, fused)
+    tensors: dict[str, torch.Tensor] = {}
+    full = {}
+    for module, (n, k) in shapes.items():
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        stored = fmt.quantize(w)
+        full[module] = fmt.dequantize(stored)
+        for suffix, value in stored.items():
+            t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+            tensors[f"model.layers.0.{module}.{suffix}"] = t.contiguous()
+    half = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float16))  # noqa: E731
+    tensors["model.embed_tokens.weight"] = half(g.vocab, g.hidden)
+    tensors["lm_head.weight"] = half(g.vocab, g.hidden)
+    tensors["model.norm.weight"] = half(g.hidden)
+    tensors["model.layers.0.input_layernorm.weight"] = half(g.hidden)
+    if experts:
+        tensors["model.layers.0.block_sparse_moe.gate.weight"] = half(experts, g.hidden)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    config = {"model_type": "mixtral" if experts else "llama", "hidden_size": g.hidden,
+              "num_attention_heads": g.heads, "num_key_value_heads": g.kv_heads,
+              "head_dim": g.head_dim, "intermediate_size": g.inter, "num_hidden_layers": 1,
+              "vocab_size": g.vocab}
+    if experts:
+        config["num_local_experts"] = experts
+    if fmt.quant_config:
+        config["quantization_config"] = fmt.quant_config
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return Model(folder, g, fmt, shapes, full)
+
+
+# ---- what each worker must hold ------------------------------------------------------------------
+
+def rows_of(n: int, i: int, size: int, units: int, replicable: bool) -> tuple[int, int]:
+    """[start, stop) of worker i's rows in a segment of ``units`` heads (vLLM's GQA rule)."""
+    if n <= units:
+        return i * size // n, (i + 1) * size // n
+    assert replicable
+    unit = size // units
+    head = i // (n // units)
+    return head * unit, (head + 1) * unit
+
+
+def expected_piece(model: Model, module: str, n: int, i: int) -> np.ndarray:
+    g, w = model.geometry, model.full[module]
+    role = module.rsplit(".", 1)[1]
+    if role in ("o_proj", "down_proj", "w2"):
+        return np.split(w, n, axis=1)[i]
+    if role in ("q_proj",):
+        segments = [(g.q, g.heads, False)]
+    elif role in ("k_proj", "v_proj"):
+        segments = [(g.kv, g.kv_heads, True)]
+    elif role == "qkv_proj":
+        segments = [(g.q, g.heads, False), (g.kv, g.kv_heads, True), (g.kv, g.kv_heads, True)]
+    elif role == "gate_up_proj":
+        segments = [(g.inter, g.inter, False)] * 2
+    else:  # gate_proj, up_proj, w1, w3
+        segments = [(g.inter, g.inter, False)]
+    pieces, start = [], 0
+    for size, units, replicable in segments:
+        a, b = rows_of(n, i, size, units, replicable)
+        pieces.append(w[start + a:start + b])
+        start += size
+    return np.concatenate(pieces)
+
+
+def expected_valid(model: Model) -> list[int]:
+    """The N (of NS) this model allows, from its heads and the format's block sizes."""
+    g, f = model.geometry, model.fmt
+    valid = []
+    for n in NS:
+        ok = g.heads % n == 0 and (g.kv_heads % n == 0 or n % g.kv_heads == 0)
+        kv_rows = g.kv // min(n, g.kv_heads)
+        inter = g.inter
+        ok = ok and inter % n == 0
+        # column pieces keep the format's N blocks whole; row pieces its K blocks
+        ok = ok and (g.q // n) % f.n_align == 0 and kv_rows % f.n_align == 0
+        ok = ok and (inter // n) % f.n_align == 0
+        ok = ok and (g.q // n) % f.k_align == 0 and (inter // n) % f.k_align == 0
+        if ok:
+            valid.append(n)
+    return valid
+
+
+def check_model(model: Model, sessions=(ThreadedSession,)) -> list[int]:
+    with open_checkpoint(model.folder) as ckpt:
+        info = plan_for(ckpt)
+        valid = [n for n in valid_num_shards(info, ckpt, limit=8) if n in NS]
+        assert valid == expected_valid(model), model.fmt.name
+        for n in valid:
+            for session in sessions:
+                with session(n) as sess:
+                    result = load_sharded(ckpt, info, sess, progress=False)
+                    shards = [result.worker(i) for i in range(n)]
+                check_shards(model, shards, n)
+    return valid
+
+
+def check_shards(model: Model, shards: list[dict], n: int) -> None:
+    for module in model.shapes:
+        prefix = f"model.layers.0.{module}."
+        for i in range(n):
+            stored = {name[len(prefix):]: _as_numpy(t) for name, t in shards[i].items()
+                      if name.startswith(prefix)}
+            got = model.fmt.dequantize(stored)
+            want = expected_piece(model, module, n, i)
+            assert got.shape == want.shape, (module, i, n)
+            assert np.array_equal(got, want), f"{model.fmt.name} {module} worker {i} of {n}"
+    for i in range(n):  # replicated, bit for bit
+        assert "model.norm.weight" in shards[i] and "model.embed_tokens.weight" in shards[i]
+
+
+def _as_numpy(t: torch.Tensor):
+    if t.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        return t  # the reference codecs take torch for dtypes numpy lacks
+    return t.numpy()
+
+
+# ---- the proofs ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", PLAIN + GPTQ + OTHERS, ids=lambda f: f.name)
+@pytest.mark.parametrize("geometry", [GQA, THREE], ids=["8q2kv", "12q3kv"])
+def test_every_shard_dequantizes_to_its_slice(tmp_path, fmt, geometry):
+    model = write_model(str(tmp_path), geometry, fmt)
+    valid = check_model(model)
+    assert valid, "every format must allow some N > 0"
+
+
+@pytest.mark.parametrize("fmt", [PLAIN[0], gptq(4, 32), awq(32), pack_quantized(4, 32, False)],
+                         ids=lambda f: f.name)
+def test_mqa_replicates_the_one_kv_head(tmp_path, fmt):
+    model = write_model(str(tmp_path), MQA, fmt)
+    assert check_model(model) == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("fmt", [fp8("block"), fp8("channel"), gptq(4, 128)],
+                         ids=lambda f: f.name)
+def test_wide_heads(tmp_path, fmt):
+    model = write_model(str(tmp_path), WIDE, fmt)
+    check_model(model)
+
+
+@pytest.mark.parametrize("fmt", [PLAIN[0], gptq(4, 32), gptq(3, 32), awq(32),
+                                 pack_quantized(4, 32, False), fp8("channel")],
+                         ids=lambda f: f.name)
+def test_fused_qkv_and_gate_up(tmp_path, fmt):
+    model = write_model(str(tmp_path), GQA, fmt, fused=True)
+    assert check_model(model) == expected_valid(model)
+
+
+@pytest.mark.parametrize("fmt", [PLAIN[0], gptq(4, 32)], ids=lambda f: f.name)
+def test_mixtral_experts(tmp_path, fmt):
+    model = write_model(str(tmp_path), GQA, fmt, experts=2)
+    check_model(model)
+    with open_checkpoint(model.folder) as ckpt:
+        plan = plan_for(ckpt).to_dict()
+    assert "model.layers.0.block_sparse_moe.gate.weight" not in plan   # the router: replicated
+    assert "model.layers.0.block_sparse_moe.experts.1.w2.qweight" in plan or fmt.name == "fp16"
+
+
+def test_process_session_gives_the_same_shards(tmp_path):
+    from shardload import ProcessSession
+
+    model = write_model(str(tmp_path), GQA, gptq(4, 32))
+    with open_checkpoint(model.folder) as ckpt:
+        info = plan_for(ckpt)
+        with ProcessSession(4) as sess:
+            result = load_sharded(ckpt, info, sess, progress=False)
+            shards = [result.worker(i) for i in range(4)]
+    check_shards(model, shards, 4)
+
+
+# ---- plans and refusals ----------------------------------------------------------------------------
+
+def test_plan_is_symbolic_and_names_the_valid_n(tmp_path):
+    model = write_model(str(tmp_path), THREE, gptq(4, 32))
+    with open_checkpoint(model.folder) as ckpt:
+        info = plan_for(ckpt, num_shards=3)
+        assert info.is_symbolic
+        with pytest.raises(PlanError) as err:
+            plan_for(ckpt, num_shards=2)
+    message = str(err.value)
+    assert "cannot be split over 2 workers" in message and "N that work" in message
+    assert "1, 3" in message and "k_proj" in message
+
+
+def test_act_order_replicates_scales_on_row_parallel_layers(tmp_path):
+    model = write_model(str(tmp_path), GQA, gptq(4, 32, act_order=True))
+    with open_checkpoint(model.folder) as ckpt:
+        plan = plan_for(ckpt).to_dict()
+    layer = "model.layers.0."
+    assert layer + "self_attn.o_proj.scales" not in plan       # replicated
+    assert layer + "self_attn.o_proj.qzeros" not in plan
+    assert plan[layer + "self_attn.o_proj.g_idx"][0][0] == "shardload.split"   # not rebased
+    assert layer + "self_attn.q_proj.g_idx" not in plan         # column: whole g_idx
+
+
+def test_trivial_g_idx_is_rebased(tmp_path):
+    model = write_model(str(tmp_path), GQA, gptq(4, 32))
+    with open_checkpoint(model.folder) as ckpt:
+        plan = plan_for(ckpt).to_dict()
+    assert plan["model.layers.0.mlp.down_proj.g_idx"][0][0] == "shardload.split_rebase"
+    assert plan["model.layers.0.mlp.down_proj.scales"][0][0] == "shardload.split"
+
+
+def test_vocab_parallel_embeddings(tmp_path):
+    model = write_model(str(tmp_path), GQA, PLAIN[0])
+    with open_checkpoint(model.folder) as ckpt:
+        assert "model.embed_tokens.weight" not in plan_for(ckpt).to_dict()
+        info = plan_for(ckpt, vocab_parallel=True)
+        with ThreadedSession(4) as sess:
+            result = load_sharded(ckpt, info, sess, progress=False)
+        full = ckpt.read("lm_head.weight")
+    for i in range(4):
+        assert torch.equal(result.shard("lm_head.weight", i), full.chunk(4)[i])
+
+
+def test_bitsandbytes_is_refused(tmp_path):
+    model = write_model(str(tmp_path), GQA, PLAIN[0])
+    config = json.load(open(os.path.join(model.folder, "config.json")))
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    json.dump(config, open(os.path.join(model.folder, "config.json"), "w"))
+    with pytest.raises(PlanError, match="bitsandbytes checkpoints are not supported"):
+        plan_for(model.folder)
+
+
+@pytest.mark.parametrize("quant, phrase", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"},
+     "tile-permuted"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "GEMM"),
+    ({"quant_method": "hqq"}, "not supported"),
+])
+def test_layouts_that_cannot_be_sliced_are_refused(tmp_path, quant, phrase):
+    model = write_model(str(tmp_path), GQA, PLAIN[0])
+    config = json.load(open(os.path.join(model.folder, "config.json")))
+    config["quantization_config"] = quant
+    json.dump(config, open(os.path.join(model.folder, "config.json"), "w"))
+    with pytest.raises(PlanError, match=phrase):
+        plan_for(model.folder)
+
+
+def test_fp8_blocks_straddling_kv_heads_are_refused(tmp_path):
+    # 64-row KV heads inside 128-row scale blocks: a KV head cannot be split off exactly
+    model = write_model(str(tmp_path), Geometry(hidden=512, heads=8, kv_heads=2, head_dim=64,
+                                                inter=1024), fp8("block"))
+    with pytest.raises(PlanError, match="straddle"):
+        plan_for(model.folder)
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    model = write_model(str(tmp_path), GQA, PLAIN[0])
+    config = json.load(open(os.path.join(model.folder, "config.json")))
+    config["model_type"] = "gpt2"
+    json.dump(config, open(os.path.join(model.folder, "config.json"), "w"))
+    with pytest.raises(PlanError, match="model_type 'gpt2' is not supported"):
+        plan_for(model.folder)
+
+
+def test_fp8_fused_qkv_with_a_scale_per_part_becomes_per_channel(tmp_path):
+    # q, k and v quantized each with its own per-tensor scale, stored fused: weight [q+2kv, K],
+    # weight_scale [3]. Each worker's rows mix the parts, so the plan expands the three scales
+    # to one per row (exact) and splits them like the weight.
+    g = GQA
+    rng = np.random.default_rng(3)
+    parts = [quantize_fp8((rng.standard_normal((rows, g.hidden)) * 0.05).astype(np.float32),
+                          "tensor") for rows in (g.q, g.kv, g.kv)]
+    weight = torch.cat([p["weight"] for p in parts])
+    scales = np.concatenate([np.asarray(p["weight_scale"]).reshape(1) for p in parts])
+    full = np.concatenate([dequantize_fp8(p, "tensor") for p in parts])
+    fmt = fp8("tensor")
+    model = write_model(str(tmp_path), g, PLAIN[0], fused=True)
+    from safetensors.torch import load_file
+
+    stored = load_file(os.path.join(model.folder, "model.safetensors"))
+    stored["model.layers.0.self_attn.qkv_proj.weight"] = weight
+    stored["model.layers.0.self_attn.qkv_proj.weight_scale"] = torch.from_numpy(scales)
+    save_file(stored, os.path.join(model.folder, "model.safetensors"))
+    config = json.load(open(os.path.join(model.folder, "config.json")))
+    config["quantization_config"] = fmt.quant_config
+    json.dump(config, open(os.path.join(model.folder, "config.json"), "w"))
+    model.full["self_attn.qkv_proj"] = full
+    with open_checkpoint(model.folder) as ckpt:
+        info = plan_for(ckpt)
+        steps = info.to_dict()["model.layers.0.self_attn.qkv_proj.weight_scale"]
+        assert [s[0] for s in steps] == ["shardload.repeat_segments", "shardload.split_segments"]
+        for n in (1, 2, 4, 8):
+            with ThreadedSession(n) as sess:
+                result = load_sharded(ckpt, info, sess, progress=False)
+            for i in range(n):
+                piece = {"weight": result.shard("model.layers.0.self_attn.qkv_proj.weight", i),
+                         "weight_scale": result.shard(
+                             "model.layers.0.self_attn.qkv_proj.weight_scale", i).numpy()}
+                got = dequantize_fp8(piece, "channel")
+                assert np.array_equal(got, expected_piece(model, "self_attn.qkv_proj", n, i))
