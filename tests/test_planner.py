@@ -476,3 +476,61 @@ def test_fp8_fused_qkv_with_a_scale_per_part_becomes_per_channel(tmp_path):
                              "model.layers.0.self_attn.qkv_proj.weight_scale", i).numpy()}
                 got = dequantize_fp8(piece, "channel")
                 assert np.array_equal(got, expected_piece(model, "self_attn.qkv_proj", n, i))
+
+
+def test_qwen_biases_and_per_head_norms(tmp_path):
+    # Qwen2 has q/k/v biases (split like the rows they add to); Qwen3 has per-head q/k norms
+    # (replicated: every head uses the same vector)
+    model = write_model(str(tmp_path), GQA, PLAIN[0])
+    from safetensors.torch import load_file
+
+    stored = load_file(os.path.join(model.folder, "model.safetensors"))
+    rng = np.random.default_rng(5)
+    for proj, rows in (("q_proj", GQA.q), ("k_proj", GQA.kv), ("v_proj", GQA.kv)):
+        stored[f"model.layers.0.self_attn.{proj}.bias"] = torch.from_numpy(
+            rng.standard_normal(rows).astype(np.float16))
+    stored["model.layers.0.self_attn.q_norm.weight"] = torch.ones(GQA.head_dim)
+    save_file(stored, os.path.join(model.folder, "model.safetensors"))
+    config = json.load(open(os.path.join(model.folder, "config.json")))
+    config["model_type"] = "qwen3"
+    json.dump(config, open(os.path.join(model.folder, "config.json"), "w"))
+    with open_checkpoint(model.folder) as ckpt:
+        info = plan_for(ckpt)
+        assert "model.layers.0.self_attn.q_norm.weight" not in info.to_dict()
+        with ThreadedSession(4) as sess:
+            result = load_sharded(ckpt, info, sess, progress=False)
+        for proj in ("q_proj", "k_proj"):
+            name = f"model.layers.0.self_attn.{proj}.bias"
+            full = ckpt.read(name).numpy()[:, None]
+            model.full[f"self_attn.{proj}"] = full      # rows are what matters here
+            for i in range(4):
+                want = expected_piece(model, f"self_attn.{proj}", 4, i)[:, 0]
+                assert np.array_equal(result.shard(name, i).numpy(), want)
+
+
+# ---- random geometries ---------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@st.composite
+def gptq_models(draw):
+    kv_heads = draw(st.sampled_from([1, 2, 3, 4]))
+    heads = kv_heads * draw(st.sampled_from([1, 2, 3, 4]))
+    head_dim = draw(st.sampled_from([32, 64]))
+    inter = draw(st.sampled_from([96, 192, 256, 384]))
+    bits = draw(st.sampled_from([2, 3, 4, 8]))
+    group = draw(st.sampled_from([32, -1]))
+    act = draw(st.booleans()) and group != -1
+    return Geometry(hidden=heads * head_dim, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                    inter=inter, vocab=32), gptq(bits, group, act_order=act)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(case=gptq_models())
+def test_random_gptq_models(tmp_path_factory, case):
+    geometry, fmt = case
+    folder = str(tmp_path_factory.mktemp("random"))
+    model = write_model(folder, geometry, fmt)
+    check_model(model)
