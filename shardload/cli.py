@@ -127,6 +127,17 @@ def _prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num
     return checkpoint, validated, source
 
 
+def _padding_bytes(param) -> int:
+    """Bytes of zero units a padded plan adds for this parameter, over all workers."""
+    total = 0
+    for step in param.steps:
+        if step.func == "shardload.take_units":
+            dim, unit, *indices = step.extra
+            per_unit = param.meta.nbytes // max(param.meta.shape[dim], 1) * unit
+            total += indices.count(-1) * per_unit
+    return total
+
+
 def _open_session(kind: str, num_shards: int, device: Optional[str], plugins: tuple[str, ...]):
     from .sessions import ProcessSession, ThreadedSession, TorchDistributedSession
 
@@ -239,10 +250,14 @@ def inspect(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...]
     with checkpoint:
         rows = [{"name": p.name, "shape": list(p.meta.shape), "dtype": p.meta.dtype,
                  "steps": [s.func for s in p.steps], "shard_shape": list(p.piece_shape),
-                 "shard_dtype": p.piece_dtype, "bytes_per_worker": p.piece_nbytes}
+                 "shard_dtype": p.piece_dtype, "bytes_per_worker": p.piece_nbytes,
+                 "padding_bytes": _padding_bytes(p)}
                 for p in validated]
+    padding = sum(r["padding_bytes"] for r in rows)
     if as_json:
-        click.echo(json.dumps({"num_shards": num_shards, "params": rows}))
+        click.echo(json.dumps({"num_shards": num_shards, "params": rows,
+                               "padding_bytes": padding,
+                               "tensor_parallel": validated.plan.metadata.get("tensor_parallel")}))
         return
     click.echo(_table(["parameter", "stored", "steps", "per worker", "bytes"],
                       [[r["name"], f"{r['shape']} {r['dtype']}",
@@ -250,6 +265,10 @@ def inspect(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...]
                         f"{r['shard_shape']} {r['shard_dtype']}", _human(r["bytes_per_worker"])]
                        for r in rows], right=(4,)))
     click.echo(f"{len(rows)} tensors, {_human(validated.bytes_per_worker())} per worker")
+    if padding:
+        total = validated.bytes_per_worker() * num_shards
+        click.echo(f"zero padding: {_human(padding)} over all workers "
+                   f"({100 * padding / total:.1f}% of what they hold)")
 
 
 @cli.command()
@@ -258,27 +277,40 @@ def inspect(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...]
               help="Write the plan here (default: standard output).")
 @click.option("--vocab-parallel", is_flag=True,
               help="Split embeddings and lm_head by vocabulary rows instead of replicating.")
+@click.option("--no-pad", is_flag=True,
+              help="Refuse an N the heads or MLP do not divide, instead of zero-padding.")
 @_ckpt_argument
-def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, ckpt: str) -> None:
+def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: bool,
+         ckpt: str) -> None:
     """Write the plan (shard_info.json) for CKPT, checked for N workers.
 
     The model and its quantization are read from config.json (+ quantization_config or
     quantize_config.json), GGUF metadata or mlc-chat-config.json. The plan is written in
-    expressions of num_shards, so it also serves every other N the model allows.
+    expressions of num_shards, so it also serves every other N the model allows. For an N the
+    heads or MLP do not divide, the plan zero-pads them (exactly) for that N.
     """
-    from .planners import check_num_shards, describe_plan, valid_num_shards
+    from .planners import check_num_shards, describe_plan, plan_for, valid_num_shards
     from .readers import open_checkpoint
 
     with open_checkpoint(ckpt) as checkpoint:
-        info, summary = describe_plan(checkpoint, vocab_parallel=vocab_parallel)
-        check_num_shards(info, checkpoint, num_shards)
-        valid = valid_num_shards(info, checkpoint)
+        try:
+            info, summary = describe_plan(checkpoint, num_shards, vocab_parallel=vocab_parallel,
+                                          pad=not no_pad)
+            check_num_shards(info, checkpoint, num_shards)
+        except PlanError:
+            plan_for(checkpoint, num_shards, vocab_parallel=vocab_parallel, pad=not no_pad)
+            raise  # plan_for raises the refusal that lists the N that work
+        symbolic = info if info.is_symbolic else describe_plan(
+            checkpoint, vocab_parallel=vocab_parallel, pad=False)[0]
+        valid = valid_num_shards(symbolic, checkpoint)
     if output:
         info.dump(output)
     else:
         click.echo(info.dumps(), nl=False)
-    click.echo(f"{summary}; valid for N in {', '.join(map(str, valid))}"
-               f"{f' (written to {output})' if output else ''}", err=True)
+    scope = (f"for N={num_shards} only; unpadded plans fit N in {', '.join(map(str, valid))}"
+             if not info.is_symbolic and summary.padded
+             else f"valid for N in {', '.join(map(str, valid))}")
+    click.echo(f"{summary}; {scope}{f' (written to {output})' if output else ''}", err=True)
 
 
 @cli.command()

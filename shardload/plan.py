@@ -122,9 +122,15 @@ class ShardInfo:
     (False, 2)
     """
 
-    def __init__(self, steps: Mapping[str, tuple[RawStep, ...]], source: Optional[str] = None):
+    #: the reserved key for information about the plan itself (not a parameter)
+    METADATA_KEY = "__metadata__"
+
+    def __init__(self, steps: Mapping[str, tuple[RawStep, ...]], source: Optional[str] = None,
+                 metadata: Optional[Mapping[str, Any]] = None):
         self.steps: Mapping[str, tuple[RawStep, ...]] = MappingProxyType(dict(steps))
         self.source = source
+        #: what the planner recorded for engines (e.g. ``tensor_parallel``: heads per worker)
+        self.metadata: dict[str, Any] = dict(metadata or {})
 
     # -- constructors
     @classmethod
@@ -133,7 +139,12 @@ class ShardInfo:
             raise PlanError("a plan must be a JSON object {parameter: [steps...]}, got "
                             f"{type(data).__name__}", source=source)
         steps: dict[str, tuple[RawStep, ...]] = {}
+        metadata = data.get(cls.METADATA_KEY, {})
+        if not isinstance(metadata, Mapping):
+            raise PlanError(f"{cls.METADATA_KEY} must be a JSON object", source=source)
         for name, raw_steps in data.items():
+            if name == cls.METADATA_KEY:
+                continue
             if not isinstance(name, str) or not name:
                 raise PlanError(f"parameter names must be non-empty strings, got {name!r}",
                                 source=source)
@@ -141,7 +152,7 @@ class ShardInfo:
                 raise PlanError("the value must be a list of steps", source=source, param=name)
             steps[name] = tuple(_parse_step(raw, dict(source=source, param=name, step=k))
                                 for k, raw in enumerate(raw_steps))
-        return cls(steps, source)
+        return cls(steps, source, metadata)
 
     @classmethod
     def loads(cls, text: Union[str, bytes], source: Optional[str] = None) -> "ShardInfo":
@@ -197,7 +208,9 @@ class ShardInfo:
         return ns.pop() if len(ns) == 1 else None
 
     def to_dict(self) -> dict:
-        return {name: [s.to_json() for s in steps] for name, steps in self.steps.items()}
+        out: dict[str, Any] = {self.METADATA_KEY: self.metadata} if self.metadata else {}
+        out.update({name: [s.to_json() for s in steps] for name, steps in self.steps.items()})
+        return out
 
     def dumps(self) -> str:
         """JSON text with one parameter per line: diffable and still small."""
@@ -238,7 +251,7 @@ class ShardInfo:
         for name, raw_steps in self.steps.items():
             params[name] = tuple(self._bind_step(name, k, s, num_shards)
                                  for k, s in enumerate(raw_steps))
-        return Plan(num_shards, params, self.source)
+        return Plan(num_shards, params, self.source, self.metadata)
 
     def _bind_step(self, name: str, index: int, raw: RawStep, n: int) -> "Step":
         where = dict(source=self.source, param=name, step=index)
@@ -281,10 +294,11 @@ class Plan:
     """A plan bound to one ``num_shards``; immutable. Build it with ``ShardInfo.bind``."""
 
     def __init__(self, num_shards: int, params: Mapping[str, tuple[Step, ...]],
-                 source: Optional[str] = None):
+                 source: Optional[str] = None, metadata: Optional[Mapping[str, Any]] = None):
         self.num_shards = num_shards
         self.params: Mapping[str, tuple[Step, ...]] = MappingProxyType(dict(params))
         self.source = source
+        self.metadata: dict[str, Any] = dict(metadata or {})
 
     def __repr__(self) -> str:
         return (f"Plan(num_shards={self.num_shards}, {len(self.params)} params, "
@@ -292,8 +306,10 @@ class Plan:
 
     def to_dict(self) -> dict:
         """The plan in ``shard_info.json`` form, every expression evaluated for this N."""
-        return {name: [[s.func, [list(s.out_shape), s.dtype], *s.extra] for s in steps]
-                for name, steps in self.params.items()}
+        out: dict[str, Any] = {ShardInfo.METADATA_KEY: self.metadata} if self.metadata else {}
+        out.update({name: [[s.func, [list(s.out_shape), s.dtype], *s.extra] for s in steps]
+                    for name, steps in self.params.items()})
+        return out
 
     # -- 3. validate
     def validate(self, metadata: Mapping[str, TensorMeta]) -> "ValidatedPlan":

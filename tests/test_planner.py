@@ -534,3 +534,45 @@ def test_random_gptq_models(tmp_path_factory, case):
     folder = str(tmp_path_factory.mktemp("random"))
     model = write_model(folder, geometry, fmt)
     check_model(model)
+
+
+# ---- zero padding --------------------------------------------------------------------------------
+
+def _take(w, units, size, axis):
+    return np.concatenate([np.take(w, range(u * size, (u + 1) * size), axis=axis) if u >= 0
+                           else np.zeros_like(np.take(w, range(size), axis=axis))
+                           for u in units], axis=axis)
+
+
+@pytest.mark.parametrize("fmt", [PLAIN[0], awq(32), pack_quantized(4, 32, False), fp8("channel")],
+                         ids=lambda f: f.name)
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_zero_padding_for_n_the_heads_do_not_divide(tmp_path, fmt, n):
+    model = write_model(str(tmp_path), THREE, fmt)          # 12 query heads, 3 KV heads, 768
+    with open_checkpoint(model.folder) as ckpt:
+        info = plan_for(ckpt, num_shards=n)
+        layout = info.metadata["tensor_parallel"]
+        with ThreadedSession(n) as sess:
+            result = load_sharded(ckpt, info, sess, progress=False)
+            shards = [result.worker(i) for i in range(n)]
+    hd, block = layout["head_dim"], layout["mlp_block"]
+    mlp = layout["mlp_blocks"][str(THREE.inter)]
+    units = {"q_proj": (layout["q_heads"], hd, 0), "k_proj": (layout["kv_heads"], hd, 0),
+             "v_proj": (layout["kv_heads"], hd, 0), "o_proj": (layout["q_heads"], hd, 1),
+             "gate_proj": (mlp, block, 0), "up_proj": (mlp, block, 0),
+             "down_proj": (mlp, block, 1)}
+    for module, w in model.full.items():
+        worker_units, size, axis = units[module.rsplit(".", 1)[1]]
+        prefix = f"model.layers.0.{module}."
+        for i in range(n):
+            stored = {k[len(prefix):]: _as_numpy(t) for k, t in shards[i].items()
+                      if k.startswith(prefix)}
+            assert np.array_equal(fmt.dequantize(stored), _take(w, worker_units[i], size, axis)), \
+                f"{fmt.name} {module} worker {i} of {n}"
+
+
+def test_zero_padding_is_refused_for_gptq(tmp_path):
+    model = write_model(str(tmp_path), THREE, gptq(4, 32))
+    with pytest.raises(PlanError, match="g_idx") as err:
+        plan_for(model.folder, num_shards=2)
+    assert "N that work (up to 64): 1, 3" in str(err.value)

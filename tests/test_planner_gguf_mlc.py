@@ -248,3 +248,87 @@ def test_mlc_kn_layout_is_refused(tmp_path):
     write_mlc_model(tmp_path, quantization="q4f16_0")
     with pytest.raises(PlanError, match="KN"):
         plan_for(tmp_path)
+
+
+# ---- zero padding: any N ---------------------------------------------------------------------------
+
+def take(w: np.ndarray, units: list[int], size: int, axis: int) -> np.ndarray:
+    """The units (of ``size`` rows/columns) a worker holds, zeros for padding (-1)."""
+    parts = []
+    for u in units:
+        block = np.take(w, range(u * size, (u + 1) * size), axis=axis) if u >= 0 else \
+            np.zeros_like(np.take(w, range(size), axis=axis))
+        parts.append(block)
+    return np.concatenate(parts, axis=axis)
+
+
+def check_padded_gguf(path: str, n: int) -> dict:
+    """Every GGUF tensor of a zero-padded plan against gguf's dequantizer and the layout the
+    plan records; the recorded layout."""
+    reader = gguf.GGUFReader(path)
+    full = {t.name: (np.array(t.data), T(t.tensor_type)) for t in reader.tensors}
+    with open_checkpoint(path) as ckpt:
+        info = plan_for(ckpt, num_shards=n)
+        layout = info.metadata["tensor_parallel"]
+        with ThreadedSession(n) as sess:
+            result = load_sharded(ckpt, info, sess, progress=False)
+            shards = [result.worker(i) for i in range(n)]
+    hd, block = layout["head_dim"], layout["mlp_block"]
+    (mlp,) = layout["mlp_blocks"].values()
+    for name, (raw, qtype) in full.items():
+        role = name.split(".")[-2] if name.startswith("blk.") else None
+        whole = _deq(raw, qtype)
+        for i in range(n):
+            got = _deq(shards[i][name].numpy(), qtype)
+            if role == "attn_q":
+                want = take(whole, layout["q_heads"][i], hd, 0)
+            elif role in ("attn_k", "attn_v"):
+                want = take(whole, layout["kv_heads"][i], hd, 0)
+            elif role == "attn_output":
+                want = take(whole, layout["q_heads"][i], hd, 1)
+            elif role in ("ffn_gate", "ffn_up"):
+                want = take(whole, mlp[i], block, 0)
+            elif role == "ffn_down":
+                want = take(whole, mlp[i], block, 1)
+            else:
+                want = whole
+            assert np.array_equal(got, want), f"{name} worker {i} of {n}"
+    return layout
+
+
+@pytest.mark.parametrize("n", [2, 4, 5, 9])
+def test_real_model_any_n_with_zero_padding(smollm2, n):
+    layout = check_padded_gguf(smollm2, n)
+    assert layout["num_shards"] == n
+    real = sorted(h for heads in layout["q_heads"] for h in heads if h >= 0)
+    assert real == list(range(9))              # every query head exactly once
+    for q, kv, q_to_kv in zip(layout["q_heads"], layout["kv_heads"], layout["q_to_kv"]):
+        for head, local in zip(q, q_to_kv):     # each query head attends with its own KV head
+            assert head < 0 or kv[local] == head // 3
+
+
+def test_padding_overhead_shown_by_inspect(smollm2):
+    result = CliRunner().invoke(cli, ["inspect", "--shards", "5", "--json", smollm2])
+    assert result.exit_code == 0, result.output
+    report = __import__("json").loads(result.output)
+    assert report["padding_bytes"] > 0 and report["tensor_parallel"]["num_shards"] == 5
+    result = CliRunner().invoke(cli, ["inspect", "--shards", "3", "--json", smollm2])
+    assert __import__("json").loads(result.output)["padding_bytes"] == 0
+
+
+def test_padding_is_refused_where_it_cannot_be_exact(tmp_path):
+    # K-quants: a 64-element head is a quarter of a 256-element block of attn_output
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, dict.fromkeys(GGUF_LINEARS, T.Q4_K), hidden=512, inter=1024)
+    from shardload import PlanError
+
+    with pytest.raises(PlanError, match="cannot help.*heads cannot be padded") as err:
+        plan_for(path, num_shards=3)
+    assert "N that work (up to 64): 1, 2" in str(err.value)
+
+
+def test_no_pad_refuses_instead(smollm2):
+    from shardload import PlanError
+
+    with pytest.raises(PlanError, match="N that work"):
+        plan_for(smollm2, num_shards=2, pad=False)

@@ -20,7 +20,7 @@ from ..errors import PlanError
 from ..plan import ShardInfo
 from ..readers import Checkpoint, as_checkpoint
 from .layouts import Scheme, scheme_from_hf
-from .llama import Planned, plan_llama
+from .llama import Padding, Planned, padding_for, plan_llama
 from .model import ModelSpec, spec_from_gguf, spec_from_hf, spec_from_mlc
 
 __all__ = ["plan_for", "describe_plan", "valid_num_shards", "PlanSummary", "MAX_SHARDS_TRIED"]
@@ -38,6 +38,7 @@ class PlanSummary:
     sharded: int
     replicated: int
     unknown: tuple[str, ...]
+    padded: bool = False
 
     def __str__(self) -> str:
         s = self.spec
@@ -46,6 +47,8 @@ class PlanSummary:
                 f"{self.sharded} tensors sharded, {self.replicated} replicated")
         if self.unknown:
             text += f" ({len(self.unknown)} unrecognised, replicated: {self.unknown[0]}, ...)"
+        if self.padded:
+            text += "; zero-padded for this N"
         return text
 
 
@@ -70,28 +73,65 @@ def _detect(ckpt: Checkpoint) -> tuple[ModelSpec, Scheme, bool]:
     return spec_from_hf(config, source), scheme_from_hf(config, source), False
 
 
-def describe_plan(params, *, vocab_parallel: bool = False) -> tuple[ShardInfo, PlanSummary]:
-    """The plan for ``params`` (a checkpoint or path) and a summary of it."""
+def describe_plan(params, num_shards: Optional[int] = None, *, vocab_parallel: bool = False,
+                  pad: bool = True) -> tuple[ShardInfo, PlanSummary]:
+    """The plan for ``params`` (a checkpoint or path) and a summary of it.
+
+    The plan is symbolic in ``num_shards`` when the model's heads and blocks divide among the
+    workers. When they do not for the given ``num_shards`` and ``pad`` is on, it is a plan for
+    that N alone that zero-pads query heads, KV heads and MLP blocks (exact: padded weights are
+    zero), recording each worker's heads under ``__metadata__.tensor_parallel``.
+    """
     ckpt = as_checkpoint(params)
     spec, scheme, gguf_names = _detect(ckpt)
     planned: Planned = plan_llama(ckpt, spec, scheme, gguf_names=gguf_names,
                                   vocab_parallel=vocab_parallel)
     info = ShardInfo.from_dict(planned.steps, source=f"<plan for {ckpt.source}>")
+    padded = None
+    if num_shards is not None and pad and not _fits(info, ckpt, num_shards):
+        padding = padding_for(ckpt, spec, scheme, num_shards, gguf_names=gguf_names)
+        planned = plan_llama(ckpt, spec, scheme, gguf_names=gguf_names,
+                             vocab_parallel=vocab_parallel, padding=padding)
+        info = ShardInfo.from_dict(
+            {ShardInfo.METADATA_KEY: {"tensor_parallel": padding.metadata(spec)},
+             **planned.steps}, source=f"<padded plan for {ckpt.source}>")
+        padded = padding
     summary = PlanSummary(spec, scheme, len(planned.steps), len(planned.replicated),
-                          tuple(planned.unknown))
+                          tuple(planned.unknown), padded is not None)
     return info, summary
 
 
-def plan_for(params, num_shards: Optional[int] = None, *,
-             vocab_parallel: bool = False) -> ShardInfo:
+def _fits(info: ShardInfo, ckpt: Checkpoint, num_shards: int) -> bool:
+    try:
+        info.bind(num_shards).validate(ckpt.metadata())
+    except PlanError:
+        return False
+    return True
+
+
+def plan_for(params, num_shards: Optional[int] = None, *, vocab_parallel: bool = False,
+             pad: bool = True) -> ShardInfo:
     """A plan for ``params`` (a checkpoint or path), symbolic in ``num_shards``.
 
-    With ``num_shards``, also check that this N works and raise ``PlanError`` listing the N
-    that do if it does not. ``vocab_parallel`` splits embeddings and lm_head by vocabulary rows
-    instead of replicating them.
+    With ``num_shards``, also check that this N works: if the model's heads or MLP do not
+    divide among N workers, plan zero-padding for that N (``pad``, on by default), and where
+    even that cannot be exact, raise ``PlanError`` listing the N that do work.
+    ``vocab_parallel`` splits embeddings and lm_head by vocabulary rows instead of replicating.
     """
     ckpt = as_checkpoint(params)
-    info, _ = describe_plan(ckpt, vocab_parallel=vocab_parallel)
+    try:
+        info, _ = describe_plan(ckpt, num_shards, vocab_parallel=vocab_parallel, pad=pad)
+    except PlanError as padding_failed:
+        if num_shards is None:
+            raise
+        unpadded, _ = describe_plan(ckpt, vocab_parallel=vocab_parallel, pad=False)
+        try:
+            unpadded.bind(num_shards).validate(ckpt.metadata())
+        except PlanError as exc:
+            exc.reason = (f"{exc.reason}; and zero-padding cannot help: "
+                          f"{padding_failed.reason}")
+            _refuse(unpadded, ckpt, num_shards, exc)
+        raise
     if num_shards is not None:
         check_num_shards(info, ckpt, num_shards)
     return info
@@ -103,11 +143,15 @@ def check_num_shards(info: ShardInfo, params: Union[Checkpoint, str], num_shards
     try:
         info.bind(num_shards).validate(ckpt.metadata())
     except PlanError as exc:
-        valid = valid_num_shards(info, ckpt)
-        shown = ", ".join(map(str, valid)) if valid else "none"
-        raise PlanError(f"{ckpt.source} cannot be split over {num_shards} workers: "
-                        f"{exc.reason}. N that work (up to {MAX_SHARDS_TRIED}): "
-                        f"{shown}", source=info.source, param=exc.param) from None
+        _refuse(info, ckpt, num_shards, exc)
+
+
+def _refuse(info: ShardInfo, ckpt: Checkpoint, num_shards: int, exc: PlanError):
+    valid = valid_num_shards(info, ckpt) if info.is_symbolic else []
+    shown = ", ".join(map(str, valid)) if valid else "none"
+    raise PlanError(f"{ckpt.source} cannot be split over {num_shards} workers: "
+                    f"{exc.reason}. N that work (up to {MAX_SHARDS_TRIED}): "
+                    f"{shown}", source=info.source, param=exc.param) from None
 
 
 def valid_num_shards(info: ShardInfo, params: Union[Checkpoint, str],

@@ -12,6 +12,7 @@ embeddings and lm_head too, unless ``vocab_parallel``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -19,6 +20,7 @@ from ..errors import PlanError
 from ..readers.base import Checkpoint
 from .layouts import Axis, Scheme, TensorAxes, tensor_axes
 from .model import ModelSpec
+from .tp_layout import HeadLayout, head_layout, unit_layout
 
 # last component of a module name -> role
 HF_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "qkv_proj": "qkv", "o_proj": "o",
@@ -33,6 +35,23 @@ COLUMN = {"q", "k", "v", "qkv", "gate", "up", "gate_up"}
 ROW = {"o", "down"}
 
 Segments = list[tuple[int, int]]   # (logical size, units); units < 0: replicable (KV heads)
+
+
+@dataclass(frozen=True)
+class Padding:
+    """A layout for one N that the heads or the MLP do not divide: zero heads and zero MLP
+    blocks fill every worker up to the same size (``tp_layout.py``)."""
+
+    num_shards: int
+    heads: HeadLayout
+    mlp_unit: int                              # logical MLP rows per block
+    mlp: dict[int, list[list[int]]]            # intermediate size -> blocks per worker
+
+    def metadata(self, spec: ModelSpec) -> dict:
+        """What an engine needs to run the padded shards (recorded in the plan)."""
+        return {"num_shards": self.num_shards, "head_dim": spec.head_dim,
+                **self.heads.as_dict(), "mlp_block": self.mlp_unit,
+                "mlp_blocks": {str(k): v for k, v in self.mlp.items()}}
 
 
 @dataclass
@@ -128,28 +147,119 @@ def _trivial_g_idx(ckpt: Checkpoint, name: str, group_size: int) -> bool:
     return bool((g_idx == torch.arange(len(g_idx)) // group_size).all())
 
 
+def _linears(ckpt: Checkpoint, scheme: Scheme, roles: dict, vocab_parallel: bool):
+    """(name, meta, module, suffix, role, axes) for every tensor; role/axes None: replicated."""
+    for name, meta in ckpt.metadata().items():
+        module, _, suffix = name.rpartition(".")
+        role = roles.get(module.rpartition(".")[2])
+        if role is None or (role in ("embed", "lm_head") and not vocab_parallel):
+            yield name, meta, module, suffix, None, None
+            continue
+        yield (name, meta, module, suffix, role,
+               tensor_axes(scheme, suffix, meta, ckpt.tensor_format(name)))
+
+
+def padding_for(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int, *,
+                gguf_names: bool) -> Padding:
+    """The zero-padded layout for N workers, or ``PlanError`` saying why there is none."""
+    roles = GGUF_ROLES if gguf_names else HF_ROLES
+    mlp_unit, sizes = 1, set()
+    for name, meta, module, suffix, role, axes in _linears(ckpt, scheme, roles, False):
+        if axes is None:
+            continue
+        if axes.special == "g_idx":
+            raise PlanError(f"{name}: zero-padding cannot be exact for tensors with a g_idx "
+                            "(GPTQ, compressed-tensors act-order): padded rows would use real "
+                            "groups' scales")
+        axis = axes.n if role in COLUMN else axes.k
+        if axis is None:
+            continue
+        if role in ("q", "k", "v", "qkv", "o"):
+            if spec.head_dim % axis.elems:
+                raise PlanError(f"{name}: a {spec.head_dim}-element head is not a whole number "
+                                f"of the {axis.elems}-element blocks it is stored in, so heads "
+                                "cannot be padded")
+        else:
+            mlp_unit = math.lcm(mlp_unit, axis.elems)
+            sizes.add(_intermediate(spec, module))
+    mlp = {}
+    for size in sizes:
+        if size % mlp_unit:
+            raise PlanError(f"an MLP of {size} rows is not a whole number of {mlp_unit}-row "
+                            "blocks")
+        mlp[size] = unit_layout(size // mlp_unit, num_shards)
+    return Padding(num_shards, head_layout(spec.num_heads, spec.num_kv_heads, num_shards),
+                   mlp_unit, mlp)
+
+
+def _padded_units(role: str, spec: ModelSpec, padding: Padding, module: str,
+                  worker: int) -> tuple[int, list[int]]:
+    """(logical elements per unit, the units worker ``worker`` takes) for a padded layer."""
+    heads = padding.heads
+    shift = lambda units, by: [u + by if u >= 0 else -1 for u in units]  # noqa: E731
+    q, kv = heads.q_heads[worker], heads.kv_heads[worker]
+    if role in ("q", "o"):
+        return spec.head_dim, q
+    if role in ("k", "v"):
+        return spec.head_dim, kv
+    if role == "qkv":
+        n_q, n_kv = spec.num_heads, spec.num_kv_heads
+        return spec.head_dim, q + shift(kv, n_q) + shift(kv, n_q + n_kv)
+    size = _intermediate(spec, module)
+    blocks = padding.mlp[size][worker]
+    if role == "gate_up":
+        return padding.mlp_unit, blocks + shift(blocks, size // padding.mlp_unit)
+    return padding.mlp_unit, blocks
+
+
+def _padded_step(name, meta, role, axes: TensorAxes, spec, padding: Padding, module,
+                 split_n: bool, ckpt) -> Optional[list]:
+    n = padding.num_shards
+    if axes.special == "shape":
+        unit, units = _padded_units(role, spec, padding, module, 0)
+        n_out, k_in = (int(v) for v in ckpt.read(name).tolist())
+        rows = len(units) * unit
+        return ["shardload.constant", [[n, 2], meta.dtype],
+                *([rows, k_in] if split_n else [n_out, rows])]
+    axis = axes.n if split_n else axes.k
+    if axis is None:
+        if split_n and meta.numel > 1 and len(meta.shape) <= 1:
+            raise PlanError(f"{name}: per-part scales of a fused layer cannot be padded yet")
+        return None
+    unit, _ = _padded_units(role, spec, padding, module, 0)
+    if unit % axis.elems:
+        raise PlanError(f"{name}: {unit}-element units straddle its {axis.elems}-element blocks")
+    stored = unit // axis.elems * axis.width
+    indices = [_padded_units(role, spec, padding, module, r)[1] for r in range(n)]
+    out = [n, *meta.shape]
+    out[axis.dim + 1] = len(indices[0]) * stored
+    return ["shardload.take_units", [out, meta.dtype], axis.dim, stored,
+            *[u for worker in indices for u in worker]]
+
+
 def plan_llama(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, *, gguf_names: bool,
-               vocab_parallel: bool = False) -> Planned:
-    """The steps for every tensor of a Llama-family checkpoint."""
+               vocab_parallel: bool = False, padding: Optional[Padding] = None) -> Planned:
+    """The steps for every tensor of a Llama-family checkpoint: symbolic in num_shards, or,
+    with ``padding``, for its one N with zero heads and blocks where N does not divide."""
     roles = GGUF_ROLES if gguf_names else HF_ROLES
     planned = Planned()
     metadata = ckpt.metadata()
     act_order: dict[str, bool] = {}
-    for name, meta in metadata.items():
-        module, _, suffix = name.rpartition(".")
-        role = roles.get(module.rpartition(".")[2])
-        if role is None or (role in ("embed", "lm_head") and not vocab_parallel):
+    for name, meta, module, suffix, role, axes in _linears(ckpt, scheme, roles, vocab_parallel):
+        if role is None:
             planned.replicated.append(name)
             continue
-        axes = tensor_axes(scheme, suffix, meta, ckpt.tensor_format(name))
         if axes is None:
             planned.unknown.append(name)
             planned.replicated.append(name)
             continue
         split_n = role in COLUMN or role in ("embed", "lm_head")
-        segments = segments_for(role, spec, module)
-        step = _tensor_step(ckpt, name, meta, suffix, axes, segments, split_n, scheme, metadata,
-                            act_order, module)
+        if padding is not None and role not in ("embed", "lm_head"):
+            step = _padded_step(name, meta, role, axes, spec, padding, module, split_n, ckpt)
+        else:
+            segments = segments_for(role, spec, module)
+            step = _tensor_step(ckpt, name, meta, suffix, axes, segments, split_n, scheme,
+                                metadata, act_order, module)
         if step is None:
             planned.replicated.append(name)
         else:
@@ -210,4 +320,4 @@ def _shape_step(ckpt, name, meta, segments: Segments, split_n: bool) -> list:
     return ["shardload.constant", [["num_shards", 2], meta.dtype], *values]
 
 
-__all__ = ["plan_llama", "Planned", "segments_for", "split_step"]
+__all__ = ["plan_llama", "padding_for", "Padding", "Planned", "segments_for", "split_step"]

@@ -273,3 +273,53 @@ def repeat_segments(input: torch.Tensor, *sizes_and_output) -> None:
     values = input.reshape(-1)
     output.copy_(torch.repeat_interleave(values, torch.tensor([int(s) for s in sizes]))
                  .reshape(-1, 1))
+
+
+# ---- shardload.take_units ----------------------------------------------------------------------
+
+def take_ranges(in_shape: Shape, dim: int, unit: int, indices: Sequence[int],
+                num_shards: int) -> tuple[int, int, list[list[int]]]:
+    """The axis, the unit length, and per worker the unit indices it takes (-1: a zero unit)."""
+    axis = _axis(dim, len(in_shape))
+    num_shards = _workers(num_shards)
+    unit = _int(unit, "unit")
+    if unit <= 0 or in_shape[axis] % unit:
+        raise ValueError(f"dim {dim} has size {in_shape[axis]}, not a whole number of units of "
+                         f"{unit}")
+    units = in_shape[axis] // unit
+    indices = [_int(v, "a unit index") for v in indices]
+    if not indices or len(indices) % num_shards:
+        raise ValueError(f"{len(indices)} unit indices do not give each of {num_shards} "
+                         "workers the same number")
+    bad = [v for v in indices if not -1 <= v < units]
+    if bad:
+        raise ValueError(f"unit index {bad[0]} is out of range for {units} units (-1 is a zero "
+                         "unit)")
+    per = len(indices) // num_shards
+    return axis, unit, [indices[i * per:(i + 1) * per] for i in range(num_shards)]
+
+
+def _take_rule(in_shape: Shape, in_dtype: str, dim: int, unit: int, *indices: int,
+               num_shards: int):
+    axis, unit, per_worker = take_ranges(in_shape, dim, unit, indices, num_shards)
+    return _stack_shape(in_shape, axis, len(per_worker[0]) * unit, num_shards), in_dtype
+
+
+@register_shard_func("shardload.take_units", shape_rule=_take_rule)
+def take_units(input: torch.Tensor, dim: int, unit: int, *indices_and_output) -> None:
+    """Give each worker chosen units of ``dim`` (heads, blocks); index -1 is a unit of zeros.
+
+    Extra args: ``dim, unit, i_0_0, ..., i_0_m, i_1_0, ...``: N equal lists of unit indices.
+    Zero units pad heads or MLP blocks when N does not divide them: a zero block dequantizes to
+    exact zeros in every supported format, so padded rows and columns change no output.
+    """
+    *indices, output = indices_and_output
+    _check_output(_take_rule, input, (dim, unit, *indices), output)
+    axis, unit, per_worker = take_ranges(tuple(input.shape), dim, unit, indices,
+                                         output.shape[0])
+    src, dst = dtypes.movable_view(input), dtypes.movable_view(output)
+    dst.zero_()
+    for i, wanted in enumerate(per_worker):
+        for j, u in enumerate(wanted):
+            if u >= 0:
+                dst[i].narrow(axis, j * unit, unit).copy_(src.narrow(axis, u * unit, unit))
