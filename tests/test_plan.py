@@ -264,6 +264,7 @@ VALID = [
     {"x_0": [["tests.disco.shard_dim_1", [[4, 64, 64], "float16"], 4]]},
     {"w": [["f", [[2, "num_shards * 2"], "e4m3_float8"], 0, 1.5, True, None, "num_shards"]]},
     {"w": [["a", [[], "float32"]], ["b", [[0, 3], "bool"]]]},
+    {"__metadata__": {"tensor_parallel": {"q_heads": [[0, -1]]}}, "w": []},
 ]
 INVALID = [
     [],                                                       # not an object
@@ -283,6 +284,7 @@ INVALID = [
     {"w": [["f", [["num_shards.real"], "int32"]]]},           # outside the expression alphabet
     {"w": [["f", [["a" * 300], "int32"]]]},                   # over-long expression
     {"": []},                                                 # empty parameter name
+    {"__metadata__": [1]},                                    # metadata not an object
 ]
 
 
@@ -309,3 +311,14 @@ def test_example_plan_matches_the_schema():
 
     with open(f"{EXAMPLE}/shard_info.json") as f:
         jsonschema.validate(json.load(f), json_schema())
+
+
+def test_metadata_is_kept_and_is_not_a_parameter():
+    info = ShardInfo.from_dict({"__metadata__": {"tensor_parallel": {"num_shards": 2}},
+                                "w": [["shardload.split", [[2, 4, 4], "float16"], 0]]})
+    assert list(info.steps) == ["w"]
+    plan = info.bind(2)
+    assert plan.metadata == {"tensor_parallel": {"num_shards": 2}}
+    assert ShardInfo.loads(info.dumps()).metadata == info.metadata
+    assert plan.to_dict()["__metadata__"] == info.metadata
+    plan.validate(W_META)   # the metadata key matches no tensor, and needs not
