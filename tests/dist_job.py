@@ -5,6 +5,8 @@
 MODE ``example``: load the embedded example, save this rank's shards to OUT_DIR/rank{r}.safetensors.
 MODE ``fail``: rank 1 loads with a plan naming a missing tensor; every rank writes what it raised
 to OUT_DIR/rank{r}.json.
+MODE ``tp``: the tensor-parallel SmolLM2 forward of examples/tp_llama.py over the ranks (a real
+torch.distributed all-reduce); rank 0 writes its logits and the 1-worker logits to OUT_DIR.
 """
 
 import json
@@ -16,11 +18,35 @@ from safetensors.torch import save_file
 from shardload import TorchDistributedSession, load_sharded
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "tiny_llama_q4")
+
+
+PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 2, 198, 1, 520, 9531, 198, 504]
+
+
+def tensor_parallel(sess, out: str) -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+    from real_models import smollm2_gguf
+    from tp_llama import TensorParallelLlama
+
+    from shardload import ThreadedSession
+
+    path = smollm2_gguf()
+    with TensorParallelLlama(path, sess) as model:
+        logits = model.logits(PROMPT)
+    if sess.rank == 0:
+        with ThreadedSession(1) as one, TensorParallelLlama(path, one) as reference:
+            expected = reference.logits(PROMPT)
+        save_file({"logits": logits.contiguous(), "reference": expected.contiguous()},
+                  os.path.join(out, "tp.safetensors"))
 
 
 def main(mode: str, out: str) -> None:
     with TorchDistributedSession() as sess:
+        if mode == "tp":
+            tensor_parallel(sess, out)
+            return
         if mode == "example":
             result = load_sharded(EXAMPLE, os.path.join(EXAMPLE, "shard_info.json"), sess,
                                   progress=False)

@@ -149,12 +149,17 @@ class TorchDistributedSession(Session):
 
     def call(self, func_name: str, *args: Any) -> list[Any]:
         """Run the session function on this rank (every rank runs its own call); the results of
-        all ranks, exchanged, in rank order."""
+        all ranks in rank order. JSON results are exchanged; a tensor result stays on its rank
+        (the others see ``None`` in its place), as moving tensors between ranks is the
+        engine's business (its collectives)."""
         from ..registry import get_session_func
 
         with self.collective(f"in {func_name}"):
             value = get_session_func(func_name).func(self._ctx, *args)
-        return self._all_gather(value)
+        local = isinstance(value, torch.Tensor)
+        results = self._all_gather(None if local else value)
+        results[self.rank] = value
+        return results
 
     def set_value(self, worker: int, name: str, value: Any) -> None:
         self._check_worker(worker)
