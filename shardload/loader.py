@@ -18,11 +18,10 @@ before any of this starts, so a bad plan fails before a byte of tensor data is r
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
 
 import torch
 

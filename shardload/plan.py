@@ -339,7 +339,7 @@ class Plan:
                 where = dict(source=self.source, param=name, step=step.index)
                 try:
                     func = get_shard_func(step.func)
-                except UnknownShardFunctionError as exc:
+                except UnknownShardFunctionError:
                     raise UnknownShardFunctionError(step.func, _known_names(), **where) from None
                 if not func.accepts(len(step.extra)):
                     raise PlanError(f"{step.func} takes {func.arity_text()} extra arg(s), the "

@@ -670,8 +670,8 @@ def test_a_failed_open_leaves_no_mapping_behind(tmp_path: Path, monkeypatch) -> 
     from shardload.readers import mlc
 
     closed: list = []
-    real_unmap = mlc._unmap
-    monkeypatch.setattr(mlc, "_unmap", lambda m: (closed.append(m), real_unmap(m)))
+    real_unmap = mlc.unmap
+    monkeypatch.setattr(mlc, "unmap", lambda m: (closed.append(m), real_unmap(m)))
     with pytest.raises(FormatError, match="truncated"):
         open_mlc(folder)
     assert len(closed) == 1 and closed[0].closed  # shard 0 was mapped, then unmapped

@@ -50,22 +50,19 @@ from __future__ import annotations
 
 import math
 import mmap
-import operator
 import os
 import struct
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
 from gguf import GGUFValueType
 
-from .. import dtypes
 from ..errors import FormatError
-from .base import Checkpoint, TensorMeta
+from .base import TensorMeta
+from .mapped import MappedCheckpoint, unmap
 
 __all__ = ["open_gguf", "GGUFCheckpoint", "CONFIG_MAX_ARRAY", "SUPPORTED_VERSIONS"]
 
@@ -374,15 +371,6 @@ def _check_tensors(path: Path, header: _Header, size: int) -> list[tuple[TensorM
     return placed
 
 
-def _unmap(m: mmap.mmap) -> None:
-    try:
-        m.close()
-    except BufferError:
-        # A view of the map is still alive (a read in flight in another thread). Dropping our
-        # reference is enough: the map is unmapped when the last view of it is freed.
-        pass
-
-
 # ----------------------------------------------------------------------------------------------
 # the checkpoint
 
@@ -419,11 +407,11 @@ def open_gguf(path: str | os.PathLike) -> "GGUFCheckpoint":
         tensors = _check_tensors(p, header, size)
         return GGUFCheckpoint(str(path), mapped, header, tensors)
     except BaseException:
-        _unmap(mapped)
+        unmap(mapped)
         raise
 
 
-class GGUFCheckpoint(Checkpoint):
+class GGUFCheckpoint(MappedCheckpoint):
     """The tensors of one validated, memory-mapped GGUF file, under their GGUF names.
 
     Made by ``open_gguf``. ``read`` and ``read_narrow`` are safe to call from several threads at
@@ -436,32 +424,23 @@ class GGUFCheckpoint(Checkpoint):
 
     def __init__(self, source: str, mapped: mmap.mmap, header: _Header,
                  tensors: list[tuple[TensorMeta, int, int]]):
-        super().__init__()
-        self.source = source
+        # tensor offsets count from the start of the file (header.data_start included)
+        super().__init__(source, [os.path.abspath(source)], [mapped],
+                         ((meta, 0, begin, end) for meta, begin, end in tensors))
         self.path = os.path.abspath(source)
         self.version: int = header.version
         self.alignment: int = header.alignment
         #: file offset of the tensor data (tensor offsets in the header count from here)
         self.data_offset: int = header.data_start
-        self._map: mmap.mmap | None = mapped
-        # A uint8 view of the whole file. It goes through numpy on purpose: a numpy array holds a
-        # buffer export on the mmap, so mmap.close() refuses (BufferError) while any view is
-        # alive; torch.frombuffer holds none, and closing under it would leave tensors pointing
-        # at unmapped memory.
+        # the whole file as numpy bytes, for decoding key-values on demand; a view through
+        # numpy, so it keeps the mapping alive while a decode is in flight
         self._bytes: np.ndarray | None = np.frombuffer(mapped, dtype=np.uint8)
-        self._data: torch.Tensor | None = torch.from_numpy(self._bytes)
         self._kvs = header.kvs
-        self._meta: dict[str, TensorMeta] = {}
-        self._where: dict[str, tuple[int, int]] = {}
         infos = {info.name: info for info in header.infos}
-        self._format: dict[str, tuple[str, int, int, tuple[int, ...]]] = {}
-        for meta, begin, end in tensors:
-            info = infos[meta.name]
-            self._meta[meta.name] = meta
-            self._where[meta.name] = (begin, end)
-            self._format[meta.name] = (info.ggml_type.name, *GGML_QUANT_SIZES[info.ggml_type],
-                                       info.ne)
-        self._lock = threading.Lock()
+        self._format: dict[str, tuple[str, int, int, tuple[int, ...]]] = {
+            meta.name: (infos[meta.name].ggml_type.name,
+                        *GGML_QUANT_SIZES[infos[meta.name].ggml_type], infos[meta.name].ne)
+            for meta, _, _ in tensors}
         self._config: dict[str, Any] | None = None
 
     # -- metadata ------------------------------------------------------------------------------
@@ -478,12 +457,6 @@ class GGUFCheckpoint(Checkpoint):
         ggml_type, block_size, type_size, ne = self._format[name]
         return {"ggml_type": ggml_type, "block_size": block_size, "type_size": type_size,
                 "ne": list(ne)}
-
-    def byte_range(self, name: str) -> tuple[str, int, int]:
-        """``(file, start, end)``: where the tensor's bytes lie, as offsets into the file."""
-        self.meta(name)
-        begin, end = self._where[name]
-        return self.path, begin, end
 
     def field_names(self) -> list[str]:
         """Every key of the file's key-values, in file order."""
@@ -526,69 +499,6 @@ class GGUFCheckpoint(Checkpoint):
 
     # -- tensors -------------------------------------------------------------------------------
 
-    def _locate(self, name: str) -> tuple[TensorMeta, torch.Tensor, int, int]:
-        meta = self.meta(name)
-        begin, end = self._where[name]
-        with self._lock:
-            data = self._data
-        if data is None:
-            raise ValueError(f"{self.source}: checkpoint is closed; open it again to read "
-                             f"{name!r}")
-        return meta, data, begin, end
-
-    def _count(self, n: int) -> None:
-        with self._lock:  # += on an attribute is not atomic across threads
-            self.bytes_read += n
-
-    def read(self, name: str) -> torch.Tensor:
-        """The whole tensor (raw blocks for a quantized one), copied once out of the mapping
-        into a new contiguous tensor."""
-        meta, data, begin, end = self._locate(name)
-        out = torch.empty(meta.shape, dtype=dtypes.to_torch(meta.dtype))
-        if end > begin:
-            # Copy as bytes: offsets need not be aligned for the dtype.
-            out.view(-1).view(torch.uint8).copy_(data[begin:end])
-        self._count(end - begin)
-        return out
-
-    def read_narrow(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
-        """``read(name).narrow(dim, start, length)``, copying only the slice's bytes.
-
-        For a quantized tensor the last dim counts bytes: narrowing it by multiples of
-        ``type_size`` takes whole blocks (a column split). ``dim`` and ``start`` may be
-        negative, as for ``torch.narrow``. Raises ``IndexError`` for a ``dim`` or ``start`` out
-        of range and ``ValueError`` for a bad ``length``.
-        """
-        meta, data, begin, end = self._locate(name)
-        dim, start, length = operator.index(dim), operator.index(start), operator.index(length)
-        shape, ndim = meta.shape, len(meta.shape)
-        if not -ndim <= dim < ndim:
-            raise IndexError(f"{self.source}: tensor {name!r} has shape {shape}; dim {dim} is "
-                             f"out of range")
-        dim %= ndim
-        size = shape[dim]
-        if not -size <= start <= size:
-            raise IndexError(f"{self.source}: tensor {name!r} has size {size} in dim {dim}; "
-                             f"start {start} is out of range")
-        if start < 0:
-            start += size
-        if length < 0 or start + length > size:
-            raise ValueError(f"{self.source}: tensor {name!r} has size {size} in dim {dim}; "
-                             f"cannot take {length} elements from {start}")
-
-        out = torch.empty(shape[:dim] + (length,) + shape[dim + 1:],
-                          dtype=dtypes.to_torch(meta.dtype))
-        # In C order the slice is `outer` runs of `length * inner` contiguous bytes, one run per
-        # index of the dims before `dim`: a strided uint8 view of the mapping, copied once.
-        outer = math.prod(shape[:dim])
-        inner = math.prod(shape[dim + 1:]) * dtypes.itemsize(meta.dtype)
-        nbytes = outer * length * inner
-        if nbytes:
-            src = data[begin:end].view(outer, size, inner)[:, start:start + length]
-            out.view(-1).view(torch.uint8).view(outer, length, inner).copy_(src)
-        self._count(nbytes)
-        return out
-
     def close(self) -> None:
         """Unmap the file. Idempotent; tensors already returned stay valid, and so does
         ``config`` (built now if it was not yet)."""
@@ -598,10 +508,8 @@ class GGUFCheckpoint(Checkpoint):
         except ValueError:
             pass  # closed by another thread meanwhile
         with self._lock:
-            self._data = self._bytes = None  # drop our views first: they hold buffer exports
-            mapped, self._map = self._map, None
-        if mapped is not None:
-            _unmap(mapped)
+            self._bytes = None  # drop our view first: it holds a buffer export on the map
+        super().close()
 
 
 def _decode(buf: np.ndarray, kv: _KV) -> Any:

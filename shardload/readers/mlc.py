@@ -59,19 +59,16 @@ from __future__ import annotations
 import copy
 import math
 import mmap
-import operator
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 
-from .. import dtypes, strict_json
+from .. import strict_json
 from ..errors import FormatError
-from .base import Checkpoint, TensorMeta
+from .base import TensorMeta
+from .mapped import MappedCheckpoint, unmap
 
 __all__ = ["open_mlc", "MLCCheckpoint", "INDEX_NAMES", "CONFIG_NAME", "MLC_DTYPES",
            "MLC_FORMATS"]
@@ -319,15 +316,6 @@ def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
 # mapping
 
 
-def _unmap(m: "mmap.mmap | None") -> None:
-    if m is None:
-        return
-    try:
-        m.close()
-    except BufferError:
-        # A view of the map is still alive (a read in flight in another thread). Dropping our
-        # reference is enough: the map is unmapped when the last view of it is freed.
-        pass
 
 
 def _map_shard(index: Path, spec: _ShardSpec) -> "mmap.mmap | None":
@@ -389,11 +377,11 @@ def open_mlc(folder: str | os.PathLike) -> "MLCCheckpoint":
         return MLCCheckpoint(str(folder), index, specs, maps, metadata, config)
     except BaseException:
         for m in maps:
-            _unmap(m)
+            unmap(m)
         raise
 
 
-class MLCCheckpoint(Checkpoint):
+class MLCCheckpoint(MappedCheckpoint):
     """Tensors of a validated, memory-mapped MLC-LLM weight folder.
 
     Made by ``open_mlc``. ``metadata()`` lists tensors in storage order: shard records in index
@@ -408,31 +396,16 @@ class MLCCheckpoint(Checkpoint):
     def __init__(self, source: str, index: Path, specs: list[_ShardSpec],
                  maps: list["mmap.mmap | None"], cache_metadata: dict[str, Any],
                  chat_config: dict[str, Any]):
-        super().__init__()
-        self.source = source
+        super().__init__(source, [str(s.path) for s in specs], maps,
+                         ((r.meta, i, r.begin, r.end) for i, spec in enumerate(specs)
+                          for r in spec.records))
         self.path = os.path.abspath(source)
         self.index_file = str(index)
-        self.files: list[str] = [str(s.path) for s in specs]
         self.md5sums: dict[str, "str | None"] = {str(s.path): s.md5sum for s in specs}
         self.cache_metadata: dict[str, Any] = cache_metadata
         self._chat_config = chat_config
-        self._maps = maps
-        # A uint8 view of each file. It goes through numpy on purpose: a numpy array holds a
-        # buffer export on the mmap, so mmap.close() refuses (BufferError) while any view is
-        # alive; torch.frombuffer holds none, and closing under it would leave tensors pointing
-        # at unmapped memory.
-        self._data: "list[torch.Tensor] | None" = [
-            torch.from_numpy(np.frombuffer(m, dtype=np.uint8)) if m is not None
-            else torch.empty(0, dtype=torch.uint8) for m in maps]
-        self._meta: dict[str, TensorMeta] = {}
-        self._where: dict[str, tuple[int, int, int]] = {}  # name -> (file index, begin, end)
-        self._format: dict[str, str] = {}
-        for i, spec in enumerate(specs):
-            for r in spec.records:
-                self._meta[r.meta.name] = r.meta
-                self._where[r.meta.name] = (i, r.begin, r.end)
-                self._format[r.meta.name] = r.format
-        self._lock = threading.Lock()
+        self._format: dict[str, str] = {r.meta.name: r.format for spec in specs
+                                        for r in spec.records}
 
     # -- what is there
 
@@ -455,79 +428,3 @@ class MLCCheckpoint(Checkpoint):
         """
         self.meta(name)
         return {"mlc_format": self._format[name]}
-
-    def byte_range(self, name: str) -> tuple[str, int, int]:
-        """``(file, start, end)``: where the tensor's bytes lie in its shard file."""
-        self.meta(name)
-        i, begin, end = self._where[name]
-        return self.files[i], begin, end
-
-    # -- reading
-
-    def _locate(self, name: str) -> tuple[TensorMeta, torch.Tensor, int, int]:
-        meta = self.meta(name)
-        i, begin, end = self._where[name]
-        with self._lock:
-            if self._data is None:
-                raise ValueError(f"{self.source}: checkpoint is closed; open it again to read "
-                                 f"{name!r}")
-            data = self._data[i]
-        return meta, data, begin, end
-
-    def _count(self, n: int) -> None:
-        with self._lock:  # += on an attribute is not atomic across threads
-            self.bytes_read += n
-
-    def read(self, name: str) -> torch.Tensor:
-        """The whole tensor, copied once out of the mapping into a new contiguous tensor."""
-        meta, data, begin, end = self._locate(name)
-        out = torch.empty(meta.shape, dtype=dtypes.to_torch(meta.dtype))
-        if end > begin:
-            # Copy as bytes: offsets need not be aligned for the dtype.
-            out.view(-1).view(torch.uint8).copy_(data[begin:end])
-        self._count(end - begin)
-        return out
-
-    def read_narrow(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
-        """``read(name).narrow(dim, start, length)``, copying only the slice's bytes.
-
-        ``dim`` and ``start`` may be negative, as for ``torch.narrow``. Raises ``IndexError``
-        for a ``dim`` or ``start`` out of range and ``ValueError`` for a bad ``length``.
-        """
-        meta, data, begin, end = self._locate(name)
-        dim, start, length = operator.index(dim), operator.index(start), operator.index(length)
-        shape, ndim = meta.shape, len(meta.shape)
-        if not -ndim <= dim < ndim:
-            raise IndexError(f"{self.source}: tensor {name!r} has shape {shape}; dim {dim} is "
-                             f"out of range")
-        dim %= ndim
-        size = shape[dim]
-        if not -size <= start <= size:
-            raise IndexError(f"{self.source}: tensor {name!r} has size {size} in dim {dim}; "
-                             f"start {start} is out of range")
-        if start < 0:
-            start += size
-        if length < 0 or start + length > size:
-            raise ValueError(f"{self.source}: tensor {name!r} has size {size} in dim {dim}; "
-                             f"cannot take {length} elements from {start}")
-
-        out = torch.empty(shape[:dim] + (length,) + shape[dim + 1:],
-                          dtype=dtypes.to_torch(meta.dtype))
-        # In C order the slice is `outer` runs of `length * inner` contiguous bytes, one run per
-        # index of the dims before `dim`: a strided uint8 view of the mapping, copied once.
-        outer = math.prod(shape[:dim])
-        inner = math.prod(shape[dim + 1:]) * dtypes.itemsize(meta.dtype)
-        nbytes = outer * length * inner
-        if nbytes:
-            src = data[begin:end].view(outer, size, inner)[:, start:start + length]
-            out.view(-1).view(torch.uint8).view(outer, length, inner).copy_(src)
-        self._count(nbytes)
-        return out
-
-    def close(self) -> None:
-        """Unmap the files. Idempotent; tensors already returned stay valid."""
-        with self._lock:
-            self._data = None  # drop our views first: they hold buffer exports on the maps
-            maps, self._maps = self._maps, []
-        for m in maps:
-            _unmap(m)

@@ -36,22 +36,18 @@ modified while a checkpoint has them open.
 
 from __future__ import annotations
 
-import math
 import mmap
-import operator
 import os
 import struct
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 
 from .. import dtypes, strict_json
 from ..errors import FormatError
-from .base import Checkpoint, TensorMeta
+from .base import TensorMeta
+from .mapped import MappedCheckpoint, unmap
 
 __all__ = ["open_safetensors", "SafetensorsCheckpoint", "INDEX_NAME", "MAX_HEADER_SIZE"]
 
@@ -102,15 +98,6 @@ class _Shard:
     tensors: list[tuple[TensorMeta, int, int]]  # storage order; offsets into the data buffer
     data_start: int  # 8 + N
     map: mmap.mmap
-
-
-def _unmap(m: mmap.mmap) -> None:
-    try:
-        m.close()
-    except BufferError:
-        # A view of the map is still alive (a read in flight in another thread). Dropping our
-        # reference is enough: the map is unmapped when the last view of it is freed.
-        pass
 
 
 def _is_uint(x: Any) -> bool:
@@ -296,7 +283,7 @@ def _open_sharded(index: Path, source: str) -> "SafetensorsCheckpoint":
         return SafetensorsCheckpoint(source, shards, index_metadata)
     except BaseException:
         for shard in shards:
-            _unmap(shard.map)
+            unmap(shard.map)
         raise
 
 
@@ -334,11 +321,11 @@ def open_safetensors(path: str | os.PathLike) -> "SafetensorsCheckpoint":
     try:
         return SafetensorsCheckpoint(source, [shard])
     except BaseException:
-        _unmap(shard.map)
+        unmap(shard.map)
         raise
 
 
-class SafetensorsCheckpoint(Checkpoint):
+class SafetensorsCheckpoint(MappedCheckpoint):
     """Tensors in one or more validated, memory-mapped safetensors files.
 
     Made by ``open_safetensors``. ``read`` and ``read_narrow`` are safe to call from several
@@ -349,31 +336,14 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def __init__(self, source: str, shards: list[_Shard],
                  index_metadata: dict[str, Any] | None = None):
-        super().__init__()
-        self.source = source
+        super().__init__(source, [str(s.path) for s in shards], [s.map for s in shards],
+                         ((meta, i, begin, end) for i, shard in enumerate(shards)
+                          for meta, begin, end in shard.tensors),
+                         [s.data_start for s in shards])
         self.path = os.path.abspath(source)
-        self.files: list[str] = [str(s.path) for s in shards]
         self.file_metadata: dict[str, dict[str, str]] = {str(s.path): s.metadata for s in shards}
         self.index_metadata: dict[str, Any] = dict(index_metadata or {})
-        self._maps: list[mmap.mmap] = [s.map for s in shards]
-        self._data_starts: list[int] = [s.data_start for s in shards]
-        # A uint8 view of each file's data buffer. It goes through numpy on purpose: a numpy array
-        # holds a buffer export on the mmap, so mmap.close() refuses (BufferError) while any view
-        # is alive; torch.frombuffer holds none, and closing under it would leave tensors
-        # pointing at unmapped memory.
-        self._data: list[torch.Tensor] | None = [
-            torch.from_numpy(np.frombuffer(s.map, dtype=np.uint8))[s.data_start:] for s in shards]
-        self._meta: dict[str, TensorMeta] = {}
-        self._where: dict[str, tuple[int, int, int]] = {}  # name -> (file index, begin, end)
-        for i, shard in enumerate(shards):
-            for meta, begin, end in shard.tensors:
-                self._meta[meta.name] = meta
-                self._where[meta.name] = (i, begin, end)
-        self._lock = threading.Lock()
         self._config: dict[str, Any] | None = None
-
-    def metadata(self) -> dict[str, TensorMeta]:
-        return self._meta
 
     @property
     def config(self) -> dict[str, Any]:
@@ -387,77 +357,3 @@ class SafetensorsCheckpoint(Checkpoint):
                 config["quantization_config"] = {"quant_method": "gptq", **quant}
             self._config = config
         return self._config
-
-    def byte_range(self, name: str) -> tuple[str, int, int]:
-        """``(file, start, end)``: where the tensor's bytes lie, as offsets into the file."""
-        self.meta(name)
-        i, begin, end = self._where[name]
-        return self.files[i], self._data_starts[i] + begin, self._data_starts[i] + end
-
-    def _locate(self, name: str) -> tuple[TensorMeta, torch.Tensor, int, int]:
-        meta = self.meta(name)
-        i, begin, end = self._where[name]
-        with self._lock:
-            if self._data is None:
-                raise ValueError(f"{self.source}: checkpoint is closed; open it again to read "
-                                 f"{name!r}")
-            data = self._data[i]
-        return meta, data, begin, end
-
-    def _count(self, n: int) -> None:
-        with self._lock:  # += on an attribute is not atomic across threads
-            self.bytes_read += n
-
-    def read(self, name: str) -> torch.Tensor:
-        """The whole tensor, copied once out of the mapping into a new contiguous tensor."""
-        meta, data, begin, end = self._locate(name)
-        out = torch.empty(meta.shape, dtype=dtypes.to_torch(meta.dtype))
-        if end > begin:
-            # Copy as bytes: offsets need not be aligned for the dtype.
-            out.view(-1).view(torch.uint8).copy_(data[begin:end])
-        self._count(end - begin)
-        return out
-
-    def read_narrow(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
-        """``read(name).narrow(dim, start, length)``, copying only the slice's bytes.
-
-        ``dim`` and ``start`` may be negative, as for ``torch.narrow``. Raises ``IndexError``
-        for a ``dim`` or ``start`` out of range and ``ValueError`` for a bad ``length``.
-        """
-        meta, data, begin, end = self._locate(name)
-        dim, start, length = operator.index(dim), operator.index(start), operator.index(length)
-        shape, ndim = meta.shape, len(meta.shape)
-        if not -ndim <= dim < ndim:
-            raise IndexError(f"{self.source}: tensor {name!r} has shape {shape}; dim {dim} is "
-                             f"out of range")
-        dim %= ndim
-        size = shape[dim]
-        if not -size <= start <= size:
-            raise IndexError(f"{self.source}: tensor {name!r} has size {size} in dim {dim}; "
-                             f"start {start} is out of range")
-        if start < 0:
-            start += size
-        if length < 0 or start + length > size:
-            raise ValueError(f"{self.source}: tensor {name!r} has size {size} in dim {dim}; "
-                             f"cannot take {length} elements from {start}")
-
-        out = torch.empty(shape[:dim] + (length,) + shape[dim + 1:],
-                          dtype=dtypes.to_torch(meta.dtype))
-        # In C order the slice is `outer` runs of `length * inner` contiguous bytes, one run per
-        # index of the dims before `dim`: a strided uint8 view of the mapping, copied once.
-        outer = math.prod(shape[:dim])
-        inner = math.prod(shape[dim + 1:]) * dtypes.itemsize(meta.dtype)
-        nbytes = outer * length * inner
-        if nbytes:
-            src = data[begin:end].view(outer, size, inner)[:, start:start + length]
-            out.view(-1).view(torch.uint8).view(outer, length, inner).copy_(src)
-        self._count(nbytes)
-        return out
-
-    def close(self) -> None:
-        """Unmap the files. Idempotent; tensors already returned stay valid."""
-        with self._lock:
-            self._data = None  # drop our views first: they hold buffer exports on the maps
-            maps, self._maps = self._maps, []
-        for m in maps:
-            _unmap(m)

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 
 from .. import strict_json
-from ..errors import (FormatError, PlanError, ShardloadError, WorkerError, WorkerFailure,
+from ..errors import (ShardloadError, WorkerError, WorkerFailure,
                       describe)
 from .base import Session, WorkerContext
 
