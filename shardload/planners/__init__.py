@@ -20,7 +20,7 @@ from ..errors import PlanError
 from ..plan import ShardInfo
 from ..readers import Checkpoint, as_checkpoint
 from .layouts import Scheme, scheme_from_hf
-from .llama import Padding, Planned, padding_for, plan_llama
+from .llama import Planned, padding_for, plan_llama
 from .model import ModelSpec, spec_from_gguf, spec_from_hf, spec_from_mlc
 
 __all__ = ["plan_for", "describe_plan", "valid_num_shards", "PlanSummary", "MAX_SHARDS_TRIED"]
