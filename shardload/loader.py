@@ -257,11 +257,8 @@ def _worker_piece(ckpt: Checkpoint, param: ParamPlan, i: int, n: int, device: to
     direct = direct_ranges(param, n)
     if direct is not None:
         axis, ranges = direct
-        parts = [ckpt.read_narrow(param.name, axis, start, length) for start, length in ranges[i]]
-        read = sum(p.numel() * p.element_size() for p in parts)
-        piece = parts[0] if len(parts) == 1 else torch.cat(
-            [dtypes.movable_view(p) for p in parts], dim=axis).view(parts[0].dtype)
-        return _place(piece, device, owned=True), read
+        piece = ckpt.read_ranges(param.name, axis, ranges[i])
+        return _place(piece, device, owned=True), piece.numel() * piece.element_size()
 
     def compute() -> torch.Tensor:
         x = ckpt.read(param.name)

@@ -555,3 +555,21 @@ def test_not_a_safetensors_file(tmp_path: Path) -> None:
     with pytest.raises(FormatError, match="not a .safetensors file") as info:
         open_safetensors(path)
     assert info.value.file == str(path)
+
+
+def test_read_ranges_concatenates_slices_with_one_copy(tmp_path):
+    # what a worker's piece of a fused [q, k, v] tensor is: several slices of one dim
+    from safetensors.torch import save_file
+
+    from shardload.readers import open_checkpoint
+
+    x = torch.arange(4 * 12 * 3, dtype=torch.int32).reshape(4, 12, 3)
+    save_file({"x": x}, str(tmp_path / "m.safetensors"))
+    with open_checkpoint(tmp_path / "m.safetensors") as ckpt:
+        for dim, ranges in ((1, [(0, 4), (8, 2), (10, 2)]), (0, [(3, 1), (0, 2)]),
+                            (2, [(2, 1), (0, 1)]), (1, [(5, 0)])):
+            before = ckpt.bytes_read
+            got = ckpt.read_ranges("x", dim, ranges)
+            want = torch.cat([x.narrow(dim, s, n) for s, n in ranges], dim=dim)
+            assert torch.equal(got, want) and got.is_contiguous()
+            assert ckpt.bytes_read - before == want.numel() * 4

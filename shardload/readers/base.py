@@ -64,6 +64,14 @@ class Checkpoint(abc.ABC):
         self.bytes_read += piece.numel() * piece.element_size()
         return piece
 
+    def read_ranges(self, name: str, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """Slices ``[start, start + length)`` of ``dim``, concatenated along it, as an owned
+        tensor. Readers backed by files override this to copy each byte once."""
+        parts = [self.read_narrow(name, dim, start, length) for start, length in ranges]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([dtypes.movable_view(p) for p in parts], dim=dim).view(parts[0].dtype)
+
     def tensor_format(self, name: str) -> "dict | None":
         """Format details a planner needs beyond shape and dtype, or ``None``.
 

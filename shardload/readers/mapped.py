@@ -111,21 +111,24 @@ class MappedCheckpoint(Checkpoint):
         shape = meta.shape
         out = torch.empty(shape[:dim] + (length,) + shape[dim + 1:],
                           dtype=dtypes.to_torch(meta.dtype))
-        self._copy_slice(name, dim, start, length, out)
+        self._copy_slice(name, dim, start, length, out, 0)
         return out
 
-    def read_narrow_into(self, name: str, dim: int, start: int, length: int,
-                         out: torch.Tensor) -> None:
-        """Copy the slice straight into ``out`` (a contiguous CPU tensor of its shape and
-        dtype): the one copy a loader needs when it assembles a worker's piece in place."""
+    def read_ranges(self, name: str, dim: int,
+                    ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """The slices ``[start, start + length)`` of ``dim``, concatenated along it, copied
+        once into a new tensor: a worker's piece of a fused tensor, assembled in place."""
         meta = self.meta(name)
-        dim, start, length = self._slice(name, meta, dim, start, length)
-        shape = meta.shape[:dim] + (length,) + meta.shape[dim + 1:]
-        if (tuple(out.shape) != shape or out.dtype != dtypes.to_torch(meta.dtype)
-                or not out.is_contiguous() or out.device.type != "cpu"):
-            raise ValueError(f"{self.source}: tensor {name!r}: out must be a contiguous CPU "
-                             f"{meta.dtype} tensor of shape {list(shape)}")
-        self._copy_slice(name, dim, start, length, out)
+        checked = [self._slice(name, meta, dim, start, length) for start, length in ranges]
+        dim = checked[0][0] if checked else dim % len(meta.shape)
+        total = sum(length for _, _, length in checked)
+        shape = meta.shape[:dim] + (total,) + meta.shape[dim + 1:]
+        out = torch.empty(shape, dtype=dtypes.to_torch(meta.dtype))
+        offset = 0
+        for _, start, length in checked:
+            self._copy_slice(name, dim, start, length, out, offset)
+            offset += length
+        return out
 
     def _slice(self, name: str, meta: TensorMeta, dim, start, length) -> tuple[int, int, int]:
         dim, start, length = operator.index(dim), operator.index(start), operator.index(length)
@@ -145,18 +148,22 @@ class MappedCheckpoint(Checkpoint):
                              f"cannot take {length} elements from {start}")
         return dim, start, length
 
-    def _copy_slice(self, name: str, dim: int, start: int, length: int,
-                    out: torch.Tensor) -> None:
+    def _copy_slice(self, name: str, dim: int, start: int, length: int, out: torch.Tensor,
+                    offset: int) -> None:
+        """Copy ``[start, start + length)`` of ``dim`` to ``[offset, offset + length)`` of the
+        same dim of ``out`` (contiguous, same dtype, same other dims)."""
         meta, raw = self._locate(name)
         shape = meta.shape
         # In C order the slice is `outer` runs of `length * inner` contiguous bytes, one run per
-        # index of the dims before `dim`: a strided uint8 view of the mapping, copied once.
+        # index of the dims before `dim`: strided uint8 views of the mapping and of `out`,
+        # copied once.
         outer = math.prod(shape[:dim])
         inner = math.prod(shape[dim + 1:]) * dtypes.itemsize(meta.dtype)
         nbytes = outer * length * inner
         if nbytes:
             src = raw.view(outer, shape[dim], inner)[:, start:start + length]
-            out.view(-1).view(torch.uint8).view(outer, length, inner).copy_(src)
+            dst = out.view(-1).view(torch.uint8).view(outer, out.shape[dim], inner)
+            dst[:, offset:offset + length].copy_(src)
         self._count(nbytes)
 
     def close(self) -> None:
