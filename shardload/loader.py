@@ -158,7 +158,8 @@ def direct_ranges(param: ParamPlan, num_shards: int):
         return None
     step, name = param.steps[0], param.funcs[0].name
     shape = param.meta.shape
-    if name == "shardload.split" and param.funcs[0].func is builtin.split:
+    if ((name == "shardload.split" and param.funcs[0].func is builtin.split)
+            or (name == "shardload.split_rebase" and param.funcs[0].func is builtin.split_rebase)):
         return builtin.split_ranges(shape, step.extra[0], num_shards)
     if name == "shardload.split_segments" and param.funcs[0].func is builtin.split_segments:
         return builtin.segment_ranges(shape, step.extra[0], step.extra[1:], num_shards)
@@ -258,7 +259,10 @@ def _worker_piece(ckpt: Checkpoint, param: ParamPlan, i: int, n: int, device: to
     if direct is not None:
         axis, ranges = direct
         piece = ckpt.read_ranges(param.name, axis, ranges[i])
-        return _place(piece, device, owned=True), piece.numel() * piece.element_size()
+        nread = piece.numel() * piece.element_size()
+        if param.funcs[0].func is builtin.split_rebase:
+            piece = builtin.rebase(piece)
+        return _place(piece, device, owned=True), nread
 
     def compute() -> torch.Tensor:
         x = ckpt.read(param.name)

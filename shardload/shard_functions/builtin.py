@@ -211,13 +211,18 @@ def split_rebase(input: torch.Tensor, dim: int, output: torch.Tensor) -> None:
     """
     _check_output(_split_rebase_rule, input, (dim,), output)
     split(input, dim, output)
-    n = output.shape[0]
-    if output[0].numel() == 0:
-        return
+    for piece in output:
+        piece.copy_(rebase(piece))
+
+
+def rebase(piece: torch.Tensor) -> torch.Tensor:
+    """``piece`` minus its first element, in its own dtype (what each worker of
+    ``shardload.split_rebase`` keeps; the loader applies it to a directly read slice)."""
+    if piece.numel() == 0:
+        return piece
     # torch has no arithmetic on uint16/32/64; indices fit int64 either way
-    wide = output.to(torch.int64, copy=True)
-    firsts = wide.reshape(n, -1)[:, :1].clone().reshape(n, *([1] * (output.dim() - 1)))
-    output.copy_(wide - firsts)
+    wide = piece.to(torch.int64, copy=True)
+    return (wide - wide.reshape(-1)[0].item()).to(piece.dtype)
 
 
 # ---- shardload.constant ------------------------------------------------------------------------
