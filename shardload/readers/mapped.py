@@ -1,14 +1,9 @@
-"""The reading half every file-backed reader shares: validated byte ranges in files.
+"""The reading half every file-backed reader shares: validated byte ranges in mapped files.
 
 A reader (safetensors, GGUF, MLC) validates its headers, maps its files, and hands this class
-each tensor's metadata and byte range. From then on a read is a bounds-checked copy: ``read``
-copies a whole tensor once, ``read_narrow`` / ``read_ranges`` copy only the bytes of slices.
-Nothing here trusts anything it was not given by a validating reader.
-
-Where the OS has ``preadv`` (Linux, the BSDs, macOS), tensor bytes go straight from the page
-cache into the destination tensor with ``preadv``: one copy, no page faults on the source, and
-none of the file's pages charged to this process's resident memory (a mapping would keep every
-page it touched resident until it is unmapped). Elsewhere the bytes are copied out of the map.
+each tensor's metadata and byte range. From then on a read is a bounds-checked copy out of the
+mapping: ``read`` copies a whole tensor once, ``read_narrow`` / ``read_narrow_into`` copy only
+the bytes of a slice. Nothing here trusts anything it was not given by a validating reader.
 """
 
 from __future__ import annotations
@@ -16,9 +11,7 @@ from __future__ import annotations
 import math
 import mmap
 import operator
-import os
 import threading
-import weakref
 from typing import Iterable, Optional
 
 import numpy as np
@@ -70,16 +63,6 @@ class MappedCheckpoint(Checkpoint):
             self._meta[meta.name] = meta
             self._where[meta.name] = (index, begin, end)
         self._lock = threading.Lock()
-        # one read-only descriptor per file for preadv; the mappings serve headers and fallback
-        self._fds: list[int] = []
-        if _PREADV:
-            try:
-                for f in self.files:
-                    self._fds.append(os.open(f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
-            except OSError:
-                _close_fds(self._fds)  # fall back to copying out of the mappings
-        # a checkpoint dropped without close() must not leak its descriptors
-        self._fd_finalizer = weakref.finalize(self, _close_fds, self._fds)
 
     def metadata(self) -> dict[str, TensorMeta]:
         return self._meta
@@ -108,17 +91,12 @@ class MappedCheckpoint(Checkpoint):
             self.bytes_read += n
 
     def read(self, name: str) -> torch.Tensor:
-        """The whole tensor, copied once into a new contiguous tensor."""
+        """The whole tensor, copied once out of the mapping into a new contiguous tensor."""
         meta, raw = self._locate(name)
         out = torch.empty(meta.shape, dtype=dtypes.to_torch(meta.dtype))
         if raw.numel():
-            # Copied as bytes: offsets need not be aligned for the dtype.
-            dst = out.view(-1).view(torch.uint8)
-            if self._fds:
-                i, begin, _ = self._where[name]
-                _pread_full(self._fds[i], dst.numpy(), self._data_starts[i] + begin)
-            else:
-                dst.copy_(raw)
+            # Copy as bytes: offsets need not be aligned for the dtype.
+            out.view(-1).view(torch.uint8).copy_(raw)
         self._count(raw.numel())
         return out
 
@@ -175,9 +153,6 @@ class MappedCheckpoint(Checkpoint):
         """Copy ``[start, start + length)`` of ``dim`` to ``[offset, offset + length)`` of the
         same dim of ``out`` (contiguous, same dtype, same other dims)."""
         meta, raw = self._locate(name)
-        if self._fds:
-            self._pread_slice(name, meta, dim, start, length, out, offset)
-            return
         shape = meta.shape
         # In C order the slice is `outer` runs of `length * inner` contiguous bytes, one run per
         # index of the dims before `dim`: strided uint8 views of the mapping and of `out`,
@@ -191,27 +166,6 @@ class MappedCheckpoint(Checkpoint):
             dst[:, offset:offset + length].copy_(src)
         self._count(nbytes)
 
-    def _pread_slice(self, name: str, meta: TensorMeta, dim: int, start: int, length: int,
-                     out: torch.Tensor, offset: int) -> None:
-        """``_copy_slice`` with preadv: one read per contiguous run of the slice."""
-        i, begin, _ = self._where[name]
-        shape = meta.shape
-        outer = math.prod(shape[:dim])
-        inner = math.prod(shape[dim + 1:]) * dtypes.itemsize(meta.dtype)
-        run = length * inner
-        if outer * run == 0:
-            return
-        fd, base = self._fds[i], self._data_starts[i] + begin
-        dst = out.view(-1).view(torch.uint8).numpy()
-        src_row, dst_row = shape[dim] * inner, out.shape[dim] * inner
-        if run == src_row and run == dst_row:       # the slice is one contiguous run
-            _pread_full(fd, dst[:outer * run], base + start * inner)
-        else:
-            for o in range(outer):
-                at = o * dst_row + offset * inner
-                _pread_full(fd, dst[at:at + run], base + o * src_row + start * inner)
-        self._count(outer * run)
-
     def close(self) -> None:
         """Unmap the files. Idempotent; tensors already returned stay valid."""
         with self._lock:
@@ -219,26 +173,3 @@ class MappedCheckpoint(Checkpoint):
             maps, self._maps = self._maps, []
         for m in maps:
             unmap(m)
-        self._fd_finalizer()   # closes the descriptors once; reads after this raise
-
-
-def _close_fds(fds: list[int]) -> None:
-    while fds:
-        try:
-            os.close(fds.pop())
-        except OSError:
-            pass
-
-
-_PREADV = hasattr(os, "preadv")
-
-
-def _pread_full(fd: int, dst: np.ndarray, offset: int) -> None:
-    """Fill ``dst`` from the file at ``offset``; reads may come back short (a single read
-    stops near 2 GiB on Linux), so loop until done."""
-    view = memoryview(dst).cast("B")
-    while len(view):
-        got = os.preadv(fd, [view], offset)
-        if got <= 0:
-            raise OSError(f"file ended {len(view)} bytes early: it changed while loading")
-        view, offset = view[got:], offset + got
