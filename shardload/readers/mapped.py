@@ -97,6 +97,7 @@ class MappedCheckpoint(Checkpoint):
         if raw.numel():
             # Copy as bytes: offsets need not be aligned for the dtype.
             out.view(-1).view(torch.uint8).copy_(raw)
+            self._release_pages(name)
         self._count(raw.numel())
         return out
 
@@ -164,7 +165,24 @@ class MappedCheckpoint(Checkpoint):
             src = raw.view(outer, shape[dim], inner)[:, start:start + length]
             dst = out.view(-1).view(torch.uint8).view(outer, out.shape[dim], inner)
             dst[:, offset:offset + length].copy_(src)
+            self._release_pages(name)
         self._count(nbytes)
+
+    def _release_pages(self, name: str) -> None:
+        """Hand this process's mapping of the tensor's pages back after a copy. They stay in
+        the page cache (a later read maps them again, cheaply); without this every page ever
+        read stays charged to the process's resident memory until close. The mapping is
+        private and never written, so nothing is lost."""
+        i, begin, end = self._where[name]
+        with self._lock:
+            m = self._maps[i] if i < len(self._maps) else None
+        if m is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        first = (self._data_starts[i] + begin) // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            m.madvise(mmap.MADV_DONTNEED, first, self._data_starts[i] + end - first)
+        except (OSError, ValueError):
+            pass  # closed meanwhile, or unsupported: only memory accounting suffers
 
     def close(self) -> None:
         """Unmap the files. Idempotent; tensors already returned stay valid."""
