@@ -243,7 +243,6 @@ def test_progress_callback_sees_every_byte(run):
 def test_staging_is_bounded_for_opaque_chains(monkeypatch):
     # Opaque chains share one full output per parameter; no more than MAX_SHARED at a time.
     live, peak = set(), [0]
-    lock = threading.Lock()
 
     original = loader._SharedOutputs.take
 

@@ -7,13 +7,12 @@ SmolLM2-135M-Instruct in Q4_1 (9 query heads, 3 KV heads), from the PyPI package
 
 from __future__ import annotations
 
-import os
 
 import gguf
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from gguf_blocks import blocks

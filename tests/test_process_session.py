@@ -24,7 +24,6 @@ import select
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
