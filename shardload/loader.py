@@ -4,13 +4,14 @@ The loader runs one per-worker algorithm on every worker (SPMD). Worker ``i`` of
 parameter in storage order:
 
 1. **Replicated** (no steps): read the whole tensor, place it on the worker's device.
-2. **A built-in split** (one step of ``shardload.split`` / ``shardload.split_segments``): ask
-   the function which ranges worker ``i`` keeps and read only those bytes from the checkpoint.
+2. **A built-in split** (one step of ``shardload.split``, ``split_segments`` or
+   ``split_rebase``): ask the function which ranges worker ``i`` keeps and read only those
+   bytes from the checkpoint, one copy into the worker's piece.
 3. **Any other chain**: obtain the full output of the steps, keep ``output[i]``. Within one
    process the full output is computed once, by the first worker to need it, and shared; it is
    dropped as soon as all N workers have taken their piece, and at most ``MAX_SHARED`` such
    outputs are alive at once, which bounds staging memory to about two of the largest
-   parameters.
+   parameters. A worker process computes the chains it needs itself.
 
 Every kept piece owns its memory. The plan is validated against the checkpoint's metadata
 before any of this starts, so a bad plan fails before a byte of tensor data is read.
