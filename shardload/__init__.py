@@ -43,6 +43,7 @@ _LAZY = {
     "TorchDistributedSession": "sessions",
     "WorkerContext": "sessions",
     "register_session_func": "registry",
+    "plan_for": "planners",
 }
 
 __all__ = sorted([*_LAZY, "ShardloadError", "PlanError", "UnknownShardFunctionError",
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .readers import ArrayCheckpoint, Checkpoint, TensorMeta, open_checkpoint
     from .registry import (ShardFunc, get_shard_func, list_shard_funcs, load_plugins,
                            register_shard_func)
+    from .planners import plan_for
     from .registry import register_session_func
     from .sessions import (ProcessSession, Session, ThreadedSession, TorchDistributedSession,
                            WorkerContext)
