@@ -296,13 +296,16 @@ class WorkerLoad:
 
 def load_worker(ckpt: Checkpoint, plan: ValidatedPlan, rank: int, device: torch.device, *,
                 shared: Optional[_SharedOutputs] = None, abort: Any = None,
-                advance: Optional[ProgressCallback] = None) -> WorkerLoad:
+                advance: Optional[ProgressCallback] = None,
+                done: Optional[Callable[[str], None]] = None) -> WorkerLoad:
     """Worker ``rank``'s piece of every parameter, in storage order: the SPMD algorithm.
 
     ``shared`` lets the workers of one process compute each opaque chain once; without it this
     worker computes the chains it needs itself. ``abort`` (anything with ``is_set()``) is
-    checked between parameters.
+    checked between parameters. ``done(name)`` is called after each parameter; by default the
+    checkpoint may then release what it read for it.
     """
+    done = done if done is not None else ckpt.release
     abort = abort if abort is not None else threading.Event()
     shared = shared if shared is not None else _SharedOutputs(1, abort)
     start = time.perf_counter()
@@ -314,6 +317,7 @@ def load_worker(ckpt: Checkpoint, plan: ValidatedPlan, rank: int, device: torch.
         piece, nread = _worker_piece(ckpt, param, rank, plan.num_shards, device, shared)
         kept[param.name] = piece
         read += nread
+        done(param.name)
         if advance is not None:
             advance(param.piece_nbytes)
     return WorkerLoad(kept, read, time.perf_counter() - start)
@@ -328,11 +332,20 @@ def load_in_threads(ckpt: Checkpoint, plan: ValidatedPlan, devices: list[torch.d
     advance, close_bar = progress_callback(progress, plan.bytes_per_worker() * n)
     abort = threading.Event()
     shared = _SharedOutputs(n, abort)
+    finished: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def done(name: str) -> None:
+        # the mapped pages of a tensor go back once the last of the N workers has its piece
+        with lock:
+            finished[name] = count = finished.get(name, 0) + 1
+        if count == n:
+            ckpt.release(name)
 
     def work(i: int) -> Optional[WorkerLoad]:
         try:
             return load_worker(ckpt, plan, i, devices[i], shared=shared, abort=abort,
-                               advance=advance)
+                               advance=advance, done=done)
         except _Aborted:
             return None  # another worker failed; it reports
         except BaseException:

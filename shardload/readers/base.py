@@ -72,6 +72,11 @@ class Checkpoint(abc.ABC):
             return parts[0]
         return torch.cat([dtypes.movable_view(p) for p in parts], dim=dim).view(parts[0].dtype)
 
+    def release(self, name: str) -> None:
+        """A hint that this process will not read ``name`` again soon: readers backed by
+        mapped files give its pages back (the loader calls it once every worker here has its
+        piece)."""
+
     def tensor_format(self, name: str) -> "dict | None":
         """Format details a planner needs beyond shape and dtype, or ``None``.
 

@@ -97,7 +97,6 @@ class MappedCheckpoint(Checkpoint):
         if raw.numel():
             # Copy as bytes: offsets need not be aligned for the dtype.
             out.view(-1).view(torch.uint8).copy_(raw)
-            self._release_pages(name)
         self._count(raw.numel())
         return out
 
@@ -165,14 +164,13 @@ class MappedCheckpoint(Checkpoint):
             src = raw.view(outer, shape[dim], inner)[:, start:start + length]
             dst = out.view(-1).view(torch.uint8).view(outer, out.shape[dim], inner)
             dst[:, offset:offset + length].copy_(src)
-            self._release_pages(name)
         self._count(nbytes)
 
-    def _release_pages(self, name: str) -> None:
-        """Hand this process's mapping of the tensor's pages back after a copy. They stay in
-        the page cache (a later read maps them again, cheaply); without this every page ever
-        read stays charged to the process's resident memory until close. The mapping is
-        private and never written, so nothing is lost."""
+    def release(self, name: str) -> None:
+        """Hand this process's mapping of the tensor's pages back once nobody here needs them
+        any more. They stay in the page cache (a later read maps them again); without this
+        every page ever read stays charged to the process's resident memory until close. The
+        mapping is private and never written, so nothing is lost."""
         i, begin, end = self._where[name]
         with self._lock:
             m = self._maps[i] if i < len(self._maps) else None
