@@ -16,22 +16,14 @@ import time
 
 import numpy as np
 
-from shardload.registry import register_shard_func
+from shardload.registry import get_shard_func, register_shard_func
 
 SLOW_SECONDS = 0.2
 STARTED_ENV = "SHARDLOAD_TEST_STARTED"
 
 
-def _even_split_rule(in_shape, in_dtype, dim, *, num_shards):
-    """Output of an even split of ``in_shape`` along ``dim`` into ``num_shards`` pieces."""
-    if type(dim) is not int or not -len(in_shape) <= dim < len(in_shape):
-        raise ValueError(f"dim {dim!r} does not fit a {len(in_shape)}-D input")
-    axis = dim % len(in_shape)
-    if in_shape[axis] % num_shards:
-        raise ValueError(f"size {in_shape[axis]} does not divide by {num_shards}")
-    shape = list(in_shape)
-    shape[axis] //= num_shards
-    return (num_shards, *shape), in_dtype
+# an even split along dim: the built-in split's shape rule, reused
+SPLIT_RULE = get_shard_func("shardload.split").shape_rule
 
 
 @register_shard_func("tests.cli.boom", array="numpy")
@@ -40,7 +32,7 @@ def boom(input, dim, output):
     raise RuntimeError("boom at load")
 
 
-@register_shard_func("tests.cli.slow", array="numpy", shape_rule=_even_split_rule)
+@register_shard_func("tests.cli.slow", array="numpy", shape_rule=SPLIT_RULE)
 def slow(input, dim, output):
     """Sleep a little, then split evenly along dim (a slow load for the Ctrl-C test)."""
     marker = os.environ.get(STARTED_ENV)

@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from shardload.registry import register_session_func, register_shard_func
+from shardload.registry import get_shard_func, register_session_func, register_shard_func
 
 SLOW_SECONDS = 0.2
 STARTED_ENV = "SHARDLOAD_TEST_PROCESS_STARTED"
@@ -43,29 +43,21 @@ def _rank() -> str:
     return os.environ.get("SHARDLOAD_RANK", "")
 
 
-def even_split_rule(in_shape, in_dtype, dim, *, num_shards):
-    """Output shape of an even split of ``in_shape`` along ``dim`` into ``num_shards``."""
-    if type(dim) is not int or not -len(in_shape) <= dim < len(in_shape):
-        raise ValueError(f"dim {dim!r} does not fit a {len(in_shape)}-D input")
-    axis = dim % len(in_shape)
-    if in_shape[axis] % num_shards:
-        raise ValueError(f"size {in_shape[axis]} does not divide by {num_shards}")
-    shape = list(in_shape)
-    shape[axis] //= num_shards
-    return (num_shards, *shape), in_dtype
+# an even split along dim: the built-in split's shape rule, reused
+SPLIT_RULE = get_shard_func("shardload.split").shape_rule
 
 
 def _split_into(input, dim, output) -> None:
     output[...] = np.stack(np.split(input, output.shape[0], axis=dim))
 
 
-@register_shard_func("tests.process.split", array="numpy", shape_rule=even_split_rule)
+@register_shard_func("tests.process.split", array="numpy", shape_rule=SPLIT_RULE)
 def split(input, dim, output):
     """Split evenly along dim (an opaque chain)."""
     _split_into(input, dim, output)
 
 
-@register_shard_func("tests.process.fail_on_1", array="numpy", shape_rule=even_split_rule)
+@register_shard_func("tests.process.fail_on_1", array="numpy", shape_rule=SPLIT_RULE)
 def fail_on_1(input, dim, output):
     """Raise ValueError on worker 1, split evenly elsewhere."""
     if _rank() == "1":
@@ -73,7 +65,7 @@ def fail_on_1(input, dim, output):
     _split_into(input, dim, output)
 
 
-@register_shard_func("tests.process.kill_on_1", array="numpy", shape_rule=even_split_rule)
+@register_shard_func("tests.process.kill_on_1", array="numpy", shape_rule=SPLIT_RULE)
 def kill_on_1(input, dim, output):
     """SIGKILL this process on worker 1, split evenly elsewhere."""
     if _rank() == "1":
@@ -82,7 +74,7 @@ def kill_on_1(input, dim, output):
     _split_into(input, dim, output)
 
 
-@register_shard_func("tests.process.slow", array="numpy", shape_rule=even_split_rule)
+@register_shard_func("tests.process.slow", array="numpy", shape_rule=SPLIT_RULE)
 def slow(input, dim, output):
     """Sleep SLOW_SECONDS, then split evenly along dim."""
     marker = os.environ.get(STARTED_ENV)

@@ -25,6 +25,7 @@ from quant_refs.compressed_tensors import (dequantize_fp8, dequantize_pack_quant
                                            quantize_fp8, quantize_pack_quantized)
 from quant_refs.gptq import dequantize_gptq, quantize_gptq
 from shardload import PlanError, ThreadedSession, load_sharded, open_checkpoint
+from tp_reference import rows_of, take
 from shardload.planners import plan_for, valid_num_shards
 
 NS = (1, 2, 3, 4, 8)
@@ -215,15 +216,6 @@ def write_model(folder: str, g: Geometry, fmt: Format, *, fused=False, experts=0
 
 # ---- what each worker must hold ------------------------------------------------------------------
 
-def rows_of(n: int, i: int, size: int, units: int, replicable: bool) -> tuple[int, int]:
-    """[start, stop) of worker i's rows in a segment of ``units`` heads (vLLM's GQA rule)."""
-    if n <= units:
-        return i * size // n, (i + 1) * size // n
-    assert replicable
-    unit = size // units
-    head = i // (n // units)
-    return head * unit, (head + 1) * unit
-
 
 def expected_piece(model: Model, module: str, n: int, i: int) -> np.ndarray:
     g, w = model.geometry, model.full[module]
@@ -242,8 +234,8 @@ def expected_piece(model: Model, module: str, n: int, i: int) -> np.ndarray:
         segments = [(g.inter, g.inter, False)]
     pieces, start = [], 0
     for size, units, replicable in segments:
-        a, b = rows_of(n, i, size, units, replicable)
-        pieces.append(w[start + a:start + b])
+        rows = rows_of(n, i, size, units, replicable)
+        pieces.append(w[start:start + size][rows])
         start += size
     return np.concatenate(pieces)
 
@@ -538,12 +530,6 @@ def test_random_gptq_models(tmp_path_factory, case):
 
 # ---- zero padding --------------------------------------------------------------------------------
 
-def _take(w, units, size, axis):
-    return np.concatenate([np.take(w, range(u * size, (u + 1) * size), axis=axis) if u >= 0
-                           else np.zeros_like(np.take(w, range(size), axis=axis))
-                           for u in units], axis=axis)
-
-
 @pytest.mark.parametrize("fmt", [PLAIN[0], awq(32), pack_quantized(4, 32, False), fp8("channel")],
                          ids=lambda f: f.name)
 @pytest.mark.parametrize("n", [2, 5, 8])
@@ -567,7 +553,7 @@ def test_zero_padding_for_n_the_heads_do_not_divide(tmp_path, fmt, n):
         for i in range(n):
             stored = {k[len(prefix):]: _as_numpy(t) for k, t in shards[i].items()
                       if k.startswith(prefix)}
-            assert np.array_equal(fmt.dequantize(stored), _take(w, worker_units[i], size, axis)), \
+            assert np.array_equal(fmt.dequantize(stored), take(w, worker_units[i], size, axis)), \
                 f"{fmt.name} {module} worker {i} of {n}"
 
 

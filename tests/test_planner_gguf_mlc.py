@@ -18,20 +18,12 @@ from gguf.quants import dequantize
 from gguf_blocks import blocks
 from mlc_reference import dequantize_q4f16_1, quantize_q4f16_1, write_mlc_folder
 from real_models import smollm2_gguf
+from tp_reference import rows_of, take
 from shardload import ProcessSession, ThreadedSession, load_sharded, open_checkpoint
 from shardload.cli import cli
 from shardload.planners import plan_for, valid_num_shards
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
-
-
-def rows_of(n: int, i: int, size: int, units: int, replicable: bool) -> slice:
-    """Worker i's rows of a segment of ``units`` heads (KV heads replicated under GQA)."""
-    if n <= units:
-        return slice(i * size // n, (i + 1) * size // n)
-    assert replicable
-    unit, head = size // units, i // (n // units)
-    return slice(head * unit, (head + 1) * unit)
 
 
 # ---- GGUF ------------------------------------------------------------------------------------------
@@ -250,16 +242,6 @@ def test_mlc_kn_layout_is_refused(tmp_path):
 
 
 # ---- zero padding: any N ---------------------------------------------------------------------------
-
-def take(w: np.ndarray, units: list[int], size: int, axis: int) -> np.ndarray:
-    """The units (of ``size`` rows/columns) a worker holds, zeros for padding (-1)."""
-    parts = []
-    for u in units:
-        block = np.take(w, range(u * size, (u + 1) * size), axis=axis) if u >= 0 else \
-            np.zeros_like(np.take(w, range(size), axis=axis))
-        parts.append(block)
-    return np.concatenate(parts, axis=axis)
-
 
 def check_padded_gguf(path: str, n: int) -> dict:
     """Every GGUF tensor of a zero-padded plan against gguf's dequantizer and the layout the

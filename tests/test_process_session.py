@@ -365,7 +365,7 @@ def test_closure_shard_function_is_plan_error_before_loading(sess):
     calls = []
 
     @register_shard_func("tests.process.closure", array="numpy",
-                         shape_rule=process_plugins.even_split_rule)
+                         shape_rule=process_plugins.SPLIT_RULE)
     def closure(input, dim, output):  # defined here: no worker process can import it
         calls.append(dim)
         output[...] = np.stack(np.split(input, output.shape[0], axis=dim))
