@@ -107,6 +107,18 @@ def _extra_arity(func: Callable[..., Any]) -> tuple[int, Optional[int]]:
     return (max(len(required) - 2, 0), len(positional) - 2)
 
 
+def _add(table: dict, entry, kind: str, override: bool) -> None:
+    """Put ``entry`` in ``table``; a different function under a taken name needs ``override``
+    (registering the same function again, as a re-imported plugin does, is harmless)."""
+    with _lock:
+        old = table.get(entry.name)
+        if old is not None and not override and old.func is not entry.func:
+            raise ValueError(f"{kind} {entry.name!r} is already registered (by "
+                             f"{old.module or 'unknown module'}); pass override=True to "
+                             "replace it")
+        table[entry.name] = entry
+
+
 def register_shard_func(name: str, func: Callable[..., Any] | None = None, *,
                         override: bool = False, array: str = "torch",
                         shape_rule: ShapeRule | None = None):
@@ -126,15 +138,10 @@ def register_shard_func(name: str, func: Callable[..., Any] | None = None, *,
     def register(f: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(f):
             raise TypeError(f"shard function {name!r} must be callable, got {f!r}")
-        entry = ShardFunc(name=name, func=f, array=array, shape_rule=shape_rule,
-                          nargs=_extra_arity(f), module=getattr(f, "__module__", "") or "")
-        with _lock:
-            old = _registry.get(name)
-            if old is not None and not override and old.func is not f:
-                raise ValueError(f"shard function {name!r} is already registered (by "
-                                 f"{old.module or 'unknown module'}); pass override=True to "
-                                 "replace it")
-            _registry[name] = entry
+        _add(_registry, ShardFunc(name=name, func=f, array=array, shape_rule=shape_rule,
+                                  nargs=_extra_arity(f),
+                                  module=getattr(f, "__module__", "") or ""),
+             "shard function", override)
         return f
 
     return register if func is None else register(func)
@@ -176,13 +183,8 @@ def register_session_func(name: str, func: Callable[..., Any] | None = None, *,
     def register(f: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(f):
             raise TypeError(f"session function {name!r} must be callable, got {f!r}")
-        with _lock:
-            old = _session_registry.get(name)
-            if old is not None and not override and old.func is not f:
-                raise ValueError(f"session function {name!r} is already registered (by "
-                                 f"{old.module or 'unknown module'}); pass override=True to "
-                                 "replace it")
-            _session_registry[name] = SessionFunc(name, f, getattr(f, "__module__", "") or "")
+        _add(_session_registry, SessionFunc(name, f, getattr(f, "__module__", "") or ""),
+             "session function", override)
         return f
 
     return register if func is None else register(func)
