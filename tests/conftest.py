@@ -33,3 +33,15 @@ def default_sigint() -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+# fixtures that hand a test the real model (tests/real_models.py downloads it once, 93 MB)
+REAL_MODEL_FIXTURES = {"smollm2", "model_path"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests that need the real model ``real_model``, so the fast subset can leave
+    them out: ``pytest -m "not slow and not real_model"``."""
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
