@@ -20,7 +20,27 @@ __all__ = [
     "WorkerError",
     "WorkerCrashedError",
     "WorkerFailure",
+    "quote",
 ]
+
+#: longest excerpt of an input value an error message repeats
+QUOTE_LIMIT = 120
+
+
+def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """``repr(value)``, cut to about ``limit`` characters: a 50 MB parameter name from a hostile
+    plan must not be echoed back whole.
+
+    >>> quote("w" * 300, 20)
+    "'wwwwwwwwwwwwwwwwwww... (300 characters)"
+    """
+    if isinstance(value, str):
+        text = repr(value[:limit])  # never repr() a huge string just to cut it
+        if len(value) <= limit and len(text) <= limit + 2:
+            return text
+        return f"{text[:limit]}... ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _located(message: str, *where: object) -> str:
@@ -46,7 +66,7 @@ class PlanError(ShardloadError):
         self.param = param
         self.step = step
         self.reason = message
-        super().__init__(_located(message, source, param and f"parameter {param!r}",
+        super().__init__(_located(message, source, param and f"parameter {quote(param)}",
                                   None if step is None else f"step {step}"))
 
 
@@ -84,7 +104,7 @@ class FormatError(ShardloadError):
         self.file = None if file is None else str(file)
         self.tensor = tensor
         self.reason = message
-        super().__init__(_located(message, self.file, tensor and f"tensor {tensor!r}"))
+        super().__init__(_located(message, self.file, tensor and f"tensor {quote(tensor)}"))
 
 
 def annotate(exc: BaseException, where: str) -> None:
