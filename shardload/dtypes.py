@@ -7,7 +7,10 @@ when a name is turned into a ``torch.dtype``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from .errors import quote
+from .limits import INT64_MAX, MAX_DIM, MAX_NDIM
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -18,6 +21,13 @@ ITEMSIZE: dict[str, int] = {
     "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
     "int32": 4, "uint32": 4, "float32": 4,
     "int64": 8, "uint64": 8, "float64": 8,
+}
+
+#: the range of each integer dtype, for values written into one (``shardload.constant``)
+INTEGER_RANGE: dict[str, tuple[int, int]] = {
+    "int8": (-2**7, 2**7 - 1), "int16": (-2**15, 2**15 - 1), "int32": (-2**31, 2**31 - 1),
+    "int64": (-2**63, 2**63 - 1), "uint8": (0, 2**8 - 1), "uint16": (0, 2**16 - 1),
+    "uint32": (0, 2**32 - 1), "uint64": (0, 2**64 - 1),
 }
 
 ALIASES: dict[str, str] = {
@@ -46,15 +56,49 @@ def canonical(name: str) -> str:
     'float8_e4m3fn'
     """
     if not isinstance(name, str):
-        raise ValueError(f"dtype must be a string, got {name!r}")
+        raise ValueError(f"dtype must be a string, got {quote(name)}")
+    if name in ITEMSIZE:
+        return name
     name = ALIASES.get(name, name)
     if name not in ITEMSIZE:
-        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(sorted(ITEMSIZE))}")
+        raise ValueError(f"unknown dtype {quote(name)}; known: {', '.join(sorted(ITEMSIZE))}")
     return name
 
 
+def shape_problem(shape: Sequence[int], dtype: "str | int") -> Optional[str]:
+    """Why a tensor of ``shape`` (non-negative ints) and ``dtype`` (a name, or an item size in
+    bytes) cannot exist, or ``None`` if it can: the one rule every reader and the plan apply.
+
+    More than ``MAX_NDIM`` dims, a dim beyond ``MAX_DIM``, or a byte size beyond int64 once
+    zero dims are counted as 1: torch computes strides that way, so ``[0, 2**62, 2]`` holds no
+    element and still overflows (``Stride calculation overflowed``). The product is cut short
+    as soon as it overflows, so a hostile shape costs time linear in its length.
+
+    >>> shape_problem([0, 2**40, 2**30], "int8")
+    'shape [0, 1099511627776, 1073741824] overflows 64-bit sizes: it would span more than 2**63 - 1 bytes (zero dims count as 1, as strides do)'
+    """
+    if len(shape) > MAX_NDIM:
+        return f"shape has {len(shape)} dimensions; at most {MAX_NDIM} are allowed"
+    span = dtype if isinstance(dtype, int) else itemsize(dtype)
+    for k, d in enumerate(shape):
+        if d > MAX_DIM:
+            return (f"shape {_short(shape)} has dim {k} = {d}, beyond the {MAX_DIM} (2**53) any "
+                    f"shape may have (a strict reader refuses dims beyond 2**53)")
+        span *= max(d, 1)
+        if span > INT64_MAX:
+            return (f"shape {_short(shape)} overflows 64-bit sizes: it would span more than "
+                    f"2**63 - 1 bytes (zero dims count as 1, as strides do)")
+    return None
+
+
+def _short(shape: Sequence[int]) -> str:
+    text = str(list(shape))
+    return text if len(text) <= 120 else text[:120] + "...]"
+
+
 def itemsize(name: str) -> int:
-    return ITEMSIZE[canonical(name)]
+    size = ITEMSIZE.get(name) if isinstance(name, str) else None
+    return size if size is not None else ITEMSIZE[canonical(name)]
 
 
 def to_torch(name: str) -> "torch.dtype":

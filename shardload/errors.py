@@ -25,6 +25,8 @@ __all__ = [
 
 #: longest excerpt of an input value an error message repeats
 QUOTE_LIMIT = 120
+#: longest name UnknownShardFunctionError looks for close matches of
+_MATCH_LIMIT = 256
 
 
 def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
@@ -80,11 +82,13 @@ class UnknownShardFunctionError(PlanError, KeyError):
                  param: str | None = None, step: int | None = None,
                  kind: str = "shard function"):
         self.name = name
-        self.suggestions = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
-        hint = (f" Did you mean {', '.join(repr(s) for s in self.suggestions)}?"
+        # difflib is quadratic in the name's length: a 100k-character name is no typo
+        self.suggestions = (difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+                            if isinstance(name, str) and len(name) <= _MATCH_LIMIT else [])
+        hint = (f" Did you mean {', '.join(quote(s) for s in self.suggestions)}?"
                 if self.suggestions else "")
         decorator = "register_shard_func" if kind == "shard function" else "register_session_func"
-        message = (f"unknown {kind} {name!r}.{hint} Functions are never imported by name: "
+        message = (f"unknown {kind} {quote(name)}.{hint} Functions are never imported by name: "
                    f"register it with @{decorator} in a module you pass as a plugin "
                    "(--plugin MODULE, plugins=[...]) or through the 'shardload.shard_functions' "
                    "entry point group; `shardload funcs` lists the shard functions.")

@@ -2,15 +2,24 @@
 
 The lifecycle of a plan:
 
-1. **Parse** (``ShardInfo.load`` / ``loads`` / ``from_dict``): strict JSON (no duplicate keys,
-   no NaN/Infinity), structure checked as ``schemas/shard_info.schema.json`` describes it.
-   Shapes and extra args may still be expressions of ``num_shards``.
-2. **Bind** (``ShardInfo.bind(N)``): every expression evaluated for N, giving an immutable
-   ``Plan``. A plan written with plain integers for another N is refused here.
+1. **Parse** (``ShardInfo.load`` / ``loads`` / ``from_dict``): a regular file of at most
+   ``MAX_PLAN_BYTES``, strict UTF-8 JSON (see ``strict_json``: no duplicate keys, NaN/Infinity,
+   numbers overflowing to infinity or lone surrogates), structure checked as
+   ``schemas/shard_info.schema.json`` describes it, with the stated limits below. Shapes and
+   extra args may still be expressions of ``num_shards``; each distinct one is parsed once.
+2. **Bind** (``ShardInfo.bind(N)``): every expression evaluated for N (at most
+   ``MAX_NUM_SHARDS``), giving an immutable ``Plan``. A plan written with plain integers for
+   another N is refused here, and so is a shape no tensor can have (a dim beyond 2**53, a byte
+   span beyond int64).
 3. **Validate** (``Plan.validate(metadata)``): against the checkpoint's names, shapes and dtypes,
    before any tensor data is read: functions exist, arity, each step's declared output agrees
-   with the function's shape rule, the last output has N on axis 0, no step's output is
-   absurdly larger than its input. The result, a ``ValidatedPlan``, is what the loader runs.
+   with the function's shape rule, the last output has N on axis 0, no intermediate is
+   absurdly larger than the stored tensor. The result, a ``ValidatedPlan``, is what the loader
+   runs.
+
+Every pass is linear in the plan's size, and a hostile plan gets one ``PlanError`` naming the
+file, the parameter and the step, what was found and the limit, with every name and value in
+it cut short (``errors.quote``).
 
 >>> info = ShardInfo.from_dict({"w": [["shardload.split", [["num_shards", "8 // num_shards"],
 ...                                                       "float16"], 0]]})
@@ -28,21 +37,80 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping, Optional, Union
 
-from . import dtypes, strict_json, symbolic
-from .errors import PlanError, UnknownShardFunctionError
+from . import dtypes, files, strict_json, symbolic
+from .errors import PlanError, UnknownShardFunctionError, quote
+from .limits import MAX_NUM_SHARDS
 from .readers.base import TensorMeta
 
 __all__ = ["ShardInfo", "Plan", "Step", "ValidatedPlan", "ParamPlan", "MAX_PLAN_BYTES",
-           "MAX_GROWTH", "json_schema"]
+           "MAX_GROWTH", "MAX_NUM_SHARDS", "MAX_PARAMS", "MAX_STEPS", "MAX_DIMS",
+           "MAX_EXTRA_ARGS", "MAX_EXPRESSIONS", "MAX_DIM", "json_schema"]
 
-#: plans are small; a bigger file is a mistake or an attack
-MAX_PLAN_BYTES = 256 * 1024 * 1024
-#: a step's output may be at most MAX_GROWTH * num_shards times its input (+ a little slack):
-#: replication legitimately makes N copies, padding a little more; beyond that is a memory bomb
+# ---- limits --------------------------------------------------------------------------------------
+# Every limit is far beyond what a real plan needs, and each refusal says which one was hit.
+
+#: the plan file's size: a plan for a 671B-parameter MoE model (about 100k tensors) is a few MB
+MAX_PLAN_BYTES = 64 << 20
+#: parameters in one plan: the largest MoE checkpoints hold a few hundred thousand tensors
+MAX_PARAMS = 1 << 20
+#: steps per parameter: real plans use one or two (expand per-part scales, then split)
+MAX_STEPS = 16
+#: dims of one out_shape: torch's own limit
+MAX_DIMS = 64
+#: extra args of one step: ``shardload.take_units`` lists every worker's unit indices (4096
+#: workers x a few padded heads or MLP blocks each is tens of thousands); 2**20 leaves a wide margin
+MAX_EXTRA_ARGS = 1 << 20
+#: distinct expression strings in one plan: planners write a handful per distinct tensor shape
+#: (``"4096 // num_shards"``), repeated for every layer
+MAX_EXPRESSIONS = 1 << 16
+#: the largest dimension a declared shape may have (see ``dtypes.MAX_DIM``)
+MAX_DIM = dtypes.MAX_DIM
+#: every intermediate of a parameter's steps may be at most MAX_GROWTH * num_shards times the
+#: *stored* tensor (+ slack): replication legitimately makes N copies, padding a little more;
+#: beyond that is a memory bomb. Bounding each step against the stored tensor (not only its own
+#: input) also bounds chains: k ``replicate`` steps would otherwise grow N**k.
 MAX_GROWTH = 2
-_GROWTH_SLACK_BYTES = 4096
+#: slack for tiny metadata tensors that a step legitimately expands: three per-part scales made
+#: into one float32 scale per row of a fused qkv weight (``shardload.repeat_segments``; 40 KiB
+#: for a 70B model's 10240 rows). Small enough that a chain of replicates of a tiny tensor is
+#: still refused within a few steps.
+_GROWTH_SLACK_BYTES = 64 << 10
+_INT64 = (-2**63, 2**63 - 1)
+#: longest shape-rule message repeated in a PlanError
+_REASON_LIMIT = 400
 
 Scalar = Union[int, float, bool, None, str]
+
+
+def _brief(value: Any, items: int = 8, depth: int = 0) -> str:
+    """A short rendering of a (possibly huge, possibly nested) JSON value for messages: at most
+    ``items`` entries of a list, each string cut by ``quote``."""
+    if isinstance(value, (list, tuple)):
+        if depth >= 2:
+            return f"[... ({len(value)} items)]"
+        shown = ", ".join(_brief(v, items, depth + 1) for v in value[:items])
+        more = f", ... ({len(value)} items)" if len(value) > items else ""
+        return f"[{shown}{more}]"
+    if isinstance(value, Mapping):
+        return f"{{...}} (an object of {len(value)} keys)"
+    if isinstance(value, str):
+        return quote(value)
+    return quote(value, 40)
+
+
+def _cut(text: str, limit: int = _REASON_LIMIT) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate (``"\\ud800"`` in JSON, or a Python str)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def json_schema() -> dict:
@@ -67,51 +135,146 @@ class RawStep:
     dtype: str
     extra: tuple[Scalar, ...]
 
+    def __post_init__(self) -> None:
+        # computed once (C-speed scans): bind and is_symbolic ask for every step
+        object.__setattr__(self, "symbolic_shape", str in map(type, self.out_shape))
+        object.__setattr__(self, "symbolic_extra", str in map(type, self.extra))
+
     @property
     def is_symbolic(self) -> bool:
-        return any(isinstance(v, str) for v in (*self.out_shape, *self.extra))
+        return self.symbolic_shape or self.symbolic_extra  # type: ignore[attr-defined]
 
     def to_json(self) -> list:
         return [self.func, [list(self.out_shape), self.dtype], *self.extra]
 
 
-def _parse_step(raw: Any, where: dict) -> RawStep:
+Expressions = dict[str, symbolic.Evaluator]
+
+
+def _expression(text: str, what: str, exprs: Expressions, where: dict, hint: str = "") -> None:
+    """Check the expression ``text`` once per plan (``exprs`` holds those already seen)."""
+    if text in exprs:
+        return
+    if len(exprs) >= MAX_EXPRESSIONS:
+        raise PlanError(f"{what}: the plan holds more than {MAX_EXPRESSIONS} distinct "
+                        "num_shards expressions; real plans repeat a few per tensor shape",
+                        **where)
+    try:
+        exprs[text] = symbolic.compile(text)
+    except symbolic.ExpressionError as exc:
+        raise PlanError(f"{what}: {exc}{hint}", **where) from None
+
+
+def _parse_step(raw: Any, where: dict, exprs: Expressions) -> RawStep:
     if not isinstance(raw, list) or len(raw) < 2:
         raise PlanError("a step must be a list [func_name, [out_shape, dtype], *extra_args]",
                         **where)
-    func, out, *extra = raw
+    if len(raw) - 2 > MAX_EXTRA_ARGS:
+        raise PlanError(f"the step has {len(raw) - 2} extra args, more than the "
+                        f"{MAX_EXTRA_ARGS} a step may have", **where)
+    func, out, extra = raw[0], raw[1], raw[2:]
     if not isinstance(func, str) or not func:
-        raise PlanError(f"the function name must be a non-empty string, got {func!r}", **where)
+        raise PlanError(f"the function name must be a non-empty string, got {_brief(func)}",
+                        **where)
+    if not _is_unicode(func):
+        raise PlanError(f"the function name {quote(func)} is not valid Unicode (it holds a "
+                        "lone surrogate)", **where)
     if not isinstance(out, list) or len(out) != 2 or not isinstance(out[0], list):
-        raise PlanError(f"the output spec must be [out_shape, dtype], got {out!r}", **where)
+        raise PlanError(f"the output spec must be [out_shape, dtype], got {_brief(out)}",
+                        **where)
     shape, dtype = out
+    if len(shape) > MAX_DIMS:
+        raise PlanError(f"out_shape has {len(shape)} dims, more than the {MAX_DIMS} a tensor "
+                        "may have", **where)
     dims: list[Union[int, str]] = []
     for k, d in enumerate(shape):
         if isinstance(d, str):
-            try:
-                symbolic.check_expression(d)
-            except symbolic.ExpressionError as exc:
-                raise PlanError(f"out_shape[{k}]: {exc}", **where) from None
+            d = str(d)
+            _expression(d, f"out_shape[{k}]", exprs, where)
         elif type(d) is not int:
-            raise PlanError(f"out_shape[{k}] is {d!r}: dims must be non-negative integers or "
-                            f"integer expressions of num_shards", **where)
+            raise PlanError(f"out_shape[{k}] is {_brief(d)}: dims must be non-negative integers "
+                            f"or integer expressions of num_shards", **where)
         elif d < 0:
             raise PlanError(f"out_shape[{k}] is {d}: dims must be non-negative", **where)
+        elif d > MAX_DIM:
+            raise PlanError(f"out_shape[{k}] is {quote(d)}, beyond the {MAX_DIM} (2**53) any "
+                            "dim may have", **where)
         dims.append(d)
     try:
         dtype = dtypes.canonical(dtype)
     except ValueError as exc:
         raise PlanError(str(exc), **where) from None
+    lo, hi = _INT64
     for k, arg in enumerate(extra):
         if isinstance(arg, str):
-            try:
-                symbolic.check_expression(arg)
-            except symbolic.ExpressionError as exc:
-                raise PlanError(f"extra arg {k}: {exc} (string args are integer expressions "
-                                "of num_shards)", **where) from None
-        elif not (arg is None or isinstance(arg, (bool, int, float))):
-            raise PlanError(f"extra arg {k} is {arg!r}: extra args must be JSON scalars", **where)
+            if type(arg) is not str:
+                extra[k] = arg = str(arg)
+            _expression(arg, f"extra arg {k}", exprs, where,
+                        " (string args are integer expressions of num_shards)")
+        elif arg is None or isinstance(arg, bool):
+            pass
+        elif isinstance(arg, (int, float)):
+            if not lo <= arg <= hi:  # false for NaN too
+                raise PlanError(f"extra arg {k} is {quote(arg, 40)}: numbers in a plan lie "
+                                "within the int64 range", **where)
+        else:
+            raise PlanError(f"extra arg {k} is {_brief(arg)}: extra args must be JSON scalars",
+                            **where)
     return RawStep(func, tuple(dims), dtype, tuple(extra))
+
+
+def _step_key(raw: Any) -> Optional[tuple]:
+    """A hashable key that determines a step's JSON exactly (value *and* type of every item, as
+    ``1``, ``1.0`` and ``true`` are equal in Python), or None where there is none cheaply."""
+    if type(raw) is not list or len(raw) < 2:
+        return None
+    out = raw[1]
+    if type(out) is not list or len(out) != 2 or type(out[0]) is not list:
+        return None
+    shape, extra = tuple(out[0]), tuple(raw[2:])
+    types = (*map(type, shape), None, *map(type, extra))
+    if float in types:  # 0.0 == -0.0
+        return None
+    key = (raw[0], out[1], shape, extra, types)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _check_metadata(metadata: Mapping, source: Optional[str]) -> None:
+    """``__metadata__`` travels to worker processes as JSON: only JSON values, finite numbers,
+    string keys and valid Unicode (a plan from ``strict_json`` already is; a Python dict may not
+    be)."""
+    stack: list[tuple[Any, str]] = [(metadata, ShardInfo.METADATA_KEY)]
+    visited: set[int] = set()  # a container met twice (shared, or a cycle) is checked once
+    while stack:
+        value, path = stack.pop()
+        bad = None
+        if isinstance(value, (Mapping, list, tuple)):
+            if id(value) in visited:
+                continue
+            visited.add(id(value))
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                if not isinstance(key, str) or not _is_unicode(key):
+                    bad = f"a key {_brief(key)}: keys must be strings of valid Unicode"
+                    break
+                stack.append((item, path if len(path) > 200 else f"{path}.{key}"))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((item, path if len(path) > 200 else f"{path}[{k}]")
+                         for k, item in enumerate(value))
+        elif isinstance(value, str):
+            if not _is_unicode(value):
+                bad = f"the string {quote(value)}, which is not valid Unicode (a lone surrogate)"
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                bad = f"{value}, which is not a JSON number"
+        elif not (value is None or isinstance(value, (bool, int))):
+            bad = f"a {type(value).__name__}, which is not a JSON value"
+        if bad:
+            raise PlanError(f"{_cut(path, 200)} holds {bad}", source=source)
 
 
 class ShardInfo:
@@ -131,51 +294,79 @@ class ShardInfo:
         self.source = source
         #: what the planner recorded for engines (e.g. ``tensor_parallel``: heads per worker)
         self.metadata: dict[str, Any] = dict(metadata or {})
+        # the plan's expressions, each compiled once (filled by from_dict, or on first bind)
+        self._exprs: Expressions = {}
+        self._symbolic: Optional[bool] = None
 
     # -- constructors
     @classmethod
-    def from_dict(cls, data: Any, source: Optional[str] = None) -> "ShardInfo":
+    def from_dict(cls, data: Any, source: Optional[str] = None, *,
+                  _strict_json: bool = False) -> "ShardInfo":
         if not isinstance(data, Mapping):
             raise PlanError("a plan must be a JSON object {parameter: [steps...]}, got "
                             f"{type(data).__name__}", source=source)
+        count = len(data) - (cls.METADATA_KEY in data)
+        if count > MAX_PARAMS:
+            raise PlanError(f"the plan names {count} parameters, more than the {MAX_PARAMS} a "
+                            "plan may have", source=source)
         steps: dict[str, tuple[RawStep, ...]] = {}
         metadata = data.get(cls.METADATA_KEY, {})
         if not isinstance(metadata, Mapping):
-            raise PlanError(f"{cls.METADATA_KEY} must be a JSON object", source=source)
+            raise PlanError(f"{cls.METADATA_KEY} must be a JSON object, got "
+                            f"{type(metadata).__name__}", source=source)
+        if not _strict_json:
+            _check_metadata(metadata, source)
+        exprs: Expressions = {}
+        # real plans repeat each step for every layer: a step already parsed is reused
+        seen: dict[tuple, RawStep] = {}
         for name, raw_steps in data.items():
             if name == cls.METADATA_KEY:
                 continue
             if not isinstance(name, str) or not name:
-                raise PlanError(f"parameter names must be non-empty strings, got {name!r}",
+                raise PlanError(f"parameter names must be non-empty strings, got {_brief(name)}",
                                 source=source)
+            if not _is_unicode(name):
+                raise PlanError(f"the parameter name {quote(name)} is not valid Unicode (it "
+                                "holds a lone surrogate)", source=source)
             if not isinstance(raw_steps, list):
                 raise PlanError("the value must be a list of steps", source=source, param=name)
-            steps[name] = tuple(_parse_step(raw, dict(source=source, param=name, step=k))
-                                for k, raw in enumerate(raw_steps))
-        return cls(steps, source, metadata)
+            if len(raw_steps) > MAX_STEPS:
+                raise PlanError(f"{len(raw_steps)} steps, more than the {MAX_STEPS} a parameter "
+                                "may have", source=source, param=name)
+            parsed = []
+            for k, raw in enumerate(raw_steps):
+                key = _step_key(raw)
+                step = seen.get(key) if key is not None else None
+                if step is None:
+                    step = _parse_step(raw, dict(source=source, param=name, step=k), exprs)
+                    if key is not None:
+                        seen[key] = step
+                parsed.append(step)
+            steps[name] = tuple(parsed)
+        info = cls(steps, source, metadata)
+        info._exprs = exprs
+        return info
 
     @classmethod
     def loads(cls, text: Union[str, bytes], source: Optional[str] = None) -> "ShardInfo":
+        """Parse plan text: UTF-8 JSON (bytes are decoded as UTF-8 and nothing else)."""
         if len(text) > MAX_PLAN_BYTES:
-            raise PlanError(f"plan is larger than {MAX_PLAN_BYTES} bytes", source=source)
+            raise PlanError(f"the plan is {len(text)} bytes, over the {MAX_PLAN_BYTES}-byte "
+                            "limit for a plan", source=source)
         try:
             data = strict_json.loads(text)
         except ValueError as exc:
-            raise PlanError(f"not valid JSON: {exc}", source=source) from None
-        return cls.from_dict(data, source)
+            raise PlanError(f"not valid JSON: {_cut(str(exc))}", source=source) from None
+        with strict_json.gc_paused():
+            return cls.from_dict(data, source, _strict_json=True)
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "ShardInfo":
-        path = os.fspath(path)
-        try:
-            size = os.path.getsize(path)
-            if size > MAX_PLAN_BYTES:
-                raise PlanError(f"plan is {size} bytes, larger than {MAX_PLAN_BYTES}",
-                                source=path)
-            with open(path, "rb") as f:
-                text = f.read()
-        except OSError as exc:
-            raise PlanError(f"cannot read the plan: {exc.strerror or exc}", source=path) from None
+        """Read and parse a plan file. It must be a regular file (a FIFO, a device, a directory
+        or a symlink loop is a ``PlanError``) of at most ``MAX_PLAN_BYTES``."""
+        path = os.fsdecode(path)
+        text = files.read_capped(path, MAX_PLAN_BYTES, "the plan",
+                                 error=lambda m: PlanError(m, source=path))
         return cls.loads(text, source=path)
 
     @classmethod
@@ -196,7 +387,9 @@ class ShardInfo:
     @property
     def is_symbolic(self) -> bool:
         """True when some shape or arg is an expression of ``num_shards``."""
-        return any(s.is_symbolic for steps in self.steps.values() for s in steps)
+        if self._symbolic is None:
+            self._symbolic = any(s.is_symbolic for steps in self.steps.values() for s in steps)
+        return self._symbolic
 
     @property
     def planned_num_shards(self) -> Optional[int]:
@@ -232,45 +425,95 @@ class ShardInfo:
     # -- 2. bind
     def bind(self, num_shards: int) -> "Plan":
         """Evaluate every expression for ``num_shards``; refuse a plan written for another N."""
-        if type(num_shards) is not int or num_shards < 1:
-            raise PlanError(f"num_shards must be a positive integer, got {num_shards!r}",
-                            source=self.source)
+        _check_num_shards(num_shards, self.source)
         if not self.is_symbolic:
             written = {steps[-1].out_shape[0] for steps in self.steps.values()
                        if steps and steps[-1].out_shape}
             if written and written != {num_shards}:
-                planned = ", ".join(str(n) for n in sorted(written))
+                planned = ", ".join(str(n) for n in sorted(written)[:8])
+                if len(written) > 8:
+                    planned += f", ... ({len(written)} values)"
+                first = next(name for name, steps in self.steps.items()
+                             if steps and steps[-1].out_shape
+                             and steps[-1].out_shape[0] != num_shards)
                 raise PlanError(
                     f"this plan was written for num_shards={planned} with plain integer shapes, "
                     f"but num_shards={num_shards} was asked for. Re-plan with `shardload plan "
                     f"--shards {num_shards}` (it writes expressions of num_shards, so one plan "
                     f"serves every N), or write the shapes as expressions such as "
                     f"\"4096 // num_shards\".",
-                    source=self.source)
+                    source=self.source, param=first)
+        values: dict[str, int] = {}  # each distinct expression evaluated once for this N
+        bound: dict[tuple[int, int], Step] = {}  # a step shared by many parameters, bound once
         params = {}
-        for name, raw_steps in self.steps.items():
-            params[name] = tuple(self._bind_step(name, k, s, num_shards)
-                                 for k, s in enumerate(raw_steps))
+        with strict_json.gc_paused():
+            for name, raw_steps in self.steps.items():
+                steps = []
+                for k, raw in enumerate(raw_steps):
+                    step = bound.get((id(raw), k))
+                    if step is None:
+                        step = bound[id(raw), k] = self._bind_step(name, k, raw, num_shards,
+                                                                    values)
+                    steps.append(step)
+                params[name] = tuple(steps)
         return Plan(num_shards, params, self.source, self.metadata)
 
-    def _bind_step(self, name: str, index: int, raw: RawStep, n: int) -> "Step":
-        where = dict(source=self.source, param=name, step=index)
-
-        def value(v: Scalar, what: str) -> Scalar:
-            if not isinstance(v, str):
-                return v
-            try:
-                return symbolic.evaluate(v, n)
-            except symbolic.ExpressionError as exc:
-                raise PlanError(f"{what}: {exc}", **where) from None
-
-        shape = tuple(value(d, f"out_shape[{k}]") for k, d in enumerate(raw.out_shape))
+    def _bind_step(self, name: str, index: int, raw: RawStep, n: int,
+                   values: dict[str, int]) -> "Step":
+        if raw.symbolic_shape:  # type: ignore[attr-defined]
+            shape = self._evaluate(raw.out_shape, "out_shape[{}]", n, values, name, index)
+        else:
+            shape = raw.out_shape
+        if len(shape) > MAX_DIMS:
+            raise PlanError(f"out_shape has {len(shape)} dims, more than the {MAX_DIMS} a tensor "
+                            "may have", source=self.source, param=name, step=index)
+        problem = None
         for k, d in enumerate(shape):
             if d < 0:
-                raise PlanError(f"out_shape[{k}] = {raw.out_shape[k]!r} is {d} for "
-                                f"num_shards={n}; dims must be non-negative", **where)
-        extra = tuple(value(a, f"extra arg {k}") for k, a in enumerate(raw.extra))
+                problem = (f"out_shape[{k}] = {quote(raw.out_shape[k])} is {d} for "
+                           f"num_shards={n}; dims must be non-negative")
+                break
+        else:
+            why = dtypes.shape_problem(shape, raw.dtype)
+            if why:
+                problem = f"out_shape {_brief(shape)} {raw.dtype} for num_shards={n}: {why}"
+        if problem:
+            raise PlanError(problem, source=self.source, param=name, step=index)
+        if raw.symbolic_extra:  # type: ignore[attr-defined]
+            extra = self._evaluate(raw.extra, "extra arg {}", n, values, name, index)
+        else:
+            extra = raw.extra
         return Step(index, raw.func, shape, raw.dtype, extra)
+
+    def _evaluate(self, items: tuple, what: str, n: int, values: dict[str, int], name: str,
+                  index: int) -> tuple:
+        """``items`` with every expression evaluated for ``n`` (each text once per bind)."""
+        out = list(items)
+        for k, v in enumerate(items):
+            if type(v) is not str:
+                continue
+            got = values.get(v)
+            if got is None:
+                try:
+                    evaluator = self._exprs.get(v)
+                    if evaluator is None:
+                        evaluator = self._exprs[v] = symbolic.compile(v)
+                    got = values[v] = evaluator(n)
+                except symbolic.ExpressionError as exc:
+                    raise PlanError(f"{what.format(k)}: {exc}", source=self.source, param=name,
+                                    step=index) from None
+            out[k] = got
+        return tuple(out)
+
+
+def _check_num_shards(num_shards: Any, source: Optional[str]) -> None:
+    if type(num_shards) is not int or num_shards < 1:
+        raise PlanError(f"num_shards must be a positive integer, got {quote(num_shards, 40)}",
+                        source=source)
+    if num_shards > MAX_NUM_SHARDS:
+        raise PlanError(f"num_shards={num_shards} is more than the {MAX_NUM_SHARDS} workers "
+                        "shardload runs in one session (each is a thread or a process)",
+                        source=source)
 
 
 # ---- 2. the bound plan -------------------------------------------------------------------------
@@ -295,6 +538,7 @@ class Plan:
 
     def __init__(self, num_shards: int, params: Mapping[str, tuple[Step, ...]],
                  source: Optional[str] = None, metadata: Optional[Mapping[str, Any]] = None):
+        _check_num_shards(num_shards, source)
         self.num_shards = num_shards
         self.params: Mapping[str, tuple[Step, ...]] = MappingProxyType(dict(params))
         self.source = source
@@ -318,63 +562,121 @@ class Plan:
         Every parameter of the checkpoint appears in the result: those the plan names with their
         steps, the others replicated.
         """
+        missing = [name for name in self.params if name not in metadata]
+        if missing:
+            first = missing[0]
+            hint = _close_match(first, metadata)
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise PlanError(f"the checkpoint has no tensor named {quote(first)}{hint}{more}; the "
+                            "plan does not match this checkpoint", source=self.source, param=first)
+        with strict_json.gc_paused():
+            return ValidatedPlan(self, MappingProxyType(self._validate(metadata)))
+
+    def _validate(self, metadata: Mapping[str, TensorMeta]) -> dict[str, "ParamPlan"]:
         from .registry import get_shard_func
 
-        unknown = [name for name in self.params if name not in metadata]
-        if unknown:
-            import difflib
-
-            first = unknown[0]
-            close = difflib.get_close_matches(first, list(metadata), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
-            raise PlanError(f"the checkpoint has no tensor named {first!r}{hint}{more}; the "
-                            "plan does not match this checkpoint", source=self.source, param=first)
+        n = self.num_shards
+        found: dict[str, Any] = {}  # one registry lookup per function name
+        # a step shared by many parameters (every layer's), met with the same input again,
+        # passes again: checked once
+        passed: set[tuple] = set()
         out = {}
         for name, meta in metadata.items():
             steps = self.params.get(name, ())
+            if not steps:
+                out[name] = ParamPlan(meta, (), ())
+                continue
+            if len(steps) > MAX_STEPS:
+                raise PlanError(f"{len(steps)} steps, more than the {MAX_STEPS} a parameter may "
+                                "have", source=self.source, param=name)
             funcs = []
-            shape, dtype, nbytes = meta.shape, meta.dtype, meta.nbytes
+            shape, dtype, stored = meta.shape, meta.dtype, meta.nbytes
+            # every intermediate, not only each step against its own input: chains stay bounded
+            limit = MAX_GROWTH * n * stored + _GROWTH_SLACK_BYTES
             for step in steps:
-                where = dict(source=self.source, param=name, step=step.index)
-                try:
-                    func = get_shard_func(step.func)
-                except UnknownShardFunctionError:
-                    raise UnknownShardFunctionError(step.func, _known_names(), **where) from None
-                if not func.accepts(len(step.extra)):
-                    raise PlanError(f"{step.func} takes {func.arity_text()} extra arg(s), the "
-                                    f"step gives {len(step.extra)}: {list(step.extra)}", **where)
-                _check_array_dtypes(func, dtype, step.dtype, where)
-                if func.shape_rule is not None:
-                    try:
-                        rule_shape, rule_dtype = func.shape_rule(
-                            shape, dtype, *step.extra, num_shards=self.num_shards)
-                    except (ValueError, TypeError) as exc:
-                        raise PlanError(f"{step.func} cannot apply to input {list(shape)} "
-                                        f"{dtype} with args {list(step.extra)}: {exc}",
-                                        **where) from None
-                    rule_shape, rule_dtype = tuple(rule_shape), dtypes.canonical(rule_dtype)
-                    if rule_shape != step.out_shape or rule_dtype != step.dtype:
-                        raise PlanError(
-                            f"declared output {list(step.out_shape)} {step.dtype} disagrees "
-                            f"with {step.func}, which makes {list(rule_shape)} {rule_dtype} from "
-                            f"input {list(shape)} {dtype} with num_shards={self.num_shards}",
-                            **where)
-                limit = MAX_GROWTH * self.num_shards * nbytes + _GROWTH_SLACK_BYTES
-                if step.nbytes > limit:
-                    raise PlanError(
-                        f"declared output {list(step.out_shape)} {step.dtype} is {step.nbytes} "
-                        f"bytes from a {nbytes}-byte input, more than {MAX_GROWTH} x num_shards "
-                        "times larger; refusing to allocate it", **where)
+                func = found.get(step.func)
+                key = (id(step), shape, dtype, stored)
+                if func is None or key not in passed:
+                    func = self._check_step(name, step, shape, dtype, stored, limit, found,
+                                            get_shard_func)
+                    passed.add(key)
                 funcs.append(func)
-                shape, dtype, nbytes = step.out_shape, step.dtype, step.nbytes
-            if steps and (not shape or shape[0] != self.num_shards):
+                shape, dtype = step.out_shape, step.dtype
+            if not shape or shape[0] != n:
                 got = shape[0] if shape else "a 0-d output"
-                raise PlanError(f"the last step's output must have num_shards="
-                                f"{self.num_shards} on axis 0, got {got} (shape {list(shape)})",
+                raise PlanError(f"the last step's output must have num_shards={n} on axis 0, "
+                                f"got {got} (shape {_brief(shape)})",
                                 source=self.source, param=name, step=steps[-1].index)
             out[name] = ParamPlan(meta, steps, tuple(funcs))
-        return ValidatedPlan(self, MappingProxyType(out))
+        return out
+
+    def _check_step(self, name: str, step: "Step", shape: tuple, dtype: str, stored: int,
+                    limit: int, found: dict, get_shard_func) -> Any:
+        """One step against its input: the function exists, takes the args, and its shape rule
+        agrees with the declared output, which stays within the growth limit."""
+        n = self.num_shards
+        where = dict(source=self.source, param=name, step=step.index)
+        func = found.get(step.func)
+        if func is None:
+            try:
+                func = found[step.func] = get_shard_func(step.func)
+            except UnknownShardFunctionError:
+                raise UnknownShardFunctionError(step.func, _known_names(), **where) from None
+        if not func.accepts(len(step.extra)):
+            raise PlanError(f"{quote(step.func)} takes {func.arity_text()} extra arg(s), the "
+                            f"step gives {len(step.extra)}: {_brief(step.extra)}", **where)
+        _check_array_dtypes(func, dtype, step.dtype, where)
+        if func.shape_rule is not None:
+            rule_shape, rule_dtype = _apply_rule(func, shape, dtype, step, n, where)
+            if rule_shape != step.out_shape or rule_dtype != step.dtype:
+                raise PlanError(
+                    f"declared output {_brief(step.out_shape)} {step.dtype} disagrees with "
+                    f"{quote(step.func)}, which makes {_brief(rule_shape)} {rule_dtype} from "
+                    f"input {_brief(shape)} {dtype} with num_shards={n}", **where)
+        if step.nbytes > limit:
+            raise PlanError(
+                f"declared output {_brief(step.out_shape)} {step.dtype} is {step.nbytes} bytes "
+                f"from a {stored}-byte stored tensor, more than {MAX_GROWTH} x num_shards times "
+                f"larger (+ {_GROWTH_SLACK_BYTES} bytes); refusing to allocate it", **where)
+        return func
+
+
+#: names longer than this get no "did you mean" (difflib is quadratic in the name's length)
+_MATCH_LIMIT = 256
+#: difflib compares the name with at most this many checkpoint names (it takes a few ms each
+#: for names alike: a 47k-tensor MoE checkpoint would take 12 s); the rest are ranked first by
+#: how many dotted components they share with the name
+_MATCH_CANDIDATES = 500
+
+
+def _close_match(name: str, metadata: Mapping[str, Any]) -> str:
+    """`` (did you mean 'x'?)`` for the checkpoint name closest to ``name``, or ``""``."""
+    if len(name) > _MATCH_LIMIT:
+        return ""
+    import difflib
+    import heapq
+
+    # difflib's ratio is at most 2 * min(a, b) / (a + b): names of a length that cannot reach
+    # its 0.6 cutoff are left out here, in one cheap pass
+    lo, hi = 3 * len(name) / 7, 7 * len(name) / 3
+    candidates = [k for k in metadata if isinstance(k, str) and lo <= len(k) <= hi]
+    if len(candidates) > _MATCH_CANDIDATES:
+        parts = set(name.split("."))
+        candidates = heapq.nlargest(_MATCH_CANDIDATES, candidates,
+                                    key=lambda k: len(parts.intersection(k.split("."))))
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f" (did you mean {quote(close[0])}?)" if close else ""
+
+
+def _apply_rule(func, shape: tuple, dtype: str, step: "Step", n: int,
+                where: dict) -> tuple[tuple[int, ...], str]:
+    """``func``'s shape rule applied to the step; its refusal as a ``PlanError``."""
+    try:
+        rule_shape, rule_dtype = func.shape_rule(shape, dtype, *step.extra, num_shards=n)
+        return tuple(rule_shape), dtypes.canonical(rule_dtype)
+    except (ValueError, TypeError, ArithmeticError, LookupError) as exc:
+        raise PlanError(f"{quote(step.func)} cannot apply to input {_brief(shape)} {dtype} with "
+                        f"args {_brief(step.extra)}: {_cut(str(exc))}", **where) from None
 
 
 def _known_names() -> list[str]:

@@ -5,19 +5,29 @@ with ``ast`` and evaluated by walking the tree; nothing is ever passed to ``eval
 integer literals, the name ``num_shards``, ``+ - * // %``, unary ``-``, parentheses, and the
 functions ``min(a, b, ...)`` and ``max(a, b, ...)`` (GQA plans need ``min(num_shards, n_kv)``).
 
+Plans repeat the same few expressions thousands of times, so an expression is parsed once:
+``compile`` turns it into a small evaluator, cached by text (``functools.lru_cache``). Every
+value along the way must stay within int64.
+
 >>> evaluate("3 * (128 // num_shards)", 4)
 96
 >>> evaluate("64 // min(num_shards, 2)", 8)
 32
+>>> compile("num_shards * 2")(3)
+6
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import operator
 import re
+from typing import Callable
 
-__all__ = ["evaluate", "check_expression", "ExpressionError", "NAME", "MAX_LENGTH"]
+from .errors import quote
+
+__all__ = ["evaluate", "check_expression", "compile", "ExpressionError", "NAME", "MAX_LENGTH"]
 
 NAME = "num_shards"
 MAX_LENGTH = 256
@@ -30,6 +40,8 @@ _FUNCS = {"min": min, "max": max}
 # Cheap pre-filter: anything outside this alphabet is refused before ast sees it.
 _ALPHABET = re.compile(r"^[0-9A-Za-z_ +\-*/%(),]*$")
 
+Evaluator = Callable[[int], int]
+
 
 class ExpressionError(ValueError):
     """An expression is malformed or uses something outside the allowed grammar."""
@@ -37,69 +49,80 @@ class ExpressionError(ValueError):
 
 def check_expression(text: str) -> None:
     """Raise ``ExpressionError`` unless ``text`` is a well-formed expression (N not needed)."""
-    _parse(text)
+    compile(text)
 
 
 def evaluate(text: str, num_shards: int) -> int:
     """Value of the expression ``text`` for ``num_shards``."""
-    return _eval(_parse(text), num_shards, text)
+    return compile(text)(num_shards)
 
 
-def _parse(text: str) -> ast.expr:
+def compile(text: str) -> Evaluator:  # noqa: A001 (shadows the builtin on purpose)
+    """``f(num_shards) -> int`` for the expression ``text``; ``ExpressionError`` if malformed.
+
+    Cached by text: a plan's thousands of ``"4096 // num_shards"`` are parsed once.
+    """
     if not isinstance(text, str):
-        raise ExpressionError(f"expression must be a string, got {text!r}")
+        raise ExpressionError(f"expression must be a string, got {quote(text)}")
     if len(text) > MAX_LENGTH:
-        raise ExpressionError(f"expression longer than {MAX_LENGTH} characters")
+        raise ExpressionError(f"expression of {len(text)} characters is longer than the "
+                              f"{MAX_LENGTH}-character limit")
+    return _compile(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _compile(text: str) -> Evaluator:
     if not text.strip() or not _ALPHABET.match(text):
-        raise ExpressionError(f"{text!r} is not an integer expression of {NAME}")
+        raise ExpressionError(f"{quote(text)} is not an integer expression of {NAME}")
     try:
         tree = ast.parse(text.strip(), mode="eval")
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         raise ExpressionError(f"{text!r} is not a valid expression") from None
-    _check(tree.body, text)
-    return tree.body
+    return _build(tree.body, text)
 
 
-def _check(node: ast.AST, text: str) -> None:
-    if isinstance(node, ast.Constant):
-        if type(node.value) is not int:
-            raise ExpressionError(f"{text!r}: only integer literals are allowed")
-    elif isinstance(node, ast.Name):
-        if node.id != NAME:
-            raise ExpressionError(f"{text!r}: unknown name {node.id!r}; the only name is {NAME!r}")
-    elif isinstance(node, ast.BinOp):
-        if type(node.op) not in _BINOPS:
-            raise ExpressionError(f"{text!r}: only + - * // % are allowed")
-        _check(node.left, text)
-        _check(node.right, text)
-    elif isinstance(node, ast.UnaryOp):
-        if not isinstance(node.op, ast.USub):
-            raise ExpressionError(f"{text!r}: only unary minus is allowed")
-        _check(node.operand, text)
-    elif isinstance(node, ast.Call):
-        if (not isinstance(node.func, ast.Name) or node.func.id not in _FUNCS
-                or node.keywords or len(node.args) < 2):
-            raise ExpressionError(f"{text!r}: the only calls are min(a, b, ...) and max(a, b, ...)")
-        for arg in node.args:
-            _check(arg, text)
-    else:
-        raise ExpressionError(f"{text!r}: {type(node).__name__} is not allowed")
-
-
-def _eval(node: ast.expr, n: int, text: str) -> int:
-    if isinstance(node, ast.Constant):
-        value = node.value
-    elif isinstance(node, ast.Name):
-        value = n
-    elif isinstance(node, ast.UnaryOp):
-        value = -_eval(node.operand, n, text)
-    elif isinstance(node, ast.Call):
-        value = _FUNCS[node.func.id](_eval(a, n, text) for a in node.args)
-    else:
-        left, right = _eval(node.left, n, text), _eval(node.right, n, text)
-        if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and right == 0:
-            raise ExpressionError(f"{text!r}: division by zero with {NAME}={n}")
-        value = _BINOPS[type(node.op)](left, right)
+def _checked(value: int, text: str, n: int) -> int:
     if abs(value) > _LIMIT:
         raise ExpressionError(f"{text!r}: value out of the int64 range with {NAME}={n}")
     return value
+
+
+def _build(node: ast.AST, text: str) -> Evaluator:
+    """Check ``node`` against the grammar and return its evaluator."""
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if type(value) is not int:
+            raise ExpressionError(f"{text!r}: only integer literals are allowed")
+        if abs(value) > _LIMIT:  # refused when evaluated: the grammar (and the schema) allow it
+            return lambda n: _checked(value, text, n)
+        return lambda n: value
+    if isinstance(node, ast.Name):
+        if node.id != NAME:
+            raise ExpressionError(f"{text!r}: unknown name {node.id!r}; the only name is {NAME!r}")
+        return lambda n: n
+    if isinstance(node, ast.BinOp):
+        if type(node.op) not in _BINOPS:
+            raise ExpressionError(f"{text!r}: only + - * // % are allowed")
+        op = _BINOPS[type(node.op)]
+        left, right = _build(node.left, text), _build(node.right, text)
+        if isinstance(node.op, (ast.FloorDiv, ast.Mod)):
+            def divide(n: int) -> int:
+                a, b = left(n), right(n)
+                if b == 0:
+                    raise ExpressionError(f"{text!r}: division by zero with {NAME}={n}")
+                return _checked(op(a, b), text, n)
+            return divide
+        return lambda n: _checked(op(left(n), right(n)), text, n)
+    if isinstance(node, ast.UnaryOp):
+        if not isinstance(node.op, ast.USub):
+            raise ExpressionError(f"{text!r}: only unary minus is allowed")
+        operand = _build(node.operand, text)
+        return lambda n: _checked(-operand(n), text, n)
+    if isinstance(node, ast.Call):
+        if (not isinstance(node.func, ast.Name) or node.func.id not in _FUNCS
+                or node.keywords or len(node.args) < 2):
+            raise ExpressionError(f"{text!r}: the only calls are min(a, b, ...) and max(a, b, ...)")
+        func = _FUNCS[node.func.id]
+        args = [_build(a, text) for a in node.args]
+        return lambda n: func(a(n) for a in args)
+    raise ExpressionError(f"{text!r}: {type(node).__name__} is not allowed")

@@ -95,8 +95,10 @@ def test_oversized_plan_file_is_refused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(plan_module, "MAX_PLAN_BYTES", 10)
     path = write(tmp_path, json.dumps(SPLIT_W))
-    with pytest.raises(PlanError, match="larger than 10"):
+    with pytest.raises(PlanError, match="over the 10-byte limit"):
         ShardInfo.load(path)
+    with pytest.raises(PlanError, match="over the 10-byte limit"):
+        ShardInfo.loads(json.dumps(SPLIT_W))
 
 
 def test_missing_plan_file_is_a_plan_error(tmp_path):
@@ -265,6 +267,10 @@ VALID = [
     {"w": [["f", [[2, "num_shards * 2"], "e4m3_float8"], 0, 1.5, True, None, "num_shards"]]},
     {"w": [["a", [[], "float32"]], ["b", [[0, 3], "bool"]]]},
     {"__metadata__": {"tensor_parallel": {"q_heads": [[0, -1]]}}, "w": []},
+    {"w": [["f", [[1] * 64, "int32"]]]},                      # torch's 64 dims
+    {"w": [["f", [[2**53, 0], "int32"], 2**63 - 1, -2**63, -9.2e18, 1e-300]]},  # at the limits
+    {"w": [["f", [["99999999999999999999"], "int32"]]]},      # grammatical; refused at bind
+    {"w": [["f", [[2], "int32"]]] * 16},                      # 16 steps
 ]
 INVALID = [
     [],                                                       # not an object
@@ -285,6 +291,12 @@ INVALID = [
     {"w": [["f", [["a" * 300], "int32"]]]},                   # over-long expression
     {"": []},                                                 # empty parameter name
     {"__metadata__": [1]},                                    # metadata not an object
+    {"w": [["f", [[1] * 65, "int32"]]]},                      # more dims than torch allows
+    {"w": [["f", [[2**53 + 1], "int32"]]]},                   # a dim beyond 2**53
+    {"w": [["f", [[2], "int32"], 2**63]]},                    # an arg beyond int64
+    {"w": [["f", [[2], "int32"], -2**63 - 1]]},
+    {"w": [["f", [[2], "int32"], 1e19]]},
+    {"w": [["f", [[2], "int32"]]] * 17},                      # more than 16 steps
 ]
 
 

@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from .. import dtypes
+from ..errors import quote
 from ..registry import register_shard_func
 
 Shape = tuple[int, ...]
@@ -30,7 +31,7 @@ def _int(value, what: str) -> int:
     try:
         return operator.index(value)
     except TypeError:
-        raise ValueError(f"{what} must be an integer, got {value!r}") from None
+        raise ValueError(f"{what} must be an integer, got {quote(value, 40)}") from None
 
 
 def _axis(dim: int, ndim: int) -> int:
@@ -96,9 +97,17 @@ def split(input: torch.Tensor, dim: int, output: torch.Tensor) -> None:
 
 # ---- shardload.split_segments ------------------------------------------------------------------
 
+#: segments of one fused tensor: real ones have a handful of parts ([q, k, v], [gate, up]); the
+#: cap keeps the per-worker range lists (N x segments) small for any N
+MAX_SEGMENTS = 256
+
+
 def _parse_segments(extra: Sequence[int]) -> list[tuple[int, int]]:
     if len(extra) == 0 or len(extra) % 2:
         raise ValueError("segments must be given as pairs: size_0, units_0, size_1, units_1, ...")
+    if len(extra) > 2 * MAX_SEGMENTS:
+        raise ValueError(f"{len(extra) // 2} segments, more than the {MAX_SEGMENTS} a fused "
+                         "tensor may have")
     pairs = [(_int(extra[k], f"segment {k // 2} size"), _int(extra[k + 1], f"segment {k // 2} units"))
              for k in range(0, len(extra), 2)]
     for k, (size, units) in enumerate(pairs):
@@ -110,6 +119,37 @@ def _parse_segments(extra: Sequence[int]) -> list[tuple[int, int]]:
     return pairs
 
 
+def _segment_layout(in_shape: Shape, dim: int, segments: Sequence[int],
+                    num_shards: int) -> tuple[int, int, list[tuple[int, int, int]]]:
+    """The axis, N, and per segment ``(start, length, replicas)``: worker i keeps ``length``
+    elements from ``start + i * length`` (``replicas == 0``) or from
+    ``start + (i // replicas) * length`` (replicated units)."""
+    axis = _axis(dim, len(in_shape))
+    num_shards = _workers(num_shards)
+    pairs = _parse_segments(segments)
+    total = sum(size for size, _ in pairs)
+    if total != in_shape[axis]:
+        raise ValueError(f"segment sizes add up to {total}, but dim {dim} has size "
+                         f"{in_shape[axis]}")
+    layout = []
+    start = 0
+    for k, (size, signed_units) in enumerate(pairs):
+        units, replicable = abs(signed_units), signed_units < 0
+        if num_shards <= units or not replicable:
+            if units % num_shards:
+                raise ValueError(f"segment {k} has {units} units, which do not divide among "
+                                 f"{num_shards} workers")
+            layout.append((start, size // num_shards, 0))
+        else:
+            if num_shards % units:
+                raise ValueError(f"segment {k} has {units} units; replicating them to "
+                                 f"{num_shards} workers needs {num_shards} to be a multiple "
+                                 f"of {units}")
+            layout.append((start, size // units, num_shards // units))
+        start += size
+    return axis, num_shards, layout
+
+
 def segment_ranges(in_shape: Shape, dim: int, segments: Sequence[int],
                    num_shards: int) -> tuple[int, list[Ranges]]:
     """The split axis and, per worker, the ranges it keeps, for ``shardload.split_segments``.
@@ -119,41 +159,21 @@ def segment_ranges(in_shape: Shape, dim: int, segments: Sequence[int],
     units of it, so N must divide ``|units_k|``. A *negative* ``units_k`` marks a segment whose
     units may also be replicated (KV heads under GQA): when N exceeds them, N must be a multiple
     of them and worker i keeps unit ``i // (N // |units_k|)``, as vLLM's QKVParallelLinear does.
+    At most ``MAX_SEGMENTS`` segments.
     """
-    axis = _axis(dim, len(in_shape))
-    num_shards = _workers(num_shards)
-    pairs = _parse_segments(segments)
-    total = sum(size for size, _ in pairs)
-    if total != in_shape[axis]:
-        raise ValueError(f"segment sizes add up to {total}, but dim {dim} has size "
-                         f"{in_shape[axis]}")
+    axis, num_shards, layout = _segment_layout(in_shape, dim, segments, num_shards)
     per_worker: list[Ranges] = [[] for _ in range(num_shards)]
-    start = 0
-    for k, (size, signed_units) in enumerate(pairs):
-        units, replicable = abs(signed_units), signed_units < 0
-        unit = size // units
-        if num_shards <= units or not replicable:
-            if units % num_shards:
-                raise ValueError(f"segment {k} has {units} units, which do not divide among "
-                                 f"{num_shards} workers")
-            length = size // num_shards
-            for i in range(num_shards):
-                per_worker[i].append((start + i * length, length))
-        else:
-            if num_shards % units:
-                raise ValueError(f"segment {k} has {units} units; replicating them to "
-                                 f"{num_shards} workers needs {num_shards} to be a multiple "
-                                 f"of {units}")
-            replicas = num_shards // units
-            for i in range(num_shards):
-                per_worker[i].append((start + (i // replicas) * unit, unit))
-        start += size
+    for start, length, replicas in layout:
+        for i in range(num_shards):
+            offset = (i // replicas) if replicas else i
+            per_worker[i].append((start + offset * length, length))
     return axis, per_worker
 
 
 def _segments_rule(in_shape: Shape, in_dtype: str, dim: int, *segments: int, num_shards: int):
-    axis, ranges = segment_ranges(in_shape, dim, segments, num_shards)
-    return _stack_shape(in_shape, axis, sum(n for _, n in ranges[0]), num_shards), in_dtype
+    axis, num_shards, layout = _segment_layout(in_shape, dim, segments, num_shards)
+    return _stack_shape(in_shape, axis, sum(length for _, length, _ in layout),
+                        num_shards), in_dtype
 
 
 @register_shard_func("shardload.split_segments", shape_rule=_segments_rule)
@@ -233,8 +253,12 @@ def _constant_rule(in_shape: Shape, in_dtype: str, *values: int, num_shards: int
                          f"{list(in_shape)}")
     if in_dtype not in _INTEGER:
         raise ValueError(f"constant values are integers, the input is {in_dtype}")
-    for v in values:
-        _int(v, "a constant value")
+    lo, hi = dtypes.INTEGER_RANGE[in_dtype]
+    for k, v in enumerate(values):
+        v = _int(v, f"constant value {k}")
+        if not lo <= v <= hi:
+            raise ValueError(f"constant value {k} is {v}, which does not fit {in_dtype} "
+                             f"[{lo}, {hi}]")
     return (_workers(num_shards), len(values)), in_dtype
 
 
@@ -243,12 +267,19 @@ def constant(input: torch.Tensor, *values_and_output) -> None:
     """Give every worker the given integers instead of the stored vector (same length and dtype).
 
     For metadata that describes the shard itself, such as compressed-tensors' ``weight_shape``:
-    each worker's ``[rows, cols]`` are written as expressions of ``num_shards``.
+    each worker's ``[rows, cols]`` are written as expressions of ``num_shards``. Every value must
+    fit the vector's dtype (a bool or float is refused, not converted).
     """
     *values, output = values_and_output
     _check_output(_constant_rule, input, tuple(values), output)
-    output.copy_(torch.tensor([int(v) for v in values], dtype=torch.int64).to(output.dtype)
-                 .expand_as(output))
+    # every value fits the dtype (checked above); uint64 beyond int64 goes in by its bit pattern
+    words = [int(v) - 2**64 if int(v) > 2**63 - 1 else int(v) for v in values]
+    row = torch.tensor(words, dtype=torch.int64)
+    if output.dtype == torch.uint64:
+        row = row.view(torch.uint64)
+    else:
+        row = row.to(output.dtype)
+    dtypes.movable_view(output).copy_(dtypes.movable_view(row).expand(output.shape))
 
 
 # ---- shardload.repeat_segments -----------------------------------------------------------------
@@ -257,6 +288,9 @@ def _repeat_rule(in_shape: Shape, in_dtype: str, *sizes: int, num_shards: int):
     sizes = tuple(_int(s, "a segment size") for s in sizes)
     if not sizes or any(s < 0 for s in sizes):
         raise ValueError("give one non-negative size per segment")
+    if sum(sizes) > dtypes.MAX_DIM:
+        raise ValueError(f"the sizes add up to {sum(sizes)} rows, beyond the {dtypes.MAX_DIM} "
+                         "(2**53) any dim may have")
     if tuple(in_shape) not in ((len(sizes),), (len(sizes), 1)):
         raise ValueError(f"the input must hold one value per segment ({len(sizes)}), got shape "
                          f"{list(in_shape)}")
