@@ -467,7 +467,7 @@ REFUSED = {
                                  "unknown ggml tensor type 4"),
     "row not whole blocks": (_file([ARCH], [A, _info("b", [48, 2], T.Q8_0, 64)], DATA), "b",
                              "not a multiple of the Q8_0 block size 32"),
-    "dims overflow": (_file([ARCH], [A, _info("b", [32, 2**62, 4], T.Q8_0, 64)], DATA), "b",
+    "dims overflow": (_file([ARCH], [A, _info("b", [32, 2**40, 2**40], T.Q8_0, 64)], DATA), "b",
                       "overflow"),
     "offset past the end": (_file([ARCH], [A, _info("b", [32, 2], T.Q8_0, 2**40)], DATA), "b",
                             "runs past the end"),

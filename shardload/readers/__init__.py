@@ -20,20 +20,29 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     - a ``.gguf`` file (llama.cpp), tensors under their GGUF names;
     - a folder with ``tensor-cache.json`` (or the older ``ndarray-cache.json``): MLC-LLM;
     - a ``.safetensors`` file, or a folder with one or an HF-sharded set listed by
-      ``model.safetensors.index.json``.
+      ``model.safetensors.index.json``;
+    - a Hugging Face hub cache repository folder (``models--org--name``, with ``refs/main`` and
+      ``snapshots/``): the snapshot ``refs/main`` names. A snapshot folder itself (its files are
+      symlinks into ``blobs/``) is an ordinary folder.
 
-    Nothing but headers is read until a tensor is asked for.
+    Nothing but headers is read until a tensor is asked for. The checkpoint's ``path`` is what
+    was opened: for a hub cache repository folder, the snapshot folder, which is where the plan
+    (``shard_info.json``) and ``config.json`` lie.
 
     >>> ckpt = open_checkpoint("examples/tiny_llama_q4")          # doctest: +SKIP
     >>> ckpt.meta("model.embed_tokens.weight").shape               # doctest: +SKIP
     (512, 256)
     """
-    path = os.fspath(path)
-    if os.path.isfile(path) and path.endswith(".gguf"):
+    from .hub_cache import resolve_snapshot
+
+    path = resolve_snapshot(os.fspath(path))
+    # Chosen by name, not by what the name leads to, so that a FIFO, a dangling link or a
+    # symlink loop reaches the reader that names the problem.
+    if path.endswith(".gguf"):
         from .gguf import open_gguf
 
         return open_gguf(path)
-    if os.path.isdir(path) and any(os.path.exists(os.path.join(path, name))
+    if os.path.isdir(path) and any(os.path.lexists(os.path.join(path, name))
                                    for name in ("tensor-cache.json", "ndarray-cache.json")):
         from .mlc import open_mlc
 

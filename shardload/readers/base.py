@@ -1,4 +1,17 @@
-"""The interface every checkpoint reader implements."""
+"""The interface every checkpoint reader implements, and the limits every reader applies.
+
+Limits shared by the file readers (each refusal a ``FormatError`` that states the limit):
+
+* ``MAX_DIM``: no tensor dimension beyond 2**53, the largest integer a double (and so a JSON
+  number in most tools) holds exactly; real tensors are nowhere near it;
+* ``MAX_NDIM``: at most 64 dimensions (numpy's limit: a tensor handed to a numpy shard function
+  must fit);
+* the product of a shape's dimensions, zero dimensions counted as 1 (that is what strides are
+  computed from), times the item size, fits a signed 64-bit integer: torch and numpy refuse
+  ``(0, 2**53, 2**53)`` although it holds no element;
+* ``MAX_INDEX_BYTES``: a checkpoint index (``model.safetensors.index.json``,
+  ``tensor-cache.json``) is at most 64 MiB; the largest real ones are about 10 MB.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +22,15 @@ from typing import Iterator
 
 import torch
 
-from .. import dtypes
+from .. import dtypes, strict_json
+
+#: limits every reader applies, defined once in ``dtypes``
+MAX_DIM, MAX_NDIM = dtypes.MAX_DIM, dtypes.MAX_NDIM
+shape_problem = dtypes.shape_problem
+#: cap on an index file's size
+MAX_INDEX_BYTES = 64 << 20
+#: pauses the garbage collector while a large acyclic header is built (see strict_json)
+no_gc = strict_json.gc_paused
 
 
 @dataclass(frozen=True)

@@ -22,17 +22,25 @@ Trust rules. A checkpoint is input from outside, so the whole header is checked 
 time, before anything is read, and every failure is a ``FormatError`` naming the file (and the
 tensor where there is one). After ``open_gguf`` returns, a read is a bounds-checked copy:
 
+* the path may be a symlink (the Hugging Face hub cache links every file into ``blobs/``); what
+  it leads to must be a regular file: a FIFO, a device, a directory, a symlink loop or an
+  unreadable file is refused by name, never opened in a way that could block;
 * magic ``GGUF``, version 2 or 3, little-endian (big-endian files are refused, not swapped);
 * every count, length and offset in the header is bounded by the file size before it is used
   (a corrupt count cannot make us loop or allocate); strings are valid UTF-8; value types are
   known; arrays are not nested; bools are 0 or 1; no key appears twice;
 * ``general.alignment``, if present, is a u32 power of two;
-* each tensor: a unique non-empty name, 0..4 dims, a ggml type gguf-py knows with a block size,
-  ``ne[0]`` a multiple of that block size, an offset that is a multiple of the alignment (as
-  llama.cpp requires), and a byte size (``n_elements // block_size * type_size``, which the
-  header implies, never states) whose range lies inside the file and overlaps no other tensor.
-
-Padding between tensors and after the last one is allowed, as the format has it.
+* each tensor: a unique non-empty name, 0..4 dims each at most 2**53 (a strict reader refuses
+  dims beyond 2**53) whose product fits 64-bit sizes, a ggml type gguf-py knows with a block
+  size, ``ne[0]`` a multiple of that block size, an offset that is a multiple of the alignment
+  (as llama.cpp requires), and a byte size (``n_elements // block_size * type_size``, which the
+  header implies, never states) whose range lies inside the file and overlaps no other tensor;
+* the bytes between the end of the header and the aligned data start are zeros, and the data
+  region leaves no run of ``alignment`` or more bytes unclaimed, between tensors or after the
+  last one. Writers (llama.cpp, gguf-py) pad with zeros, and only up to the alignment. This is
+  what catches a header that lies about its own length: with a tensor count one too few, the
+  data start moves back into the last tensor info, every offset then points at the wrong bytes,
+  and every other check passes.
 
 The header is parsed here, with gguf-py supplying the type tables (``GGMLQuantizationType``,
 ``GGML_QUANT_SIZES``, ``GGUFValueType``), rather than by ``gguf.GGUFReader``: GGUFReader builds
@@ -43,7 +51,8 @@ The tests check this reader against GGUFReader byte for byte.
 The file is mapped, not read: opening reads only the header, ``read`` copies one tensor (or,
 with ``read_narrow``, one slice of it) out of the mapping, and large key-value arrays (the
 tokenizer) are decoded only when ``field`` asks for them. Files must not be modified while a
-checkpoint has them open.
+checkpoint has them open: a file that changes is refused before the next tensor or key is read
+(see ``mapped.py``).
 """
 
 from __future__ import annotations
@@ -60,8 +69,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
 from gguf import GGUFValueType
 
-from ..errors import FormatError
-from .base import TensorMeta
+from .. import dtypes
+from ..errors import FormatError, quote
+from ..files import open_regular
+from .base import MAX_DIM, TensorMeta, no_gc, shape_problem
 from .mapped import MappedCheckpoint, unmap
 
 __all__ = ["open_gguf", "GGUFCheckpoint", "CONFIG_MAX_ARRAY", "SUPPORTED_VERSIONS"]
@@ -197,7 +208,7 @@ class _Parser:
 
     def value(self, key: str, vtype: int) -> _KV:
         """Check and skip the value of ``key``, returning where it lies."""
-        what = f"the value of key {key!r}"
+        what = f"the value of key {quote(key)}"
         if vtype == GGUFValueType.STRING:
             start = self.pos
             self.string(what)
@@ -236,7 +247,7 @@ class _Parser:
             else:
                 raise self.fail(f"{what} is an array of unknown value type {subtype}")
             return _KV(key, vtype, start, subtype, count)
-        raise self.fail(f"key {key!r} has unknown value type {vtype}; known: "
+        raise self.fail(f"key {quote(key)} has unknown value type {vtype}; known: "
                         f"{', '.join(t.name for t in GGUFValueType)}")
 
     def header(self) -> _Header:
@@ -269,10 +280,10 @@ class _Parser:
         for i in range(n_kv):
             self.where = f"key-value {i}"
             key = self.string("the key")
-            self.where = f"key-value {i} ({key!r})"
+            self.where = f"key-value {i} ({quote(key)})"
             vtype = self.u32("the value type")
             if key in kvs:
-                raise self.fail(f"key {key!r} appears twice; every key must be unique")
+                raise self.fail(f"key {quote(key)} appears twice; every key must be unique")
             kvs[key] = self.value(key, vtype)
 
         infos: list[_TensorInfo] = []
@@ -306,7 +317,24 @@ class _Parser:
             if alignment == 0 or alignment & (alignment - 1):
                 raise self.fail(f"general.alignment is {alignment}; it must be a power of two")
         data_start = -(-self.pos // alignment) * alignment
+        self._check_padding(self.pos, data_start, n_tensors)
         return _Header(version, kvs, infos, alignment, data_start)
+
+    def _check_padding(self, header_end: int, data_start: int, n_tensors: int) -> None:
+        """The bytes between the header and the data start must be the zeros writers put
+        there: anything else means the header ended somewhere it did not really end."""
+        stop = min(data_start, self.size)
+        if stop <= header_end:
+            return
+        pad = np.frombuffer(self.buf, np.uint8, stop - header_end, header_end)
+        nonzero = np.flatnonzero(pad)
+        del pad  # a view holds the mapping; do not keep it
+        if nonzero.size:
+            at = header_end + int(nonzero[0])
+            raise self.fail(f"the padding between the end of the header (byte {header_end}) and "
+                            f"the aligned data start (byte {data_start}) holds a non-zero byte at "
+                            f"byte {at}; writers pad with zeros, so the header is not as long as "
+                            f"it says: the tensor count ({n_tensors}) or a tensor info is wrong")
 
     def _ggml_type(self, code: int) -> GGMLQuantizationType:
         try:
@@ -330,7 +358,10 @@ def _check_tensors(path: Path, header: _Header, size: int) -> list[tuple[TensorM
 
         block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
         kind = info.ggml_type.name
-        if math.prod(max(d, 1) for d in info.ne) > _INT64_MAX:  # (so is every dim)
+        if any(d > MAX_DIM for d in info.ne):
+            raise bad(f"ne {list(info.ne)} has a dimension beyond 2**53: a strict reader refuses "
+                      f"dims beyond 2**53")
+        if math.prod(max(d, 1) for d in info.ne) > _INT64_MAX:
             raise bad(f"dimensions {list(info.ne)} overflow 64-bit sizes")
         ne0 = info.ne[0] if info.ne else 1
         if ne0 % block_size:
@@ -354,21 +385,46 @@ def _check_tensors(path: Path, header: _Header, size: int) -> list[tuple[TensorM
             dtype = "uint8"
         else:
             shape = np_ne
+        problem = shape_problem(shape, dtypes.itemsize(dtype))
+        if problem:  # (the byte dim of raw blocks, times the other dims)
+            raise bad(problem)
         meta = TensorMeta(info.name, shape, dtype)
         assert meta.nbytes == nbytes, (info, meta)
         placed.append((meta, begin, end))
 
     placed.sort(key=lambda t: (t[1], t[2]))  # storage order; stable
-    prev_end, prev = 0, None
+    _check_data_region(path, header, placed, size)
+    return placed
+
+
+def _check_data_region(path: Path, header: _Header,
+                       placed: list[tuple[TensorMeta, int, int]], size: int) -> None:
+    """No overlaps, and no unclaimed run of ``alignment`` bytes or more: writers pad each
+    tensor only up to the alignment. ``placed`` is in storage order."""
+    align = header.alignment
+    cursor, prev = header.data_start, None
     for meta, begin, end in placed:
         if end == begin:
-            continue  # an empty range overlaps nothing
-        if begin < prev_end:
-            raise FormatError(f"data [{begin}, {end}) overlaps tensor {prev!r} (which ends at "
-                              f"{prev_end}); every byte belongs to one tensor. The header is "
+            continue  # an empty range overlaps nothing and claims nothing
+        if begin < cursor:
+            raise FormatError(f"data [{begin}, {end}) overlaps tensor {quote(prev)} (which ends "
+                              f"at {cursor}); every byte belongs to one tensor. The header is "
                               f"corrupt; {_REDO}", file=path, tensor=meta.name)
-        prev_end, prev = end, meta.name
-    return placed
+        if begin - cursor >= align:
+            after = (f"after the end of tensor {quote(prev)}" if prev is not None
+                     else "after the data start")
+            raise FormatError(f"data [{begin}, {end}) starts {begin - cursor} bytes {after} (byte "
+                              f"{cursor}), leaving them unclaimed; writers pad only up to the "
+                              f"alignment ({align}), so the offsets or the tensor count are "
+                              f"wrong. The header is corrupt; {_REDO}", file=path,
+                              tensor=meta.name)
+        cursor, prev = end, meta.name
+    if size - cursor >= align:
+        last = f"the last tensor, {quote(prev)}," if prev is not None else "the data start"
+        raise FormatError(f"{size - cursor} bytes after {last} (which ends at byte {cursor}) "
+                          f"belong to no tensor; writers pad only up to the alignment ({align}), "
+                          f"so the tensor count is too small, or the file was appended to. The "
+                          f"header is corrupt; {_REDO}", file=path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,12 +442,13 @@ def open_gguf(path: str | os.PathLike) -> "GGUFCheckpoint":
     {'ggml_type': 'Q4_1', 'block_size': 32, 'type_size': 20, 'ne': [576, 576]}
     """
     p = Path(path)
-    if not p.exists():
+    if not os.path.lexists(p):
         raise FormatError("no such file", file=p)
-    if not p.is_file():
+    if p.is_dir():
         raise FormatError("not a file; pass the path of a .gguf file", file=p)
-    with open(p, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    f, st = open_regular(p, "the GGUF file")
+    with f:
+        size = st.st_size
         if size == 0:
             raise FormatError(f"file is empty: it is truncated or not a GGUF file; {_REDO}",
                               file=p)
@@ -403,9 +460,10 @@ def open_gguf(path: str | os.PathLike) -> "GGUFCheckpoint":
         if len(mapped) != size:
             raise FormatError("file changed size while being opened; do not modify a checkpoint "
                               "while it is loading", file=p)
-        header = _Parser(mapped, size, p).header()
-        tensors = _check_tensors(p, header, size)
-        return GGUFCheckpoint(str(path), mapped, header, tensors)
+        with no_gc():  # see no_gc: a header of many tensors must open in time linear in it
+            header = _Parser(mapped, size, p).header()
+            tensors = _check_tensors(p, header, size)
+            return GGUFCheckpoint(str(path), mapped, header, tensors, st)
     except BaseException:
         unmap(mapped)
         raise
@@ -423,10 +481,12 @@ class GGUFCheckpoint(MappedCheckpoint):
     """
 
     def __init__(self, source: str, mapped: mmap.mmap, header: _Header,
-                 tensors: list[tuple[TensorMeta, int, int]]):
+                 tensors: list[tuple[TensorMeta, int, int]],
+                 stat: os.stat_result | None = None):
         # tensor offsets count from the start of the file (header.data_start included)
         super().__init__(source, [os.path.abspath(source)], [mapped],
-                         ((meta, 0, begin, end) for meta, begin, end in tensors))
+                         ((meta, 0, begin, end) for meta, begin, end in tensors),
+                         stats=[stat])
         self.path = os.path.abspath(source)
         self.version: int = header.version
         self.alignment: int = header.alignment
@@ -467,17 +527,18 @@ class GGUFCheckpoint(MappedCheckpoint):
         now (arrays of strings as ``str``). ``KeyError`` if the file has no such key."""
         kv = self._kvs.get(key)
         if kv is None:
-            raise KeyError(f"{self.source}: no key named {key!r}")
+            raise KeyError(f"{self.source}: no key named {quote(key)}")
         with self._lock:
             buf = self._bytes  # a view: it keeps the mapping alive while we decode
         if buf is None:
             raise ValueError(f"{self.source}: checkpoint is closed; open it again to read key "
-                             f"{key!r}")
+                             f"{quote(key)}")
+        self.check_unchanged(0)  # a decode reads the mapping too
         try:
             return _decode(buf, kv)
         except (UnicodeDecodeError, struct.error, ValueError) as e:  # the file changed under us
-            raise FormatError(f"key {key!r} cannot be decoded ({e}); do not modify a checkpoint "
-                              f"while it is open", file=self.path) from None
+            raise FormatError(f"key {quote(key)} cannot be decoded ({e}); do not modify a "
+                              f"checkpoint while it is open", file=self.path) from None
 
     @property
     def config(self) -> dict:
@@ -489,6 +550,7 @@ class GGUFCheckpoint(MappedCheckpoint):
             if buf is None:
                 raise ValueError(f"{self.source}: checkpoint is closed; open it again to read "
                                  f"its config")
+            self.check_unchanged(0)
             config = {kv.key: _decode(buf, kv) for kv in self._kvs.values()
                       if kv.count <= CONFIG_MAX_ARRAY}
             with self._lock:
@@ -505,8 +567,8 @@ class GGUFCheckpoint(MappedCheckpoint):
         try:
             if self._config is None and self._bytes is not None:
                 self.config
-        except ValueError:
-            pass  # closed by another thread meanwhile
+        except (ValueError, FormatError):
+            pass  # closed by another thread meanwhile, or the file changed: no config then
         with self._lock:
             self._bytes = None  # drop our view first: it holds a buffer export on the map
         super().close()

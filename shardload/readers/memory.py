@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from .. import dtypes
-from .base import Checkpoint, TensorMeta
+from ..errors import FormatError
+from .base import Checkpoint, TensorMeta, shape_problem
 
 
 def _to_torch(name: str, value: Any) -> torch.Tensor:
@@ -40,8 +41,15 @@ class ArrayCheckpoint(Checkpoint):
             if not isinstance(name, str):
                 raise TypeError(f"parameter names must be strings, got {name!r}")
             self._tensors[name] = _to_torch(name, value)
-        self._meta = {name: TensorMeta(name, tuple(t.shape), dtypes.from_torch(t.dtype))
-                      for name, t in self._tensors.items()}
+        self._meta = {}
+        for name, t in self._tensors.items():
+            meta = TensorMeta(name, tuple(t.shape), dtypes.from_torch(t.dtype))
+            # torch accepts an empty (0, 2**60) tensor; the readers' limits hold here too, so a
+            # plan is never validated against a shape no file could hold
+            problem = shape_problem(meta.shape, t.element_size())
+            if problem:
+                raise FormatError(problem, file=self.source, tensor=name)
+            self._meta[name] = meta
 
     def metadata(self) -> dict[str, TensorMeta]:
         return self._meta

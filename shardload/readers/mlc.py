@@ -35,15 +35,25 @@ Trust rules. Everything is checked at open time, before anything is read, and ev
 a ``FormatError`` naming the file (the index, or the shard file when that file is wrong) and the
 tensor:
 
+* every file read or mapped (the index, ``mlc-chat-config.json``, each shard file) is, once
+  symlinks are followed, a regular file: a FIFO, a device, a directory, a symlink loop, a
+  dangling link or an unreadable file is refused by name, never opened in a way that could
+  block; the index is at most 64 MiB, the config at most 16 MiB;
 * the index is UTF-8 JSON with no duplicate keys and no NaN; the top level, each shard record and
   each tensor record have exactly their known keys with the right types (unknown keys are
   refused, so a typo or an unsupported extension cannot go unnoticed; ``metadata`` and ``md5sum``
   are optional);
-* ``dataPath`` is a relative path inside the folder: not absolute, no ``..``, and resolving
-  symlinks it stays inside the folder; no file is listed twice; the file exists and its size is
+* ``dataPath`` is checked *by name*, before anything is opened: a plain relative path inside
+  the folder (not absolute, no ``..`` or ``.`` component, no NUL, no drive letter, no
+  backslash, at most 1024 characters: ``shardload.files.check_member_name``). The file it
+  names may be a symlink to anywhere (an MLC model downloaded with ``huggingface_hub`` is a
+  folder of links into ``blobs/``). No name is listed twice; the file exists and its size is
   the record's ``nbytes`` (TVM's check for a torn download);
 * the shard format is ``"raw-shard"``, a tensor format ``"raw"`` or ``"f32-to-bf16"``, and the
   dtype one TVM writes (``float16``, ``bfloat16``, ``float32``, ``uint32``, ``int8``, ...);
+* each tensor has a non-empty name that is valid Unicode, a shape of at most 64 dimensions,
+  each at most 2**53 (a strict reader refuses dims beyond 2**53), whose product fits 64-bit
+  sizes;
 * each tensor's ``nbytes`` is exactly ``prod(shape) * itemsize`` of the stored dtype,
   ``byteOffset + nbytes`` lies inside its file, tensors in one file do not overlap (gaps are
   fine: writers may align), and no tensor name appears twice.
@@ -51,7 +61,8 @@ tensor:
 ``md5sum`` is checked for type only: verifying it would read every byte at open time.
 
 Files are mapped, not read (each shard once, copy-on-write); a read copies one tensor or one
-slice out of the mapping. Files must not be modified while a checkpoint has them open.
+slice out of the mapping. A file that changes while a checkpoint has it open is refused before
+the next tensor is copied (see ``mapped.py``).
 """
 
 from __future__ import annotations
@@ -65,9 +76,10 @@ from pathlib import Path
 from typing import Any
 
 
-from .. import strict_json
-from ..errors import FormatError
-from .base import TensorMeta
+from .. import dtypes, strict_json
+from ..errors import FormatError, quote
+from ..files import MAX_SIDE_FILE_BYTES, check_member_name, open_regular, read_capped
+from .base import MAX_INDEX_BYTES, TensorMeta, no_gc, shape_problem
 from .mapped import MappedCheckpoint, unmap
 
 __all__ = ["open_mlc", "MLCCheckpoint", "INDEX_NAMES", "CONFIG_NAME", "MLC_DTYPES",
@@ -76,7 +88,6 @@ __all__ = ["open_mlc", "MLCCheckpoint", "INDEX_NAMES", "CONFIG_NAME", "MLC_DTYPE
 #: index file names, preferred first (TVM renamed ndarray-cache.json to tensor-cache.json)
 INDEX_NAMES = ("tensor-cache.json", "ndarray-cache.json")
 CONFIG_NAME = "mlc-chat-config.json"
-MAX_INDEX_SIZE = 100_000_000  # real indexes are well under 1 MB
 
 #: dtype spellings in a tensor cache -> canonical name. TVM's own names; the float8 ones in both
 #: the current spelling and the older ``e4m3_float8`` one.
@@ -137,60 +148,40 @@ class _ShardSpec:
 
 
 def _find_index(folder: Path) -> Path:
+    # by name: an index that is a dangling link or a FIFO is refused when it is read
     for name in INDEX_NAMES:
         p = folder / name
-        if p.is_file():
+        if os.path.lexists(p):
             return p
     raise FormatError(f"folder holds neither {' nor '.join(INDEX_NAMES)}: not an MLC-LLM weight "
                       f"folder", file=folder)
 
 
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_INDEX_SIZE + 1)
-    except OSError as e:
-        raise FormatError(f"cannot read {what}: {e}", file=path) from None
-    if len(raw) > MAX_INDEX_SIZE:
-        raise FormatError(f"{what} is over the {MAX_INDEX_SIZE}-byte limit: it is corrupt or not "
-                          f"an MLC file", file=path)
+def _read_json(path: Path, what: str, cap: int) -> Any:
+    raw = read_capped(path, cap, what)
+    # Decoded here, not by json: json.loads(bytes) silently accepts UTF-16 and UTF-32 too.
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise FormatError(f"{what} is not valid UTF-8 ({e})", file=path) from None
+        raise FormatError(f"{what} is not valid UTF-8 ({e}); JSON files must be UTF-8",
+                          file=path) from None
+    del raw
     try:
         return strict_json.loads(text)
     except ValueError as e:  # includes json.JSONDecodeError
         raise FormatError(f"{what} is not valid JSON: {e}", file=path) from None
 
 
-def _shard_path(index: Path, data_path: Any, where: str) -> Path:
-    """The file a shard record names, refused unless it lies inside the index's folder."""
-    def bad(msg: str) -> FormatError:
-        return FormatError(f"{where}: dataPath {data_path!r} {msg}; a tensor cache may only name "
-                           f"files in its own folder", file=index)
-
+def _shard_path(index: Path, data_path: Any, where: str, label: str) -> Path:
+    """The file a shard record names, refused by name unless it is a plain relative path inside
+    the index's folder. It may be a symlink to anywhere: what it leads to is checked to be a
+    regular file when it is opened."""
     if not isinstance(data_path, str):
-        raise FormatError(f"{where}: dataPath must be a string, got {data_path!r:.100}",
+        raise FormatError(f"{where}: dataPath must be a string, got {quote(data_path)}",
                           file=index)
-    if not data_path or "\x00" in data_path:
-        raise bad("is empty or holds a NUL character")
-    if os.path.isabs(data_path) or data_path.startswith(("/", "\\")):
-        raise bad("is an absolute path")
-    if ".." in Path(data_path).parts:
-        raise bad("contains '..'")
+    check_member_name(data_path, index=index, what=f"{label}: dataPath")
     path = index.parent / data_path
-    try:
-        folder = index.parent.resolve()
-        resolved = path.resolve()  # follows symlinks
-        if resolved == folder:
-            raise bad("names the folder itself, not a file in it")
-        if not resolved.is_relative_to(folder):
-            raise bad(f"resolves to {str(resolved)!r}, outside the folder")
-        present = path.is_file()
-    except OSError as e:  # e.g. a name too long for the file system
-        raise FormatError(f"{where}: cannot look up the shard file: {e}", file=path) from None
-    if not present:
+    if not os.path.lexists(path):
         raise FormatError(f"shard file is missing: {index.name} lists it ({where}); {_REDO}",
                           file=path)
     return path
@@ -198,7 +189,7 @@ def _shard_path(index: Path, data_path: Any, where: str) -> Path:
 
 def _check_tensor(index: Path, where: str, rec: Any) -> _Record:
     name = rec.get("name") if isinstance(rec, dict) else None
-    tensor = name if isinstance(name, str) else None
+    tensor = name if isinstance(name, str) and strict_json.is_text(name) else None
 
     def bad(msg: str) -> FormatError:
         return FormatError(f"{where}: {msg}; {_REDO}", file=index, tensor=tensor)
@@ -207,22 +198,27 @@ def _check_tensor(index: Path, where: str, rec: Any) -> _Record:
         raise bad(f"tensor record must be an object, got {type(rec).__name__}")
     _check_keys(rec, _TENSOR_KEYS, "tensor record", bad)
     if not isinstance(name, str) or not name:
-        raise bad(f"name must be a non-empty string, got {name!r:.100}")
+        raise bad(f"name must be a non-empty string, got {quote(name)}")
+    if tensor is None:
+        raise bad(f"name {quote(name)} is not valid Unicode (a lone surrogate escape)")
     shape, dtype, fmt = rec["shape"], rec["dtype"], rec["format"]
     nbytes, offset = rec["nbytes"], rec["byteOffset"]
     if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-        raise bad(f"shape must be a list of non-negative integers, got {shape!r:.100}")
+        raise bad(f"shape must be a list of non-negative integers, got {quote(shape)}")
     if not isinstance(dtype, str) or dtype not in MLC_DTYPES:
-        raise bad(f"unknown dtype {dtype!r:.50}; shardload reads {', '.join(MLC_DTYPES)}")
+        raise bad(f"unknown dtype {quote(dtype)}; shardload reads {', '.join(MLC_DTYPES)}")
     if not isinstance(fmt, str) or fmt not in MLC_FORMATS:
-        raise bad(f"unknown format {fmt!r:.50}; shardload reads {' and '.join(MLC_FORMATS)}")
+        raise bad(f"unknown format {quote(fmt)}; shardload reads {' and '.join(MLC_FORMATS)}")
     if not _is_uint(nbytes):
-        raise bad(f"nbytes must be a non-negative integer, got {nbytes!r:.50}")
+        raise bad(f"nbytes must be a non-negative integer, got {quote(nbytes)}")
     if not _is_uint(offset):
-        raise bad(f"byteOffset must be a non-negative integer, got {offset!r:.50}")
+        raise bad(f"byteOffset must be a non-negative integer, got {quote(offset)}")
     stored = MLC_DTYPES[dtype]
     if fmt == "f32-to-bf16" and stored == "float32":
         stored = "bfloat16"  # the bytes are bf16 bits; see the module docstring
+    problem = shape_problem(shape, dtypes.itemsize(stored))
+    if problem:
+        raise bad(problem)
     meta = TensorMeta(name, tuple(shape), stored)
     if nbytes != meta.nbytes:
         how = (f"{math.prod(shape)} elements of {dtype} stored as {stored}"
@@ -242,14 +238,14 @@ def _check_layout(index: Path, where: str, records: list[_Record], size: int) ->
     covered, owner = 0, None
     for r in sorted((r for r in records if r.end > r.begin), key=lambda r: (r.begin, r.end)):
         if r.begin < covered:
-            raise FormatError(f"{where}: bytes [{r.begin}, {r.end}) overlap tensor {owner!r} "
+            raise FormatError(f"{where}: bytes [{r.begin}, {r.end}) overlap tensor {quote(owner)} "
                               f"(which ends at {covered}); the index is corrupt; {_REDO}",
                               file=index, tensor=r.meta.name)
         covered, owner = r.end, r.meta.name
 
 
 def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
-    doc = _read_json(index, "index")
+    doc = _read_json(index, "index", MAX_INDEX_BYTES)
 
     def bad(msg: str) -> FormatError:
         return FormatError(msg, file=index)
@@ -266,12 +262,14 @@ def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
                   f'{type(shard_records).__name__}')
 
     shards: list[_ShardSpec] = []
-    seen_files: dict[Path, str] = {}
+    # By name: check_member_name makes a name canonical (no "." or "" parts), and two names
+    # that link to one blob are legitimate (the hub cache stores equal files once).
+    seen_files: dict[str, str] = {}
     seen_names: dict[str, str] = {}
     for i, srec in enumerate(shard_records):
-        where = f"shard record {i}"
+        where = label = f"shard record {i}"
         if isinstance(srec, dict) and isinstance(srec.get("dataPath"), str):
-            where += f" ({srec['dataPath']!r})"
+            where += f" ({quote(srec['dataPath'], 60)})"
 
         def sbad(msg: str, where=where) -> FormatError:
             return FormatError(f"{where}: {msg}", file=index)
@@ -280,14 +278,14 @@ def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
             raise sbad(f"must be an object, got {type(srec).__name__}")
         _check_keys(srec, _SHARD_KEYS, "a shard record", sbad)
         if srec["format"] != "raw-shard":
-            raise sbad(f'unknown shard format {srec["format"]!r:.50}; shardload reads '
+            raise sbad(f'unknown shard format {quote(srec["format"], 50)}; shardload reads '
                        f'"raw-shard" only')
         nbytes = srec["nbytes"]
         if not _is_uint(nbytes):
-            raise sbad(f"nbytes must be a non-negative integer, got {nbytes!r:.50}")
+            raise sbad(f"nbytes must be a non-negative integer, got {quote(nbytes, 50)}")
         md5 = srec.get("md5sum")
         if md5 is not None and not isinstance(md5, str):
-            raise sbad(f"md5sum must be a string, got {md5!r:.50}")
+            raise sbad(f"md5sum must be a string, got {quote(md5, 50)}")
         tensor_records = srec["records"]
         if not isinstance(tensor_records, list):
             raise sbad(f'"records" must be a list of tensor records, got '
@@ -301,8 +299,8 @@ def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
             seen_names[r.meta.name] = where
         _check_layout(index, where, records, nbytes)
 
-        path = _shard_path(index, srec["dataPath"], where)
-        key = path.resolve()
+        path = _shard_path(index, srec["dataPath"], where, label)
+        key = srec["dataPath"]
         if key in seen_files:
             raise sbad(f"names the same file as {seen_files[key]}; each shard file may be "
                        f"listed once")
@@ -316,22 +314,19 @@ def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
 # mapping
 
 
-
-
-def _map_shard(index: Path, spec: _ShardSpec) -> "mmap.mmap | None":
-    """Map one shard file after checking its size; None for an empty file (mmap refuses those)."""
-    try:
-        f = open(spec.path, "rb")
-    except OSError as e:
-        raise FormatError(f"cannot open the shard file: {e}", file=spec.path) from None
+def _map_shard(index: Path, spec: _ShardSpec) -> "tuple[mmap.mmap | None, os.stat_result]":
+    """Map one shard file after checking its size; None for an empty file (mmap refuses those).
+    Also returns its ``fstat`` as mapped."""
+    f, st = open_regular(spec.path, "the shard file")
     with f:
-        size = os.fstat(f.fileno()).st_size
+        size = st.st_size
         if size != spec.nbytes:
             how = "truncated" if size < spec.nbytes else "longer than listed"
-            raise FormatError(f"shard file is {size} bytes, but {index.name} says {spec.nbytes}: "
-                              f"it is {how} (an interrupted download?); {_REDO}", file=spec.path)
+            raise FormatError(f"shard file is {size} bytes, but {index.name} says {spec.nbytes} "
+                              f"(its nbytes): it is {how} (an interrupted download?); {_REDO}",
+                              file=spec.path)
         if size == 0:
-            return None
+            return None, st
         # ACCESS_COPY: a private copy-on-write mapping. torch sees a writable buffer, and no
         # write through a tensor can reach the file. The map keeps its own handle on the file.
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -339,7 +334,7 @@ def _map_shard(index: Path, spec: _ShardSpec) -> "mmap.mmap | None":
         mapped.close()
         raise FormatError("shard file changed size while being opened; do not modify a "
                           "checkpoint while it is loading", file=spec.path)
-    return mapped
+    return mapped, st
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,21 +355,26 @@ def open_mlc(folder: str | os.PathLike) -> "MLCCheckpoint":
         raise FormatError(f"an MLC-LLM checkpoint is a folder (with {INDEX_NAMES[0]}), not a "
                           f"file", file=p)
     index = _find_index(p)
-    metadata, specs = _read_index(index)
+    with no_gc():  # see no_gc: an index of many tensors must open in time linear in it
+        metadata, specs = _read_index(index)
 
     config: dict[str, Any] = {}
     config_path = p / CONFIG_NAME
-    if config_path.is_file():
-        config = _read_json(config_path, CONFIG_NAME)
+    if os.path.lexists(config_path):  # there by name: a dangling link or a FIFO is refused
+        config = _read_json(config_path, CONFIG_NAME, MAX_SIDE_FILE_BYTES)
         if not isinstance(config, dict):
             raise FormatError(f"{CONFIG_NAME} must be a JSON object, got "
                               f"{type(config).__name__}", file=config_path)
 
     maps: list["mmap.mmap | None"] = []
+    stats: list[os.stat_result] = []
     try:
         for spec in specs:
-            maps.append(_map_shard(index, spec))
-        return MLCCheckpoint(str(folder), index, specs, maps, metadata, config)
+            mapped, st = _map_shard(index, spec)
+            maps.append(mapped)
+            stats.append(st)
+        with no_gc():
+            return MLCCheckpoint(str(folder), index, specs, maps, metadata, config, stats)
     except BaseException:
         for m in maps:
             unmap(m)
@@ -395,10 +395,11 @@ class MLCCheckpoint(MappedCheckpoint):
 
     def __init__(self, source: str, index: Path, specs: list[_ShardSpec],
                  maps: list["mmap.mmap | None"], cache_metadata: dict[str, Any],
-                 chat_config: dict[str, Any]):
+                 chat_config: dict[str, Any],
+                 stats: "list[os.stat_result] | None" = None):
         super().__init__(source, [str(s.path) for s in specs], maps,
                          ((r.meta, i, r.begin, r.end) for i, spec in enumerate(specs)
-                          for r in spec.records))
+                          for r in spec.records), stats=stats)
         self.path = os.path.abspath(source)
         self.index_file = str(index)
         self.md5sums: dict[str, "str | None"] = {str(s.path): s.md5sum for s in specs}

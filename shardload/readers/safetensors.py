@@ -17,21 +17,34 @@ Trust rules. A checkpoint is input from outside, so every header is checked here
 before anything is read, and every failure is a ``FormatError`` naming the file and tensor.
 After ``open_safetensors`` returns, a read is a bounds-checked copy and nothing more:
 
+* every file read or mapped (the checkpoint, each shard, the index, ``config.json``,
+  ``quantize_config.json``) is, once symlinks are followed, a regular file: a FIFO, a device, a
+  directory, a symlink loop or a dangling link is refused by name, never opened in a way that
+  could block (``shardload.files.open_regular``); unreadable files are refused the same way;
 * the header length is 1..100 MB and lies inside the file; the header is a UTF-8 JSON object
   with no duplicate keys and no NaN/Infinity;
-* each entry has exactly ``dtype`` (a known one), ``shape`` (non-negative ints) and
-  ``data_offsets`` (``[begin, end]``, ``begin <= end``), and ``end - begin`` is exactly what the
-  shape and dtype need;
+* each entry has a non-empty name that is valid Unicode (no lone surrogate from a ``\ud800``
+  escape) and exactly ``dtype`` (a known one), ``shape`` (non-negative ints, each at most 2**53,
+  at most 64 of them, their product within 64-bit sizes) and ``data_offsets`` (``[begin, end]``,
+  ``begin <= end``), and ``end - begin`` is exactly what the shape and dtype need;
 * the tensors tile the data buffer: inside it, no overlaps, no gaps, no trailing bytes
   (as the safetensors library requires);
-* an index names only files inside its folder (no absolute paths, no ``..``, no symlinks out),
-  every file it names exists, and it lists exactly the tensors each file holds.
+* an index is at most 64 MiB of UTF-8 JSON; every file name in its ``weight_map`` is checked *by
+  name* before anything is opened: a plain relative path inside the index's folder (not
+  absolute, no ``..`` or ``.`` component, no NUL, no drive letter, no backslash, at most 1024
+  characters: ``shardload.files.check_member_name``). Where the name leads on the user's file
+  system is not the checkpoint's business: in the Hugging Face hub cache
+  ``snapshots/<rev>/model-00001-of-00002.safetensors`` is a symlink to ``../../blobs/<sha256>``,
+  and that loads. Every file it names exists, and it lists exactly the tensors each file holds.
+
+Opening is linear in the header's size: a 60 MB header of a million (empty) tensors opens in
+seconds, not minutes.
 
 Where we are stricter than the safetensors library (0.8), the code says so.
 
 Files are mapped, not read: opening a checkpoint reads only the headers, and ``read`` copies one
-tensor (or, with ``read_narrow``, one slice of it) out of the mapping. Files must not be
-modified while a checkpoint has them open.
+tensor (or, with ``read_narrow``, one slice of it) out of the mapping. A file that changes while
+a checkpoint has it open is refused before the next tensor is copied (see ``mapped.py``).
 """
 
 from __future__ import annotations
@@ -43,13 +56,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 from .. import dtypes, strict_json
-from ..errors import FormatError
-from .base import TensorMeta
+from ..errors import FormatError, quote
+from ..files import MAX_SIDE_FILE_BYTES, check_member_name, open_regular, read_capped
+from .base import MAX_DIM, MAX_INDEX_BYTES, MAX_NDIM, TensorMeta, no_gc, shape_problem
 from .mapped import MappedCheckpoint, unmap
 
-__all__ = ["open_safetensors", "SafetensorsCheckpoint", "INDEX_NAME", "MAX_HEADER_SIZE"]
+__all__ = ["open_safetensors", "SafetensorsCheckpoint", "INDEX_NAME", "MAX_HEADER_SIZE",
+           "MAX_INDEX_BYTES"]
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_SIZE = 100_000_000  # the safetensors library's limit: headers are small, files are not
@@ -60,7 +74,13 @@ _REDO = "re-download or re-save the checkpoint"
 # strict JSON
 
 
-def _load_json(text: str, what: str, path: Path) -> Any:
+def _load_json(data: bytes, what: str, path: Path) -> Any:
+    # Decoded here, not by json: json.loads(bytes) silently accepts UTF-16 and UTF-32 too.
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{what} is not valid UTF-8 ({e}); JSON files must be UTF-8",
+                          file=path) from None
     # Duplicate keys are refused: the library refuses duplicate fields inside an entry, but
     # silently keeps the last of two top-level entries with one name; we are stricter.
     try:
@@ -69,19 +89,19 @@ def _load_json(text: str, what: str, path: Path) -> Any:
         raise FormatError(f"{what} is not valid JSON: {e}; {_REDO}", file=path) from None
 
 
-#: config files are small; a bigger one is a mistake
-_MAX_CONFIG_BYTES = 16 << 20
-
-
 def _read_small_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object from a small side file, ``None`` if it does not exist."""
-    if not path.is_file():
+    """A JSON object from a small side file, ``None`` if there is no file of that name.
+
+    A name that is there but leads nowhere readable (a dangling link, a FIFO, a folder) is an
+    error, not an absent file: the user meant something by it.
+    """
+    if not os.path.lexists(path):
         return None
-    if path.stat().st_size > _MAX_CONFIG_BYTES:
-        raise FormatError(f"larger than {_MAX_CONFIG_BYTES} bytes; not a config file", file=path)
-    obj = _load_json(path.read_bytes(), "the file", path)
+    raw = read_capped(path, MAX_SIDE_FILE_BYTES, f"the config file {path.name}")
+    obj = _load_json(raw, f"the config file {path.name}", path)
     if not isinstance(obj, dict):
-        raise FormatError("must hold a JSON object", file=path)
+        raise FormatError(f"the config file {path.name} must hold a JSON object, got "
+                          f"{type(obj).__name__}", file=path)
     return obj
 
 
@@ -98,40 +118,101 @@ class _Shard:
     tensors: list[tuple[TensorMeta, int, int]]  # storage order; offsets into the data buffer
     data_start: int  # 8 + N
     map: mmap.mmap
+    stat: os.stat_result  # as mapped: reads check the file is still this one
+
+
+_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+#: header dtype -> (canonical name, item size), looked up once per entry
+_DTYPES: dict[str, tuple[str, int]] = {code: (name, dtypes.itemsize(name))
+                                       for code, name in dtypes.SAFETENSORS.items()}
 
 
 def _is_uint(x: Any) -> bool:
     return type(x) is int and x >= 0  # type(), not isinstance(): JSON true is not a 1
 
 
-def _check_entry(path: Path, name: str, entry: Any) -> tuple[TensorMeta, int, int]:
-    """One header entry as (meta, begin, end), or a FormatError saying what is wrong with it."""
+def _bad_name(path: Path, name: str) -> FormatError | None:
+    if not name:
+        return FormatError(f"a header entry has an empty name; every tensor needs one; {_REDO}",
+                           file=path)
+    if not strict_json.is_text(name):
+        return FormatError(f"header entry name {quote(name)} is not valid Unicode (a lone "
+                           f"surrogate escape); {_REDO}", file=path)
+    return None
+
+
+def _entry_error(path: Path, name: str, entry: Any) -> FormatError:
+    """What is wrong with an entry the fast check in ``_check_entries`` did not accept."""
     def bad(msg: str) -> FormatError:
         return FormatError(f"{msg}; {_REDO}", file=path, tensor=name)
 
     if not isinstance(entry, dict):
-        raise bad(f"header entry must be an object, got {type(entry).__name__}")
-    want = {"dtype", "shape", "data_offsets"}
-    if set(entry) != want:
+        return bad(f"header entry must be an object, got {type(entry).__name__}")
+    if entry.keys() != _ENTRY_KEYS:
         # The library ignores unknown keys; we refuse them, so a typo cannot go unnoticed.
-        missing, extra = sorted(want - set(entry)), sorted(set(entry) - want)
-        raise bad(f"header entry must have exactly dtype, shape and data_offsets "
-                  f"(missing {missing}, unexpected {extra})")
+        missing = sorted(_ENTRY_KEYS - set(entry))
+        extra = [quote(k) for k in sorted(set(entry) - _ENTRY_KEYS)]
+        return bad(f"header entry must have exactly dtype, shape and data_offsets "
+                   f"(missing {missing}, unexpected [{', '.join(extra)}])")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in dtypes.SAFETENSORS:
-        raise bad(f"unknown dtype {dtype!r}; shardload reads {', '.join(dtypes.SAFETENSORS)}")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        return bad(f"unknown dtype {quote(dtype)}; shardload reads {', '.join(_DTYPES)}")
     if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-        raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
+        return bad(f"shape must be a list of non-negative integers, got {quote(shape)}")
+    problem = shape_problem(shape, _DTYPES[dtype][1])
+    if problem:
+        return bad(problem)
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
-        raise bad(f"data_offsets must be [begin, end], two non-negative integers, got {offsets!r}")
+        return bad(f"data_offsets must be [begin, end], two non-negative integers, got "
+                   f"{quote(offsets)}")
     begin, end = offsets
     if begin > end:
-        raise bad(f"data_offsets [{begin}, {end}] end before they begin")
-    meta = TensorMeta(name, tuple(shape), dtypes.SAFETENSORS[dtype])
-    if end - begin != meta.nbytes:
-        raise bad(f"data_offsets [{begin}, {end}] span {end - begin} bytes, but shape {shape} of "
-                  f"{dtype} needs {meta.nbytes}: the header lies about the size")
-    return meta, begin, end
+        return bad(f"data_offsets [{begin}, {end}] end before they begin")
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * _DTYPES[dtype][1]
+    return bad(f"data_offsets [{begin}, {end}] span {end - begin} bytes, but shape {shape} of "
+               f"{dtype} needs {nbytes}: the header lies about the size")
+
+
+def _check_entries(path: Path, header: dict[str, Any]) -> list[tuple[TensorMeta, int, int]]:
+    """Every header entry as (meta, begin, end), in header order, or a FormatError saying what
+    is wrong with the first bad one.
+
+    A few type tests and int comparisons per entry, inline: this runs once per tensor, and a
+    header may hold a million of them. An entry it does not accept goes to ``_entry_error``,
+    which makes the same checks one at a time to say which one failed.
+    """
+    out: list[tuple[TensorMeta, int, int]] = []
+    append, keys, known, max_dim, max_ndim = out.append, _ENTRY_KEYS, _DTYPES, MAX_DIM, MAX_NDIM
+    for name, entry in header.items():
+        if not name.isascii() or not name:  # isascii() is O(1); only non-ASCII can be a surrogate
+            err = _bad_name(path, name)
+            if err:
+                raise err
+        if type(entry) is not dict or entry.keys() != keys:
+            raise _entry_error(path, name, entry)
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        spec = known.get(dtype) if type(dtype) is str else None
+        if spec is None or type(shape) is not list or len(shape) > max_ndim \
+                or type(offsets) is not list or len(offsets) != 2:
+            raise _entry_error(path, name, entry)
+        numel = 1
+        for d in shape:
+            if type(d) is not int or not 0 <= d <= max_dim:
+                raise _entry_error(path, name, entry)
+            numel *= d
+        begin, end = offsets
+        if type(begin) is not int or type(end) is not int or not 0 <= begin <= end \
+                or end - begin != numel * spec[1]:
+            raise _entry_error(path, name, entry)
+        # A tensor holding bytes fits the file, so its size fits 64 bits; an empty one may
+        # still hide dimensions whose product does not (one dimension alone always fits).
+        if numel == 0 and len(shape) > 1 and shape_problem(shape, spec[1]):
+            raise _entry_error(path, name, entry)
+        append((TensorMeta(name, tuple(shape), spec[0]), begin, end))
+    return out
 
 
 def _check_layout(path: Path, tensors: list[tuple[TensorMeta, int, int]], data_len: int) -> None:
@@ -143,29 +224,46 @@ def _check_layout(path: Path, tensors: list[tuple[TensorMeta, int, int]], data_l
                               f"is wrong; {_REDO}", file=path, tensor=meta.name)
     expected, prev = 0, None
     for meta, begin, end in tensors:  # sorted by (begin, end)
-        if begin < expected:
-            raise FormatError(f"data_offsets [{begin}, {end}] overlap tensor {prev!r} "
-                              f"(which ends at {expected}); every byte belongs to one tensor. "
-                              f"The header is corrupt; {_REDO}", file=path, tensor=meta.name)
-        if begin > expected:
-            after = f"after tensor {prev!r}" if prev is not None else "at the start of the buffer"
+        if begin != expected:
+            if begin < expected:
+                raise FormatError(f"data_offsets [{begin}, {end}] overlap tensor {quote(prev)} "
+                                  f"(which ends at {expected}); every byte belongs to one "
+                                  f"tensor. The header is corrupt; {_REDO}",
+                                  file=path, tensor=meta.name)
+            after = (f"after tensor {quote(prev)}" if prev is not None
+                     else "at the start of the buffer")
             raise FormatError(f"data_offsets [{begin}, {end}] leave a gap of {begin - expected} "
                               f"unclaimed bytes {after}; tensors must cover the data buffer "
-                              f"exactly. The header is corrupt; {_REDO}", file=path, tensor=meta.name)
-        expected, prev = end, meta.name
+                              f"exactly. The header is corrupt; {_REDO}", file=path,
+                              tensor=meta.name)
+        if end != begin:
+            expected, prev = end, meta.name
     if expected != data_len:
         raise FormatError(f"{data_len - expected} trailing bytes after the last tensor (the "
                           f"tensors end at {expected}, the data buffer at {data_len}); the file "
                           f"is corrupt or was appended to; {_REDO}", file=path)
 
 
+def _storage_order(tensors: list[tuple[TensorMeta, int, int]]) -> None:
+    """Sort by (begin, end), in place; stable, so ties keep header order. Writers list tensors
+    in storage order or close to it, so first check in one pass whether there is anything to
+    do: a sort with a key builds a tuple per entry."""
+    prev = (0, 0)
+    for _, begin, end in tensors:
+        if (begin, end) < prev:
+            tensors.sort(key=lambda t: (t[1], t[2]))
+            return
+        prev = (begin, end)
+
+
 def _open_shard(path: Path) -> _Shard:
     """Read, validate and map one file. Only the header is read; the data is mapped."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    f, st = open_regular(path, "the file")
+    with f:
+        size = st.st_size
         if size < 8:
-            raise FormatError(f"file is {size} bytes, too short for the 8-byte header length: it is "
-                              f"truncated or not a safetensors file; {_REDO}", file=path)
+            raise FormatError(f"file is {size} bytes, too short for the 8-byte header length: it "
+                              f"is truncated or not a safetensors file; {_REDO}", file=path)
         (n,) = struct.unpack("<Q", f.read(8))
         if n == 0:
             raise FormatError(f"header length is 0; a safetensors header is at least '{{}}'; "
@@ -180,12 +278,9 @@ def _open_shard(path: Path) -> _Shard:
         if len(raw) != n:
             raise FormatError("file shrank while being opened; do not modify a checkpoint while "
                               "it is loading", file=path)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise FormatError(f"header is not valid UTF-8 ({e}); {_REDO}", file=path) from None
         # (Like the library, we accept whitespace around the JSON object.)
-        header = _load_json(text, "header", path)
+        header = _load_json(raw, "header", path)
+        del raw
         if not isinstance(header, dict):
             raise FormatError(f"header must be a JSON object, got {type(header).__name__}; "
                               f"{_REDO}", file=path)
@@ -195,9 +290,15 @@ def _open_shard(path: Path) -> _Shard:
         if not (isinstance(metadata, dict)
                 and all(isinstance(v, str) for v in metadata.values())):
             raise FormatError(f"__metadata__ must be an object of string -> string, got "
-                              f"{metadata!r:.200}; {_REDO}", file=path)
-        tensors = [_check_entry(path, name, entry) for name, entry in header.items()]
-        tensors.sort(key=lambda t: (t[1], t[2]))  # storage order; stable, so ties keep header order
+                              f"{quote(metadata)}; {_REDO}", file=path)
+        for key, value in metadata.items():
+            for text in (key, value):
+                if not strict_json.is_text(text):
+                    raise FormatError(f"__metadata__ holds {quote(text)}, which is not valid "
+                                      f"Unicode (a lone surrogate escape); {_REDO}", file=path)
+        tensors = _check_entries(path, header)
+        del header
+        _storage_order(tensors)
         data_start = 8 + n
         _check_layout(path, tensors, size - data_start)
 
@@ -209,7 +310,7 @@ def _open_shard(path: Path) -> _Shard:
         mapped.close()
         raise FormatError("file changed size while being opened; do not modify a checkpoint "
                           "while it is loading", file=path)
-    return _Shard(path, metadata, tensors, data_start, mapped)
+    return _Shard(path, metadata, tensors, data_start, mapped, st)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,11 +319,8 @@ def _open_shard(path: Path) -> _Shard:
 
 def _read_index(index: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """(metadata, weight_map) of an index file, checked to be the right shape."""
-    try:
-        text = index.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise FormatError(f"index is not valid UTF-8 ({e})", file=index) from None
-    obj = _load_json(text, "index", index)
+    raw = read_capped(index, MAX_INDEX_BYTES, "the index")
+    obj = _load_json(raw, "index", index)
     if not isinstance(obj, dict):
         raise FormatError(f"index must be a JSON object, got {type(obj).__name__}", file=index)
     weight_map = obj.get("weight_map")
@@ -237,22 +335,17 @@ def _read_index(index: Path) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def _shard_path(index: Path, file_name: str, tensor: str) -> Path:
-    """The file an index entry names, refused unless it lies inside the index's folder."""
-    def bad(msg: str) -> FormatError:
-        return FormatError(f"weight_map names file {file_name!r}, {msg}; an index may only name "
-                           f"files in its own folder", file=index, tensor=tensor)
-
-    if not file_name or os.path.isabs(file_name):
-        raise bad("an absolute or empty path")
-    if ".." in Path(file_name).parts:
-        raise bad("a path with '..'")
-    folder = index.parent.resolve()
+    """The file an index entry names, refused by name unless it is a plain relative path inside
+    the index's folder. The path may be a symlink to anywhere (the hub cache's blobs): what it
+    leads to is checked to be a regular file when it is opened."""
+    try:
+        check_member_name(file_name, index=index, what="weight_map names file")
+    except FormatError as e:
+        raise FormatError(e.reason, file=index, tensor=tensor) from None
     path = index.parent / file_name
-    if not path.resolve().is_relative_to(folder):  # resolve() follows symlinks
-        raise bad(f"which resolves to {str(path.resolve())!r}, outside the folder")
-    if not path.is_file():
-        raise FormatError(f"file is missing: {index.name} lists it (for tensor {tensor!r} and "
-                          f"maybe others); {_REDO}", file=path)
+    if not os.path.lexists(path):
+        raise FormatError(f"file is missing: {index.name} lists it (for tensor {quote(tensor)} "
+                          f"and maybe others); {_REDO}", file=path)
     return path
 
 
@@ -261,6 +354,7 @@ def _open_sharded(index: Path, source: str) -> "SafetensorsCheckpoint":
     listed: dict[str, list[str]] = {}  # file name -> the tensors the index puts in it
     for tensor, file_name in weight_map.items():
         listed.setdefault(file_name, []).append(tensor)
+    # every name is checked before any file is opened
     paths = {fn: _shard_path(index, fn, names[0]) for fn, names in listed.items()}
 
     shards: list[_Shard] = []
@@ -271,15 +365,17 @@ def _open_sharded(index: Path, source: str) -> "SafetensorsCheckpoint":
             stored = {meta.name for meta, _, _ in shard.tensors}
             for tensor in listed[file_name]:
                 if tensor not in stored:
-                    raise FormatError(f"{index.name} puts this tensor in {file_name!r}, but the "
-                                      f"file does not hold it; {_REDO}",
+                    raise FormatError(f"{index.name} puts this tensor in {quote(file_name)}, but "
+                                      f"the file does not hold it; {_REDO}",
                                       file=shard.path, tensor=tensor)
-            for tensor in sorted(stored - set(listed[file_name])):
-                other = weight_map.get(tensor)
-                why = (f"{index.name} puts it in {other!r}: a tensor name must be in one file only"
-                       if other is not None else f"{index.name} does not list it")
-                raise FormatError(f"tensor is stored in this file, but {why}; {_REDO}",
-                                  file=shard.path, tensor=tensor)
+            if len(stored) != len(listed[file_name]):  # (the names listed are all stored)
+                for tensor in sorted(stored - set(listed[file_name])):
+                    other = weight_map.get(tensor)
+                    why = (f"{index.name} puts it in {quote(other)}: a tensor name must be in "
+                           f"one file only" if other is not None
+                           else f"{index.name} does not list it")
+                    raise FormatError(f"tensor is stored in this file, but {why}; {_REDO}",
+                                      file=shard.path, tensor=tensor)
         return SafetensorsCheckpoint(source, shards, index_metadata)
     except BaseException:
         for shard in shards:
@@ -297,14 +393,19 @@ def open_safetensors(path: str | os.PathLike) -> "SafetensorsCheckpoint":
     A sharded folder is recognised by ``model.safetensors.index.json``; the index file's own path
     is accepted too. Every header is validated before this returns (``FormatError`` otherwise).
     """
-    p = Path(path)
-    source = str(path)
-    if not p.exists():
+    with no_gc():  # see no_gc: a header of a million tensors must open in seconds
+        return _open(Path(path), str(path))
+
+
+def _open(p: Path, source: str) -> "SafetensorsCheckpoint":
+    if not os.path.lexists(p):
         raise FormatError("no such file or folder", file=p)
     if p.is_dir():
-        if (p / INDEX_NAME).is_file():
+        # By name, not by what the name leads to: an index that is a dangling link or a FIFO
+        # is refused, not silently passed over for the folder's other files.
+        if os.path.lexists(p / INDEX_NAME):
             return _open_sharded(p / INDEX_NAME, source)
-        found = sorted(f for f in p.glob("*.safetensors") if f.is_file())
+        found = sorted(p.glob("*.safetensors"))  # whatever they are: see _open_shard
         if not found:
             raise FormatError(f"folder holds no *.safetensors file and no {INDEX_NAME}", file=p)
         if len(found) > 1:
@@ -316,6 +417,9 @@ def open_safetensors(path: str | os.PathLike) -> "SafetensorsCheckpoint":
     elif p.name.endswith(".index.json"):
         return _open_sharded(p, source)
     elif p.suffix != ".safetensors":
+        # what the path is comes first: "a FIFO" says more than "not a .safetensors file"
+        f, _ = open_regular(p, "the checkpoint")
+        f.close()
         raise FormatError("not a .safetensors file, an index, or a folder of them", file=p)
     shard = _open_shard(p)
     try:
@@ -339,7 +443,7 @@ class SafetensorsCheckpoint(MappedCheckpoint):
         super().__init__(source, [str(s.path) for s in shards], [s.map for s in shards],
                          ((meta, i, begin, end) for i, shard in enumerate(shards)
                           for meta, begin, end in shard.tensors),
-                         [s.data_start for s in shards])
+                         [s.data_start for s in shards], [s.stat for s in shards])
         self.path = os.path.abspath(source)
         self.file_metadata: dict[str, dict[str, str]] = {str(s.path): s.metadata for s in shards}
         self.index_metadata: dict[str, Any] = dict(index_metadata or {})
