@@ -13,20 +13,27 @@ and, if not, says which are.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
+from .. import strict_json
+from ..config_fields import Fields
 from ..errors import PlanError
 from ..plan import ShardInfo
 from ..readers import Checkpoint, as_checkpoint
 from .layouts import Scheme, scheme_from_hf
-from .llama import Planned, padding_for, plan_llama
+from .llama import Planned, check_shapes, padding_for, plan_llama, vocab_from_tensors
 from .model import ModelSpec, spec_from_gguf, spec_from_hf, spec_from_mlc
 
-__all__ = ["plan_for", "describe_plan", "valid_num_shards", "PlanSummary", "MAX_SHARDS_TRIED"]
+__all__ = ["plan_for", "describe_plan", "valid_num_shards", "check_num_shards", "PlanSummary",
+           "ValidNumShards", "MAX_SHARDS_TRIED", "MAX_VALIDATION_WORK"]
 
 #: ``valid_num_shards`` tries every N up to this
 MAX_SHARDS_TRIED = 64
+#: ``valid_num_shards`` binds and validates at most this many shape dims and step args in all
+#: (summed over the N tried): a huge hand-written plan gets a shorter list, or none, not minutes
+MAX_VALIDATION_WORK = 4_000_000
 
 
 @dataclass(frozen=True)
@@ -52,25 +59,98 @@ class PlanSummary:
         return text
 
 
+# ---- which metadata, from which file -----------------------------------------------------------
+
+def _folder(source: str) -> str:
+    return source if os.path.isdir(source) else os.path.dirname(source)
+
+
+class _QuantizationFile:
+    """Which file an HF checkpoint's ``quantization_config`` came from: ``config.json``'s own,
+    or ``quantize_config.json`` (AutoGPTQ), which the reader merges in when the config has
+    none. Decided only when a message needs it (it re-reads the small config.json)."""
+
+    def __init__(self, folder: str):
+        self.config = os.path.join(folder, "config.json")
+        self.side = os.path.join(folder, "quantize_config.json")
+        self._label: Optional[str] = None
+
+    def __call__(self) -> str:
+        if self._label is None:
+            self._label = self._find()
+        return self._label
+
+    def _find(self) -> str:
+        if not os.path.isfile(self.side):
+            return self.config
+        try:
+            from ..files import MAX_SIDE_FILE_BYTES, read_capped
+
+            own = strict_json.loads(read_capped(self.config, MAX_SIDE_FILE_BYTES))
+        except Exception:  # noqa: BLE001 - only a label: say both
+            return f"{self.config} (or {self.side}, merged in as quantization_config)"
+        if isinstance(own, dict) and "quantization_config" in own:
+            return self.config
+        return self.side
+
+
+def _kind(ckpt: Checkpoint, config: dict) -> str:
+    """``gguf``, ``mlc`` or ``hf``: by the reader that opened the checkpoint; for other
+    checkpoints (in memory, user subclasses), by the config's own marks."""
+    from ..readers.gguf import GGUFCheckpoint
+    from ..readers.mlc import MLCCheckpoint
+    from ..readers.safetensors import SafetensorsCheckpoint
+
+    if isinstance(ckpt, GGUFCheckpoint):
+        return "gguf"
+    if isinstance(ckpt, MLCCheckpoint):
+        return "mlc"
+    if isinstance(ckpt, SafetensorsCheckpoint):
+        return "hf"
+    if "general.architecture" in config:
+        return "gguf"
+    if "model_config" in config and isinstance(config.get("quantization"), str):
+        return "mlc"
+    return "hf"
+
+
+def _no_config(source: str, what: str) -> PlanError:
+    return PlanError(f"no plan, and no model config next to the checkpoint ({what}) to write "
+                     "one from: pass a plan (--shard-info FILE, or a shard_info.json beside the "
+                     "checkpoint), or add the model's config", source=source)
+
+
 def _detect(ckpt: Checkpoint) -> tuple[ModelSpec, Scheme, bool]:
     """The model's geometry, its quantization, and whether tensors have GGUF names."""
     config = ckpt.config
     source = ckpt.source
-    if "general.architecture" in config:
-        return spec_from_gguf(config, source), Scheme("gguf"), True
-    if "model_config" in config or config.get("quantization", "").startswith("q"):
-        quant = str(config.get("quantization", ""))
+    kind = _kind(ckpt, config)
+    if kind == "gguf":
+        return spec_from_gguf(Fields(config, file=source)), Scheme("gguf", file=source), True
+    if kind == "mlc":
+        if not set(config) - {"tensor_cache_metadata"}:
+            raise _no_config(source, "mlc-chat-config.json")
+        label = (os.path.join(source, "mlc-chat-config.json") if os.path.isdir(source)
+                 else source)
+        cfg = Fields(config, file=label)
+        quant = cfg.str("quantization")
         if quant not in ("q4f16_1", "q0f16", "q0f32"):
-            raise PlanError(f"MLC quantization {quant!r} is not supported: q4f16_1 is (its "
-                            "weights are stored NK, out-features first); KN layouts such as "
-                            "q4f16_0 would need a transpose", source=source)
-        return spec_from_mlc(config, source), Scheme("mlc"), False
+            raise PlanError(f"key 'quantization' is {quant!r}: that MLC quantization is not "
+                            "supported: q4f16_1 is (its weights are stored NK, out-features "
+                            "first); KN layouts such as q4f16_0 would need a transpose",
+                            source=label)
+        return spec_from_mlc(cfg), Scheme("mlc", file=label), False
     if not config:
-        raise PlanError("no plan, and no model config next to the checkpoint (config.json, GGUF "
-                        "metadata or mlc-chat-config.json) to write one from: pass a plan "
-                        "(--shard-info FILE, or a shard_info.json beside the checkpoint), or add "
-                        "the model's config.json", source=source)
-    return spec_from_hf(config, source), scheme_from_hf(config, source), False
+        raise _no_config(source, "config.json, GGUF metadata or mlc-chat-config.json")
+    quant_file: Union[str, Callable[[], str]]
+    if isinstance(source, str) and os.path.exists(source):
+        folder = _folder(source)
+        label = os.path.join(folder, "config.json")
+        quant_file = _QuantizationFile(folder)
+    else:  # a checkpoint not read from files: its config has no file to name
+        label = quant_file = f"{source} (its config)"
+    cfg = Fields(config, file=label)
+    return spec_from_hf(cfg), scheme_from_hf(cfg, quant_file=quant_file), False
 
 
 def describe_plan(params, num_shards: Optional[int] = None, *, vocab_parallel: bool = False,
@@ -82,8 +162,12 @@ def describe_plan(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     that N alone that zero-pads query heads, KV heads and MLP blocks (exact: padded weights are
     zero), recording each worker's heads under ``__metadata__.tensor_parallel``.
     """
+    if num_shards is not None and (type(num_shards) is not int or num_shards < 1):
+        raise PlanError(f"num_shards must be a positive integer, got {num_shards!r}")
     ckpt = as_checkpoint(params)
     spec, scheme, gguf_names = _detect(ckpt)
+    spec = vocab_from_tensors(ckpt, spec, gguf_names=gguf_names)
+    check_shapes(ckpt, spec, scheme, gguf_names=gguf_names)
     planned: Planned = plan_llama(ckpt, spec, scheme, gguf_names=gguf_names,
                                   vocab_parallel=vocab_parallel)
     info = ShardInfo.from_dict(planned.steps, source=f"<plan for {ckpt.source}>")
@@ -147,22 +231,88 @@ def check_num_shards(info: ShardInfo, params: Union[Checkpoint, str], num_shards
 
 
 def _refuse(info: ShardInfo, ckpt: Checkpoint, num_shards: int, exc: PlanError):
-    valid = valid_num_shards(info, ckpt) if info.is_symbolic else []
-    shown = ", ".join(map(str, valid)) if valid else "none"
+    valid = (valid_num_shards(info, ckpt) if info.is_symbolic
+             else ValidNumShards([], tried=MAX_SHARDS_TRIED))
     raise PlanError(f"{ckpt.source} cannot be split over {num_shards} workers: "
-                    f"{exc.reason}. N that work (up to {MAX_SHARDS_TRIED}): "
-                    f"{shown}", source=info.source, param=exc.param) from None
+                    f"{exc.reason}. {valid.describe()}", source=info.source,
+                    param=exc.param) from None
+
+
+class ValidNumShards(list):
+    """The N that work, in order (a list), and how far they were looked for: ``tried`` is the
+    largest N tried (every N from 1 to it was), ``limit`` the N asked for. ``complete`` is
+    false when the plan was too large to try every N up to ``limit`` (``MAX_VALIDATION_WORK``).
+    """
+
+    def __init__(self, valid=(), *, tried: int, limit: int = MAX_SHARDS_TRIED):
+        super().__init__(valid)
+        self.tried = tried
+        self.limit = limit
+
+    @property
+    def complete(self) -> bool:
+        return self.tried >= self.limit
+
+    def describe(self) -> str:
+        """``N that work (up to 64): 1, 2, 4``, or what could not be computed."""
+        shown = ", ".join(map(str, self)) if self else "none"
+        if self.complete:
+            return f"N that work (up to {self.limit}): {shown}"
+        if self.tried == 0:
+            return ("the N that work were not computed: the plan is too large to validate "
+                    f"for each N (over {MAX_VALIDATION_WORK} shape dims and step args)")
+        return (f"N that work (up to {self.tried}; the plan is too large to try every N up to "
+                f"{self.limit}): {shown}")
+
+
+def _distinct_params(info: ShardInfo, metadata) -> Optional[tuple[ShardInfo, dict, int]]:
+    """The plan reduced to one parameter per distinct (stored shape, dtype, steps), with the
+    metadata of those, and the work one bind+validate of it costs; ``None`` if the plan names
+    a tensor the checkpoint lacks (then no N works).
+
+    ``Plan.validate`` judges each parameter on its own stored shape, dtype and steps, so a
+    parameter that repeats another's (every layer of a model does) is valid for exactly the
+    same N. Taking the first of each in checkpoint order, the reduced plan fails for an N at
+    the very parameter the whole plan would.
+    """
+    if any(name not in metadata for name in info.steps):
+        return None
+    steps, metas, seen, work = {}, {}, set(), 0
+    for name, meta in metadata.items():
+        raw = info.steps.get(name)
+        if not raw:
+            continue
+        # typed: an arg True must not stand in for an arg 1, nor 1.0 for 1
+        key = (meta.shape, meta.dtype,
+               tuple((s.func, s.out_shape, s.dtype, tuple((type(a), a) for a in s.extra))
+                     for s in raw))
+        if key in seen:
+            continue
+        seen.add(key)
+        steps[name], metas[name] = raw, meta
+        work += sum(1 + len(s.out_shape) + len(s.extra) for s in raw)
+    return ShardInfo(steps, info.source, info.metadata), metas, max(work, 1)
 
 
 def valid_num_shards(info: ShardInfo, params: Union[Checkpoint, str],
-                     limit: int = MAX_SHARDS_TRIED) -> list[int]:
-    """Every N up to ``limit`` for which the plan binds and validates on this checkpoint."""
+                     limit: int = MAX_SHARDS_TRIED) -> ValidNumShards:
+    """Every N up to ``limit`` for which the plan binds and validates on this checkpoint.
+
+    Cheap even for a large plan: each distinct parameter (shape, dtype and steps) is validated
+    once per N, stopping at the first that fails, and the work is capped at
+    ``MAX_VALIDATION_WORK`` (beyond it, fewer N are tried: ``ValidNumShards.tried`` says).
+    """
     metadata = as_checkpoint(params).metadata()
+    reduced = _distinct_params(info, metadata)
+    if reduced is None:
+        return ValidNumShards([], tried=limit, limit=limit)
+    plan, metas, work = reduced
+    tried = max(0, min(limit, MAX_VALIDATION_WORK // work))
     valid = []
-    for n in range(1, limit + 1):
+    for n in range(1, tried + 1):
         try:
-            info.bind(n).validate(metadata)
+            plan.bind(n).validate(metas)
         except PlanError:
             continue
         valid.append(n)
-    return valid
+    return ValidNumShards(valid, tried=tried, limit=limit)

@@ -14,9 +14,11 @@ The formats, their layouts and their sources: ``QUANT_FORMATS.md`` beside the de
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
 
+from ..config_fields import MAX_GROUP, Fields
 from ..errors import PlanError
 from ..readers.base import TensorMeta
 
@@ -40,13 +42,25 @@ class TensorAxes:
 
 @dataclass(frozen=True)
 class Scheme:
-    """A checkpoint's quantization, as far as sharding cares."""
+    """A checkpoint's quantization, as far as sharding cares.
+
+    ``file`` is the file the quantization config came from (a name, or a function giving it:
+    see ``source``) and ``keys`` the key each setting came from
+    (``{"bits": "'quantization_config.bits'"}``), for messages.
+    """
 
     method: str                 # none | gptq | awq | pack-quantized | fp8 | gguf | mlc
     bits: int = 16
     group_size: int = -1
     act_order: bool = False
     block: tuple[int, int] = (128, 128)
+    file: Any = field(default="", compare=False)
+    keys: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def source(self) -> str:
+        """The file the quantization config came from, for messages."""
+        return self.file() if callable(self.file) else self.file
 
     def describe(self) -> str:
         if self.method in ("none", "gguf", "mlc", "fp8"):
@@ -54,67 +68,132 @@ class Scheme:
         group = "per-channel" if self.group_size == -1 else f"group {self.group_size}"
         return f"{self.method} {self.bits}-bit {group}{', act-order' if self.act_order else ''}"
 
+    def explain(self, *attrs: str) -> str:
+        """``'quantization_config.bits' = 4, ...``: settings with the keys they came from."""
+        return ", ".join(f"{self.keys[a]} = {getattr(self, a)}" for a in attrs if a in self.keys)
+
 
 # ---- reading the quantization config ---------------------------------------------------------
 
-def scheme_from_hf(config: Mapping[str, Any], source: str) -> Scheme:
-    """The scheme an HF config's ``quantization_config`` describes."""
-    quant = config.get("quantization_config")
-    if not quant:
-        return Scheme("none")
-    method = str(quant.get("quant_method", "")).lower()
+def scheme_from_hf(config: Union[Fields, Mapping[str, Any]],
+                   source: Optional[str] = None, *,
+                   quant_file: Optional[Any] = None) -> Scheme:
+    """The scheme an HF config's ``quantization_config`` describes.
+
+    ``quant_file`` names the file ``quantization_config`` came from when it is not the config's
+    own (``quantize_config.json``, merged in by the reader): a name, or a function giving it.
+    """
+    cfg = config if isinstance(config, Fields) else Fields(config, file=source or "<config>")
+    if cfg.has("quantization", nullable=True):
+        value = cfg.raw["quantization"]
+        if isinstance(value, Mapping):
+            raise PlanError("key 'quantization' holds MLX-style quantization settings: MLX packs "
+                            "its weights in a layout the planner does not know, so it cannot "
+                            "split them; use a GPTQ, AWQ, compressed-tensors, FP8 or GGUF "
+                            "checkpoint of the model", source=cfg.file)
+        raise cfg.refuse("quantization", value,
+                         "absent from an HF config.json (quantization settings belong under "
+                         "'quantization_config'; a top-level 'quantization' is MLC's or MLX's)")
+    quant = cfg.sub("quantization_config", optional=True, file=quant_file)
+    if quant is None or not quant.raw:
+        return Scheme("none", file=cfg.file_label)
+    method = quant.str("quant_method").lower()
     if method in ("bitsandbytes", "bnb"):
         raise PlanError("bitsandbytes checkpoints are not supported: their 4-bit weights are "
                         "flattened and their quantization state is per tensor, so they cannot "
                         "be split without re-quantizing. Use a GPTQ, AWQ, compressed-tensors, "
-                        "FP8 or GGUF checkpoint of the model.", source=source)
+                        "FP8 or GGUF checkpoint of the model.", source=quant.file)
     if method == "gptq":
-        fmt = str(quant.get("checkpoint_format", "gptq")).lower()
+        fmt = quant.str("checkpoint_format", default="gptq", nullable=True).lower()
         if fmt not in ("gptq", "gptq_v2"):
-            raise PlanError(f"GPTQ checkpoint_format {fmt!r} keeps weights in a tile-permuted "
-                            "layout that cannot be sliced; repack it to plain GPTQ first",
-                            source=source)
-        bits = int(quant.get("bits", 4))
-        if bits not in (2, 3, 4, 8):
-            raise PlanError(f"GPTQ with {bits} bits is not supported (2, 3, 4, 8 are)",
-                            source=source)
-        return Scheme("gptq", bits, int(quant.get("group_size", -1)),
-                      bool(quant.get("desc_act", False)))
+            raise PlanError(f"key {quant.name('checkpoint_format')!r} is {fmt!r}: that GPTQ "
+                            "format keeps weights in a tile-permuted layout that cannot be "
+                            "sliced; repack it to plain GPTQ first", source=quant.file)
+        return Scheme("gptq", quant.int("bits", choices=(2, 3, 4, 8), default=4),
+                      quant.int("group_size", min=1, max=MAX_GROUP, also=(-1,), default=-1),
+                      quant.bool("desc_act", default=False, nullable=True),
+                      file=quant.file_label,
+                      keys=_keys(quant, bits="bits", group_size="group_size"))
     if method == "awq":
-        version = str(quant.get("version", "gemm")).lower()
+        version = quant.str("version", default="gemm", nullable=True).lower()
         if version != "gemm":
-            raise PlanError(f"AWQ version {version!r} stores a permuted layout; only GEMM "
-                            "checkpoints can be sliced", source=source)
-        return Scheme("awq", int(quant.get("bits", quant.get("w_bit", 4))),
-                      int(quant.get("group_size", quant.get("q_group_size", 128))))
+            raise PlanError(f"key {quant.name('version')!r} is {version!r}: that AWQ version "
+                            "stores a permuted layout; only GEMM checkpoints can be sliced",
+                            source=quant.file)
+        bits_key = "w_bit" if "w_bit" in quant and "bits" not in quant else "bits"
+        group_key = ("q_group_size" if "q_group_size" in quant and "group_size" not in quant
+                     else "group_size")
+        return Scheme("awq", quant.int(bits_key, choices=(4,), default=4),
+                      quant.int(group_key, min=1, max=MAX_GROUP, also=(-1,), default=128),
+                      file=quant.file_label,
+                      keys=_keys(quant, bits=bits_key, group_size=group_key))
     if method == "fp8":
-        block = quant.get("weight_block_size") or (128, 128)
-        return Scheme("fp8", 8, block=(int(block[0]), int(block[1])))
+        block = quant.int_list("weight_block_size", length=2, min=1, max=MAX_GROUP,
+                               default=[128, 128], nullable=True)
+        return Scheme("fp8", 8, block=(block[0], block[1]), file=quant.file_label,
+                      keys=_keys(quant, block="weight_block_size"))
     if method == "compressed-tensors":
-        return _compressed_tensors(quant, source)
-    raise PlanError(f"quantization method {method!r} is not supported by the planner (gptq, "
-                    "awq, compressed-tensors and fp8 are)", source=source)
+        return _compressed_tensors(quant)
+    raise PlanError(f"key {quant.name('quant_method')!r} is {method!r}: that quantization method "
+                    "is not supported by the planner (gptq, awq, compressed-tensors and fp8 "
+                    "are)", source=quant.file)
 
 
-def _compressed_tensors(quant: Mapping[str, Any], source: str) -> Scheme:
-    fmt = quant.get("format")
-    groups = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values()]
-    if not groups:
-        raise PlanError("compressed-tensors config has no config_groups", source=source)
-    weights = groups[0]
-    if any(g != weights for g in groups[1:]):
+def _keys(fields: Fields, **keys: str) -> dict[str, str]:
+    return {attr: repr(fields.name(key)) for attr, key in keys.items()}
+
+
+#: compressed-tensors' activation orderings that reorder a weight's input rows (g_idx)
+_ACT_ORDERS = (True, "group", "dynamic")
+
+
+def _compressed_tensors(quant: Fields) -> Scheme:
+    fmt = quant.str("format", default="", nullable=True)
+    groups = quant.sub("config_groups")
+    names = list(groups.keys())
+    if not names:
+        raise quant.error("config_groups", "is empty; it must name at least one scheme")
+    weights = [groups.sub(name).sub("weights") for name in names]
+    first = weights[0]
+    if any(w.raw != first.raw for w in weights[1:]):
         raise PlanError("compressed-tensors configs with several different weight schemes are "
-                        "not supported yet", source=source)
-    if fmt == "float-quantized":
-        block = weights.get("block_structure") or [128, 128]
-        return Scheme("fp8", 8, block=(int(block[0]), int(block[1])))
+                        "not supported yet", source=quant.file)
+    if fmt == "float-quantized":     # every field is read (type-checked) before any is judged
+        bits = first.int("num_bits", min=1, max=64, default=8)
+        block = _block_structure(first)
+        if bits != 8:
+            raise PlanError(f"key {first.name('num_bits')!r} is {bits}: only 8-bit float "
+                            "(FP8) weights are supported by the planner", source=quant.file)
+        return Scheme("fp8", 8, block=(block[0], block[1]), file=quant.file_label,
+                      keys=_keys(first, block="block_structure"))
     if fmt == "pack-quantized":
-        strategy = weights.get("strategy")
-        group = int(weights.get("group_size") or -1) if strategy == "group" else -1
-        act = weights.get("actorder") not in (None, False, "static", "weight")
-        return Scheme("pack-quantized", int(weights.get("num_bits", 4)), group, act)
-    raise PlanError(f"compressed-tensors format {fmt!r} is not supported (pack-quantized and "
-                    "float-quantized are)", source=source)
+        bits = first.int("num_bits", min=1, max=8)
+        strategy = first.str("strategy", default="", nullable=True)
+        group = (first.int("group_size", min=1, max=MAX_GROUP) if strategy == "group" else -1)
+        act = first.one_of("actorder", (False, True, "group", "weight", "static", "dynamic"),
+                           default=None, nullable=True) in _ACT_ORDERS
+        if bits not in (2, 4, 8):
+            raise PlanError(f"key {first.name('num_bits')!r} is {bits}: pack-quantized weights "
+                            "of 2, 4 or 8 bits are supported (they fill 32-bit words exactly)",
+                            source=quant.file)
+        return Scheme("pack-quantized", bits, group, act, file=quant.file_label,
+                      keys=_keys(first, bits="num_bits", group_size="group_size"))
+    raise PlanError(f"key {quant.name('format')!r} is {fmt!r}: that compressed-tensors format is "
+                    "not supported (pack-quantized and float-quantized are)", source=quant.file)
+
+
+def _block_structure(weights: Fields) -> list[int]:
+    """FP8 scale blocks ``[rows, cols]``: a list, or compressed-tensors' older ``"RxC"``."""
+    raw = weights.raw.get("block_structure")
+    if not isinstance(raw, str):
+        return weights.int_list("block_structure", length=2, min=1, max=MAX_GROUP,
+                                default=[128, 128], nullable=True)
+    match = re.fullmatch(r"([0-9]{1,9})x([0-9]{1,9})", raw)
+    block = [int(v) for v in match.groups()] if match else []
+    if not block or not all(1 <= v <= MAX_GROUP for v in block):
+        raise weights.refuse("block_structure", raw, f"a list of 2 integers from 1 to "
+                             f"{MAX_GROUP} (or the string 'RxC')")
+    return block
 
 
 # ---- the axes of each stored tensor ------------------------------------------------------------
@@ -170,12 +249,13 @@ def tensor_axes(scheme: Scheme, suffix: str, meta: TensorMeta,
         if suffix == "g_idx":
             return TensorAxes(None, Axis(0), special="g_idx")
     if scheme.method == "awq":
+        grouped = scheme.group_size != -1     # -1: one group the whole K (AutoAWQ's meaning)
         if suffix == "qweight":
             return TensorAxes(Axis(1, 8), Axis(0))
         if suffix == "qzeros":
-            return TensorAxes(Axis(1, 8), Axis(0, scheme.group_size))
+            return TensorAxes(Axis(1, 8), Axis(0, scheme.group_size) if grouped else None)
         if suffix == "scales":
-            return TensorAxes(Axis(1), Axis(0, scheme.group_size))
+            return TensorAxes(Axis(1), Axis(0, scheme.group_size) if grouped else None)
     if scheme.method == "pack-quantized":
         pack = 32 // scheme.bits
         grouped = scheme.group_size != -1

@@ -12,15 +12,16 @@ embeddings and lm_head too, unless ``vocab_parallel``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..errors import PlanError
+from ..errors import FormatError, PlanError
 from ..readers.base import Checkpoint
 from .layouts import Axis, Scheme, TensorAxes, tensor_axes
 from .model import ModelSpec
-from .tp_layout import HeadLayout, head_layout, unit_layout
+from .tp_layout import MAX_LAYOUT, HeadLayout, head_layout, unit_layout
 
 # last component of a module name -> role
 HF_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "qkv_proj": "qkv", "o_proj": "o",
@@ -63,16 +64,150 @@ class Planned:
     unknown: list[str] = field(default_factory=list)
 
 
-def _intermediate(spec: ModelSpec, module: str) -> int:
+def _intermediate_attr(spec: ModelSpec, module: str) -> str:
+    """Which of the spec's MLP sizes the module ``module`` has."""
     if "shexp" in module or "shared_expert" in module:
-        size = spec.shared_expert_intermediate_size
-    elif "experts" in module or "_exps" in module:
-        size = spec.moe_intermediate_size or spec.intermediate_size
-    else:
-        size = spec.intermediate_size
+        return "shared_expert_intermediate_size"
+    if ("experts" in module or "_exps" in module) and spec.moe_intermediate_size:
+        return "moe_intermediate_size"
+    return "intermediate_size"
+
+
+def _intermediate(spec: ModelSpec, module: str) -> int:
+    attr = _intermediate_attr(spec, module)
+    size = getattr(spec, attr)
     if not size:
-        raise PlanError(f"{module}: the model config gives no intermediate size for it")
+        raise PlanError(f"{module}: the model config gives no intermediate size for it "
+                        f"({spec.keys.get(attr, attr)} is absent)", source=spec.file or None)
     return size
+
+
+# ---- the metadata must agree with the tensors it is applied to ---------------------------------
+#
+# The planner splits each tensor by sizes read from the metadata (heads x head_dim, the MLP
+# size, the vocabulary, the hidden size, the quantization's bits and groups). Where they disagree
+# with a tensor's own shape, a plan would cut it in the wrong places and the load would still
+# succeed: silent corruption. So, as llama.cpp does when it loads a model, every such size is
+# checked against every tensor it is applied to, and a disagreement is refused, naming the
+# tensor, its shape and the keys. The one size that is only a hint is a GGUF's absent
+# ``<arch>.vocab_size``: the vocabulary is then the embeddings' rows (``vocab_from_tensors``).
+
+Extent = tuple[int, str]      # a logical size along one axis, and where it came from
+
+#: stored tensors holding a layer's quantization groups along K (one row or column per group)
+_GROUP_TENSORS = {"scales", "qzeros", "weight_scale", "weight_zero_point"}
+
+
+def _extents(role: str, spec: ModelSpec, module: str) -> tuple[Extent, Extent]:
+    """(output features N, input features K) of a layer, each with its provenance."""
+    hidden = (spec.hidden_size, spec.explain("hidden_size"))
+    heads = f"{spec.explain('num_heads')} heads of {spec.explain('head_dim')}"
+    kv_heads = f"{spec.explain('num_kv_heads')} heads of {spec.explain('head_dim')}"
+    value_attr = "value_head_dim" if spec.value_head_dim else "head_dim"
+    v_heads = f"{spec.explain('num_kv_heads')} heads of {spec.explain(value_attr)}"
+    o_heads = f"{spec.explain('num_heads')} heads of {spec.explain(value_attr)}"
+    q, kv = (spec.q_size, heads), (spec.kv_size, kv_heads)
+    v = (spec.num_kv_heads * spec.v_head_dim, v_heads)
+    if role in ("gate", "up", "down", "gate_up"):
+        attr = _intermediate_attr(spec, module)
+        inter = (getattr(spec, attr), spec.explain(attr))
+        if role == "down":
+            return hidden, inter
+        if role == "gate_up":
+            return (2 * inter[0], f"2 x {inter[1]}"), hidden
+        return inter, hidden
+    if role in ("embed", "lm_head"):
+        return (spec.vocab_size, spec.explain("vocab_size")), hidden
+    if role == "o":
+        return hidden, (spec.num_heads * spec.v_head_dim, o_heads)
+    if role == "qkv":
+        return (q[0] + kv[0] + v[0], f"{heads}, plus {kv_heads}, plus {v_heads}"), hidden
+    return {"q": q, "k": kv, "v": v}[role], hidden
+
+
+def _packing(axis: Axis, scheme: Scheme, fmt: Optional[dict], spec: ModelSpec) -> str:
+    """How the tensor stores the axis, when not one element per unit, and the keys saying so."""
+    if axis.elems == 1 and axis.width == 1:
+        return ""
+    stored = (f"{axis.elems} per stored unit" if axis.width == 1
+              else f"{axis.elems} per {axis.width} stored units")
+    if scheme.method == "gguf":
+        return f", {stored} ({(fmt or {}).get('ggml_type', 'quantized')} blocks)"
+    how = scheme.explain("bits", "group_size", "block")
+    if not how:
+        return f", {stored}"
+    source = scheme.source
+    return f", {stored} ({how}{f' in {source}' if source and source != spec.file else ''})"
+
+
+def check_shapes(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, *,
+                 gguf_names: bool) -> None:
+    """``FormatError`` unless every size the planner will use agrees with the shape of every
+    tensor it is applied to (see above). Reads no tensor data, but for compressed-tensors'
+    two-element ``weight_shape`` tensors."""
+    roles = GGUF_ROLES if gguf_names else HF_ROLES
+    for name, meta in ckpt.metadata().items():
+        module, _, suffix = name.rpartition(".")
+        role = roles.get(module.rpartition(".")[2])
+        if role is None:
+            continue
+        fmt = ckpt.tensor_format(name)
+        axes = tensor_axes(scheme, suffix, meta, fmt)
+        if axes is None:
+            continue
+        (n_out, n_why), (k_in, k_why) = _extents(role, spec, module)
+
+        def refuse(message: str) -> FormatError:
+            return FormatError(message, file=spec.file or None, tensor=name)
+
+        disagree = ("; the metadata and the tensors must agree, or the plan would cut the "
+                    "tensors in the wrong places")
+
+        if axes.special == "shape":
+            values = [int(v) for v in ckpt.read(name).reshape(-1).tolist()]
+            if values != [n_out, k_in] and n_out and k_in:
+                raise refuse(f"holds the weight shape {values}, but the metadata gives "
+                             f"[{n_out}, {k_in}]: {n_out} output features ({n_why}) and "
+                             f"{k_in} input features ({k_why}){disagree}")
+            continue
+        for axis, size, why, what in ((axes.n, n_out, n_why, "output features"),
+                                      (axes.k, k_in, k_why, "input features")):
+            if axis is None or not size:
+                continue        # not held by this tensor, or a size the metadata lacks
+            want = -(-size // axis.elems) * axis.width
+            got = meta.shape[axis.dim] if axis.dim < len(meta.shape) else None
+            if got != want:
+                found = "none" if got is None else got
+                raise refuse(f"has shape {list(meta.shape)}, which disagrees with the metadata: "
+                             f"its dim {axis.dim} holds the layer's {what}, {size} by "
+                             f"{why}{_packing(axis, scheme, fmt, spec)}, so it must be {want}, "
+                             f"not {found}{disagree}")
+        group = scheme.group_size
+        if (axes.k is not None and suffix in _GROUP_TENSORS and group > 0 and k_in
+                and scheme.method in ("gptq", "awq", "pack-quantized") and k_in % group):
+            raise refuse(f"is quantized in groups of {scheme.explain('group_size')}, which do "
+                         f"not tile the layer's {k_in} input features ({k_why}); the group size "
+                         "must divide them")
+    if spec.v_head_dim != spec.head_dim:
+        raise PlanError(f"value heads of {spec.explain('value_head_dim')} differ from the key "
+                        f"heads of {spec.explain('head_dim')}: attention with value heads of "
+                        "another width is not supported by the planner", source=spec.file or None)
+
+
+def vocab_from_tensors(ckpt: Checkpoint, spec: ModelSpec, *, gguf_names: bool) -> ModelSpec:
+    """``spec`` with the vocabulary taken from the embeddings' rows where the metadata gives
+    none (a GGUF without ``<arch>.vocab_size``); unchanged otherwise."""
+    if spec.vocab_size:
+        return spec
+    roles = GGUF_ROLES if gguf_names else HF_ROLES
+    for name, meta in ckpt.metadata().items():
+        module, _, suffix = name.rpartition(".")
+        if roles.get(module.rpartition(".")[2]) in ("embed", "lm_head") and meta.shape:
+            keys = dict(spec.keys)
+            keys["vocab_size"] = (f"{keys.get('vocab_size', 'vocab_size')} (absent, so the "
+                                  f"rows of {name})")
+            return dataclasses.replace(spec, vocab_size=meta.shape[0], keys=keys)
+    return spec
 
 
 def segments_for(role: str, spec: ModelSpec, module: str) -> Segments:
@@ -162,6 +297,10 @@ def _linears(ckpt: Checkpoint, scheme: Scheme, roles: dict, vocab_parallel: bool
 def padding_for(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int, *,
                 gguf_names: bool) -> Padding:
     """The zero-padded layout for N workers, or ``PlanError`` saying why there is none."""
+    if type(num_shards) is not int or not 1 <= num_shards <= MAX_LAYOUT:
+        raise PlanError(f"cannot zero-pad for num_shards={num_shards!r}: a padded plan lists "
+                        f"every worker's heads, for at most {MAX_LAYOUT} workers",
+                        source=spec.file or None)
     roles = GGUF_ROLES if gguf_names else HF_ROLES
     mlp_unit, sizes = 1, set()
     for name, meta, module, suffix, role, axes in _linears(ckpt, scheme, roles, False):

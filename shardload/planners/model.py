@@ -1,19 +1,32 @@
-"""What a planner must know of a model: its geometry, from HF, GGUF or MLC metadata."""
+"""What a planner must know of a model: its geometry, from HF, GGUF or MLC metadata.
+
+Every field is read through ``config_fields.Fields``: typed, range-checked, and refused with a
+``FormatError`` naming the file and the key. The sizes read here are later checked against the
+tensors they are applied to (``llama.check_shapes``); ``ModelSpec.keys`` remembers which key each
+size came from, so that a disagreement names it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
 
+from ..config_fields import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, Fields
 from ..errors import PlanError
 
 #: HF model_type values whose layers are Llama-shaped (attention + gated MLP, optional MoE)
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
+#: GGUF general.architecture values the planner knows
+GGUF_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The sizes that decide how a Llama-family model may be split."""
+    """The sizes that decide how a Llama-family model may be split.
+
+    ``file`` is the metadata file they were read from and ``keys`` the key each size came from
+    (``{"num_heads": "'num_attention_heads'"}``), for messages.
+    """
 
     architecture: str
     num_layers: int
@@ -25,6 +38,9 @@ class ModelSpec:
     vocab_size: int
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    value_head_dim: int = 0          # GGUF's value_length where given: 0 = head_dim
+    file: str = field(default="", compare=False)
+    keys: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def q_size(self) -> int:
@@ -34,67 +50,141 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def v_head_dim(self) -> int:
+        """The width of a value head (the planner supports only ``head_dim``)."""
+        return self.value_head_dim or self.head_dim
 
-def _need(config: Mapping[str, Any], key: str, source: str) -> int:
-    value = config.get(key)
-    if type(value) is not int or value <= 0:
-        raise PlanError(f"the model config has no valid {key!r} (got {value!r}); the planner "
-                        "needs it to know how the model may be split", source=source)
-    return value
+    def explain(self, attr: str) -> str:
+        """``'hidden_size' = 256``: a size with the key it came from."""
+        return f"{self.keys.get(attr, attr)} = {getattr(self, attr)}"
 
 
-def spec_from_hf(config: Mapping[str, Any], source: str) -> ModelSpec:
-    """From an HF ``config.json``."""
-    model_type = config.get("model_type")
+def _as_fields(config: Union[Fields, Mapping[str, Any]], source: Optional[str]) -> Fields:
+    return config if isinstance(config, Fields) else Fields(config, file=source or "<config>")
+
+
+def _kv_heads(cfg: Fields, key: str, heads_key: str, heads: int) -> int:
+    """The KV head count: an integer dividing the query heads (so at most as many)."""
+    kv = cfg.int(key, min=1, max=MAX_HEADS, default=heads, nullable=True)
+    if heads % kv:
+        raise cfg.error(key, f"is {kv}, which does not divide {cfg.name(heads_key)!r} = "
+                             f"{heads}: each KV head serves a whole group of query heads, so it "
+                             f"must be a divisor of {heads}")
+    return kv
+
+
+def _head_dim(cfg: Fields, key: str, hidden_key: str, hidden: int, heads_key: str,
+              heads: int, nullable: bool) -> tuple[int, str]:
+    """``(head_dim, how it was found)``: the key, or hidden / heads when it is absent."""
+    if cfg.has(key, nullable=nullable):
+        return cfg.int(key, min=1, max=MAX_HEAD_DIM), repr(cfg.name(key))
+    if hidden % heads:
+        raise cfg.error(hidden_key, f"is {hidden}, which {cfg.name(heads_key)!r} = {heads} does "
+                                    f"not divide; with no {cfg.name(key)!r} the head size is "
+                                    f"{cfg.name(hidden_key)} / {cfg.name(heads_key)}, so give "
+                                    f"{cfg.name(key)!r}")
+    return hidden // heads, (f"{cfg.name(key)!r} (absent, so {cfg.name(hidden_key)!r} / "
+                             f"{cfg.name(heads_key)!r})")
+
+
+def _hf_spec(cfg: Fields, model_type: str, layers_key: str) -> ModelSpec:
+    """The sizes of an HF-style config (``config.json``, or MLC's ``model_config``)."""
+    heads = cfg.int("num_attention_heads", min=1, max=MAX_HEADS)
+    hidden = cfg.int("hidden_size", min=1, max=MAX_WIDTH)
+    kv = _kv_heads(cfg, "num_key_value_heads", "num_attention_heads", heads)
+    head_dim, head_dim_key = _head_dim(cfg, "head_dim", "hidden_size", hidden,
+                                       "num_attention_heads", heads, nullable=True)
+    layers = cfg.int(layers_key, min=1, max=MAX_LAYERS)
+    vocab = cfg.int("vocab_size", min=1, max=MAX_WIDTH)
+    inter = cfg.int("intermediate_size", min=1, max=MAX_WIDTH, default=0, nullable=True)
+    keys = {"hidden_size": "hidden_size", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads", "num_layers": layers_key,
+            "intermediate_size": "intermediate_size", "vocab_size": "vocab_size",
+            "moe_intermediate_size": "moe_intermediate_size",
+            "shared_expert_intermediate_size": "shared_expert_intermediate_size"}
+    keys = {attr: repr(cfg.name(key)) for attr, key in keys.items()}
+    keys["head_dim"] = head_dim_key
+    if not cfg.has("num_key_value_heads", nullable=True):
+        keys["num_kv_heads"] = (f"{keys['num_kv_heads']} (absent, so "
+                                f"{keys['num_heads']})")
+    moe = cfg.int("moe_intermediate_size", min=1, max=MAX_WIDTH, default=0, nullable=True)
+    if not moe and model_type == "mixtral":   # Mixtral's intermediate_size is the experts'
+        moe, keys["moe_intermediate_size"] = inter, keys["intermediate_size"]
+    shared = cfg.int("shared_expert_intermediate_size", min=1, max=MAX_WIDTH, default=0,
+                     nullable=True)
+    return ModelSpec(architecture=model_type, num_layers=layers, hidden_size=hidden,
+                     num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+                     intermediate_size=inter, vocab_size=vocab, moe_intermediate_size=moe,
+                     shared_expert_intermediate_size=shared, file=cfg.file, keys=keys)
+
+
+def spec_from_hf(config: Union[Fields, Mapping[str, Any]],
+                 source: Optional[str] = None) -> ModelSpec:
+    """From an HF ``config.json`` (as ``Fields``, or a dict and the file it came from)."""
+    cfg = _as_fields(config, source)
+    model_type = cfg.str("model_type")
     if model_type not in LLAMA_LIKE:
-        raise PlanError(f"model_type {model_type!r} is not supported by the planner (it knows "
+        raise PlanError(f"key 'model_type': model_type {model_type!r} is not supported by the "
+                        f"planner (it knows "
                         f"{', '.join(sorted(LLAMA_LIKE))}); write shard_info.json by hand, or "
-                        "register shard functions for it", source=source)
-    heads = _need(config, "num_attention_heads", source)
-    hidden = _need(config, "hidden_size", source)
-    head_dim = config.get("head_dim") or hidden // heads
+                        "register shard functions for it", source=cfg.file)
+    return _hf_spec(cfg, model_type, "num_hidden_layers")
+
+
+def spec_from_gguf(kv: Union[Fields, Mapping[str, Any]],
+                   source: Optional[str] = None) -> ModelSpec:
+    """From GGUF key-values (``llama.attention.head_count`` ...).
+
+    ``vocab_size`` is 0 when the file has no ``<arch>.vocab_size``: it is then a hint only, and
+    the planner takes the vocabulary from the embeddings' shape.
+    """
+    top = _as_fields(kv, source)
+    arch = top.str("general.architecture")
+    if arch not in GGUF_LLAMA_LIKE:
+        raise PlanError(f"GGUF architecture {arch!r} (key 'general.architecture') is not "
+                        f"supported by the planner (it knows {', '.join(GGUF_LLAMA_LIKE)})",
+                        source=top.file)
+    cfg = Fields(top.raw, file=top.file, prefix=f"{arch}.")
+    heads = cfg.int("attention.head_count", min=1, max=MAX_HEADS)
+    hidden = cfg.int("embedding_length", min=1, max=MAX_WIDTH)
+    n_kv = _kv_heads(cfg, "attention.head_count_kv", "attention.head_count", heads)
+    head_dim, head_dim_key = _head_dim(cfg, "attention.key_length", "embedding_length", hidden,
+                                       "attention.head_count", heads, nullable=False)
+    # judged after the shapes are checked (llama.check_shapes): a wrong key_length is then
+    # named as what disagrees with the tensors, not as an unsupported model
+    value_dim = cfg.int("attention.value_length", min=1, max=MAX_HEAD_DIM, default=0)
+    keys = {"hidden_size": "embedding_length", "num_heads": "attention.head_count",
+            "num_kv_heads": "attention.head_count_kv", "num_layers": "block_count",
+            "intermediate_size": "feed_forward_length", "vocab_size": "vocab_size",
+            "moe_intermediate_size": "expert_feed_forward_length",
+            "shared_expert_intermediate_size": "expert_shared_feed_forward_length"}
+    keys = {attr: repr(cfg.name(key)) for attr, key in keys.items()}
+    keys["head_dim"] = head_dim_key
+    keys["value_head_dim"] = repr(cfg.name("attention.value_length"))
+    if not cfg.has("attention.head_count_kv"):
+        keys["num_kv_heads"] += f" (absent, so {keys['num_heads']})"
+    size = dict(min=1, max=MAX_WIDTH, default=0)
     return ModelSpec(
-        architecture=model_type, num_layers=_need(config, "num_hidden_layers", source),
-        hidden_size=hidden, num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
-        intermediate_size=config.get("intermediate_size") or 0,
-        vocab_size=_need(config, "vocab_size", source),
-        moe_intermediate_size=(config.get("moe_intermediate_size")
-                               or (config.get("intermediate_size") if model_type == "mixtral"
-                                   else 0) or 0),
-        shared_expert_intermediate_size=config.get("shared_expert_intermediate_size") or 0)
+        architecture=arch, num_layers=cfg.int("block_count", min=1, max=MAX_LAYERS),
+        hidden_size=hidden, num_heads=heads, num_kv_heads=n_kv, head_dim=head_dim,
+        intermediate_size=cfg.int("feed_forward_length", **size),
+        vocab_size=cfg.int("vocab_size", **size),
+        moe_intermediate_size=cfg.int("expert_feed_forward_length", **size),
+        shared_expert_intermediate_size=cfg.int("expert_shared_feed_forward_length", **size),
+        value_head_dim=value_dim, file=cfg.file, keys=keys)
 
 
-def spec_from_gguf(kv: Mapping[str, Any], source: str) -> ModelSpec:
-    """From GGUF key-values (``llama.attention.head_count`` ...)."""
-    arch = kv.get("general.architecture")
-    if arch not in ("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe"):
-        raise PlanError(f"GGUF architecture {arch!r} is not supported by the planner",
-                        source=source)
-
-    def get(key: str, default=None):
-        return kv.get(f"{arch}.{key}", default)
-
-    heads = get("attention.head_count")
-    hidden = get("embedding_length")
-    if type(heads) is not int or type(hidden) is not int:
-        raise PlanError(f"the GGUF metadata lacks {arch}.attention.head_count or "
-                        f"{arch}.embedding_length", source=source)
-    head_dim = get("attention.key_length") or hidden // heads
-    vocab = get("vocab_size") or 0
-    return ModelSpec(
-        architecture=arch, num_layers=get("block_count") or 0, hidden_size=hidden,
-        num_heads=heads, num_kv_heads=get("attention.head_count_kv") or heads,
-        head_dim=head_dim, intermediate_size=get("feed_forward_length") or 0,
-        vocab_size=vocab, moe_intermediate_size=get("expert_feed_forward_length") or 0)
-
-
-def spec_from_mlc(config: Mapping[str, Any], source: str) -> ModelSpec:
+def spec_from_mlc(config: Union[Fields, Mapping[str, Any]],
+                  source: Optional[str] = None) -> ModelSpec:
     """From MLC's ``mlc-chat-config.json`` (its ``model_config`` holds HF-style sizes)."""
-    model = dict(config.get("model_config") or {})
-    model.setdefault("model_type", config.get("model_type"))
-    if model.get("model_type") not in LLAMA_LIKE:
-        raise PlanError(f"MLC model_type {model.get('model_type')!r} is not supported by the "
-                        "planner", source=source)
-    model.setdefault("num_hidden_layers", model.get("num_layers"))
-    return spec_from_hf(model, source)
+    top = _as_fields(config, source)
+    model = top.sub("model_config")
+    model_type = (model.str("model_type") if model.has("model_type", nullable=True)
+                  else top.str("model_type"))
+    if model_type not in LLAMA_LIKE:
+        raise PlanError(f"key 'model_type': MLC model_type {model_type!r} is not supported by "
+                        f"the planner (it knows {', '.join(sorted(LLAMA_LIKE))})",
+                        source=top.file)
+    layers_key = "num_hidden_layers" if model.has("num_hidden_layers") else "num_layers"
+    return _hf_spec(model, model_type, layers_key)

@@ -36,7 +36,21 @@ class HeadLayout:
         return asdict(self)
 
 
+#: the most heads, units and workers a layout is built for: its lists grow with them, so the
+#: bound is checked before anything is built (the planners' metadata bounds are within it)
+MAX_LAYOUT = 1 << 22
+
+
+def _count(value: object, what: str) -> int:
+    if type(value) is not int or not 1 <= value <= MAX_LAYOUT:
+        raise ValueError(f"{what} must be an integer from 1 to {MAX_LAYOUT}, got {value!r}")
+    return value
+
+
 def head_layout(num_heads: int, num_kv_heads: int, num_shards: int) -> HeadLayout:
+    _count(num_heads, "num_heads")
+    _count(num_kv_heads, "num_kv_heads")
+    _count(num_shards, "num_shards")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group evenly onto {num_kv_heads} KV "
                          "heads")
@@ -48,13 +62,17 @@ def head_layout(num_heads: int, num_kv_heads: int, num_shards: int) -> HeadLayou
     needed = [sorted({h // group for h in heads if h >= 0}) for heads in q_heads]
     width = max(1, max(len(kv) for kv in needed))
     kv_heads = [kv + [-1] * (width - len(kv)) for kv in needed]
-    q_to_kv = [[kv.index(h // group) if h >= 0 else 0 for h in heads]
-               for heads, kv in zip(q_heads, kv_heads)]
+    q_to_kv = []
+    for heads, kv in zip(q_heads, kv_heads):
+        local = {h: i for i, h in enumerate(kv) if h >= 0}   # linear, not kv.index per head
+        q_to_kv.append([local[h // group] if h >= 0 else 0 for h in heads])
     return HeadLayout(q_heads, kv_heads, q_to_kv)
 
 
 def unit_layout(num_units: int, num_shards: int) -> list[list[int]]:
     """Units (e.g. 32-row blocks of the MLP) per worker, padded with -1 to equal counts."""
+    _count(num_units, "num_units")
+    _count(num_shards, "num_shards")
     per_worker = -(-num_units // num_shards)
     return [[u if u < num_units else -1 for u in range(r * per_worker, (r + 1) * per_worker)]
             for r in range(num_shards)]
