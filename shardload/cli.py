@@ -1,22 +1,34 @@
 """The ``shardload`` command line. The only module that knows about the terminal.
 
-Exit codes: 0 ok, 1 load failure, 2 bad usage / plan / checkpoint, 130 interrupted.
-Library modules are imported inside the commands so that ``shardload --help`` never imports
-torch.
+Exit codes: 0 ok, 1 load failure (or output that cannot be written: a full disk), 2 bad usage /
+plan / checkpoint (an unreadable input path too), 130 interrupted, 141 standard output closed
+early (``shardload funcs | head -1``: quiet, as a tool killed by SIGPIPE would be; the shell
+shows 141 for those too). Every failure is one line on stderr, never a traceback.
+
+Output is flushed as it is written, so a full disk or a closed pipe is found where it can be
+reported; ``plan -o FILE`` writes a temporary file beside FILE and renames it, so FILE is never
+left half-written. Library modules are imported inside the commands so that ``shardload
+--help`` never imports torch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import sys
-from typing import Any, Optional
+import tempfile
+from typing import Any, Iterator, Optional
 
 import click
 
-from .errors import FormatError, PlanError, ShardloadError
+from .errors import FormatError, PlanError, ShardloadError, quote
 
 EXIT_OK, EXIT_LOAD_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: standard output closed before all was written (128 + SIGPIPE, as the shell reports a tool
+#: that SIGPIPE ended)
+EXIT_BROKEN_PIPE = 141
 
 
 class LoadFailed(click.ClickException):
@@ -25,6 +37,77 @@ class LoadFailed(click.ClickException):
 
 class BadInput(click.ClickException):
     exit_code = EXIT_BAD_INPUT
+
+
+class OutputFailed(click.ClickException):
+    """The command's output could not be written (a full disk, a closed pipe, no permission).
+
+    ``broken_pipe``: standard output was closed by its reader (``| head -1``): not an error to
+    report, the reader has what it wanted."""
+
+    exit_code = EXIT_LOAD_FAILED
+
+    def __init__(self, exc: OSError, target: str):
+        self.broken_pipe = target == "standard output" and exc.errno == errno.EPIPE
+        super().__init__(f"cannot write {target}: {exc.strerror or exc}")
+
+
+def _os_message(exc: OSError) -> str:
+    """``"cannot read 'x': Permission denied"``: one line, the path quoted (and cut)."""
+    where = f" {quote(os.fsdecode(exc.filename))}" if exc.filename is not None else ""
+    return f"cannot read{where}: {exc.strerror or exc}"
+
+
+@contextlib.contextmanager
+def _reading() -> Iterator[None]:
+    """Opening the user's inputs: an ``OSError`` (permission denied, a directory where a file
+    belongs, a path that vanished) is bad input, exit 2, naming the path."""
+    try:
+        yield
+    except OSError as exc:
+        raise BadInput(_os_message(exc)) from None
+
+
+def _out(text: str = "", nl: bool = True) -> None:
+    """Write to standard output, flushed now: a full disk or a closed pipe is found here,
+    where it can be reported, rather than at exit, where it would be a traceback."""
+    try:
+        click.echo(text, nl=nl)
+        sys.stdout.flush()
+    except OSError as exc:
+        raise OutputFailed(exc, "standard output") from None
+
+
+def _note(text: str) -> None:
+    """A line for the user on stderr; nothing more can be done if even that fails."""
+    with contextlib.suppress(OSError, ValueError):
+        click.echo(text, err=True)
+
+
+def _silence_stdout() -> None:
+    """Point file descriptor 1 at /dev/null, so the interpreter's flush at exit does not fail
+    again (and print a traceback) on output we already know cannot be written."""
+    with contextlib.suppress(Exception):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+#: True when ``main()`` runs: the process is the CLI's own (not a test calling ``cli.main``)
+_OWN_PROCESS = False
+
+
+def _exit(code: int) -> None:
+    """End the CLI with ``code``. When a worker thread is still stuck in a shard function
+    (after Ctrl-C or a timeout) and the process is the CLI's own, end it at once: the thread
+    cannot be stopped, and finalising the interpreter under a running thread is not safe."""
+    threaded = sys.modules.get("shardload.sessions.threaded")
+    if _OWN_PROCESS and threaded is not None and threaded.abandoned_threads():
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 class _Group(click.Group):
@@ -39,23 +122,40 @@ class _Group(click.Group):
             raise LoadFailed(str(exc)) from None
         except ImportError as exc:  # a --plugin module that does not import
             raise BadInput(str(exc)) from None
+        except OSError as exc:  # the last net: one line, not a traceback
+            raise LoadFailed(str(exc)) from None
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
              **extra):
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            if standalone_mode:
+                try:
+                    sys.stdout.flush()  # buffered output must fail here, not at exit
+                except OSError as exc:
+                    raise OutputFailed(exc, "standard output") from None
         except click.exceptions.Abort:
             if not standalone_mode:
                 raise
-            click.echo("Interrupted.", err=True)
-            sys.exit(EXIT_INTERRUPTED)
+            _note("Interrupted.")
+            _exit(EXIT_INTERRUPTED)
+        except OutputFailed as exc:
+            if not standalone_mode:
+                raise
+            _silence_stdout()
+            if exc.broken_pipe:
+                _exit(EXIT_BROKEN_PIPE)  # the reader has gone: say nothing
+            with contextlib.suppress(OSError, ValueError):
+                exc.show()
+            _exit(exc.exit_code)
         except click.ClickException as exc:
             if not standalone_mode:
                 raise
-            exc.show()
-            sys.exit(exc.exit_code)
+            with contextlib.suppress(OSError, ValueError):
+                exc.show()
+            _exit(exc.exit_code)
         if standalone_mode:
-            sys.exit(rv if isinstance(rv, int) else EXIT_OK)
+            _exit(rv if isinstance(rv, int) else EXIT_OK)
         return rv
 
 
@@ -83,9 +183,20 @@ def _table(headers: list[str], rows: list[list[Any]], right: tuple[int, ...] = (
 
 # ---- shared options ----------------------------------------------------------------------------
 
+def _check_shards(ctx: click.Context, param: click.Parameter, value: Optional[int]):
+    """At most MAX_NUM_SHARDS workers: --shards 100000 is a typo, not 100,000 threads."""
+    from .limits import MAX_NUM_SHARDS
+
+    if value is not None and value > MAX_NUM_SHARDS:
+        raise click.BadParameter(f"{value} is more than {MAX_NUM_SHARDS}, the most workers "
+                                 "shardload supports", ctx, param)
+    return value
+
+
 def _shards_option(f):
     return click.option("--shards", "-n", "num_shards", type=click.IntRange(min=1),
-                        required=True, help="Number of workers (tensor-parallel ranks).")(f)
+                        required=True, callback=_check_shards,
+                        help="Number of workers (tensor-parallel ranks), at most 4096.")(f)
 
 
 def _plan_options(f):
@@ -110,21 +221,35 @@ def _prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num
     from .registry import load_plugins
 
     load_plugins(plugins)
-    checkpoint = open_checkpoint(ckpt)
-    if shard_info is None:
-        folder = ckpt if os.path.isdir(ckpt) else os.path.dirname(ckpt)
-        candidate = os.path.join(folder, "shard_info.json")
-        if os.path.exists(candidate):
-            shard_info = candidate
-    if shard_info is None:
-        info = plan_for(checkpoint, num_shards)  # no plan file: plan from the model's config
-        source = info.source
-    else:
-        info, source = ShardInfo.load(shard_info), shard_info
-        if info.is_symbolic:
-            check_num_shards(info, checkpoint, num_shards)
-    validated = info.bind(num_shards).validate(checkpoint.metadata())
+    with _reading():
+        checkpoint = open_checkpoint(ckpt)
+    try:
+        with _reading():
+            if shard_info is None:
+                shard_info = _default_plan(checkpoint, ckpt)
+            if shard_info is None:
+                info = plan_for(checkpoint, num_shards)  # no plan file: plan from the config
+                source = info.source
+            else:
+                info, source = ShardInfo.load(shard_info), shard_info
+                if info.is_symbolic:
+                    check_num_shards(info, checkpoint, num_shards)
+        validated = info.bind(num_shards).validate(checkpoint.metadata())
+    except BaseException:
+        checkpoint.close()
+        raise
     return checkpoint, validated, source
+
+
+def _default_plan(checkpoint, ckpt: str) -> Optional[str]:
+    """``shard_info.json`` beside the checkpoint, if there is one. "Beside" is the folder the
+    reader resolved (``checkpoint.path``: a Hugging Face cache folder resolves to its snapshot),
+    or a file checkpoint's folder. Anything there by that name is taken as the plan, so a
+    directory or a dangling link is reported rather than silently ignored."""
+    base = getattr(checkpoint, "path", None) or ckpt
+    folder = base if os.path.isdir(base) else os.path.dirname(base)
+    candidate = os.path.join(folder, "shard_info.json")
+    return candidate if os.path.lexists(candidate) else None
 
 
 def _padding_bytes(param) -> int:
@@ -138,16 +263,31 @@ def _padding_bytes(param) -> int:
     return total
 
 
-def _open_session(kind: str, num_shards: int, device: Optional[str], plugins: tuple[str, ...]):
+def _check_torchrun() -> None:
+    """``--session torch`` outside a torchrun job is a usage error (exit 2), found before any
+    work is done."""
+    from .sessions.torchdist import missing_env
+
+    missing = missing_env()
+    if missing:
+        raise BadInput(f"--session torch runs under torchrun, and {', '.join(missing)} "
+                       f"{'is' if len(missing) == 1 else 'are'} not set: start it as "
+                       "`torchrun --nproc-per-node N -m shardload load --session torch "
+                       "--shards N ...`, or use --session thread or process")
+
+
+def _open_session(kind: str, num_shards: int, device: Optional[str], plugins: tuple[str, ...],
+                  timeout: Optional[float] = None):
     from .sessions import ProcessSession, ThreadedSession, TorchDistributedSession
 
     devices = device.split(",") if device and "," in device else device
     try:
         if kind == "thread":
-            return ThreadedSession(num_shards, device=devices or "cpu")
+            return ThreadedSession(num_shards, device=devices or "cpu", timeout=timeout)
         if kind == "process":
-            return ProcessSession(num_shards, device=devices or "cpu", plugins=plugins)
-        session = TorchDistributedSession(device=devices)
+            return ProcessSession(num_shards, device=devices or "cpu", plugins=plugins,
+                                  timeout=timeout)
+        session = TorchDistributedSession(device=devices, timeout=timeout)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
     if session.num_workers != num_shards:
@@ -170,6 +310,9 @@ def cli() -> None:
       shardload validate --shards 8 CKPT
       shardload inspect --shards 3 CKPT
       shardload funcs
+
+    Exit codes: 0 ok, 1 load or output failure, 2 bad usage, plan or checkpoint,
+    130 interrupted, 141 standard output closed by its reader (quietly).
     """
 
 
@@ -183,21 +326,35 @@ def cli() -> None:
 @click.option("--session", "session_kind", type=click.Choice(["thread", "process", "torch"]),
               default="thread", show_default=True,
               help="Where workers run: threads of this process, worker processes, or the "
-                   "ranks of a torchrun job (one per process).")
+                   "ranks of a torchrun job (one per process). Threads share this process: "
+                   "a shard function that crashes it (a segfault, os._exit) ends the command "
+                   "with no message from shardload; --session process isolates faulty shard "
+                   "functions (a crash becomes an error naming the worker).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS",
+              help="Give up on a worker that makes no progress for SECONDS (a shard function "
+                   "that never returns, a stopped process): exit 1 naming the worker and the "
+                   "parameter it was on, the other workers stopped. Default: no limit.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table.")
 @_ckpt_argument
 def load(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...],
-         device: Optional[str], session_kind: str, as_json: bool, quiet: bool,
-         ckpt: str) -> None:
+         device: Optional[str], session_kind: str, timeout: Optional[float], as_json: bool,
+         quiet: bool, ckpt: str) -> None:
     """Load CKPT sharded over N workers and report what each worker holds.
 
     Under torchrun (--session torch) every rank loads its own shards and rank 0 reports.
     """
     from .loader import load_sharded
 
+    if session_kind == "torch":
+        _check_torchrun()
     checkpoint, validated, plan_file = _prepare(ckpt, shard_info, plugins, num_shards)
-    session = _open_session(session_kind, num_shards, device, plugins)
+    try:
+        session = _open_session(session_kind, num_shards, device, plugins, timeout)
+    except BaseException:
+        checkpoint.close()
+        raise
     with checkpoint, session:
         result = load_sharded(checkpoint, validated.plan, session,
                               progress=not (quiet or as_json))
@@ -208,18 +365,18 @@ def load(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...],
                 "tensors": stats.tensors_per_worker[i], "bytes": stats.bytes_per_worker[i],
                 "bytes_read": stats.bytes_read_per_worker[i]} for i in range(num_shards)]
     if as_json:
-        click.echo(json.dumps({"checkpoint": ckpt, "shard_info": plan_file,
-                               "num_shards": num_shards, "seconds": stats.seconds,
-                               "bytes_total": stats.bytes_total, "gb_per_s": stats.gb_per_s,
-                               "workers": workers}))
+        _out(json.dumps({"checkpoint": ckpt, "shard_info": plan_file,
+                         "num_shards": num_shards, "seconds": stats.seconds,
+                         "bytes_total": stats.bytes_total, "gb_per_s": stats.gb_per_s,
+                         "workers": workers}))
         return
     if quiet:
         return
-    click.echo(_table(["worker", "device", "tensors", "bytes", "read"],
-                      [[w["index"], w["device"], w["tensors"], _human(w["bytes"]),
-                        _human(w["bytes_read"])] for w in workers], right=(0, 2, 3, 4)))
-    click.echo(f"loaded {_human(stats.bytes_total)} onto {num_shards} worker(s) in "
-               f"{stats.seconds:.3f} s ({stats.gb_per_s:.2f} GB/s)")
+    _out(_table(["worker", "device", "tensors", "bytes", "read"],
+                [[w["index"], w["device"], w["tensors"], _human(w["bytes"]),
+                  _human(w["bytes_read"])] for w in workers], right=(0, 2, 3, 4)))
+    _out(f"loaded {_human(stats.bytes_total)} onto {num_shards} worker(s) in "
+         f"{stats.seconds:.3f} s ({stats.gb_per_s:.2f} GB/s)")
 
 
 @cli.command()
@@ -233,9 +390,9 @@ def validate(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...
     with checkpoint:
         params = list(validated)
         sharded = sum(1 for p in params if not p.replicated)
-        click.echo(f"ok: {plan_file} fits {ckpt} for {num_shards} worker(s): {len(params)} "
-                   f"tensors ({sharded} sharded, {len(params) - sharded} replicated), "
-                   f"{_human(validated.bytes_per_worker())} per worker")
+        _out(f"ok: {plan_file} fits {ckpt} for {num_shards} worker(s): {len(params)} "
+             f"tensors ({sharded} sharded, {len(params) - sharded} replicated), "
+             f"{_human(validated.bytes_per_worker())} per worker")
 
 
 @cli.command()
@@ -255,20 +412,19 @@ def inspect(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...]
                 for p in validated]
     padding = sum(r["padding_bytes"] for r in rows)
     if as_json:
-        click.echo(json.dumps({"num_shards": num_shards, "params": rows,
-                               "padding_bytes": padding,
-                               "tensor_parallel": validated.plan.metadata.get("tensor_parallel")}))
+        _out(json.dumps({"num_shards": num_shards, "params": rows, "padding_bytes": padding,
+                         "tensor_parallel": validated.plan.metadata.get("tensor_parallel")}))
         return
-    click.echo(_table(["parameter", "stored", "steps", "per worker", "bytes"],
-                      [[r["name"], f"{r['shape']} {r['dtype']}",
-                        " > ".join(r["steps"]) or "(replicated)",
-                        f"{r['shard_shape']} {r['shard_dtype']}", _human(r["bytes_per_worker"])]
-                       for r in rows], right=(4,)))
-    click.echo(f"{len(rows)} tensors, {_human(validated.bytes_per_worker())} per worker")
+    _out(_table(["parameter", "stored", "steps", "per worker", "bytes"],
+                [[r["name"], f"{r['shape']} {r['dtype']}",
+                  " > ".join(r["steps"]) or "(replicated)",
+                  f"{r['shard_shape']} {r['shard_dtype']}", _human(r["bytes_per_worker"])]
+                 for r in rows], right=(4,)))
+    _out(f"{len(rows)} tensors, {_human(validated.bytes_per_worker())} per worker")
     if padding:
         total = validated.bytes_per_worker() * num_shards
-        click.echo(f"zero padding: {_human(padding)} over all workers "
-                   f"({100 * padding / total:.1f}% of what they hold)")
+        _out(f"zero padding: {_human(padding)} over all workers "
+             f"({100 * padding / total:.1f}% of what they hold)")
 
 
 @cli.command()
@@ -292,7 +448,9 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
     from .planners import check_num_shards, describe_plan, plan_for, valid_num_shards
     from .readers import open_checkpoint
 
-    with open_checkpoint(ckpt) as checkpoint:
+    with _reading():
+        checkpoint = open_checkpoint(ckpt)
+    with checkpoint, _reading():  # the planners read config files: unreadable ones are input
         try:
             info, summary = describe_plan(checkpoint, num_shards, vocab_parallel=vocab_parallel,
                                           pad=not no_pad)
@@ -304,13 +462,50 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
             checkpoint, vocab_parallel=vocab_parallel, pad=False)[0]
         valid = valid_num_shards(symbolic, checkpoint)
     if output:
-        info.dump(output)
+        _write_atomic(output, info.dumps())
     else:
-        click.echo(info.dumps(), nl=False)
-    scope = (f"for N={num_shards} only; unpadded plans fit N in {', '.join(map(str, valid))}"
-             if not info.is_symbolic and summary.padded
-             else f"valid for N in {', '.join(map(str, valid))}")
-    click.echo(f"{summary}; {scope}{f' (written to {output})' if output else ''}", err=True)
+        _out(info.dumps(), nl=False)
+    fits = ", ".join(map(str, valid)) or "none"
+    if not valid.complete:  # a plan too large to try every N: say how far the list goes
+        fits += f" (tried N up to {valid.tried} only)"
+    scope = (f"for N={num_shards} only; unpadded plans fit N in {fits}"
+             if not info.is_symbolic and summary.padded else f"valid for N in {fits}")
+    _note(f"{summary}; {scope}{f' (written to {output})' if output else ''}")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until all of ``data`` is written (a write may take only part)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: into a temporary file in the same
+    folder, fsynced, then renamed over ``path`` (a rename within a folder is atomic). A failure
+    (a full disk) leaves ``path`` as it was and no temporary file behind."""
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                   dir=folder)
+        try:
+            _write_all(fd, text.encode())
+            # mkstemp makes the file private (0600); the plan gets what a plain open would give
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        raise OutputFailed(exc, quote(path)) from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 @cli.command()
@@ -322,14 +517,22 @@ def funcs(plugins: tuple[str, ...]) -> None:
 
     load_plugins(plugins)
     entries = list_shard_funcs()
-    click.echo(_table(["name", "array", "args", "description"],
-                      [[f.name, f.array, f.arity_text(), f.doc.replace("``", "")] for f in entries]))
-    click.echo("Plans name these functions; add your own with @register_shard_func in a module "
-               "passed as --plugin MODULE.")
+    _out(_table(["name", "array", "args", "description"],
+                [[f.name, f.array, f.arity_text(), f.doc.replace("``", "")] for f in entries]))
+    _out("Plans name these functions; add your own with @register_shard_func in a module "
+         "passed as --plugin MODULE.")
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point (also ``python -m shardload``)."""
+    import faulthandler
+
+    global _OWN_PROCESS
+    _OWN_PROCESS = True
+    # A shard function that segfaults a thread session takes the process with it; this at least
+    # prints the Python stack of the crashing thread (the shard function's file, line and name).
+    with contextlib.suppress(Exception):
+        faulthandler.enable(all_threads=False)
     cli.main(prog_name="shardload")
 
 

@@ -31,7 +31,7 @@ from .errors import PlanError, ShardloadError, annotate
 from .plan import ParamPlan, Plan, ShardInfo, ValidatedPlan
 from .readers import Checkpoint, as_checkpoint
 from .registry import ShardFunc
-from .sessions.base import Session
+from .sessions.base import Session, check_timeout
 from .shard_functions import builtin
 
 __all__ = ["load_sharded", "ShardedParams", "LoadStats", "WorkerLoad", "load_worker",
@@ -191,15 +191,19 @@ class _SharedOutputs:
         self._cond = threading.Condition()
         self._cells: dict[str, _Cell] = {}
 
-    def take(self, param: ParamPlan,
-             compute: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, bool]:
-        """The full output for ``param`` and whether this call computed it."""
+    def take(self, param: ParamPlan, compute: Callable[[], torch.Tensor],
+             waiting: Optional[Callable[[], None]] = None) -> tuple[torch.Tensor, bool]:
+        """The full output for ``param`` and whether this call computed it. ``waiting()`` is
+        called while this worker waits on another (for the watchdog: a worker waiting on a
+        stuck one is not the one to blame)."""
+        waiting = waiting or (lambda: None)
         with self._cond:
             while True:
                 self._check_abort()
                 cell = self._cells.get(param.name)
                 if cell is not None or len(self._cells) < MAX_SHARED:
                     break
+                waiting()
                 self._cond.wait(0.1)
             owner = cell is None
             if owner:
@@ -218,6 +222,7 @@ class _SharedOutputs:
         with self._cond:
             while not cell.ready:
                 self._check_abort()
+                waiting()
                 self._cond.wait(0.1)
         if cell.failed:
             raise _Aborted()  # the owner reports the failure; this worker stops quietly
@@ -252,7 +257,8 @@ def _place(tensor: torch.Tensor, device: torch.device, owned: bool) -> torch.Ten
 
 
 def _worker_piece(ckpt: Checkpoint, param: ParamPlan, i: int, n: int, device: torch.device,
-                  shared: _SharedOutputs) -> tuple[torch.Tensor, int]:
+                  shared: _SharedOutputs, waiting: Optional[Callable[[], None]] = None
+                  ) -> tuple[torch.Tensor, int]:
     """Worker i's piece of ``param`` on ``device``, and the checkpoint bytes it read."""
     if param.replicated:
         return _place(ckpt.read(param.name), device, owned=True), param.meta.nbytes
@@ -272,7 +278,7 @@ def _worker_piece(ckpt: Checkpoint, param: ParamPlan, i: int, n: int, device: to
         return run_steps(param, x)
 
     try:
-        full, computed = shared.take(param, compute)
+        full, computed = shared.take(param, compute, waiting)
         piece = _place(full[i], device, owned=False)
     finally:
         shared.release(param)
@@ -297,13 +303,16 @@ class WorkerLoad:
 def load_worker(ckpt: Checkpoint, plan: ValidatedPlan, rank: int, device: torch.device, *,
                 shared: Optional[_SharedOutputs] = None, abort: Any = None,
                 advance: Optional[ProgressCallback] = None,
-                done: Optional[Callable[[str], None]] = None) -> WorkerLoad:
+                done: Optional[Callable[[str], None]] = None,
+                on_param: Optional[Callable[[str], None]] = None) -> WorkerLoad:
     """Worker ``rank``'s piece of every parameter, in storage order: the SPMD algorithm.
 
     ``shared`` lets the workers of one process compute each opaque chain once; without it this
     worker computes the chains it needs itself. ``abort`` (anything with ``is_set()``) is
     checked between parameters. ``done(name)`` is called after each parameter; by default the
-    checkpoint may then release what it read for it.
+    checkpoint may then release what it read for it. ``on_param(name)`` is called as each
+    parameter starts, and again while waiting on another worker's output: the progress a
+    session's watchdog watches (a timestamp, and the parameter a stuck worker is on).
     """
     done = done if done is not None else ckpt.release
     abort = abort if abort is not None else threading.Event()
@@ -314,7 +323,12 @@ def load_worker(ckpt: Checkpoint, plan: ValidatedPlan, rank: int, device: torch.
     for param in plan:
         if abort.is_set():
             raise _Aborted()
-        piece, nread = _worker_piece(ckpt, param, rank, plan.num_shards, device, shared)
+        waiting = None
+        if on_param is not None:
+            on_param(param.name)
+            waiting = lambda name=param.name: on_param(name)  # noqa: E731
+        piece, nread = _worker_piece(ckpt, param, rank, plan.num_shards, device, shared,
+                                     waiting)
         kept[param.name] = piece
         read += nread
         done(param.name)
@@ -324,10 +338,11 @@ def load_worker(ckpt: Checkpoint, plan: ValidatedPlan, rank: int, device: torch.
 
 
 def load_in_threads(ckpt: Checkpoint, plan: ValidatedPlan, devices: list[torch.device],
-                    run_all: Callable[..., list], progress: Union[bool, ProgressCallback]
-                    ) -> list[WorkerLoad]:
+                    run_all: Callable[..., list], progress: Union[bool, ProgressCallback],
+                    beat: Optional[Callable[[int, str], None]] = None) -> list[WorkerLoad]:
     """Every worker's load, the workers being threads of this process (``run_all(fn)`` runs
-    ``fn(i)`` on each); opaque chains computed once and shared."""
+    ``fn(i)`` on each); opaque chains computed once and shared. ``beat(i, name)`` records
+    worker ``i``'s progress for the session's watchdog."""
     n = plan.num_shards
     advance, close_bar = progress_callback(progress, plan.bytes_per_worker() * n)
     abort = threading.Event()
@@ -345,7 +360,8 @@ def load_in_threads(ckpt: Checkpoint, plan: ValidatedPlan, devices: list[torch.d
     def work(i: int) -> Optional[WorkerLoad]:
         try:
             return load_worker(ckpt, plan, i, devices[i], shared=shared, abort=abort,
-                               advance=advance, done=done)
+                               advance=advance, done=done,
+                               on_param=None if beat is None else (lambda name: beat(i, name)))
         except _Aborted:
             return None  # another worker failed; it reports
         except BaseException:
@@ -355,7 +371,7 @@ def load_in_threads(ckpt: Checkpoint, plan: ValidatedPlan, devices: list[torch.d
     try:
         return run_all(work, context=f"while loading {ckpt.source}")
     except BaseException:
-        abort.set()  # Ctrl-C in the caller: workers stop at the next parameter
+        abort.set()  # Ctrl-C or a stalled worker: the others stop at their next parameter
         raise
     finally:
         close_bar()
@@ -413,13 +429,17 @@ def progress_callback(progress: Union[bool, ProgressCallback], total: int):
 
 
 def load_sharded(params: Any, shard_info: Any, session: Session, *,
-                 progress: Union[bool, ProgressCallback] = True) -> ShardedParams:
+                 progress: Union[bool, ProgressCallback] = True,
+                 timeout: Optional[float] = None) -> ShardedParams:
     """Shard ``params`` by ``shard_info`` onto the workers of ``session``.
 
     ``params``: a ``Checkpoint`` (``open_checkpoint(path)``), a path, or a mapping of name ->
     numpy/torch array. ``shard_info``: a ``ShardInfo``, a path to ``shard_info.json``, a dict, a
     ``Plan`` bound to the session's N, or ``None`` (replicate everything). ``progress``: a tqdm
     bar over bytes (``True``), none (``False``), or a callback given each kept piece's bytes.
+    ``timeout``: the watchdog for this load (default: the session's ``timeout``): a worker
+    without progress for that many seconds fails the load with ``WorkerError`` naming it and
+    the parameter it was on; the other workers are stopped and the session closed.
 
     1. Open the checkpoint: headers only.
     2. Bind the plan to the session's N and validate it against the checkpoint's metadata; a
@@ -430,8 +450,9 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
     ...     sharded = load_sharded(open_checkpoint("ckpt/"), "ckpt/shard_info.json", sess)
     ...     sharded.shard("model.layers.0.mlp.down_proj.qweight", 3)
     """
+    timeout = check_timeout(timeout)
     with session.collective("loading"):
         ckpt = as_checkpoint(params)
         validated = _bind(shard_info, session.num_workers).validate(ckpt.metadata())
         _check_devices(list(validated), session.devices, validated.plan.source)
-        return session._load(ckpt, validated, progress)
+        return session._load(ckpt, validated, progress, timeout)

@@ -25,6 +25,34 @@ def _restore_registry():
             table.update(saved)
 
 
+def interrupt_once_started(args: list[str], started, env: dict, cwd: str = REPO
+                           ) -> tuple[int, str, str, float]:
+    """Run ``args``, wait until the file ``started`` exists (a plugin creates it when the load
+    is under way), send one SIGINT, and return (exit code, stdout, stderr, seconds from the
+    signal to the exit). The child is killed if it outlives the wait."""
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(started):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the load never started"
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert proc.poll() is None, "the load finished before it could be interrupted"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=10)
+        return proc.returncode, stdout, stderr, time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def default_sigint() -> None:
     """``preexec_fn`` for a child that must see Ctrl-C: SIGINT as a terminal's shell gives it.
 

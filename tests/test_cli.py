@@ -15,12 +15,10 @@ import math
 import os
 import re
 import shutil
-import signal
 import struct
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +26,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-from conftest import default_sigint
+from conftest import interrupt_once_started
 from shardload.cli import cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -645,28 +643,11 @@ def _slow_checkpoint(tmp_path: Path, count: int = 50) -> tuple[Path, Path]:
 def test_ctrl_c_exits_130_with_one_line(tmp_path):
     ckpt, plan = _slow_checkpoint(tmp_path)  # 50 x 0.2 s: about 10 s if left alone
     started = tmp_path / "started"
-    proc = subprocess.Popen(
+    code, stdout, stderr, elapsed = interrupt_once_started(
         [sys.executable, "-m", "shardload", "load", "--shards", "2", "--plugin", PLUGIN,
-         "--shard-info", str(plan), str(ckpt)],
-        cwd=REPO, env=subprocess_env(SHARDLOAD_TEST_STARTED=str(started)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
-    try:
-        deadline = time.monotonic() + 30
-        while not started.exists():  # the first shard function call: the load is under way
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the load never started"
-            time.sleep(0.02)
-        time.sleep(0.3)
-        assert proc.poll() is None, "the load finished before it could be interrupted"
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=10)
-        elapsed = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 130, (stdout, stderr)
+         "--shard-info", str(plan), str(ckpt)], started,
+        subprocess_env(SHARDLOAD_TEST_STARTED=str(started)))
+    assert code == 130, (stdout, stderr)
     assert elapsed < 10
     assert "Interrupted" in stderr
     assert "Traceback" not in stderr + stdout

@@ -246,11 +246,11 @@ def test_staging_is_bounded_for_opaque_chains(monkeypatch):
 
     original = loader._SharedOutputs.take
 
-    def take(self, param, compute):
+    def take(self, param, compute, *rest):
         with self._cond:
             live.update(self._cells)
             peak[0] = max(peak[0], len(self._cells))
-        return original(self, param, compute)
+        return original(self, param, compute, *rest)
 
     monkeypatch.setattr(loader._SharedOutputs, "take", take)
     params = {f"p{k}": np.full((8, 4), k, np.float32) for k in range(20)}

@@ -14,10 +14,14 @@ Lifecycle of a ``ProcessSession``:
 2. **Work**: ``load_sharded``, ``call``, ``set_value``, ``get_value``, ``fetch``. Every request
    is answered by every worker it went to; a failure becomes ``WorkerError`` once all answered
    (the others told to stop loading), a worker that dies becomes ``WorkerCrashedError`` and
-   stops the rest.
-3. **Close** (``close()``, leaving ``with``, Ctrl-C, interpreter exit via ``weakref.finalize``):
-   ask each worker to exit, then SIGTERM, then SIGKILL. Workers ignore SIGINT (the controller
-   decides) and exit on their own within a second of the controller dying.
+   stops the rest. With ``timeout=`` a watchdog watches each worker's progress messages (sent
+   while loading: bytes kept and the parameter it is on); a worker silent for that long, hung
+   or stopped (SIGSTOP), becomes ``WorkerError`` naming it and its parameter, and the session
+   is closed.
+3. **Close** (``close()``, leaving ``with``, Ctrl-C, a crash or a timeout, interpreter exit via
+   ``weakref.finalize``): ask each worker to exit, then SIGTERM (and SIGCONT, so a stopped
+   worker acts on it), then SIGKILL. Workers ignore SIGINT (the controller decides) and exit on
+   their own within a second of the controller dying.
 """
 
 from __future__ import annotations
@@ -40,10 +44,14 @@ import torch
 from ..errors import (PlanError, ShardloadError, WorkerCrashedError, WorkerError,
                       WorkerFailure)
 from . import protocol
-from .base import DeviceSpec, Session, resolve_devices
+from .base import DeviceSpec, Heartbeats, Session, check_timeout, resolve_devices
 
 #: seconds a worker gets to exit after ``shutdown`` before it is terminated, then killed
 GRACE_S = 3.0
+#: seconds between the controller's checks for dead and stalled workers while it waits
+POLL_S = 0.1
+
+_DEFAULT: Any = object()
 
 
 def _signal_name(returncode: Optional[int]) -> Optional[str]:
@@ -71,12 +79,15 @@ def _stop(procs: Sequence[subprocess.Popen], conns: Sequence[Connection],
             if proc.poll() is None and sig is not None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(sig)
+                    if sig == signal.SIGTERM:  # a stopped worker acts on it only once resumed
+                        proc.send_signal(signal.SIGCONT)
         for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         if all(p.poll() is not None for p in procs):
             break
-        deadline = time.monotonic() + 1.0
+        # after SIGTERM: a second, or half of one when nobody waits politely (Ctrl-C, a crash)
+        deadline = time.monotonic() + min(1.0, max(0.5, grace[0]))
     for conn in conns:
         with contextlib.suppress(OSError):
             conn.close()
@@ -88,6 +99,10 @@ class ProcessSession(Session):
     ``plugins`` are modules every worker imports (their ``@register_shard_func`` calls run
     there too). With ``distributed=True`` the workers form a torch.distributed process group
     (gloo on CPU, NCCL on CUDA) that session functions can use for collectives.
+    ``timeout``: seconds a worker may go without progress (a parameter loaded, a request
+    answered) before the session gives up on it: ``WorkerError`` naming it and its parameter,
+    and the session closed (its workers asked to exit, then terminated, then killed).
+    ``start_timeout`` bounds starting the workers.
 
     >>> with ProcessSession(num_workers=2) as sess:                             # doctest: +SKIP
     ...     sharded = load_sharded("ckpt/", "ckpt/shard_info.json", sess)
@@ -96,9 +111,10 @@ class ProcessSession(Session):
 
     def __init__(self, num_workers: int, device: DeviceSpec = "cpu",
                  plugins: Iterable[str] = (), *, distributed: bool = True,
-                 start_timeout: float = 300.0):
+                 start_timeout: float = 300.0, timeout: Optional[float] = None):
         self.devices = resolve_devices(device, num_workers)
         self.num_workers = num_workers
+        self.timeout = check_timeout(timeout)
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         self._closed = False
@@ -148,7 +164,8 @@ class ProcessSession(Session):
             protocol.send(conn, {"op": "init", "rank": i, "world_size": self.num_workers,
                                  "device": str(self.devices[i]), "plugins": plugins,
                                  "sys_path": list(sys.path), "dist": dist})
-        self._gather(range(self.num_workers), "while starting", timeout=timeout)
+        self._gather(range(self.num_workers), "while starting", timeout=timeout,
+                     watchdog=None)
 
     # ---- 2. requests -----------------------------------------------------------------------------
 
@@ -157,16 +174,22 @@ class ProcessSession(Session):
             raise RuntimeError("this session is closed")
 
     def _gather(self, workers: Iterable[int], context: str, *, timeout: Optional[float] = None,
-                on_progress=None) -> dict[int, tuple[dict, Optional[torch.Tensor]]]:
+                on_progress=None, watchdog: Optional[float] = _DEFAULT
+                ) -> dict[int, tuple[dict, Optional[torch.Tensor]]]:
         """Every listed worker's reply. ``WorkerError`` for failures (after all replied),
-        ``WorkerCrashedError`` (the session closed) when one dies."""
+        ``WorkerCrashedError`` (the session closed) when one dies. ``timeout`` bounds the
+        whole request; ``watchdog`` (default: the session's ``timeout``) is how long one
+        worker may go without a message before it is given up on (the session closed)."""
+        workers = list(workers)
+        watchdog = self.timeout if watchdog is _DEFAULT else watchdog
         pending = {self._conns[i]: i for i in workers}
+        beats = Heartbeats(self.num_workers, workers)
         replies: dict[int, tuple[dict, Optional[torch.Tensor]]] = {}
         failures: list[WorkerFailure] = []
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while pending:
-                ready = wait(list(pending), timeout=0.5)
+                ready = wait(list(pending), timeout=POLL_S)
                 for conn in ready:
                     i = pending[conn]
                     try:
@@ -176,11 +199,14 @@ class ProcessSession(Session):
                     except protocol.ProtocolError as exc:  # alive, but out of step with us
                         raise ShardloadError(f"worker {i} sent a malformed reply {context}: "
                                              f"{exc}; the session is closed") from None
+                    param = message.get("param")
+                    beats.beat(i, param if isinstance(param, str) else None)
                     if "progress" in message:
                         if on_progress is not None:
                             on_progress(int(message["progress"]))
                         continue
                     del pending[conn]
+                    beats.done(i)
                     if message.get("ok"):
                         replies[i] = (message, tensor)
                     elif not message.get("aborted"):
@@ -194,6 +220,11 @@ class ProcessSession(Session):
                 if deadline is not None and time.monotonic() > deadline:
                     raise ShardloadError(f"workers {sorted(pending.values())} did not answer "
                                          f"{context} within {timeout:.0f} s")
+                stalled = beats.stalled(watchdog)
+                if stalled:  # hung or stopped: nothing but a signal will end it
+                    raise WorkerError([WorkerFailure(
+                        i, "TimeoutError", f"{beats.describe(i, watchdog)}; the session is "
+                        "closed and its workers stopped") for i in stalled], context)
         except BaseException:
             # a crash, a timeout or Ctrl-C: the workers' state is unknown, so stop them all now
             self._grace[0] = 0.2
@@ -264,7 +295,7 @@ class ProcessSession(Session):
 
     # ---- the Session API ------------------------------------------------------------------------
 
-    def _load(self, ckpt, validated, progress):
+    def _load(self, ckpt, validated, progress, timeout=None):
         from ..loader import ShardedParams, WorkerLoad, progress_callback, stats_of
 
         # custom shard functions must exist in the workers before they validate the plan
@@ -277,6 +308,13 @@ class ProcessSession(Session):
                                                  "param": param.name, "step": step.index})
         if custom:
             self._ensure_functions(custom, {}, where)
+        plan = validated.plan.to_dict()
+        try:
+            protocol.to_jsonable(plan)  # refused here, clearly, rather than deep in a send
+        except (TypeError, ValueError) as exc:
+            raise PlanError(f"the plan cannot be sent to worker processes: {exc}",
+                            source=validated.plan.source) from None
+        watchdog = self.timeout if timeout is None else check_timeout(timeout)
         load_id, self._next_load = self._next_load, self._next_load + 1
         with _checkpoint_path(ckpt) as path:
             advance, close_bar = progress_callback(progress,
@@ -286,8 +324,8 @@ class ProcessSession(Session):
                 replies = self._request(
                     range(self.num_workers),
                     {"op": "load", "load": load_id, "checkpoint": path,
-                     "plan": validated.plan.to_dict(), "num_shards": self.num_workers},
-                    f"while loading {ckpt.source}", on_progress=advance)
+                     "plan": plan, "num_shards": self.num_workers},
+                    f"while loading {ckpt.source}", on_progress=advance, watchdog=watchdog)
             finally:
                 close_bar()
             seconds = time.perf_counter() - start

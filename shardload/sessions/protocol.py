@@ -17,10 +17,17 @@ from typing import Any, Optional
 import torch
 
 from .. import dtypes, strict_json
+from ..errors import ShardloadError
 
 
 class ProtocolError(Exception):
     """A peer sent something that is not a valid message."""
+
+
+class UnsendableError(ShardloadError, ValueError):
+    """A message holds a value strict JSON cannot carry (NaN, an infinite float such as a plan's
+    ``1e400``, an object): a ``ShardloadError`` with a readable message, never a raw
+    ``ValueError`` from the json module. Also a ``ValueError``, as it was before."""
 
 
 def send(conn: Connection, message: dict, tensor: Optional[torch.Tensor] = None) -> None:
@@ -29,7 +36,15 @@ def send(conn: Connection, message: dict, tensor: Optional[torch.Tensor] = None)
         tensor = tensor.detach().to("cpu").contiguous()
         message = {**message, "tensor": {"dtype": dtypes.from_torch(tensor.dtype),
                                          "shape": list(tensor.shape)}}
-    conn.send_bytes(json.dumps(message, allow_nan=False).encode())
+    try:
+        data = json.dumps(message, allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        what = message.get("op") or "reply"
+        raise UnsendableError(f"cannot send the {what!r} message to a worker process: it holds "
+                              f"a value strict JSON cannot carry ({exc}); only JSON values "
+                              "(finite numbers, no NaN or Infinity) and tensors travel between "
+                              "processes") from None
+    conn.send_bytes(data)
     if tensor is not None:
         conn.send_bytes(_as_bytes(tensor))
 
@@ -85,4 +100,4 @@ def to_jsonable(value: Any) -> Any:
     return value
 
 
-__all__ = ["send", "recv", "ProtocolError", "to_jsonable"]
+__all__ = ["send", "recv", "ProtocolError", "UnsendableError", "to_jsonable"]

@@ -1,67 +1,183 @@
-"""Workers as threads of this process: the simplest session, and the fastest on one host."""
+"""Workers as threads of this process: the simplest session, and the fastest on one host.
+
+Each worker is a daemon thread of its own (not a ``ThreadPoolExecutor``): a thread cannot be
+killed, so one stuck in a shard function that never returns must never hold up the caller.
+The caller waits in short polls, so Ctrl-C lands at once; the watchdog (``timeout=``) gives up
+on a worker that makes no progress; and an abandoned thread, being a daemon, does not keep the
+interpreter from exiting (``concurrent.futures`` joins its pool threads at exit, forever if one
+hangs). After Ctrl-C or a timeout the session is closed: its threads stop at their next
+parameter, or, if stuck, are left behind.
+
+Threads share this process: a shard function that ends it (``os._exit``, a segfault) ends the
+caller with it, and nothing can report it. ``ProcessSession`` isolates such functions.
+"""
 
 from __future__ import annotations
 
+import queue
+import sys
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..errors import WorkerError, WorkerFailure, describe
-from .base import DeviceSpec, Session, WorkerContext, resolve_devices
+from .base import (DeviceSpec, Heartbeats, Session, WorkerContext, check_timeout,
+                   resolve_devices)
+
+#: seconds between the caller's checks for results, Ctrl-C and stalled workers
+POLL_S = 0.05
+#: seconds ``close`` waits for worker threads to finish what they are doing
+CLOSE_WAIT_S = 5.0
+#: worker threads are named with this prefix (the CLI looks for abandoned ones at exit)
+THREAD_PREFIX = "shardload-worker-"
+
+_DEFAULT: Any = object()
+
+
+class _WorkerThread:
+    """One worker: a daemon thread running the jobs put in its queue, ``None`` ending it."""
+
+    def __init__(self, index: int):
+        self.jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=f"{THREAD_PREFIX}{index}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            job()
+            job = None  # an idle thread holds nothing of its session (which may be collected)
+
+
+def _stop_threads(jobs: list) -> None:
+    """Ask worker threads to end (a session collected without ``close()``)."""
+    for queue_ in jobs:
+        queue_.put(None)
+
+
+def abandoned_threads() -> list[threading.Thread]:
+    """Worker threads still alive although their session was closed (stuck in a shard
+    function, or finishing one after Ctrl-C)."""
+    return [t for t in threading.enumerate()
+            if t.name.startswith(THREAD_PREFIX) and getattr(t, "_shardload_abandoned", False)]
 
 
 class ThreadedSession(Session):
     """N worker threads in this process, worker i on ``devices[i]``.
 
     Torch and numpy copies release the GIL, so workers read and copy in parallel.
+    ``timeout``: seconds a worker may go without progress (a parameter loaded, a call
+    answered) before the session gives up on it: ``WorkerError`` naming the worker and its
+    parameter, the other workers stopped, the session closed. A stuck thread cannot be killed;
+    it is abandoned (a daemon thread: the interpreter can still exit).
+
+    Threads share this process: a shard function that calls ``os._exit`` or crashes the
+    interpreter ends the caller too. ``ProcessSession`` isolates untrusted shard functions.
 
     >>> with ThreadedSession(num_workers=2) as sess:
     ...     sess.run_all(lambda i: i * 10)
     [0, 10]
     """
 
-    def __init__(self, num_workers: int, device: DeviceSpec = "cpu"):
+    def __init__(self, num_workers: int, device: DeviceSpec = "cpu", *,
+                 timeout: Optional[float] = None):
         self.devices = resolve_devices(device, num_workers)
         self.num_workers = num_workers
-        # One single-thread executor per worker, so each worker is one consistent thread
-        # (a CUDA context and stream per worker, as a process per GPU would have).
-        self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"shardload-worker-{i}")
-                         for i in range(num_workers)]
+        self.timeout = check_timeout(timeout)
         self._contexts = [WorkerContext(i, num_workers, d) for i, d in enumerate(self.devices)]
         self._closed = False
+        self._broken = False  # interrupted or timed out: threads may still be busy
         self._lock = threading.Lock()
+        self._beats: Optional[Heartbeats] = None
+        # One thread per worker, so each worker is one consistent thread (a CUDA context and
+        # stream per worker, as a process per GPU would have).
+        self._threads = [_WorkerThread(i) for i in range(num_workers)]
+        weakref.finalize(self, _stop_threads, [w.jobs for w in self._threads])
 
-    def run_all(self, fn: Callable[[int], Any], *, context: str = "") -> list[Any]:
+    def beat(self, worker: int, where: Optional[str] = None) -> None:
+        """Worker ``worker`` made progress (the loader calls this per parameter)."""
+        beats = self._beats
+        if beats is not None:
+            beats.beat(worker, where)
+
+    def run_all(self, fn: Callable[[int], Any], *, context: str = "",
+                timeout: Optional[float] = _DEFAULT) -> list[Any]:
         """Run ``fn(i)`` on every worker thread; ``WorkerError`` naming each failed worker,
-        the earliest failure first, once all have stopped."""
+        the earliest failure first, once all have stopped.
+
+        A worker silent for ``timeout`` seconds (default: the session's), or Ctrl-C, ends the
+        wait at once: the session is closed and busy threads are left to stop on their own.
+        """
         if self._closed:
             raise RuntimeError("this session is closed")
+        timeout = self.timeout if timeout is _DEFAULT else check_timeout(timeout)
+        results: "queue.SimpleQueue[tuple[int, bool, Any]]" = queue.SimpleQueue()
+        beats = self._beats = Heartbeats(self.num_workers)
 
-        def on_worker(i: int):
-            if self.devices[i].type == "cuda":
-                torch.cuda.set_device(self.devices[i])
+        def on_worker(i: int) -> None:
             try:
-                return True, fn(i)
+                if self.devices[i].type == "cuda":
+                    torch.cuda.set_device(self.devices[i])
+                results.put((i, True, fn(i)))
             except BaseException as exc:  # reported to the caller, never lost in a thread
-                return False, (time.monotonic(), WorkerFailure(
-                    i, type(exc).__name__, describe(exc), traceback.format_exc()), exc)
+                results.put((i, False, (time.monotonic(), WorkerFailure(
+                    i, type(exc).__name__, describe(exc), traceback.format_exc()), exc)))
 
-        futures = [w.submit(on_worker, i) for i, w in enumerate(self._workers)]
-        outcomes = [f.result() for f in futures]
-        failed = sorted((o[1] for o in outcomes if not o[0]), key=lambda f: f[0])
+        for i, worker in enumerate(self._threads):
+            worker.jobs.put(lambda i=i: on_worker(i))
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        try:
+            while len(outcomes) < self.num_workers:
+                try:
+                    i, ok, value = results.get(timeout=POLL_S)
+                except queue.Empty:
+                    stalled = beats.stalled(timeout)
+                    if stalled:
+                        raise self._stalled(stalled, beats, timeout, context)
+                    continue
+                outcomes[i] = (ok, value)
+                beats.done(i)
+        except BaseException:
+            # Ctrl-C or a stalled worker: the caller must get control back now, whatever the
+            # threads are doing; they cannot be interrupted, so the session ends here.
+            self._broken = True
+            self.close()
+            raise
+        finally:
+            self._beats = None
+        failed = sorted((v for ok, v in outcomes.values() if not ok), key=lambda f: f[0])
         if failed:
             raise WorkerError([f[1] for f in failed], context) from failed[0][2]
-        return [o[1] for o in outcomes]
+        return [outcomes[i][1] for i in range(self.num_workers)]
 
-    def _load(self, ckpt, validated, progress):
+    def _stalled(self, stalled: list[int], beats: Heartbeats, timeout: float,
+                 context: str) -> WorkerError:
+        frames = sys._current_frames()  # where each stuck thread is: its "remote" traceback
+        failures = []
+        for i in stalled:
+            frame = frames.get(self._threads[i].thread.ident)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+            failures.append(WorkerFailure(
+                i, "TimeoutError", f"{beats.describe(i, timeout)}; its thread is abandoned "
+                "(a thread cannot be stopped) and the session closed",
+                f"Stack of worker {i}'s thread:\n{stack}"))
+        return WorkerError(failures, context)
+
+    def _load(self, ckpt, validated, progress, timeout=None):
         from ..loader import ShardedParams, load_in_threads, stats_of
 
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
         start = time.perf_counter()
-        loads = load_in_threads(ckpt, validated, self.devices, self.run_all, progress)
+        loads = load_in_threads(ckpt, validated, self.devices,
+                                lambda fn, **kw: self.run_all(fn, timeout=timeout, **kw),
+                                progress, beat=self.beat)
         stats = stats_of(loads, time.perf_counter() - start)
         for ctx, load in zip(self._contexts, loads):
             ctx.shards = load.shards  # the latest load is the workers' model
@@ -98,12 +214,20 @@ class ThreadedSession(Session):
         return value.clone() if isinstance(value, torch.Tensor) else value
 
     def close(self) -> None:
+        """Stop the worker threads: each ends after its current job. Waits for them (a few
+        seconds at most), except after Ctrl-C or a timeout, when nobody waits on a thread that
+        may never return."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        for w in self._workers:
-            w.shutdown(wait=True, cancel_futures=True)
+        for worker in self._threads:
+            worker.jobs.put(None)
+        deadline = time.monotonic() + (0.0 if self._broken else CLOSE_WAIT_S)
+        for worker in self._threads:
+            worker.thread.join(max(0.0, deadline - time.monotonic()))
+            if worker.thread.is_alive():
+                worker.thread._shardload_abandoned = True  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         return f"ThreadedSession(num_workers={self.num_workers}, devices={self.devices})"

@@ -12,6 +12,8 @@ import contextlib
 import datetime
 import json
 import os
+import sys
+import threading
 import time
 import traceback
 from typing import Any, Iterator, Optional, Union
@@ -21,9 +23,31 @@ import torch
 from .. import strict_json
 from ..errors import (ShardloadError, WorkerError, WorkerFailure,
                       describe)
-from .base import Session, WorkerContext
+from .base import Heartbeats, Session, WorkerContext, check_timeout
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def missing_env() -> list[str]:
+    """The torchrun variables this process lacks (empty under torchrun, or when a process group
+    is already initialised): a session cannot be made without them."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return []
+    return [k for k in _ENV if k not in os.environ]
+
+
+def _watch(beats: Heartbeats, timeout: float, rank: int, stop: threading.Event) -> None:
+    """The watchdog of one rank: its main thread runs the shard functions, so nothing can
+    interrupt a stuck one; the rank says why on stderr and ends, and torchrun stops the job."""
+    while not stop.wait(min(timeout / 4, 0.5)):
+        if beats.stalled(timeout):
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write(f"shardload: rank {rank} failed while loading: TimeoutError: "
+                                 f"{beats.describe(0, timeout)}; ending this rank (exit 1)\n")
+                sys.stderr.flush()
+            os._exit(1)
 
 
 class TorchDistributedSession(Session):
@@ -34,16 +58,23 @@ class TorchDistributedSession(Session):
     device is CUDA, gloo otherwise. The device defaults to ``cuda:LOCAL_RANK`` where CUDA is
     available, else the CPU.
 
+    ``timeout`` is the watchdog (default: none): a rank without progress for that many seconds
+    while loading prints one line naming it and the parameter it is on, and ends with exit 1
+    (a rank's own thread runs the shard functions, so a stuck one cannot be interrupted);
+    torchrun then stops the other ranks. ``timeout_s`` is the process group's timeout.
+
     >>> # torchrun --nproc-per-node 2 load.py                                 # doctest: +SKIP
     >>> sess = TorchDistributedSession()
     >>> mine = load_sharded("ckpt/", "ckpt/shard_info.json", sess).worker(sess.rank)
     """
 
     def __init__(self, device: Union[str, torch.device, None] = None, *,
-                 backend: Optional[str] = None, timeout_s: float = 600.0):
+                 backend: Optional[str] = None, timeout_s: float = 600.0,
+                 timeout: Optional[float] = None):
         import torch.distributed as dist
 
         self._dist = dist
+        self.timeout = check_timeout(timeout)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if device is None:
             device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
@@ -122,15 +153,22 @@ class TorchDistributedSession(Session):
 
     # ---- the Session API -------------------------------------------------------------------------
 
-    def _load(self, ckpt, validated, progress):
+    def _load(self, ckpt, validated, progress, timeout=None):
         from ..loader import ShardedParams, load_worker, progress_callback, stats_of
 
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
         advance, close_bar = progress_callback(progress if self.rank == 0 else False,
                                                validated.bytes_per_worker())
+        beats, stop = Heartbeats(1), threading.Event()
+        if timeout is not None:
+            threading.Thread(target=_watch, args=(beats, timeout, self.rank, stop),
+                             name="shardload-watchdog", daemon=True).start()
         start = time.perf_counter()
         try:
-            load = load_worker(ckpt, validated, self.rank, self.device, advance=advance)
+            load = load_worker(ckpt, validated, self.rank, self.device, advance=advance,
+                               on_param=lambda name: beats.beat(0, name))
         finally:
+            stop.set()
             close_bar()
         seconds = time.perf_counter() - start
         self._ctx.shards.update(load.shards)

@@ -20,8 +20,8 @@ from typing import Any, Optional
 # group, and N workers must not each print a KeyboardInterrupt traceback.
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-#: send a progress message after this many bytes, or this many seconds
-PROGRESS_BYTES, PROGRESS_S = 8 << 20, 0.2
+#: seconds between progress messages (bytes kept, the parameter being loaded), while any changed
+PROGRESS_S = 0.2
 
 
 def _watch_parent(parent: int) -> None:
@@ -139,18 +139,20 @@ class Worker:
         from ..loader import _Aborted as LoadAborted, load_worker
         from ..plan import ShardInfo
         from ..readers import open_checkpoint
+        from . import protocol
 
         with open_checkpoint(message["checkpoint"]) as ckpt:
             plan = ShardInfo.from_dict(message["plan"]).bind(int(message["num_shards"]))
             validated = plan.validate(ckpt.metadata())
-            progress, poll = _Progress(self.conn), _AbortPoll(self.conn)
+            protocol.send(self.conn, {"progress": 0})  # opened: progress, for the watchdog
+            poll = _AbortPoll(self.conn)
             try:
-                load = load_worker(ckpt, validated, self.ctx.rank, self.ctx.device,
-                                   abort=poll, advance=progress)
+                with _Progress(self.conn) as progress:
+                    load = load_worker(ckpt, validated, self.ctx.rank, self.ctx.device,
+                                       abort=poll, advance=progress, on_param=progress.param)
             except LoadAborted:
                 self.exit_requested = poll.shutdown
                 raise _Aborted() from None
-            progress.flush()
         if self.latest_released:
             self.loads.pop(self.latest, None)
         self.latest, self.latest_released = int(message["load"]), False
@@ -209,24 +211,61 @@ class _AbortPoll:
 
 
 class _Progress:
-    """Batches progress into a message per PROGRESS_BYTES or PROGRESS_S."""
+    """What the controller's progress bar and watchdog see of a load: bytes kept and the
+    parameter being loaded, sent as ``{"progress": nbytes, "param": name}``.
+
+    A ticker thread sends them every PROGRESS_S, and only when they changed: a worker stuck
+    inside one parameter has still said which one (the ticker runs while the main thread is
+    stuck), and then falls silent, which is what the watchdog waits for. The last message is
+    sent before the reply, from the main thread, once the ticker has stopped.
+    """
 
     def __init__(self, conn: Connection):
         self.conn = conn
+        self.lock = threading.Lock()
         self.pending = 0
-        self.last = time.monotonic()
+        self.current: Optional[str] = None
+        self.changed = False
+        self.stopped = threading.Event()
+        self.ticker = threading.Thread(target=self._tick, name="shardload-progress",
+                                       daemon=True)
+
+    def __enter__(self) -> "_Progress":
+        self.ticker.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.ticker.join()
+        if exc[0] is None:
+            self.flush()
 
     def __call__(self, nbytes: int) -> None:
-        self.pending += nbytes
-        if self.pending >= PROGRESS_BYTES or time.monotonic() - self.last >= PROGRESS_S:
-            self.flush()
+        with self.lock:
+            self.pending += nbytes
+            self.changed = True
+
+    def param(self, name: str) -> None:
+        with self.lock:
+            if name != self.current:
+                self.current, self.changed = name, True
+
+    def _tick(self) -> None:
+        while not self.stopped.wait(PROGRESS_S):
+            try:
+                self.flush()
+            except OSError:
+                return  # the controller is gone; the main thread finds out on its own
 
     def flush(self) -> None:
         from . import protocol
 
-        if self.pending:
-            protocol.send(self.conn, {"progress": self.pending})
-        self.pending, self.last = 0, time.monotonic()
+        with self.lock:
+            if not self.changed:
+                return
+            message = {"progress": self.pending, "param": self.current}
+            self.pending, self.changed = 0, False
+        protocol.send(self.conn, message)
 
 
 def _as_reply(value: Any) -> tuple[dict, Optional[Any]]:

@@ -1,0 +1,473 @@
+"""Faults while loading, and the CLI's own faults (issue 9, §4).
+
+What is checked: the watchdog (``timeout=`` / ``--timeout``) turns a hung or stopped worker
+into ``WorkerError`` naming the worker and its parameter, on threads, worker processes and a
+torch.distributed rank, with no orphan processes and an interpreter that can still exit; Ctrl-C
+ends a thread session at once even with a stuck thread; output that cannot be written (a full
+disk, a closed pipe) and inputs that cannot be read are one line, never a traceback; ``plan -o``
+never leaves a partial file; ``--session torch`` outside torchrun is a usage error; the worker
+count is capped; a value JSON cannot carry is a ``ShardloadError`` at the process boundary.
+
+Misbehaving functions live in ``fault_plugins.py``. Anything that could hang runs in a
+subprocess with a timeout, and every process a test starts is killed by pid if still there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.numpy import save_file
+
+import fault_plugins
+from conftest import interrupt_once_started
+from shardload import (PlanError, ProcessSession, ShardloadError, ThreadedSession, WorkerError,
+                       load_sharded)
+from shardload.cli import EXIT_BROKEN_PIPE, cli
+from shardload.sessions import protocol
+from shardload.plan import MAX_NUM_SHARDS
+from shardload.sessions.base import resolve_devices
+from shardload.sessions.threaded import abandoned_threads
+from test_process_session import _describe, _kill, _wait_gone
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+EXAMPLE = REPO / "examples" / "tiny_llama_q4"
+LINUX = sys.platform.startswith("linux")
+
+
+def _env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(TESTS), str(REPO), env.get("PYTHONPATH")) if p)
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def release():
+    """A fresh RELEASE event for ``tests.faults.hang``; set afterwards, so threads this test
+    abandoned finish instead of lingering in the test process."""
+    event = fault_plugins.RELEASE = threading.Event()
+    yield event
+    event.set()
+
+
+def _split(func: str, rows: int = 4, cols: int = 4) -> list:
+    return [[func, [["num_shards", f"{rows} // num_shards", cols], "float32"], 0]]
+
+
+def _params(count: int = 3) -> dict[str, np.ndarray]:
+    return {f"p{k}": np.full((4, 4), k, np.float32) for k in range(count)}
+
+
+def _hang_plan(func: str = "tests.faults.hang", count: int = 3, at: int = 1) -> dict:
+    """``count`` parameters split by ``tests.faults.split``, parameter ``p<at>`` by ``func``."""
+    return {f"p{k}": _split(func if k == at else "tests.faults.split") for k in range(count)}
+
+
+def _checkpoint(tmp_path: Path, plan: dict, count: int = 3) -> tuple[Path, Path]:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file(_params(count), str(ckpt / "model.safetensors"))
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    return ckpt, plan_file
+
+
+def _run(args: list[str], timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+    """The CLI in a fresh interpreter; killed (and the test failed) after ``timeout``."""
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    kwargs.setdefault("stderr", subprocess.PIPE)
+    return subprocess.run([sys.executable, "-m", "shardload", *args], cwd=REPO, env=_env(),
+                          text=True, timeout=timeout, **kwargs)
+
+
+# ---- 1. the watchdog on threads -------------------------------------------------------------
+
+def test_thread_watchdog_names_worker_and_parameter(release):
+    sess = ThreadedSession(2, timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        load_sharded(_params(), _hang_plan(), sess, progress=False)
+    assert time.monotonic() - start < 5
+    failure = info.value.failures[0]
+    assert failure.exc_type == "TimeoutError"
+    assert "no progress for 0.5 s on parameter 'p1'" in failure.message
+    assert f"worker {failure.worker} failed" in str(info.value)
+    assert "in hang" in failure.traceback  # where the stuck thread is
+    # a worker waiting on the stuck one's output is not blamed
+    assert len(info.value.failures) == 1
+    assert sess._closed
+    with pytest.raises(RuntimeError, match="closed"):
+        load_sharded(_params(), None, sess, progress=False)
+    assert abandoned_threads()  # the stuck thread is left, flagged
+    release.set()
+    deadline = time.monotonic() + 5
+    while abandoned_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not abandoned_threads()
+
+
+def test_load_sharded_timeout_overrides_and_call_is_watched(release):
+    with ThreadedSession(2) as sess:  # no session timeout: the load's own applies
+        with pytest.raises(WorkerError, match="no progress for 0.3 s on parameter 'p0'"):
+            load_sharded(_params(2), _hang_plan(count=2, at=0), sess, progress=False,
+                         timeout=0.3)
+    with ThreadedSession(2, timeout=0.3) as sess:
+        with pytest.raises(WorkerError) as info:
+            sess.call("tests.faults.hang_call")
+        assert "in tests.faults.hang_call" in str(info.value)
+        assert {f.worker for f in info.value.failures} == {0, 1}
+
+
+def test_watchdog_does_not_fire_on_a_load_that_progresses():
+    plan = {f"p{k}": _split("tests.faults.slow") for k in range(4)}  # 0.2 s per parameter
+    with ThreadedSession(2, timeout=1) as sess:
+        result = load_sharded(_params(4), plan, sess, progress=False)
+        assert torch.equal(result.shard("p3", 1), torch.full((2, 4), 3.0))
+    with ThreadedSession(2, timeout=0.1) as sess:  # too short, but the load's own wins
+        result = load_sharded(_params(4), plan, sess, progress=False, timeout=2)
+        assert torch.equal(result.shard("p2", 0), torch.full((2, 4), 2.0))
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "5", True])
+def test_timeout_must_be_a_positive_number(bad):
+    with pytest.raises(ValueError, match="timeout"):
+        ThreadedSession(1, timeout=bad)
+    with ThreadedSession(1) as sess, pytest.raises(ValueError, match="timeout"):
+        load_sharded(_params(1), None, sess, progress=False, timeout=bad)
+
+
+HUNG_THREAD_SCRIPT = """
+import fault_plugins
+from shardload import ThreadedSession, WorkerError, load_sharded
+from test_faults import _hang_plan, _params
+
+sess = ThreadedSession(2, timeout=0.5)
+try:
+    load_sharded(_params(), _hang_plan(), sess, progress=False)
+except WorkerError as exc:
+    print("ERROR", exc.failures[0].exc_type, flush=True)
+# the interpreter exits with a thread stuck for ever in a shard function
+"""
+
+
+def test_interpreter_exits_with_an_abandoned_thread():
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", HUNG_THREAD_SCRIPT], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert "ERROR TimeoutError" in proc.stdout
+    assert time.monotonic() - start < 30
+
+
+def test_cli_timeout_on_threads_is_one_line_exit_1(tmp_path):
+    ckpt, plan = _checkpoint(tmp_path, _hang_plan())
+    start = time.monotonic()
+    proc = _run(["load", "--shards", "2", "--plugin", "fault_plugins", "--shard-info", str(plan),
+                 "--timeout", "0.5", str(ckpt)], timeout=30)
+    assert proc.returncode == 1, proc.stderr
+    lines = _lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert "TimeoutError: no progress for 0.5 s on parameter 'p1'" in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 20
+
+
+# ---- 2. the watchdog on worker processes ----------------------------------------------------
+
+def _process_load(func: str):
+    """Load with ``func`` on parameter p1 in a two-worker session with a 1 s watchdog; the
+    error, the workers' pids and the seconds from the load's start to the error."""
+    sess = ProcessSession(2, distributed=False, timeout=1.0, plugins=["fault_plugins"])
+    pids = list(sess.pids)
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            load_sharded(_params(), _hang_plan(func), sess, progress=False)
+        return info.value, pids, time.monotonic() - start
+    finally:
+        sess.close()
+        left = _wait_gone(pids, 5)
+        _kill(pids)
+        assert not left, f"workers outlived the timed-out session: {_describe(left)}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LINUX, reason="checks worker processes through /proc")
+def test_process_watchdog_kills_a_worker_that_ignores_sigterm():
+    err, pids, seconds = _process_load("tests.faults.hang_on_1")
+    assert err.workers == (1,)
+    assert err.failures[0].exc_type == "TimeoutError"
+    assert "no progress for 1 s on parameter 'p1'" in str(err)
+    assert seconds < 8
+    assert not _wait_gone(pids, 0)  # already gone: close() escalated to SIGKILL
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LINUX, reason="checks worker processes through /proc")
+def test_process_watchdog_catches_a_stopped_worker():
+    err, pids, seconds = _process_load("tests.faults.stop_on_1")
+    assert err.workers == (1,)
+    assert "no progress for 1 s on parameter 'p1'" in str(err)
+    assert seconds < 8
+
+
+TORCH_RANK_SCRIPT = """
+import fault_plugins
+from shardload import TorchDistributedSession, load_sharded
+from test_faults import _hang_plan, _params
+
+sess = TorchDistributedSession(device="cpu", timeout=0.5)
+load_sharded(_params(), _hang_plan(), sess, progress=False)
+print("NOT REACHED", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_torch_rank_watchdog_ends_the_rank_with_one_line():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = _env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    proc = subprocess.run([sys.executable, "-c", TORCH_RANK_SCRIPT], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "NOT REACHED" not in proc.stdout
+    assert ("rank 0 failed while loading: TimeoutError: no progress for 0.5 s on parameter "
+            "'p1'") in proc.stderr
+
+
+# ---- 3. Ctrl-C on a thread session ----------------------------------------------------------
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGINT to a child process needs POSIX")
+def test_ctrl_c_on_threads_exits_130_at_once_with_a_stuck_thread(tmp_path):
+    ckpt, plan = _checkpoint(tmp_path, _hang_plan())
+    started = tmp_path / "started"
+    code, stdout, stderr, elapsed = interrupt_once_started(
+        [sys.executable, "-m", "shardload", "load", "--shards", "2", "--plugin", "fault_plugins",
+         "--shard-info", str(plan), str(ckpt)], started,
+        _env(**{fault_plugins.STARTED_ENV: str(started)}))
+    assert code == 130, (stdout, stderr)
+    assert elapsed < 2, elapsed  # one Ctrl-C, at once, even with a thread stuck for ever
+    assert _lines(stderr) == ["Interrupted."], stderr
+    assert stdout == ""
+
+
+# ---- 4. output that cannot be written -------------------------------------------------------
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_full_disk_on_stdout_is_one_line_exit_1():
+    with open("/dev/full", "w") as full:
+        proc = _run(["inspect", "--shards", "2", "--json", str(EXAMPLE)], stdout=full)
+    assert proc.returncode == 1, proc.stderr
+    assert _lines(proc.stderr) == ["Error: cannot write standard output: No space left on "
+                                   "device"], proc.stderr
+
+
+def test_closed_stdout_pipe_exits_quietly():
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone, as after `| head -1`
+    try:
+        proc = _run(["funcs"], stdout=write)
+    finally:
+        os.close(write)
+    assert proc.returncode == EXIT_BROKEN_PIPE == 141
+    assert proc.stderr == ""
+
+
+def test_plan_output_is_written_whole_by_rename(tmp_path):
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(cli, ["plan", "--shards", "2", str(EXAMPLE), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~mask
+    assert sorted(os.listdir(tmp_path)) == ["plan.json"]  # no temporary file left
+
+
+def test_plan_output_on_a_full_disk_leaves_no_partial_file(tmp_path, monkeypatch):
+    from shardload import cli as cli_module
+
+    def full_disk(fd, data):
+        os.write(fd, bytes(data[:10]))  # part of it lands, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(cli_module, "_write_all", full_disk)
+    out = tmp_path / "plan.json"
+    out.write_text("the old plan\n")
+    result = CliRunner().invoke(cli, ["plan", "--shards", "2", str(EXAMPLE), "-o", str(out)])
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert _lines(result.stderr) == [f"Error: cannot write '{out}': No space left on device"]
+    assert out.read_text() == "the old plan\n"  # untouched
+    assert sorted(os.listdir(tmp_path)) == ["plan.json"]
+
+
+# ---- 5. inputs that cannot be read ----------------------------------------------------------
+
+def test_permission_denied_on_the_checkpoint_is_exit_2_naming_it(small_ckpt, monkeypatch):
+    import shardload.readers
+
+    path = str(small_ckpt / "model.safetensors")
+
+    def denied(p):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+
+    monkeypatch.setattr(shardload.readers, "open_checkpoint", denied)
+    for args in (["validate", "--shards", "2"], ["plan", "--shards", "2"]):
+        result = CliRunner().invoke(cli, [*args, str(small_ckpt)])
+        assert result.exit_code == 2, result.output
+        assert _lines(result.stderr) == [f"Error: cannot read '{path}': Permission denied"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_checkpoint_file_is_exit_2(small_ckpt):
+    os.chmod(small_ckpt / "model.safetensors", 0)
+    try:
+        result = CliRunner().invoke(cli, ["validate", "--shards", "2", str(small_ckpt)])
+    finally:
+        os.chmod(small_ckpt / "model.safetensors", 0o644)
+    assert result.exit_code == 2, result.output
+    assert "model.safetensors" in result.stderr and "Traceback" not in result.output
+
+
+@pytest.fixture
+def small_ckpt(tmp_path) -> Path:
+    folder = tmp_path / "small"
+    folder.mkdir()
+    save_file({"a": np.arange(32, dtype=np.float32).reshape(8, 4)},
+              str(folder / "model.safetensors"))
+    return folder
+
+
+def test_shard_info_that_is_a_directory_is_exit_2(small_ckpt, tmp_path):
+    result = CliRunner().invoke(cli, ["validate", "--shards", "2", "--shard-info", str(tmp_path),
+                                      str(small_ckpt)])
+    assert result.exit_code == 2
+    assert "is a directory" in result.stderr
+    (small_ckpt / "shard_info.json").mkdir()  # the default lookup finds a directory
+    result = CliRunner().invoke(cli, ["validate", "--shards", "2", str(small_ckpt)])
+    assert result.exit_code == 2, result.output
+    lines = _lines(result.stderr)
+    assert len(lines) == 1 and "shard_info.json" in lines[0], result.stderr
+
+
+def test_default_plan_is_looked_up_beside_the_resolved_checkpoint(small_ckpt, tmp_path,
+                                                                   monkeypatch):
+    # as a hub cache folder resolves to its snapshot: checkpoint.path is another folder
+    import shardload.readers
+
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / "shard_info.json").write_text(json.dumps({"a": _split("shardload.split", 8)}))
+    real = shardload.readers.open_checkpoint
+
+    def resolving(p):
+        ckpt = real(p)
+        ckpt.path = str(snapshot)
+        return ckpt
+
+    monkeypatch.setattr(shardload.readers, "open_checkpoint", resolving)
+    result = CliRunner().invoke(cli, ["validate", "--shards", "2", str(small_ckpt)])
+    assert result.exit_code == 0, result.output
+    assert str(snapshot / "shard_info.json") in result.stdout
+    assert "1 sharded" in result.stdout
+
+
+# ---- 6. usage errors ------------------------------------------------------------------------
+
+def test_torch_session_outside_torchrun_is_a_usage_error(small_ckpt, monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    result = CliRunner().invoke(cli, ["load", "--session", "torch", "--shards", "2",
+                                      str(small_ckpt)])
+    assert result.exit_code == 2, result.output
+    lines = _lines(result.stderr)
+    assert len(lines) == 1 and "torchrun" in lines[0] and "RANK" in lines[0]
+
+
+def test_worker_count_is_capped(small_ckpt):
+    assert MAX_NUM_SHARDS == 4096
+    with pytest.raises(ValueError, match="at most 4096"):
+        resolve_devices("cpu", MAX_NUM_SHARDS + 1)
+    with pytest.raises(ValueError, match="at most 4096"):
+        ThreadedSession(100_000)
+    with pytest.raises(ValueError, match="at most 4096"):
+        ProcessSession(100_000)
+    start = time.monotonic()
+    for command in ("load", "validate", "inspect", "plan"):
+        result = CliRunner().invoke(cli, [command, "--shards", "100000", str(small_ckpt)])
+        assert result.exit_code == 2, (command, result.output)
+        assert "4096" in result.stderr
+    assert time.monotonic() - start < 5
+
+
+def test_session_help_says_threads_share_the_process():
+    result = CliRunner().invoke(cli, ["load", "--help"])
+    text = " ".join(result.output.split())
+    assert "Threads share this process" in text
+    assert "--session process isolates faulty shard functions" in text
+    assert "--timeout SECONDS" in text
+
+
+# ---- 7. values JSON cannot carry, at the process boundary -----------------------------------
+
+def test_an_unsendable_message_is_a_shardload_error():
+    a, b = socket.socketpair()
+    with contextlib.closing(Connection(a.detach())) as conn, b:
+        with pytest.raises(ShardloadError) as info:
+            protocol.send(conn, {"op": "load", "plan": {"__metadata__": {"x": float("inf")}}})
+    assert isinstance(info.value, ValueError)  # as before, for callers that caught that
+    assert "'load' message" in str(info.value) and "JSON" in str(info.value)
+
+
+@pytest.mark.slow
+def test_plan_metadata_with_infinity_is_a_plan_error_under_processes():
+    plan = {"__metadata__": {"huge": float("inf")}, "p0": _split("shardload.split")}
+    with ProcessSession(1, distributed=False) as sess:
+        with pytest.raises(ShardloadError) as info:  # refused at parse time, or at the send
+            load_sharded(_params(1), plan, sess, progress=False)
+        assert not type(info.value).__module__.startswith("json")
+        assert isinstance(info.value, PlanError), info.value
+
+
+# ---- 8. a crash in a thread session ---------------------------------------------------------
+
+def _no_core_dump() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # writing one takes seconds
+
+
+@pytest.mark.skipif(not LINUX, reason="a segfault's signal number")
+def test_segfault_in_a_thread_prints_the_shard_function(tmp_path):
+    ckpt, plan = _checkpoint(tmp_path, _hang_plan("tests.faults.segfault"))
+    proc = _run(["load", "--shards", "2", "--plugin", "fault_plugins", "--shard-info", str(plan),
+                 str(ckpt)], timeout=60, preexec_fn=_no_core_dump)
+    assert proc.returncode == -signal.SIGSEGV, proc.stderr
+    assert "Segmentation fault" in proc.stderr
+    assert "in segfault" in proc.stderr  # faulthandler: the crashing shard function
