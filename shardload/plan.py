@@ -102,17 +102,6 @@ def _cut(text: str, limit: int = _REASON_LIMIT) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def _is_unicode(text: str) -> bool:
-    """False for a string holding a lone surrogate (``"\\ud800"`` in JSON, or a Python str)."""
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def json_schema() -> dict:
     """The JSON Schema of ``shard_info.json`` shipped with the package (draft 2020-12).
 
@@ -176,7 +165,7 @@ def _parse_step(raw: Any, where: dict, exprs: Expressions) -> RawStep:
     if not isinstance(func, str) or not func:
         raise PlanError(f"the function name must be a non-empty string, got {_brief(func)}",
                         **where)
-    if not _is_unicode(func):
+    if not strict_json.is_text(func):
         raise PlanError(f"the function name {quote(func)} is not valid Unicode (it holds a "
                         "lone surrogate)", **where)
     if not isinstance(out, list) or len(out) != 2 or not isinstance(out[0], list):
@@ -258,7 +247,7 @@ def _check_metadata(metadata: Mapping, source: Optional[str]) -> None:
             visited.add(id(value))
         if isinstance(value, Mapping):
             for key, item in value.items():
-                if not isinstance(key, str) or not _is_unicode(key):
+                if not isinstance(key, str) or not strict_json.is_text(key):
                     bad = f"a key {_brief(key)}: keys must be strings of valid Unicode"
                     break
                 stack.append((item, path if len(path) > 200 else f"{path}.{key}"))
@@ -266,7 +255,7 @@ def _check_metadata(metadata: Mapping, source: Optional[str]) -> None:
             stack.extend((item, path if len(path) > 200 else f"{path}[{k}]")
                          for k, item in enumerate(value))
         elif isinstance(value, str):
-            if not _is_unicode(value):
+            if not strict_json.is_text(value):
                 bad = f"the string {quote(value)}, which is not valid Unicode (a lone surrogate)"
         elif isinstance(value, float):
             if not math.isfinite(value):
@@ -325,7 +314,7 @@ class ShardInfo:
             if not isinstance(name, str) or not name:
                 raise PlanError(f"parameter names must be non-empty strings, got {_brief(name)}",
                                 source=source)
-            if not _is_unicode(name):
+            if not strict_json.is_text(name):
                 raise PlanError(f"the parameter name {quote(name)} is not valid Unicode (it "
                                 "holds a lone surrogate)", source=source)
             if not isinstance(raw_steps, list):
