@@ -106,7 +106,7 @@ def awq(group: int) -> Format:
     return Format(f"awq-g{group}", {"quant_method": "awq", "bits": 4, "group_size": group,
                                     "version": "gemm", "zero_point": True},
                   lambda w: quantize_awq(w, group), lambda t: dequantize_awq(t, group),
-                  n_align=8, k_align=group)
+                  n_align=8, k_align=1 if group == -1 else group)  # -1: one group, replicated
 
 
 def pack_quantized(bits: int, group: Optional[int], symmetric: bool) -> Format:
@@ -141,7 +141,7 @@ PLAIN = [Format("fp16", None, _fp16, _plain), Format("bf16", None, _bf16, _plain
 GPTQ = ([gptq(bits, 32) for bits in (2, 3, 4, 8)] + [gptq(4, -1), gptq(3, -1)]
         + [gptq(4, 32, version=2), gptq(8, 32, version=2)]
         + [gptq(4, 32, act_order=True), gptq(3, 32, act_order=True), gptq(2, 32, act_order=True)])
-OTHERS = [awq(32), pack_quantized(4, 32, True), pack_quantized(4, 32, False),
+OTHERS = [awq(32), awq(-1), pack_quantized(4, 32, True), pack_quantized(4, 32, False),
           pack_quantized(8, None, True), fp8("tensor"), fp8("channel")]
 
 
