@@ -17,6 +17,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import sys
 import tempfile
 from typing import Any, Iterator, Optional
@@ -48,7 +49,8 @@ class OutputFailed(click.ClickException):
     exit_code = EXIT_LOAD_FAILED
 
     def __init__(self, exc: OSError, target: str):
-        self.broken_pipe = target == "standard output" and exc.errno == errno.EPIPE
+        self.stdout = target == "standard output"
+        self.broken_pipe = self.stdout and exc.errno == errno.EPIPE
         super().__init__(f"cannot write {target}: {exc.strerror or exc}")
 
 
@@ -65,7 +67,14 @@ def _reading() -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        raise BadInput(_os_message(exc)) from None
+        if exc.errno in _BAD_INPUT_ERRNOS:
+            raise BadInput(_os_message(exc)) from None
+        raise LoadFailed(_os_message(exc)) from None  # EIO, EMFILE, ENOMEM: not the input's fault
+
+
+#: errors opening an input that are the input's fault (exit 2); any other is a failure (exit 1)
+_BAD_INPUT_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR,
+                     errno.ELOOP, errno.ENAMETOOLONG, errno.ENXIO}
 
 
 def _out(text: str = "", nl: bool = True) -> None:
@@ -123,7 +132,8 @@ class _Group(click.Group):
         except ImportError as exc:  # a --plugin module that does not import
             raise BadInput(str(exc)) from None
         except OSError as exc:  # the last net: one line, not a traceback
-            raise LoadFailed(str(exc)) from None
+            where = f"{quote(os.fsdecode(exc.filename))}: " if exc.filename is not None else ""
+            raise LoadFailed(f"{where}{exc.strerror or exc}") from None
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
              **extra):
@@ -142,7 +152,8 @@ class _Group(click.Group):
         except OutputFailed as exc:
             if not standalone_mode:
                 raise
-            _silence_stdout()
+            if exc.stdout and _OWN_PROCESS:
+                _silence_stdout()
             if exc.broken_pipe:
                 _exit(EXIT_BROKEN_PIPE)  # the reader has gone: say nothing
             with contextlib.suppress(OSError, ValueError):
@@ -334,7 +345,9 @@ def cli() -> None:
               metavar="SECONDS",
               help="Give up on a worker that makes no progress for SECONDS (a shard function "
                    "that never returns, a stopped process): exit 1 naming the worker and the "
-                   "parameter it was on, the other workers stopped. Default: no limit.")
+                   "parameter it was on, the other workers stopped. Progress is counted per "
+                   "parameter, so SECONDS must exceed the time the largest tensor takes. "
+                   "Default: no limit.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table.")
 @_ckpt_argument
@@ -461,10 +474,17 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
         symbolic = info if info.is_symbolic else describe_plan(
             checkpoint, vocab_parallel=vocab_parallel, pad=False)[0]
         valid = valid_num_shards(symbolic, checkpoint)
+    text = info.dumps()
+    from .plan import MAX_PLAN_BYTES
+
+    if len(text.encode()) > MAX_PLAN_BYTES:  # shardload could not read it back
+        raise PlanError(f"the plan is {len(text.encode())} bytes, over the {MAX_PLAN_BYTES}-byte "
+                        "limit a plan file may have; a zero-padded plan lists every unit, so "
+                        "try an N the model divides", source=info.source)
     if output:
-        _write_atomic(output, info.dumps())
+        _write_atomic(output, text)
     else:
-        _out(info.dumps(), nl=False)
+        _out(text, nl=False)
     fits = ", ".join(map(str, valid)) or "none"
     if not valid.complete:  # a plan too large to try every N: say how far the list goes
         fits += f" (tried N up to {valid.tried} only)"
@@ -481,31 +501,73 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: into a temporary file in the same
-    folder, fsynced, then renamed over ``path`` (a rename within a folder is atomic). A failure
-    (a full disk) leaves ``path`` as it was and no temporary file behind."""
-    folder = os.path.dirname(os.path.abspath(path))
+    """Write ``text`` to ``path`` whole or not at all.
+
+    A regular file (or a new one) is written through a temporary file in its folder, fsynced,
+    then renamed over it (a rename within a folder is atomic), keeping the old file's mode, and
+    the folder is fsynced so the rename survives a crash; a symlink is followed, so the file it
+    points at is what gets replaced. Anything else (``/dev/stdout``, ``/dev/null``, a pipe from
+    ``-o >(cmd)``) cannot be replaced and is written in place. A failure (a full disk) leaves a
+    regular ``path`` as it was and no temporary file behind.
+    """
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise OutputFailed(exc, quote(path)) from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as exc:
+            raise OutputFailed(exc, quote(path)) from None
+        return
+    folder = os.path.dirname(real)
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(real)}.", suffix=".tmp",
                                    dir=folder)
         try:
             _write_all(fd, text.encode())
-            # mkstemp makes the file private (0600); the plan gets what a plain open would give
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(fd, 0o666 & ~umask)
+            # mkstemp makes the file private (0600): keep the replaced file's mode, or give a
+            # new one what a plain open would (0666 less the umask)
+            mode = stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask()
+            with contextlib.suppress(OSError):  # some file systems (vfat, CIFS) refuse chmod
+                os.fchmod(fd, mode)
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        os.replace(tmp, real)
         tmp = None
+        _fsync_folder(folder)
     except OSError as exc:
         raise OutputFailed(exc, quote(path)) from None
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux reports it in /proc)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    return 0o022
+
+
+def _fsync_folder(folder: str) -> None:
+    """Make a rename in ``folder`` durable; best effort (not every platform can)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @cli.command()

@@ -4,9 +4,11 @@ Two rules, applied by every reader, the plan loader and every config reader:
 
 1. **Names are checked by name.** A file name found *inside* a checkpoint (a
    ``model.safetensors.index.json`` weight map, an MLC ``dataPath``) must be a plain relative path
-   inside its folder: a non-empty string of at most ``MAX_MEMBER_NAME`` characters, no NUL, not
-   absolute, no drive letter, no backslash, no ``..`` or ``.`` component. It is refused by name,
-   before anything is opened (``check_member_name``). Where the *user's* file system keeps the
+   inside its folder: a non-empty string of at most ``MAX_MEMBER_NAME`` characters, no NUL or
+   other control character, not absolute, no drive letter, no backslash, no ``..`` component
+   (``./`` and ``//`` are harmless and allowed, as a path library normalises them). It is
+   refused by name, before anything is opened (``check_member_name``). Where the *user's* file
+   system keeps the
    bytes is not the checkpoint's business: the Hugging Face hub cache stores
    ``snapshots/<rev>/model.safetensors`` as a symlink to ``../../blobs/<sha256>``, and that must
    load.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import unicodedata
 from typing import BinaryIO, Callable, Optional, Union
 
 from .errors import FormatError, quote
@@ -61,7 +64,7 @@ def check_member_name(name: object, *, index: PathLike, what: str = "names file"
         raise bad(f"is {len(name)} characters long (at most {MAX_MEMBER_NAME})")
     if "\x00" in name:
         raise bad("holds a NUL character")
-    if not name.isprintable():
+    if any(unicodedata.category(c) == "Cc" for c in name):
         raise bad("holds a control character")
     try:
         name.encode("utf-8")
@@ -76,8 +79,10 @@ def check_member_name(name: object, *, index: PathLike, what: str = "names file"
     parts = name.split("/")
     if ".." in parts:
         raise bad("has a '..' component")
-    if any(p in ("", ".") for p in parts):
-        raise bad("has an empty or '.' component")
+    # "./model.safetensors" and "dir//m.safetensors" stay inside the folder, as a path library
+    # would normalise them; only a name that is nothing but such components names no file
+    if all(p in ("", ".") for p in parts):
+        raise bad("names the folder itself, not a file in it")
 
 
 def kind_of(mode: int) -> str:

@@ -108,3 +108,11 @@ def segfault(input, dim, output):
 def hang_call(ctx):
     _wait_forever()
     return ctx.rank
+
+
+@register_session_func("tests.faults.raise_on_0_others_wait")
+def raise_on_0_others_wait(ctx):
+    """Worker 0 raises; the others wait for ever, as peers of a failed collective would."""
+    if ctx.rank == 0:
+        raise ValueError("worker 0 broke the barrier")
+    _wait_forever()

@@ -283,7 +283,7 @@ case("index-ok", "legitimate", _index(), expect="ok")
 for cid, name in [("absolute", "/etc/passwd"), ("dotdot", "../model.safetensors"),
                   ("nul", "model\x00.safetensors"), ("long", "m" * 6000 + ".safetensors"),
                   ("backslash", "sub\\model.safetensors"), ("drive", "C:model.safetensors"),
-                  ("empty", ""), ("dot-component", "./model-00002-of-00002.safetensors"),
+                  ("empty", ""), ("only-dots", ".//."),
                   ("missing", "model-00003-of-00003.safetensors")]:
     case(f"index-name-{cid}", "index file names", _index(_name_b(name)),
          mentions=("model.safetensors.index.json" if cid != "missing" else "model-00003",))
@@ -311,6 +311,13 @@ for kind in ("fifo", "dev-zero", "loop", "dir", "dangling"):
          mentions=("model-00002-of-00002.safetensors",))
 
 
+def _rename_b(name: str) -> Callable[[Path, dict], None]:
+    def edit(d: Path, index: dict) -> None:
+        (d / "model-00002-of-00002.safetensors").rename(d / name)
+        index["weight_map"]["b"] = name
+    return edit
+
+
 def _symlink_outside(d: Path, index: dict) -> None:
     """The hub cache's shape: the file is a relative symlink to a blob outside the folder."""
     blobs = d.parent / (d.name + "-blobs")
@@ -321,6 +328,11 @@ def _symlink_outside(d: Path, index: dict) -> None:
 
 
 case("index-symlink-to-blob-outside", "legitimate", _index(_symlink_outside), expect="ok")
+# what a path library normalises stays inside the folder
+case("index-name-dot-slash-ok", "legitimate",
+     _index(_name_b("./model-00002-of-00002.safetensors")), expect="ok")
+case("index-name-unicode-ok", "legitimate", _index(_rename_b("modèle 2 – 双.safetensors")),
+     expect="ok")
 case("index-weight-map-list", "index file", _index(lambda d, i: i.update(weight_map=[1])),
      mentions=("weight_map",))
 case("index-weight-map-value-int", "index file", _index(_name_b(7)), mentions=("index",))

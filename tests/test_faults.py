@@ -327,6 +327,63 @@ def test_plan_output_on_a_full_disk_leaves_no_partial_file(tmp_path, monkeypatch
     assert sorted(os.listdir(tmp_path)) == ["plan.json"]
 
 
+def test_plan_output_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    out = tmp_path / "plan.json"
+    out.write_text("old\n")
+    out.chmod(0o640)
+    result = CliRunner().invoke(cli, ["plan", "--shards", "2", str(EXAMPLE), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.stat().st_mode & 0o777 == 0o640
+    assert json.loads(out.read_text())
+
+
+def test_plan_output_through_a_symlink_replaces_its_target(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("old\n")
+    link = tmp_path / "link.json"
+    link.symlink_to(target.name)
+    result = CliRunner().invoke(cli, ["plan", "--shards", "2", str(EXAMPLE), "-o", str(link)])
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and json.loads(target.read_text())
+    assert sorted(os.listdir(tmp_path)) == ["link.json", "real.json"]
+
+
+def test_plan_output_to_a_pipe_is_written_in_place(tmp_path):
+    # -o /dev/stdout, -o >(cmd): what is not a regular file cannot be renamed over
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    result = CliRunner().invoke(cli, ["plan", "--shards", "2", str(EXAMPLE), "-o", str(fifo)])
+    reader.join(10)
+    assert result.exit_code == 0, result.output
+    assert fifo.is_fifo() and json.loads(got[0])
+    assert sorted(os.listdir(tmp_path)) == ["pipe"]
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_timeout_still_reports_the_worker_that_raised_first(kind, release):
+    # worker 0 raises, worker 1 then waits for ever (a barrier): the cause must not be lost
+    session = (ThreadedSession(2, timeout=1.0) if kind == "thread"
+               else ProcessSession(2, plugins=["fault_plugins"], distributed=False, timeout=1.0))
+    with session, pytest.raises(WorkerError) as info:
+        session.call("tests.faults.raise_on_0_others_wait")
+    assert [f.worker for f in info.value.failures] == [0, 1]
+    assert info.value.failures[0].exc_type == "ValueError"
+    assert "broke the barrier" in str(info.value)
+    assert info.value.failures[1].exc_type == "TimeoutError"
+
+
+def test_a_closed_thread_session_refuses_values():
+    session = ThreadedSession(2)
+    session.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        session.set_value(0, "x", 1)
+    with pytest.raises(RuntimeError, match="closed"):
+        session.get_value(0, "x")
+
+
 # ---- 5. inputs that cannot be read ----------------------------------------------------------
 
 def test_permission_denied_on_the_checkpoint_is_exit_2_naming_it(small_ckpt, monkeypatch):

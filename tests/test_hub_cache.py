@@ -194,6 +194,7 @@ def test_a_ref_with_a_newline_is_read(tmp_path):
 
 def test_no_refs_main_names_the_snapshots(tmp_path):
     repo = _bare_repo(tmp_path)
+    (repo / "snapshots" / ("f" * 40)).mkdir()  # two snapshots, no ref: which one is meant?
     with pytest.raises(FormatError, match=f"no refs/main: pass a snapshot folder.*'{COMMIT}'") as e:
         open_checkpoint(repo)
     assert e.value.file == str(repo)
@@ -248,3 +249,17 @@ def test_a_snapshot_of_a_single_file_and_a_gguf_link(tmp_path):
     os.symlink(f"../../blobs/{blob.name}", snapshot / "model.gguf")
     with open_checkpoint(snapshot / "model.gguf") as ckpt:
         assert np.array_equal(ckpt.read("x").numpy(), x)
+
+
+def test_a_repo_folder_without_refs_opens_its_one_snapshot(tmp_path):
+    # a download by commit hash writes no refs/main: one snapshot is the only reading
+    from hostile_corpus import _hub
+
+    repo = Path(_hub("repo")(tmp_path).ckpt)
+    shutil.rmtree(repo / "refs")
+    with open_checkpoint(repo) as ckpt:
+        assert ckpt.path == str(repo / "snapshots" / ("a" * 40))
+        assert sorted(ckpt.names()) == ["a", "b"]
+    (repo / "snapshots" / ("b" * 40)).mkdir()  # two snapshots and no ref: which one?
+    with pytest.raises(FormatError, match="no refs/main"):
+        open_checkpoint(repo)

@@ -107,7 +107,7 @@ def test_unreadable_plan_is_refused(tmp_path):
 
 
 def test_plan_over_the_cap_is_refused_before_reading(tmp_path):
-    assert MAX_PLAN_BYTES == 64 << 20
+    assert MAX_PLAN_BYTES == 256 << 20
     path = tmp_path / "shard_info.json"
     with open(path, "wb") as f:  # sparse: nothing is written, and nothing must be read
         f.truncate(MAX_PLAN_BYTES + 1)

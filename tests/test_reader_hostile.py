@@ -325,7 +325,8 @@ def test_oversized_json_is_refused_unread(tmp_path, name, cap):
     ("/etc/passwd", "is an absolute path"),
     ("C:model-1.safetensors", "starts with a drive letter"),
     ("sub\\model-1.safetensors", "holds a backslash"),
-    ("./model-1.safetensors", "has an empty or '.' component"),
+    (".//.", "names the folder itself"),
+    ("model\x1b[31m.safetensors", "holds a control character"),
     ("", "is empty"),
 ])
 def test_index_file_names_are_checked_by_name(tmp_path, file_name, fragment, monkeypatch):

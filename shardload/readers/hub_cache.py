@@ -11,6 +11,7 @@
 A snapshot folder is an ordinary checkpoint folder whose files are symlinks, and the readers
 open it as one. This module lets the user pass the repository folder itself (no revision):
 ``resolve_snapshot`` turns ``models--org--name`` into ``models--org--name/snapshots/<refs/main>``
+(or into its one snapshot when there is no ``refs/main``: a download by commit hash writes none)
 and leaves every other path alone.
 
 Trust rules: ``refs/main`` is a small regular file (at most 1 KiB) holding one plain name (a
@@ -34,11 +35,10 @@ MAX_REF_BYTES = 1024
 
 
 def is_repo_folder(path: Union[str, "os.PathLike[str]"]) -> bool:
-    """Whether ``path`` looks like a hub cache repository folder: it has ``snapshots/`` and
-    ``refs/`` folders."""
+    """Whether ``path`` looks like a hub cache repository folder: it has a ``snapshots/``
+    folder (``refs/`` is missing when a model was downloaded by commit hash)."""
     path = os.fspath(path)
-    return (os.path.isdir(path) and os.path.isdir(os.path.join(path, "snapshots"))
-            and os.path.isdir(os.path.join(path, "refs")))
+    return os.path.isdir(path) and os.path.isdir(os.path.join(path, "snapshots"))
 
 
 def resolve_snapshot(path: Union[str, "os.PathLike[str]"]) -> str:
@@ -54,10 +54,13 @@ def resolve_snapshot(path: Union[str, "os.PathLike[str]"]) -> str:
     snapshots = os.path.join(path, "snapshots")
     if not os.path.lexists(ref_file):
         try:
-            found = sorted(os.listdir(snapshots))[:5]
+            found = sorted(f for f in os.listdir(snapshots)
+                           if os.path.isdir(os.path.join(snapshots, f)))
         except OSError:
             found = []
-        hint = (f" (snapshots here: {', '.join(quote(f) for f in found)})" if found
+        if len(found) == 1:  # downloaded by commit hash: no ref, one snapshot, no doubt
+            return os.path.join(snapshots, found[0])
+        hint = (f" (snapshots here: {', '.join(quote(f) for f in found[:5])})" if found
                 else " (and snapshots/ is empty)")
         raise FormatError(f"a Hugging Face cache folder with no refs/main: pass a snapshot "
                           f"folder, {os.path.join(path, 'snapshots', '<revision>')}{hint}",

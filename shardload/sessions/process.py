@@ -222,7 +222,9 @@ class ProcessSession(Session):
                                          f"{context} within {timeout:.0f} s")
                 stalled = beats.stalled(watchdog)
                 if stalled:  # hung or stopped: nothing but a signal will end it
-                    raise WorkerError([WorkerFailure(
+                    # failures already in come first: a worker that raised is often why
+                    # another waits for ever (a collective)
+                    raise WorkerError(failures + [WorkerFailure(
                         i, "TimeoutError", f"{beats.describe(i, watchdog)}; the session is "
                         "closed and its workers stopped") for i in stalled], context)
         except BaseException:

@@ -5,8 +5,8 @@ killed, so one stuck in a shard function that never returns must never hold up t
 The caller waits in short polls, so Ctrl-C lands at once; the watchdog (``timeout=``) gives up
 on a worker that makes no progress; and an abandoned thread, being a daemon, does not keep the
 interpreter from exiting (``concurrent.futures`` joins its pool threads at exit, forever if one
-hangs). After Ctrl-C or a timeout the session is closed: its threads stop at their next
-parameter, or, if stuck, are left behind.
+hangs). After Ctrl-C or a timeout the session is closed: its threads finish their current job
+(a load stops at its next parameter), or, if stuck, are left behind.
 
 Threads share this process: a shard function that ends it (``os._exit``, a segfault) ends the
 caller with it, and nothing can report it. ``ProcessSession`` isolates such functions.
@@ -98,7 +98,13 @@ class ThreadedSession(Session):
         self._beats: Optional[Heartbeats] = None
         # One thread per worker, so each worker is one consistent thread (a CUDA context and
         # stream per worker, as a process per GPU would have).
-        self._threads = [_WorkerThread(i) for i in range(num_workers)]
+        self._threads: list[_WorkerThread] = []
+        try:
+            for i in range(num_workers):
+                self._threads.append(_WorkerThread(i))
+        except BaseException:  # e.g. a limit on threads at large N: stop those started
+            _stop_threads([w.jobs for w in self._threads])
+            raise
         weakref.finalize(self, _stop_threads, [w.jobs for w in self._threads])
 
     def beat(self, worker: int, where: Optional[str] = None) -> None:
@@ -130,17 +136,18 @@ class ThreadedSession(Session):
                 results.put((i, False, (time.monotonic(), WorkerFailure(
                     i, type(exc).__name__, describe(exc), traceback.format_exc()), exc)))
 
-        for i, worker in enumerate(self._threads):
-            worker.jobs.put(lambda i=i: on_worker(i))
         outcomes: dict[int, tuple[bool, Any]] = {}
         try:
+            # queued inside the try: a Ctrl-C between two puts still closes the session
+            for i, worker in enumerate(self._threads):
+                worker.jobs.put(lambda i=i: on_worker(i))
             while len(outcomes) < self.num_workers:
                 try:
                     i, ok, value = results.get(timeout=POLL_S)
                 except queue.Empty:
                     stalled = beats.stalled(timeout)
                     if stalled:
-                        raise self._stalled(stalled, beats, timeout, context)
+                        raise self._stalled(stalled, beats, timeout, context, outcomes)
                     continue
                 outcomes[i] = (ok, value)
                 beats.done(i)
@@ -158,9 +165,12 @@ class ThreadedSession(Session):
         return [outcomes[i][1] for i in range(self.num_workers)]
 
     def _stalled(self, stalled: list[int], beats: Heartbeats, timeout: float,
-                 context: str) -> WorkerError:
+                 context: str, outcomes: dict) -> WorkerError:
+        """The stalled workers' ``WorkerError``, after the failures already in: a worker that
+        raised is often why another waits for ever (a barrier), so it is reported first."""
+        earlier = sorted((v for ok, v in outcomes.values() if not ok), key=lambda f: f[0])
         frames = sys._current_frames()  # where each stuck thread is: its "remote" traceback
-        failures = []
+        failures = [f[1] for f in earlier]
         for i in stalled:
             frame = frames.get(self._threads[i].thread.ident)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
@@ -198,9 +208,14 @@ class ThreadedSession(Session):
 
         return self.run_all(on_worker, context=f"in {func_name}")
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this session is closed")
+
     def set_value(self, worker: int, name: str, value: Any) -> None:
         from .protocol import to_jsonable
 
+        self._check_open()
         self._check_worker(worker)
         if not isinstance(value, torch.Tensor):
             to_jsonable(value)  # the same values a ProcessSession accepts
@@ -209,6 +224,7 @@ class ThreadedSession(Session):
         self._contexts[worker].values[name] = value
 
     def get_value(self, worker: int, name: str) -> Any:
+        self._check_open()
         self._check_worker(worker)
         value = self._contexts[worker].values[name]
         return value.clone() if isinstance(value, torch.Tensor) else value

@@ -141,10 +141,14 @@ class Worker:
         from ..readers import open_checkpoint
         from . import protocol
 
+        # progress for the watchdog before and after the steps that precede the first
+        # parameter (opening a large checkpoint, validating a large plan take a while)
+        protocol.send(self.conn, {"progress": 0})
         with open_checkpoint(message["checkpoint"]) as ckpt:
+            protocol.send(self.conn, {"progress": 0})
             plan = ShardInfo.from_dict(message["plan"]).bind(int(message["num_shards"]))
             validated = plan.validate(ckpt.metadata())
-            protocol.send(self.conn, {"progress": 0})  # opened: progress, for the watchdog
+            protocol.send(self.conn, {"progress": 0})
             poll = _AbortPoll(self.conn)
             try:
                 with _Progress(self.conn) as progress:
