@@ -345,9 +345,9 @@ def cli() -> None:
               metavar="SECONDS",
               help="Give up on a worker that makes no progress for SECONDS (a shard function "
                    "that never returns, a stopped process): exit 1 naming the worker and the "
-                   "parameter it was on, the other workers stopped. Progress is counted per "
-                   "parameter, so SECONDS must exceed the time the largest tensor takes. "
-                   "Default: no limit.")
+                   "parameter it was on, the other workers stopped. Progress is each "
+                   "parameter and every 64 MiB read; a custom shard function's computation "
+                   "counts as one step. Default: no limit.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table.")
 @_ckpt_argument

@@ -19,6 +19,7 @@ before any of this starts, so a bad plan fails before a byte of tensor data is r
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from . import dtypes
 from .errors import PlanError, ShardloadError, annotate
 from .plan import ParamPlan, Plan, ShardInfo, ValidatedPlan
 from .readers import Checkpoint, as_checkpoint
+from .readers.base import copy_progress
 from .registry import ShardFunc
 from .sessions.base import Session, check_timeout
 from .shard_functions import builtin
@@ -327,8 +329,10 @@ def load_worker(ckpt: Checkpoint, plan: ValidatedPlan, rank: int, device: torch.
         if on_param is not None:
             on_param(param.name)
             waiting = lambda name=param.name: on_param(name)  # noqa: E731
-        piece, nread = _worker_piece(ckpt, param, rank, plan.num_shards, device, shared,
-                                     waiting)
+        # a large tensor's copy reports progress too, so a slow read is not taken for a hang
+        with copy_progress(waiting) if waiting is not None else contextlib.nullcontext():
+            piece, nread = _worker_piece(ckpt, param, rank, plan.num_shards, device, shared,
+                                         waiting)
         kept[param.name] = piece
         read += nread
         done(param.name)

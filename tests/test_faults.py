@@ -528,3 +528,48 @@ def test_segfault_in_a_thread_prints_the_shard_function(tmp_path):
     assert proc.returncode == -signal.SIGSEGV, proc.stderr
     assert "Segmentation fault" in proc.stderr
     assert "in segfault" in proc.stderr  # faulthandler: the crashing shard function
+
+
+# ---- a long read is progress, not a hang ----------------------------------------------------
+
+def test_long_copies_report_progress_in_pieces_and_stay_exact(tmp_path, monkeypatch):
+    from shardload import open_checkpoint
+    from shardload.readers import base
+
+    monkeypatch.setattr(base, "COPY_CHUNK_BYTES", 4096)
+    w = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)  # 64 KiB, 1 KiB rows
+    save_file({"w": w}, str(tmp_path / "m.safetensors"))
+    calls = []
+    with open_checkpoint(tmp_path / "m.safetensors") as ckpt:
+        assert np.array_equal(ckpt.read("w").numpy(), w)
+        assert calls == []  # no hook outside copy_progress
+        with base.copy_progress(lambda: calls.append(1)):
+            assert np.array_equal(ckpt.read("w").numpy(), w)
+            whole = len(calls)
+            assert np.array_equal(ckpt.read_narrow("w", 1, 8, 200).numpy(), w[:, 8:208])
+            assert np.array_equal(ckpt.read_ranges("w", 0, [(0, 3), (40, 20)]).numpy(),
+                                  np.concatenate([w[:3], w[40:60]]))
+    assert whole == 16 and len(calls) > whole  # 64 KiB in 4 KiB pieces, then the slices
+
+
+def test_a_read_slower_than_the_timeout_is_not_a_hang(tmp_path, monkeypatch):
+    from shardload.readers import base
+
+    monkeypatch.setattr(base, "COPY_CHUNK_BYTES", 4096)
+    real_hook = base.copy_progress_hook
+
+    def slow_hook():  # every 4 KiB piece takes 50 ms: 16 pieces, 0.8 s for one tensor
+        hook = real_hook()  # the loader's progress report, if it installed one
+
+        def slow() -> None:
+            time.sleep(0.05)
+            if hook is not None:
+                hook()
+        return slow
+
+    monkeypatch.setattr(base, "copy_progress_hook", slow_hook)
+    w = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
+    save_file({"w": w}, str(tmp_path / "m.safetensors"))
+    with ThreadedSession(1, timeout=0.3) as session:
+        sharded = load_sharded(str(tmp_path / "m.safetensors"), None, session, progress=False)
+        assert np.array_equal(sharded.shard("w", 0).numpy(), w)

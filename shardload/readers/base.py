@@ -16,9 +16,11 @@ Limits shared by the file readers (each refusal a ``FormatError`` that states th
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -31,6 +33,34 @@ shape_problem = dtypes.shape_problem
 MAX_INDEX_BYTES = 64 << 20
 #: pauses the garbage collector while a large acyclic header is built (see strict_json)
 no_gc = strict_json.gc_paused
+
+
+#: copies out of a file larger than this are made in pieces, reporting progress between them
+COPY_CHUNK_BYTES = 64 << 20
+_copy_progress: "contextvars.ContextVar[Optional[Callable[[], None]]]" = contextvars.ContextVar(
+    "shardload_copy_progress", default=None)
+
+
+@contextlib.contextmanager
+def copy_progress(hook: Callable[[], None]) -> Iterator[None]:
+    """Within this block, in this thread, a reader copying a large tensor calls ``hook()`` after
+    every ``COPY_CHUNK_BYTES``: the liveness a watchdog needs while one tensor takes long to read
+    (a 4 GB embedding from a network disk), which per-parameter progress alone would miss.
+
+    >>> with copy_progress(lambda: print("alive")):                # doctest: +SKIP
+    ...     ckpt.read("model.embed_tokens.weight")
+    """
+    token = _copy_progress.set(hook)
+    try:
+        yield
+    finally:
+        _copy_progress.reset(token)
+
+
+def copy_progress_hook() -> Optional[Callable[[], None]]:
+    """The hook a reader calls between the pieces of a long copy (``None`` outside
+    ``copy_progress``)."""
+    return _copy_progress.get()
 
 
 @dataclass(frozen=True)

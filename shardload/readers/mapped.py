@@ -39,6 +39,7 @@ import torch
 
 from .. import dtypes
 from ..errors import FormatError
+from . import base
 from .base import Checkpoint, TensorMeta
 
 #: what identifies a file's contents: (st_dev, st_ino, st_size, st_mtime_ns)
@@ -58,6 +59,32 @@ def unmap(m: Optional[mmap.mmap]) -> None:
         m.close()
     except BufferError:
         pass
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for two ``(outer, length, inner)`` byte views. Under
+    ``base.copy_progress`` a copy over ``COPY_CHUNK_BYTES`` is made in pieces of about that
+    size (whole rows of ``outer`` where they fit, else pieces of one row's ``length``), with
+    the hook called after each: each piece is still one large parallel copy, so this costs
+    nothing measurable, and a watchdog sees a long read advance."""
+    hook = base.copy_progress_hook()
+    outer, length, inner = src.shape
+    row = length * inner
+    chunk = base.COPY_CHUNK_BYTES
+    if hook is None or outer * row <= chunk:
+        dst.copy_(src)
+        return
+    if row <= chunk:
+        rows = chunk // row
+        for a in range(0, outer, rows):
+            dst[a:a + rows].copy_(src[a:a + rows])
+            hook()
+        return
+    cols = max(1, chunk // inner)
+    for r in range(outer):
+        for a in range(0, length, cols):
+            dst[r, a:a + cols].copy_(src[r, a:a + cols])
+            hook()
 
 
 class MappedCheckpoint(Checkpoint):
@@ -159,7 +186,7 @@ class MappedCheckpoint(Checkpoint):
         out = torch.empty(meta.shape, dtype=dtypes.to_torch(meta.dtype))
         if raw.numel():
             # Copy as bytes: offsets need not be aligned for the dtype.
-            out.view(-1).view(torch.uint8).copy_(raw)
+            _copy(out.view(-1).view(torch.uint8).view(1, -1, 1), raw.view(1, -1, 1))
         self._count(raw.numel())
         return out
 
@@ -228,7 +255,7 @@ class MappedCheckpoint(Checkpoint):
         if nbytes:
             src = raw.view(outer, shape[dim], inner)[:, start:start + length]
             dst = out.view(-1).view(torch.uint8).view(outer, out.shape[dim], inner)
-            dst[:, offset:offset + length].copy_(src)
+            _copy(dst[:, offset:offset + length], src)
         self._count(nbytes)
 
     def release(self, name: str) -> None:

@@ -250,9 +250,10 @@ class _Progress:
             self.changed = True
 
     def param(self, name: str) -> None:
+        """Progress on parameter ``name`` (a new one, a piece of a long read, a wait on another
+        worker): the next tick tells the controller's watchdog this worker is alive."""
         with self.lock:
-            if name != self.current:
-                self.current, self.changed = name, True
+            self.current, self.changed = name, True
 
     def _tick(self) -> None:
         while not self.stopped.wait(PROGRESS_S):
