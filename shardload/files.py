@@ -33,12 +33,13 @@ import errno
 import os
 import stat
 import unicodedata
-from typing import BinaryIO, Callable, Optional, Union
+from typing import Any, BinaryIO, Callable, Optional, Union
 
+from . import strict_json
 from .errors import FormatError, quote
 
 __all__ = ["MAX_MEMBER_NAME", "MAX_SIDE_FILE_BYTES", "check_member_name", "regular_file",
-           "open_regular", "read_capped", "kind_of"]
+           "open_regular", "read_capped", "parse_json", "read_json", "kind_of"]
 
 #: longest file name a checkpoint may carry (real ones are under 100 characters)
 MAX_MEMBER_NAME = 1024
@@ -174,3 +175,26 @@ def read_capped(path: PathLike, max_bytes: int, what: str = "the file",
     if len(data) > max_bytes:
         raise error(f"{what} grew past the {max_bytes}-byte limit while being read")
     return data
+
+
+def parse_json(data: bytes, what: str, error: ErrorFactory, hint: str = "") -> Any:
+    """``data`` as strict JSON (``strict_json``), decoded as UTF-8 here: ``json.loads(bytes)``
+    would silently take UTF-16 and UTF-32 too. ``hint`` ends each refusal (what to do)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} is not valid UTF-8 ({exc}); JSON files must be UTF-8{hint}") \
+            from None
+    try:
+        return strict_json.loads(text)
+    except ValueError as exc:  # includes json.JSONDecodeError
+        raise error(f"{what} is not valid JSON: {exc}{hint}") from None
+
+
+def read_json(path: PathLike, max_bytes: int, what: str = "the file",
+              error: Optional[ErrorFactory] = None, hint: str = "") -> Any:
+    """A small JSON side file (an index, a config): a regular file of at most ``max_bytes``,
+    strict UTF-8 JSON; every refusal ``error(message)`` (a ``FormatError`` naming ``path`` by
+    default)."""
+    error = error or _format_error(path)
+    return parse_json(read_capped(path, max_bytes, what, error), what, error, hint)

@@ -497,12 +497,13 @@ G_HEADS, G_KV, G_HEAD_DIM, G_HIDDEN, G_FFN, G_VOCAB = 4, 2, 32, 64, 128, 32
 
 
 def gguf_file(path: Path, kv: Optional[dict[str, tuple[str, Any]]] = None,
-              drop: tuple[str, ...] = ()) -> Path:
-    """A one-layer Llama GGUF (Q8_0 linears); ``kv`` overrides ``{key: (type, value)}``."""
+              drop: tuple[str, ...] = (), ffn: int = G_FFN) -> Path:
+    """A one-layer Llama GGUF (Q8_0 linears, MLP of ``ffn`` rows) written by gguf-py's own
+    GGUFWriter; ``kv`` overrides key-values ``{key: (type, value)}``, ``drop`` leaves some out."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
     values = {"llama.block_count": ("u32", 1), "llama.embedding_length": ("u32", G_HIDDEN),
-              "llama.feed_forward_length": ("u32", G_FFN),
+              "llama.feed_forward_length": ("u32", ffn),
               "llama.attention.head_count": ("u32", G_HEADS),
               "llama.attention.head_count_kv": ("u32", G_KV),
               "llama.attention.key_length": ("u32", G_HEAD_DIM),
@@ -516,8 +517,8 @@ def gguf_file(path: Path, kv: Optional[dict[str, tuple[str, Any]]] = None,
          "str": writer.add_string, "f32": writer.add_float32}[kind](key, value)
     q, kvs = G_HEADS * G_HEAD_DIM, G_KV * G_HEAD_DIM
     shapes = {"attn_q": (q, G_HIDDEN), "attn_k": (kvs, G_HIDDEN), "attn_v": (kvs, G_HIDDEN),
-              "attn_output": (G_HIDDEN, q), "ffn_gate": (G_FFN, G_HIDDEN),
-              "ffn_up": (G_FFN, G_HIDDEN), "ffn_down": (G_HIDDEN, G_FFN)}
+              "attn_output": (G_HIDDEN, q), "ffn_gate": (ffn, G_HIDDEN),
+              "ffn_up": (ffn, G_HIDDEN), "ffn_down": (G_HIDDEN, ffn)}
     writer.add_tensor("token_embd.weight", blocks(rng, T.Q8_0, G_VOCAB, G_HIDDEN),
                       raw_dtype=T.Q8_0)
     writer.add_tensor("blk.0.attn_norm.weight", np.ones(G_HIDDEN, np.float32))

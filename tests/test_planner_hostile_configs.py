@@ -17,17 +17,15 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
-import gguf
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from gguf import GGMLQuantizationType as T
 
 import shardload.planners as planners
-from gguf_blocks import blocks
-from hostile_corpus import set_key as _set
+from hostile_corpus import gguf_file, set_key as _set
 from shardload import FormatError, PlanError, ShardInfo, open_checkpoint
 from shardload.cli import cli
 from shardload.config_fields import Fields
@@ -294,26 +292,7 @@ G_KV = {"llama.block_count": ("u32", 1), "llama.embedding_length": ("u32", 64),
 
 def write_gguf(path: str, kv: Optional[dict] = None, drop: tuple[str, ...] = ()) -> str:
     """A one-layer Q8_0 Llama GGUF whose key-values ``kv`` overrides ({key: (type, value)})."""
-    rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(path, "llama")
-    for key, (kind, value) in {**G_KV, **(kv or {})}.items():
-        if key not in drop:
-            {"u32": writer.add_uint32, "i32": writer.add_int32, "u64": writer.add_uint64,
-             "str": writer.add_string, "f32": writer.add_float32}[kind](key, value)
-    q, kvs, hidden, ffn = 4 * 32, 2 * 32, 64, 512
-    shapes = {"attn_q": (q, hidden), "attn_k": (kvs, hidden), "attn_v": (kvs, hidden),
-              "attn_output": (hidden, q), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
-              "ffn_down": (hidden, ffn)}
-    writer.add_tensor("token_embd.weight", blocks(rng, T.Q8_0, 32, hidden), raw_dtype=T.Q8_0)
-    writer.add_tensor("blk.0.attn_norm.weight", np.ones(hidden, np.float32))
-    for name, (rows, cols) in shapes.items():
-        writer.add_tensor(f"blk.0.{name}.weight", blocks(rng, T.Q8_0, rows, cols),
-                          raw_dtype=T.Q8_0)
-    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_file(Path(path), {**G_KV, **(kv or {})}, drop, ffn=512)
     return path
 
 

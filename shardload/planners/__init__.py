@@ -84,9 +84,9 @@ class _QuantizationFile:
         if not os.path.isfile(self.side):
             return self.config
         try:
-            from ..files import MAX_SIDE_FILE_BYTES, read_capped
+            from ..files import MAX_SIDE_FILE_BYTES, read_json
 
-            own = strict_json.loads(read_capped(self.config, MAX_SIDE_FILE_BYTES))
+            own = read_json(self.config, MAX_SIDE_FILE_BYTES)
         except Exception:  # noqa: BLE001 - only a label: say both
             return f"{self.config} (or {self.side}, merged in as quantization_config)"
         if isinstance(own, dict) and "quantization_config" in own:

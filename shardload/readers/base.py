@@ -24,15 +24,11 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .. import dtypes, strict_json
+from .. import dtypes
 
-#: limits every reader applies, defined once in ``dtypes``
-MAX_DIM, MAX_NDIM = dtypes.MAX_DIM, dtypes.MAX_NDIM
-shape_problem = dtypes.shape_problem
-#: cap on an index file's size
+#: cap on an index file's size (the shape limits every reader applies are ``limits.MAX_DIM``
+#: and ``limits.MAX_NDIM``, checked by ``dtypes.shape_problem``)
 MAX_INDEX_BYTES = 64 << 20
-#: pauses the garbage collector while a large acyclic header is built (see strict_json)
-no_gc = strict_json.gc_paused
 
 
 #: copies out of a file larger than this are made in pieces, reporting progress between them

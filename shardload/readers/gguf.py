@@ -72,7 +72,10 @@ from gguf import GGUFValueType
 from .. import dtypes
 from ..errors import FormatError, quote
 from ..files import open_regular
-from .base import MAX_DIM, TensorMeta, no_gc, shape_problem
+from ..dtypes import shape_problem
+from ..limits import MAX_DIM
+from ..strict_json import gc_paused
+from .base import TensorMeta
 from .mapped import MappedCheckpoint, unmap
 
 __all__ = ["open_gguf", "GGUFCheckpoint", "CONFIG_MAX_ARRAY", "SUPPORTED_VERSIONS"]
@@ -460,7 +463,7 @@ def open_gguf(path: str | os.PathLike) -> "GGUFCheckpoint":
         if len(mapped) != size:
             raise FormatError("file changed size while being opened; do not modify a checkpoint "
                               "while it is loading", file=p)
-        with no_gc():  # see no_gc: a header of many tensors must open in time linear in it
+        with gc_paused():  # see gc_paused: a header of many tensors must open in time linear in it
             header = _Parser(mapped, size, p).header()
             tensors = _check_tensors(p, header, size)
             return GGUFCheckpoint(str(path), mapped, header, tensors, st)

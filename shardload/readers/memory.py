@@ -9,7 +9,8 @@ import torch
 
 from .. import dtypes
 from ..errors import FormatError
-from .base import Checkpoint, TensorMeta, shape_problem
+from ..dtypes import shape_problem
+from .base import Checkpoint, TensorMeta
 
 
 def _to_torch(name: str, value: Any) -> torch.Tensor:

@@ -78,8 +78,10 @@ from typing import Any
 
 from .. import dtypes, strict_json
 from ..errors import FormatError, quote
-from ..files import MAX_SIDE_FILE_BYTES, check_member_name, open_regular, read_capped
-from .base import MAX_INDEX_BYTES, TensorMeta, no_gc, shape_problem
+from ..files import MAX_SIDE_FILE_BYTES, check_member_name, open_regular, read_json
+from ..dtypes import shape_problem
+from ..strict_json import gc_paused
+from .base import MAX_INDEX_BYTES, TensorMeta
 from .mapped import MappedCheckpoint, unmap
 
 __all__ = ["open_mlc", "MLCCheckpoint", "INDEX_NAMES", "CONFIG_NAME", "MLC_DTYPES",
@@ -157,21 +159,6 @@ def _find_index(folder: Path) -> Path:
                       f"folder", file=folder)
 
 
-def _read_json(path: Path, what: str, cap: int) -> Any:
-    raw = read_capped(path, cap, what)
-    # Decoded here, not by json: json.loads(bytes) silently accepts UTF-16 and UTF-32 too.
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FormatError(f"{what} is not valid UTF-8 ({e}); JSON files must be UTF-8",
-                          file=path) from None
-    del raw
-    try:
-        return strict_json.loads(text)
-    except ValueError as e:  # includes json.JSONDecodeError
-        raise FormatError(f"{what} is not valid JSON: {e}", file=path) from None
-
-
 def _shard_path(index: Path, data_path: Any, where: str, label: str) -> Path:
     """The file a shard record names, refused by name unless it is a plain relative path inside
     the index's folder. It may be a symlink to anywhere: what it leads to is checked to be a
@@ -245,7 +232,7 @@ def _check_layout(index: Path, where: str, records: list[_Record], size: int) ->
 
 
 def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
-    doc = _read_json(index, "index", MAX_INDEX_BYTES)
+    doc = read_json(index, MAX_INDEX_BYTES, "index")
 
     def bad(msg: str) -> FormatError:
         return FormatError(msg, file=index)
@@ -355,13 +342,13 @@ def open_mlc(folder: str | os.PathLike) -> "MLCCheckpoint":
         raise FormatError(f"an MLC-LLM checkpoint is a folder (with {INDEX_NAMES[0]}), not a "
                           f"file", file=p)
     index = _find_index(p)
-    with no_gc():  # see no_gc: an index of many tensors must open in time linear in it
+    with gc_paused():  # see gc_paused: an index of many tensors must open in time linear in it
         metadata, specs = _read_index(index)
 
     config: dict[str, Any] = {}
     config_path = p / CONFIG_NAME
     if os.path.lexists(config_path):  # there by name: a dangling link or a FIFO is refused
-        config = _read_json(config_path, CONFIG_NAME, MAX_SIDE_FILE_BYTES)
+        config = read_json(config_path, MAX_SIDE_FILE_BYTES, CONFIG_NAME)
         if not isinstance(config, dict):
             raise FormatError(f"{CONFIG_NAME} must be a JSON object, got "
                               f"{type(config).__name__}", file=config_path)
@@ -373,7 +360,7 @@ def open_mlc(folder: str | os.PathLike) -> "MLCCheckpoint":
             mapped, st = _map_shard(index, spec)
             maps.append(mapped)
             stats.append(st)
-        with no_gc():
+        with gc_paused():
             return MLCCheckpoint(str(folder), index, specs, maps, metadata, config, stats)
     except BaseException:
         for m in maps:

@@ -58,8 +58,11 @@ from typing import Any
 
 from .. import dtypes, strict_json
 from ..errors import FormatError, quote
-from ..files import MAX_SIDE_FILE_BYTES, check_member_name, open_regular, read_capped
-from .base import MAX_DIM, MAX_INDEX_BYTES, MAX_NDIM, TensorMeta, no_gc, shape_problem
+from ..files import MAX_SIDE_FILE_BYTES, check_member_name, open_regular, parse_json, read_json
+from ..dtypes import shape_problem
+from ..limits import MAX_DIM, MAX_NDIM
+from ..strict_json import gc_paused
+from .base import MAX_INDEX_BYTES, TensorMeta
 from .mapped import MappedCheckpoint, unmap
 
 __all__ = ["open_safetensors", "SafetensorsCheckpoint", "INDEX_NAME", "MAX_HEADER_SIZE",
@@ -75,18 +78,9 @@ _REDO = "re-download or re-save the checkpoint"
 
 
 def _load_json(data: bytes, what: str, path: Path) -> Any:
-    # Decoded here, not by json: json.loads(bytes) silently accepts UTF-16 and UTF-32 too.
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FormatError(f"{what} is not valid UTF-8 ({e}); JSON files must be UTF-8",
-                          file=path) from None
-    # Duplicate keys are refused: the library refuses duplicate fields inside an entry, but
-    # silently keeps the last of two top-level entries with one name; we are stricter.
-    try:
-        return strict_json.loads(text)
-    except ValueError as e:  # includes json.JSONDecodeError
-        raise FormatError(f"{what} is not valid JSON: {e}; {_REDO}", file=path) from None
+    # Duplicate keys are refused (strict_json): the library refuses duplicate fields inside an
+    # entry, but silently keeps the last of two top-level entries with one name.
+    return parse_json(data, what, lambda msg: FormatError(msg, file=path), f"; {_REDO}")
 
 
 def _read_small_json(path: Path) -> dict[str, Any] | None:
@@ -97,8 +91,7 @@ def _read_small_json(path: Path) -> dict[str, Any] | None:
     """
     if not os.path.lexists(path):
         return None
-    raw = read_capped(path, MAX_SIDE_FILE_BYTES, f"the config file {path.name}")
-    obj = _load_json(raw, f"the config file {path.name}", path)
+    obj = read_json(path, MAX_SIDE_FILE_BYTES, f"the config file {path.name}")
     if not isinstance(obj, dict):
         raise FormatError(f"the config file {path.name} must hold a JSON object, got "
                           f"{type(obj).__name__}", file=path)
@@ -319,8 +312,7 @@ def _open_shard(path: Path) -> _Shard:
 
 def _read_index(index: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """(metadata, weight_map) of an index file, checked to be the right shape."""
-    raw = read_capped(index, MAX_INDEX_BYTES, "the index")
-    obj = _load_json(raw, "index", index)
+    obj = read_json(index, MAX_INDEX_BYTES, "the index", hint=f"; {_REDO}")
     if not isinstance(obj, dict):
         raise FormatError(f"index must be a JSON object, got {type(obj).__name__}", file=index)
     weight_map = obj.get("weight_map")
@@ -393,7 +385,7 @@ def open_safetensors(path: str | os.PathLike) -> "SafetensorsCheckpoint":
     A sharded folder is recognised by ``model.safetensors.index.json``; the index file's own path
     is accepted too. Every header is validated before this returns (``FormatError`` otherwise).
     """
-    with no_gc():  # see no_gc: a header of a million tensors must open in seconds
+    with gc_paused():  # see gc_paused: a header of a million tensors must open in seconds
         return _open(Path(path), str(path))
 
 
