@@ -102,6 +102,20 @@ def test_the_layout_is_what_huggingface_hub_writes(layout):
     assert shard_blob == hashlib.sha256((plain / SHARDS[0]).read_bytes()).hexdigest()
 
 
+def test_huggingface_hub_itself_reads_the_layout_as_its_cache(layout):
+    # not only our idea of the layout: huggingface_hub's own cache scanner accepts it
+    import huggingface_hub as hub  # installed with tokenizers and transformers (test extra)
+    plain, repo, snapshot = layout
+    scan = hub.scan_cache_dir(repo.parent)
+    assert scan.warnings == []
+    (info,) = scan.repos
+    assert (info.repo_id, info.repo_type) == ("test-org/tiny-llama-q4", "model")
+    (revision,) = info.revisions
+    assert revision.commit_hash == COMMIT and revision.refs == {"main"}
+    assert revision.snapshot_path == snapshot
+    assert {f.file_name for f in revision.files} == {p.name for p in plain.iterdir()}
+
+
 @pytest.mark.parametrize("which", ["snapshot", "repo"])
 def test_every_tensor_equals_the_plain_folder(layout, which):
     plain, repo, snapshot = layout
