@@ -8,21 +8,66 @@ import signal
 import pytest
 
 from shardload import registry
+from shardload.sessions import functions as session_functions
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(REPO, "examples", "tiny_llama_q4")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+EXAMPLES = os.path.join(REPO, "examples")
+EXAMPLE = os.path.join(EXAMPLES, "tiny_llama_q4")
+
+#: what pyproject.toml's ``pythonpath`` puts on sys.path for the tests (the checkout; tests/, for
+#: the package ``helpers``; examples/), for a subprocess's PYTHONPATH: see ``subprocess_env``
+PYTHONPATH = (REPO, TESTS, EXAMPLES)
+
+
+def subprocess_env(env: dict | None = None, **extra: str) -> dict:
+    """``env`` (default: this process's environment) with ``PYTHONPATH`` led by the folders the
+    tests import from, so a subprocess (the CLI, torchrun) can import ``helpers.*`` plugins, the
+    examples and this checkout's shardload; then ``extra``."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*PYTHONPATH, env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def _shard_funcs() -> dict:
+    return {f.name: f for f in registry.list_shard_funcs()}
+
+
+def _session_funcs() -> dict:
+    return {f.name: f for f in session_functions.list_session_funcs()}
+
+
+def _shardloads_own(f) -> bool:
+    """Registered by shardload's own modules, once, when they are first imported (which may be
+    during a test): kept, as importing the module again would not register it again."""
+    return f.module == "shardload" or f.module.startswith("shardload.")
 
 
 @pytest.fixture(autouse=True)
 def _restore_registry():
-    """Functions a test registers do not leak into the next test."""
-    registry.list_shard_funcs()  # make sure built-ins and entry points are in before the snapshot
-    before = dict(registry._registry), dict(registry._session_registry)
+    """Functions a test registers (or unregisters) do not leak into the next test: both tables
+    are put back as they were, through the registries' public API."""
+    shard_before = _shard_funcs()  # listing loads the built-ins and entry points first
+    session_before = _session_funcs()
     yield
-    with registry._lock:
-        for table, saved in zip((registry._registry, registry._session_registry), before):
-            table.clear()
-            table.update(saved)
+    shard_after = _shard_funcs()
+    for name in shard_after.keys() - shard_before.keys():
+        if not _shardloads_own(shard_after[name]):
+            registry.unregister_shard_func(name)
+    for name, f in shard_before.items():
+        if shard_after.get(name) != f:  # removed or replaced: register it again as it was
+            registry.register_shard_func(name, f.func, override=True, array=f.array,
+                                         shape_rule=f.shape_rule, ranges=f.ranges,
+                                         fixup=f.fixup)
+            assert registry.get_shard_func(name) == f, f"{name!r} was not restored as it was"
+    session_after = _session_funcs()
+    for name in session_after.keys() - session_before.keys():
+        if not _shardloads_own(session_after[name]):
+            session_functions.unregister_session_func(name)
+    for name, f in session_before.items():
+        if session_after.get(name) != f:
+            session_functions.register_session_func(name, f.func, override=True)
 
 
 def interrupt_once_started(args: list[str], started, env: dict, cwd: str = REPO
@@ -63,7 +108,7 @@ def default_sigint() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-# fixtures that hand a test the real model (tests/real_models.py downloads it once, 93 MB)
+# fixtures that hand a test the real model (tests/helpers/real_models.py downloads it once, 93 MB)
 REAL_MODEL_FIXTURES = {"smollm2", "model_path"}
 
 

@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import EXAMPLE
-from gptq_reference import dequantize
+from helpers.gptq_reference import dequantize
 from shardload import PlanError, ProcessSession, ThreadedSession, load_sharded, open_checkpoint
 
 with open(os.path.join(EXAMPLE, "config.json")) as f:

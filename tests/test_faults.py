@@ -8,7 +8,7 @@ disk, a closed pipe) and inputs that cannot be read are one line, never a traceb
 never leaves a partial file; ``--session torch`` outside torchrun is a usage error; the worker
 count is capped; a value JSON cannot carry is a ``ShardloadError`` at the process boundary.
 
-Misbehaving functions live in ``fault_plugins.py``. Anything that could hang runs in a
+Misbehaving functions live in ``helpers/fault_plugins.py``. Anything that could hang runs in a
 subprocess with a timeout, and every process a test starts is killed by pid if still there.
 """
 
@@ -33,8 +33,8 @@ import torch
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-import fault_plugins
-from conftest import interrupt_once_started
+from conftest import interrupt_once_started, subprocess_env
+from helpers import fault_plugins
 from shardload import (PlanError, ProcessSession, ShardloadError, ThreadedSession, WorkerError,
                        load_sharded)
 from shardload.cli import EXIT_BROKEN_PIPE, cli
@@ -44,16 +44,14 @@ from shardload.sessions.base import resolve_devices
 from shardload.sessions.threaded import abandoned_threads
 from test_process_session import _describe, _kill, _wait_gone
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
+REPO = Path(__file__).resolve().parent.parent
+PLUGIN = fault_plugins.__name__  # "helpers.fault_plugins", for --plugin and plugins=[...]
 EXAMPLE = REPO / "examples" / "tiny_llama_q4"
 LINUX = sys.platform.startswith("linux")
 
 
 def _env(**extra: str) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(TESTS), str(REPO), env.get("PYTHONPATH")) if p)
+    env = subprocess_env()
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(key, None)
     env.update(extra)
@@ -118,7 +116,7 @@ def test_thread_watchdog_names_worker_and_parameter(release):
     assert "in hang" in failure.traceback  # where the stuck thread is
     # a worker waiting on the stuck one's output is not blamed
     assert len(info.value.failures) == 1
-    assert sess._closed
+    assert sess.closed
     with pytest.raises(RuntimeError, match="closed"):
         load_sharded(_params(), None, sess, progress=False)
     assert abandoned_threads()  # the stuck thread is left, flagged
@@ -160,7 +158,7 @@ def test_timeout_must_be_a_positive_number(bad):
 
 
 HUNG_THREAD_SCRIPT = """
-import fault_plugins
+import helpers.fault_plugins
 from shardload import ThreadedSession, WorkerError, load_sharded
 from test_faults import _hang_plan, _params
 
@@ -185,7 +183,7 @@ def test_interpreter_exits_with_an_abandoned_thread():
 def test_cli_timeout_on_threads_is_one_line_exit_1(tmp_path):
     ckpt, plan = _checkpoint(tmp_path, _hang_plan())
     start = time.monotonic()
-    proc = _run(["load", "--shards", "2", "--plugin", "fault_plugins", "--shard-info", str(plan),
+    proc = _run(["load", "--shards", "2", "--plugin", PLUGIN, "--shard-info", str(plan),
                  "--timeout", "0.5", str(ckpt)], timeout=30)
     assert proc.returncode == 1, proc.stderr
     lines = _lines(proc.stderr)
@@ -200,7 +198,7 @@ def test_cli_timeout_on_threads_is_one_line_exit_1(tmp_path):
 def _process_load(func: str):
     """Load with ``func`` on parameter p1 in a two-worker session with a 1 s watchdog; the
     error, the workers' pids and the seconds from the load's start to the error."""
-    sess = ProcessSession(2, distributed=False, timeout=1.0, plugins=["fault_plugins"])
+    sess = ProcessSession(2, distributed=False, timeout=1.0, plugins=[PLUGIN])
     pids = list(sess.pids)
     try:
         start = time.monotonic()
@@ -235,7 +233,7 @@ def test_process_watchdog_catches_a_stopped_worker():
 
 
 TORCH_RANK_SCRIPT = """
-import fault_plugins
+import helpers.fault_plugins
 from shardload import TorchDistributedSession, load_sharded
 from test_faults import _hang_plan, _params
 
@@ -256,8 +254,8 @@ def test_torch_rank_watchdog_ends_the_rank_with_one_line():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, (proc.stdout, proc.stderr)
     assert "NOT REACHED" not in proc.stdout
-    assert ("rank 0 failed while loading: TimeoutError: no progress for 0.5 s on parameter "
-            "'p1'") in proc.stderr
+    assert ("rank 0 failed while loading <memory>: TimeoutError: no progress for 0.5 s on "
+            "parameter 'p1'") in proc.stderr
 
 
 # ---- 3. Ctrl-C on a thread session ----------------------------------------------------------
@@ -267,7 +265,7 @@ def test_ctrl_c_on_threads_exits_130_at_once_with_a_stuck_thread(tmp_path):
     ckpt, plan = _checkpoint(tmp_path, _hang_plan())
     started = tmp_path / "started"
     code, stdout, stderr, elapsed = interrupt_once_started(
-        [sys.executable, "-m", "shardload", "load", "--shards", "2", "--plugin", "fault_plugins",
+        [sys.executable, "-m", "shardload", "load", "--shards", "2", "--plugin", PLUGIN,
          "--shard-info", str(plan), str(ckpt)], started,
         _env(**{fault_plugins.STARTED_ENV: str(started)}))
     assert code == 130, (stdout, stderr)
@@ -310,13 +308,17 @@ def test_plan_output_is_written_whole_by_rename(tmp_path):
 
 
 def test_plan_output_on_a_full_disk_leaves_no_partial_file(tmp_path, monkeypatch):
-    from shardload import cli as cli_module
+    real_write = os.write
 
     def full_disk(fd, data):
-        os.write(fd, bytes(data[:10]))  # part of it lands, then the disk is full
+        # the disk tmp_path is on is full: a write to a file there lands in part, then fails
+        st = os.fstat(fd)
+        if not any(os.path.samestat(st, os.stat(p)) for p in tmp_path.iterdir()):
+            return real_write(fd, data)
+        real_write(fd, bytes(data[:10]))
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(cli_module, "_write_all", full_disk)
+    monkeypatch.setattr(os, "write", full_disk)
     out = tmp_path / "plan.json"
     out.write_text("the old plan\n")
     result = CliRunner().invoke(cli, ["plan", "--shards", "2", str(EXAMPLE), "-o", str(out)])
@@ -366,7 +368,7 @@ def test_plan_output_to_a_pipe_is_written_in_place(tmp_path):
 def test_a_timeout_still_reports_the_worker_that_raised_first(kind, release):
     # worker 0 raises, worker 1 then waits for ever (a barrier): the cause must not be lost
     session = (ThreadedSession(2, timeout=1.0) if kind == "thread"
-               else ProcessSession(2, plugins=["fault_plugins"], distributed=False, timeout=1.0))
+               else ProcessSession(2, plugins=[PLUGIN], distributed=False, timeout=1.0))
     with session, pytest.raises(WorkerError) as info:
         session.call("tests.faults.raise_on_0_others_wait")
     assert [f.worker for f in info.value.failures] == [0, 1]
@@ -523,7 +525,7 @@ def _no_core_dump() -> None:
 @pytest.mark.skipif(not LINUX, reason="a segfault's signal number")
 def test_segfault_in_a_thread_prints_the_shard_function(tmp_path):
     ckpt, plan = _checkpoint(tmp_path, _hang_plan("tests.faults.segfault"))
-    proc = _run(["load", "--shards", "2", "--plugin", "fault_plugins", "--shard-info", str(plan),
+    proc = _run(["load", "--shards", "2", "--plugin", PLUGIN, "--shard-info", str(plan),
                  str(ckpt)], timeout=60, preexec_fn=_no_core_dump)
     assert proc.returncode == -signal.SIGSEGV, proc.stderr
     assert "Segmentation fault" in proc.stderr

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_blocks import K_TYPES, blocks
+from helpers.gguf_blocks import K_TYPES, blocks
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFValueType as V
 from gguf.quants import dequantize, quantize
 from hypothesis import given, settings, strategies as st
@@ -23,7 +23,7 @@ from shardload.errors import FormatError
 from shardload.readers import open_checkpoint
 from shardload.readers.gguf import CONFIG_MAX_ARRAY, GGUFCheckpoint, open_gguf
 
-from real_models import smollm2_gguf
+from helpers.real_models import smollm2_gguf
 
 BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 BIG = 2000  # items in the big key-value arrays (over CONFIG_MAX_ARRAY)

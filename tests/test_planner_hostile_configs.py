@@ -25,7 +25,7 @@ import pytest
 from click.testing import CliRunner
 
 import shardload.planners as planners
-from hostile_corpus import gguf_file, set_key as _set
+from helpers.hostile_corpus import gguf_file, set_key as _set
 from shardload import FormatError, PlanError, ShardInfo, open_checkpoint
 from shardload.cli import cli
 from shardload.config_fields import Fields

@@ -1,4 +1,4 @@
-"""The reference codecs in tests/quant_refs: real quantizers, bit layouts pinned by hand-worked words,
+"""The reference codecs in tests/helpers/quant_refs: real quantizers, bit layouts pinned by hand-worked words,
 and the sharding property shardload relies on, checked bit-exactly in pure numpy.
 
 Sharding property: slicing the *stored* tensors in their own units (packed words, groups, blocks)
@@ -18,9 +18,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quant_refs import awq, gptq
-from quant_refs import compressed_tensors as ct
-from quant_refs._bits import pack_bits, unpack_bits
+from helpers.quant_refs import awq, gptq
+from helpers.quant_refs import compressed_tensors as ct
+from helpers.quant_refs._bits import pack_bits, unpack_bits
 
 
 def u32(words) -> np.ndarray:
@@ -174,8 +174,8 @@ def test_gptq_v1_zero_point_zero_wraps_per_field():
 
 
 def test_gptq_agrees_with_the_older_4bit_reference():
-    """tests/gptq_reference.py (4-bit v1) decodes the same tensors to the same matrix, wrap included."""
-    from gptq_reference import dequantize as old_dequantize
+    """tests/helpers/gptq_reference.py (4-bit v1) decodes the same tensors to the same matrix, wrap included."""
+    from helpers.gptq_reference import dequantize as old_dequantize
 
     w = rand_w(32, 64, seed=9)
     w[3] = np.abs(w[3]) + 0.1  # z = 0 in column 3

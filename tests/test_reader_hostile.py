@@ -26,7 +26,7 @@ import torch
 from gguf import GGMLQuantizationType as T, GGUFValueType as V
 from safetensors.numpy import save_file
 
-from mlc_reference import write_mlc_folder
+from helpers.mlc_reference import write_mlc_folder
 from shardload.errors import FormatError
 from shardload.files import MAX_SIDE_FILE_BYTES
 from shardload.readers import open_checkpoint

@@ -5,7 +5,7 @@ model compressed to W4A16 ``pack-quantized`` by compressed-tensors itself.
 
 The reference for every shard is the tool's own output: the dense weights the model saved, or
 the weights compressed-tensors' own unpacking and dequantization give back; which rows or columns
-worker i holds comes from ``tp_reference`` (vLLM's layout, written from the rules).
+worker i holds comes from ``helpers.tp_reference`` (vLLM's layout, written from the rules).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from shardload import ShardInfo, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_for
 from shardload.planners.layouts import scheme_from_hf
-from tp_reference import rows_of
+from helpers.tp_reference import rows_of
 
 HEADS, KV_HEADS = 4, 2
 CONFIGS = {

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-import process_plugins  # noqa: F401  (session functions, registered here and in workers)
-from shardload import (ProcessSession, ThreadedSession, UnknownShardFunctionError, WorkerError,
+import helpers.process_plugins  # noqa: F401  (session functions, registered here and in workers)
+from shardload import (ProcessSession, ThreadedSession, UnknownSessionFunctionError, WorkerError,
                        load_sharded)
 
 
@@ -49,7 +49,7 @@ def test_values_json_cannot_carry_are_refused_here(sess, bad, exc):
 
 
 def test_errors_are_the_same(sess):
-    with pytest.raises(UnknownShardFunctionError):
+    with pytest.raises(UnknownSessionFunctionError):
         sess.call("tests.process.no_such")
     with pytest.raises(WorkerError) as info:
         sess.call("tests.process.not_json")

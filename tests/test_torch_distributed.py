@@ -12,17 +12,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import EXAMPLE, REPO
+from conftest import EXAMPLE, REPO, subprocess_env
 from shardload import (ProcessSession, ShardloadError, ThreadedSession, TorchDistributedSession,
                        load_sharded)
 
 PLAN = os.path.join(EXAMPLE, "shard_info.json")
+DIST_JOB = ("-m", "helpers.dist_job")  # tests/helpers/dist_job.py, found on PYTHONPATH
 
 
 def torchrun(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
+    env = subprocess_env({k: v for k, v in os.environ.items()
+                          if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                       "MASTER_PORT")})
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env=env)
@@ -36,7 +37,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.fixture(scope="module")
 def rank_shards(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    job = torchrun(os.path.join(REPO, "tests", "dist_job.py"), "example", str(out))
+    job = torchrun(*DIST_JOB, "example", str(out))
     assert job.returncode == 0, job.stderr[-3000:]
     return [load_file(str(out / f"rank{r}.safetensors")) for r in range(2)], \
         [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -68,7 +69,7 @@ def test_three_sessions_are_bit_identical(rank_shards):
 
 
 def test_a_failure_on_one_rank_is_reported_on_every_rank(tmp_path):
-    job = torchrun(os.path.join(REPO, "tests", "dist_job.py"), "fail", str(tmp_path))
+    job = torchrun(*DIST_JOB, "fail", str(tmp_path))
     assert job.returncode == 0, job.stderr[-3000:]
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     rank1 = json.loads((tmp_path / "rank1.json").read_text())
@@ -106,7 +107,7 @@ def test_outside_a_job_says_how_to_start_one(monkeypatch):
 @pytest.mark.slow
 def test_tensor_parallel_forward_over_torchrun(tmp_path):
     # two ranks (SmolLM2's 9 heads zero-padded to 10), a real all_reduce between them
-    job = torchrun(os.path.join(REPO, "tests", "dist_job.py"), "tp", str(tmp_path), timeout=300)
+    job = torchrun(*DIST_JOB, "tp", str(tmp_path), timeout=300)
     assert job.returncode == 0, job.stderr[-3000:]
     result = load_file(str(tmp_path / "tp.safetensors"))
     assert result["logits"].shape == result["reference"].shape == (16, 49152)

@@ -22,17 +22,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
-from real_models import cache_dir, smollm2_gguf
+# tp_llama is examples/tp_llama.py: examples/ is on sys.path (pytest's ``pythonpath``), and
+# worker processes inherit it and import tp_llama from it
+import tp_llama  # noqa: F401  (registers the tp_llama.* session functions)
+from conftest import EXAMPLES
+from helpers.real_models import cache_dir, smollm2_gguf
 from shardload import PlanError, ProcessSession, ThreadedSession, open_checkpoint
 from shardload.planners import plan_for
-
-EXAMPLES = os.path.join(REPO, "examples")
-if EXAMPLES not in sys.path:
-    sys.path.insert(0, EXAMPLES)  # worker processes inherit it, and import tp_llama from it
-
-import tp_llama  # noqa: E402  (registers the tp_llama.* session functions)
-from tp_llama import TensorParallelLlama, ThreadGroup  # noqa: E402
+from tp_llama import TensorParallelLlama, ThreadGroup
 
 #: N that the planner splits SmolLM2 into without padding (9 query heads, 3 KV heads)
 NS = [1, 3]

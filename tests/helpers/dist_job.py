@@ -1,6 +1,10 @@
 """A torchrun job for tests/test_torch_distributed.py (not a test module itself).
 
-    torchrun --standalone --nproc-per-node 2 tests/dist_job.py MODE OUT_DIR
+    PYTHONPATH=.:tests:examples torchrun --standalone --nproc-per-node 2 -m helpers.dist_job \
+        MODE OUT_DIR
+
+from the repository root. The test sets that ``PYTHONPATH`` (``conftest.subprocess_env``): the
+job imports ``helpers.real_models`` and the example's ``tp_llama`` from it.
 
 MODE ``example``: load the embedded example, save this rank's shards to OUT_DIR/rank{r}.safetensors.
 MODE ``fail``: rank 1 loads with a plan naming a missing tensor; every rank writes what it raised
@@ -17,20 +21,17 @@ from safetensors.torch import save_file
 
 from shardload import TorchDistributedSession, load_sharded
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "tiny_llama_q4")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(REPO, "examples", "tiny_llama_q4")
 
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 2, 198, 1, 520, 9531, 198, 504]
 
 
 def tensor_parallel(sess, out: str) -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-    from real_models import smollm2_gguf
-    from tp_llama import TensorParallelLlama
-
+    from helpers.real_models import smollm2_gguf
     from shardload import ThreadedSession
+    from tp_llama import TensorParallelLlama  # examples/tp_llama.py
 
     path = smollm2_gguf()
     with TensorParallelLlama(path, sess) as model:

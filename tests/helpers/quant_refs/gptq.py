@@ -24,10 +24,10 @@ Zero points: v1 stores ``(z - 1) mod 2**b`` in each field and readers add 1 back
 (mod ``2**b``).  A zero point of 0 (possible only with ``sym=False``) is stored as the
 all-ones field ``2**b - 1``: the "wraparound".  This is the per-field convention GPTQModel's
 loader uses (``_shift_gptq_qzeros``: ``(zeros + delta) & mask`` then repack, for 3 bit) and the
-one ``tests/gptq_reference.py`` decodes.  Beware that GPTQModel's 2/4/8-bit v1<->v2 converters
-instead add/subtract a constant such as ``0x11111111`` to the whole word: identical whenever no
-zero point is 0, but a stored ``z = 0`` then borrows from the next field (the "~13% overflow"
-its comments warn about).  v2 stores ``z`` itself.  Symmetric checkpoints have
+one ``tests/helpers/gptq_reference.py`` decodes.  Beware that GPTQModel's 2/4/8-bit v1<->v2
+converters instead add/subtract a constant such as ``0x11111111`` to the whole word: identical
+whenever no zero point is 0, but a stored ``z = 0`` then borrows from the next field (the "~13%
+overflow" its comments warn about).  v2 stores ``z`` itself.  Symmetric checkpoints have
 ``z = 2**(b-1)``: every 4-bit v1 qzeros word is ``0x77777777`` (v2: ``0x88888888``).
 
 Act-order (``desc_act=True``): GPTQ quantizes columns in the order ``perm`` (AutoGPTQ: the

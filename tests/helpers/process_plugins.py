@@ -1,9 +1,9 @@
 """Shard and session functions for ``tests/test_process_session.py``.
 
 ProcessSession workers are separate interpreters: the functions they run must be defined at
-module level in a module they can import. This one is imported as ``process_plugins`` (the tests
-directory is on ``sys.path`` under pytest, and the CLI test puts it on ``PYTHONPATH``); import it
-under that name only, or its names would be registered twice with different function objects.
+module level in a module they can import. This one is imported as ``helpers.process_plugins``
+(``tests/`` is on ``sys.path`` under pytest, and the CLI test puts it on ``PYTHONPATH``); import
+it under that name only, or its names would be registered twice with different function objects.
 
 Shard functions (numpy, ``func(input, dim, output)``, an even split along ``dim``):
 
@@ -33,7 +33,8 @@ import time
 import numpy as np
 import torch
 
-from shardload.registry import get_shard_func, register_session_func, register_shard_func
+from shardload import register_session_func
+from shardload.registry import get_shard_func, register_shard_func
 
 SLOW_SECONDS = 0.2
 STARTED_ENV = "SHARDLOAD_TEST_PROCESS_STARTED"

@@ -1,11 +1,11 @@
-"""Shard functions for ``tests/test_cli.py``, loaded with ``--plugin tests.cli_plugin_for_tests``.
+"""Shard functions for ``tests/test_cli.py``, loaded with ``--plugin helpers.cli_plugin_for_tests``.
 
 * ``tests.cli.boom``: always raises ``RuntimeError("boom at load")`` when it runs (exit 1 path).
 * ``tests.cli.slow``: sleeps ``SLOW_SECONDS``, then splits evenly along ``dim`` (Ctrl-C path).
   When the environment variable ``SHARDLOAD_TEST_STARTED`` names a file, the first call creates
   it, so a test knows the load is under way before it sends SIGINT.
 
-Import this module only under the name ``tests.cli_plugin_for_tests``: importing it under a
+Import this module only under the name ``helpers.cli_plugin_for_tests``: importing it under a
 second name would register the same names twice, with different function objects.
 """
 

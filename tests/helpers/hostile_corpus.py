@@ -28,10 +28,10 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from gguf_blocks import blocks
-from mlc_reference import quantize_q4f16_1, write_mlc_folder
+from .gguf_blocks import blocks
+from .mlc_reference import quantize_q4f16_1, write_mlc_folder
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny_llama_q4"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_llama_q4"
 
 
 @dataclass
@@ -828,7 +828,10 @@ def hub_cache(d: Path, files: dict[str, bytes], revision: str = "a" * 40) -> Pat
     return repo
 
 
-def _hub(which: str) -> Callable[[Path], Target]:
+def hub_target(which: str) -> Callable[[Path], Target]:
+    """A builder of a sharded checkpoint in a hub cache, opened as its repo folder (``"repo"``)
+    or its snapshot (``"snapshot"``)."""
+
     def build(d: Path) -> Target:
         src = d / "src"
         src.mkdir()
@@ -840,13 +843,13 @@ def _hub(which: str) -> Callable[[Path], Target]:
     return build
 
 
-case("hub-cache-snapshot", "legitimate", _hub("snapshot"), expect="ok")
-case("hub-cache-repo-folder", "legitimate", _hub("repo"), expect="ok")
+case("hub-cache-snapshot", "legitimate", hub_target("snapshot"), expect="ok")
+case("hub-cache-repo-folder", "legitimate", hub_target("repo"), expect="ok")
 
 
 def _hub_bad_ref(ref: str) -> Callable[[Path], Target]:
     def build(d: Path) -> Target:
-        repo = Path(_hub("repo")(d).ckpt)
+        repo = Path(hub_target("repo")(d).ckpt)
         (repo / "refs" / "main").write_text(ref)
         return Target(str(repo))
     return build

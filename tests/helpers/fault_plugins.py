@@ -1,6 +1,6 @@
 """Shard and session functions that misbehave, for ``tests/test_faults.py``.
 
-Imported as ``fault_plugins`` (the tests directory is on ``sys.path`` under pytest; subprocesses
+Imported as ``helpers.fault_plugins`` (``tests/`` is on ``sys.path`` under pytest; subprocesses
 get it on ``PYTHONPATH``); import it under that name only, or its names would be registered
 twice with different function objects. Shard functions are numpy, ``func(input, dim, output)``,
 and split evenly along ``dim`` when they return at all.
@@ -29,7 +29,8 @@ import time
 
 import numpy as np
 
-from shardload.registry import get_shard_func, register_session_func, register_shard_func
+from shardload import register_session_func
+from shardload.registry import get_shard_func, register_shard_func
 
 STARTED_ENV = "SHARDLOAD_TEST_FAULT_STARTED"
 SLOW_SECONDS = 0.2
