@@ -24,7 +24,7 @@ from typing import Any, Iterator, Optional
 
 import click
 
-from .errors import FormatError, PlanError, ShardloadError, quote
+from .errors import FormatError, PlanError, ShardloadError, cli_text, quote
 
 EXIT_OK, EXIT_LOAD_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 #: standard output closed before all was written (128 + SIGPIPE, as the shell reports a tool
@@ -120,15 +120,19 @@ def _exit(code: int) -> None:
 
 
 class _Group(click.Group):
-    """Maps shardload's exception tree to exit codes; Ctrl-C is one line and exit 130."""
+    """Maps shardload's exception tree to exit codes; Ctrl-C is one line and exit 130.
+
+    A message printed here says each setting it mentions the way the command line does
+    (``errors.cli_text``: ``device='cuda'`` becomes ``--device cuda``): the core's messages
+    name the Python API, never a flag."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except (PlanError, FormatError) as exc:
-            raise BadInput(str(exc)) from None
+            raise BadInput(cli_text(exc)) from None
         except ShardloadError as exc:
-            raise LoadFailed(str(exc)) from None
+            raise LoadFailed(cli_text(exc)) from None
         except ImportError as exc:  # a --plugin module that does not import
             raise BadInput(str(exc)) from None
         except OSError as exc:  # the last net: one line, not a traceback
@@ -227,7 +231,7 @@ def _prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num
     """Load plugins, open the checkpoint, find or write the plan, validate it for N (no tensor
     data read, except the few GPTQ g_idx vectors a planner looks at)."""
     from .plan import ShardInfo
-    from .planners import check_num_shards, plan_for
+    from .planners import check_num_shards, plan_decision
     from .readers import open_checkpoint
     from .registry import load_plugins
 
@@ -235,17 +239,19 @@ def _prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num
     with _reading():
         checkpoint = open_checkpoint(ckpt)
     try:
+        # the plan is validated once here, and the load uses that (it does not validate again)
         with _reading():
             if shard_info is None:
                 shard_info = _default_plan(checkpoint, ckpt)
-            if shard_info is None:
-                info = plan_for(checkpoint, num_shards)  # no plan file: plan from the config
+            if shard_info is None:  # no plan file: plan from the config
+                decision = plan_decision(checkpoint, num_shards)
+                info, validated = decision.plan(), decision.validated
                 source = info.source
             else:
                 info, source = ShardInfo.load(shard_info), shard_info
-                if info.is_symbolic:
-                    check_num_shards(info, checkpoint, num_shards)
-        validated = info.bind(num_shards).validate(checkpoint.metadata())
+                # a refusal of a symbolic plan lists the N that work; a plan for one N says so
+                validated = (check_num_shards(info, checkpoint, num_shards) if info.is_symbolic
+                             else info.bind(num_shards).validate(checkpoint.metadata()))
     except BaseException:
         checkpoint.close()
         raise
@@ -300,7 +306,7 @@ def _open_session(kind: str, num_shards: int, device: Optional[str], plugins: tu
                                   timeout=timeout)
         session = TorchDistributedSession(device=devices, timeout=timeout)
     except ValueError as exc:
-        raise BadInput(str(exc)) from None
+        raise BadInput(cli_text(exc)) from None
     if session.num_workers != num_shards:
         session.close()
         raise BadInput(f"--shards {num_shards} but this torch.distributed job has "
@@ -369,7 +375,7 @@ def load(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...],
         checkpoint.close()
         raise
     with checkpoint, session:
-        result = load_sharded(checkpoint, validated.plan, session,
+        result = load_sharded(checkpoint, validated, session,
                               progress=not (quiet or as_json))
     if getattr(session, "rank", 0) != 0:
         return  # under torchrun, rank 0 speaks for all
@@ -412,17 +418,31 @@ def validate(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...
 @_shards_option
 @_plan_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--reads", is_flag=True,
+              help="Show what each worker will read: byte ranges of which file, per tensor.")
 @_ckpt_argument
 def inspect(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...],
-            as_json: bool, ckpt: str) -> None:
-    """Show each parameter's per-worker shape and bytes for N workers. Reads no tensor data."""
+            as_json: bool, reads: bool, ckpt: str) -> None:
+    """Show each parameter's per-worker shape and bytes for N workers. Reads no tensor data.
+
+    With --reads, show each worker's read plan instead: for every tensor, the byte ranges it
+    copies (FILE[begin:end], or strided: FILE[begin:+bytes xCOUNT every STRIDE]) or the chain it
+    computes, and the bytes it reads in all.
+    """
     checkpoint, validated, _ = _prepare(ckpt, shard_info, plugins, num_shards)
     with checkpoint:
+        if reads:
+            from .readplan import build_read_plans
+
+            plans = build_read_plans(validated, checkpoint)
         rows = [{"name": p.name, "shape": list(p.meta.shape), "dtype": p.meta.dtype,
                  "steps": [s.func for s in p.steps], "shard_shape": list(p.piece_shape),
                  "shard_dtype": p.piece_dtype, "bytes_per_worker": p.piece_nbytes,
                  "padding_bytes": _padding_bytes(p)}
                 for p in validated]
+    if reads:
+        _print_reads(plans, validated, as_json)
+        return
     padding = sum(r["padding_bytes"] for r in rows)
     if as_json:
         _out(json.dumps({"num_shards": num_shards, "params": rows, "padding_bytes": padding,
@@ -438,6 +458,22 @@ def inspect(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...]
         total = validated.bytes_per_worker() * num_shards
         _out(f"zero padding: {_human(padding)} over all workers "
              f"({100 * padding / total:.1f}% of what they hold)")
+
+
+def _print_reads(plans, validated, as_json: bool) -> None:
+    """``inspect --reads``: every worker's read plan, and what it reads against what it keeps."""
+    stored = sum(p.meta.nbytes for p in validated)
+    if as_json:
+        _out(json.dumps({"num_shards": validated.num_shards, "stored_bytes": stored,
+                         "workers": [{"rank": rp.rank, "bytes_read": rp.bytes_read,
+                                      "bytes_kept": rp.nbytes, **rp.to_json()}
+                                     for rp in plans]}))
+        return
+    for rp in plans:
+        _out(f"worker {rp.rank}: reads {_human(rp.bytes_read)} of {_human(stored)} stored, "
+             f"keeps {_human(rp.nbytes)}")
+        for line in rp.describe():
+            _out(f"  {line}")
 
 
 @cli.command()
@@ -458,22 +494,17 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
     expressions of num_shards, so it also serves every other N the model allows. For an N the
     heads or MLP do not divide, the plan zero-pads them (exactly) for that N.
     """
-    from .planners import check_num_shards, describe_plan, plan_for, valid_num_shards
+    from .planners import plan_decision
     from .readers import open_checkpoint
 
     with _reading():
         checkpoint = open_checkpoint(ckpt)
     with checkpoint, _reading():  # the planners read config files: unreadable ones are input
-        try:
-            info, summary = describe_plan(checkpoint, num_shards, vocab_parallel=vocab_parallel,
-                                          pad=not no_pad)
-            check_num_shards(info, checkpoint, num_shards)
-        except PlanError:
-            plan_for(checkpoint, num_shards, vocab_parallel=vocab_parallel, pad=not no_pad)
-            raise  # plan_for raises the refusal that lists the N that work
-        symbolic = info if info.is_symbolic else describe_plan(
-            checkpoint, vocab_parallel=vocab_parallel, pad=False)[0]
-        valid = valid_num_shards(symbolic, checkpoint)
+        # one pass: the plan that fits N, padded for N, or the refusal naming the constraint
+        # N breaks and the N that work (raised here, printed by _Group)
+        decision = plan_decision(checkpoint, num_shards, vocab_parallel=vocab_parallel,
+                                 pad=not no_pad)
+        info, summary, valid = decision.plan(), decision.summary, decision.valid
     text = info.dumps()
     from .plan import MAX_PLAN_BYTES
 
@@ -489,7 +520,7 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
     if not valid.complete:  # a plan too large to try every N: say how far the list goes
         fits += f" (tried N up to {valid.tried} only)"
     scope = (f"for N={num_shards} only; unpadded plans fit N in {fits}"
-             if not info.is_symbolic and summary.padded else f"valid for N in {fits}")
+             if decision.kind == "padded" else f"valid for N in {fits}")
     _note(f"{summary}; {scope}{f' (written to {output})' if output else ''}")
 
 

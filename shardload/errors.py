@@ -16,10 +16,14 @@ __all__ = [
     "ShardloadError",
     "PlanError",
     "UnknownShardFunctionError",
+    "UnknownSessionFunctionError",
     "FormatError",
     "WorkerError",
     "WorkerCrashedError",
     "WorkerFailure",
+    "Setting",
+    "mention",
+    "cli_text",
     "quote",
 ]
 
@@ -51,6 +55,45 @@ def _located(message: str, *where: object) -> str:
     return ": ".join([*parts, message])
 
 
+@dataclass(frozen=True)
+class Setting:
+    """A setting an error message tells the user to change, as the Python API says it and as
+    the command line does. The core writes ``python`` into its messages and records the
+    setting with ``mention``; the CLI shows ``cli`` in its place (``cli_text``), so no core
+    message names a command-line flag.
+
+    >>> str(mention(ShardloadError(f"load with {DEVICE_CUDA.python}"), DEVICE_CUDA))
+    "load with device='cuda'"
+    >>> cli_text(mention(ShardloadError(f"load with {DEVICE_CUDA.python}"), DEVICE_CUDA))
+    'load with --device cuda'
+    """
+
+    python: str
+    cli: str
+
+
+def mention(exc: BaseException, *settings: Setting) -> BaseException:
+    """Record that ``exc``'s message names ``settings`` (in their Python form); returns ``exc``."""
+    exc.settings = (*getattr(exc, "settings", ()), *settings)  # type: ignore[attr-defined]
+    return exc
+
+
+def cli_text(exc: BaseException) -> str:
+    """``str(exc)`` with each setting it mentions said the way the command line says it."""
+    text = str(exc)
+    for setting in getattr(exc, "settings", ()):
+        text = text.replace(setting.python, setting.cli)
+    return text
+
+
+DEVICE_CUDA = Setting("device='cuda'", "--device cuda")
+DEVICE_CPU = Setting("device='cpu'", "--device cpu")
+PLUGINS = Setting("plugins=[MODULE, ...]", "--plugin MODULE")
+LIST_FUNCS = Setting("list_shard_funcs() lists", "`shardload funcs` lists")
+#: a plan file given explicitly (``load_sharded(params, shard_info=FILE, ...)``)
+SHARD_INFO = Setting("shard_info=FILE", "--shard-info FILE")
+
+
 class ShardloadError(Exception):
     """Root of every error shardload raises on purpose."""
 
@@ -72,6 +115,17 @@ class PlanError(ShardloadError):
                                   None if step is None else f"step {step}"))
 
 
+def _suggest(name: object, known: Iterable[str]) -> list[str]:
+    # difflib is quadratic in the name's length: a 100k-character name is no typo
+    if not isinstance(name, str) or len(name) > _MATCH_LIMIT:
+        return []
+    return difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+
+
+def _did_you_mean(suggestions: Sequence[str]) -> str:
+    return f" Did you mean {', '.join(quote(s) for s in suggestions)}?" if suggestions else ""
+
+
 class UnknownShardFunctionError(PlanError, KeyError):
     """A plan (or ``get_shard_func``) names a shard function that is not registered.
 
@@ -79,22 +133,34 @@ class UnknownShardFunctionError(PlanError, KeyError):
     """
 
     def __init__(self, name: str, known: Iterable[str], *, source: str | None = None,
-                 param: str | None = None, step: int | None = None,
-                 kind: str = "shard function"):
+                 param: str | None = None, step: int | None = None):
         self.name = name
-        # difflib is quadratic in the name's length: a 100k-character name is no typo
-        self.suggestions = (difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
-                            if isinstance(name, str) and len(name) <= _MATCH_LIMIT else [])
-        hint = (f" Did you mean {', '.join(quote(s) for s in self.suggestions)}?"
-                if self.suggestions else "")
-        decorator = "register_shard_func" if kind == "shard function" else "register_session_func"
-        message = (f"unknown {kind} {quote(name)}.{hint} Functions are never imported by name: "
-                   f"register it with @{decorator} in a module you pass as a plugin "
-                   "(--plugin MODULE, plugins=[...]) or through the 'shardload.shard_functions' "
-                   "entry point group; `shardload funcs` lists the shard functions.")
+        self.suggestions = _suggest(name, known)
+        message = (f"unknown shard function {quote(name)}.{_did_you_mean(self.suggestions)} "
+                   "Functions are never imported by name: register it with "
+                   f"@register_shard_func in a module you pass as a plugin ({PLUGINS.python}) "
+                   "or through the 'shardload.shard_functions' entry point group; "
+                   "list_shard_funcs() lists the shard functions.")
         PlanError.__init__(self, message, source=source, param=param, step=step)
+        mention(self, PLUGINS, LIST_FUNCS)
 
     # KeyError.__str__ would repr() the message; keep the readable one.
+    __str__ = Exception.__str__
+
+
+class UnknownSessionFunctionError(ShardloadError, KeyError):
+    """``session.call`` (or ``get_session_func``) names a session function that is not
+    registered. Also a ``KeyError``; ``suggestions`` holds close matches."""
+
+    def __init__(self, name: str, known: Iterable[str]):
+        self.name = name
+        self.suggestions = _suggest(name, known)
+        super().__init__(f"unknown session function {quote(name)}."
+                         f"{_did_you_mean(self.suggestions)} Register it with "
+                         "@register_session_func in a module the workers import (a module of "
+                         f"its own, passed as a plugin: {PLUGINS.python}).")
+        mention(self, PLUGINS)
+
     __str__ = Exception.__str__
 
 

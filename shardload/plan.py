@@ -4,9 +4,9 @@ The lifecycle of a plan:
 
 1. **Parse** (``ShardInfo.load`` / ``loads`` / ``from_dict``): a regular file of at most
    ``MAX_PLAN_BYTES``, strict UTF-8 JSON (see ``strict_json``: no duplicate keys, NaN/Infinity,
-   numbers overflowing to infinity or lone surrogates), structure checked as
-   ``schemas/shard_info.schema.json`` describes it, with the stated limits below. Shapes and
-   extra args may still be expressions of ``num_shards``; each distinct one is parsed once.
+   numbers overflowing to infinity or lone surrogates), structure checked by ``_parse_step``
+   with the stated limits below. Shapes and extra args may still be expressions of
+   ``num_shards``; each distinct one is parsed once.
 2. **Bind** (``ShardInfo.bind(N)``): every expression evaluated for N (at most
    ``MAX_NUM_SHARDS``), giving an immutable ``Plan``. A plan written with plain integers for
    another N is refused here, and so is a shape no tensor can have (a dim beyond 2**53, a byte
@@ -20,6 +20,21 @@ The lifecycle of a plan:
 Every pass is linear in the plan's size, and a hostile plan gets one ``PlanError`` naming the
 file, the parameter and the step, what was found and the limit, with every name and value in
 it cut short (``errors.quote``).
+
+**The JSON Schema.** ``json_schema()`` builds the schema of ``shard_info.json`` from the very
+limits and names the parser checks (the ``MAX_*`` constants, ``dtypes``' names and aliases,
+``symbolic``'s expression alphabet and grammar), and ``shardload/schemas/shard_info.schema.json``
+is its output, shipped for other tools. The parser stays the runtime check (it is linear and
+fast on 100 MB plans; jsonschema is never run at runtime); ``tests/test_plan_schema.py`` checks
+that the shipped file is ``json_schema()`` and that the parser and the schema accept and refuse
+the same plans. After changing a limit, regenerate the file with::
+
+    python -c "from shardload.plan import write_schema; write_schema()"
+
+(or run ``SHARDLOAD_WRITE_SCHEMA=1 python -m pytest tests/test_plan_schema.py``).
+
+**One serialisation.** ``step_json`` writes a step as ``shard_info.json`` has it; ``RawStep``,
+``Step``, ``ShardInfo.to_dict``/``dumps``, ``Plan.to_dict`` and the planners all go through it.
 
 >>> info = ShardInfo.from_dict({"w": [["shardload.split", [["num_shards", "8 // num_shards"],
 ...                                                       "float16"], 0]]})
@@ -38,13 +53,14 @@ from types import MappingProxyType
 from typing import Any, Iterator, Mapping, Optional, Union
 
 from . import dtypes, files, strict_json, symbolic
-from .errors import PlanError, UnknownShardFunctionError, quote
+from .errors import PlanError, Setting, UnknownShardFunctionError, mention, quote
 from .limits import MAX_NUM_SHARDS
 from .readers.base import TensorMeta
 
 __all__ = ["ShardInfo", "Plan", "Step", "ValidatedPlan", "ParamPlan", "MAX_PLAN_BYTES",
            "MAX_GROWTH", "MAX_NUM_SHARDS", "MAX_PARAMS", "MAX_STEPS", "MAX_DIMS",
-           "MAX_EXTRA_ARGS", "MAX_EXPRESSIONS", "MAX_DIM", "json_schema"]
+           "MAX_EXTRA_ARGS", "MAX_EXPRESSIONS", "MAX_DIM", "json_schema", "write_schema",
+           "schema_text", "step_json", "SCHEMA_FILE"]
 
 # ---- limits --------------------------------------------------------------------------------------
 # Every limit is far beyond what a real plan needs, and each refusal says which one was hit.
@@ -104,18 +120,155 @@ def _cut(text: str, limit: int = _REASON_LIMIT) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
+# ---- the JSON Schema, built from the limits above ------------------------------------------------
+
+#: the shipped schema, inside the package: ``json_schema()`` written by ``write_schema()``
+SCHEMA_FILE = "schemas/shard_info.schema.json"
+#: how ``symbolic`` spells its operators (an operator it gains must be named here too)
+_OPERATOR_TEXT = {"Add": "+", "Sub": "-", "Mult": "*", "FloorDiv": "//", "Mod": "%"}
+
+
+def _expression_grammar() -> str:
+    """The grammar of ``num_shards`` expressions in words, from ``symbolic``'s own tables."""
+    ops = " ".join(_OPERATOR_TEXT[op.__name__] for op in symbolic.BINOPS)
+    calls = " and ".join(f"{name}(...)" for name in symbolic.FUNCS)
+    return (f"An integer expression of {symbolic.NAME}: integer literals, {symbolic.NAME}, "
+            f"{ops}, unary minus, parentheses, {calls}.")
+
+
+def _power(value: int) -> str:
+    """``2**53`` for a power of two, the number otherwise: how limits read best."""
+    return f"2**{value.bit_length() - 1}" if value > 1 and value & (value - 1) == 0 else str(value)
+
+
 def json_schema() -> dict:
-    """The JSON Schema of ``shard_info.json`` shipped with the package (draft 2020-12).
+    """The JSON Schema (draft 2020-12) of ``shard_info.json``, built from the limits and names
+    the parser checks, read when called: ``MAX_PARAMS``, ``MAX_STEPS``, ``MAX_DIMS``,
+    ``MAX_DIM``, ``MAX_EXTRA_ARGS`` (and, in its description, ``MAX_PLAN_BYTES`` and
+    ``MAX_EXPRESSIONS``), ``dtypes``' names and aliases, ``symbolic``'s alphabet, length limit
+    and grammar. ``shardload/schemas/shard_info.schema.json`` is this (``write_schema``).
 
-    It describes the structure; the grammar of expressions and the function-specific rules
-    are checked by ``ShardInfo`` and ``Plan.validate``.
+    It describes the structure; what JSON Schema cannot say (the file's size and encoding,
+    duplicate keys, the grammar of expressions beyond their alphabet, integer literals as
+    opposed to ``2.0``, the count of distinct expressions) the parser checks, and the
+    function-specific rules ``Plan.validate`` does.
+
+    >>> json_schema()["additionalProperties"]["maxItems"] == MAX_STEPS
+    True
     """
-    from importlib.resources import files
+    lo, hi = _INT64
+    grammar = _expression_grammar()
+    description = (
+        "Parameter name -> ordered list of steps [func_name, [out_shape, dtype], *extra_args]. "
+        "Steps run serially; the last step's output has num_shards on axis 0 and worker i keeps "
+        "output[i]. A parameter with no entry (or an empty list) is replicated. Any integer in "
+        "out_shape or extra_args may be a string holding an integer expression of num_shards. "
+        "The format of Apache TVM's Disco loader. "
+        f"Limits (shardload.plan): at most {MAX_PARAMS} parameters, {MAX_STEPS} steps per "
+        f"parameter, {MAX_DIMS} dims per out_shape, each dim at most {_power(MAX_DIM)}, "
+        f"{MAX_EXTRA_ARGS} extra args per step, numbers within the int64 range. "
+        "Checked by the parser but not expressible here: the file is UTF-8 JSON of at most "
+        f"{MAX_PLAN_BYTES} bytes ({MAX_PLAN_BYTES / (1 << 20):g} MiB), without duplicate keys, "
+        "NaN/Infinity, numbers overflowing a float64, or strings holding lone surrogates; dims "
+        "are integer literals (2, not 2.0); expressions follow the grammar (not only the "
+        f"alphabet), and a plan holds at most {MAX_EXPRESSIONS} distinct ones.")
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://shardload.invalid/schemas/shard_info.schema.json",
+        "title": "shardload plan (shard_info.json)",
+        "description": description,
+        "type": "object",
+        "propertyNames": {"minLength": 1},
+        # the metadata key is no parameter: one more key is allowed when it is there
+        "if": {"required": [ShardInfo.METADATA_KEY]},
+        "then": {"maxProperties": MAX_PARAMS + 1},
+        "else": {"maxProperties": MAX_PARAMS},
+        "properties": {
+            ShardInfo.METADATA_KEY: {
+                "description": "Not a parameter: what the planner recorded for engines, e.g. "
+                               "tensor_parallel (each worker's heads when padding).",
+                "type": "object",
+            },
+        },
+        "additionalProperties": {
+            "type": "array",
+            "maxItems": MAX_STEPS,
+            "items": {"$ref": "#/$defs/step"},
+        },
+        "$defs": {
+            "step": {
+                "type": "array",
+                "minItems": 2,
+                "maxItems": MAX_EXTRA_ARGS + 2,
+                "prefixItems": [{"$ref": "#/$defs/funcName"}, {"$ref": "#/$defs/outSpec"}],
+                "items": {"$ref": "#/$defs/extraArg"},
+            },
+            "funcName": {"type": "string", "minLength": 1},
+            "outSpec": {
+                "type": "array",
+                "minItems": 2,
+                "maxItems": 2,
+                "prefixItems": [
+                    {"type": "array", "maxItems": MAX_DIMS, "items": {"$ref": "#/$defs/dim"}},
+                    {"$ref": "#/$defs/dtype"},
+                ],
+            },
+            "dim": {
+                "oneOf": [
+                    {"type": "integer", "minimum": 0, "maximum": MAX_DIM},
+                    {"$ref": "#/$defs/expression"},
+                ],
+            },
+            "extraArg": {
+                "oneOf": [
+                    {"type": "number", "minimum": lo, "maximum": hi},
+                    {"type": "boolean"},
+                    {"type": "null"},
+                    {"$ref": "#/$defs/expression"},
+                ],
+            },
+            "expression": {
+                "description": grammar,
+                "type": "string",
+                "minLength": 1,
+                "maxLength": symbolic.MAX_LENGTH,
+                "pattern": symbolic.ALPHABET.pattern,
+            },
+            "dtype": {"enum": [*dtypes.ITEMSIZE, *dtypes.ALIASES]},
+        },
+    }
 
-    return json.loads(files("shardload").joinpath("schemas/shard_info.schema.json").read_text())
+
+def schema_text() -> str:
+    """``json_schema()`` as the shipped file holds it (indented, one trailing newline)."""
+    return json.dumps(json_schema(), indent=2, ensure_ascii=False) + "\n"
+
+
+def write_schema(path: Union[str, os.PathLike, None] = None) -> str:
+    """Write ``schema_text()`` to ``path`` (default: the package's own ``SCHEMA_FILE``, in a
+    source checkout); returns the path written."""
+    if path is None:
+        from importlib.resources import files as package_files
+
+        path = str(package_files("shardload").joinpath(SCHEMA_FILE))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(schema_text())
+    return os.fsdecode(path)
 
 
 # ---- 1. parse ----------------------------------------------------------------------------------
+
+def step_json(func: str, out_shape: Any, dtype: str, extra: Any = ()) -> list:
+    """One step as ``shard_info.json`` writes it: ``[func, [out_shape, dtype], *extra]``.
+
+    The one serialisation of a step: ``RawStep.to_json``, ``Step.to_json``,
+    ``ShardInfo.to_dict`` (and so ``dumps``), ``Plan.to_dict`` and the planners all use it.
+
+    >>> step_json("shardload.split", ("num_shards", "8 // num_shards"), "float16", (0,))
+    ['shardload.split', [['num_shards', '8 // num_shards'], 'float16'], 0]
+    """
+    return [func, [list(out_shape), dtype], *extra]
+
 
 @dataclass(frozen=True)
 class RawStep:
@@ -136,7 +289,7 @@ class RawStep:
         return self.symbolic_shape or self.symbolic_extra  # type: ignore[attr-defined]
 
     def to_json(self) -> list:
-        return [self.func, [list(self.out_shape), self.dtype], *self.extra]
+        return step_json(self.func, self.out_shape, self.dtype, self.extra)
 
 
 Expressions = dict[str, symbolic.Evaluator]
@@ -212,6 +365,14 @@ def _parse_step(raw: Any, where: dict, exprs: Expressions) -> RawStep:
             raise PlanError(f"extra arg {k} is {_brief(arg)}: extra args must be JSON scalars",
                             **where)
     return RawStep(func, tuple(dims), dtype, tuple(extra))
+
+
+def _plan_json(metadata: Mapping[str, Any], params: Mapping[str, tuple]) -> dict:
+    """``{"__metadata__": ..., name: [step, ...]}``: a plan's steps (``RawStep`` or ``Step``,
+    each written by ``step_json``) as ``shard_info.json`` holds them."""
+    out: dict[str, Any] = {ShardInfo.METADATA_KEY: metadata} if metadata else {}
+    out.update({name: [s.to_json() for s in steps] for name, steps in params.items()})
+    return out
 
 
 def _step_key(raw: Any) -> Optional[tuple]:
@@ -392,9 +553,8 @@ class ShardInfo:
         return ns.pop() if len(ns) == 1 else None
 
     def to_dict(self) -> dict:
-        out: dict[str, Any] = {self.METADATA_KEY: self.metadata} if self.metadata else {}
-        out.update({name: [s.to_json() for s in steps] for name, steps in self.steps.items()})
-        return out
+        """The plan in ``shard_info.json`` form, expressions kept."""
+        return _plan_json(self.metadata, self.steps)
 
     def dumps(self) -> str:
         """JSON text with one parameter per line: diffable and still small."""
@@ -427,13 +587,15 @@ class ShardInfo:
                 first = next(name for name, steps in self.steps.items()
                              if steps and steps[-1].out_shape
                              and steps[-1].out_shape[0] != num_shards)
-                raise PlanError(
+                replan = Setting(f"plan_for(checkpoint, num_shards={num_shards})",
+                                 f"shardload plan --shards {num_shards}")
+                raise mention(PlanError(
                     f"this plan was written for num_shards={planned} with plain integer shapes, "
-                    f"but num_shards={num_shards} was asked for. Re-plan with `shardload plan "
-                    f"--shards {num_shards}` (it writes expressions of num_shards, so one plan "
+                    f"but num_shards={num_shards} was asked for. Re-plan with "
+                    f"`{replan.python}` (it writes expressions of num_shards, so one plan "
                     f"serves every N), or write the shapes as expressions such as "
                     f"\"4096 // num_shards\".",
-                    source=self.source, param=first)
+                    source=self.source, param=first), replan)
         values: dict[str, int] = {}  # each distinct expression evaluated once for this N
         bound: dict[tuple[int, int], Step] = {}  # a step shared by many parameters, bound once
         params = {}
@@ -523,6 +685,9 @@ class Step:
     def nbytes(self) -> int:
         return math.prod(self.out_shape) * dtypes.itemsize(self.dtype)
 
+    def to_json(self) -> list:
+        return step_json(self.func, self.out_shape, self.dtype, self.extra)
+
 
 class Plan:
     """A plan bound to one ``num_shards``; immutable. Build it with ``ShardInfo.bind``."""
@@ -541,10 +706,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         """The plan in ``shard_info.json`` form, every expression evaluated for this N."""
-        out: dict[str, Any] = {ShardInfo.METADATA_KEY: self.metadata} if self.metadata else {}
-        out.update({name: [[s.func, [list(s.out_shape), s.dtype], *s.extra] for s in steps]
-                    for name, steps in self.params.items()})
-        return out
+        return _plan_json(self.metadata, self.params)
 
     # -- 3. validate
     def validate(self, metadata: Mapping[str, TensorMeta]) -> "ValidatedPlan":
@@ -717,10 +879,6 @@ class ParamPlan:
     def piece_nbytes(self) -> int:
         return math.prod(self.piece_shape) * dtypes.itemsize(self.piece_dtype)
 
-    @property
-    def staging_nbytes(self) -> int:
-        """Bytes the loader holds at once for this parameter: input plus largest output."""
-        return self.meta.nbytes + max((s.nbytes for s in self.steps), default=0)
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,11 @@ MAX_LENGTH = 256
 # Results beyond int64 cannot be shapes or arguments of anything we allocate.
 _LIMIT = 2**63 - 1
 
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
-_FUNCS = {"min": min, "max": max}
+FUNCS = {"min": min, "max": max}
 # Cheap pre-filter: anything outside this alphabet is refused before ast sees it.
-_ALPHABET = re.compile(r"^[0-9A-Za-z_ +\-*/%(),]*$")
+ALPHABET = re.compile(r"^[0-9A-Za-z_ +\-*/%(),]*$")
 
 Evaluator = Callable[[int], int]
 
@@ -72,7 +72,7 @@ def compile(text: str) -> Evaluator:  # noqa: A001 (shadows the builtin on purpo
 
 @functools.lru_cache(maxsize=4096)
 def _compile(text: str) -> Evaluator:
-    if not text.strip() or not _ALPHABET.match(text):
+    if not text.strip() or not ALPHABET.match(text):
         raise ExpressionError(f"{quote(text)} is not an integer expression of {NAME}")
     try:
         tree = ast.parse(text.strip(), mode="eval")
@@ -101,9 +101,9 @@ def _build(node: ast.AST, text: str) -> Evaluator:
             raise ExpressionError(f"{text!r}: unknown name {node.id!r}; the only name is {NAME!r}")
         return lambda n: n
     if isinstance(node, ast.BinOp):
-        if type(node.op) not in _BINOPS:
+        if type(node.op) not in BINOPS:
             raise ExpressionError(f"{text!r}: only + - * // % are allowed")
-        op = _BINOPS[type(node.op)]
+        op = BINOPS[type(node.op)]
         left, right = _build(node.left, text), _build(node.right, text)
         if isinstance(node.op, (ast.FloorDiv, ast.Mod)):
             def divide(n: int) -> int:
@@ -119,10 +119,10 @@ def _build(node: ast.AST, text: str) -> Evaluator:
         operand = _build(node.operand, text)
         return lambda n: _checked(-operand(n), text, n)
     if isinstance(node, ast.Call):
-        if (not isinstance(node.func, ast.Name) or node.func.id not in _FUNCS
+        if (not isinstance(node.func, ast.Name) or node.func.id not in FUNCS
                 or node.keywords or len(node.args) < 2):
             raise ExpressionError(f"{text!r}: the only calls are min(a, b, ...) and max(a, b, ...)")
-        func = _FUNCS[node.func.id]
+        func = FUNCS[node.func.id]
         args = [_build(a, text) for a in node.args]
         return lambda n: func(a(n) for a in args)
     raise ExpressionError(f"{text!r}: {type(node).__name__} is not allowed")

@@ -23,24 +23,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-from conftest import interrupt_once_started
+from conftest import interrupt_once_started, subprocess_env
 from shardload.cli import cli
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "tiny_llama_q4"
-PLUGIN = "tests.cli_plugin_for_tests"
+PLUGIN = "helpers.cli_plugin_for_tests"  # tests/helpers: tests/ is on sys.path (pyproject.toml)
 PLUGIN_FUNCS = ("tests.cli.boom", "tests.cli.slow")
 BUILTINS = ("shardload.split", "shardload.split_segments", "shardload.replicate",
             "shardload.split_rebase")
-
-# The plugin is imported as ``tests.cli_plugin_for_tests``: ``tests`` is a namespace package
-# (no __init__.py), importable when the repository root is on sys.path. ``python -m pytest``
-# from the root puts it there; plain ``pytest`` may not, so make sure.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,7 +147,7 @@ def plan_for(tmp_path: Path, plan: dict, name: str = "plan.json") -> Path:
 
 @pytest.fixture
 def plugin():
-    """Make ``--plugin tests.cli_plugin_for_tests`` register its functions in this test.
+    """Make ``--plugin helpers.cli_plugin_for_tests`` register its functions in this test.
 
     The shared conftest restores the registry after every test while the module stays in
     sys.modules, so a second import would be a no-op: drop the module and its names before and
@@ -160,24 +155,19 @@ def plugin():
     """
     from shardload import registry
 
+    package_name, _, module_name = PLUGIN.rpartition(".")
+
     def clean():
         sys.modules.pop(PLUGIN, None)
-        package = sys.modules.get("tests")
-        if package is not None and hasattr(package, PLUGIN.split(".")[1]):
-            delattr(package, PLUGIN.split(".")[1])
+        package = sys.modules.get(package_name)
+        if package is not None and hasattr(package, module_name):
+            delattr(package, module_name)
         for name in PLUGIN_FUNCS:
             registry.unregister_shard_func(name)
 
     clean()
     yield PLUGIN
     clean()
-
-
-def subprocess_env(**extra: str) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    env.update(extra)
-    return env
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,6 +261,18 @@ def test_load_device_list_of_wrong_length(n, devices):
 @pytest.mark.parametrize("devices", ["gpu", "cpu,"])
 def test_load_unparsable_device_is_bad_input(small, devices):
     bad_input(run("load", "-n", 2, "--device", devices, small))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_missing_cuda_is_said_in_the_callers_terms(small):
+    # the session says it in Python's terms; the CLI, in its own flags
+    from shardload import ThreadedSession
+
+    with pytest.raises(ValueError) as info:
+        ThreadedSession(2, device="cuda")
+    assert "use device='cpu'" in str(info.value) and "--device" not in str(info.value)
+    line = bad_input(run("load", "-n", 2, "--device", "cuda", small))
+    assert "use --device cpu" in line
 
 
 # ----------------------------------------------------------------------------------------------
@@ -498,6 +500,7 @@ def test_validate_reads_no_tensor_data(small, monkeypatch):
     for cls in (Checkpoint, SafetensorsCheckpoint):
         monkeypatch.setattr(cls, "read", no_reads)
         monkeypatch.setattr(cls, "read_narrow", no_reads)
+        monkeypatch.setattr(cls, "source_bytes", no_reads)  # what read plans copy from
     assert_ok(run("validate", "-n", 2, small))
     assert_ok(run("inspect", "-n", 2, small))
     assert run("load", "-n", 2, "--quiet", small).exit_code == 1  # the patch does bite

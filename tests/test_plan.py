@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from shardload import (PlanError, ShardInfo, UnknownShardFunctionError, register_shard_func)
+from shardload.errors import cli_text
 from shardload.plan import json_schema
 from shardload.readers import ArrayCheckpoint, TensorMeta
 
@@ -132,7 +133,11 @@ def test_concrete_plan_with_another_n_says_how_to_replan():
         info.bind(2)
     message = str(err.value)
     assert "num_shards=4" in message and "num_shards=2" in message
-    assert "shardload plan --shards 2" in message and "expressions of num_shards" in message
+    # the core says it in Python; the CLI prints the command instead (errors.cli_text)
+    assert "`plan_for(checkpoint, num_shards=2)`" in message
+    assert "expressions of num_shards" in message and "--shards" not in message
+    assert "`shardload plan --shards 2`" in cli_text(err.value)
+    assert "plan_for" not in cli_text(err.value)
     assert err.value.source == "plan.json"
 
 

@@ -3,8 +3,8 @@
 the dequantized full weight, ``dequant(shard_i(Q)) == shard_i(dequant(Q))``, bit for bit.
 
 The checkpoints are tiny Llama/Mixtral models written here with the reference codecs in
-``quant_refs`` (written from the formats' definitions, independently of shardload); which N are
-valid is worked out here from head counts and block sizes, independently of the planner.
+``helpers.quant_refs`` (written from the formats' definitions, independently of shardload); which
+N are valid is worked out here from head counts and block sizes, independently of the planner.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from quant_refs.awq import dequantize_awq, quantize_awq
-from quant_refs.compressed_tensors import (dequantize_fp8, dequantize_pack_quantized,
+from helpers.quant_refs.awq import dequantize_awq, quantize_awq
+from helpers.quant_refs.compressed_tensors import (dequantize_fp8, dequantize_pack_quantized,
                                            quantize_fp8, quantize_pack_quantized)
-from quant_refs.gptq import dequantize_gptq, quantize_gptq
+from helpers.quant_refs.gptq import dequantize_gptq, quantize_gptq
 from shardload import PlanError, ThreadedSession, load_sharded, open_checkpoint
-from tp_reference import rows_of, take
+from helpers.tp_reference import rows_of, take
 from shardload.planners import plan_for, valid_num_shards
 
 NS = (1, 2, 3, 4, 8)

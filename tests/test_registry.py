@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import textwrap
 
@@ -11,6 +13,7 @@ import pytest
 from shardload import (ArrayCheckpoint, ThreadedSession, UnknownShardFunctionError,
                        get_shard_func, list_shard_funcs, load_plugins, load_sharded,
                        register_shard_func)
+from conftest import subprocess_env
 from shardload import registry
 
 
@@ -62,7 +65,12 @@ def test_unknown_name_without_close_match_lists_how_to_register():
     with pytest.raises(UnknownShardFunctionError) as info:
         get_shard_func("zzz")
     assert info.value.suggestions == []
-    assert "--plugin MODULE" in str(info.value) and "shardload funcs" in str(info.value)
+    # the Python message names the API; the CLI shows the same message with its flags
+    assert "plugins=[MODULE, ...]" in str(info.value) and "list_shard_funcs()" in str(info.value)
+    from shardload.errors import cli_text
+
+    assert "--plugin MODULE" in cli_text(info.value) and "shardload funcs" in cli_text(info.value)
+    assert "--" not in str(info.value)
 
 
 @pytest.mark.parametrize("kwargs, exc", [
@@ -143,8 +151,9 @@ def test_entry_point_plugins_are_loaded(tmp_path, monkeypatch):
     assert get_shard_func("ep_org.split0").doc.startswith("Split axis 0")
 
 
-def test_entry_points_load_on_first_lookup(tmp_path, monkeypatch):
-    # The registry scans the group by itself the first time it is used.
+def test_entry_points_load_on_first_lookup(tmp_path):
+    # The registry scans the group by itself the first time it is used: in a fresh interpreter,
+    # whose first use of the registry is this lookup.
     (tmp_path / "ep_lazy_mod.py").write_text(
         "from shardload import register_shard_func\n"
         "register_shard_func('ep_org.lazy', lambda input, output: None)\n")
@@ -152,9 +161,16 @@ def test_entry_points_load_on_first_lookup(tmp_path, monkeypatch):
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-lazy\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[shardload.shard_functions]\nlazy = ep_lazy_mod\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(registry, "_entry_points_loaded", False)
-    assert get_shard_func("ep_org.lazy").name == "ep_org.lazy"
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    script = ("import sys\n"
+              "from shardload import get_shard_func\n"
+              "assert 'ep_lazy_mod' not in sys.modules\n"
+              "print(get_shard_func('ep_org.lazy').name)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["ep_org.lazy"]
 
 
 def test_broken_entry_point_is_named(tmp_path, monkeypatch):

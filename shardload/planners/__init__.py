@@ -3,8 +3,12 @@
 ``plan_for(checkpoint)`` reads the checkpoint's own metadata (HF ``config.json`` with its
 ``quantization_config``, GGUF key-values, MLC's ``mlc-chat-config.json``), decides how every
 tensor splits, and returns a plan written in expressions of ``num_shards``: one file for every
-N the model allows. ``plan_for(checkpoint, num_shards=N)`` also checks that N is one of them
-and, if not, says which are.
+N the model allows. While it plans, the planner records which N each tensor group allows (its
+heads, KV heads, MLP rows, vocabulary, and the packed words, groups and blocks that store them:
+``fit.Constraint``), so for a given N it decides once (``plan_decision``): the plan fits N as
+it is, or a plan for N alone zero-pads heads and MLP blocks, or N is refused naming the
+constraint it breaks and the N that work. Nothing is bound or validated to find that out; the
+plan it returns for N is validated once, as a safety check.
 
 >>> info = plan_for(open_checkpoint("examples/tiny_llama_q4"), num_shards=4)   # doctest: +SKIP
 >>> valid_num_shards(info, open_checkpoint("examples/tiny_llama_q4"))           # doctest: +SKIP
@@ -13,21 +17,25 @@ and, if not, says which are.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from .. import strict_json
 from ..config_fields import Fields
-from ..errors import PlanError
-from ..plan import ShardInfo
+from ..errors import SHARD_INFO, PlanError, mention
+from ..limits import MAX_NUM_SHARDS
+from ..plan import ShardInfo, ValidatedPlan
 from ..readers import Checkpoint, as_checkpoint
 from .layouts import Scheme, scheme_from_hf
-from .llama import Planned, check_shapes, padding_for, plan_llama, vocab_from_tensors
+from .fit import Constraint
+from .llama import Padding, check_shapes, padding_layout, plan_llama, vocab_from_tensors
 from .model import ModelSpec, spec_from_gguf, spec_from_hf, spec_from_mlc
 
-__all__ = ["plan_for", "describe_plan", "valid_num_shards", "check_num_shards", "PlanSummary",
-           "ValidNumShards", "MAX_SHARDS_TRIED", "MAX_VALIDATION_WORK"]
+__all__ = ["plan_for", "plan_decision", "describe_plan", "valid_num_shards", "check_num_shards",
+           "PlanDecision", "PlanSummary", "ValidNumShards", "MAX_SHARDS_TRIED",
+           "MAX_VALIDATION_WORK"]
 
 #: ``valid_num_shards`` tries every N up to this
 MAX_SHARDS_TRIED = 64
@@ -115,9 +123,11 @@ def _kind(ckpt: Checkpoint, config: dict) -> str:
 
 
 def _no_config(source: str, what: str) -> PlanError:
-    return PlanError(f"no plan, and no model config next to the checkpoint ({what}) to write "
-                     "one from: pass a plan (--shard-info FILE, or a shard_info.json beside the "
-                     "checkpoint), or add the model's config", source=source)
+    error = PlanError(f"no plan, and no model config next to the checkpoint ({what}) to write "
+                      f"one from: pass a plan ({SHARD_INFO.python}, or a shard_info.json beside "
+                      "the checkpoint), or add the model's config", source=source)
+    mention(error, SHARD_INFO)
+    return error
 
 
 def _detect(ckpt: Checkpoint) -> tuple[ModelSpec, Scheme, bool]:
@@ -153,6 +163,111 @@ def _detect(ckpt: Checkpoint) -> tuple[ModelSpec, Scheme, bool]:
     return spec_from_hf(cfg), scheme_from_hf(cfg, quant_file=quant_file), False
 
 
+@dataclass(frozen=True)
+class PlanDecision:
+    """What the planner decided for one N, in one pass (``plan_decision``).
+
+    ``kind``: ``"unpadded"`` (the plan, symbolic in num_shards, fits N as it is),
+    ``"padded"`` (a plan for N alone that zero-pads query heads, KV heads and MLP blocks),
+    ``"refused"`` (``error`` names the constraint N breaks and the N that work), or
+    ``"symbolic"`` when no N was asked. ``valid``: the N (up to ``MAX_SHARDS_TRIED``) the
+    unpadded plan fits, from the same constraints.
+    """
+
+    num_shards: Optional[int]
+    kind: str
+    summary: PlanSummary
+    valid: "ValidNumShards"
+    info: Optional[ShardInfo] = None
+    error: Optional[PlanError] = None
+    #: the plan bound to N and validated against the checkpoint (None when refused or no N)
+    validated: Optional[ValidatedPlan] = None
+
+    def plan(self) -> ShardInfo:
+        """The plan, or the refusal raised."""
+        if self.error is not None:
+            raise self.error
+        assert self.info is not None
+        return self.info
+
+
+def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: bool = False,
+                  pad: bool = True) -> PlanDecision:
+    """Plan ``params`` (a checkpoint or path) and decide, once, what to do for ``num_shards``.
+
+    The plan is symbolic in ``num_shards``; planning it records which N each tensor group
+    allows (``Planned.constraints``). For the given N: when every constraint allows it, that
+    plan is the answer (``"unpadded"``); else, with ``pad``, where zero-padding can be exact
+    (``llama.padding_layout``) and every broken constraint is one padding lifts, a plan for N
+    alone that zero-pads heads and MLP blocks (``"padded"``); else a refusal naming the first
+    broken constraint (and why padding cannot help) and the N that work. Errors in the
+    checkpoint's metadata are raised, as ever; a refusal is returned (``PlanDecision.plan()``
+    raises it).
+    """
+    if num_shards is not None and (type(num_shards) is not int or num_shards < 1):
+        raise PlanError(f"num_shards must be a positive integer, got {num_shards!r}")
+    if num_shards is not None and num_shards > MAX_NUM_SHARDS:
+        raise PlanError(f"num_shards={num_shards} is more than the {MAX_NUM_SHARDS} workers "
+                        "shardload runs in one session (each is a thread or a process)")
+    ckpt = as_checkpoint(params)
+    spec, scheme, gguf_names = _detect(ckpt)
+    spec = vocab_from_tensors(ckpt, spec, gguf_names=gguf_names)
+    check_shapes(ckpt, spec, scheme, gguf_names=gguf_names)
+    planned = plan_llama(ckpt, spec, scheme, gguf_names=gguf_names,
+                         vocab_parallel=vocab_parallel)
+    constraints = planned.constraints
+    valid = ValidNumShards([n for n in range(1, MAX_SHARDS_TRIED + 1) if constraints.allows(n)],
+                           tried=MAX_SHARDS_TRIED)
+    summary = PlanSummary(spec, scheme, len(planned.steps), len(planned.replicated),
+                          tuple(planned.unknown))
+    source = f"<plan for {ckpt.source}>"
+    if num_shards is None:
+        return PlanDecision(None, "symbolic", summary, valid,
+                            ShardInfo.from_dict(planned.steps, source=source))
+    broken = constraints.broken(num_shards)
+    if not broken:
+        decision = PlanDecision(num_shards, "unpadded", summary, valid,
+                                ShardInfo.from_dict(planned.steps, source=source))
+    else:
+        padding = _padding(ckpt, spec, scheme, num_shards, broken, pad, gguf_names)
+        if not isinstance(padding, Padding):
+            first, why = padding
+            reason = first.why_not(num_shards)
+            if why:
+                reason += f"; and zero-padding cannot help: {why}"
+            error = PlanError(f"{ckpt.source} cannot be split over {num_shards} workers: "
+                              f"{reason}. {valid.describe()}", source=source, param=first.tensor)
+            return PlanDecision(num_shards, "refused", summary, valid, error=error)
+        padded = plan_llama(ckpt, spec, scheme, gguf_names=gguf_names,
+                            vocab_parallel=vocab_parallel, padding=padding)
+        info = ShardInfo.from_dict(
+            {ShardInfo.METADATA_KEY: {"tensor_parallel": padding.metadata(spec)},
+             **padded.steps}, source=f"<padded plan for {ckpt.source}>")
+        summary = PlanSummary(spec, scheme, len(padded.steps), len(padded.replicated),
+                              tuple(padded.unknown), padded=True)
+        decision = PlanDecision(num_shards, "padded", summary, valid, info)
+    # decided from the constraints alone; the plan for N is validated once, as a safety check,
+    # and kept: the caller loads with it rather than validating it again
+    validated = decision.plan().bind(num_shards).validate(ckpt.metadata())
+    return dataclasses.replace(decision, validated=validated)
+
+
+def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int,
+             broken: list[Constraint], pad: bool,
+             gguf_names: bool) -> Union[Padding, tuple[Constraint, str]]:
+    """For an N that breaks the ``broken`` constraints: the zero-padded layout that lifts them,
+    or the constraint to name in the refusal and why padding cannot help ("" when ``pad`` is
+    off)."""
+    if not pad:
+        return broken[0], ""
+    unpaddable = [c for c in broken if not c.paddable]
+    if unpaddable:
+        return unpaddable[0], ("the vocabulary is split evenly, never padded (split embeddings "
+                               "and lm_head only for an N that divides it)")
+    padding = padding_layout(ckpt, spec, scheme, num_shards, gguf_names=gguf_names)
+    return (broken[0], padding.reason) if isinstance(padding, PlanError) else padding
+
+
 def describe_plan(params, num_shards: Optional[int] = None, *, vocab_parallel: bool = False,
                   pad: bool = True) -> tuple[ShardInfo, PlanSummary]:
     """The plan for ``params`` (a checkpoint or path) and a summary of it.
@@ -160,37 +275,12 @@ def describe_plan(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     The plan is symbolic in ``num_shards`` when the model's heads and blocks divide among the
     workers. When they do not for the given ``num_shards`` and ``pad`` is on, it is a plan for
     that N alone that zero-pads query heads, KV heads and MLP blocks (exact: padded weights are
-    zero), recording each worker's heads under ``__metadata__.tensor_parallel``.
+    zero), recording each worker's heads under ``__metadata__.tensor_parallel``. An N that
+    the plan does not fit and padding cannot serve (or ``pad`` is off) is refused
+    (``PlanError``), as ``plan_for`` refuses it: see ``plan_decision``.
     """
-    if num_shards is not None and (type(num_shards) is not int or num_shards < 1):
-        raise PlanError(f"num_shards must be a positive integer, got {num_shards!r}")
-    ckpt = as_checkpoint(params)
-    spec, scheme, gguf_names = _detect(ckpt)
-    spec = vocab_from_tensors(ckpt, spec, gguf_names=gguf_names)
-    check_shapes(ckpt, spec, scheme, gguf_names=gguf_names)
-    planned: Planned = plan_llama(ckpt, spec, scheme, gguf_names=gguf_names,
-                                  vocab_parallel=vocab_parallel)
-    info = ShardInfo.from_dict(planned.steps, source=f"<plan for {ckpt.source}>")
-    padded = None
-    if num_shards is not None and pad and not _fits(info, ckpt, num_shards):
-        padding = padding_for(ckpt, spec, scheme, num_shards, gguf_names=gguf_names)
-        planned = plan_llama(ckpt, spec, scheme, gguf_names=gguf_names,
-                             vocab_parallel=vocab_parallel, padding=padding)
-        info = ShardInfo.from_dict(
-            {ShardInfo.METADATA_KEY: {"tensor_parallel": padding.metadata(spec)},
-             **planned.steps}, source=f"<padded plan for {ckpt.source}>")
-        padded = padding
-    summary = PlanSummary(spec, scheme, len(planned.steps), len(planned.replicated),
-                          tuple(planned.unknown), padded is not None)
-    return info, summary
-
-
-def _fits(info: ShardInfo, ckpt: Checkpoint, num_shards: int) -> bool:
-    try:
-        info.bind(num_shards).validate(ckpt.metadata())
-    except PlanError:
-        return False
-    return True
+    decision = plan_decision(params, num_shards, vocab_parallel=vocab_parallel, pad=pad)
+    return decision.plan(), decision.summary
 
 
 def plan_for(params, num_shards: Optional[int] = None, *, vocab_parallel: bool = False,
@@ -199,43 +289,31 @@ def plan_for(params, num_shards: Optional[int] = None, *, vocab_parallel: bool =
 
     With ``num_shards``, also check that this N works: if the model's heads or MLP do not
     divide among N workers, plan zero-padding for that N (``pad``, on by default), and where
-    even that cannot be exact, raise ``PlanError`` listing the N that do work.
+    even that cannot be exact, raise ``PlanError`` naming the constraint N breaks and listing
+    the N that do work (``plan_decision`` decides, in one pass).
     ``vocab_parallel`` splits embeddings and lm_head by vocabulary rows instead of replicating.
     """
-    ckpt = as_checkpoint(params)
-    try:
-        info, _ = describe_plan(ckpt, num_shards, vocab_parallel=vocab_parallel, pad=pad)
-    except PlanError as padding_failed:
-        if num_shards is None:
-            raise
-        unpadded, _ = describe_plan(ckpt, vocab_parallel=vocab_parallel, pad=False)
-        try:
-            unpadded.bind(num_shards).validate(ckpt.metadata())
-        except PlanError as exc:
-            exc.reason = (f"{exc.reason}; and zero-padding cannot help: "
-                          f"{padding_failed.reason}")
-            _refuse(unpadded, ckpt, num_shards, exc)
-        raise
-    if num_shards is not None:
-        check_num_shards(info, ckpt, num_shards)
-    return info
+    return plan_decision(params, num_shards, vocab_parallel=vocab_parallel, pad=pad).plan()
 
 
-def check_num_shards(info: ShardInfo, params: Union[Checkpoint, str], num_shards: int) -> None:
-    """``PlanError`` naming the constraint and the N that work, unless ``num_shards`` does."""
+def check_num_shards(info: ShardInfo, params: Union[Checkpoint, str],
+                     num_shards: int) -> ValidatedPlan:
+    """The plan bound to ``num_shards`` and validated against the checkpoint; where it does not
+    fit, ``PlanError`` naming the constraint and the N that work."""
     ckpt = as_checkpoint(params)
     try:
-        info.bind(num_shards).validate(ckpt.metadata())
+        return info.bind(num_shards).validate(ckpt.metadata())
     except PlanError as exc:
         _refuse(info, ckpt, num_shards, exc)
+        raise  # _refuse raises
 
 
 def _refuse(info: ShardInfo, ckpt: Checkpoint, num_shards: int, exc: PlanError):
     valid = (valid_num_shards(info, ckpt) if info.is_symbolic
              else ValidNumShards([], tried=MAX_SHARDS_TRIED))
-    raise PlanError(f"{ckpt.source} cannot be split over {num_shards} workers: "
-                    f"{exc.reason}. {valid.describe()}", source=info.source,
-                    param=exc.param) from None
+    error = PlanError(f"{ckpt.source} cannot be split over {num_shards} workers: "
+                      f"{exc.reason}. {valid.describe()}", source=info.source, param=exc.param)
+    raise mention(error, *getattr(exc, "settings", ())) from None
 
 
 class ValidNumShards(list):

@@ -9,7 +9,8 @@ where one logical axis lies in one tensor: along ``dim``, every ``elems`` logica
 per 20-byte block: ``Axis(1, 32, 20)``). A tensor that does not hold an axis is replicated when
 that axis is split.
 
-The formats, their layouts and their sources: ``QUANT_FORMATS.md`` beside the design notes.
+The formats, their layouts, the sharding rules and their sources: ``docs/quant_formats.md``
+in the repository.
 """
 
 from __future__ import annotations

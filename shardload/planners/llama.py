@@ -4,10 +4,13 @@ Column-parallel layers (q, k, v, gate, up, and their fused forms) split their ou
 row-parallel layers (o, down) split their input columns K. Attention splits in whole heads:
 query heads are never replicated, KV heads are replicated to the workers whose query heads use
 them when the workers outnumber them (GQA, MQA). Every stored tensor of a layer gets the same
-logical split, converted into its own units (``layouts.py``); a split that would cut a packed
-word, a quantization group or a GGUF block is caught by the shape rules, so a plan that binds
-and validates for N is exact for N. Norms, routers and everything unknown are replicated;
-embeddings and lm_head too, unless ``vocab_parallel``.
+logical split, converted into its own units (``layouts.py``). Each such split is recorded as a
+``fit.Constraint`` (its units, what they are and which keys say so), so the planner knows,
+for every tensor group, which N it allows without binding its plan: a split that would cut a
+head, a packed word, a quantization group or a GGUF block is a constraint that N breaks
+(``Planned.constraints``). For an N the heads or the MLP do not divide, ``padding_layout``
+says whether zero-padding can be exact, and how. Norms, routers and everything unknown are
+replicated; embeddings and lm_head too, unless ``vocab_parallel``.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from ..errors import FormatError, PlanError
+from ..plan import step_json
 from ..readers.base import Checkpoint
+from .fit import Constraint, Constraints
 from .layouts import Axis, Scheme, TensorAxes, tensor_axes
 from .model import ModelSpec
 from .tp_layout import MAX_LAYOUT, HeadLayout, head_layout, unit_layout
@@ -57,11 +62,13 @@ class Padding:
 
 @dataclass
 class Planned:
-    """A plan in the making: steps by tensor, and what the planner noticed."""
+    """A plan in the making: steps by tensor, what the planner noticed, and (for a plan
+    symbolic in num_shards) the constraints its splits put on N."""
 
     steps: dict[str, list] = field(default_factory=dict)
     replicated: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)
+    constraints: Constraints = field(default_factory=Constraints)
 
 
 def _intermediate_attr(spec: ModelSpec, module: str) -> str:
@@ -230,6 +237,55 @@ def segments_for(role: str, spec: ModelSpec, module: str) -> Segments:
     raise AssertionError(role)
 
 
+def segment_labels(role: str, spec: ModelSpec, module: str) -> list[str]:
+    """What the units of each of ``segments_for``'s segments are, with the keys saying so."""
+    if role in ("q", "o", "k", "v", "qkv"):
+        heads = f"the {spec.num_heads} query heads ({spec.explain('num_heads')})"
+        kv = f"the {spec.num_kv_heads} KV heads ({spec.explain('num_kv_heads')})"
+        return {"q": [heads], "o": [heads], "k": [kv], "v": [kv], "qkv": [heads, kv, kv]}[role]
+    if role in ("gate", "up", "down", "gate_up"):
+        attr = _intermediate_attr(spec, module)
+        label = f"the {_intermediate(spec, module)} MLP rows ({spec.explain(attr)})"
+        return [label] * (2 if role == "gate_up" else 1)
+    if role in ("embed", "lm_head"):
+        return [f"the {spec.vocab_size} vocabulary rows ({spec.explain('vocab_size')})"]
+    raise AssertionError(role)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The tensor being planned, for the constraints its split puts on N: its name, what its
+    logical segments are, and how its quantization stores them."""
+
+    name: str
+    labels: list[str]
+    paddable: bool
+    held: str                       # " ('quantization_config.bits' = 4, ...)", " (Q4_K blocks)"
+    constraints: Constraints
+
+    def note(self, segments: Segments, in_units: Segments, axis: Axis) -> None:
+        """One constraint per segment, in the units the tensor stores it in."""
+        for (_, logical), (_, units), label in zip(segments, in_units, self.labels):
+            stored = ("" if units == logical
+                      else f"stored in {abs(units)} blocks of {axis.elems}{self.held}")
+            self.constraints.add(Constraint(abs(units), units < 0, label, self.name,
+                                            self.paddable, stored))
+
+    def note_rows(self, rows: int, segments: Segments) -> None:
+        """A tensor split in whole rows of the layer's input (GPTQ's g_idx)."""
+        in_rows = len(segments) == 1 and tuple(segments[0]) == (rows, rows)   # MLP rows
+        label = self.labels[0] if in_rows else f"the {rows} input rows of the layer"
+        self.constraints.add(Constraint(rows, False, label, self.name, self.paddable))
+
+
+def _held(scheme: Scheme, fmt: Optional[dict]) -> str:
+    """How the tensor's quantization stores its elements in blocks, for messages."""
+    if scheme.method == "gguf":
+        return f" ({(fmt or {}).get('ggml_type', 'quantized')} blocks)"
+    how = scheme.explain("bits", "group_size", "block")
+    return f" ({how})" if how else ""
+
+
 def _in_units(segments: Segments, axis: Axis, tensor: str) -> Segments:
     """The logical segments in the tensor's own units along ``axis``.
 
@@ -267,9 +323,9 @@ def split_step(shape: tuple[int, ...], dtype: str, dim: int, segments: Segments)
     out = ["num_shards", *shape]
     out[dim + 1] = _per_worker(segments)
     if len(segments) == 1 and segments[0][0] == segments[0][1]:
-        return ["shardload.split", [out, dtype], dim]
-    return ["shardload.split_segments", [out, dtype], dim,
-            *[v for pair in segments for v in pair]]
+        return step_json("shardload.split", out, dtype, (dim,))
+    return step_json("shardload.split_segments", out, dtype,
+                     (dim, *[v for pair in segments for v in pair]))
 
 
 def _trivial_g_idx(ckpt: Checkpoint, name: str, group_size: int) -> bool:
@@ -294,41 +350,56 @@ def _linears(ckpt: Checkpoint, scheme: Scheme, roles: dict, vocab_parallel: bool
                tensor_axes(scheme, suffix, meta, ckpt.tensor_format(name)))
 
 
-def padding_for(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int, *,
-                gguf_names: bool) -> Padding:
-    """The zero-padded layout for N workers, or ``PlanError`` saying why there is none."""
+def padding_layout(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int, *,
+                   gguf_names: bool) -> Union[Padding, PlanError]:
+    """The zero-padded layout for N workers, or (returned, not raised) the ``PlanError`` saying
+    why zero-padding cannot be exact for this checkpoint: every tensor ``_padded_step`` would
+    pad is judged here, before a padded plan is written."""
     if type(num_shards) is not int or not 1 <= num_shards <= MAX_LAYOUT:
-        raise PlanError(f"cannot zero-pad for num_shards={num_shards!r}: a padded plan lists "
-                        f"every worker's heads, for at most {MAX_LAYOUT} workers",
-                        source=spec.file or None)
+        return PlanError(f"cannot zero-pad for num_shards={num_shards!r}: a padded plan lists "
+                         f"every worker's heads, for at most {MAX_LAYOUT} workers",
+                         source=spec.file or None)
     roles = GGUF_ROLES if gguf_names else HF_ROLES
     mlp_unit, sizes = 1, set()
     for name, meta, module, suffix, role, axes in _linears(ckpt, scheme, roles, False):
         if axes is None:
             continue
         if axes.special == "g_idx":
-            raise PlanError(f"{name}: zero-padding cannot be exact for tensors with a g_idx "
-                            "(GPTQ, compressed-tensors act-order): padded rows would use real "
-                            "groups' scales")
+            return PlanError(f"{name}: zero-padding cannot be exact for tensors with a g_idx "
+                             "(GPTQ, compressed-tensors act-order): padded rows would use real "
+                             "groups' scales")
         axis = axes.n if role in COLUMN else axes.k
         if axis is None:
+            if (role in COLUMN and axes.special != "shape" and meta.numel > 1
+                    and len(meta.shape) <= 1):
+                return PlanError(f"{name}: per-part scales of a fused layer cannot be padded "
+                                 "yet")
             continue
         if role in ("q", "k", "v", "qkv", "o"):
             if spec.head_dim % axis.elems:
-                raise PlanError(f"{name}: a {spec.head_dim}-element head is not a whole number "
-                                f"of the {axis.elems}-element blocks it is stored in, so heads "
-                                "cannot be padded")
+                return PlanError(f"{name}: a {spec.head_dim}-element head is not a whole "
+                                 f"number of the {axis.elems}-element blocks it is stored in, "
+                                 "so heads cannot be padded")
         else:
             mlp_unit = math.lcm(mlp_unit, axis.elems)
             sizes.add(_intermediate(spec, module))
     mlp = {}
     for size in sizes:
         if size % mlp_unit:
-            raise PlanError(f"an MLP of {size} rows is not a whole number of {mlp_unit}-row "
-                            "blocks")
+            return PlanError(f"an MLP of {size} rows is not a whole number of {mlp_unit}-row "
+                             "blocks")
         mlp[size] = unit_layout(size // mlp_unit, num_shards)
     return Padding(num_shards, head_layout(spec.num_heads, spec.num_kv_heads, num_shards),
                    mlp_unit, mlp)
+
+
+def padding_for(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int, *,
+                gguf_names: bool) -> Padding:
+    """The zero-padded layout for N workers, or ``PlanError`` saying why there is none."""
+    padding = padding_layout(ckpt, spec, scheme, num_shards, gguf_names=gguf_names)
+    if isinstance(padding, PlanError):
+        raise padding
+    return padding
 
 
 def _padded_units(role: str, spec: ModelSpec, padding: Padding, module: str,
@@ -358,28 +429,28 @@ def _padded_step(name, meta, role, axes: TensorAxes, spec, padding: Padding, mod
         unit, units = _padded_units(role, spec, padding, module, 0)
         n_out, k_in = (int(v) for v in ckpt.read(name).tolist())
         rows = len(units) * unit
-        return ["shardload.constant", [[n, 2], meta.dtype],
-                *([rows, k_in] if split_n else [n_out, rows])]
+        return step_json("shardload.constant", [n, 2], meta.dtype,
+                         [rows, k_in] if split_n else [n_out, rows])
     axis = axes.n if split_n else axes.k
-    if axis is None:
-        if split_n and meta.numel > 1 and len(meta.shape) <= 1:
-            raise PlanError(f"{name}: per-part scales of a fused layer cannot be padded yet")
+    if axis is None:   # per-part scales of fused layers were refused by padding_layout
         return None
     unit, _ = _padded_units(role, spec, padding, module, 0)
-    if unit % axis.elems:
-        raise PlanError(f"{name}: {unit}-element units straddle its {axis.elems}-element blocks")
+    if unit % axis.elems:   # padding_layout refused these: heads and MLP blocks are whole blocks
+        raise AssertionError(f"{name}: {unit}-element units straddle its {axis.elems}-element "
+                             "blocks")
     stored = unit // axis.elems * axis.width
     indices = [_padded_units(role, spec, padding, module, r)[1] for r in range(n)]
     out = [n, *meta.shape]
     out[axis.dim + 1] = len(indices[0]) * stored
-    return ["shardload.take_units", [out, meta.dtype], axis.dim, stored,
-            *[u for worker in indices for u in worker]]
+    return step_json("shardload.take_units", out, meta.dtype,
+                     (axis.dim, stored, *[u for worker in indices for u in worker]))
 
 
 def plan_llama(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, *, gguf_names: bool,
                vocab_parallel: bool = False, padding: Optional[Padding] = None) -> Planned:
-    """The steps for every tensor of a Llama-family checkpoint: symbolic in num_shards, or,
-    with ``padding``, for its one N with zero heads and blocks where N does not divide."""
+    """The steps for every tensor of a Llama-family checkpoint: symbolic in num_shards, with
+    the constraints they put on N (``Planned.constraints``), or, with ``padding``, for its one N
+    with zero heads and blocks where N does not divide."""
     roles = GGUF_ROLES if gguf_names else HF_ROLES
     planned = Planned()
     metadata = ckpt.metadata()
@@ -397,8 +468,11 @@ def plan_llama(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, *, gguf_names:
             step = _padded_step(name, meta, role, axes, spec, padding, module, split_n, ckpt)
         else:
             segments = segments_for(role, spec, module)
+            group = _Group(name, segment_labels(role, spec, module),
+                           role not in ("embed", "lm_head"),
+                           _held(scheme, ckpt.tensor_format(name)), planned.constraints)
             step = _tensor_step(ckpt, name, meta, suffix, axes, segments, split_n, scheme,
-                                metadata, act_order, module)
+                                metadata, act_order, module, group)
         if step is None:
             planned.replicated.append(name)
         else:
@@ -407,20 +481,23 @@ def plan_llama(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, *, gguf_names:
 
 
 def _tensor_step(ckpt, name, meta, suffix, axes: TensorAxes, segments: Segments, split_n: bool,
-                 scheme: Scheme, metadata, act_order: dict, module: str) -> Optional[list]:
+                 scheme: Scheme, metadata, act_order: dict, module: str,
+                 group: _Group) -> Optional[list]:
+    """The step for one tensor; the split it makes is noted in ``group``'s constraints."""
     if axes.special == "shape":
-        return _shape_step(ckpt, name, meta, segments, split_n)
+        return _shape_step(ckpt, name, meta, segments, split_n)   # a constant: any N
     if axes.special == "g_idx":
         if split_n:
             return None  # every output column needs the whole K ordering
-        if _is_act_order(ckpt, module, name, scheme, act_order):
-            return ["shardload.split", [["num_shards", f"{meta.shape[0]} // num_shards"],
-                                        meta.dtype], 0]
-        return ["shardload.split_rebase", [["num_shards", f"{meta.shape[0]} // num_shards"],
-                                           meta.dtype], 0]
+        rows = meta.shape[0]
+        group.note_rows(rows, segments)
+        func = ("shardload.split" if _is_act_order(ckpt, module, name, scheme, act_order)
+                else "shardload.split_rebase")
+        return step_json(func, ["num_shards", f"{rows} // num_shards"], meta.dtype, (0,))
     axis = axes.n if split_n else axes.k
     if (axis is None and split_n and len(segments) > 1 and meta.numel == len(segments)
             and suffix in ("weight_scale", "weight_scale_inv")):
+        group.note(segments, segments, Axis(0))
         return _per_part_scales(meta, segments, name)
     if axis is None:
         return None
@@ -428,7 +505,9 @@ def _tensor_step(ckpt, name, meta, suffix, axes: TensorAxes, segments: Segments,
             and scheme.method in ("gptq", "pack-quantized")
             and _is_act_order(ckpt, module, None, scheme, act_order)):
         return None  # act-order: any row may use any group, so every worker needs them all
-    return split_step(meta.shape, meta.dtype, axis.dim, _in_units(segments, axis, name))
+    in_units = _in_units(segments, axis, name)
+    group.note(segments, in_units, axis)
+    return split_step(meta.shape, meta.dtype, axis.dim, in_units)
 
 
 def _per_part_scales(meta, segments: Segments, name: str) -> list:
@@ -436,8 +515,8 @@ def _per_part_scales(meta, segments: Segments, name: str) -> list:
     per-channel scales, one per row, then split those rows like the weight. Exact: every row
     keeps the scale it was quantized with; nothing is re-quantized."""
     rows = sum(size for size, _ in segments)
-    expand = ["shardload.repeat_segments", [[rows, 1], meta.dtype],
-              *[size for size, _ in segments]]
+    expand = step_json("shardload.repeat_segments", [rows, 1], meta.dtype,
+                       [size for size, _ in segments])
     return [expand, split_step((rows, 1), meta.dtype, 0, segments)]
 
 
@@ -456,7 +535,8 @@ def _shape_step(ckpt, name, meta, segments: Segments, split_n: bool) -> list:
     n_out, k_in = (int(v) for v in ckpt.read(name).tolist())
     per_worker = _per_worker(segments)
     values = [per_worker, k_in] if split_n else [n_out, per_worker]
-    return ["shardload.constant", [["num_shards", 2], meta.dtype], *values]
+    return step_json("shardload.constant", ["num_shards", 2], meta.dtype, values)
 
 
-__all__ = ["plan_llama", "padding_for", "Padding", "Planned", "segments_for", "split_step"]
+__all__ = ["plan_llama", "padding_for", "padding_layout", "Padding", "Planned", "segments_for",
+           "segment_labels", "split_step"]
