@@ -62,8 +62,26 @@ import _bench_worker  # noqa: E402  (registers shardload_bench.drop_shards)
 from shardload import ProcessSession, ShardInfo, ThreadedSession, load_sharded  # noqa: E402
 from shardload import dtypes, open_checkpoint  # noqa: E402
 from shardload.errors import PlanError  # noqa: E402
-from shardload.loader import direct_ranges, run_steps  # noqa: E402
+from shardload.pieces import run_steps as _run_steps  # noqa: E402
 from shardload.plan import ParamPlan, ValidatedPlan  # noqa: E402
+
+
+def direct_ranges(p: ParamPlan, n: int):
+    """(axis, ranges per worker) when ``p``'s function declares what each worker reads (its
+    ``ranges`` rule) as plain ranges along one axis, else None: the baselines use the same
+    ranges shardload's read plans do."""
+    if len(p.steps) != 1 or p.funcs[0].ranges is None:
+        return None
+    step = p.steps[0]
+    sels = [p.funcs[0].ranges(p.meta.shape, p.meta.dtype, *step.extra, num_shards=n, index=i)
+            for i in range(n)]
+    if any(sel.axis is None or sel.has_zeros for sel in sels):
+        return None
+    return sels[0].axis, [list(sel.ranges) for sel in sels]
+
+
+def run_steps(p: ParamPlan, full: torch.Tensor) -> torch.Tensor:
+    return _run_steps([(s.func, s.out_shape, s.dtype, s.extra) for s in p.steps], full, p.name)
 
 METHODS = ("floor", "naive", "vllm-style", "disco-style", "shardload-thread",
            "shardload-process")

@@ -16,8 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import (FormatError, PlanError, ShardloadError, UnknownShardFunctionError,
-                     WorkerCrashedError, WorkerError)
+from .errors import (FormatError, PlanError, ShardloadError, UnknownSessionFunctionError,
+                     UnknownShardFunctionError, WorkerCrashedError, WorkerError)
 
 __version__ = "0.1.0"
 
@@ -42,12 +42,14 @@ _LAZY = {
     "ProcessSession": "sessions",
     "TorchDistributedSession": "sessions",
     "WorkerContext": "sessions",
-    "register_session_func": "registry",
+    "register_session_func": "sessions",
+    "Selection": "selection",
     "plan_for": "planners",
 }
 
 __all__ = sorted([*_LAZY, "ShardloadError", "PlanError", "UnknownShardFunctionError",
-                  "FormatError", "WorkerError", "WorkerCrashedError", "__version__"])
+                  "UnknownSessionFunctionError", "FormatError", "WorkerError",
+                  "WorkerCrashedError", "__version__"])
 
 
 def __getattr__(name: str):
@@ -70,6 +72,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .registry import (ShardFunc, get_shard_func, list_shard_funcs, load_plugins,
                            register_shard_func)
     from .planners import plan_for
-    from .registry import register_session_func
+    from .selection import Selection
     from .sessions import (ProcessSession, Session, ThreadedSession, TorchDistributedSession,
-                           WorkerContext)
+                           WorkerContext, register_session_func)

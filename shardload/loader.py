@@ -1,46 +1,49 @@
 """``load_sharded``: every worker ends up with its own piece of every parameter.
 
-The loader runs one per-worker algorithm on every worker (SPMD). Worker ``i`` of ``N``, for each
-parameter in storage order:
+The loader drives every load in the same numbered steps, whatever the session:
 
-1. **Replicated** (no steps): read the whole tensor, place it on the worker's device.
-2. **A built-in split** (one step of ``shardload.split``, ``split_segments`` or
-   ``split_rebase``): ask the function which ranges worker ``i`` keeps and read only those
-   bytes from the checkpoint, one copy into the worker's piece.
-3. **Any other chain**: obtain the full output of the steps, keep ``output[i]``. Within one
-   process the full output is computed once, by the first worker to need it, and shared; it is
-   dropped as soon as all N workers have taken their piece, and at most ``MAX_SHARED`` such
-   outputs are alive at once, which bounds staging memory to about two of the largest
-   parameters. A worker process computes the chains it needs itself.
+1. **Open** the checkpoint: headers only (``open_checkpoint``; an in-memory mapping as is).
+2. **Bind and validate** the plan once: bound to the session's N, checked against the
+   checkpoint's names, shapes and dtypes and the registry's rules. A plan that does not fit
+   fails here, before a byte of tensor data is read.
+3. **Build each worker's read plan** (``readplan``): which bytes of which file make its piece of
+   each parameter, or which chain of shard functions to compute. Workers outside this process
+   get files they can map (an in-memory checkpoint is written to a temporary file first) and
+   the plugin modules their chains need.
+4. **Run** the per-worker load (``pieces.load_pieces``, a session function) on every worker
+   with its read plan: the session decides where that runs (threads, worker processes, this
+   torchrun rank), the loader what.
+5. **Gather** each worker's statistics into one ``LoadStats``.
+6. **Return** ``ShardedParams``: the pieces themselves for workers in this process, handles to
+   fetch them from the others.
 
-Every kept piece owns its memory. The plan is validated against the checkpoint's metadata
-before any of this starts, so a bad plan fails before a byte of tensor data is read.
+Every kept piece owns its memory. Sessions know nothing of any of this: they run a function.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import dtypes
-from .errors import PlanError, ShardloadError, annotate
+from .errors import DEVICE_CUDA, PLUGINS, PlanError, ShardloadError, mention
+from .pieces import FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, local_load
 from .plan import ParamPlan, Plan, ShardInfo, ValidatedPlan
 from .readers import Checkpoint, as_checkpoint
-from .readers.base import copy_progress
-from .registry import ShardFunc
-from .sessions.base import Session, check_timeout
-from .shard_functions import builtin
+from .readplan import ReadPlan, read_plan_for
+from .sessions import Session
+from .sessions.base import check_timeout
+from .modules import importable_module
 
-__all__ = ["load_sharded", "ShardedParams", "LoadStats", "WorkerLoad", "load_worker",
-           "load_in_threads", "MAX_SHARED", "run_steps"]
-
-#: opaque chains whose full output may be alive at once (the staging bound)
-MAX_SHARED = 2
+__all__ = ["load_sharded", "ShardedParams", "LoadStats", "progress_callback"]
 
 ProgressCallback = Callable[[int], None]
 
@@ -114,281 +117,22 @@ class ShardedParams:
                 f"{self.stats.bytes_total} bytes)")
 
 
-# ---- running a chain of steps ------------------------------------------------------------------
+# ---- the steps -----------------------------------------------------------------------------------
 
-def _as_array(tensor: torch.Tensor, kind: str):
-    if kind == "torch":
-        return tensor
-    if kind == "numpy":
-        return tensor.numpy()  # zero-copy; CPU only
-    import cupy  # optional dependency, only for cupy shard functions
+def _validated(shard_info: Any, num_shards: int, ckpt: Checkpoint) -> ValidatedPlan:
+    """The plan bound to N and validated against ``ckpt``: done here, or already done by the
+    caller (a ``ValidatedPlan`` of this N whose tensors are ``ckpt``'s, as the CLI passes)."""
+    if isinstance(shard_info, ValidatedPlan):
+        if shard_info.num_shards != num_shards:
+            raise PlanError(f"this plan is bound to num_shards={shard_info.num_shards}, but the "
+                            f"session has {num_shards} workers", source=shard_info.plan.source)
+        metadata = ckpt.metadata()
+        if len(metadata) == len(shard_info.params) and all(
+                metadata.get(name) == p.meta for name, p in shard_info.params.items()):
+            return shard_info
+        shard_info = shard_info.plan  # validated against other tensors: validate it here
+    return _bind(shard_info, num_shards).validate(ckpt.metadata())
 
-    return cupy.from_dlpack(tensor)
-
-
-def _call(func: ShardFunc, x: torch.Tensor, extra: tuple, out: torch.Tensor) -> None:
-    if func.array == "numpy" and x.device.type != "cpu":
-        x = x.cpu()
-    if func.array == "numpy" and out.device.type != "cpu":
-        host = torch.empty_like(out, device="cpu")
-        func.func(_as_array(x, "numpy"), *extra, _as_array(host, "numpy"))
-        out.copy_(host)
-        return
-    if func.array == "cupy" and (x.device.type != "cuda" or out.device.type != "cuda"):
-        raise ShardloadError(f"{func.name} takes cupy arrays, which need a CUDA device; "
-                             f"this worker's device is {out.device}")
-    func.func(_as_array(x, func.array), *extra, _as_array(out, func.array))
-
-
-def run_steps(param: ParamPlan, x: torch.Tensor) -> torch.Tensor:
-    """Apply ``param``'s steps to its input ``x``; the last step's full output."""
-    for step, func in zip(param.steps, param.funcs):
-        out = torch.empty(step.out_shape, dtype=dtypes.to_torch(step.dtype), device=x.device)
-        try:
-            _call(func, x.contiguous(), step.extra, out)
-        except Exception as exc:
-            annotate(exc, f"parameter {param.name!r}, step {step.index} ({step.func})")
-            raise
-        x = out
-    return x
-
-
-# ---- per-worker pieces -------------------------------------------------------------------------
-
-def direct_ranges(param: ParamPlan, num_shards: int):
-    """(axis, ranges per worker) when ``param`` can be read piecewise, else ``None``."""
-    if len(param.steps) != 1:
-        return None
-    step, name = param.steps[0], param.funcs[0].name
-    shape = param.meta.shape
-    if ((name == "shardload.split" and param.funcs[0].func is builtin.split)
-            or (name == "shardload.split_rebase" and param.funcs[0].func is builtin.split_rebase)):
-        return builtin.split_ranges(shape, step.extra[0], num_shards)
-    if name == "shardload.split_segments" and param.funcs[0].func is builtin.split_segments:
-        return builtin.segment_ranges(shape, step.extra[0], step.extra[1:], num_shards)
-    return None
-
-
-@dataclass
-class _Cell:
-    value: Optional[torch.Tensor] = None
-    failed: bool = False
-    ready: bool = False
-    taken: int = 0
-
-
-class _SharedOutputs:
-    """Full outputs of opaque chains, computed once and shared by the workers of a process.
-
-    The first worker to reach a parameter computes it; the others wait for it. A cell is dropped
-    when all N workers have taken their piece, and a new one is opened only while fewer than
-    ``MAX_SHARED`` are alive. No deadlock: a worker holds no cell while it waits for a slot, and
-    only the worker furthest ahead ever opens one, so the workers behind it, who free the
-    slots, never wait on it.
-    """
-
-    def __init__(self, num_workers: int, abort: threading.Event):
-        self._n = num_workers
-        self._abort = abort
-        self._cond = threading.Condition()
-        self._cells: dict[str, _Cell] = {}
-
-    def take(self, param: ParamPlan, compute: Callable[[], torch.Tensor],
-             waiting: Optional[Callable[[], None]] = None) -> tuple[torch.Tensor, bool]:
-        """The full output for ``param`` and whether this call computed it. ``waiting()`` is
-        called while this worker waits on another (for the watchdog: a worker waiting on a
-        stuck one is not the one to blame)."""
-        waiting = waiting or (lambda: None)
-        with self._cond:
-            while True:
-                self._check_abort()
-                cell = self._cells.get(param.name)
-                if cell is not None or len(self._cells) < MAX_SHARED:
-                    break
-                waiting()
-                self._cond.wait(0.1)
-            owner = cell is None
-            if owner:
-                cell = self._cells[param.name] = _Cell()
-        if owner:
-            try:
-                cell.value = compute()
-            except BaseException:
-                cell.failed = True
-                raise
-            finally:
-                with self._cond:
-                    cell.ready = True
-                    self._cond.notify_all()
-            return cell.value, True
-        with self._cond:
-            while not cell.ready:
-                self._check_abort()
-                waiting()
-                self._cond.wait(0.1)
-        if cell.failed:
-            raise _Aborted()  # the owner reports the failure; this worker stops quietly
-        return cell.value, False
-
-    def release(self, param: ParamPlan) -> None:
-        with self._cond:
-            cell = self._cells.get(param.name)
-            if cell is None:
-                return
-            cell.taken += 1
-            if cell.taken == self._n:
-                del self._cells[param.name]
-                self._cond.notify_all()
-
-    def _check_abort(self) -> None:
-        if self._abort.is_set():
-            raise _Aborted()
-
-
-class _Aborted(ShardloadError):
-    """Another worker failed or the load was interrupted; this worker stops quietly."""
-
-
-def _place(tensor: torch.Tensor, device: torch.device, owned: bool) -> torch.Tensor:
-    """``tensor`` on ``device``, owning its memory; no copy when it already does."""
-    if tensor.device == device and owned and tensor.is_contiguous():
-        return tensor
-    if tensor.device == device:
-        return tensor.clone(memory_format=torch.contiguous_format)
-    return tensor.to(device, copy=True).contiguous()
-
-
-def _worker_piece(ckpt: Checkpoint, param: ParamPlan, i: int, n: int, device: torch.device,
-                  shared: _SharedOutputs, waiting: Optional[Callable[[], None]] = None
-                  ) -> tuple[torch.Tensor, int]:
-    """Worker i's piece of ``param`` on ``device``, and the checkpoint bytes it read."""
-    if param.replicated:
-        return _place(ckpt.read(param.name), device, owned=True), param.meta.nbytes
-    direct = direct_ranges(param, n)
-    if direct is not None:
-        axis, ranges = direct
-        piece = ckpt.read_ranges(param.name, axis, ranges[i])
-        nread = piece.numel() * piece.element_size()
-        if param.funcs[0].func is builtin.split_rebase:
-            piece = builtin.rebase(piece)
-        return _place(piece, device, owned=True), nread
-
-    def compute() -> torch.Tensor:
-        x = ckpt.read(param.name)
-        if device.type != "cpu":
-            x = x.to(device)
-        return run_steps(param, x)
-
-    try:
-        full, computed = shared.take(param, compute, waiting)
-        piece = _place(full[i], device, owned=False)
-    finally:
-        shared.release(param)
-    return piece, param.meta.nbytes if computed else 0
-
-
-# ---- the per-worker algorithm -------------------------------------------------------------------
-
-@dataclass
-class WorkerLoad:
-    """What one worker kept, and the checkpoint bytes it read to get there."""
-
-    shards: dict[str, torch.Tensor]
-    bytes_read: int
-    seconds: float
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.shards.values())
-
-
-def load_worker(ckpt: Checkpoint, plan: ValidatedPlan, rank: int, device: torch.device, *,
-                shared: Optional[_SharedOutputs] = None, abort: Any = None,
-                advance: Optional[ProgressCallback] = None,
-                done: Optional[Callable[[str], None]] = None,
-                on_param: Optional[Callable[[str], None]] = None) -> WorkerLoad:
-    """Worker ``rank``'s piece of every parameter, in storage order: the SPMD algorithm.
-
-    ``shared`` lets the workers of one process compute each opaque chain once; without it this
-    worker computes the chains it needs itself. ``abort`` (anything with ``is_set()``) is
-    checked between parameters. ``done(name)`` is called after each parameter; by default the
-    checkpoint may then release what it read for it. ``on_param(name)`` is called as each
-    parameter starts, and again while waiting on another worker's output: the progress a
-    session's watchdog watches (a timestamp, and the parameter a stuck worker is on).
-    """
-    done = done if done is not None else ckpt.release
-    abort = abort if abort is not None else threading.Event()
-    shared = shared if shared is not None else _SharedOutputs(1, abort)
-    start = time.perf_counter()
-    kept: dict[str, torch.Tensor] = {}
-    read = 0
-    for param in plan:
-        if abort.is_set():
-            raise _Aborted()
-        waiting = None
-        if on_param is not None:
-            on_param(param.name)
-            waiting = lambda name=param.name: on_param(name)  # noqa: E731
-        # a large tensor's copy reports progress too, so a slow read is not taken for a hang
-        with copy_progress(waiting) if waiting is not None else contextlib.nullcontext():
-            piece, nread = _worker_piece(ckpt, param, rank, plan.num_shards, device, shared,
-                                         waiting)
-        kept[param.name] = piece
-        read += nread
-        done(param.name)
-        if advance is not None:
-            advance(param.piece_nbytes)
-    return WorkerLoad(kept, read, time.perf_counter() - start)
-
-
-def load_in_threads(ckpt: Checkpoint, plan: ValidatedPlan, devices: list[torch.device],
-                    run_all: Callable[..., list], progress: Union[bool, ProgressCallback],
-                    beat: Optional[Callable[[int, str], None]] = None) -> list[WorkerLoad]:
-    """Every worker's load, the workers being threads of this process (``run_all(fn)`` runs
-    ``fn(i)`` on each); opaque chains computed once and shared. ``beat(i, name)`` records
-    worker ``i``'s progress for the session's watchdog."""
-    n = plan.num_shards
-    advance, close_bar = progress_callback(progress, plan.bytes_per_worker() * n)
-    abort = threading.Event()
-    shared = _SharedOutputs(n, abort)
-    finished: dict[str, int] = {}
-    lock = threading.Lock()
-
-    def done(name: str) -> None:
-        # the mapped pages of a tensor go back once the last of the N workers has its piece
-        with lock:
-            finished[name] = count = finished.get(name, 0) + 1
-        if count == n:
-            ckpt.release(name)
-
-    def work(i: int) -> Optional[WorkerLoad]:
-        try:
-            return load_worker(ckpt, plan, i, devices[i], shared=shared, abort=abort,
-                               advance=advance, done=done,
-                               on_param=None if beat is None else (lambda name: beat(i, name)))
-        except _Aborted:
-            return None  # another worker failed; it reports
-        except BaseException:
-            abort.set()
-            raise
-
-    try:
-        return run_all(work, context=f"while loading {ckpt.source}")
-    except BaseException:
-        abort.set()  # Ctrl-C or a stalled worker: the others stop at their next parameter
-        raise
-    finally:
-        close_bar()
-
-
-def stats_of(loads: list[WorkerLoad], seconds: float) -> LoadStats:
-    return LoadStats(seconds=seconds, num_shards=len(loads),
-                     bytes_per_worker=[w.nbytes for w in loads],
-                     tensors_per_worker=[len(w.shards) for w in loads],
-                     bytes_read_per_worker=[w.bytes_read for w in loads])
-
-
-# ---- the entry point ---------------------------------------------------------------------------
 
 def _bind(shard_info: Any, num_shards: int) -> Plan:
     if isinstance(shard_info, Plan):
@@ -407,10 +151,58 @@ def _check_devices(plan: list[ParamPlan], devices: list[torch.device],
     for param in plan:
         for step, func in zip(param.steps, param.funcs):
             if func.array == "cupy":
-                raise PlanError(f"{func.name} takes cupy arrays, which need CUDA devices, but "
-                                f"this session's workers are on {', '.join(map(str, devices))}; "
-                                "load with --device cuda", source=source, param=param.name,
-                                step=step.index)
+                raise mention(PlanError(
+                    f"{func.name} takes cupy arrays, which need CUDA devices, but this "
+                    f"session's workers are on {', '.join(map(str, devices))}; load with "
+                    f"{DEVICE_CUDA.python}", source=source, param=param.name,
+                    step=step.index), DEVICE_CUDA)
+
+
+def _plugin_modules(validated: ValidatedPlan, remote: bool) -> list[str]:
+    """The modules a worker process imports to have every function it will run: those of the
+    custom functions in chains and fixups (functions read by ``ranges`` alone run nowhere). A
+    function it cannot import (defined in ``__main__`` or in a function) is refused here."""
+    modules: dict[str, None] = {}
+    for param in validated:
+        computed = param.steps and (len(param.steps) > 1 or param.funcs[0].ranges is None)
+        for step, func in zip(param.steps, param.funcs):
+            if not (computed or func.fixup is not None):
+                continue
+            module = importable_module(func.func)
+            if module is None and remote:
+                origin = (getattr(func.func, "__module__", "?") + "."
+                          + getattr(func.func, "__qualname__", "?"))
+                raise mention(PlanError(
+                    f"function {func.name!r} ({origin}) is registered in this process only, so "
+                    "worker processes cannot run it: define it at module level in an importable "
+                    f"module and pass that module as a plugin ({PLUGINS.python})",
+                    source=validated.plan.source, param=param.name, step=step.index), PLUGINS)
+            if module is not None:
+                modules[module] = None
+    return list(modules)
+
+
+@contextlib.contextmanager
+def _readable_elsewhere(ckpt: Checkpoint, remote: bool):
+    """``ckpt``, or, when workers in other processes must read an in-memory checkpoint, the
+    same tensors written to a temporary safetensors file (in RAM where there is /dev/shm) and
+    opened from there; the file is removed afterwards."""
+    if not remote or all("file" in src for src in ckpt.sources()):
+        yield ckpt
+        return
+    from safetensors.torch import save_file
+
+    from .readers import open_checkpoint
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    folder = tempfile.mkdtemp(prefix="shardload-", dir=base)
+    try:
+        file = os.path.join(folder, "params.safetensors")
+        save_file({name: ckpt.read(name) for name in ckpt.names()}, file)
+        with open_checkpoint(file) as spilled:
+            yield spilled
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def progress_callback(progress: Union[bool, ProgressCallback], total: int):
@@ -432,6 +224,33 @@ def progress_callback(progress: Union[bool, ProgressCallback], total: int):
     return advance, bar.close
 
 
+#: loads whose results were dropped, per session: their pieces are released in the workers
+#: at the session's next load (never from a finalizer: that could interleave with a request)
+_dropped: "weakref.WeakKeyDictionary[Session, list[str]]" = weakref.WeakKeyDictionary()
+
+
+def _release_dropped(session: Session) -> None:
+    dropped = _dropped.get(session)
+    if dropped and not session.spmd:
+        tokens, dropped[:] = list(dropped), []
+        session.call(RELEASE_LOADS, tokens)
+
+
+def _fetcher(session: Session, token: str, local: dict[int, dict[str, torch.Tensor]]):
+    def fetch(name: str, worker: int) -> torch.Tensor:
+        pieces = local.get(worker)
+        if pieces is not None:
+            return pieces[name]
+        if session.spmd:
+            raise ShardloadError(f"this process holds only the shards of worker(s) "
+                                 f"{sorted(local)}; worker {worker}'s are in its own process")
+        return session.run(FETCH_PIECE, [(token, name)], workers=[worker],
+                           context=f"while fetching {name!r}")[0]
+    return fetch
+
+
+# ---- the entry point ---------------------------------------------------------------------------
+
 def load_sharded(params: Any, shard_info: Any, session: Session, *,
                  progress: Union[bool, ProgressCallback] = True,
                  timeout: Optional[float] = None) -> ShardedParams:
@@ -439,24 +258,54 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
 
     ``params``: a ``Checkpoint`` (``open_checkpoint(path)``), a path, or a mapping of name ->
     numpy/torch array. ``shard_info``: a ``ShardInfo``, a path to ``shard_info.json``, a dict, a
-    ``Plan`` bound to the session's N, or ``None`` (replicate everything). ``progress``: a tqdm
+    ``Plan`` bound to the session's N, a ``ValidatedPlan`` (validated against these tensors:
+    not validated again), or ``None`` (replicate everything). ``progress``: a tqdm
     bar over bytes (``True``), none (``False``), or a callback given each kept piece's bytes.
     ``timeout``: the watchdog for this load (default: the session's ``timeout``): a worker
     without progress for that many seconds fails the load with ``WorkerError`` naming it and
     the parameter it was on; the other workers are stopped and the session closed.
 
-    1. Open the checkpoint: headers only.
-    2. Bind the plan to the session's N and validate it against the checkpoint's metadata; a
-       plan that does not fit fails here, before a byte of tensor data is read.
-    3. The session runs the per-worker algorithm (``load_worker``) on each of its workers.
+    The steps are in the module docstring.
 
     >>> with ThreadedSession(num_workers=4) as sess:                            # doctest: +SKIP
     ...     sharded = load_sharded(open_checkpoint("ckpt/"), "ckpt/shard_info.json", sess)
     ...     sharded.shard("model.layers.0.mlp.down_proj.qweight", 3)
     """
-    timeout = check_timeout(timeout)
-    with session.collective("loading"):
-        ckpt = as_checkpoint(params)
-        validated = _bind(shard_info, session.num_workers).validate(ckpt.metadata())
-        _check_devices(list(validated), session.devices, validated.plan.source)
-        return session._load(ckpt, validated, progress, timeout)
+    timeout = session.timeout if timeout is None else check_timeout(timeout)
+    n = session.num_workers
+    here = session.local_workers
+    remote = len(here) < n and not session.spmd  # some workers run in other processes
+    ranks = here if session.spmd else range(n)
+    with contextlib.ExitStack() as stack:
+        with session.collective("preparing the load"):
+            ckpt = as_checkpoint(params)                                            # 1.
+            validated = _validated(shard_info, n, ckpt)                              # 2.
+            _check_devices(list(validated), session.devices, validated.plan.source)
+            modules = _plugin_modules(validated, remote)                            # 3.
+            source = stack.enter_context(_readable_elsewhere(ckpt, remote))
+            plans: dict[int, ReadPlan] = {i: read_plan_for(validated, source, i) for i in ranks}
+            _release_dropped(session)
+        token, local = stack.enter_context(local_load(source, len(here)))
+        total = validated.bytes_per_worker() * (len(here) if session.spmd else n)
+        advance, close_bar = progress_callback(
+            progress if not session.spmd or session.local_workers == [0] else False, total)
+        stack.callback(close_bar)
+        start = time.perf_counter()
+        replies = session.run(                                                      # 4.
+            LOAD_PIECES, lambda i: [{"load": token, "plan": plans[i].to_json(),
+                                     "modules": modules}],
+            context=f"while loading {ckpt.source}", timeout=timeout, on_progress=advance)
+        seconds = time.perf_counter() - start
+        if session.spmd:  # each rank timed its own load; the load took the slowest's time
+            seconds = max(r["seconds"] for r in replies)
+        stats = LoadStats(seconds=seconds, num_shards=n,                            # 5.
+                          bytes_per_worker=[r["bytes"] for r in replies],
+                          tensors_per_worker=[r["tensors"] for r in replies],
+                          bytes_read_per_worker=[r["bytes_read"] for r in replies])
+        pieces = dict(local.shards)
+    result = ShardedParams([p.name for p in validated], list(session.devices), stats,  # 6.
+                           validated, _fetcher(session, token, pieces))
+    if remote:
+        # the workers keep this load's pieces for as long as its result is referenced
+        weakref.finalize(result, _dropped.setdefault(session, []).append, token)
+    return result

@@ -12,26 +12,35 @@ cupy arrays, both zero-copy views through DLPack.
 A ``shape_rule(in_shape, in_dtype, *extra_args, num_shards=N) -> (out_shape, out_dtype)`` lets
 plans be checked before any data is read; it raises ``ValueError`` with a reason when the
 arguments do not fit the input.
+
+A ``ranges(in_shape, in_dtype, *extra_args, num_shards=N, index=i) -> Selection`` rule says
+which elements of the input worker ``i``'s piece consists of, so that worker reads only those
+bytes instead of the loader building the whole output. It must agree with the function: the
+piece is ``func``'s ``output[i]``, after the optional ``fixup(piece, *extra_args,
+num_shards=N, index=i)``, which edits the piece in place (``split_rebase`` rebases indices).
+A function without one is computed whole and sliced.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .errors import UnknownShardFunctionError
+from .modules import import_modules
+from .selection import Selection
 
-__all__ = ["ShardFunc", "SessionFunc", "register_shard_func", "get_shard_func",
-           "list_shard_funcs", "register_session_func", "get_session_func", "load_plugins",
-           "ENTRY_POINT_GROUP", "importable_module"]
+__all__ = ["ShardFunc", "Selection", "register_shard_func", "get_shard_func",
+           "list_shard_funcs", "unregister_shard_func", "load_plugins", "ENTRY_POINT_GROUP"]
 
 ENTRY_POINT_GROUP = "shardload.shard_functions"
 ARRAY_KINDS = ("torch", "numpy", "cupy")
 
 ShapeRule = Callable[..., tuple[Sequence[int], str]]
+RangesRule = Callable[..., Selection]
+Fixup = Callable[..., None]
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,10 @@ class ShardFunc:
     func: Callable[..., Any]
     array: str = "torch"
     shape_rule: Optional[ShapeRule] = None
+    #: which input elements worker i's piece is (see the module docstring), or None
+    ranges: Optional[RangesRule] = None
+    #: the in-place edit a piece read by ``ranges`` still needs, or None
+    fixup: Optional[Fixup] = None
     #: number of extra args, or (minimum, None) for a variadic function
     nargs: tuple[int, Optional[int]] = (0, 0)
     module: str = ""
@@ -61,32 +74,9 @@ class ShardFunc:
         return f"at least {lo}" if hi is None else str(lo)
 
 
-@dataclass(frozen=True)
-class SessionFunc:
-    """A function workers run on request: ``func(ctx, *args)``, ``ctx`` a ``WorkerContext``."""
-
-    name: str
-    func: Callable[..., Any]
-    module: str = ""
-
-
 _lock = threading.RLock()
 _registry: dict[str, ShardFunc] = {}
-_session_registry: dict[str, SessionFunc] = {}
 _entry_points_loaded = False
-
-
-def importable_module(func: Callable[..., Any]) -> Optional[str]:
-    """The module a worker process can import to register ``func`` too, or ``None``.
-
-    Functions defined in ``__main__`` or inside another function cannot be re-created by
-    importing anything; their registration stays in the process that ran it.
-    """
-    module = getattr(func, "__module__", None)
-    qualname = getattr(func, "__qualname__", "")
-    if not module or module == "__main__" or "<locals>" in qualname:
-        return None
-    return module
 
 
 def _extra_arity(func: Callable[..., Any]) -> tuple[int, Optional[int]]:
@@ -121,10 +111,13 @@ def _add(table: dict, entry, kind: str, override: bool) -> None:
 
 def register_shard_func(name: str, func: Callable[..., Any] | None = None, *,
                         override: bool = False, array: str = "torch",
-                        shape_rule: ShapeRule | None = None):
+                        shape_rule: ShapeRule | None = None, ranges: RangesRule | None = None,
+                        fixup: Fixup | None = None):
     """Register ``func`` under ``name``; usable as a decorator or a plain call.
 
-    Registering a name twice raises ``ValueError`` unless ``override=True``.
+    Registering a name twice raises ``ValueError`` unless ``override=True``. ``shape_rule``,
+    ``ranges`` and ``fixup`` are described in the module docstring; a ``ranges`` rule needs a
+    ``shape_rule`` (the plan is checked with it before the rule is asked anything).
 
     >>> @register_shard_func("tests.disco.shard_dim_1", array="numpy")   # doctest: +SKIP
     ... def shard_dim_1(input, num_shards, output):
@@ -134,11 +127,17 @@ def register_shard_func(name: str, func: Callable[..., Any] | None = None, *,
         raise ValueError(f"shard function name must be a non-empty string, got {name!r}")
     if array not in ARRAY_KINDS:
         raise ValueError(f"array must be one of {ARRAY_KINDS}, got {array!r}")
+    if ranges is not None and shape_rule is None:
+        raise ValueError(f"shard function {name!r}: a ranges rule needs a shape_rule")
+    if fixup is not None and ranges is None:
+        raise ValueError(f"shard function {name!r}: a fixup applies to pieces read by a ranges "
+                         "rule; give one")
 
     def register(f: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(f):
             raise TypeError(f"shard function {name!r} must be callable, got {f!r}")
         _add(_registry, ShardFunc(name=name, func=f, array=array, shape_rule=shape_rule,
+                                  ranges=ranges, fixup=fixup,
                                   nargs=_extra_arity(f),
                                   module=getattr(f, "__module__", "") or ""),
              "shard function", override)
@@ -165,41 +164,6 @@ def list_shard_funcs() -> list[ShardFunc]:
         return [_registry[k] for k in sorted(_registry)]
 
 
-def register_session_func(name: str, func: Callable[..., Any] | None = None, *,
-                          override: bool = False):
-    """Register a function sessions can run on every worker with ``session.call(name, *args)``.
-
-    It is called as ``func(ctx, *args)`` on each worker, where ``ctx`` is that worker's
-    ``WorkerContext`` (``rank``, ``world_size``, ``device``, ``shards``, ``values``); args and
-    results are JSON values or torch tensors.
-
-    >>> @register_session_func("my_org.count_params")                 # doctest: +SKIP
-    ... def count_params(ctx):
-    ...     return sum(t.numel() for t in ctx.shards.values())
-    """
-    if not isinstance(name, str) or not name or name != name.strip():
-        raise ValueError(f"session function name must be a non-empty string, got {name!r}")
-
-    def register(f: Callable[..., Any]) -> Callable[..., Any]:
-        if not callable(f):
-            raise TypeError(f"session function {name!r} must be callable, got {f!r}")
-        _add(_session_registry, SessionFunc(name, f, getattr(f, "__module__", "") or ""),
-             "session function", override)
-        return f
-
-    return register if func is None else register(func)
-
-
-def get_session_func(name: str) -> SessionFunc:
-    """The registered ``SessionFunc``; ``UnknownShardFunctionError`` (a ``KeyError``) if none."""
-    _ensure_loaded()
-    with _lock:
-        entry = _session_registry.get(name)
-        if entry is None:
-            raise UnknownShardFunctionError(name, _session_registry, kind="session function")
-        return entry
-
-
 def unregister_shard_func(name: str) -> None:
     """Remove ``name`` (tests and interactive sessions)."""
     with _lock:
@@ -213,12 +177,7 @@ def load_plugins(modules: Iterable[str] = ()) -> None:
     exception at import, a duplicate registration), is an ``ImportError`` naming it.
     """
     _ensure_loaded()
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except Exception as exc:
-            what = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
-            raise ImportError(f"cannot import shard-function plugin {module!r}: {what}") from exc
+    import_modules(modules, "shard-function plugin")
 
 
 def _ensure_loaded() -> None:
@@ -230,7 +189,10 @@ def _ensure_loaded() -> None:
         if _entry_points_loaded:
             return
         _entry_points_loaded = True
-        from . import shard_functions  # noqa: F401  (registers the built-ins)
+        from .shard_functions.builtin import BUILTINS
+
+        for name, func, rules in BUILTINS:
+            register_shard_func(name, func, **rules)
 
         load_entry_points()
 

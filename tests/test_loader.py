@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import session_plugins  # noqa: F401  (registers the test shard functions, here and in workers)
+import helpers.session_plugins  # noqa: F401  (registers test shard functions, here and in workers)
 from shardload import (ArrayCheckpoint, PlanError, ProcessSession, ShardInfo, ThreadedSession,
                        WorkerError, load_sharded, register_shard_func)
-from shardload import loader
+from shardload import get_shard_func, pieces
 
 NS = [1, 2, 3, 4, 8]
 
@@ -51,7 +51,7 @@ def run(session_kind):
             with ThreadedSession(n) as sess:
                 return load_sharded(params, plan, sess, **kwargs)
         sess = _process_sessions.get(n)
-        if sess is None or sess._closed:
+        if sess is None or sess.closed:
             sess = _process_sessions[n] = ProcessSession(n)
         return load_sharded(params, plan, sess, **kwargs)
 
@@ -127,7 +127,9 @@ def test_direct_reads_equal_the_full_computation(run):
                                        [["num_shards", 2, "16 // num_shards + 8 // min(num_shards, 2)", 3],
                                         "int32"], 1, 16, 4, 8, -2]]}).bind(4)
     validated = plan.validate(ArrayCheckpoint({"x": x}).metadata())
-    full = loader.run_steps(validated.params["x"], x)
+    step = validated.params["x"].steps[0]
+    full = torch.empty(step.out_shape, dtype=torch.int32)
+    get_shard_func(step.func).func(x, *step.extra, full)  # the function itself, on the whole
     result = run({"x": x}, plan, 4)
     for i in range(4):
         assert torch.equal(result.shard("x", i), full[i])
@@ -244,19 +246,19 @@ def test_staging_is_bounded_for_opaque_chains(monkeypatch):
     # Opaque chains share one full output per parameter; no more than MAX_SHARED at a time.
     live, peak = set(), [0]
 
-    original = loader._SharedOutputs.take
+    original = pieces.SharedOutputs.take
 
-    def take(self, param, compute, *rest):
+    def take(self, name, compute, *rest):
         with self._cond:
             live.update(self._cells)
             peak[0] = max(peak[0], len(self._cells))
-        return original(self, param, compute, *rest)
+        return original(self, name, compute, *rest)
 
-    monkeypatch.setattr(loader._SharedOutputs, "take", take)
+    monkeypatch.setattr(pieces.SharedOutputs, "take", take)
     params = {f"p{k}": np.full((8, 4), k, np.float32) for k in range(20)}
     plan = {name: [["tests.loader.opaque", [[4, 2, 4], "float32"]]] for name in params}
     result = load(params, plan, 4)
-    assert peak[0] <= loader.MAX_SHARED
+    assert peak[0] <= pieces.MAX_SHARED
     for k in range(20):
         assert torch.equal(result.shard(f"p{k}", 3), torch.full((2, 4), float(k)))
 

@@ -6,10 +6,10 @@ fields; and, above all, no worker process outlives its session, however the sess
 (``close``, ``with``, an exception, a crashed worker, interpreter exit, the controller killed,
 Ctrl-C in the CLI).
 
-Shard and session functions the workers run live in ``process_plugins.py`` (workers can only
-run functions they can import). Starting a session costs about two seconds (each worker imports
-torch), so the tests that leave the session usable share one module-scoped session, and the
-ones that end a session start their own. Every process a test starts is killed by pid in a
+Shard and session functions the workers run live in ``helpers/process_plugins.py`` (workers can
+only run functions they can import). Starting a session costs about two seconds (each worker
+imports torch), so the tests that leave the session usable share one module-scoped session, and
+the ones that end a session start their own. Every process a test starts is killed by pid in a
 ``finally`` if it is still there.
 
 The process checks read ``/proc``, so the module runs on Linux only.
@@ -33,22 +33,21 @@ import torch
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-import process_plugins
-from conftest import default_sigint
-from shardload import load_sharded
+from conftest import default_sigint, subprocess_env
+from helpers import process_plugins
+from shardload import load_sharded, register_session_func
 from shardload.cli import cli
-from shardload.errors import (PlanError, UnknownShardFunctionError, WorkerCrashedError,
-                              WorkerError)
-from shardload import registry
-from shardload.registry import register_session_func, register_shard_func
+from shardload.errors import (PlanError, ShardloadError, UnknownSessionFunctionError,
+                              WorkerCrashedError, WorkerError)
+from shardload.registry import register_shard_func
 from shardload.sessions import ProcessSession
 from shardload.sessions import process as process_module
+from shardload.sessions.functions import unregister_session_func
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="checks worker processes through /proc")
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
+REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "tiny_llama_q4"
 WORKER_MODULE = "shardload.sessions.worker"
 
@@ -158,14 +157,6 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
                 break
             data += chunk
     return data.decode()
-
-
-def _subprocess_env(**extra: str) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(TESTS), str(REPO), env.get("PYTHONPATH")) if p)
-    env.update(extra)
-    return env
 
 
 # ---- data and plans ------------------------------------------------------------------------------
@@ -329,7 +320,7 @@ def test_get_value_of_unknown_name_is_worker_error(sess):
 
 
 def test_call_of_unregistered_name_is_unknown_function_error(sess):
-    with pytest.raises(UnknownShardFunctionError) as info:
+    with pytest.raises(UnknownSessionFunctionError) as info:
         sess.call("tests.process.no_such_function")
     err = info.value
     assert isinstance(err, KeyError)
@@ -391,7 +382,7 @@ def test_closure_shard_function_is_plan_error_before_loading(sess):
     _still_works(sess)
 
 
-def test_closure_session_function_is_plan_error(sess):
+def test_closure_session_function_is_refused_before_any_work(sess):
     name = "tests.process.closure_session"
 
     def closure(ctx):  # defined here: no worker process can import it
@@ -400,15 +391,14 @@ def test_closure_session_function_is_plan_error(sess):
     register_session_func(name, closure)
     try:
         start = time.monotonic()
-        with pytest.raises(PlanError) as info:
+        with pytest.raises(ShardloadError) as info:
             sess.call(name)
         assert time.monotonic() - start < 5
-        assert type(info.value) is PlanError
+        assert type(info.value) is ShardloadError  # not a WorkerError: no worker ran anything
         assert "registered in this process only" in str(info.value)
         assert repr(name) in str(info.value)
     finally:
-        with registry._lock:
-            registry._session_registry.pop(name, None)
+        unregister_session_func(name)
     assert sess.call("tests.process.rank") == [0, 1]
 
 
@@ -566,7 +556,7 @@ print(*session.pids, flush=True)
 
 def test_interpreter_exit_with_open_session_stops_workers(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", OPEN_AND_EXIT], cwd=tmp_path,
-                            env=_subprocess_env(), stdout=subprocess.PIPE,
+                            env=subprocess_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     pids = []
     try:
@@ -611,7 +601,7 @@ time.sleep(120)
 
 def test_workers_exit_when_controller_is_killed(tmp_path):
     wrapper = subprocess.Popen([sys.executable, "-c", SUBREAPER, OPEN_AND_SLEEP], cwd=tmp_path,
-                               env=_subprocess_env(), stdout=subprocess.PIPE,
+                               env=subprocess_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE)
     pids = []
     try:
@@ -647,8 +637,8 @@ def test_ctrl_c_in_cli_exits_130_and_stops_workers(tmp_path):
     started = tmp_path / "started"
     proc = subprocess.Popen(
         [sys.executable, "-m", "shardload", "load", "--session", "process", "--shards", "2",
-         "--plugin", "process_plugins", "--shard-info", str(plan), str(ckpt)],
-        cwd=tmp_path, env=_subprocess_env(**{process_plugins.STARTED_ENV: str(started)}),
+         "--plugin", process_plugins.__name__, "--shard-info", str(plan), str(ckpt)],
+        cwd=tmp_path, env=subprocess_env(**{process_plugins.STARTED_ENV: str(started)}),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=default_sigint)
     workers = []

@@ -119,6 +119,37 @@ class Checkpoint(abc.ABC):
             return parts[0]
         return torch.cat([dtypes.movable_view(p) for p in parts], dim=dim).view(parts[0].dtype)
 
+    # -- where the bytes are: what read plans are made of ---------------------------------------
+    # A read plan names a tensor's bytes as (source, begin, end). The default makes each tensor
+    # its own source, read whole; file-backed readers name their files instead, which another
+    # process can map (``readers.mapped.open_sources``).
+
+    def sources(self) -> list[dict]:
+        """The byte sources ``locate`` refers to, by index: ``{"file": path, "identity": [...]}``
+        for a file any process may map, ``{"tensor": name}`` for bytes held only here."""
+        return [{"tensor": name} for name in self.metadata()]
+
+    def locate(self, name: str) -> tuple[int, int, int]:
+        """``(source, begin, end)``: the tensor's bytes, in C order, within source ``source``."""
+        meta = self.meta(name)
+        index = self._source_index().get(name)
+        return index, 0, meta.nbytes
+
+    def source_bytes(self, index: int) -> torch.Tensor:
+        """Source ``index`` as a 1-D uint8 tensor (a view where it can be), checked to be what
+        was opened (a changed file is a ``FormatError``)."""
+        name = self.sources()[index]["tensor"]
+        return self.read(name).view(-1).view(torch.uint8)
+
+    def release_bytes(self, index: int, begin: int, end: int) -> None:
+        """A hint that bytes ``[begin, end)`` of source ``index`` are not needed here soon."""
+
+    def _source_index(self) -> dict[str, int]:
+        cached = getattr(self, "_source_indices", None)
+        if cached is None:
+            cached = self._source_indices = {n: k for k, n in enumerate(self.metadata())}
+        return cached
+
     def release(self, name: str) -> None:
         """A hint that this process will not read ``name`` again soon: readers backed by
         mapped files give its pages back (the loader calls it once every worker here has its

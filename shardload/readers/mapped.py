@@ -61,7 +61,7 @@ def unmap(m: Optional[mmap.mmap]) -> None:
         pass
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_blocks(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for two ``(outer, length, inner)`` byte views. Under
     ``base.copy_progress`` a copy over ``COPY_CHUNK_BYTES`` is made in pieces of about that
     size (whole rows of ``outer`` where they fit, else pieces of one row's ``length``), with
@@ -115,10 +115,11 @@ class MappedCheckpoint(Checkpoint):
         # holds a buffer export on the mmap, so mmap.close() refuses (BufferError) while any
         # view is alive; torch.frombuffer holds none, and closing under it would leave tensors
         # pointing at unmapped memory.
+        self._files_data: Optional[list[torch.Tensor]] = [
+            torch.from_numpy(np.frombuffer(m, dtype=np.uint8)) if m is not None
+            else torch.empty(0, dtype=torch.uint8) for m in self._maps]
         self._data: Optional[list[torch.Tensor]] = [
-            torch.from_numpy(np.frombuffer(m, dtype=np.uint8))[start:] if m is not None
-            else torch.empty(0, dtype=torch.uint8)
-            for m, start in zip(self._maps, self._data_starts)]
+            whole[start:] for whole, start in zip(self._files_data, self._data_starts)]
         self._meta: dict[str, TensorMeta] = {}
         self._where: dict[str, tuple[int, int, int]] = {}
         meta_of, where_of = self._meta, self._where
@@ -135,6 +136,44 @@ class MappedCheckpoint(Checkpoint):
         self.meta(name)
         i, begin, end = self._where[name]
         return self.files[i], self._data_starts[i] + begin, self._data_starts[i] + end
+
+    # -- byte sources: this checkpoint's files, for read plans
+
+    def sources(self) -> list[dict]:
+        return [{"file": path, "identity": None if ident is None else list(ident)}
+                for path, ident in self._idents]
+
+    def locate(self, name: str) -> tuple[int, int, int]:
+        self.meta(name)
+        i, begin, end = self._where[name]
+        return i, self._data_starts[i] + begin, self._data_starts[i] + end
+
+    def source_bytes(self, index: int) -> torch.Tensor:
+        """File ``index`` whole, as a uint8 view of its mapping, after checking that the file is
+        still the one that was mapped."""
+        with self._lock:
+            if self._files_data is None:
+                raise ValueError(f"{self.source}: checkpoint is closed; open it again to read it")
+            data = self._files_data[index]
+        self.check_unchanged(index)
+        return data
+
+    def release_bytes(self, index: int, begin: int, end: int) -> None:
+        """Give this process's mapping of the file's pages ``[begin, end)`` back (see
+        ``release``)."""
+        with self._lock:
+            m = self._maps[index] if index < len(self._maps) else None
+        if m is None or end <= begin or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        first = begin // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            m.madvise(mmap.MADV_DONTNEED, first, end - first)
+        except (OSError, ValueError):
+            pass  # closed meanwhile, or unsupported: only memory accounting suffers
+
+    def count_read(self, nbytes: int) -> None:
+        """Add ``nbytes`` to ``bytes_read`` (a read plan copied them out of a source)."""
+        self._count(nbytes)
 
     # -- reading
 
@@ -186,7 +225,7 @@ class MappedCheckpoint(Checkpoint):
         out = torch.empty(meta.shape, dtype=dtypes.to_torch(meta.dtype))
         if raw.numel():
             # Copy as bytes: offsets need not be aligned for the dtype.
-            _copy(out.view(-1).view(torch.uint8).view(1, -1, 1), raw.view(1, -1, 1))
+            copy_blocks(out.view(-1).view(torch.uint8).view(1, -1, 1), raw.view(1, -1, 1))
         self._count(raw.numel())
         return out
 
@@ -255,7 +294,7 @@ class MappedCheckpoint(Checkpoint):
         if nbytes:
             src = raw.view(outer, shape[dim], inner)[:, start:start + length]
             dst = out.view(-1).view(torch.uint8).view(outer, out.shape[dim], inner)
-            _copy(dst[:, offset:offset + length], src)
+            copy_blocks(dst[:, offset:offset + length], src)
         self._count(nbytes)
 
     def release(self, name: str) -> None:
@@ -263,21 +302,48 @@ class MappedCheckpoint(Checkpoint):
         any more. They stay in the page cache (a later read maps them again); without this
         every page ever read stays charged to the process's resident memory until close. The
         mapping is private and never written, so nothing is lost."""
-        i, begin, end = self._where[name]
-        with self._lock:
-            m = self._maps[i] if i < len(self._maps) else None
-        if m is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        first = (self._data_starts[i] + begin) // mmap.PAGESIZE * mmap.PAGESIZE
-        try:
-            m.madvise(mmap.MADV_DONTNEED, first, self._data_starts[i] + end - first)
-        except (OSError, ValueError):
-            pass  # closed meanwhile, or unsupported: only memory accounting suffers
+        self.release_bytes(*self.locate(name))
 
     def close(self) -> None:
         """Unmap the files. Idempotent; tensors already returned stay valid."""
         with self._lock:
-            self._data = None  # drop our views first: they hold buffer exports on the maps
+            # drop our views first: they hold buffer exports on the maps
+            self._data = self._files_data = None
             maps, self._maps = self._maps, []
         for m in maps:
             unmap(m)
+
+
+def open_sources(sources: list[dict], source: str = "<read plan>") -> MappedCheckpoint:
+    """Map the files a read plan names, in another process than the one that opened them.
+
+    Each must still be the file the controller opened: the same device, inode, size and
+    modification time (``identity``); a file changed since is a ``FormatError``, before any byte
+    is read. The result serves ``source_bytes`` / ``release_bytes``; it holds no tensors.
+    """
+    from ..files import open_regular
+
+    files, maps, stats = [], [], []
+    try:
+        for spec in sources:
+            path = spec.get("file")
+            if not isinstance(path, str):
+                raise ValueError("a worker process can only read sources that are files; this "
+                                 f"one is {spec!r} (the loader writes in-memory tensors to a "
+                                 "file first)")
+            f, st = open_regular(path, "the checkpoint file")
+            with f:
+                want = spec.get("identity")
+                if want is not None and list(identity(st)) != list(want):
+                    raise FormatError("the file changed between the controller opening it and "
+                                      "this worker mapping it; do not modify a checkpoint while "
+                                      "it is loading", file=path)
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if st.st_size else None
+            files.append(path)
+            maps.append(m)
+            stats.append(st)
+    except BaseException:
+        for m in maps:
+            unmap(m)
+        raise
+    return MappedCheckpoint(source, files, maps, (), stats=stats)

@@ -60,3 +60,11 @@ class ArrayCheckpoint(Checkpoint):
         tensor = self._tensors[name].detach().to("cpu", copy=True).contiguous()
         self.bytes_read += self._meta[name].nbytes
         return tensor
+
+    def source_bytes(self, index: int) -> torch.Tensor:
+        """The stored tensor's own bytes (no copy when it is a contiguous CPU tensor)."""
+        name = self.sources()[index]["tensor"]
+        tensor = self._tensors[name].detach()
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            tensor = tensor.to("cpu").contiguous()
+        return tensor.reshape(-1).view(torch.uint8)

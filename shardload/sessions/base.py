@@ -1,4 +1,9 @@
-"""What every session offers the loader: N workers, each with a device, that run functions."""
+"""What every session offers: N workers, each with a device, that run session functions.
+
+A session hosts workers and moves messages; it knows nothing of plans, formats or loading. Its
+operations (``run``, ``call``, ``set_value``, ``get_value``, ``collective``) are the same for
+threads, worker processes and torchrun ranks; the loader drives every load through them.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,12 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ContextManager, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
 import torch
 
-from ..errors import quote
+from ..errors import DEVICE_CPU, ShardloadError, mention, quote
 from ..limits import MAX_NUM_SHARDS
-
-if TYPE_CHECKING:  # pragma: no cover  (the loader imports sessions, never the reverse)
-    from ..loader import ShardedParams
 
 DeviceSpec = Union[str, torch.device, Sequence[Union[str, torch.device]]]
 
@@ -50,8 +52,9 @@ def resolve_devices(device: DeviceSpec, num_workers: int) -> list[torch.device]:
             available = torch.cuda.device_count() if torch.cuda.is_available() else 0
             index = d.index if d.index is not None else 0
             if index >= available:
-                raise ValueError(f"device {d} asked for, but this machine has {available} CUDA "
-                                 "device(s); use --device cpu, or fewer workers, or a device list")
+                raise mention(ValueError(
+                    f"device {d} asked for, but this machine has {available} CUDA device(s); "
+                    f"use {DEVICE_CPU.python}, or fewer workers, or a device list"), DEVICE_CPU)
         elif d.type not in ("cpu", "meta") and not hasattr(torch, d.type):
             raise ValueError(f"unsupported device {d}")
     return devices
@@ -124,11 +127,23 @@ class Heartbeats:
         return f"no progress for {timeout:g} s{on} (the watchdog's timeout)"
 
 
+class Stopped(ShardloadError):
+    """Raised by a worker function that stops because ``ctx.should_stop()`` said so (another
+    worker failed, or the run was interrupted): the session reports the failure that caused it,
+    not this."""
+
+
+def _no_progress(nbytes: int = 0, where: Optional[str] = None) -> None:
+    pass
+
+
 @dataclass
 class WorkerContext:
     """What a worker holds: its place in the session, its shards and the values set on it.
 
-    Session functions (``register_session_func``) receive it as their first argument.
+    Session functions (``register_session_func``) receive it as their first argument. While
+    one runs, ``progress`` tells the session it is alive (for the watchdog and progress bars)
+    and ``should_stop`` whether it should give up (another worker failed).
     """
 
     rank: int
@@ -136,26 +151,91 @@ class WorkerContext:
     device: torch.device
     shards: dict[str, torch.Tensor] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
+    _progress: Callable[[int, Optional[str]], None] = field(default=_no_progress, repr=False)
+    _stop: Callable[[], bool] = field(default=lambda: False, repr=False)
+
+    def progress(self, nbytes: int = 0, where: Optional[str] = None) -> None:
+        """Report progress: ``nbytes`` more done (for a progress bar), now working on ``where``
+        (a parameter name, shown if this worker is later found stuck)."""
+        self._progress(nbytes, where)
+
+    def should_stop(self) -> bool:
+        """True once the session wants this worker to stop (raise ``Stopped``)."""
+        return self._stop()
+
+    @contextlib.contextmanager
+    def hooks(self, progress: Callable[[int, Optional[str]], None],
+              stop: Callable[[], bool]):
+        """For a session: route ``progress``/``should_stop`` while a function runs."""
+        self._progress, self._stop = progress, stop
+        try:
+            yield self
+        finally:
+            self._progress, self._stop = _no_progress, (lambda: False)
+
+
+#: per-worker arguments: one sequence of positional args per worker run (in the order of
+#: ``workers``), or a function of the worker's index giving them (called only for the workers
+#: that run here)
+WorkerArgs = Union[Sequence[Sequence[Any]], Callable[[int], Sequence[Any]]]
+ProgressCallback = Callable[[int], None]
+DEFAULT: Any = object()
+
+
+def args_for(args: WorkerArgs, workers: Sequence[int]) -> dict[int, list]:
+    """Each of ``workers``' positional args, by worker."""
+    if callable(args):
+        return {w: list(args(w)) for w in workers}
+    if len(args) != len(workers):
+        raise ValueError(f"{len(args)} sets of args for {len(workers)} workers; give one per "
+                         "worker run")
+    return {w: list(a) for w, a in zip(workers, args)}
 
 
 class Session(abc.ABC):
-    """N workers, worker i owning ``devices[i]``; the loader's way to run code on them.
+    """N workers, worker i owning ``devices[i]``, that run session functions.
 
-    Sessions decide *where* the per-worker algorithm runs (threads, processes, the ranks of a
-    torch.distributed job); the loader decides *what* it does.
+    Sessions decide *where* work runs (threads, processes, the ranks of a torch.distributed
+    job) and carry its messages; callers (the loader, an engine) decide *what* runs.
     """
 
     num_workers: int
     devices: list[torch.device]
     #: the watchdog: seconds a worker may go without progress before the session gives up on
-    #: it (``WorkerError`` naming it and its parameter; the session is then closed), or None
+    #: it (``WorkerError`` naming it and what it was on; the session is then closed), or None
     timeout: Optional[float] = None
 
+    @property
+    def local_workers(self) -> list[int]:
+        """The workers that run in this process, sharing its memory (threads: all; worker
+        processes: none; a torchrun rank: itself)."""
+        return []
+
+    @property
+    def spmd(self) -> bool:
+        """True when every worker runs the caller's program itself (torchrun): then ``run``
+        and ``collective`` are collectives every worker must enter, and a worker's memory is
+        reachable only from its own process."""
+        return False
+
     @abc.abstractmethod
-    def _load(self, ckpt, validated, progress,
-              timeout: Optional[float] = None) -> "ShardedParams":
-        """Run the per-worker load on every worker; called by ``load_sharded``. ``timeout``
-        (None: the session's own) is the watchdog's for this load."""
+    def run(self, func_name: str, args: WorkerArgs, *, workers: Optional[Sequence[int]] = None,
+            context: str = "", timeout: Optional[float] = DEFAULT,
+            on_progress: Optional[ProgressCallback] = None) -> list[Any]:
+        """Run the session function ``func_name(ctx, *args_i)`` on each worker ``i`` of
+        ``workers`` (default: all), with its own ``args_i``; the results in that order.
+
+        Args and results are JSON values or torch tensors. Failures become one
+        ``WorkerError`` once every worker stopped, listing each failed worker (index, exception
+        type, message, remote traceback), the earliest first; the others are asked to stop
+        (``ctx.should_stop()``). ``timeout`` (default: the session's) is the watchdog;
+        ``on_progress(nbytes)`` receives what the workers report with ``ctx.progress``.
+        """
+
+    def call(self, func_name: str, *args: Any) -> list[Any]:
+        """Run the session function ``func_name(ctx, *args)`` on every worker; results in
+        worker order. Args and results are JSON values or torch tensors."""
+        return self.run(func_name, lambda i: args, context=f"in {func_name}")
 
     def collective(self, what: str) -> ContextManager[None]:
         """A context in which a failure on any worker is reported on every worker.
@@ -166,11 +246,6 @@ class Session(abc.ABC):
         return contextlib.nullcontext()
 
     @abc.abstractmethod
-    def call(self, func_name: str, *args: Any) -> list[Any]:
-        """Run the session function ``func_name(ctx, *args)`` on every worker; results in
-        worker order. Args and results are JSON values or torch tensors."""
-
-    @abc.abstractmethod
     def set_value(self, worker: int, name: str, value: Any) -> None:
         """Store ``value`` (a JSON value or tensor) as ``ctx.values[name]`` on one worker."""
 
@@ -178,9 +253,25 @@ class Session(abc.ABC):
     def get_value(self, worker: int, name: str) -> Any:
         """A copy of ``ctx.values[name]`` from one worker."""
 
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran (or the session closed itself after a crash, Ctrl-C or
+        a timeout): it runs nothing more."""
+        return bool(getattr(self, "_closed", False))
+
     def _check_worker(self, worker: int) -> None:
         if type(worker) is not int or not 0 <= worker < self.num_workers:
             raise IndexError(f"worker {worker!r} out of range for {self.num_workers} workers")
+
+    def _workers(self, workers: Optional[Sequence[int]]) -> list[int]:
+        if workers is None:
+            return list(range(self.num_workers))
+        workers = list(workers)
+        for w in workers:
+            self._check_worker(w)
+        if len(set(workers)) != len(workers):
+            raise ValueError(f"workers {workers} name a worker twice")
+        return workers
 
     def close(self) -> None:
         """Stop the workers. Idempotent."""

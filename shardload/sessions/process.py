@@ -11,13 +11,15 @@ Lifecycle of a ``ProcessSession``:
    plugins, and the address of a ``TCPStore`` the controller hosts, the rendezvous of a
    torch.distributed group the workers join: gloo on CPU, NCCL on CUDA); wait for every
    ``ready``. A worker that dies while starting stops the others.
-2. **Work**: ``load_sharded``, ``call``, ``set_value``, ``get_value``, ``fetch``. Every request
+2. **Work**: ``run`` (a session function on each worker with its own args; ``load_sharded``
+   is one), ``call``, ``set_value``, ``get_value``. A session function a worker lacks is
+   registered there by importing the module the controller registered it from. Every request
    is answered by every worker it went to; a failure becomes ``WorkerError`` once all answered
-   (the others told to stop loading), a worker that dies becomes ``WorkerCrashedError`` and
-   stops the rest. With ``timeout=`` a watchdog watches each worker's progress messages (sent
-   while loading: bytes kept and the parameter it is on); a worker silent for that long, hung
-   or stopped (SIGSTOP), becomes ``WorkerError`` naming it and its parameter, and the session
-   is closed.
+   (the others told to stop), a worker that dies becomes ``WorkerCrashedError`` and stops the
+   rest. With ``timeout=`` a watchdog watches each worker's progress messages (sent while a
+   function runs and reports ``ctx.progress``: bytes done and what it is on); a worker silent
+   for that long, hung or stopped (SIGSTOP), becomes ``WorkerError`` naming it and what it was
+   on, and the session is closed.
 3. **Close** (``close()``, leaving ``with``, Ctrl-C, a crash or a timeout, interpreter exit via
    ``weakref.finalize``): ask each worker to exit, then SIGTERM (and SIGCONT, so a stopped
    worker acts on it), then SIGKILL. Workers ignore SIGINT (the controller decides) and exit on
@@ -28,12 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
@@ -41,17 +41,19 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from ..errors import (PlanError, ShardloadError, WorkerCrashedError, WorkerError,
-                      WorkerFailure)
+from ..errors import ShardloadError, WorkerCrashedError, WorkerError, WorkerFailure
 from . import protocol
-from .base import DeviceSpec, Heartbeats, Session, check_timeout, resolve_devices
+from .base import (DEFAULT, DeviceSpec, Heartbeats, ProgressCallback, Session, WorkerArgs,
+                   args_for, check_timeout, resolve_devices)
+from ..modules import import_modules, importable_module
+from .functions import get_session_func
 
 #: seconds a worker gets to exit after ``shutdown`` before it is terminated, then killed
 GRACE_S = 3.0
 #: seconds between the controller's checks for dead and stalled workers while it waits
 POLL_S = 0.1
 
-_DEFAULT: Any = object()
+_DEFAULT: Any = DEFAULT
 
 
 def _signal_name(returncode: Optional[int]) -> Optional[str]:
@@ -119,9 +121,8 @@ class ProcessSession(Session):
         self._conns: list[Connection] = []
         self._closed = False
         self._store = None
-        self._next_load = 0
-        self._released: list[int] = []  # loads whose results were garbage-collected
         self._grace = [GRACE_S]
+        self._known: set[str] = set()  # session functions the workers are known to have
         # The backstop: runs at garbage collection or interpreter exit if close() never did.
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._grace)
         try:
@@ -133,9 +134,7 @@ class ProcessSession(Session):
     # ---- 1. start --------------------------------------------------------------------------------
 
     def _start(self, plugins: list[str], distributed: bool, timeout: float) -> None:
-        from ..registry import load_plugins
-
-        load_plugins(plugins)  # fail here, clearly, rather than in N workers
+        import_modules(plugins)  # fail here, clearly, rather than in N workers
         dist = None
         if distributed:
             from torch.distributed import TCPStore
@@ -249,19 +248,16 @@ class ProcessSession(Session):
         raise WorkerCrashedError(i, exitcode=code, signal_name=_signal_name(code),
                                  context=context)
 
-    def _request(self, workers: Iterable[int], message: dict, context: str,
+    def _request(self, workers: Iterable[int], message, context: str,
                  tensor: Optional[torch.Tensor] = None, **kwargs):
+        """Send ``message`` (a dict, or ``message(i)`` giving worker i's) to each worker and
+        gather the replies."""
         self._check_open()
         workers = list(workers)
         try:
-            if self._released:
-                # sent here, between requests, never from the finalizer: a message sent during
-                # garbage collection could land between the frames of another
-                released, self._released[:] = list(self._released), []
-                for conn in self._conns:
-                    protocol.send(conn, {"op": "release", "loads": released})
             for i in workers:
-                protocol.send(self._conns[i], message, tensor)
+                protocol.send(self._conns[i], message(i) if callable(message) else message,
+                              tensor)
         except OSError:
             for i in workers:
                 if self._procs[i].poll() is not None:
@@ -269,99 +265,41 @@ class ProcessSession(Session):
             raise
         return self._gather(workers, context, **kwargs)
 
-    def _ensure_functions(self, shard_funcs: dict[str, Any], session_funcs: dict[str, Any],
-                          where: dict[str, dict]) -> None:
-        """Make the functions a request needs exist in the workers, or say why they can't.
+    def _ensure_function(self, name: str, func: Any) -> None:
+        """Make the session function ``name`` exist in the workers, or say why it can't.
 
         A function registered in the controller from an importable module is registered in the
         workers by importing that same module (code this process already ran); one defined in
         ``__main__`` or inside a function cannot be, and is reported before any work starts.
         """
-        from ..registry import importable_module
-
-        specs = {"shard": {n: importable_module(f) for n, f in shard_funcs.items()},
-                 "session": {n: importable_module(f) for n, f in session_funcs.items()}}
-        replies = self._request(range(self.num_workers), {"op": "ensure", **specs},
+        if name in self._known:
+            return
+        replies = self._request(range(self.num_workers),
+                                {"op": "ensure", "name": name, "module": importable_module(func)},
                                 "while registering functions")
-        missing = sorted({name for message, _ in replies.values()
-                          for name in message.get("missing", [])})
-        if missing:
-            name = missing[0]
-            func = shard_funcs.get(name) or session_funcs.get(name)
+        if any(message.get("missing") for message, _ in replies.values()):
             origin = getattr(func, "__module__", "?") + "." + getattr(func, "__qualname__", "?")
-            message = (f"function {name!r} ({origin}) is registered in this process only, so "
-                       "worker processes cannot run it: define it at module level in an "
-                       "importable module and pass that module as a plugin "
-                       "(plugins=[...], --plugin MODULE)")
-            raise PlanError(message, **where.get(name, {}))
+            raise ShardloadError(f"session function {name!r} ({origin}) is registered in this "
+                                 "process only, so worker processes cannot run it: define it "
+                                 "at module level in an importable module")
+        self._known.add(name)
 
     # ---- the Session API ------------------------------------------------------------------------
 
-    def _load(self, ckpt, validated, progress, timeout=None):
-        from ..loader import ShardedParams, WorkerLoad, progress_callback, stats_of
-
-        # custom shard functions must exist in the workers before they validate the plan
-        custom, where = {}, {}
-        for param in validated:
-            for step, func in zip(param.steps, param.funcs):
-                if not func.name.startswith("shardload."):
-                    custom[func.name] = func.func
-                    where.setdefault(func.name, {"source": validated.plan.source,
-                                                 "param": param.name, "step": step.index})
-        if custom:
-            self._ensure_functions(custom, {}, where)
-        plan = validated.plan.to_dict()
-        try:
-            protocol.to_jsonable(plan)  # refused here, clearly, rather than deep in a send
-        except (TypeError, ValueError) as exc:
-            raise PlanError(f"the plan cannot be sent to worker processes: {exc}",
-                            source=validated.plan.source) from None
-        watchdog = self.timeout if timeout is None else check_timeout(timeout)
-        load_id, self._next_load = self._next_load, self._next_load + 1
-        with _checkpoint_path(ckpt) as path:
-            advance, close_bar = progress_callback(progress,
-                                                   validated.bytes_per_worker() * self.num_workers)
-            start = time.perf_counter()
-            try:
-                replies = self._request(
-                    range(self.num_workers),
-                    {"op": "load", "load": load_id, "checkpoint": path,
-                     "plan": plan, "num_shards": self.num_workers},
-                    f"while loading {ckpt.source}", on_progress=advance, watchdog=watchdog)
-            finally:
-                close_bar()
-            seconds = time.perf_counter() - start
-        loads = []
-        for i in range(self.num_workers):
-            message = replies[i][0]
-            load = WorkerLoad({}, int(message["bytes_read"]), float(message["seconds"]))
-            loads.append((load, int(message["bytes"]), int(message["tensors"])))
-        stats = stats_of([w for w, _, _ in loads], seconds)
-        stats.bytes_per_worker = [b for _, b, _ in loads]
-        stats.tensors_per_worker = [t for _, _, t in loads]
-        names = [p.name for p in validated]
-        result = ShardedParams(names, list(self.devices), stats, validated,
-                               lambda name, i: self._fetch_shard(load_id, i, name))
-        # the workers keep this load's shards for as long as its result is referenced
-        weakref.finalize(result, self._released.append, load_id)
-        return result
-
-    def _fetch_shard(self, load_id: int, worker: int, name: str) -> torch.Tensor:
-        """A CPU copy of worker ``worker``'s shard ``name`` from load ``load_id``."""
-        self._check_worker(worker)
-        replies = self._request([worker], {"op": "fetch", "kind": "shard", "load": load_id,
-                                           "name": name}, f"while fetching {name!r}")
-        return replies[worker][1]
-
-    def call(self, func_name: str, *args: Any) -> list[Any]:
-        from ..registry import get_session_func
-
-        func = get_session_func(func_name)
-        self._ensure_functions({}, {func_name: func.func}, {})
-        replies = self._request(range(self.num_workers),
-                                {"op": "call", "func": func_name,
-                                 "args": protocol.to_jsonable(list(args))}, f"in {func_name}")
-        return [_result(*replies[i]) for i in range(self.num_workers)]
+    def run(self, func_name: str, args: WorkerArgs, *, workers: Optional[Sequence[int]] = None,
+            context: str = "", timeout: Optional[float] = _DEFAULT,
+            on_progress: Optional[ProgressCallback] = None) -> list[Any]:
+        self._check_open()
+        workers = self._workers(workers)
+        self._ensure_function(func_name, get_session_func(func_name).func)
+        # refused here, clearly, rather than deep in a send
+        per = {i: protocol.to_jsonable(a) for i, a in args_for(args, workers).items()}
+        watchdog = self.timeout if timeout is _DEFAULT else check_timeout(timeout)
+        replies = self._request(workers, lambda i: {"op": "run", "func": func_name,
+                                                    "args": per[i]},
+                                context or f"in {func_name}", on_progress=on_progress,
+                                watchdog=watchdog)
+        return [_result(*replies[i]) for i in workers]
 
     def set_value(self, worker: int, name: str, value: Any) -> None:
         self._check_worker(worker)
@@ -375,7 +313,7 @@ class ProcessSession(Session):
 
     def get_value(self, worker: int, name: str) -> Any:
         self._check_worker(worker)
-        replies = self._request([worker], {"op": "fetch", "kind": "value", "name": name},
+        replies = self._request([worker], {"op": "get", "name": name},
                                 f"while getting {name!r}")
         return _result(*replies[worker])
 
@@ -400,23 +338,3 @@ class ProcessSession(Session):
 
 def _result(message: dict, tensor: Optional[torch.Tensor]) -> Any:
     return tensor if tensor is not None else message.get("value")
-
-
-@contextlib.contextmanager
-def _checkpoint_path(ckpt):
-    """A path the workers can open: the checkpoint's own, or a temporary safetensors file
-    holding an in-memory checkpoint (removed afterwards)."""
-    path = getattr(ckpt, "path", None)
-    if path is not None:
-        yield path
-        return
-    from safetensors.torch import save_file
-
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None  # RAM, where there is one
-    folder = tempfile.mkdtemp(prefix="shardload-", dir=base)
-    try:
-        file = os.path.join(folder, "params.safetensors")
-        save_file({name: ckpt.read(name) for name in ckpt.names()}, file)
-        yield file
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)

@@ -20,13 +20,15 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..errors import WorkerError, WorkerFailure, describe
-from .base import (DeviceSpec, Heartbeats, Session, WorkerContext, check_timeout,
-                   resolve_devices)
+from ..errors import ShardloadError, WorkerError, WorkerFailure, describe
+from .base import (DEFAULT, DeviceSpec, Heartbeats, ProgressCallback, Session, Stopped,
+                   WorkerArgs, WorkerContext, args_for, check_timeout, resolve_devices)
+from .functions import get_session_func
+from .protocol import to_jsonable
 
 #: seconds between the caller's checks for results, Ctrl-C and stalled workers
 POLL_S = 0.05
@@ -35,7 +37,8 @@ CLOSE_WAIT_S = 5.0
 #: worker threads are named with this prefix (the CLI looks for abandoned ones at exit)
 THREAD_PREFIX = "shardload-worker-"
 
-_DEFAULT: Any = object()
+_DEFAULT: Any = DEFAULT
+_STOPPED: Any = object()  # a worker that stopped because another failed
 
 
 class _WorkerThread:
@@ -84,6 +87,13 @@ class ThreadedSession(Session):
     >>> with ThreadedSession(num_workers=2) as sess:
     ...     sess.run_all(lambda i: i * 10)
     [0, 10]
+    >>> from shardload import register_session_func
+    >>> @register_session_func("example.plus_rank")
+    ... def plus_rank(ctx, x):
+    ...     return x + ctx.rank
+    >>> with ThreadedSession(num_workers=2) as sess:             # per-worker args
+    ...     sess.run("example.plus_rank", [(10,), (20,)])
+    [10, 21]
     """
 
     def __init__(self, num_workers: int, device: DeviceSpec = "cpu", *,
@@ -107,25 +117,32 @@ class ThreadedSession(Session):
             raise
         weakref.finalize(self, _stop_threads, [w.jobs for w in self._threads])
 
+    @property
+    def local_workers(self) -> list[int]:
+        return list(range(self.num_workers))
+
     def beat(self, worker: int, where: Optional[str] = None) -> None:
-        """Worker ``worker`` made progress (the loader calls this per parameter)."""
+        """Worker ``worker`` made progress (while ``run_all`` waits: for the watchdog)."""
         beats = self._beats
         if beats is not None:
             beats.beat(worker, where)
 
     def run_all(self, fn: Callable[[int], Any], *, context: str = "",
-                timeout: Optional[float] = _DEFAULT) -> list[Any]:
-        """Run ``fn(i)`` on every worker thread; ``WorkerError`` naming each failed worker,
-        the earliest failure first, once all have stopped.
+                timeout: Optional[float] = _DEFAULT,
+                workers: Optional[Sequence[int]] = None) -> list[Any]:
+        """Run ``fn(i)`` on the thread of every worker ``i`` of ``workers`` (default: all);
+        ``WorkerError`` naming each failed worker, the earliest failure first, once all have
+        stopped.
 
         A worker silent for ``timeout`` seconds (default: the session's), or Ctrl-C, ends the
         wait at once: the session is closed and busy threads are left to stop on their own.
         """
         if self._closed:
             raise RuntimeError("this session is closed")
+        workers = self._workers(workers)
         timeout = self.timeout if timeout is _DEFAULT else check_timeout(timeout)
         results: "queue.SimpleQueue[tuple[int, bool, Any]]" = queue.SimpleQueue()
-        beats = self._beats = Heartbeats(self.num_workers)
+        beats = self._beats = Heartbeats(self.num_workers, workers)
 
         def on_worker(i: int) -> None:
             try:
@@ -139,9 +156,9 @@ class ThreadedSession(Session):
         outcomes: dict[int, tuple[bool, Any]] = {}
         try:
             # queued inside the try: a Ctrl-C between two puts still closes the session
-            for i, worker in enumerate(self._threads):
-                worker.jobs.put(lambda i=i: on_worker(i))
-            while len(outcomes) < self.num_workers:
+            for i in workers:
+                self._threads[i].jobs.put(lambda i=i: on_worker(i))
+            while len(outcomes) < len(workers):
                 try:
                     i, ok, value = results.get(timeout=POLL_S)
                 except queue.Empty:
@@ -162,7 +179,46 @@ class ThreadedSession(Session):
         failed = sorted((v for ok, v in outcomes.values() if not ok), key=lambda f: f[0])
         if failed:
             raise WorkerError([f[1] for f in failed], context) from failed[0][2]
-        return [outcomes[i][1] for i in range(self.num_workers)]
+        return [outcomes[i][1] for i in workers]
+
+    def run(self, func_name: str, args: WorkerArgs, *, workers: Optional[Sequence[int]] = None,
+            context: str = "", timeout: Optional[float] = _DEFAULT,
+            on_progress: Optional[ProgressCallback] = None) -> list[Any]:
+        func = get_session_func(func_name).func
+        workers = self._workers(workers)
+        # the same args and results a ProcessSession can carry, so code moves between them
+        per = {i: to_jsonable(a) for i, a in args_for(args, workers).items()}
+        stop = threading.Event()
+
+        def progress(i: int, nbytes: int, where: Optional[str]) -> None:
+            self.beat(i, where)
+            if nbytes and on_progress is not None:
+                on_progress(nbytes)
+
+        def on_worker(i: int) -> Any:
+            ctx = self._contexts[i]
+            with ctx.hooks(lambda n, w: progress(i, n, w), stop.is_set):
+                try:
+                    result = func(ctx, *per[i])
+                except Stopped:
+                    if stop.is_set():
+                        return _STOPPED  # another worker failed; it reports
+                    raise
+                except BaseException:
+                    stop.set()
+                    raise
+            return result if isinstance(result, torch.Tensor) else to_jsonable(result)
+
+        try:
+            results = self.run_all(on_worker, context=context or f"in {func_name}",
+                                   timeout=timeout, workers=workers)
+        except BaseException:
+            stop.set()  # Ctrl-C or a stalled worker: the others stop at their next check
+            raise
+        if any(r is _STOPPED for r in results):  # cannot happen without a failure reported
+            raise ShardloadError(f"a worker stopped {context or f'in {func_name}'} without a "
+                                 "failure to report")
+        return results
 
     def _stalled(self, stalled: list[int], beats: Heartbeats, timeout: float,
                  context: str, outcomes: dict) -> WorkerError:
@@ -180,41 +236,11 @@ class ThreadedSession(Session):
                 f"Stack of worker {i}'s thread:\n{stack}"))
         return WorkerError(failures, context)
 
-    def _load(self, ckpt, validated, progress, timeout=None):
-        from ..loader import ShardedParams, load_in_threads, stats_of
-
-        timeout = self.timeout if timeout is None else check_timeout(timeout)
-        start = time.perf_counter()
-        loads = load_in_threads(ckpt, validated, self.devices,
-                                lambda fn, **kw: self.run_all(fn, timeout=timeout, **kw),
-                                progress, beat=self.beat)
-        stats = stats_of(loads, time.perf_counter() - start)
-        for ctx, load in zip(self._contexts, loads):
-            ctx.shards = load.shards  # the latest load is the workers' model
-        names = [p.name for p in validated]
-        return ShardedParams(names, list(self.devices), stats, validated,
-                             lambda name, i: loads[i].shards[name])
-
-    def call(self, func_name: str, *args: Any) -> list[Any]:
-        from ..registry import get_session_func
-        from .protocol import to_jsonable
-
-        func = get_session_func(func_name).func
-        to_jsonable(list(args))  # the same args and results a ProcessSession can carry
-
-        def on_worker(i: int) -> Any:
-            result = func(self._contexts[i], *args)
-            return result if isinstance(result, torch.Tensor) else to_jsonable(result)
-
-        return self.run_all(on_worker, context=f"in {func_name}")
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this session is closed")
 
     def set_value(self, worker: int, name: str, value: Any) -> None:
-        from .protocol import to_jsonable
-
         self._check_open()
         self._check_worker(worker)
         if not isinstance(value, torch.Tensor):

@@ -14,16 +14,16 @@ import json
 import os
 import sys
 import threading
-import time
 import traceback
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
 from .. import strict_json
-from ..errors import (ShardloadError, WorkerError, WorkerFailure,
-                      describe)
-from .base import Heartbeats, Session, WorkerContext, check_timeout
+from ..errors import ShardloadError, WorkerError, WorkerFailure, describe
+from .base import (DEFAULT, Heartbeats, ProgressCallback, Session, WorkerArgs, WorkerContext,
+                   args_for, check_timeout)
+from .functions import get_session_func
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -38,13 +38,14 @@ def missing_env() -> list[str]:
     return [k for k in _ENV if k not in os.environ]
 
 
-def _watch(beats: Heartbeats, timeout: float, rank: int, stop: threading.Event) -> None:
-    """The watchdog of one rank: its main thread runs the shard functions, so nothing can
-    interrupt a stuck one; the rank says why on stderr and ends, and torchrun stops the job."""
+def _watch(beats: Heartbeats, timeout: float, rank: int, stop: threading.Event,
+           context: str) -> None:
+    """The watchdog of one rank: its main thread runs the work, so nothing can interrupt a
+    stuck one; the rank says why on stderr and ends, and torchrun stops the job."""
     while not stop.wait(min(timeout / 4, 0.5)):
         if beats.stalled(timeout):
             with contextlib.suppress(OSError, ValueError):
-                sys.stderr.write(f"shardload: rank {rank} failed while loading: TimeoutError: "
+                sys.stderr.write(f"shardload: rank {rank} failed {context}: TimeoutError: "
                                  f"{beats.describe(0, timeout)}; ending this rank (exit 1)\n")
                 sys.stderr.flush()
             os._exit(1)
@@ -99,7 +100,6 @@ class TorchDistributedSession(Session):
         self._comm_device = (self.device if dist.get_backend() == "nccl"
                              else torch.device("cpu"))
         self._ctx = WorkerContext(self.rank, self.num_workers, self.device)
-        self._pending: Optional[Any] = None
         self._closed = False
         self.devices = [torch.device(d) for d in self._all_gather(str(self.device))]
 
@@ -121,6 +121,23 @@ class TorchDistributedSession(Session):
         return [strict_json.loads(bytes(b[:int(s.item())].cpu().numpy()))
                 for b, s in zip(bufs, sizes)]
 
+    def _outcome(self, status: dict, local: Optional[BaseException], what: str) -> list[dict]:
+        """Exchange every rank's status; raise this rank's own error, or ``WorkerError`` naming
+        the ranks that failed; else every rank's status."""
+        statuses = self._all_gather(status)
+        failures = [WorkerFailure(r, s["exc_type"], s["message"], s["traceback"])
+                    for r, s in enumerate(statuses) if not s["ok"]]
+        if local is not None:
+            raise local
+        if failures:
+            raise WorkerError(failures, what)
+        return statuses
+
+    @staticmethod
+    def _failed(exc: BaseException) -> dict:
+        return {"ok": False, "exc_type": type(exc).__name__, "message": describe(exc),
+                "traceback": traceback.format_exc()}
+
     @contextlib.contextmanager
     def collective(self, what: str) -> Iterator[None]:
         """Run the body on every rank, then exchange outcomes: if any rank failed, every rank
@@ -131,73 +148,62 @@ class TorchDistributedSession(Session):
         try:
             yield
         except BaseException as exc:
-            local = exc
-            status = {"ok": False, "exc_type": type(exc).__name__, "message": describe(exc),
-                      "traceback": traceback.format_exc()}
-        if self._pending is not None and status["ok"]:
-            status["load"] = self._pending[1]
-        statuses = self._all_gather(status)
-        result, self._pending = (self._pending or (None, None))[0], None
-        failures = [WorkerFailure(r, s["exc_type"], s["message"], s["traceback"])
-                    for r, s in enumerate(statuses) if not s["ok"]]
-        if local is not None:
-            raise local
-        if failures:
-            raise WorkerError(failures, what)
-        if result is not None:
-            loads = [s["load"] for s in statuses]
-            result.stats.bytes_per_worker = [w["bytes"] for w in loads]
-            result.stats.tensors_per_worker = [w["tensors"] for w in loads]
-            result.stats.bytes_read_per_worker = [w["bytes_read"] for w in loads]
-            result.stats.seconds = max(w["seconds"] for w in loads)
+            local, status = exc, self._failed(exc)
+        self._outcome(status, local, what)
 
     # ---- the Session API -------------------------------------------------------------------------
 
-    def _load(self, ckpt, validated, progress, timeout=None):
-        from ..loader import ShardedParams, load_worker, progress_callback, stats_of
+    @property
+    def local_workers(self) -> list[int]:
+        return [self.rank]
 
-        timeout = self.timeout if timeout is None else check_timeout(timeout)
-        advance, close_bar = progress_callback(progress if self.rank == 0 else False,
-                                               validated.bytes_per_worker())
-        beats, stop = Heartbeats(1), threading.Event()
-        if timeout is not None:
-            threading.Thread(target=_watch, args=(beats, timeout, self.rank, stop),
-                             name="shardload-watchdog", daemon=True).start()
-        start = time.perf_counter()
-        try:
-            load = load_worker(ckpt, validated, self.rank, self.device, advance=advance,
-                               on_param=lambda name: beats.beat(0, name))
-        finally:
-            stop.set()
-            close_bar()
-        seconds = time.perf_counter() - start
-        self._ctx.shards.update(load.shards)
-        loads = [load] * self.num_workers  # placeholders until the ranks exchange statistics
-        result = ShardedParams([p.name for p in validated], list(self.devices),
-                               stats_of(loads, seconds), validated, self._fetch)
-        self._pending = (result, {"bytes": load.nbytes, "tensors": len(load.shards),
-                                  "bytes_read": load.bytes_read, "seconds": seconds})
-        return result
+    @property
+    def spmd(self) -> bool:
+        return True
 
-    def _fetch(self, name: str, worker: int) -> torch.Tensor:
-        if worker != self.rank:
-            raise ShardloadError(f"rank {self.rank} holds only its own shards; worker "
-                                 f"{worker}'s are in rank {worker}'s process")
-        return self._ctx.shards[name]
+    def run(self, func_name: str, args: WorkerArgs, *, workers: Optional[Sequence[int]] = None,
+            context: str = "", timeout: Optional[float] = DEFAULT,
+            on_progress: Optional[ProgressCallback] = None) -> list[Any]:
+        """Run the session function on this rank, the worker it is (every rank makes the same
+        call: SPMD); the results of the ranks in ``workers`` in that order. JSON results are
+        exchanged; a tensor result stays on its rank (the others see ``None`` in its place), as
+        moving tensors between ranks is the engine's business (its collectives). A failure on
+        any rank is raised on every rank."""
+        self._check_open()
+        workers = self._workers(workers)
+        context = context or f"in {func_name}"
+        timeout = self.timeout if timeout is DEFAULT else check_timeout(timeout)
+        status: dict[str, Any] = {"ok": True, "value": None}
+        local: Optional[BaseException] = None
+        value: Any = None
+        if self.rank in workers:
+            beats, stop = Heartbeats(1), threading.Event()
+            if timeout is not None:
+                threading.Thread(target=_watch, args=(beats, timeout, self.rank, stop, context),
+                                 name="shardload-watchdog", daemon=True).start()
 
-    def call(self, func_name: str, *args: Any) -> list[Any]:
-        """Run the session function on this rank (every rank runs its own call); the results of
-        all ranks in rank order. JSON results are exchanged; a tensor result stays on its rank
-        (the others see ``None`` in its place), as moving tensors between ranks is the
-        engine's business (its collectives)."""
-        from ..registry import get_session_func
+            def progress(nbytes: int, where: Optional[str]) -> None:
+                beats.beat(0, where)
+                if nbytes and on_progress is not None:
+                    on_progress(nbytes)
 
-        with self.collective(f"in {func_name}"):
-            value = get_session_func(func_name).func(self._ctx, *args)
-        local = isinstance(value, torch.Tensor)
-        results = self._all_gather(None if local else value)
-        results[self.rank] = value
-        return results
+            try:
+                with self._ctx.hooks(progress, lambda: False):
+                    mine = args_for(args if not callable(args) else
+                                    (lambda w: args(w)), [self.rank] if callable(args)
+                                    else workers)[self.rank]
+                    value = get_session_func(func_name).func(self._ctx, *mine)
+                if not isinstance(value, torch.Tensor):
+                    status["value"] = value
+            except BaseException as exc:
+                local, status = exc, self._failed(exc)
+            finally:
+                stop.set()
+        statuses = self._outcome(status, local, context)
+        results = [s.get("value") for s in statuses]
+        if self.rank in workers:
+            results[self.rank] = value
+        return [results[w] for w in workers]
 
     def set_value(self, worker: int, name: str, value: Any) -> None:
         self._check_worker(worker)

@@ -38,11 +38,6 @@ class Worker:
         self.conn = conn
         self.ctx = None
         self.dist = False
-        # each load's shards, by the controller's load id, until its result is released; the
-        # latest load is kept regardless: it is ctx.shards, the model session functions use
-        self.loads: dict[int, dict] = {}
-        self.latest: Optional[int] = None
-        self.latest_released = False
         self.exit_requested = False
 
     def serve(self) -> None:
@@ -60,13 +55,6 @@ class Worker:
             op = message.get("op")
             if op == "abort":
                 continue  # arrived after the load it meant to stop had finished
-            if op == "release":  # the controller dropped these results; no reply expected
-                for load_id in message.get("loads", []):
-                    if load_id == self.latest:
-                        self.latest_released = True  # freed when the next load replaces it
-                    else:
-                        self.loads.pop(load_id, None)
-                continue
             try:
                 handler = getattr(self, f"_op_{op}", None)
                 if handler is None:
@@ -83,7 +71,7 @@ class Worker:
                                           "traceback": traceback.format_exc()})
             if op == "shutdown":
                 return
-        # a shutdown that arrived during a load ends the worker once the load has stopped
+        # a shutdown that arrived during a run ends the worker once the run has stopped
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -92,14 +80,14 @@ class Worker:
         sys.path[:0] = [p for p in message["sys_path"] if p not in sys.path]
         import torch
 
-        from ..registry import load_plugins
         from .base import WorkerContext
+        from ..modules import import_modules
 
         device = torch.device(message["device"])
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.ctx = WorkerContext(message["rank"], message["world_size"], device)
-        load_plugins(message["plugins"])
+        import_modules(message["plugins"])
         dist = message.get("dist")
         if dist:
             import datetime
@@ -114,60 +102,46 @@ class Worker:
         return {"pid": os.getpid()}, None
 
     def _op_ensure(self, message: dict, _) -> tuple[dict, None]:
+        """Register the session function ``name`` by importing the module the controller
+        registered it from (code it already ran), unless it is known here already."""
         import importlib
 
-        from .. import registry
+        from .functions import get_session_func
 
-        missing = []
-        for kind, lookup in (("shard", registry.get_shard_func),
-                             ("session", registry.get_session_func)):
-            for name, module in message.get(kind, {}).items():
+        name, module = message["name"], message.get("module")
+        try:
+            get_session_func(name)
+            return {"missing": False}, None
+        except KeyError:
+            pass
+        if module:
+            importlib.import_module(module)
+        try:
+            get_session_func(name)
+        except KeyError:
+            return {"missing": True}, None
+        return {"missing": False}, None
+
+    def _op_run(self, message: dict, _) -> tuple[dict, Any]:
+        """Run a session function with this worker's args, reporting its progress and passing
+        on the controller's request to stop."""
+        from .base import Stopped
+        from .functions import get_session_func
+
+        func = get_session_func(message["func"]).func
+        poll = _AbortPoll(self.conn)
+        with _Progress(self.conn) as progress:
+            with self.ctx.hooks(progress.report, poll.is_set):
                 try:
-                    lookup(name)
-                    continue
-                except KeyError:
-                    pass
-                if module:  # the module the controller registered it from, already run there
-                    importlib.import_module(module)
-                try:
-                    lookup(name)
-                except KeyError:
-                    missing.append(name)
-        return {"missing": missing}, None
+                    result = func(self.ctx, *message.get("args", []))
+                except Stopped:
+                    if not poll.set:
+                        raise
+                    self.exit_requested = poll.shutdown
+                    raise _Aborted() from None
+        return _as_reply(result)
 
-    def _op_load(self, message: dict, _) -> tuple[dict, None]:
-        from ..loader import _Aborted as LoadAborted, load_worker
-        from ..plan import ShardInfo
-        from ..readers import open_checkpoint
-        from . import protocol
-
-        # progress for the watchdog before and after the steps that precede the first
-        # parameter (opening a large checkpoint, validating a large plan take a while)
-        protocol.send(self.conn, {"progress": 0})
-        with open_checkpoint(message["checkpoint"]) as ckpt:
-            protocol.send(self.conn, {"progress": 0})
-            plan = ShardInfo.from_dict(message["plan"]).bind(int(message["num_shards"]))
-            validated = plan.validate(ckpt.metadata())
-            protocol.send(self.conn, {"progress": 0})
-            poll = _AbortPoll(self.conn)
-            try:
-                with _Progress(self.conn) as progress:
-                    load = load_worker(ckpt, validated, self.ctx.rank, self.ctx.device,
-                                       abort=poll, advance=progress, on_param=progress.param)
-            except LoadAborted:
-                self.exit_requested = poll.shutdown
-                raise _Aborted() from None
-        if self.latest_released:
-            self.loads.pop(self.latest, None)
-        self.latest, self.latest_released = int(message["load"]), False
-        self.loads[self.latest] = load.shards
-        self.ctx.shards = load.shards
-        return {"bytes": load.nbytes, "tensors": len(load.shards),
-                "bytes_read": load.bytes_read, "seconds": load.seconds}, None
-
-    def _op_fetch(self, message: dict, _) -> tuple[dict, Any]:
-        if message["kind"] == "shard":
-            return _as_reply(self.loads[int(message["load"])][message["name"]])
+    def _op_get(self, message: dict, _) -> tuple[dict, Any]:
         return _as_reply(self.ctx.values[message["name"]])
 
     def _op_set(self, message: dict, tensor) -> tuple[dict, None]:
@@ -175,12 +149,6 @@ class Worker:
             tensor = tensor.to(self.ctx.device)
         self.ctx.values[message["name"]] = tensor if tensor is not None else message.get("value")
         return {}, None
-
-    def _op_call(self, message: dict, _) -> tuple[dict, Any]:
-        from ..registry import get_session_func
-
-        func = get_session_func(message["func"]).func
-        return _as_reply(func(self.ctx, *message.get("args", [])))
 
     def _op_shutdown(self, message: dict, _) -> tuple[dict, None]:
         if self.dist:
@@ -192,12 +160,13 @@ class Worker:
 
 
 class _Aborted(Exception):
-    """The controller asked this worker to stop loading (another worker failed)."""
+    """The controller asked this worker to stop (another worker failed)."""
 
 
 class _AbortPoll:
-    """``is_set()`` is True once the controller has sent ``abort`` or ``shutdown``; checked
-    between tensors. Nothing else can arrive during a load: the controller waits for it."""
+    """``is_set()`` is True once the controller has sent ``abort`` or ``shutdown``; what a
+    running function's ``ctx.should_stop()`` asks. Nothing else can arrive during a run: the
+    controller waits for it."""
 
     def __init__(self, conn: Connection):
         self.conn = conn
@@ -215,8 +184,8 @@ class _AbortPoll:
 
 
 class _Progress:
-    """What the controller's progress bar and watchdog see of a load: bytes kept and the
-    parameter being loaded, sent as ``{"progress": nbytes, "param": name}``.
+    """What the controller's progress bar and watchdog see of a run: bytes done and what the
+    worker is on (``ctx.progress``), sent as ``{"progress": nbytes, "param": where}``.
 
     A ticker thread sends them every PROGRESS_S, and only when they changed: a worker stuck
     inside one parameter has still said which one (the ticker runs while the main thread is
@@ -244,16 +213,14 @@ class _Progress:
         if exc[0] is None:
             self.flush()
 
-    def __call__(self, nbytes: int) -> None:
+    def report(self, nbytes: int = 0, where: Optional[str] = None) -> None:
+        """``ctx.progress``: ``nbytes`` more done, now on ``where``; the next tick tells the
+        controller's watchdog this worker is alive."""
         with self.lock:
             self.pending += nbytes
+            if where is not None:
+                self.current = where
             self.changed = True
-
-    def param(self, name: str) -> None:
-        """Progress on parameter ``name`` (a new one, a piece of a long read, a wait on another
-        worker): the next tick tells the controller's watchdog this worker is alive."""
-        with self.lock:
-            self.current, self.changed = name, True
 
     def _tick(self) -> None:
         while not self.stopped.wait(PROGRESS_S):

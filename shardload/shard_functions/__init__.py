@@ -1,3 +1,2 @@
-"""Built-in shard functions, registered under the ``shardload.`` namespace on import."""
-
-from . import builtin  # noqa: F401
+"""Built-in shard functions (``builtin.BUILTINS``), registered under ``shardload.`` by the
+registry the first time it is asked for a function."""

@@ -4,8 +4,10 @@ They only move elements, so they work in any tensor's own units: packed int32 wo
 group scales, raw GGUF blocks. Which units a tensor is split in is the planner's business; these
 functions just need sizes that divide.
 
-Every function has a shape rule (checked before data is read) and a ``worker_ranges`` twin that
-says which slices of the input worker ``i`` keeps, so a loader can read only those bytes.
+Every function has a shape rule (checked before data is read). Those whose pieces are slices of
+the input also have a ``ranges`` rule (which elements worker ``i`` keeps, so it reads only those
+bytes) and, where the piece needs it, a ``fixup``; ``BUILTINS`` lists them all, and the registry
+registers them. This module imports nothing of the registry: the registry imports it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from .. import dtypes
 from ..errors import quote
-from ..registry import register_shard_func
+from ..selection import Selection
 
 Shape = tuple[int, ...]
 # (start, length) ranges along the split dim that one worker keeps, concatenated in order
@@ -82,7 +84,6 @@ def _split_rule(in_shape: Shape, in_dtype: str, dim: int, *, num_shards: int):
     return _stack_shape(in_shape, axis, ranges[0][0][1], num_shards), in_dtype
 
 
-@register_shard_func("shardload.split", shape_rule=_split_rule)
 def split(input: torch.Tensor, dim: int, output: torch.Tensor) -> None:
     """Split evenly along ``dim``: worker i keeps the i-th of N equal slices."""
     _check_output(_split_rule, input, (dim,), output)
@@ -176,7 +177,6 @@ def _segments_rule(in_shape: Shape, in_dtype: str, dim: int, *segments: int, num
                         num_shards), in_dtype
 
 
-@register_shard_func("shardload.split_segments", shape_rule=_segments_rule)
 def split_segments(input: torch.Tensor, dim: int, *segments_and_output) -> None:
     """Split a fused tensor ([q, k, v], [gate, up]) segment by segment along ``dim``.
 
@@ -202,7 +202,6 @@ def _replicate_rule(in_shape: Shape, in_dtype: str, *, num_shards: int):
     return (_workers(num_shards), *in_shape), in_dtype
 
 
-@register_shard_func("shardload.replicate", shape_rule=_replicate_rule)
 def replicate(input: torch.Tensor, output: torch.Tensor) -> None:
     """Give every worker the whole tensor (stacked N times along a new axis 0)."""
     _check_output(_replicate_rule, input, (), output)
@@ -221,7 +220,6 @@ def _split_rebase_rule(in_shape: Shape, in_dtype: str, dim: int, *, num_shards: 
     return _split_rule(in_shape, in_dtype, dim, num_shards=num_shards)
 
 
-@register_shard_func("shardload.split_rebase", shape_rule=_split_rebase_rule)
 def split_rebase(input: torch.Tensor, dim: int, output: torch.Tensor) -> None:
     """Split like ``shardload.split``, then subtract each piece's first element from it.
 
@@ -262,7 +260,6 @@ def _constant_rule(in_shape: Shape, in_dtype: str, *values: int, num_shards: int
     return (_workers(num_shards), len(values)), in_dtype
 
 
-@register_shard_func("shardload.constant", shape_rule=_constant_rule)
 def constant(input: torch.Tensor, *values_and_output) -> None:
     """Give every worker the given integers instead of the stored vector (same length and dtype).
 
@@ -298,7 +295,6 @@ def _repeat_rule(in_shape: Shape, in_dtype: str, *sizes: int, num_shards: int):
     return (sum(sizes), 1), in_dtype
 
 
-@register_shard_func("shardload.repeat_segments", shape_rule=_repeat_rule)
 def repeat_segments(input: torch.Tensor, *sizes_and_output) -> None:
     """Expand one value per segment into one per row: ``[S] -> [sum(sizes), 1]``.
 
@@ -344,7 +340,6 @@ def _take_rule(in_shape: Shape, in_dtype: str, dim: int, unit: int, *indices: in
     return _stack_shape(in_shape, axis, len(per_worker[0]) * unit, num_shards), in_dtype
 
 
-@register_shard_func("shardload.take_units", shape_rule=_take_rule)
 def take_units(input: torch.Tensor, dim: int, unit: int, *indices_and_output) -> None:
     """Give each worker chosen units of ``dim`` (heads, blocks); index -1 is a unit of zeros.
 
@@ -362,3 +357,51 @@ def take_units(input: torch.Tensor, dim: int, unit: int, *indices_and_output) ->
         for j, u in enumerate(wanted):
             if u >= 0:
                 dst[i].narrow(axis, j * unit, unit).copy_(src.narrow(axis, u * unit, unit))
+
+
+# ---- what each worker's piece is, for reading only its bytes -----------------------------------
+
+def _split_selection(in_shape: Shape, in_dtype: str, dim: int, *, num_shards: int,
+                     index: int) -> Selection:
+    axis, ranges = split_ranges(in_shape, dim, num_shards)
+    return Selection(axis, tuple(ranges[index]))
+
+
+def _segments_selection(in_shape: Shape, in_dtype: str, dim: int, *segments: int,
+                        num_shards: int, index: int) -> Selection:
+    axis, num_shards, layout = _segment_layout(in_shape, dim, segments, num_shards)
+    return Selection(axis, tuple((start + ((index // replicas) if replicas else index) * length,
+                                  length) for start, length, replicas in layout))
+
+
+def _replicate_selection(in_shape: Shape, in_dtype: str, *, num_shards: int,
+                         index: int) -> Selection:
+    return Selection.whole()
+
+
+def _take_selection(in_shape: Shape, in_dtype: str, dim: int, unit: int, *indices: int,
+                    num_shards: int, index: int) -> Selection:
+    axis, unit, per_worker = take_ranges(in_shape, dim, unit, indices, num_shards)
+    return Selection(axis, tuple((None if u < 0 else u * unit, unit)
+                                 for u in per_worker[index]))
+
+
+def _rebase_fixup(piece: torch.Tensor, dim: int, *, num_shards: int, index: int) -> None:
+    piece.copy_(rebase(piece))
+
+
+#: (name, function, rules) of every built-in, registered by ``shardload.registry``
+BUILTINS = [
+    ("shardload.split", split, dict(shape_rule=_split_rule, ranges=_split_selection)),
+    ("shardload.split_segments", split_segments,
+     dict(shape_rule=_segments_rule, ranges=_segments_selection)),
+    ("shardload.replicate", replicate,
+     dict(shape_rule=_replicate_rule, ranges=_replicate_selection)),
+    ("shardload.split_rebase", split_rebase,
+     dict(shape_rule=_split_rebase_rule, ranges=_split_selection, fixup=_rebase_fixup)),
+    # a piece made of values, not of the input's elements: computed (it is a few integers)
+    ("shardload.constant", constant, dict(shape_rule=_constant_rule)),
+    # a piece larger than the input: computed (per-part scales, a handful of numbers)
+    ("shardload.repeat_segments", repeat_segments, dict(shape_rule=_repeat_rule)),
+    ("shardload.take_units", take_units, dict(shape_rule=_take_rule, ranges=_take_selection)),
+]

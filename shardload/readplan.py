@@ -1,0 +1,282 @@
+"""Read plans: what each worker reads, and where it lands, as data.
+
+A ``ValidatedPlan`` says what each parameter's steps are; a ``ReadPlan`` says, for one worker,
+which bytes of which file make its piece of each parameter. It is built on the controller before
+any tensor data is read, from the validated plan, each shard function's ``ranges`` rule and the
+checkpoint's byte locations; it is what a worker process receives (as JSON: no pickle, no plan
+to parse or validate there), what ``shardload inspect --reads`` prints, and what a staged GPU
+pipeline or expert parallelism can schedule from.
+
+For each parameter, a worker's ``PieceRead`` is one of:
+
+* **read**: ``runs`` of bytes copied into the piece (the rest of the piece, if
+  ``zeros``, stays zero: a padded unit), then an optional ``fixup`` (``split_rebase`` rebases
+  its indices). A replicated parameter is one run of the whole tensor; a split is one run per
+  range, strided when the split axis is not the outermost.
+* **compute**: ``runs`` fill the whole stored tensor, the ``chain`` of steps runs on it, and
+  the worker keeps ``output[index]``: for functions without a ``ranges`` rule and for chains
+  of several steps.
+
+A ``Run`` is a strided copy: ``count`` blocks of ``nbytes`` bytes, ``stride`` apart in the
+source from ``offset``, ``dst_stride`` apart in the piece from ``dst_offset``.
+
+>>> from shardload import ArrayCheckpoint, ShardInfo
+>>> import numpy as np
+>>> ckpt = ArrayCheckpoint({"w": np.zeros((4, 6), np.float16)})
+>>> plan = ShardInfo.from_dict({"w": [["shardload.split", [[2, 4, 3], "float16"], 1]]})
+>>> reads = build_read_plans(plan.bind(2).validate(ckpt.metadata()), ckpt)
+>>> reads[1].pieces[0].runs      # 4 rows of 3 halves from byte 6 of each 12-byte row
+(Run(source=0, offset=6, nbytes=6, count=4, stride=12, dst_offset=0, dst_stride=6),)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+
+from . import dtypes
+from .errors import PlanError, quote
+from .selection import Selection
+
+if TYPE_CHECKING:  # pragma: no cover  (a worker process carries out read plans without them)
+    from .plan import ParamPlan, ValidatedPlan
+    from .readers.base import Checkpoint
+
+__all__ = ["Run", "Chain", "Fixup", "PieceRead", "ReadPlan", "build_read_plans",
+           "read_plan_for"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """``count`` blocks of ``nbytes`` bytes: from ``offset + k * stride`` of source ``source``
+    to ``dst_offset + k * dst_stride`` of the piece's (or the chain input's) bytes."""
+
+    source: int
+    offset: int
+    nbytes: int
+    count: int = 1
+    stride: int = 0
+    dst_offset: int = 0
+    dst_stride: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.nbytes * self.count
+
+    def to_json(self) -> list[int]:
+        return [self.source, self.offset, self.nbytes, self.count, self.stride,
+                self.dst_offset, self.dst_stride]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Steps a worker runs on the whole stored tensor (``shape``, ``dtype``), keeping
+    ``output[index]`` of the last."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    steps: tuple[tuple, ...]  # each as the plan writes it: (func, [out_shape, dtype], *extra)
+    index: int
+
+    def runnable(self) -> list[tuple]:
+        """The steps as ``(func, out_shape, dtype, extra)``."""
+        return [(s[0], tuple(s[1][0]), s[1][1], tuple(s[2:])) for s in self.steps]
+
+
+@dataclass(frozen=True)
+class Fixup:
+    """``func``'s fixup, applied to the read piece: ``fixup(piece, *extra, num_shards, index)``."""
+
+    func: str
+    extra: tuple
+
+
+@dataclass(frozen=True)
+class PieceRead:
+    """One worker's piece of one parameter: its shape and dtype, and how to get it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    runs: tuple[Run, ...]
+    zeros: bool = False
+    fixup: Optional[Fixup] = None
+    chain: Optional[Chain] = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the piece the worker keeps."""
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+    @property
+    def bytes_read(self) -> int:
+        """Checkpoint bytes this piece copies."""
+        return sum(r.total for r in self.runs)
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"name": self.name, "shape": list(self.shape),
+                               "dtype": self.dtype, "runs": [r.to_json() for r in self.runs]}
+        if self.zeros:
+            out["zeros"] = True
+        if self.fixup is not None:
+            out["fixup"] = [self.fixup.func, *self.fixup.extra]
+        if self.chain is not None:
+            out["chain"] = {"shape": list(self.chain.shape), "dtype": self.chain.dtype,
+                            "index": self.chain.index,
+                            "steps": [list(s) for s in self.chain.steps]}
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PieceRead":
+        chain = data.get("chain")
+        fixup = data.get("fixup")
+        return cls(
+            name=data["name"], shape=tuple(data["shape"]), dtype=data["dtype"],
+            runs=tuple(Run(*r) for r in data["runs"]), zeros=bool(data.get("zeros", False)),
+            fixup=None if fixup is None else Fixup(fixup[0], tuple(fixup[1:])),
+            chain=None if chain is None else Chain(
+                tuple(chain["shape"]), chain["dtype"],
+                tuple((s[0], [list(s[1][0]), s[1][1]], *s[2:]) for s in chain["steps"]),
+                int(chain["index"])))
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Everything worker ``rank`` of ``num_shards`` reads: the byte sources (files) and, in
+    storage order, its piece of every parameter."""
+
+    rank: int
+    num_shards: int
+    sources: tuple[dict, ...]
+    pieces: tuple[PieceRead, ...]
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(p.bytes_read for p in self.pieces)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+    def to_json(self) -> dict:
+        """Plain JSON values: what travels to a worker process."""
+        return {"rank": self.rank, "num_shards": self.num_shards,
+                "sources": list(self.sources), "pieces": [p.to_json() for p in self.pieces]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ReadPlan":
+        return cls(int(data["rank"]), int(data["num_shards"]), tuple(data["sources"]),
+                   tuple(PieceRead.from_json(p) for p in data["pieces"]))
+
+    def describe(self) -> list[str]:
+        """One line per piece: what it reads (``inspect --reads``)."""
+        lines = []
+        for p in self.pieces:
+            how = "compute " + " > ".join(s[0] for s in p.chain.steps) if p.chain else "read"
+            runs = ", ".join(_describe_run(r, self.sources) for r in p.runs[:4])
+            if len(p.runs) > 4:
+                runs += f", ... ({len(p.runs)} runs)"
+            extra = " + zero padding" if p.zeros else ""
+            extra += f" + fixup {p.fixup.func}" if p.fixup else ""
+            lines.append(f"{p.name}: {how} {p.bytes_read} B{extra}: {runs or 'nothing'}")
+        return lines
+
+
+def _describe_run(run: Run, sources: Sequence[dict]) -> str:
+    src = sources[run.source]
+    where = src.get("file") or f"tensor {src.get('tensor')}"
+    base = where.rsplit("/", 1)[-1]
+    if run.count == 1:
+        return f"{base}[{run.offset}:{run.offset + run.nbytes}]"
+    return f"{base}[{run.offset}:+{run.nbytes} x{run.count} every {run.stride}]"
+
+
+# ---- building ----------------------------------------------------------------------------------
+
+def _selection(param: "ParamPlan", n: int, i: int) -> Optional[Selection]:
+    """Worker ``i``'s selection of ``param``'s stored tensor, or None when it must be computed.
+
+    A replicated parameter is the whole tensor; a single step whose function declares a
+    ``ranges`` rule is what the rule says; anything else (no rule, several steps) is computed.
+    """
+    if param.replicated:
+        return Selection.whole()
+    if len(param.steps) != 1 or param.funcs[0].ranges is None:
+        return None
+    step, func = param.steps[0], param.funcs[0]
+    meta = param.meta
+    try:
+        sel = func.ranges(meta.shape, meta.dtype, *step.extra, num_shards=n, index=i)
+        if not isinstance(sel, Selection):
+            raise TypeError(f"it returned {type(sel).__name__}, not a Selection")
+        sel.check(meta.shape)
+    except (ValueError, TypeError, ArithmeticError, LookupError) as exc:
+        raise PlanError(f"the ranges rule of {quote(step.func)} failed for worker {i}: {exc}",
+                        source=None, param=param.name, step=step.index) from None
+    if sel.piece_shape(meta.shape) != tuple(step.out_shape[1:]):
+        raise PlanError(f"the ranges rule of {quote(step.func)} gives worker {i} a piece of "
+                        f"shape {list(sel.piece_shape(meta.shape))}, but the step declares "
+                        f"{list(step.out_shape[1:])}: the rule disagrees with the function",
+                        param=param.name, step=step.index)
+    return sel.coalesced()
+
+
+def _runs(sel: Selection, shape: Sequence[int], itemsize: int, source: int,
+          begin: int) -> tuple[Run, ...]:
+    """The strided copies that assemble selection ``sel`` of a C-order tensor at ``begin``."""
+    if sel.axis is None:
+        nbytes = math.prod(shape) * itemsize
+        return (Run(source, begin, nbytes),) if nbytes else ()
+    axis = sel.axis
+    outer = math.prod(shape[:axis])
+    size = shape[axis]
+    inner = math.prod(shape[axis + 1:]) * itemsize
+    piece = sel.length
+    runs = []
+    offset = 0
+    for start, length in sel.ranges:
+        if start is not None and length and outer and inner:
+            if outer == 1:
+                runs.append(Run(source, begin + start * inner, length * inner, 1, 0,
+                                offset * inner, 0))
+            elif length == size == piece:  # the whole axis: one contiguous block
+                runs.append(Run(source, begin, outer * size * inner))
+            else:
+                runs.append(Run(source, begin + start * inner, length * inner, outer,
+                                size * inner, offset * inner, piece * inner))
+        offset += length
+    return tuple(runs)
+
+
+def read_plan_for(validated: "ValidatedPlan", ckpt: "Checkpoint", rank: int) -> ReadPlan:
+    """Worker ``rank``'s read plan (see the module docstring)."""
+    n = validated.num_shards
+    pieces = []
+    for param in validated:
+        meta = param.meta
+        source, begin, _ = ckpt.locate(meta.name)
+        itemsize = dtypes.itemsize(meta.dtype)
+        sel = _selection(param, n, rank)
+        if sel is not None:
+            step = param.steps[0] if param.steps else None
+            func = param.funcs[0] if param.funcs else None
+            fixup = (Fixup(func.name, tuple(step.extra))
+                     if func is not None and func.fixup is not None else None)
+            pieces.append(PieceRead(meta.name, param.piece_shape, param.piece_dtype,
+                                    _runs(sel, meta.shape, itemsize, source, begin),
+                                    zeros=sel.has_zeros, fixup=fixup))
+        else:
+            chain = Chain(meta.shape, meta.dtype, tuple(tuple(s.to_json()) for s in param.steps),
+                          rank)
+            pieces.append(PieceRead(meta.name, param.piece_shape, param.piece_dtype,
+                                    _runs(Selection.whole(), meta.shape, itemsize, source,
+                                          begin), chain=chain))
+    return ReadPlan(rank, n, tuple(ckpt.sources()), tuple(pieces))
+
+
+def build_read_plans(validated: "ValidatedPlan", ckpt: "Checkpoint",
+                     ranks: Optional[Iterable[int]] = None) -> list[ReadPlan]:
+    """The read plans of workers ``ranks`` (default: all), in that order."""
+    ranks = range(validated.num_shards) if ranks is None else ranks
+    return [read_plan_for(validated, ckpt, r) for r in ranks]

@@ -1,0 +1,139 @@
+"""The import graph of the package: one direction of flow, no loops (docs/architecture.md).
+
+Every ``import`` statement in ``shardload/`` counts, including those inside functions (a lazy
+import hides a loop from Python, not from the design); imports under ``if TYPE_CHECKING`` do
+not (they are annotations). The graph is read from the source with ``ast``, so the test needs
+nothing imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shardload")
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
+                out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _targets(module: str, node: ast.AST) -> list[str]:
+    package = module if MODULES[module].endswith("__init__.py") else module.rsplit(".", 1)[0]
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        assert isinstance(node, ast.ImportFrom)
+        base = node.module or ""
+        if node.level:
+            parts = package.split(".")
+            parts = parts[:len(parts) - (node.level - 1)]
+            base = ".".join(parts + ([node.module] if node.module else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                 for a in node.names]
+    out = []
+    for name in names:
+        if not name.startswith("shardload"):
+            continue
+        while name not in MODULES and "." in name:
+            name = name.rsplit(".", 1)[0]
+        if name != module:
+            out.append(name)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for module, path in MODULES.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        typing_only = {id(n) for node in ast.walk(tree)
+                       if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                       for n in ast.walk(node)}
+        graph[module] = {t for node in ast.walk(tree)
+                         if isinstance(node, (ast.Import, ast.ImportFrom))
+                         and id(node) not in typing_only for t in _targets(module, node)}
+    return graph
+
+
+GRAPH = _graph()
+
+
+def _reaches(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in GRAPH.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_graph_is_read():
+    assert "shardload.sessions.base" in GRAPH["shardload.sessions.threaded"]
+    assert "shardload.readplan" in GRAPH["shardload.loader"]
+    # a positive control for the layer test: the loader does reach the sessions it drives
+    assert "shardload.sessions.base" in _reaches("shardload.loader")
+
+
+def test_no_import_loops():
+    loops = sorted(m for m in GRAPH if m in _reaches(m))
+    assert not loops, f"modules on an import loop: {loops}"
+
+
+# what a layer may never import (directly or through anything it imports)
+FORBIDDEN = {
+    # sessions host workers and move messages: nothing of plans, formats, shard functions or
+    # loading
+    "shardload.sessions": ["shardload.loader", "shardload.pieces", "shardload.plan",
+                           "shardload.readplan", "shardload.readers", "shardload.registry",
+                           "shardload.shard_functions", "shardload.planners", "shardload.cli"],
+    # readers know formats and bytes, nothing of sharding
+    "shardload.readers": ["shardload.plan", "shardload.readplan", "shardload.loader",
+                          "shardload.pieces", "shardload.sessions", "shardload.registry",
+                          "shardload.planners", "shardload.cli"],
+    "shardload.plan": ["shardload.readplan", "shardload.loader", "shardload.pieces",
+                       "shardload.sessions", "shardload.planners", "shardload.cli"],
+    "shardload.readplan": ["shardload.loader", "shardload.pieces", "shardload.sessions",
+                           "shardload.planners", "shardload.cli"],
+    "shardload.pieces": ["shardload.loader", "shardload.plan", "shardload.planners",
+                         "shardload.cli"],
+    "shardload.loader": ["shardload.planners", "shardload.cli"],
+    # shard functions are pure array code; the registry imports them, never the reverse
+    "shardload.shard_functions": ["shardload.registry", "shardload.plan", "shardload.loader",
+                                  "shardload.sessions", "shardload.cli"],
+    "shardload.registry": ["shardload.plan", "shardload.loader", "shardload.sessions",
+                           "shardload.readers", "shardload.cli"],
+    "shardload.planners": ["shardload.loader", "shardload.pieces", "shardload.sessions",
+                           "shardload.cli"],
+}
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_no_arrow_from_a_lower_layer_up(layer):
+    for module in sorted(m for m in GRAPH if m == layer or m.startswith(layer + ".")):
+        reached = _reaches(module)
+        bad = sorted(t for t in reached for f in FORBIDDEN[layer]
+                     if (t == f or t.startswith(f + ".")) and not t.startswith(layer))
+        assert not bad, f"{module} imports (directly or not) {bad}"
+
+
+def test_only_the_cli_reaches_the_terminal_libraries():
+    for module, path in MODULES.items():
+        if module in ("shardload.cli", "shardload.loader"):
+            continue  # the loader's progress bar imports tqdm.auto lazily, only when asked
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        assert "import click" not in source and "from click" not in source, module
