@@ -246,8 +246,8 @@ class LocalLoad:
         """The mapped pages of a tensor go back once every local worker has its piece."""
         with self._lock:
             self._done[piece.name] = count = self._done.get(piece.name, 0) + 1
-        if count == self.num_local:
-            _release(self.ckpt, piece.runs)
+        if count == self.num_local:  # the whole tensor: each worker touched its own part of it
+            self.ckpt.release(piece.name)
 
 
 _counter = itertools.count()

@@ -253,11 +253,17 @@ def read_plan_for(validated: "ValidatedPlan", ckpt: "Checkpoint", rank: int) -> 
     """Worker ``rank``'s read plan (see the module docstring)."""
     n = validated.num_shards
     pieces = []
+    # every layer repeats the same steps on the same shapes: each selection is worked out once
+    seen: dict[tuple, Optional[Selection]] = {}
     for param in validated:
         meta = param.meta
         source, begin, _ = ckpt.locate(meta.name)
         itemsize = dtypes.itemsize(meta.dtype)
-        sel = _selection(param, n, rank)
+        key = (tuple(map(id, param.steps)), meta.shape, meta.dtype)
+        if key in seen:
+            sel = seen[key]
+        else:
+            sel = seen[key] = _selection(param, n, rank)
         if sel is not None:
             step = param.steps[0] if param.steps else None
             func = param.funcs[0] if param.funcs else None

@@ -542,6 +542,30 @@ def test_inspect_json_shard_shapes(n):
     assert got == pieces
 
 
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_inspect_reads_shows_what_each_worker_reads(n):
+    # per worker: the byte runs it copies, and in all exactly the bytes of its pieces (the
+    # example's plan reads every piece straight from the file: no chain to compute)
+    report = json.loads(run("inspect", "-n", n, "--reads", "--json", EXAMPLE).stdout)
+    pieces = expected_pieces(EXAMPLE / "model.safetensors", EXAMPLE / "shard_info.json", n)
+    kept = sum(nbytes for _, nbytes in pieces.values())
+    assert [w["rank"] for w in report["workers"]] == list(range(n))
+    stored = report["stored_bytes"]
+    for worker in report["workers"]:
+        assert worker["bytes_read"] == worker["bytes_kept"] == kept
+        assert {p["name"] for p in worker["pieces"]} == set(pieces)
+        runs = [r for p in worker["pieces"] for r in p["runs"]]
+        assert sum(r[2] * r[3] for r in runs) == kept  # nbytes x count
+        assert all(src["file"].endswith("model.safetensors") for src in worker["sources"])
+    if n > 1:
+        assert kept < stored
+    text = run("inspect", "-n", n, "--reads", EXAMPLE)
+    assert_ok(text)
+    heads = [line for line in text.stdout.splitlines() if line.startswith("worker ")]
+    assert len(heads) == n and all(" reads " in h and " keeps " in h for h in heads)
+    assert re.search(r"o_proj\.qweight: read \d+ B: model\.safetensors\[\d+:\d+\]", text.stdout)
+
+
 def test_inspect_json_small(small):
     result = run("inspect", "-n", 2, "--json", small)
     assert_ok(result)
