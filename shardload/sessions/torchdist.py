@@ -2,8 +2,9 @@
 
 Each rank runs the caller's program (SPMD), constructs a ``TorchDistributedSession`` and calls
 ``load_sharded``; each ends with exactly its own shards on its own device. Ranks agree on the
-outcome: after every load they exchange a status, so a failure on one rank is reported on every
-rank, naming it, instead of leaving the others to hang in a later collective.
+outcome: after every ``run`` and ``collective`` they exchange a status, so a failure on one rank
+is reported on every rank, naming it, instead of leaving the others to hang in a later
+collective.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ class TorchDistributedSession(Session):
     available, else the CPU.
 
     ``timeout`` is the watchdog (default: none): a rank without progress for that many seconds
-    while loading prints one line naming it and the parameter it is on, and ends with exit 1
-    (a rank's own thread runs the shard functions, so a stuck one cannot be interrupted);
+    in a ``run`` (a load) prints one line naming it and what it is on, and ends with exit 1
+    (a rank's own thread runs the work, so a stuck one cannot be interrupted);
     torchrun then stops the other ranks. ``timeout_s`` is the process group's timeout.
 
     >>> # torchrun --nproc-per-node 2 load.py                                 # doctest: +SKIP

@@ -20,7 +20,7 @@ from typing import Any, Optional
 # group, and N workers must not each print a KeyboardInterrupt traceback.
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-#: seconds between progress messages (bytes kept, the parameter being loaded), while any changed
+#: seconds between progress messages (bytes done, what the worker is on), while any changed
 PROGRESS_S = 0.2
 
 
@@ -54,7 +54,7 @@ class Worker:
                 continue
             op = message.get("op")
             if op == "abort":
-                continue  # arrived after the load it meant to stop had finished
+                continue  # arrived after the run it meant to stop had finished
             try:
                 handler = getattr(self, f"_op_{op}", None)
                 if handler is None:
