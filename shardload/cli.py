@@ -493,6 +493,11 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
     quantize_config.json), GGUF metadata or mlc-chat-config.json. The plan is written in
     expressions of num_shards, so it also serves every other N the model allows. For an N the
     heads or MLP do not divide, the plan zero-pads them (exactly) for that N.
+
+    Architectures known (HF model_type): llama, mistral, mixtral, qwen2, qwen3, qwen2_moe,
+    qwen3_moe, gemma2, gemma3_text, gemma3 (its language model; the vision tower is
+    replicated), phi3 (Phi-3 and Phi-4), olmo2 and granite. GGUF: llama, mistral, qwen2,
+    qwen3, qwen2moe, qwen3moe. MLC: the Llama, Mistral, Mixtral and Qwen types above.
     """
     from .planners import plan_decision
     from .readers import open_checkpoint

@@ -18,12 +18,7 @@ import pytest
 import torch
 import transformers  # the test extra installs it and compressed-tensors: missing is an error
 from click.testing import CliRunner
-from compressed_tensors.compressors import ModelCompressor
-from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
-                                             preset_name_to_scheme)
-from compressed_tensors.quantization.lifecycle.forward import dequantize
-from compressed_tensors.quantization.utils import calculate_qparams
+from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 from safetensors.torch import load_file
 
 from conftest import EXAMPLE
@@ -31,6 +26,8 @@ from shardload import ShardInfo, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_for
 from shardload.planners.layouts import scheme_from_hf
+from helpers.compressed_tensors_tool import compress_w4a16 as compress_llama_w4a16
+from helpers.compressed_tensors_tool import dequant
 from helpers.tp_reference import rows_of
 
 HEADS, KV_HEADS = 4, 2
@@ -118,43 +115,13 @@ def test_compressed_tensors_configs_are_read(preset, fmt, method, bits, group):
 
 
 def compress_w4a16(folder: Path, symmetric: bool):
-    """A tiny Llama compressed to pack-quantized int4, group 32, by compressed-tensors; the
-    scales are min/max ones computed with its own ``calculate_qparams`` (what an observer
-    would give). Returns the config and the library's quantization args."""
+    """A tiny Llama compressed to pack-quantized int4, group 32, by compressed-tensors
+    (``helpers.compressed_tensors_tool``). Returns the config and the library's quantization
+    args."""
     config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256,
                                       num_hidden_layers=1, num_attention_heads=HEADS,
                                       num_key_value_heads=KV_HEADS, vocab_size=96)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    scheme = preset_name_to_scheme("W4A16" if symmetric else "W4A16_ASYM", ["Linear"])
-    scheme.weights.group_size = 32
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
-                                                        ignore=["lm_head"],
-                                                        format="pack-quantized"))
-    for module in model.modules():
-        if hasattr(module, "weight_scale"):
-            groups = module.weight.detach().reshape(module.weight.shape[0], -1, 32)
-            scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
-            module.weight_scale.data.copy_(scale)
-            if hasattr(module, "weight_zero_point"):
-                module.weight_zero_point.data.copy_(zero)
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
-    compressor.compress_model(model)
-    model.save_pretrained(folder)
-    compressor.update_config(folder)
-    return config, scheme.weights
-
-
-def dequant(t: dict[str, torch.Tensor], prefix: str, args) -> torch.Tensor:
-    """The library's own unpacking and dequantization of one (possibly sharded) layer."""
-    shape = torch.Size(t[f"{prefix}.weight_shape"].tolist())
-    codes = unpack_from_int32(t[f"{prefix}.weight_packed"], args.num_bits, shape)
-    zero = t.get(f"{prefix}.weight_zero_point")
-    if zero is not None:  # asymmetric: zero points are packed along the output rows
-        zero = unpack_from_int32(zero, args.num_bits,
-                                 torch.Size([shape[0], t[f"{prefix}.weight_scale"].shape[1]]),
-                                 packed_dim=0)
-    return dequantize(codes, t[f"{prefix}.weight_scale"], zero, args=args, dtype=torch.float32)
+    return config, compress_llama_w4a16(folder, config, symmetric)
 
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])

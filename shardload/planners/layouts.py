@@ -50,11 +50,14 @@ class Scheme:
     (``{"bits": "'quantization_config.bits'"}``), for messages.
     """
 
-    method: str                 # none | gptq | awq | pack-quantized | fp8 | gguf | mlc
+    #: none | gptq | awq | pack-quantized | int-quantized | nvfp4 | mxfp4 | fp8 | gguf | mlc
+    method: str
     bits: int = 16
     group_size: int = -1
     act_order: bool = False
     block: tuple[int, int] = (128, 128)
+    #: int-quantized: compressed-tensors' weight strategy (tensor, channel or group)
+    strategy: str = ""
     file: Any = field(default="", compare=False)
     keys: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -66,7 +69,8 @@ class Scheme:
     def describe(self) -> str:
         if self.method in ("none", "gguf", "mlc", "fp8"):
             return self.method
-        group = "per-channel" if self.group_size == -1 else f"group {self.group_size}"
+        group = ("per-tensor" if self.strategy == "tensor" else "per-channel"
+                 if self.group_size == -1 else f"group {self.group_size}")
         return f"{self.method} {self.bits}-bit {group}{', act-order' if self.act_order else ''}"
 
     def explain(self, *attrs: str) -> str:
@@ -179,8 +183,73 @@ def _compressed_tensors(quant: Fields) -> Scheme:
                             source=quant.file)
         return Scheme("pack-quantized", bits, group, act, file=quant.file_label,
                       keys=_keys(first, bits="num_bits", group_size="group_size"))
+    if fmt == "int-quantized":
+        return _int_quantized(quant, first)
+    if fmt in _FP4_FORMATS:
+        return _fp4_packed(quant, first, fmt)
     raise PlanError(f"key {quant.name('format')!r} is {fmt!r}: that compressed-tensors format is "
-                    "not supported (pack-quantized and float-quantized are)", source=quant.file)
+                    f"not supported ({', '.join(_CT_FORMATS)} are)", source=quant.file)
+
+
+#: the compressed-tensors formats the planner splits
+_CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "nvfp4-pack-quantized",
+               "mxfp4-pack-quantized")
+#: packed FP4 (E2M1) formats: the method name, and the group every scale covers along K (the
+#: only one compressed-tensors' compressor for the format packs: ``can_compress``)
+_FP4_FORMATS = {"nvfp4-pack-quantized": ("nvfp4", 16), "mxfp4-pack-quantized": ("mxfp4", 32)}
+
+
+def _int_quantized(quant: Fields, first: Fields) -> Scheme:
+    """``int-quantized`` (W8A8 int8): one int8 element per code, ``[N, K]`` like the dense
+    weight; a scale (and zero point) per tensor, per output channel or per group of K."""
+    bits = first.int("num_bits", min=1, max=64, default=8)
+    kind = first.str("type", default="int", nullable=True)
+    group = first.int("group_size", min=1, max=MAX_GROUP, also=(-1,), default=None,
+                      nullable=True)
+    implied = "tensor" if group is None else "channel" if group == -1 else "group"
+    strategy = first.str("strategy", default=implied, nullable=True)
+    act = first.one_of("actorder", (False, True, "group", "weight", "static", "dynamic"),
+                       default=None, nullable=True)
+    if kind != "int" or bits > 8:
+        raise PlanError(f"key {first.name('num_bits')!r} is {bits} and {first.name('type')!r} "
+                        f"is {kind!r}: int-quantized weights of at most 8 bits (one int8 "
+                        "element per code) are supported", source=quant.file)
+    if strategy not in ("tensor", "channel", "group"):
+        raise PlanError(f"key {first.name('strategy')!r} is {strategy!r}: int-quantized "
+                        "weights with one scale per tensor, per channel or per group are "
+                        "supported (tensor, channel, group)", source=quant.file)
+    if strategy == "group" and group in (None, -1):
+        raise first.refuse("group_size", group, "a positive group size for strategy 'group'")
+    if act in _ACT_ORDERS:
+        raise PlanError(f"key {first.name('actorder')!r} is {act!r}: act-order int-quantized "
+                        "weights are not supported by the planner", source=quant.file)
+    return Scheme("int-quantized", bits, group if strategy == "group" else -1,
+                  strategy=strategy, file=quant.file_label,
+                  keys=_keys(first, bits="num_bits", group_size="group_size"))
+
+
+def _fp4_packed(quant: Fields, first: Fields, fmt: str) -> Scheme:
+    """``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized``: two FP4 codes per uint8 along K,
+    one scale per ``group`` elements of K (FP8 E4M3 for NVFP4, E8M0 exponents for MXFP4) and,
+    for NVFP4, per-tensor global scales."""
+    method, want = _FP4_FORMATS[fmt]
+    bits = first.int("num_bits", min=1, max=64)
+    kind = first.str("type", default="float", nullable=True)
+    group = first.int("group_size", min=1, max=MAX_GROUP)
+    symmetric = first.bool("symmetric", default=True, nullable=True)
+    if bits != 4 or kind != "float":
+        raise PlanError(f"key {first.name('num_bits')!r} is {bits} and {first.name('type')!r} "
+                        f"is {kind!r}: {fmt} holds 4-bit float (E2M1) weights", source=quant.file)
+    if group != want:
+        raise PlanError(f"key {first.name('group_size')!r} is {group}: {fmt} stores one scale "
+                        f"per {want} weights (compressed-tensors packs no other group size in "
+                        "this format)", source=quant.file)
+    if not symmetric:
+        raise PlanError(f"key {first.name('symmetric')!r} is false: asymmetric FP4 weights are "
+                        "not supported (compressed-tensors does not produce them)",
+                        source=quant.file)
+    return Scheme(method, 4, group, file=quant.file_label,
+                  keys=_keys(first, bits="num_bits", group_size="group_size"))
 
 
 def _block_structure(weights: Fields) -> list[int]:
@@ -270,4 +339,16 @@ def tensor_axes(scheme: Scheme, suffix: str, meta: TensorMeta,
             return TensorAxes(None, Axis(0), special="g_idx")
         if suffix == "weight_shape":
             return TensorAxes(None, None, special="shape")
+    if scheme.method == "int-quantized" and suffix in ("weight_scale", "weight_zero_point"):
+        if scheme.strategy == "tensor":
+            return TensorAxes(None, None)                   # replicated (per tensor)
+        grouped = scheme.group_size != -1
+        return TensorAxes(Axis(0), Axis(1, scheme.group_size) if grouped else None)
+    if scheme.method in ("nvfp4", "mxfp4"):
+        if suffix == "weight_packed":
+            return TensorAxes(Axis(0), Axis(1, 2))          # two FP4 codes per byte along K
+        if suffix == "weight_scale":
+            return TensorAxes(Axis(0), Axis(1, scheme.group_size))
+        if suffix in ("weight_global_scale", "input_global_scale"):
+            return TensorAxes(None, None)                   # per tensor (per module): replicated
     return None

@@ -37,10 +37,41 @@ GGUF_ROLES = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_qkv": "qkv", "a
               "ffn_up_exps": "up", "ffn_down_exps": "down", "ffn_gate_shexp": "gate",
               "ffn_up_shexp": "up", "ffn_down_shexp": "down", "token_embd": "embed",
               "output": "lm_head"}
-COLUMN = {"q", "k", "v", "qkv", "gate", "up", "gate_up"}
+#: norms split like the rows of a projection (``Architecture.split_norms``: OLMo-2's q_norm and
+#: k_norm, which normalise the whole projection): role -> the projection's role
+NORM_OF = {"q_norm": "q", "k_norm": "k"}
+COLUMN = {"q", "k", "v", "qkv", "gate", "up", "gate_up", *NORM_OF}
 ROW = {"o", "down"}
+#: roles whose units are attention heads
+HEAD_ROLES = {"q", "k", "v", "qkv", "o", *NORM_OF}
 
 Segments = list[tuple[int, int]]   # (logical size, units); units < 0: replicable (KV heads)
+
+
+def module_role(name: str, spec: ModelSpec, gguf_names: bool) -> Optional[str]:
+    """The role of the tensor ``name`` (``model.layers.0.self_attn.q_proj.weight`` -> ``q``),
+    or ``None``: replicated. Only tensors of the model the architecture splits have one
+    (``Architecture.prefixes``: a multimodal checkpoint's language model)."""
+    module = name.rpartition(".")[0]
+    last = module.rpartition(".")[2]
+    if gguf_names:
+        return GGUF_ROLES.get(last)
+    rules = spec.rules
+    if not rules.in_model(name):
+        return None
+    projection = rules.split_norms.get(last)
+    if projection is not None:
+        return f"{projection}_norm"
+    return HF_ROLES.get(last)
+
+
+def _role_axes(scheme: Scheme, role: str, suffix: str, meta,
+               fmt: Optional[dict]) -> Optional[TensorAxes]:
+    """Where N and K lie in a tensor of a layer with ``role``: a split norm's ``weight`` is one
+    vector along N (never quantized); anything else as its format stores it."""
+    if role in NORM_OF:
+        return TensorAxes(Axis(0), None) if suffix == "weight" else None
+    return tensor_axes(scheme, suffix, meta, fmt)
 
 
 @dataclass(frozen=True)
@@ -55,9 +86,16 @@ class Padding:
 
     def metadata(self, spec: ModelSpec) -> dict:
         """What an engine needs to run the padded shards (recorded in the plan)."""
-        return {"num_shards": self.num_shards, "head_dim": spec.head_dim,
+        meta = {"num_shards": self.num_shards, "head_dim": spec.head_dim,
                 **self.heads.as_dict(), "mlp_block": self.mlp_unit,
                 "mlp_blocks": {str(k): v for k, v in self.mlp.items()}}
+        if spec.rules.split_norms:
+            # OLMo-2: these norms' mean runs over the whole, unpadded projection (padded rows
+            # are zero and add nothing to the sum of squares; divide by this width)
+            meta["projection_norms"] = {
+                norm: spec.q_size if role == "q" else spec.kv_size
+                for norm, role in spec.rules.split_norms.items()}
+        return meta
 
 
 @dataclass
@@ -103,6 +141,8 @@ Extent = tuple[int, str]      # a logical size along one axis, and where it came
 
 #: stored tensors holding a layer's quantization groups along K (one row or column per group)
 _GROUP_TENSORS = {"scales", "qzeros", "weight_scale", "weight_zero_point"}
+#: the formats whose ``group_size`` is a group of K (one scale per ``group_size`` inputs)
+_GROUPED = ("gptq", "awq", "pack-quantized", "int-quantized", "nvfp4", "mxfp4")
 
 
 def _extents(role: str, spec: ModelSpec, module: str) -> tuple[Extent, Extent]:
@@ -125,6 +165,8 @@ def _extents(role: str, spec: ModelSpec, module: str) -> tuple[Extent, Extent]:
         return inter, hidden
     if role in ("embed", "lm_head"):
         return (spec.vocab_size, spec.explain("vocab_size")), hidden
+    if role in NORM_OF:      # a vector over the projection's rows: no input features
+        return {"q": q, "k": kv}[NORM_OF[role]], (0, "")
     if role == "o":
         return hidden, (spec.num_heads * spec.v_head_dim, o_heads)
     if role == "qkv":
@@ -152,20 +194,26 @@ def check_shapes(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, *,
     """``FormatError`` unless every size the planner will use agrees with the shape of every
     tensor it is applied to (see above). Reads no tensor data, but for compressed-tensors'
     two-element ``weight_shape`` tensors."""
-    roles = GGUF_ROLES if gguf_names else HF_ROLES
+    planned = 0
     for name, meta in ckpt.metadata().items():
         module, _, suffix = name.rpartition(".")
-        role = roles.get(module.rpartition(".")[2])
+        role = module_role(name, spec, gguf_names)
         if role is None:
             continue
+        planned += 1
         fmt = ckpt.tensor_format(name)
-        axes = tensor_axes(scheme, suffix, meta, fmt)
+        axes = _role_axes(scheme, role, suffix, meta, fmt)
         if axes is None:
             continue
         (n_out, n_why), (k_in, k_why) = _extents(role, spec, module)
 
         def refuse(message: str) -> FormatError:
             return FormatError(message, file=spec.file or None, tensor=name)
+
+        if role in NORM_OF and len(meta.shape) != 1:
+            raise refuse(f"has shape {list(meta.shape)}: a {spec.architecture} "
+                         f"{module.rpartition('.')[2]} weight is one vector over the "
+                         f"projection's {n_out} rows ({n_why}), so it must be [{n_out}]")
 
         disagree = ("; the metadata and the tensors must agree, or the plan would cut the "
                     "tensors in the wrong places")
@@ -191,10 +239,15 @@ def check_shapes(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, *,
                              f"not {found}{disagree}")
         group = scheme.group_size
         if (axes.k is not None and suffix in _GROUP_TENSORS and group > 0 and k_in
-                and scheme.method in ("gptq", "awq", "pack-quantized") and k_in % group):
+                and scheme.method in _GROUPED and k_in % group):
             raise refuse(f"is quantized in groups of {scheme.explain('group_size')}, which do "
                          f"not tile the layer's {k_in} input features ({k_why}); the group size "
                          "must divide them")
+    if spec.rules.prefixes and not gguf_names and not planned:
+        raise PlanError(f"model_type {spec.architecture!r} keeps its language model's tensors "
+                        f"under {', '.join(map(repr, spec.rules.prefixes))}, and the checkpoint "
+                        "has no projection or embedding there: nothing to split",
+                        source=spec.file or None)
     if spec.v_head_dim != spec.head_dim:
         raise PlanError(f"value heads of {spec.explain('value_head_dim')} differ from the key "
                         f"heads of {spec.explain('head_dim')}: attention with value heads of "
@@ -206,10 +259,8 @@ def vocab_from_tensors(ckpt: Checkpoint, spec: ModelSpec, *, gguf_names: bool) -
     none (a GGUF without ``<arch>.vocab_size``); unchanged otherwise."""
     if spec.vocab_size:
         return spec
-    roles = GGUF_ROLES if gguf_names else HF_ROLES
     for name, meta in ckpt.metadata().items():
-        module, _, suffix = name.rpartition(".")
-        if roles.get(module.rpartition(".")[2]) in ("embed", "lm_head") and meta.shape:
+        if module_role(name, spec, gguf_names) in ("embed", "lm_head") and meta.shape:
             keys = dict(spec.keys)
             keys["vocab_size"] = (f"{keys.get('vocab_size', 'vocab_size')} (absent, so the "
                                   f"rows of {name})")
@@ -219,6 +270,7 @@ def vocab_from_tensors(ckpt: Checkpoint, spec: ModelSpec, *, gguf_names: bool) -
 
 def segments_for(role: str, spec: ModelSpec, module: str) -> Segments:
     """The logical split of a layer along the axis its role splits."""
+    role = NORM_OF.get(role, role)
     if role == "q" or role == "o":
         return [(spec.q_size, spec.num_heads)]
     if role in ("k", "v"):
@@ -239,6 +291,7 @@ def segments_for(role: str, spec: ModelSpec, module: str) -> Segments:
 
 def segment_labels(role: str, spec: ModelSpec, module: str) -> list[str]:
     """What the units of each of ``segments_for``'s segments are, with the keys saying so."""
+    role = NORM_OF.get(role, role)
     if role in ("q", "o", "k", "v", "qkv"):
         heads = f"the {spec.num_heads} query heads ({spec.explain('num_heads')})"
         kv = f"the {spec.num_kv_heads} KV heads ({spec.explain('num_kv_heads')})"
@@ -338,16 +391,17 @@ def _trivial_g_idx(ckpt: Checkpoint, name: str, group_size: int) -> bool:
     return bool((g_idx == torch.arange(len(g_idx)) // group_size).all())
 
 
-def _linears(ckpt: Checkpoint, scheme: Scheme, roles: dict, vocab_parallel: bool):
+def _linears(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, gguf_names: bool,
+             vocab_parallel: bool):
     """(name, meta, module, suffix, role, axes) for every tensor; role/axes None: replicated."""
     for name, meta in ckpt.metadata().items():
         module, _, suffix = name.rpartition(".")
-        role = roles.get(module.rpartition(".")[2])
+        role = module_role(name, spec, gguf_names)
         if role is None or (role in ("embed", "lm_head") and not vocab_parallel):
             yield name, meta, module, suffix, None, None
             continue
         yield (name, meta, module, suffix, role,
-               tensor_axes(scheme, suffix, meta, ckpt.tensor_format(name)))
+               _role_axes(scheme, role, suffix, meta, ckpt.tensor_format(name)))
 
 
 def padding_layout(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int, *,
@@ -359,9 +413,9 @@ def padding_layout(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards
         return PlanError(f"cannot zero-pad for num_shards={num_shards!r}: a padded plan lists "
                          f"every worker's heads, for at most {MAX_LAYOUT} workers",
                          source=spec.file or None)
-    roles = GGUF_ROLES if gguf_names else HF_ROLES
     mlp_unit, sizes = 1, set()
-    for name, meta, module, suffix, role, axes in _linears(ckpt, scheme, roles, False):
+    for name, meta, module, suffix, role, axes in _linears(ckpt, spec, scheme, gguf_names,
+                                                           False):
         if axes is None:
             continue
         if axes.special == "g_idx":
@@ -375,7 +429,7 @@ def padding_layout(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards
                 return PlanError(f"{name}: per-part scales of a fused layer cannot be padded "
                                  "yet")
             continue
-        if role in ("q", "k", "v", "qkv", "o"):
+        if role in HEAD_ROLES:
             if spec.head_dim % axis.elems:
                 return PlanError(f"{name}: a {spec.head_dim}-element head is not a whole "
                                  f"number of the {axis.elems}-element blocks it is stored in, "
@@ -408,6 +462,7 @@ def _padded_units(role: str, spec: ModelSpec, padding: Padding, module: str,
     heads = padding.heads
     shift = lambda units, by: [u + by if u >= 0 else -1 for u in units]  # noqa: E731
     q, kv = heads.q_heads[worker], heads.kv_heads[worker]
+    role = NORM_OF.get(role, role)
     if role in ("q", "o"):
         return spec.head_dim, q
     if role in ("k", "v"):
@@ -451,11 +506,11 @@ def plan_llama(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, *, gguf_names:
     """The steps for every tensor of a Llama-family checkpoint: symbolic in num_shards, with
     the constraints they put on N (``Planned.constraints``), or, with ``padding``, for its one N
     with zero heads and blocks where N does not divide."""
-    roles = GGUF_ROLES if gguf_names else HF_ROLES
     planned = Planned()
     metadata = ckpt.metadata()
     act_order: dict[str, bool] = {}
-    for name, meta, module, suffix, role, axes in _linears(ckpt, scheme, roles, vocab_parallel):
+    for name, meta, module, suffix, role, axes in _linears(ckpt, spec, scheme, gguf_names,
+                                                           vocab_parallel):
         if role is None:
             planned.replicated.append(name)
             continue

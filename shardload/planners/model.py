@@ -14,10 +14,88 @@ from typing import Any, Mapping, Optional, Union
 from ..config_fields import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, Fields
 from ..errors import PlanError
 
-#: HF model_type values whose layers are Llama-shaped (attention + gated MLP, optional MoE)
+#: MLC model_type values whose layers are Llama-shaped (attention + gated MLP, optional MoE)
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
 #: GGUF general.architecture values the planner knows
 GGUF_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the planner knows of one HF ``model_type``, beyond what every one of them shares.
+
+    Shared (``llama.py``): modules are found by their last name component, ``q_proj`` /
+    ``k_proj`` / ``v_proj`` / fused ``qkv_proj`` ([q, k, v]) and ``gate_proj`` / ``up_proj`` /
+    fused ``gate_up_proj`` ([gate, up]) are column-parallel, ``o_proj`` / ``down_proj``
+    row-parallel; query heads split whole, KV heads split whole or are replicated (GQA); every
+    other tensor (norms, routers, per-head q/k norms) is replicated, and embeddings and lm_head
+    too unless ``vocab_parallel``. Per architecture (this record):
+
+    * ``sizes_under``: the sub-object of config.json holding the language model's sizes
+      (``text_config`` for a multimodal config), or ``""`` for the top level;
+    * ``defaults``: sizes a config may omit, with the value its transformers config class then
+      gives them (real Gemma 3 configs omit ``num_attention_heads`` and more). Every size is
+      still checked against the tensors it splits;
+    * ``prefixes``: the only tensors the planner splits (those whose names start with one):
+      a multimodal checkpoint's language model; the rest (vision tower, projector) is
+      replicated. ``()``: every tensor;
+    * ``split_norms``: norm modules whose weight is split like the rows of a projection
+      (``{"q_norm": "q"}``: OLMo-2 normalises the whole q projection, so each worker holds the
+      norm weights of its own q rows) rather than replicated;
+    * ``note``: what else was checked, for people (``README.md`` prints the table).
+    """
+
+    model_type: str
+    note: str = ""
+    sizes_under: str = ""
+    defaults: Mapping[str, int] = field(default_factory=dict)
+    prefixes: tuple[str, ...] = ()
+    split_norms: Mapping[str, str] = field(default_factory=dict)
+
+    def in_model(self, name: str) -> bool:
+        """Whether the tensor ``name`` belongs to the model the planner splits."""
+        return not self.prefixes or name.startswith(self.prefixes)
+
+
+#: transformers' ``Gemma3TextConfig`` defaults for the sizes (its ``__init__`` signature):
+#: Gemma 3's multimodal configs (gemma-3-4b-it) leave them out of ``text_config``
+GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                        "num_hidden_layers": 26, "num_attention_heads": 8,
+                        "num_key_value_heads": 4, "head_dim": 256}
+
+_GEMMA = ("pre/post-feedforward layernorms replicated; head_dim explicit (not hidden / heads); "
+          "tied embeddings (no lm_head tensor)")
+
+#: Every HF ``model_type`` the planner knows, and what it knows of each (checked against
+#: transformers' modeling code: ``tests/test_architectures.py`` saves a tiny model of each
+#: with transformers and compares every shard, and the column/row roles with each config
+#: class's ``base_model_tp_plan``)
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
+    Architecture("llama"),
+    Architecture("mistral"),
+    Architecture("mixtral", "experts' w1/w3 column-, w2 row-parallel; router replicated"),
+    Architecture("qwen2", "q/k/v biases split with their rows"),
+    Architecture("qwen3", "per-head q_norm/k_norm (head_dim wide) replicated"),
+    Architecture("qwen2_moe", "experts and shared expert split; routers replicated"),
+    Architecture("qwen3_moe", "experts split; routers, per-head q/k norms replicated"),
+    Architecture("gemma2", _GEMMA),
+    Architecture("gemma3_text", _GEMMA + "; per-head q_norm/k_norm replicated",
+                 defaults=GEMMA3_TEXT_DEFAULTS),
+    Architecture("gemma3", "multimodal Gemma 3: the language model (model.language_model.* "
+                 "or language_model.model.*) is split as gemma3_text, sizes from "
+                 "text_config; vision tower and projector replicated",
+                 sizes_under="text_config", defaults=GEMMA3_TEXT_DEFAULTS,
+                 prefixes=("model.language_model.", "language_model.", "lm_head.")),
+    Architecture("phi3", "Phi-3 / Phi-4: fused qkv_proj [q, k, v] and gate_up_proj "
+                 "[gate, up], each segment split on its own"),
+    Architecture("olmo2", "q_norm/k_norm normalise the whole q/k projection: split like the "
+                 "q rows (whole query heads) and k rows (whole KV heads, GQA replication)",
+                 split_norms={"q_norm": "q", "k_norm": "k"}),
+    Architecture("granite", "Llama-shaped; embedding/residual/attention multipliers and "
+                 "logits_scaling are forward-only"),
+)}
+#: the rules of a model known by its tensor names alone (GGUF, MLC)
+LLAMA_RULES = ARCHITECTURES["llama"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +103,8 @@ class ModelSpec:
     """The sizes that decide how a Llama-family model may be split.
 
     ``file`` is the metadata file they were read from and ``keys`` the key each size came from
-    (``{"num_heads": "'num_attention_heads'"}``), for messages.
+    (``{"num_heads": "'num_attention_heads'"}``), for messages. ``rules``: what the planner
+    knows of the architecture (``ARCHITECTURES``; Llama's for GGUF and MLC).
     """
 
     architecture: str
@@ -39,6 +118,7 @@ class ModelSpec:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     value_head_dim: int = 0          # GGUF's value_length where given: 0 = head_dim
+    rules: Architecture = field(default=LLAMA_RULES, compare=False)
     file: str = field(default="", compare=False)
     keys: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -64,9 +144,11 @@ def _as_fields(config: Union[Fields, Mapping[str, Any]], source: Optional[str]) 
     return config if isinstance(config, Fields) else Fields(config, file=source or "<config>")
 
 
-def _kv_heads(cfg: Fields, key: str, heads_key: str, heads: int) -> int:
+def _kv_heads(cfg: Fields, key: str, heads_key: str, heads: int,
+              default: Optional[int] = None) -> int:
     """The KV head count: an integer dividing the query heads (so at most as many)."""
-    kv = cfg.int(key, min=1, max=MAX_HEADS, default=heads, nullable=True)
+    kv = cfg.int(key, min=1, max=MAX_HEADS, default=heads if default is None else default,
+                 nullable=True)
     if heads % kv:
         raise cfg.error(key, f"is {kv}, which does not divide {cfg.name(heads_key)!r} = "
                              f"{heads}: each KV head serves a whole group of query heads, so it "
@@ -75,10 +157,13 @@ def _kv_heads(cfg: Fields, key: str, heads_key: str, heads: int) -> int:
 
 
 def _head_dim(cfg: Fields, key: str, hidden_key: str, hidden: int, heads_key: str,
-              heads: int, nullable: bool) -> tuple[int, str]:
-    """``(head_dim, how it was found)``: the key, or hidden / heads when it is absent."""
+              heads: int, nullable: bool, default: Optional[int] = None) -> tuple[int, str]:
+    """``(head_dim, how it was found)``: the key, or hidden / heads when it is absent (or the
+    architecture's ``default``)."""
     if cfg.has(key, nullable=nullable):
         return cfg.int(key, min=1, max=MAX_HEAD_DIM), repr(cfg.name(key))
+    if default is not None:
+        return default, f"{cfg.name(key)!r} (absent, so its default {default})"
     if hidden % heads:
         raise cfg.error(hidden_key, f"is {hidden}, which {cfg.name(heads_key)!r} = {heads} does "
                                     f"not divide; with no {cfg.name(key)!r} the head size is "
@@ -88,24 +173,39 @@ def _head_dim(cfg: Fields, key: str, hidden_key: str, hidden: int, heads_key: st
                              f"{cfg.name(heads_key)!r})")
 
 
-def _hf_spec(cfg: Fields, model_type: str, layers_key: str) -> ModelSpec:
+def _hf_spec(cfg: Fields, model_type: str, layers_key: str,
+             rules: Architecture = LLAMA_RULES) -> ModelSpec:
     """The sizes of an HF-style config (``config.json``, or MLC's ``model_config``)."""
-    heads = cfg.int("num_attention_heads", min=1, max=MAX_HEADS)
-    hidden = cfg.int("hidden_size", min=1, max=MAX_WIDTH)
-    kv = _kv_heads(cfg, "num_key_value_heads", "num_attention_heads", heads)
+    given = rules.defaults
+
+    def size(key: str, limit: int, **kw) -> int:
+        if key in given:
+            kw = dict(kw, default=given[key], nullable=True)
+        return cfg.int(key, min=1, max=limit, **kw)
+
+    heads = size("num_attention_heads", MAX_HEADS)
+    hidden = size("hidden_size", MAX_WIDTH)
+    kv = _kv_heads(cfg, "num_key_value_heads", "num_attention_heads", heads,
+                   given.get("num_key_value_heads"))
     head_dim, head_dim_key = _head_dim(cfg, "head_dim", "hidden_size", hidden,
-                                       "num_attention_heads", heads, nullable=True)
-    layers = cfg.int(layers_key, min=1, max=MAX_LAYERS)
-    vocab = cfg.int("vocab_size", min=1, max=MAX_WIDTH)
-    inter = cfg.int("intermediate_size", min=1, max=MAX_WIDTH, default=0, nullable=True)
+                                       "num_attention_heads", heads, nullable=True,
+                                       default=given.get("head_dim"))
+    layers = size(layers_key, MAX_LAYERS)
+    vocab = size("vocab_size", MAX_WIDTH)
+    inter = size("intermediate_size", MAX_WIDTH, **({} if "intermediate_size" in given
+                                                    else dict(default=0, nullable=True)))
     keys = {"hidden_size": "hidden_size", "num_heads": "num_attention_heads",
             "num_kv_heads": "num_key_value_heads", "num_layers": layers_key,
             "intermediate_size": "intermediate_size", "vocab_size": "vocab_size",
             "moe_intermediate_size": "moe_intermediate_size",
             "shared_expert_intermediate_size": "shared_expert_intermediate_size"}
+    absent = {attr: given[key] for attr, key in keys.items()
+              if key in given and not cfg.has(key, nullable=True)}
     keys = {attr: repr(cfg.name(key)) for attr, key in keys.items()}
+    for attr, value in absent.items():
+        keys[attr] += f" (absent, so its default {value})"
     keys["head_dim"] = head_dim_key
-    if not cfg.has("num_key_value_heads", nullable=True):
+    if not cfg.has("num_key_value_heads", nullable=True) and "num_kv_heads" not in absent:
         keys["num_kv_heads"] = (f"{keys['num_kv_heads']} (absent, so "
                                 f"{keys['num_heads']})")
     moe = cfg.int("moe_intermediate_size", min=1, max=MAX_WIDTH, default=0, nullable=True)
@@ -116,7 +216,8 @@ def _hf_spec(cfg: Fields, model_type: str, layers_key: str) -> ModelSpec:
     return ModelSpec(architecture=model_type, num_layers=layers, hidden_size=hidden,
                      num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
                      intermediate_size=inter, vocab_size=vocab, moe_intermediate_size=moe,
-                     shared_expert_intermediate_size=shared, file=cfg.file, keys=keys)
+                     shared_expert_intermediate_size=shared, rules=rules, file=cfg.file,
+                     keys=keys)
 
 
 def spec_from_hf(config: Union[Fields, Mapping[str, Any]],
@@ -124,12 +225,17 @@ def spec_from_hf(config: Union[Fields, Mapping[str, Any]],
     """From an HF ``config.json`` (as ``Fields``, or a dict and the file it came from)."""
     cfg = _as_fields(config, source)
     model_type = cfg.str("model_type")
-    if model_type not in LLAMA_LIKE:
+    rules = ARCHITECTURES.get(model_type)
+    if rules is None:
         raise PlanError(f"key 'model_type': model_type {model_type!r} is not supported by the "
                         f"planner (it knows "
-                        f"{', '.join(sorted(LLAMA_LIKE))}); write shard_info.json by hand, or "
-                        "register shard functions for it", source=cfg.file)
-    return _hf_spec(cfg, model_type, "num_hidden_layers")
+                        f"{', '.join(sorted(ARCHITECTURES))}); write shard_info.json by hand, "
+                        "or register shard functions for it", source=cfg.file)
+    if rules.sizes_under:
+        sizes = cfg.sub(rules.sizes_under, optional=True)
+        cfg = sizes if sizes is not None else Fields({}, file=cfg.file_label,
+                                                     path=rules.sizes_under)
+    return _hf_spec(cfg, model_type, "num_hidden_layers", rules)
 
 
 def spec_from_gguf(kv: Union[Fields, Mapping[str, Any]],

@@ -19,3 +19,22 @@ def take(w: np.ndarray, units: list[int], size: int, axis: int) -> np.ndarray:
     return np.concatenate([np.take(w, range(u * size, (u + 1) * size), axis=axis) if u >= 0
                            else np.zeros_like(np.take(w, range(size), axis=axis))
                            for u in units], axis=axis)
+
+
+def padded_heads(num_heads: int, num_kv_heads: int, n: int) -> tuple[list, list]:
+    """Zero padding for N the heads do not divide: (query heads, KV heads) per worker, -1 a
+    zero head. Worker r takes query heads ``r*c .. (r+1)*c - 1`` with ``c = ceil(heads / n)``
+    (those past the last are zero heads) and the KV heads those use, in order, filled up with
+    zero heads to the most any worker holds."""
+    c = -(-num_heads // n)
+    group = num_heads // num_kv_heads
+    q = [[h if h < num_heads else -1 for h in range(r * c, (r + 1) * c)] for r in range(n)]
+    kv = [sorted({h // group for h in heads if h >= 0}) for heads in q]
+    width = max(1, *(len(k) for k in kv))
+    return q, [k + [-1] * (width - len(k)) for k in kv]
+
+
+def padded_units(units: int, n: int) -> list[list[int]]:
+    """Units (MLP rows) per worker: ``ceil(units / n)`` each, in order, -1 past the last."""
+    c = -(-units // n)
+    return [[u if u < units else -1 for u in range(r * c, (r + 1) * c)] for r in range(n)]
