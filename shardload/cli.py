@@ -497,7 +497,8 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
     Architectures known (HF model_type): llama, mistral, mixtral, qwen2, qwen3, qwen2_moe,
     qwen3_moe, gemma2, gemma3_text, gemma3 (its language model; the vision tower is
     replicated), phi3 (Phi-3 and Phi-4), olmo2 and granite. GGUF: llama, mistral, qwen2,
-    qwen3, qwen2moe, qwen3moe. MLC: the Llama, Mistral, Mixtral and Qwen types above.
+    qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, olmo2, granite. MLC: the Llama, Mistral,
+    Mixtral and Qwen types above.
     """
     from .planners import plan_decision
     from .readers import open_checkpoint

@@ -54,8 +54,11 @@ def module_role(name: str, spec: ModelSpec, gguf_names: bool) -> Optional[str]:
     (``Architecture.prefixes``: a multimodal checkpoint's language model)."""
     module = name.rpartition(".")[0]
     last = module.rpartition(".")[2]
-    if gguf_names:
-        return GGUF_ROLES.get(last)
+    if gguf_names:   # model.GGUF_ARCHITECTURES: split norms and roles of this architecture
+        norm_of = spec.rules.split_norms.get(last)
+        if norm_of is not None:
+            return f"{norm_of}_norm"
+        return getattr(spec.rules, "roles", {}).get(last, GGUF_ROLES.get(last))
     rules = spec.rules
     if not rules.in_model(name):
         return None

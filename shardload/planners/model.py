@@ -16,8 +16,6 @@ from ..errors import PlanError
 
 #: MLC model_type values whose layers are Llama-shaped (attention + gated MLP, optional MoE)
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
-#: GGUF general.architecture values the planner knows
-GGUF_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 
 @dataclass(frozen=True)
@@ -99,12 +97,58 @@ LLAMA_RULES = ARCHITECTURES["llama"]
 
 
 @dataclass(frozen=True)
+class GGUFArchitecture(Architecture):
+    """What the planner knows of one GGUF ``general.architecture``: tensors are found by the
+    last component of their name before ``.weight`` (``blk.0.attn_q`` -> ``attn_q``), with the
+    roles of ``llama.GGUF_ROLES``; ``split_norms`` as for HF, by GGUF name; ``roles``: names
+    whose role differs in this architecture (Phi-3's ``ffn_up`` holds [gate, up]).
+
+    The names are gguf-py's (``MODEL_TENSORS[arch]``, ``TensorNameMap``); what each holds
+    (fused, whole-projection norms) is not in gguf-py, so it is written here from llama.cpp's
+    converter and loader, and ``tests/test_gguf_architectures.py`` checks every tensor gguf-py
+    lists for each architecture has the role it should. llama.cpp's converter permutes the q/k
+    rows (rotary pairs) of ``LlamaModel``-derived architectures (llama, granite) within each
+    head, and stores gemma2, gemma3, phi3 and olmo2 rows as HF has them: head-aligned splits
+    take the same rows either way.
+    """
+
+    roles: Mapping[str, str] = field(default_factory=dict)
+
+
+_GGUF_GEMMA = ("post_attention_norm / post_ffw_norm replicated; head size from "
+               "key_length; tied embeddings (no output tensor)")
+
+#: every GGUF ``general.architecture`` the planner knows
+GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {a.model_type: a for a in (
+    GGUFArchitecture("llama"),
+    GGUFArchitecture("mistral"),
+    GGUFArchitecture("qwen2"),
+    GGUFArchitecture("qwen3", "per-head attn_q_norm/attn_k_norm replicated"),
+    GGUFArchitecture("qwen2moe"),
+    GGUFArchitecture("qwen3moe"),
+    GGUFArchitecture("gemma2", _GGUF_GEMMA),
+    GGUFArchitecture("gemma3", _GGUF_GEMMA + "; per-head attn_q_norm/attn_k_norm replicated "
+                     "(the vision tower is a separate mmproj file)"),
+    GGUFArchitecture("phi3", "fused attn_qkv [q, k, v]; ffn_up holds [gate, up] (llama.cpp: "
+                     "2 x feed_forward_length rows, no ffn_gate), each segment split on its own",
+                     roles={"ffn_up": "gate_up"}),
+    GGUFArchitecture("olmo2", "attn_q_norm/attn_k_norm normalise the whole q/k projection: "
+                     "split like the q rows and k rows",
+                     split_norms={"attn_q_norm": "q", "attn_k_norm": "k"}),
+    GGUFArchitecture("granite", "Llama-shaped; its scales are forward-only"),
+)}
+#: GGUF general.architecture values the planner knows
+GGUF_LLAMA_LIKE = tuple(GGUF_ARCHITECTURES)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """The sizes that decide how a Llama-family model may be split.
 
     ``file`` is the metadata file they were read from and ``keys`` the key each size came from
     (``{"num_heads": "'num_attention_heads'"}``), for messages. ``rules``: what the planner
-    knows of the architecture (``ARCHITECTURES``; Llama's for GGUF and MLC).
+    knows of the architecture (``ARCHITECTURES``; ``GGUF_ARCHITECTURES`` for GGUF;
+    Llama's for MLC).
     """
 
     architecture: str
@@ -278,7 +322,8 @@ def spec_from_gguf(kv: Union[Fields, Mapping[str, Any]],
         vocab_size=cfg.int("vocab_size", **size),
         moe_intermediate_size=cfg.int("expert_feed_forward_length", **size),
         shared_expert_intermediate_size=cfg.int("expert_shared_feed_forward_length", **size),
-        value_head_dim=value_dim, file=cfg.file, keys=keys)
+        value_head_dim=value_dim, rules=GGUF_ARCHITECTURES[arch], file=cfg.file,
+        keys=keys)
 
 
 def spec_from_mlc(config: Union[Fields, Mapping[str, Any]],
