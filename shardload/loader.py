@@ -38,7 +38,7 @@ from .errors import DEVICE_CUDA, PLUGINS, PlanError, ShardloadError, mention
 from .pieces import FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, local_load
 from .plan import ParamPlan, Plan, ShardInfo, ValidatedPlan
 from .readers import Checkpoint, as_checkpoint
-from .readplan import ReadPlan, read_plan_for
+from .readplan import ReadPlan, read_plan_for, worker_functions
 from .sessions import Session
 from .sessions.base import check_timeout
 from .modules import importable_module
@@ -164,10 +164,7 @@ def _plugin_modules(validated: ValidatedPlan, remote: bool) -> list[str]:
     function it cannot import (defined in ``__main__`` or in a function) is refused here."""
     modules: dict[str, None] = {}
     for param in validated:
-        computed = param.steps and (len(param.steps) > 1 or param.funcs[0].ranges is None)
-        for step, func in zip(param.steps, param.funcs):
-            if not (computed or func.fixup is not None):
-                continue
+        for step, func in worker_functions(param):
             module = importable_module(func.func)
             if module is None and remote:
                 origin = (getattr(func.func, "__module__", "?") + "."

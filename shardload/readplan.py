@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover  (a worker process carries out read plans 
     from .readers.base import Checkpoint
 
 __all__ = ["Run", "Chain", "Fixup", "PieceRead", "ReadPlan", "build_read_plans",
-           "read_plan_for"]
+           "read_plan_for", "is_read", "worker_functions"]
 
 
 @dataclass(frozen=True)
@@ -194,16 +194,30 @@ def _describe_run(run: Run, sources: Sequence[dict]) -> str:
 
 # ---- building ----------------------------------------------------------------------------------
 
-def _selection(param: "ParamPlan", n: int, i: int) -> Optional[Selection]:
-    """Worker ``i``'s selection of ``param``'s stored tensor, or None when it must be computed.
+def is_read(param: "ParamPlan") -> bool:
+    """Whether workers read their pieces of ``param`` by byte runs (replicated, or one step whose
+    function declares a ``ranges`` rule) rather than computing its chain (no rule, several
+    steps): the one place that decides it."""
+    return param.replicated or (len(param.steps) == 1 and param.funcs[0].ranges is not None)
 
-    A replicated parameter is the whole tensor; a single step whose function declares a
-    ``ranges`` rule is what the rule says; anything else (no rule, several steps) is computed.
-    """
+
+def worker_functions(param: "ParamPlan") -> list[tuple]:
+    """``(step, func)`` of the shard functions a worker itself runs for ``param``: its whole
+    chain when computed, else the fixup's function if it has one (a function read by its
+    ``ranges`` rule alone runs nowhere)."""
+    steps = list(zip(param.steps, param.funcs))
+    if not is_read(param):
+        return steps
+    return [(s, f) for s, f in steps if f.fixup is not None]
+
+
+def _selection(param: "ParamPlan", n: int, i: int, source: Optional[str]) -> Optional[Selection]:
+    """Worker ``i``'s selection of ``param``'s stored tensor, or None when it must be computed:
+    a replicated parameter is the whole tensor, a step with a ``ranges`` rule what it says."""
+    if not is_read(param):
+        return None
     if param.replicated:
         return Selection.whole()
-    if len(param.steps) != 1 or param.funcs[0].ranges is None:
-        return None
     step, func = param.steps[0], param.funcs[0]
     meta = param.meta
     try:
@@ -213,12 +227,12 @@ def _selection(param: "ParamPlan", n: int, i: int) -> Optional[Selection]:
         sel.check(meta.shape)
     except (ValueError, TypeError, ArithmeticError, LookupError) as exc:
         raise PlanError(f"the ranges rule of {quote(step.func)} failed for worker {i}: {exc}",
-                        source=None, param=param.name, step=step.index) from None
+                        source=source, param=param.name, step=step.index) from None
     if sel.piece_shape(meta.shape) != tuple(step.out_shape[1:]):
         raise PlanError(f"the ranges rule of {quote(step.func)} gives worker {i} a piece of "
                         f"shape {list(sel.piece_shape(meta.shape))}, but the step declares "
                         f"{list(step.out_shape[1:])}: the rule disagrees with the function",
-                        param=param.name, step=step.index)
+                        source=source, param=param.name, step=step.index)
     return sel.coalesced()
 
 
@@ -263,7 +277,7 @@ def read_plan_for(validated: "ValidatedPlan", ckpt: "Checkpoint", rank: int) -> 
         if key in seen:
             sel = seen[key]
         else:
-            sel = seen[key] = _selection(param, n, rank)
+            sel = seen[key] = _selection(param, n, rank, validated.plan.source)
         if sel is not None:
             step = param.steps[0] if param.steps else None
             func = param.funcs[0] if param.funcs else None

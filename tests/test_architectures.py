@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from helpers.compressed_tensors_tool import compress_w4a16, dequant
-from helpers.tp_reference import padded_heads, padded_units, rows_of, take
+from helpers.tp_reference import layer_piece, padded_heads, padded_units, rows_of, take
 from shardload import FormatError, PlanError, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_for
@@ -121,19 +121,7 @@ def expected(name: str, w: torch.Tensor, n: int, i: int, g: Geometry,
     if module is None:
         return w
     axis = 1 if module in ("o_proj", "down_proj") else 0
-    pieces, start = [], 0
-    for rows, units, replicable, kind in segments(module, g):
-        part = w.narrow(axis, start, rows)
-        start += rows
-        if padded is None:
-            index = rows_of(n, i, rows, units, replicable)
-            pieces.append(part[index] if axis == 0 else part[:, index])
-        else:
-            q_heads, kv_heads, mlp = padded
-            worker_units = {"q": q_heads, "kv": kv_heads, "mlp": mlp}[kind][i]
-            size = 1 if kind == "mlp" else g.head_dim
-            pieces.append(torch.from_numpy(take(part.numpy(), worker_units, size, axis)))
-    return torch.cat(pieces, dim=axis)
+    return layer_piece(w, axis, segments(module, g), n, i, g.head_dim, padded)
 
 
 def load(folder: Path, n: int):

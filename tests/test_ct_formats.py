@@ -23,7 +23,7 @@ from compressed_tensors.compressors.mx_utils import decompress_mx_scale
 from safetensors.torch import load_file
 
 from helpers.compressed_tensors_tool import compress_preset, decompress
-from helpers.tp_reference import padded_heads, padded_units, rows_of, take
+from helpers.tp_reference import layer_piece, padded_heads, padded_units
 from shardload import FormatError, PlanError, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_for
@@ -92,18 +92,7 @@ def expected(layer: str, w: torch.Tensor, n: int, i: int, head_dim: int,
     rows) per worker, -1 a zero unit."""
     module = layer.rsplit(".", 1)[1]
     axis = 1 if module in ("o_proj", "down_proj") else 0
-    pieces, start = [], 0
-    for rows, units, replicable, kind in segments(module, head_dim):
-        part = w.narrow(axis, start, rows)
-        start += rows
-        if padded is None:
-            index = rows_of(n, i, rows, units, replicable)
-            pieces.append(part[index] if axis == 0 else part[:, index])
-        else:
-            worker = {"q": padded[0], "kv": padded[1], "mlp": padded[2]}[kind][i]
-            size = 1 if kind == "mlp" else head_dim
-            pieces.append(torch.from_numpy(take(part.numpy(), worker, size, axis)))
-    return torch.cat(pieces, dim=axis)
+    return layer_piece(w, axis, segments(module, head_dim), n, i, head_dim, padded)
 
 
 def load(folder, n: int):

@@ -258,3 +258,22 @@ def test_worker_processes_free_the_pieces_of_dropped_results(plugin_file):
         third = load_sharded(path, info, sess, progress=False)  # frees the dropped one first
         assert sess.call("tests.readplan.loads_held") == [2, 2]
         assert torch.equal(second.shard("w", 1), third.shard("w", 1))
+
+
+def test_a_ranges_rule_that_disagrees_with_its_function_is_a_plan_error():
+    from shardload import PlanError, Selection, register_shard_func
+
+    def rule(in_shape, in_dtype, *, num_shards):
+        return (num_shards, in_shape[0] // num_shards, *in_shape[1:]), in_dtype
+
+    def one_row_too_many(in_shape, in_dtype, *, num_shards, index):
+        rows = in_shape[0] // num_shards
+        return Selection(0, ((index * rows, rows + 1),))
+
+    register_shard_func("tests.readplan.wrong_ranges", lambda x, out: None, shape_rule=rule,
+                        ranges=one_row_too_many)
+    plan = {"x": [["tests.readplan.wrong_ranges", [[2, 4, 3], "float32"]]]}
+    with ThreadedSession(2) as sess, pytest.raises(PlanError) as err:
+        load_sharded({"x": torch.zeros(8, 3)}, plan, sess, progress=False)
+    assert "disagrees with the function" in str(err.value)
+    assert err.value.param == "x" and err.value.step == 0

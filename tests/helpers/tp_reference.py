@@ -38,3 +38,25 @@ def padded_units(units: int, n: int) -> list[list[int]]:
     """Units (MLP rows) per worker: ``ceil(units / n)`` each, in order, -1 past the last."""
     c = -(-units // n)
     return [[u if u < units else -1 for u in range(r * c, (r + 1) * c)] for r in range(n)]
+
+
+def layer_piece(w, axis: int, segments, n: int, i: int, head_dim: int, padded=None):
+    """Worker i's piece of a (possibly fused) layer's dense weight ``w`` (a torch tensor), split
+    along ``axis``: each segment ``(rows, units, replicable, kind)`` (kind ``q``, ``kv`` or
+    ``mlp``) on its own, concatenated. ``padded``: ``(query heads, KV heads, MLP rows)`` per
+    worker for a zero-padded N (-1 a zero unit); the MLP's unit is one row, a head's
+    ``head_dim`` rows."""
+    import torch
+
+    pieces, start = [], 0
+    for rows, units, replicable, kind in segments:
+        part = w.narrow(axis, start, rows)
+        start += rows
+        if padded is None:
+            index = rows_of(n, i, rows, units, replicable)
+            pieces.append(part[index] if axis == 0 else part[:, index])
+        else:
+            worker = {"q": padded[0], "kv": padded[1], "mlp": padded[2]}[kind][i]
+            size = 1 if kind == "mlp" else head_dim
+            pieces.append(torch.from_numpy(take(part.numpy(), worker, size, axis)))
+    return torch.cat(pieces, dim=axis)
