@@ -277,3 +277,47 @@ def test_a_ranges_rule_that_disagrees_with_its_function_is_a_plan_error():
         load_sharded({"x": torch.zeros(8, 3)}, plan, sess, progress=False)
     assert "disagrees with the function" in str(err.value)
     assert err.value.param == "x" and err.value.step == 0
+
+
+# ---- checkpoints the real tools wrote -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from helpers.real_models import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+def test_the_published_smollm2_gguf_padded_at_4_reads_its_own_units(smollm2):
+    # a real llama.cpp-quantized file (Q4_1 blocks, mixed types) and the planner's padded plan:
+    # every worker's read plan gives what computing each tensor whole and slicing it gives
+    from shardload.planners import plan_for
+
+    with open_checkpoint(smollm2) as ckpt:
+        info = plan_for(ckpt, num_shards=4)
+        assert "tensor_parallel" in info.metadata  # 9 query / 3 KV heads: padded
+        plan = info.bind(4)
+        tensors = {name: ckpt.read(name) for name in ckpt.names()}
+        check_reads_equal_compute(ckpt, plan, tensors)
+        validated = plan.validate(ckpt.metadata())
+        sharded = sum(p.meta.nbytes for p in validated if not p.replicated)
+        replicated = sum(p.meta.nbytes for p in validated if p.replicated)
+        for rp in build_read_plans(validated, ckpt):
+            assert rp.bytes_read - replicated <= sharded * 0.3  # about 1/4, never all of it
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_transformers_checkpoint_reads_equal_compute(tmp_path, n):
+    # written by transformers' save_pretrained; N=3 is padded (4 query heads, 2 KV heads)
+    import transformers
+
+    from shardload.planners import plan_for
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=96)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with open_checkpoint(str(tmp_path)) as ckpt:
+        plan = plan_for(ckpt, num_shards=n).bind(n)
+        check_reads_equal_compute(ckpt, plan, {k: ckpt.read(k) for k in ckpt.names()})
