@@ -214,7 +214,19 @@ def _shards_option(f):
                         help="Number of workers (tensor-parallel ranks), at most 4096.")(f)
 
 
+_EXPERTS_HELP = ("Routed experts of a mixture-of-experts model: tp splits every expert "
+                 "across the workers; ep gives each worker whole experts (expert parallelism: "
+                 "a worker reads only its experts' bytes), assigned evenly and recorded in the "
+                 "plan. Default: tp.")
+
+
+def _experts_option(f):
+    return click.option("--experts", type=click.Choice(["tp", "ep"]), default="tp",
+                        show_default=False, help=_EXPERTS_HELP)(f)
+
+
 def _plan_options(f):
+    f = _experts_option(f)
     f = click.option("--plugin", "plugins", multiple=True, metavar="MODULE",
                      help="Import MODULE first, so the shard functions it registers exist "
                           "(it must be importable: on sys.path or PYTHONPATH). Repeatable.")(f)
@@ -227,7 +239,8 @@ def _plan_options(f):
 _ckpt_argument = click.argument("ckpt", type=click.Path(exists=True))
 
 
-def _prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num_shards: int):
+def _prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num_shards: int,
+             experts: str = "tp"):
     """Load plugins, open the checkpoint, find or write the plan, validate it for N (no tensor
     data read, except the few GPTQ g_idx vectors a planner looks at)."""
     from .plan import ShardInfo
@@ -243,8 +256,12 @@ def _prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num
         with _reading():
             if shard_info is None:
                 shard_info = _default_plan(checkpoint, ckpt)
+            if shard_info is not None and experts != "tp":
+                raise BadInput(f"--experts {experts} chooses how shardload plans, but the plan "
+                               f"{quote(shard_info)} is used as it is: write a plan with "
+                               f"`shardload plan --experts {experts}`, or leave --experts out")
             if shard_info is None:  # no plan file: plan from the config
-                decision = plan_decision(checkpoint, num_shards)
+                decision = plan_decision(checkpoint, num_shards, experts=experts)
                 info, validated = decision.plan(), decision.validated
                 source = info.source
             else:
@@ -357,7 +374,7 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table.")
 @_ckpt_argument
-def load(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...],
+def load(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...], experts: str,
          device: Optional[str], session_kind: str, timeout: Optional[float], as_json: bool,
          quiet: bool, ckpt: str) -> None:
     """Load CKPT sharded over N workers and report what each worker holds.
@@ -368,7 +385,7 @@ def load(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...],
 
     if session_kind == "torch":
         _check_torchrun()
-    checkpoint, validated, plan_file = _prepare(ckpt, shard_info, plugins, num_shards)
+    checkpoint, validated, plan_file = _prepare(ckpt, shard_info, plugins, num_shards, experts)
     try:
         session = _open_session(session_kind, num_shards, device, plugins, timeout)
     except BaseException:
@@ -403,15 +420,25 @@ def load(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...],
 @_plan_options
 @_ckpt_argument
 def validate(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...],
-             ckpt: str) -> None:
+             experts: str, ckpt: str) -> None:
     """Check that the plan fits CKPT for N workers. Reads no tensor data."""
-    checkpoint, validated, plan_file = _prepare(ckpt, shard_info, plugins, num_shards)
+    checkpoint, validated, plan_file = _prepare(ckpt, shard_info, plugins, num_shards, experts)
     with checkpoint:
         params = list(validated)
         sharded = sum(1 for p in params if not p.replicated)
         _out(f"ok: {plan_file} fits {ckpt} for {num_shards} worker(s): {len(params)} "
              f"tensors ({sharded} sharded, {len(params) - sharded} replicated), "
-             f"{_human(validated.bytes_per_worker())} per worker")
+             f"{_per_worker(validated)}")
+
+
+def _per_worker(validated) -> str:
+    """``12 MiB per worker``, or, where the plan places parameters on some workers only, the
+    most any worker keeps."""
+    most = _human(validated.bytes_per_worker())
+    if validated.plan.placement is None:
+        return f"{most} per worker"
+    placed = sum(1 for p in validated if p.workers is not None)
+    return f"at most {most} per worker ({placed} tensors placed on some workers only)"
 
 
 @cli.command()
@@ -422,14 +449,14 @@ def validate(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...
               help="Show what each worker will read: byte ranges of which file, per tensor.")
 @_ckpt_argument
 def inspect(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...],
-            as_json: bool, reads: bool, ckpt: str) -> None:
+            experts: str, as_json: bool, reads: bool, ckpt: str) -> None:
     """Show each parameter's per-worker shape and bytes for N workers. Reads no tensor data.
 
     With --reads, show each worker's read plan instead: for every tensor, the byte ranges it
     copies (FILE[begin:end], or strided: FILE[begin:+bytes xCOUNT every STRIDE]) or the chain it
     computes, and the bytes it reads in all.
     """
-    checkpoint, validated, _ = _prepare(ckpt, shard_info, plugins, num_shards)
+    checkpoint, validated, _ = _prepare(ckpt, shard_info, plugins, num_shards, experts)
     with checkpoint:
         if reads:
             from .readplan import build_read_plans
@@ -438,26 +465,34 @@ def inspect(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...]
         rows = [{"name": p.name, "shape": list(p.meta.shape), "dtype": p.meta.dtype,
                  "steps": [s.func for s in p.steps], "shard_shape": list(p.piece_shape),
                  "shard_dtype": p.piece_dtype, "bytes_per_worker": p.piece_nbytes,
-                 "padding_bytes": _padding_bytes(p)}
+                 "padding_bytes": _padding_bytes(p),
+                 "workers": None if p.workers is None else list(p.workers)}
                 for p in validated]
     if reads:
         _print_reads(plans, validated, as_json)
         return
     padding = sum(r["padding_bytes"] for r in rows)
     if as_json:
+        meta = validated.plan.metadata
         _out(json.dumps({"num_shards": num_shards, "params": rows, "padding_bytes": padding,
-                         "tensor_parallel": validated.plan.metadata.get("tensor_parallel")}))
+                         "tensor_parallel": meta.get("tensor_parallel"),
+                         "experts": meta.get("experts")}))
         return
     _out(_table(["parameter", "stored", "steps", "per worker", "bytes"],
                 [[r["name"], f"{r['shape']} {r['dtype']}",
-                  " > ".join(r["steps"]) or "(replicated)",
+                  " > ".join(r["steps"]) or ("(replicated)" if r["workers"] is None else
+                                             f"(whole on {_workers(r['workers'])})"),
                   f"{r['shard_shape']} {r['shard_dtype']}", _human(r["bytes_per_worker"])]
                  for r in rows], right=(4,)))
-    _out(f"{len(rows)} tensors, {_human(validated.bytes_per_worker())} per worker")
+    _out(f"{len(rows)} tensors, {_per_worker(validated)}")
     if padding:
-        total = validated.bytes_per_worker() * num_shards
+        total = sum(validated.bytes_per_worker(i) for i in range(num_shards))
         _out(f"zero padding: {_human(padding)} over all workers "
              f"({100 * padding / total:.1f}% of what they hold)")
+
+
+def _workers(workers: list[int]) -> str:
+    return ("worker " if len(workers) == 1 else "workers ") + ", ".join(map(str, workers))
 
 
 def _print_reads(plans, validated, as_json: bool) -> None:
@@ -484,9 +519,10 @@ def _print_reads(plans, validated, as_json: bool) -> None:
               help="Split embeddings and lm_head by vocabulary rows instead of replicating.")
 @click.option("--no-pad", is_flag=True,
               help="Refuse an N the heads or MLP do not divide, instead of zero-padding.")
+@_experts_option
 @_ckpt_argument
 def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: bool,
-         ckpt: str) -> None:
+         experts: str, ckpt: str) -> None:
     """Write the plan (shard_info.json) for CKPT, checked for N workers.
 
     The model and its quantization are read from config.json (+ quantization_config or
@@ -496,9 +532,17 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
 
     Architectures known (HF model_type): llama, mistral, mixtral, qwen2, qwen3, qwen2_moe,
     qwen3_moe, gemma2, gemma3_text, gemma3 (its language model; the vision tower is
-    replicated), phi3 (Phi-3 and Phi-4), olmo2 and granite. GGUF: llama, mistral, qwen2,
-    qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, olmo2, granite. MLC: the Llama, Mistral,
-    Mixtral and Qwen types above.
+    replicated), phi3 (Phi-3 and Phi-4), olmo2, granite, gpt_oss, deepseek_v2 and deepseek_v3
+    (MLA). GGUF: llama, mistral, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3,
+    olmo2, granite. MLC: the Llama, Mistral, Mixtral and Qwen types above.
+
+    Formats: unquantized (bf16/fp16/fp32), GPTQ, AWQ, compressed-tensors (pack-quantized
+    W4A16/W8A16, int-quantized W8A8, float-quantized FP8 incl. block FP8, NVFP4, MXFP4), FP8
+    (incl. DeepSeek's block FP8, weight_scale_inv), NVIDIA ModelOpt (NVFP4, FP8), gpt-oss
+    MXFP4, GGUF and MLC q4f16_1.
+
+    Mixture-of-experts: --experts tp splits every expert; --experts ep gives each worker
+    whole experts, for this N only.
     """
     from .planners import plan_decision
     from .readers import open_checkpoint
@@ -509,7 +553,7 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
         # one pass: the plan that fits N, padded for N, or the refusal naming the constraint
         # N breaks and the N that work (raised here, printed by _Group)
         decision = plan_decision(checkpoint, num_shards, vocab_parallel=vocab_parallel,
-                                 pad=not no_pad)
+                                 pad=not no_pad, experts=experts)
         info, summary, valid = decision.plan(), decision.summary, decision.valid
     text = info.dumps()
     from .plan import MAX_PLAN_BYTES
@@ -527,6 +571,8 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
         fits += f" (tried N up to {valid.tried} only)"
     scope = (f"for N={num_shards} only; unpadded plans fit N in {fits}"
              if decision.kind == "padded" else f"valid for N in {fits}")
+    if experts == "ep":
+        scope = f"for N={num_shards} only (whole experts are placed on its workers)"
     _note(f"{summary}; {scope}{f' (written to {output})' if output else ''}")
 
 

@@ -106,11 +106,22 @@ class ShardedParams:
             raise IndexError(f"worker {worker!r} out of range for {self.num_shards} workers")
         if name not in self._known:
             raise KeyError(f"no parameter named {name!r}")
+        param = self.plan.params[name]
+        if not param.held_by(worker):
+            raise KeyError(f"worker {worker} holds no piece of {name!r}: the plan places it on "
+                           f"worker(s) {', '.join(map(str, param.workers or ()))} only "
+                           "(__placement__, expert parallelism)")
         return self._fetch(name, worker)
+
+    def holds(self, name: str, worker: int) -> bool:
+        """Whether worker ``worker`` keeps a piece of ``name`` (all do, but for parameters the
+        plan places on some workers only)."""
+        return name in self._known and self.plan.params[name].held_by(worker)
 
     def worker(self, worker: int) -> dict[str, torch.Tensor]:
         """All of worker ``worker``'s tensors, by name."""
-        return {name: self.shard(name, worker) for name in self.names}
+        return {name: self.shard(name, worker) for name in self.names
+                if self.plan.params[name].held_by(worker)}
 
     def __repr__(self) -> str:
         return (f"ShardedParams({len(self.names)} params on {self.num_shards} workers, "
@@ -283,7 +294,7 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
             plans: dict[int, ReadPlan] = {i: read_plan_for(validated, source, i) for i in ranks}
             _release_dropped(session)
         token, local = stack.enter_context(local_load(source, len(here)))
-        total = validated.bytes_per_worker() * (len(here) if session.spmd else n)
+        total = sum(validated.bytes_per_worker(i) for i in ranks)
         advance, close_bar = progress_callback(
             progress if not session.spmd or session.local_workers == [0] else False, total)
         stack.callback(close_bar)

@@ -33,6 +33,12 @@ the same plans. After changing a limit, regenerate the file with::
 
 (or run ``SHARDLOAD_WRITE_SCHEMA=1 python -m pytest tests/test_plan_schema.py``).
 
+**Placement.** A plan may hold whole parameters on some workers only (expert parallelism: each
+worker holds whole experts): ``"__placement__": {"num_shards": N, "params": {name: [worker,
+...]}}``. A placed parameter takes no steps (each of its workers keeps it whole), the plan is for
+that N alone (binding it to another is refused with the way to re-plan), and a worker not named
+neither reads nor keeps it (``ParamPlan.workers``, ``ValidatedPlan.held_by``).
+
 **One serialisation.** ``step_json`` writes a step as ``shard_info.json`` has it; ``RawStep``,
 ``Step``, ``ShardInfo.to_dict``/``dumps``, ``Plan.to_dict`` and the planners all go through it.
 
@@ -60,7 +66,7 @@ from .readers.base import TensorMeta
 __all__ = ["ShardInfo", "Plan", "Step", "ValidatedPlan", "ParamPlan", "MAX_PLAN_BYTES",
            "MAX_GROWTH", "MAX_NUM_SHARDS", "MAX_PARAMS", "MAX_STEPS", "MAX_DIMS",
            "MAX_EXTRA_ARGS", "MAX_EXPRESSIONS", "MAX_DIM", "json_schema", "write_schema",
-           "schema_text", "step_json", "SCHEMA_FILE"]
+           "schema_text", "step_json", "SCHEMA_FILE", "Placement"]
 
 # ---- limits --------------------------------------------------------------------------------------
 # Every limit is far beyond what a real plan needs, and each refusal says which one was hit.
@@ -179,15 +185,41 @@ def json_schema() -> dict:
         "description": description,
         "type": "object",
         "propertyNames": {"minLength": 1},
-        # the metadata key is no parameter: one more key is allowed when it is there
-        "if": {"required": [ShardInfo.METADATA_KEY]},
-        "then": {"maxProperties": MAX_PARAMS + 1},
-        "else": {"maxProperties": MAX_PARAMS},
+        # the reserved keys are no parameters: one more key is allowed for each that is there
+        "maxProperties": MAX_PARAMS + 2,
+        "allOf": [{"if": {"required": [ShardInfo.METADATA_KEY, Placement.KEY]},
+                   "then": {"maxProperties": MAX_PARAMS + 2},
+                   "else": {"if": {"anyOf": [{"required": [ShardInfo.METADATA_KEY]},
+                                             {"required": [Placement.KEY]}]},
+                            "then": {"maxProperties": MAX_PARAMS + 1},
+                            "else": {"maxProperties": MAX_PARAMS}}}],
         "properties": {
             ShardInfo.METADATA_KEY: {
                 "description": "Not a parameter: what the planner recorded for engines, e.g. "
-                               "tensor_parallel (each worker's heads when padding).",
+                               "tensor_parallel (each worker's heads when padding), experts "
+                               "(each worker's experts under expert parallelism).",
                 "type": "object",
+            },
+            Placement.KEY: {
+                "description": "Not a parameter: whole parameters held by some workers only "
+                               "(expert parallelism), for the one num_shards the plan was "
+                               "written for. A placed parameter takes no steps.",
+                "type": "object",
+                "required": ["num_shards", "params"],
+                "additionalProperties": False,
+                "properties": {
+                    "num_shards": {"type": "integer", "minimum": 1,
+                                   "maximum": MAX_NUM_SHARDS},
+                    "params": {
+                        "type": "object",
+                        "maxProperties": MAX_PARAMS,
+                        "propertyNames": {"minLength": 1},
+                        "additionalProperties": {
+                            "type": "array", "minItems": 1, "uniqueItems": True,
+                            "items": {"type": "integer", "minimum": 0,
+                                      "maximum": MAX_NUM_SHARDS - 1}},
+                    },
+                },
             },
         },
         "additionalProperties": {
@@ -367,10 +399,13 @@ def _parse_step(raw: Any, where: dict, exprs: Expressions) -> RawStep:
     return RawStep(func, tuple(dims), dtype, tuple(extra))
 
 
-def _plan_json(metadata: Mapping[str, Any], params: Mapping[str, tuple]) -> dict:
-    """``{"__metadata__": ..., name: [step, ...]}``: a plan's steps (``RawStep`` or ``Step``,
-    each written by ``step_json``) as ``shard_info.json`` holds them."""
+def _plan_json(metadata: Mapping[str, Any], params: Mapping[str, tuple],
+               placement: Optional[Placement] = None) -> dict:
+    """``{"__metadata__": ..., "__placement__": ..., name: [step, ...]}``: a plan's steps
+    (``RawStep`` or ``Step``, each written by ``step_json``) as ``shard_info.json`` holds them."""
     out: dict[str, Any] = {ShardInfo.METADATA_KEY: metadata} if metadata else {}
+    if placement is not None:
+        out[Placement.KEY] = placement.to_json()
     out.update({name: [s.to_json() for s in steps] for name, steps in params.items()})
     return out
 
@@ -393,6 +428,15 @@ def _step_key(raw: Any) -> Optional[tuple]:
     except TypeError:
         return None
     return key
+
+
+def _check_placed(placement: Placement, steps: Mapping[str, tuple], source: Optional[str]):
+    """A placed parameter is held whole by its workers: it takes no steps."""
+    for name in placement.params:
+        if steps.get(name):
+            raise PlanError(f"is placed on workers {list(placement.params[name])} "
+                            f"({Placement.KEY}) and has steps: a placed parameter is held "
+                            "whole by its workers, so it takes none", source=source, param=name)
 
 
 def _check_metadata(metadata: Mapping, source: Optional[str]) -> None:
@@ -429,6 +473,53 @@ def _check_metadata(metadata: Mapping, source: Optional[str]) -> None:
             raise PlanError(f"{_cut(path, 200)} holds {bad}", source=source)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Which workers hold which whole parameters (the plan's ``__placement__``), for the one
+    ``num_shards`` it was written for.
+
+    >>> Placement.from_json({"num_shards": 2, "params": {"experts.1.w": [1]}}).params
+    mappingproxy({'experts.1.w': (1,)})
+    """
+
+    num_shards: int
+    params: Mapping[str, tuple[int, ...]]
+
+    KEY = "__placement__"
+
+    @classmethod
+    def from_json(cls, data: Any, source: Optional[str] = None) -> "Placement":
+        def refuse(what: str) -> PlanError:
+            return PlanError(f"{cls.KEY} {what}", source=source)
+
+        if not isinstance(data, Mapping) or set(data) != {"num_shards", "params"}:
+            raise refuse('must be an object {"num_shards": N, "params": {name: [worker, ...]}}'
+                         f", got {_brief(data)}")
+        n, params = data["num_shards"], data["params"]
+        if type(n) is not int or not 1 <= n <= MAX_NUM_SHARDS:
+            raise refuse(f"num_shards is {quote(n, 40)}: an integer from 1 to {MAX_NUM_SHARDS}")
+        if not isinstance(params, Mapping) or len(params) > MAX_PARAMS:
+            raise refuse(f"params must be an object of at most {MAX_PARAMS} names, got "
+                         f"{_brief(params)}")
+        out: dict[str, tuple[int, ...]] = {}
+        for name, workers in params.items():
+            if not isinstance(name, str) or not name or not strict_json.is_text(name):
+                raise refuse(f"names a parameter {_brief(name)}: names are non-empty strings")
+            if (not isinstance(workers, list) or not workers
+                    or any(type(w) is not int or not 0 <= w < n for w in workers)
+                    or len(set(workers)) != len(workers)):
+                raise PlanError(f"{cls.KEY}: the workers holding it must be a non-empty list "
+                                f"of distinct workers 0..{n - 1} (num_shards={n}), got "
+                                f"{_brief(workers)}", source=source, param=name)
+            held = tuple(sorted(workers))
+            out[name] = held
+        return cls(n, MappingProxyType(out))
+
+    def to_json(self) -> dict:
+        return {"num_shards": self.num_shards,
+                "params": {name: list(workers) for name, workers in self.params.items()}}
+
+
 class ShardInfo:
     """A parsed ``shard_info.json``, not yet bound to a number of shards.
 
@@ -441,11 +532,16 @@ class ShardInfo:
     METADATA_KEY = "__metadata__"
 
     def __init__(self, steps: Mapping[str, tuple[RawStep, ...]], source: Optional[str] = None,
-                 metadata: Optional[Mapping[str, Any]] = None):
+                 metadata: Optional[Mapping[str, Any]] = None,
+                 placement: Optional[Placement] = None):
         self.steps: Mapping[str, tuple[RawStep, ...]] = MappingProxyType(dict(steps))
         self.source = source
         #: what the planner recorded for engines (e.g. ``tensor_parallel``: heads per worker)
         self.metadata: dict[str, Any] = dict(metadata or {})
+        #: whole parameters held by some workers only (expert parallelism), or None
+        self.placement = placement
+        if placement is not None:
+            _check_placed(placement, self.steps, source)
         # the plan's expressions, each compiled once (filled by from_dict, or on first bind)
         self._exprs: Expressions = {}
         self._symbolic: Optional[bool] = None
@@ -457,7 +553,7 @@ class ShardInfo:
         if not isinstance(data, Mapping):
             raise PlanError("a plan must be a JSON object {parameter: [steps...]}, got "
                             f"{type(data).__name__}", source=source)
-        count = len(data) - (cls.METADATA_KEY in data)
+        count = len(data) - (cls.METADATA_KEY in data) - (Placement.KEY in data)
         if count > MAX_PARAMS:
             raise PlanError(f"the plan names {count} parameters, more than the {MAX_PARAMS} a "
                             "plan may have", source=source)
@@ -468,11 +564,13 @@ class ShardInfo:
                             f"{type(metadata).__name__}", source=source)
         if not _strict_json:
             _check_metadata(metadata, source)
+        placement = (Placement.from_json(data[Placement.KEY], source)
+                     if Placement.KEY in data else None)
         exprs: Expressions = {}
         # real plans repeat each step for every layer: a step already parsed is reused
         seen: dict[tuple, RawStep] = {}
         for name, raw_steps in data.items():
-            if name == cls.METADATA_KEY:
+            if name == cls.METADATA_KEY or name == Placement.KEY:
                 continue
             if not isinstance(name, str) or not name:
                 raise PlanError(f"parameter names must be non-empty strings, got {_brief(name)}",
@@ -495,7 +593,7 @@ class ShardInfo:
                         seen[key] = step
                 parsed.append(step)
             steps[name] = tuple(parsed)
-        info = cls(steps, source, metadata)
+        info = cls(steps, source, metadata, placement)
         info._exprs = exprs
         return info
 
@@ -545,7 +643,10 @@ class ShardInfo:
 
     @property
     def planned_num_shards(self) -> Optional[int]:
-        """For a plan of plain integers, the N it was written for (axis 0 of last outputs)."""
+        """For a plan of plain integers, the N it was written for (axis 0 of last outputs);
+        for a plan with a placement, its N."""
+        if self.placement is not None:
+            return self.placement.num_shards
         if self.is_symbolic:
             return None
         ns = {steps[-1].out_shape[0] for steps in self.steps.values()
@@ -554,7 +655,7 @@ class ShardInfo:
 
     def to_dict(self) -> dict:
         """The plan in ``shard_info.json`` form, expressions kept."""
-        return _plan_json(self.metadata, self.steps)
+        return _plan_json(self.metadata, self.steps, self.placement)
 
     def dumps(self) -> str:
         """JSON text with one parameter per line: diffable and still small."""
@@ -577,6 +678,14 @@ class ShardInfo:
     def bind(self, num_shards: int) -> "Plan":
         """Evaluate every expression for ``num_shards``; refuse a plan written for another N."""
         _check_num_shards(num_shards, self.source)
+        if self.placement is not None and self.placement.num_shards != num_shards:
+            replan = Setting(f"plan_for(checkpoint, num_shards={num_shards}, experts='ep')",
+                             f"shardload plan --shards {num_shards} --experts ep")
+            raise mention(PlanError(
+                f"this plan places whole parameters on the workers of "
+                f"num_shards={self.placement.num_shards} ({Placement.KEY}), but "
+                f"num_shards={num_shards} was asked for. Re-plan for {num_shards} workers with "
+                f"`{replan.python}`.", source=self.source), replan)
         if not self.is_symbolic:
             written = {steps[-1].out_shape[0] for steps in self.steps.values()
                        if steps and steps[-1].out_shape}
@@ -609,7 +718,7 @@ class ShardInfo:
                                                                     values)
                     steps.append(step)
                 params[name] = tuple(steps)
-        return Plan(num_shards, params, self.source, self.metadata)
+        return Plan(num_shards, params, self.source, self.metadata, self.placement)
 
     def _bind_step(self, name: str, index: int, raw: RawStep, n: int,
                    values: dict[str, int]) -> "Step":
@@ -693,12 +802,19 @@ class Plan:
     """A plan bound to one ``num_shards``; immutable. Build it with ``ShardInfo.bind``."""
 
     def __init__(self, num_shards: int, params: Mapping[str, tuple[Step, ...]],
-                 source: Optional[str] = None, metadata: Optional[Mapping[str, Any]] = None):
+                 source: Optional[str] = None, metadata: Optional[Mapping[str, Any]] = None,
+                 placement: Optional[Placement] = None):
         _check_num_shards(num_shards, source)
+        if placement is not None:
+            if placement.num_shards != num_shards:
+                raise PlanError(f"{Placement.KEY} is for num_shards={placement.num_shards}, "
+                                f"the plan is bound to {num_shards}", source=source)
+            _check_placed(placement, params, source)
         self.num_shards = num_shards
         self.params: Mapping[str, tuple[Step, ...]] = MappingProxyType(dict(params))
         self.source = source
         self.metadata: dict[str, Any] = dict(metadata or {})
+        self.placement = placement
 
     def __repr__(self) -> str:
         return (f"Plan(num_shards={self.num_shards}, {len(self.params)} params, "
@@ -706,16 +822,18 @@ class Plan:
 
     def to_dict(self) -> dict:
         """The plan in ``shard_info.json`` form, every expression evaluated for this N."""
-        return _plan_json(self.metadata, self.params)
+        return _plan_json(self.metadata, self.params, self.placement)
 
     # -- 3. validate
     def validate(self, metadata: Mapping[str, TensorMeta]) -> "ValidatedPlan":
         """Check the plan against a checkpoint's metadata; no tensor data is read.
 
         Every parameter of the checkpoint appears in the result: those the plan names with their
-        steps, the others replicated.
+        steps, the others replicated (or held whole by the workers ``__placement__`` names).
         """
+        placed = self.placement.params if self.placement is not None else {}
         missing = [name for name in self.params if name not in metadata]
+        missing += [name for name in placed if name not in metadata]
         if missing:
             first = missing[0]
             hint = _close_match(first, metadata)
@@ -729,6 +847,7 @@ class Plan:
         from .registry import get_shard_func
 
         n = self.num_shards
+        placed = self.placement.params if self.placement is not None else {}
         found: dict[str, Any] = {}  # one registry lookup per function name
         # a step shared by many parameters (every layer's), met with the same input again,
         # passes again: checked once
@@ -737,7 +856,7 @@ class Plan:
         for name, meta in metadata.items():
             steps = self.params.get(name, ())
             if not steps:
-                out[name] = ParamPlan(meta, (), ())
+                out[name] = ParamPlan(meta, (), (), placed.get(name))
                 continue
             if len(steps) > MAX_STEPS:
                 raise PlanError(f"{len(steps)} steps, more than the {MAX_STEPS} a parameter may "
@@ -857,10 +976,16 @@ class ParamPlan:
     meta: TensorMeta
     steps: tuple[Step, ...]
     funcs: tuple  # ShardFunc per step
+    #: the workers holding it whole (``__placement__``); None: every worker holds its piece
+    workers: Optional[tuple[int, ...]] = None
 
     @property
     def name(self) -> str:
         return self.meta.name
+
+    def held_by(self, worker: int) -> bool:
+        """Whether worker ``worker`` keeps a piece of this parameter."""
+        return self.workers is None or worker in self.workers
 
     @property
     def replicated(self) -> bool:
@@ -895,5 +1020,15 @@ class ValidatedPlan:
     def __iter__(self) -> Iterator[ParamPlan]:
         return iter(self.params.values())
 
-    def bytes_per_worker(self) -> int:
-        return sum(p.piece_nbytes for p in self)
+    def held_by(self, worker: int) -> Iterator[ParamPlan]:
+        """The parameters worker ``worker`` keeps a piece of (all but those placed elsewhere)."""
+        return (p for p in self.params.values() if p.held_by(worker))
+
+    def bytes_per_worker(self, worker: Optional[int] = None) -> int:
+        """The bytes of the pieces one worker keeps: worker ``worker``'s, or (``None``) the
+        most any worker keeps."""
+        if worker is not None:
+            return sum(p.piece_nbytes for p in self.held_by(worker))
+        if self.plan.placement is None:
+            return sum(p.piece_nbytes for p in self)
+        return max(self.bytes_per_worker(w) for w in range(self.num_shards))

@@ -269,7 +269,7 @@ def read_plan_for(validated: "ValidatedPlan", ckpt: "Checkpoint", rank: int) -> 
     pieces = []
     # every layer repeats the same steps on the same shapes: each selection is worked out once
     seen: dict[tuple, Optional[Selection]] = {}
-    for param in validated:
+    for param in validated.held_by(rank):    # a parameter placed on other workers: nothing
         meta = param.meta
         source, begin, _ = ckpt.locate(meta.name)
         itemsize = dtypes.itemsize(meta.dtype)

@@ -65,8 +65,10 @@ def test_schema_is_valid_draft_2020_12():
 def test_schema_states_the_limits_the_parser_applies():
     schema = json_schema()
     defs = schema["$defs"]
-    assert schema["else"]["maxProperties"] == MAX_PARAMS
-    assert schema["then"]["maxProperties"] == MAX_PARAMS + 1        # __metadata__ is no param
+    counts = schema["allOf"][0]       # __metadata__ and __placement__ are no params
+    assert counts["then"]["maxProperties"] == MAX_PARAMS + 2
+    assert counts["else"]["then"]["maxProperties"] == MAX_PARAMS + 1
+    assert counts["else"]["else"]["maxProperties"] == MAX_PARAMS
     assert schema["additionalProperties"]["maxItems"] == MAX_STEPS
     assert defs["step"]["maxItems"] == MAX_EXTRA_ARGS + 2
     assert defs["outSpec"]["prefixItems"][0]["maxItems"] == MAX_DIMS
@@ -86,7 +88,8 @@ def test_schema_follows_a_changed_limit(monkeypatch):
     monkeypatch.setattr(plan_module, "MAX_PARAMS", 7)
     schema = json_schema()
     assert schema["additionalProperties"]["maxItems"] == 3
-    assert schema["else"]["maxProperties"] == 7 and "at most 7 parameters" in schema["description"]
+    assert schema["allOf"][0]["else"]["else"]["maxProperties"] == 7
+    assert "at most 7 parameters" in schema["description"]
 
 
 def test_write_schema_writes_schema_text(tmp_path):
@@ -108,6 +111,8 @@ CORPUS_VALID = [
     {"w": [["f" * 100_000, [[2], "int32"]]]},                 # a long name parses (validate refuses)
     {"w": [["f", [["9" * 256], "int32"]]]},                   # 256 characters: the longest
     {"w": [["f", [[MAX_DIM], "int8"]]]},                      # refused only at bind
+    {"__placement__": {"num_shards": 2, "params": {"e0": [0], "e1": [1, 0]}}, "w": [STEP]},
+    {"__metadata__": {}, "__placement__": {"num_shards": 1, "params": {}}},
 ]
 
 CORPUS_INVALID = [
@@ -134,6 +139,13 @@ CORPUS_INVALID = [
     {"w": [["f", [[1] * (MAX_DIMS + 1), "int32"]]]},
     "a plan",                                                 # not an object
     None,
+    {"__placement__": [0]},                                   # placement not an object
+    {"__placement__": {"params": {"e": [0]}}},                # no num_shards
+    {"__placement__": {"num_shards": 0, "params": {}}},       # num_shards < 1
+    {"__placement__": {"num_shards": 2, "params": {"e": []}}},        # held by nobody
+    {"__placement__": {"num_shards": 2, "params": {"e": [0, 0]}}},    # a worker twice
+    {"__placement__": {"num_shards": 2, "params": {"e": ["0"]}}},     # not an integer
+    {"__placement__": {"num_shards": 2, "params": {"e": [0]}, "x": 1}},  # unknown key
 ]
 
 #: plans the schema accepts and the parser refuses, because JSON Schema cannot say what the
@@ -152,6 +164,11 @@ SCHEMA_CANNOT_SAY = [
     # lone surrogates: a JSON Schema validator sees strings, not their encoding
     ({"\ud800": []}, "lone surrogate"),
     ({"w": [["f\udc00", [[2], "int32"]]]}, "lone surrogate"),
+    # a worker beyond the placement's own num_shards, and a placed parameter with steps: the
+    # schema sees each value alone
+    ({"__placement__": {"num_shards": 2, "params": {"e": [2]}}}, "worker < num_shards"),
+    ({"__placement__": {"num_shards": 2, "params": {"w": [0]}}, "w": [STEP]},
+     "a placed parameter takes no steps"),
 ]
 
 
