@@ -223,19 +223,25 @@ def test_roles_agree_with_transformers_tp_plans():
         if plan is None:     # multimodal: the language model's config says
             plan = cls.sub_configs["text_config"].base_model_tp_plan
         assert plan, model_type
-        split_norms = ARCHITECTURES[model_type].split_norms
+        arch = ARCHITECTURES[model_type]
+        split_norms = arch.split_norms
         for pattern, style in plan.items():
             if ".experts" in pattern:   # transformers 5 fuses experts in memory only: it saves
                 continue                # them per expert (w1/w2/w3, gate/up/down_proj)
             last = pattern.rsplit(".", 1)[-1]
-            role = HF_ROLES.get(last) or split_norms.get(last)
+            role = arch.roles.get(last) or HF_ROLES.get(last) or split_norms.get(last)
             if style.startswith("colwise"):
                 assert role in COLUMN or role in ("q", "k") and last in split_norms, (
                     model_type, pattern)
             elif style.startswith("rowwise"):
                 assert role in ROW, (model_type, pattern)
+            elif style == "embedding_rowwise":      # vocab-parallel, where asked for
+                assert role == "embed", (model_type, pattern)
             else:
-                assert style.startswith("replicated") and role is None, (model_type, pattern)
+                # mla_kv_a_proj: the latent projection's weight is replicated (the style only
+                # averages the rope part's gradient)
+                assert (style.startswith("replicated") or style == "mla_kv_a_proj") and (
+                    role is None), (model_type, pattern)
 
 
 # ---- Phi-3: fused layers, compressed by compressed-tensors itself ------------------------------
@@ -391,7 +397,7 @@ def test_unknown_model_type_names_the_known_ones(tmp_path):
     config["model_type"] = "gpt_neox"
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(PlanError, match="'gpt_neox' is not supported.*gemma2, gemma3, "
-                                        "gemma3_text, granite, llama"):
+                                        "gemma3_text, gpt_oss, granite, llama"):
         plan_for(str(tmp_path))
 
 

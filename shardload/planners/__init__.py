@@ -26,9 +26,10 @@ from typing import Callable, Optional, Union
 from ..config_fields import Fields
 from ..errors import SHARD_INFO, PlanError, mention
 from ..limits import MAX_NUM_SHARDS
-from ..plan import ShardInfo, ValidatedPlan
+from ..plan import Placement, ShardInfo, ValidatedPlan
 from ..readers import Checkpoint, as_checkpoint
 from .layouts import Scheme, scheme_from_hf
+from .experts import MODES, ExpertParallel, count_experts
 from .fit import Constraint
 from .llama import Padding, check_shapes, padding_layout, plan_llama, vocab_from_tensors
 from .model import ModelSpec, spec_from_gguf, spec_from_hf, spec_from_mlc
@@ -54,12 +55,20 @@ class PlanSummary:
     replicated: int
     unknown: tuple[str, ...]
     padded: bool = False
+    #: expert parallelism: tensors of experts held whole by one worker
+    placed: int = 0
+    experts: str = "tp"
 
     def __str__(self) -> str:
         s = self.spec
-        text = (f"{s.architecture}, {s.num_layers} layers, {s.num_heads} query / "
-                f"{s.num_kv_heads} KV heads of {s.head_dim}, {self.scheme.describe()}: "
-                f"{self.sharded} tensors sharded, {self.replicated} replicated")
+        attention = (f"{s.num_heads} MLA heads of {s.head_dim} (values {s.v_head_dim})"
+                     if s.mla else
+                     f"{s.num_heads} query / {s.num_kv_heads} KV heads of {s.head_dim}")
+        text = (f"{s.architecture}, {s.num_layers} layers, {attention}, "
+                f"{self.scheme.describe()}: {self.sharded} tensors sharded, "
+                f"{self.replicated} replicated")
+        if self.experts == "ep":
+            text += f", {self.placed} placed whole on one worker (expert parallel)"
         if self.unknown:
             text += f" ({len(self.unknown)} unrecognised, replicated: {self.unknown[0]}, ...)"
         if self.padded:
@@ -75,12 +84,15 @@ def _folder(source: str) -> str:
 
 class _QuantizationFile:
     """Which file an HF checkpoint's ``quantization_config`` came from: ``config.json``'s own,
-    or ``quantize_config.json`` (AutoGPTQ), which the reader merges in when the config has
-    none. Decided only when a message needs it (it re-reads the small config.json)."""
+    or a side file the reader merges in when the config has none (``quantize_config.json``,
+    AutoGPTQ; ``hf_quant_config.json``, ModelOpt). Decided only when a message needs it (it
+    re-reads the small config.json)."""
 
     def __init__(self, folder: str):
+        from ..readers.safetensors import QUANT_SIDE_FILES
+
         self.config = os.path.join(folder, "config.json")
-        self.side = os.path.join(folder, "quantize_config.json")
+        self.sides = [os.path.join(folder, side) for side in QUANT_SIDE_FILES]
         self._label: Optional[str] = None
 
     def __call__(self) -> str:
@@ -89,17 +101,18 @@ class _QuantizationFile:
         return self._label
 
     def _find(self) -> str:
-        if not os.path.isfile(self.side):
+        sides = [side for side in self.sides if os.path.isfile(side)]
+        if not sides:
             return self.config
         try:
             from ..files import MAX_SIDE_FILE_BYTES, read_json
 
             own = read_json(self.config, MAX_SIDE_FILE_BYTES)
         except Exception:  # noqa: BLE001 - only a label: say both
-            return f"{self.config} (or {self.side}, merged in as quantization_config)"
+            return (f"{self.config} (or {sides[0]}, merged in as quantization_config)")
         if isinstance(own, dict) and "quantization_config" in own:
             return self.config
-        return self.side
+        return sides[0]
 
 
 def _kind(ckpt: Checkpoint, config: dict) -> str:
@@ -192,7 +205,7 @@ class PlanDecision:
 
 
 def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: bool = False,
-                  pad: bool = True) -> PlanDecision:
+                  pad: bool = True, experts: str = "tp") -> PlanDecision:
     """Plan ``params`` (a checkpoint or path) and decide, once, what to do for ``num_shards``.
 
     The plan is symbolic in ``num_shards``; planning it records which N each tensor group
@@ -203,7 +216,16 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     broken constraint (and why padding cannot help) and the N that work. Errors in the
     checkpoint's metadata are raised, as ever; a refusal is returned (``PlanDecision.plan()``
     raises it).
+
+    ``experts``: ``"tp"`` splits every routed expert across the workers; ``"ep"`` gives each
+    worker whole experts (``experts.py``), for the one ``num_shards`` it needs.
     """
+    if experts not in MODES:
+        raise PlanError(f"experts must be one of {', '.join(map(repr, MODES))}, got "
+                        f"{experts!r}")
+    if experts == "ep" and num_shards is None:
+        raise PlanError("expert parallelism assigns whole experts to workers, so its plan is "
+                        "for one number of workers: give num_shards")
     if num_shards is not None and (type(num_shards) is not int or num_shards < 1):
         raise PlanError(f"num_shards must be a positive integer, got {num_shards!r}")
     if num_shards is not None and num_shards > MAX_NUM_SHARDS:
@@ -213,13 +235,25 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     spec, scheme, gguf_names = _detect(ckpt)
     spec = vocab_from_tensors(ckpt, spec, gguf_names=gguf_names)
     check_shapes(ckpt, spec, scheme, gguf_names=gguf_names)
+
+    def parallel_experts() -> Optional[ExpertParallel]:
+        if experts == "tp":
+            return None
+        assert num_shards is not None
+        return ExpertParallel(num_shards, count_experts(ckpt.metadata(), gguf_names))
+
+    ep = parallel_experts()
     planned = plan_llama(ckpt, spec, scheme, gguf_names=gguf_names,
-                         vocab_parallel=vocab_parallel)
+                         vocab_parallel=vocab_parallel, experts=ep)
+    if ep is not None and not ep.layouts:
+        raise PlanError(f"{ckpt.source} has no routed experts ({spec.architecture}): expert "
+                        "parallelism needs a mixture-of-experts model; plan with experts='tp'",
+                        source=ckpt.source)
     constraints = planned.constraints
     valid = ValidNumShards([n for n in range(1, MAX_SHARDS_TRIED + 1) if constraints.allows(n)],
                            tried=MAX_SHARDS_TRIED)
     summary = PlanSummary(spec, scheme, len(planned.steps), len(planned.replicated),
-                          tuple(planned.unknown))
+                          tuple(planned.unknown), placed=len(planned.placed), experts=experts)
     source = f"<plan for {ckpt.source}>"
     if num_shards is None:
         return PlanDecision(None, "symbolic", summary, valid,
@@ -227,9 +261,10 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     broken = constraints.broken(num_shards)
     if not broken:
         decision = PlanDecision(num_shards, "unpadded", summary, valid,
-                                ShardInfo.from_dict(planned.steps, source=source))
+                                _plan_info(planned.steps, {}, ep, source))
     else:
-        padding = _padding(ckpt, spec, scheme, num_shards, broken, pad, gguf_names)
+        padding = _padding(ckpt, spec, scheme, num_shards, broken, pad, gguf_names,
+                           ep is not None)
         if not isinstance(padding, Padding):
             first, why = padding
             reason = first.why_not(num_shards)
@@ -238,13 +273,14 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
             error = PlanError(f"{ckpt.source} cannot be split over {num_shards} workers: "
                               f"{reason}. {valid.describe()}", source=source, param=first.tensor)
             return PlanDecision(num_shards, "refused", summary, valid, error=error)
+        ep = parallel_experts()
         padded = plan_llama(ckpt, spec, scheme, gguf_names=gguf_names,
-                            vocab_parallel=vocab_parallel, padding=padding)
-        info = ShardInfo.from_dict(
-            {ShardInfo.METADATA_KEY: {"tensor_parallel": padding.metadata(spec)},
-             **padded.steps}, source=f"<padded plan for {ckpt.source}>")
+                            vocab_parallel=vocab_parallel, padding=padding, experts=ep)
+        info = _plan_info(padded.steps, {"tensor_parallel": padding.metadata(spec)}, ep,
+                          f"<padded plan for {ckpt.source}>")
         summary = PlanSummary(spec, scheme, len(padded.steps), len(padded.replicated),
-                              tuple(padded.unknown), padded=True)
+                              tuple(padded.unknown), padded=True, placed=len(padded.placed),
+                              experts=experts)
         decision = PlanDecision(num_shards, "padded", summary, valid, info)
     # decided from the constraints alone; the plan for N is validated once, as a safety check,
     # and kept: the caller loads with it rather than validating it again
@@ -252,9 +288,23 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     return dataclasses.replace(decision, validated=validated)
 
 
+def _plan_info(steps: dict, metadata: dict, ep: Optional[ExpertParallel],
+               source: str) -> ShardInfo:
+    """The plan: its steps, what it records for engines, and, for expert parallelism, the
+    assignment of experts (``__metadata__.experts``) and the placement of experts stored one
+    per tensor (for its one N)."""
+    data: dict = dict(steps)
+    if ep is not None:
+        metadata = {**metadata, "experts": ep.metadata()}
+        data[Placement.KEY] = {"num_shards": ep.num_shards, "params": ep.placement}
+    if metadata:
+        data[ShardInfo.METADATA_KEY] = metadata
+    return ShardInfo.from_dict(data, source=source)
+
+
 def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int,
-             broken: list[Constraint], pad: bool,
-             gguf_names: bool) -> Union[Padding, tuple[Constraint, str]]:
+             broken: list[Constraint], pad: bool, gguf_names: bool,
+             whole_experts: bool = False) -> Union[Padding, tuple[Constraint, str]]:
     """For an N that breaks the ``broken`` constraints: the zero-padded layout that lifts them,
     or the constraint to name in the refusal and why padding cannot help ("" when ``pad`` is
     off)."""
@@ -264,12 +314,13 @@ def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int,
     if unpaddable:
         return unpaddable[0], ("the vocabulary is split evenly, never padded (split embeddings "
                                "and lm_head only for an N that divides it)")
-    padding = padding_layout(ckpt, spec, scheme, num_shards, gguf_names=gguf_names)
+    padding = padding_layout(ckpt, spec, scheme, num_shards, gguf_names=gguf_names,
+                             whole_experts=whole_experts)
     return (broken[0], padding.reason) if isinstance(padding, PlanError) else padding
 
 
 def describe_plan(params, num_shards: Optional[int] = None, *, vocab_parallel: bool = False,
-                  pad: bool = True) -> tuple[ShardInfo, PlanSummary]:
+                  pad: bool = True, experts: str = "tp") -> tuple[ShardInfo, PlanSummary]:
     """The plan for ``params`` (a checkpoint or path) and a summary of it.
 
     The plan is symbolic in ``num_shards`` when the model's heads and blocks divide among the
@@ -279,12 +330,13 @@ def describe_plan(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     the plan does not fit and padding cannot serve (or ``pad`` is off) is refused
     (``PlanError``), as ``plan_for`` refuses it: see ``plan_decision``.
     """
-    decision = plan_decision(params, num_shards, vocab_parallel=vocab_parallel, pad=pad)
+    decision = plan_decision(params, num_shards, vocab_parallel=vocab_parallel, pad=pad,
+                             experts=experts)
     return decision.plan(), decision.summary
 
 
 def plan_for(params, num_shards: Optional[int] = None, *, vocab_parallel: bool = False,
-             pad: bool = True) -> ShardInfo:
+             pad: bool = True, experts: str = "tp") -> ShardInfo:
     """A plan for ``params`` (a checkpoint or path), symbolic in ``num_shards``.
 
     With ``num_shards``, also check that this N works: if the model's heads or MLP do not
@@ -292,8 +344,10 @@ def plan_for(params, num_shards: Optional[int] = None, *, vocab_parallel: bool =
     even that cannot be exact, raise ``PlanError`` naming the constraint N breaks and listing
     the N that do work (``plan_decision`` decides, in one pass).
     ``vocab_parallel`` splits embeddings and lm_head by vocabulary rows instead of replicating.
+    ``experts="ep"`` gives each worker whole routed experts (expert parallelism, for one N).
     """
-    return plan_decision(params, num_shards, vocab_parallel=vocab_parallel, pad=pad).plan()
+    return plan_decision(params, num_shards, vocab_parallel=vocab_parallel, pad=pad,
+                         experts=experts).plan()
 
 
 def check_num_shards(info: ShardInfo, params: Union[Checkpoint, str],
@@ -381,6 +435,13 @@ def valid_num_shards(info: ShardInfo, params: Union[Checkpoint, str],
     ``MAX_VALIDATION_WORK`` (beyond it, fewer N are tried: ``ValidNumShards.tried`` says).
     """
     metadata = as_checkpoint(params).metadata()
+    if info.placement is not None:    # placed for its one N: that N, if it validates
+        n = info.placement.num_shards
+        try:
+            info.bind(n).validate(metadata)
+        except PlanError:
+            return ValidNumShards([], tried=limit, limit=limit)
+        return ValidNumShards([n] if n <= limit else [], tried=limit, limit=limit)
     reduced = _distinct_params(info, metadata)
     if reduced is None:
         return ValidNumShards([], tried=limit, limit=limit)

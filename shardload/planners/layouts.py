@@ -50,7 +50,8 @@ class Scheme:
     (``{"bits": "'quantization_config.bits'"}``), for messages.
     """
 
-    #: none | gptq | awq | pack-quantized | int-quantized | nvfp4 | mxfp4 | fp8 | gguf | mlc
+    #: none | gptq | awq | pack-quantized | int-quantized | nvfp4 | mxfp4 | modelopt-nvfp4 |
+    #: fp8 | gguf | mlc
     method: str
     bits: int = 16
     group_size: int = -1
@@ -139,9 +140,35 @@ def scheme_from_hf(config: Union[Fields, Mapping[str, Any]],
                       keys=_keys(quant, block="weight_block_size"))
     if method == "compressed-tensors":
         return _compressed_tensors(quant)
+    if method == "mxfp4":
+        # transformers' Mxfp4Config (gpt-oss): the fused experts' *_blocks / *_scales, one E8M0
+        # scale per 32 of K; everything else is stored unquantized
+        return Scheme("mxfp4", 4, 32, file=quant.file_label)
+    if method == "modelopt":
+        return _modelopt(quant)
     raise PlanError(f"key {quant.name('quant_method')!r} is {method!r}: that quantization method "
-                    "is not supported by the planner (gptq, awq, compressed-tensors and fp8 "
-                    "are)", source=quant.file)
+                    "is not supported by the planner (gptq, awq, compressed-tensors, fp8, "
+                    "modelopt and mxfp4 are)", source=quant.file)
+
+
+def _modelopt(quant: Fields) -> Scheme:
+    """NVIDIA ModelOpt's export (``quant_algo`` in ``quantization_config``, or in
+    ``hf_quant_config.json``'s ``quantization``): NVFP4 stores ``weight`` as two E2M1 codes per
+    uint8 along K, ``weight_scale`` E4M3 per ``group_size`` (16) of K, and the per-module
+    scalars ``weight_scale_2`` and ``input_scale``; FP8 a float8 ``weight`` with per-tensor
+    scales."""
+    algo = quant.str("quant_algo")
+    if algo == "FP8":
+        return Scheme("fp8", 8, file=quant.file_label)
+    if algo != "NVFP4":
+        raise PlanError(f"key {quant.name('quant_algo')!r} is {algo!r}: ModelOpt checkpoints in "
+                        "NVFP4 and FP8 are supported by the planner", source=quant.file)
+    group = quant.int("group_size", min=1, max=MAX_GROUP, default=16, nullable=True)
+    if group != 16:
+        raise PlanError(f"key {quant.name('group_size')!r} is {group}: NVFP4 stores one scale per "
+                        "16 weights", source=quant.file)
+    return Scheme("modelopt-nvfp4", 4, group, file=quant.file_label,
+                  keys=_keys(quant, group_size="group_size"))
 
 
 def _keys(fields: Fields, **keys: str) -> dict[str, str]:
@@ -293,6 +320,13 @@ def tensor_axes(scheme: Scheme, suffix: str, meta: TensorMeta,
         if suffix == "weight":
             return TensorAxes(Axis(0), Axis(1))
         return None
+    if scheme.method == "modelopt-nvfp4":
+        if suffix == "weight" and meta.dtype == "uint8":    # (lm_head, embeddings: unquantized)
+            return TensorAxes(Axis(0), Axis(1, 2))          # two FP4 codes per byte along K
+        if suffix == "weight_scale":
+            return TensorAxes(Axis(0), Axis(1, scheme.group_size))
+        if suffix in ("weight_scale_2", "input_scale"):
+            return TensorAxes(None, None)                   # per module: replicated
     if suffix == "weight" and meta.dtype.startswith("float8"):
         return TensorAxes(Axis(0), Axis(1))
     if suffix in ("weight_scale", "weight_scale_inv") and scheme.method == "fp8":

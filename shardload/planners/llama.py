@@ -23,6 +23,7 @@ from typing import Optional, Union
 from ..errors import FormatError, PlanError
 from ..plan import step_json
 from ..readers.base import Checkpoint
+from .experts import EXPERT_ROLES, ExpertParallel, expert_kind
 from .fit import Constraint, Constraints
 from .layouts import Axis, Scheme, TensorAxes, tensor_axes
 from .model import ModelSpec
@@ -40,10 +41,14 @@ GGUF_ROLES = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_qkv": "qkv", "a
 #: norms split like the rows of a projection (``Architecture.split_norms``: OLMo-2's q_norm and
 #: k_norm, which normalise the whole projection): role -> the projection's role
 NORM_OF = {"q_norm": "q", "k_norm": "k"}
-COLUMN = {"q", "k", "v", "qkv", "gate", "up", "gate_up", *NORM_OF}
+#: roles of ``Architecture.roles`` / ``.tensors``: DeepSeek's MLA ``q_b_proj`` (query heads,
+#: from the q latent) and ``kv_b_proj`` (key-and-value heads, from the kv latent); gpt-oss's
+#: attention ``sinks`` (one value per query head)
+ARCH_ROLES = {"q_b", "kv_b", "sinks"}
+COLUMN = {"q", "k", "v", "qkv", "gate", "up", "gate_up", *NORM_OF, *ARCH_ROLES}
 ROW = {"o", "down"}
 #: roles whose units are attention heads
-HEAD_ROLES = {"q", "k", "v", "qkv", "o", *NORM_OF}
+HEAD_ROLES = {"q", "k", "v", "qkv", "o", *NORM_OF, *ARCH_ROLES}
 
 Segments = list[tuple[int, int]]   # (logical size, units); units < 0: replicable (KV heads)
 
@@ -58,20 +63,35 @@ def module_role(name: str, spec: ModelSpec, gguf_names: bool) -> Optional[str]:
         norm_of = spec.rules.split_norms.get(last)
         if norm_of is not None:
             return f"{norm_of}_norm"
-        return getattr(spec.rules, "roles", {}).get(last, GGUF_ROLES.get(last))
+        return spec.rules.roles.get(last, GGUF_ROLES.get(last))
     rules = spec.rules
     if not rules.in_model(name):
         return None
+    rule = tensor_rule(name, spec)
+    if rule is not None:
+        return rule.role
     projection = rules.split_norms.get(last)
     if projection is not None:
         return f"{projection}_norm"
-    return HF_ROLES.get(last)
+    return rules.roles.get(last, HF_ROLES.get(last))
 
 
-def _role_axes(scheme: Scheme, role: str, suffix: str, meta,
-               fmt: Optional[dict]) -> Optional[TensorAxes]:
-    """Where N and K lie in a tensor of a layer with ``role``: a split norm's ``weight`` is one
-    vector along N (never quantized); anything else as its format stores it."""
+def tensor_rule(name: str, spec: ModelSpec):
+    """The architecture's own rule for the tensor ``name`` (``Architecture.tensors``), if any."""
+    if not spec.rules.tensors:
+        return None
+    return spec.rules.tensors.get(".".join(name.rsplit(".", 2)[-2:]))
+
+
+def _role_axes(scheme: Scheme, role: str, name: str, meta, fmt: Optional[dict],
+               spec: ModelSpec) -> Optional[TensorAxes]:
+    """Where N and K lie in a tensor of a layer with ``role``: as the architecture's own rule
+    says; a split norm's ``weight`` is one vector along N (never quantized); anything else as
+    its format stores it."""
+    rule = tensor_rule(name, spec)
+    if rule is not None:
+        return rule.axes
+    suffix = name.rpartition(".")[2]
     if role in NORM_OF:
         return TensorAxes(Axis(0), None) if suffix == "weight" else None
     return tensor_axes(scheme, suffix, meta, fmt)
@@ -108,6 +128,8 @@ class Planned:
 
     steps: dict[str, list] = field(default_factory=dict)
     replicated: list[str] = field(default_factory=list)
+    #: expert parallelism: tensors of experts held whole by one worker (``experts.py``)
+    placed: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)
     constraints: Constraints = field(default_factory=Constraints)
 
@@ -145,7 +167,8 @@ Extent = tuple[int, str]      # a logical size along one axis, and where it came
 #: stored tensors holding a layer's quantization groups along K (one row or column per group)
 _GROUP_TENSORS = {"scales", "qzeros", "weight_scale", "weight_zero_point"}
 #: the formats whose ``group_size`` is a group of K (one scale per ``group_size`` inputs)
-_GROUPED = ("gptq", "awq", "pack-quantized", "int-quantized", "nvfp4", "mxfp4")
+_GROUPED = ("gptq", "awq", "pack-quantized", "int-quantized", "nvfp4", "mxfp4",
+            "modelopt-nvfp4")
 
 
 def _extents(role: str, spec: ModelSpec, module: str) -> tuple[Extent, Extent]:
@@ -170,6 +193,17 @@ def _extents(role: str, spec: ModelSpec, module: str) -> tuple[Extent, Extent]:
         return (spec.vocab_size, spec.explain("vocab_size")), hidden
     if role in NORM_OF:      # a vector over the projection's rows: no input features
         return {"q": q, "k": kv}[NORM_OF[role]], (0, "")
+    if role == "sinks":      # one value per query head
+        return (spec.num_heads, spec.explain("num_heads")), (0, "")
+    if role in ("q_b", "kv_b"):     # MLA: from the q or kv latent
+        mla = spec.mla
+        assert mla is not None, "q_b and kv_b are MLA roles"
+        if role == "q_b":
+            return q, (mla.q_lora_rank, repr("q_lora_rank"))
+        width = mla.qk_nope_head_dim + spec.v_head_dim
+        return ((spec.num_heads * width, f"{spec.explain('num_heads')} heads of "
+                 f"'qk_nope_head_dim' + 'v_head_dim' = {width}"),
+                (mla.kv_lora_rank, repr("kv_lora_rank")))
     if role == "o":
         return hidden, (spec.num_heads * spec.v_head_dim, o_heads)
     if role == "qkv":
@@ -205,7 +239,7 @@ def check_shapes(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, *,
             continue
         planned += 1
         fmt = ckpt.tensor_format(name)
-        axes = _role_axes(scheme, role, suffix, meta, fmt)
+        axes = _role_axes(scheme, role, name, meta, fmt, spec)
         if axes is None:
             continue
         (n_out, n_why), (k_in, k_why) = _extents(role, spec, module)
@@ -251,7 +285,7 @@ def check_shapes(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, *,
                         f"under {', '.join(map(repr, spec.rules.prefixes))}, and the checkpoint "
                         "has no projection or embedding there: nothing to split",
                         source=spec.file or None)
-    if spec.v_head_dim != spec.head_dim:
+    if spec.v_head_dim != spec.head_dim and spec.mla is None:
         raise PlanError(f"value heads of {spec.explain('value_head_dim')} differ from the key "
                         f"heads of {spec.explain('head_dim')}: attention with value heads of "
                         "another width is not supported by the planner", source=spec.file or None)
@@ -271,11 +305,23 @@ def vocab_from_tensors(ckpt: Checkpoint, spec: ModelSpec, *, gguf_names: bool) -
     return spec
 
 
+def _kv_b_width(spec: ModelSpec) -> int:
+    """MLA: one head of ``kv_b_proj``'s output, its key part and its value."""
+    assert spec.mla is not None
+    return spec.mla.qk_nope_head_dim + spec.v_head_dim
+
+
 def segments_for(role: str, spec: ModelSpec, module: str) -> Segments:
     """The logical split of a layer along the axis its role splits."""
     role = NORM_OF.get(role, role)
-    if role == "q" or role == "o":
+    if role in ("q", "q_b"):
         return [(spec.q_size, spec.num_heads)]
+    if role == "o":
+        return [(spec.num_heads * spec.v_head_dim, spec.num_heads)]
+    if role == "sinks":
+        return [(spec.num_heads, spec.num_heads)]
+    if role == "kv_b":
+        return [(spec.num_heads * _kv_b_width(spec), spec.num_heads)]
     if role in ("k", "v"):
         return [(spec.kv_size, -spec.num_kv_heads)]
     if role == "qkv":
@@ -295,10 +341,12 @@ def segments_for(role: str, spec: ModelSpec, module: str) -> Segments:
 def segment_labels(role: str, spec: ModelSpec, module: str) -> list[str]:
     """What the units of each of ``segments_for``'s segments are, with the keys saying so."""
     role = NORM_OF.get(role, role)
-    if role in ("q", "o", "k", "v", "qkv"):
+    if role in ("q", "o", "k", "v", "qkv", *ARCH_ROLES):
         heads = f"the {spec.num_heads} query heads ({spec.explain('num_heads')})"
         kv = f"the {spec.num_kv_heads} KV heads ({spec.explain('num_kv_heads')})"
-        return {"q": [heads], "o": [heads], "k": [kv], "v": [kv], "qkv": [heads, kv, kv]}[role]
+        if role in ARCH_ROLES or role in ("q", "o"):
+            return [heads]
+        return {"k": [kv], "v": [kv], "qkv": [heads, kv, kv]}[role]
     if role in ("gate", "up", "down", "gate_up"):
         attr = _intermediate_attr(spec, module)
         label = f"the {_intermediate(spec, module)} MLP rows ({spec.explain(attr)})"
@@ -321,9 +369,16 @@ class _Group:
 
     def note(self, segments: Segments, in_units: Segments, axis: Axis) -> None:
         """One constraint per segment, in the units the tensor stores it in."""
-        for (_, logical), (_, units), label in zip(segments, in_units, self.labels):
-            stored = ("" if units == logical
-                      else f"stored in {abs(units)} blocks of {axis.elems}{self.held}")
+        for (size, logical), (_, units), label in zip(segments, in_units, self.labels):
+            blocks = size // axis.elems
+            if units == logical:
+                stored = ""
+            elif abs(units) == blocks:
+                stored = f"stored in {blocks} blocks of {axis.elems}{self.held}"
+            else:   # units grouped until they fill whole blocks (llama._in_units)
+                stored = (f"stored in {blocks} blocks of {axis.elems}{self.held}, so split in "
+                          f"{abs(units)} groups of {abs(logical) // abs(units)} that fill "
+                          f"{blocks // abs(units)} whole blocks each")
             self.constraints.add(Constraint(abs(units), units < 0, label, self.name,
                                             self.paddable, stored))
 
@@ -356,10 +411,13 @@ def _in_units(segments: Segments, axis: Axis, tensor: str) -> Segments:
                             f"the {axis.elems}-element blocks this tensor is stored in")
         stored = size // axis.elems * axis.width
         per_unit = size // abs(units)
+        together = math.lcm(per_unit, axis.elems)     # the fewest whole units in whole blocks
         if per_unit % axis.elems == 0:
             out.append((stored, units))
-        elif axis.elems % per_unit == 0 and units > 0:
-            out.append((stored, size // axis.elems))
+        elif units > 0 and size % together == 0:
+            # e.g. DeepSeek-V3's 192-row query heads in 128-row FP8 scale blocks: two heads
+            # are three whole blocks, so workers split in pairs of heads
+            out.append((stored, size // together))
         else:
             raise PlanError(f"{tensor}: its {abs(units)} units of {per_unit} elements straddle "
                             f"the {axis.elems}-element blocks it is stored in (e.g. FP8 128-row "
@@ -404,14 +462,15 @@ def _linears(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, gguf_names: bool
             yield name, meta, module, suffix, None, None
             continue
         yield (name, meta, module, suffix, role,
-               _role_axes(scheme, role, suffix, meta, ckpt.tensor_format(name)))
+               _role_axes(scheme, role, name, meta, ckpt.tensor_format(name), spec))
 
 
 def padding_layout(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int, *,
-                   gguf_names: bool) -> Union[Padding, PlanError]:
+                   gguf_names: bool, whole_experts: bool = False) -> Union[Padding, PlanError]:
     """The zero-padded layout for N workers, or (returned, not raised) the ``PlanError`` saying
     why zero-padding cannot be exact for this checkpoint: every tensor ``_padded_step`` would
-    pad is judged here, before a padded plan is written."""
+    pad is judged here, before a padded plan is written (with ``whole_experts``, expert
+    parallelism, routed experts are not split, so not padded)."""
     if type(num_shards) is not int or not 1 <= num_shards <= MAX_LAYOUT:
         return PlanError(f"cannot zero-pad for num_shards={num_shards!r}: a padded plan lists "
                          f"every worker's heads, for at most {MAX_LAYOUT} workers",
@@ -420,6 +479,8 @@ def padding_layout(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards
     for name, meta, module, suffix, role, axes in _linears(ckpt, spec, scheme, gguf_names,
                                                            False):
         if axes is None:
+            continue
+        if whole_experts and role in EXPERT_ROLES and expert_kind(name, module, gguf_names):
             continue
         if axes.special == "g_idx":
             return PlanError(f"{name}: zero-padding cannot be exact for tensors with a g_idx "
@@ -433,8 +494,9 @@ def padding_layout(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards
                                  "yet")
             continue
         if role in HEAD_ROLES:
-            if spec.head_dim % axis.elems:
-                return PlanError(f"{name}: a {spec.head_dim}-element head is not a whole "
+            width = _head_width(role, spec)
+            if width % axis.elems:
+                return PlanError(f"{name}: a {width}-element head is not a whole "
                                  f"number of the {axis.elems}-element blocks it is stored in, "
                                  "so heads cannot be padded")
         else:
@@ -451,12 +513,25 @@ def padding_layout(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards
 
 
 def padding_for(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int, *,
-                gguf_names: bool) -> Padding:
+                gguf_names: bool, whole_experts: bool = False) -> Padding:
     """The zero-padded layout for N workers, or ``PlanError`` saying why there is none."""
-    padding = padding_layout(ckpt, spec, scheme, num_shards, gguf_names=gguf_names)
+    padding = padding_layout(ckpt, spec, scheme, num_shards, gguf_names=gguf_names,
+                             whole_experts=whole_experts)
     if isinstance(padding, PlanError):
         raise padding
     return padding
+
+
+def _head_width(role: str, spec: ModelSpec) -> int:
+    """The elements one head takes in a tensor of a head role."""
+    role = NORM_OF.get(role, role)
+    if role == "o":
+        return spec.v_head_dim
+    if role == "sinks":
+        return 1
+    if role == "kv_b":
+        return _kv_b_width(spec)
+    return spec.head_dim
 
 
 def _padded_units(role: str, spec: ModelSpec, padding: Padding, module: str,
@@ -466,8 +541,8 @@ def _padded_units(role: str, spec: ModelSpec, padding: Padding, module: str,
     shift = lambda units, by: [u + by if u >= 0 else -1 for u in units]  # noqa: E731
     q, kv = heads.q_heads[worker], heads.kv_heads[worker]
     role = NORM_OF.get(role, role)
-    if role in ("q", "o"):
-        return spec.head_dim, q
+    if role in ("q", "q_b", "o", "sinks", "kv_b"):
+        return _head_width(role, spec), q
     if role in ("k", "v"):
         return spec.head_dim, kv
     if role == "qkv":
@@ -505,10 +580,12 @@ def _padded_step(name, meta, role, axes: TensorAxes, spec, padding: Padding, mod
 
 
 def plan_llama(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, *, gguf_names: bool,
-               vocab_parallel: bool = False, padding: Optional[Padding] = None) -> Planned:
+               vocab_parallel: bool = False, padding: Optional[Padding] = None,
+               experts: Optional[ExpertParallel] = None) -> Planned:
     """The steps for every tensor of a Llama-family checkpoint: symbolic in num_shards, with
     the constraints they put on N (``Planned.constraints``), or, with ``padding``, for its one N
-    with zero heads and blocks where N does not divide."""
+    with zero heads and blocks where N does not divide. With ``experts``, routed experts go
+    whole to workers (expert parallelism, ``experts.py``) and put no constraint on N."""
     planned = Planned()
     metadata = ckpt.metadata()
     act_order: dict[str, bool] = {}
@@ -516,6 +593,15 @@ def plan_llama(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, *, gguf_names:
                                                            vocab_parallel):
         if role is None:
             planned.replicated.append(name)
+            continue
+        kind = (expert_kind(name, module, gguf_names)
+                if experts is not None and role in EXPERT_ROLES else None)
+        if kind is not None:
+            if kind[0] == "one":
+                experts.place(name, kind[1], kind[2])
+                planned.placed.append(name)
+            else:
+                planned.steps[name] = [experts.stacked_step(name, meta.shape, meta.dtype)]
             continue
         if axes is None:
             planned.unknown.append(name)

@@ -8,11 +8,13 @@ size came from, so that a disagreement names it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from ..config_fields import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, Fields
 from ..errors import PlanError
+from .layouts import Axis, TensorAxes
 
 #: MLC model_type values whose layers are Llama-shaped (attention + gated MLP, optional MoE)
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
@@ -40,6 +42,13 @@ class Architecture:
     * ``split_norms``: norm modules whose weight is split like the rows of a projection
       (``{"q_norm": "q"}``: OLMo-2 normalises the whole q projection, so each worker holds the
       norm weights of its own q rows) rather than replicated;
+    * ``roles``: modules whose role is this architecture's own (DeepSeek's ``q_b_proj`` and
+      ``kv_b_proj``: column-parallel in whole heads of their own width, from a low-rank input);
+    * ``tensors``: tensors the format-independent rules cannot place, by the last two
+      components of their name (gpt-oss's fused ``experts.gate_up_proj_blocks``): their role
+      and where N and K lie in them (``TensorRule``);
+    * ``experts_size``: the config key of one routed expert's MLP width;
+    * ``mla``: multi-head latent attention (DeepSeek-V2/V3): the sizes of ``MLA``;
     * ``note``: what else was checked, for people (``README.md`` prints the table).
     """
 
@@ -49,11 +58,52 @@ class Architecture:
     defaults: Mapping[str, int] = field(default_factory=dict)
     prefixes: tuple[str, ...] = ()
     split_norms: Mapping[str, str] = field(default_factory=dict)
+    roles: Mapping[str, str] = field(default_factory=dict)
+    tensors: Mapping[str, "TensorRule"] = field(default_factory=dict)
+    experts_size: str = "moe_intermediate_size"
+    mla: bool = False
 
     def in_model(self, name: str) -> bool:
         """Whether the tensor ``name`` belongs to the model the planner splits."""
         return not self.prefixes or name.startswith(self.prefixes)
 
+
+@dataclass(frozen=True)
+class TensorRule:
+    """An architecture's own tensor: its role (``llama.HF_ROLES``' vocabulary) and where the
+    layer's N and K lie in it. A fused expert tensor keeps its experts along dim 0."""
+
+    role: str
+    axes: TensorAxes
+
+
+def _gpt_oss_experts() -> dict[str, TensorRule]:
+    """gpt-oss keeps each layer's experts fused, ``gate_up`` interleaved (gate rows even, up
+    rows odd: one MLP row is two stored rows, so whole MLP rows keep each pair together).
+    bf16: ``gate_up_proj`` [E, hidden, 2 x inter] and ``down_proj`` [E, inter, hidden] (K
+    first); MXFP4 (the published checkpoints): ``*_blocks`` [E, rows, K / 32, 16] bytes of two
+    E2M1 codes and ``*_scales`` [E, rows, K / 32] E8M0 exponents, one per 32 of K. Biases
+    [E, rows]: ``down_proj_bias`` is added after the row-parallel sum, so it is replicated."""
+    pair, group = Axis(1, 1, 2), Axis(2, 32)
+    return {"experts.gate_up_proj": TensorRule("gate", TensorAxes(Axis(2, 1, 2), Axis(1))),
+            "experts.gate_up_proj_bias": TensorRule("gate", TensorAxes(pair, None)),
+            "experts.gate_up_proj_blocks": TensorRule("gate", TensorAxes(pair, group)),
+            "experts.gate_up_proj_scales": TensorRule("gate", TensorAxes(pair, group)),
+            "experts.down_proj": TensorRule("down", TensorAxes(Axis(2), Axis(1))),
+            "experts.down_proj_bias": TensorRule("down", TensorAxes(Axis(1), None)),
+            "experts.down_proj_blocks": TensorRule("down", TensorAxes(Axis(1), group)),
+            "experts.down_proj_scales": TensorRule("down", TensorAxes(Axis(1), group)),
+            # one attention sink (a learned logit) per query head
+            "self_attn.sinks": TensorRule("sinks", TensorAxes(Axis(0), None))}
+
+
+_DEEPSEEK = ("MLA: q_a_proj, kv_a_proj_with_mqa and their norms replicated (the latent is "
+             "shared by every head); q_proj / q_b_proj split in whole heads of qk_nope + "
+             "qk_rope, kv_b_proj in whole heads of qk_nope + v_head_dim, o_proj's K in heads "
+             "of v_head_dim; routed experts, shared experts (moe_intermediate_size x "
+             "n_shared_experts) and the first_k_dense_replace dense MLPs split; router and "
+             "e_score_correction_bias replicated")
+_DEEPSEEK_ROLES = {"q_b_proj": "q_b", "kv_b_proj": "kv_b"}
 
 #: transformers' ``Gemma3TextConfig`` defaults for the sizes (its ``__init__`` signature):
 #: Gemma 3's multimodal configs (gemma-3-4b-it) leave them out of ``text_config``
@@ -91,6 +141,13 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
                  split_norms={"q_norm": "q", "k_norm": "k"}),
     Architecture("granite", "Llama-shaped; embedding/residual/attention multipliers and "
                  "logits_scaling are forward-only"),
+    Architecture("gpt_oss", "fused experts (bf16, or MXFP4 *_blocks/*_scales as published): "
+                 "gate_up interleaved, split in whole MLP rows (pairs), MXFP4 in whole "
+                 "32-element groups; q/k/v biases and attention sinks split with their heads; "
+                 "o_proj and down_proj biases, router replicated",
+                 tensors=_gpt_oss_experts(), experts_size="intermediate_size"),
+    Architecture("deepseek_v2", _DEEPSEEK, roles=_DEEPSEEK_ROLES, mla=True),
+    Architecture("deepseek_v3", _DEEPSEEK, roles=_DEEPSEEK_ROLES, mla=True),
 )}
 #: the rules of a model known by its tensor names alone (GGUF, MLC)
 LLAMA_RULES = ARCHITECTURES["llama"]
@@ -111,8 +168,6 @@ class GGUFArchitecture(Architecture):
     head, and stores gemma2, gemma3, phi3 and olmo2 rows as HF has them: head-aligned splits
     take the same rows either way.
     """
-
-    roles: Mapping[str, str] = field(default_factory=dict)
 
 
 _GGUF_GEMMA = ("post_attention_norm / post_ffw_norm replicated; head size from "
@@ -161,7 +216,8 @@ class ModelSpec:
     vocab_size: int
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
-    value_head_dim: int = 0          # GGUF's value_length where given: 0 = head_dim
+    value_head_dim: int = 0          # GGUF's value_length, MLA's v_head_dim: 0 = head_dim
+    mla: Optional["MLA"] = None
     rules: Architecture = field(default=LLAMA_RULES, compare=False)
     file: str = field(default="", compare=False)
     keys: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
@@ -182,6 +238,41 @@ class ModelSpec:
     def explain(self, attr: str) -> str:
         """``'hidden_size' = 256``: a size with the key it came from."""
         return f"{self.keys.get(attr, attr)} = {getattr(self, attr)}"
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention's sizes (DeepSeek-V2/V3): queries from a rank
+    ``q_lora_rank`` latent (0: straight from the hidden state, ``q_proj``), keys and values from
+    a rank ``kv_lora_rank`` latent through ``kv_b_proj``; a query head is ``qk_nope_head_dim +
+    qk_rope_head_dim`` wide (``ModelSpec.head_dim``), a value head ``v_head_dim``."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+
+
+def _mla(cfg: Fields, spec: "ModelSpec") -> "ModelSpec":
+    """``spec`` with MLA's sizes: heads of ``qk_nope + qk_rope`` (transformers' ``head_dim``
+    for DeepSeek is the rope part alone), value heads of ``v_head_dim``, as many KV heads as
+    query heads after ``kv_b_proj``, and the shared experts ``n_shared_experts`` experts wide."""
+    nope = cfg.int("qk_nope_head_dim", min=1, max=MAX_HEAD_DIM)
+    rope = cfg.int("qk_rope_head_dim", min=1, max=MAX_HEAD_DIM)
+    v = cfg.int("v_head_dim", min=1, max=MAX_HEAD_DIM)
+    mla = MLA(cfg.int("q_lora_rank", min=1, max=MAX_WIDTH, default=0, nullable=True),
+              cfg.int("kv_lora_rank", min=1, max=MAX_WIDTH), nope, rope)
+    shared = cfg.int("n_shared_experts", min=1, max=MAX_HEADS, default=0, nullable=True)
+    keys = dict(spec.keys)
+    keys["head_dim"] = f"{cfg.name('qk_nope_head_dim')!r} + {cfg.name('qk_rope_head_dim')!r}"
+    keys["value_head_dim"] = repr(cfg.name("v_head_dim"))
+    keys["num_kv_heads"] = f"{keys['num_heads']} (MLA: one key and value head per query head)"
+    keys["shared_expert_intermediate_size"] = (f"{keys['moe_intermediate_size']} x "
+                                               f"{cfg.name('n_shared_experts')!r}")
+    return dataclasses.replace(
+        spec, head_dim=nope + rope, value_head_dim=v, num_kv_heads=spec.num_heads,
+        shared_expert_intermediate_size=spec.moe_intermediate_size * shared, mla=mla,
+        keys=keys)
 
 
 def _as_fields(config: Union[Fields, Mapping[str, Any]], source: Optional[str]) -> Fields:
@@ -253,15 +344,17 @@ def _hf_spec(cfg: Fields, model_type: str, layers_key: str,
         keys["num_kv_heads"] = (f"{keys['num_kv_heads']} (absent, so "
                                 f"{keys['num_heads']})")
     moe = cfg.int("moe_intermediate_size", min=1, max=MAX_WIDTH, default=0, nullable=True)
-    if not moe and model_type == "mixtral":   # Mixtral's intermediate_size is the experts'
+    if rules.experts_size == "intermediate_size" or (not moe and model_type == "mixtral"):
+        # Mixtral's and gpt-oss's intermediate_size is the experts'
         moe, keys["moe_intermediate_size"] = inter, keys["intermediate_size"]
     shared = cfg.int("shared_expert_intermediate_size", min=1, max=MAX_WIDTH, default=0,
                      nullable=True)
-    return ModelSpec(architecture=model_type, num_layers=layers, hidden_size=hidden,
+    spec = ModelSpec(architecture=model_type, num_layers=layers, hidden_size=hidden,
                      num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
                      intermediate_size=inter, vocab_size=vocab, moe_intermediate_size=moe,
                      shared_expert_intermediate_size=shared, rules=rules, file=cfg.file,
                      keys=keys)
+    return _mla(cfg, spec) if rules.mla else spec
 
 
 def spec_from_hf(config: Union[Fields, Mapping[str, Any]],

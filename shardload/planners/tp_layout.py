@@ -76,3 +76,23 @@ def unit_layout(num_units: int, num_shards: int) -> list[list[int]]:
     per_worker = -(-num_units // num_shards)
     return [[u if u < num_units else -1 for u in range(r * per_worker, (r + 1) * per_worker)]
             for r in range(num_shards)]
+
+
+def expert_layout(num_experts: int, num_shards: int) -> list[list[int]]:
+    """Whole experts per worker for expert parallelism: contiguous, balanced (the first
+    ``num_experts % num_shards`` workers take one more, as vLLM assigns them), padded with -1
+    to equal counts (a stacked expert tensor gives every worker the same number of slots).
+
+    >>> expert_layout(6, 4)
+    [[0, 1], [2, 3], [4, -1], [5, -1]]
+    """
+    _count(num_experts, "num_experts")
+    _count(num_shards, "num_shards")
+    base, extra = divmod(num_experts, num_shards)
+    width = base + (extra > 0)
+    out, start = [], 0
+    for r in range(num_shards):
+        count = base + (r < extra)
+        out.append(list(range(start, start + count)) + [-1] * (width - count))
+        start += count
+    return out

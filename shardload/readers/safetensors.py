@@ -421,6 +421,11 @@ def _open(p: Path, source: str) -> "SafetensorsCheckpoint":
         raise
 
 
+#: files beside config.json holding the quantization config when config.json has none, and the
+#: ``quant_method`` they imply: AutoGPTQ's, and ModelOpt's (its settings under "quantization")
+QUANT_SIDE_FILES = {"quantize_config.json": "gptq", "hf_quant_config.json": "modelopt"}
+
+
 class SafetensorsCheckpoint(MappedCheckpoint):
     """Tensors in one or more validated, memory-mapped safetensors files.
 
@@ -443,13 +448,19 @@ class SafetensorsCheckpoint(MappedCheckpoint):
 
     @property
     def config(self) -> dict[str, Any]:
-        """The folder's HF ``config.json``, with ``quantize_config.json`` (AutoGPTQ) as its
+        """The folder's HF ``config.json``, with ``quantize_config.json`` (AutoGPTQ) or
+        ``hf_quant_config.json``'s ``quantization`` (NVIDIA ModelOpt) as its
         ``quantization_config`` when the config has none; ``{}`` without a config.json."""
         if self._config is None:
             folder = Path(self.path if os.path.isdir(self.path) else os.path.dirname(self.path))
             config = _read_small_json(folder / "config.json") or {}
-            quant = _read_small_json(folder / "quantize_config.json")
-            if quant and "quantization_config" not in config:
-                config["quantization_config"] = {"quant_method": "gptq", **quant}
+            for side, method in QUANT_SIDE_FILES.items():
+                if "quantization_config" in config:
+                    break
+                quant = _read_small_json(folder / side)
+                if quant and method == "modelopt":
+                    quant = quant.get("quantization")
+                if quant and isinstance(quant, dict):
+                    config["quantization_config"] = {"quant_method": method, **quant}
             self._config = config
         return self._config
