@@ -426,8 +426,10 @@ def validate(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...
     with checkpoint:
         params = list(validated)
         sharded = sum(1 for p in params if not p.replicated)
+        placed = sum(1 for p in params if p.workers is not None)
+        kinds = f"{sharded} sharded, " + (f"{placed} placed, " if placed else "")
         _out(f"ok: {plan_file} fits {ckpt} for {num_shards} worker(s): {len(params)} "
-             f"tensors ({sharded} sharded, {len(params) - sharded} replicated), "
+             f"tensors ({kinds}{len(params) - sharded - placed} replicated), "
              f"{_per_worker(validated)}")
 
 
@@ -438,6 +440,8 @@ def _per_worker(validated) -> str:
     if validated.plan.placement is None:
         return f"{most} per worker"
     placed = sum(1 for p in validated if p.workers is not None)
+    if not placed:
+        return f"at most {most} per worker"
     return f"at most {most} per worker ({placed} tensors placed on some workers only)"
 
 

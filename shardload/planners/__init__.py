@@ -250,8 +250,8 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
                         "parallelism needs a mixture-of-experts model; plan with experts='tp'",
                         source=ckpt.source)
     constraints = planned.constraints
-    valid = ValidNumShards([n for n in range(1, MAX_SHARDS_TRIED + 1) if constraints.allows(n)],
-                           tried=MAX_SHARDS_TRIED)
+    valid = ValidNumShards([n for n in range(1, MAX_SHARDS_TRIED + 1) if constraints.allows(n)]
+                           if ep is None else [num_shards], tried=MAX_SHARDS_TRIED)
     summary = PlanSummary(spec, scheme, len(planned.steps), len(planned.replicated),
                           tuple(planned.unknown), placed=len(planned.placed), experts=experts)
     source = f"<plan for {ckpt.source}>"
@@ -363,10 +363,10 @@ def check_num_shards(info: ShardInfo, params: Union[Checkpoint, str],
 
 
 def _refuse(info: ShardInfo, ckpt: Checkpoint, num_shards: int, exc: PlanError):
-    valid = (valid_num_shards(info, ckpt) if info.is_symbolic
-             else ValidNumShards([], tried=MAX_SHARDS_TRIED))
+    valid = valid_num_shards(info, ckpt)
     error = PlanError(f"{ckpt.source} cannot be split over {num_shards} workers: "
-                      f"{exc.reason}. {valid.describe()}", source=info.source, param=exc.param)
+                      f"{exc.reason.rstrip('.')}. {valid.describe()}", source=info.source,
+                      param=exc.param)
     raise mention(error, *getattr(exc, "settings", ())) from None
 
 
@@ -435,8 +435,9 @@ def valid_num_shards(info: ShardInfo, params: Union[Checkpoint, str],
     ``MAX_VALIDATION_WORK`` (beyond it, fewer N are tried: ``ValidNumShards.tried`` says).
     """
     metadata = as_checkpoint(params).metadata()
-    if info.placement is not None:    # placed for its one N: that N, if it validates
-        n = info.placement.num_shards
+    planned = info.planned_num_shards
+    if planned is not None:    # plain integers, or a placement: that one N, if it validates
+        n = planned
         try:
             info.bind(n).validate(metadata)
         except PlanError:
