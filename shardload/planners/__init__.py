@@ -250,8 +250,9 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
                         "parallelism needs a mixture-of-experts model; plan with experts='tp'",
                         source=ckpt.source)
     constraints = planned.constraints
-    valid = ValidNumShards([n for n in range(1, MAX_SHARDS_TRIED + 1) if constraints.allows(n)]
-                           if ep is None else [num_shards], tried=MAX_SHARDS_TRIED)
+    # with expert parallelism, the N an EP plan can be made for (its experts put no constraint)
+    valid = ValidNumShards([n for n in range(1, MAX_SHARDS_TRIED + 1) if constraints.allows(n)],
+                           tried=MAX_SHARDS_TRIED)
     summary = PlanSummary(spec, scheme, len(planned.steps), len(planned.replicated),
                           tuple(planned.unknown), placed=len(planned.placed), experts=experts)
     source = f"<plan for {ckpt.source}>"

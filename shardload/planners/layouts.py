@@ -57,7 +57,9 @@ class Scheme:
     group_size: int = -1
     act_order: bool = False
     block: tuple[int, int] = (128, 128)
-    #: int-quantized: compressed-tensors' weight strategy (tensor, channel or group)
+    #: int-quantized: compressed-tensors' weight strategy (tensor, channel or group); fp8:
+    #: ``block`` (HF fp8, DeepSeek; compressed-tensors strategy block), ``tensor`` or
+    #: ``channel``, or "" (not said: the scale's shape tells)
     strategy: str = ""
     file: Any = field(default="", compare=False)
     keys: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
@@ -136,8 +138,9 @@ def scheme_from_hf(config: Union[Fields, Mapping[str, Any]],
     if method == "fp8":
         block = quant.int_list("weight_block_size", length=2, min=1, max=MAX_GROUP,
                                default=[128, 128], nullable=True)
-        return Scheme("fp8", 8, block=(block[0], block[1]), file=quant.file_label,
-                      keys=_keys(quant, block="weight_block_size"))
+        # transformers' FineGrainedFP8 (DeepSeek's format): always 128 x 128 blocks or as given
+        return Scheme("fp8", 8, block=(block[0], block[1]), strategy="block",
+                      file=quant.file_label, keys=_keys(quant, block="weight_block_size"))
     if method == "compressed-tensors":
         return _compressed_tensors(quant)
     if method == "mxfp4":
@@ -159,7 +162,7 @@ def _modelopt(quant: Fields) -> Scheme:
     scales."""
     algo = quant.str("quant_algo")
     if algo == "FP8":
-        return Scheme("fp8", 8, file=quant.file_label)
+        return Scheme("fp8", 8, strategy="tensor", file=quant.file_label)
     if algo != "NVFP4":
         raise PlanError(f"key {quant.name('quant_algo')!r} is {algo!r}: ModelOpt checkpoints in "
                         "NVFP4 and FP8 are supported by the planner", source=quant.file)
@@ -168,7 +171,7 @@ def _modelopt(quant: Fields) -> Scheme:
         raise PlanError(f"key {quant.name('group_size')!r} is {group}: NVFP4 stores one scale per "
                         "16 weights", source=quant.file)
     return Scheme("modelopt-nvfp4", 4, group, file=quant.file_label,
-                  keys=_keys(quant, group_size="group_size"))
+                  keys=_keys(quant, group_size="group_size") if quant.has("group_size") else {})
 
 
 def _keys(fields: Fields, **keys: str) -> dict[str, str]:
@@ -193,11 +196,13 @@ def _compressed_tensors(quant: Fields) -> Scheme:
     if fmt == "float-quantized":     # every field is read (type-checked) before any is judged
         bits = first.int("num_bits", min=1, max=64, default=8)
         block = _block_structure(first)
+        strategy = first.str("strategy", default="", nullable=True)
         if bits != 8:
             raise PlanError(f"key {first.name('num_bits')!r} is {bits}: only 8-bit float "
                             "(FP8) weights are supported by the planner", source=quant.file)
-        return Scheme("fp8", 8, block=(block[0], block[1]), file=quant.file_label,
-                      keys=_keys(first, block="block_structure"))
+        return Scheme("fp8", 8, block=(block[0], block[1]),
+                      strategy=strategy if strategy in ("tensor", "channel", "block") else "",
+                      file=quant.file_label, keys=_keys(first, block="block_structure"))
     if fmt == "pack-quantized":
         bits = first.int("num_bits", min=1, max=8)
         strategy = first.str("strategy", default="", nullable=True)
@@ -302,8 +307,8 @@ def tensor_axes(scheme: Scheme, suffix: str, meta: TensorMeta,
                 fmt: Optional[Mapping[str, Any]] = None) -> Optional[TensorAxes]:
     """Where N and K lie in the tensor ``<module>.<suffix>``; ``None`` if it is not part of a
     linear layer this scheme knows (it is then replicated)."""
-    if suffix == "bias":
-        return TensorAxes(Axis(0), None)
+    if suffix == "bias":      # [rows], or [E, rows] for stacked experts (GGUF's *_exps.bias)
+        return TensorAxes(Axis(len(meta.shape) - 1), None)
     if scheme.method == "gguf":
         lead = len(meta.shape) - 2           # 3-D expert tensors carry the experts first
         if lead < 0:
@@ -332,11 +337,12 @@ def tensor_axes(scheme: Scheme, suffix: str, meta: TensorMeta,
     if suffix in ("weight_scale", "weight_scale_inv") and scheme.method == "fp8":
         if len(meta.shape) <= 1:
             return TensorAxes(None, None)       # per tensor (or per part of a fused tensor)
-        if len(meta.shape) == 2 and meta.shape[1] == 1:
+        # a block grid of a layer at most one block wide has one column too: the config says
+        if len(meta.shape) == 2 and meta.shape[1] == 1 and scheme.strategy != "block":
             return TensorAxes(Axis(0), None)                   # per channel
         rows, cols = scheme.block
         return TensorAxes(Axis(0, rows), Axis(1, cols))        # per block
-    if suffix == "input_scale":
+    if suffix in ("input_scale", "k_scale", "v_scale"):   # per tensor: an FP8 KV cache's too
         return TensorAxes(None, None)
     if suffix == "weight":
         return TensorAxes(Axis(0), Axis(1))

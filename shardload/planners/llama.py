@@ -92,7 +92,7 @@ def _role_axes(scheme: Scheme, role: str, name: str, meta, fmt: Optional[dict],
     if rule is not None:
         return rule.axes
     suffix = name.rpartition(".")[2]
-    if role in NORM_OF:
+    if role in NORM_OF or role == "sinks":     # one vector over the heads' rows
         return TensorAxes(Axis(0), None) if suffix == "weight" else None
     return tensor_axes(scheme, suffix, meta, fmt)
 

@@ -191,6 +191,10 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {a.model_type: a for a in (
                      "split like the q rows and k rows",
                      split_norms={"attn_q_norm": "q", "attn_k_norm": "k"}),
     GGUFArchitecture("granite", "Llama-shaped; its scales are forward-only"),
+    GGUFArchitecture("gpt-oss", "llama.cpp stores gate and up de-interleaved (ffn_gate_exps, "
+                     "ffn_up_exps) in MXFP4 blocks; expert biases [E, rows] split with their "
+                     "rows (ffn_down_exps' replicated); attn_sinks split with the query heads",
+                     roles={"attn_sinks": "sinks"}),
 )}
 #: GGUF general.architecture values the planner knows
 GGUF_LLAMA_LIKE = tuple(GGUF_ARCHITECTURES)
