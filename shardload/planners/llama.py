@@ -35,7 +35,8 @@ HF_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "qkv_proj": "qkv", "o_p
             "w1": "gate", "w3": "up", "w2": "down", "embed_tokens": "embed", "lm_head": "lm_head"}
 GGUF_ROLES = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_qkv": "qkv", "attn_output": "o",
               "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down", "ffn_gate_exps": "gate",
-              "ffn_up_exps": "up", "ffn_down_exps": "down", "ffn_gate_shexp": "gate",
+              "ffn_up_exps": "up", "ffn_down_exps": "down", "ffn_gate_up_exps": "gate_up",
+              "ffn_gate_shexp": "gate",
               "ffn_up_shexp": "up", "ffn_down_shexp": "down", "token_embd": "embed",
               "output": "lm_head"}
 #: norms split like the rows of a projection (``Architecture.split_norms``: OLMo-2's q_norm and
@@ -112,6 +113,12 @@ class Padding:
         meta = {"num_shards": self.num_shards, "head_dim": spec.head_dim,
                 **self.heads.as_dict(), "mlp_block": self.mlp_unit,
                 "mlp_blocks": {str(k): v for k, v in self.mlp.items()}}
+        if spec.mla is not None:
+            # MLA: heads of other widths in kv_b_proj and o_proj than head_dim (q's)
+            meta["mla"] = {"qk_nope_head_dim": spec.mla.qk_nope_head_dim,
+                           "qk_rope_head_dim": spec.mla.qk_rope_head_dim,
+                           "v_head_dim": spec.v_head_dim, "kv_lora_rank": spec.mla.kv_lora_rank,
+                           "q_lora_rank": spec.mla.q_lora_rank}
         if spec.rules.split_norms:
             # OLMo-2: these norms' mean runs over the whole, unpadded projection (padded rows
             # are zero and add nothing to the sum of squares; divide by this width)
