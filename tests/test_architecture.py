@@ -117,8 +117,25 @@ FORBIDDEN = {
     "shardload.registry": ["shardload.plan", "shardload.loader", "shardload.sessions",
                            "shardload.readers", "shardload.cli"],
     "shardload.planners": ["shardload.loader", "shardload.pieces", "shardload.sessions",
-                           "shardload.cli"],
+                           "shardload.cli", "shardload.hf"],
+    # the codecs turn stored tensors into dense ones: array code, nothing of plans or loading
+    "shardload.codecs": ["shardload.plan", "shardload.planners", "shardload.loader",
+                         "shardload.sessions", "shardload.hf", "shardload.cli"],
 }
+
+
+def test_only_the_integration_imports_transformers_and_only_the_cli_imports_it():
+    # shardload.hf sits beside the CLI: nothing below reaches it, and transformers (the
+    # optional hf extra) is imported there alone
+    for module, path in MODULES.items():
+        if module == "shardload.hf" or module.startswith("shardload.hf."):
+            continue
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        assert "import transformers" not in source and "from transformers" not in source, module
+        if module != "shardload.cli":
+            reached = [t for t in _reaches(module) if t.split(".")[:2] == ["shardload", "hf"]]
+            assert not reached, (module, reached)
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))

@@ -1,0 +1,224 @@
+"""What each worker runs for ``load_tp_model``: build transformers' own model from its shards,
+run forwards, generate. Session functions, so they run the same on threads, worker processes
+and torchrun ranks.
+
+Building, on each worker (``build``):
+
+1. group the worker's shards by module and dequantize each quantized module to the chosen dtype
+   (``shardload.codecs``): the dense weights of the worker's share, under the checkpoint's names;
+2. zero the row-parallel biases on every worker but 0 (they are added once, after the sum);
+3. where the worker's query heads do not use its KV heads in transformers' regular pattern (some
+   zero-padded layouts), give each query head its own copy of its KV head;
+4. let transformers load them (``from_pretrained`` of a folder in memory, ``/dev/shm``, holding
+   the dense weights and a config with this worker's sizes: its heads, its MLP rows), so every
+   name conversion and every architecture's forward is transformers' own;
+5. add a forward hook summing the outputs of every decoder layer's attention and MLP over the
+   workers (``comm``): the row-parallel reduction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Optional
+
+import torch
+
+from ..sessions import register_session_func
+from . import comm
+
+BUILD = "shardload.hf.build"
+FORWARD = "shardload.hf.forward"
+GENERATE = "shardload.hf.generate"
+RELEASE = "shardload.hf.release"
+
+#: suffixes that mark a module as stored quantized (the codecs turn them into dense weights)
+_QUANT_SUFFIXES = {"qweight", "weight_packed", "weight_scale", "weight_scale_inv", "q_weight",
+                   "gate_up_proj_blocks", "down_proj_blocks"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: modules of a decoder layer whose outputs are partial sums under tensor parallelism
+_REDUCED = ("self_attn", "mlp", "block_sparse_moe")
+
+
+class _Built:
+    """One worker's model and the group it reduces over."""
+
+    def __init__(self, model, group, rank: int):
+        self.model = model
+        self.group = group
+        self.rank = rank
+
+
+def _key(token: str) -> str:
+    return f"shardload.hf.model:{token}"
+
+
+def _group(spec: dict, rank: int, size: int):
+    kind = spec["kind"]
+    if kind == "threads":
+        return comm.thread_group(spec["token"], size)
+    if kind == "gloo":
+        return comm.join_process_group(spec["address"], rank, size)
+    return comm.DistGroup()        # torchrun: the job's own group
+
+
+def _is_quantized(parts: dict[str, torch.Tensor]) -> bool:
+    if _QUANT_SUFFIXES.intersection(parts):
+        return True
+    weight = parts.get("weight")
+    return weight is not None and not weight.is_floating_point()
+
+
+def dense_weights(shards: dict[str, torch.Tensor], quant: dict,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The worker's shards as dense tensors under the checkpoint's names: quantized modules
+    dequantized (``codecs``), float tensors cast, everything else (scales of replicated layers
+    that are not weights, index tensors) dropped."""
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in shards.items():
+        module, _, suffix = name.rpartition(".")
+        modules.setdefault(module, {})[suffix] = tensor
+    out: dict[str, torch.Tensor] = {}
+    for module, parts in modules.items():
+        prefix = f"{module}." if module else ""
+        if quant["method"] != "none" and _is_quantized(parts):
+            from .. import codecs
+
+            dense = codecs.dequantize_module(
+                quant["method"], parts, bits=quant["bits"], group_size=quant["group_size"],
+                gptq_version=quant["gptq_version"], block=tuple(quant["block"]), dtype=dtype)
+        else:
+            dense = {k: t for k, t in parts.items() if t.is_floating_point()}
+        for key, tensor in dense.items():
+            out[prefix + key] = tensor.to(dtype).contiguous()
+    return out
+
+
+def _expand_kv(dense: dict[str, torch.Tensor], kv_map: list[int], head_dim: int) -> None:
+    """Give each local query head its own copy of the KV head it uses (``kv_map[h]``, a local
+    KV index), where zero-padding made the pattern irregular for transformers' repeat_kv."""
+    rows = torch.cat([torch.arange(k * head_dim, (k + 1) * head_dim) for k in kv_map])
+    for name in list(dense):
+        module = name.rpartition(".")[0].rpartition(".")[2]
+        if module in ("k_proj", "v_proj"):
+            dense[name] = dense[name].index_select(0, rows).contiguous()
+
+
+def _reduce_outputs(model, group, rank: int) -> None:
+    """Sum every decoder layer's attention and MLP outputs over the workers."""
+    def hook(module, args, output):
+        if isinstance(output, tuple):
+            group.all_reduce(output[0], rank)
+        else:
+            group.all_reduce(output, rank)
+        return output
+
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in _REDUCED and ".layers." in f".{name}":
+            module.register_forward_hook(hook)
+
+
+@register_session_func(BUILD)
+def build(ctx, spec: dict) -> dict:
+    """Build this worker's model from its shards (see the module docstring); ``spec`` is what
+    the controller worked out for this worker (``model.py``)."""
+    import transformers
+
+    dtype = _DTYPES[spec["dtype"]]
+    dense = dense_weights(ctx.shards, spec["quant"], dtype)
+    for name in spec["zero_on_others"] if ctx.rank else ():
+        if name in dense:
+            dense[name].zero_()
+    if spec.get("kv_map"):
+        _expand_kv(dense, spec["kv_map"], spec["head_dim"])
+    from safetensors.torch import save_file
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    folder = tempfile.mkdtemp(prefix="shardload-hf-", dir=base)
+    try:
+        save_file(dense, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(spec["config"], f)
+        del dense
+        extra = {}
+        if spec.get("eager_experts"):
+            # torch's grouped_mm wants 16-byte strides, which a worker's share of an expert
+            # (11 rows of 32 at N=3) need not have: transformers' reference loop has no such rule
+            extra["experts_implementation"] = "eager"
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    model.eval()
+    group = _group(spec["comm"], ctx.rank, ctx.world_size) if ctx.world_size > 1 else None
+    if group is not None:
+        _reduce_outputs(model, group, ctx.rank)
+    ctx.values[_key(spec["comm"]["token"])] = _Built(model, group, ctx.rank)
+    return {"parameters": sum(p.numel() for p in model.parameters())}
+
+
+def _built(ctx, token: str) -> _Built:
+    built = ctx.values.get(_key(token))
+    if built is None:
+        raise RuntimeError(f"worker {ctx.rank} has no model {token!r} (released, or never built)")
+    return built
+
+
+@register_session_func(FORWARD)
+def forward(ctx, token: str, input_ids: list, every_rank: bool = False) -> Optional[torch.Tensor]:
+    """Logits of the whole model for ``input_ids`` (every worker runs its share; worker 0, or
+    with ``every_rank`` each worker, returns them)."""
+    built = _built(ctx, token)
+    ids = torch.tensor(input_ids, dtype=torch.long)
+    with torch.no_grad():
+        logits = built.model(input_ids=ids).logits.float()
+    return logits if ctx.rank == 0 or every_rank else None
+
+
+def _choose(logits: torch.Tensor, sampling: dict, generator: torch.Generator) -> torch.Tensor:
+    """The next token of each row: greedy, or sampled (temperature, top-k) with ``generator``."""
+    if not sampling.get("do_sample"):
+        return logits.argmax(dim=-1)
+    scores = logits / max(float(sampling.get("temperature", 1.0)), 1e-6)
+    top_k = int(sampling.get("top_k") or 0)
+    if 0 < top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@register_session_func(GENERATE)
+def generate(ctx, token: str, input_ids: list, max_new_tokens: int, sampling: dict,
+             eos_token_ids: list, every_rank: bool = False) -> Optional[list]:
+    """Decode ``max_new_tokens`` after ``input_ids`` with a KV cache. Worker 0 chooses each
+    token and broadcasts it, so every worker feeds the same one (sampling included)."""
+    built = _built(ctx, token)
+    ids = torch.tensor(input_ids, dtype=torch.long)
+    generator = torch.Generator().manual_seed(int(sampling.get("seed", 0)))
+    eos = set(int(t) for t in eos_token_ids)
+    out = ids
+    past: Any = None
+    step = ids
+    done = torch.zeros(ids.shape[0], dtype=torch.bool)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            result = built.model(input_ids=step, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            chosen = _choose(result.logits[:, -1].float(), sampling, generator)
+            if built.group is not None:
+                chosen = built.group.broadcast(chosen.contiguous(), built.rank)
+            out = torch.cat([out, chosen[:, None]], dim=1)
+            done |= torch.tensor([int(t) in eos for t in chosen.tolist()])
+            if bool(done.all()):
+                break
+            step = chosen[:, None]
+    return out.tolist() if ctx.rank == 0 or every_rank else None
+
+
+@register_session_func(RELEASE)
+def release(ctx, token: str) -> None:
+    """Drop this worker's model (and, for threads, the group)."""
+    ctx.values.pop(_key(token), None)
+    comm.drop_thread_group(token)
