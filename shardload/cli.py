@@ -20,6 +20,7 @@ import os
 import stat
 import sys
 import tempfile
+import time
 from typing import Any, Iterator, Optional
 
 import click
@@ -655,6 +656,124 @@ def _fsync_folder(folder: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+@cli.command()
+@_shards_option
+@_ckpt_argument
+@click.option("--prompt", "-p", required=True, help="The text to continue (or, with --chat, "
+              "the user's message).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1, max=1 << 16), default=32,
+              show_default=True)
+@click.option("--chat/--no-chat", default=True, show_default=True,
+              help="Wrap the prompt in the checkpoint's chat template (where it has one), or "
+                   "continue the raw text.")
+@click.option("--session", "session_kind", type=click.Choice(["thread", "process", "torch"]),
+              default="thread", show_default=True,
+              help="Where workers run: threads, worker processes, or torchrun ranks.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              default="float32", show_default=True,
+              help="The dtype weights are dequantized to and the model runs in.")
+@click.option("--sample", is_flag=True, help="Sample instead of greedy decoding.")
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0)
+@click.option("--top-k", type=click.IntRange(min=0), default=0)
+@click.option("--seed", type=int, default=0)
+@click.option("--check", is_flag=True,
+              help="Also run transformers' own unsharded model on the prompt and the "
+                   "generated text, and print the largest logit difference.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def run(num_shards: int, ckpt: str, prompt: str, max_new_tokens: int, chat: bool,
+        session_kind: str, dtype: str, sample: bool, temperature: float, top_k: int,
+        seed: int, check: bool, as_json: bool) -> None:
+    """Generate text with CKPT split over N workers: transformers' own model on every worker,
+    built from its shards (needs the hf extra: pip install "shardload[hf]").
+
+    Prints the text and tokens per second; --check compares the logits with the unsharded
+    model's.
+    """
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise BadInput("shardload run needs transformers: pip install \"shardload[hf]\"") \
+            from None
+    import torch
+
+    from .hf import load_tp_model
+
+    if session_kind == "torch":
+        _check_torchrun()
+    tokenizer = _tokenizer(ckpt)
+    ids = _prompt_ids(tokenizer, prompt, chat)
+    torch_dtype = getattr(torch, dtype)
+    with _open_session(session_kind, num_shards, None, ()) as session:
+        with _reading():
+            model = load_tp_model(ckpt, session, dtype=torch_dtype)
+        with model:
+            start = time.perf_counter()
+            out = model.generate([ids], max_new_tokens, do_sample=sample,
+                                 temperature=temperature, top_k=top_k, seed=seed,
+                                 eos_token_id=tokenizer.eos_token_id)
+            seconds = time.perf_counter() - start
+            new = out[0, len(ids):].tolist()
+            diff = _check_logits(ckpt, model, out, torch_dtype) if check else None
+    if session.spmd and session.local_workers != [0]:
+        return          # under torchrun, rank 0 reports
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    rate = len(new) / seconds if seconds > 0 else float("inf")
+    if as_json:
+        _out(json.dumps({"text": text, "tokens": new, "seconds": seconds,
+                         "tokens_per_s": rate, "num_shards": num_shards,
+                         **({"max_abs_logit_diff": diff} if check else {})}))
+        return
+    _out(text)
+    _note(f"{len(new)} tokens in {seconds:.2f} s ({rate:.1f} tokens/s) on {num_shards} "
+          f"worker(s)")
+    if check:
+        _out(f"max_abs_logit_diff={diff:.3g}")
+
+
+def _tokenizer(ckpt: str):
+    """The tokenizer that ships with the checkpoint (tokenizer.json and its config)."""
+    import transformers
+
+    folder = ckpt if os.path.isdir(ckpt) else os.path.dirname(ckpt)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # noqa: BLE001 - any failure means: no usable tokenizer there
+        raise BadInput(f"{ckpt} has no tokenizer transformers can read ({type(exc).__name__}: "
+                       f"{str(exc)[:200]}); shardload run needs the checkpoint's tokenizer "
+                       "files (tokenizer.json, tokenizer_config.json)") from None
+
+
+def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer(prompt)["input_ids"]]
+
+
+def _check_logits(ckpt: str, model, tokens, dtype) -> float:
+    """The largest absolute difference between the sharded and transformers' own unsharded
+    logits over the whole generated sequence (teacher-forced)."""
+    import torch
+    import transformers
+
+    folder = ckpt if os.path.isdir(ckpt) else os.path.dirname(ckpt)
+    logging = transformers.utils.logging
+    bars = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    finally:
+        if bars:
+            logging.enable_progress_bar()
+    with torch.no_grad():
+        want = reference(input_ids=tokens).logits.float()
+    got = model(tokens)
+    return float((got - want).abs().max())
 
 
 @cli.command()

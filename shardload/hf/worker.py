@@ -18,6 +18,8 @@ Building, on each worker (``build``):
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 import os
 import shutil
@@ -147,7 +149,9 @@ def build(ctx, spec: dict) -> dict:
             # torch's grouped_mm wants 16-byte strides, which a worker's share of an expert
             # (11 rows of 32 at N=3) need not have: transformers' reference loop has no such rule
             extra["experts_implementation"] = "eager"
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra)
+        with _quiet(transformers):
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                                      **extra)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     model.eval()
@@ -156,6 +160,26 @@ def build(ctx, spec: dict) -> dict:
         _reduce_outputs(model, group, ctx.rank)
     ctx.values[_key(spec["comm"]["token"])] = _Built(model, group, ctx.rank)
     return {"parameters": sum(p.numel() for p in model.parameters())}
+
+
+@contextlib.contextmanager
+def _quiet(transformers):
+    """No "Loading weights" bar from every worker (restored afterwards)."""
+    bars = transformers.utils.logging
+    was = bars.is_progress_bar_enabled()
+    bars.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            bars.enable_progress_bar()
+
+
+def _cache_kwargs(model, past: Any) -> dict:
+    """The KV cache argument under the name this transformers takes (``cache`` in recent
+    versions, ``past_key_values`` before)."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": past}
 
 
 def _built(ctx, token: str) -> _Built:
@@ -204,8 +228,9 @@ def generate(ctx, token: str, input_ids: list, max_new_tokens: int, sampling: di
     done = torch.zeros(ids.shape[0], dtype=torch.bool)
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            result = built.model(input_ids=step, past_key_values=past, use_cache=True)
-            past = result.past_key_values
+            result = built.model(input_ids=step, use_cache=True,
+                                 **_cache_kwargs(built.model, past))
+            past = result.cache if hasattr(result, "cache") else result.past_key_values
             chosen = _choose(result.logits[:, -1].float(), sampling, generator)
             if built.group is not None:
                 chosen = built.group.broadcast(chosen.contiguous(), built.rank)
