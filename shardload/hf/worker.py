@@ -239,6 +239,10 @@ def generate(ctx, token: str, input_ids: list, max_new_tokens: int, sampling: di
             if bool(done.all()):
                 break
             step = chosen[:, None]
+        if built.group is not None:
+            # a broadcast returns on worker 0 before the others have received: end together,
+            # so that no worker leaves (and a torchrun job tears its group down) mid-receive
+            built.group.all_reduce(torch.zeros(1), built.rank)
     return out.tolist() if ctx.rank == 0 or every_rank else None
 
 
