@@ -29,6 +29,7 @@ from ..loader import load_sharded
 from ..planners import plan_decision
 from ..planners.layouts import scheme_from_hf
 from ..planners.llama import ROW, module_role
+from ..planners.tp_layout import head_layout
 from ..readers import as_checkpoint
 from ..sessions import Session
 from . import worker
@@ -164,6 +165,32 @@ def _kv_map(padding: Optional[dict], i: int) -> Optional[list[int]]:
     return q_to_kv
 
 
+def _split_norms(spec, padding: Optional[dict], n: int, i: int) -> dict:
+    """For norms over a whole projection (OLMo-2's q_norm, k_norm), what worker ``i`` needs to
+    take its part in the mean of squares: the projection's whole width, and a weight per local
+    head (1 / the number of workers holding that head, 0 for a zero head), so that a KV head
+    replicated to several workers counts once."""
+    if not spec.rules.split_norms:
+        return {}
+    heads = (padding if padding is not None
+             else head_layout(spec.num_heads, spec.num_kv_heads, n).as_dict())
+    kv_map = _kv_map(padding, i)
+    layout = {"q": heads["q_heads"], "k": heads["kv_heads"]}
+    if kv_map is not None:   # expanded: one (copied) KV head per query head, on every worker
+        layout["k"] = [[kv[m] for m in heads["q_to_kv"][w]]
+                       for w, kv in enumerate(heads["kv_heads"])]
+    out = {}
+    for norm, role in spec.rules.split_norms.items():
+        counts: dict[int, int] = {}
+        for worker_heads in layout[role]:
+            for h in worker_heads:
+                counts[h] = counts.get(h, 0) + 1
+        weights = [0.0 if h < 0 else 1.0 / counts[h] for h in layout[role][i]]
+        out[norm] = {"width": spec.q_size if role == "q" else spec.kv_size,
+                     "weights": weights, "head_dim": spec.head_dim}
+    return out
+
+
 def _worker_config(config: dict, spec, sizes: dict[str, int], expand_kv: bool) -> dict:
     """The checkpoint's config with worker sizes, unquantized (the worker loads dense weights)."""
     local = copy.deepcopy(config)
@@ -209,10 +236,6 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
     decision = plan_decision(ckpt, n)
     plan = decision.plan()
     spec = decision.summary.spec
-    if spec.rules.split_norms:
-        raise ShardloadError(f"{spec.architecture}: its q/k norms span the whole projection, "
-                             "which needs a norm reduced over the workers; not supported by "
-                             "load_tp_model yet")
     padding = plan.metadata.get("tensor_parallel")
     sharded = load_sharded(ckpt, decision.validated, session, progress=progress)   # 2.
     quant = _quant(config, ckpt.source)                                            # 3.
@@ -229,7 +252,7 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
         eager = any(sizes.get(k, 0) * itemsize % 16 for k in
                     ("moe_intermediate_size", "intermediate_size"))
         return [{"dtype": _DTYPE_NAMES[dtype], "quant": quant, "comm": comm,
-                 "eager_experts": eager,
+                 "eager_experts": eager, "split_norms": _split_norms(spec, padding, n, i),
                  "config": _worker_config(config, spec, sizes, kv_map is not None),
                  "zero_on_others": row_biases, "kv_map": kv_map, "head_dim": spec.head_dim}]
 

@@ -108,6 +108,41 @@ def _expand_kv(dense: dict[str, torch.Tensor], kv_map: list[int], head_dim: int)
             dense[name] = dense[name].index_select(0, rows).contiguous()
 
 
+class _SplitNorm(torch.nn.Module):
+    """An RMS norm over a whole projection split across workers (OLMo-2's q_norm, k_norm):
+    each worker adds up the squares of its heads (weighted, so that a replicated head counts
+    once), the sums are summed over the workers, and every worker normalises its part by the
+    whole projection's mean square."""
+
+    def __init__(self, norm: torch.nn.Module, split: dict, group, rank: int):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        self.width = split["width"]
+        self.head_dim = split["head_dim"]
+        self.register_buffer("head_weights", torch.tensor(split["weights"]), persistent=False)
+        self.group, self.rank = group, rank
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        hidden = hidden.float()
+        heads = hidden.pow(2).unflatten(-1, (-1, self.head_dim)).sum(-1)
+        total = (heads * self.head_weights).sum(-1, keepdim=True)
+        if self.group is not None:
+            total = self.group.all_reduce(total.contiguous(), self.rank)
+        hidden = hidden * torch.rsqrt(total / self.width + self.eps)
+        return (self.weight * hidden).to(dtype)
+
+
+def _split_norms(model, norms: dict, group, rank: int) -> None:
+    """Replace the norms ``norms`` names in every attention with ``_SplitNorm``."""
+    for name, module in list(model.named_modules()):
+        for norm, split in norms.items():
+            child = getattr(module, norm, None)
+            if name.endswith("self_attn") and isinstance(child, torch.nn.Module):
+                setattr(module, norm, _SplitNorm(child, split, group, rank))
+
+
 def _reduce_outputs(model, group, rank: int) -> None:
     """Sum every decoder layer's attention and MLP outputs over the workers."""
     def hook(module, args, output):
@@ -156,6 +191,8 @@ def build(ctx, spec: dict) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
     model.eval()
     group = _group(spec["comm"], ctx.rank, ctx.world_size) if ctx.world_size > 1 else None
+    if spec.get("split_norms"):
+        _split_norms(model, spec["split_norms"], group, ctx.rank)
     if group is not None:
         _reduce_outputs(model, group, ctx.rank)
     ctx.values[_key(spec["comm"]["token"])] = _Built(model, group, ctx.rank)
