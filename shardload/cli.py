@@ -691,19 +691,21 @@ def run(num_shards: int, ckpt: str, prompt: str, max_new_tokens: int, chat: bool
     Prints the text and tokens per second; --check compares the logits with the unsharded
     model's.
     """
+    import torch
+
     try:
-        import transformers  # noqa: F401
+        from .hf import load_tp_model, text
     except ImportError:
         raise BadInput("shardload run needs transformers: pip install \"shardload[hf]\"") \
             from None
-    import torch
-
-    from .hf import load_tp_model
 
     if session_kind == "torch":
         _check_torchrun()
-    tokenizer = _tokenizer(ckpt)
-    ids = _prompt_ids(tokenizer, prompt, chat)
+    try:
+        tokenizer = text.tokenizer(ckpt)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    ids = text.prompt_ids(tokenizer, prompt, chat)
     torch_dtype = getattr(torch, dtype)
     with _open_session(session_kind, num_shards, None, ()) as session:
         with _reading():
@@ -715,7 +717,7 @@ def run(num_shards: int, ckpt: str, prompt: str, max_new_tokens: int, chat: bool
                                  eos_token_id=tokenizer.eos_token_id)
             seconds = time.perf_counter() - start
             new = out[0, len(ids):].tolist()
-            diff = _check_logits(ckpt, model, out, torch_dtype) if check else None
+            diff = text.unsharded_difference(ckpt, model, out, torch_dtype) if check else None
     if session.spmd and session.local_workers != [0]:
         return          # under torchrun, rank 0 reports
     text = tokenizer.decode(new, skip_special_tokens=True)
@@ -730,50 +732,6 @@ def run(num_shards: int, ckpt: str, prompt: str, max_new_tokens: int, chat: bool
           f"worker(s)")
     if check:
         _out(f"max_abs_logit_diff={diff:.3g}")
-
-
-def _tokenizer(ckpt: str):
-    """The tokenizer that ships with the checkpoint (tokenizer.json and its config)."""
-    import transformers
-
-    folder = ckpt if os.path.isdir(ckpt) else os.path.dirname(ckpt)
-    try:
-        return transformers.AutoTokenizer.from_pretrained(folder)
-    except Exception as exc:  # noqa: BLE001 - any failure means: no usable tokenizer there
-        raise BadInput(f"{ckpt} has no tokenizer transformers can read ({type(exc).__name__}: "
-                       f"{str(exc)[:200]}); shardload run needs the checkpoint's tokenizer "
-                       "files (tokenizer.json, tokenizer_config.json)") from None
-
-
-def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    return [int(t) for t in tokenizer(prompt)["input_ids"]]
-
-
-def _check_logits(ckpt: str, model, tokens, dtype) -> float:
-    """The largest absolute difference between the sharded and transformers' own unsharded
-    logits over the whole generated sequence (teacher-forced)."""
-    import torch
-    import transformers
-
-    folder = ckpt if os.path.isdir(ckpt) else os.path.dirname(ckpt)
-    logging = transformers.utils.logging
-    bars = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    try:
-        reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    finally:
-        if bars:
-            logging.enable_progress_bar()
-    with torch.no_grad():
-        want = reference(input_ids=tokens).logits.float()
-    got = model(tokens)
-    return float((got - want).abs().max())
 
 
 @cli.command()

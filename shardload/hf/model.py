@@ -191,6 +191,16 @@ def _split_norms(spec, padding: Optional[dict], n: int, i: int) -> dict:
     return out
 
 
+def _gguf_sizes(spec, sizes: dict[str, int]) -> dict[str, int]:
+    """The GGUF key-values of a worker's sizes (``{arch}.attention.head_count`` ...)."""
+    keys = {"num_attention_heads": "attention.head_count",
+            "num_key_value_heads": "attention.head_count_kv",
+            "intermediate_size": "feed_forward_length",
+            "moe_intermediate_size": "expert_feed_forward_length",
+            "shared_expert_intermediate_size": "expert_shared_feed_forward_length"}
+    return {f"{spec.architecture}.{keys[k]}": v for k, v in sizes.items() if k in keys}
+
+
 def _worker_config(config: dict, spec, sizes: dict[str, int], expand_kv: bool) -> dict:
     """The checkpoint's config with worker sizes, unquantized (the worker loads dense weights)."""
     local = copy.deepcopy(config)
@@ -227,10 +237,11 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
                              f"got {dtype}")
     ckpt = as_checkpoint(params)                                                   # 1.
     config = ckpt.config
-    if "model_type" not in config:
+    gguf = "general.architecture" in config
+    if "model_type" not in config and not gguf:
         raise FormatError("load_tp_model builds transformers' model from an HF checkpoint "
-                          "(a folder with config.json and safetensors); this checkpoint has no "
-                          "HF config (GGUF and MLC checkpoints are not supported yet)",
+                          "(a folder with config.json and safetensors) or a GGUF file; this "
+                          "checkpoint has neither config (MLC checkpoints are not supported)",
                           file=ckpt.source)
     n = session.num_workers
     decision = plan_decision(ckpt, n)
@@ -238,10 +249,12 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
     spec = decision.summary.spec
     padding = plan.metadata.get("tensor_parallel")
     sharded = load_sharded(ckpt, decision.validated, session, progress=progress)   # 2.
-    quant = _quant(config, ckpt.source)                                            # 3.
+    quant = ({"method": "gguf"} if gguf else _quant(config, ckpt.source))         # 3.
     row_biases = [name for name in ckpt.metadata()
                   if "bias" in name.rpartition(".")[2]
-                  and module_role(name, spec, gguf_names=False) in ROW]
+                  and module_role(name, spec, gguf_names=gguf) in ROW]
+    types = ({name: ckpt.tensor_format(name)["ggml_type"] for name in ckpt.metadata()}
+             if gguf else None)
     token = uuid.uuid4().hex
     comm = _comm(session, token)
 
@@ -251,6 +264,17 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
         itemsize = torch.empty((), dtype=dtype).element_size()
         eager = any(sizes.get(k, 0) * itemsize % 16 for k in
                     ("moe_intermediate_size", "intermediate_size"))
+        if gguf:
+            if kv_map is not None:
+                raise ShardloadError(f"{ckpt.source} at N={n}: this zero-padded layout gives "
+                                     "a worker query heads whose KV heads transformers cannot "
+                                     "pair by its regular rule; load a GGUF at an N the "
+                                     "heads divide")
+            return [{"dtype": _DTYPE_NAMES[dtype], "quant": quant, "comm": comm,
+                     "split_norms": _split_norms(spec, padding, n, i),
+                     "zero_on_others": row_biases,
+                     "gguf": {"file": ckpt.source, "arch": spec.architecture, "types": types,
+                              "kv": _gguf_sizes(spec, sizes)}}]
         return [{"dtype": _DTYPE_NAMES[dtype], "quant": quant, "comm": comm,
                  "eager_experts": eager, "split_norms": _split_norms(spec, padding, n, i),
                  "config": _worker_config(config, spec, sizes, kv_map is not None),

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from typing import Any, Optional
 
 import torch
@@ -40,6 +41,10 @@ RELEASE = "shardload.hf.release"
 _QUANT_SUFFIXES = {"qweight", "weight_packed", "weight_scale", "weight_scale_inv", "q_weight",
                    "gate_up_proj_blocks", "down_proj_blocks"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: transformers' loading sets process-wide flags (no_init_weights, no_tie_weights) while it
+#: runs, so two threads loading at once corrupt each other's models (an untied lm_head): the
+#: workers of a ThreadedSession load one at a time
+_LOADING = threading.Lock()
 #: modules of a decoder layer whose outputs are partial sums under tensor parallelism
 _REDUCED = ("self_attn", "mlp", "block_sparse_moe")
 
@@ -157,36 +162,62 @@ def _reduce_outputs(model, group, rank: int) -> None:
             module.register_forward_hook(hook)
 
 
+def _write_gguf(path: str, shards: dict[str, torch.Tensor], gguf_spec: dict) -> None:
+    """A GGUF file of this worker's share: the original file's key-values (vocabulary, chat
+    template, rope) with the worker's sizes, and its pieces, still quantized, as tensors.
+    transformers then reads it as it reads any GGUF (its name mapping, its dequantization, its
+    reverse of llama.cpp's q/k permutation, within each of the worker's whole heads)."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_spec["file"])
+    arch = gguf_spec["arch"]
+    writer = gguf.GGUFWriter(path, arch)
+    overrides = gguf_spec["kv"]
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = overrides.get(key, field.contents())
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, kind, sub_type=sub)
+    for key, value in overrides.items():
+        if key not in reader.fields:
+            writer.add_uint32(key, int(value))
+    for name, piece in shards.items():
+        kind = gguf.GGMLQuantizationType[gguf_spec["types"][name]]
+        array = piece.contiguous().numpy() if piece.dtype != torch.bfloat16 else (
+            piece.contiguous().view(torch.uint16).numpy())
+        writer.add_tensor(name, array, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _load_gguf(ctx, spec: dict, dtype: torch.dtype, folder: str):
+    import transformers
+
+    path = os.path.join(folder, "model.gguf")
+    shards = dict(ctx.shards)
+    for name in spec["zero_on_others"] if ctx.rank else ():
+        if name in shards:
+            shards[name] = torch.zeros_like(shards[name])
+    _write_gguf(path, shards, spec["gguf"])
+    with _LOADING, _quiet(transformers):
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf",
+                                                                 dtype=dtype)
+
+
 @register_session_func(BUILD)
 def build(ctx, spec: dict) -> dict:
     """Build this worker's model from its shards (see the module docstring); ``spec`` is what
     the controller worked out for this worker (``model.py``)."""
-    import transformers
-
     dtype = _DTYPES[spec["dtype"]]
-    dense = dense_weights(ctx.shards, spec["quant"], dtype)
-    for name in spec["zero_on_others"] if ctx.rank else ():
-        if name in dense:
-            dense[name].zero_()
-    if spec.get("kv_map"):
-        _expand_kv(dense, spec["kv_map"], spec["head_dim"])
-    from safetensors.torch import save_file
-
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     folder = tempfile.mkdtemp(prefix="shardload-hf-", dir=base)
     try:
-        save_file(dense, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(spec["config"], f)
-        del dense
-        extra = {}
-        if spec.get("eager_experts"):
-            # torch's grouped_mm wants 16-byte strides, which a worker's share of an expert
-            # (11 rows of 32 at N=3) need not have: transformers' reference loop has no such rule
-            extra["experts_implementation"] = "eager"
-        with _quiet(transformers):
-            model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
-                                                                      **extra)
+        model = (_load_gguf(ctx, spec, dtype, folder) if spec.get("gguf")
+                 else _load_dense(ctx, spec, dtype, folder))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     model.eval()
@@ -197,6 +228,30 @@ def build(ctx, spec: dict) -> dict:
         _reduce_outputs(model, group, ctx.rank)
     ctx.values[_key(spec["comm"]["token"])] = _Built(model, group, ctx.rank)
     return {"parameters": sum(p.numel() for p in model.parameters())}
+
+
+def _load_dense(ctx, spec: dict, dtype: torch.dtype, folder: str):
+    import transformers
+
+    dense = dense_weights(ctx.shards, spec["quant"], dtype)
+    for name in spec["zero_on_others"] if ctx.rank else ():
+        if name in dense:
+            dense[name].zero_()
+    if spec.get("kv_map"):
+        _expand_kv(dense, spec["kv_map"], spec["head_dim"])
+    from safetensors.torch import save_file
+
+    save_file(dense, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(spec["config"], f)
+    del dense
+    extra = {}
+    if spec.get("eager_experts"):
+        # torch's grouped_mm wants 16-byte strides, which a worker's share of an expert (11 rows
+        # of 32 at N=3) need not have: transformers' reference loop has no such rule
+        extra["experts_implementation"] = "eager"
+    with _LOADING, _quiet(transformers):
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra)
 
 
 @contextlib.contextmanager

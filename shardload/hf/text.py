@@ -1,0 +1,59 @@
+"""Text in and out of a ``TPModel`` for ``shardload run``: the checkpoint's own tokenizer and
+chat template, and the check against transformers' unsharded model."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def _folder(ckpt: str) -> str:
+    return ckpt if os.path.isdir(ckpt) else os.path.dirname(ckpt)
+
+
+def tokenizer(ckpt: str):
+    """The tokenizer that ships with the checkpoint (``tokenizer.json`` and its config, or a
+    GGUF file's vocabulary, which transformers reads); ``ValueError`` saying what is missing."""
+    import transformers
+
+    folder = _folder(ckpt)
+    kwargs = {"gguf_file": os.path.basename(ckpt)} if ckpt.endswith(".gguf") else {}
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - any failure means: no usable tokenizer there
+        raise ValueError(f"{ckpt} has no tokenizer transformers can read "
+                         f"({type(exc).__name__}: {str(exc)[:200]}); shardload run needs the "
+                         "checkpoint's tokenizer (tokenizer.json and tokenizer_config.json, or "
+                         "a GGUF file's vocabulary)") from None
+
+
+def prompt_ids(tok, prompt: str, chat: bool) -> list[int]:
+    """``prompt`` as token ids, wrapped in the chat template when asked and there is one."""
+    if chat and getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                      add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tok(prompt)["input_ids"]]
+
+
+def unsharded_difference(ckpt: str, model, tokens: torch.Tensor, dtype: torch.dtype) -> float:
+    """The largest absolute difference between the sharded logits and transformers' own
+    unsharded model's over the whole sequence ``tokens`` (teacher-forced)."""
+    import transformers
+
+    logging = transformers.utils.logging
+    bars = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    kwargs = {"gguf_file": os.path.basename(ckpt)} if ckpt.endswith(".gguf") else {}
+    try:
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            _folder(ckpt), dtype=dtype, **kwargs).eval()
+    finally:
+        if bars:
+            logging.enable_progress_bar()
+    with torch.no_grad():
+        want = reference(input_ids=tokens).logits.float()
+    return float((model(tokens) - want).abs().max())
