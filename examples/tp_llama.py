@@ -24,6 +24,10 @@ The pieces, driven with ``session.call`` on a ``ThreadedSession`` or a ``Process
   ``generate(prompt_ids, max_new_tokens)``.
 
 With one worker this is the unsharded reference.
+
+``shardload.hf.load_tp_model`` runs transformers' own model of any supported architecture and
+format the same way; this file stays as the small readable reference that shows every
+tensor-parallel step in plain torch, without transformers in between.
 """
 
 from __future__ import annotations
