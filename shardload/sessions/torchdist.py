@@ -227,7 +227,24 @@ class TorchDistributedSession(Session):
             return
         self._closed = True
         if self._owns_group and self._dist.is_initialized():
+            self._meet_before_teardown()
             self._dist.destroy_process_group()
+
+    #: how long a closing rank waits for the others before tearing the group down anyway
+    TEARDOWN_WAIT = datetime.timedelta(seconds=60)
+
+    def _meet_before_teardown(self) -> None:
+        """Wait (briefly) for every rank to reach close: a collective can return on one rank
+        while its last bytes are still on their way to another, and a rank that tears the group
+        down then makes the other abort mid-receive (gloo). A rank that never comes (it failed)
+        only delays the teardown by ``TEARDOWN_WAIT``."""
+        try:
+            if self._dist.get_backend() == "gloo":
+                self._dist.monitored_barrier(timeout=self.TEARDOWN_WAIT)
+            else:
+                self._dist.barrier()
+        except Exception:  # noqa: BLE001 - a peer gone is what the teardown is for
+            pass
 
     def __repr__(self) -> str:
         return (f"TorchDistributedSession(rank={self.rank}, num_workers={self.num_workers}, "
