@@ -681,10 +681,11 @@ def _fsync_folder(folder: str) -> None:
 @click.option("--check", is_flag=True,
               help="Also run transformers' own unsharded model on the prompt and the "
                    "generated text, and print the largest logit difference.")
+@_experts_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def run(num_shards: int, ckpt: str, prompt: str, max_new_tokens: int, chat: bool,
         session_kind: str, dtype: str, sample: bool, temperature: float, top_k: int,
-        seed: int, check: bool, as_json: bool) -> None:
+        seed: int, check: bool, experts: str, as_json: bool) -> None:
     """Generate text with CKPT split over N workers: transformers' own model on every worker,
     built from its shards (needs the hf extra: pip install "shardload[hf]").
 
@@ -709,7 +710,7 @@ def run(num_shards: int, ckpt: str, prompt: str, max_new_tokens: int, chat: bool
     torch_dtype = getattr(torch, dtype)
     with _open_session(session_kind, num_shards, None, ()) as session:
         with _reading():
-            model = load_tp_model(ckpt, session, dtype=torch_dtype)
+            model = load_tp_model(ckpt, session, dtype=torch_dtype, experts=experts)
         with model:
             start = time.perf_counter()
             out = model.generate([ids], max_new_tokens, do_sample=sample,

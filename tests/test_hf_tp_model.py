@@ -338,3 +338,27 @@ def test_unsupported_dtype_is_refused(reference):
     with ThreadedSession(1) as session:
         with pytest.raises(ShardloadError, match="dtype"):
             load_tp_model(str(reference("llama").folder), session, dtype=torch.float64)
+
+
+# ---- expert parallelism: whole experts per worker, same answers --------------------------------
+
+EP_CASES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "gpt_oss_mxfp4")
+
+
+@pytest.mark.parametrize("n", (2, 3, 8))
+@pytest.mark.parametrize("case", EP_CASES)
+def test_expert_parallel_equals_transformers(reference, case, n):
+    """``experts="ep"``: each worker holds whole routed experts (placed per expert, or its slots
+    of gpt-oss's stacked experts), the others' are zero stand-ins in transformers' MoE block,
+    shared experts and attention stay tensor-parallel (DeepSeek's shared experts zero-padded to
+    their configured width); the sum over workers is transformers' whole model. 8 workers on 4
+    experts: half the workers hold none."""
+    ref = reference(case)
+    with ThreadedSession(n) as session:
+        with load_tp_model(str(ref.folder), session, experts="ep") as model:
+            held = model.decision.plan().metadata["experts"]["experts_per_worker"]
+            assert all(len(slots) == n for slots in held.values())
+            logits = model(torch.tensor(PROMPT))
+            tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS)
+    assert relative(logits, ref.logits) < TOLERANCE
+    assert tokens.tolist() == ref.tokens.tolist()

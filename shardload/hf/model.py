@@ -28,6 +28,7 @@ from ..errors import FormatError, ShardloadError
 from ..loader import load_sharded
 from ..planners import plan_decision
 from ..planners.layouts import scheme_from_hf
+from ..planners.experts import expert_kind
 from ..planners.llama import ROW, module_role
 from ..planners.tp_layout import head_layout
 from ..readers import as_checkpoint
@@ -153,6 +154,40 @@ def _local_sizes(spec, padding: Optional[dict], n: int, i: int) -> dict[str, int
     return sizes
 
 
+def _expert_parallel(spec, sizes: dict[str, int], plan, validated, n: int, i: int,
+                     gguf: bool) -> tuple[dict[str, int], dict]:
+    """Worker ``i``'s sizes and what its build needs under expert parallelism: its routed
+    experts whole (the rest are zero stand-ins, so transformers' MoE block, which routes over
+    every expert, adds nothing for them: the sum over workers is the whole block), shared
+    experts and dense MLPs tensor-parallel."""
+    if gguf:
+        raise ShardloadError("expert-parallel plans of GGUF checkpoints are not built into a "
+                             "model yet: load with experts='tp'")
+    sizes = dict(sizes)
+    if spec.moe_intermediate_size:
+        sizes["moe_intermediate_size"] = spec.moe_intermediate_size
+    slots = plan.metadata["experts"]["experts_per_worker"]
+    hidden, moe = spec.hidden_size, spec.moe_intermediate_size
+    missing = {}     # dense name -> shape of an expert weight another worker holds
+    for param in validated:
+        if param.workers is not None and i not in param.workers:
+            module, _, suffix = param.name.rpartition(".")
+            if suffix in ("weight", "qweight", "weight_packed", "q_weight"):
+                role = module_role(param.name, spec, gguf_names=False)
+                missing[f"{module}.weight"] = [hidden, moe] if role == "down" else [moe, hidden]
+    pad = {}
+    if spec.mla is not None and spec.shared_expert_intermediate_size:
+        # DeepSeek's shared experts are moe_intermediate_size x n_shared_experts wide in the
+        # config: their tensor-parallel share is zero-padded to that width (exact: zero rows of
+        # gate/up, zero columns of down)
+        width = spec.shared_expert_intermediate_size
+        pad = {"shared_experts.gate_proj.weight": [width, hidden],
+               "shared_experts.up_proj.weight": [width, hidden],
+               "shared_experts.down_proj.weight": [hidden, width]}
+    return sizes, {"experts_per_worker": {k: v[i] for k, v in slots.items()},
+                   "missing": missing, "pad": pad}
+
+
 def _kv_map(padding: Optional[dict], i: int) -> Optional[list[int]]:
     """The local KV head of each local query head, where it is not transformers' regular
     ``h // (q / kv)`` (some zero-padded layouts); None where it is."""
@@ -221,7 +256,7 @@ def _worker_config(config: dict, spec, sizes: dict[str, int], expand_kv: bool) -
 
 
 def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, *,
-                  progress: bool = False) -> TPModel:
+                  experts: str = "tp", progress: bool = False) -> TPModel:
     """transformers' model of the checkpoint ``params`` (a folder, or an open checkpoint),
     split over the workers of ``session``, its weights dequantized to ``dtype``.
 
@@ -244,15 +279,18 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
                           "checkpoint has neither config (MLC checkpoints are not supported)",
                           file=ckpt.source)
     n = session.num_workers
-    decision = plan_decision(ckpt, n)
+    decision = plan_decision(ckpt, n, experts=experts)
     plan = decision.plan()
     spec = decision.summary.spec
     padding = plan.metadata.get("tensor_parallel")
     sharded = load_sharded(ckpt, decision.validated, session, progress=progress)   # 2.
     quant = ({"method": "gguf"} if gguf else _quant(config, ckpt.source))         # 3.
+    # a row-parallel bias is added once, after the sum; an expert's own bias under expert
+    # parallelism belongs to the worker holding the expert, so it is not one of them
     row_biases = [name for name in ckpt.metadata()
                   if "bias" in name.rpartition(".")[2]
-                  and module_role(name, spec, gguf_names=gguf) in ROW]
+                  and module_role(name, spec, gguf_names=gguf) in ROW
+                  and not (experts == "ep" and expert_kind(name, name.rpartition(".")[0], gguf))]
     types = ({name: ckpt.tensor_format(name)["ggml_type"] for name in ckpt.metadata()}
              if gguf else None)
     token = uuid.uuid4().hex
@@ -261,6 +299,9 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
     def spec_for(i: int) -> list:
         kv_map = _kv_map(padding, i)
         sizes = _local_sizes(spec, padding, n, i)
+        ep = None
+        if experts == "ep":
+            sizes, ep = _expert_parallel(spec, sizes, plan, decision.validated, n, i, gguf)
         itemsize = torch.empty((), dtype=dtype).element_size()
         eager = any(sizes.get(k, 0) * itemsize % 16 for k in
                     ("moe_intermediate_size", "intermediate_size"))
@@ -277,6 +318,7 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
                               "kv": _gguf_sizes(spec, sizes)}}]
         return [{"dtype": _DTYPE_NAMES[dtype], "quant": quant, "comm": comm,
                  "eager_experts": eager, "split_norms": _split_norms(spec, padding, n, i),
+                 "experts": ep,
                  "config": _worker_config(config, spec, sizes, kv_map is not None),
                  "zero_on_others": row_biases, "kv_map": kv_map, "head_dim": spec.head_dim}]
 

@@ -103,6 +103,33 @@ def dense_weights(shards: dict[str, torch.Tensor], quant: dict,
     return out
 
 
+def _whole_experts(dense: dict[str, torch.Tensor], ep: dict, dtype: torch.dtype) -> None:
+    """Expert parallelism: transformers' MoE block routes over every expert, so the experts
+    other workers hold become zero stand-ins (a zero expert adds nothing; the sum over the
+    workers is the whole block). Stacked experts (gpt-oss) are scattered from this worker's
+    slots to their places; DeepSeek's shared experts are zero-padded to their configured
+    width (``ep["pad"]``)."""
+    for name, shape in ep["missing"].items():
+        dense[name] = torch.zeros(shape, dtype=dtype)
+    held = ep["experts_per_worker"]
+    for name in list(dense):
+        if name.rpartition(".")[0].rpartition(".")[2] != "experts":
+            continue
+        piece = dense[name]
+        count = next(int(e) for e, ids in held.items() if len(ids) == piece.shape[0])
+        whole = piece.new_zeros((count, *piece.shape[1:]))
+        for slot, expert in enumerate(held[str(count)]):
+            if expert >= 0:
+                whole[expert] = piece[slot]
+        dense[name] = whole
+    for suffix, shape in ep["pad"].items():
+        for name in [n for n in dense if n.endswith(suffix)]:
+            piece = dense[name]
+            whole = piece.new_zeros(shape)
+            whole[:piece.shape[0], :piece.shape[1]] = piece
+            dense[name] = whole
+
+
 def _expand_kv(dense: dict[str, torch.Tensor], kv_map: list[int], head_dim: int) -> None:
     """Give each local query head its own copy of the KV head it uses (``kv_map[h]``, a local
     KV index), where zero-padding made the pattern irregular for transformers' repeat_kv."""
@@ -234,6 +261,8 @@ def _load_dense(ctx, spec: dict, dtype: torch.dtype, folder: str):
     import transformers
 
     dense = dense_weights(ctx.shards, spec["quant"], dtype)
+    if spec.get("experts"):
+        _whole_experts(dense, spec["experts"], dtype)
     for name in spec["zero_on_others"] if ctx.rank else ():
         if name in dense:
             dense[name].zero_()

@@ -121,7 +121,8 @@ _GEMMA = ("pre/post-feedforward layernorms replicated; head_dim explicit (not hi
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("llama"),
     Architecture("mistral"),
-    Architecture("mixtral", "experts' w1/w3 column-, w2 row-parallel; router replicated"),
+    Architecture("mixtral", "experts' w1/w3 column-, w2 row-parallel; router replicated",
+                 experts_size="intermediate_size"),
     Architecture("qwen2", "q/k/v biases split with their rows"),
     Architecture("qwen3", "per-head q_norm/k_norm (head_dim wide) replicated"),
     Architecture("qwen2_moe", "experts and shared expert split; routers replicated"),
@@ -348,7 +349,7 @@ def _hf_spec(cfg: Fields, model_type: str, layers_key: str,
         keys["num_kv_heads"] = (f"{keys['num_kv_heads']} (absent, so "
                                 f"{keys['num_heads']})")
     moe = cfg.int("moe_intermediate_size", min=1, max=MAX_WIDTH, default=0, nullable=True)
-    if rules.experts_size == "intermediate_size" or (not moe and model_type == "mixtral"):
+    if rules.experts_size == "intermediate_size":
         # Mixtral's and gpt-oss's intermediate_size is the experts'
         moe, keys["moe_intermediate_size"] = inter, keys["intermediate_size"]
     shared = cfg.int("shared_expert_intermediate_size", min=1, max=MAX_WIDTH, default=0,
