@@ -315,7 +315,10 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
                      "split_norms": _split_norms(spec, padding, n, i),
                      "zero_on_others": row_biases,
                      "gguf": {"file": ckpt.source, "arch": spec.architecture, "types": types,
-                              "kv": _gguf_sizes(spec, sizes)}}]
+                              "kv": _gguf_sizes(spec, sizes),
+                              # transformers reads some sizes from no GGUF key (Qwen2's head
+                              # size, Qwen-MoE's expert widths): the worker sets them itself
+                              "config": {**sizes, "head_dim": spec.head_dim}}}]
         return [{"dtype": _DTYPE_NAMES[dtype], "quant": quant, "comm": comm,
                  "eager_experts": eager, "split_norms": _split_norms(spec, padding, n, i),
                  "experts": ep,

@@ -231,8 +231,12 @@ def _load_gguf(ctx, spec: dict, dtype: torch.dtype, folder: str):
             shards[name] = torch.zeros_like(shards[name])
     _write_gguf(path, shards, spec["gguf"])
     with _LOADING, _quiet(transformers):
-        return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf",
-                                                                 dtype=dtype)
+        config = transformers.AutoConfig.from_pretrained(folder, gguf_file="model.gguf")
+        for key, value in spec["gguf"]["config"].items():
+            if key == "head_dim" or hasattr(config, key):
+                setattr(config, key, value)
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file="model.gguf", config=config, dtype=dtype)
 
 
 @register_session_func(BUILD)
