@@ -30,6 +30,20 @@ def subprocess_env(env: dict | None = None, **extra: str) -> dict:
     return env
 
 
+def torchrun(*args: str, timeout: float = 120, nproc: int = 2):
+    """A ``torchrun --standalone`` job of ``nproc`` ranks on loopback, run from the checkout with
+    the tests' ``PYTHONPATH`` (and none of an enclosing job's rank variables)."""
+    import subprocess
+    import sys
+
+    env = subprocess_env({k: v for k, v in os.environ.items()
+                          if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                       "MASTER_PORT")})
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", str(nproc), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO, env=env)
+
+
 def _shard_funcs() -> dict:
     return {f.name: f for f in registry.list_shard_funcs()}
 

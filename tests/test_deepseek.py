@@ -59,8 +59,8 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2_modeling
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3_modeling
 
 from helpers.deepseek_fp8_tool import DEEPSEEK_QUANT_CONFIG, dequantize, write_deepseek_fp8
-from helpers.tp_reference import layer_piece, padded_heads, padded_units, rows_of
-from shardload import FormatError, PlanError, ProcessSession, ThreadedSession, load_sharded
+from helpers.tp_reference import expert_slots, layer_piece, padded_heads, padded_units, rows_of
+from shardload import PlanError, ProcessSession, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_decision
 
@@ -173,14 +173,6 @@ def read_bytes(name: str, w: torch.Tensor, n: int, i: int, padded: bool) -> int:
     """The bytes of worker i's piece that come from the file (zero units are not read): the
     piece of an all-ones tensor counts them."""
     return int(expected(name, torch.ones_like(w), n, i, padded).count_nonzero()) * w.element_size()
-
-
-def expert_slots(num_experts: int, n: int) -> list[list[int]]:
-    """Whole experts per worker: contiguous, balanced (the first ``E % n`` workers take one
-    more), the shorter workers filled up with -1 to the longest."""
-    counts = [num_experts // n + (r < num_experts % n) for r in range(n)]
-    starts = [sum(counts[:r]) for r in range(n)]
-    return [list(range(s, s + c)) + [-1] * (max(counts) - c) for s, c in zip(starts, counts)]
 
 
 def check_padded_layout(decision, n: int) -> None:

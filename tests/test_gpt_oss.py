@@ -46,7 +46,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTo
 
 from helpers.gpt_oss_tool import (dequantize, load_with_transformers, tiny_config,
                                   write_gpt_oss_mxfp4)
-from helpers.tp_reference import padded_heads, padded_units, rows_of, take
+from helpers.tp_reference import expert_slots, padded_heads, padded_units, rows_of, take
 from shardload import ProcessSession, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_decision
@@ -108,14 +108,6 @@ def pick(w: torch.Tensor, units: list[int], size: int, dim: int) -> torch.Tensor
     bits = w.view(torch.int16) if w.dtype == torch.bfloat16 else w
     out = torch.from_numpy(take(bits.numpy(), units, size, dim))
     return out.view(torch.bfloat16) if w.dtype == torch.bfloat16 else out
-
-
-def expert_slots(num_experts: int, n: int) -> list[list[int]]:
-    """Whole experts per worker: contiguous, balanced (the first ``E % n`` workers take one
-    more), the shorter workers filled up with zero slots (-1) to the longest."""
-    counts = [num_experts // n + (r < num_experts % n) for r in range(n)]
-    starts = [sum(counts[:r]) for r in range(n)]
-    return [list(range(s, s + c)) + [-1] * (max(counts) - c) for s, c in zip(starts, counts)]
 
 
 def units_of(n: int, i: int, inter: int, padded: bool, block: int):

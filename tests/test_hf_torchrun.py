@@ -8,30 +8,18 @@ on threads."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import transformers
 
-from conftest import REPO, subprocess_env
+from conftest import torchrun
 from helpers.gpt_oss_tool import tiny_config
 from helpers.hf_dist_job import PROMPT
 from shardload import ThreadedSession
 from shardload.hf import load_tp_model
 
 pytestmark = pytest.mark.slow      # a torchrun job: two processes importing transformers
-
-
-def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = subprocess_env({k: v for k, v in os.environ.items()
-                          if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                       "MASTER_PORT")})
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +36,7 @@ def checkpoint(tmp_path_factory):
 
 
 def test_two_ranks_match_transformers_and_each_other(checkpoint, tmp_path):
-    job = torchrun("-m", "helpers.hf_dist_job", str(checkpoint), str(tmp_path))
+    job = torchrun("-m", "helpers.hf_dist_job", str(checkpoint), str(tmp_path), timeout=300)
     assert job.returncode == 0, job.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
@@ -74,7 +62,7 @@ def test_cli_run_under_torchrun(checkpoint, tmp_path):
     char_tokenizer().save_pretrained(checkpoint)
     job = torchrun("-m", "shardload", "run", "--session", "torch", "--shards", "2", "--json",
                    "--no-chat", "--prompt", "Hello", "--max-new-tokens", "8", "--check",
-                   str(checkpoint))
+                   str(checkpoint), timeout=300)
     assert job.returncode == 0, job.stderr[-3000:]
     lines = [line for line in job.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, job.stdout          # rank 0 reports, once

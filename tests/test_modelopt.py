@@ -36,7 +36,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from helpers.modelopt_tool import cached_modelopt_nvfp4, dequantize_module
-from helpers.tp_reference import layer_piece, padded_heads, padded_units, rows_of
+from helpers.tp_reference import expert_slots, layer_piece, padded_heads, padded_units, rows_of
 from shardload import PlanError, ProcessSession, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_decision
@@ -111,8 +111,7 @@ def expected(module: str, full: torch.Tensor, n: int, i: int, config,
 
 def balanced(experts: int, n: int) -> list[list[int]]:
     """Contiguous experts per worker, the first ``experts % n`` workers taking one more."""
-    sizes = [experts // n + (w < experts % n) for w in range(n)]
-    return [list(range(sum(sizes[:w]), sum(sizes[:w + 1]))) for w in range(n)]
+    return [[e for e in held if e >= 0] for held in expert_slots(experts, n)]
 
 
 def expert_of(module: str):

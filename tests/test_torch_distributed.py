@@ -5,28 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import EXAMPLE, REPO, subprocess_env
+from conftest import EXAMPLE, torchrun
 from shardload import (ProcessSession, ShardloadError, ThreadedSession, TorchDistributedSession,
                        load_sharded)
 
 PLAN = os.path.join(EXAMPLE, "shard_info.json")
 DIST_JOB = ("-m", "helpers.dist_job")  # tests/helpers/dist_job.py, found on PYTHONPATH
-
-
-def torchrun(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = subprocess_env({k: v for k, v in os.environ.items()
-                          if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                       "MASTER_PORT")})
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=env)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

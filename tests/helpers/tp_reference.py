@@ -60,3 +60,11 @@ def layer_piece(w, axis: int, segments, n: int, i: int, head_dim: int, padded=No
             size = 1 if kind == "mlp" else head_dim
             pieces.append(torch.from_numpy(take(part.numpy(), worker, size, axis)))
     return torch.cat(pieces, dim=axis)
+
+
+def expert_slots(num_experts: int, n: int) -> list[list[int]]:
+    """Whole experts per worker for expert parallelism: contiguous, balanced (the first
+    ``E % n`` workers take one more), the shorter workers filled up with -1 to the longest."""
+    counts = [num_experts // n + (r < num_experts % n) for r in range(n)]
+    starts = [sum(counts[:r]) for r in range(n)]
+    return [list(range(s, s + c)) + [-1] * (max(counts) - c) for s, c in zip(starts, counts)]
