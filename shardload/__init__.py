@@ -26,6 +26,7 @@ _LAZY = {
     "load_sharded": "loader",
     "ShardedParams": "loader",
     "LoadStats": "loader",
+    "Staging": "staging",
     "open_checkpoint": "readers",
     "Checkpoint": "readers",
     "TensorMeta": "readers",
@@ -67,6 +68,7 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover
     from .loader import LoadStats, ShardedParams, load_sharded
+    from .staging import Staging
     from .plan import Plan, ShardInfo
     from .readers import ArrayCheckpoint, Checkpoint, TensorMeta, open_checkpoint
     from .registry import (ShardFunc, get_shard_func, list_shard_funcs, load_plugins,

@@ -372,35 +372,56 @@ def cli() -> None:
                    "parameter it was on, the other workers stopped. Progress is each "
                    "parameter and every 64 MiB read; a custom shard function's computation "
                    "counts as one step. Default: no limit.")
+@click.option("--staging", type=click.Choice(["auto", "on", "off"]), default="auto",
+              show_default=True,
+              help="How pieces travel to the devices: 'auto' stages CUDA workers' pieces "
+                   "through a small ring of pinned host buffers, copied asynchronously, and "
+                   "copies CPU workers' straight into place; 'on' stages for every worker "
+                   "(the CPU too); 'off' never stages.")
+@click.option("--staging-buffers", type=click.IntRange(2, 64), default=4, show_default=True,
+              help="Host buffers in each worker's staging ring.")
+@click.option("--staging-mib", type=click.FloatRange(min=0, min_open=True), default=32.0,
+              show_default=True, help="The size of each staging buffer, in MiB.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table.")
 @_ckpt_argument
 def load(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...], experts: str,
-         device: Optional[str], session_kind: str, timeout: Optional[float], as_json: bool,
-         quiet: bool, ckpt: str) -> None:
+         device: Optional[str], session_kind: str, timeout: Optional[float], staging: str,
+         staging_buffers: int, staging_mib: float, as_json: bool, quiet: bool,
+         ckpt: str) -> None:
     """Load CKPT sharded over N workers and report what each worker holds.
 
     Under torchrun (--session torch) every rank loads its own shards and rank 0 reports.
     """
     from .loader import load_sharded
+    from .staging import Staging
 
     if session_kind == "torch":
         _check_torchrun()
+    try:
+        ring = Staging(staging_buffers, staging_mib)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--staging-mib'") from None
+    stage = {"auto": None, "off": False, "on": ring}[staging]
     checkpoint, validated, plan_file = _prepare(ckpt, shard_info, plugins, num_shards, experts)
     try:
         session = _open_session(session_kind, num_shards, device, plugins, timeout)
     except BaseException:
         checkpoint.close()
         raise
+    if stage is None and any(d.type == "cuda" for d in session.devices):
+        stage = ring  # auto: the ring as sized, where it applies
     with checkpoint, session:
         result = load_sharded(checkpoint, validated, session,
-                              progress=not (quiet or as_json))
+                              progress=not (quiet or as_json), staging=stage)
     if getattr(session, "rank", 0) != 0:
         return  # under torchrun, rank 0 speaks for all
     stats = result.stats
     workers = [{"index": i, "device": str(result.devices[i]),
                 "tensors": stats.tensors_per_worker[i], "bytes": stats.bytes_per_worker[i],
-                "bytes_read": stats.bytes_read_per_worker[i]} for i in range(num_shards)]
+                "bytes_read": stats.bytes_read_per_worker[i],
+                "staging": (stats.staging_per_worker or [None] * num_shards)[i]}
+               for i in range(num_shards)]
     if as_json:
         _out(json.dumps({"checkpoint": ckpt, "shard_info": plan_file,
                          "num_shards": num_shards, "seconds": stats.seconds,

@@ -11,8 +11,9 @@ The loader drives every load in the same numbered steps, whatever the session:
    get files they can map (an in-memory checkpoint is written to a temporary file first) and
    the plugin modules their chains need.
 4. **Run** the per-worker load (``pieces.load_pieces``, a session function) on every worker
-   with its read plan: the session decides where that runs (threads, worker processes, this
-   torchrun rank), the loader what.
+   with its read plan and the staging it uses (``staging.Staging``: the pipeline to a GPU):
+   the session decides where that runs (threads, worker processes, this torchrun rank), the
+   loader what.
 5. **Gather** each worker's statistics into one ``LoadStats``.
 6. **Return** ``ShardedParams``: the pieces themselves for workers in this process, handles to
    fetch them from the others.
@@ -41,6 +42,7 @@ from .readers import Checkpoint, as_checkpoint
 from .readplan import ReadPlan, read_plan_for, worker_functions
 from .sessions import Session
 from .sessions.base import check_timeout
+from .staging import Staging, staging_for
 from .modules import importable_module
 
 __all__ = ["load_sharded", "ShardedParams", "LoadStats", "progress_callback"]
@@ -59,6 +61,8 @@ class LoadStats:
     bytes_per_worker: list[int]
     tensors_per_worker: list[int]
     bytes_read_per_worker: list[int]
+    #: each worker's staged pipeline (``StagingStats.as_dict()``), or None on the direct path
+    staging_per_worker: Optional[list[Optional[dict]]] = None
 
     @property
     def bytes_total(self) -> int:
@@ -73,7 +77,8 @@ class LoadStats:
         return {"seconds": self.seconds, "num_shards": self.num_shards,
                 "bytes_total": self.bytes_total, "bytes_per_worker": self.bytes_per_worker,
                 "tensors_per_worker": self.tensors_per_worker,
-                "bytes_read_per_worker": self.bytes_read_per_worker}
+                "bytes_read_per_worker": self.bytes_read_per_worker,
+                "staging_per_worker": self.staging_per_worker}
 
 
 class ShardedParams:
@@ -261,7 +266,8 @@ def _fetcher(session: Session, token: str, local: dict[int, dict[str, torch.Tens
 
 def load_sharded(params: Any, shard_info: Any, session: Session, *,
                  progress: Union[bool, ProgressCallback] = True,
-                 timeout: Optional[float] = None) -> ShardedParams:
+                 timeout: Optional[float] = None,
+                 staging: Union[None, bool, Staging] = None) -> ShardedParams:
     """Shard ``params`` by ``shard_info`` onto the workers of ``session``.
 
     ``params``: a ``Checkpoint`` (``open_checkpoint(path)``), a path, or a mapping of name ->
@@ -272,6 +278,10 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
     ``timeout``: the watchdog for this load (default: the session's ``timeout``): a worker
     without progress for that many seconds fails the load with ``WorkerError`` naming it and
     the parameter it was on; the other workers are stopped and the session closed.
+    ``staging``: how pieces travel to the devices (``Staging``): by default through a small
+    ring of pinned host buffers, copied asynchronously, for CUDA workers, and straight into
+    host memory for CPU workers; ``Staging(buffers=, buffer_mib=)`` sizes the ring (and stages
+    for CPU workers too), ``False`` never stages.
 
     The steps are in the module docstring.
 
@@ -284,6 +294,7 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
     here = session.local_workers
     remote = len(here) < n and not session.spmd  # some workers run in other processes
     ranks = here if session.spmd else range(n)
+    staged = staging_for(staging, session.devices)
     with contextlib.ExitStack() as stack:
         with session.collective("preparing the load"):
             ckpt = as_checkpoint(params)                                            # 1.
@@ -301,7 +312,8 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
         start = time.perf_counter()
         replies = session.run(                                                      # 4.
             LOAD_PIECES, lambda i: [{"load": token, "plan": plans[i].to_json(),
-                                     "modules": modules}],
+                                     "modules": modules,
+                                     "staging": staged and staged.to_json()}],
             context=f"while loading {ckpt.source}", timeout=timeout, on_progress=advance)
         seconds = time.perf_counter() - start
         if session.spmd:  # each rank timed its own load; the load took the slowest's time
@@ -309,7 +321,9 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
         stats = LoadStats(seconds=seconds, num_shards=n,                            # 5.
                           bytes_per_worker=[r["bytes"] for r in replies],
                           tensors_per_worker=[r["tensors"] for r in replies],
-                          bytes_read_per_worker=[r["bytes_read"] for r in replies])
+                          bytes_read_per_worker=[r["bytes_read"] for r in replies],
+                          staging_per_worker=(None if staged is None else
+                                              [r.get("staging") for r in replies]))
         pieces = dict(local.shards)
     result = ShardedParams([p.name for p in validated], list(session.devices), stats,  # 6.
                            validated, _fetcher(session, token, pieces))

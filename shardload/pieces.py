@@ -13,6 +13,14 @@ piece, in storage order:
    workers took their piece;
 3. place the piece on the worker's device, owning its memory, and report progress.
 
+With ``staging`` (the default for CUDA workers) reads go through the worker's ``Pipeline``
+(``staging.py``): byte runs land in a ring of host buffers and are copied from there to the
+device asynchronously; a replicated tensor is staged once per process and copied
+device-to-device to the others, and a chain's input is staged once and its steps run on the
+device. Without it, a piece is read into host memory and moved (the CPU's path: one copy).
+Mapped pages go back to the kernel in batches once every local worker is done with them
+(``PageReleases``).
+
 A worker in the loader's own process uses the checkpoint the loader opened (``LocalLoad``);
 a worker process maps the files the read plan names, checking each is still the file the
 loader opened. Either way nothing is parsed or validated here beyond the bounds of each copy.
@@ -33,12 +41,14 @@ import torch
 from . import dtypes
 from .errors import ShardloadError, annotate
 from .readers.base import Checkpoint, copy_progress
-from .readplan import PieceRead, ReadPlan, Run
+from .readplan import PieceRead, ReadPlan, Run, check_run
 from .registry import ShardFunc, get_shard_func, load_plugins
 from .sessions import Stopped, WorkerContext, register_session_func
+from .staging import Pipeline, Staging
 
 __all__ = ["LOAD_PIECES", "FETCH_PIECE", "RELEASE_LOADS", "MAX_SHARED", "LocalLoad",
-           "SharedOutputs", "run_steps", "read_runs", "read_piece", "load_pieces"]
+           "SharedOutputs", "PageReleases", "run_steps", "read_runs", "read_piece",
+           "source_views", "load_pieces"]
 
 LOAD_PIECES = "shardload.load_pieces"
 FETCH_PIECE = "shardload.fetch_piece"
@@ -46,6 +56,8 @@ RELEASE_LOADS = "shardload.release_loads"
 
 #: chains whose full output may be alive at once in one process (the staging bound)
 MAX_SHARED = 2
+#: mapped pages go back to the kernel once this many bytes of them are done with (PageReleases)
+RELEASE_BATCH_BYTES = 256 << 20
 
 
 # ---- running a chain of steps --------------------------------------------------------------------
@@ -95,18 +107,6 @@ def run_steps(steps, x: torch.Tensor, name: str = "?") -> torch.Tensor:
 
 # ---- copying runs --------------------------------------------------------------------------------
 
-def _check_run(run: Run, source_len: int, dst_len: int, name: str) -> None:
-    """Every byte a run touches lies inside its source and its destination."""
-    if min(run.offset, run.nbytes, run.count, run.stride, run.dst_offset,
-           run.dst_stride) < 0 or run.count < 1:
-        raise ShardloadError(f"parameter {name!r}: malformed read run {run}")
-    last = run.count - 1
-    if run.offset + last * run.stride + run.nbytes > source_len or \
-            run.dst_offset + last * run.dst_stride + run.nbytes > dst_len:
-        raise ShardloadError(f"parameter {name!r}: read run {run} lies outside its source "
-                             f"({source_len} bytes) or its piece ({dst_len} bytes)")
-
-
 def _copy_run(dst: torch.Tensor, src: torch.Tensor, run: Run) -> None:
     """One strided copy, in pieces that report progress when a hook is set (``copy_progress``)."""
     from .readers.mapped import copy_blocks
@@ -127,25 +127,83 @@ def read_runs(source: Checkpoint, runs, shape, dtype: str, zeros: bool, name: st
     if not runs:
         return out
     flat = out.view(-1).view(torch.uint8) if out.dim() else out.reshape(1).view(torch.uint8)
-    views: dict[int, torch.Tensor] = {}
-    copied = 0
+    views = source_views(source, runs)
     for run in runs:
-        src = views.get(run.source)
-        if src is None:
-            src = views[run.source] = source.source_bytes(run.source)
-        _check_run(run, src.numel(), flat.numel(), name)
+        src = views[run.source]
+        check_run(run, src.numel(), flat.numel(), name)
         _copy_run(flat, src, run)
-        copied += run.total
-    count = getattr(source, "count_read", None)
-    if count is not None:
-        count(copied)
+    _count_read(source, runs)
     return out
 
 
-def _release(source: Checkpoint, runs) -> None:
+def source_views(source: Checkpoint, runs) -> dict[int, torch.Tensor]:
+    """The byte sources ``runs`` copy from, each as a 1-D uint8 view (each checked, once, to
+    be unchanged since it was opened)."""
+    views: dict[int, torch.Tensor] = {}
     for run in runs:
-        source.release_bytes(run.source, run.offset,
-                             run.offset + (run.count - 1) * run.stride + run.nbytes)
+        if run.source not in views:
+            views[run.source] = source.source_bytes(run.source)
+    return views
+
+
+def _count_read(source: Checkpoint, runs) -> None:
+    count = getattr(source, "count_read", None)
+    if count is not None:
+        count(sum(run.total for run in runs))
+
+
+class PageReleases:
+    """Mapped pages this process is done with go back in batches.
+
+    Without releases every page a load touched stays charged to the process until the files
+    are closed (the whole checkpoint, per process). Releasing after every tensor costs a
+    ``madvise`` per tensor, each a TLB shoot-down across every thread of the process, measured
+    at 5 to 10% of a load from the page cache. So spans are gathered and given back once
+    ``batch_bytes`` of them are pending, merged where they touch (tensors lie in storage
+    order): about one call per ``batch_bytes`` of checkpoint, and at most that much more held.
+    """
+
+    def __init__(self, source: Checkpoint, batch_bytes: Optional[int] = None):
+        self._source = source
+        self._batch = RELEASE_BATCH_BYTES if batch_bytes is None else batch_bytes
+        self._spans: list[tuple[int, int, int]] = []
+        self._pending = 0
+        self._lock = threading.Lock()
+        self.calls = 0  # release calls made (for tests and statistics)
+
+    def add(self, index: int, begin: int, end: int) -> None:
+        """Bytes ``[begin, end)`` of source ``index`` are no longer needed here."""
+        if end <= begin:
+            return
+        with self._lock:
+            self._spans.append((index, begin, end))
+            self._pending += end - begin
+            if self._pending < self._batch:
+                return
+            spans, self._spans, self._pending = self._spans, [], 0
+        self._release(spans)
+
+    def add_runs(self, runs) -> None:
+        """Every byte span ``runs`` copied from (first to last byte of each run)."""
+        for run in runs:
+            self.add(run.source, run.offset,
+                     run.offset + (run.count - 1) * run.stride + run.nbytes)
+
+    def flush(self) -> None:
+        with self._lock:
+            spans, self._spans, self._pending = self._spans, [], 0
+        self._release(spans)
+
+    def _release(self, spans: list[tuple[int, int, int]]) -> None:
+        merged: list[list[int]] = []
+        for index, begin, end in sorted(spans):
+            if merged and merged[-1][0] == index and begin <= merged[-1][2]:
+                merged[-1][2] = max(merged[-1][2], end)
+            else:
+                merged.append([index, begin, end])
+        for index, begin, end in merged:
+            self._source.release_bytes(index, begin, end)
+        self.calls += len(merged)
 
 
 # ---- workers of one process share computed chains ------------------------------------------------
@@ -241,13 +299,15 @@ class LocalLoad:
 
     def __post_init__(self) -> None:
         self.shared = SharedOutputs(self.num_local, self.stopped.is_set)
+        self.releases = PageReleases(self.ckpt)
 
     def finished(self, piece: PieceRead) -> None:
-        """The mapped pages of a tensor go back once every local worker has its piece."""
+        """The mapped pages of a tensor go back (in a batch) once every local worker has its
+        piece."""
         with self._lock:
             self._done[piece.name] = count = self._done.get(piece.name, 0) + 1
         if count == self.num_local:  # the whole tensor: each worker touched its own part of it
-            self.ckpt.release(piece.name)
+            self.releases.add(*self.ckpt.locate(piece.name))
 
 
 _counter = itertools.count()
@@ -266,6 +326,7 @@ def local_load(ckpt: Checkpoint, num_local: int):
         raise
     finally:
         _local.pop(token, None)
+        load.releases.flush()
 
 
 # ---- the session functions -----------------------------------------------------------------------
@@ -279,44 +340,117 @@ def _place(tensor: torch.Tensor, device: torch.device, owned: bool) -> torch.Ten
     return tensor.to(device, copy=True).contiguous()
 
 
+def _fixup(piece: PieceRead, num_shards: int, rank: int
+           ) -> Optional[Callable[[torch.Tensor], None]]:
+    """The piece's fixup as ``fix(tensor)``, or None."""
+    if piece.fixup is None:
+        return None
+    fixup = piece.fixup
+    fix = get_shard_func(fixup.func).fixup
+
+    def apply(tensor: torch.Tensor) -> None:
+        try:
+            fix(tensor, *fixup.extra, num_shards=num_shards, index=rank)
+        except Exception as exc:
+            annotate(exc, f"parameter {piece.name!r}, fixup of {fixup.func}")
+            raise
+
+    return apply
+
+
 def read_piece(source: Checkpoint, piece: PieceRead, num_shards: int, rank: int
                ) -> torch.Tensor:
     """Worker ``rank``'s piece, read by its byte runs (a piece without a chain), fixed up, as
     a new CPU tensor."""
     tensor = read_runs(source, piece.runs, piece.shape, piece.dtype, piece.zeros, piece.name)
-    if piece.fixup is not None:
-        fix = get_shard_func(piece.fixup.func).fixup
-        try:
-            fix(tensor, *piece.fixup.extra, num_shards=num_shards, index=rank)
-        except Exception as exc:
-            annotate(exc, f"parameter {piece.name!r}, fixup of {piece.fixup.func}")
-            raise
+    fix = _fixup(piece, num_shards, rank)
+    if fix is not None:
+        fix(tensor)
     return tensor
 
 
-def _piece(source: Checkpoint, piece: PieceRead, num_shards: int, rank: int,
-           device: torch.device, shared: Optional[SharedOutputs],
-           waiting: Callable[[], None]) -> tuple[torch.Tensor, int]:
-    """The worker's piece on ``device`` and the checkpoint bytes it read for it."""
-    if piece.chain is None:
-        tensor = read_piece(source, piece, num_shards, rank)
-        return _place(tensor, device, owned=True), piece.bytes_read
+@dataclass
+class _Worker:
+    """What one worker's load works with: where it reads, its device, the pipeline to it (None:
+    the direct path), the chains and replicated tensors it shares with the workers of its
+    process (None: it is alone), and its liveness hook."""
+
+    source: Checkpoint
+    num_shards: int
+    rank: int
+    device: torch.device
+    pipe: Optional[Pipeline]
+    shared: Optional[SharedOutputs]
+    waiting: Callable[[], None]
+    stopped: Callable[[], bool]
+
+    def fill(self, runs, shape, dtype: str, zeros: bool, name: str,
+             fixup: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+        """A new tensor on the device (staged) or on the host (direct), filled by ``runs``."""
+        if self.pipe is None:
+            tensor = read_runs(self.source, runs, shape, dtype, zeros, name)
+            if fixup is not None:
+                fixup(tensor)
+            return tensor
+        tensor = self.pipe.piece(source_views(self.source, runs), runs, shape, dtype, zeros,
+                                 name, fixup)
+        _count_read(self.source, runs)
+        return tensor
+
+    def share(self, name: str, make: Callable[[], torch.Tensor]
+              ) -> tuple[torch.Tensor, bool]:
+        """``make()``'s tensor, made once by the first worker of this process to ask and
+        shared with the others; whether this worker made it."""
+        if self.shared is None:
+            return make(), True
+        try:
+            return self.shared.take(name, make, self.waiting)
+        except Stopped:
+            # the worker making it failed and reports it: this one stops once the session has
+            # heard of that failure, so its own stop is never taken for the first failure
+            deadline = time.monotonic() + 5
+            while not self.stopped() and time.monotonic() < deadline:
+                time.sleep(0.002)
+            raise
+        finally:
+            self.shared.release(name)
+
+
+def _piece(w: _Worker, piece: PieceRead) -> tuple[torch.Tensor, int]:
+    """The worker's piece on its device and the checkpoint bytes it read for it.
+
+    Direct: read into host memory, then placed on the device. Staged: read through the
+    pipeline straight into device memory; a replicated tensor is staged once per process and
+    copied device-to-device to the other workers; a chain's input is staged once per process
+    and its steps run on that worker's device.
+    """
     chain = piece.chain
+    if chain is None and not (piece.shared and w.pipe is not None and w.shared is not None):
+        tensor = w.fill(piece.runs, piece.shape, piece.dtype, piece.zeros, piece.name,
+                        _fixup(piece, w.num_shards, w.rank))
+        return _place(tensor, w.device, owned=True), piece.bytes_read
+
+    if chain is None:  # staged, replicated, shared by several workers of this process
+        def stage() -> torch.Tensor:
+            tensor = w.fill(piece.runs, piece.shape, piece.dtype, False, piece.name)
+            w.pipe.fence()  # the others copy from it next
+            return tensor
+
+        whole, made = w.share(piece.name, stage)
+        return (whole if made else _place(whole, w.device, owned=False)), \
+            piece.bytes_read if made else 0
 
     def compute() -> torch.Tensor:
-        x = read_runs(source, piece.runs, chain.shape, chain.dtype, False, piece.name)
-        if device.type != "cpu":
-            x = x.to(device)
+        x = w.fill(piece.runs, chain.shape, chain.dtype, False, piece.name)
+        if w.pipe is not None:
+            w.pipe.fence()  # the steps run on the device, after the input's copies
+        elif w.device.type != "cpu":
+            x = x.to(w.device)
         return run_steps(chain.runnable(), x, piece.name)
 
-    if shared is None:
-        return _place(compute()[chain.index], device, owned=False), piece.bytes_read
-    try:
-        full, computed = shared.take(piece.name, compute, waiting)
-        kept = _place(full[chain.index], device, owned=False)
-    finally:
-        shared.release(piece.name)
-    return kept, piece.bytes_read if computed else 0
+    full, computed = w.share(piece.name, compute)
+    return _place(full[chain.index], w.device, owned=False), \
+        piece.bytes_read if computed else 0
 
 
 @register_session_func(LOAD_PIECES)
@@ -324,8 +458,9 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
     """Carry out ``request["plan"]`` (a ``ReadPlan`` as JSON) on this worker.
 
     ``request["load"]`` names the load; ``request["modules"]`` lists plugin modules that define
-    shard functions the plan computes with. The pieces become ``ctx.shards`` (the worker's
-    model); a worker outside the loader's process keeps them for ``fetch_piece`` until
+    shard functions the plan computes with; ``request["staging"]`` (a ``Staging`` as JSON, or
+    absent) sends the pieces through the staged pipeline. The pieces become ``ctx.shards`` (the
+    worker's model); a worker outside the loader's process keeps them for ``fetch_piece`` until
     ``release_loads``. Returns statistics.
     """
     start = time.perf_counter()
@@ -333,41 +468,58 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
     load_plugins(request.get("modules", ()))
     local = _local.get(request["load"])
     source = local.ckpt if local is not None else None
-    opened = None
-    if source is None:
-        from .readers.mapped import open_sources
-
-        source = opened = open_sources(list(plan.sources))
-    shared = local.shared if local is not None and local.num_local > 1 else None
+    staging = request.get("staging")
     kept: dict[str, torch.Tensor] = {}
     read = 0
-    try:
+
+    def stopped() -> bool:
+        return ctx.should_stop() or (local is not None and local.stopped.is_set())
+
+    with contextlib.ExitStack() as stack:
+        if source is None:
+            from .readers.mapped import open_sources
+
+            source = open_sources(list(plan.sources))
+            stack.callback(source.close)
+        releases = local.releases if local is not None else PageReleases(source)
+        current = [None]
+        waiting = lambda: ctx.progress(where=current[0])  # noqa: E731
+        pipe = None
+        if staging is not None:
+            pipe = stack.enter_context(Pipeline(ctx.device, Staging.from_json(staging),
+                                                stopped, waiting))
+        shared = local.shared if local is not None and local.num_local > 1 else None
+        worker = _Worker(source, plan.num_shards, plan.rank, ctx.device, pipe, shared, waiting,
+                         stopped)
         for piece in plan.pieces:
-            if ctx.should_stop() or (local is not None and local.stopped.is_set()):
+            if stopped():
                 raise Stopped()
+            current[0] = piece.name
             ctx.progress(where=piece.name)
-            waiting = lambda name=piece.name: ctx.progress(where=name)  # noqa: E731
             # a large tensor's copy reports progress too, so a slow read is not taken for a hang
             with copy_progress(waiting):
-                tensor, nread = _piece(source, piece, plan.num_shards, plan.rank, ctx.device,
-                                       shared, waiting)
+                tensor, nread = _piece(worker, piece)
             kept[piece.name] = tensor
             read += nread
             if local is not None:
                 local.finished(piece)
             else:
-                _release(source, piece.runs)
+                releases.add_runs(piece.runs)
             ctx.progress(nbytes=piece.nbytes)
-    finally:
-        if opened is not None:
-            opened.close()
+        if pipe is not None:
+            pipe.finish()  # every copy landed before the load is reported done
+        if local is None:
+            releases.flush()
     ctx.shards = kept  # the latest load is the worker's model, for session functions
     if local is not None:
         local.shards[plan.rank] = kept  # the loader returns them itself
     else:  # kept here until the loader says its result was dropped (release_loads)
         ctx.values.setdefault(LOAD_PIECES, {})[request["load"]] = kept
-    return {"bytes": sum(t.numel() * t.element_size() for t in kept.values()),
-            "tensors": len(kept), "bytes_read": read, "seconds": time.perf_counter() - start}
+    reply = {"bytes": sum(t.numel() * t.element_size() for t in kept.values()),
+             "tensors": len(kept), "bytes_read": read, "seconds": time.perf_counter() - start}
+    if pipe is not None:
+        reply["staging"] = pipe.stats.as_dict()
+    return reply
 
 
 @register_session_func(FETCH_PIECE)

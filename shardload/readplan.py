@@ -11,8 +11,9 @@ For each parameter, a worker's ``PieceRead`` is one of:
 
 * **read**: ``runs`` of bytes copied into the piece (the rest of the piece, if
   ``zeros``, stays zero: a padded unit), then an optional ``fixup`` (``split_rebase`` rebases
-  its indices). A replicated parameter is one run of the whole tensor; a split is one run per
-  range, strided when the split axis is not the outermost.
+  its indices). A replicated parameter is one run of the whole tensor (``shared``: the same
+  piece on every worker); a split is one run per range, strided when the split axis is not
+  the outermost.
 * **compute**: ``runs`` fill the whole stored tensor, the ``chain`` of steps runs on it, and
   the worker keeps ``output[index]``: for functions without a ``ranges`` rule and for chains
   of several steps.
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from . import dtypes
-from .errors import PlanError, quote
+from .errors import PlanError, ShardloadError, quote
 from .selection import Selection
 
 if TYPE_CHECKING:  # pragma: no cover  (a worker process carries out read plans without them)
@@ -44,7 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover  (a worker process carries out read plans 
     from .readers.base import Checkpoint
 
 __all__ = ["Run", "Chain", "Fixup", "PieceRead", "ReadPlan", "build_read_plans",
-           "read_plan_for", "is_read", "worker_functions"]
+           "read_plan_for", "is_read", "worker_functions", "check_run"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,9 @@ class PieceRead:
     zeros: bool = False
     fixup: Optional[Fixup] = None
     chain: Optional[Chain] = None
+    #: every worker's piece is this same whole tensor (replicated, not placed): workers that
+    #: share a process may read it once and copy it between them
+    shared: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -119,6 +123,8 @@ class PieceRead:
                                "dtype": self.dtype, "runs": [r.to_json() for r in self.runs]}
         if self.zeros:
             out["zeros"] = True
+        if self.shared:
+            out["shared"] = True
         if self.fixup is not None:
             out["fixup"] = [self.fixup.func, *self.fixup.extra]
         if self.chain is not None:
@@ -134,6 +140,7 @@ class PieceRead:
         return cls(
             name=data["name"], shape=tuple(data["shape"]), dtype=data["dtype"],
             runs=tuple(Run(*r) for r in data["runs"]), zeros=bool(data.get("zeros", False)),
+            shared=bool(data.get("shared", False)),
             fixup=None if fixup is None else Fixup(fixup[0], tuple(fixup[1:])),
             chain=None if chain is None else Chain(
                 tuple(chain["shape"]), chain["dtype"],
@@ -181,6 +188,18 @@ class ReadPlan:
             extra += f" + fixup {p.fixup.func}" if p.fixup else ""
             lines.append(f"{p.name}: {how} {p.bytes_read} B{extra}: {runs or 'nothing'}")
         return lines
+
+
+def check_run(run: Run, source_len: int, dst_len: int, name: str) -> None:
+    """Every byte a run touches lies inside its source and its destination."""
+    if min(run.offset, run.nbytes, run.count, run.stride, run.dst_offset,
+           run.dst_stride) < 0 or run.count < 1:
+        raise ShardloadError(f"parameter {name!r}: malformed read run {run}")
+    last = run.count - 1
+    if run.offset + last * run.stride + run.nbytes > source_len or \
+            run.dst_offset + last * run.dst_stride + run.nbytes > dst_len:
+        raise ShardloadError(f"parameter {name!r}: read run {run} lies outside its source "
+                             f"({source_len} bytes) or its piece ({dst_len} bytes)")
 
 
 def _describe_run(run: Run, sources: Sequence[dict]) -> str:
@@ -285,7 +304,8 @@ def read_plan_for(validated: "ValidatedPlan", ckpt: "Checkpoint", rank: int) -> 
                      if func is not None and func.fixup is not None else None)
             pieces.append(PieceRead(meta.name, param.piece_shape, param.piece_dtype,
                                     _runs(sel, meta.shape, itemsize, source, begin),
-                                    zeros=sel.has_zeros, fixup=fixup))
+                                    zeros=sel.has_zeros, fixup=fixup,
+                                    shared=param.replicated and param.workers is None))
         else:
             chain = Chain(meta.shape, meta.dtype, tuple(tuple(s.to_json()) for s in param.steps),
                           rank)

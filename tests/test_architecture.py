@@ -111,6 +111,10 @@ FORBIDDEN = {
     "shardload.pieces": ["shardload.loader", "shardload.plan", "shardload.planners",
                          "shardload.cli"],
     "shardload.loader": ["shardload.planners", "shardload.cli"],
+    # the staged pipeline moves byte runs to a device: nothing of plans, functions or loading
+    "shardload.staging": ["shardload.plan", "shardload.pieces", "shardload.loader",
+                          "shardload.registry", "shardload.planners", "shardload.cli",
+                          "shardload.hf"],
     # shard functions are pure array code; the registry imports them, never the reverse
     "shardload.shard_functions": ["shardload.registry", "shardload.plan", "shardload.loader",
                                   "shardload.sessions", "shardload.cli"],
