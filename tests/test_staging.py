@@ -431,3 +431,65 @@ def test_cli_refuses_a_ring_too_large():
     assert result.exit_code == 2
     assert "Invalid value for '--staging-mib'" in result.output
     assert "at most 4096 MiB" in result.output
+
+
+# ---- mapped pages go back in batches ----------------------------------------------------------------
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def release_bytes(self, index, begin, end):
+        self.calls.append((index, begin, end))
+
+
+def test_page_releases_merge_touching_spans_and_wait_for_a_batch():
+    from shardload.pieces import PageReleases
+
+    source = _Recorder()
+    releases = PageReleases(source, batch_bytes=100)
+    releases.add(0, 0, 40)
+    releases.add(0, 40, 70)     # touches the first
+    releases.add(1, 0, 10)      # another file
+    assert source.calls == []   # 80 bytes pending: below the batch
+    releases.add(0, 90, 110)    # 100 pending: one batch, merged where the spans touch
+    assert source.calls == [(0, 0, 70), (0, 90, 110), (1, 0, 10)]
+    releases.add(0, 200, 210)
+    releases.add(0, 5, 5)       # empty: nothing
+    releases.flush()
+    assert source.calls[3:] == [(0, 200, 210)]
+    releases.flush()
+    assert len(source.calls) == 4 and releases.calls == 4
+
+
+def _rss_file_pages() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_a_threaded_load_gives_the_checkpoints_pages_back(tmp_path):
+    """Without the releases the mapped checkpoint stays charged to the process for as long
+    as it is open; with them at most a batch of it is."""
+    from shardload import pieces
+
+    x = np.random.default_rng(0).integers(0, 255, (64, 1 << 20), dtype=np.uint8)  # 64 MiB
+    save_file({"x": x}, str(tmp_path / "m.safetensors"))
+    plan = {"x": [["shardload.split", [["num_shards", "64 // num_shards", 1 << 20], "uint8"],
+                   0]]}
+    with open_checkpoint(str(tmp_path / "m.safetensors")) as ckpt, ThreadedSession(2) as sess:
+        before = _rss_file_pages()
+        kept = load_sharded(ckpt, plan, sess, progress=False, staging=False)
+        after = _rss_file_pages()
+        assert after - before < 16 << 20, (before, after)
+        old = pieces.RELEASE_BATCH_BYTES
+        pieces.RELEASE_BATCH_BYTES = 1 << 40  # never within the load: only at its end
+        try:
+            again = load_sharded(ckpt, plan, sess, progress=False, staging=False)
+        finally:
+            pieces.RELEASE_BATCH_BYTES = old
+        assert _rss_file_pages() - before < 16 << 20  # the end of the load flushed them
+    assert torch.equal(kept.shard("x", 1), again.shard("x", 1))
