@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from helpers.readplan_plugins import _rule  # N equal row blocks: the same shape rule
 from shardload import Selection, register_shard_func
 
 STARTED_ENV = "SHARDLOAD_TEST_STAGING_STARTED"
@@ -27,12 +28,6 @@ GATE.set()
 CALLS = [0]
 FAIL_AFTER: list = [None]
 SLOW_SECONDS = [0.0]
-
-
-def _rule(in_shape, in_dtype, *, num_shards):
-    if in_shape[0] % num_shards:
-        raise ValueError(f"{in_shape[0]} rows do not divide among {num_shards} workers")
-    return (num_shards, in_shape[0] // num_shards, *in_shape[1:]), in_dtype
 
 
 def _ranges(in_shape, in_dtype, *, num_shards, index):
