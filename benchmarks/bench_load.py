@@ -1,30 +1,37 @@
 #!/usr/bin/env python
-"""Benchmark: load a 4-bit GPTQ Llama-style checkpoint onto N CPU workers, six ways.
+"""Benchmark: load a 4-bit GPTQ Llama-style checkpoint onto N workers, with shardload and with
+the real libraries a user would otherwise load it with.
 
-    python benchmarks/bench_load.py [--size-gb X] [--shards 1,2,4,8] [--runs R]
+    python benchmarks/bench_load.py [--size-gb X] [--shards 1,2,4,8] [--runs R] [--cold]
                                     [--json FILE] [--dir DIR] [--methods a,b,...]
 
 1. Writes (once, cached in DIR) a synthetic checkpoint of about X GB: random packed words and
    random fp16 scales in GPTQ v1 layout, ``config.json`` with its ``quantization_config``, and
    the planner's symbolic plan (``shard_info.json``) next to it.
-2. Warms the page cache, then, for each N, runs every method R times, alternating methods
-   within a repetition and rotating their order from one repetition to the next:
+2. Warms the page cache, then, for each N, loads shardload's pieces once as the reference and
+   runs every method R times, rotating their order from one repetition to the next:
 
-   ``floor``             every kept byte copied once, from a memory map, by a pool of
-                         ``os.cpu_count()`` threads: the bound for a copying loader
-   ``naive``             ``safetensors.torch.load_file``, then ``torch.chunk`` + clone per worker
-   ``vllm-style``        N worker threads, each materialising every full tensor and cloning
-                         its part
-   ``disco-style``       worker 0 materialises every tensor and splits it (chunk + stack); each
-                         worker clones its piece from there
-   ``shardload-thread``  ``load_sharded`` on a started ``ThreadedSession(N)``
-   ``shardload-process`` ``load_sharded`` on a started ``ProcessSession(N)``
+   ``floor``                  every kept byte copied once, from a memory map, by a pool of
+                              ``os.cpu_count()`` threads: the bound for a copying loader
+   ``read-file``              the file read sequentially (``readinto`` a reused 64 MiB
+                              buffer): the bound from a cold page cache
+   ``safetensors-load_file``  the real peers (``peers.py``): safetensors, fastsafetensors,
+   ``safetensors-get_slice``  Run:ai Model Streamer, InstantTensor (CUDA only), each ending
+   ``fastsafetensors``        with every worker owning exactly shardload's pieces
+   ``runai-streamer``
+   ``instanttensor``
+   ``disco-emulated``         an emulation of TVM Disco's pattern: worker 0 reads and splits
+                              every tensor, each worker clones its piece from there
+   ``shardload-thread``       ``load_sharded`` on a started ``ThreadedSession(N)``
+   ``shardload-process``      ``load_sharded`` on a started ``ProcessSession(N)``
 
-   It reports the median wall time, its ratio to ``floor`` and to ``shardload-thread``, the
-   checkpoint bytes each worker read, and the peak resident memory of the process tree
-   (this process and the session's worker processes, sampled every 10 ms).
-3. Prints the issue's targets as PASS/MISS (a report, not an assertion) and, with ``--json``,
-   writes everything as one JSON object.
+   Every method's pieces are checked with ``torch.equal`` against the reference (outside the
+   timing). With ``--cold`` each N is run a second time with the page cache dropped before
+   every method (``drop_caches``, else ``posix_fadvise``; whether the drop happened is checked
+   with ``mincore`` and reported).
+3. Prints the medians, their ratios to ``floor`` and to ``shardload-thread``, memory, the
+   issue's targets as PASS/MISS (a report, not an assertion) and, with ``--json``, writes
+   everything as one JSON object. Where CUDA is available, a CUDA section follows.
 
 See ``benchmarks/README.md`` for how to read the output.
 """
@@ -32,8 +39,10 @@ See ``benchmarks/README.md`` for how to read the output.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import gc
+import inspect
 import json
 import math
 import mmap
@@ -48,7 +57,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -59,32 +68,21 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)  # _bench_worker must import here and in worker processes
 
 import _bench_worker  # noqa: E402  (registers shardload_bench.drop_shards)
+import peers  # noqa: E402
+from peers import direct_ranges, fixup, owned  # noqa: E402
 from shardload import ProcessSession, ShardInfo, ThreadedSession, load_sharded  # noqa: E402
 from shardload import dtypes, open_checkpoint  # noqa: E402
 from shardload.errors import PlanError  # noqa: E402
-from shardload.pieces import run_steps as _run_steps  # noqa: E402
 from shardload.plan import ParamPlan, ValidatedPlan  # noqa: E402
 
+try:  # the staged pipeline to a GPU (shardload.staging); absent in older checkouts
+    from shardload import Staging
+except ImportError:  # pragma: no cover
+    Staging = None
 
-def direct_ranges(p: ParamPlan, n: int):
-    """(axis, ranges per worker) when ``p``'s function declares what each worker reads (its
-    ``ranges`` rule) as plain ranges along one axis, else None: the baselines use the same
-    ranges shardload's read plans do."""
-    if len(p.steps) != 1 or p.funcs[0].ranges is None:
-        return None
-    step = p.steps[0]
-    sels = [p.funcs[0].ranges(p.meta.shape, p.meta.dtype, *step.extra, num_shards=n, index=i)
-            for i in range(n)]
-    if any(sel.axis is None or sel.has_zeros for sel in sels):
-        return None
-    return sels[0].axis, [list(sel.ranges) for sel in sels]
-
-
-def run_steps(p: ParamPlan, full: torch.Tensor) -> torch.Tensor:
-    return _run_steps([(s.func, s.out_shape, s.dtype, s.extra) for s in p.steps], full, p.name)
-
-METHODS = ("floor", "naive", "vllm-style", "disco-style", "shardload-thread",
-           "shardload-process")
+BOUNDS = ("floor", "read-file")
+SHARDLOAD = ("shardload-thread", "shardload-process")
+METHODS = (*BOUNDS, *peers.PEERS, "disco-emulated", *SHARDLOAD)
 GB = 1e9
 MiB = 1 << 20
 #: bump when the synthetic checkpoint's content or layout changes (it is part of the cache key)
@@ -93,6 +91,11 @@ SEED = 0
 SAMPLE_INTERVAL_S = 0.01
 MODEL_FILE = "model.safetensors"
 PLAN_FILE = "shard_info.json"
+READ_BUFFER = 64 * MiB
+#: a drop counts as done when at most this share of the file's pages is still resident
+COLD_RESIDENT_MAX = 0.05
+#: the staging the CUDA section loads with
+CUDA_STAGING = dict(buffers=4, buffer_mib=32)
 
 
 # ==== 1. the synthetic checkpoint ===============================================================
@@ -358,7 +361,117 @@ def _own_cpu_s(pids: list[int]) -> float:
     return total
 
 
-# ==== 3. the methods ============================================================================
+
+# ==== 3. the page cache: dropping it, and checking that it was =================================
+
+def _meminfo_cached() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("Cached:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def resident_fraction(path: str) -> Optional[float]:
+    """The share of ``path``'s pages in the page cache (``mincore`` on a fresh shared mapping,
+    which touches nothing), or None where that cannot be asked."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        c_mmap, c_mincore, c_munmap = libc.mmap, libc.mincore, libc.munmap
+    except (OSError, AttributeError):
+        return None
+    c_mmap.restype = ctypes.c_void_p
+    c_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+    c_mincore.restype = ctypes.c_int
+    c_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    c_munmap.restype = ctypes.c_int
+    c_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0.0
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = c_mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            return None
+        try:
+            vec = (ctypes.c_ubyte * pages)()
+            if c_mincore(addr, size, vec) != 0:
+                return None
+            return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) / pages
+        finally:
+            c_munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+class PageCache:
+    """Drops ``file`` from the page cache: ``sync; echo 3 > /proc/sys/vm/drop_caches`` (root),
+    and ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the file (no root needed; clean pages only);
+    then says whether it worked: the file's resident share by ``mincore``, else whether
+    /proc/meminfo's Cached fell below a fifth of the file's size."""
+
+    def __init__(self, file: str, drop_caches: bool = True):
+        self.file = file
+        self.size = os.path.getsize(file)
+        self.drop_caches = drop_caches  # False: posix_fadvise only (this file, no side effects)
+
+    def drop(self) -> dict:
+        before, cached0 = resident_fraction(self.file), _meminfo_cached()
+        how, errors = [], []
+        if self.drop_caches:
+            try:
+                os.sync()
+                with open("/proc/sys/vm/drop_caches", "w") as f:
+                    f.write("3\n")
+                how.append("drop_caches")
+            except OSError as exc:
+                errors.append(f"drop_caches: {exc.strerror or exc}")
+        try:
+            fd = os.open(self.file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                how.append("fadvise")
+            finally:
+                os.close(fd)
+        except (OSError, AttributeError) as exc:
+            errors.append(f"posix_fadvise: {exc}")
+        after, cached1 = resident_fraction(self.file), _meminfo_cached()
+        if after is not None:
+            dropped: Optional[bool] = after <= COLD_RESIDENT_MAX
+            evidence = f"{100 * after:.1f}% of the file resident after the drop (mincore)"
+        elif cached1 is not None and cached1 < 0.2 * self.size:
+            dropped, evidence = True, f"Cached {cached1 / MiB:.0f} MiB < a fifth of the file"
+        else:
+            dropped, evidence = None, "cannot tell (no mincore; Cached did not say)"
+        return {"how": "+".join(how) or None, "errors": errors, "resident_before": before,
+                "resident_after": after, "cached_before": cached0, "cached_after": cached1,
+                "dropped": dropped, "evidence": evidence}
+
+
+def cold_mode_check(file: str, how: str, log) -> tuple[Optional[PageCache], Optional[str], dict]:
+    """A trial drop: (the cache dropper, None, the trial) where cold runs make sense, else
+    (None, why, the trial)."""
+    cache = PageCache(file, drop_caches=how == "auto")
+    warm_page_cache(file)
+    trial = cache.drop()
+    warm_page_cache(file)
+    if trial["how"] is None:
+        return None, "; ".join(trial["errors"]) or "no way to drop the page cache", trial
+    if trial["dropped"] is False:
+        return None, (f"{trial['evidence']} after {trial['how']} (a tmpfs or an overlay that "
+                      f"keeps its pages?)"
+                      + (f"; {'; '.join(trial['errors'])}" if trial["errors"] else "")), trial
+    log(f"cold mode: {trial['how']}; {trial['evidence']}")
+    return cache, None, trial
+
+
+# ==== 4. the methods ============================================================================
 
 @dataclass
 class Outcome:
@@ -366,8 +479,11 @@ class Outcome:
 
     kept_per_worker: list[int]
     read_per_worker: list[int]
-    holder: Any = None
+    workers: Optional[list[dict[str, torch.Tensor]]] = None  # the pieces, where in this process
+    sharded: Any = None            # a ShardedParams (shardload), checked through it
     loader_seconds: Optional[float] = None
+    moved: Optional[int] = None    # bytes the GB/s figure counts, when not the kept bytes
+    remote: bool = False           # the pieces are in worker processes (fetched to check)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -376,10 +492,6 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _kept(workers: list[dict[str, torch.Tensor]]) -> list[int]:
     return [sum(_nbytes(t) for t in w.values()) for w in workers]
-
-
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 @dataclass
@@ -391,54 +503,21 @@ class Case:
     info: ShardInfo
     plan: ValidatedPlan
     n: int
-    data_start: int
-    header: dict
     direct: dict[str, Any]          # name -> (axis, ranges per worker) or None
     floor_bins: list[list["_Copy"]]  # one list of copies per floor thread
     floor_pool: ThreadPoolExecutor
-    worker_pool: ThreadPoolExecutor  # N threads: vllm-style and disco-style workers
-    thread_session: Optional[ThreadedSession]    # None when the method is not run
+    worker_pool: ThreadPoolExecutor  # N threads: the peers' and disco-emulated's workers
+    thread_session: ThreadedSession  # shardload-thread's, and the reference's
     process_session: Optional[ProcessSession]
     zero_copy_get_tensor: bool
     file_tensor_bytes: int
+    job: peers.Job
+    read_buffer: bytearray
+    reference: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
     @property
     def params(self) -> list[ParamPlan]:
         return list(self.plan)
-
-
-def piece_of(p: ParamPlan, full: torch.Tensor, i: int, n: int, direct) -> torch.Tensor:
-    """Worker i's piece of ``p`` from the full tensor, as a new tensor that owns its memory."""
-    if p.replicated:
-        return _owned(full)
-    if direct is not None:
-        axis, ranges = direct
-        parts = [full.narrow(axis, start, length) for start, length in ranges[i]]
-        return _owned(parts[0]) if len(parts) == 1 else torch.cat(parts, dim=axis)
-    return _owned(run_steps(p, full)[i])
-
-
-def _even_chunks(direct, n: int) -> bool:
-    """The ranges are exactly ``torch.chunk``'s: one equal, consecutive range per worker."""
-    if direct is None:
-        return False
-    _, ranges = direct
-    if any(len(r) != 1 for r in ranges):
-        return False
-    length = ranges[0][0][1]
-    return all(r[0] == (i * length, length) for i, r in enumerate(ranges))
-
-
-def pieces_of(p: ParamPlan, full: torch.Tensor, n: int, direct) -> list[torch.Tensor]:
-    """Views (not copies) of every worker's piece, where they are views; else tensors."""
-    if p.replicated:
-        return [full] * n
-    if _even_chunks(direct, n):
-        return list(torch.chunk(full, n, dim=direct[0]))
-    if direct is not None:
-        return [piece_of(p, full, i, n, direct) for i in range(n)]
-    out = run_steps(p, full)
-    return [out[i] for i in range(n)]
 
 
 # ---- floor: one copy per kept byte, all cores ---------------------------------------------------
@@ -454,6 +533,8 @@ class _Copy:
     nbytes: int                     # bytes this worker keeps
     view: Optional[tuple]           # (outer, size, inner, ranges) for split tensors
     offset: int = 0                 # opaque chains: where to take the bytes from
+    param: Optional[ParamPlan] = None  # its fixup (split_rebase) runs on the copy
+    n: int = 1
 
 
 def floor_copies(plan: ValidatedPlan, n: int, data_start: int, header: dict,
@@ -474,7 +555,8 @@ def floor_copies(plan: ValidatedPlan, n: int, data_start: int, header: dict,
                 outer = math.prod(p.meta.shape[:axis])
                 inner = math.prod(p.meta.shape[axis + 1:]) * itemsize
                 view = (outer, p.meta.shape[axis], inner, ranges[i])
-                copies.append(_Copy(i, p.name, shape, dtype, begin, end, p.piece_nbytes, view))
+                copies.append(_Copy(i, p.name, shape, dtype, begin, end, p.piece_nbytes, view,
+                                    param=p, n=n))
             else:  # an opaque chain: as many bytes as the piece, from the tensor's bytes
                 size = end - begin
                 offset = (i * p.piece_nbytes) % size if size else 0
@@ -508,6 +590,8 @@ def _do_copy(data: torch.Tensor, c: _Copy) -> torch.Tensor:
         for start, length in ranges:
             dst3[:, at:at + length].copy_(src3[:, start:start + length])
             at += length
+        if c.param is not None:
+            fixup(c.param, out, c.worker, c.n)
     else:
         at, start, size = 0, c.offset, c.end - c.begin
         while at < c.nbytes:
@@ -562,50 +646,54 @@ def run_floor(case: Case) -> Outcome:
     return Outcome(kept, list(kept), workers)
 
 
-# ---- naive: load_file, then chunk + clone -------------------------------------------------------
+# ---- read-file: the file's bytes, read in order -------------------------------------------------
 
-def run_naive(case: Case) -> Outcome:
-    from safetensors.torch import load_file
-
-    full = load_file(case.file)
-    workers: list[dict[str, torch.Tensor]] = [{} for _ in range(case.n)]
-    for p in case.params:
-        for i, piece in enumerate(pieces_of(p, full[p.name], case.n, case.direct[p.name])):
-            workers[i][p.name] = _owned(piece)
-    del full
-    return Outcome(_kept(workers), [case.file_tensor_bytes] + [0] * (case.n - 1), workers)
-
-
-# ---- vllm-style: every worker materialises every full tensor -----------------------------------
-
-def _materialise(f, name: str, zero_copy: bool) -> torch.Tensor:
-    t = f.get_tensor(name)
-    # recent safetensors (0.8) returns a view of its memory map; the issue's model (and older
-    # safetensors) reads the whole tensor into memory first, so make that copy here.
-    return t.clone() if zero_copy else t
+def run_read_file(case: Case) -> Outcome:
+    total = 0
+    with open(case.file, "rb", buffering=0) as f:
+        while True:
+            got = f.readinto(case.read_buffer)
+            if not got:
+                break
+            total += got
+    return Outcome([0] * case.n, [total] + [0] * (case.n - 1), moved=total)
 
 
-def run_vllm(case: Case) -> Outcome:
-    from safetensors import safe_open
+# ---- the real peers (peers.py) ------------------------------------------------------------------
 
-    n = case.n
+def _peer_runner(name: str) -> Callable[[Case], Outcome]:
+    run = peers.RUNNERS[name]
 
-    def worker(i: int) -> dict[str, torch.Tensor]:
-        kept: dict[str, torch.Tensor] = {}
-        with safe_open(case.file, framework="pt") as f:
-            for p in case.params:
-                full = _materialise(f, p.name, case.zero_copy_get_tensor)
-                kept[p.name] = piece_of(p, full, i, n, case.direct[p.name])
-                del full
-        return kept
+    def go(case: Case) -> Outcome:
+        workers = run(case.job)
+        kept = _kept(workers)
+        if name == "safetensors-get_slice":  # each worker reads its own ranges
+            read = list(kept)
+        else:  # one reader of the whole file, shown as worker 0
+            read = [case.file_tensor_bytes] + [0] * (case.n - 1)
+        return Outcome(kept, read, workers)
 
-    workers = list(case.worker_pool.map(worker, range(n)))
-    return Outcome(_kept(workers), [case.file_tensor_bytes] * n, workers)
+    return go
 
 
-# ---- disco-style: worker 0 reads and splits, every worker takes its piece ----------------------
+# ---- disco-emulated: worker 0 reads and splits, every worker takes its piece -------------------
 
 _DONE = object()
+
+
+def _views(p: ParamPlan, full: torch.Tensor, n: int, direct) -> list[torch.Tensor]:
+    """Every worker's piece of ``full`` before its fixup: views where they are views."""
+    if p.replicated:
+        return [full] * n
+    if direct is not None:
+        axis, ranges = direct
+        out = []
+        for i in range(n):
+            parts = [full.narrow(axis, start, length) for start, length in ranges[i]]
+            out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=axis))
+        return out
+    done = peers.run_steps(p, full)
+    return [done[i] for i in range(n)]
 
 
 def run_disco(case: Case) -> Outcome:
@@ -613,26 +701,31 @@ def run_disco(case: Case) -> Outcome:
 
     n = case.n
     inboxes = [queue.Queue(maxsize=2) for _ in range(n)]  # bounded: at most 2 tensors in flight
-    failed = threading.Event()
+
+    def take(p: ParamPlan, split: torch.Tensor, i: int) -> torch.Tensor:
+        if p.replicated:
+            return owned(split)
+        piece = owned(split[i])
+        return fixup(p, piece, i, n) if case.direct[p.name] is not None else piece
 
     def worker0() -> dict[str, torch.Tensor]:
         kept: dict[str, torch.Tensor] = {}
         try:
             with safe_open(case.file, framework="pt") as f:
                 for p in case.params:
-                    full = _materialise(f, p.name, case.zero_copy_get_tensor)
+                    full = f.get_tensor(p.name)
+                    # rank 0 reads the whole tensor into its memory (safetensors 0.8 hands out a
+                    # view of its mapping: the copy is made here)
+                    full = full.clone() if case.zero_copy_get_tensor else full
                     if p.replicated:
                         split = full
                     else:  # the shard function's full output: N on axis 0
-                        split = torch.stack(pieces_of(p, full, n, case.direct[p.name]))
+                        split = torch.stack(_views(p, full, n, case.direct[p.name]))
                     del full
                     for box in inboxes[1:]:
-                        box.put((p.name, split, p.replicated))
-                    kept[p.name] = _owned(split if p.replicated else split[0])
+                        box.put((p, split))
+                    kept[p.name] = take(p, split, 0)
                     del split
-        except BaseException:
-            failed.set()
-            raise
         finally:
             for box in inboxes[1:]:
                 box.put(_DONE)
@@ -646,8 +739,8 @@ def run_disco(case: Case) -> Outcome:
             item = inboxes[i].get()
             if item is _DONE:
                 return kept
-            name, split, replicated = item
-            kept[name] = _owned(split if replicated else split[i])
+            p, split = item
+            kept[p.name] = take(p, split, i)
             del split, item
 
     workers = list(case.worker_pool.map(worker, range(n)))
@@ -660,7 +753,8 @@ def _run_shardload(case: Case, session) -> Outcome:
     with open_checkpoint(case.ckpt_dir) as ckpt:
         result = load_sharded(ckpt, case.info, session, progress=False)
     s = result.stats
-    return Outcome(list(s.bytes_per_worker), list(s.bytes_read_per_worker), result, s.seconds)
+    return Outcome(list(s.bytes_per_worker), list(s.bytes_read_per_worker), sharded=result,
+                   loader_seconds=s.seconds, remote=session is case.process_session)
 
 
 def run_shardload_thread(case: Case) -> Outcome:
@@ -672,12 +766,60 @@ def run_shardload_process(case: Case) -> Outcome:
 
 
 RUNNERS: dict[str, Callable[[Case], Outcome]] = {
-    "floor": run_floor, "naive": run_naive, "vllm-style": run_vllm, "disco-style": run_disco,
+    "floor": run_floor, "read-file": run_read_file,
+    **{name: _peer_runner(name) for name in peers.PEERS},
+    "disco-emulated": run_disco,
     "shardload-thread": run_shardload_thread, "shardload-process": run_shardload_process,
 }
 
 
-# ==== 4. measuring ==============================================================================
+# ---- the check: every piece equal to shardload's ------------------------------------------------
+
+@dataclass
+class Check:
+    verified: Optional[bool]       # None: not checked (read-file)
+    owns: Optional[bool]           # None: not known (pieces in other processes)
+    detail: str
+
+
+def check_pieces(reference: list[dict[str, torch.Tensor]], out: Outcome,
+                 n: int) -> Check:
+    """``torch.equal`` of every piece against the reference, and whether each worker's tensors
+    own their memory: no storage shared with another worker, none larger than the worker's
+    kept bytes (a view of the file mapping or of a library's whole buffer would be)."""
+    if out.workers is None and out.sharded is None:
+        return Check(None, None, "not checked (keeps no pieces)")
+    workers = out.workers
+    if workers is None and not out.remote:
+        workers = [out.sharded.worker(i) for i in range(n)]
+    owners: dict[int, int] = {}
+    owns = True
+    for i in range(n):
+        want = reference[i]
+        if workers is not None and set(workers[i]) != set(want):
+            extra, missing = set(workers[i]) - set(want), set(want) - set(workers[i])
+            return Check(False, None, f"worker {i}: {len(missing)} piece(s) missing, "
+                                      f"{len(extra)} extra (e.g. {sorted(missing | extra)[0]})")
+        limit = sum(_nbytes(t) for t in want.values())
+        for name, ref in want.items():
+            got = workers[i][name] if workers is not None else out.sharded.shard(name, i)
+            if got.dtype != ref.dtype or tuple(got.shape) != tuple(ref.shape):
+                return Check(False, None, f"worker {i} {name}: {got.dtype} {list(got.shape)}, "
+                                          f"shardload's {ref.dtype} {list(ref.shape)}")
+            if got.device != ref.device:
+                got = got.to(ref.device)
+            if not torch.equal(got, ref):
+                return Check(False, None, f"worker {i} {name}: values differ from shardload's")
+            if workers is not None and got.numel():
+                st = got.untyped_storage()
+                if owners.setdefault(st.data_ptr(), i) != i or st.nbytes() > limit:
+                    owns = False
+    return Check(True, None if workers is None else owns,
+                 "torch.equal, every piece" + (" (fetched from the worker processes)"
+                                               if workers is None else ""))
+
+
+# ==== 5. measuring ==============================================================================
 
 @dataclass
 class Run:
@@ -689,6 +831,10 @@ class Run:
     loader_seconds: Optional[float]
     cpu_s: float = 0.0      # CPU time of this process tree during the method
     other_cpu_s: float = 0.0  # CPU time of everything else on the machine meanwhile
+    moved: Optional[int] = None
+    check: Optional[Check] = None
+    drop: Optional[dict] = None  # cold runs: what the drop before it did
+    error: Optional[str] = None  # a peer that failed: why
 
 
 def free_everything(case: Case) -> None:
@@ -701,20 +847,34 @@ def free_everything(case: Case) -> None:
     _bench_worker.malloc_trim()
 
 
-def measure(case: Case, method: str, sampler: RssSampler) -> Run:
+def measure(case: Case, method: str, sampler: RssSampler, cache: Optional[PageCache],
+            check: bool) -> Run:
     free_everything(case)
+    drop = cache.drop() if cache is not None else None
     pids = list(sampler.pids)
     base = sampler.begin()
     busy0, own0 = _busy_cpu_s(), _own_cpu_s(pids)
     start = time.perf_counter()
+    error = None
     try:
         outcome = RUNNERS[method](case)
+    except Exception as exc:
+        if method not in peers.PEERS:
+            raise
+        outcome, error = None, f"{type(exc).__name__}: {exc}"
     finally:
         seconds = time.perf_counter() - start
         busy1, own1 = _busy_cpu_s(), _own_cpu_s(pids)
         peak = sampler.end()
+    if outcome is None:
+        free_everything(case)
+        return Run(seconds, base, peak, [], [], None, error=error, drop=drop)
+    result = None
+    if check:  # outside the timing and the memory window
+        result = check_pieces(case.reference, outcome, case.n)
     run = Run(seconds, base, peak, outcome.kept_per_worker, outcome.read_per_worker,
-              outcome.loader_seconds, own1 - own0, max(0.0, (busy1 - busy0) - (own1 - own0)))
+              outcome.loader_seconds, own1 - own0, max(0.0, (busy1 - busy0) - (own1 - own0)),
+              outcome.moved, result, drop)
     del outcome  # the shards: freed before the next method starts
     free_everything(case)
     return run
@@ -734,8 +894,17 @@ def zero_copy_get_tensor(file: str, name: str) -> bool:
         return a.data_ptr() == b.data_ptr()
 
 
+def reference_pieces(ckpt_dir: str, info: ShardInfo, session) -> list[dict[str, torch.Tensor]]:
+    """shardload's pieces on every worker: what every method must end with."""
+    with open_checkpoint(ckpt_dir) as ckpt:
+        result = load_sharded(ckpt, info, session, progress=False)
+    return [dict(result.worker(i)) for i in range(session.num_workers)]
+
+
 def bench_n(ckpt_dir: str, info: ShardInfo, n: int, methods: list[str], runs: int,
-            sampler: RssSampler, zero_copy: bool, log) -> tuple[dict[str, list[Run]], dict]:
+            sampler: RssSampler, zero_copy: bool, cache: Optional[PageCache],
+            skipped: dict[str, str], log) -> tuple[dict[str, dict[str, list[Run]]], dict]:
+    """Every method at this N: {"warm": {method: runs}, "cold": {...}} and start-up times."""
     file = os.path.join(ckpt_dir, MODEL_FILE)
     data_start, header = read_header(file)
     with open_checkpoint(ckpt_dir) as ckpt:
@@ -744,31 +913,60 @@ def bench_n(ckpt_dir: str, info: ShardInfo, n: int, methods: list[str], runs: in
     threads = os.cpu_count() or 1
     copies = floor_copies(plan, n, data_start, header, direct)
     startup = {}
-    thread_session = process_session = None
-    if "shardload-thread" in methods:
-        t0 = time.perf_counter()
-        thread_session = ThreadedSession(n)
-        startup["shardload-thread"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    thread_session = ThreadedSession(n)
+    startup["shardload-thread"] = time.perf_counter() - t0
+    process_session = None
     if "shardload-process" in methods:
         t0 = time.perf_counter()
         process_session = ProcessSession(n, plugins=["_bench_worker"])
         startup["shardload-process"] = time.perf_counter() - t0
         sampler.pids = process_session.pids  # its workers count in every method's memory
     file_tensor_bytes = sum(p.meta.nbytes for p in plan)
-    case = Case(ckpt_dir, file, info, plan, n, data_start, header, direct,
-                balance(copies, threads), single_threaded_pool(threads),
-                ThreadPoolExecutor(n, "worker"), thread_session, process_session, zero_copy,
-                file_tensor_bytes)
-    results: dict[str, list[Run]] = {m: [] for m in methods}
+    worker_pool = ThreadPoolExecutor(n, "worker")
+    read_buffer = bytearray(READ_BUFFER)
+    np.frombuffer(read_buffer, dtype=np.uint8)[::4096] = 1  # its pages faulted in now
+    case = Case(ckpt_dir, file, info, plan, n, direct, balance(copies, threads),
+                single_threaded_pool(threads), worker_pool, thread_session, process_session,
+                zero_copy, file_tensor_bytes,
+                peers.Job(file, list(plan), n, direct, worker_pool, None, zero_copy),
+                read_buffer)
+    passes = ["warm"] + (["cold"] if cache is not None else [])
+    results: dict[str, dict[str, list[Run]]] = {c: {m: [] for m in methods} for c in passes}
     try:
-        for r in range(runs):
-            for method in rotated(methods, r):
-                run = measure(case, method, sampler)
-                results[method].append(run)
-                log(f"  N={n} run {r + 1}/{runs} {method:<18} {run.seconds:8.3f} s  "
-                    f"peak +{(run.peak[0] - run.base[0]) / MiB:8.1f} MiB  cpu "
-                    f"{run.cpu_s:5.2f} s, others {run.other_cpu_s:5.2f} s")
+        case.reference = reference_pieces(ckpt_dir, info, thread_session)
+        active = list(methods)
+        for mode in passes:
+            if mode == "cold":
+                log(f"  N={n}: cold runs (the page cache dropped before every method)")
+            for r in range(runs):
+                for method in rotated(active, r):
+                    if method not in active:
+                        continue
+                    # pieces in worker processes come back over pipes: checked once per pass
+                    check = method != "shardload-process" or r == 0
+                    run = measure(case, method, sampler,
+                                  cache if mode == "cold" else None, check)
+                    if run.error is not None:
+                        skipped[method] = f"failed at N={n} ({mode}): {run.error}"
+                        log(f"  N={n} {method}: skipped, {run.error}")
+                        active.remove(method)
+                        for c in passes:
+                            results[c].pop(method, None)
+                        continue
+                    results[mode][method].append(run)
+                    c = run.check
+                    log(f"  N={n} {mode} run {r + 1}/{runs} {method:<22} {run.seconds:8.3f} s  "
+                        f"peak +{(run.peak[0] - run.base[0]) / MiB:8.1f} MiB  cpu "
+                        f"{run.cpu_s:5.2f} s, others {run.other_cpu_s:5.2f} s"
+                        + ("" if c is None or c.verified is None else
+                           "  equal" if c.verified else f"  WRONG: {c.detail}")
+                        + ("" if run.drop is None else
+                           f"  [drop: {run.drop['how']}, {run.drop['evidence']}]"))
+            if mode == "cold":
+                warm_page_cache(file)
     finally:
+        case.reference = []
         sampler.pids = []
         case.floor_pool.shutdown()
         case.worker_pool.shutdown()
@@ -776,108 +974,220 @@ def bench_n(ckpt_dir: str, info: ShardInfo, n: int, methods: list[str], runs: in
             if sess is not None:
                 sess.close()
     expected = plan.bytes_per_worker()
-    for method, rs in results.items():
-        for run in rs:
-            if any(k != expected for k in run.kept):
-                raise SystemExit(f"{method} at N={n} kept {run.kept} bytes per worker; the plan "
-                                 f"says {expected}: the method is wrong")
-    return results, startup
+    for mode in results.values():
+        for method, rs in mode.items():
+            for run in rs:
+                if method != "read-file" and any(k != expected for k in run.kept):
+                    raise SystemExit(f"{method} at N={n} kept {run.kept} bytes per worker; "
+                                     f"the plan says {expected}: the method is wrong")
+    started = {k: v for k, v in startup.items() if k in methods}
+    return results, started
 
 
-# ==== 5. CUDA (only where there is one; never required) =========================================
+# ==== 6. CUDA (only where there is one; never required) =========================================
 
-def bench_cuda(ckpt_dir: str, info: ShardInfo, shards: list[int], runs: int, log) -> list[dict]:
-    """The shardload sessions on CUDA devices, and fastsafetensors if it imports."""
-    file = os.path.join(ckpt_dir, MODEL_FILE)
-    count = torch.cuda.device_count()
-    out = []
-
-    def timed(fn) -> float:
-        torch.cuda.synchronize()
+def pinned_h2d_gb_per_s(nbytes: int = 256 * MiB, reps: int = 5) -> float:
+    """Host-to-device bandwidth from pinned memory: a 256 MiB uint8 tensor copied to cuda:0
+    with non_blocking=True, synchronised, median of 5 (after one warm-up copy)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    src.fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(0)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize(0)
         start = time.perf_counter()
-        holder = fn()
-        for d in range(count):
-            torch.cuda.synchronize(d)
-        seconds = time.perf_counter() - start
-        del holder
-        gc.collect()
-        torch.cuda.empty_cache()
-        return seconds
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(0)
+        times.append(time.perf_counter() - start)
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / statistics.median(times) / GB
 
-    try:
-        import fastsafetensors  # noqa: F401  (only whether it imports)
-        has_fst = True
-    except Exception:
-        has_fst = False
-    for n in shards:
-        devices = [f"cuda:{i % count}" for i in range(n)]
+
+def bench_cuda(ckpt_dir: str, info: ShardInfo, shards: list[int], runs: int,
+               sampler: RssSampler, zero_copy: bool, log, dry_run_on_cpu: bool = False) -> dict:
+    """shardload-thread and the CUDA peers with worker i on cuda:(i mod device count), at
+    N = 1 and the largest N; every piece checked against shardload's (on the device, all of
+    them), shardload's own checked against a CPU load of the same plan.
+
+    ``dry_run_on_cpu``: the same code with every worker on the CPU and no bandwidth figure (how
+    this section is exercised on a machine without CUDA; not a measurement)."""
+    file = os.path.join(ckpt_dir, MODEL_FILE)
+    cuda = not dry_run_on_cpu
+    count = torch.cuda.device_count() if cuda else 1
+    staging = Staging(**CUDA_STAGING) if Staging is not None and \
+        "staging" in inspect.signature(load_sharded).parameters else None
+    kwargs = {} if staging is None else {"staging": staging}
+    pinned = pinned_h2d_gb_per_s() if cuda else None
+    names = [torch.cuda.get_device_name(d) for d in range(count)] if cuda else ["cpu (dry run)"]
+    log(f"cuda: {count} device(s), {names[0]}; pinned host-to-device "
+        f"{_num(pinned)} GB/s; staging {staging}")
+    out: dict[str, Any] = {"devices": names, "pinned_h2d_gb_per_s": pinned,
+                           "staging": None if staging is None else asdict(staging),
+                           "staging_bytes_per_worker": None if staging is None
+                           else staging.nbytes,
+                           "results": [], "skipped": {}}
+
+    def sync() -> None:
+        for d in range(count if cuda else 0):
+            torch.cuda.synchronize(d)
+
+    def timed(fn) -> tuple[float, Any, tuple[int, int], tuple[int, int]]:
+        sync()
+        base = sampler.begin()
+        start = time.perf_counter()
+        try:
+            holder = fn()
+            sync()
+        finally:
+            seconds = time.perf_counter() - start
+            peak = sampler.end()
+        return seconds, holder, base, peak
+
+    def release(session) -> None:
+        gc.collect()
+        session.call("shardload_bench.drop_shards")
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        _bench_worker.malloc_trim()
+
+    for n in sorted({1, max(shards)}):
+        devices = [torch.device(f"cuda:{i % count}" if cuda else "cpu") for i in range(n)]
         with open_checkpoint(ckpt_dir) as ckpt:
             plan = info.bind(n).validate(ckpt.metadata())
         direct = {p.name: (None if p.replicated else direct_ranges(p, n)) for p in plan}
-        methods: dict[str, Callable[[], Any]] = {}
-        sessions: list = [ThreadedSession(n, device=devices)]
+        session = ThreadedSession(n, device=[str(d) for d in devices])
+        pool = ThreadPoolExecutor(n, "cuda-worker")
+        job = peers.Job(file, list(plan), n, direct, pool, devices, zero_copy)
 
-        def shardload_on(sess):
-            def go():
-                with open_checkpoint(ckpt_dir) as ck:
-                    return load_sharded(ck, info, sess, progress=False)
-            return go
+        def shardload_go():
+            with open_checkpoint(ckpt_dir) as ck:
+                return load_sharded(ck, info, session, progress=False, **kwargs)
 
-        methods["shardload-thread-cuda"] = shardload_on(sessions[0])
-        if n <= count:  # NCCL wants one process per GPU
-            sessions.append(ProcessSession(n, device=devices, plugins=["_bench_worker"]))
-            methods["shardload-process-cuda"] = shardload_on(sessions[1])
-        else:
-            log(f"  cuda N={n}: shardload-process-cuda skipped ({count} GPU(s), one per worker)")
-        if has_fst:
-            def fst(n=n, plan=plan, direct=direct, devices=devices):
-                from fastsafetensors import SafeTensorsFileLoader, SingleGroup
-
-                loader = SafeTensorsFileLoader(SingleGroup(), torch.device("cuda:0"),
-                                               nogds=True)
-                try:
-                    loader.add_filenames({0: [file]})
-                    fb = loader.copy_files_to_device()
-                    try:
-                        workers = [{} for _ in range(n)]
-                        for p in plan:
-                            full = fb.get_tensor(p.name)
-                            for i in range(n):
-                                workers[i][p.name] = piece_of(p, full, i, n, direct[p.name]).to(
-                                    devices[i])
-                        return workers
-                    finally:
-                        fb.close()
-                finally:
-                    loader.close()
-            methods["fastsafetensors"] = fst
+        methods: dict[str, Callable[[], Any]] = {"shardload-thread": shardload_go}
+        for peer in peers.CUDA_PEERS:
+            why = peers.unavailable(peer, str(devices[0]), file)
+            if why is not None:
+                out["skipped"][peer] = why
+                log(f"  cuda N={n} {peer}: skipped, {why}")
+            else:
+                methods[peer] = (lambda run=peers.RUNNERS[peer]: run(job))
         try:
+            # the reference: shardload's pieces on the devices (this is also its warm-up:
+            # CUDA contexts, the allocator), checked in full against a CPU load
+            _, first, _, _ = timed(shardload_go)
+            reference = [dict(first.worker(i)) for i in range(n)]
+            staging_stats = getattr(first.stats, "staging_per_worker", None)
+            del first
+            with ThreadedSession(n) as cpu_session:
+                cpu = reference_pieces(ckpt_dir, info, cpu_session)
+            on_cpu = [{k: v.cpu() for k, v in w.items()} for w in reference]
+            vs_cpu = check_pieces(cpu, Outcome([], [], workers=on_cpu), n)
+            del cpu, on_cpu
+            out.setdefault("shardload_vs_cpu", {})[str(n)] = asdict(vs_cpu)
+            log(f"  cuda N={n} shardload's pieces vs a CPU load: "
+                f"{'equal' if vs_cpu.verified else 'WRONG: ' + vs_cpu.detail}")
+            release(session)
+            times: dict[str, list[tuple[float, tuple, tuple]]] = {m: [] for m in methods}
+            checks: dict[str, Check] = {}
             names = list(methods)
-            for name in names:
-                timed(methods[name])  # warm-up: CUDA contexts, allocator
-                for sess in sessions:
-                    sess.call("shardload_bench.drop_shards")
-            times: dict[str, list[float]] = {m: [] for m in names}
-            for r in range(runs):
-                for name in rotated(names, r):
-                    times[name].append(timed(methods[name]))
-                    for sess in sessions:
-                        sess.call("shardload_bench.drop_shards")
+            for r in range(-1, runs):  # run -1: every peer's warm-up, checked, not counted
+                for name in rotated(names, max(r, 0)):
+                    if name not in methods:
+                        continue
+                    try:
+                        seconds, holder, base, peak = timed(methods[name])
+                    except Exception as exc:
+                        if name == "shardload-thread":
+                            raise
+                        out["skipped"][name] = f"failed: {type(exc).__name__}: {exc}"
+                        log(f"  cuda N={n} {name}: skipped, {out['skipped'][name]}")
+                        methods.pop(name)
+                        times.pop(name)
+                        release(session)
+                        continue
+                    got = Outcome([], [], sharded=holder) if name == "shardload-thread" \
+                        else Outcome([], [], workers=holder)
+                    c = check_pieces(reference, got, n)
+                    if name not in checks or not c.verified:
+                        checks[name] = c
+                    kept = sum(holder.stats.bytes_per_worker) if name == "shardload-thread" \
+                        else sum(_kept(holder))
+                    del holder, got
+                    release(session)
+                    if r >= 0:
+                        times[name].append((seconds, base, peak, kept))
+                        log(f"  cuda N={n} run {r + 1}/{runs} {name:<22} {seconds:8.3f} s"
+                            + ("" if c.verified else f"  WRONG: {c.detail}"))
+            thread_median = statistics.median(t[0] for t in times["shardload-thread"])
             for name, ts in times.items():
-                out.append({"method": name, "num_shards": n, "devices": devices,
-                            "median_s": statistics.median(ts), "runs_s": ts})
-                log(f"  cuda N={n} {name:<24} {statistics.median(ts):8.3f} s")
+                med = statistics.median(t[0] for t in ts)
+                moved = ts[0][3]
+                row = {"method": name, "num_shards": n, "devices": [str(d) for d in devices],
+                       "median_s": med, "min_s": min(t[0] for t in ts),
+                       "runs_s": [t[0] for t in ts], "bytes_moved": moved,
+                       "gb_per_s": moved / med / GB if med > 0 else None,
+                       "fraction_of_pinned": (moved / med / GB / pinned
+                                              if med > 0 and pinned else None),
+                       "ratio_to_shardload_thread": med / thread_median,
+                       "peak_rss_bytes": max(t[2][0] - t[1][0] for t in ts),
+                       "peak_anon_bytes": max(t[2][1] - t[1][1] for t in ts),
+                       "verified": checks[name].verified, "owns_memory": checks[name].owns,
+                       "verify_detail": checks[name].detail + ", on the device"}
+                if name == "shardload-thread":
+                    row["staging_per_worker"] = staging_stats
+                out["results"].append(row)
         finally:
-            for sess in sessions:
-                sess.close()
+            reference = []
+            pool.shutdown()
+            session.close()
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
     return out
 
 
-# ==== 6. reporting ==============================================================================
+def cuda_table(cuda: dict) -> str:
+    head = ("method", "N", "median s", "min s", "GB/s", "of pinned", "vs thread", "host dRSS",
+            "dAnon", "check")
+    lines = [head]
+    for r in cuda["results"]:
+        lines.append((r["method"], str(r["num_shards"]), f"{r['median_s']:.3f}",
+                      f"{r['min_s']:.3f}", _num(r["gb_per_s"]),
+                      _num(r["fraction_of_pinned"]), _ratio(r["ratio_to_shardload_thread"]),
+                      _size(r["peak_rss_bytes"]), _size(r["peak_anon_bytes"]),
+                      _check_cell(r["verified"], r["owns_memory"])))
+    return _format(lines)
 
-def summarise(all_runs: dict[int, dict[str, list[Run]]]) -> list[dict]:
+
+def cuda_targets(cuda: dict) -> list[dict]:
+    out = []
+    by = {(r["method"], r["num_shards"]): r for r in cuda["results"]}
+    r1 = by.get(("shardload-thread", 1))
+    v = None if r1 is None else r1["fraction_of_pinned"]
+    _add(out, "cuda: shardload-thread N=1 GB/s >= 0.8x pinned host-to-device bandwidth", v,
+         0.8, None if v is None else v >= 0.8, "x pinned")
+    per_worker = cuda.get("staging_bytes_per_worker")
+    for (method, n), r in sorted(by.items()):
+        if method != "shardload-thread" or per_worker is None:
+            continue
+        limit = per_worker * n + 300 * MiB
+        for key, what in (("peak_rss_bytes", "VmRSS"), ("peak_anon_bytes", "RssAnon")):
+            _add(out, f"cuda: shardload-thread N={n} host peak {what} <= staging "
+                      f"({_size(per_worker)} x {n} workers) + 300 MiB",
+                 r[key], limit, r[key] <= limit, "bytes")
+    return out
+
+
+# ==== 7. reporting ==============================================================================
+
+def summarise(all_runs: dict[tuple[str, int], dict[str, list[Run]]]) -> list[dict]:
     rows = []
-    for n, by_method in all_runs.items():
+    for (mode, n), by_method in all_runs.items():
+        by_method = {m: rs for m, rs in by_method.items() if rs}
         medians = {m: statistics.median(r.seconds for r in rs) for m, rs in by_method.items()}
         for method in METHODS:
             if method not in by_method:
@@ -886,14 +1196,19 @@ def summarise(all_runs: dict[int, dict[str, list[Run]]]) -> list[dict]:
             med = medians[method]
             floor, thread = medians.get("floor"), medians.get("shardload-thread")
             kept = rs[0].kept
+            moved = rs[0].moved if rs[0].moved is not None else sum(kept)
+            checks = [r.check for r in rs if r.check is not None]
+            verified = None if not checks or all(c.verified is None for c in checks) else \
+                all(c.verified for c in checks)
+            owns = [c.owns for c in checks if c.owns is not None]
             row = {
-                "method": method, "num_shards": n, "median_s": med,
+                "method": method, "num_shards": n, "cache": mode, "median_s": med,
                 "min_s": min(r.seconds for r in rs), "runs_s": [r.seconds for r in rs],
                 "ratio_to_floor": med / floor if floor else None,
                 "ratio_to_shardload_thread": med / thread if thread else None,
                 "bytes_read_per_worker": rs[0].read,
                 "kept_bytes_per_worker": kept,
-                "gb_per_s": sum(kept) / med / GB if med > 0 else None,
+                "gb_per_s": moved / med / GB if med > 0 else None,
                 # peak minus the baseline just before the method started, worst run
                 "peak_rss_bytes": max(r.peak[0] - r.base[0] for r in rs),
                 "peak_rss_abs_bytes": max(r.peak[0] for r in rs),
@@ -905,7 +1220,15 @@ def summarise(all_runs: dict[int, dict[str, list[Run]]]) -> list[dict]:
                 "other_cpu_s": [r.other_cpu_s for r in rs],
                 "other_load": min(1.0, max(r.other_cpu_s / (r.seconds * (os.cpu_count() or 1))
                                            for r in rs)),
+                "verified": verified, "owns_memory": (all(owns) if owns else None),
+                "verify_detail": "; ".join(sorted({c.detail for c in checks})) or None,
+                "runs_checked": len([c for c in checks if c.verified is not None]),
             }
+            if mode == "cold":
+                drops = [r.drop for r in rs if r.drop is not None]
+                row["cold_drops"] = drops
+                row["cold_dropped"] = (None if any(d["dropped"] is None for d in drops)
+                                       else all(d["dropped"] for d in drops))
             if rs[0].loader_seconds is not None:
                 row["loader_stats_s"] = [r.loader_seconds for r in rs]
             rows.append(row)
@@ -924,20 +1247,20 @@ def _ratio(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def table(rows: list[dict]) -> str:
-    head = ("method", "N", "median s", "min s", "GB/s", "vs floor", "vs thread", "read/wkr",
-            "read tot", "peak dRSS", "peak RSS", "dAnon", "cpu s", "others")
-    lines = [head]
-    for r in rows:
-        reads = r["bytes_read_per_worker"]
-        lines.append((r["method"], str(r["num_shards"]), f"{r['median_s']:.3f}",
-                      f"{r['min_s']:.3f}",
-                      f"{r['gb_per_s']:.2f}" if r["gb_per_s"] else "-",
-                      _ratio(r["ratio_to_floor"]), _ratio(r["ratio_to_shardload_thread"]),
-                      _size(max(reads)), _size(sum(reads)), _size(r["peak_rss_bytes"]),
-                      _size(r["peak_rss_abs_bytes"]), _size(r["peak_anon_bytes"]),
-                      f"{statistics.median(r['cpu_s']):.2f}", f"{100 * r['other_load']:.0f}%"))
-    widths = [max(len(line[k]) for line in lines) for k in range(len(head))]
+def _num(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _check_cell(verified: Optional[bool], owns: Optional[bool]) -> str:
+    if verified is None:
+        return "-"
+    if not verified:
+        return "WRONG"
+    return "equal" if owns is not False else "equal,view"
+
+
+def _format(lines: list[tuple]) -> str:
+    widths = [max(len(line[k]) for line in lines) for k in range(len(lines[0]))]
     out = []
     for j, line in enumerate(lines):
         out.append("  ".join(c.ljust(w) if k == 0 else c.rjust(w)
@@ -947,40 +1270,77 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def table(rows: list[dict]) -> str:
+    head = ("method", "N", "median s", "min s", "GB/s", "vs floor", "vs thread", "read/wkr",
+            "read tot", "peak dRSS", "peak RSS", "dAnon", "cpu s", "others", "check")
+    lines = [head]
+    for r in rows:
+        reads = r["bytes_read_per_worker"]
+        lines.append((r["method"], str(r["num_shards"]), f"{r['median_s']:.3f}",
+                      f"{r['min_s']:.3f}", _num(r["gb_per_s"]),
+                      _ratio(r["ratio_to_floor"]), _ratio(r["ratio_to_shardload_thread"]),
+                      _size(max(reads)), _size(sum(reads)), _size(r["peak_rss_bytes"]),
+                      _size(r["peak_rss_abs_bytes"]), _size(r["peak_anon_bytes"]),
+                      f"{statistics.median(r['cpu_s']):.2f}", f"{100 * r['other_load']:.0f}%",
+                      _check_cell(r["verified"], r["owns_memory"])))
+    return _format(lines)
+
+
+def _add(out: list, name: str, value: Optional[float], limit: float, ok: Optional[bool],
+         unit: str) -> None:
+    out.append({"target": name, "value": value, "limit": limit, "unit": unit,
+                "result": "n/a" if ok is None else ("PASS" if ok else "MISS")})
+
+
 def targets(rows: list[dict], largest_tensor: int) -> list[dict]:
-    """The issue's targets, each PASS, MISS or n/a (a method or N that was not run)."""
-    by = {(r["method"], r["num_shards"]): r for r in rows}
-    out = []
+    """The issue's targets, each PASS, MISS or n/a (a method, N or pass that was not run)."""
+    by = {(r["cache"], r["method"], r["num_shards"]): r for r in rows}
+    ns = sorted({r["num_shards"] for r in rows})
+    modes = [m for m in ("warm", "cold") if any(r["cache"] == m for r in rows)]
+    out: list[dict] = []
 
-    def add(name: str, value: Optional[float], limit: float, ok: Optional[bool], unit: str):
-        out.append({"target": name, "value": value, "limit": limit, "unit": unit,
-                    "result": "n/a" if ok is None else ("PASS" if ok else "MISS")})
-
-    def get(method, n, key="median_s"):
-        r = by.get((method, n))
+    def get(method, n, key="median_s", mode="warm"):
+        r = by.get((mode, method, n))
         return None if r is None else r[key]
+
+    def add(*a):
+        _add(out, *a)
 
     for method, limit in (("shardload-thread", 1.15), ("shardload-process", 1.5)):
         v = get(method, 4, "ratio_to_floor")
         add(f"{method} N=4 within {limit}x of floor", v, limit,
             None if v is None else v <= limit, "x floor")
-    for method in ("shardload-thread", "shardload-process"):
-        s, v = get(method, 4), get("vllm-style", 4)
-        x = None if s is None or v is None else v / s
-        add(f"{method} >= 3x faster than vllm-style at N=4", x, 3.0,
-            None if x is None else x >= 3.0, "vllm/shardload")
-        d = get("disco-style", 4)
-        x = None if s is None or d is None else d / s
-        add(f"{method} faster than disco-style at N=4", x, 1.0,
-            None if x is None else x > 1.0, "disco/shardload")
-    for method in ("shardload-thread", "shardload-process"):
+    for method in SHARDLOAD:
         r1, r8 = get(method, 1, "ratio_to_floor"), get(method, 8, "ratio_to_floor")
         x = None if r1 is None or r8 is None else r8 / r1
         add(f"{method} ratio to floor at N=8 within 1.25x of N=1", x, 1.25,
             None if x is None else x <= 1.25, "ratio(N=8)/ratio(N=1)")
-    for method in ("shardload-thread", "shardload-process"):
-        for n in sorted({r["num_shards"] for r in rows}):
-            r = by.get((method, n))
+    for mode in modes:
+        for n in ns:
+            s = get("shardload-thread", n, mode=mode)
+            ran = {p: get(p, n, mode=mode) for p in peers.PEERS}
+            ran = {p: v for p, v in ran.items() if v is not None}
+            if s is None or not ran:
+                add(f"shardload-thread faster than every real peer at N={n} ({mode})", None,
+                    1.0, None, "peer/thread")
+                continue
+            closest = min(ran, key=lambda p: ran[p])
+            x = ran[closest] / s
+            add(f"shardload-thread faster than every real peer at N={n} ({mode}; closest: "
+                f"{closest})", x, 1.0, x > 1.0, "peer/thread")
+    s, d = get("shardload-thread", 4), get("disco-emulated", 4)
+    x = None if s is None or d is None else d / s
+    add("shardload-thread faster than disco-emulated at N=4 (an emulation)", x, 1.0,
+        None if x is None else x > 1.0, "disco/thread")
+    if "cold" in modes:
+        for n in ns:
+            s, f = get("shardload-thread", n, mode="cold"), get("read-file", n, mode="cold")
+            x = None if s is None or f is None else s / f
+            add(f"shardload-thread N={n} (cold) within 1.1x of read-file", x, 1.1,
+                None if x is None else x <= 1.1, "x read-file")
+    for method in SHARDLOAD:
+        for n in ns:
+            r = by.get(("warm", method, n))
             if r is None:
                 continue
             limit = sum(r["kept_bytes_per_worker"]) + 2 * largest_tensor + 300 * MiB
@@ -991,6 +1351,8 @@ def targets(rows: list[dict], largest_tensor: int) -> list[dict]:
 
 
 def machine_info(zero_copy: bool) -> dict:
+    import importlib.metadata as md
+
     import safetensors
 
     cpu = platform.processor()
@@ -1006,15 +1368,22 @@ def machine_info(zero_copy: bool) -> dict:
             mem = int(f.readline().split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    versions = {}
+    for dist in ("fastsafetensors", "runai-model-streamer", "instanttensor"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            versions[dist] = None
     return {"platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "safetensors": safetensors.__version__,
-            "numpy": np.__version__, "cpu": cpu, "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "mem_total_bytes": mem,
+            "numpy": np.__version__, "peers": versions, "cpu": cpu,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "mem_total_bytes": mem, "root": hasattr(os, "geteuid") and os.geteuid() == 0,
             "cuda": torch.cuda.is_available(),
             "safetensors_get_tensor_zero_copy": zero_copy}
 
 
-# ==== 7. main ===================================================================================
+# ==== 8. main ===================================================================================
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -1024,6 +1393,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                          "0.66 GB (one 7B-style layer), smaller dims")
     ap.add_argument("--shards", default="1,2,4,8", help="comma-separated worker counts")
     ap.add_argument("--runs", type=int, default=3, help="repetitions per method and N")
+    ap.add_argument("--cold", action="store_true",
+                    help="also run every method with the page cache dropped before it")
+    ap.add_argument("--cold-drop", choices=("auto", "fadvise"), default="auto",
+                    help="how --cold drops the cache: drop_caches (root, machine-wide) and "
+                         "posix_fadvise on the file (auto), or posix_fadvise only")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON here")
     ap.add_argument("--dir", metavar="DIR", default=None,
                     help=f"where the checkpoint is cached (default {default_dir()})")
@@ -1050,6 +1424,27 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _write_json(path: Optional[str], report: dict) -> None:
+    if not path:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _print_targets(checks: list[dict]) -> None:
+    for c in checks:
+        if c["value"] is None:
+            shown = "n/a"
+        elif c["unit"] == "bytes":
+            shown = f"{_size(c['value'])} (limit {_size(c['limit'])})"
+        else:
+            shown = f"{c['value']:.2f} {c['unit']} (limit {c['limit']})"
+        print(f"  {c['result']:<4}  {c['target']}: {shown}", flush=True)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
 
@@ -1072,68 +1467,122 @@ def main(argv: Optional[list[str]] = None) -> int:
                 log(f"error: this checkpoint cannot be split over {n} workers: {exc}")
                 return 2
     largest = max(metadata.values(), key=lambda m: m.nbytes)
+
+    skipped: dict[str, str] = {}
+    methods = []
+    for m in args.methods:
+        why = peers.unavailable(m, "cpu", file) if m in peers.PEERS else None
+        if why is not None:
+            skipped[m] = why
+            log(f"{m}: skipped, {why}")
+        else:
+            methods.append(m)
+    cache, cold_skipped, cold_trial = None, None, None
+    if args.cold:
+        cache, cold_skipped, cold_trial = cold_mode_check(file, args.cold_drop, log)
+        if cold_skipped:
+            log(f"cold mode skipped: {cold_skipped}")
     warm_s = warm_page_cache(file)
     zero_copy = zero_copy_get_tensor(file, largest.name)
     log(f"page cache warmed in {warm_s:.2f} s; {os.cpu_count()} CPUs; "
         f"safetensors get_tensor zero-copy: {zero_copy}")
 
     sampler = RssSampler()
-    all_runs: dict[int, dict[str, list[Run]]] = {}
-    startup: dict[str, dict[str, float]] = {"shardload-thread": {}, "shardload-process": {}}
+    all_runs: dict[tuple[str, int], dict[str, list[Run]]] = {}
+    startup: dict[str, dict[str, float]] = {k: {} for k in SHARDLOAD}
     try:
         for n in args.shards:
-            runs, started = bench_n(ckpt_dir, info, n, args.methods, args.runs, sampler,
-                                    zero_copy, log)
-            all_runs[n] = runs
+            runs, started = bench_n(ckpt_dir, info, n, methods, args.runs, sampler,
+                                    zero_copy, cache, skipped, log)
+            for mode, by_method in runs.items():
+                all_runs[(mode, n)] = by_method
             for k, v in started.items():
                 startup[k][str(n)] = v
+
+        rows = summarise(all_runs)
+        checks = targets(rows, largest.nbytes)
+        checkpoint = {"path": ckpt_dir, "file": file, "file_bytes": os.path.getsize(file),
+                      "tensor_bytes": sum(m.nbytes for m in metadata.values()),
+                      "num_tensors": len(metadata), "largest_tensor": largest.name,
+                      "largest_tensor_bytes": largest.nbytes, "geometry": asdict(geom),
+                      "plan": os.path.join(ckpt_dir, PLAN_FILE), "written_now": made}
+        report = {"machine": machine_info(zero_copy), "checkpoint": checkpoint, "results": rows,
+                  "skipped": skipped,
+                  "cold": {"requested": args.cold, "ran": cache is not None,
+                           "skipped": cold_skipped, "trial": cold_trial},
+                  "session_startup_s": {k: v for k, v in startup.items() if v},
+                  "runs": args.runs, "targets": checks}
+        _write_json(args.json, report)  # the CPU results stand even if the CUDA part dies
+
+        g = geom
+        print(f"\ncheckpoint: {checkpoint['tensor_bytes'] / GB:.2f} GB, {len(metadata)} "
+              f"tensors, {g.layers} layers, hidden {g.hidden}, intermediate {g.intermediate}, "
+              f"{g.heads} heads / {g.kv_heads} KV, GPTQ {g.bits}-bit group {g.group}; largest "
+              f"tensor {_size(largest.nbytes)}")
+        print(f"machine: {report['machine']['cpu']}, {os.cpu_count()} CPUs, torch "
+              f"{torch.__version__}; median of {args.runs} run(s)")
+        for mode in ("warm", "cold"):
+            mode_rows = [r for r in rows if r["cache"] == mode]
+            if not mode_rows:
+                continue
+            if mode == "warm":
+                print("\nwarm page cache (the file read once before)\n")
+            else:
+                drops = [d for r in mode_rows for d in r["cold_drops"]]
+                how = sorted({d["how"] for d in drops if d["how"]})
+                worst = max((d["resident_after"] for d in drops
+                             if d["resident_after"] is not None), default=None)
+                print(f"\ncold page cache (dropped before every method: {', '.join(how)}; "
+                      + ("drops not verifiable" if worst is None else
+                         f"at most {100 * worst:.1f}% of the file resident after a drop")
+                      + ")\n")
+            print(table(mode_rows), flush=True)
+        if args.cold and cold_skipped:
+            print(f"\ncold mode skipped: {cold_skipped}")
+        for m, why in skipped.items():
+            print(f"\nskipped: {m}: {why}", end="")
+        print()
+        if report["session_startup_s"]:
+            print("\nsession start-up (s): " + "; ".join(
+                f"{k} " + ", ".join(f"N={n}: {v:.2f}" for n, v in d.items())
+                for k, d in report["session_startup_s"].items()))
+        print("\ntargets:")
+        _print_targets(checks)
+
+        if torch.cuda.is_available() and not args.no_cuda:
+            try:
+                cuda = bench_cuda(ckpt_dir, info, args.shards, args.runs, sampler, zero_copy,
+                                  log)
+                report["cuda"] = {k: v for k, v in cuda.items() if k != "results"}
+                report["cuda_results"] = cuda["results"]
+                ctargets = cuda_targets(cuda)
+                report["targets"] = checks + ctargets
+                print(f"\nCUDA: {', '.join(cuda['devices'])}; pinned host-to-device "
+                      f"{_num(cuda['pinned_h2d_gb_per_s'])} GB/s; staging {cuda['staging']}\n")
+                print(cuda_table(cuda))
+                for m, why in cuda["skipped"].items():
+                    print(f"skipped on CUDA: {m}: {why}")
+                print("\ncuda targets:")
+                _print_targets(ctargets)
+            except Exception as exc:  # a report, never a failure of the CPU benchmark
+                import traceback
+
+                traceback.print_exc()
+                log(f"cuda section failed: {type(exc).__name__}: {exc}")
+                report["cuda_error"] = f"{type(exc).__name__}: {exc}"
+                print(f"\ncuda section failed: {type(exc).__name__}: {exc}")
+        _write_json(args.json, report)
+        if args.json:
+            print(f"\nwrote {args.json}")
     finally:
         sampler.close()
-
-    rows = summarise(all_runs)
-    checks = targets(rows, largest.nbytes)
-    checkpoint = {"path": ckpt_dir, "file": file, "file_bytes": os.path.getsize(file),
-                  "tensor_bytes": sum(m.nbytes for m in metadata.values()),
-                  "num_tensors": len(metadata), "largest_tensor": largest.name,
-                  "largest_tensor_bytes": largest.nbytes, "geometry": asdict(geom),
-                  "plan": os.path.join(ckpt_dir, PLAN_FILE), "written_now": made}
-    report = {"machine": machine_info(zero_copy), "checkpoint": checkpoint, "results": rows,
-              "session_startup_s": startup, "runs": args.runs, "targets": checks}
-    if torch.cuda.is_available() and not args.no_cuda:
-        try:
-            report["cuda_results"] = bench_cuda(ckpt_dir, info, args.shards, args.runs, log)
-        except Exception as exc:  # a report, never a failure of the CPU benchmark
-            log(f"cuda section failed: {type(exc).__name__}: {exc}")
-            report["cuda_error"] = f"{type(exc).__name__}: {exc}"
-
-    g = geom
-    print(f"\ncheckpoint: {checkpoint['tensor_bytes'] / GB:.2f} GB, {len(metadata)} tensors, "
-          f"{g.layers} layers, hidden {g.hidden}, intermediate {g.intermediate}, {g.heads} heads "
-          f"/ {g.kv_heads} KV, GPTQ {g.bits}-bit group {g.group}; largest tensor "
-          f"{_size(largest.nbytes)}")
-    print(f"machine: {report['machine']['cpu']}, {os.cpu_count()} CPUs, torch {torch.__version__}"
-          f"; median of {args.runs} run(s)\n")
-    print(table(rows))
-    if any(startup.values()):
-        print("\nsession start-up (s): " + "; ".join(
-            f"{k} " + ", ".join(f"N={n}: {v:.2f}" for n, v in d.items())
-            for k, d in startup.items() if d))
-    for r in report.get("cuda_results", []):
-        print(f"cuda: {r['method']} N={r['num_shards']}: {r['median_s']:.3f} s")
-    print("\ntargets:")
-    for c in checks:
-        if c["value"] is None:
-            shown = "n/a"
-        elif c["unit"] == "bytes":
-            shown = f"{_size(c['value'])} (limit {_size(c['limit'])})"
-        else:
-            shown = f"{c['value']:.2f} {c['unit']} (limit {c['limit']})"
-        print(f"  {c['result']:<4}  {c['target']}: {shown}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
-        print(f"\nwrote {args.json}")
+    wrong = [f"{r['method']} N={r['num_shards']} ({r['cache']})" for r in rows
+             if r["verified"] is False]
+    wrong += [f"cuda {r['method']} N={r['num_shards']}" for r in report.get("cuda_results", [])
+              if r["verified"] is False]
+    if wrong:
+        print(f"\nWRONG PIECES (not equal to shardload's): {', '.join(wrong)}")
+        return 3
     return 0
 
 

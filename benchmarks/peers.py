@@ -1,0 +1,295 @@
+"""The real libraries a user would otherwise load a checkpoint with, as benchmark methods.
+
+Every method here ends with each of N workers owning exactly the pieces ``load_sharded`` gives
+it (``bench_load.py`` checks that with ``torch.equal``, piece by piece): each takes the plan's
+own ranges per worker (``ParamPlan`` -> ``direct_ranges``), runs the plan's fixup on its piece
+(``shardload.split_rebase`` rebases a row-parallel ``g_idx``), and clones what the library hands
+it, so nothing it keeps is a view of the file mapping or of the library's buffer.
+
+``safetensors-load_file``  ``safetensors.torch.load_file``, then a narrow + clone per worker,
+                           in one thread, as a simple user would
+``safetensors-get_slice``  one thread per worker, each with its own ``safe_open``, reading its
+                           ranges with ``get_slice(name)[...]`` (HF transformers' TP, a vLLM
+                           rank), cloned
+``fastsafetensors``        ``SafeTensorsFileLoader(SingleGroup(), device, nogds=True)``: the
+                           whole file into its buffer, ``get_tensor`` (zero copy), each worker
+                           thread clones its pieces
+``runai-streamer``         ``SafetensorsStreamer().stream_file(file, owned=False)``: each tensor
+                           as it streams in, narrowed and cloned by the worker threads before
+                           the stream moves on
+``instanttensor``          ``instanttensor.safe_open(file, "pt", device, copy=False)``, each
+                           tensor narrowed and cloned per worker (CUDA only: on the CPU it
+                           refuses, and is reported as skipped with its reason)
+
+A peer that does not import (or refuses the device) is reported by ``unavailable`` with the
+reason, and the benchmark runs without it. Nothing here is part of shardload's test extra.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from shardload.pieces import run_steps as _run_steps
+from shardload.plan import ParamPlan
+
+#: the peers, in table order; each maps to its runner below
+PEERS = ("safetensors-load_file", "safetensors-get_slice", "fastsafetensors", "runai-streamer",
+         "instanttensor")
+#: the module each peer needs (what ``pip install`` names it, for the skip message)
+MODULES = {"safetensors-load_file": ("safetensors", "safetensors"),
+           "safetensors-get_slice": ("safetensors", "safetensors"),
+           "fastsafetensors": ("fastsafetensors", "fastsafetensors"),
+           "runai-streamer": ("runai_model_streamer", "runai-model-streamer"),
+           "instanttensor": ("instanttensor", "instanttensor")}
+
+Workers = list[dict[str, torch.Tensor]]
+
+
+# ==== the plan's pieces, from whatever tensor a library hands over ==============================
+
+def direct_ranges(p: ParamPlan, n: int):
+    """(axis, ranges per worker) when ``p``'s function declares what each worker reads (its
+    ``ranges`` rule) as plain ranges along one axis, else None: the methods take the same
+    ranges shardload's read plans do."""
+    if len(p.steps) != 1 or p.funcs[0].ranges is None:
+        return None
+    step = p.steps[0]
+    sels = [p.funcs[0].ranges(p.meta.shape, p.meta.dtype, *step.extra, num_shards=n, index=i)
+            for i in range(n)]
+    if any(sel.axis is None or sel.has_zeros for sel in sels):
+        return None
+    return sels[0].axis, [list(sel.ranges) for sel in sels]
+
+
+def run_steps(p: ParamPlan, full: torch.Tensor) -> torch.Tensor:
+    return _run_steps([(s.func, s.out_shape, s.dtype, s.extra) for s in p.steps], full, p.name)
+
+
+def owned(t: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
+    """A copy of ``t`` in fresh, contiguous memory on ``device`` (default: where it is)."""
+    if device is None or t.device == device:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.to(device, non_blocking=False).contiguous()
+
+
+def _cat(parts: list[torch.Tensor], axis: int, device: Optional[torch.device]) -> torch.Tensor:
+    """The parts joined along ``axis`` (a new tensor), on ``device``."""
+    t = torch.cat(parts, dim=axis)
+    return t if device is None or t.device == device else t.to(device)
+
+
+def fixup(p: ParamPlan, piece: torch.Tensor, i: int, n: int) -> torch.Tensor:
+    """The plan's in-place edit of a piece read by ranges (``split_rebase``: ``g_idx`` minus
+    its first element), on worker ``i``'s own copy."""
+    fix = p.funcs[0].fixup if p.steps else None
+    if fix is not None:
+        fix(piece, *p.steps[0].extra, num_shards=n, index=i)
+    return piece
+
+
+def piece_from_full(p: ParamPlan, full: torch.Tensor, i: int, n: int, direct,
+                    device: Optional[torch.device] = None) -> torch.Tensor:
+    """Worker ``i``'s piece of ``p`` out of the whole tensor, owning its memory on ``device``."""
+    if p.replicated:
+        return owned(full, device)
+    if direct is not None:
+        axis, ranges = direct
+        parts = [full.narrow(axis, start, length) for start, length in ranges[i]]
+        t = owned(parts[0], device) if len(parts) == 1 else _cat(parts, axis, device)
+        return fixup(p, t, i, n)
+    return owned(run_steps(p, full)[i], device)
+
+
+def piece_from_parts(p: ParamPlan, parts: list[torch.Tensor], axis: int, i: int, n: int,
+                     device: Optional[torch.device], parts_are_views: bool) -> torch.Tensor:
+    """Worker ``i``'s piece from the slices it read itself (one per range)."""
+    if len(parts) == 1:
+        t = parts[0]
+        t = owned(t, device) if parts_are_views or (device is not None and t.device != device) \
+            else t.contiguous()
+    else:
+        t = _cat(parts, axis, device)
+    return fixup(p, t, i, n)
+
+
+@dataclass
+class Job:
+    """One load by a peer: the file, the plan at this N, and where each worker's pieces go."""
+
+    file: str
+    params: list[ParamPlan]
+    n: int
+    direct: dict[str, Any]                   # name -> (axis, ranges per worker) or None
+    pool: ThreadPoolExecutor                 # N threads, one per worker
+    devices: Optional[list[torch.device]] = None  # None: the CPU
+    #: whether safetensors hands out views of its mapping (0.8: yes), so a slice needs a clone
+    slices_are_views: bool = True
+
+    def device(self, i: int) -> Optional[torch.device]:
+        return None if self.devices is None else self.devices[i]
+
+    @property
+    def source_device(self) -> str:
+        """Where a library that loads to one device loads to: worker 0's device, or the CPU."""
+        return "cpu" if self.devices is None else str(self.devices[0])
+
+
+def _fan_out(job: Job, fulls: dict[str, torch.Tensor]) -> Workers:
+    """Each worker thread takes its pieces of the whole tensors ``fulls``."""
+    def worker(i: int) -> dict[str, torch.Tensor]:
+        return {p.name: piece_from_full(p, fulls[p.name], i, job.n, job.direct[p.name],
+                                        job.device(i))
+                for p in job.params if p.name in fulls}
+    return list(job.pool.map(worker, range(job.n)))
+
+
+# ==== the peers =================================================================================
+
+def run_load_file(job: Job) -> Workers:
+    from safetensors.torch import load_file
+
+    full = load_file(job.file, device=job.source_device)
+    workers: Workers = [{} for _ in range(job.n)]
+    for p in job.params:  # one thread, as a simple user would
+        for i in range(job.n):
+            workers[i][p.name] = piece_from_full(p, full[p.name], i, job.n, job.direct[p.name],
+                                                 job.device(i))
+    del full
+    return workers
+
+
+def run_get_slice(job: Job) -> Workers:
+    from safetensors import safe_open
+
+    def worker(i: int) -> dict[str, torch.Tensor]:
+        kept: dict[str, torch.Tensor] = {}
+        dev = job.device(i)
+        with safe_open(job.file, framework="pt") as f:
+            for p in job.params:
+                d = job.direct[p.name]
+                if p.replicated:
+                    kept[p.name] = piece_from_parts(p, [f.get_slice(p.name)[:]], 0, i, job.n,
+                                                    dev, job.slices_are_views)
+                elif d is not None:
+                    axis, ranges = d
+                    sl = f.get_slice(p.name)
+                    lead = (slice(None),) * axis
+                    parts = [sl[lead + (slice(start, start + length),)]
+                             for start, length in ranges[i]]
+                    kept[p.name] = piece_from_parts(p, parts, axis, i, job.n, dev,
+                                                    job.slices_are_views)
+                else:  # an opaque chain: the whole tensor, then the plan's steps
+                    kept[p.name] = piece_from_full(p, f.get_tensor(p.name), i, job.n, None, dev)
+        return kept
+
+    return list(job.pool.map(worker, range(job.n)))
+
+
+def run_fastsafetensors(job: Job) -> Workers:
+    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+    loader = SafeTensorsFileLoader(SingleGroup(), job.source_device, nogds=True)
+    try:
+        loader.add_filenames({0: [job.file]})
+        fb = loader.copy_files_to_device()
+        try:
+            # get_tensor is zero copy in one process (a view of its buffer); with one rank
+            # get_sharded hands back the whole tensor too, so each worker narrows and clones
+            fulls = {p.name: fb.get_tensor(p.name) for p in job.params}
+            workers = _fan_out(job, fulls)
+            del fulls
+            return workers
+        finally:
+            fb.close()
+    finally:
+        loader.close()
+
+
+def run_runai(job: Job) -> Workers:
+    from runai_model_streamer import SafetensorsStreamer
+
+    by_name = {p.name: p for p in job.params}
+    workers: Workers = [{} for _ in range(job.n)]
+    with SafetensorsStreamer() as streamer:
+        try:  # owned=False: views into its reused buffers, consumed before the stream moves on
+            streamer.stream_file(job.file, device="cpu", owned=False)
+        except TypeError:  # a release without the keyword: tensors it hands over are its own
+            streamer.stream_file(job.file, device="cpu")
+        for name, tensor in streamer.get_tensors():
+            p = by_name.get(name)
+            if p is None:
+                continue
+
+            def take(i: int, p=p, tensor=tensor) -> torch.Tensor:
+                return piece_from_full(p, tensor, i, job.n, job.direct[p.name], job.device(i))
+
+            for i, piece in enumerate(job.pool.map(take, range(job.n))):
+                workers[i][name] = piece
+    return workers
+
+
+def run_instanttensor(job: Job) -> Workers:
+    import instanttensor
+
+    by_name = {p.name: p for p in job.params}
+    workers: Workers = [{} for _ in range(job.n)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its copy=False warning: we consume each tensor inline
+        f = instanttensor.safe_open(job.file, framework="pt", device=job.source_device,
+                                    copy=False)
+    with f:
+        for name, tensor in f.tensors():  # ring-buffer views: consumed before the next yield
+            p = by_name.get(name)
+            if p is None:
+                continue
+            for i in range(job.n):
+                workers[i][name] = piece_from_full(p, tensor, i, job.n, job.direct[name],
+                                                   job.device(i))
+            torch.cuda.current_stream(tensor.device).synchronize()  # copied before it moves on
+    return workers
+
+
+RUNNERS: dict[str, Callable[[Job], Workers]] = {
+    "safetensors-load_file": run_load_file, "safetensors-get_slice": run_get_slice,
+    "fastsafetensors": run_fastsafetensors, "runai-streamer": run_runai,
+    "instanttensor": run_instanttensor,
+}
+
+#: the peers the CUDA section runs (runai's streamer reaches a GPU only through its distributed
+#: mode, which needs torch.distributed: left out)
+CUDA_PEERS = ("safetensors-load_file", "safetensors-get_slice", "fastsafetensors",
+              "instanttensor")
+
+
+def unavailable(peer: str, device: str = "cpu", file: Optional[str] = None) -> Optional[str]:
+    """Why ``peer`` cannot run here (not installed, does not import, refuses ``device``), or
+    None when it can."""
+    module, pip_name = MODULES[peer]
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # ImportError, or a broken install raising anything else
+        return f"does not import ({type(exc).__name__}: {exc}); pip install {pip_name}"
+    if peer == "instanttensor" and file is not None:
+        import instanttensor
+
+        try:  # load_now=False: reads the header only; it checks the device first
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                instanttensor.safe_open(file, framework="pt", device=device, load_now=False)
+        except Exception as exc:  # never entered, so nothing was opened
+            return f"refuses device {device!r}: {type(exc).__name__}: {exc}"
+    if peer == "fastsafetensors" and device.startswith("cuda"):
+        try:
+            from fastsafetensors.common import is_gpu_found
+
+            if not is_gpu_found():
+                return "fastsafetensors finds no GPU (is_gpu_found() is False)"
+        except ImportError:
+            pass
+    return None
