@@ -19,7 +19,7 @@ device asynchronously; a replicated tensor is staged once per process and copied
 device-to-device to the others, and a chain's input is staged once and its steps run on the
 device. Without it, a piece is read into host memory and moved (the CPU's path: one copy).
 Mapped pages go back to the kernel in batches once every local worker is done with them
-(``PageReleases``).
+(``PageReleases``), and are asked for a little ahead of the copies (``Readahead``).
 
 A worker in the loader's own process uses the checkpoint the loader opened (``LocalLoad``);
 a worker process maps the files the read plan names, checking each is still the file the
@@ -58,6 +58,9 @@ RELEASE_LOADS = "shardload.release_loads"
 MAX_SHARED = 2
 #: mapped pages go back to the kernel once this many bytes of them are done with (PageReleases)
 RELEASE_BATCH_BYTES = 256 << 20
+#: the read-ahead asks for the file in windows of this size, this far ahead of the copies
+READAHEAD_WINDOW = 32 << 20
+READAHEAD_BYTES = 256 << 20
 
 
 # ---- running a chain of steps --------------------------------------------------------------------
@@ -206,6 +209,90 @@ class PageReleases:
         self.calls += len(merged)
 
 
+class Readahead:
+    """The file ranges a load is about to copy, asked for a little ahead of the copies.
+
+    From a cold page cache a copy out of a mapping faults its pages in a few at a time, each
+    fault a small read; the kernel reads a file far faster in large sequential requests. So a
+    thread of the process walks the tensors it will read, in storage order, and asks for each
+    window of ``READAHEAD_WINDOW`` bytes (``Checkpoint.prefetch_bytes``: ``MADV_WILLNEED``) once
+    the furthest worker is within ``READAHEAD_BYTES`` of it: the reads stay ahead of the
+    copies, and at most that much more of the file is brought in than the copies need. Pages
+    already cached cost a look-up.
+    """
+
+    def __init__(self, source: Checkpoint, spans: list[tuple[str, int, int, int]]):
+        self._source = source
+        self._position: dict[str, int] = {}   # tensor -> where it starts, in bytes of spans
+        self._windows: list[tuple[int, int, int, int]] = []  # (position, source, begin, end)
+        at = 0
+        for name, index, begin, end in spans:
+            self._position.setdefault(name, at)
+            for start in range(begin, end, READAHEAD_WINDOW):
+                stop = min(end, start + READAHEAD_WINDOW)
+                last = self._windows[-1] if self._windows else None
+                if last and last[1] == index and last[3] == start and \
+                        stop - last[2] <= READAHEAD_WINDOW:
+                    self._windows[-1] = (last[0], index, last[2], stop)
+                else:
+                    self._windows.append((at + start - begin, index, start, stop))
+            at += end - begin
+        self._reached = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "Readahead":
+        if self._windows and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="shardload-readahead",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def reached(self, name: str) -> None:
+        """A worker of this process is about to copy tensor ``name``."""
+        at = self._position.get(name)
+        if at is None:
+            return
+        with self._cond:
+            if at > self._reached:
+                self._reached = at
+                self._cond.notify()
+
+    def _loop(self) -> None:
+        for at, index, begin, end in self._windows:
+            with self._cond:
+                while not self._closed and at > self._reached + READAHEAD_BYTES:
+                    self._cond.wait(0.5)
+                if self._closed:
+                    return
+            self._source.prefetch_bytes(index, begin, end)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(5)  # one request in flight at most
+
+
+def _tensor_spans(ckpt: Checkpoint) -> list[tuple[str, int, int, int]]:
+    """Every tensor's bytes, in storage order: what the workers of one process read."""
+    return [(name, *ckpt.locate(name)) for name in ckpt.metadata()]
+
+
+def _piece_spans(plan: ReadPlan) -> list[tuple[str, int, int, int]]:
+    """The extent of each piece's runs in its source: what one worker process reads."""
+    spans = []
+    for piece in plan.pieces:
+        if piece.runs:
+            run = piece.runs[0]
+            begin = min(r.offset for r in piece.runs)
+            end = max(r.offset + (r.count - 1) * r.stride + r.nbytes for r in piece.runs)
+            spans.append((piece.name, run.source, begin, end))
+    return spans
+
+
 # ---- workers of one process share computed chains ------------------------------------------------
 
 @dataclass
@@ -300,6 +387,7 @@ class LocalLoad:
     def __post_init__(self) -> None:
         self.shared = SharedOutputs(self.num_local, self.stopped.is_set)
         self.releases = PageReleases(self.ckpt)
+        self.readahead = Readahead(self.ckpt, _tensor_spans(self.ckpt))
 
     def finished(self, piece: PieceRead) -> None:
         """The mapped pages of a tensor go back (in a batch) once every local worker has its
@@ -319,6 +407,7 @@ def local_load(ckpt: Checkpoint, num_local: int):
     """Register a load in this process for its duration; yields ``(token, LocalLoad)``."""
     token = f"{os.getpid()}-{next(_counter)}"
     load = _local[token] = LocalLoad(ckpt, num_local)
+    load.readahead.start()
     try:
         yield token, load
     except BaseException:
@@ -326,6 +415,7 @@ def local_load(ckpt: Checkpoint, num_local: int):
         raise
     finally:
         _local.pop(token, None)
+        load.readahead.close()
         load.releases.flush()
 
 
@@ -481,7 +571,11 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
 
             source = open_sources(list(plan.sources))
             stack.callback(source.close)
-        releases = local.releases if local is not None else PageReleases(source)
+        if local is not None:
+            releases, readahead = local.releases, local.readahead
+        else:
+            releases, readahead = PageReleases(source), Readahead(source, _piece_spans(plan))
+            stack.callback(readahead.start().close)
         current = [None]
         waiting = lambda: ctx.progress(where=current[0])  # noqa: E731
         pipe = None
@@ -495,6 +589,7 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
             if stopped():
                 raise Stopped()
             current[0] = piece.name
+            readahead.reached(piece.name)
             ctx.progress(where=piece.name)
             # a large tensor's copy reports progress too, so a slow read is not taken for a hang
             with copy_progress(waiting):

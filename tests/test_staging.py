@@ -493,3 +493,64 @@ def test_a_threaded_load_gives_the_checkpoints_pages_back(tmp_path):
             pieces.RELEASE_BATCH_BYTES = old
         assert _rss_file_pages() - before < 16 << 20  # the end of the load flushed them
     assert torch.equal(kept.shard("x", 1), again.shard("x", 1))
+
+
+# ---- the file is asked for ahead of the copies -----------------------------------------------------
+
+class _Prefetches:
+    def __init__(self):
+        self.asked = []
+        self.event = threading.Event()
+
+    def prefetch_bytes(self, index, begin, end):
+        self.asked.append((index, begin, end))
+        self.event.set()
+
+
+def _settle(recorder, count, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while len(recorder.asked) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # and nothing more comes
+    return list(recorder.asked)
+
+
+def test_readahead_stays_a_bounded_distance_ahead_of_the_furthest_worker(monkeypatch):
+    from shardload import pieces
+
+    monkeypatch.setattr(pieces, "READAHEAD_WINDOW", 100)
+    monkeypatch.setattr(pieces, "READAHEAD_BYTES", 250)
+    source = _Prefetches()
+    # three touching tensors in file 0 (merged into windows of 100), one in file 1
+    spans = [("a", 0, 0, 150), ("b", 0, 150, 200), ("c", 0, 200, 600), ("d", 1, 0, 100)]
+    ahead = pieces.Readahead(source, spans).start()
+    try:
+        # at the start: the windows within 250 bytes of position 0
+        assert _settle(source, 3) == [(0, 0, 100), (0, 100, 200), (0, 200, 300)]
+        ahead.reached("c")  # position 200: windows starting up to 450
+        assert _settle(source, 5)[3:] == [(0, 300, 400), (0, 400, 500)]
+        ahead.reached("b")  # behind the furthest worker: nothing moves
+        assert _settle(source, 6)[5:] == []
+        ahead.reached("d")  # position 600: the rest
+        assert _settle(source, 7)[5:] == [(0, 500, 600), (1, 0, 100)]
+    finally:
+        ahead.close()
+    assert not [t for t in threading.enumerate() if t.name == "shardload-readahead"]
+
+
+def test_a_threaded_load_asks_for_its_file_ahead(tmp_path, monkeypatch):
+    """Through the real reader: every tensor a threaded load copies lies in a window the
+    read-ahead asked for."""
+    from shardload.readers.mapped import MappedCheckpoint
+
+    arrays, path, plan = _checkpoint(tmp_path)
+    asked = []
+    real = MappedCheckpoint.prefetch_bytes
+    monkeypatch.setattr(MappedCheckpoint, "prefetch_bytes",
+                        lambda self, i, b, e: (asked.append((i, b, e)), real(self, i, b, e)))
+    with ThreadedSession(3) as sess:
+        load_sharded(path, plan, sess, progress=False)
+    with open_checkpoint(path) as ckpt:
+        for name in arrays:
+            _, begin, end = ckpt.locate(name)
+            assert any(b <= begin and end <= e for _, b, e in asked), name

@@ -144,6 +144,10 @@ class Checkpoint(abc.ABC):
     def release_bytes(self, index: int, begin: int, end: int) -> None:
         """A hint that bytes ``[begin, end)`` of source ``index`` are not needed here soon."""
 
+    def prefetch_bytes(self, index: int, begin: int, end: int) -> None:
+        """A hint that bytes ``[begin, end)`` of source ``index`` will be read soon (a file's
+        reader asks the kernel to start reading them into the page cache)."""
+
     def _source_index(self) -> dict[str, int]:
         cached = getattr(self, "_source_indices", None)
         if cached is None:

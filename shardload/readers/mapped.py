@@ -171,6 +171,20 @@ class MappedCheckpoint(Checkpoint):
         except (OSError, ValueError):
             pass  # closed meanwhile, or unsupported: only memory accounting suffers
 
+    def prefetch_bytes(self, index: int, begin: int, end: int) -> None:
+        """Ask the kernel to read the file's pages ``[begin, end)`` ahead (``MADV_WILLNEED``):
+        from a cold page cache the faults of a copy out of a mapping read a little at a time,
+        where this starts large sequential reads; pages already cached cost a look-up."""
+        with self._lock:
+            m = self._maps[index] if index < len(self._maps) else None
+        if m is None or end <= begin or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        first = begin // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            m.madvise(mmap.MADV_WILLNEED, first, min(end, len(m)) - first)
+        except (OSError, ValueError):
+            pass  # closed meanwhile, or unsupported: only the read-ahead is lost
+
     def count_read(self, nbytes: int) -> None:
         """Add ``nbytes`` to ``bytes_read`` (a read plan copied them out of a source)."""
         self._count(nbytes)
