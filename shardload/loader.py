@@ -304,7 +304,7 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
             source = stack.enter_context(_readable_elsewhere(ckpt, remote))
             plans: dict[int, ReadPlan] = {i: read_plan_for(validated, source, i) for i in ranks}
             _release_dropped(session)
-        token, local = stack.enter_context(local_load(source, len(here)))
+        token, local = stack.enter_context(local_load(source, len(here), n))
         total = sum(validated.bytes_per_worker(i) for i in ranks)
         advance, close_bar = progress_callback(
             progress if not session.spmd or session.local_workers == [0] else False, total)

@@ -164,11 +164,16 @@ class PageReleases:
     at 5 to 10% of a load from the page cache. So spans are gathered and given back once
     ``batch_bytes`` of them are pending, merged where they touch (tensors lie in storage
     order): about one call per ``batch_bytes`` of checkpoint, and at most that much more held.
+    A process hosting ``workers`` of ``num_shards`` workers takes that share of
+    ``RELEASE_BATCH_BYTES``, so the whole load holds at most that much more, however many
+    processes it spans.
     """
 
-    def __init__(self, source: Checkpoint, batch_bytes: Optional[int] = None):
+    def __init__(self, source: Checkpoint, batch_bytes: Optional[int] = None, *,
+                 workers: int = 1, num_shards: int = 1):
         self._source = source
-        self._batch = RELEASE_BATCH_BYTES if batch_bytes is None else batch_bytes
+        self._batch = (RELEASE_BATCH_BYTES * workers // max(1, num_shards)
+                       if batch_bytes is None else batch_bytes)
         self._spans: list[tuple[int, int, int]] = []
         self._pending = 0
         self._lock = threading.Lock()
@@ -379,6 +384,7 @@ class LocalLoad:
 
     ckpt: Checkpoint
     num_local: int
+    num_shards: int
     shards: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     stopped: threading.Event = field(default_factory=threading.Event)
     _done: dict[str, int] = field(default_factory=dict)
@@ -386,7 +392,8 @@ class LocalLoad:
 
     def __post_init__(self) -> None:
         self.shared = SharedOutputs(self.num_local, self.stopped.is_set)
-        self.releases = PageReleases(self.ckpt)
+        self.releases = PageReleases(self.ckpt, workers=self.num_local,
+                                     num_shards=self.num_shards)
         self.readahead = Readahead(self.ckpt, _tensor_spans(self.ckpt))
 
     def finished(self, piece: PieceRead) -> None:
@@ -403,10 +410,11 @@ _local: dict[str, LocalLoad] = {}
 
 
 @contextlib.contextmanager
-def local_load(ckpt: Checkpoint, num_local: int):
-    """Register a load in this process for its duration; yields ``(token, LocalLoad)``."""
+def local_load(ckpt: Checkpoint, num_local: int, num_shards: int):
+    """Register a load of ``num_local`` of the ``num_shards`` workers in this process for its
+    duration; yields ``(token, LocalLoad)``."""
     token = f"{os.getpid()}-{next(_counter)}"
-    load = _local[token] = LocalLoad(ckpt, num_local)
+    load = _local[token] = LocalLoad(ckpt, num_local, num_shards)
     load.readahead.start()
     try:
         yield token, load
@@ -523,7 +531,9 @@ def _piece(w: _Worker, piece: PieceRead) -> tuple[torch.Tensor, int]:
     if chain is None:  # staged, replicated, shared by several workers of this process
         def stage() -> torch.Tensor:
             tensor = w.fill(piece.runs, piece.shape, piece.dtype, False, piece.name)
-            w.pipe.fence()  # the others copy from it next
+            # the others copy from it next, from their own threads onto their own devices:
+            # it must have landed, not merely be ordered on this worker's streams
+            w.pipe.finish()
             return tensor
 
         whole, made = w.share(piece.name, stage)
@@ -536,7 +546,10 @@ def _piece(w: _Worker, piece: PieceRead) -> tuple[torch.Tensor, int]:
             w.pipe.fence()  # the steps run on the device, after the input's copies
         elif w.device.type != "cpu":
             x = x.to(w.device)
-        return run_steps(chain.runnable(), x, piece.name)
+        out = run_steps(chain.runnable(), x, piece.name)
+        if w.pipe is not None and w.shared is not None:
+            w.pipe.finish()  # as for a shared replicated tensor: landed before it is shared
+        return out
 
     full, computed = w.share(piece.name, compute)
     return _place(full[chain.index], w.device, owned=False), \
@@ -574,7 +587,8 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
         if local is not None:
             releases, readahead = local.releases, local.readahead
         else:
-            releases, readahead = PageReleases(source), Readahead(source, _piece_spans(plan))
+            releases = PageReleases(source, num_shards=plan.num_shards)
+            readahead = Readahead(source, _piece_spans(plan))
             stack.callback(readahead.start().close)
         current = [None]
         waiting = lambda: ctx.progress(where=current[0])  # noqa: E731

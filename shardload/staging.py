@@ -383,7 +383,8 @@ class Pipeline:
         self._link.fence()
 
     def finish(self) -> None:
-        """Wait until every queued copy is done; raise the link's failure if it had one."""
+        """Wait until every queued copy (and, on CUDA, the worker's stream) is done; raise the
+        link's failure if it had one. The pipeline stays usable."""
         self._seal()
         self._link.drain()
 
