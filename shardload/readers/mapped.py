@@ -160,30 +160,27 @@ class MappedCheckpoint(Checkpoint):
 
     def release_bytes(self, index: int, begin: int, end: int) -> None:
         """Give this process's mapping of the file's pages ``[begin, end)`` back (see
-        ``release``)."""
-        with self._lock:
-            m = self._maps[index] if index < len(self._maps) else None
-        if m is None or end <= begin or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        first = begin // mmap.PAGESIZE * mmap.PAGESIZE
-        try:
-            m.madvise(mmap.MADV_DONTNEED, first, end - first)
-        except (OSError, ValueError):
-            pass  # closed meanwhile, or unsupported: only memory accounting suffers
+        ``release``); only memory accounting suffers where it cannot."""
+        self._advise(index, begin, end, "MADV_DONTNEED")
 
     def prefetch_bytes(self, index: int, begin: int, end: int) -> None:
         """Ask the kernel to read the file's pages ``[begin, end)`` ahead (``MADV_WILLNEED``):
         from a cold page cache the faults of a copy out of a mapping read a little at a time,
         where this starts large sequential reads; pages already cached cost a look-up."""
+        self._advise(index, begin, end, "MADV_WILLNEED")
+
+    def _advise(self, index: int, begin: int, end: int, advice: str) -> None:
+        """``madvise(advice)`` on the pages of file ``index`` holding ``[begin, end)``: a hint,
+        so a closed mapping or a platform without it is no error."""
         with self._lock:
             m = self._maps[index] if index < len(self._maps) else None
-        if m is None or end <= begin or not hasattr(mmap, "MADV_WILLNEED"):
+        if m is None or end <= begin or not hasattr(mmap, advice):
             return
         first = begin // mmap.PAGESIZE * mmap.PAGESIZE
         try:
-            m.madvise(mmap.MADV_WILLNEED, first, min(end, len(m)) - first)
+            m.madvise(getattr(mmap, advice), first, min(end, len(m)) - first)
         except (OSError, ValueError):
-            pass  # closed meanwhile, or unsupported: only the read-ahead is lost
+            pass  # closed meanwhile, or unsupported
 
     def count_read(self, nbytes: int) -> None:
         """Add ``nbytes`` to ``bytes_read`` (a read plan copied them out of a source)."""
