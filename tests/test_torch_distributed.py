@@ -45,6 +45,20 @@ def test_two_rank_job_gets_each_ranks_own_shards(rank_shards):
     assert reports[0]["stats"]["bytes_per_worker"] == reference.stats.bytes_per_worker
 
 
+def test_a_two_rank_job_stages_each_ranks_own_shards_the_same(rank_shards, tmp_path):
+    """The ranks of a torchrun job run the staged pipeline too, each its own."""
+    job = torchrun(*DIST_JOB, "staged", str(tmp_path))
+    assert job.returncode == 0, job.stderr[-3000:]
+    direct, _ = rank_shards
+    for rank in range(2):
+        staged = load_file(str(tmp_path / f"rank{rank}.safetensors"))
+        assert staged.keys() == direct[rank].keys()
+        assert all(same_bits(staged[k], direct[rank][k]) for k in staged), rank
+        stats = json.loads((tmp_path / f"rank{rank}.json").read_text())["stats"]
+        ring = stats["staging_per_worker"][rank]
+        assert ring["buffers"] == 2 and ring["bytes_staged"] == stats["bytes_read_per_worker"][rank]
+
+
 def test_three_sessions_are_bit_identical(rank_shards):
     shards, _ = rank_shards
     with ThreadedSession(2) as t, ProcessSession(2) as p:

@@ -7,6 +7,7 @@ from the repository root. The test sets that ``PYTHONPATH`` (``conftest.subproce
 job imports ``helpers.real_models`` and the example's ``tp_llama`` from it.
 
 MODE ``example``: load the embedded example, save this rank's shards to OUT_DIR/rank{r}.safetensors.
+MODE ``staged``: the same through the staged pipeline (a ring of two 10 KiB buffers).
 MODE ``fail``: rank 1 loads with a plan naming a missing tensor; every rank writes what it raised
 to OUT_DIR/rank{r}.json.
 MODE ``tp``: the tensor-parallel SmolLM2 forward of examples/tp_llama.py over the ranks (a real
@@ -48,9 +49,12 @@ def main(mode: str, out: str) -> None:
         if mode == "tp":
             tensor_parallel(sess, out)
             return
-        if mode == "example":
+        if mode in ("example", "staged"):
+            from shardload import Staging
+
+            staging = Staging(buffers=2, buffer_mib=0.01) if mode == "staged" else None
             result = load_sharded(EXAMPLE, os.path.join(EXAMPLE, "shard_info.json"), sess,
-                                  progress=False)
+                                  progress=False, staging=staging)
             save_file(result.worker(sess.rank), os.path.join(out, f"rank{sess.rank}.safetensors"))
             with open(os.path.join(out, f"rank{sess.rank}.json"), "w") as f:
                 json.dump({"stats": result.stats.as_dict(), "rank": sess.rank}, f)
