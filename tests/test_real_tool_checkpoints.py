@@ -1,7 +1,8 @@
 """Checkpoints written by the tools people use, not by our own code: transformers'
 ``save_pretrained`` (config.json and weights, as a user downloads them), transformers'
 ``GPTQConfig`` and compressed-tensors' quantization configs (as llmcompressor writes them), and a
-model compressed to W4A16 ``pack-quantized`` by compressed-tensors itself.
+model compressed to W4A16 ``pack-quantized`` by compressed-tensors itself; each loaded directly
+and through the staged pipeline.
 
 The reference for every shard is the tool's own output: the dense weights the model saved, or
 the weights compressed-tensors' own unpacking and dequantization give back; which rows or columns
@@ -22,7 +23,7 @@ from compressed_tensors.quantization import QuantizationConfig, preset_name_to_s
 from safetensors.torch import load_file
 
 from conftest import EXAMPLE
-from shardload import ShardInfo, ThreadedSession, load_sharded
+from shardload import ShardInfo, Staging, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_for
 from shardload.planners.layouts import scheme_from_hf
@@ -67,13 +68,19 @@ def expected(name: str, w: torch.Tensor, n: int, i: int, config) -> torch.Tensor
     return w  # norms, embeddings, lm_head: replicated
 
 
+#: the direct path, and the staged pipeline with a ring small enough to cut every tensor
+STAGINGS = {"direct": False, "staged": Staging(buffers=2, buffer_mib=0.004)}
+
+
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_transformers_checkpoints_shard_exactly(tmp_path, arch, n):
+@pytest.mark.parametrize("staging", sorted(STAGINGS))
+def test_transformers_checkpoints_shard_exactly(tmp_path, arch, n, staging):
     config = save_model(tmp_path, arch)
     dense = load_file(str(tmp_path / "model.safetensors"))
     with ThreadedSession(n) as session:
-        sharded = load_sharded(str(tmp_path), plan_for(str(tmp_path), n), session, progress=False)
+        sharded = load_sharded(str(tmp_path), plan_for(str(tmp_path), n), session, progress=False,
+                               staging=STAGINGS[staging])
     assert sorted(sharded.names) == sorted(dense)
     for name, w in dense.items():
         for i in range(n):
@@ -126,14 +133,16 @@ def compress_w4a16(folder: Path, symmetric: bool):
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_compressed_tensors_w4a16_shards_dequantize_to_their_slice(tmp_path, symmetric, n):
+@pytest.mark.parametrize("staging", sorted(STAGINGS))
+def test_compressed_tensors_w4a16_shards_dequantize_to_their_slice(tmp_path, symmetric, n,
+                                                                   staging):
     config, args = compress_w4a16(tmp_path, symmetric)
     stored = load_file(str(tmp_path / "model.safetensors"))
     layers = sorted({k.rsplit(".", 1)[0] for k in stored if k.endswith(".weight_packed")})
     assert len(layers) == 7
     with ThreadedSession(n) as session:
         sharded = load_sharded(str(tmp_path), plan_for(str(tmp_path), n), session,
-                               progress=False)
+                               progress=False, staging=STAGINGS[staging])
     for layer in layers:
         full = dequant(stored, layer, args)
         for i in range(n):
