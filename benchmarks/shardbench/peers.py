@@ -1,10 +1,10 @@
 """The real libraries a user would otherwise load a checkpoint with, as benchmark methods.
 
 Every method here ends with each of N workers owning exactly the pieces ``load_sharded`` gives
-it (``bench_load.py`` checks that with ``torch.equal``, piece by piece): each takes the plan's
-own ranges per worker (``ParamPlan`` -> ``direct_ranges``), runs the plan's fixup on its piece
-(``shardload.split_rebase`` rebases a row-parallel ``g_idx``), and clones what the library hands
-it, so nothing it keeps is a view of the file mapping or of the library's buffer.
+it (``methods.check_pieces`` checks that with ``torch.equal``, piece by piece): each takes the
+plan's own ranges per worker (``ParamPlan`` -> ``direct_ranges``), runs the plan's fixup on its
+piece (``shardload.split_rebase`` rebases a row-parallel ``g_idx``), and clones what the library
+hands it, so nothing it keeps is a view of the file mapping or of the library's buffer.
 
 ``safetensors-load_file``  ``safetensors.torch.load_file``, then a narrow + clone per worker,
                            in one thread, as a simple user would
@@ -21,8 +21,9 @@ it, so nothing it keeps is a view of the file mapping or of the library's buffer
                            tensor narrowed and cloned per worker (CUDA only: on the CPU it
                            refuses, and is reported as skipped with its reason)
 
-A peer that does not import (or refuses the device) is reported by ``unavailable`` with the
-reason, and the benchmark runs without it. Nothing here is part of shardload's test extra.
+``PEERS`` is the table of them. A peer that does not import (or refuses the device) is reported
+by ``unavailable`` with the reason, and the benchmark runs without it. Nothing here is part of
+shardload's test extra.
 """
 
 from __future__ import annotations
@@ -36,17 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from shardload.pieces import run_steps as _run_steps
-from shardload.plan import ParamPlan
-
-#: the peers, in table order; each maps to its runner below
-PEERS = ("safetensors-load_file", "safetensors-get_slice", "fastsafetensors", "runai-streamer",
-         "instanttensor")
-#: the module each peer needs (what ``pip install`` names it, for the skip message)
-MODULES = {"safetensors-load_file": ("safetensors", "safetensors"),
-           "safetensors-get_slice": ("safetensors", "safetensors"),
-           "fastsafetensors": ("fastsafetensors", "fastsafetensors"),
-           "runai-streamer": ("runai_model_streamer", "runai-model-streamer"),
-           "instanttensor": ("instanttensor", "instanttensor")}
+from shardload.plan import ParamPlan, ValidatedPlan
 
 Workers = list[dict[str, torch.Tensor]]
 
@@ -65,6 +56,16 @@ def direct_ranges(p: ParamPlan, n: int):
     if any(sel.axis is None or sel.has_zeros for sel in sels):
         return None
     return sels[0].axis, [list(sel.ranges) for sel in sels]
+
+
+def direct_map(plan: ValidatedPlan, n: int) -> dict[str, Any]:
+    """Name -> ``direct_ranges`` of every sharded tensor of ``plan``; None for replicated ones."""
+    return {p.name: (None if p.replicated else direct_ranges(p, n)) for p in plan}
+
+
+def narrowed(full: torch.Tensor, axis: int, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views of ``full``, one per (start, length) range along ``axis``."""
+    return [full.narrow(axis, start, length) for start, length in ranges]
 
 
 def run_steps(p: ParamPlan, full: torch.Tensor) -> torch.Tensor:
@@ -100,7 +101,7 @@ def piece_from_full(p: ParamPlan, full: torch.Tensor, i: int, n: int, direct,
         return owned(full, device)
     if direct is not None:
         axis, ranges = direct
-        parts = [full.narrow(axis, start, length) for start, length in ranges[i]]
+        parts = narrowed(full, axis, ranges[i])
         t = owned(parts[0], device) if len(parts) == 1 else _cat(parts, axis, device)
         return fixup(p, t, i, n)
     return owned(run_steps(p, full)[i], device)
@@ -255,22 +256,37 @@ def run_instanttensor(job: Job) -> Workers:
     return workers
 
 
-RUNNERS: dict[str, Callable[[Job], Workers]] = {
-    "safetensors-load_file": run_load_file, "safetensors-get_slice": run_get_slice,
-    "fastsafetensors": run_fastsafetensors, "runai-streamer": run_runai,
-    "instanttensor": run_instanttensor,
-}
+@dataclass(frozen=True)
+class Peer:
+    """One real library: what it imports, how it runs, and what it reads."""
 
-#: the peers the CUDA section runs (runai's streamer reaches a GPU only through its distributed
-#: mode, which needs torch.distributed: left out)
-CUDA_PEERS = ("safetensors-load_file", "safetensors-get_slice", "fastsafetensors",
-              "instanttensor")
+    module: str                        # what it imports
+    pip_name: str                      # what pip installs it as (for the skip message)
+    run: Callable[[Job], Workers]
+    #: one reader of the whole file (shown as worker 0's reads), else each worker its ranges
+    reads_whole_file: bool = True
+    #: whether the CUDA section runs it
+    cuda: bool = True
+
+
+#: the peers, in table order
+PEERS: dict[str, Peer] = {
+    "safetensors-load_file": Peer("safetensors", "safetensors", run_load_file),
+    "safetensors-get_slice": Peer("safetensors", "safetensors", run_get_slice,
+                                  reads_whole_file=False),
+    "fastsafetensors": Peer("fastsafetensors", "fastsafetensors", run_fastsafetensors),
+    # its streamer reaches a GPU only through its distributed mode, which needs
+    # torch.distributed: left out of the CUDA section
+    "runai-streamer": Peer("runai_model_streamer", "runai-model-streamer", run_runai,
+                           cuda=False),
+    "instanttensor": Peer("instanttensor", "instanttensor", run_instanttensor),
+}
 
 
 def unavailable(peer: str, device: str = "cpu", file: Optional[str] = None) -> Optional[str]:
     """Why ``peer`` cannot run here (not installed, does not import, refuses ``device``), or
     None when it can."""
-    module, pip_name = MODULES[peer]
+    module, pip_name = PEERS[peer].module, PEERS[peer].pip_name
     try:
         importlib.import_module(module)
     except Exception as exc:  # ImportError, or a broken install raising anything else
@@ -293,3 +309,12 @@ def unavailable(peer: str, device: str = "cpu", file: Optional[str] = None) -> O
         except ImportError:
             pass
     return None
+
+
+def zero_copy_get_tensor(file: str, name: str) -> bool:
+    """Whether safetensors' get_tensor returns a view of its memory map (no copy)."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        a, b = f.get_tensor(name), f.get_tensor(name)
+        return a.data_ptr() == b.data_ptr()

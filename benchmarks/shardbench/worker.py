@@ -1,11 +1,10 @@
-"""Session functions the benchmark runs on every worker (threads or worker processes).
+"""The session function the load benchmark runs on every worker (threads or worker processes).
 
 A ``ProcessSession`` worker keeps its latest load's shards until the next load replaces them,
 and a ``ThreadedSession`` keeps them in its worker contexts; between two measured loads the
-benchmark frees them with ``session.call("shardload_bench.drop_shards")``, so one method's
-shards never count in the next method's memory. This module is importable (it lives next to
-``bench_load.py``, whose folder is on ``sys.path`` and is handed to the workers), which is what
-lets worker processes register the function too.
+benchmark frees them with ``session.call(DROP_SHARDS)``, so one method's shards never count in
+the next method's memory. Worker processes import this module as the plugin
+``shardbench.worker`` (they take the controller's ``sys.path``), which registers it there too.
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ import ctypes
 import gc
 
 from shardload import register_session_func
+
+DROP_SHARDS = "shardload_bench.drop_shards"
 
 _libc = None
 
@@ -29,7 +30,7 @@ def malloc_trim() -> None:
         pass
 
 
-@register_session_func("shardload_bench.drop_shards")
+@register_session_func(DROP_SHARDS)
 def drop_shards(ctx) -> int:
     """Free this worker's shards (the dict is shared with the worker's load table)."""
     count = len(ctx.shards)
