@@ -16,8 +16,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import (FormatError, PlanError, ShardloadError, UnknownSessionFunctionError,
-                     UnknownShardFunctionError, WorkerCrashedError, WorkerError)
+from .errors import (FormatError, PlanError, SessionClosedError, ShardloadError,
+                     UnknownSessionFunctionError, UnknownShardFunctionError, WorkerCrashedError,
+                     WorkerError)
 
 __version__ = "0.1.0"
 
@@ -49,8 +50,8 @@ _LAZY = {
 }
 
 __all__ = sorted([*_LAZY, "ShardloadError", "PlanError", "UnknownShardFunctionError",
-                  "UnknownSessionFunctionError", "FormatError", "WorkerError",
-                  "WorkerCrashedError", "__version__"])
+                  "UnknownSessionFunctionError", "SessionClosedError", "FormatError",
+                  "WorkerError", "WorkerCrashedError", "__version__"])
 
 
 def __getattr__(name: str):

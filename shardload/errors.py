@@ -17,6 +17,7 @@ __all__ = [
     "PlanError",
     "UnknownShardFunctionError",
     "UnknownSessionFunctionError",
+    "SessionClosedError",
     "FormatError",
     "WorkerError",
     "WorkerCrashedError",
@@ -162,6 +163,30 @@ class UnknownSessionFunctionError(ShardloadError, KeyError):
         mention(self, PLUGINS)
 
     __str__ = Exception.__str__
+
+
+class SessionClosedError(ShardloadError, RuntimeError):
+    """A session that is closed was asked to run something, or for a piece its worker processes
+    held. Also a ``RuntimeError``, as a closed session raised before this class.
+
+    ``session`` is the kind of session (its class name); ``worker`` and ``param`` the piece
+    asked for (``ShardedParams.shard``), or None.
+    """
+
+    def __init__(self, session: str, *, worker: int | None = None, param: str | None = None):
+        self.session = session
+        self.worker = worker
+        self.param = param
+        if worker is None:
+            message = (f"this {session} is closed (by close() or its with block ending, or by "
+                       "itself after a crash, Ctrl-C or a timeout), so it runs nothing more; "
+                       "open a new session to go on")
+        else:
+            message = (f"worker {worker}'s piece of {quote(param)} was asked for, but the "
+                       f"{session} is closed: a worker process's pieces live in that process "
+                       "and went with it. Fetch or copy what you need (sharded.shard(name, "
+                       "worker), sharded.worker(worker)) before closing the session.")
+        super().__init__(message)
 
 
 class FormatError(ShardloadError):

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .errors import DEVICE_CUDA, PLUGINS, PlanError, ShardloadError, mention
+from .errors import DEVICE_CUDA, PLUGINS, PlanError, SessionClosedError, ShardloadError, mention
 from .pieces import FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, local_load
 from .plan import ParamPlan, Plan, ShardInfo, ValidatedPlan
 from .readers import Checkpoint, as_checkpoint
@@ -84,9 +84,10 @@ class LoadStats:
 class ShardedParams:
     """Every worker's shards after ``load_sharded``.
 
-    With threads the shards are in this process and ``shard`` returns them; with worker
-    processes they stay in the workers and ``shard`` fetches a copy; under torch.distributed a
-    rank holds only its own.
+    With threads the shards are in this process and ``shard`` returns them, also once the
+    session is closed; with worker processes they stay in the workers and ``shard`` fetches a
+    copy, while the session is open (``SessionClosedError`` after: they went with the
+    processes); under torch.distributed a rank holds only its own.
 
     >>> sharded.shard("x_0", 2)        # worker 2's piece                  # doctest: +SKIP
     >>> sharded.worker(2)              # {name: tensor} of worker 2        # doctest: +SKIP
@@ -106,7 +107,8 @@ class ShardedParams:
         return self.stats.num_shards
 
     def shard(self, name: str, worker: int) -> torch.Tensor:
-        """Worker ``worker``'s piece of parameter ``name``."""
+        """Worker ``worker``'s piece of parameter ``name``. A piece held in a worker process is
+        fetched from it: ``SessionClosedError`` once the session is closed."""
         if type(worker) is not int or not 0 <= worker < self.num_shards:
             raise IndexError(f"worker {worker!r} out of range for {self.num_shards} workers")
         if name not in self._known:
@@ -257,8 +259,14 @@ def _fetcher(session: Session, token: str, local: dict[int, dict[str, torch.Tens
         if session.spmd:
             raise ShardloadError(f"this process holds only the shards of worker(s) "
                                  f"{sorted(local)}; worker {worker}'s are in its own process")
-        return session.run(FETCH_PIECE, [(token, name)], workers=[worker],
-                           context=f"while fetching {name!r}")[0]
+        if session.closed:  # the piece went with its worker process
+            raise SessionClosedError(type(session).__name__, worker=worker, param=name)
+        try:
+            return session.run(FETCH_PIECE, [(token, name)], workers=[worker],
+                               context=f"while fetching {name!r}")[0]
+        except SessionClosedError:  # closed meanwhile
+            raise SessionClosedError(type(session).__name__, worker=worker,
+                                     param=name) from None
     return fetch
 
 

@@ -24,13 +24,13 @@ A function without one is computed whole and sliced.
 from __future__ import annotations
 
 import inspect
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .errors import UnknownShardFunctionError
 from .modules import import_modules
 from .selection import Selection
+from .table import Table
 
 __all__ = ["ShardFunc", "Selection", "register_shard_func", "get_shard_func",
            "list_shard_funcs", "unregister_shard_func", "load_plugins", "ENTRY_POINT_GROUP"]
@@ -74,8 +74,11 @@ class ShardFunc:
         return f"at least {lo}" if hi is None else str(lo)
 
 
-_lock = threading.RLock()
-_registry: dict[str, ShardFunc] = {}
+#: the registry: a function registered again (a re-imported plugin) is the same one
+_table: Table[ShardFunc] = Table("shard function", UnknownShardFunctionError,
+                                 same=lambda old, new: old.func is new.func)
+#: held while the built-ins and the entry points are loaded (once), as around each operation
+_lock = _table.lock
 _entry_points_loaded = False
 
 
@@ -95,18 +98,6 @@ def _extra_arity(func: Callable[..., Any]) -> tuple[int, Optional[int]]:
         raise TypeError(f"shard function {getattr(func, '__name__', func)!r} must take "
                         "(input, *extra_args, output)")
     return (max(len(required) - 2, 0), len(positional) - 2)
-
-
-def _add(table: dict, entry, kind: str, override: bool) -> None:
-    """Put ``entry`` in ``table``; a different function under a taken name needs ``override``
-    (registering the same function again, as a re-imported plugin does, is harmless)."""
-    with _lock:
-        old = table.get(entry.name)
-        if old is not None and not override and old.func is not entry.func:
-            raise ValueError(f"{kind} {entry.name!r} is already registered (by "
-                             f"{old.module or 'unknown module'}); pass override=True to "
-                             "replace it")
-        table[entry.name] = entry
 
 
 def register_shard_func(name: str, func: Callable[..., Any] | None = None, *,
@@ -136,11 +127,11 @@ def register_shard_func(name: str, func: Callable[..., Any] | None = None, *,
     def register(f: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(f):
             raise TypeError(f"shard function {name!r} must be callable, got {f!r}")
-        _add(_registry, ShardFunc(name=name, func=f, array=array, shape_rule=shape_rule,
-                                  ranges=ranges, fixup=fixup,
-                                  nargs=_extra_arity(f),
-                                  module=getattr(f, "__module__", "") or ""),
-             "shard function", override)
+        # a different function under a taken name needs override; registering the same
+        # function again, as a re-imported plugin does, is harmless
+        _table.add(ShardFunc(name=name, func=f, array=array, shape_rule=shape_rule,
+                             ranges=ranges, fixup=fixup, nargs=_extra_arity(f),
+                             module=getattr(f, "__module__", "") or ""), override)
         return f
 
     return register if func is None else register(func)
@@ -150,24 +141,18 @@ def get_shard_func(name: str) -> ShardFunc:
     """The registered ``ShardFunc`` for ``name``; ``UnknownShardFunctionError`` (a ``KeyError``)
     with close-match suggestions if there is none."""
     _ensure_loaded()
-    with _lock:
-        entry = _registry.get(name)
-        if entry is None:
-            raise UnknownShardFunctionError(name, _registry)
-        return entry
+    return _table.get(name)
 
 
 def list_shard_funcs() -> list[ShardFunc]:
     """Every registered function, sorted by name."""
     _ensure_loaded()
-    with _lock:
-        return [_registry[k] for k in sorted(_registry)]
+    return _table.entries()
 
 
 def unregister_shard_func(name: str) -> None:
     """Remove ``name`` (tests and interactive sessions)."""
-    with _lock:
-        _registry.pop(name, None)
+    _table.remove(name)
 
 
 def load_plugins(modules: Iterable[str] = ()) -> None:

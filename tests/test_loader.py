@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import helpers.session_plugins  # noqa: F401  (registers test shard functions, here and in workers)
-from shardload import (ArrayCheckpoint, PlanError, ProcessSession, ShardInfo, ThreadedSession,
-                       WorkerError, load_sharded, register_shard_func)
+from shardload import (ArrayCheckpoint, PlanError, ProcessSession, SessionClosedError,
+                       ShardInfo, ThreadedSession, WorkerError, load_sharded,
+                       register_shard_func)
 from shardload import get_shard_func, pieces
 
 NS = [1, 2, 3, 4, 8]
@@ -313,6 +314,25 @@ def test_closed_session_refuses_work():
     sess.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         load_sharded({"a": np.zeros(2)}, None, sess, progress=False)
+    with pytest.raises(SessionClosedError) as info:
+        load_sharded({"a": np.zeros(2)}, None, sess, progress=False)
+    assert (info.value.session, info.value.worker, info.value.param) == \
+        ("ThreadedSession", None, None)
+    assert str(info.value).startswith("this ThreadedSession is closed (by close() or its with "
+                                      "block ending, ")
+    assert str(info.value).endswith("; open a new session to go on")
+
+
+def test_thread_pieces_stay_readable_after_the_session_closes():
+    """A ThreadedSession's pieces are in this process: closing it takes none of them."""
+    params = {"w": np.arange(16, dtype=np.float32).reshape(4, 4), "b": np.ones(3, np.float32)}
+    plan = {"w": [["shardload.split", [["num_shards", "4 // num_shards", 4], "float32"], 0]]}
+    with ThreadedSession(2) as sess:
+        result = load_sharded(params, plan, sess, progress=False)
+    assert sess.closed
+    assert torch.equal(result.shard("w", 1), torch.from_numpy(params["w"][2:]))
+    assert torch.equal(result.worker(0)["b"], torch.ones(3))
+    assert set(result.worker(1)) == {"w", "b"}
 
 
 def test_cupy_functions_need_cuda_and_cupy_is_imported_lazily():

@@ -92,9 +92,9 @@ def test_empty_list_means_replicated():
 
 
 def test_oversized_plan_file_is_refused(tmp_path, monkeypatch):
-    from shardload import plan as plan_module
+    from shardload.plan import limits
 
-    monkeypatch.setattr(plan_module, "MAX_PLAN_BYTES", 10)
+    monkeypatch.setattr(limits, "MAX_PLAN_BYTES", 10)
     path = write(tmp_path, json.dumps(SPLIT_W))
     with pytest.raises(PlanError, match="over the 10-byte limit"):
         ShardInfo.load(path)

@@ -18,7 +18,7 @@ import torch
 
 from shardload import (PlanError, ShardInfo, ShardloadError, UnknownShardFunctionError,
                        get_shard_func, register_shard_func)
-from shardload import plan as plan_module
+from shardload.plan import limits as plan_limits
 from shardload.plan import (MAX_DIM, MAX_DIMS, MAX_EXPRESSIONS, MAX_EXTRA_ARGS, MAX_NUM_SHARDS,
                             MAX_PARAMS, MAX_PLAN_BYTES, MAX_STEPS, Plan)
 from shardload.readers import ArrayCheckpoint
@@ -217,7 +217,7 @@ def test_too_many_steps():
 
 
 def test_too_many_params(monkeypatch):
-    monkeypatch.setattr(plan_module, "MAX_PARAMS", 10)
+    monkeypatch.setattr(plan_limits, "MAX_PARAMS", 10)
     plan = {f"p{i}": [] for i in range(11)}
     refused(lambda: ShardInfo.from_dict({"__metadata__": {}, **plan}, source="p.json"),
             phrase="names 11 parameters, more than the 10", source="p.json")
@@ -226,7 +226,7 @@ def test_too_many_params(monkeypatch):
 
 
 def test_too_many_distinct_expressions(monkeypatch):
-    monkeypatch.setattr(plan_module, "MAX_EXPRESSIONS", 10)
+    monkeypatch.setattr(plan_limits, "MAX_EXPRESSIONS", 10)
     same = ["shardload.take_units", [["num_shards", 4], "float16"], 0, 1] + ["0 * num_shards"] * 50
     ShardInfo.from_dict({"w": [same]})  # one expression 50 times is one expression
     distinct = [f"{i} // num_shards" for i in range(11)]
@@ -402,7 +402,11 @@ def test_shapes_no_tensor_can_have_are_refused_at_bind(shape, phrase):
 def test_num_shards_is_capped():
     assert ShardInfo.from_dict({}).bind(MAX_NUM_SHARDS).num_shards == MAX_NUM_SHARDS
     refused(lambda: ShardInfo.from_dict({}, source="p.json").bind(100_000),
-            phrase="num_shards=100000 is more than the 4096", source="p.json")
+            phrase="num_shards is 100000, more than the 4096 workers", source="p.json")
+    # the one check of the number of workers (limits.num_shards_problem), for plans too
+    refused(lambda: ShardInfo.from_dict({}, source="p.json").bind(0),
+            phrase="num_shards must be a positive integer, at most 4096, got 0",
+            source="p.json")
     refused(lambda: Plan(MAX_NUM_SHARDS + 1, {}), phrase="more than the 4096")
 
 

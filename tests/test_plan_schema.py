@@ -23,6 +23,7 @@ import pytest
 
 from shardload import PlanError, ShardInfo
 from shardload import plan as plan_module
+from shardload.plan import limits as plan_limits, steps as plan_steps
 from shardload.plan import (MAX_DIM, MAX_DIMS, MAX_EXTRA_ARGS, MAX_PARAMS, MAX_PLAN_BYTES,
                             MAX_STEPS, json_schema, schema_text, step_json, write_schema)
 
@@ -30,7 +31,9 @@ from test_plan import INVALID as PLAN_INVALID, VALID as PLAN_VALID
 
 
 def shipped_path() -> str:
-    return os.path.join(os.path.dirname(plan_module.__file__), plan_module.SCHEMA_FILE)
+    import shardload
+
+    return os.path.join(os.path.dirname(shardload.__file__), plan_module.SCHEMA_FILE)
 
 
 def schema_accepts(plan) -> bool:
@@ -84,8 +87,8 @@ def test_schema_states_the_limits_the_parser_applies():
 
 
 def test_schema_follows_a_changed_limit(monkeypatch):
-    monkeypatch.setattr(plan_module, "MAX_STEPS", 3)
-    monkeypatch.setattr(plan_module, "MAX_PARAMS", 7)
+    monkeypatch.setattr(plan_limits, "MAX_STEPS", 3)
+    monkeypatch.setattr(plan_limits, "MAX_PARAMS", 7)
     schema = json_schema()
     assert schema["additionalProperties"]["maxItems"] == 3
     assert schema["allOf"][0]["else"]["else"]["maxProperties"] == 7
@@ -192,7 +195,7 @@ def test_what_only_the_parser_refuses(plan, reason):
 
 def test_distinct_expression_count_is_the_parsers_alone(monkeypatch):
     # a count over the whole plan: no schema keyword can say it
-    monkeypatch.setattr(plan_module, "MAX_EXPRESSIONS", 2)
+    monkeypatch.setattr(plan_limits, "MAX_EXPRESSIONS", 2)
     plan = {"w": [["f", [["num_shards", "1 + num_shards", "2 + num_shards"], "int32"]]]}
     assert schema_accepts(plan) and not parser_accepts(plan)
 
@@ -212,7 +215,7 @@ def test_distinct_expression_count_is_the_parsers_alone(monkeypatch):
 def test_both_apply_the_same_limits(monkeypatch, limit, value, at, over):
     """Each limit at its value and one over, with the limit made small: the schema is built
     from the limit the parser reads, so both move together."""
-    monkeypatch.setattr(plan_module, limit, value)
+    monkeypatch.setattr(plan_limits, limit, value)
     assert schema_accepts(at) and parser_accepts(at)
     assert not schema_accepts(over) and not parser_accepts(over)
 
@@ -241,8 +244,8 @@ def test_planner_plans_and_their_serialisations_match_the_schema(tmp_path):
 
 def test_every_plan_form_writes_its_steps_through_step_json(monkeypatch):
     calls = []
-    real = plan_module.step_json
-    monkeypatch.setattr(plan_module, "step_json",
+    real = plan_steps.step_json
+    monkeypatch.setattr(plan_steps, "step_json",
                         lambda *args: calls.append(args[0]) or real(*args))
     info = ShardInfo.from_dict({"__metadata__": {"k": 1}, "w": [STEP], "v": []})
     expected = {"__metadata__": {"k": 1}, "w": [STEP], "v": []}

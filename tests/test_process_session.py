@@ -37,8 +37,8 @@ from conftest import default_sigint, subprocess_env
 from helpers import process_plugins
 from shardload import load_sharded, register_session_func
 from shardload.cli import cli
-from shardload.errors import (PlanError, ShardloadError, UnknownSessionFunctionError,
-                              WorkerCrashedError, WorkerError)
+from shardload.errors import (PlanError, SessionClosedError, ShardloadError,
+                              UnknownSessionFunctionError, WorkerCrashedError, WorkerError)
 from shardload.registry import register_shard_func
 from shardload.sessions import ProcessSession
 from shardload.sessions import process as process_module
@@ -511,6 +511,48 @@ def test_close_is_idempotent_and_stops_every_worker():
         assert repr(sess) == "ProcessSession(num_workers=2, closed)"
         with pytest.raises(RuntimeError, match="closed"):
             sess.call("tests.process.rank")
+
+
+def test_a_piece_asked_for_after_close_says_it_went_with_its_worker_process():
+    """The pieces of a worker process live there: once the session is closed, ``shard`` names
+    the worker and the piece, says why it is gone and what to do instead; what was fetched
+    before stays readable."""
+    arrays = _arrays()
+    with _session(2, distributed=False) as sess:
+        result = load_sharded(arrays, MIXED_PLAN, sess, progress=False)
+        fetched = result.shard("w", 1)              # a copy, in this process
+        everything = result.worker(0)
+    for ask in (lambda: result.shard("w", 1), lambda: result.worker(1)):
+        with pytest.raises(SessionClosedError) as info:
+            ask()
+        err = info.value
+        assert type(err) is SessionClosedError
+        assert isinstance(err, ShardloadError) and isinstance(err, RuntimeError)
+        assert (err.session, err.worker, err.param) == ("ProcessSession", 1, "w")
+        assert str(err) == (
+            "worker 1's piece of 'w' was asked for, but the ProcessSession is closed: a worker "
+            "process's pieces live in that process and went with it. Fetch or copy what you "
+            "need (sharded.shard(name, worker), sharded.worker(worker)) before closing the "
+            "session.")
+    np.testing.assert_array_equal(fetched.numpy(), _expected(arrays, 1, 2)["w"])
+    for name, want in _expected(arrays, 0, 2).items():
+        np.testing.assert_array_equal(everything[name].numpy(), want)
+
+
+def test_a_closed_session_refuses_requests_with_its_own_error():
+    with _session(2, distributed=False) as sess:
+        pass
+    for use in (lambda: sess.call("tests.process.rank"), lambda: sess.set_value(0, "x", 1),
+                lambda: sess.get_value(1, "x"),
+                lambda: load_sharded(_arrays(), MIXED_PLAN, sess, progress=False)):
+        with pytest.raises(SessionClosedError) as info:
+            use()
+        err = info.value
+        assert type(err) is SessionClosedError and isinstance(err, RuntimeError)
+        assert (err.session, err.worker, err.param) == ("ProcessSession", None, None)
+        assert str(err) == ("this ProcessSession is closed (by close() or its with block "
+                            "ending, or by itself after a crash, Ctrl-C or a timeout), so it "
+                            "runs nothing more; open a new session to go on")
 
 
 def test_leaving_with_block_stops_every_worker():

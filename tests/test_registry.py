@@ -195,3 +195,82 @@ def test_a_plan_never_imports_what_it_names(tmp_path, monkeypatch):
         load_sharded(ArrayCheckpoint({"w": np.zeros(4, np.float32)}), plan, sess,
                      progress=False)
     assert "sneaky_mod" not in sys.modules
+
+
+
+# ---- the one table both registries are built on (shardload.table) --------------------------------
+
+def test_both_registries_keep_their_messages():
+    from shardload.errors import UnknownSessionFunctionError
+    from shardload.sessions import functions as session_functions
+
+    def first(input, output):
+        pass
+
+    def second(input, output):
+        pass
+
+    for register, kind in ((register_shard_func, "shard function"),
+                           (session_functions.register_session_func, "session function")):
+        register("tests.reg.table", first)
+        register("tests.reg.table", first)  # the same function again: harmless
+        with pytest.raises(ValueError) as info:
+            register("tests.reg.table", second)
+        assert type(info.value) is ValueError
+        assert str(info.value) == (f"{kind} 'tests.reg.table' is already registered (by "
+                                   f"{first.__module__}); pass override=True to replace it")
+        register("tests.reg.table", second, override=True)
+    assert get_shard_func("tests.reg.table").func is second
+    assert session_functions.get_session_func("tests.reg.table").func is second
+    registry.unregister_shard_func("tests.reg.table")
+    session_functions.unregister_session_func("tests.reg.table")
+    session_functions.unregister_session_func("tests.reg.table")  # unknown: nothing happens
+    with pytest.raises(UnknownShardFunctionError) as shard:
+        get_shard_func("tests.reg.tabel")
+    with pytest.raises(UnknownSessionFunctionError) as session:
+        session_functions.get_session_func("shardload.load_piece")
+    assert type(shard.value) is UnknownShardFunctionError and shard.value.name == "tests.reg.tabel"
+    assert type(session.value) is UnknownSessionFunctionError
+    assert session.value.suggestions[0] == "shardload.load_pieces"
+    names = [f.name for f in session_functions.list_session_funcs()]
+    assert names == sorted(names) and "shardload.load_pieces" in names
+
+
+def test_a_table_of_any_entries():
+    from dataclasses import dataclass
+
+    from shardload.table import Table
+
+    @dataclass(frozen=True)
+    class Kind:
+        name: str
+        size: int
+        module: str = ""
+
+    table = Table("session kind", lambda name, known: LookupError(name, sorted(known)),
+                  same=lambda old, new: old.size == new.size)
+    assert table.add(Kind("thread", 1, "mine")) == Kind("thread", 1, "mine")
+    table.add(Kind("process", 2))
+    table.add(Kind("thread", 1, "theirs"))  # the same by its judgement: it replaces the old
+    assert table.get("thread").module == "theirs"
+    with pytest.raises(ValueError) as info:
+        table.add(Kind("process", 3))
+    assert str(info.value) == ("session kind 'process' is already registered (by unknown "
+                               "module); pass override=True to replace it")
+    assert table.add(Kind("process", 3), override=True).size == 3
+    assert table.names() == ["process", "thread"] == list(table)
+    assert [k.name for k in table.entries()] == ["process", "thread"]
+    assert "thread" in table and len(table) == 2
+    with pytest.raises(LookupError) as missing:
+        table.get("torch")
+    assert missing.value.args == ("torch", ["process", "thread"])
+    table.remove("thread")
+    table.remove("thread")
+    assert table.names() == ["process"]
+    # without a judgement of its own, an entry is the same again only as the same object
+    plain = Table("thing", lambda name, known: KeyError(name))
+    entry = Kind("a", 1)
+    plain.add(entry)
+    plain.add(entry)
+    with pytest.raises(ValueError, match="thing 'a' is already registered"):
+        plain.add(Kind("a", 1))

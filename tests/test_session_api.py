@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import helpers.process_plugins  # noqa: F401  (session functions, registered here and in workers)
-from shardload import (ProcessSession, ThreadedSession, UnknownSessionFunctionError, WorkerError,
-                       load_sharded)
+from shardload import (ProcessSession, SessionClosedError, ShardloadError, ThreadedSession,
+                       UnknownSessionFunctionError, WorkerError, load_sharded)
+from shardload.sessions import resolve_devices
 
 
 @pytest.fixture(scope="module", params=["thread", "process"])
@@ -56,3 +57,44 @@ def test_errors_are_the_same(sess):
     assert {f.exc_type for f in info.value.failures} == {"TypeError"}
     with pytest.raises(IndexError):
         sess.set_value(2, "x", 1)
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_closed_session_raises_its_own_error(kind):
+    """Every operation of a closed session is one ``SessionClosedError`` (a ``ShardloadError``,
+    and a ``RuntimeError`` as before it had a class), naming the kind of session and what to
+    do."""
+    session = (ThreadedSession(2) if kind == "thread"
+               else ProcessSession(2, distributed=False))
+    session.close()
+    name = type(session).__name__
+    for use in (lambda: session.call("tests.process.rank"),
+                lambda: session.run("tests.process.rank", [(), ()]),
+                lambda: session.set_value(0, "x", 1), lambda: session.get_value(1, "x"),
+                lambda: load_sharded({"a": np.zeros(2)}, None, session, progress=False)):
+        with pytest.raises(SessionClosedError) as info:
+            use()
+        err = info.value
+        assert type(err) is SessionClosedError
+        assert isinstance(err, ShardloadError) and isinstance(err, RuntimeError)
+        assert (err.session, err.worker, err.param) == (name, None, None)
+        assert str(err) == (f"this {name} is closed (by close() or its with block ending, or "
+                            "by itself after a crash, Ctrl-C or a timeout), so it runs nothing "
+                            "more; open a new session to go on")
+    session.close()  # still fine
+
+
+@pytest.mark.parametrize("n, message", [
+    (0, "num_workers must be a positive integer, at most 4096, got 0"),
+    (True, "num_workers must be a positive integer, at most 4096, got True"),
+    ("2", "num_workers must be a positive integer, at most 4096, got '2'"),
+    (4097, "num_workers is 4097, more than the 4096 workers shardload runs in one session "
+           "(each is a thread or a process)"),
+])
+def test_the_number_of_workers_is_checked_once_for_every_session(n, message):
+    # limits.num_shards_problem: the same clause a plan bound to that N gets
+    for make in (lambda: resolve_devices("cpu", n), lambda: ThreadedSession(n),
+                 lambda: ProcessSession(n)):
+        with pytest.raises(ValueError) as info:
+            make()
+        assert type(info.value) is ValueError and str(info.value) == message

@@ -474,7 +474,7 @@ def _rss_file_pages() -> int:
 def test_a_threaded_load_gives_the_checkpoints_pages_back(tmp_path):
     """Without the releases the mapped checkpoint stays charged to the process for as long
     as it is open; with them at most a batch of it is."""
-    from shardload import pieces
+    from shardload.pieces import reads
 
     x = np.random.default_rng(0).integers(0, 255, (64, 1 << 20), dtype=np.uint8)  # 64 MiB
     save_file({"x": x}, str(tmp_path / "m.safetensors"))
@@ -485,12 +485,12 @@ def test_a_threaded_load_gives_the_checkpoints_pages_back(tmp_path):
         kept = load_sharded(ckpt, plan, sess, progress=False, staging=False)
         after = _rss_file_pages()
         assert after - before < 16 << 20, (before, after)
-        old = pieces.RELEASE_BATCH_BYTES
-        pieces.RELEASE_BATCH_BYTES = 1 << 40  # never within the load: only at its end
+        old = reads.RELEASE_BATCH_BYTES
+        reads.RELEASE_BATCH_BYTES = 1 << 40  # never within the load: only at its end
         try:
             again = load_sharded(ckpt, plan, sess, progress=False, staging=False)
         finally:
-            pieces.RELEASE_BATCH_BYTES = old
+            reads.RELEASE_BATCH_BYTES = old
         assert _rss_file_pages() - before < 16 << 20  # the end of the load flushed them
     assert torch.equal(kept.shard("x", 1), again.shard("x", 1))
 
@@ -516,14 +516,14 @@ def _settle(recorder, count, seconds=5.0):
 
 
 def test_readahead_stays_a_bounded_distance_ahead_of_the_furthest_worker(monkeypatch):
-    from shardload import pieces
+    from shardload.pieces import reads
 
-    monkeypatch.setattr(pieces, "READAHEAD_WINDOW", 100)
-    monkeypatch.setattr(pieces, "READAHEAD_BYTES", 250)
+    monkeypatch.setattr(reads, "READAHEAD_WINDOW", 100)
+    monkeypatch.setattr(reads, "READAHEAD_BYTES", 250)
     source = _Prefetches()
     # three touching tensors in file 0 (merged into windows of 100), one in file 1
     spans = [("a", 0, 0, 150), ("b", 0, 150, 200), ("c", 0, 200, 600), ("d", 1, 0, 100)]
-    ahead = pieces.Readahead(source, spans).start()
+    ahead = reads.Readahead(source, spans).start()
     try:
         # at the start: the windows within 250 bytes of position 0
         assert _settle(source, 3) == [(0, 0, 100), (0, 100, 200), (0, 200, 300)]

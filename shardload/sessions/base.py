@@ -16,8 +16,8 @@ from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
 import torch
 
-from ..errors import DEVICE_CPU, ShardloadError, mention, quote
-from ..limits import MAX_NUM_SHARDS
+from ..errors import DEVICE_CPU, SessionClosedError, ShardloadError, mention, quote
+from ..limits import num_shards_problem
 
 DeviceSpec = Union[str, torch.device, Sequence[Union[str, torch.device]]]
 
@@ -31,11 +31,9 @@ def resolve_devices(device: DeviceSpec, num_workers: int) -> list[torch.device]:
     >>> resolve_devices("cpu", 2)
     [device(type='cpu'), device(type='cpu')]
     """
-    if type(num_workers) is not int or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
-    if num_workers > MAX_NUM_SHARDS:
-        raise ValueError(f"{num_workers} workers asked for; at most {MAX_NUM_SHARDS} are "
-                         "supported (one per tensor-parallel rank)")
+    problem = num_shards_problem(num_workers)
+    if problem is not None:
+        raise ValueError(f"num_workers {problem}")
     if isinstance(device, (list, tuple)):
         if len(device) != num_workers:
             raise ValueError(f"{len(device)} devices given for {num_workers} workers; give one "
@@ -258,6 +256,11 @@ class Session(abc.ABC):
         """True once ``close()`` ran (or the session closed itself after a crash, Ctrl-C or
         a timeout): it runs nothing more."""
         return bool(getattr(self, "_closed", False))
+
+    def _check_open(self) -> None:
+        """``SessionClosedError`` (also a ``RuntimeError``) once the session is closed."""
+        if self.closed:
+            raise SessionClosedError(type(self).__name__)
 
     def _check_worker(self, worker: int) -> None:
         if type(worker) is not int or not 0 <= worker < self.num_workers:

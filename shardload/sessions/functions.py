@@ -1,10 +1,10 @@
 """Session functions: what workers run on request, by name.
 
 A session function is ``func(ctx, *args)``, ``ctx`` being the worker's ``WorkerContext``. The
-table is closed like the shard-function registry: a name is looked up, never imported. A worker
-process learns a function the controller registered by importing the module it came from
-(``modules.importable_module``), code the controller already ran; a function defined in
-``__main__`` or inside another function cannot be re-created there.
+table is closed like the shard-function registry (both are a ``table.Table``): a name is looked
+up, never imported. A worker process learns a function the controller registered by importing
+the module it came from (``modules.importable_module``), code the controller already ran; a
+function defined in ``__main__`` or inside another function cannot be re-created there.
 
 The loader's own per-worker load is a session function like any other
 (``shardload.load_pieces``); sessions run it without knowing what it does.
@@ -12,11 +12,11 @@ The loader's own per-worker load is a session function like any other
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import UnknownSessionFunctionError
+from ..table import Table
 
 __all__ = ["SessionFunc", "register_session_func", "get_session_func", "list_session_funcs",
            "unregister_session_func"]
@@ -31,8 +31,9 @@ class SessionFunc:
     module: str = ""
 
 
-_lock = threading.RLock()
-_table: dict[str, SessionFunc] = {}
+#: the table: a function registered again (a re-imported module) is the same one
+_table: Table[SessionFunc] = Table("session function", UnknownSessionFunctionError,
+                                   same=lambda old, new: old.func is new.func)
 
 
 def register_session_func(name: str, func: Callable[..., Any] | None = None, *,
@@ -54,15 +55,8 @@ def register_session_func(name: str, func: Callable[..., Any] | None = None, *,
     def register(f: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(f):
             raise TypeError(f"session function {name!r} must be callable, got {f!r}")
-        entry = SessionFunc(name, f, getattr(f, "__module__", "") or "")
-        with _lock:
-            old = _table.get(name)
-            # registering the same function again, as a re-imported module does, is harmless
-            if old is not None and not override and old.func is not f:
-                raise ValueError(f"session function {name!r} is already registered (by "
-                                 f"{old.module or 'unknown module'}); pass override=True to "
-                                 "replace it")
-            _table[name] = entry
+        # registering the same function again, as a re-imported module does, is harmless
+        _table.add(SessionFunc(name, f, getattr(f, "__module__", "") or ""), override)
         return f
 
     return register if func is None else register(func)
@@ -71,21 +65,15 @@ def register_session_func(name: str, func: Callable[..., Any] | None = None, *,
 def get_session_func(name: str) -> SessionFunc:
     """The registered ``SessionFunc``; ``UnknownSessionFunctionError`` (a ``KeyError``) with
     close-match suggestions if there is none."""
-    with _lock:
-        entry = _table.get(name)
-        if entry is None:
-            raise UnknownSessionFunctionError(name, list(_table))
-        return entry
+    return _table.get(name)
 
 
 def list_session_funcs() -> list[SessionFunc]:
     """Every registered session function, sorted by name."""
-    with _lock:
-        return [_table[k] for k in sorted(_table)]
+    return _table.entries()
 
 
 def unregister_session_func(name: str) -> None:
     """Remove ``name`` (tests and interactive sessions); nothing happens if it is unknown."""
-    with _lock:
-        _table.pop(name, None)
+    _table.remove(name)
 

@@ -168,10 +168,6 @@ class ProcessSession(Session):
 
     # ---- 2. requests -----------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this session is closed")
-
     def _gather(self, workers: Iterable[int], context: str, *, timeout: Optional[float] = None,
                 on_progress=None, watchdog: Optional[float] = _DEFAULT
                 ) -> dict[int, tuple[dict, Optional[torch.Tensor]]]:

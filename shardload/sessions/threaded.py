@@ -137,8 +137,7 @@ class ThreadedSession(Session):
         A worker silent for ``timeout`` seconds (default: the session's), or Ctrl-C, ends the
         wait at once: the session is closed and busy threads are left to stop on their own.
         """
-        if self._closed:
-            raise RuntimeError("this session is closed")
+        self._check_open()
         workers = self._workers(workers)
         timeout = self.timeout if timeout is _DEFAULT else check_timeout(timeout)
         results: "queue.SimpleQueue[tuple[int, bool, Any]]" = queue.SimpleQueue()
@@ -235,10 +234,6 @@ class ThreadedSession(Session):
                 "(a thread cannot be stopped) and the session closed",
                 f"Stack of worker {i}'s thread:\n{stack}"))
         return WorkerError(failures, context)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this session is closed")
 
     def set_value(self, worker: int, name: str, value: Any) -> None:
         self._check_open()

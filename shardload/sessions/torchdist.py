@@ -217,10 +217,6 @@ class TorchDistributedSession(Session):
             raise ShardloadError(f"rank {self.rank} holds only its own values")
         return self._ctx.values[name]
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this session is closed")
-
     def close(self) -> None:
         """Destroy the process group if this session created it. Idempotent."""
         if self._closed:

@@ -1,0 +1,253 @@
+"""The session functions of a load: ``shardload.load_pieces`` carries out one worker's read plan,
+``shardload.fetch_piece`` hands a kept piece to the loader, ``shardload.release_loads`` forgets
+the pieces of results that were dropped.
+
+For each piece of the read plan, in storage order, the worker reads it by its byte runs (zeros
+where the piece is padding; its fixup applied), or computes it (the whole stored tensor through
+its chain, ``chains``; shared by the workers of this process, ``sharing``), then places it on
+its device, owning its memory, and reports progress. With ``staging`` the reads go through the
+worker's ``Pipeline`` (``staging.py``) straight into device memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import annotate
+from ..readers.base import Checkpoint, copy_progress
+from ..readplan import PieceRead, ReadPlan
+from ..registry import get_shard_func, load_plugins
+from ..sessions import Stopped, WorkerContext, register_session_func
+from ..staging import Pipeline, Staging
+from .chains import run_steps
+from .reads import PageReleases, Readahead, count_read, piece_spans, read_runs, source_views
+from .sharing import SharedOutputs, local_for
+
+__all__ = ["LOAD_PIECES", "FETCH_PIECE", "RELEASE_LOADS", "read_piece", "load_pieces",
+           "fetch_piece", "release_loads"]
+
+LOAD_PIECES = "shardload.load_pieces"
+FETCH_PIECE = "shardload.fetch_piece"
+RELEASE_LOADS = "shardload.release_loads"
+
+
+def _place(tensor: torch.Tensor, device: torch.device, owned: bool) -> torch.Tensor:
+    """``tensor`` on ``device``, owning its memory; no copy when it already does."""
+    if tensor.device == device and owned and tensor.is_contiguous():
+        return tensor
+    if tensor.device == device:
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor.to(device, copy=True).contiguous()
+
+
+def _fixup(piece: PieceRead, num_shards: int, rank: int
+           ) -> Optional[Callable[[torch.Tensor], None]]:
+    """The piece's fixup as ``fix(tensor)``, or None."""
+    if piece.fixup is None:
+        return None
+    fixup = piece.fixup
+    fix = get_shard_func(fixup.func).fixup
+
+    def apply(tensor: torch.Tensor) -> None:
+        try:
+            fix(tensor, *fixup.extra, num_shards=num_shards, index=rank)
+        except Exception as exc:
+            annotate(exc, f"parameter {piece.name!r}, fixup of {fixup.func}")
+            raise
+
+    return apply
+
+
+def read_piece(source: Checkpoint, piece: PieceRead, num_shards: int, rank: int
+               ) -> torch.Tensor:
+    """Worker ``rank``'s piece, read by its byte runs (a piece without a chain), fixed up, as
+    a new CPU tensor."""
+    tensor = read_runs(source, piece.runs, piece.shape, piece.dtype, piece.zeros, piece.name)
+    fix = _fixup(piece, num_shards, rank)
+    if fix is not None:
+        fix(tensor)
+    return tensor
+
+
+@dataclass
+class _Worker:
+    """What one worker's load works with: where it reads, its device, the pipeline to it (None:
+    the direct path), the chains and replicated tensors it shares with the workers of its
+    process (None: it is alone), and its liveness hook."""
+
+    source: Checkpoint
+    num_shards: int
+    rank: int
+    device: torch.device
+    pipe: Optional[Pipeline]
+    shared: Optional[SharedOutputs]
+    waiting: Callable[[], None]
+    stopped: Callable[[], bool]
+
+    def fill(self, runs, shape, dtype: str, zeros: bool, name: str,
+             fixup: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+        """A new tensor on the device (staged) or on the host (direct), filled by ``runs``."""
+        if self.pipe is None:
+            tensor = read_runs(self.source, runs, shape, dtype, zeros, name)
+            if fixup is not None:
+                fixup(tensor)
+            return tensor
+        tensor = self.pipe.piece(source_views(self.source, runs), runs, shape, dtype, zeros,
+                                 name, fixup)
+        count_read(self.source, runs)
+        return tensor
+
+    def share(self, name: str, make: Callable[[], torch.Tensor]
+              ) -> tuple[torch.Tensor, bool]:
+        """``make()``'s tensor, made once by the first worker of this process to ask and
+        shared with the others; whether this worker made it."""
+        if self.shared is None:
+            return make(), True
+        try:
+            return self.shared.take(name, make, self.waiting)
+        except Stopped:
+            # the worker making it failed and reports it: this one stops once the session has
+            # heard of that failure, so its own stop is never taken for the first failure
+            deadline = time.monotonic() + 5
+            while not self.stopped() and time.monotonic() < deadline:
+                time.sleep(0.002)
+            raise
+        finally:
+            self.shared.release(name)
+
+
+def _piece(w: _Worker, piece: PieceRead) -> tuple[torch.Tensor, int]:
+    """The worker's piece on its device and the checkpoint bytes it read for it.
+
+    Direct: read into host memory, then placed on the device. Staged: read through the
+    pipeline straight into device memory; a replicated tensor is staged once per process and
+    copied device-to-device to the other workers; a chain's input is staged once per process
+    and its steps run on that worker's device.
+    """
+    chain = piece.chain
+    if chain is None and not (piece.shared and w.pipe is not None and w.shared is not None):
+        tensor = w.fill(piece.runs, piece.shape, piece.dtype, piece.zeros, piece.name,
+                        _fixup(piece, w.num_shards, w.rank))
+        return _place(tensor, w.device, owned=True), piece.bytes_read
+
+    if chain is None:  # staged, replicated, shared by several workers of this process
+        def stage() -> torch.Tensor:
+            tensor = w.fill(piece.runs, piece.shape, piece.dtype, False, piece.name)
+            # the others copy from it next, from their own threads onto their own devices:
+            # it must have landed, not merely be ordered on this worker's streams
+            w.pipe.finish()
+            return tensor
+
+        whole, made = w.share(piece.name, stage)
+        return (whole if made else _place(whole, w.device, owned=False)), \
+            piece.bytes_read if made else 0
+
+    def compute() -> torch.Tensor:
+        x = w.fill(piece.runs, chain.shape, chain.dtype, False, piece.name)
+        if w.pipe is not None:
+            w.pipe.fence()  # the steps run on the device, after the input's copies
+        elif w.device.type != "cpu":
+            x = x.to(w.device)
+        out = run_steps(chain.runnable(), x, piece.name)
+        if w.pipe is not None and w.shared is not None:
+            w.pipe.finish()  # as for a shared replicated tensor: landed before it is shared
+        return out
+
+    full, computed = w.share(piece.name, compute)
+    return _place(full[chain.index], w.device, owned=False), \
+        piece.bytes_read if computed else 0
+
+
+@register_session_func(LOAD_PIECES)
+def load_pieces(ctx: WorkerContext, request: dict) -> dict:
+    """Carry out ``request["plan"]`` (a ``ReadPlan`` as JSON) on this worker.
+
+    ``request["load"]`` names the load; ``request["modules"]`` lists plugin modules that define
+    shard functions the plan computes with; ``request["staging"]`` (a ``Staging`` as JSON, or
+    absent) sends the pieces through the staged pipeline. The pieces become ``ctx.shards`` (the
+    worker's model); a worker outside the loader's process keeps them for ``fetch_piece`` until
+    ``release_loads``. Returns statistics.
+    """
+    start = time.perf_counter()
+    plan = ReadPlan.from_json(request["plan"])
+    load_plugins(request.get("modules", ()))
+    local = local_for(request["load"])
+    source = local.ckpt if local is not None else None
+    staging = request.get("staging")
+    kept: dict[str, torch.Tensor] = {}
+    read = 0
+
+    def stopped() -> bool:
+        return ctx.should_stop() or (local is not None and local.stopped.is_set())
+
+    with contextlib.ExitStack() as stack:
+        if source is None:
+            from ..readers.mapped import open_sources
+
+            source = open_sources(list(plan.sources))
+            stack.callback(source.close)
+        if local is not None:
+            releases, readahead = local.releases, local.readahead
+        else:
+            releases = PageReleases(source, num_shards=plan.num_shards)
+            readahead = Readahead(source, piece_spans(plan))
+            stack.callback(readahead.start().close)
+        current = [None]
+        waiting = lambda: ctx.progress(where=current[0])  # noqa: E731
+        pipe = None
+        if staging is not None:
+            pipe = stack.enter_context(Pipeline(ctx.device, Staging.from_json(staging),
+                                                stopped, waiting))
+        shared = local.shared if local is not None and local.num_local > 1 else None
+        worker = _Worker(source, plan.num_shards, plan.rank, ctx.device, pipe, shared, waiting,
+                         stopped)
+        for piece in plan.pieces:
+            if stopped():
+                raise Stopped()
+            current[0] = piece.name
+            readahead.reached(piece.name)
+            ctx.progress(where=piece.name)
+            # a large tensor's copy reports progress too, so a slow read is not taken for a hang
+            with copy_progress(waiting):
+                tensor, nread = _piece(worker, piece)
+            kept[piece.name] = tensor
+            read += nread
+            if local is not None:
+                local.finished(piece)
+            else:
+                releases.add_runs(piece.runs)
+            ctx.progress(nbytes=piece.nbytes)
+        if pipe is not None:
+            pipe.finish()  # every copy landed before the load is reported done
+        if local is None:
+            releases.flush()
+    ctx.shards = kept  # the latest load is the worker's model, for session functions
+    if local is not None:
+        local.shards[plan.rank] = kept  # the loader returns them itself
+    else:  # kept here until the loader says its result was dropped (release_loads)
+        ctx.values.setdefault(LOAD_PIECES, {})[request["load"]] = kept
+    reply = {"bytes": sum(t.numel() * t.element_size() for t in kept.values()),
+             "tensors": len(kept), "bytes_read": read, "seconds": time.perf_counter() - start}
+    if pipe is not None:
+        reply["staging"] = pipe.stats.as_dict()
+    return reply
+
+
+@register_session_func(FETCH_PIECE)
+def fetch_piece(ctx: WorkerContext, load: str, name: str) -> torch.Tensor:
+    """This worker's piece ``name`` of load ``load``."""
+    return ctx.values[LOAD_PIECES][load][name]
+
+
+@register_session_func(RELEASE_LOADS)
+def release_loads(ctx: WorkerContext, loads: list) -> None:
+    """Forget the pieces of ``loads`` (their results were dropped); ``ctx.shards``, the latest
+    load, stays the worker's model."""
+    table = ctx.values.get(LOAD_PIECES, {})
+    for load in loads:
+        table.pop(load, None)

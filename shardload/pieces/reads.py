@@ -1,0 +1,219 @@
+"""Reading byte runs out of the mapped sources, and the page policy around it.
+
+``read_runs`` copies a piece's byte runs (``readplan.Run``) out of the source into a new tensor,
+checking each against the bounds of both; ``source_views`` gives the sources they copy from.
+Mapped pages go back to the kernel in batches once every local worker is done with them
+(``PageReleases``), and are asked for a little ahead of the copies (``Readahead``). The sizes
+those use are read here when each is made (``RELEASE_BATCH_BYTES``, ``READAHEAD_WINDOW``,
+``READAHEAD_BYTES``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from .. import dtypes
+from ..readers.base import Checkpoint
+from ..readplan import ReadPlan, Run, check_run
+
+__all__ = ["RELEASE_BATCH_BYTES", "READAHEAD_WINDOW", "READAHEAD_BYTES", "read_runs",
+           "source_views", "count_read", "PageReleases", "Readahead", "tensor_spans",
+           "piece_spans"]
+
+#: mapped pages go back to the kernel once this many bytes of them are done with (PageReleases)
+RELEASE_BATCH_BYTES = 256 << 20
+#: the read-ahead asks for the file in windows of this size, this far ahead of the copies
+READAHEAD_WINDOW = 32 << 20
+READAHEAD_BYTES = 256 << 20
+
+
+def _copy_run(dst: torch.Tensor, src: torch.Tensor, run: Run) -> None:
+    """One strided copy, in pieces that report progress when a hook is set (``copy_progress``)."""
+    from ..readers.mapped import copy_blocks
+
+    # as_strided counts offsets from the start of the storage, not of the view
+    s = src.as_strided((run.count, run.nbytes, 1), (run.stride or run.nbytes, 1, 1),
+                       src.storage_offset() + run.offset)
+    d = dst.as_strided((run.count, run.nbytes, 1), (run.dst_stride or run.nbytes, 1, 1),
+                       dst.storage_offset() + run.dst_offset)
+    copy_blocks(d, s)
+
+
+def read_runs(source: Checkpoint, runs, shape, dtype: str, zeros: bool, name: str
+              ) -> torch.Tensor:
+    """A new CPU tensor of ``shape``/``dtype`` filled by ``runs`` from ``source``'s bytes."""
+    torch_dtype = dtypes.to_torch(dtype)
+    out = (torch.zeros if zeros else torch.empty)(tuple(shape), dtype=torch_dtype)
+    if not runs:
+        return out
+    flat = out.view(-1).view(torch.uint8) if out.dim() else out.reshape(1).view(torch.uint8)
+    views = source_views(source, runs)
+    for run in runs:
+        src = views[run.source]
+        check_run(run, src.numel(), flat.numel(), name)
+        _copy_run(flat, src, run)
+    count_read(source, runs)
+    return out
+
+
+def source_views(source: Checkpoint, runs) -> dict[int, torch.Tensor]:
+    """The byte sources ``runs`` copy from, each as a 1-D uint8 view (each checked, once, to
+    be unchanged since it was opened)."""
+    views: dict[int, torch.Tensor] = {}
+    for run in runs:
+        if run.source not in views:
+            views[run.source] = source.source_bytes(run.source)
+    return views
+
+
+def count_read(source: Checkpoint, runs) -> None:
+    """Tell ``source`` the bytes ``runs`` read, where it counts them (``count_read``)."""
+    count = getattr(source, "count_read", None)
+    if count is not None:
+        count(sum(run.total for run in runs))
+
+
+class PageReleases:
+    """Mapped pages this process is done with go back in batches.
+
+    Without releases every page a load touched stays charged to the process until the files
+    are closed (the whole checkpoint, per process). Releasing after every tensor costs a
+    ``madvise`` per tensor, each a TLB shoot-down across every thread of the process, measured
+    at 5 to 10% of a load from the page cache. So spans are gathered and given back once
+    ``batch_bytes`` of them are pending, merged where they touch (tensors lie in storage
+    order): about one call per ``batch_bytes`` of checkpoint, and at most that much more held.
+    A process hosting ``workers`` of ``num_shards`` workers takes that share of
+    ``RELEASE_BATCH_BYTES``, so the whole load holds at most that much more, however many
+    processes it spans.
+    """
+
+    def __init__(self, source: Checkpoint, batch_bytes: Optional[int] = None, *,
+                 workers: int = 1, num_shards: int = 1):
+        self._source = source
+        self._batch = (RELEASE_BATCH_BYTES * workers // max(1, num_shards)
+                       if batch_bytes is None else batch_bytes)
+        self._spans: list[tuple[int, int, int]] = []
+        self._pending = 0
+        self._lock = threading.Lock()
+        self.calls = 0  # release calls made (for tests and statistics)
+
+    def add(self, index: int, begin: int, end: int) -> None:
+        """Bytes ``[begin, end)`` of source ``index`` are no longer needed here."""
+        if end <= begin:
+            return
+        with self._lock:
+            self._spans.append((index, begin, end))
+            self._pending += end - begin
+            if self._pending < self._batch:
+                return
+            spans, self._spans, self._pending = self._spans, [], 0
+        self._release(spans)
+
+    def add_runs(self, runs) -> None:
+        """Every byte span ``runs`` copied from (first to last byte of each run)."""
+        for run in runs:
+            self.add(run.source, run.offset,
+                     run.offset + (run.count - 1) * run.stride + run.nbytes)
+
+    def flush(self) -> None:
+        with self._lock:
+            spans, self._spans, self._pending = self._spans, [], 0
+        self._release(spans)
+
+    def _release(self, spans: list[tuple[int, int, int]]) -> None:
+        merged: list[list[int]] = []
+        for index, begin, end in sorted(spans):
+            if merged and merged[-1][0] == index and begin <= merged[-1][2]:
+                merged[-1][2] = max(merged[-1][2], end)
+            else:
+                merged.append([index, begin, end])
+        for index, begin, end in merged:
+            self._source.release_bytes(index, begin, end)
+        self.calls += len(merged)
+
+
+class Readahead:
+    """The file ranges a load is about to copy, asked for a little ahead of the copies.
+
+    From a cold page cache a copy out of a mapping faults its pages in a few at a time, each
+    fault a small read; the kernel reads a file far faster in large sequential requests. So a
+    thread of the process walks the tensors it will read, in storage order, and asks for each
+    window of ``READAHEAD_WINDOW`` bytes (``Checkpoint.prefetch_bytes``: ``MADV_WILLNEED``) once
+    the furthest worker is within ``READAHEAD_BYTES`` of it: the reads stay ahead of the
+    copies, and at most that much more of the file is brought in than the copies need. Pages
+    already cached cost a look-up.
+    """
+
+    def __init__(self, source: Checkpoint, spans: list[tuple[str, int, int, int]]):
+        self._source = source
+        self._position: dict[str, int] = {}   # tensor -> where it starts, in bytes of spans
+        self._windows: list[tuple[int, int, int, int]] = []  # (position, source, begin, end)
+        at = 0
+        for name, index, begin, end in spans:
+            self._position.setdefault(name, at)
+            for start in range(begin, end, READAHEAD_WINDOW):
+                stop = min(end, start + READAHEAD_WINDOW)
+                last = self._windows[-1] if self._windows else None
+                if last and last[1] == index and last[3] == start and \
+                        stop - last[2] <= READAHEAD_WINDOW:
+                    self._windows[-1] = (last[0], index, last[2], stop)
+                else:
+                    self._windows.append((at + start - begin, index, start, stop))
+            at += end - begin
+        self._reached = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "Readahead":
+        if self._windows and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="shardload-readahead",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def reached(self, name: str) -> None:
+        """A worker of this process is about to copy tensor ``name``."""
+        at = self._position.get(name)
+        if at is None:
+            return
+        with self._cond:
+            if at > self._reached:
+                self._reached = at
+                self._cond.notify()
+
+    def _loop(self) -> None:
+        for at, index, begin, end in self._windows:
+            with self._cond:
+                while not self._closed and at > self._reached + READAHEAD_BYTES:
+                    self._cond.wait(0.5)
+                if self._closed:
+                    return
+            self._source.prefetch_bytes(index, begin, end)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(5)  # one request in flight at most
+
+
+def tensor_spans(ckpt: Checkpoint) -> list[tuple[str, int, int, int]]:
+    """Every tensor's bytes, in storage order: what the workers of one process read."""
+    return [(name, *ckpt.locate(name)) for name in ckpt.metadata()]
+
+
+def piece_spans(plan: ReadPlan) -> list[tuple[str, int, int, int]]:
+    """The extent of each piece's runs in its source: what one worker process reads."""
+    spans = []
+    for piece in plan.pieces:
+        if piece.runs:
+            run = piece.runs[0]
+            begin = min(r.offset for r in piece.runs)
+            end = max(r.offset + (r.count - 1) * r.stride + r.nbytes for r in piece.runs)
+            spans.append((piece.name, run.source, begin, end))
+    return spans

@@ -1,0 +1,167 @@
+"""What the workers of one process share: computed chains, and the load the loader runs here.
+
+Workers that share this process (threads, or the loader's own rank) compute each chain once
+(``SharedOutputs``) and read from the checkpoint the loader opened (``LocalLoad``), leaving their
+pieces there for the loader to return. A worker finds its ``LocalLoad`` by the token the loader
+sent in its request (``local_for``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from ..readers.base import Checkpoint
+from ..readplan import PieceRead
+from ..sessions import Stopped
+from .reads import PageReleases, Readahead, tensor_spans
+
+__all__ = ["MAX_SHARED", "SharedOutputs", "LocalLoad", "local_load", "local_for"]
+
+#: chains whose full output may be alive at once in one process (the staging bound)
+MAX_SHARED = 2
+
+
+@dataclass
+class _Cell:
+    value: Optional[torch.Tensor] = None
+    failed: bool = False
+    ready: bool = False
+    taken: int = 0
+
+
+class SharedOutputs:
+    """Full outputs of chains, computed once and shared by the workers of a process.
+
+    The first worker to reach a parameter computes it; the others wait for it. A cell is dropped
+    when all its workers have taken their piece, and a new one is opened only while fewer than
+    ``MAX_SHARED`` are alive. No deadlock: a worker holds no cell while it waits for a slot, and
+    only the worker furthest ahead ever opens one, so the workers behind it, who free the
+    slots, never wait on it.
+    """
+
+    def __init__(self, num_workers: int, stop: Callable[[], bool]):
+        self._n = num_workers
+        self._stop = stop
+        self._cond = threading.Condition()
+        self._cells: dict[str, _Cell] = {}
+
+    def take(self, name: str, compute: Callable[[], torch.Tensor],
+             waiting: Callable[[], None]) -> tuple[torch.Tensor, bool]:
+        """The full output for ``name`` and whether this call computed it. ``waiting()`` is
+        called while this worker waits on another (a worker waiting on a stuck one is alive)."""
+        with self._cond:
+            while True:
+                self._check_stop()
+                cell = self._cells.get(name)
+                if cell is not None or len(self._cells) < MAX_SHARED:
+                    break
+                waiting()
+                self._cond.wait(0.1)
+            owner = cell is None
+            if owner:
+                cell = self._cells[name] = _Cell()
+        if owner:
+            try:
+                cell.value = compute()
+            except BaseException:
+                cell.failed = True
+                raise
+            finally:
+                with self._cond:
+                    cell.ready = True
+                    self._cond.notify_all()
+            return cell.value, True
+        with self._cond:
+            while not cell.ready:
+                self._check_stop()
+                waiting()
+                self._cond.wait(0.1)
+        if cell.failed:
+            raise Stopped()  # the owner reports the failure; this worker stops quietly
+        return cell.value, False
+
+    def release(self, name: str) -> None:
+        with self._cond:
+            cell = self._cells.get(name)
+            if cell is None:
+                return
+            cell.taken += 1
+            if cell.taken == self._n:
+                del self._cells[name]
+                self._cond.notify_all()
+
+    def _check_stop(self) -> None:
+        if self._stop():
+            raise Stopped()
+
+
+# ---- loads the loader runs in its own process ----------------------------------------------------
+
+@dataclass
+class LocalLoad:
+    """A load whose workers (some or all) run in the loader's process: they read from the
+    checkpoint the loader opened, share computed chains, and leave their pieces here for the
+    loader to return."""
+
+    ckpt: Checkpoint
+    num_local: int
+    num_shards: int
+    shards: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    stopped: threading.Event = field(default_factory=threading.Event)
+    _done: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.shared = SharedOutputs(self.num_local, self.stopped.is_set)
+        self.releases = PageReleases(self.ckpt, workers=self.num_local,
+                                     num_shards=self.num_shards)
+        self.readahead = Readahead(self.ckpt, tensor_spans(self.ckpt))
+
+    def finished(self, piece: PieceRead) -> None:
+        """The mapped pages of a tensor go back (in a batch) once every local worker has its
+        piece."""
+        with self._lock:
+            self._done[piece.name] = count = self._done.get(piece.name, 0) + 1
+        if count == self.num_local:  # the whole tensor: each worker touched its own part of it
+            self.releases.add(*self.ckpt.locate(piece.name))
+
+
+#: the loads under way in this process, by token. Module-global because the worker's side has
+#: nothing else to find its load through: the loader registers the load here (``local_load``)
+#: and sends each worker only JSON (the request carries the token, a string), through the
+#: session, which knows nothing of loads; a worker thread (or this torchrun rank) then looks the
+#: token up here (``local_for``) to share the loader's open checkpoint, chains and pieces. A
+#: worker process has a table of its own, empty: it finds no entry and opens the files its read
+#: plan names instead. An entry lives for one load; each load has its own token.
+_local: dict[str, LocalLoad] = {}
+_counter = itertools.count()
+
+
+@contextlib.contextmanager
+def local_load(ckpt: Checkpoint, num_local: int, num_shards: int):
+    """Register a load of ``num_local`` of the ``num_shards`` workers in this process for its
+    duration; yields ``(token, LocalLoad)``."""
+    token = f"{os.getpid()}-{next(_counter)}"
+    load = _local[token] = LocalLoad(ckpt, num_local, num_shards)
+    load.readahead.start()
+    try:
+        yield token, load
+    except BaseException:
+        load.stopped.set()  # Ctrl-C or a failure: threads still running stop at their next piece
+        raise
+    finally:
+        _local.pop(token, None)
+        load.readahead.close()
+        load.releases.flush()
+
+
+def local_for(token: str) -> Optional[LocalLoad]:
+    """The load ``token`` names if it runs in this process (``local_load``), else None."""
+    return _local.get(token)

@@ -1,0 +1,210 @@
+"""3. Validate: a ``Plan`` checked against a checkpoint is a ``ValidatedPlan``, what the loader
+runs.
+
+``Plan.validate(metadata)`` checks the plan against the checkpoint's names, shapes and dtypes,
+before any tensor data is read: every parameter it names exists, each step's function is
+registered and takes its args, each step's declared output agrees with the function's shape
+rule, the last output has N on axis 0, and no intermediate is absurdly larger than the stored
+tensor (``MAX_GROWTH``). Each function is looked up once, and a step shared by many parameters
+is checked once for each input it meets.
+
+>>> from shardload.plan import ShardInfo
+>>> from shardload.readers.base import TensorMeta
+>>> meta = {"w": TensorMeta("w", (8, 4), "float16"), "b": TensorMeta("b", (4,), "float16")}
+>>> plan = ShardInfo.from_dict({"w": [["shardload.split", [[2, 4, 4], "float16"], 0]]}).bind(2)
+>>> checked = plan.validate(meta)
+>>> checked.params["w"].piece_shape, checked.params["b"].replicated
+((4, 4), True)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+
+from .. import dtypes, strict_json
+from ..errors import PlanError, UnknownShardFunctionError, quote
+from ..readers.base import TensorMeta
+from . import limits
+from .messages import brief, close_match, cut, known_names
+from .steps import Step
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .bound import Plan
+
+__all__ = ["ParamPlan", "ValidatedPlan", "validate"]
+
+
+def validate(plan: "Plan", metadata: Mapping[str, TensorMeta]) -> "ValidatedPlan":
+    """``plan`` checked against a checkpoint's metadata (``Plan.validate``); no tensor data is
+    read."""
+    placed = plan.placement.params if plan.placement is not None else {}
+    missing = [name for name in plan.params if name not in metadata]
+    missing += [name for name in placed if name not in metadata]
+    if missing:
+        first = missing[0]
+        hint = close_match(first, metadata)
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise PlanError(f"the checkpoint has no tensor named {quote(first)}{hint}{more}; the "
+                        "plan does not match this checkpoint", source=plan.source, param=first)
+    with strict_json.gc_paused():
+        return ValidatedPlan(plan, MappingProxyType(_validate(plan, metadata)))
+
+
+def _validate(plan: "Plan", metadata: Mapping[str, TensorMeta]) -> dict[str, "ParamPlan"]:
+    from ..registry import get_shard_func
+
+    n = plan.num_shards
+    placed = plan.placement.params if plan.placement is not None else {}
+    found: dict[str, Any] = {}  # one registry lookup per function name
+    # a step shared by many parameters (every layer's), met with the same input again,
+    # passes again: checked once
+    passed: set[tuple] = set()
+    out = {}
+    for name, meta in metadata.items():
+        steps = plan.params.get(name, ())
+        if not steps:
+            out[name] = ParamPlan(meta, (), (), placed.get(name))
+            continue
+        if len(steps) > limits.MAX_STEPS:
+            raise PlanError(f"{len(steps)} steps, more than the {limits.MAX_STEPS} a parameter "
+                            "may have", source=plan.source, param=name)
+        funcs = []
+        shape, dtype, stored = meta.shape, meta.dtype, meta.nbytes
+        # every intermediate, not only each step against its own input: chains stay bounded
+        limit = limits.MAX_GROWTH * n * stored + limits.GROWTH_SLACK_BYTES
+        for step in steps:
+            func = found.get(step.func)
+            key = (id(step), shape, dtype, stored)
+            if func is None or key not in passed:
+                func = _check_step(plan, name, step, shape, dtype, stored, limit, found,
+                                   get_shard_func)
+                passed.add(key)
+            funcs.append(func)
+            shape, dtype = step.out_shape, step.dtype
+        if not shape or shape[0] != n:
+            got = shape[0] if shape else "a 0-d output"
+            raise PlanError(f"the last step's output must have num_shards={n} on axis 0, "
+                            f"got {got} (shape {brief(shape)})",
+                            source=plan.source, param=name, step=steps[-1].index)
+        out[name] = ParamPlan(meta, steps, tuple(funcs))
+    return out
+
+
+def _check_step(plan: "Plan", name: str, step: Step, shape: tuple, dtype: str, stored: int,
+                limit: int, found: dict, get_shard_func) -> Any:
+    """One step against its input: the function exists, takes the args, and its shape rule
+    agrees with the declared output, which stays within the growth limit."""
+    n = plan.num_shards
+    where = dict(source=plan.source, param=name, step=step.index)
+    func = found.get(step.func)
+    if func is None:
+        try:
+            func = found[step.func] = get_shard_func(step.func)
+        except UnknownShardFunctionError:
+            raise UnknownShardFunctionError(step.func, known_names(), **where) from None
+    if not func.accepts(len(step.extra)):
+        raise PlanError(f"{quote(step.func)} takes {func.arity_text()} extra arg(s), the "
+                        f"step gives {len(step.extra)}: {brief(step.extra)}", **where)
+    _check_array_dtypes(func, dtype, step.dtype, where)
+    if func.shape_rule is not None:
+        rule_shape, rule_dtype = _apply_rule(func, shape, dtype, step, n, where)
+        if rule_shape != step.out_shape or rule_dtype != step.dtype:
+            raise PlanError(
+                f"declared output {brief(step.out_shape)} {step.dtype} disagrees with "
+                f"{quote(step.func)}, which makes {brief(rule_shape)} {rule_dtype} from "
+                f"input {brief(shape)} {dtype} with num_shards={n}", **where)
+    if step.nbytes > limit:
+        raise PlanError(
+            f"declared output {brief(step.out_shape)} {step.dtype} is {step.nbytes} bytes "
+            f"from a {stored}-byte stored tensor, more than {limits.MAX_GROWTH} x num_shards "
+            f"times larger (+ {limits.GROWTH_SLACK_BYTES} bytes); refusing to allocate it",
+            **where)
+    return func
+
+
+def _apply_rule(func, shape: tuple, dtype: str, step: "Step", n: int,
+                where: dict) -> tuple[tuple[int, ...], str]:
+    """``func``'s shape rule applied to the step; its refusal as a ``PlanError``."""
+    try:
+        rule_shape, rule_dtype = func.shape_rule(shape, dtype, *step.extra, num_shards=n)
+        return tuple(rule_shape), dtypes.canonical(rule_dtype)
+    except (ValueError, TypeError, ArithmeticError, LookupError) as exc:
+        raise PlanError(f"{quote(step.func)} cannot apply to input {brief(shape)} {dtype} with "
+                        f"args {brief(step.extra)}: {cut(str(exc))}", **where) from None
+
+
+_NOT_NUMPY = {"bfloat16", "float8_e4m3fn", "float8_e5m2"}
+
+
+def _check_array_dtypes(func, in_dtype: str, out_dtype: str, where: dict) -> None:
+    if func.array == "numpy" and (in_dtype in _NOT_NUMPY or out_dtype in _NOT_NUMPY):
+        raise PlanError(f"{func.name} takes numpy arrays, and numpy has no "
+                        f"{in_dtype if in_dtype in _NOT_NUMPY else out_dtype}; register it "
+                        "with array='torch'", **where)
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """What the loader does with one parameter."""
+
+    meta: TensorMeta
+    steps: tuple[Step, ...]
+    funcs: tuple  # ShardFunc per step
+    #: the workers holding it whole (``__placement__``); None: every worker holds its piece
+    workers: Optional[tuple[int, ...]] = None
+
+    @property
+    def name(self) -> str:
+        return self.meta.name
+
+    def held_by(self, worker: int) -> bool:
+        """Whether worker ``worker`` keeps a piece of this parameter."""
+        return self.workers is None or worker in self.workers
+
+    @property
+    def replicated(self) -> bool:
+        return not self.steps
+
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        """The shape each worker keeps."""
+        return self.steps[-1].out_shape[1:] if self.steps else self.meta.shape
+
+    @property
+    def piece_dtype(self) -> str:
+        return self.steps[-1].dtype if self.steps else self.meta.dtype
+
+    @property
+    def piece_nbytes(self) -> int:
+        return math.prod(self.piece_shape) * dtypes.itemsize(self.piece_dtype)
+
+
+@dataclass(frozen=True)
+class ValidatedPlan:
+    """A plan checked against one checkpoint: the loader's input."""
+
+    plan: Plan
+    params: Mapping[str, ParamPlan]
+
+    @property
+    def num_shards(self) -> int:
+        return self.plan.num_shards
+
+    def __iter__(self) -> Iterator[ParamPlan]:
+        return iter(self.params.values())
+
+    def held_by(self, worker: int) -> Iterator[ParamPlan]:
+        """The parameters worker ``worker`` keeps a piece of (all but those placed elsewhere)."""
+        return (p for p in self.params.values() if p.held_by(worker))
+
+    def bytes_per_worker(self, worker: Optional[int] = None) -> int:
+        """The bytes of the pieces one worker keeps: worker ``worker``'s, or (``None``) the
+        most any worker keeps."""
+        if worker is not None:
+            return sum(p.piece_nbytes for p in self.held_by(worker))
+        if self.plan.placement is None:
+            return sum(p.piece_nbytes for p in self)
+        return max(self.bytes_per_worker(w) for w in range(self.num_shards))
