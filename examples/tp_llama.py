@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from shardload import (ProcessSession, Session, ThreadedSession, load_sharded, open_checkpoint,
                        register_session_func)
 from shardload.planners import plan_for
-from shardload.planners.tp_layout import head_layout
+from shardload.tp_layout import head_layout
 
 __all__ = ["TensorParallelLlama", "model_spec", "dequantize", "rope", "rms_norm", "ThreadGroup"]
 

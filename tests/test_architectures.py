@@ -1,4 +1,4 @@
-"""The architectures beyond Llama the planner knows (``planners.model.ARCHITECTURES``): Gemma 2,
+"""The architectures beyond Llama the planner knows (``planners.architectures.ARCHITECTURES``): Gemma 2,
 Gemma 3 (text, and multimodal with its language model under ``text_config``), Phi-3 / Phi-4,
 OLMo-2 and Granite, each as transformers saves it.
 
@@ -26,8 +26,10 @@ from helpers.tp_reference import layer_piece, padded_heads, padded_units, rows_o
 from shardload import FormatError, PlanError, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_for
-from shardload.planners.llama import COLUMN, HF_ROLES, ROW
-from shardload.planners.model import ARCHITECTURES, spec_from_hf
+from shardload.planners.architectures import ARCHITECTURES
+from shardload.planners.naming import HF
+from shardload.planners.roles import ROLES
+from shardload.planners.spec import spec_from_hf
 
 HEADS, KV_HEADS, HIDDEN, INTER, VOCAB = 4, 2, 64, 128, 96
 SMALL = dict(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
@@ -177,7 +179,7 @@ def test_gemma3_multimodal_with_transformers_4_names(tmp_path):
 
 def test_vision_tower_is_replicated(tmp_path):
     save_model(tmp_path, "gemma3")
-    steps = plan_for(str(tmp_path), 2).to_dict()
+    steps = plan_for(str(tmp_path), 2).steps
     assert steps and all(k.startswith("language_model.model.layers.") for k in steps)
 
 
@@ -229,12 +231,12 @@ def test_roles_agree_with_transformers_tp_plans():
             if ".experts" in pattern:   # transformers 5 fuses experts in memory only: it saves
                 continue                # them per expert (w1/w2/w3, gate/up/down_proj)
             last = pattern.rsplit(".", 1)[-1]
-            role = arch.roles.get(last) or HF_ROLES.get(last) or split_norms.get(last)
+            role = arch.roles.get(last) or HF.base_role(last) or split_norms.get(last)
             if style.startswith("colwise"):
-                assert role in COLUMN or role in ("q", "k") and last in split_norms, (
+                assert ROLES[role].column or role in ("q", "k") and last in split_norms, (
                     model_type, pattern)
             elif style.startswith("rowwise"):
-                assert role in ROW, (model_type, pattern)
+                assert not ROLES[role].column, (model_type, pattern)
             elif style == "embedding_rowwise":      # vocab-parallel, where asked for
                 assert role == "embed", (model_type, pattern)
             else:

@@ -1,4 +1,4 @@
-"""``shardload.codecs``: every format's dequantization against an oracle that shares none of its
+"""``shardload.formats``' dequantization: every format's dequantization against an oracle that shares none of its
 code, on what the producing tool itself writes wherever the tool is installed here.
 
 Oracles: compressed-tensors' own compressors and decompressors (pack-quantized, int-quantized,
@@ -37,8 +37,8 @@ from helpers.gguf_blocks import blocks as gguf_k_blocks
 from helpers.mlc_reference import dequantize_q4f16_1, quantize_q4f16_1
 from helpers.quant_refs import awq as awq_ref
 from helpers.quant_refs import gptq as gptq_ref
-from shardload import codecs
-from shardload.codecs import dequantize_module
+from shardload import formats
+from shardload.formats import dequantize_module
 
 N, K = 64, 256  # a small linear: 64 outputs, 256 inputs (whole groups, words and blocks)
 
@@ -279,7 +279,7 @@ def test_modelopt_nvfp4_matches_modelopt():
 
 def test_an_unquantized_module_passes_through():
     lm_head = torch.randn(96, 64).bfloat16()  # ModelOpt, compressed-tensors keep lm_head float
-    for method in codecs.METHODS:
+    for method in [f.name for f in formats.list_formats()]:
         got = dequantize_module(method, {"weight": lm_head}, dtype=torch.bfloat16)
         assert_equal(got["weight"], lm_head)
 
@@ -508,12 +508,19 @@ def test_refusals():
         dequantize_module("fp8", {"weight": fp8_weight(N, K), "weight_scale": torch.ones(3)})
 
 
-def test_codecs_imports_only_torch_numpy_and_lazily_gguf():
-    tree = ast.parse(Path(codecs.__file__).read_text())
-    top, inner = set(), set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
-            (top if node in tree.body else inner).update(n.split(".")[0] for n in names)
-    assert top == {"__future__", "typing", "numpy", "torch"}
-    assert inner == {"gguf"}
+def test_formats_import_nothing_heavy_until_they_dequantize():
+    # the format table is read by the planners and the CLI's help: torch is imported by the
+    # numeric helpers (packing.py) alone, numpy and gguf-py only inside a dequantization
+    folder = Path(formats.__file__).parent
+    light = {"__future__", "typing", "dataclasses", "re", "threading", ""}
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        top, inner = set(), set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else ["" if node.level else node.module])
+                (top if node in tree.body else inner).update(n.split(".")[0] for n in names)
+        allowed = light | ({"torch"} if path.name == "packing.py" else set())
+        assert top <= allowed, (path.name, top - allowed)
+        assert inner <= {"torch", "numpy", "gguf", ""}, (path.name, inner)

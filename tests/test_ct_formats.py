@@ -27,7 +27,7 @@ from helpers.tp_reference import layer_piece, padded_heads, padded_units
 from shardload import FormatError, PlanError, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_for
-from shardload.planners.layouts import scheme_from_hf
+from shardload.formats import scheme_from_hf
 
 HEADS, KV_HEADS, HIDDEN, INTER = 4, 2, 128, 256
 SMALL = dict(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,

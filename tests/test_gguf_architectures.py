@@ -1,4 +1,4 @@
-"""GGUF checkpoints of the architectures beyond Llama (``planners.model.GGUF_ARCHITECTURES``):
+"""GGUF checkpoints of the architectures beyond Llama (``planners.architectures.GGUF_ARCHITECTURES``):
 gemma2, gemma3, phi3, olmo2 and granite, as llama.cpp names their tensors.
 
 Each test model is written with gguf-py's own ``GGUFWriter``; its tensor names are not written
@@ -31,8 +31,8 @@ from helpers.tp_reference import padded_heads, padded_units, rows_of, take
 from shardload import ThreadedSession, load_sharded, open_checkpoint
 from shardload.cli import cli
 from shardload.planners import plan_for
-from shardload.planners.llama import module_role
-from shardload.planners.model import GGUF_ARCHITECTURES, spec_from_gguf
+from shardload.planners.architectures import GGUF_ARCHITECTURES
+from shardload.planners.spec import spec_from_gguf
 
 HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 4, 2, 32, 256, 64
 UNPADDED = (1, 2, 4)     # 4 workers: each of the 2 KV heads replicated to 2 of them
@@ -246,7 +246,8 @@ def test_every_tensor_gguf_py_lists_has_its_role(arch):
         name = TENSOR_NAMES[kind].format(bid=0)
         want = expected.get(name, OTHER_FORMS.get(name.rpartition(".")[2]))
         assert want is not None, f"{arch}: {name} is new to this test"
-        got = ROLE_SPLITS[module_role(name + ".weight", spec, gguf_names=True)]
+        role = spec.rules.role_of(name + ".weight")
+        got = ROLE_SPLITS[role and role.name]
         assert got == want, f"{arch}: {name} splits as {got}, not {want}"
 
 

@@ -43,8 +43,8 @@ from gguf.quants import dequantize, quantize
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
 from shardload import ThreadedSession, load_sharded
 from shardload.planners import plan_decision
-from shardload.planners.llama import module_role
-from shardload.planners.model import GGUF_ARCHITECTURES, spec_from_gguf
+from shardload.planners.architectures import GGUF_ARCHITECTURES
+from shardload.planners.spec import spec_from_gguf
 
 ARCH = "gpt-oss"
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
@@ -332,5 +332,6 @@ def test_every_tensor_gguf_py_lists_has_its_role():
         last = name.rpartition(".")[2]
         assert last in ROLES, f"{name} is new to this test"
         for suffix in ("weight", "bias"):
-            got = module_role(f"{name}.{suffix}", spec, gguf_names=True)
+            role = spec.rules.role_of(f"{name}.{suffix}")
+            got = role and role.name
             assert got == ROLES[last], f"{name}.{suffix} has role {got}, not {ROLES[last]}"

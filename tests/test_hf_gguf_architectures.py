@@ -74,7 +74,7 @@ from gguf.quants import quantize
 
 from shardload import ThreadedSession
 from shardload.hf import load_tp_model
-from shardload.planners.model import GGUF_ARCHITECTURES
+from shardload.planners.architectures import GGUF_ARCHITECTURES
 
 PROMPT = [[3, 17, 42, 5, 33, 11, 60, 29]]      # token ids < VOCAB
 NEW_TOKENS = 16

@@ -30,7 +30,7 @@ from shardload import FormatError, PlanError, ShardInfo, open_checkpoint
 from shardload.cli import cli
 from shardload.config_fields import Fields
 from shardload.planners import describe_plan, plan_for, valid_num_shards
-from shardload.planners.tp_layout import head_layout, unit_layout
+from shardload.tp_layout import head_layout, unit_layout
 from test_planner import GQA, PLAIN, gptq, write_model
 from test_planner_gguf_mlc import write_mlc_model
 

@@ -26,7 +26,7 @@ from conftest import EXAMPLE
 from shardload import ShardInfo, Staging, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_for
-from shardload.planners.layouts import scheme_from_hf
+from shardload.formats import scheme_from_hf
 from helpers.compressed_tensors_tool import compress_w4a16 as compress_llama_w4a16
 from helpers.compressed_tensors_tool import dequant
 from helpers.tp_reference import rows_of

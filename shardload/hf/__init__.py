@@ -3,7 +3,7 @@
 Behind the optional ``hf`` extra (``pip install "shardload[hf]"``): transformers is imported
 only here (and by the planners' tests). Each worker builds the model class of the checkpoint's
 config with its own sizes and fills it from its shards, dequantized to one dtype by
-``shardload.codecs``; the outputs of row-parallel layers are summed over the workers. Weights
+``shardload.formats``; the outputs of row-parallel layers are summed over the workers. Weights
 are held dense: keeping them packed for quantized kernels is a later step.
 
 >>> from shardload import ThreadedSession                                     # doctest: +SKIP

@@ -5,13 +5,16 @@ and torchrun ranks.
 Building, on each worker (``build``):
 
 1. group the worker's shards by module and dequantize each quantized module to the chosen dtype
-   (``shardload.codecs``): the dense weights of the worker's share, under the checkpoint's names;
+   (``shardload.formats``): the dense weights of the worker's share, under the checkpoint's
+   names;
 2. zero the row-parallel biases on every worker but 0 (they are added once, after the sum);
 3. where the worker's query heads do not use its KV heads in transformers' regular pattern (some
    zero-padded layouts), give each query head its own copy of its KV head;
 4. let transformers load them (``from_pretrained`` of a folder in memory, ``/dev/shm``, holding
-   the dense weights and a config with this worker's sizes: its heads, its MLP rows), so every
-   name conversion and every architecture's forward is transformers' own;
+   the dense weights, with the checkpoint's config given this worker's sizes: its heads, its
+   MLP rows, set on the config object after it is built, as transformers' own checks want
+   the whole model's sizes), so every name conversion and every architecture's forward is
+   transformers' own;
 5. add a forward hook summing the outputs of every decoder layer's attention and MLP over the
    workers (``comm``): the row-parallel reduction.
 """
@@ -37,9 +40,6 @@ FORWARD = "shardload.hf.forward"
 GENERATE = "shardload.hf.generate"
 RELEASE = "shardload.hf.release"
 
-#: suffixes that mark a module as stored quantized (the codecs turn them into dense weights)
-_QUANT_SUFFIXES = {"qweight", "weight_packed", "weight_scale", "weight_scale_inv", "q_weight",
-                   "gate_up_proj_blocks", "down_proj_blocks"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: transformers' loading sets process-wide flags (no_init_weights, no_tie_weights) while it
 #: runs, so two threads loading at once corrupt each other's models (an untied lm_head): the
@@ -71,18 +71,15 @@ def _group(spec: dict, rank: int, size: int):
     return comm.DistGroup()        # torchrun: the job's own group
 
 
-def _is_quantized(parts: dict[str, torch.Tensor]) -> bool:
-    if _QUANT_SUFFIXES.intersection(parts):
-        return True
-    weight = parts.get("weight")
-    return weight is not None and not weight.is_floating_point()
-
-
 def dense_weights(shards: dict[str, torch.Tensor], quant: dict,
                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The worker's shards as dense tensors under the checkpoint's names: quantized modules
-    dequantized (``codecs``), float tensors cast, everything else (scales of replicated layers
-    that are not weights, index tensors) dropped."""
+    dequantized (``shardload.formats``, by the plan's record of the quantization), float tensors
+    cast, everything else (scales of replicated layers that are not weights, index tensors)
+    dropped."""
+    from .. import formats
+
+    scheme = formats.Scheme.from_json(quant)
     modules: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in shards.items():
         module, _, suffix = name.rpartition(".")
@@ -90,12 +87,10 @@ def dense_weights(shards: dict[str, torch.Tensor], quant: dict,
     out: dict[str, torch.Tensor] = {}
     for module, parts in modules.items():
         prefix = f"{module}." if module else ""
-        if quant["method"] != "none" and _is_quantized(parts):
-            from .. import codecs
-
-            dense = codecs.dequantize_module(
-                quant["method"], parts, bits=quant["bits"], group_size=quant["group_size"],
-                gptq_version=quant["gptq_version"], block=tuple(quant["block"]), dtype=dtype)
+        if formats.is_quantized(scheme.method, parts):
+            dense = formats.dequantize_module(
+                scheme.method, parts, bits=scheme.bits, group_size=scheme.group_size,
+                gptq_version=scheme.gptq_version, block=scheme.block, dtype=dtype)
         else:
             dense = {k: t for k, t in parts.items() if t.is_floating_point()}
         for key, tensor in dense.items():
@@ -107,13 +102,13 @@ def _whole_experts(dense: dict[str, torch.Tensor], ep: dict, dtype: torch.dtype)
     """Expert parallelism: transformers' MoE block routes over every expert, so the experts
     other workers hold become zero stand-ins (a zero expert adds nothing; the sum over the
     workers is the whole block). Stacked experts (gpt-oss) are scattered from this worker's
-    slots to their places; DeepSeek's shared experts are zero-padded to their configured
-    width (``ep["pad"]``)."""
+    slots to their places; shared experts sized from the experts' width (DeepSeek) are
+    zero-padded to it (``ep["pad"]``)."""
     for name, shape in ep["missing"].items():
         dense[name] = torch.zeros(shape, dtype=dtype)
-    held = ep["experts_per_worker"]
+    held, stacked = ep["experts_per_worker"], set(ep.get("stacked", ()))
     for name in list(dense):
-        if name.rpartition(".")[0].rpartition(".")[2] != "experts":
+        if name.rpartition(".")[0] not in stacked:
             continue
         piece = dense[name]
         count = next(int(e) for e, ids in held.items() if len(ids) == piece.shape[0])
@@ -122,21 +117,22 @@ def _whole_experts(dense: dict[str, torch.Tensor], ep: dict, dtype: torch.dtype)
             if expert >= 0:
                 whole[expert] = piece[slot]
         dense[name] = whole
-    for suffix, shape in ep["pad"].items():
-        for name in [n for n in dense if n.endswith(suffix)]:
+    for name, shape in ep["pad"].items():
+        if name in dense:
             piece = dense[name]
             whole = piece.new_zeros(shape)
             whole[:piece.shape[0], :piece.shape[1]] = piece
             dense[name] = whole
 
 
-def _expand_kv(dense: dict[str, torch.Tensor], kv_map: list[int], head_dim: int) -> None:
+def _expand_kv(dense: dict[str, torch.Tensor], kv_map: list[int], head_dim: int,
+               kv_modules: list[str]) -> None:
     """Give each local query head its own copy of the KV head it uses (``kv_map[h]``, a local
     KV index), where zero-padding made the pattern irregular for transformers' repeat_kv."""
     rows = torch.cat([torch.arange(k * head_dim, (k + 1) * head_dim) for k in kv_map])
+    kv_modules = set(kv_modules)
     for name in list(dense):
-        module = name.rpartition(".")[0].rpartition(".")[2]
-        if module in ("k_proj", "v_proj"):
+        if name.rpartition(".")[0] in kv_modules:
             dense[name] = dense[name].index_select(0, rows).contiguous()
 
 
@@ -230,8 +226,12 @@ def _load_gguf(ctx, spec: dict, dtype: torch.dtype, folder: str):
         if name in shards:
             shards[name] = torch.zeros_like(shards[name])
     _write_gguf(path, shards, spec["gguf"])
+    original = spec["gguf"]["file"]
     with _LOADING, _quiet(transformers):
-        config = transformers.AutoConfig.from_pretrained(folder, gguf_file="model.gguf")
+        # the whole model's config, which transformers' checks accept, given this worker's
+        # sizes (the worker's own file carries them too, for transformers' tensor processing)
+        config = transformers.AutoConfig.from_pretrained(os.path.dirname(original) or ".",
+                                                         gguf_file=os.path.basename(original))
         for key, value in spec["gguf"]["config"].items():
             if key == "head_dim" or hasattr(config, key):
                 setattr(config, key, value)
@@ -271,7 +271,7 @@ def _load_dense(ctx, spec: dict, dtype: torch.dtype, folder: str):
         if name in dense:
             dense[name].zero_()
     if spec.get("kv_map"):
-        _expand_kv(dense, spec["kv_map"], spec["head_dim"])
+        _expand_kv(dense, spec["kv_map"], spec["head_dim"], spec["kv_projections"])
     from safetensors.torch import save_file
 
     save_file(dense, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
@@ -284,7 +284,23 @@ def _load_dense(ctx, spec: dict, dtype: torch.dtype, folder: str):
         # of 32 at N=3) need not have: transformers' reference loop has no such rule
         extra["experts_implementation"] = "eager"
     with _LOADING, _quiet(transformers):
-        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra)
+        config = transformers.AutoConfig.from_pretrained(folder)
+        _set_sizes(config, spec["sizes"])
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, config=config,
+                                                                 dtype=dtype, **extra)
+
+
+def _set_sizes(config, sizes: dict[str, int]) -> None:
+    """This worker's sizes on transformers' config object, each at its key's path
+    (``text_config.num_attention_heads``). Set after the config is built: transformers checks
+    a config's sizes against each other when it is made (hidden_size a multiple of the heads),
+    which a worker's share of the heads need not be."""
+    for path, value in sizes.items():
+        *parents, key = path.split(".")
+        target = config
+        for parent in parents:
+            target = getattr(target, parent)
+        setattr(target, key, value)
 
 
 @contextlib.contextmanager

@@ -18,21 +18,23 @@ plan it returns for N is validated once, as a safety check.
 from __future__ import annotations
 
 import dataclasses
-
-import os
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
-from ..config_fields import Fields
-from ..errors import SHARD_INFO, PlanError, mention
+from ..errors import PlanError, mention
+from ..formats import Scheme
+from ..geometry import MODEL_KEY
 from ..limits import MAX_NUM_SHARDS
 from ..plan import Placement, ShardInfo, ValidatedPlan
 from ..readers import Checkpoint, as_checkpoint
-from .layouts import Scheme, scheme_from_hf
-from .experts import MODES, ExpertParallel, count_experts
+from .checks import check_shapes, vocab_from_tensors
+from .decoder import plan_decoder
+from .experts import MODES, ExpertParallel
 from .fit import Constraint
-from .llama import Padding, check_shapes, padding_layout, plan_llama, vocab_from_tensors
-from .model import ModelSpec, spec_from_gguf, spec_from_hf, spec_from_mlc
+from .kinds import detect
+from .padding import Padding, padding_layout
+from .record import model_record
+from .spec import ModelSpec
 
 __all__ = ["plan_for", "plan_decision", "describe_plan", "valid_num_shards", "check_num_shards",
            "PlanDecision", "PlanSummary", "ValidNumShards", "MAX_SHARDS_TRIED",
@@ -76,106 +78,6 @@ class PlanSummary:
         return text
 
 
-# ---- which metadata, from which file -----------------------------------------------------------
-
-def _folder(source: str) -> str:
-    return source if os.path.isdir(source) else os.path.dirname(source)
-
-
-class _QuantizationFile:
-    """Which file an HF checkpoint's ``quantization_config`` came from: ``config.json``'s own,
-    or a side file the reader merges in when the config has none (``quantize_config.json``,
-    AutoGPTQ; ``hf_quant_config.json``, ModelOpt). Decided only when a message needs it (it
-    re-reads the small config.json)."""
-
-    def __init__(self, folder: str):
-        from ..readers.safetensors import QUANT_SIDE_FILES
-
-        self.config = os.path.join(folder, "config.json")
-        self.sides = [os.path.join(folder, side) for side in QUANT_SIDE_FILES]
-        self._label: Optional[str] = None
-
-    def __call__(self) -> str:
-        if self._label is None:
-            self._label = self._find()
-        return self._label
-
-    def _find(self) -> str:
-        sides = [side for side in self.sides if os.path.isfile(side)]
-        if not sides:
-            return self.config
-        try:
-            from ..files import MAX_SIDE_FILE_BYTES, read_json
-
-            own = read_json(self.config, MAX_SIDE_FILE_BYTES)
-        except Exception:  # noqa: BLE001 - only a label: say both
-            return (f"{self.config} (or {sides[0]}, merged in as quantization_config)")
-        if isinstance(own, dict) and "quantization_config" in own:
-            return self.config
-        return sides[0]
-
-
-def _kind(ckpt: Checkpoint, config: dict) -> str:
-    """``gguf``, ``mlc`` or ``hf``: by the reader that opened the checkpoint; for other
-    checkpoints (in memory, user subclasses), by the config's own marks."""
-    from ..readers.gguf import GGUFCheckpoint
-    from ..readers.mlc import MLCCheckpoint
-    from ..readers.safetensors import SafetensorsCheckpoint
-
-    if isinstance(ckpt, GGUFCheckpoint):
-        return "gguf"
-    if isinstance(ckpt, MLCCheckpoint):
-        return "mlc"
-    if isinstance(ckpt, SafetensorsCheckpoint):
-        return "hf"
-    if "general.architecture" in config:
-        return "gguf"
-    if "model_config" in config and isinstance(config.get("quantization"), str):
-        return "mlc"
-    return "hf"
-
-
-def _no_config(source: str, what: str) -> PlanError:
-    error = PlanError(f"no plan, and no model config next to the checkpoint ({what}) to write "
-                      f"one from: pass a plan ({SHARD_INFO.python}, or a shard_info.json beside "
-                      "the checkpoint), or add the model's config", source=source)
-    mention(error, SHARD_INFO)
-    return error
-
-
-def _detect(ckpt: Checkpoint) -> tuple[ModelSpec, Scheme, bool]:
-    """The model's geometry, its quantization, and whether tensors have GGUF names."""
-    config = ckpt.config
-    source = ckpt.source
-    kind = _kind(ckpt, config)
-    if kind == "gguf":
-        return spec_from_gguf(Fields(config, file=source)), Scheme("gguf", file=source), True
-    if kind == "mlc":
-        if not set(config) - {"tensor_cache_metadata"}:
-            raise _no_config(source, "mlc-chat-config.json")
-        label = (os.path.join(source, "mlc-chat-config.json") if os.path.isdir(source)
-                 else source)
-        cfg = Fields(config, file=label)
-        quant = cfg.str("quantization")
-        if quant not in ("q4f16_1", "q0f16", "q0f32"):
-            raise PlanError(f"key 'quantization' is {quant!r}: that MLC quantization is not "
-                            "supported: q4f16_1 is (its weights are stored NK, out-features "
-                            "first); KN layouts such as q4f16_0 would need a transpose",
-                            source=label)
-        return spec_from_mlc(cfg), Scheme("mlc", file=label), False
-    if not config:
-        raise _no_config(source, "config.json, GGUF metadata or mlc-chat-config.json")
-    quant_file: Union[str, Callable[[], str]]
-    if isinstance(source, str) and os.path.exists(source):
-        folder = _folder(source)
-        label = os.path.join(folder, "config.json")
-        quant_file = _QuantizationFile(folder)
-    else:  # a checkpoint not read from files: its config has no file to name
-        label = quant_file = f"{source} (its config)"
-    cfg = Fields(config, file=label)
-    return spec_from_hf(cfg), scheme_from_hf(cfg, quant_file=quant_file), False
-
-
 @dataclass(frozen=True)
 class PlanDecision:
     """What the planner decided for one N, in one pass (``plan_decision``).
@@ -211,9 +113,10 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     The plan is symbolic in ``num_shards``; planning it records which N each tensor group
     allows (``Planned.constraints``). For the given N: when every constraint allows it, that
     plan is the answer (``"unpadded"``); else, with ``pad``, where zero-padding can be exact
-    (``llama.padding_layout``) and every broken constraint is one padding lifts, a plan for N
+    (``padding.padding_layout``) and every broken constraint is one padding lifts, a plan for N
     alone that zero-pads heads and MLP blocks (``"padded"``); else a refusal naming the first
-    broken constraint (and why padding cannot help) and the N that work. Errors in the
+    broken constraint (and why padding cannot help) and the N that work. Every plan records
+    the model for integrations (``__metadata__.model``, read by ``shardload.geometry``). Errors in the
     checkpoint's metadata are raised, as ever; a refusal is returned (``PlanDecision.plan()``
     raises it).
 
@@ -232,19 +135,18 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
         raise PlanError(f"num_shards={num_shards} is more than the {MAX_NUM_SHARDS} workers "
                         "shardload runs in one session (each is a thread or a process)")
     ckpt = as_checkpoint(params)
-    spec, scheme, gguf_names = _detect(ckpt)
-    spec = vocab_from_tensors(ckpt, spec, gguf_names=gguf_names)
-    check_shapes(ckpt, spec, scheme, gguf_names=gguf_names)
+    kind, spec, scheme = detect(ckpt)
+    spec = vocab_from_tensors(ckpt, spec)
+    check_shapes(ckpt, spec, scheme)
 
     def parallel_experts() -> Optional[ExpertParallel]:
         if experts == "tp":
             return None
         assert num_shards is not None
-        return ExpertParallel(num_shards, count_experts(ckpt.metadata(), gguf_names))
+        return ExpertParallel(num_shards, spec.rules.naming.count_experts(ckpt.metadata()))
 
     ep = parallel_experts()
-    planned = plan_llama(ckpt, spec, scheme, gguf_names=gguf_names,
-                         vocab_parallel=vocab_parallel, experts=ep)
+    planned = plan_decoder(ckpt, spec, scheme, vocab_parallel=vocab_parallel, experts=ep)
     if ep is not None and not ep.layouts:
         raise PlanError(f"{ckpt.source} has no routed experts ({spec.architecture}): expert "
                         "parallelism needs a mixture-of-experts model; plan with experts='tp'",
@@ -256,16 +158,16 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     summary = PlanSummary(spec, scheme, len(planned.steps), len(planned.replicated),
                           tuple(planned.unknown), placed=len(planned.placed), experts=experts)
     source = f"<plan for {ckpt.source}>"
+    record = {MODEL_KEY: model_record(ckpt, spec, scheme, kind, ep)}
     if num_shards is None:
         return PlanDecision(None, "symbolic", summary, valid,
-                            ShardInfo.from_dict(planned.steps, source=source))
+                            _plan_info(planned.steps, record, None, source))
     broken = constraints.broken(num_shards)
     if not broken:
         decision = PlanDecision(num_shards, "unpadded", summary, valid,
-                                _plan_info(planned.steps, {}, ep, source))
+                                _plan_info(planned.steps, record, ep, source))
     else:
-        padding = _padding(ckpt, spec, scheme, num_shards, broken, pad, gguf_names,
-                           ep is not None)
+        padding = _padding(ckpt, spec, scheme, num_shards, broken, pad, ep is not None)
         if not isinstance(padding, Padding):
             first, why = padding
             reason = first.why_not(num_shards)
@@ -275,10 +177,10 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
                               f"{reason}. {valid.describe()}", source=source, param=first.tensor)
             return PlanDecision(num_shards, "refused", summary, valid, error=error)
         ep = parallel_experts()
-        padded = plan_llama(ckpt, spec, scheme, gguf_names=gguf_names,
-                            vocab_parallel=vocab_parallel, padding=padding, experts=ep)
-        info = _plan_info(padded.steps, {"tensor_parallel": padding.metadata(spec)}, ep,
-                          f"<padded plan for {ckpt.source}>")
+        padded = plan_decoder(ckpt, spec, scheme, vocab_parallel=vocab_parallel,
+                              padding=padding, experts=ep)
+        info = _plan_info(padded.steps, {**record, "tensor_parallel": padding.metadata(spec)},
+                          ep, f"<padded plan for {ckpt.source}>")
         summary = PlanSummary(spec, scheme, len(padded.steps), len(padded.replicated),
                               tuple(padded.unknown), padded=True, placed=len(padded.placed),
                               experts=experts)
@@ -304,7 +206,7 @@ def _plan_info(steps: dict, metadata: dict, ep: Optional[ExpertParallel],
 
 
 def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int,
-             broken: list[Constraint], pad: bool, gguf_names: bool,
+             broken: list[Constraint], pad: bool,
              whole_experts: bool = False) -> Union[Padding, tuple[Constraint, str]]:
     """For an N that breaks the ``broken`` constraints: the zero-padded layout that lifts them,
     or the constraint to name in the refusal and why padding cannot help ("" when ``pad`` is
@@ -315,8 +217,7 @@ def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int,
     if unpaddable:
         return unpaddable[0], ("the vocabulary is split evenly, never padded (split embeddings "
                                "and lm_head only for an N that divides it)")
-    padding = padding_layout(ckpt, spec, scheme, num_shards, gguf_names=gguf_names,
-                             whole_experts=whole_experts)
+    padding = padding_layout(ckpt, spec, scheme, num_shards, whole_experts=whole_experts)
     return (broken[0], padding.reason) if isinstance(padding, PlanError) else padding
 
 

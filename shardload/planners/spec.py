@@ -2,7 +2,7 @@
 
 Every field is read through ``config_fields.Fields``: typed, range-checked, and refused with a
 ``FormatError`` naming the file and the key. The sizes read here are later checked against the
-tensors they are applied to (``llama.check_shapes``); ``ModelSpec.keys`` remembers which key each
+tensors they are applied to (``checks.check_shapes``); ``ModelSpec.keys`` remembers which key each
 size came from, so that a disagreement names it.
 """
 
@@ -14,191 +14,8 @@ from typing import Any, Mapping, Optional, Union
 
 from ..config_fields import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, Fields
 from ..errors import PlanError
-from .layouts import Axis, TensorAxes
-
-#: MLC model_type values whose layers are Llama-shaped (attention + gated MLP, optional MoE)
-LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """What the planner knows of one HF ``model_type``, beyond what every one of them shares.
-
-    Shared (``llama.py``): modules are found by their last name component, ``q_proj`` /
-    ``k_proj`` / ``v_proj`` / fused ``qkv_proj`` ([q, k, v]) and ``gate_proj`` / ``up_proj`` /
-    fused ``gate_up_proj`` ([gate, up]) are column-parallel, ``o_proj`` / ``down_proj``
-    row-parallel; query heads split whole, KV heads split whole or are replicated (GQA); every
-    other tensor (norms, routers, per-head q/k norms) is replicated, and embeddings and lm_head
-    too unless ``vocab_parallel``. Per architecture (this record):
-
-    * ``sizes_under``: the sub-object of config.json holding the language model's sizes
-      (``text_config`` for a multimodal config), or ``""`` for the top level;
-    * ``defaults``: sizes a config may omit, with the value its transformers config class then
-      gives them (real Gemma 3 configs omit ``num_attention_heads`` and more). Every size is
-      still checked against the tensors it splits;
-    * ``prefixes``: the only tensors the planner splits (those whose names start with one):
-      a multimodal checkpoint's language model; the rest (vision tower, projector) is
-      replicated. ``()``: every tensor;
-    * ``split_norms``: norm modules whose weight is split like the rows of a projection
-      (``{"q_norm": "q"}``: OLMo-2 normalises the whole q projection, so each worker holds the
-      norm weights of its own q rows) rather than replicated;
-    * ``roles``: modules whose role is this architecture's own (DeepSeek's ``q_b_proj`` and
-      ``kv_b_proj``: column-parallel in whole heads of their own width, from a low-rank input);
-    * ``tensors``: tensors the format-independent rules cannot place, by the last two
-      components of their name (gpt-oss's fused ``experts.gate_up_proj_blocks``): their role
-      and where N and K lie in them (``TensorRule``);
-    * ``experts_size``: the config key of one routed expert's MLP width;
-    * ``mla``: multi-head latent attention (DeepSeek-V2/V3): the sizes of ``MLA``;
-    * ``note``: what else was checked, for people (``README.md`` prints the table).
-    """
-
-    model_type: str
-    note: str = ""
-    sizes_under: str = ""
-    defaults: Mapping[str, int] = field(default_factory=dict)
-    prefixes: tuple[str, ...] = ()
-    split_norms: Mapping[str, str] = field(default_factory=dict)
-    roles: Mapping[str, str] = field(default_factory=dict)
-    tensors: Mapping[str, "TensorRule"] = field(default_factory=dict)
-    experts_size: str = "moe_intermediate_size"
-    mla: bool = False
-
-    def in_model(self, name: str) -> bool:
-        """Whether the tensor ``name`` belongs to the model the planner splits."""
-        return not self.prefixes or name.startswith(self.prefixes)
-
-
-@dataclass(frozen=True)
-class TensorRule:
-    """An architecture's own tensor: its role (``llama.HF_ROLES``' vocabulary) and where the
-    layer's N and K lie in it. A fused expert tensor keeps its experts along dim 0."""
-
-    role: str
-    axes: TensorAxes
-
-
-def _gpt_oss_experts() -> dict[str, TensorRule]:
-    """gpt-oss keeps each layer's experts fused, ``gate_up`` interleaved (gate rows even, up
-    rows odd: one MLP row is two stored rows, so whole MLP rows keep each pair together).
-    bf16: ``gate_up_proj`` [E, hidden, 2 x inter] and ``down_proj`` [E, inter, hidden] (K
-    first); MXFP4 (the published checkpoints): ``*_blocks`` [E, rows, K / 32, 16] bytes of two
-    E2M1 codes and ``*_scales`` [E, rows, K / 32] E8M0 exponents, one per 32 of K. Biases
-    [E, rows]: ``down_proj_bias`` is added after the row-parallel sum, so it is replicated."""
-    pair, group = Axis(1, 1, 2), Axis(2, 32)
-    return {"experts.gate_up_proj": TensorRule("gate", TensorAxes(Axis(2, 1, 2), Axis(1))),
-            "experts.gate_up_proj_bias": TensorRule("gate", TensorAxes(pair, None)),
-            "experts.gate_up_proj_blocks": TensorRule("gate", TensorAxes(pair, group)),
-            "experts.gate_up_proj_scales": TensorRule("gate", TensorAxes(pair, group)),
-            "experts.down_proj": TensorRule("down", TensorAxes(Axis(2), Axis(1))),
-            "experts.down_proj_bias": TensorRule("down", TensorAxes(Axis(1), None)),
-            "experts.down_proj_blocks": TensorRule("down", TensorAxes(Axis(1), group)),
-            "experts.down_proj_scales": TensorRule("down", TensorAxes(Axis(1), group)),
-            # one attention sink (a learned logit) per query head
-            "self_attn.sinks": TensorRule("sinks", TensorAxes(Axis(0), None))}
-
-
-_DEEPSEEK = ("MLA: q_a_proj, kv_a_proj_with_mqa and their norms replicated (the latent is "
-             "shared by every head); q_proj / q_b_proj split in whole heads of qk_nope + "
-             "qk_rope, kv_b_proj in whole heads of qk_nope + v_head_dim, o_proj's K in heads "
-             "of v_head_dim; routed experts, shared experts (moe_intermediate_size x "
-             "n_shared_experts) and the first_k_dense_replace dense MLPs split; router and "
-             "e_score_correction_bias replicated")
-_DEEPSEEK_ROLES = {"q_b_proj": "q_b", "kv_b_proj": "kv_b"}
-
-#: transformers' ``Gemma3TextConfig`` defaults for the sizes (its ``__init__`` signature):
-#: Gemma 3's multimodal configs (gemma-3-4b-it) leave them out of ``text_config``
-GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
-                        "num_hidden_layers": 26, "num_attention_heads": 8,
-                        "num_key_value_heads": 4, "head_dim": 256}
-
-_GEMMA = ("pre/post-feedforward layernorms replicated; head_dim explicit (not hidden / heads); "
-          "tied embeddings (no lm_head tensor)")
-
-#: Every HF ``model_type`` the planner knows, and what it knows of each (checked against
-#: transformers' modeling code: ``tests/test_architectures.py`` saves a tiny model of each
-#: with transformers and compares every shard, and the column/row roles with each config
-#: class's ``base_model_tp_plan``)
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
-    Architecture("llama"),
-    Architecture("mistral"),
-    Architecture("mixtral", "experts' w1/w3 column-, w2 row-parallel; router replicated",
-                 experts_size="intermediate_size"),
-    Architecture("qwen2", "q/k/v biases split with their rows"),
-    Architecture("qwen3", "per-head q_norm/k_norm (head_dim wide) replicated"),
-    Architecture("qwen2_moe", "experts and shared expert split; routers replicated"),
-    Architecture("qwen3_moe", "experts split; routers, per-head q/k norms replicated"),
-    Architecture("gemma2", _GEMMA),
-    Architecture("gemma3_text", _GEMMA + "; per-head q_norm/k_norm replicated",
-                 defaults=GEMMA3_TEXT_DEFAULTS),
-    Architecture("gemma3", "multimodal Gemma 3: the language model (model.language_model.* "
-                 "or language_model.model.*) is split as gemma3_text, sizes from "
-                 "text_config; vision tower and projector replicated",
-                 sizes_under="text_config", defaults=GEMMA3_TEXT_DEFAULTS,
-                 prefixes=("model.language_model.", "language_model.", "lm_head.")),
-    Architecture("phi3", "Phi-3 / Phi-4: fused qkv_proj [q, k, v] and gate_up_proj "
-                 "[gate, up], each segment split on its own"),
-    Architecture("olmo2", "q_norm/k_norm normalise the whole q/k projection: split like the "
-                 "q rows (whole query heads) and k rows (whole KV heads, GQA replication)",
-                 split_norms={"q_norm": "q", "k_norm": "k"}),
-    Architecture("granite", "Llama-shaped; embedding/residual/attention multipliers and "
-                 "logits_scaling are forward-only"),
-    Architecture("gpt_oss", "fused experts (bf16, or MXFP4 *_blocks/*_scales as published): "
-                 "gate_up interleaved, split in whole MLP rows (pairs), MXFP4 in whole "
-                 "32-element groups; q/k/v biases and attention sinks split with their heads; "
-                 "o_proj and down_proj biases, router replicated",
-                 tensors=_gpt_oss_experts(), experts_size="intermediate_size"),
-    Architecture("deepseek_v2", _DEEPSEEK, roles=_DEEPSEEK_ROLES, mla=True),
-    Architecture("deepseek_v3", _DEEPSEEK, roles=_DEEPSEEK_ROLES, mla=True),
-)}
-#: the rules of a model known by its tensor names alone (GGUF, MLC)
-LLAMA_RULES = ARCHITECTURES["llama"]
-
-
-@dataclass(frozen=True)
-class GGUFArchitecture(Architecture):
-    """What the planner knows of one GGUF ``general.architecture``: tensors are found by the
-    last component of their name before ``.weight`` (``blk.0.attn_q`` -> ``attn_q``), with the
-    roles of ``llama.GGUF_ROLES``; ``split_norms`` as for HF, by GGUF name; ``roles``: names
-    whose role differs in this architecture (Phi-3's ``ffn_up`` holds [gate, up]).
-
-    The names are gguf-py's (``MODEL_TENSORS[arch]``, ``TensorNameMap``); what each holds
-    (fused, whole-projection norms) is not in gguf-py, so it is written here from llama.cpp's
-    converter and loader, and ``tests/test_gguf_architectures.py`` checks every tensor gguf-py
-    lists for each architecture has the role it should. llama.cpp's converter permutes the q/k
-    rows (rotary pairs) of ``LlamaModel``-derived architectures (llama, granite) within each
-    head, and stores gemma2, gemma3, phi3 and olmo2 rows as HF has them: head-aligned splits
-    take the same rows either way.
-    """
-
-
-_GGUF_GEMMA = ("post_attention_norm / post_ffw_norm replicated; head size from "
-               "key_length; tied embeddings (no output tensor)")
-
-#: every GGUF ``general.architecture`` the planner knows
-GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {a.model_type: a for a in (
-    GGUFArchitecture("llama"),
-    GGUFArchitecture("mistral"),
-    GGUFArchitecture("qwen2"),
-    GGUFArchitecture("qwen3", "per-head attn_q_norm/attn_k_norm replicated"),
-    GGUFArchitecture("qwen2moe"),
-    GGUFArchitecture("qwen3moe"),
-    GGUFArchitecture("gemma2", _GGUF_GEMMA),
-    GGUFArchitecture("gemma3", _GGUF_GEMMA + "; per-head attn_q_norm/attn_k_norm replicated "
-                     "(the vision tower is a separate mmproj file)"),
-    GGUFArchitecture("phi3", "fused attn_qkv [q, k, v]; ffn_up holds [gate, up] (llama.cpp: "
-                     "2 x feed_forward_length rows, no ffn_gate), each segment split on its own",
-                     roles={"ffn_up": "gate_up"}),
-    GGUFArchitecture("olmo2", "attn_q_norm/attn_k_norm normalise the whole q/k projection: "
-                     "split like the q rows and k rows",
-                     split_norms={"attn_q_norm": "q", "attn_k_norm": "k"}),
-    GGUFArchitecture("granite", "Llama-shaped; its scales are forward-only"),
-    GGUFArchitecture("gpt-oss", "llama.cpp stores gate and up de-interleaved (ffn_gate_exps, "
-                     "ffn_up_exps) in MXFP4 blocks; expert biases [E, rows] split with their "
-                     "rows (ffn_down_exps' replicated); attn_sinks split with the query heads",
-                     roles={"attn_sinks": "sinks"}),
-)}
-#: GGUF general.architecture values the planner knows
-GGUF_LLAMA_LIKE = tuple(GGUF_ARCHITECTURES)
+from .architectures import (ARCHITECTURES, GGUF_ARCHITECTURES, LLAMA_RULES, MLC_ARCHITECTURES,
+                            Architecture)
 
 
 @dataclass(frozen=True)
@@ -389,9 +206,9 @@ def spec_from_gguf(kv: Union[Fields, Mapping[str, Any]],
     """
     top = _as_fields(kv, source)
     arch = top.str("general.architecture")
-    if arch not in GGUF_LLAMA_LIKE:
+    if arch not in GGUF_ARCHITECTURES:
         raise PlanError(f"GGUF architecture {arch!r} (key 'general.architecture') is not "
-                        f"supported by the planner (it knows {', '.join(GGUF_LLAMA_LIKE)})",
+                        f"supported by the planner (it knows {', '.join(GGUF_ARCHITECTURES)})",
                         source=top.file)
     cfg = Fields(top.raw, file=top.file, prefix=f"{arch}.")
     heads = cfg.int("attention.head_count", min=1, max=MAX_HEADS)
@@ -431,9 +248,9 @@ def spec_from_mlc(config: Union[Fields, Mapping[str, Any]],
     model = top.sub("model_config")
     model_type = (model.str("model_type") if model.has("model_type", nullable=True)
                   else top.str("model_type"))
-    if model_type not in LLAMA_LIKE:
+    if model_type not in MLC_ARCHITECTURES:
         raise PlanError(f"key 'model_type': MLC model_type {model_type!r} is not supported by "
-                        f"the planner (it knows {', '.join(sorted(LLAMA_LIKE))})",
+                        f"the planner (it knows {', '.join(sorted(MLC_ARCHITECTURES))})",
                         source=top.file)
     layers_key = "num_hidden_layers" if model.has("num_hidden_layers") else "num_layers"
-    return _hf_spec(model, model_type, layers_key)
+    return _hf_spec(model, model_type, layers_key, MLC_ARCHITECTURES[model_type])

@@ -1,0 +1,141 @@
+"""Zero-padding for an N the heads or the MLP do not divide.
+
+For such an N, a plan for that N alone gives every worker the same number of query heads, KV
+heads and MLP blocks, filling up with zero units (``tp_layout.py``: which heads each worker
+holds; ``-1`` is a zero unit), read with ``shardload.take_units``. Zero weights with zero scales
+dequantize to exact zeros, so the model's output is unchanged. ``padding_layout`` first judges
+every tensor it would pad, and refuses where padding cannot be exact: a ``g_idx`` (padded rows
+would use real groups' scales), a head that is not a whole number of its storage blocks, an MLP
+that is not a whole number of blocks, per-part scales of a fused layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Union
+
+from ..errors import PlanError
+from ..formats import Scheme, TensorAxes
+from ..plan import step_json
+from .roles import mlp_size
+from .tensors import Tensor, tensors
+from ..tp_layout import MAX_LAYOUT, HeadLayout, head_layout, unit_layout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..readers.base import Checkpoint
+    from .spec import ModelSpec
+
+__all__ = ["Padding", "padding_layout", "padding_for", "padded_step"]
+
+
+@dataclass(frozen=True)
+class Padding:
+    """A layout for one N that the heads or the MLP do not divide: zero heads and zero MLP
+    blocks fill every worker up to the same size (``tp_layout.py``)."""
+
+    num_shards: int
+    heads: HeadLayout
+    mlp_unit: int                              # logical MLP rows per block
+    mlp: dict[int, list[list[int]]]            # intermediate size -> blocks per worker
+
+    def metadata(self, spec: "ModelSpec") -> dict:
+        """What an engine needs to run the padded shards (recorded in the plan as
+        ``__metadata__.tensor_parallel``)."""
+        meta = {"num_shards": self.num_shards, "head_dim": spec.head_dim,
+                **self.heads.as_dict(), "mlp_block": self.mlp_unit,
+                "mlp_blocks": {str(k): v for k, v in self.mlp.items()}}
+        if spec.mla is not None:
+            # MLA: heads of other widths in kv_b_proj and o_proj than head_dim (q's)
+            meta["mla"] = {"qk_nope_head_dim": spec.mla.qk_nope_head_dim,
+                           "qk_rope_head_dim": spec.mla.qk_rope_head_dim,
+                           "v_head_dim": spec.v_head_dim, "kv_lora_rank": spec.mla.kv_lora_rank,
+                           "q_lora_rank": spec.mla.q_lora_rank}
+        if spec.rules.split_norms:
+            # OLMo-2: these norms' mean runs over the whole, unpadded projection (padded rows
+            # are zero and add nothing to the sum of squares; divide by this width)
+            meta["projection_norms"] = {
+                norm: spec.q_size if role == "q" else spec.kv_size
+                for norm, role in spec.rules.split_norms.items()}
+        return meta
+
+
+def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_shards: int, *,
+                   whole_experts: bool = False) -> Union[Padding, PlanError]:
+    """The zero-padded layout for N workers, or (returned, not raised) the ``PlanError`` saying
+    why zero-padding cannot be exact for this checkpoint: every tensor ``padded_step`` would
+    pad is judged here, before a padded plan is written (with ``whole_experts``, expert
+    parallelism, routed experts are not split, so not padded)."""
+    if type(num_shards) is not int or not 1 <= num_shards <= MAX_LAYOUT:
+        return PlanError(f"cannot zero-pad for num_shards={num_shards!r}: a padded plan lists "
+                         f"every worker's heads, for at most {MAX_LAYOUT} workers",
+                         source=spec.file or None)
+    naming = spec.rules.naming
+    mlp_unit, sizes = 1, set()
+    for t in tensors(ckpt, spec, scheme, vocab_parallel=False):
+        if t.axes is None:
+            continue
+        if whole_experts and t.role.kind == "mlp" and naming.expert_kind(t.name, t.module):
+            continue
+        if t.axes.special == "g_idx":
+            return PlanError(f"{t.name}: zero-padding cannot be exact for tensors with a g_idx "
+                             "(GPTQ, compressed-tensors act-order): padded rows would use real "
+                             "groups' scales")
+        axis = t.axes.n if t.role.column else t.axes.k
+        if axis is None:
+            if (t.role.column and t.axes.special != "shape" and t.meta.numel > 1
+                    and len(t.meta.shape) <= 1):
+                return PlanError(f"{t.name}: per-part scales of a fused layer cannot be padded "
+                                 "yet")
+            continue
+        if t.role.kind == "heads":
+            width = t.role.head_width(spec)
+            if width % axis.elems:
+                return PlanError(f"{t.name}: a {width}-element head is not a whole "
+                                 f"number of the {axis.elems}-element blocks it is stored in, "
+                                 "so heads cannot be padded")
+        else:
+            mlp_unit = math.lcm(mlp_unit, axis.elems)
+            sizes.add(mlp_size(spec, t.mlp, t.module))
+    mlp = {}
+    for size in sizes:
+        if size % mlp_unit:
+            return PlanError(f"an MLP of {size} rows is not a whole number of {mlp_unit}-row "
+                             "blocks")
+        mlp[size] = unit_layout(size // mlp_unit, num_shards)
+    return Padding(num_shards, head_layout(spec.num_heads, spec.num_kv_heads, num_shards),
+                   mlp_unit, mlp)
+
+
+def padding_for(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_shards: int, *,
+                whole_experts: bool = False) -> Padding:
+    """The zero-padded layout for N workers, or ``PlanError`` saying why there is none."""
+    padding = padding_layout(ckpt, spec, scheme, num_shards, whole_experts=whole_experts)
+    if isinstance(padding, PlanError):
+        raise padding
+    return padding
+
+
+def padded_step(t: Tensor, axes: TensorAxes, spec: "ModelSpec", padding: Padding,
+                ckpt: "Checkpoint") -> Optional[list]:
+    """The step taking worker by worker the units of ``padding`` (zeros for ``-1``)."""
+    n, role, split_n = padding.num_shards, t.role, t.role.column
+    if axes.special == "shape":
+        unit, units = role.padded_units(spec, padding, t.mlp, t.module, 0)
+        n_out, k_in = (int(v) for v in ckpt.read(t.name).tolist())
+        rows = len(units) * unit
+        return step_json("shardload.constant", [n, 2], t.meta.dtype,
+                         [rows, k_in] if split_n else [n_out, rows])
+    axis = axes.n if split_n else axes.k
+    if axis is None:   # per-part scales of fused layers were refused by padding_layout
+        return None
+    unit, _ = role.padded_units(spec, padding, t.mlp, t.module, 0)
+    if unit % axis.elems:   # padding_layout refused these: heads and MLP blocks are whole blocks
+        raise AssertionError(f"{t.name}: {unit}-element units straddle its {axis.elems}-element "
+                             "blocks")
+    stored = unit // axis.elems * axis.width
+    indices = [role.padded_units(spec, padding, t.mlp, t.module, r)[1] for r in range(n)]
+    out = [n, *t.meta.shape]
+    out[axis.dim + 1] = len(indices[0]) * stored
+    return step_json("shardload.take_units", out, t.meta.dtype,
+                     (axis.dim, stored, *[u for worker in indices for u in worker]))
