@@ -32,23 +32,19 @@ tensor-parallel step in plain torch, without transformers in between.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-import threading
-import uuid
 from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shardload import (ProcessSession, Session, ThreadedSession, load_sharded, open_checkpoint,
-                       register_session_func)
+from shardload import Session, load_sharded, open_checkpoint, register_session_func
 from shardload.planners import plan_for
 from shardload.tp_layout import head_layout
 
-__all__ = ["TensorParallelLlama", "model_spec", "dequantize", "rope", "rms_norm", "ThreadGroup"]
+__all__ = ["TensorParallelLlama", "model_spec", "dequantize", "rope", "rms_norm"]
 
 STATE = "tp_llama"          # the ctx.values key holding a worker's model
 UNQUANTIZED = ("F32", "F16", "BF16")
@@ -107,91 +103,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_to_kv: torch.
     return torch.einsum("hts,shd->thd", probs, v).reshape(T, -1)
 
 
-# ---- all-reduce ------------------------------------------------------------------------------
-
-class ThreadGroup:
-    """All-reduce (sum) for workers that are threads of one process (``ThreadedSession``).
-
-    Each worker posts its partial sum and waits at a barrier; then every worker adds all the
-    posts in rank order, so all of them get bit-identical sums. Posts alternate between two
-    buffers: a worker can only reach the all-reduce after next once everyone has passed the
-    next barrier, i.e. has finished reading this one, so one barrier per all-reduce suffices.
-    """
-
-    def __init__(self, size: int, timeout_s: float = 600.0):
-        self.size = size
-        self._posts = [[None] * size, [None] * size]
-        self._round = [0] * size
-        self._barrier = threading.Barrier(size, timeout=timeout_s)
-
-    def all_reduce(self, rank: int, partial: torch.Tensor) -> torch.Tensor:
-        posts = self._posts[self._round[rank] % 2]
-        self._round[rank] += 1
-        posts[rank] = partial
-        try:
-            self._barrier.wait()
-        except threading.BrokenBarrierError:
-            raise RuntimeError("another worker failed or timed out during the forward; run "
-                               "tp_llama.setup again") from None
-        return functools.reduce(torch.add, posts)
-
-    def abort(self) -> None:
-        """Wake every waiting worker with an error (this worker is failing)."""
-        self._barrier.abort()
-
-
-#: group id -> ThreadGroup, shared by the threads of one ThreadedSession
-_THREAD_GROUPS: dict[str, ThreadGroup] = {}
-_GROUPS_LOCK = threading.Lock()
-
-
-def _thread_group(group_id: str, size: int) -> ThreadGroup:
-    with _GROUPS_LOCK:
-        group = _THREAD_GROUPS.get(group_id)
-        if group is None:
-            group = _THREAD_GROUPS[group_id] = ThreadGroup(size)
-        return group
-
-
-class _DistAllReduce:
-    """All-reduce over the torch.distributed group the workers are in (``ProcessSession``,
-    torchrun)."""
-
-    def all_reduce(self, rank: int, partial: torch.Tensor) -> torch.Tensor:
-        torch.distributed.all_reduce(partial)
-        return partial
-
-    def abort(self) -> None:
-        pass  # the session reports the failure; the others time out in their collective
-
-
-class _NoAllReduce:
-    """One worker: its partial sums are already the whole sums."""
-
-    def all_reduce(self, rank: int, partial: torch.Tensor) -> torch.Tensor:
-        return partial
-
-    def abort(self) -> None:
-        pass
-
-
-def _communicator(ctx, spec: dict):
-    if ctx.world_size == 1:
-        return _NoAllReduce()
-    if spec["comm"] == "threads":
-        return _thread_group(spec["group"], ctx.world_size)
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("tp_llama needs its worker processes in a torch.distributed group "
-                           "for the all-reduce: use ProcessSession(..., distributed=True) or "
-                           "torchrun")
-    if dist.get_world_size() != ctx.world_size or dist.get_rank() != ctx.rank:
-        raise RuntimeError(f"worker {ctx.rank} of {ctx.world_size} is rank {dist.get_rank()} of "
-                           f"{dist.get_world_size()} in torch.distributed; they must agree")
-    return _DistAllReduce()
-
-
 # ---- a worker's model --------------------------------------------------------------------------
 
 class WorkerModel:
@@ -235,7 +146,9 @@ class WorkerModel:
         rot = int(spec["rope_dims"])
         exponents = torch.arange(0, rot, 2, dtype=torch.float64) / rot
         self.inv_freq = (float(spec["rope_base"]) ** -exponents).to(self.device)
-        self.comm = _communicator(ctx, spec)
+        # the session's collectives (threads: a barrier; processes and torchrun: their
+        # torch.distributed group); with one worker the partial sums are the sums
+        self.group = ctx.group if ctx.world_size > 1 else None
         self.cache: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = []
         self.reset()
 
@@ -257,7 +170,7 @@ class WorkerModel:
         return dequantize(self.embed_raw[ids], self.embed_type).to(self.device)
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(self.rank, partial)
+        return partial if self.group is None else self.group.all_reduce(partial)
 
     def attention_block(self, i: int, x: torch.Tensor, start_pos: int) -> torch.Tensor:
         """This worker's heads of layer i's attention; the all-reduce completes o_proj."""
@@ -308,16 +221,6 @@ def _model(ctx) -> WorkerModel:
     return model
 
 
-def _guarded(model: WorkerModel, fn):
-    """Run ``fn()``; if it fails, wake the other workers waiting in an all-reduce so they fail
-    too instead of hanging."""
-    try:
-        return fn()
-    except BaseException:
-        model.comm.abort()
-        raise
-
-
 # ---- session functions -------------------------------------------------------------------------
 
 @register_session_func("tp_llama.setup")
@@ -325,9 +228,8 @@ def setup(ctx, spec: dict) -> dict:
     """Dequantize this worker's shards (``ctx.shards``) and start an empty KV cache.
 
     ``spec`` (JSON, the same for every worker; ``model_spec`` writes most of it): sizes,
-    per-tensor GGUF types, the head layout of every worker, ``comm`` ("threads" for a
-    ThreadedSession, else "distributed") and ``group``, a fresh id per setup naming the
-    in-process all-reduce group the threads share.
+    per-tensor GGUF types and the head layout of every worker. The all-reduces go over the
+    session's own collectives (``ctx.group``).
     """
     ctx.values.pop(STATE, None)  # free a previous model before building the next
     if spec.get("torch_threads"):
@@ -346,7 +248,7 @@ def forward(ctx, token_ids: list, start_pos: int) -> Optional[torch.Tensor]:
     ``[T, vocab]``; the others ``None``."""
     model = _model(ctx)
     with torch.no_grad():
-        x = _guarded(model, lambda: model.hidden(token_ids, start_pos))
+        x = model.hidden(token_ids, start_pos)
         return model.logits(x) if ctx.rank == 0 else None
 
 
@@ -356,7 +258,7 @@ def hidden(ctx, token_ids: list, num_layers: int) -> Optional[torch.Tensor]:
     sequence, from worker 0 (``None`` from the others); clears the KV cache afterwards."""
     model = _model(ctx)
     with torch.no_grad():
-        x = _guarded(model, lambda: model.hidden(token_ids, 0, num_layers))
+        x = model.hidden(token_ids, 0, num_layers)
     model.reset()
     return x if ctx.rank == 0 else None
 
@@ -369,11 +271,8 @@ def reset(ctx) -> None:
 
 @register_session_func("tp_llama.release")
 def release(ctx) -> None:
-    """Drop the worker's model (weights and cache) and its thread group."""
-    model = ctx.values.pop(STATE, None)
-    if model is not None and isinstance(model.comm, ThreadGroup):
-        with _GROUPS_LOCK:
-            _THREAD_GROUPS.pop(model.spec["group"], None)
+    """Drop the worker's model (weights and cache)."""
+    ctx.values.pop(STATE, None)
 
 
 # ---- the driver --------------------------------------------------------------------------------
@@ -441,9 +340,7 @@ class TensorParallelLlama:
         n = session.num_workers
         self.plan = plan if plan is not None else plan_for(self.ckpt, num_shards=n)
         self.spec = model_spec(self.ckpt, self.plan, n)
-        self.spec["group"] = uuid.uuid4().hex
-        self.spec["comm"] = "threads" if isinstance(session, ThreadedSession) else "distributed"
-        if isinstance(session, ProcessSession):  # N processes share this machine's CPUs
+        if not session.local_workers:  # worker processes: N of them share this machine's CPUs
             self.spec["torch_threads"] = max(1, (os.cpu_count() or 1) // n)
         try:
             self.sharded = load_sharded(self.ckpt, self.plan, session, progress=progress)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import (FormatError, PlanError, SessionClosedError, ShardloadError,
+from .errors import (FormatError, PlanError, SessionClosedError, SessionError, ShardloadError,
                      UnknownSessionFunctionError, UnknownShardFunctionError, WorkerCrashedError,
                      WorkerError)
 
@@ -24,7 +24,10 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
-    "load_sharded": "loader",
+    "load_sharded": "frontdoor",
+    "REPLICATE": "frontdoor",
+    "open_session": "frontdoor",
+    "resolve_plan": "frontdoor",
     "ShardedParams": "loader",
     "LoadStats": "loader",
     "Staging": "staging",
@@ -50,7 +53,8 @@ _LAZY = {
 }
 
 __all__ = sorted([*_LAZY, "ShardloadError", "PlanError", "UnknownShardFunctionError",
-                  "UnknownSessionFunctionError", "SessionClosedError", "FormatError",
+                  "UnknownSessionFunctionError", "SessionClosedError", "SessionError",
+                  "FormatError",
                   "WorkerError", "WorkerCrashedError", "__version__"])
 
 
@@ -68,7 +72,8 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .loader import LoadStats, ShardedParams, load_sharded
+    from .frontdoor import REPLICATE, load_sharded, open_session, resolve_plan
+    from .loader import LoadStats, ShardedParams
     from .staging import Staging
     from .plan import Plan, ShardInfo
     from .readers import ArrayCheckpoint, Checkpoint, TensorMeta, open_checkpoint

@@ -17,11 +17,9 @@ import contextlib
 import errno
 import json
 import os
-import stat
 import sys
-import tempfile
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import click
 
@@ -201,11 +199,11 @@ def _table(headers: list[str], rows: list[list[Any]], right: tuple[int, ...] = (
 
 def _check_shards(ctx: click.Context, param: click.Parameter, value: Optional[int]):
     """At most MAX_NUM_SHARDS workers: --shards 100000 is a typo, not 100,000 threads."""
-    from .limits import MAX_NUM_SHARDS
+    from .limits import num_shards_problem
 
-    if value is not None and value > MAX_NUM_SHARDS:
-        raise click.BadParameter(f"{value} is more than {MAX_NUM_SHARDS}, the most workers "
-                                 "shardload supports", ctx, param)
+    problem = None if value is None else num_shards_problem(value)
+    if problem is not None:
+        raise click.BadParameter(problem, ctx, param)
     return value
 
 
@@ -226,11 +224,24 @@ def _experts_option(f):
                         show_default=False, help=_EXPERTS_HELP)(f)
 
 
+def _session_option(f):
+    """``--session KIND``, the kinds read from their table (``sessions.kinds``)."""
+    from .sessions.kinds import session_kinds
+
+    kinds = session_kinds()
+    described = "; ".join(f"{k.name}: {k.description}" for k in kinds)
+    return click.option("--session", "session_kind", type=click.Choice([k.name for k in kinds]),
+                        default="thread", show_default=True,
+                        help=f"Where workers run ({described}).")(f)
+
+
 def _plan_options(f):
     f = _experts_option(f)
     f = click.option("--plugin", "plugins", multiple=True, metavar="MODULE",
                      help="Import MODULE first, so the shard functions it registers exist "
                           "(it must be importable: on sys.path or PYTHONPATH). Repeatable.")(f)
+    f = click.option("--replicate", is_flag=True,
+                     help="Give every worker every tensor whole (no plan).")(f)
     f = click.option("--shard-info", "shard_info", type=click.Path(dir_okay=False),
                      help="The plan file. Default: CKPT/shard_info.json, or, without one, a "
                           "plan made from the model's config (see `shardload plan`).")(f)
@@ -241,50 +252,28 @@ _ckpt_argument = click.argument("ckpt", type=click.Path(exists=True))
 
 
 def _prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num_shards: int,
-             experts: str = "tp"):
-    """Load plugins, open the checkpoint, find or write the plan, validate it for N (no tensor
-    data read, except the few GPTQ g_idx vectors a planner looks at)."""
-    from .plan import ShardInfo
-    from .planners import check_num_shards, plan_decision
+             experts: str = "tp", replicate: bool = False):
+    """Load plugins, open the checkpoint, resolve its plan by the front door's policy and
+    validate it for N (no tensor data read, except the few GPTQ g_idx vectors a planner looks
+    at). Returns the checkpoint, the validated plan and what to call the plan."""
+    from .frontdoor import REPLICATE, resolve_plan
     from .readers import open_checkpoint
     from .registry import load_plugins
 
+    if replicate and shard_info is not None:
+        raise click.UsageError("--replicate and --shard-info both say which plan to use: give "
+                               "one")
     load_plugins(plugins)
     with _reading():
         checkpoint = open_checkpoint(ckpt)
     try:
-        # the plan is validated once here, and the load uses that (it does not validate again)
-        with _reading():
-            if shard_info is None:
-                shard_info = _default_plan(checkpoint, ckpt)
-            if shard_info is not None and experts != "tp":
-                raise BadInput(f"--experts {experts} chooses how shardload plans, but the plan "
-                               f"{quote(shard_info)} is used as it is: write a plan with "
-                               f"`shardload plan --experts {experts}`, or leave --experts out")
-            if shard_info is None:  # no plan file: plan from the config
-                decision = plan_decision(checkpoint, num_shards, experts=experts)
-                info, validated = decision.plan(), decision.validated
-                source = info.source
-            else:
-                info, source = ShardInfo.load(shard_info), shard_info
-                # a refusal of a symbolic plan lists the N that work; a plan for one N says so
-                validated = (check_num_shards(info, checkpoint, num_shards) if info.is_symbolic
-                             else info.bind(num_shards).validate(checkpoint.metadata()))
+        with _reading():   # the planners read config files: unreadable ones are input
+            resolved = resolve_plan(checkpoint, num_shards,
+                                    REPLICATE if replicate else shard_info, experts=experts)
     except BaseException:
         checkpoint.close()
         raise
-    return checkpoint, validated, source
-
-
-def _default_plan(checkpoint, ckpt: str) -> Optional[str]:
-    """``shard_info.json`` beside the checkpoint, if there is one. "Beside" is the folder the
-    reader resolved (``checkpoint.path``: a Hugging Face cache folder resolves to its snapshot),
-    or a file checkpoint's folder. Anything there by that name is taken as the plan, so a
-    directory or a dangling link is reported rather than silently ignored."""
-    base = getattr(checkpoint, "path", None) or ckpt
-    folder = base if os.path.isdir(base) else os.path.dirname(base)
-    candidate = os.path.join(folder, "shard_info.json")
-    return candidate if os.path.lexists(candidate) else None
+    return checkpoint, resolved.validated, resolved.source
 
 
 def _padding_bytes(param) -> int:
@@ -298,38 +287,16 @@ def _padding_bytes(param) -> int:
     return total
 
 
-def _check_torchrun() -> None:
-    """``--session torch`` outside a torchrun job is a usage error (exit 2), found before any
-    work is done."""
-    from .sessions.torchdist import missing_env
-
-    missing = missing_env()
-    if missing:
-        raise BadInput(f"--session torch runs under torchrun, and {', '.join(missing)} "
-                       f"{'is' if len(missing) == 1 else 'are'} not set: start it as "
-                       "`torchrun --nproc-per-node N -m shardload load --session torch "
-                       "--shards N ...`, or use --session thread or process")
-
-
 def _open_session(kind: str, num_shards: int, device: Optional[str], plugins: tuple[str, ...],
                   timeout: Optional[float] = None):
-    from .sessions import ProcessSession, ThreadedSession, TorchDistributedSession
+    """The front door's session of ``kind``; one that cannot be made as asked is bad usage."""
+    from .errors import SessionError
+    from .frontdoor import open_session
 
-    devices = device.split(",") if device and "," in device else device
     try:
-        if kind == "thread":
-            return ThreadedSession(num_shards, device=devices or "cpu", timeout=timeout)
-        if kind == "process":
-            return ProcessSession(num_shards, device=devices or "cpu", plugins=plugins,
-                                  timeout=timeout)
-        session = TorchDistributedSession(device=devices, timeout=timeout)
-    except ValueError as exc:
+        return open_session(kind, num_shards, device=device, plugins=plugins, timeout=timeout)
+    except SessionError as exc:
         raise BadInput(cli_text(exc)) from None
-    if session.num_workers != num_shards:
-        session.close()
-        raise BadInput(f"--shards {num_shards} but this torch.distributed job has "
-                       f"{session.num_workers} ranks; they must be equal")
-    return session
 
 
 # ---- commands ----------------------------------------------------------------------------------
@@ -344,6 +311,7 @@ def cli() -> None:
       shardload plan --shards 3 model.gguf -o shard_info.json
       shardload validate --shards 8 CKPT
       shardload inspect --shards 3 CKPT
+      shardload run --shards 3 model.gguf --prompt "What is the capital of France?"
       shardload funcs
 
     Exit codes: 0 ok, 1 load or output failure, 2 bad usage, plan or checkpoint,
@@ -358,13 +326,7 @@ def cli() -> None:
               help="'cpu' (the default), 'cuda' (worker i on cuda:i), or a comma-separated "
                    "list, one per worker. With --session torch: this rank's device (default "
                    "cuda:LOCAL_RANK where CUDA is available).")
-@click.option("--session", "session_kind", type=click.Choice(["thread", "process", "torch"]),
-              default="thread", show_default=True,
-              help="Where workers run: threads of this process, worker processes, or the "
-                   "ranks of a torchrun job (one per process). Threads share this process: "
-                   "a shard function that crashes it (a segfault, os._exit) ends the command "
-                   "with no message from shardload; --session process isolates faulty shard "
-                   "functions (a crash becomes an error naming the worker).")
+@_session_option
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               metavar="SECONDS",
               help="Give up on a worker that makes no progress for SECONDS (a shard function "
@@ -385,29 +347,37 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, nothing else.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table.")
 @_ckpt_argument
-def load(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...], experts: str,
-         device: Optional[str], session_kind: str, timeout: Optional[float], staging: str,
-         staging_buffers: int, staging_mib: float, as_json: bool, quiet: bool,
+def load(num_shards: int, shard_info: Optional[str], replicate: bool, plugins: tuple[str, ...],
+         experts: str, device: Optional[str], session_kind: str, timeout: Optional[float],
+         staging: str, staging_buffers: int, staging_mib: float, as_json: bool, quiet: bool,
          ckpt: str) -> None:
     """Load CKPT sharded over N workers and report what each worker holds.
 
-    Under torchrun (--session torch) every rank loads its own shards and rank 0 reports.
+    The plan: --shard-info FILE, else CKPT/shard_info.json, else one made from the model's
+    config (as `shardload plan` makes it); --replicate gives every worker every tensor whole.
+    The "read" column is the checkpoint bytes each worker read to make its pieces (about what
+    it keeps: a worker reads only its own bytes, plus the replicated tensors). Threads share
+    this process: a shard function that crashes it (a segfault, os._exit) ends the command
+    with no message from shardload; --session process isolates faulty shard functions (a crash
+    becomes an error naming the worker). Under torchrun (--session torch) every rank loads its
+    own shards and rank 0 reports.
     """
     from .loader import load_sharded
     from .staging import Staging
 
-    if session_kind == "torch":
-        _check_torchrun()
     try:
         ring = Staging(staging_buffers, staging_mib)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="'--staging-mib'") from None
     stage = {"auto": None, "off": False, "on": ring}[staging]
-    checkpoint, validated, plan_file = _prepare(ckpt, shard_info, plugins, num_shards, experts)
+    # the session first: one that cannot be opened (torchrun's variables missing) is the
+    # first thing to say
+    session = _open_session(session_kind, num_shards, device, plugins, timeout)
     try:
-        session = _open_session(session_kind, num_shards, device, plugins, timeout)
+        checkpoint, validated, plan_file = _prepare(ckpt, shard_info, plugins, num_shards,
+                                                    experts, replicate)
     except BaseException:
-        checkpoint.close()
+        session.close()
         raise
     if stage is None and any(d.type == "cuda" for d in session.devices):
         stage = ring  # auto: the ring as sized, where it applies
@@ -441,10 +411,11 @@ def load(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...], e
 @_shards_option
 @_plan_options
 @_ckpt_argument
-def validate(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...],
-             experts: str, ckpt: str) -> None:
+def validate(num_shards: int, shard_info: Optional[str], replicate: bool,
+             plugins: tuple[str, ...], experts: str, ckpt: str) -> None:
     """Check that the plan fits CKPT for N workers. Reads no tensor data."""
-    checkpoint, validated, plan_file = _prepare(ckpt, shard_info, plugins, num_shards, experts)
+    checkpoint, validated, plan_file = _prepare(ckpt, shard_info, plugins, num_shards, experts,
+                                                replicate)
     with checkpoint:
         params = list(validated)
         sharded = sum(1 for p in params if not p.replicated)
@@ -474,15 +445,17 @@ def _per_worker(validated) -> str:
 @click.option("--reads", is_flag=True,
               help="Show what each worker will read: byte ranges of which file, per tensor.")
 @_ckpt_argument
-def inspect(num_shards: int, shard_info: Optional[str], plugins: tuple[str, ...],
-            experts: str, as_json: bool, reads: bool, ckpt: str) -> None:
+def inspect(num_shards: int, shard_info: Optional[str], replicate: bool,
+            plugins: tuple[str, ...], experts: str, as_json: bool, reads: bool,
+            ckpt: str) -> None:
     """Show each parameter's per-worker shape and bytes for N workers. Reads no tensor data.
 
     With --reads, show each worker's read plan instead: for every tensor, the byte ranges it
     copies (FILE[begin:end], or strided: FILE[begin:+bytes xCOUNT every STRIDE]) or the chain it
     computes, and the bytes it reads in all.
     """
-    checkpoint, validated, _ = _prepare(ckpt, shard_info, plugins, num_shards, experts)
+    checkpoint, validated, _ = _prepare(ckpt, shard_info, plugins, num_shards, experts,
+                                        replicate)
     with checkpoint:
         if reads:
             from .readplan import build_read_plans
@@ -537,7 +510,30 @@ def _print_reads(plans, validated, as_json: bool) -> None:
             _out(f"  {line}")
 
 
-@cli.command()
+class _TablesHelp(click.Command):
+    """A command whose help ends with text made from the tables it describes
+    (``frontdoor.tables``), made only when the help is shown: reading the tables imports the
+    planners, which ``--help`` of other commands must not."""
+
+    def __init__(self, *args, tables: Callable[[], str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tables = tables
+
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_help_text(ctx, formatter)
+        for paragraph in self.tables().split("\n\n"):
+            formatter.write_paragraph()
+            with formatter.indentation():
+                formatter.write_text(paragraph)
+
+
+def _planner_help() -> str:
+    from .frontdoor.tables import planner_help
+
+    return planner_help()
+
+
+@cli.command(cls=_TablesHelp, tables=_planner_help)
 @_shards_option
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True),
               help="Write the plan here (default: standard output).")
@@ -556,20 +552,10 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
     expressions of num_shards, so it also serves every other N the model allows. For an N the
     heads or MLP do not divide, the plan zero-pads them (exactly) for that N.
 
-    Architectures known (HF model_type): llama, mistral, mixtral, qwen2, qwen3, qwen2_moe,
-    qwen3_moe, gemma2, gemma3_text, gemma3 (its language model; the vision tower is
-    replicated), phi3 (Phi-3 and Phi-4), olmo2, granite, gpt_oss, deepseek_v2 and deepseek_v3
-    (MLA). GGUF: llama, mistral, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3,
-    olmo2, granite. MLC: the Llama, Mistral, Mixtral and Qwen types above.
-
-    Formats: unquantized (bf16/fp16/fp32), GPTQ, AWQ, compressed-tensors (pack-quantized
-    W4A16/W8A16, int-quantized W8A8, float-quantized FP8 incl. block FP8, NVFP4, MXFP4), FP8
-    (incl. DeepSeek's block FP8, weight_scale_inv), NVIDIA ModelOpt (NVFP4, FP8), gpt-oss
-    MXFP4, GGUF and MLC q4f16_1.
-
     Mixture-of-experts: --experts tp splits every expert; --experts ep gives each worker
     whole experts, for this N only.
     """
+    from .frontdoor import write_plan
     from .planners import plan_decision
     from .readers import open_checkpoint
 
@@ -581,16 +567,11 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
         decision = plan_decision(checkpoint, num_shards, vocab_parallel=vocab_parallel,
                                  pad=not no_pad, experts=experts)
         info, summary, valid = decision.plan(), decision.summary, decision.valid
-    text = info.dumps()
-    from .plan import MAX_PLAN_BYTES
-
-    if len(text.encode()) > MAX_PLAN_BYTES:  # shardload could not read it back
-        raise PlanError(f"the plan is {len(text.encode())} bytes, over the {MAX_PLAN_BYTES}-byte "
-                        "limit a plan file may have; a zero-padded plan lists every unit, so "
-                        "try an N the model divides", source=info.source)
-    if output:
-        _write_atomic(output, text)
-    else:
+    try:
+        text = write_plan(info, output)
+    except OSError as exc:
+        raise OutputFailed(exc, quote(output)) from None
+    if not output:
         _out(text, nl=False)
     fits = ", ".join(map(str, valid)) or "none"
     if not valid.complete:  # a plan too large to try every N: say how far the list goes
@@ -600,83 +581,6 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
     if experts == "ep":
         scope = f"for N={num_shards} only (whole experts are placed on its workers)"
     _note(f"{summary}; {scope}{f' (written to {output})' if output else ''}")
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """``os.write`` until all of ``data`` is written (a write may take only part)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all.
-
-    A regular file (or a new one) is written through a temporary file in its folder, fsynced,
-    then renamed over it (a rename within a folder is atomic), keeping the old file's mode, and
-    the folder is fsynced so the rename survives a crash; a symlink is followed, so the file it
-    points at is what gets replaced. Anything else (``/dev/stdout``, ``/dev/null``, a pipe from
-    ``-o >(cmd)``) cannot be replaced and is written in place. A failure (a full disk) leaves a
-    regular ``path`` as it was and no temporary file behind.
-    """
-    real = os.path.realpath(path)
-    try:
-        st = os.stat(real)
-    except FileNotFoundError:
-        st = None
-    except OSError as exc:
-        raise OutputFailed(exc, quote(path)) from None
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        try:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as exc:
-            raise OutputFailed(exc, quote(path)) from None
-        return
-    folder = os.path.dirname(real)
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(real)}.", suffix=".tmp",
-                                   dir=folder)
-        try:
-            _write_all(fd, text.encode())
-            # mkstemp makes the file private (0600): keep the replaced file's mode, or give a
-            # new one what a plain open would (0666 less the umask)
-            mode = stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask()
-            with contextlib.suppress(OSError):  # some file systems (vfat, CIFS) refuse chmod
-                os.fchmod(fd, mode)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, real)
-        tmp = None
-        _fsync_folder(folder)
-    except OSError as exc:
-        raise OutputFailed(exc, quote(path)) from None
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-
-
-def _umask() -> int:
-    """The process's umask, read without changing it (Linux reports it in /proc)."""
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    return 0o022
-
-
-def _fsync_folder(folder: str) -> None:
-    """Make a rename in ``folder`` durable; best effort (not every platform can)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 @cli.command()
@@ -689,9 +593,7 @@ def _fsync_folder(folder: str) -> None:
 @click.option("--chat/--no-chat", default=True, show_default=True,
               help="Wrap the prompt in the checkpoint's chat template (where it has one), or "
                    "continue the raw text.")
-@click.option("--session", "session_kind", type=click.Choice(["thread", "process", "torch"]),
-              default="thread", show_default=True,
-              help="Where workers run: threads, worker processes, or torchrun ranks.")
+@_session_option
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               default="float32", show_default=True,
               help="The dtype weights are dequantized to and the model runs in.")
@@ -721,15 +623,15 @@ def run(num_shards: int, ckpt: str, prompt: str, max_new_tokens: int, chat: bool
         raise BadInput("shardload run needs transformers: pip install \"shardload[hf]\"") \
             from None
 
-    if session_kind == "torch":
-        _check_torchrun()
+    session = _open_session(session_kind, num_shards, None, ())
     try:
         tokenizer = text.tokenizer(ckpt)
     except ValueError as exc:
+        session.close()
         raise BadInput(str(exc)) from None
     ids = text.prompt_ids(tokenizer, prompt, chat)
     torch_dtype = getattr(torch, dtype)
-    with _open_session(session_kind, num_shards, None, ()) as session:
+    with session:
         with _reading():
             model = load_tp_model(ckpt, session, dtype=torch_dtype, experts=experts)
         with model:

@@ -18,6 +18,7 @@ __all__ = [
     "UnknownShardFunctionError",
     "UnknownSessionFunctionError",
     "SessionClosedError",
+    "SessionError",
     "FormatError",
     "WorkerError",
     "WorkerCrashedError",
@@ -93,6 +94,10 @@ PLUGINS = Setting("plugins=[MODULE, ...]", "--plugin MODULE")
 LIST_FUNCS = Setting("list_shard_funcs() lists", "`shardload funcs` lists")
 #: a plan file given explicitly (``load_sharded(params, shard_info=FILE, ...)``)
 SHARD_INFO = Setting("shard_info=FILE", "--shard-info FILE")
+#: every tensor whole on every worker, chosen explicitly
+REPLICATE = Setting("shard_info=shardload.REPLICATE", "--replicate")
+EXPERTS_EP = Setting("experts='ep'", "--experts ep")
+EXPERTS_TP = Setting("experts='tp'", "--experts tp")
 
 
 class ShardloadError(Exception):
@@ -187,6 +192,17 @@ class SessionClosedError(ShardloadError, RuntimeError):
                        "and went with it. Fetch or copy what you need (sharded.shard(name, "
                        "worker), sharded.worker(worker)) before closing the session.")
         super().__init__(message)
+
+
+class SessionError(ShardloadError, ValueError):
+    """A session cannot be opened as asked: a device that is not there, torchrun's variables
+    missing, a torchrun job of another size than the workers asked for, a kind nobody
+    registered. Also a ``ValueError``, as a bad device spec raised before this class. The CLI
+    answers it as bad usage (exit 2)."""
+
+    def __init__(self, message: str, *, settings=()):
+        super().__init__(message)
+        mention(self, *settings)
 
 
 class FormatError(ShardloadError):

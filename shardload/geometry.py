@@ -37,7 +37,7 @@ from the planner's internals or the kind of session:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from .errors import PlanError
 from .tp_layout import head_layout

@@ -137,9 +137,14 @@ class ShardedParams:
 
 # ---- the steps -----------------------------------------------------------------------------------
 
-def _validated(shard_info: Any, num_shards: int, ckpt: Checkpoint) -> ValidatedPlan:
+def validated_for(shard_info: Any, num_shards: int, ckpt: Checkpoint) -> ValidatedPlan:
     """The plan bound to N and validated against ``ckpt``: done here, or already done by the
-    caller (a ``ValidatedPlan`` of this N whose tensors are ``ckpt``'s, as the CLI passes)."""
+    caller (a ``ValidatedPlan`` of this N whose tensors are ``ckpt``'s, as the front door
+    passes). ``shard_info`` is explicit: which plan a load uses is the front door's policy
+    (``frontdoor.resolve_plan``), not the loader's."""
+    if shard_info is None:
+        raise PlanError("the loader runs the plan it is given; shardload.load_sharded (the front "
+                        "door) decides which plan a load uses when it is given none")
     if isinstance(shard_info, ValidatedPlan):
         if shard_info.num_shards != num_shards:
             raise PlanError(f"this plan is bound to num_shards={shard_info.num_shards}, but the "
@@ -276,12 +281,14 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
                  progress: Union[bool, ProgressCallback] = True,
                  timeout: Optional[float] = None,
                  staging: Union[None, bool, Staging] = None) -> ShardedParams:
-    """Shard ``params`` by ``shard_info`` onto the workers of ``session``.
+    """Shard ``params`` by ``shard_info`` onto the workers of ``session``: the loader's own
+    entry, which runs the plan it is given. ``shardload.load_sharded`` (``frontdoor``) is the
+    public one: it decides which plan a load uses, then calls this.
 
     ``params``: a ``Checkpoint`` (``open_checkpoint(path)``), a path, or a mapping of name ->
     numpy/torch array. ``shard_info``: a ``ShardInfo``, a path to ``shard_info.json``, a dict, a
-    ``Plan`` bound to the session's N, a ``ValidatedPlan`` (validated against these tensors:
-    not validated again), or ``None`` (replicate everything). ``progress``: a tqdm
+    ``Plan`` bound to the session's N, or a ``ValidatedPlan`` (validated against these tensors:
+    not validated again). ``progress``: a tqdm
     bar over bytes (``True``), none (``False``), or a callback given each kept piece's bytes.
     ``timeout``: the watchdog for this load (default: the session's ``timeout``): a worker
     without progress for that many seconds fails the load with ``WorkerError`` naming it and
@@ -306,7 +313,7 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
     with contextlib.ExitStack() as stack:
         with session.collective("preparing the load"):
             ckpt = as_checkpoint(params)                                            # 1.
-            validated = _validated(shard_info, n, ckpt)                              # 2.
+            validated = validated_for(shard_info, n, ckpt)                          # 2.
             _check_devices(list(validated), session.devices, validated.plan.source)
             modules = _plugin_modules(validated, remote)                            # 3.
             source = stack.enter_context(_readable_elsewhere(ckpt, remote))

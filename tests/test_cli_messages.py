@@ -79,5 +79,14 @@ def test_unknown_shard_function(small, tmp_path):
     line = error_line(["validate", "-n", 2, "--shard-info", path, small])
     assert "(--plugin MODULE)" in line and "`shardload funcs` lists" in line
     assert "plugins=[" not in line and "list_shard_funcs()" not in line
-    # the CLI got it re-worded by check_num_shards, which keeps the settings it mentions
-    assert "cannot be split over 2 workers: unknown shard function" in line
+    # no N would fit this plan: it is not re-worded as a problem of the number of workers
+    assert "unknown shard function 'shardload.splt'" in line
+    assert "cannot be split over" not in line and "N that work" not in line
+
+
+def test_a_problem_of_n_lists_the_n_that_work_and_keeps_the_settings(small, tmp_path):
+    plan = {"a": [["shardload.split", [["num_shards", "8 // num_shards", 4], "float32"], 0]]}
+    path = write_plan(tmp_path, plan)
+    line = error_line(["validate", "-n", 3, "--shard-info", path, small])
+    assert "cannot be split over 3 workers" in line and "N that work (up to 64): 1, 2, 4, 8" \
+        in line

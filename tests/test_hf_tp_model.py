@@ -79,12 +79,18 @@ FLOAT = {
     "gpt_oss": gpt_oss_config,                                          # sinks, biases, MoE
     "deepseek_v2": lambda: deepseek_config("v2"),                       # MLA, no q_lora
     "deepseek_v3": lambda: deepseek_config("v3"),                       # MLA, q_lora, router bias
+    # 8 heads of 32 in a hidden size of 256: at N = 3 each worker holds 3 query heads (one of
+    # them zero-padded), which the hidden size does not divide; transformers' config checks
+    # refuse such sizes, so the worker's are set on the config after it is built
+    "llama_8_heads": lambda: transformers.LlamaConfig(**EIGHT_HEADS),
 }
 
 #: the quantized checkpoints: sizes where every N of 1..4 plans (one head = one 32-group of
 #: o_proj's inputs; 256 MLP rows), as tests/test_ct_formats.py has them, with 2 layers
 QUANT_SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
+#: a hidden size the padded heads of N = 3 do not divide (8 heads: 3 per worker)
+EIGHT_HEADS = dict(QUANT_SIZES, hidden_size=256, num_attention_heads=8)
 
 
 def _quant_llama():
@@ -99,6 +105,8 @@ def _quant_phi3():
 QUANTIZED = {
     "ct_w4a16_llama": lambda d: compress_w4a16(d, _quant_llama(), symmetric=True, group=32),
     "ct_w4a16_phi3": lambda d: compress_w4a16(d, _quant_phi3(), symmetric=True, group=32),
+    "ct_w4a16_llama_8_heads": lambda d: compress_w4a16(d, transformers.LlamaConfig(**EIGHT_HEADS),
+                                                       symmetric=True, group=32),
     "ct_w8a8_llama": lambda d: compress_preset(d, _quant_llama(), "W8A8"),
     "ct_nvfp4a16_llama": lambda d: compress_preset(d, _quant_llama(), "NVFP4A16"),
     "ct_mxfp4a16_llama": lambda d: compress_preset(d, _quant_llama(), "MXFP4A16"),
@@ -108,7 +116,7 @@ QUANTIZED = {
 #: one N per family for ProcessSession (slow); the dense one is OLMo-2, whose q/k norms add a
 #: reduction of their own over the gloo group
 PROCESS_CASES = [("olmo2", 3), ("qwen2_moe", 2), ("gpt_oss", 2), ("deepseek_v3", 3),
-                 ("ct_w4a16_llama", 2), ("gpt_oss_mxfp4", 3)]
+                 ("ct_w4a16_llama", 2), ("gpt_oss_mxfp4", 3), ("ct_w4a16_llama_8_heads", 3)]
 
 
 # ---- the checkpoints and transformers' answers -------------------------------------------------
@@ -232,7 +240,8 @@ def check_parity(case: str, ref: Reference, n: int, session_class) -> None:
             padded = n == PADDED or n in ALSO_PADDED.get(case, ())
             assert model.decision.kind == ("padded" if padded else "unpadded")
             logits = model(torch.tensor(PROMPT))
-            tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS)
+            tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS,
+                                    eos_token_id=None)   # as the reference: all 16 tokens
         finally:
             model.close()
     diff = relative(logits, ref.logits)
@@ -293,7 +302,8 @@ def test_nvfp4_transformers_rounds_to_bfloat16(reference):
     for n in (1, 2):
         with ThreadedSession(n) as session, load_tp_model(str(ref.folder), session) as model:
             diffs.append(relative(model(PROMPT), want))
-            assert model.generate(PROMPT, max_new_tokens=NEW_TOKENS).tolist() == \
+            assert model.generate(PROMPT, max_new_tokens=NEW_TOKENS,
+                                  eos_token_id=None).tolist() == \
                 want_tokens.tolist()
     print(f"\nNVFP4 against transformers' bf16 decompression: rel={diffs}")
     assert all(d < 1e-2 for d in diffs)
@@ -308,7 +318,8 @@ def test_sampling_is_the_same_at_every_n(reference):
     for n in (1, 3):
         with ThreadedSession(n) as session, load_tp_model(str(ref.folder), session) as model:
             sampled[n] = [model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True,
-                                         seed=seed, temperature=0.8, top_k=20).tolist()
+                                         seed=seed, temperature=0.8, top_k=20,
+                                         eos_token_id=None).tolist()
                           for seed in (7, 7, 8)]
     assert sampled[1] == sampled[3]
     first, again, other = sampled[1]
@@ -327,7 +338,8 @@ def test_batch_and_closed_model(reference):
     with ThreadedSession(3) as session:
         model = load_tp_model(str(ref.folder), session)
         assert relative(model(prompts), want) < TOLERANCE
-        assert model.generate(prompts, max_new_tokens=4)[0].tolist() == ref.tokens[0, :12].tolist()
+        assert model.generate(prompts, max_new_tokens=4, eos_token_id=None)[0].tolist() == \
+            ref.tokens[0, :12].tolist()
         model.close()
         with pytest.raises(WorkerError, match="no model"):
             model(PROMPT)
@@ -359,6 +371,7 @@ def test_expert_parallel_equals_transformers(reference, case, n):
             held = model.decision.plan().metadata["experts"]["experts_per_worker"]
             assert all(len(slots) == n for slots in held.values())
             logits = model(torch.tensor(PROMPT))
-            tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS)
+            tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS,
+                                    eos_token_id=None)
     assert relative(logits, ref.logits) < TOLERANCE
     assert tokens.tolist() == ref.tokens.tolist()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import helpers.session_plugins  # noqa: F401  (registers test shard functions, here and in workers)
-from shardload import (ArrayCheckpoint, PlanError, ProcessSession, SessionClosedError,
+from shardload import (REPLICATE, ArrayCheckpoint, PlanError, ProcessSession, SessionClosedError,
                        ShardInfo, ThreadedSession, WorkerError, load_sharded,
                        register_shard_func)
 from shardload import get_shard_func, pieces
@@ -179,19 +179,6 @@ def test_worker_mapping_and_names(run):
         result.shard("c", 0)
 
 
-def test_accepts_a_path_a_dict_plan_and_none(run, tmp_path):
-    from safetensors.numpy import save_file
-
-    path = tmp_path / "m.safetensors"
-    save_file({"w": np.arange(8, dtype=np.float32)}, str(path))
-    (tmp_path / "shard_info.json").write_text(
-        '{"w": [["shardload.split", [["num_shards", "8 // num_shards"], "float32"], 0]]}')
-    a = run(str(path), str(tmp_path / "shard_info.json"), 2)
-    b = run(str(path), None, 2)
-    assert torch.equal(a.shard("w", 1), torch.arange(4, 8, dtype=torch.float32))
-    assert torch.equal(b.shard("w", 1), torch.arange(8, dtype=torch.float32))
-
-
 def test_plan_bound_to_another_n_is_refused(run):
     plan = ShardInfo.from_dict({"w": [["shardload.split", [["num_shards", "8 // num_shards"],
                                                             "float32"], 0]]}).bind(4)
@@ -313,9 +300,9 @@ def test_closed_session_refuses_work():
     sess.close()
     sess.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
-        load_sharded({"a": np.zeros(2)}, None, sess, progress=False)
+        load_sharded({"a": np.zeros(2)}, REPLICATE, sess, progress=False)
     with pytest.raises(SessionClosedError) as info:
-        load_sharded({"a": np.zeros(2)}, None, sess, progress=False)
+        load_sharded({"a": np.zeros(2)}, REPLICATE, sess, progress=False)
     assert (info.value.session, info.value.worker, info.value.param) == \
         ("ThreadedSession", None, None)
     assert str(info.value).startswith("this ThreadedSession is closed (by close() or its with "

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import helpers.process_plugins  # noqa: F401  (session functions, registered here and in workers)
-from shardload import (ProcessSession, SessionClosedError, ShardloadError, ThreadedSession,
-                       UnknownSessionFunctionError, WorkerError, load_sharded)
+from shardload import (REPLICATE, ProcessSession, SessionClosedError, ShardloadError,
+                       ThreadedSession, UnknownSessionFunctionError, WorkerError, load_sharded)
 from shardload.sessions import resolve_devices
 
 
@@ -28,7 +28,7 @@ def test_call_returns_one_result_per_worker(sess):
 def test_session_functions_see_the_latest_load(sess):
     plan = {"a": [["shardload.split", [[2, 4], "float32"], 0]]}
     load_sharded({"a": np.arange(8, dtype=np.float32)}, plan, sess, progress=False)
-    first = load_sharded({"b": np.zeros(2, np.float32)}, None, sess, progress=False)
+    first = load_sharded({"b": np.zeros(2, np.float32)}, REPLICATE, sess, progress=False)
     assert sess.call("tests.process.shard_names") == [["b"], ["b"]]
     assert torch.equal(first.shard("b", 1), torch.zeros(2))
 
@@ -71,7 +71,7 @@ def test_a_closed_session_raises_its_own_error(kind):
     for use in (lambda: session.call("tests.process.rank"),
                 lambda: session.run("tests.process.rank", [(), ()]),
                 lambda: session.set_value(0, "x", 1), lambda: session.get_value(1, "x"),
-                lambda: load_sharded({"a": np.zeros(2)}, None, session, progress=False)):
+                lambda: load_sharded({"a": np.zeros(2)}, REPLICATE, session, progress=False)):
         with pytest.raises(SessionClosedError) as info:
             use()
         err = info.value
@@ -98,3 +98,44 @@ def test_the_number_of_workers_is_checked_once_for_every_session(n, message):
         with pytest.raises(ValueError) as info:
             make()
         assert type(info.value) is ValueError and str(info.value) == message
+
+
+# ---- collectives: every session supplies its workers' ctx.group ----------------------------
+
+import helpers.group_plugins  # noqa: E402,F401  (session functions using ctx.group)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_threads_reduce_and_broadcast_the_same_bits_on_every_worker(n):
+    with ThreadedSession(n) as session:
+        results = session.call("tests.groups.rounds", 3)
+    want = [[sum(10.0 ** w for w in range(n)) + n * r, 100.0 * (r % n) + r] for r in range(3)]
+    assert results == [want] * n
+
+
+def test_process_workers_reduce_over_their_own_group():
+    with ProcessSession(2) as session:
+        assert session.call("tests.groups.rounds", 2) == [[[11.0, 0.0], [13.0, 101.0]]] * 2
+
+
+def test_process_workers_without_a_group_say_so():
+    with ProcessSession(2, distributed=False) as session:
+        with pytest.raises(WorkerError, match=r"ShardloadError: worker [01] has no collectives: "
+                                              r"its ProcessSession was opened with "
+                                              r"distributed=False"):
+            session.call("tests.groups.rounds", 1)
+
+
+def test_a_failing_thread_stops_the_others_waiting_in_a_collective():
+    import time
+
+    with ThreadedSession(3) as session:
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as err:
+            session.call("tests.groups.fail_on", 1)
+        # the failure is the one reported, alone: the waiting workers stopped, quietly
+        assert err.value.workers == (1,)
+        assert "ValueError: worker 1 fails on purpose" in str(err.value)
+        assert time.monotonic() - start < 10      # measured: 0.2 s; without the abort, never
+        # the broken barrier is mended: the next run's collectives work
+        assert session.call("tests.groups.rounds", 1) == [[[111.0, 0.0]]] * 3

@@ -97,7 +97,8 @@ def test_cli_under_torchrun(tmp_path):
 def test_cli_refuses_shards_other_than_the_world_size():
     job = torchrun("-m", "shardload", "load", "--session", "torch", "--shards", "4", EXAMPLE)
     assert job.returncode != 0
-    assert "--shards 4 but this torch.distributed job has 2 ranks" in job.stderr
+    assert "--shards 4 but this torch session has 2 workers (a torchrun job has one per rank)" \
+        in job.stderr
 
 
 def test_outside_a_job_says_how_to_start_one(monkeypatch):

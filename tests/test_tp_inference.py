@@ -15,7 +15,6 @@ import math
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -29,7 +28,7 @@ from conftest import EXAMPLES
 from helpers.real_models import cache_dir, smollm2_gguf
 from shardload import PlanError, ProcessSession, ThreadedSession, open_checkpoint
 from shardload.planners import plan_for
-from tp_llama import TensorParallelLlama, ThreadGroup
+from tp_llama import TensorParallelLlama
 
 #: N that the planner splits SmolLM2 into without padding (9 query heads, 3 KV heads)
 NS = [1, 3]
@@ -211,46 +210,6 @@ def test_layer0_matches_independent_computation(model_path, reference):
     diff = (got - expected).abs().max().item()
     print(f"\nlayer 0: max |diff| {diff:.3g} (hidden state max {expected.abs().max():.3g})")
     assert diff <= LAYER0_TOL
-
-
-# ---- the in-process all-reduce ----------------------------------------------------------------
-
-def test_thread_group_sums_and_fails_fast():
-    """Every worker gets the same sum; a worker that fails wakes the others instead of leaving
-    them waiting."""
-    group, results = ThreadGroup(3, timeout_s=30), {}
-
-    def worker(rank):
-        for step in range(3):  # several rounds: the alternating buffers must not mix them up
-            results[rank, step] = group.all_reduce(rank, torch.full((2,), 10.0 ** rank + step))
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    for step in range(3):
-        for rank in range(3):
-            assert results[rank, step].tolist() == [111.0 + 3 * step] * 2
-
-    failing, errors = ThreadGroup(3, timeout_s=30), []
-
-    def waiting(rank):
-        try:
-            failing.all_reduce(rank, torch.zeros(1))
-        except RuntimeError as exc:
-            errors.append(str(exc))
-
-    start = time.monotonic()
-    waiters = [threading.Thread(target=waiting, args=(r,)) for r in range(2)]
-    for t in waiters:
-        t.start()
-    time.sleep(0.1)
-    failing.abort()  # what worker 2 does when its forward raises
-    for t in waiters:
-        t.join(10)
-    assert len(errors) == 2 and "another worker failed" in errors[0]
-    assert time.monotonic() - start < 5
 
 
 # ---- the example script ------------------------------------------------------------------------

@@ -2,12 +2,13 @@
 
 The controller's steps:
 
-1. open the checkpoint and plan it for the session's N (``plan_decision``: padded where the
-   heads or the MLP do not divide);
+1. open the checkpoint and resolve its plan for the session's N by the front door's policy
+   (``frontdoor.resolve_plan``: the plan given, else ``shard_info.json`` beside it, else one
+   made from its config, padded where the heads or the MLP do not divide);
 2. load the shards (``load_sharded``): each worker holds only its pieces, still quantized;
 3. read each worker's share of the model from the plan (``geometry.worker_share``: its query and
-   KV heads and MLP rows, the row-parallel biases it must not add, its experts), and how the
-   workers talk (a thread group, a gloo group of the worker processes, or torchrun's);
+   KV heads and MLP rows, the row-parallel biases it must not add, its experts); the workers
+   reduce over the session's own collectives (``ctx.group``), whatever the session;
 4. run ``worker.build`` on every worker: it dequantizes its pieces and lets transformers build
    and load the model class of the checkpoint's config with those sizes (see ``worker.py``).
 
@@ -18,16 +19,15 @@ Then ``TPModel(input_ids)`` runs the forward on every worker and returns the log
 from __future__ import annotations
 
 import copy
-import socket
 import uuid
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from ..errors import FormatError, ShardloadError
+from ..errors import EXPERTS_TP, FormatError, ShardloadError, mention
 from ..geometry import WorkerShare, worker_share
+from ..frontdoor import resolve_plan
 from ..loader import load_sharded
-from ..planners import plan_decision
 from ..readers import as_checkpoint
 from ..sessions import Session
 from . import worker
@@ -44,11 +44,12 @@ class TPModel:
     ...     tokens = model.generate(input_ids, max_new_tokens=16)
     """
 
-    def __init__(self, session: Session, token: str, config: dict, sharded, decision):
+    def __init__(self, session: Session, token: str, config: dict, sharded, resolved):
         self.session = session
         self.token = token
         self.config = config
-        self.decision = decision
+        #: the plan it was loaded with, and where it came from (``frontdoor.ResolvedPlan``)
+        self.resolved = resolved
         self._sharded = sharded       # keeps worker processes' pieces alive while in use
         self._closed = False
 
@@ -56,27 +57,44 @@ class TPModel:
     def num_shards(self) -> int:
         return self.session.num_workers
 
+    @property
+    def decision(self):
+        """The planner's decision (``planners.PlanDecision``: unpadded, padded) when the plan
+        was made from the config; None for a plan given or found beside the checkpoint."""
+        return self.resolved.decision
+
+    @property
+    def _answer(self) -> int:
+        """The worker whose answer this process reads: its own, where it hosts one (a
+        torchrun rank hosts itself), else worker 0's."""
+        local = self.session.local_workers
+        return local[0] if local else 0
+
     def _first(self, results: list) -> Any:
         return next(r for r in results if r is not None)
 
     def __call__(self, input_ids: Union[torch.Tensor, Sequence[Sequence[int]]]) -> torch.Tensor:
         """The logits ``[batch, tokens, vocab]`` (float32) for ``input_ids`` ``[batch, tokens]``."""
         ids = _as_lists(input_ids)
-        results = self.session.call(worker.FORWARD, self.token, ids, self.session.spmd)
+        results = self.session.call(worker.FORWARD, self.token, ids, self._answer)
         return self._first(results)
 
     def generate(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, seed: int = 0,
-                 eos_token_id: Union[int, Sequence[int], None] = None) -> torch.Tensor:
+                 eos_token_id: Union[int, Sequence[int], None, str] = "config") -> torch.Tensor:
         """``input_ids`` followed by up to ``max_new_tokens`` tokens (greedy, or sampled with
         ``temperature`` and ``top_k`` from ``seed``), stopping early when every row has
-        produced an ``eos_token_id``."""
+        produced an ``eos_token_id``: by default the checkpoint's own (its config's
+        ``eos_token_id``, a GGUF's ``tokenizer.ggml.eos_token_id``), as transformers' generate
+        stops; ``None`` never stops early."""
+        if eos_token_id == "config":
+            eos_token_id = _config_eos(self.config)
         eos = ([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int)
                else list(eos_token_id))
         sampling = {"do_sample": bool(do_sample), "temperature": float(temperature),
                     "top_k": int(top_k), "seed": int(seed)}
         results = self.session.call(worker.GENERATE, self.token, _as_lists(input_ids),
-                                    int(max_new_tokens), sampling, eos, self.session.spmd)
+                                    int(max_new_tokens), sampling, eos, self._answer)
         return torch.tensor(self._first(results), dtype=torch.long)
 
     def close(self) -> None:
@@ -92,6 +110,19 @@ class TPModel:
         self.close()
 
 
+def _config_eos(config: dict) -> Union[int, list, None]:
+    """The end-of-sequence token(s) a checkpoint's config names, if any."""
+    for key in ("eos_token_id", "tokenizer.ggml.eos_token_id"):
+        value = config.get(key)
+        if value is None and isinstance(config.get("text_config"), dict):
+            value = config["text_config"].get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, list) and all(type(v) is int for v in value):
+            return value
+    return None
+
+
 def _as_lists(input_ids) -> list:
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 1:
@@ -102,22 +133,6 @@ def _as_lists(input_ids) -> list:
         list(map(int, rows))]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _comm(session: Session, token: str) -> dict:
-    """How the workers of ``session`` reduce: threads of this process, a gloo group of worker
-    processes (joined at a fresh local port), or the ranks of the torchrun job."""
-    if session.spmd:
-        return {"kind": "torch", "token": token}
-    if len(session.local_workers) == session.num_workers:
-        return {"kind": "threads", "token": token}
-    return {"kind": "gloo", "token": token, "address": f"tcp://127.0.0.1:{_free_port()}"}
-
-
 def _dense_config(config: dict) -> dict:
     """The checkpoint's config, unquantized (the workers load dense weights)."""
     local = copy.deepcopy(config)
@@ -125,11 +140,11 @@ def _dense_config(config: dict) -> dict:
     return local
 
 
-def _build_spec(share: WorkerShare, dtype: torch.dtype, comm: dict, config: dict,
+def _build_spec(share: WorkerShare, dtype: torch.dtype, token: str, config: dict,
                 gguf: Optional[dict]) -> dict:
     """What worker ``share.rank``'s build needs (``worker.build``)."""
     record = share.record
-    common = {"dtype": _DTYPE_NAMES[dtype], "quant": share.quantization, "comm": comm,
+    common = {"dtype": _DTYPE_NAMES[dtype], "quant": share.quantization, "token": token,
               "split_norms": share.projection_norms,
               "zero_on_others": share.row_parallel_biases}
     if gguf is not None:
@@ -155,9 +170,15 @@ def _build_spec(share: WorkerShare, dtype: torch.dtype, comm: dict, config: dict
 
 
 def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, *,
-                  experts: str = "tp", progress: bool = False) -> TPModel:
+                  shard_info: Any = None, experts: str = "tp",
+                  progress: bool = False) -> TPModel:
     """transformers' model of the checkpoint ``params`` (a folder, or an open checkpoint),
     split over the workers of ``session``, its weights dequantized to ``dtype``.
+
+    The plan is the front door's (``shardload.load_sharded``'s): ``shard_info`` if given, else
+    ``shard_info.json`` beside the checkpoint, else one made from its config; it must be one the
+    planner wrote (its record of the model, ``__metadata__.model``, is what each worker's model
+    is built from). ``experts="ep"`` plans whole routed experts per worker.
 
     >>> from shardload import ProcessSession                                 # doctest: +SKIP
     >>> from shardload.hf import load_tp_model
@@ -171,9 +192,8 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
                              f"got {dtype}")
     ckpt = as_checkpoint(params)                                                   # 1.
     n = session.num_workers
-    decision = plan_decision(ckpt, n, experts=experts)
-    decision.plan()                       # a refused N is raised here
-    validated = decision.validated
+    resolved = resolve_plan(ckpt, n, shard_info, experts=experts)
+    validated = resolved.validated
     shares = [worker_share(validated, i) for i in range(n)]
     kind = shares[0].record["checkpoint"]
     if kind not in ("hf", "gguf"):
@@ -182,8 +202,9 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
                           f"is a {kind} checkpoint (MLC checkpoints are not supported)",
                           file=ckpt.source)
     if experts == "ep" and kind == "gguf":
-        raise ShardloadError("expert-parallel plans of GGUF checkpoints are not built into a "
-                             "model yet: load with experts='tp'")
+        raise mention(ShardloadError("expert-parallel plans of GGUF checkpoints are not built "
+                                     f"into a model yet: load with {EXPERTS_TP.python}"),
+                      EXPERTS_TP)
     sharded = load_sharded(ckpt, validated, session, progress=progress)          # 2.
     gguf = None                                                                    # 3.
     if kind == "gguf":
@@ -192,11 +213,10 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
                           for name in ckpt.metadata()}}
     config = _dense_config(ckpt.config) if kind == "hf" else {}
     token = uuid.uuid4().hex
-    comm = _comm(session, token)
     session.run(worker.BUILD,                                                      # 4.
-                lambda i: [_build_spec(shares[i], dtype, comm, config, gguf)],
+                lambda i: [_build_spec(shares[i], dtype, token, config, gguf)],
                 context=f"while building the model of {ckpt.source}")
-    return TPModel(session, token, ckpt.config, sharded, decision)
+    return TPModel(session, token, ckpt.config, sharded, resolved)
 
 
 __all__ = ["load_tp_model", "TPModel"]

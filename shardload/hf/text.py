@@ -22,10 +22,18 @@ def tokenizer(ckpt: str):
     try:
         return transformers.AutoTokenizer.from_pretrained(folder, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any failure means: no usable tokenizer there
-        raise ValueError(f"{ckpt} has no tokenizer transformers can read "
-                         f"({type(exc).__name__}: {str(exc)[:200]}); shardload run needs the "
-                         "checkpoint's tokenizer (tokenizer.json and tokenizer_config.json, or "
-                         "a GGUF file's vocabulary)") from None
+        raise ValueError(f"{ckpt} has no tokenizer transformers can read ({type(exc).__name__}: "
+                         f"{_first_line(str(exc))}); shardload run needs the checkpoint's "
+                         "tokenizer (tokenizer.json and tokenizer_config.json, or a GGUF "
+                         "file's vocabulary)") from None
+
+
+def _first_line(text: str, limit: int = 160) -> str:
+    """The first line of ``text``, cut at a word (a message must stay one readable line)."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    if len(line) <= limit:
+        return line
+    return line[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def prompt_ids(tok, prompt: str, chat: bool) -> list[int]:

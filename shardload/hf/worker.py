@@ -16,7 +16,7 @@ Building, on each worker (``build``):
    the whole model's sizes), so every name conversion and every architecture's forward is
    transformers' own;
 5. add a forward hook summing the outputs of every decoder layer's attention and MLP over the
-   workers (``comm``): the row-parallel reduction.
+   workers (the session's collectives, ``ctx.group``): the row-parallel reduction.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from typing import Any, Optional
 import torch
 
 from ..sessions import register_session_func
-from . import comm
 
 BUILD = "shardload.hf.build"
 FORWARD = "shardload.hf.forward"
@@ -50,25 +49,15 @@ _REDUCED = ("self_attn", "mlp", "block_sparse_moe")
 
 
 class _Built:
-    """One worker's model and the group it reduces over."""
+    """One worker's model and the session's collectives it reduces over (None: one worker)."""
 
-    def __init__(self, model, group, rank: int):
+    def __init__(self, model, group):
         self.model = model
         self.group = group
-        self.rank = rank
 
 
 def _key(token: str) -> str:
     return f"shardload.hf.model:{token}"
-
-
-def _group(spec: dict, rank: int, size: int):
-    kind = spec["kind"]
-    if kind == "threads":
-        return comm.thread_group(spec["token"], size)
-    if kind == "gloo":
-        return comm.join_process_group(spec["address"], rank, size)
-    return comm.DistGroup()        # torchrun: the job's own group
 
 
 def dense_weights(shards: dict[str, torch.Tensor], quant: dict,
@@ -142,14 +131,14 @@ class _SplitNorm(torch.nn.Module):
     once), the sums are summed over the workers, and every worker normalises its part by the
     whole projection's mean square."""
 
-    def __init__(self, norm: torch.nn.Module, split: dict, group, rank: int):
+    def __init__(self, norm: torch.nn.Module, split: dict, group):
         super().__init__()
         self.weight = norm.weight
         self.eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
         self.width = split["width"]
         self.head_dim = split["head_dim"]
         self.register_buffer("head_weights", torch.tensor(split["weights"]), persistent=False)
-        self.group, self.rank = group, rank
+        self.group = group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         dtype = hidden.dtype
@@ -157,27 +146,27 @@ class _SplitNorm(torch.nn.Module):
         heads = hidden.pow(2).unflatten(-1, (-1, self.head_dim)).sum(-1)
         total = (heads * self.head_weights).sum(-1, keepdim=True)
         if self.group is not None:
-            total = self.group.all_reduce(total.contiguous(), self.rank)
+            total = self.group.all_reduce(total.contiguous())
         hidden = hidden * torch.rsqrt(total / self.width + self.eps)
         return (self.weight * hidden).to(dtype)
 
 
-def _split_norms(model, norms: dict, group, rank: int) -> None:
+def _split_norms(model, norms: dict, group) -> None:
     """Replace the norms ``norms`` names in every attention with ``_SplitNorm``."""
     for name, module in list(model.named_modules()):
         for norm, split in norms.items():
             child = getattr(module, norm, None)
             if name.endswith("self_attn") and isinstance(child, torch.nn.Module):
-                setattr(module, norm, _SplitNorm(child, split, group, rank))
+                setattr(module, norm, _SplitNorm(child, split, group))
 
 
-def _reduce_outputs(model, group, rank: int) -> None:
+def _reduce_outputs(model, group) -> None:
     """Sum every decoder layer's attention and MLP outputs over the workers."""
     def hook(module, args, output):
         if isinstance(output, tuple):
-            group.all_reduce(output[0], rank)
+            group.all_reduce(output[0])
         else:
-            group.all_reduce(output, rank)
+            group.all_reduce(output)
         return output
 
     for name, module in model.named_modules():
@@ -252,12 +241,12 @@ def build(ctx, spec: dict) -> dict:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     model.eval()
-    group = _group(spec["comm"], ctx.rank, ctx.world_size) if ctx.world_size > 1 else None
+    group = ctx.group if ctx.world_size > 1 else None
     if spec.get("split_norms"):
-        _split_norms(model, spec["split_norms"], group, ctx.rank)
+        _split_norms(model, spec["split_norms"], group)
     if group is not None:
-        _reduce_outputs(model, group, ctx.rank)
-    ctx.values[_key(spec["comm"]["token"])] = _Built(model, group, ctx.rank)
+        _reduce_outputs(model, group)
+    ctx.values[_key(spec["token"])] = _Built(model, group)
     return {"parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -331,14 +320,14 @@ def _built(ctx, token: str) -> _Built:
 
 
 @register_session_func(FORWARD)
-def forward(ctx, token: str, input_ids: list, every_rank: bool = False) -> Optional[torch.Tensor]:
-    """Logits of the whole model for ``input_ids`` (every worker runs its share; worker 0, or
-    with ``every_rank`` each worker, returns them)."""
+def forward(ctx, token: str, input_ids: list, answer: int = 0) -> Optional[torch.Tensor]:
+    """Logits of the whole model for ``input_ids`` (every worker runs its share; worker
+    ``answer`` returns them, the others None)."""
     built = _built(ctx, token)
     ids = torch.tensor(input_ids, dtype=torch.long)
     with torch.no_grad():
         logits = built.model(input_ids=ids).logits.float()
-    return logits if ctx.rank == 0 or every_rank else None
+    return logits if ctx.rank == answer else None
 
 
 def _choose(logits: torch.Tensor, sampling: dict, generator: torch.Generator) -> torch.Tensor:
@@ -356,7 +345,7 @@ def _choose(logits: torch.Tensor, sampling: dict, generator: torch.Generator) ->
 
 @register_session_func(GENERATE)
 def generate(ctx, token: str, input_ids: list, max_new_tokens: int, sampling: dict,
-             eos_token_ids: list, every_rank: bool = False) -> Optional[list]:
+             eos_token_ids: list, answer: int = 0) -> Optional[list]:
     """Decode ``max_new_tokens`` after ``input_ids`` with a KV cache. Worker 0 chooses each
     token and broadcasts it, so every worker feeds the same one (sampling included)."""
     built = _built(ctx, token)
@@ -374,7 +363,7 @@ def generate(ctx, token: str, input_ids: list, max_new_tokens: int, sampling: di
             past = result.cache if hasattr(result, "cache") else result.past_key_values
             chosen = _choose(result.logits[:, -1].float(), sampling, generator)
             if built.group is not None:
-                chosen = built.group.broadcast(chosen.contiguous(), built.rank)
+                chosen = built.group.broadcast(chosen.contiguous())
             out = torch.cat([out, chosen[:, None]], dim=1)
             done |= torch.tensor([int(t) in eos for t in chosen.tolist()])
             if bool(done.all()):
@@ -383,12 +372,11 @@ def generate(ctx, token: str, input_ids: list, max_new_tokens: int, sampling: di
         if built.group is not None:
             # a broadcast returns on worker 0 before the others have received: end together,
             # so that no worker leaves (and a torchrun job tears its group down) mid-receive
-            built.group.all_reduce(torch.zeros(1), built.rank)
-    return out.tolist() if ctx.rank == 0 or every_rank else None
+            built.group.barrier()
+    return out.tolist() if ctx.rank == answer else None
 
 
 @register_session_func(RELEASE)
 def release(ctx, token: str) -> None:
-    """Drop this worker's model (and, for threads, the group)."""
+    """Drop this worker's model."""
     ctx.values.pop(_key(token), None)
-    comm.drop_thread_group(token)

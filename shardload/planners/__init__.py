@@ -21,10 +21,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from ..errors import PlanError, mention
+from ..errors import EXPERTS_TP, PlanError, mention
 from ..formats import Scheme
 from ..geometry import MODEL_KEY
-from ..limits import MAX_NUM_SHARDS
+from ..limits import num_shards_problem
 from ..plan import Placement, ShardInfo, ValidatedPlan
 from ..readers import Checkpoint, as_checkpoint
 from .checks import check_shapes, vocab_from_tensors
@@ -129,11 +129,9 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     if experts == "ep" and num_shards is None:
         raise PlanError("expert parallelism assigns whole experts to workers, so its plan is "
                         "for one number of workers: give num_shards")
-    if num_shards is not None and (type(num_shards) is not int or num_shards < 1):
-        raise PlanError(f"num_shards must be a positive integer, got {num_shards!r}")
-    if num_shards is not None and num_shards > MAX_NUM_SHARDS:
-        raise PlanError(f"num_shards={num_shards} is more than the {MAX_NUM_SHARDS} workers "
-                        "shardload runs in one session (each is a thread or a process)")
+    problem = None if num_shards is None else num_shards_problem(num_shards)
+    if problem is not None:
+        raise PlanError(f"num_shards {problem}")
     ckpt = as_checkpoint(params)
     kind, spec, scheme = detect(ckpt)
     spec = vocab_from_tensors(ckpt, spec)
@@ -148,9 +146,10 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     ep = parallel_experts()
     planned = plan_decoder(ckpt, spec, scheme, vocab_parallel=vocab_parallel, experts=ep)
     if ep is not None and not ep.layouts:
-        raise PlanError(f"{ckpt.source} has no routed experts ({spec.architecture}): expert "
-                        "parallelism needs a mixture-of-experts model; plan with experts='tp'",
-                        source=ckpt.source)
+        error = PlanError(f"{ckpt.source} has no routed experts ({spec.architecture}): expert "
+                          "parallelism needs a mixture-of-experts model; plan with "
+                          f"{EXPERTS_TP.python}", source=ckpt.source)
+        raise mention(error, EXPERTS_TP)
     constraints = planned.constraints
     # with expert parallelism, the N an EP plan can be made for (its experts put no constraint)
     valid = ValidNumShards([n for n in range(1, MAX_SHARDS_TRIED + 1) if constraints.allows(n)],
@@ -266,6 +265,8 @@ def check_num_shards(info: ShardInfo, params: Union[Checkpoint, str],
 
 def _refuse(info: ShardInfo, ckpt: Checkpoint, num_shards: int, exc: PlanError):
     valid = valid_num_shards(info, ckpt)
+    if not valid and valid.complete:
+        raise exc       # no N fits: the problem is not the number of workers
     error = PlanError(f"{ckpt.source} cannot be split over {num_shards} workers: "
                       f"{exc.reason.rstrip('.')}. {valid.describe()}", source=info.source,
                       param=exc.param)

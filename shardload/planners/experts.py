@@ -21,7 +21,6 @@ how, is the naming scheme's (``naming.NamingScheme.expert_kind``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from ..errors import PlanError
 from ..plan import step_json

@@ -12,7 +12,7 @@ import os
 from typing import Callable, Optional, Union
 
 from ..config_fields import Fields
-from ..errors import SHARD_INFO, PlanError, mention
+from ..errors import REPLICATE, SHARD_INFO, PlanError, mention
 from ..formats import Scheme, scheme_from_hf
 from .spec import ModelSpec, spec_from_gguf, spec_from_hf, spec_from_mlc
 
@@ -29,8 +29,9 @@ def _folder(source: str) -> str:
 def _no_config(source: str, what: str) -> PlanError:
     error = PlanError(f"no plan, and no model config next to the checkpoint ({what}) to write "
                       f"one from: pass a plan ({SHARD_INFO.python}, or a shard_info.json beside "
-                      "the checkpoint), or add the model's config", source=source)
-    mention(error, SHARD_INFO)
+                      f"the checkpoint), add the model's config, or choose to replicate every "
+                      f"tensor ({REPLICATE.python})", source=source)
+    mention(error, SHARD_INFO, REPLICATE)
     return error
 
 

@@ -399,7 +399,12 @@ def _open(p: Path, source: str) -> "SafetensorsCheckpoint":
             return _open_sharded(p / INDEX_NAME, source)
         found = sorted(p.glob("*.safetensors"))  # whatever they are: see _open_shard
         if not found:
-            raise FormatError(f"folder holds no *.safetensors file and no {INDEX_NAME}", file=p)
+            ggufs = sorted(f.name for f in p.glob("*.gguf"))
+            hint = (f"; a GGUF checkpoint is one file: pass it ({p / ggufs[0]})" if ggufs
+                    else "")
+            raise FormatError(f"folder holds no checkpoint shardload reads: no *.safetensors "
+                              f"file or {INDEX_NAME} (Hugging Face), no tensor-cache.json (MLC), "
+                              f"and a GGUF checkpoint is a .gguf file{hint}", file=p)
         if len(found) > 1:
             names = ", ".join(f.name for f in found[:5]) + (", ..." if len(found) > 5 else "")
             raise FormatError(f"folder holds {len(found)} .safetensors files ({names}) but no "

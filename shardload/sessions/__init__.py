@@ -3,16 +3,54 @@
 ``ThreadedSession`` (threads in this process), ``ProcessSession`` (worker processes driven over
 pipes) and ``TorchDistributedSession`` (the ranks of a torch.distributed job) share one API:
 ``run`` a registered session function on every worker with per-worker arguments, ``call``,
-``set_value`` / ``get_value``, ``collective``. The loader drives every load through it.
+``set_value`` / ``get_value``, ``collective``, and each supplies its workers' collectives
+(``ctx.group``: ``groups.py``). The loader drives every load through it. Kinds of session are
+opened by name (``kinds.py``: ``open_session("process", 4)``).
+
+Names are imported lazily, so that the table of session kinds (the CLI's ``--session``
+choices) is read without importing torch.
 """
 
-from .base import Session, Stopped, WorkerContext, resolve_devices
-from .functions import (SessionFunc, get_session_func, list_session_funcs,
-                        register_session_func, unregister_session_func)
-from .process import ProcessSession
-from .threaded import ThreadedSession
-from .torchdist import TorchDistributedSession
+from __future__ import annotations
 
-__all__ = ["Session", "Stopped", "WorkerContext", "ThreadedSession", "ProcessSession",
-           "TorchDistributedSession", "resolve_devices", "SessionFunc", "register_session_func",
-           "get_session_func", "list_session_funcs", "unregister_session_func"]
+import importlib
+from typing import TYPE_CHECKING
+
+# public name -> module that defines it
+_LAZY = {
+    "Session": "base", "Stopped": "base", "WorkerContext": "base", "resolve_devices": "base",
+    "SessionFunc": "functions", "get_session_func": "functions",
+    "list_session_funcs": "functions", "register_session_func": "functions",
+    "unregister_session_func": "functions",
+    "ProcessSession": "process", "ThreadedSession": "threaded",
+    "TorchDistributedSession": "torchdist",
+    "SessionKind": "kinds", "register_session_kind": "kinds", "session_kinds": "kinds",
+    "open_session": "kinds",
+    "Group": "groups",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .base import Session, Stopped, WorkerContext, resolve_devices
+    from .functions import (SessionFunc, get_session_func, list_session_funcs,
+                            register_session_func, unregister_session_func)
+    from .groups import Group
+    from .kinds import SessionKind, open_session, register_session_kind, session_kinds
+    from .process import ProcessSession
+    from .threaded import ThreadedSession
+    from .torchdist import TorchDistributedSession

@@ -12,12 +12,15 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Sequence, Union
 
 import torch
 
 from ..errors import DEVICE_CPU, SessionClosedError, ShardloadError, mention, quote
 from ..limits import num_shards_problem
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .groups import Group
 
 DeviceSpec = Union[str, torch.device, Sequence[Union[str, torch.device]]]
 
@@ -61,8 +64,8 @@ def resolve_devices(device: DeviceSpec, num_workers: int) -> list[torch.device]:
 def _device(spec: Union[str, torch.device]) -> torch.device:
     try:
         return torch.device(spec)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{spec!r} is not a device: use 'cpu', 'cuda' or 'cuda:N' ({exc})") \
+    except (RuntimeError, TypeError):   # torch's message lists every device type it knows
+        raise ValueError(f"{quote(spec)} is not a device: use 'cpu', 'cuda' or 'cuda:N'") \
             from None
 
 
@@ -141,7 +144,9 @@ class WorkerContext:
 
     Session functions (``register_session_func``) receive it as their first argument. While
     one runs, ``progress`` tells the session it is alive (for the watchdog and progress bars)
-    and ``should_stop`` whether it should give up (another worker failed).
+    and ``should_stop`` whether it should give up (another worker failed). ``group`` holds the
+    session's collectives among its workers (``all_reduce``, ``broadcast``, ``barrier``:
+    ``groups.py``), supplied by each kind of session.
     """
 
     rank: int
@@ -149,6 +154,7 @@ class WorkerContext:
     device: torch.device
     shards: dict[str, torch.Tensor] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
+    group: Optional["Group"] = field(default=None, repr=False)
     _progress: Callable[[int, Optional[str]], None] = field(default=_no_progress, repr=False)
     _stop: Callable[[], bool] = field(default=lambda: False, repr=False)
 

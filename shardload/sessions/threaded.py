@@ -28,6 +28,7 @@ from ..errors import ShardloadError, WorkerError, WorkerFailure, describe
 from .base import (DEFAULT, DeviceSpec, Heartbeats, ProgressCallback, Session, Stopped,
                    WorkerArgs, WorkerContext, args_for, check_timeout, resolve_devices)
 from .functions import get_session_func
+from .groups import ThreadGroup
 from .protocol import to_jsonable
 
 #: seconds between the caller's checks for results, Ctrl-C and stalled workers
@@ -101,7 +102,9 @@ class ThreadedSession(Session):
         self.devices = resolve_devices(device, num_workers)
         self.num_workers = num_workers
         self.timeout = check_timeout(timeout)
-        self._contexts = [WorkerContext(i, num_workers, d) for i, d in enumerate(self.devices)]
+        self._group = ThreadGroup(num_workers)
+        self._contexts = [WorkerContext(i, num_workers, d, group=self._group.member(i))
+                          for i, d in enumerate(self.devices)]
         self._closed = False
         self._broken = False  # interrupted or timed out: threads may still be busy
         self._lock = threading.Lock()
@@ -188,6 +191,7 @@ class ThreadedSession(Session):
         # the same args and results a ProcessSession can carry, so code moves between them
         per = {i: to_jsonable(a) for i, a in args_for(args, workers).items()}
         stop = threading.Event()
+        self._group.mend()     # a failure in an earlier run broke its barrier
 
         def progress(i: int, nbytes: int, where: Optional[str]) -> None:
             self.beat(i, where)
@@ -205,6 +209,7 @@ class ThreadedSession(Session):
                     raise
                 except BaseException:
                     stop.set()
+                    self._group.abort()  # workers waiting in a collective stop too
                     raise
             return result if isinstance(result, torch.Tensor) else to_jsonable(result)
 
@@ -213,6 +218,7 @@ class ThreadedSession(Session):
                                    timeout=timeout, workers=workers)
         except BaseException:
             stop.set()  # Ctrl-C or a stalled worker: the others stop at their next check
+            self._group.abort()
             raise
         if any(r is _STOPPED for r in results):  # cannot happen without a failure reported
             raise ShardloadError(f"a worker stopped {context or f'in {func_name}'} without a "

@@ -25,6 +25,7 @@ from ..errors import ShardloadError, WorkerError, WorkerFailure, describe
 from .base import (DEFAULT, Heartbeats, ProgressCallback, Session, WorkerArgs, WorkerContext,
                    args_for, check_timeout)
 from .functions import get_session_func
+from .groups import DistGroup
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -100,7 +101,8 @@ class TorchDistributedSession(Session):
         # collectives of small status messages run where the backend can: NCCL needs CUDA
         self._comm_device = (self.device if dist.get_backend() == "nccl"
                              else torch.device("cpu"))
-        self._ctx = WorkerContext(self.rank, self.num_workers, self.device)
+        self._ctx = WorkerContext(self.rank, self.num_workers, self.device,
+                                  group=DistGroup(self.rank, self.num_workers))
         self._closed = False
         self.devices = [torch.device(d) for d in self._all_gather(str(self.device))]
 

@@ -80,8 +80,9 @@ class Worker:
         sys.path[:0] = [p for p in message["sys_path"] if p not in sys.path]
         import torch
 
-        from .base import WorkerContext
         from ..modules import import_modules
+        from .base import WorkerContext
+        from .groups import DistGroup, NoGroup
 
         device = torch.device(message["device"])
         if device.type == "cuda":
@@ -99,6 +100,10 @@ class Worker:
             td.init_process_group(dist["backend"], store=store, rank=self.ctx.rank,
                                   world_size=self.ctx.world_size, timeout=timeout)
             self.dist = True
+            self.ctx.group = DistGroup(self.ctx.rank, self.ctx.world_size)
+        else:
+            self.ctx.group = NoGroup(self.ctx.rank, self.ctx.world_size,
+                                     "its ProcessSession was opened with distributed=False")
         return {"pid": os.getpid()}, None
 
     def _op_ensure(self, message: dict, _) -> tuple[dict, None]:
