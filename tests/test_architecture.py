@@ -104,7 +104,9 @@ FORBIDDEN = {
     # loading
     "shardload.sessions": ["shardload.loader", "shardload.pieces", "shardload.plan",
                            "shardload.readplan", "shardload.readers", "shardload.registry",
-                           "shardload.shard_functions", "shardload.planners", "shardload.cli"],
+                           "shardload.shard_functions", "shardload.planners", "shardload.cli",
+                           "shardload.formats", "shardload.geometry", "shardload.frontdoor",
+                           "shardload.hf"],
     # readers know formats and bytes, nothing of sharding
     "shardload.readers": ["shardload.plan", "shardload.readplan", "shardload.loader",
                           "shardload.pieces", "shardload.sessions", "shardload.registry",
@@ -115,7 +117,8 @@ FORBIDDEN = {
                            "shardload.planners", "shardload.cli"],
     "shardload.pieces": ["shardload.loader", "shardload.plan", "shardload.planners",
                          "shardload.cli"],
-    "shardload.loader": ["shardload.planners", "shardload.cli"],
+    "shardload.loader": ["shardload.planners", "shardload.cli", "shardload.frontdoor",
+                         "shardload.hf"],
     # the staged pipeline moves byte runs to a device: nothing of plans, functions or loading
     "shardload.staging": ["shardload.plan", "shardload.pieces", "shardload.loader",
                           "shardload.registry", "shardload.planners", "shardload.cli",
@@ -126,10 +129,18 @@ FORBIDDEN = {
     "shardload.registry": ["shardload.plan", "shardload.loader", "shardload.sessions",
                            "shardload.readers", "shardload.cli"],
     "shardload.planners": ["shardload.loader", "shardload.pieces", "shardload.sessions",
-                           "shardload.cli", "shardload.hf"],
-    # the codecs turn stored tensors into dense ones: array code, nothing of plans or loading
-    "shardload.codecs": ["shardload.plan", "shardload.planners", "shardload.loader",
-                         "shardload.sessions", "shardload.hf", "shardload.cli"],
+                           "shardload.cli", "shardload.hf", "shardload.frontdoor"],
+    # a format is its config, its tensors' axes and its dequantization: nothing of plans,
+    # planning, loading or sessions
+    "shardload.formats": ["shardload.plan", "shardload.planners", "shardload.loader",
+                          "shardload.pieces", "shardload.readplan", "shardload.sessions",
+                          "shardload.hf", "shardload.cli", "shardload.frontdoor",
+                          "shardload.readers"],
+    # each worker's share of a model, read from a plan's record: never from the planner
+    "shardload.geometry": ["shardload.planners", "shardload.loader", "shardload.sessions",
+                           "shardload.frontdoor", "shardload.hf", "shardload.cli"],
+    # the front door sits under every caller and over everything it calls
+    "shardload.frontdoor": ["shardload.cli", "shardload.hf"],
 }
 
 
@@ -145,6 +156,47 @@ def test_only_the_integration_imports_transformers_and_only_the_cli_imports_it()
         if module not in ("shardload.cli", "shardload.__main__"):   # the CLI, on top
             reached = [t for t in _reaches(module) if t.split(".")[:2] == ["shardload", "hf"]]
             assert not reached, (module, reached)
+
+
+# an integration (shardload.hf, and the engines' load formats to come) is built on the public
+# API, the front door and the plan's record of the model (geometry), never on the planner's
+# internals, and asks nothing of the kind of session it is given (its collectives are the
+# session's own: ctx.group)
+INTEGRATIONS = ["shardload.hf"]
+INTEGRATION_MAY_IMPORT = {"shardload", "shardload.frontdoor", "shardload.geometry",
+                          "shardload.formats", "shardload.loader", "shardload.readers",
+                          "shardload.sessions", "shardload.errors", "shardload.plan"}
+SESSION_KINDS = ("ThreadedSession", "ProcessSession", "TorchDistributedSession")
+
+
+def _integration_problems(package: str, direct: set, tree: ast.AST) -> list[str]:
+    """What an integration module does that it must not: import beyond what it may, ask for
+    a kind of session."""
+    problems = [f"imports {t}" for t in sorted(direct)
+                if not t.startswith(package) and t not in INTEGRATION_MAY_IMPORT]
+    problems += sorted({f"names {node.id}" for node in ast.walk(tree)
+                        if isinstance(node, ast.Name) and node.id in SESSION_KINDS})
+    problems += sorted({"asks session.spmd" for node in ast.walk(tree)
+                        if isinstance(node, ast.Attribute) and node.attr == "spmd"})
+    return problems
+
+
+@pytest.mark.parametrize("package", INTEGRATIONS)
+def test_integrations_read_the_plan_not_the_planner(package):
+    modules = [m for m in GRAPH if m == package or m.startswith(package + ".")]
+    assert modules
+    for module in modules:
+        with open(MODULES[module], encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        assert not _integration_problems(package, GRAPH[module], tree), module
+
+
+def test_the_integration_rules_catch_what_hf_did_before():
+    # shardload.hf before its redesign: the planner's internals, a session's kind
+    old = ast.parse("from ..planners.llama import ROW\n"
+                    "kind = 'threads' if isinstance(s, ThreadedSession) or s.spmd else 'gloo'\n")
+    assert _integration_problems("shardload.hf", {"shardload.planners.llama"}, old) == [
+        "imports shardload.planners.llama", "names ThreadedSession", "asks session.spmd"]
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
