@@ -225,14 +225,15 @@ def _experts_option(f):
 
 
 def _session_option(f):
-    """``--session KIND``, the kinds read from their table (``sessions.kinds``)."""
+    """``--session KIND``: a kind from the table of session kinds (``sessions.kinds``), checked
+    when the session is opened, so that a kind a --plugin module registers is one too."""
     from .sessions.kinds import session_kinds
 
-    kinds = session_kinds()
-    described = "; ".join(f"{k.name}: {k.description}" for k in kinds)
-    return click.option("--session", "session_kind", type=click.Choice([k.name for k in kinds]),
-                        default="thread", show_default=True,
-                        help=f"Where workers run ({described}).")(f)
+    described = "; ".join(f"{k.name}: {k.description}" for k in session_kinds())
+    return click.option("--session", "session_kind", metavar="KIND", default="thread",
+                        show_default=True,
+                        help=f"Where workers run ({described}; or a kind a --plugin module "
+                             "registers).")(f)
 
 
 def _plan_options(f):
@@ -258,12 +259,11 @@ def _prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num
     at). Returns the checkpoint, the validated plan and what to call the plan."""
     from .frontdoor import REPLICATE, resolve_plan
     from .readers import open_checkpoint
-    from .registry import load_plugins
 
     if replicate and shard_info is not None:
         raise click.UsageError("--replicate and --shard-info both say which plan to use: give "
                                "one")
-    load_plugins(plugins)
+    _load_plugins(plugins)
     with _reading():
         checkpoint = open_checkpoint(ckpt)
     try:
@@ -274,6 +274,12 @@ def _prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num
         checkpoint.close()
         raise
     return checkpoint, resolved.validated, resolved.source
+
+
+def _load_plugins(plugins: tuple[str, ...]) -> None:
+    from .registry import load_plugins
+
+    load_plugins(plugins)
 
 
 def _padding_bytes(param) -> int:
@@ -370,6 +376,7 @@ def load(num_shards: int, shard_info: Optional[str], replicate: bool, plugins: t
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="'--staging-mib'") from None
     stage = {"auto": None, "off": False, "on": ring}[staging]
+    _load_plugins(plugins)   # they may register shard functions and session kinds
     # the session first: one that cannot be opened (torchrun's variables missing) is the
     # first thing to say
     session = _open_session(session_kind, num_shards, device, plugins, timeout)

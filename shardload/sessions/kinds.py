@@ -24,7 +24,8 @@ from ..table import Table
 if TYPE_CHECKING:  # pragma: no cover
     from .base import Session
 
-__all__ = ["SessionKind", "register_session_kind", "session_kinds", "open_session"]
+__all__ = ["SessionKind", "register_session_kind", "unregister_session_kind", "session_kinds",
+           "open_session"]
 
 Opener = Callable[..., "Session"]
 
@@ -57,6 +58,11 @@ def register_session_kind(name: str, description: str, opener: Optional[Opener] 
     return register if opener is None else register(opener)
 
 
+def unregister_session_kind(name: str) -> None:
+    """Remove the kind ``name`` (tests); nothing happens if it is not there."""
+    _KINDS.remove(name)
+
+
 def session_kinds() -> list[SessionKind]:
     """Every session kind, sorted by name."""
     return _KINDS.entries()
@@ -85,7 +91,7 @@ def open_session(kind: str, num_workers: int, *, device=None, plugins: Iterable[
     return session
 
 
-@register_session_kind("thread", "threads of this process (the fastest on one host)")
+@register_session_kind("thread", "threads of this process, the fastest on one host")
 def _open_threads(num_workers: int, *, device, plugins, timeout) -> "Session":
     from ..modules import import_modules
     from .threaded import ThreadedSession
@@ -94,8 +100,8 @@ def _open_threads(num_workers: int, *, device, plugins, timeout) -> "Session":
     return ThreadedSession(num_workers, device=device or "cpu", timeout=timeout)
 
 
-@register_session_kind("process", "worker processes of this machine, driven over pipes "
-                                  "(isolates shard functions that crash)")
+@register_session_kind("process", "worker processes of this machine, driven over pipes, so "
+                                  "that a shard function that crashes one is an error naming it")
 def _open_processes(num_workers: int, *, device, plugins, timeout) -> "Session":
     from .process import ProcessSession
 
@@ -103,7 +109,8 @@ def _open_processes(num_workers: int, *, device, plugins, timeout) -> "Session":
                           timeout=timeout)
 
 
-@register_session_kind("torch", "the ranks of a torchrun job, one worker each (many machines)")
+@register_session_kind("torch", "the ranks of a torchrun job, one worker each, on one machine or "
+                                "many")
 def _open_torchrun(num_workers: int, *, device, plugins, timeout) -> "Session":
     from ..modules import import_modules
     from .torchdist import TorchDistributedSession, missing_env
