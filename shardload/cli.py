@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import click
 
-from .errors import FormatError, PlanError, ShardloadError, cli_text, quote
+from .errors import FormatError, PlanError, SessionError, ShardloadError, cli_text, quote
 
 EXIT_OK, EXIT_LOAD_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 #: standard output closed before all was written (128 + SIGPIPE, as the shell reports a tool
@@ -31,12 +31,33 @@ EXIT_OK, EXIT_LOAD_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_BROKEN_PIPE = 141
 
 
-class LoadFailed(click.ClickException):
+class _Failure(click.ClickException):
+    """A failure the CLI reports in one line; ``kind`` names what failed (the class of the
+    error it stands for), for ``--json``'s error object."""
+
+    def __init__(self, message: str, kind: str = ""):
+        super().__init__(message)
+        self.kind = kind or type(self).__name__
+
+
+class LoadFailed(_Failure):
     exit_code = EXIT_LOAD_FAILED
 
 
-class BadInput(click.ClickException):
+class BadInput(_Failure):
     exit_code = EXIT_BAD_INPUT
+
+
+def _show(exc: click.ClickException, as_json: bool) -> None:
+    """Print ``exc`` on stderr: one line, or, under ``--json``, one JSON object ``{"error":
+    {"type", "message", "exit_code"}}`` (standard output stays for results)."""
+    with contextlib.suppress(OSError, ValueError):
+        if not as_json:
+            exc.show()
+            return
+        kind = getattr(exc, "kind", None) or type(exc).__name__
+        click.echo(json.dumps({"error": {"type": kind, "message": exc.format_message(),
+                                         "exit_code": exc.exit_code}}), err=True)
 
 
 class OutputFailed(click.ClickException):
@@ -128,18 +149,19 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (PlanError, FormatError) as exc:
-            raise BadInput(cli_text(exc)) from None
+        except (PlanError, FormatError, SessionError) as exc:
+            raise BadInput(cli_text(exc), type(exc).__name__) from None
         except ShardloadError as exc:
-            raise LoadFailed(cli_text(exc)) from None
+            raise LoadFailed(cli_text(exc), type(exc).__name__) from None
         except ImportError as exc:  # a --plugin module that does not import
-            raise BadInput(str(exc)) from None
+            raise BadInput(str(exc), "ImportError") from None
         except OSError as exc:  # the last net: one line, not a traceback
             where = f"{quote(os.fsdecode(exc.filename))}: " if exc.filename is not None else ""
-            raise LoadFailed(f"{where}{exc.strerror or exc}") from None
+            raise LoadFailed(f"{where}{exc.strerror or exc}", type(exc).__name__) from None
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
              **extra):
+        as_json = "--json" in (sys.argv[1:] if args is None else list(args))
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             if standalone_mode:
@@ -159,14 +181,12 @@ class _Group(click.Group):
                 _silence_stdout()
             if exc.broken_pipe:
                 _exit(EXIT_BROKEN_PIPE)  # the reader has gone: say nothing
-            with contextlib.suppress(OSError, ValueError):
-                exc.show()
+            _show(exc, as_json)
             _exit(exc.exit_code)
         except click.ClickException as exc:
             if not standalone_mode:
                 raise
-            with contextlib.suppress(OSError, ValueError):
-                exc.show()
+            _show(exc, as_json)
             _exit(exc.exit_code)
         if standalone_mode:
             _exit(rv if isinstance(rv, int) else EXIT_OK)

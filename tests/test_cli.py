@@ -679,3 +679,14 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
     assert "Interrupted" in stderr
     assert "Traceback" not in stderr + stdout
     assert "worker" not in stdout  # no table: the load did not finish
+
+
+def test_under_json_an_error_is_one_json_object_on_stderr(tmp_path):
+    for args, kind in ((["load", "--shards", "3", "--json", str(EXAMPLE)], "PlanError"),
+                       (["inspect", "--shards", "2", "--json", "--bogus", str(EXAMPLE)],
+                        "NoSuchOption")):
+        proc = subprocess.run([sys.executable, "-m", "shardload", *args], capture_output=True,
+                              text=True, cwd=REPO, env=subprocess_env(), timeout=120)
+        assert proc.returncode == 2 and proc.stdout == ""
+        error = json.loads(proc.stderr)["error"]
+        assert error["type"] == kind and error["exit_code"] == 2 and error["message"]
