@@ -446,8 +446,9 @@ def test_shard_function_that_raises_is_a_load_failure(small, tmp_path, plugin, n
 def test_load_failure_with_json_keeps_stdout_empty(small, tmp_path, plugin):
     result = run("load", "-n", 2, "--json", "--plugin", plugin, "--shard-info",
                  _boom_plan(tmp_path), small)
-    error_line(result, 1)
-    assert result.stdout == ""
+    assert result.exit_code == 1 and result.stdout == ""
+    error = json.loads(result.stderr)["error"]         # under --json, the error is JSON too
+    assert error["type"] == "WorkerError" and "boom at load" in error["message"]
 
 
 def test_plugin_function_loads_correctly(small, tmp_path, plugin, monkeypatch):
