@@ -1,4 +1,4 @@
-"""The README's ProcessSession example, runnable as shown from the repository root:
+"""The ProcessSession example of docs/python.md, runnable from the repository root:
 ``python examples/process_session.py``. Loads the embedded example onto 4 worker processes and
 asks each how many elements it holds."""
 

@@ -1,72 +1,123 @@
-"""The README's examples run as shown: the "Writing a plan" plan and the ProcessSession script."""
+"""The README runs as written: every command and snippet in it.
+
+Each fenced block the README shows is preceded by a directive, an HTML comment the reader does
+not see, and this test does what it says:
+
+* ``<!-- test: setup -->``: one of the two set-up commands. The test command must be what
+  ``.ci/run`` runs, verbatim (CI runs it on a fresh clone); the first one's install is that
+  same install, and what follows its ``&&`` is run here;
+* ``<!-- test: run -->`` (``slow``, ``real_model``: marks): run as written from the repository
+  root, ``bash`` blocks by bash (``-e -o pipefail``), ``python`` blocks by python;
+* ``<!-- test: output -->``: the standard output of the block before it, line for line (``...``
+  stands for any text, for timings); of its last command, for a block of several (an install,
+  then the command whose output is shown).
+
+A block with no directive fails the test: nothing in the README goes unchecked.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
+from typing import Optional
 
-import numpy as np
 import pytest
 
-from shardload import ShardInfo, ThreadedSession, load_sharded
-from shardload.planners import valid_num_shards
+from conftest import REPO, subprocess_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIRECTIVE = re.compile(r"<!-- test: ([a-z_ ]+) -->")
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 
 
-def _readme() -> str:
+@dataclass
+class Block:
+    line: int
+    lang: str
+    code: str
+    directive: Optional[str]
+    output: Optional[str] = None
+
+    @property
+    def words(self) -> list[str]:
+        return (self.directive or "").split()
+
+
+def _blocks() -> list[Block]:
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-        return f.read()
+        text = f.read()
+    blocks: list[Block] = []
+    for match in FENCE.finditer(text):
+        before = text[:match.start()].rstrip().rsplit("\n", 1)[-1]
+        directive = DIRECTIVE.fullmatch(before.strip())
+        block = Block(text[:match.start()].count("\n") + 1, match.group(1), match.group(2),
+                      directive.group(1).strip() if directive else None)
+        if block.words == ["output"]:
+            assert blocks, "an output block with no block before it"
+            blocks[-1].output = block.code
+            continue
+        blocks.append(block)
+    return blocks
 
 
-def _writing_a_plan() -> dict:
-    section = _readme().split("## Writing a plan", 1)[1]
-    return json.loads(re.search(r"```json\n(.*?)```", section, re.S).group(1))
+BLOCKS = _blocks()
 
 
-def _checkpoint() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    words = lambda *shape: rng.integers(-2**31, 2**31, shape, dtype=np.int32)  # noqa: E731
-    return {"model.layers.0.mlp.down_proj.qweight": words(64, 256),
-            "model.layers.0.self_attn.k_proj.qweight": words(32, 64)}
+def _param(block: Block):
+    marks = [getattr(pytest.mark, word) for word in block.words[1:]]
+    first = block.code.strip().splitlines()[0][:40]
+    return pytest.param(block, marks=marks, id=f"line{block.line}-{first}")
 
 
-def test_the_plan_fits_the_n_the_readme_says():
-    fits = valid_num_shards(ShardInfo.from_dict(_writing_a_plan()), _checkpoint())
-    assert fits == [1, 2, 4, 8, 16, 32, 64]
+def _run(lang: str, code: str, timeout: float) -> subprocess.CompletedProcess:
+    command = (["bash", "-e", "-o", "pipefail", "-c", code] if lang == "bash"
+               else [sys.executable, "-c", code])
+    return subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_the_plan_gives_each_worker_its_rows_and_kv_heads(n):
-    params = _checkpoint()
-    with ThreadedSession(n) as session:
-        sharded = load_sharded(params, _writing_a_plan(), session, progress=False)
-    down = params["model.layers.0.mlp.down_proj.qweight"]
-    k = params["model.layers.0.self_attn.k_proj.qweight"]
-    for r in range(n):
-        rows = 64 // n
-        assert np.array_equal(sharded.shard("model.layers.0.mlp.down_proj.qweight", r).numpy(),
-                              down[r * rows:(r + 1) * rows])
-        # 2 KV heads of 32 columns: split while N <= 2, replicated to N / 2 workers each beyond
-        head, width = (r, 64 // n) if n <= 2 else (r // (n // 2), 32)
-        assert np.array_equal(sharded.shard("model.layers.0.self_attn.k_proj.qweight", r).numpy(),
-                              k[:, head * width:(head + 1) * width])
+def _matches(expected: str, got: str, whole: bool = True) -> bool:
+    """``got`` is ``expected`` (``...``: any text), or, not ``whole``, ends with it."""
+    pattern = ".*?".join(re.escape(part) for part in expected.rstrip().split("..."))
+    if not whole:
+        pattern = rf"(?:.*\n)?{pattern}"
+    return re.fullmatch(pattern, got.rstrip(), re.S) is not None
 
 
-def test_process_session_example_runs_as_shown():
-    section = _readme().split("### Sessions", 1)[1]
-    shown = re.findall(r"```python\n(.*?)```", section, re.S)
-    with open(os.path.join(REPO, "examples", "process_session.py"), encoding="utf-8") as f:
-        script = f.read()
-    with open(os.path.join(REPO, "examples", "session_funcs.py"), encoding="utf-8") as f:
-        funcs = f.read()
-    # what the README shows is what the files hold, line for line
-    assert all(line in script for line in shown[1].strip().splitlines())
-    assert all(line in funcs for line in shown[0].strip().splitlines())
-    done = subprocess.run([sys.executable, "examples/process_session.py"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+def test_every_block_says_how_it_is_checked():
+    unchecked = [b.line for b in BLOCKS if b.directive is None]
+    assert not unchecked, f"README blocks with no <!-- test: ... --> directive: lines {unchecked}"
+    assert all(b.words[0] in ("setup", "run") for b in BLOCKS), [b.directive for b in BLOCKS]
+
+
+SETUP = [b for b in BLOCKS if b.words[:1] == ["setup"]]
+
+
+def test_the_test_command_is_what_ci_runs():
+    install, tests = (b.code.strip() for b in SETUP)
+    with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as f:
+        ci = f.read()
+    assert tests in ci.splitlines(), f"{tests!r} is not a line of .ci/run"
+    # the first command installs the same way, without the test extra
+    assert install.startswith("pip install torch==2.13.0 -e . && ")
+    assert tests.startswith('pip install torch==2.13.0 -e ".[test]" && ')
+
+
+def test_the_first_command_loads_the_example_as_shown():
+    install = SETUP[0]
+    command = install.code.strip().split(" && ", 1)[1]
+    done = _run("bash", command, 300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[313600, 313600, 313600, 313600]"
+    assert _matches(install.output, done.stdout), done.stdout
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in BLOCKS if b.words[:1] == ["run"]])
+def test_the_block_runs_as_written(block: Block):
+    done = _run(block.lang, block.code, 900)
+    assert done.returncode == 0, f"README line {block.line}:\n{done.stdout}\n{done.stderr}"
+    if block.output is not None:
+        commands = [line for line in block.code.splitlines() if line.strip()]
+        assert _matches(block.output, done.stdout, whole=len(commands) == 1), (
+            f"README line {block.line} prints\n{done.stdout}\nnot\n{block.output}")

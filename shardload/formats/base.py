@@ -106,6 +106,8 @@ class QuantFormat:
     hf_style: bool = True
     #: the tensor holding a row's group (``g_idx``), if the format stores one
     g_idx_part: Optional[str] = None
+    #: how a checkpoint is known to be in this format when no config names it (for people)
+    recognised_by: str = ""
 
     # -- 2. the tensors of a module, and their axes
 

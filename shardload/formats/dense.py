@@ -8,6 +8,7 @@ from .base import QuantFormat
 class Dense(QuantFormat):
     name = "none"
     description = "fp16 / bf16 / fp32"
+    recognised_by = "no quantization_config"
     parts = ("weight",)
 
     def describe(self, scheme) -> str:

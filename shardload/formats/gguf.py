@@ -15,6 +15,7 @@ from .base import Axis, QuantFormat, TensorAxes, need
 class GGUF(QuantFormat):
     name = "gguf"
     description = "GGUF (all block types, mixed per tensor as in Q4_K_M)"
+    recognised_by = "a .gguf file"
     parts = ("weight",)
     hf_style = False
 

@@ -13,6 +13,7 @@ from .base import Axis, QuantFormat, TensorAxes, need
 class MLC(QuantFormat):
     name = "mlc"
     description = "MLC q4f16_1"
+    recognised_by = "an MLC folder's quantization q4f16_1"
     parts = ("q_weight", "q_scale")
     quantized_parts = ("q_weight",)
     hf_style = False

@@ -43,6 +43,12 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _note(kind: str, arch) -> str:
+    if kind == "mlc":
+        return "Llama's rules, from the tensor names"
+    return arch.note or "as Llama"
+
+
 def architectures_markdown() -> str:
     """The architectures the planner knows, one table per kind of checkpoint."""
     from ..planners.architectures import architecture_tables
@@ -53,9 +59,7 @@ def architectures_markdown() -> str:
     for kind, table in architecture_tables().items():
         out += [f"**{titles[kind]}**", "", "| architecture | what differs from Llama |",
                 "|---|---|"]
-        fallback = "Llama's rules, from the tensor names" if kind == "mlc" else ""
-        out += [f"| `{name}` | {_cell(arch.note if kind != 'mlc' else fallback)} |"
-                for name, arch in table.items()]
+        out += [f"| `{name}` | {_cell(_note(kind, arch))} |" for name, arch in table.items()]
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 
@@ -64,9 +68,10 @@ def formats_markdown() -> str:
     """The quantization formats, with the configs each reads."""
     from ..formats import list_formats
 
-    rows = ["| format | what | configs it reads |", "|---|---|---|"]
+    rows = ["| format | what | recognised by (`quant_method`, or family/format) |",
+            "|---|---|---|"]
     for fmt in list_formats():
-        configs = ", ".join(f"`{key}`" for key in fmt.configs) or "(by the checkpoint's kind)"
+        configs = ", ".join(f"`{key}`" for key in fmt.configs) or fmt.recognised_by
         rows.append(f"| `{fmt.name}` | {_cell(fmt.description)} | {configs} |")
     return "\n".join(rows) + "\n"
 
