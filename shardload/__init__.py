@@ -13,12 +13,12 @@ import torch until something that needs it is used.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from .errors import (FormatError, PlanError, SessionClosedError, SessionError, ShardloadError,
                      UnknownSessionFunctionError, UnknownShardFunctionError, WorkerCrashedError,
                      WorkerError)
+from .modules import lazy_names
 
 __version__ = "0.1.0"
 
@@ -58,17 +58,7 @@ __all__ = sorted([*_LAZY, "ShardloadError", "PlanError", "UnknownShardFunctionEr
                   "WorkerError", "WorkerCrashedError", "__version__"])
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'shardload' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals(), __all__)
 
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Iterable, Optional
 
-__all__ = ["import_modules", "importable_module"]
+__all__ = ["import_modules", "importable_module", "lazy_names"]
 
 
 def import_modules(modules: Iterable[str], what: str = "plugin module") -> None:
@@ -44,3 +44,27 @@ def importable_module(func: Callable[..., Any]) -> Optional[str]:
     if not module or module == "__main__" or "<locals>" in qualname:
         return None
     return module
+
+
+def lazy_names(package: str, table: dict[str, str], namespace: dict, names: list[str]):
+    """``__getattr__`` and ``__dir__`` for a package whose public names are imported when first
+    used: ``table`` maps each to the submodule defining it, ``namespace`` is the package's
+    ``globals()`` (a name, once imported, is kept there), ``names`` its ``__all__``. So a
+    package can list its API without importing torch until something needs it.
+
+    >>> getattr_, dir_ = lazy_names("shardload", {"Staging": "staging"}, {}, ["Staging"])
+    >>> dir_()
+    ['Staging']
+    """
+    def __getattr__(name: str):
+        module = table.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f".{module}", package), name)
+        namespace[name] = value
+        return value
+
+    def __dir__():
+        return list(names)
+
+    return __getattr__, __dir__

@@ -13,8 +13,9 @@ choices) is read without importing torch.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ..modules import lazy_names
 
 # public name -> module that defines it
 _LAZY = {
@@ -32,17 +33,7 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals(), __all__)
 
 
 if TYPE_CHECKING:  # pragma: no cover
