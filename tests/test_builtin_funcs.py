@@ -35,7 +35,12 @@ import shardload
 
 NAMES = ("shardload.split", "shardload.split_segments", "shardload.replicate",
          "shardload.split_rebase")
-NS = (1, 2, 3, 4, 8)
+# Worker counts of the example-based grids below, each for a path it takes: 1 = no split (every
+# worker's piece is the whole axis), 3 = an odd prime (a middle piece; sizes no power of two
+# divides), 4 = a power of two above 2 (the usual TP sizes; with 4 the segment layouts also have
+# a proper divisor, 2, so KV heads are replicated to groups of workers, not to all of them).
+# 2 and 8 take the same paths as 4; the hypothesis tests at the end draw N from 1 to 16.
+NS = (1, 3, 4)
 
 # dtype name -> (torch dtype, numpy dtype holding the same bits)
 DTYPES: dict[str, tuple[torch.dtype, type]] = {
@@ -51,8 +56,20 @@ DTYPES: dict[str, tuple[torch.dtype, type]] = {
     "int16": (torch.int16, np.int16),
     "int64": (torch.int64, np.int64),
 }
+# Every dtype the element-moving functions must move bit for bit (the hypothesis tests draw
+# from all of them).
 MOVE_DTYPES = ("float16", "bfloat16", "float32", "int32", "int8", "uint8", "uint32",
-               "float8_e4m3fn", "bool")
+               "float8_e4m3fn", "bool", "int16", "int64")
+# The dtypes the example grids run (each at one shape and N: the functions' shape handling does
+# not depend on the dtype, and dtypes.movable_view is applied to the whole tensor before any
+# shape work). One per itemsize class, plus each dtype that takes its own path:
+#   uint8 (1 byte, moved as is), float16 (2 bytes; a float, so random bits include NaN payloads
+#   that must survive), float32 (4 bytes, float), int64 (8 bytes), bfloat16 (a 2-byte float
+#   torch handles apart from float16), float8_e4m3fn and bool (moved through a uint8 view,
+#   dtypes.movable_view), uint32 (moved through an int32 view: MLC's packed words).
+# int8, int16 and int32 move like uint8, float16 and float32: the same width, no view.
+GRID_DTYPES = ("uint8", "float16", "float32", "int64", "bfloat16", "float8_e4m3fn", "bool",
+               "uint32")
 # integer dtypes whose subtraction torch supports everywhere; uint32 has its own test below
 REBASE_DTYPES = ("int8", "uint8", "int16", "int32", "int64")
 _BITS_TORCH = {np.int8: torch.int8, np.uint8: torch.uint8, np.int16: torch.int16,
@@ -262,9 +279,15 @@ def test_list_shard_funcs_has_the_builtins():
 # ----------------------------------------------------------------------------------------------
 # shardload.split
 
-# (ndim, dim): the split dim is given size N * 3; the others are small and distinct
-SPLIT_CASES = [(1, 0), (1, -1), (2, 0), (2, 1), (2, -2), (3, 1), (3, -1), (4, 0), (4, 2),
-               (4, -1)]
+# (ndim, dim): the split dim is given size N * 3; the others are small and distinct. Each case
+# is a different reshape/movedim in split: 1-D with a negative dim (nothing before or after the
+# axis), the last axis of 2-D (dims before it only), a middle axis (dims on both sides), the
+# first axis of 4-D (three dims after it, one of size 1), and a negative middle axis of 4-D.
+# Dims counted from either end are normalised once (_axis), so one negative case per position
+# class is enough; the hypothesis test draws any ndim and sign.
+SPLIT_CASES = [(1, -1), (2, 1), (3, 1), (4, 0), (4, -2)]
+# the shape and N the dtype grids use: a middle axis, an odd N
+DTYPE_CASE = dict(n=3, ndim=3, dim=1)
 
 
 def split_shape(ndim: int, dim: int, n: int, per: int = 3) -> tuple[int, ...]:
@@ -273,10 +296,7 @@ def split_shape(ndim: int, dim: int, n: int, per: int = 3) -> tuple[int, ...]:
     return tuple(shape)
 
 
-@pytest.mark.parametrize("dtype", MOVE_DTYPES)
-@pytest.mark.parametrize("ndim,dim", SPLIT_CASES)
-@pytest.mark.parametrize("n", NS)
-def test_split_matches_reference(n, ndim, dim, dtype):
+def check_split(n: int, ndim: int, dim: int, dtype: str) -> None:
     shape = split_shape(ndim, dim, n)
     x, xb = make_input(shape, dtype, seed=n * 100 + ndim * 10 + dim)
     expected = ref_split(xb, dim, n)
@@ -290,6 +310,17 @@ def test_split_matches_reference(n, ndim, dim, dtype):
     assert out_dtype == dtype
 
 
+@pytest.mark.parametrize("ndim,dim", SPLIT_CASES)
+@pytest.mark.parametrize("n", NS)
+def test_split_matches_reference(n, ndim, dim):
+    check_split(n, ndim, dim, "int32")
+
+
+@pytest.mark.parametrize("dtype", GRID_DTYPES)
+def test_split_moves_every_dtype_bit_for_bit(dtype):
+    check_split(dtype=dtype, **DTYPE_CASE)
+
+
 @pytest.mark.parametrize("n", NS)
 def test_split_empty_slices(n):
     x, xb = make_input((0, 4), "float16")
@@ -301,22 +332,28 @@ def test_split_empty_slices(n):
         expected.shape
 
 
-@pytest.mark.parametrize("size,n", [(10, 3), (10, 4), (12, 8), (5, 2), (1, 2), (7, 16)])
+# (10, 4): N and the size share a factor but N does not divide it; (10, 3): coprime; (7, 16):
+# more workers than elements. (12, 8), (5, 2) and (1, 2) took the same check (size % N).
+@pytest.mark.parametrize("size,n", [(10, 3), (10, 4), (7, 16)])
 def test_split_indivisible_is_an_error(size, n):
     shape = (4, size)
     assert_value_error(lambda: rule("shardload.split")(shape, "float16", 1, num_shards=n),
                        r"(?i)divi|equal", num(size), num(n))
     x, _ = make_input(shape, "float16")
-    with pytest.raises(Exception):
+    # the function checks its arguments itself (a direct caller has no validated plan): the
+    # dim, its size and N, not an IndexError from the copy
+    with pytest.raises(ValueError, match=rf"dim 1 has size {size}\b.* {n} equal shards"):
         func("shardload.split")(x, 1, alloc((n, 4, size // n), "float16"))
 
 
-@pytest.mark.parametrize("dim", [2, 3, -3, -4])
+# the first dim out of range at each end of a 2-D input (an off-by-one in either bound of the
+# range check fails one of them); 3 and -4 took the same two comparisons
+@pytest.mark.parametrize("dim", [2, -3])
 def test_split_dim_out_of_range_is_an_error(dim):
     assert_value_error(lambda: rule("shardload.split")((4, 6), "int32", dim, num_shards=2),
                        r"(?i)dim|axis|range", num(abs(dim)))
     x, _ = make_input((4, 6), "int32")
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match=rf"dim {dim} is out of range for a 2-D input"):
         func("shardload.split")(x, dim, alloc((2, 2, 6), "int32"))
 
 
@@ -342,12 +379,31 @@ def segment_layouts(n: int) -> list[list[tuple[int, int]]]:
     return layouts
 
 
-def _layout_ids():
-    return [(n, k) for n in NS for k in range(len(segment_layouts(n)))]
+# Every layout for each N in NS, on a middle axis of a 3-D input: the layouts are where the
+# paths differ (plain splits, unit counts differing between segments, replicable units that
+# still split, KV heads replicated to all workers (N = 3, 4) or to pairs of them (N = 4: its
+# proper divisor 2), an empty segment). Then the other axis positions, on the N = 4 layout with
+# KV heads replicated to pairs: segments are cut with narrow() on the axis, so where the axis
+# lies does not interact with the layout.
+LAYOUT_AXIS = (3, 1)
+REPLICATED_TO_PAIRS = (4, 5)  # (n, k): segment_layouts(4)[5] is q, k, v with 2 KV heads
 
 
-@pytest.mark.parametrize("n,k", _layout_ids())
-@pytest.mark.parametrize("ndim,dim", [(1, 0), (2, 0), (2, -1), (3, 1), (4, -2)])
+def _layout_cases():
+    cases = [(n, k, *LAYOUT_AXIS) for n in NS for k in range(len(segment_layouts(n)))]
+    cases += [(*REPLICATED_TO_PAIRS, ndim, dim) for ndim, dim in [(1, 0), (2, 0), (2, -1),
+                                                                  (4, -2)]]
+    return cases
+
+
+def test_the_layout_grid_has_the_cases_its_comment_names():
+    n, k = REPLICATED_TO_PAIRS
+    assert segment_layouts(n)[k] == [(4 * n, 2 * n), (2 * 3, -2), (2 * 3, -2)]
+    assert any(d < -1 and n % -d == 0 and n > -d for n in NS for layout in segment_layouts(n)
+               for _, d in layout), "no N replicates KV heads to groups of workers"
+
+
+@pytest.mark.parametrize("n,k,ndim,dim", _layout_cases())
 def test_split_segments_layouts_match_reference(n, k, ndim, dim):
     segs = segment_layouts(n)[k]
     shape = [3, 2, 1, 2][:ndim]
@@ -365,11 +421,12 @@ def test_split_segments_layouts_match_reference(n, k, ndim, dim):
     assert out_dtype == "int32"
 
 
-@pytest.mark.parametrize("dtype", MOVE_DTYPES)
-@pytest.mark.parametrize("n", NS)
-def test_split_segments_dtypes_match_reference(n, dtype):
-    # q: 2n units of 2, k/v: one replicable unit each (replicated for n > 1), on dim 1 of a 3-D
-    # input
+@pytest.mark.parametrize("dtype", GRID_DTYPES)
+def test_split_segments_dtypes_match_reference(dtype):
+    # q: 2n units of 2, k/v: one replicable unit each, replicated to all n = 3 workers, on dim 1
+    # of a 3-D input: a split and a replicated segment in every dtype (the copies go through
+    # dtypes.movable_view, before any segment is cut)
+    n = 3
     segs = [(4 * n, 2 * n), (3, -1), (3, -1)]
     shape = (2, sum(s for s, _ in segs), 3)
     x, xb = make_input(shape, dtype, seed=n)
@@ -421,26 +478,29 @@ def _segments_error_cases():
 @pytest.mark.parametrize("case", _segments_error_cases(), ids=lambda c: c[0])
 def test_split_segments_errors(case):
     _, shape, dim, args, n, patterns = case
-    assert_value_error(
+    msg = assert_value_error(
         lambda: rule("shardload.split_segments")(shape, "int32", dim, *args, num_shards=n),
         *patterns)
     x, _ = make_input(shape, "int32")
     out_shape = list(shape)
     out_shape[dim % len(shape) if -len(shape) <= dim < len(shape) else 0] //= n
-    with pytest.raises(Exception):
+    # the function refuses the same arguments with the same message (it checks them itself)
+    with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
         func("shardload.split_segments")(x, dim, *args, alloc((n, *out_shape), "int32"))
 
 
 # ----------------------------------------------------------------------------------------------
 # shardload.replicate
 
-REPLICATE_SHAPES = [(5,), (3, 4), (2, 1, 3), (2, 3, 1, 2), (0,), (3, 0)]
+# Replication is one expand-and-copy of the whole tensor, so the shape grid needs only: a 1-D
+# input, one with a size-1 dim (which expand could broadcast by mistake), a 4-D one, and an empty
+# one; at N = 1 (a new leading axis of 1) and N = 3 (real copies). (3, 4) and (0,) took the
+# same paths as (2, 3, 1, 2) and (3, 0); N = 4 the same as N = 3.
+REPLICATE_SHAPES = [(5,), (2, 1, 3), (2, 3, 1, 2), (3, 0)]
+REPLICATE_NS = (1, 3)
 
 
-@pytest.mark.parametrize("dtype", MOVE_DTYPES)
-@pytest.mark.parametrize("shape", REPLICATE_SHAPES, ids=str)
-@pytest.mark.parametrize("n", NS)
-def test_replicate_matches_reference(n, shape, dtype):
+def check_replicate(n: int, shape: tuple, dtype: str) -> None:
     x, xb = make_input(shape, dtype, seed=n + len(shape))
     expected = ref_replicate(xb, n)
     out = alloc(expected.shape, dtype)
@@ -452,14 +512,22 @@ def test_replicate_matches_reference(n, shape, dtype):
     assert out_dtype == dtype
 
 
+@pytest.mark.parametrize("shape", REPLICATE_SHAPES, ids=str)
+@pytest.mark.parametrize("n", REPLICATE_NS)
+def test_replicate_matches_reference(n, shape):
+    check_replicate(n, shape, "int32")
+
+
+@pytest.mark.parametrize("dtype", GRID_DTYPES)
+def test_replicate_moves_every_dtype_bit_for_bit(dtype):
+    check_replicate(3, (2, 3, 1, 2), dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # shardload.split_rebase
 
 
-@pytest.mark.parametrize("dtype", REBASE_DTYPES)
-@pytest.mark.parametrize("ndim,dim", SPLIT_CASES)
-@pytest.mark.parametrize("n", NS)
-def test_split_rebase_matches_reference(n, ndim, dim, dtype):
+def check_split_rebase(n: int, ndim: int, dim: int, dtype: str) -> None:
     shape = split_shape(ndim, dim, n)
     x, xb = make_input(shape, dtype, seed=n * 100 + ndim * 10 + dim)
     expected = ref_rebase(xb, dim, n)
@@ -472,7 +540,25 @@ def test_split_rebase_matches_reference(n, ndim, dim, dtype):
     assert out_dtype == dtype
 
 
+# split_rebase is split (the same axis handling, checked on the same SPLIT_CASES) and then, per
+# piece, "minus its first flattened element": the multi-dim cases check that it is the piece's
+# first element, not each row's. The dtypes are a separate grid: every integer width, since
+# the subtraction is done in int64 and wrapped back into each dtype (int64 itself is not
+# widened).
+@pytest.mark.parametrize("ndim,dim", SPLIT_CASES)
 @pytest.mark.parametrize("n", NS)
+def test_split_rebase_matches_reference(n, ndim, dim):
+    check_split_rebase(n, ndim, dim, "int32")
+
+
+@pytest.mark.parametrize("dtype", REBASE_DTYPES)
+def test_split_rebase_wraps_in_every_integer_dtype(dtype):
+    check_split_rebase(dtype=dtype, **DTYPE_CASE)
+
+
+# N = 16 gives each worker 6 rows: groups of 4 straddle the workers, so their rebased indices
+# differ; N = 1 and 3 give whole groups (every worker the same indices)
+@pytest.mark.parametrize("n", [1, 3, 16])
 def test_split_rebase_gptq_g_idx(n):
     """Row-parallel GPTQ without act-order: g_idx = k // group, each worker counts from 0."""
     k, group = 96, 4
@@ -506,7 +592,7 @@ def test_split_rebase_indivisible_is_an_error():
     assert_value_error(lambda: rule("shardload.split_rebase")((10,), "int32", 0, num_shards=4),
                        r"(?i)divi|equal", num(10), num(4))
     x, _ = make_input((10,), "int32")
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match=r"dim 0 has size 10\b.* 4 equal shards"):
         func("shardload.split_rebase")(x, 0, alloc((4, 2), "int32"))
 
 
@@ -562,8 +648,8 @@ MIS_SIZED = {
 
 
 def _mis_sized_cases():
-    return [pytest.param(name, extra, bad, id=f"{name}-{label}")
-            for name, (extra, _, cases) in MIS_SIZED.items() for label, bad in cases]
+    return [pytest.param(name, extra, bad, good, id=f"{name}-{label}")
+            for name, (extra, good, cases) in MIS_SIZED.items() for label, bad in cases]
 
 
 @pytest.mark.parametrize("name", sorted(MIS_SIZED))
@@ -573,10 +659,12 @@ def test_right_sized_output_is_accepted(name):
     func(name)(x, *extra, alloc(good, "int32"))
 
 
-@pytest.mark.parametrize("name,extra,bad", _mis_sized_cases())
-def test_mis_sized_output_raises(name, extra, bad):
+@pytest.mark.parametrize("name,extra,bad,good", _mis_sized_cases())
+def test_mis_sized_output_raises(name, extra, bad, good):
     x, _ = make_input((8, 1, 3), "int32")
-    with pytest.raises(Exception):
+    # the shape it got and the shape it needs, not an error from inside the copy
+    with pytest.raises(ValueError, match=re.escape(f"output is {list(bad)} int32, expected "
+                                                   f"{list(good)} int32")):
         func(name)(x, *extra, alloc(bad, "int32"))
 
 
@@ -611,7 +699,10 @@ def expected_qkv_rows(worker: int, n: int, q_units: int, kv_units: int, head: in
     return rows
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+# 32 query and 8 KV heads: N = 1 splits nothing, 4 splits both, 8 gives each worker exactly one
+# KV head (the boundary of the replication rule, n <= units), 16 replicates each KV head to two
+# workers. N = 2 took the same path as 4.
+@pytest.mark.parametrize("n", [1, 4, 8, 16])
 def test_fused_qkv(n):
     """Llama-style GQA qkv_proj weight [(32 + 8 + 8) * 128, hidden] on dim 0; at N = 16 each KV
     head goes to two consecutive workers."""
@@ -649,8 +740,9 @@ def unpack_int4(p: np.ndarray) -> np.ndarray:
     return nibbles.reshape(*p.shape[:-1], -1).astype(np.int32)
 
 
-@pytest.mark.parametrize("dim", [1, -1])
-@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+# N as in test_fused_qkv (one worker, KV split, one KV head each, KV replicated), each with the
+# packed axis named from one end or the other (normalised once, so not crossed with every N)
+@pytest.mark.parametrize("n,dim", [(1, 1), (4, -1), (8, 1), (16, -1)])
 def test_fused_qkv_packed_units(n, dim):
     """GPTQ qzeros [K/G, N_out/8] int32: the same fused QKV in packed units (sizes / 8, heads
     unchanged) must give every worker the same heads as the unpacked zeros."""
@@ -681,7 +773,9 @@ def test_fused_qkv_packed_units(n, dim):
         assert np.array_equal(to_bits(out_zeros[i]), zeros[:, cols])
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
+# a plain two-segment split: N = 1 (nothing split) and 8 (the most pieces); 2 and 4 took the
+# same path. N = 3 does not divide 11008: test_fused_gate_up_indivisible.
+@pytest.mark.parametrize("n", [1, 8])
 def test_fused_gate_up(n):
     """Llama-7B gate_up_proj weight [2 * 11008, hidden]: worker i gets its slice of gate, then
     the same slice of up."""
@@ -707,7 +801,8 @@ def test_fused_gate_up_indivisible():
         (2 * 11008, 2), "float16", 0, *segs, num_shards=3), r"(?i)divi|multiple", num(3))
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
+# N = 1: the one KV head is not replicated; N = 4: it goes to every worker (2 and 8 the same)
+@pytest.mark.parametrize("n", [1, 4])
 def test_mqa_kv_replicated_to_all(n):
     """Multi-query attention: 8 query heads, one replicable KV head that every worker gets
     whole."""
@@ -735,8 +830,10 @@ def test_mqa_kv_replicated_to_all(n):
 # strict mode: positive units split, never replicate; negative units may replicate
 
 
-@pytest.mark.parametrize("units,n", [(1, 2), (2, 4), (4, 8), (8, 16), (3, 6), (1, 16), (2, 3),
-                                     (6, 8)])
+# (1, 2): one positive unit (MQA without the sign); (4, 8): N a multiple of the units, where the
+# replicable spelling would be fine; (2, 3): N not a multiple of them; (6, 8): neither divides
+# the other. (2, 4), (8, 16), (3, 6) and (1, 16) took the paths of (4, 8) and (1, 2).
+@pytest.mark.parametrize("units,n", [(1, 2), (4, 8), (2, 3), (6, 8)])
 def test_positive_units_fewer_than_n_is_an_error(units, n):
     """Positive units are never replicated: N > units fails, naming the units and N, in the
     shape rule and in the function itself."""
@@ -750,7 +847,7 @@ def test_positive_units_fewer_than_n_is_an_error(units, n):
         ref_segments(np.zeros(shape, np.int16), 0, segs, n)
     x, _ = make_input(shape, "float16")
     for rows in (head, max(units * head // n, 1)):  # neither a replicated nor a split output
-        with pytest.raises(Exception):
+        with pytest.raises(ValueError, match=rf"segment 0 has {units} units\b.* {n} workers"):
             func("shardload.split_segments")(x, 0, *segment_args(segs),
                                              alloc((n, rows, 3), "float16"))
     if n % units == 0:  # the same segment, marked replicable, is fine
@@ -759,8 +856,10 @@ def test_positive_units_fewer_than_n_is_an_error(units, n):
         assert tuple(out_shape) == (n, head, 3)
 
 
-@pytest.mark.parametrize("units,n", [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (8, 4), (8, 8),
-                                     (12, 3), (16, 16)])
+# N = 1; N equal to the units (one unit each); more units than N, a power of two; and an odd N
+# (12 units, 3 workers). (2, 1), (4, 2), (4, 4), (8, 8) and (16, 16) repeated those. Both axes
+# of a 2-D input: rows, and the last axis named from the end.
+@pytest.mark.parametrize("units,n", [(1, 1), (2, 2), (8, 4), (12, 3)])
 @pytest.mark.parametrize("dim", [0, -1])
 def test_positive_units_dividing_n_split_evenly(units, n, dim):
     """Positive units that N divides: worker i keeps the i-th of N equal slices, the same as
@@ -782,11 +881,22 @@ def test_positive_units_dividing_n_split_evenly(units, n, dim):
     assert_bits_equal(neg, expected)
 
 
-STRICT_QKV = [(8, 8), (8, 2), (32, 8), (16, 1)]  # (q heads, kv heads)
+# (N, q heads, kv heads): what each case puts q and k/v through
+STRICT_QKV = [
+    (1, 8, 8),     # one worker: nothing split
+    (4, 8, 8),     # q and kv split
+    (8, 8, 8),     # one q and one kv head each: N at the bound of both (n <= units splits)
+    (16, 8, 8),    # more workers than q heads: refused
+    (4, 8, 2),     # q split, each kv head replicated to 2 workers
+    (8, 8, 2),     # N equal to the q heads, each kv head replicated to 4 workers
+    (16, 8, 2),    # refused, although the kv heads alone could be replicated
+    (16, 32, 8),   # 2 q heads each, each kv head replicated to 2 workers
+    (2, 16, 1),    # MQA: the one kv head replicated to every worker
+    (16, 16, 1),   # MQA with one q head each
+]
 
 
-@pytest.mark.parametrize("q_heads,kv_heads", STRICT_QKV)
-@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("n,q_heads,kv_heads", STRICT_QKV)
 def test_fused_qkv_strict(n, q_heads, kv_heads):
     """Fused QKV with positive q units and negative k/v units: q is only ever split, k/v are
     replicated once workers outnumber them; N above the q heads is an error."""
@@ -801,7 +911,7 @@ def test_fused_qkv_strict(n, q_heads, kv_heads):
                                               num_shards=n), num(q_heads), num(n))
         with pytest.raises(ValueError):
             ref_segments(to_bits(x), 0, segs, n)
-        with pytest.raises(Exception):
+        with pytest.raises(ValueError, match=rf"segment 0 has {q_heads} units\b.* {n} workers"):
             func("shardload.split_segments")(
                 x, 0, *segment_args(segs),
                 alloc((n, head + 2 * max(kv_heads // n, 1) * head, 2), "int32"))
@@ -855,17 +965,20 @@ def test_fused_qkv_strict_replicates_kv_only():
         (rows, 3), "float16", 0, *segment_args(positive), num_shards=n), num(8), num(16))
 
 
+# where the zero is (alone, after a valid segment, before one, with a zero size, between
+# replicable ones); on 2 workers only: the units are checked before anything depends on N
 @pytest.mark.parametrize("args", [[8, 0], [4, 2, 4, 0], [4, 0, 4, -2], [0, 0], [4, -2, 4, 0, 0, 1]],
                          ids=str)
-@pytest.mark.parametrize("n", [1, 2])
-def test_units_zero_is_an_error(args, n):
+def test_units_zero_is_an_error(args):
+    n = 2
     size = sum(args[::2])
     assert_value_error(lambda: rule("shardload.split_segments")(
         (size, 2), "int32", 0, *args, num_shards=n), r"(?i)unit", num(0))
     with pytest.raises(ValueError):
         ref_segments(np.zeros((size, 2), np.int32), 0, list(zip(args[::2], args[1::2])), n)
     x, _ = make_input((size, 2), "int32")
-    with pytest.raises(Exception):
+    k = args[1::2].index(0)  # the segment with zero units, named by the function's message
+    with pytest.raises(ValueError, match=rf"segment {k}: size {args[2 * k]} .*units 0 non-zero"):
         func("shardload.split_segments")(x, 0, *args, alloc((n, size // n, 2), "int32"))
 
 

@@ -17,7 +17,8 @@ def run(name, x, *extra, n):
     return out
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+# N = 1 (one row) and 3 (several rows, and 4096 // 3 is not exact); 2, 4 and 8 took the path of 3
+@pytest.mark.parametrize("n", [1, 3])
 def test_constant_gives_every_worker_the_values(n):
     out = run("shardload.constant", torch.tensor([4096, 11008]), 4096 // n, 11008, n=n)
     assert np.array_equal(out.numpy(), np.tile([4096 // n, 11008], (n, 1)))
@@ -31,8 +32,10 @@ def test_constant_refuses_what_does_not_fit(shape, dtype, values):
         run("shardload.constant", torch.zeros(shape, dtype=dtype), *values, n=2)
 
 
-@pytest.mark.parametrize("sizes", [(4, 2, 2), (8, 8), (1,), (0, 3)])
-@pytest.mark.parametrize("shape", ["flat", "column"])
+# the sizes on a flat input (several segments, equal ones, one segment, an empty segment); the
+# column input ([S, 1]) is reshaped to the same values first, so once is enough
+@pytest.mark.parametrize("sizes, shape", [((4, 2, 2), "flat"), ((8, 8), "flat"), ((1,), "flat"),
+                                          ((0, 3), "flat"), ((4, 2, 2), "column")])
 def test_repeat_segments_matches_numpy(sizes, shape):
     values = torch.arange(1, len(sizes) + 1, dtype=torch.float32) / 8
     x = values if shape == "flat" else values.reshape(-1, 1)

@@ -264,6 +264,7 @@ def test_bf16_gpt_oss_experts_pass_through():
 
 # ---- ModelOpt NVFP4: its own quantizer and dequantizer ------------------------------------
 
+@pytest.mark.slow
 def test_modelopt_nvfp4_matches_modelopt():
     _, _, NVFP4QTensor = modelopt_tool._import_quiet()
     packed, scale, scale_2 = NVFP4QTensor.quantize(spread_weight(), modelopt_tool.NVFP4_GROUP)

@@ -256,6 +256,7 @@ def test_tensor_parallel_every_piece(request, version):
         check_tensor_parallel(folder, stored, n)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_process_session(v3):
     """The padded N=3 load through worker processes gives the same pieces."""
     folder, _, stored = v3
@@ -684,6 +685,7 @@ def test_expert_parallel(v3):
             assert ep == tp, (n, ep, tp)
 
 
+@pytest.mark.slow
 def test_expert_parallel_process_session(v3):
     """The EP load at N=3 (uneven: 2, 1, 1 experts; padded attention) through worker processes:
     the same placement, pieces and KeyErrors."""

@@ -268,7 +268,8 @@ def test_check_num_shards_names_the_n_a_placed_plan_works_for():
     assert str(exc.value).endswith(f"N that work (up to 64): {N}"), str(exc.value)
 
 
-@pytest.mark.parametrize("session_class", [ThreadedSession, ProcessSession],
+@pytest.mark.parametrize("session_class", [ThreadedSession,
+                                           pytest.param(ProcessSession, marks=pytest.mark.slow)],
                          ids=["thread", "process"])
 def test_placed_parameters_load_on_their_workers_only(session_class):
     with session_class(N) as session:

@@ -35,8 +35,8 @@ from safetensors.numpy import save_file
 
 from conftest import interrupt_once_started, subprocess_env
 from helpers import fault_plugins
-from shardload import (PlanError, ProcessSession, ShardloadError, ThreadedSession, WorkerError,
-                       load_sharded)
+from shardload import (REPLICATE, PlanError, ProcessSession, ShardloadError, ThreadedSession,
+                       WorkerError, load_sharded)
 from shardload.cli import EXIT_BROKEN_PIPE, cli
 from shardload.sessions import protocol
 from shardload.plan import MAX_NUM_SHARDS
@@ -108,6 +108,7 @@ def test_thread_watchdog_names_worker_and_parameter(release):
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
         load_sharded(_params(), _hang_plan(), sess, progress=False)
+    # wall time: the watchdog's own clock. It fires at 0.5 s (measured 0.51 s on 2 shared cores)
     assert time.monotonic() - start < 5
     failure = info.value.failures[0]
     assert failure.exc_type == "TimeoutError"
@@ -118,10 +119,10 @@ def test_thread_watchdog_names_worker_and_parameter(release):
     assert len(info.value.failures) == 1
     assert sess.closed
     with pytest.raises(RuntimeError, match="closed"):
-        load_sharded(_params(), None, sess, progress=False)
+        load_sharded(_params(), REPLICATE, sess, progress=False)
     assert abandoned_threads()  # the stuck thread is left, flagged
     release.set()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 5  # a hang guard: the released thread ends in 0.05 s
     while abandoned_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not abandoned_threads()
@@ -139,6 +140,7 @@ def test_load_sharded_timeout_overrides_and_call_is_watched(release):
         assert {f.worker for f in info.value.failures} == {0, 1}
 
 
+@pytest.mark.slow
 def test_watchdog_does_not_fire_on_a_load_that_progresses():
     plan = {f"p{k}": _split("tests.faults.slow") for k in range(4)}  # 0.2 s per parameter
     with ThreadedSession(2, timeout=1) as sess:
@@ -154,7 +156,7 @@ def test_timeout_must_be_a_positive_number(bad):
     with pytest.raises(ValueError, match="timeout"):
         ThreadedSession(1, timeout=bad)
     with ThreadedSession(1) as sess, pytest.raises(ValueError, match="timeout"):
-        load_sharded(_params(1), None, sess, progress=False, timeout=bad)
+        load_sharded(_params(1), REPLICATE, sess, progress=False, timeout=bad)
 
 
 HUNG_THREAD_SCRIPT = """
@@ -171,15 +173,17 @@ except WorkerError as exc:
 """
 
 
+@pytest.mark.slow
 def test_interpreter_exits_with_an_abandoned_thread():
-    start = time.monotonic()
+    # a hang check (an interpreter waiting for ever on the stuck thread), so wall time, with a
+    # wide margin: it exits in 1.9 s (measured on 2 shared cores, the import included)
     proc = subprocess.run([sys.executable, "-c", HUNG_THREAD_SCRIPT], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert "ERROR TimeoutError" in proc.stdout
-    assert time.monotonic() - start < 30
 
 
+@pytest.mark.slow
 def test_cli_timeout_on_threads_is_one_line_exit_1(tmp_path):
     ckpt, plan = _checkpoint(tmp_path, _hang_plan())
     start = time.monotonic()
@@ -190,10 +194,16 @@ def test_cli_timeout_on_threads_is_one_line_exit_1(tmp_path):
     assert len(lines) == 1, proc.stderr
     assert "TimeoutError: no progress for 0.5 s on parameter 'p1'" in lines[0]
     assert "Traceback" not in proc.stderr
+    # wall time (a watchdog and a process): 1.6 s measured on 2 shared cores, the import included
     assert time.monotonic() - start < 20
 
 
 # ---- 2. the watchdog on worker processes ----------------------------------------------------
+
+#: how soon a 1 s watchdog on worker processes must end the load (wall time: the watchdog's own
+#: clock); measured 1.4-2.0 s on 2 shared cores, with the kill of a worker that ignores SIGTERM
+PROCESS_WATCHDOG_S = 10
+
 
 def _process_load(func: str):
     """Load with ``func`` on parameter p1 in a two-worker session with a 1 s watchdog; the
@@ -219,7 +229,7 @@ def test_process_watchdog_kills_a_worker_that_ignores_sigterm():
     assert err.workers == (1,)
     assert err.failures[0].exc_type == "TimeoutError"
     assert "no progress for 1 s on parameter 'p1'" in str(err)
-    assert seconds < 8
+    assert seconds < PROCESS_WATCHDOG_S
     assert not _wait_gone(pids, 0)  # already gone: close() escalated to SIGKILL
 
 
@@ -229,7 +239,7 @@ def test_process_watchdog_catches_a_stopped_worker():
     err, pids, seconds = _process_load("tests.faults.stop_on_1")
     assert err.workers == (1,)
     assert "no progress for 1 s on parameter 'p1'" in str(err)
-    assert seconds < 8
+    assert seconds < PROCESS_WATCHDOG_S
 
 
 TORCH_RANK_SCRIPT = """
@@ -280,6 +290,13 @@ def test_ctrl_c_on_threads_exits_130_at_once_with_a_stuck_thread(tmp_path):
 def test_full_disk_on_stdout_is_one_line_exit_1():
     with open("/dev/full", "w") as full:
         proc = _run(["inspect", "--shards", "2", "--json", str(EXAMPLE)], stdout=full)
+    assert proc.returncode == 1, proc.stderr
+    # under --json the error is one JSON object on stderr, as every error there is
+    assert [json.loads(line) for line in _lines(proc.stderr)] == [{"error": {
+        "type": "OutputFailed", "message": "cannot write standard output: No space left on "
+        "device", "exit_code": 1}}], proc.stderr
+    with open("/dev/full", "w") as full:
+        proc = _run(["inspect", "--shards", "2", str(EXAMPLE)], stdout=full)
     assert proc.returncode == 1, proc.stderr
     assert _lines(proc.stderr) == ["Error: cannot write standard output: No space left on "
                                    "device"], proc.stderr
@@ -364,7 +381,7 @@ def test_plan_output_to_a_pipe_is_written_in_place(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["pipe"]
 
 
-@pytest.mark.parametrize("kind", ["thread", "process"])
+@pytest.mark.parametrize("kind", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_a_timeout_still_reports_the_worker_that_raised_first(kind, release):
     # worker 0 raises, worker 1 then waits for ever (a barrier): the cause must not be lost
     session = (ThreadedSession(2, timeout=1.0) if kind == "thread"
@@ -477,12 +494,13 @@ def test_worker_count_is_capped(small_ckpt):
         ThreadedSession(100_000)
     with pytest.raises(ValueError, match="more than the 4096 workers"):
         ProcessSession(100_000)
-    start = time.monotonic()
+    start = time.process_time()
     for command in ("load", "validate", "inspect", "plan"):
         result = CliRunner().invoke(cli, [command, "--shards", "100000", str(small_ckpt)])
         assert result.exit_code == 2, (command, result.output)
         assert "4096" in result.stderr
-    assert time.monotonic() - start < 5
+    # CPU time: refused before anything is made per worker. Measured 0.002 s for the four.
+    assert time.process_time() - start < 5
 
 
 def test_session_help_says_threads_share_the_process():
@@ -573,5 +591,5 @@ def test_a_read_slower_than_the_timeout_is_not_a_hang(tmp_path, monkeypatch):
     w = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
     save_file({"w": w}, str(tmp_path / "m.safetensors"))
     with ThreadedSession(1, timeout=0.3) as session:
-        sharded = load_sharded(str(tmp_path / "m.safetensors"), None, session, progress=False)
+        sharded = load_sharded(str(tmp_path / "m.safetensors"), REPLICATE, session, progress=False)
         assert np.array_equal(sharded.shard("w", 0).numpy(), w)

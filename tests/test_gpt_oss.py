@@ -274,6 +274,7 @@ def test_mxfp4_expert_parallel(mxfp4):
         check_expert_parallel(folder, stored, n)
 
 
+@pytest.mark.slow
 def test_mxfp4_expert_parallel_process_session(mxfp4):
     """The same EP load at N=3 (one worker with a zero slot, padded heads) through worker
     processes gives the same pieces."""

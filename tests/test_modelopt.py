@@ -280,7 +280,8 @@ def test_qwen3_moe_experts_split_like_an_mlp_of_32_rows():
 
 # ---- expert parallel: each expert whole on one worker --------------------------------------------
 
-@pytest.mark.parametrize("n, processes", [(2, False), (3, False), (4, False), (3, True)],
+@pytest.mark.parametrize("n, processes", [(2, False), (3, False), (4, False),
+                                          pytest.param(3, True, marks=pytest.mark.slow)],
                          ids=["2", "3", "4", "3-processes"])
 def test_qwen3_moe_expert_parallel_places_whole_experts(n, processes):
     folder, config = export("qwen3_moe"), CONFIGS["qwen3_moe"]()

@@ -110,7 +110,9 @@ def test_missing_plan_file_is_a_plan_error(tmp_path):
 
 # ---- bind ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
+# the two ends of what the 8-row tensor allows (8 // num_shards is 8, then 1); 2 and 4 evaluate
+# the same expressions the same way
+@pytest.mark.parametrize("n", [1, 8])
 def test_symbolic_plan_binds_for_every_n(n):
     plan = ShardInfo.from_dict(SPLIT_W).bind(n)
     step = plan.params["w"][0]

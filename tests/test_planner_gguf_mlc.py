@@ -136,6 +136,7 @@ def test_gguf_mixed_types_per_tensor(tmp_path):
         check_gguf_shards(path, n)
 
 
+@pytest.mark.slow
 def test_gguf_on_processes(tmp_path):
     path = str(tmp_path / "m.gguf")
     write_gguf(path, dict.fromkeys(GGUF_LINEARS, T.Q4_1), hidden=512, inter=1024)
@@ -277,6 +278,7 @@ def check_padded_gguf(path: str, n: int) -> dict:
     return layout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4, 5, 9])
 def test_real_model_any_n_with_zero_padding(smollm2, n):
     layout = check_padded_gguf(smollm2, n)

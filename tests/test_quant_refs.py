@@ -197,7 +197,18 @@ def test_gptq_act_order_g_idx():
 # GPTQ: quantizer and sharding
 
 GPTQ_N, GPTQ_K = 64, 288  # K = 288: with G = 128 the last group is partial (32 rows)
-GPTQ_CONFIGS = list(itertools.product((2, 3, 4, 8), (32, 128, -1), (True, False), (1, 2), (False, True)))
+# (bits, group size, sym, version, act-order). Every bits x sym pair (the packing and the zero
+# points differ with both) is crossed with six (group, act-order, version) triples that cover
+# every pair of those three: G = 32 (whole groups), 128 (the last group partial: 32 rows) and -1
+# (one group), each with v1 and v2, and act-order with both versions and both real group sizes.
+# Dropped: act-order with G = -1 (one group: the permutation changes nothing, g_idx is all zeros,
+# the same tensors as without it), and the other (G, act-order, version) triples: the version
+# only changes how each zero point is stored ((z - 1) mod 2**b per field), which neither the
+# group size nor act-order touches. 96 configs before, 48 now.
+GPTQ_GROUP_ACT_VERSION = [(32, False, 1), (32, True, 2), (128, False, 2), (128, True, 1),
+                          (-1, False, 1), (-1, False, 2)]
+GPTQ_CONFIGS = [(bits, g, sym, v, act) for bits in (2, 3, 4, 8) for sym in (True, False)
+                for g, act, v in GPTQ_GROUP_ACT_VERSION]
 
 
 def _gptq_id(c):
@@ -458,7 +469,14 @@ def test_ct_unpacked_zero_point_of_old_checkpoints():
 
 
 CT_N, CT_K = 64, 256
-CT_CONFIGS = list(itertools.product((4, 8), (("group", 32), ("group", 128), ("channel", None)), (True, False), ("bfloat16", "float16")))
+# (bits, (strategy, group), sym, scale dtype): every bits x strategy x sym cell (they decide the
+# packing, the groups and the zero point), each with one scale dtype, alternating so that each
+# scale dtype meets every bits, strategy and sym value: the scale dtype only changes how the
+# scales are rounded, which the packing and the slicing never see. 24 configs before, 12 now.
+CT_STRATEGIES = (("group", 32), ("group", 128), ("channel", None))
+CT_CONFIGS = [(nb, strategy, sym, ("bfloat16", "float16")[(b + k + (not sym)) % 2])
+              for b, nb in enumerate((4, 8)) for k, strategy in enumerate(CT_STRATEGIES)
+              for sym in (True, False)]
 
 
 def _ct_id(c):
