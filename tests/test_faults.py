@@ -42,7 +42,7 @@ from shardload.sessions import protocol
 from shardload.plan import MAX_NUM_SHARDS
 from shardload.sessions.base import resolve_devices
 from shardload.sessions.threaded import abandoned_threads
-from test_process_session import _describe, _kill, _wait_gone
+from test_sessions_process import _describe, _kill, _wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN = fault_plugins.__name__  # "helpers.fault_plugins", for --plugin and plugins=[...]

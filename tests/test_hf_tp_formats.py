@@ -5,7 +5,7 @@ checkpoint, with each format's most independent reference:
 
 * **DeepSeek block FP8** (``quant_method: fp8``, ``weight_scale_inv`` per 128x128 block): the
   checkpoint is written by transformers' own FP8 quantizer (``helpers.deepseek_fp8_tool``; the
-  DeepSeek-V3 of ``test_deepseek.fp8_config``, whose 192-row heads straddle the 128-row blocks),
+  DeepSeek-V3 of ``test_planner_deepseek.fp8_config``, whose 192-row heads straddle the 128-row blocks),
   and the reference is transformers' own ``from_pretrained`` of that folder: on a machine
   without a GPU it dequantizes the weights at load time (with one, ``FineGrainedFP8Config(
   dequantize=True)`` is asked for; ``test_transformers_fp8_load_is_the_exact_dequantization``
@@ -14,7 +14,7 @@ checkpoint, with each format's most independent reference:
   N = 3 is refused (two heads fill three blocks: the 8 heads split in 4 pairs).
 * **ModelOpt NVFP4** (Llama; Phi-3, fused ``qkv_proj`` / ``gate_up_proj``; Qwen3-MoE, experts
   one tensor each): exported by ModelOpt itself
-  (``helpers.modelopt_tool.cached_modelopt_nvfp4``, the configs of ``test_modelopt``, cached per
+  (``helpers.modelopt_tool.cached_modelopt_nvfp4``, the configs of ``test_planner_modelopt``, cached per
   machine); the reference is transformers' model of the export's config whose every quantized
   weight is ModelOpt's own ``NVFP4QTensor.dequantize`` of the stored tensors. N = 1..4 (3
   zero-pads the heads and MLP blocks; Qwen3-MoE's 32-row experts are zero-padded at 4 too).
@@ -60,10 +60,10 @@ from helpers.quant_refs.gptq import dequantize_gptq, quantize_gptq
 from shardload import PlanError, ProcessSession, ThreadedSession
 from shardload.hf import TPModel, load_tp_model
 from shardload.planners import plan_decision
-from test_deepseek import fp8_config
+from test_planner_deepseek import fp8_config
 from test_hf_tp_model import (NEW_TOKENS, PROMPT, QUANT_SIZES, TOLERANCE, Reference, answers,
                               randomise, relative)
-from test_modelopt import CONFIGS as MODELOPT_CONFIGS
+from test_planner_modelopt import CONFIGS as MODELOPT_CONFIGS
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:You passed `quantization_config`:UserWarning")   # dequantize=True over the config's
@@ -174,7 +174,7 @@ def make_deepseek_fp8(folder: Path, tmp: Path, ds_config: bool = False):
 
 
 def make_modelopt(folder: Path, tmp: Path, arch: str):
-    """A copy of ModelOpt's (cached) export of ``test_modelopt.CONFIGS[arch]``, norms randomised;
+    """A copy of ModelOpt's (cached) export of ``test_planner_modelopt.CONFIGS[arch]``, norms randomised;
     the reference holds ModelOpt's own dequantization of every quantized module."""
     export = cached_modelopt_nvfp4(arch, MODELOPT_CONFIGS[arch]())
     for item in export.iterdir():

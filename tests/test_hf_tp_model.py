@@ -40,10 +40,10 @@ from helpers.gpt_oss_tool import load_with_transformers, write_gpt_oss_mxfp4
 from helpers.gpt_oss_tool import tiny_config as gpt_oss_config
 from shardload import ProcessSession, ShardloadError, ThreadedSession, WorkerError
 from shardload.hf import TPModel, load_tp_model
-from test_architectures import CONFIGS as ARCH_CONFIGS
-from test_architectures import SMALL
-from test_deepseek import tiny_config as deepseek_config
-from test_moe_architectures import CONFIGS as MOE_CONFIGS
+from test_planner_architectures import CONFIGS as ARCH_CONFIGS
+from test_planner_architectures import SMALL
+from test_planner_deepseek import tiny_config as deepseek_config
+from test_planner_moe import CONFIGS as MOE_CONFIGS
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:You passed `quantization_config`:UserWarning")   # dequantize=True over the config's
@@ -86,7 +86,7 @@ FLOAT = {
 }
 
 #: the quantized checkpoints: sizes where every N of 1..4 plans (one head = one 32-group of
-#: o_proj's inputs; 256 MLP rows), as tests/test_ct_formats.py has them, with 2 layers
+#: o_proj's inputs; 256 MLP rows), as tests/test_formats_compressed_tensors.py has them, with 2 layers
 QUANT_SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
 #: a hidden size the padded heads of N = 3 do not divide (8 heads: 3 per worker)
@@ -125,7 +125,7 @@ def randomise(model) -> None:
     """Biases, norms and every other constant-initialised parameter (gpt-oss's sinks, Gemma's
     zero-centred norms) drawn at random, so that any of them taken from the wrong worker, added
     N times or dropped changes the logits; DeepSeek-V3's router bias ~ N(0, 0.01) (small enough
-    that the router still picks every expert group, as in test_deepseek)."""
+    that the router still picks every expert group, as in test_planner_deepseek)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             first = float(param.flatten()[0])

@@ -61,8 +61,12 @@ def run(session_kind):
 
 # ---- the TVM Disco example ---------------------------------------------------------------------
 
+# every N on threads; on worker processes (a session of N processes started for each N, a few
+# seconds apiece) N = 1 and 2 in the fast subset, the rest marked slow
 @pytest.mark.parametrize("func", ["tests.disco.shard_dim_1", "tests.disco.shard_dim_1.torch"])
-@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("session_kind, n", [("thread", n) for n in NS] + [
+    ("process", 1), ("process", 2),
+    *[pytest.param("process", n, marks=pytest.mark.slow) for n in (3, 4, 8)]])
 def test_tvm_shard_dim_1(run, func, n):
     x = np.random.default_rng(n).standard_normal((64, 64 * n)).astype(np.float16)
     # exactly the plan TVM's test writes: concrete shapes, num_shards as an extra arg

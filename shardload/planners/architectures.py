@@ -8,8 +8,8 @@ what differs for one architecture; adding a Llama-like one is one row
 
 Three tables, one per kind of checkpoint: ``ARCHITECTURES`` (HF ``model_type``),
 ``GGUF_ARCHITECTURES`` (GGUF ``general.architecture``) and ``MLC_ARCHITECTURES`` (MLC
-``model_type``, Llama's rules throughout). ``tests/test_architectures.py`` and
-``tests/test_gguf_architectures.py`` check each row against transformers and gguf-py.
+``model_type``, Llama's rules throughout). ``tests/test_planner_architectures.py`` and
+``tests/test_planner_gguf_architectures.py`` check each row against transformers and gguf-py.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ _GEMMA = ("pre/post-feedforward layernorms replicated; head_dim explicit (not hi
           "tied embeddings (no lm_head tensor)")
 
 #: Every HF ``model_type`` the planner knows, and what it knows of each (checked against
-#: transformers' modeling code: ``tests/test_architectures.py`` saves a tiny model of each
+#: transformers' modeling code: ``tests/test_planner_architectures.py`` saves a tiny model of each
 #: with transformers and compares every shard, and the column/row roles with each config
 #: class's ``base_model_tp_plan``)
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
@@ -193,7 +193,7 @@ class GGUFArchitecture(Architecture):
 
     The names are gguf-py's (``MODEL_TENSORS[arch]``, ``TensorNameMap``); what each holds
     (fused, whole-projection norms) is not in gguf-py, so it is written here from llama.cpp's
-    converter and loader, and ``tests/test_gguf_architectures.py`` checks every tensor gguf-py
+    converter and loader, and ``tests/test_planner_gguf_architectures.py`` checks every tensor gguf-py
     lists for each architecture has the role it should. llama.cpp's converter permutes the q/k
     rows (rotary pairs) of ``LlamaModel``-derived architectures (llama, granite) within each
     head, and stores gemma2, gemma3, phi3 and olmo2 rows as HF has them: head-aligned splits

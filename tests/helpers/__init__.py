@@ -10,7 +10,7 @@ registered twice with different function objects.
 
 * ``cli_plugin_for_tests``, ``fault_plugins``, ``process_plugins``, ``session_plugins``:
   shard and session functions the tests register (here and in worker processes).
-* ``dist_job``: the torchrun job of ``test_torch_distributed.py``, run as
+* ``dist_job``: the torchrun job of ``test_sessions_torchrun.py``, run as
   ``torchrun -m helpers.dist_job``.
 * ``gguf_blocks``, ``gptq_reference``, ``mlc_reference``, ``quant_refs``, ``tp_reference``:
   independent reference codecs and layouts.

@@ -1,4 +1,4 @@
-"""A torchrun job for tests/test_torch_distributed.py (not a test module itself).
+"""A torchrun job for tests/test_sessions_torchrun.py (not a test module itself).
 
     PYTHONPATH=.:tests:examples torchrun --standalone --nproc-per-node 2 -m helpers.dist_job \
         MODE OUT_DIR

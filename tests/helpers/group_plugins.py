@@ -1,5 +1,5 @@
 """Session functions that use a session's collectives (``ctx.group``), for
-``tests/test_session_api.py``; at module level, so worker processes register them too."""
+``tests/test_sessions.py``; at module level, so worker processes register them too."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shard and session functions for ``tests/test_process_session.py``.
+"""Shard and session functions for ``tests/test_sessions_process.py``.
 
 ProcessSession workers are separate interpreters: the functions they run must be defined at
 module level in a module they can import. This one is imported as ``helpers.process_plugins``

@@ -40,8 +40,9 @@ def full():
     return load_file(os.path.join(EXAMPLE, "model.safetensors"))
 
 
-@pytest.mark.parametrize("session", [ThreadedSession, ProcessSession])
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("session, n", [(ThreadedSession, n) for n in (1, 2, 4, 8)] + [
+    (ProcessSession, 1), (ProcessSession, 2),
+    *[pytest.param(ProcessSession, n, marks=pytest.mark.slow) for n in (4, 8)]])
 def test_every_shard_dequantizes_to_its_slice(full, n, session):
     with open_checkpoint(EXAMPLE) as ckpt, session(n) as sess:
         loaded = load_sharded(ckpt, os.path.join(EXAMPLE, "shard_info.json"), sess,

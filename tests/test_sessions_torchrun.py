@@ -45,6 +45,7 @@ def test_two_rank_job_gets_each_ranks_own_shards(rank_shards):
     assert reports[0]["stats"]["bytes_per_worker"] == reference.stats.bytes_per_worker
 
 
+@pytest.mark.slow
 def test_a_two_rank_job_stages_each_ranks_own_shards_the_same(rank_shards, tmp_path):
     """The ranks of a torchrun job run the staged pipeline too, each its own."""
     job = torchrun(*DIST_JOB, "staged", str(tmp_path))
@@ -71,6 +72,7 @@ def test_three_sessions_are_bit_identical(rank_shards):
                 assert same_bits(a, shards[rank][name]), (name, rank)
 
 
+@pytest.mark.slow
 def test_a_failure_on_one_rank_is_reported_on_every_rank(tmp_path):
     job = torchrun(*DIST_JOB, "fail", str(tmp_path))
     assert job.returncode == 0, job.stderr[-3000:]
@@ -81,6 +83,7 @@ def test_a_failure_on_one_rank_is_reported_on_every_rank(tmp_path):
     assert "worker 1 failed" in rank0["message"] and "no.such.tensor" in rank0["message"]
 
 
+@pytest.mark.slow
 def test_cli_under_torchrun(tmp_path):
     job = torchrun("-m", "shardload", "load", "--session", "torch", "--shards", "2", "--json",
                    EXAMPLE)
@@ -94,6 +97,7 @@ def test_cli_under_torchrun(tmp_path):
     assert [w["bytes"] for w in report["workers"]] == reference.stats.bytes_per_worker
 
 
+@pytest.mark.slow
 def test_cli_refuses_shards_other_than_the_world_size():
     job = torchrun("-m", "shardload", "load", "--session", "torch", "--shards", "4", EXAMPLE)
     assert job.returncode != 0

@@ -596,6 +596,7 @@ print(*session.pids, flush=True)
 """
 
 
+@pytest.mark.slow
 def test_interpreter_exit_with_open_session_stops_workers(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", OPEN_AND_EXIT], cwd=tmp_path,
                             env=subprocess_env(), stdout=subprocess.PIPE,
@@ -641,6 +642,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow
 def test_workers_exit_when_controller_is_killed(tmp_path):
     wrapper = subprocess.Popen([sys.executable, "-c", SUBREAPER, OPEN_AND_SLEEP], cwd=tmp_path,
                                env=subprocess_env(), stdout=subprocess.PIPE,
@@ -667,6 +669,7 @@ def test_workers_exit_when_controller_is_killed(tmp_path):
 
 # ---- 8. Ctrl-C in the CLI ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_ctrl_c_in_cli_exits_130_and_stops_workers(tmp_path):
     count = 40  # 40 x 0.2 s: about 8 s if left alone
     ckpt = tmp_path / "slow"

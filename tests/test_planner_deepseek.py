@@ -668,7 +668,7 @@ def check_expert_parallel(folder, stored, n: int, session_class=ThreadedSession)
         return list(sharded.stats.bytes_read_per_worker)
 
 
-def test_expert_parallel(v3):
+def test_planner_experts(v3):
     """EP at N = 1, 2, 3, 4, 8 (4 experts: [[0..3]], [[0, 1], [2, 3]], [[0, 1], [2, -1],
     [3, -1]], one each, and four workers with none): every routed expert's tensors are on
     their one worker, whole, and nowhere else; everything else is its TP piece; bytes kept and
