@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from .table import get_format
@@ -63,6 +63,3 @@ class Scheme:
         return cls(str(data["format"]), int(data.get("bits", 16)),
                    int(data.get("group_size", -1)), block=tuple(data.get("block", (128, 128))),
                    gptq_version=int(data.get("gptq_version", 1)))
-
-    def with_settings(self, **changes: Any) -> "Scheme":
-        return replace(self, **changes)

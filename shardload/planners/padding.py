@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..readers.base import Checkpoint
     from .spec import ModelSpec
 
-__all__ = ["Padding", "padding_layout", "padding_for", "padded_step"]
+__all__ = ["Padding", "padding_layout", "padded_step"]
 
 
 @dataclass(frozen=True)
@@ -105,15 +105,6 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
         mlp[size] = unit_layout(size // mlp_unit, num_shards)
     return Padding(num_shards, head_layout(spec.num_heads, spec.num_kv_heads, num_shards),
                    mlp_unit, mlp)
-
-
-def padding_for(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_shards: int, *,
-                whole_experts: bool = False) -> Padding:
-    """The zero-padded layout for N workers, or ``PlanError`` saying why there is none."""
-    padding = padding_layout(ckpt, spec, scheme, num_shards, whole_experts=whole_experts)
-    if isinstance(padding, PlanError):
-        raise padding
-    return padding
 
 
 def padded_step(t: Tensor, axes: TensorAxes, spec: "ModelSpec", padding: Padding,
