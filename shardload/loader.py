@@ -280,7 +280,8 @@ def _fetcher(session: Session, token: str, local: dict[int, dict[str, torch.Tens
 def load_sharded(params: Any, shard_info: Any, session: Session, *,
                  progress: Union[bool, ProgressCallback] = True,
                  timeout: Optional[float] = None,
-                 staging: Union[None, bool, Staging] = None) -> ShardedParams:
+                 staging: Union[None, bool, Staging] = None,
+                 reads: Optional[Callable[[ReadPlan], ReadPlan]] = None) -> ShardedParams:
     """Shard ``params`` by ``shard_info`` onto the workers of ``session``: the loader's own
     entry, which runs the plan it is given. ``shardload.load_sharded`` (``frontdoor``) is the
     public one: it decides which plan a load uses, then calls this.
@@ -296,7 +297,9 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
     ``staging``: how pieces travel to the devices (``Staging``): by default through a small
     ring of pinned host buffers, copied asynchronously, for CUDA workers, and straight into
     host memory for CPU workers; ``Staging(buffers=, buffer_mib=)`` sizes the ring (and stages
-    for CPU workers too), ``False`` never stages.
+    for CPU workers too), ``False`` never stages. ``reads``: a transform of each worker's read
+    plan before it runs, for an integration that wants the bytes somewhere else than in pieces
+    (``shardload.vllm`` reads them into full-shape stand-ins at their own places).
 
     The steps are in the module docstring.
 
@@ -318,6 +321,8 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
             modules = _plugin_modules(validated, remote)                            # 3.
             source = stack.enter_context(_readable_elsewhere(ckpt, remote))
             plans: dict[int, ReadPlan] = {i: read_plan_for(validated, source, i) for i in ranks}
+            if reads is not None:
+                plans = {i: reads(plan) for i, plan in plans.items()}
             _release_dropped(session)
         token, local = stack.enter_context(local_load(source, len(here), n))
         total = sum(validated.bytes_per_worker(i) for i in ranks)

@@ -21,13 +21,14 @@ documentation's tables are made from the tables themselves (``tables.py``).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from ..errors import PlanError
 from ..loader import ProgressCallback, ShardedParams
 from ..loader import load_sharded as _load
 from ..plan import MAX_PLAN_BYTES, ShardInfo
 from ..readers import as_checkpoint
+from ..readplan import ReadPlan
 from ..sessions import Session
 from ..sessions.kinds import open_session, register_session_kind, session_kinds
 from ..staging import Staging
@@ -42,7 +43,8 @@ __all__ = ["load_sharded", "resolve_plan", "ResolvedPlan", "REPLICATE", "PLAN_FI
 def load_sharded(params: Any, shard_info: Any, session: Session, *, experts: str = "tp",
                  progress: Union[bool, ProgressCallback] = True,
                  timeout: Optional[float] = None,
-                 staging: Union[None, bool, Staging] = None) -> ShardedParams:
+                 staging: Union[None, bool, Staging] = None,
+                 reads: Optional[Callable[[ReadPlan], ReadPlan]] = None) -> ShardedParams:
     """Shard ``params`` onto the workers of ``session``.
 
     ``params``: a ``Checkpoint`` (``open_checkpoint(path)``), a path, or a mapping of name ->
@@ -58,7 +60,8 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *, experts: str
     ``staging``: how pieces travel to the devices (``Staging``): by default through a small
     ring of pinned host buffers for CUDA workers, straight into host memory for CPU workers;
     ``Staging(buffers=, buffer_mib=)`` sizes the ring (and stages for CPU workers too),
-    ``False`` never stages.
+    ``False`` never stages. ``reads``: a transform of each worker's read plan before it runs
+    (for integrations: ``loader.load_sharded``).
 
     >>> with ThreadedSession(num_workers=4) as sess:                            # doctest: +SKIP
     ...     sharded = load_sharded("examples/tiny_llama_q4", None, sess)
@@ -68,7 +71,7 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *, experts: str
         ckpt = as_checkpoint(params)
         resolved = resolve_plan(ckpt, session.num_workers, shard_info, experts=experts)
     return _load(ckpt, resolved.validated, session, progress=progress, timeout=timeout,
-                 staging=staging)
+                 staging=staging, reads=reads)
 
 
 def write_plan(info: ShardInfo, path: Optional[str] = None) -> str:

@@ -108,27 +108,28 @@ class ThreadMember(Group):
 
 
 class DistGroup(Group):
-    """Collectives over torch.distributed's default group (this process's rank)."""
+    """Collectives over a torch.distributed group: the default one, or ``group`` (an engine's
+    tensor-parallel group, say); ``rank`` and ``src`` are ranks within it."""
 
-    def __init__(self, rank: int, size: int):
-        self.rank, self.size = rank, size
+    def __init__(self, rank: int, size: int, group=None):
+        self.rank, self.size, self._group = rank, size, group
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self._group)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         import torch.distributed as dist
 
-        dist.broadcast(tensor, src=src)
+        dist.broadcast(tensor, group=self._group, group_src=src)
         return tensor
 
     def barrier(self) -> None:
         import torch.distributed as dist
 
-        dist.barrier()
+        dist.barrier(group=self._group)
 
 
 class NoGroup(Group):

@@ -61,6 +61,10 @@ class TorchDistributedSession(Session):
     device is CUDA, gloo otherwise. The device defaults to ``cuda:LOCAL_RANK`` where CUDA is
     available, else the CPU.
 
+    ``group``: a process group of an existing job to be the session's workers instead of the
+    whole job (an engine's tensor-parallel group: ``shardload.vllm`` passes vLLM's); each member
+    is the worker of its rank within the group, and the session never destroys it.
+
     ``timeout`` is the watchdog (default: none): a rank without progress for that many seconds
     in a ``run`` (a load) prints one line naming it and what it is on, and ends with exit 1
     (a rank's own thread runs the work, so a stuck one cannot be interrupted);
@@ -73,7 +77,7 @@ class TorchDistributedSession(Session):
 
     def __init__(self, device: Union[str, torch.device, None] = None, *,
                  backend: Optional[str] = None, timeout_s: float = 600.0,
-                 timeout: Optional[float] = None):
+                 timeout: Optional[float] = None, group=None):
         import torch.distributed as dist
 
         self._dist = dist
@@ -85,6 +89,10 @@ class TorchDistributedSession(Session):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._owns_group = False
+        self._group = group
+        if group is not None and not dist.is_initialized():
+            raise ShardloadError("TorchDistributedSession(group=...) needs torch.distributed "
+                                 "initialised: the group belongs to a job that is running")
         if not dist.is_initialized():
             missing = [k for k in _ENV if k not in os.environ]
             if missing:
@@ -96,13 +104,13 @@ class TorchDistributedSession(Session):
             backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
             self._owns_group = True
-        self.rank = dist.get_rank()
-        self.num_workers = dist.get_world_size()
+        self.rank = dist.get_rank(group)
+        self.num_workers = dist.get_world_size(group)
         # collectives of small status messages run where the backend can: NCCL needs CUDA
-        self._comm_device = (self.device if dist.get_backend() == "nccl"
+        self._comm_device = (self.device if dist.get_backend(group) == "nccl"
                              else torch.device("cpu"))
         self._ctx = WorkerContext(self.rank, self.num_workers, self.device,
-                                  group=DistGroup(self.rank, self.num_workers))
+                                  group=DistGroup(self.rank, self.num_workers, group))
         self._closed = False
         self.devices = [torch.device(d) for d in self._all_gather(str(self.device))]
 
@@ -114,13 +122,13 @@ class TorchDistributedSession(Session):
         dev = self._comm_device
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         sizes = [torch.zeros_like(size) for _ in range(self.num_workers)]
-        self._dist.all_gather(sizes, size)
+        self._dist.all_gather(sizes, size, group=self._group)
         longest = max(int(s.item()) for s in sizes)
         buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
         if data:
             buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
         bufs = [torch.empty_like(buf) for _ in range(self.num_workers)]
-        self._dist.all_gather(bufs, buf)
+        self._dist.all_gather(bufs, buf, group=self._group)
         return [strict_json.loads(bytes(b[:int(s.item())].cpu().numpy()))
                 for b, s in zip(bufs, sizes)]
 

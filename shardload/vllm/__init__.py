@@ -1,0 +1,50 @@
+"""shardload as vLLM's load format: ``vllm serve MODEL --load-format shardload -tp N``.
+
+Installed with the ``vllm`` extra, shardload registers its loader through vLLM's plugin entry
+point (``vllm.general_plugins``), in every vLLM process (the API server, the engine core, each
+worker), so nothing is imported by hand:
+
+    vllm serve ckpt/ --load-format shardload --tensor-parallel-size 2
+    vllm serve ckpt/ --load-format shardload --model-loader-extra-config '{"verify": true}'
+
+>>> from vllm import LLM                                                    # doctest: +SKIP
+>>> llm = LLM("ckpt/", load_format="shardload", tensor_parallel_size=2)
+
+Each rank plans for (N, its rank), reads only its own bytes of the original (quantized)
+checkpoint into full-shape stand-ins, and hands them to vLLM's own ``load_weights``
+(``model_loader.py``). Where N does not divide the heads, ``vllm_overrides`` gives the
+``--hf-overrides`` of the exactly zero-padded model (``padding.py``):
+
+    python -m shardload.vllm overrides ckpt/ --tp 4
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["register", "vllm_overrides", "LOAD_FORMAT"]
+
+#: the name of the load format
+LOAD_FORMAT = "shardload"
+
+_registered = False
+
+
+def register() -> None:
+    """Register the load format with vLLM (the entry point; safe to call again and again)."""
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.model_loader import register_model_loader
+
+    from .model_loader import ShardloadModelLoader
+
+    register_model_loader(LOAD_FORMAT)(ShardloadModelLoader)
+    _registered = True
+
+
+def vllm_overrides(checkpoint: Any, tensor_parallel_size: int, shard_info: Any = None) -> dict:
+    """``padding.vllm_overrides``: the ``hf_overrides`` for N (``{}`` where none are needed)."""
+    from .padding import vllm_overrides as overrides
+
+    return overrides(checkpoint, tensor_parallel_size, shard_info)

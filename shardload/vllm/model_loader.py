@@ -1,0 +1,156 @@
+"""vLLM's load format ``shardload``: each rank reads only its own bytes of the original checkpoint.
+
+vLLM builds the model (its fused ``qkv_proj`` and ``gate_up_proj``, its per-rank shapes), calls
+the loader's ``load_weights``, then runs ``process_weights_after_loading`` (Marlin repacks, FP8
+requantization) itself. ``load_weights`` here, on every tensor-parallel rank:
+
+1. **options**: ``model_loader_extra_config`` checked strictly (``options.py``);
+2. **checkpoint**: the local folder, or vLLM's own download of a hub model;
+3. **plan** for (N, rank) through the front door (``resolve_plan``: the ``plan`` option, else
+   ``shard_info.json`` beside the checkpoint, else one made from its config; expert-parallel
+   when vLLM places whole experts per rank), and checked against the sizes vLLM built the model
+   with (a padded plan needs the padded model: ``padding.py``);
+4. **read** this rank's runs into full-shape stand-ins (``standins.py``), through a session of
+   vLLM's own tensor-parallel group, so a rank that fails fails every rank, named;
+5. **hand** them to the model's own ``load_weights``, which narrows them as it narrows a full
+   tensor (with ``verify``: twice, poisoned, ``verify.py``); vLLM's check that every weight was
+   loaded runs as for its default loader;
+6. **log** what this rank read and kept, and vLLM's "Loading weights took" line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.config.load import LoadConfig
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from ..errors import PlanError
+from ..frontdoor import load_sharded, resolve_plan
+from ..geometry import worker_share
+from ..readers import open_checkpoint
+from ..sessions import TorchDistributedSession
+from .options import LoaderOptions
+from .padding import overrides_for, padded_sizes
+from .standins import StandIns, stand_in_reads
+from .verify import poison, verified_load
+
+__all__ = ["ShardloadModelLoader", "STATS_PREFIX"]
+
+# under "vllm", so the lines go where and as vLLM's own do
+logger = init_logger("vllm.shardload")
+
+#: the start of the per-rank statistics line in vLLM's log (then JSON)
+STATS_PREFIX = "shardload load: "
+
+#: what a checkpoint folder vLLM downloads for shardload must hold
+_ALLOW = ["*.safetensors", "*.json", "*.gguf", "*.model", "*.txt"]
+
+
+def _check_sizes(validated, hf_config) -> None:
+    """The model vLLM built must be the one the plan loads: the padded one for a padded plan
+    (``--hf-overrides`` with these sizes), the checkpoint's own otherwise."""
+    wanted = padded_sizes(validated)
+    if not wanted:
+        record = worker_share(validated, 0).record
+        wanted = {k: v for k, v in record["sizes"].items()
+                  if k in ("num_attention_heads", "num_key_value_heads")}
+    built = {k: getattr(hf_config, k, None) for k in wanted}
+    wrong = {k: v for k, v in wanted.items() if built[k] is not None and built[k] != v}
+    if wrong:
+        overrides = overrides_for(validated) if padded_sizes(validated) else {}
+        raise PlanError(
+            f"vLLM built the model with {', '.join(f'{k}={built[k]}' for k in wrong)}, but "
+            f"shardload's plan for N={validated.num_shards} loads "
+            f"{', '.join(f'{k}={v}' for k, v in wrong.items())}: "
+            + (f"start vLLM with --hf-overrides '{json.dumps(overrides)}'" if overrides else
+               "start vLLM without --hf-overrides of these sizes"),
+            source=validated.plan.source)
+
+
+class ShardloadModelLoader(BaseModelLoader):
+    """``--load-format shardload``: the steps are in the module docstring."""
+
+    def __init__(self, load_config: LoadConfig):
+        super().__init__(load_config)
+        self.options = LoaderOptions.from_extra_config(load_config.model_loader_extra_config)
+
+    def _folder(self, model_config: ModelConfig) -> str:
+        path = model_config.model
+        if os.path.isdir(path):
+            return path
+        from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
+
+        return download_weights_from_hf(path, self.load_config.download_dir, _ALLOW,
+                                        model_config.revision,
+                                        ignore_patterns=self.load_config.ignore_patterns)
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        self._folder(model_config)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        from vllm.config import get_current_vllm_config
+        from vllm.distributed import get_tp_group
+
+        start = time.perf_counter()
+        opts = self.options                                                          # 1.
+        tp = get_tp_group()
+        rank, n = tp.rank_in_group, tp.world_size
+        parallel = get_current_vllm_config().parallel_config
+        whole_experts = bool(model_config.is_moe and parallel.enable_expert_parallel)
+        ckpt = open_checkpoint(self._folder(model_config))                           # 2.
+        made: dict[int, StandIns] = {}
+        with TorchDistributedSession(device="cpu", group=tp.cpu_group,
+                                     timeout=opts.timeout) as sess:
+            with sess.collective("planning the load"):                              # 3.
+                planner = {"experts": "ep"} if whole_experts and opts.plan is None else {}
+                resolved = resolve_plan(ckpt, n, opts.plan, **planner)
+                validated = resolved.validated
+                _check_sizes(validated, model_config.hf_text_config)
+
+            def reads(plan):
+                made[plan.rank] = stand_in_reads(plan, validated, ckpt)
+                return made[plan.rank].plan
+
+            sharded = load_sharded(ckpt, validated, sess, progress=False,            # 4.
+                                   staging=opts.staging, reads=reads)
+        ins = made[rank]
+        tensors = sharded.worker(rank)
+        read_s = time.perf_counter() - start
+
+        def hand(bad=None) -> set:                                                   # 5.
+            if bad is not None:
+                for name, t in tensors.items():
+                    poison(t, ins.mine[name], bad)
+            return model.load_weights(iter(tensors.items()))
+
+        unwritten: list[str] = []
+        if opts.verify:
+            loaded: set = set()
+            unwritten = verified_load(dict(model.named_parameters()),
+                                      lambda bad: loaded.update(hand(bad) or ()), rank)
+            loaded = loaded or None
+        else:
+            loaded = hand()
+        if model_config.quantization is None and loaded is not None:
+            # vLLM's own check, as its default loader runs it: every parameter was loaded
+            DefaultModelLoader.track_weights_loading(self, model, set(loaded))
+        seconds = time.perf_counter() - start
+        stats = sharded.stats
+        line = {"rank": rank, "num_shards": n, "plan": resolved.origin,
+                "source": resolved.source, "bytes_read": stats.bytes_read_per_worker[rank],
+                "bytes_kept": ins.kept, "tensors": stats.tensors_per_worker[rank],
+                "padded_tensors": len(ins.padded), "read_seconds": round(read_s, 4),
+                "seconds": round(seconds, 4), "verified": opts.verify,
+                "experts": "ep" if whole_experts else "tp"}
+        if unwritten:
+            line["not_in_checkpoint"] = unwritten
+        logger.info("%s%s", STATS_PREFIX, json.dumps(line))
+        logger.info("Loading weights took %.2f seconds", seconds)
+        del tensors, sharded

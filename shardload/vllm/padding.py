@@ -1,0 +1,146 @@
+"""Any N in vLLM: the padded model, where shardload's zero-padding is exact in vLLM's own model.
+
+vLLM refuses a tensor-parallel size that does not divide the attention heads (SmolLM2's 9 at
+N=2 or 4) or the MLP. Where shardload's plan for that N zero-pads (zero query heads whose
+output columns are zero, zero KV heads only zero query heads read, zero MLP rows), the padded
+model computes exactly what the model does, and vLLM can run it if it is told the padded sizes:
+``hf_overrides``, so it builds the padded model, and shardload hands it the padded tensors.
+
+vLLM's attention has one shape on every rank: the same query and KV heads per rank, query head
+``h`` reading KV head ``h // (q / kv)``, no KV head on two ranks once the KV heads are padded to
+a multiple of N. A padded plan whose layout is that (``vllm_layout``) gets its overrides; one
+that is not (at N=2 SmolLM2's exact padding puts 5 query heads over 2 KV heads, one of them
+shared) is refused, with the N that do work.
+
+    python -m shardload.vllm overrides CKPT --tp 4     # the --hf-overrides JSON for N=4
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..errors import PlanError
+from ..geometry import MLP_SIZES, worker_share
+
+__all__ = ["vllm_overrides", "vllm_layout_problem", "working_sizes"]
+
+#: the sizes the padded model's config states, under transformers' names
+_HEAD_SIZES = ("num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def vllm_layout_problem(validated) -> Optional[str]:
+    """Why vLLM's model cannot hold this padded plan's layout, or None if it can."""
+    padding = validated.plan.metadata.get("tensor_parallel")
+    if padding is None:
+        return None
+    n = validated.num_shards
+    shares = [worker_share(validated, i) for i in range(n)]
+    if any(s.sizes != shares[0].sizes for s in shares):
+        counts = sorted({(s.sizes["num_attention_heads"], s.sizes["num_key_value_heads"])
+                         for s in shares})
+        return (f"its ranks hold different numbers of heads ({', '.join(f'{q} query / {k} KV' for q, k in counts)}), "
+                "and vLLM's attention has one shape on every rank")
+    uneven = next((s for s in shares if s.kv_map is not None), None)
+    if uneven is not None:
+        return (f"rank {uneven.rank}'s query heads read KV heads {uneven.kv_map}, not vLLM's "
+                f"regular h // (query heads / KV heads)")
+    seen: dict[int, int] = {}
+    for rank, heads in enumerate(padding["kv_heads"]):
+        for h in heads:
+            if h >= 0 and h in seen:
+                return (f"KV head {h} is on ranks {seen[h]} and {rank}; vLLM shares KV heads "
+                        "between ranks only when there are fewer KV heads than ranks")
+            seen[h] = rank
+    record = shares[0].record
+    if record.get("projection_norms"):
+        return ("its norms span whole projections (" + ", ".join(record["projection_norms"]) +
+                "), which vLLM's model cannot pad")
+    if record.get("mla") or validated.plan.metadata.get("experts"):
+        return "vLLM pads neither latent attention nor expert parallelism"
+    return None
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        where = out
+        *parents, last = key.split(".")
+        for p in parents:
+            where = where.setdefault(p, {})
+        where[last] = value
+    return out
+
+
+def padded_sizes(validated) -> dict[str, int]:
+    """The whole padded model's sizes under transformers' names (empty for an unpadded plan)."""
+    if validated.plan.metadata.get("tensor_parallel") is None:
+        return {}
+    n = validated.num_shards
+    share = worker_share(validated, 0)
+    local, whole = share.sizes, share.record["sizes"]
+    sizes = {"num_attention_heads": n * local["num_attention_heads"],
+             "num_key_value_heads": n * local["num_key_value_heads"],
+             "head_dim": local["head_dim"]}
+    for attr in MLP_SIZES:    # only the widths padding changed
+        if attr in local and n * local[attr] != whole.get(attr):
+            sizes[attr] = n * local[attr]
+    return sizes
+
+
+def overrides_for(validated) -> dict[str, Any]:
+    """vLLM's ``hf_overrides`` for this plan: {} for an unpadded one; the padded sizes under
+    the checkpoint config's own keys for a padded one whose layout vLLM holds; else
+    ``PlanError``."""
+    problem = vllm_layout_problem(validated)
+    if problem is not None:
+        raise PlanError(f"vLLM cannot run shardload's zero-padded plan for N={validated.num_shards}: "
+                        f"{problem}", source=validated.plan.source)
+    sizes = padded_sizes(validated)
+    if not sizes:
+        return {}
+    keys = worker_share(validated, 0).record.get("config_keys") or {}
+    return _nested({keys.get(attr, attr): value for attr, value in sizes.items()})
+
+
+def working_sizes(checkpoint, up_to: int = 8) -> list[tuple[int, bool]]:
+    """The tensor-parallel sizes from 1 to ``up_to`` vLLM can run with shardload: (N, padded)."""
+    from ..frontdoor import resolve_plan
+
+    works = []
+    for n in range(1, up_to + 1):
+        try:
+            validated = resolve_plan(checkpoint, n).validated
+        except PlanError:
+            continue
+        if vllm_layout_problem(validated) is None:
+            works.append((n, "tensor_parallel" in validated.plan.metadata))
+    return works
+
+
+def describe_working(checkpoint, up_to: int = 8) -> str:
+    works = working_sizes(checkpoint, up_to)
+    if not works:
+        return f"no N from 1 to {up_to} works"
+    return "N that work: " + ", ".join(f"{n} (padded)" if padded else str(n)
+                                       for n, padded in works)
+
+
+def vllm_overrides(checkpoint: Any, tensor_parallel_size: int,
+                   shard_info: Any = None) -> dict[str, Any]:
+    """The ``hf_overrides`` vLLM needs to run ``checkpoint`` at ``tensor_parallel_size`` with
+    shardload: {} where N divides the model, the padded sizes where shardload's exact padding
+    is a layout vLLM holds, else ``PlanError`` naming the N that work.
+
+    >>> vllm_overrides("SmolLM2-135M/", 4)                                   # doctest: +SKIP
+    {'num_attention_heads': 12, 'num_key_value_heads': 4, 'head_dim': 64}
+    """
+    from ..frontdoor import resolve_plan
+    from ..readers import as_checkpoint
+
+    ckpt = as_checkpoint(checkpoint)
+    try:
+        validated = resolve_plan(ckpt, tensor_parallel_size, shard_info).validated
+        return overrides_for(validated)
+    except PlanError as exc:
+        raise PlanError(f"{exc.reason}; {describe_working(ckpt)}", source=exc.source,
+                        param=exc.param, step=exc.step) from None

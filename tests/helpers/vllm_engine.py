@@ -1,0 +1,75 @@
+"""Run one vLLM engine on one checkpoint and print what it generated, as JSON (run in vLLM's env).
+
+    python tests/helpers/vllm_engine.py CKPT --tp 2 --load-format shardload --verify
+
+Greedy tokens and the top-5 logprobs of each generated token, for a fixed prompt of token ids
+(the tiny test models have no tokenizer) or of text (``--text``, for real models), and, for
+``--load-format shardload``, each rank's statistics line from vLLM's log. One engine start per
+call: the tests call it once per (checkpoint, N, loader).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+PROMPTS = [[1, 5, 9, 13, 200, 7], [3, 100, 42]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--verify", action="store_true")
+    ap.add_argument("--extra", default=None, help="model_loader_extra_config as JSON")
+    ap.add_argument("--hf-overrides", default=None)
+    ap.add_argument("--text", default=None)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--ep", action="store_true", help="enable_expert_parallel")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                          "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.tp)))
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = json.loads(args.extra) if args.extra else {}
+    if args.verify and args.load_format == "shardload":
+        extra["verify"] = True
+    kwargs = dict(model=args.model, tensor_parallel_size=args.tp, load_format=args.load_format,
+                  distributed_executor_backend="mp", enforce_eager=True, max_model_len=128,
+                  max_num_seqs=2, dtype=args.dtype, seed=0,
+                  skip_tokenizer_init=args.text is None,
+                  enable_expert_parallel=args.ep)
+    if extra:
+        kwargs["model_loader_extra_config"] = extra
+    if args.hf_overrides:
+        kwargs["hf_overrides"] = json.loads(args.hf_overrides)
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, logprobs=5,
+                            detokenize=args.text is not None)
+    prompts = ([args.text] if args.text is not None else
+               [TokensPrompt(prompt_token_ids=p) for p in PROMPTS])
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    result = []
+    for out in outputs:
+        gen = out.outputs[0]
+        result.append({
+            "tokens": list(gen.token_ids),
+            "text": gen.text if args.text is not None else None,
+            "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
+                         for step in (gen.logprobs or [])]})
+    with open(args.out, "w") as f:
+        json.dump({"outputs": result}, f)
+    del llm
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
