@@ -145,7 +145,8 @@ class ShardloadModelLoader(BaseModelLoader):
         stats = sharded.stats
         line = {"rank": rank, "num_shards": n, "plan": resolved.origin,
                 "source": resolved.source, "bytes_read": stats.bytes_read_per_worker[rank],
-                "bytes_kept": ins.kept, "tensors": stats.tensors_per_worker[rank],
+                "bytes_kept": ins.kept, "bytes_replicated": ins.replicated,
+                "tensors": stats.tensors_per_worker[rank],
                 "padded_tensors": len(ins.padded), "read_seconds": round(read_s, 4),
                 "seconds": round(seconds, 4), "verified": opts.verify,
                 "experts": "ep" if whole_experts else "tp"}

@@ -12,8 +12,8 @@ Each worker's read plan (``readplan.ReadPlan``) becomes a read plan of stand-ins
 * a **read** piece (a split by ranges, or a replicated tensor): the stored tensor's shape, each
   run landing at the place it was read from (a split's fixup, such as a rebase of GPTQ's
   ``g_idx``, is dropped: vLLM narrows the raw tensor itself);
-* a **padded** piece (the plan zero-pads heads or MLP blocks for an N the model does not divide):
-  the padded whole, ``N`` pieces long along the split axis, this rank's piece at chunk ``rank``
+* a piece of a **padded** tensor (the plan zero-pads heads or MLP blocks for an N the model does
+  not divide; on every rank, whether its own piece has zeros or not): the padded whole, ``N`` pieces long along the split axis, this rank's piece at chunk ``rank``
   and the rest zeros; vLLM's model is then the padded one (``padding.vllm_overrides``);
 * a **computed** piece (a chain of shard functions): the whole stored tensor, as read for the
   chain; vLLM narrows it.
@@ -52,11 +52,13 @@ class Block:
 @dataclass
 class StandIns:
     """This rank's stand-ins: the read plan that makes them, and which of their bytes it wrote
-    (``mine``); ``kept``: the bytes of the pieces the plan gives the rank (what vLLM keeps)."""
+    (``mine``); ``kept``: the bytes of the pieces the plan gives the rank, of which
+    ``replicated`` are of tensors every rank holds whole; ``padded``: the zero-padded ones."""
 
     plan: ReadPlan
     mine: dict[str, tuple[Block, ...]]
     kept: int
+    replicated: int
     padded: tuple[str, ...]
 
 
@@ -96,6 +98,14 @@ def _padded(piece: PieceRead, shape: tuple[int, ...], plan: ReadPlan, source: st
     return PieceRead(piece.name, tuple(whole), piece.dtype, tuple(runs), zeros=True), blocks
 
 
+def _padded_whole(piece: tuple[int, ...], shape: tuple[int, ...], n: int) -> bool:
+    """The tensor is padded for N (its N pieces are longer than it along the split axis), so
+    every rank's piece goes into the padded whole, a piece without zeros too: vLLM narrows the
+    padded model's tensor, whose chunks do not all start where the stored tensor's would."""
+    axes = [d for d, (a, b) in enumerate(zip(piece, shape)) if a != b]
+    return len(piece) == len(shape) and len(axes) == 1 and piece[axes[0]] * n != shape[axes[0]]
+
+
 def stand_in_reads(plan: ReadPlan, validated: "ValidatedPlan", ckpt: "Checkpoint") -> StandIns:
     """``plan`` (one worker's read plan) as reads of full-shape stand-ins (the module docstring).
 
@@ -105,6 +115,9 @@ def stand_in_reads(plan: ReadPlan, validated: "ValidatedPlan", ckpt: "Checkpoint
     """
     pieces, mine, padded = [], {}, []
     source = validated.plan.source
+    # a zero-padded plan (only there are pieces longer in all than the tensor: elsewhere that
+    # is a KV head on several ranks, which vLLM narrows from the stored tensor itself)
+    padded_plan = "tensor_parallel" in validated.plan.metadata
     for piece in plan.pieces:
         meta = validated.params[piece.name].meta
         if piece.chain is not None:
@@ -112,7 +125,8 @@ def stand_in_reads(plan: ReadPlan, validated: "ValidatedPlan", ckpt: "Checkpoint
                               piece.runs)
             made, blocks = whole, tuple(Block(r.dst_offset, r.nbytes, r.count, r.dst_stride)
                                         for r in piece.runs)
-        elif piece.zeros:
+        elif piece.zeros or (padded_plan and
+                             _padded_whole(piece.shape, tuple(meta.shape), plan.num_shards)):
             made, blocks = _padded(piece, tuple(meta.shape), plan, source)
             padded.append(piece.name)
         else:
@@ -121,5 +135,7 @@ def stand_in_reads(plan: ReadPlan, validated: "ValidatedPlan", ckpt: "Checkpoint
         pieces.append(made)
         mine[piece.name] = blocks
     kept = sum(p.nbytes for p in plan.pieces)
+    replicated = sum(p.nbytes for p in plan.pieces
+                     if validated.params[p.name].replicated)
     return StandIns(ReadPlan(plan.rank, plan.num_shards, plan.sources, tuple(pieces)), mine,
-                    kept, tuple(padded))
+                    kept, replicated, tuple(padded))

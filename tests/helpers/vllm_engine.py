@@ -30,6 +30,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--ep", action="store_true", help="enable_expert_parallel")
+    ap.add_argument("--compare-default", action="store_true",
+                    help="then reload the weights with vLLM's default loader in the same engine "
+                         "and generate again")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -49,6 +52,8 @@ def main() -> None:
                   enable_expert_parallel=args.ep)
     if extra:
         kwargs["model_loader_extra_config"] = extra
+    if args.compare_default:
+        kwargs["worker_extension_cls"] = "helpers.vllm_ext.LoaderComparison"
     if args.hf_overrides:
         kwargs["hf_overrides"] = json.loads(args.hf_overrides)
     llm = LLM(**kwargs)
@@ -56,17 +61,27 @@ def main() -> None:
                             detokenize=args.text is not None)
     prompts = ([args.text] if args.text is not None else
                [TokensPrompt(prompt_token_ids=p) for p in PROMPTS])
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    result = []
-    for out in outputs:
-        gen = out.outputs[0]
-        result.append({
-            "tokens": list(gen.token_ids),
-            "text": gen.text if args.text is not None else None,
-            "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
-                         for step in (gen.logprobs or [])]})
+
+    def generate() -> list:
+        result = []
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            gen = out.outputs[0]
+            result.append({
+                "tokens": list(gen.token_ids),
+                "text": gen.text if args.text is not None else None,
+                "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
+                             for step in (gen.logprobs or [])]})
+        return result
+
+    report = {"outputs": generate()}
+    if args.compare_default:
+        report["digests"] = llm.collective_rpc("param_digests")
+        report["param_bytes"] = llm.collective_rpc("param_bytes")
+        llm.collective_rpc("reload_with_default_loader")
+        report["default_outputs"] = generate()
+        report["default_digests"] = llm.collective_rpc("param_digests")
     with open(args.out, "w") as f:
-        json.dump({"outputs": result}, f)
+        json.dump(report, f)
     del llm
     sys.exit(0)
 

@@ -1,0 +1,38 @@
+"""A vLLM worker extension for the tests: digests of the model's parameters, and a reload of them
+by vLLM's own default loader in the same engine (so that only the loader differs).
+
+``LLM(..., worker_extension_cls="helpers.vllm_ext.LoaderComparison")``, then
+``llm.collective_rpc("param_digests")`` and ``llm.collective_rpc("reload_with_default_loader")``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+
+class LoaderComparison:
+    def param_digests(self) -> dict:
+        """{name: sha256 of its bytes} of this rank's parameters, after vLLM's processing."""
+        model = self.model_runner.get_model()
+        out = {}
+        for name, p in model.named_parameters():
+            data = p.detach().contiguous().reshape(-1).view(__import__("torch").uint8)
+            out[name] = hashlib.sha256(data.cpu().numpy().tobytes()).hexdigest()
+        return out
+
+    def param_bytes(self) -> int:
+        """Bytes of this rank's parameters."""
+        model = self.model_runner.get_model()
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def reload_with_default_loader(self) -> None:
+        """Reload every weight in place with vLLM's default loader (its own reload path, which
+        processes the weights again as a first load does)."""
+        from vllm.config.load import LoadConfig
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+        model = self.model_runner.get_model()
+        config = self.model_runner.vllm_config
+        loader = DefaultModelLoader(LoadConfig(load_format="auto"))
+        weights = loader.get_all_weights(config.model_config, model)
+        self.model_runner.reload_weights(weights_iterator=weights)

@@ -1,0 +1,300 @@
+"""``--load-format shardload`` in a real vLLM engine (vLLM's CPU build, in its own environment).
+
+Each engine test starts one engine with ``load_format="shardload"`` and ``verify`` on, generates
+(greedy tokens, top-5 logprobs), takes a digest of every parameter after vLLM's processing, then
+reloads every weight with vLLM's own default loader in the same engine (vLLM's in-place reload,
+which processes them again) and generates again: the tokens, the logprobs and every parameter
+must be equal, so only the loader differs. The per-rank statistics from vLLM's log say each rank
+read no more than it kept, and no more than vLLM's own parameters hold beside what is
+replicated.
+
+vLLM runs from the environment ``scripts/vllm-env.sh`` makes (``SHARDLOAD_VLLM_PYTHON``, or
+``~/.cache/shardload/vllm-venv``): without it these tests skip, unless
+``SHARDLOAD_REQUIRE_VLLM=1`` (CI), where they fail. The unit tests at the top need no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+from conftest import REPO, subprocess_env
+from shardload import open_checkpoint
+from shardload.errors import PlanError
+from shardload.frontdoor import resolve_plan
+from shardload.readplan import read_plan_for
+from shardload.pieces.reads import read_runs
+from shardload.vllm.options import LoaderOptions, OptionsError
+from shardload.vllm.padding import vllm_overrides
+from shardload.vllm.standins import stand_in_reads
+from shardload.vllm.verify import VerifyError, poison, verified_load
+
+STATS_PREFIX = "shardload load: "   # shardload.vllm.model_loader.STATS_PREFIX (imports vllm)
+
+
+# ---- without vLLM: options, stand-ins, padding, verify ------------------------------------------
+
+def test_options_refuse_unknown_keys_naming_the_known_ones():
+    assert LoaderOptions.from_extra_config({}) == LoaderOptions()
+    opts = LoaderOptions.from_extra_config({"verify": True, "plan": "p.json", "timeout": 30,
+                                            "staging": {"buffers": 2, "buffer_mib": 4}})
+    assert (opts.verify, opts.plan, opts.timeout, opts.staging.buffers) == (True, "p.json", 30, 2)
+    with pytest.raises(OptionsError, match=r"no option 'verfy'; its options are plan: .*verify"):
+        LoaderOptions.from_extra_config({"verfy": True})
+    for bad, msg in [({"verify": "yes"}, "verify must be true or false"),
+                     ({"timeout": 0}, "timeout must be"), ({"plan": 3}, "plan must be a path"),
+                     ({"staging": {"buffer": 2}}, "staging takes buffers and buffer_mib"),
+                     ({"staging": {"buffers": 0}}, "staging"), ([], "must be a JSON object")]:
+        with pytest.raises(OptionsError, match=msg):
+            LoaderOptions.from_extra_config(bad)
+
+
+def _llama_folder(tmp_path: Path, heads=8, kv=2, head_dim=4, hidden=16, inter=32) -> Path:
+    rng = np.random.default_rng(0)
+    t = {"model.embed_tokens.weight": rng.standard_normal((64, hidden)).astype(np.float32),
+         "model.norm.weight": rng.standard_normal(hidden).astype(np.float32),
+         "lm_head.weight": rng.standard_normal((64, hidden)).astype(np.float32)}
+    p = "model.layers.0."
+    t[p + "input_layernorm.weight"] = rng.standard_normal(hidden).astype(np.float32)
+    t[p + "post_attention_layernorm.weight"] = rng.standard_normal(hidden).astype(np.float32)
+    for name, shape in [("self_attn.q_proj", (heads * head_dim, hidden)),
+                        ("self_attn.k_proj", (kv * head_dim, hidden)),
+                        ("self_attn.v_proj", (kv * head_dim, hidden)),
+                        ("self_attn.o_proj", (hidden, heads * head_dim)),
+                        ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)),
+                        ("mlp.down_proj", (hidden, inter))]:
+        t[p + name + ".weight"] = rng.standard_normal(shape).astype(np.float32)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": head_dim, "vocab_size": 64,
+        "torch_dtype": "float32"}))
+    return tmp_path
+
+
+def _vllm_narrow(full: torch.Tensor, name: str, n: int, rank: int) -> torch.Tensor:
+    """What vLLM's weight loaders keep of a full tensor, written from their rule: column-parallel
+    layers narrow dim 0, row-parallel ones dim 1, into N equal chunks; the rest whole."""
+    if any(k in name for k in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+        return full.chunk(n, 0)[rank]
+    if any(k in name for k in ("o_proj", "down_proj")):
+        return full.chunk(n, 1)[rank]
+    return full
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_stand_ins_hold_each_ranks_bytes_where_vllm_narrows_them(tmp_path, n):
+    ckpt = open_checkpoint(str(_llama_folder(tmp_path)))
+    validated = resolve_plan(ckpt, n).validated
+    for rank in range(n):
+        ins = stand_in_reads(read_plan_for(validated, ckpt, rank), validated, ckpt)
+        for piece in ins.plan.pieces:
+            meta = validated.params[piece.name].meta
+            assert piece.shape == meta.shape
+            standin = read_runs(ckpt, piece.runs, piece.shape, piece.dtype, False, piece.name)
+            poison(standin, ins.mine[piece.name], 0xFF)      # NaN wherever the rank read nothing
+            full = ckpt.read(piece.name)
+            torch.testing.assert_close(_vllm_narrow(standin, piece.name, n, rank),
+                                       _vllm_narrow(full, piece.name, n, rank), rtol=0, atol=0)
+        assert ins.kept == validated.bytes_per_worker(rank) and ins.padded == ()
+
+
+def test_padded_stand_ins_are_the_padded_whole_with_this_ranks_chunk(tmp_path):
+    # SmolLM2's 9 query / 3 KV heads at N=4: zero-padded to 12 / 4, 3 query heads and one KV
+    # head per rank, the last rank's all zero
+    ckpt = open_checkpoint(str(_llama_folder(tmp_path, heads=9, kv=3, hidden=36, inter=36)))
+    validated = resolve_plan(ckpt, 4).validated
+    assert vllm_overrides(ckpt, 4) == {"num_attention_heads": 12, "num_key_value_heads": 4,
+                                       "head_dim": 4}
+    heads = ckpt.read("model.layers.0.self_attn.q_proj.weight").reshape(9, 4, 36)
+    expect = [heads[0:3], heads[3:6], heads[6:9], torch.zeros(3, 4, 36)]
+    for rank in range(4):
+        ins = stand_in_reads(read_plan_for(validated, ckpt, rank), validated, ckpt)
+        piece = next(p for p in ins.plan.pieces if p.name.endswith("q_proj.weight"))
+        assert piece.shape == (12 * 4, 36) and piece.zeros
+        assert piece.name in ins.padded
+        standin = read_runs(ckpt, piece.runs, piece.shape, piece.dtype, True, piece.name)
+        poison(standin, ins.mine[piece.name], 0xFF)
+        # what vLLM's QKV loader keeps of the padded whole: rank r's 3 heads
+        assert torch.equal(standin.reshape(4, 3, 4, 36)[rank], expect[rank])
+
+
+def test_overrides_refuse_a_layout_vllm_cannot_hold_naming_the_n_that_work(tmp_path):
+    ckpt = str(_llama_folder(tmp_path, heads=9, kv=3, head_dim=4, hidden=36, inter=36))
+    assert vllm_overrides(ckpt, 3) == {}
+    assert vllm_overrides(ckpt, 4)["num_attention_heads"] == 12
+    with pytest.raises(PlanError, match=r"for N=2: rank 0's query heads read KV heads "
+                                        r".*N that work: 1, 3, 4 \(padded\)"):
+        vllm_overrides(ckpt, 2)
+
+
+def test_verify_passes_a_true_narrowing_and_names_the_parameter_poison_reaches():
+    full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    from shardload.vllm.standins import Block
+
+    mine = (Block(0, 4 * 4 * 4),)                 # rank 0 of 2 read rows 0..3
+    standin = full.clone()
+    for offset_rows, name in [(0, None), (1, "layer.weight")]:
+        params = {"layer.weight": torch.empty(4, 4), "made.from.config": torch.ones(2)}
+
+        def load(bad, offset_rows=offset_rows):
+            poison(standin, mine, bad)
+            params["layer.weight"].copy_(standin[offset_rows:offset_rows + 4])
+
+        if name is None:
+            assert verified_load(params, load, 0) == ["made.from.config"]
+            assert torch.equal(params["layer.weight"], full[:4])
+            assert torch.equal(params["made.from.config"], torch.ones(2))
+        else:
+            with pytest.raises(VerifyError, match=r"rank 0: 1 vLLM parameter.*layer\.weight "
+                                                  r"\(16 of 64 bytes\)"):
+                verified_load(params, load, 0)
+
+
+# ---- in vLLM ------------------------------------------------------------------------------------
+
+def _vllm_python() -> str:
+    given = os.environ.get("SHARDLOAD_VLLM_PYTHON")
+    root = Path(os.environ.get("SHARDLOAD_CACHE", Path.home() / ".cache" / "shardload"))
+    python = given or str(root / "vllm-venv" / "bin" / "python")
+    if not os.path.exists(python):
+        why = (f"no vLLM environment at {python}: make it with scripts/vllm-env.sh")
+        if os.environ.get("SHARDLOAD_REQUIRE_VLLM") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return python
+
+
+def run_engine(model: str, tp: int, *args: str, timeout: float = 600) -> tuple[dict, list, str]:
+    """One engine (tests/helpers/vllm_engine.py): its report, the shardload statistics lines,
+    and its whole output (for failures)."""
+    out = Path(os.environ.get("PYTEST_TMP", "/tmp")) / f"vllm-{os.getpid()}-{abs(hash(args))}.json"
+    cmd = [_vllm_python(), os.path.join(REPO, "tests", "helpers", "vllm_engine.py"), model,
+           "--tp", str(tp), "--out", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=subprocess_env(VLLM_CPU_KVCACHE_SPACE="1"))
+    log = proc.stdout + proc.stderr
+    stats = [json.loads(line.split(STATS_PREFIX, 1)[1]) for line in log.splitlines()
+             if STATS_PREFIX in line]
+    if proc.returncode != 0:
+        return {"returncode": proc.returncode}, stats, log
+    report = json.loads(out.read_text())
+    out.unlink()
+    return report, sorted(stats, key=lambda s: s["rank"]), log
+
+
+def models():
+    from helpers import vllm_models
+    return vllm_models
+
+
+FORMATS = ["llama_bf16", "llama_w8a8", "llama_w4a16", "llama_gptq", "llama_awq",
+           "qwen2_moe_bf16"]
+
+
+def check_same_as_default(report: dict, stats: list, log: str, tp: int) -> None:
+    assert "outputs" in report, log[-6000:]
+    assert report["outputs"] == report["default_outputs"]   # tokens and top-5 logprobs, exactly
+    assert report["digests"] == report["default_digests"]   # every parameter, bitwise
+    assert [s["rank"] for s in stats] == list(range(tp)) and all(s["verified"] for s in stats)
+    for s, vllm_bytes in zip(stats, report["param_bytes"]):
+        assert s["bytes_read"] <= 1.05 * s["bytes_kept"]
+        # independent of shardload's count: beside what it replicates, a rank reads no more
+        # than vLLM's own parameters on that rank hold (after its processing)
+        assert s["bytes_read"] - s["bytes_replicated"] <= 1.05 * vllm_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", FORMATS)
+def test_shardload_loads_what_vllms_default_loader_loads(name, tp):
+    report, stats, log = run_engine(str(models().path(name)), tp, "--load-format", "shardload",
+                                    "--verify", "--compare-default")
+    check_same_as_default(report, stats, log, tp)
+    if tp == 2:   # each rank read its own half of what is split
+        assert stats[0]["bytes_read"] - stats[0]["bytes_replicated"] > 0
+
+
+# ---- real weights: SmolLM2-135M ------------------------------------------------------------------
+
+def _real(name: str) -> str:
+    from helpers import vllm_real
+    return str(vllm_real.smollm2_hf() if name == "hf" else vllm_real.smollm2_quantized(name))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.real_model
+@pytest.mark.parametrize("name, tp", [("hf", 1), ("hf", 3), ("W8A8", 1), ("W4A16", 1)])
+def test_smollm2_answers_paris_through_vllm_with_shardload(name, tp):
+    from helpers.vllm_real import PROMPT
+
+    report, stats, log = run_engine(_real(name), tp, "--load-format", "shardload", "--verify",
+                                    "--compare-default", "--text", PROMPT)
+    check_same_as_default(report, stats, log, tp)
+    assert report["outputs"][0]["text"].lstrip().startswith("Paris")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.real_model
+def test_smollm2_at_n4_is_the_exactly_padded_model_with_tp1s_tokens():
+    """vLLM refuses N=4 for 9 heads; shardload's padding to 12 / 4 heads is exact in vLLM's
+    model, so with its --hf-overrides the engine gives the tokens of N=1."""
+    from helpers.vllm_real import PROMPT
+
+    model = _real("hf")
+    overrides = vllm_overrides(model, 4)
+    assert overrides == {"num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64}
+    padded, stats, log = run_engine(model, 4, "--load-format", "shardload", "--verify",
+                                    "--hf-overrides", json.dumps(overrides), "--text", PROMPT)
+    assert "outputs" in padded, log[-6000:]
+    assert [s["padded_tensors"] for s in stats] == [120] * 4     # q, k, v, o of 30 layers
+    one, _, log1 = run_engine(model, 1, "--load-format", "auto", "--text", PROMPT)
+    assert "outputs" in one, log1[-6000:]
+    assert padded["outputs"][0]["tokens"] == one["outputs"][0]["tokens"]
+    assert padded["outputs"][0]["text"].lstrip().startswith("Paris")
+
+
+@pytest.mark.real_model
+def test_smollm2_at_n2_is_refused_in_one_line_naming_the_n_that_work():
+    proc = subprocess.run([os.sys.executable, "-m", "shardload.vllm", "overrides", _real("hf"),
+                           "--tp", "2"], capture_output=True, text=True, cwd=REPO,
+                          env=subprocess_env())
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "vLLM cannot run shardload's zero-padded plan for N=2" in lines[0]
+    assert lines[0].endswith("N that work: 1, 3, 4 (padded), 6 (padded), 8 (padded)") or \
+        "N that work: 1, 3, 4 (padded)" in lines[0]
+
+
+# ---- verify catches a plan that is not vLLM's slice --------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_verify_fails_naming_the_parameter_when_the_plan_is_not_vllms_slice(tmp_path):
+    """A plan that gives each rank the other rank's query heads: vLLM would load wrong weights
+    silently; verify names the fused parameter the poison reached."""
+    model = str(models().path("llama_bf16"))
+    plan = json.loads(subprocess.run(
+        [os.sys.executable, "-m", "shardload", "plan", "--shards", "2", model, "-o", "-"],
+        capture_output=True, text=True, cwd=REPO, env=subprocess_env(), check=True).stdout)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    step = plan[name][0]
+    assert step[0] == "shardload.split" or step[0] == "shardload.take_units", step
+    plan[name] = [["shardload.take_units", step[1], 0, 32, 4, 5, 6, 7, 0, 1, 2, 3]]
+    (tmp_path / "swapped.json").write_text(json.dumps(plan))
+    report, stats, log = run_engine(model, 2, "--load-format", "shardload", "--verify",
+                                    "--extra", json.dumps({"plan": str(tmp_path / "swapped.json")}))
+    assert report.get("returncode"), "the engine should have failed"
+    assert "VerifyError: verify failed on rank 0" in log
+    assert "model.layers.1.self_attn.qkv_proj.weight (" in log
