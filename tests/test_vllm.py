@@ -286,7 +286,7 @@ def test_verify_fails_naming_the_parameter_when_the_plan_is_not_vllms_slice(tmp_
     silently; verify names the fused parameter the poison reached."""
     model = str(models().path("llama_bf16"))
     plan = json.loads(subprocess.run(
-        [os.sys.executable, "-m", "shardload", "plan", "--shards", "2", model, "-o", "-"],
+        [os.sys.executable, "-m", "shardload", "plan", "--shards", "2", model],
         capture_output=True, text=True, cwd=REPO, env=subprocess_env(), check=True).stdout)
     name = "model.layers.1.self_attn.q_proj.weight"
     step = plan[name][0]
