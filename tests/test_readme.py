@@ -6,7 +6,8 @@ not see, and this test does what it says:
 * ``<!-- test: setup -->``: one of the two set-up commands. The test command must be what
   ``.ci/run`` runs, verbatim (CI runs it on a fresh clone); the first one's install is that
   same install, and what follows its ``&&`` is run here;
-* ``<!-- test: run -->`` (``slow``, ``real_model``: marks): run as written from the repository
+* ``<!-- test: run -->`` (``slow``, ``real_model``, ``vllm``: marks; ``vllm`` also runs it in
+  vLLM's environment, ``scripts/vllm-env.sh``): run as written from the repository
   root, ``bash`` blocks by bash (``-e -o pipefail``), ``python`` blocks by python;
 * ``<!-- test: output -->``: the standard output of the block before it, line for line (``...``
   stands for any text, for timings); of its last command, for a block of several (an install,
@@ -71,10 +72,19 @@ def _param(block: Block):
     return pytest.param(block, marks=marks, id=f"line{block.line}-{first}")
 
 
-def _run(lang: str, code: str, timeout: float) -> subprocess.CompletedProcess:
+def _run(lang: str, code: str, timeout: float, vllm: bool = False
+         ) -> subprocess.CompletedProcess:
+    env = subprocess_env()
+    python = sys.executable
+    if vllm:  # vLLM's own environment first on PATH: its python, its `vllm`
+        from test_vllm import _vllm_python
+
+        python = _vllm_python()
+        env["PATH"] = os.pathsep.join([os.path.dirname(python), env.get("PATH", "")])
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     command = (["bash", "-e", "-o", "pipefail", "-c", code] if lang == "bash"
-               else [sys.executable, "-c", code])
-    return subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True,
+               else [python, "-c", code])
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -115,7 +125,7 @@ def test_the_first_command_loads_the_example_as_shown():
 
 @pytest.mark.parametrize("block", [_param(b) for b in BLOCKS if b.words[:1] == ["run"]])
 def test_the_block_runs_as_written(block: Block):
-    done = _run(block.lang, block.code, 900)
+    done = _run(block.lang, block.code, 900, vllm="vllm" in block.words)
     assert done.returncode == 0, f"README line {block.line}:\n{done.stdout}\n{done.stderr}"
     if block.output is not None:
         commands = [line for line in block.code.splitlines() if line.strip()]
