@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--compare-default", action="store_true",
                     help="then reload the weights with vLLM's default loader in the same engine "
                          "and generate again")
+    ap.add_argument("--digests", action="store_true",
+                    help="a digest of every parameter after loading (and the bytes they hold)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -52,17 +54,19 @@ def main() -> None:
                   enable_expert_parallel=args.ep)
     if extra:
         kwargs["model_loader_extra_config"] = extra
-    if args.compare_default:
+    if args.compare_default or args.digests:
         kwargs["worker_extension_cls"] = "helpers.vllm_ext.LoaderComparison"
     if args.hf_overrides:
         kwargs["hf_overrides"] = json.loads(args.hf_overrides)
     llm = LLM(**kwargs)
-    params = SamplingParams(temperature=0, max_tokens=args.tokens, logprobs=5,
+    params = SamplingParams(temperature=0, max_tokens=max(1, args.tokens), logprobs=5,
                             detokenize=args.text is not None)
     prompts = ([args.text] if args.text is not None else
                [TokensPrompt(prompt_token_ids=p) for p in PROMPTS])
 
     def generate() -> list:
+        if args.tokens == 0:   # load only (vLLM's CPU MoE kernels under expert parallelism crash)
+            return []
         result = []
         for out in llm.generate(prompts, params, use_tqdm=False):
             gen = out.outputs[0]
@@ -74,9 +78,10 @@ def main() -> None:
         return result
 
     report = {"outputs": generate()}
-    if args.compare_default:
+    if args.compare_default or args.digests:
         report["digests"] = llm.collective_rpc("param_digests")
         report["param_bytes"] = llm.collective_rpc("param_bytes")
+    if args.compare_default:
         llm.collective_rpc("reload_with_default_loader")
         report["default_outputs"] = generate()
         report["default_digests"] = llm.collective_rpc("param_digests")
