@@ -106,8 +106,19 @@ EOF
 cat "$OUT/env.txt" 2>/dev/null
 
 # ---- 3. the GPU tests ------------------------------------------------------------------------------
-step "pytest -m gpu" 150 300 "$OUT/pytest_gpu.log" "$PY" -m pytest -q -m gpu -p no:cacheprovider
+step "pytest -m gpu" 150 300 "$OUT/pytest_gpu.log" "$PY" -m pytest -q -m "gpu and not vllm" \
+    -p no:cacheprovider
 tail -n 3 "$OUT/pytest_gpu.log" 2>/dev/null
+# vLLM's load format on the formats only its GPU kernels run (FP8, block FP8, NVFP4, MXFP4, GGUF),
+# where this machine's python has vLLM (nothing to install it from here: it is skipped if not)
+if "$PY" -c "import vllm" > /dev/null 2>&1; then
+    export SHARDLOAD_VLLM_PYTHON; SHARDLOAD_VLLM_PYTHON=$(command -v "$PY")
+    step "pytest -m 'gpu and vllm'" 200 130 "$OUT/pytest_vllm_gpu.log" "$PY" -m pytest -q \
+        -m "gpu and vllm" -p no:cacheprovider tests/test_vllm_gpu.py
+    tail -n 3 "$OUT/pytest_vllm_gpu.log" 2>/dev/null
+else
+    echo "pytest -m 'gpu and vllm': skipped (no vllm in $PY)" | tee -a "$STEPS"
+fi
 
 # ---- 4. the benchmark (its table teed into bench.txt) ----------------------------------------------
 T=$(( $(left) - 15 ))

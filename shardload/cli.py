@@ -338,6 +338,7 @@ def cli() -> None:
       shardload validate --shards 8 CKPT
       shardload inspect --shards 3 CKPT
       shardload run --shards 3 model.gguf --prompt "What is the capital of France?"
+      shardload vllm-overrides --shards 4 CKPT
       shardload funcs
 
     Exit codes: 0 ok, 1 load or output failure, 2 bad usage, plan or checkpoint,
@@ -451,6 +452,22 @@ def validate(num_shards: int, shard_info: Optional[str], replicate: bool,
         _out(f"ok: {plan_file} fits {ckpt} for {num_shards} worker(s): {len(params)} "
              f"tensors ({kinds}{len(params) - sharded - placed} replicated), "
              f"{_per_worker(validated)}")
+
+
+@cli.command("vllm-overrides")
+@_shards_option
+@click.option("--plan", "shard_info", default=None, type=click.Path(dir_okay=False),
+              help="A shard_info.json to use instead of the plan policy's.")
+@_ckpt_argument
+def vllm_overrides(num_shards: int, shard_info: Optional[str], ckpt: str) -> None:
+    """The --hf-overrides JSON that runs CKPT in vLLM at --tensor-parallel-size N with
+    --load-format shardload: {} where N divides the model, the zero-padded model's sizes where
+    shardload's padding is exact in vLLM's model; else exit 2, saying why, with the N that
+    work. Reads no tensor data."""
+    from .vllm.padding import vllm_overrides as overrides
+
+    with _reading():
+        _out(json.dumps(overrides(ckpt, num_shards, shard_info)))
 
 
 def _per_worker(validated) -> str:

@@ -162,10 +162,13 @@ def test_only_the_integration_imports_transformers_and_only_the_cli_imports_it()
 # API, the front door and the plan's record of the model (geometry), never on the planner's
 # internals, and asks nothing of the kind of session it is given (its collectives are the
 # session's own: ctx.group)
-INTEGRATIONS = ["shardload.hf"]
+INTEGRATIONS = ["shardload.hf", "shardload.vllm"]
+# (read plans are data, staging a setting, dtypes names: what an engine's loader places bytes
+# with; shardload.vllm turns each rank's read plan into full-shape stand-ins)
 INTEGRATION_MAY_IMPORT = {"shardload", "shardload.frontdoor", "shardload.geometry",
                           "shardload.formats", "shardload.loader", "shardload.readers",
-                          "shardload.sessions", "shardload.errors", "shardload.plan"}
+                          "shardload.sessions", "shardload.errors", "shardload.plan",
+                          "shardload.readplan", "shardload.staging", "shardload.dtypes"}
 SESSION_KINDS = ("ThreadedSession", "ProcessSession", "TorchDistributedSession")
 
 

@@ -16,7 +16,7 @@ saying what to do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import Any, TYPE_CHECKING, Callable, Iterable, Optional
 
 from ..errors import SessionError, Setting
 from ..table import Table
@@ -69,15 +69,23 @@ def session_kinds() -> list[SessionKind]:
 
 
 def open_session(kind: str, num_workers: int, *, device=None, plugins: Iterable[str] = (),
-                 timeout: Optional[float] = None) -> "Session":
+                 timeout: Optional[float] = None, **options: Any) -> "Session":
     """A session of ``kind`` with ``num_workers`` workers; ``SessionError`` when it cannot be
     made as asked. ``device``: ``"cpu"``, ``"cuda"``, or one per worker (a list, or a
-    comma-separated string); the kind's own default when None."""
+    comma-separated string); the kind's own default when None. ``options``: what a kind takes
+    beside (``torch``: ``group``, a process group of a running job, such as an engine's
+    tensor-parallel group)."""
     if isinstance(device, str) and "," in device:
         device = device.split(",")
     opener = _KINDS.get(kind).open
     try:
-        session = opener(num_workers, device=device, plugins=tuple(plugins), timeout=timeout)
+        session = opener(num_workers, device=device, plugins=tuple(plugins), timeout=timeout,
+                         **options)
+    except TypeError as exc:   # an option this kind does not take
+        if not options or "unexpected keyword" not in str(exc):
+            raise
+        raise SessionError(f"a {kind} session takes no option "
+                           f"{', '.join(sorted(options))}") from None
     except ValueError as exc:   # a device spec or a worker count the session refused
         if isinstance(exc, SessionError):
             raise
@@ -111,15 +119,15 @@ def _open_processes(num_workers: int, *, device, plugins, timeout) -> "Session":
 
 @register_session_kind("torch", "the ranks of a torchrun job, one worker each, on one machine or "
                                 "many")
-def _open_torchrun(num_workers: int, *, device, plugins, timeout) -> "Session":
+def _open_torchrun(num_workers: int, *, device, plugins, timeout, group=None) -> "Session":
     from ..modules import import_modules
     from .torchdist import TorchDistributedSession, missing_env
 
-    missing = missing_env()
+    missing = missing_env() if group is None else []
     if missing:
         raise SessionError(f"a torch session runs under torchrun, and {', '.join(missing)} "
                            f"{'is' if len(missing) == 1 else 'are'} not set: start it as "
                            f"`torchrun --nproc-per-node {num_workers} ...`, or use a thread or "
                            "process session")
     import_modules(plugins, "plugin")
-    return TorchDistributedSession(device=device, timeout=timeout)
+    return TorchDistributedSession(device=device, timeout=timeout, group=group)

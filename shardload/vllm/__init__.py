@@ -15,7 +15,7 @@ checkpoint into full-shape stand-ins, and hands them to vLLM's own ``load_weight
 (``model_loader.py``). Where N does not divide the heads, ``vllm_overrides`` gives the
 ``--hf-overrides`` of the exactly zero-padded model (``padding.py``):
 
-    python -m shardload.vllm overrides ckpt/ --tp 4
+    shardload vllm-overrides --shards 4 ckpt/
 """
 
 from __future__ import annotations

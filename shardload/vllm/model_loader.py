@@ -31,11 +31,10 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from ..errors import PlanError
-from ..frontdoor import load_sharded, resolve_plan
+from ..errors import PlanError, ShardloadError
+from ..frontdoor import load_sharded, open_session, resolve_plan
 from ..geometry import worker_share
 from ..readers import open_checkpoint
-from ..sessions import TorchDistributedSession
 from .options import LoaderOptions
 from .padding import overrides_for, padded_sizes
 from .standins import StandIns, stand_in_reads
@@ -83,6 +82,12 @@ class ShardloadModelLoader(BaseModelLoader):
 
     def _folder(self, model_config: ModelConfig) -> str:
         path = model_config.model
+        if os.path.isfile(path) or path.endswith(".gguf"):
+            # vLLM's GGUF path renames GGUF tensors to its own names in its own loader, which
+            # the stand-ins would have to repeat: not done yet
+            raise ShardloadError(f"--load-format shardload reads Hugging Face (safetensors) "
+                                 f"checkpoints, and {path} is a file: load a GGUF with vLLM's "
+                                 "own GGUF loader (--load-format gguf)")
         if os.path.isdir(path):
             return path
         from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
@@ -106,8 +111,9 @@ class ShardloadModelLoader(BaseModelLoader):
         whole_experts = bool(model_config.is_moe and parallel.enable_expert_parallel)
         ckpt = open_checkpoint(self._folder(model_config))                           # 2.
         made: dict[int, StandIns] = {}
-        with TorchDistributedSession(device="cpu", group=tp.cpu_group,
-                                     timeout=opts.timeout) as sess:
+        # the workers are vLLM's own tensor-parallel ranks: a torch session over its group
+        with open_session("torch", n, device="cpu", timeout=opts.timeout,
+                          group=tp.cpu_group) as sess:
             with sess.collective("planning the load"):                              # 3.
                 planner = {"experts": "ep"} if whole_experts and opts.plan is None else {}
                 resolved = resolve_plan(ckpt, n, opts.plan, **planner)

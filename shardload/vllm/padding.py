@@ -12,7 +12,7 @@ a multiple of N. A padded plan whose layout is that (``vllm_layout``) gets its o
 that is not (at N=2 SmolLM2's exact padding puts 5 query heads over 2 KV heads, one of them
 shared) is refused, with the N that do work.
 
-    python -m shardload.vllm overrides CKPT --tp 4     # the --hf-overrides JSON for N=4
+    shardload vllm-overrides --shards 4 CKPT     # the --hf-overrides JSON for N=4
 """
 
 from __future__ import annotations

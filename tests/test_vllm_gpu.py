@@ -1,0 +1,38 @@
+"""``--load-format shardload`` on the formats only vLLM's GPU kernels run: FP8 (per-tensor and
+block), NVFP4 and MXFP4 (compressed-tensors, written by the library itself). A GGUF is refused
+for now: vLLM renames GGUF tensors in its own GGUF loader, which the stand-ins do not repeat.
+Run by ``benchmarks/gpu_check.sh`` on a machine with CUDA and vLLM; skipped elsewhere. Each case is one engine, compared with vLLM's default loader in that engine, as in
+``test_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_vllm import check_same_as_default, run_engine
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+PRESETS = ["FP8", "FP8_BLOCK", "NVFP4", "MXFP4"]
+
+
+def _checkpoint(tmp_path_factory, preset: str) -> str:
+    import transformers
+
+    from helpers.compressed_tensors_tool import compress_preset
+    from helpers.vllm_models import path
+
+    config = transformers.AutoConfig.from_pretrained(str(path("llama_bf16")))
+    folder = tmp_path_factory.mktemp(preset.lower())
+    compress_preset(folder, config, preset)
+    return str(folder)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_shardload_loads_what_vllms_default_loader_loads_on_the_gpu(tmp_path_factory, preset):
+    model = _checkpoint(tmp_path_factory, preset)
+    report, stats, log = run_engine(model, 1, "--load-format", "shardload", "--verify",
+                                    "--compare-default")
+    check_same_as_default(report, stats, log, 1)
