@@ -341,9 +341,9 @@ def test_verify_fails_naming_the_parameter_when_the_plan_is_not_vllms_slice(tmp_
         [os.sys.executable, "-m", "shardload", "plan", "--shards", "2", model],
         capture_output=True, text=True, cwd=REPO, env=subprocess_env(), check=True).stdout)
     name = "model.layers.1.self_attn.q_proj.weight"
-    step = plan[name][0]
-    assert step[0] == "shardload.split" or step[0] == "shardload.take_units", step
-    plan[name] = [["shardload.take_units", step[1], 0, 32, 4, 5, 6, 7, 0, 1, 2, 3]]
+    assert plan[name][0][0] == "shardload.split_segments", plan[name]   # 8 heads of 32 rows
+    plan[name] = [["shardload.take_units", [[2, 128, 256], "bfloat16"], 0, 32,
+                   4, 5, 6, 7, 0, 1, 2, 3]]
     (tmp_path / "swapped.json").write_text(json.dumps(plan))
     report, stats, log = run_engine(model, 2, "--load-format", "shardload", "--verify",
                                     "--extra", json.dumps({"plan": str(tmp_path / "swapped.json")}))
