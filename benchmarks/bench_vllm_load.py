@@ -1,0 +1,155 @@
+"""vLLM's own "Loading weights took" for its loaders and for ``--load-format shardload``.
+
+    python benchmarks/bench_vllm_load.py [--tp 1,2] [--formats auto,runai_streamer,...] [--json F]
+
+On one quantized checkpoint (``vllm_checkpoint.py``: ~1.6 GB, W8A8 by compressed-tensors), for
+each load format and tensor-parallel size, one engine with a cold page cache (the checkpoint's
+pages evicted first with ``posix_fadvise(DONTNEED)``) then one warm: vLLM's "Loading weights
+took X seconds" (the slowest rank's), the checkpoint's bytes in the page cache after the cold
+load (what the whole engine read, counted by the kernel: ``mincore``), and shardload's own
+bytes read per rank. Ratios are against vLLM's default loader (``auto``) in the same run.
+Engines run in vLLM's environment (``scripts/vllm-env.sh``; the peers: ``pip install
+runai-model-streamer fastsafetensors`` there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+TOOK = re.compile(r"Loading weights took ([0-9.]+) seconds")
+STATS = "shardload load: "
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _files(ckpt: Path) -> list[Path]:
+    return sorted(ckpt.glob("*.safetensors"))
+
+
+def evict(ckpt: Path) -> None:
+    for f in _files(ckpt):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident(ckpt: Path) -> int:
+    """Bytes of the checkpoint's files in the page cache: ``mincore`` over a private map of
+    each (pages it has not touched report the page cache's state)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for f in _files(ckpt):
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            m = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY)
+        try:
+            anchor = ctypes.c_char.from_buffer(m)
+            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+            rc = _libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size),
+                               vec)
+            del anchor
+            if rc != 0:
+                raise OSError(ctypes.get_errno(), f"mincore failed on {f}")
+            total += sum(v & 1 for v in vec) * page
+        finally:
+            m.close()
+    return total
+
+
+def run(python: str, ckpt: Path, fmt: str, tp: int, out: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
+               VLLM_CPU_KVCACHE_SPACE="1")
+    cmd = [python, str(REPO / "tests" / "helpers" / "vllm_engine.py"), str(ckpt), "--tp",
+           str(tp), "--load-format", fmt, "--tokens", "1", "--out", str(out)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    log = proc.stdout + proc.stderr
+    took = [float(t) for t in TOOK.findall(log)]
+    stats = [json.loads(line.split(STATS, 1)[1]) for line in log.splitlines() if STATS in line]
+    result = {"format": fmt, "tp": tp, "ok": proc.returncode == 0 and bool(took),
+              "load_s": max(took) if took else None, "engine_s": time.perf_counter() - start,
+              "shardload_bytes_read": [s["bytes_read"] for s in
+                                       sorted(stats, key=lambda s: s["rank"])] or None}
+    if not result["ok"]:
+        errors = [line for line in log.splitlines() if "Error" in line]
+        result["error"] = (errors[-1] if errors else log[-300:]).strip()[-300:]
+    return result
+
+
+def machine() -> str:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    disk = shutil.disk_usage(Path.home())
+    return (f"{platform.machine()}, {os.cpu_count()} cores, {mem:.0f} GiB memory, "
+            f"{disk.total / 2**30:.0f} GiB disk, Linux {platform.release()}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--formats", default="auto,runai_streamer,fastsafetensors,shardload")
+    ap.add_argument("--python", default=None, help="vLLM's python (default: scripts/vllm-env.sh)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    sys.path.insert(0, str(HERE))
+    from vllm_checkpoint import make
+
+    ckpt = make()
+    python = args.python or subprocess.run(["bash", str(REPO / "scripts" / "vllm-env.sh")],
+                                           capture_output=True, text=True,
+                                           check=True).stdout.split()[-1]
+    size = sum(f.stat().st_size for f in _files(ckpt))
+    out = Path("/tmp") / f"bench-vllm-{os.getpid()}.json"
+    rows = []
+    for tp in [int(t) for t in args.tp.split(",")]:
+        for fmt in args.formats.split(","):
+            evict(ckpt)
+            before = resident(ckpt)
+            cold = run(python, ckpt, fmt, tp, out)
+            cold["resident_before"], cold["resident_after"] = before, resident(ckpt)
+            warm = run(python, ckpt, fmt, tp, out)
+            rows.append({"cold": cold, "warm": warm})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    base = {(r["cold"]["tp"]): r for r in rows if r["cold"]["format"] == "auto"}
+    print(f"checkpoint: {ckpt.name}, {size / 1e9:.2f} GB; machine: {machine()}; "
+          f"vLLM {subprocess.run([python, '-c', 'import vllm; print(vllm.__version__)'], capture_output=True, text=True).stdout.strip()}")
+    print()
+    print("| load format | TP | cold: load s | × auto | read (page cache after) | warm: load s | × auto | shardload bytes read per rank |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        c, w = r["cold"], r["warm"]
+        b = base.get(c["tp"])
+
+        def ratio(x, key):
+            ref = b and b[key]["load_s"]
+            return f"{x[key]['load_s'] / ref:.2f}" if x[key]["ok"] and ref else "-"
+
+        def secs(x):
+            return f"{x['load_s']:.2f}" if x["ok"] else f"n/a: {x.get('error', '')[:80]}"
+
+        per_rank = (", ".join(f"{n / 1e9:.2f} GB" for n in c["shardload_bytes_read"])
+                    if c["shardload_bytes_read"] else "")
+        print(f"| {c['format']} | {c['tp']} | {secs(c)} | {ratio(r, 'cold')} | "
+              f"{c['resident_after'] / 1e9:.2f} GB of {size / 1e9:.2f} | {secs(w)} | "
+              f"{ratio(r, 'warm')} | {per_rank} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"checkpoint": str(ckpt), "bytes": size,
+                                               "machine": machine(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
