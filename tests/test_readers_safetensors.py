@@ -291,6 +291,43 @@ def test_tensors_outlive_close_and_reading_after_close_raises(sample_file: Path)
     assert "f16" in ckpt  # metadata stays available
 
 
+def test_view_is_the_tensor_in_place_in_the_mapping_and_outlives_close(sample_file: Path
+                                                                        ) -> None:
+    expected = load_file(str(sample_file))
+    ckpt = open_safetensors(sample_file)
+    mapping = ckpt.source_bytes(0)
+    views = {name: ckpt.view(name) for name in ckpt.names()}
+    for name, view in views.items():
+        assert view is not None and same(view, expected[name]), name
+        if view.numel():   # a view of the file's mapping, not a copy
+            assert view.untyped_storage().data_ptr() == mapping.untyped_storage().data_ptr()
+    assert ckpt.bytes_read == 0       # nothing was copied
+    views["f32_3d"][0, 0, 0] = 7.0   # a private mapping: the write stays in this process
+    assert load_file(str(sample_file))["f32_3d"][0, 0, 0] != 7.0
+    ckpt.close()
+    del mapping
+    assert same(views["i64"], expected["i64"])   # the pages stay mapped while a view lives
+    with pytest.raises(ValueError, match="closed"):
+        ckpt.view("f16")
+
+
+def test_view_of_a_tensor_not_aligned_for_its_dtype_is_none(tmp_path: Path) -> None:
+    data = bytes([1, 2, 3]) + struct.pack("<2f", 0.5, -2.0)
+    header = {"u": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]}, "f": f32([2], 3, 11)}
+    path = raw_file(tmp_path / "odd.safetensors", header, data)
+    with open_safetensors(path) as ckpt:
+        assert ckpt.view("u").tolist() == [1, 2, 3]
+        _, begin, _ = ckpt.byte_range("f")
+        assert begin % 4 and ckpt.view("f") is None       # read() copies it as bytes instead
+
+
+def test_view_refuses_a_file_changed_since_it_was_opened(sample_file: Path) -> None:
+    with open_safetensors(sample_file) as ckpt:
+        os.utime(sample_file, ns=(1, 1))
+        with pytest.raises(FormatError, match="the file changed while loading"):
+            ckpt.view("f16")
+
+
 def test_close_while_a_read_is_in_flight(sample_file: Path, monkeypatch) -> None:
     expected = load_file(str(sample_file))["f32_3d"]  # 96 bytes
     check_close_while_a_read_is_in_flight(open_safetensors(sample_file), "f32_3d", expected, same, monkeypatch)

@@ -141,6 +141,20 @@ class Checkpoint(abc.ABC):
         name = self.sources()[index]["tensor"]
         return self.read(name).view(-1).view(torch.uint8)
 
+    def view(self, name: str) -> "torch.Tensor | None":
+        """The tensor where it lies, not a copy: a view of a mapped file's pages, or ``None``
+        where this reader has none to give (it then reads with ``read``).
+
+        For a caller that asks for it (vLLM's weight loaders narrow a whole tensor themselves
+        and copy only their slice out of it): the bytes are faulted in only as they are read,
+        writes to the view stay in this process, and the view keeps its mapping alive after
+        ``close``. A file checkpoint checks the file is unchanged before giving it.
+
+        >>> ckpt.view("model.norm.weight").shape            # doctest: +SKIP
+        torch.Size([2048])
+        """
+        return None
+
     def release_bytes(self, index: int, begin: int, end: int) -> None:
         """A hint that bytes ``[begin, end)`` of source ``index`` are not needed here soon."""
 

@@ -240,6 +240,17 @@ class MappedCheckpoint(Checkpoint):
         self._count(raw.numel())
         return out
 
+    def view(self, name: str) -> Optional[torch.Tensor]:
+        """The tensor as a view of its file's private mapping (``Checkpoint.view``); ``None``
+        where its offset is not aligned for its dtype (``read`` copies it as bytes)."""
+        meta, raw = self._locate(name)
+        torch_dtype = dtypes.to_torch(meta.dtype)
+        if not raw.numel():
+            return torch.empty(meta.shape, dtype=torch_dtype)
+        if raw.storage_offset() % dtypes.itemsize(meta.dtype):
+            return None
+        return raw.view(torch_dtype).view(meta.shape)
+
     def read_narrow(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
         """``read(name).narrow(dim, start, length)``, copying only the slice's bytes.
 

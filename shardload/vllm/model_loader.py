@@ -10,12 +10,18 @@ requantization) itself. ``load_weights`` here, on every tensor-parallel rank:
    ``shard_info.json`` beside the checkpoint, else one made from its config; expert-parallel
    when vLLM places whole experts per rank), and checked against the sizes vLLM built the model
    with (a padded plan needs the padded model: ``padding.py``);
-4. **read** this rank's runs into full-shape stand-ins (``standins.py``), through a session of
-   vLLM's own tensor-parallel group, so a rank that fails fails every rank, named;
+4. **stand-ins**, full-shape tensors of which vLLM narrows this rank's bytes (``standins.py``):
+   a tensor stored as vLLM takes it is a view of the mapped file, not read at all (vLLM's
+   narrowing copies this rank's bytes out of it, one copy); a zero-padded tensor or a
+   computed one is read into memory, through a session of vLLM's own tensor-parallel group,
+   so a rank that fails fails every rank, named; with ``verify`` every stand-in is read;
 5. **hand** them to the model's own ``load_weights``, which narrows them as it narrows a full
    tensor (with ``verify``: twice, poisoned, ``verify.py``); vLLM's check that every weight was
    loaded runs as for its default loader;
 6. **log** what this rank read and kept, and vLLM's "Loading weights took" line.
+
+``get_all_weights`` gives the stand-ins of steps 2 to 4 to vLLM's in-place reload
+(``LLM.collective_rpc("reload_weights")``: new weights in a running engine).
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
+from typing import Iterator
 
+import torch
 from torch import nn
 from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
@@ -34,7 +43,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from ..errors import PlanError, ShardloadError
 from ..frontdoor import load_sharded, open_session, resolve_plan
 from ..geometry import worker_share
-from ..readers import open_checkpoint
+from ..readers import Checkpoint, open_checkpoint
 from .options import LoaderOptions
 from .padding import overrides_for, padded_sizes
 from .standins import StandIns, stand_in_reads
@@ -99,12 +108,13 @@ class ShardloadModelLoader(BaseModelLoader):
     def download_model(self, model_config: ModelConfig) -> None:
         self._folder(model_config)
 
-    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+    def _read(self, model_config: ModelConfig, verify: bool) -> "_RankRead":
+        """Steps 2 to 4 on this rank: its stand-ins, in storage order."""
         from vllm.config import get_current_vllm_config
         from vllm.distributed import get_tp_group
 
         start = time.perf_counter()
-        opts = self.options                                                          # 1.
+        opts = self.options
         tp = get_tp_group()
         rank, n = tp.rank_in_group, tp.world_size
         parallel = get_current_vllm_config().parallel_config
@@ -120,15 +130,46 @@ class ShardloadModelLoader(BaseModelLoader):
                 validated = resolved.validated
                 _check_sizes(validated, model_config.hf_text_config)
 
+            # verify poisons the stand-ins, so it reads them all; else read pieces are
+            # views of the mapped checkpoint, which vLLM's narrowing copies from (standins.py)
+            view = None if verify else ckpt.view
+
             def reads(plan):
-                made[plan.rank] = stand_in_reads(plan, validated, ckpt)
+                made[plan.rank] = stand_in_reads(plan, validated, ckpt, view)
                 return made[plan.rank].plan
 
             sharded = load_sharded(ckpt, validated, sess, progress=False,            # 4.
                                    staging=opts.staging, reads=reads)
         ins = made[rank]
-        tensors = sharded.worker(rank)
-        read_s = time.perf_counter() - start
+        tensors = {name: ins.views[name] if name in ins.views else sharded.shard(name, rank)
+                   for name in ins.order}
+        # bytes read: by shardload into stand-ins, and by vLLM's narrowing out of the views
+        line = {"rank": rank, "num_shards": n, "plan": resolved.origin,
+                "source": resolved.source,
+                "bytes_read": sharded.stats.bytes_read_per_worker[rank] + ins.viewed,
+                "bytes_read_in_place": ins.viewed,
+                "bytes_kept": ins.kept, "bytes_replicated": ins.replicated,
+                "tensors": len(tensors), "padded_tensors": len(ins.padded),
+                "read_seconds": round(time.perf_counter() - start, 4),
+                "verified": verify, "experts": "ep" if whole_experts else "tp"}
+        return _RankRead(ckpt, ins, tensors, line, start)
+
+    def get_all_weights(self, model_config: ModelConfig, model: nn.Module
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's stand-ins as ``(name, tensor)``, for vLLM's in-place reload
+        (``reload_weights``: new weights in a running engine), which hands them to the model's
+        ``load_weights`` and processes them again. ``verify`` takes two loads of its own, so
+        a reload does not verify."""
+        read = self._read(model_config, verify=False)
+        try:
+            yield from read.tensors.items()
+        finally:
+            read.done(reload=True)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        opts = self.options                                                          # 1.
+        read = self._read(model_config, opts.verify)
+        ins, tensors, rank = read.ins, read.tensors, read.line["rank"]
 
         def hand(bad=None) -> set:                                                   # 5.
             if bad is not None:
@@ -147,17 +188,29 @@ class ShardloadModelLoader(BaseModelLoader):
         if model_config.quantization is None and loaded is not None:
             # vLLM's own check, as its default loader runs it: every parameter was loaded
             DefaultModelLoader.track_weights_loading(self, model, set(loaded))
-        seconds = time.perf_counter() - start
-        stats = sharded.stats
-        line = {"rank": rank, "num_shards": n, "plan": resolved.origin,
-                "source": resolved.source, "bytes_read": stats.bytes_read_per_worker[rank],
-                "bytes_kept": ins.kept, "bytes_replicated": ins.replicated,
-                "tensors": stats.tensors_per_worker[rank],
-                "padded_tensors": len(ins.padded), "read_seconds": round(read_s, 4),
-                "seconds": round(seconds, 4), "verified": opts.verify,
-                "experts": "ep" if whole_experts else "tp"}
         if unwritten:
-            line["not_in_checkpoint"] = unwritten
-        logger.info("%s%s", STATS_PREFIX, json.dumps(line))
-        logger.info("Loading weights took %.2f seconds", seconds)
-        del tensors, sharded
+            read.line["not_in_checkpoint"] = unwritten
+        read.done(reload=False)                                                      # 6.
+
+
+@dataclass
+class _RankRead:
+    """One rank's stand-ins (by name, in storage order), what they came from, and its
+    statistics line so far."""
+
+    ckpt: Checkpoint
+    ins: StandIns
+    tensors: dict[str, torch.Tensor]
+    line: dict
+    start: float
+
+    def done(self, reload: bool) -> None:
+        """Log the rank's statistics and vLLM's "Loading weights took" line; let go of the
+        stand-ins and the checkpoint (views keep their pages mapped until vLLM drops them)."""
+        seconds = time.perf_counter() - self.start
+        self.line.update(seconds=round(seconds, 4), reload=reload)
+        logger.info("%s%s", STATS_PREFIX, json.dumps(self.line))
+        logger.info("%s took %.2f seconds", "Reloading weights" if reload else
+                    "Loading weights", seconds)
+        self.tensors.clear()
+        self.ckpt.close()

@@ -18,6 +18,12 @@ Each worker's read plan (``readplan.ReadPlan``) becomes a read plan of stand-ins
 * a **computed** piece (a chain of shard functions): the whole stored tensor, as read for the
   chain; vLLM narrows it.
 
+A read piece whose reader can give the stored tensor in place (``Checkpoint.view``: a view of
+a mapped file) is not read at all when ``view`` is given: its stand-in is that view, and vLLM's
+narrowing copies this rank's bytes straight out of the mapping into its parameter, one copy
+where reading into a stand-in makes two, and no stand-in memory to fault in. The pages of the
+rest of the tensor are never touched. (``verify`` needs stand-ins it can poison, so it reads.)
+
 ``mine`` records, per stand-in, the blocks of bytes that are this rank's (``Block``): what
 ``verify`` poisons around.
 """
@@ -25,14 +31,16 @@ Each worker's read plan (``readplan.ReadPlan``) becomes a read plan of stand-ins
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .. import dtypes
 from ..errors import PlanError
 from ..readplan import PieceRead, ReadPlan, Run
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from ..plan import ValidatedPlan
     from ..readers import Checkpoint
 
@@ -53,13 +61,19 @@ class Block:
 class StandIns:
     """This rank's stand-ins: the read plan that makes them, and which of their bytes it wrote
     (``mine``); ``kept``: the bytes of the pieces the plan gives the rank, of which
-    ``replicated`` are of tensors every rank holds whole; ``padded``: the zero-padded ones."""
+    ``replicated`` are of tensors every rank holds whole; ``padded``: the zero-padded ones;
+    ``views``: the stand-ins that are views of the mapped checkpoint, not read by the plan,
+    of which vLLM copies ``viewed`` bytes (this rank's); ``order``: every stand-in's name, in
+    the read plan's (storage) order."""
 
     plan: ReadPlan
     mine: dict[str, tuple[Block, ...]]
     kept: int
     replicated: int
     padded: tuple[str, ...]
+    views: dict[str, "torch.Tensor"] = field(default_factory=dict)
+    viewed: int = 0
+    order: tuple[str, ...] = ()
 
 
 def _in_place(piece: PieceRead, shape: tuple[int, ...], dtype: str, begin: int
@@ -106,14 +120,18 @@ def _padded_whole(piece: tuple[int, ...], shape: tuple[int, ...], n: int) -> boo
     return len(piece) == len(shape) and len(axes) == 1 and piece[axes[0]] * n != shape[axes[0]]
 
 
-def stand_in_reads(plan: ReadPlan, validated: "ValidatedPlan", ckpt: "Checkpoint") -> StandIns:
-    """``plan`` (one worker's read plan) as reads of full-shape stand-ins (the module docstring).
+def stand_in_reads(plan: ReadPlan, validated: "ValidatedPlan", ckpt: "Checkpoint",
+                   view: Optional[Callable[[str], Optional["torch.Tensor"]]] = None
+                   ) -> StandIns:
+    """``plan`` (one worker's read plan) as reads of full-shape stand-ins (the module
+    docstring); with ``view`` (``Checkpoint.view``), a read piece whose stored tensor it gives
+    in place is that view instead of a read.
 
     >>> ins = stand_in_reads(read_plan_for(validated, ckpt, 1), validated, ckpt)  # doctest: +SKIP
     >>> ins.plan.pieces[0].shape == validated.params[ins.plan.pieces[0].name].meta.shape
     True
     """
-    pieces, mine, padded = [], {}, []
+    pieces, mine, padded, views, viewed = [], {}, [], {}, 0
     source = validated.plan.source
     # a zero-padded plan (only there are pieces longer in all than the tensor: elsewhere that
     # is a KV head on several ranks, which vLLM narrows from the stored tensor itself)
@@ -132,10 +150,16 @@ def stand_in_reads(plan: ReadPlan, validated: "ValidatedPlan", ckpt: "Checkpoint
         else:
             _, begin, _ = ckpt.locate(piece.name)
             made, blocks = _in_place(piece, tuple(meta.shape), meta.dtype, begin)
+            in_place = view(piece.name) if view is not None else None
+            if in_place is not None:
+                views[piece.name], mine[piece.name] = in_place, blocks
+                viewed += sum(r.total for r in piece.runs)
+                continue
         pieces.append(made)
         mine[piece.name] = blocks
     kept = sum(p.nbytes for p in plan.pieces)
     replicated = sum(p.nbytes for p in plan.pieces
                      if validated.params[p.name].replicated)
     return StandIns(ReadPlan(plan.rank, plan.num_shards, plan.sources, tuple(pieces)), mine,
-                    kept, replicated, tuple(padded))
+                    kept, replicated, tuple(padded), views, viewed,
+                    tuple(p.name for p in plan.pieces))

@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--ep", action="store_true", help="enable_expert_parallel")
     ap.add_argument("--compare-default", action="store_true",
                     help="then reload the weights with vLLM's default loader in the same engine "
-                         "and generate again")
+                         "and generate again (and, for shardload, reload with shardload again)")
     ap.add_argument("--digests", action="store_true",
                     help="a digest of every parameter after loading (and the bytes they hold)")
     ap.add_argument("--out", required=True)
@@ -85,6 +85,11 @@ def main() -> None:
         llm.collective_rpc("reload_with_default_loader")
         report["default_outputs"] = generate()
         report["default_digests"] = llm.collective_rpc("param_digests")
+        if args.load_format == "shardload":
+            # and shardload again, in place: its reload reads no stand-in (views of the file)
+            llm.collective_rpc("reload_with_engines_loader")
+            report["reload_outputs"] = generate()
+            report["reload_digests"] = llm.collective_rpc("param_digests")
     with open(args.out, "w") as f:
         json.dump(report, f)
     del llm

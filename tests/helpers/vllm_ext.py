@@ -2,7 +2,9 @@
 by vLLM's own default loader in the same engine (so that only the loader differs).
 
 ``LLM(..., worker_extension_cls="helpers.vllm_ext.LoaderComparison")``, then
-``llm.collective_rpc("param_digests")`` and ``llm.collective_rpc("reload_with_default_loader")``.
+``llm.collective_rpc("param_digests")``, ``llm.collective_rpc("reload_with_default_loader")``
+and ``llm.collective_rpc("reload_with_engines_loader")`` (the engine's own load format again,
+through its ``get_all_weights``: for shardload, the stand-ins as views of the mapped file).
 """
 
 from __future__ import annotations
@@ -36,3 +38,8 @@ class LoaderComparison:
         loader = DefaultModelLoader(LoadConfig(load_format="auto"))
         weights = loader.get_all_weights(config.model_config, model)
         self.model_runner.reload_weights(weights_iterator=weights)
+
+    def reload_with_engines_loader(self) -> None:
+        """Reload every weight in place with the engine's own load format (vLLM's reload asks
+        the loader for ``get_all_weights``)."""
+        self.model_runner.reload_weights()
