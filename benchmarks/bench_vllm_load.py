@@ -1,13 +1,14 @@
-"""vLLM's own "Loading weights took" for its loaders and for ``--load-format shardload``.
+"""How long vLLM's loaders and ``--load-format shardload`` take to load a model's weights.
 
     python benchmarks/bench_vllm_load.py [--tp 1,2] [--formats auto,runai_streamer,...] [--json F]
 
 On one quantized checkpoint (``vllm_checkpoint.py``: ~1.6 GB, W8A8 by compressed-tensors), for
 each load format and tensor-parallel size, one engine with a cold page cache (the checkpoint's
-pages evicted first with ``posix_fadvise(DONTNEED)``) then ``--warm`` warm ones (the median): vLLM's "Loading weights
-took X seconds" (the slowest rank's), the checkpoint's bytes in the page cache after the cold
-load (what the whole engine read, counted by the kernel: ``mincore``), and shardload's own
-bytes read per rank. Ratios are against vLLM's default loader (``auto``) in the same run.
+pages evicted first with ``posix_fadvise(DONTNEED)``) then ``--warm`` warm ones (the median): the
+time the loader's ``load_weights`` took (the slowest rank's; timed alike for every loader by
+the workers' extension, ``tests/helpers/vllm_ext.py``: Run:ai's loader prints no time), the
+checkpoint's bytes in the page cache after the cold load (what the whole engine read, counted
+by the kernel: ``mincore``), and shardload's own bytes read per rank. Ratios are against vLLM's default loader (``auto``) in the same run.
 Engines run in vLLM's environment (``scripts/vllm-env.sh --peers``, which adds the peers'
 libraries, runai-model-streamer and fastsafetensors).
 """
@@ -20,7 +21,6 @@ import json
 import mmap
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-TOOK = re.compile(r"Loading weights took ([0-9.]+) seconds")
+TIMED = "vllm_ext load_weights: "   # tests/helpers/vllm_ext.py's TIMING_PREFIX
 STATS = "shardload load: "
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -75,18 +75,21 @@ def run(python: str, ckpt: Path, fmt: str, tp: int, out: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
                VLLM_CPU_KVCACHE_SPACE="1")
     cmd = [python, str(REPO / "tests" / "helpers" / "vllm_engine.py"), str(ckpt), "--tp",
-           str(tp), "--load-format", fmt, "--tokens", "1", "--out", str(out)]
+           str(tp), "--load-format", fmt, "--tokens", "1", "--time-loads", "--out", str(out)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     log = proc.stdout + proc.stderr
-    took = [float(t) for t in TOOK.findall(log)]
+    # each rank's load_weights, timed alike for every loader (helpers.vllm_ext)
+    took = [json.loads(line.split(TIMED, 1)[1])["seconds"] for line in log.splitlines()
+            if TIMED in line]
     stats = [json.loads(line.split(STATS, 1)[1]) for line in log.splitlines() if STATS in line]
     result = {"format": fmt, "tp": tp, "ok": proc.returncode == 0 and bool(took),
               "load_s": max(took) if took else None, "engine_s": time.perf_counter() - start,
               "shardload_bytes_read": [s["bytes_read"] for s in
                                        sorted(stats, key=lambda s: s["rank"])] or None}
     if not result["ok"]:
-        errors = [line for line in log.splitlines() if "Error" in line]
+        errors = [line for line in log.splitlines() if "Error" in line and " ERROR " in line] \
+            or [line for line in log.splitlines() if "Error" in line]
         result["error"] = (errors[-1] if errors else log[-300:]).strip()[-300:]
     return result
 

@@ -1,8 +1,8 @@
 """``--load-format shardload`` on the formats only vLLM's GPU kernels run: FP8 (per-tensor and
 block), NVFP4 and MXFP4 (compressed-tensors, written by the library itself). A GGUF is refused
-for now: vLLM renames GGUF tensors in its own GGUF loader, which the stand-ins do not repeat.
-Run by ``benchmarks/gpu_check.sh`` on a machine with CUDA and vLLM; skipped elsewhere. Each case is one engine, compared with vLLM's default loader in that engine, as in
-``test_vllm.py``.
+(docs/vllm.md, "What stays refused"). Run by ``benchmarks/gpu_check.sh`` on a machine with CUDA
+and vLLM; skipped elsewhere. Each case is one engine, compared with vLLM's default loader in
+that engine (and shardload's own reload), as in ``test_vllm.py``.
 """
 
 from __future__ import annotations

@@ -82,6 +82,25 @@ def _check_sizes(validated, hf_config) -> None:
             source=validated.plan.source)
 
 
+def _whole_experts(model: nn.Module, model_config: ModelConfig) -> bool:
+    """Whether vLLM places whole experts per rank (``--enable-expert-parallel``): its
+    parallel config says so on a first load; vLLM's in-place reload sets no current config,
+    and there the model it built says so (its fused MoE layers hold fewer experts than the
+    model has)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    if not model_config.is_moe:
+        return False
+    config = get_current_vllm_config_or_none()
+    if config is not None:
+        return bool(config.parallel_config.enable_expert_parallel)
+    experts = model_config.get_num_experts()
+    for name, p in model.named_parameters():
+        if name.rsplit(".", 1)[-1].startswith("w13_"):    # vLLM's fused MoE weights
+            return p.shape[0] < experts
+    return False
+
+
 class ShardloadModelLoader(BaseModelLoader):
     """``--load-format shardload``: the steps are in the module docstring."""
 
@@ -92,11 +111,13 @@ class ShardloadModelLoader(BaseModelLoader):
     def _folder(self, model_config: ModelConfig) -> str:
         path = model_config.model
         if os.path.isfile(path) or path.endswith(".gguf"):
-            # vLLM's GGUF path renames GGUF tensors to its own names in its own loader, which
-            # the stand-ins would have to repeat: not done yet
+            # GGUF in vLLM is an out-of-tree plugin whose loader renames GGUF tensors to
+            # vLLM's names and whose kernels are CUDA-only: the stand-ins would have to repeat
+            # that renaming, untested on any machine here (docs/vllm.md, "What stays refused")
             raise ShardloadError(f"--load-format shardload reads Hugging Face (safetensors) "
                                  f"checkpoints, and {path} is a file: load a GGUF with vLLM's "
-                                 "own GGUF loader (--load-format gguf)")
+                                 "GGUF plugin (pip install vllm-gguf-plugin; --load-format "
+                                 "gguf)")
         if os.path.isdir(path):
             return path
         from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
@@ -108,17 +129,15 @@ class ShardloadModelLoader(BaseModelLoader):
     def download_model(self, model_config: ModelConfig) -> None:
         self._folder(model_config)
 
-    def _read(self, model_config: ModelConfig, verify: bool) -> "_RankRead":
+    def _read(self, model: nn.Module, model_config: ModelConfig, verify: bool) -> "_RankRead":
         """Steps 2 to 4 on this rank: its stand-ins, in storage order."""
-        from vllm.config import get_current_vllm_config
         from vllm.distributed import get_tp_group
 
         start = time.perf_counter()
         opts = self.options
         tp = get_tp_group()
         rank, n = tp.rank_in_group, tp.world_size
-        parallel = get_current_vllm_config().parallel_config
-        whole_experts = bool(model_config.is_moe and parallel.enable_expert_parallel)
+        whole_experts = _whole_experts(model, model_config)
         ckpt = open_checkpoint(self._folder(model_config))                           # 2.
         made: dict[int, StandIns] = {}
         # the workers are vLLM's own tensor-parallel ranks: a torch session over its group
@@ -160,7 +179,7 @@ class ShardloadModelLoader(BaseModelLoader):
         (``reload_weights``: new weights in a running engine), which hands them to the model's
         ``load_weights`` and processes them again. ``verify`` takes two loads of its own, so
         a reload does not verify."""
-        read = self._read(model_config, verify=False)
+        read = self._read(model, model_config, verify=False)
         try:
             yield from read.tensors.items()
         finally:
@@ -168,7 +187,7 @@ class ShardloadModelLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         opts = self.options                                                          # 1.
-        read = self._read(model_config, opts.verify)
+        read = self._read(model, model_config, opts.verify)
         ins, tensors, rank = read.ins, read.tensors, read.line["rank"]
 
         def hand(bad=None) -> set:                                                   # 5.

@@ -35,6 +35,9 @@ def main() -> None:
                          "and generate again (and, for shardload, reload with shardload again)")
     ap.add_argument("--digests", action="store_true",
                     help="a digest of every parameter after loading (and the bytes they hold)")
+    ap.add_argument("--time-loads", action="store_true",
+                    help="each worker prints how long its loader's load_weights took "
+                         "(helpers.vllm_ext.TIMING_PREFIX), whatever the load format")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -47,14 +50,19 @@ def main() -> None:
     extra = json.loads(args.extra) if args.extra else {}
     if args.verify and args.load_format == "shardload":
         extra["verify"] = True
+    if args.tp == 1:
+        # one rank: the engine core and its worker in this process (vLLM's "uni" executor),
+        # which saves two of an engine's three process starts (~10 s each on 2 cores); the
+        # loader runs the same, over a tensor-parallel group of one
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     kwargs = dict(model=args.model, tensor_parallel_size=args.tp, load_format=args.load_format,
-                  distributed_executor_backend="mp", enforce_eager=True, max_model_len=128,
+                  distributed_executor_backend="uni" if args.tp == 1 else "mp", enforce_eager=True, max_model_len=128,
                   max_num_seqs=2, dtype=args.dtype, seed=0,
                   skip_tokenizer_init=args.text is None,
                   enable_expert_parallel=args.ep)
     if extra:
         kwargs["model_loader_extra_config"] = extra
-    if args.compare_default or args.digests:
+    if args.compare_default or args.digests or args.time_loads:
         kwargs["worker_extension_cls"] = "helpers.vllm_ext.LoaderComparison"
     if args.hf_overrides:
         kwargs["hf_overrides"] = json.loads(args.hf_overrides)

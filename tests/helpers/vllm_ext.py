@@ -1,5 +1,6 @@
 """A vLLM worker extension for the tests: digests of the model's parameters, and a reload of them
-by vLLM's own default loader in the same engine (so that only the loader differs).
+by vLLM's own default loader in the same engine (so that only the loader differs); importing it
+times every loader's ``load_weights`` alike (for the benchmark).
 
 ``LLM(..., worker_extension_cls="helpers.vllm_ext.LoaderComparison")``, then
 ``llm.collective_rpc("param_digests")``, ``llm.collective_rpc("reload_with_default_loader")``
@@ -10,6 +11,46 @@ through its ``get_all_weights``: for shardload, the stand-ins as views of the ma
 from __future__ import annotations
 
 import hashlib
+import json
+import sys
+import time
+
+#: the start of the line each worker prints with the time its loader's ``load_weights`` took
+TIMING_PREFIX = "vllm_ext load_weights: "
+
+
+def _time_every_loaders_load_weights() -> None:
+    """Time ``load_weights`` the same way for every load format (vLLM's own "Loading weights
+    took" line is printed by some loaders only; Run:ai's prints none): vLLM imports a worker
+    extension in each worker before the model loads, so wrapping ``BaseModelLoader.load_model``
+    here times whichever loader runs. One line per load on stderr: ``TIMING_PREFIX`` + JSON."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    if getattr(BaseModelLoader.load_model, "_timed", False):
+        return
+    load_model = BaseModelLoader.load_model
+
+    def timed_load_model(self, *args, **kwargs):
+        load_weights = self.load_weights
+
+        def timed(model, model_config):
+            start = time.perf_counter()
+            load_weights(model, model_config)
+            print(TIMING_PREFIX + json.dumps({"loader": type(self).__name__,
+                                              "seconds": time.perf_counter() - start}),
+                  file=sys.stderr, flush=True)
+
+        self.load_weights = timed
+        try:
+            return load_model(self, *args, **kwargs)
+        finally:
+            del self.load_weights
+
+    timed_load_model._timed = True
+    BaseModelLoader.load_model = timed_load_model
+
+
+_time_every_loaders_load_weights()
 
 
 class LoaderComparison:
