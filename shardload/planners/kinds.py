@@ -111,16 +111,19 @@ KINDS = {"gguf": _read_gguf, "mlc": _read_mlc, "hf": _read_hf}
 def kind_of(ckpt) -> str:
     """``gguf``, ``mlc`` or ``hf``: by the reader that opened the checkpoint; for other
     checkpoints (in memory, user subclasses), by the config's own marks."""
+    from ..readers.safetensors import SafetensorsCheckpoint
+
+    # safetensors first: the GGUF reader imports the gguf package, a few tenths of a second
+    # that a load of a safetensors checkpoint (an engine's start) need not pay
+    if isinstance(ckpt, SafetensorsCheckpoint):
+        return "hf"
     from ..readers.gguf import GGUFCheckpoint
     from ..readers.mlc import MLCCheckpoint
-    from ..readers.safetensors import SafetensorsCheckpoint
 
     if isinstance(ckpt, GGUFCheckpoint):
         return "gguf"
     if isinstance(ckpt, MLCCheckpoint):
         return "mlc"
-    if isinstance(ckpt, SafetensorsCheckpoint):
-        return "hf"
     config = ckpt.config
     if "general.architecture" in config:
         return "gguf"
