@@ -50,11 +50,10 @@ def main() -> None:
     extra = json.loads(args.extra) if args.extra else {}
     if args.verify and args.load_format == "shardload":
         extra["verify"] = True
-    if args.tp == 1:
-        # one rank: the engine core and its worker in this process (vLLM's "uni" executor),
-        # which saves two of an engine's three process starts (~10 s each on 2 cores); the
-        # loader runs the same, over a tensor-parallel group of one
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # the engine core in this process, and with one rank its worker too (vLLM's "uni"
+    # executor): each process start saved is ~10 s on 2 cores; the loader runs the same, in
+    # the workers, over their tensor-parallel group
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     kwargs = dict(model=args.model, tensor_parallel_size=args.tp, load_format=args.load_format,
                   distributed_executor_backend="uni" if args.tp == 1 else "mp", enforce_eager=True, max_model_len=128,
                   max_num_seqs=2, dtype=args.dtype, seed=0,
