@@ -374,9 +374,17 @@ def test_smollm2_at_n4_is_the_exactly_padded_model_with_tp1s_tokens():
     overrides = vllm_overrides(model, 4)
     assert overrides == {"num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64}
     padded, stats, log = run_engine(model, 4, "--load-format", "shardload", "--verify",
-                                    "--hf-overrides", json.dumps(overrides), "--text", PROMPT)
+                                    "--reload", "--hf-overrides", json.dumps(overrides),
+                                    "--text", PROMPT)
     assert "outputs" in padded, log[-6000:]
-    assert [s["padded_tensors"] for s in stats] == [120] * 4     # q, k, v, o of 30 layers
+    assert [s["padded_tensors"] for s in stats] == [120] * 8     # q, k, v, o of 30 layers
+    # shardload's reload: the padded tensors read, the rest views of the file
+    assert padded["reload_outputs"] == padded["outputs"]
+    assert padded["reload_digests"] == padded["digests"]
+    again = [s for s in stats if s["reload"]]
+    assert len(again) == 4 and all(s["bytes_read_in_place"] > 0 for s in again)
+    # ranks 0-2 read their heads into padded stand-ins; rank 3's padded heads are all zeros
+    assert [s["bytes_read"] > s["bytes_read_in_place"] for s in again] == [True] * 3 + [False]
     one, _, log1 = _smollm2_engine("hf", 1)      # vLLM's default loader's tokens at TP=1
     assert "hf" not in RELOAD_UNFAITHFUL         # (so they come from its in-place reload)
     assert "default_outputs" in one, log1[-6000:]

@@ -33,6 +33,9 @@ def main() -> None:
     ap.add_argument("--compare-default", action="store_true",
                     help="then reload the weights with vLLM's default loader in the same engine "
                          "and generate again (and, for shardload, reload with shardload again)")
+    ap.add_argument("--reload", action="store_true",
+                    help="then reload the weights in place with the engine's own loader and "
+                         "generate again (with --digests: digests again)")
     ap.add_argument("--digests", action="store_true",
                     help="a digest of every parameter after loading (and the bytes they hold)")
     ap.add_argument("--time-loads", action="store_true",
@@ -61,7 +64,7 @@ def main() -> None:
                   enable_expert_parallel=args.ep)
     if extra:
         kwargs["model_loader_extra_config"] = extra
-    if args.compare_default or args.digests or args.time_loads:
+    if args.compare_default or args.digests or args.reload or args.time_loads:
         kwargs["worker_extension_cls"] = "helpers.vllm_ext.LoaderComparison"
     if args.hf_overrides:
         kwargs["hf_overrides"] = json.loads(args.hf_overrides)
@@ -85,18 +88,19 @@ def main() -> None:
         return result
 
     report = {"outputs": generate()}
-    if args.compare_default or args.digests:
+    if args.compare_default or args.digests or args.reload:
         report["digests"] = llm.collective_rpc("param_digests")
         report["param_bytes"] = llm.collective_rpc("param_bytes")
     if args.compare_default:
         llm.collective_rpc("reload_with_default_loader")
         report["default_outputs"] = generate()
         report["default_digests"] = llm.collective_rpc("param_digests")
-        if args.load_format == "shardload":
-            # and shardload again, in place: its reload reads no stand-in (views of the file)
-            llm.collective_rpc("reload_with_engines_loader")
-            report["reload_outputs"] = generate()
-            report["reload_digests"] = llm.collective_rpc("param_digests")
+    if args.reload or (args.compare_default and args.load_format == "shardload"):
+        # and the engine's own loader again, in place (shardload's reload: views of the file
+        # where vLLM narrows the stored tensor, reads for the rest)
+        llm.collective_rpc("reload_with_engines_loader")
+        report["reload_outputs"] = generate()
+        report["reload_digests"] = llm.collective_rpc("param_digests")
     with open(args.out, "w") as f:
         json.dump(report, f)
     del llm
