@@ -8,9 +8,10 @@ pages evicted first with ``posix_fadvise(DONTNEED)``) then ``--warm`` warm ones 
 time the loader's ``load_weights`` took (the slowest rank's; timed alike for every loader by
 the workers' extension, ``tests/helpers/vllm_ext.py``: Run:ai's loader prints no time), the
 checkpoint's bytes in the page cache after the cold load (what the whole engine read, counted
-by the kernel: ``mincore``), and shardload's own bytes read per rank. Ratios are against vLLM's default loader (``auto``) in the same run.
-Engines run in vLLM's environment (``scripts/vllm-env.sh --peers``, which adds the peers'
-libraries, runai-model-streamer and fastsafetensors).
+by the kernel: ``mincore``), and shardload's own bytes read per rank. Ratios are against
+vLLM's default loader (``auto``) in the same run. Engines run in vLLM's environment
+(``scripts/vllm-env.sh --peers``, which adds the peers' libraries, runai-model-streamer and
+fastsafetensors).
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@ reloads every weight with vLLM's own default loader in the same engine (vLLM's i
 which processes them again) and generates again, then reloads with shardload again (its reload:
 views of the mapped file, no verify) and generates again: the tokens, the logprobs and every
 parameter must be equal, so only the loader differs. Where vLLM's in-place reload is not
-faithful (its fused MoE, its CPU int8 kernel), two engines' first loads are compared. The per-rank statistics from vLLM's log say each rank
-read no more than it kept, and no more than vLLM's own parameters hold beside what is
-replicated.
+faithful (its fused MoE, its CPU int8 kernel), two engines' first loads are compared. The
+per-rank statistics from vLLM's log say each rank read no more than it kept.
 
 vLLM runs from the environment ``scripts/vllm-env.sh`` makes (``SHARDLOAD_VLLM_PYTHON``, or
 ``~/.cache/shardload/vllm-venv``): without it these tests skip, unless

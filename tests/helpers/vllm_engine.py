@@ -58,8 +58,8 @@ def main() -> None:
     # the workers, over their tensor-parallel group
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     kwargs = dict(model=args.model, tensor_parallel_size=args.tp, load_format=args.load_format,
-                  distributed_executor_backend="uni" if args.tp == 1 else "mp", enforce_eager=True, max_model_len=128,
-                  max_num_seqs=2, dtype=args.dtype, seed=0,
+                  distributed_executor_backend="uni" if args.tp == 1 else "mp",
+                  enforce_eager=True, max_model_len=128, max_num_seqs=2, dtype=args.dtype, seed=0,
                   skip_tokenizer_init=args.text is None,
                   enable_expert_parallel=args.ep)
     if extra:
