@@ -102,9 +102,15 @@ def itemsize(name: str) -> int:
 
 
 def to_torch(name: str) -> "torch.dtype":
-    import torch
+    dtype = _TORCH.get(name)
+    if dtype is None:  # a load asks for every piece's: looked up once per name
+        import torch
 
-    return getattr(torch, canonical(name))
+        dtype = _TORCH[name] = getattr(torch, canonical(name))
+    return dtype
+
+
+_TORCH: dict[str, "torch.dtype"] = {}
 
 
 def from_torch(dtype: "torch.dtype") -> str:

@@ -35,11 +35,12 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from .gc_pause import gc_paused
 from .errors import DEVICE_CUDA, PLUGINS, PlanError, SessionClosedError, ShardloadError, mention
 from .pieces import FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, local_load
 from .plan import ParamPlan, Plan, ShardInfo, ValidatedPlan
 from .readers import Checkpoint, as_checkpoint
-from .readplan import ReadPlan, read_plan_for, worker_functions
+from .readplan import ReadPlan, build_read_plans, worker_functions
 from .sessions import Session
 from .sessions.base import check_timeout
 from .staging import Staging, staging_for
@@ -314,24 +315,28 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
     ranks = here if session.spmd else range(n)
     staged = staging_for(staging, session.devices)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(gc_paused())  # a load's objects are many and all kept
         with session.collective("preparing the load"):
             ckpt = as_checkpoint(params)                                            # 1.
             validated = validated_for(shard_info, n, ckpt)                          # 2.
             _check_devices(list(validated), session.devices, validated.plan.source)
             modules = _plugin_modules(validated, remote)                            # 3.
             source = stack.enter_context(_readable_elsewhere(ckpt, remote))
-            plans: dict[int, ReadPlan] = {i: read_plan_for(validated, source, i) for i in ranks}
+            plans: dict[int, ReadPlan] = dict(zip(ranks, build_read_plans(validated, source,
+                                                                          ranks)))
             if reads is not None:
                 plans = {i: reads(plan) for i, plan in plans.items()}
             _release_dropped(session)
         token, local = stack.enter_context(local_load(source, len(here), n))
-        total = sum(validated.bytes_per_worker(i) for i in ranks)
+        local.start({i: plans[i] for i in here})
+        total = sum(plan.nbytes for plan in plans.values())  # for the progress bar
         advance, close_bar = progress_callback(
             progress if not session.spmd or session.local_workers == [0] else False, total)
         stack.callback(close_bar)
         start = time.perf_counter()
         replies = session.run(                                                      # 4.
-            LOAD_PIECES, lambda i: [{"load": token, "plan": plans[i].to_json(),
+            LOAD_PIECES, lambda i: [{"load": token,
+                                     "plan": None if i in local.plans else plans[i].to_json(),
                                      "modules": modules,
                                      "staging": staged and staged.to_json()}],
             context=f"while loading {ckpt.source}", timeout=timeout, on_progress=advance)

@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Optional, Sequence
 
 from . import dtypes
 from .errors import PlanError, ShardloadError, quote
+from .gc_pause import gc_paused
 from .selection import Selection
 
 if TYPE_CHECKING:  # pragma: no cover  (a worker process carries out read plans without them)
@@ -48,10 +49,13 @@ __all__ = ["Run", "Chain", "Fixup", "PieceRead", "ReadPlan", "build_read_plans",
            "read_plan_for", "is_read", "worker_functions", "check_run"]
 
 
-@dataclass(frozen=True)
-class Run:
+class Run(NamedTuple):
     """``count`` blocks of ``nbytes`` bytes: from ``offset + k * stride`` of source ``source``
-    to ``dst_offset + k * dst_stride`` of the piece's (or the chain input's) bytes."""
+    to ``dst_offset + k * dst_stride`` of the piece's (or the chain input's) bytes.
+
+    A named tuple, as is ``PieceRead``: a load makes one per piece and worker (a hundred
+    thousand and more for a large MoE), and a tuple is made several times faster than a frozen
+    dataclass."""
 
     source: int
     offset: int
@@ -66,8 +70,7 @@ class Run:
         return self.nbytes * self.count
 
     def to_json(self) -> list[int]:
-        return [self.source, self.offset, self.nbytes, self.count, self.stride,
-                self.dst_offset, self.dst_stride]
+        return list(self)
 
 
 @dataclass(frozen=True)
@@ -93,8 +96,7 @@ class Fixup:
     extra: tuple
 
 
-@dataclass(frozen=True)
-class PieceRead:
+class PieceRead(NamedTuple):
     """One worker's piece of one parameter: its shape and dtype, and how to get it."""
 
     name: str
@@ -284,39 +286,62 @@ def _runs(sel: Selection, shape: Sequence[int], itemsize: int, source: int,
 
 def read_plan_for(validated: "ValidatedPlan", ckpt: "Checkpoint", rank: int) -> ReadPlan:
     """Worker ``rank``'s read plan (see the module docstring)."""
-    n = validated.num_shards
-    pieces = []
-    # every layer repeats the same steps on the same shapes: each selection is worked out once
-    seen: dict[tuple, Optional[Selection]] = {}
-    for param in validated.held_by(rank):    # a parameter placed on other workers: nothing
-        meta = param.meta
-        source, begin, _ = ckpt.locate(meta.name)
-        itemsize = dtypes.itemsize(meta.dtype)
-        key = (tuple(map(id, param.steps)), meta.shape, meta.dtype)
-        if key in seen:
-            sel = seen[key]
-        else:
-            sel = seen[key] = _selection(param, n, rank, validated.plan.source)
-        if sel is not None:
-            step = param.steps[0] if param.steps else None
-            func = param.funcs[0] if param.funcs else None
-            fixup = (Fixup(func.name, tuple(step.extra))
-                     if func is not None and func.fixup is not None else None)
-            pieces.append(PieceRead(meta.name, param.piece_shape, param.piece_dtype,
-                                    _runs(sel, meta.shape, itemsize, source, begin),
-                                    zeros=sel.has_zeros, fixup=fixup,
-                                    shared=param.replicated and param.workers is None))
-        else:
-            chain = Chain(meta.shape, meta.dtype, tuple(tuple(s.to_json()) for s in param.steps),
-                          rank)
-            pieces.append(PieceRead(meta.name, param.piece_shape, param.piece_dtype,
-                                    _runs(Selection.whole(), meta.shape, itemsize, source,
-                                          begin), chain=chain))
-    return ReadPlan(rank, n, tuple(ckpt.sources()), tuple(pieces))
+    return build_read_plans(validated, ckpt, [rank])[0]
 
 
 def build_read_plans(validated: "ValidatedPlan", ckpt: "Checkpoint",
                      ranks: Optional[Iterable[int]] = None) -> list[ReadPlan]:
-    """The read plans of workers ``ranks`` (default: all), in that order."""
-    ranks = range(validated.num_shards) if ranks is None else ranks
-    return [read_plan_for(validated, ckpt, r) for r in ranks]
+    """The read plans of workers ``ranks`` (default: all), in that order.
+
+    One pass over the parameters makes every rank's pieces. Every layer repeats the same steps
+    on the same shapes, so what a rank's piece of a parameter is (its selection, and the runs
+    it makes relative to the tensor's first byte) is worked out once per kind of parameter; a
+    tensor's own runs are that template moved to where the tensor lies.
+    """
+    with gc_paused():  # hundreds of thousands of tuples, all kept
+        return _build(validated, ckpt, ranks)
+
+
+def _build(validated: "ValidatedPlan", ckpt: "Checkpoint",
+           ranks: Optional[Iterable[int]]) -> list[ReadPlan]:
+    n = validated.num_shards
+    ranks = list(range(n) if ranks is None else ranks)
+    pieces: list[list[PieceRead]] = [[] for _ in ranks]
+    templates: dict[tuple, list[tuple]] = {}
+    for param in validated:
+        meta = param.meta
+        key = (tuple(map(id, param.steps)), meta.shape, meta.dtype, param.workers)
+        per_rank = templates.get(key)
+        if per_rank is None:
+            per_rank = templates[key] = [_template(validated, param, r) for r in ranks]
+        source, begin, _ = ckpt.locate(meta.name)
+        for out, template in zip(pieces, per_rank):
+            if template is None:  # placed on other workers
+                continue
+            shape, dtype, runs, zeros, fixup, chain, shared = template
+            runs = tuple(Run(source, begin + r.offset, r.nbytes, r.count, r.stride,
+                             r.dst_offset, r.dst_stride) for r in runs)
+            out.append(PieceRead(meta.name, shape, dtype, runs, zeros, fixup, chain, shared))
+    sources = tuple(ckpt.sources())
+    return [ReadPlan(r, n, sources, tuple(p)) for r, p in zip(ranks, pieces)]
+
+
+def _template(validated: "ValidatedPlan", param: "ParamPlan", rank: int) -> Optional[tuple]:
+    """Rank ``rank``'s piece of ``param`` as a ``PieceRead``'s fields after its name, the runs
+    counted from the tensor's first byte of source 0; None where it holds none."""
+    if not param.held_by(rank):
+        return None
+    meta = param.meta
+    itemsize = dtypes.itemsize(meta.dtype)
+    sel = _selection(param, validated.num_shards, rank, validated.plan.source)
+    if sel is None:
+        chain = Chain(meta.shape, meta.dtype, tuple(tuple(s.to_json()) for s in param.steps),
+                      rank)
+        return (param.piece_shape, param.piece_dtype,
+                _runs(Selection.whole(), meta.shape, itemsize, 0, 0), False, None, chain, False)
+    step = param.steps[0] if param.steps else None
+    func = param.funcs[0] if param.funcs else None
+    fixup = (Fixup(func.name, tuple(step.extra))
+             if func is not None and func.fixup is not None else None)
+    return (param.piece_shape, param.piece_dtype, _runs(sel, meta.shape, itemsize, 0, 0),
+            sel.has_zeros, fixup, None, param.replicated and param.workers is None)

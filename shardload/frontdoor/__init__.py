@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Union
 
 from ..errors import PlanError
+from ..gc_pause import gc_paused
 from ..loader import ProgressCallback, ShardedParams
 from ..loader import load_sharded as _load
 from ..plan import MAX_PLAN_BYTES, ShardInfo
@@ -67,11 +68,12 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *, experts: str
     ...     sharded = load_sharded("examples/tiny_llama_q4", None, sess)
     ...     sharded.shard("model.layers.0.mlp.down_proj.qweight", 3)
     """
-    with session.collective("preparing the load"):
-        ckpt = as_checkpoint(params)
-        resolved = resolve_plan(ckpt, session.num_workers, shard_info, experts=experts)
-    return _load(ckpt, resolved.validated, session, progress=progress, timeout=timeout,
-                 staging=staging, reads=reads)
+    with gc_paused():  # a checkpoint's headers and plan are many objects, all kept
+        with session.collective("preparing the load"):
+            ckpt = as_checkpoint(params)
+            resolved = resolve_plan(ckpt, session.num_workers, shard_info, experts=experts)
+        return _load(ckpt, resolved.validated, session, progress=progress, timeout=timeout,
+                     staging=staging, reads=reads)
 
 
 def write_plan(info: ShardInfo, path: Optional[str] = None) -> str:

@@ -12,6 +12,7 @@ worker's ``Pipeline`` (``staging.py``) straight into device memory.
 from __future__ import annotations
 
 import contextlib
+import queue
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -19,13 +20,15 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import annotate
-from ..readers.base import Checkpoint, copy_progress
+from ..gc_pause import gc_paused
+from ..readers.base import COPY_CHUNK_BYTES, Checkpoint, copy_progress
 from ..readplan import PieceRead, ReadPlan
 from ..registry import get_shard_func, load_plugins
 from ..sessions import Stopped, WorkerContext, register_session_func
 from ..staging import Pipeline, Staging
 from .chains import run_steps
-from .reads import PageReleases, Readahead, count_read, piece_spans, read_runs, source_views
+from .reads import (PageReleases, Readahead, SourceViews, copy_runs, count_read, new_piece,
+                    piece_spans, read_runs, source_views)
 from .sharing import SharedOutputs, local_for
 
 __all__ = ["LOAD_PIECES", "FETCH_PIECE", "RELEASE_LOADS", "read_piece", "load_pieces",
@@ -88,19 +91,19 @@ class _Worker:
     shared: Optional[SharedOutputs]
     waiting: Callable[[], None]
     stopped: Callable[[], bool]
+    views: Optional[SourceViews] = None
 
     def fill(self, runs, shape, dtype: str, zeros: bool, name: str,
              fixup: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
-        """A new tensor on the device (staged) or on the host (direct), filled by ``runs``."""
+        """A new tensor on the device (staged) or on the host (direct), filled by ``runs``;
+        the load counts the bytes read (``count_read``) once it is done."""
         if self.pipe is None:
-            tensor = read_runs(self.source, runs, shape, dtype, zeros, name)
+            tensor = read_runs(self.source, runs, shape, dtype, zeros, name, self.views)
             if fixup is not None:
                 fixup(tensor)
             return tensor
-        tensor = self.pipe.piece(source_views(self.source, runs), runs, shape, dtype, zeros,
-                                 name, fixup)
-        count_read(self.source, runs)
-        return tensor
+        return self.pipe.piece(source_views(self.source, runs), runs, shape, dtype, zeros,
+                               name, fixup)
 
     def share(self, name: str, make: Callable[[], torch.Tensor]
               ) -> tuple[torch.Tensor, bool]:
@@ -133,6 +136,8 @@ def _piece(w: _Worker, piece: PieceRead) -> tuple[torch.Tensor, int]:
     if chain is None and not (piece.shared and w.pipe is not None and w.shared is not None):
         tensor = w.fill(piece.runs, piece.shape, piece.dtype, piece.zeros, piece.name,
                         _fixup(piece, w.num_shards, w.rank))
+        if w.pipe is None and w.device.type == "cpu":
+            return tensor, piece.bytes_read  # read_runs made it: new, owned, contiguous
         return _place(tensor, w.device, owned=True), piece.bytes_read
 
     if chain is None:  # staged, replicated, shared by several workers of this process
@@ -163,29 +168,109 @@ def _piece(w: _Worker, piece: PieceRead) -> tuple[torch.Tensor, int]:
         piece.bytes_read if computed else 0
 
 
+#: a worker reports its progress (bytes for the bar, the parameter it is on for the watchdog),
+#: moves the read-ahead on and hands mapped pages back once this many bytes or pieces are done
+#: since it last did, and before any piece larger than that: per piece, that bookkeeping cost
+#: more than copying a small tensor. The watchdog's "on parameter" is the piece the worker last
+#: reported: the one it is stuck on, or one at most that far before it.
+BOOKS_BYTES = 1 << 20
+BOOKS_PIECES = 64
+#: seconds between a waiting worker's checks for a turn (and whether to stop)
+TURN_POLL_S = 0.05
+
+
+class _Books:
+    """A worker's bookkeeping around its pieces, done in batches (``BOOKS_BYTES``), and its
+    turns (``LocalLoad.turns``): a worker of a CPU device reads a batch of plain pieces while
+    holding one."""
+
+    def __init__(self, ctx: WorkerContext, readahead: Readahead, local, releases: PageReleases,
+                 stopped: Callable[[], bool]):
+        self._ctx, self._readahead, self._local, self._releases = ctx, readahead, local, releases
+        self._stopped = stopped
+        self._done: list[PieceRead] = []
+        self._bytes = 0
+        self._due = True  # the first piece is reported
+        self._turns = local.turns if local is not None and ctx.device.type == "cpu" else None
+        self._turn: Optional[int] = None
+
+    def take_turn(self) -> None:
+        """Wait for a turn (reporting progress meanwhile, so waiting is not a stall)."""
+        if self._turns is None or self._turn is not None:
+            return
+        while True:
+            try:
+                self._turn = self._turns.get(timeout=TURN_POLL_S)
+                return
+            except queue.Empty:
+                if self._stopped():
+                    raise Stopped() from None
+                self._ctx.progress()
+
+    def give_turn(self) -> None:
+        if self._turn is not None:
+            self._turns.put(self._turn)
+            self._turn = None
+
+    def starting(self, piece: PieceRead, nbytes: int) -> None:
+        """Before ``piece`` (``nbytes``) is read: reported where a batch starts, or where it
+        is large."""
+        if self._due or nbytes >= BOOKS_BYTES:
+            if self._stopped():
+                raise Stopped()
+            self.flush()
+            self._readahead.reached(piece.name)
+            self._ctx.progress(where=piece.name)
+            self._due = False
+
+    def finished(self, piece: PieceRead, nbytes: int) -> None:
+        self._done.append(piece)
+        self._bytes += nbytes
+        if self._bytes >= BOOKS_BYTES or len(self._done) >= BOOKS_PIECES:
+            self._due = True
+
+    def flush(self) -> None:
+        """Settle the pieces finished since the last report; give the turn to the next."""
+        self.give_turn()
+        done, nbytes = self._done, self._bytes
+        if not done:
+            return
+        self._done, self._bytes = [], 0
+        if self._local is not None:
+            self._local.finished(self._ctx.rank, done)
+        else:
+            for piece in done:
+                self._releases.add_runs(piece.runs)
+        self._ctx.progress(nbytes=nbytes)
+
+
 @register_session_func(LOAD_PIECES)
 def load_pieces(ctx: WorkerContext, request: dict) -> dict:
     """Carry out ``request["plan"]`` (a ``ReadPlan`` as JSON) on this worker.
 
-    ``request["load"]`` names the load; ``request["modules"]`` lists plugin modules that define
+    ``request["load"]`` names the load (``request["plan"]`` is None for a worker in the
+    loader's process: its plan is the load's own, ``LocalLoad.plans``); ``request["modules"]`` lists plugin modules that define
     shard functions the plan computes with; ``request["staging"]`` (a ``Staging`` as JSON, or
     absent) sends the pieces through the staged pipeline. The pieces become ``ctx.shards`` (the
     worker's model); a worker outside the loader's process keeps them for ``fetch_piece`` until
     ``release_loads``. Returns statistics.
     """
     start = time.perf_counter()
-    plan = ReadPlan.from_json(request["plan"])
-    load_plugins(request.get("modules", ()))
     local = local_for(request["load"])
+    # a worker in the loader's process takes its read plan as the loader made it (no JSON)
+    plan = (local.plans[ctx.rank] if request["plan"] is None and local is not None
+            else ReadPlan.from_json(request["plan"]))
+    load_plugins(request.get("modules", ()))
     source = local.ckpt if local is not None else None
     staging = request.get("staging")
     kept: dict[str, torch.Tensor] = {}
-    read = 0
+    read = kept_bytes = 0
 
     def stopped() -> bool:
         return ctx.should_stop() or (local is not None and local.stopped.is_set())
 
     with contextlib.ExitStack() as stack:
+        stack.enter_context(gc_paused())  # a piece is a tensor the collector would walk
         if source is None:
             from ..readers.mapped import open_sources
 
@@ -205,23 +290,40 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
                                                 stopped, waiting))
         shared = local.shared if local is not None and local.num_local > 1 else None
         worker = _Worker(source, plan.num_shards, plan.rank, ctx.device, pipe, shared, waiting,
-                         stopped)
+                         stopped, SourceViews(source))
+        books = _Books(ctx, readahead, local, releases, stopped)
+        stack.callback(books.give_turn)
+        direct_cpu = pipe is None and ctx.device.type == "cpu"
+        views = worker.views
         for piece in plan.pieces:
-            if stopped():
-                raise Stopped()
             current[0] = piece.name
-            readahead.reached(piece.name)
-            ctx.progress(where=piece.name)
-            # a large tensor's copy reports progress too, so a slow read is not taken for a hang
-            with copy_progress(waiting):
-                tensor, nread = _piece(worker, piece)
+            nbytes = piece.nbytes
+            books.starting(piece, nbytes)  # and stops here if the load is stopping
+            if direct_cpu and piece.chain is None:
+                # the common piece, read straight into its own new tensor: kept to the fewest
+                # calls, since a load of many small tensors is made of little else
+                books.take_turn()  # no waiting on other workers while holding it
+                tensor, dst = new_piece(piece.shape, piece.dtype, piece.zeros)
+                if nbytes > COPY_CHUNK_BYTES:
+                    with copy_progress(waiting):  # a long copy reports progress too
+                        nread = copy_runs(dst, piece.runs, views, piece.name)
+                else:
+                    nread = copy_runs(dst, piece.runs, views, piece.name)
+                if piece.fixup is not None:
+                    _fixup(piece, worker.num_shards, worker.rank)(tensor)
+            else:
+                books.give_turn()
+                ctx.progress(where=piece.name)  # may wait on others or compute long: named
+                # a long copy or computation reports progress too, so it is not taken for a hang
+                with copy_progress(waiting):
+                    tensor, nread = _piece(worker, piece)
             kept[piece.name] = tensor
             read += nread
-            if local is not None:
-                local.finished(piece)
-            else:
-                releases.add_runs(piece.runs)
-            ctx.progress(nbytes=piece.nbytes)
+            kept_bytes += nbytes
+            books.finished(piece, nbytes)
+        books.flush()
+        worker.views.check()  # no file changed under the load
+        count_read(source, nbytes=read)  # once: a count per piece contended for a lock
         if pipe is not None:
             pipe.finish()  # every copy landed before the load is reported done
         if local is None:
@@ -231,8 +333,7 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
         local.shards[plan.rank] = kept  # the loader returns them itself
     else:  # kept here until the loader says its result was dropped (release_loads)
         ctx.values.setdefault(LOAD_PIECES, {})[request["load"]] = kept
-    reply = {"bytes": sum(t.numel() * t.element_size() for t in kept.values()),
-             "tensors": len(kept), "bytes_read": read, "seconds": time.perf_counter() - start}
+    reply = {"bytes": kept_bytes, "tensors": len(kept), "bytes_read": read, "seconds": time.perf_counter() - start}
     if pipe is not None:
         reply["staging"] = pipe.stats.as_dict()
     return reply

@@ -1,7 +1,11 @@
 """Reading byte runs out of the mapped sources, and the page policy around it.
 
 ``read_runs`` copies a piece's byte runs (``readplan.Run``) out of the source into a new tensor,
-checking each against the bounds of both; ``source_views`` gives the sources they copy from.
+checking each against the bounds of both; ``SourceViews`` gives the sources they copy from, for
+the length of one load. A small run is copied by numpy (about a microsecond a call, where a
+torch copy costs ten: a load of many small tensors is made of such calls), a large one by torch
+(its copy is parallel, and reports progress in chunks: ``copy_blocks``); both release the GIL
+for large copies.
 Mapped pages go back to the kernel in batches once every local worker is done with them
 (``PageReleases``), and are asked for a little ahead of the copies (``Readahead``). The sizes
 those use are read here when each is made (``RELEASE_BATCH_BYTES``, ``READAHEAD_WINDOW``,
@@ -11,15 +15,18 @@ those use are read here when each is made (``RELEASE_BATCH_BYTES``, ``READAHEAD_
 from __future__ import annotations
 
 import threading
+import time
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .. import dtypes
 from ..readers.base import Checkpoint
 from ..readplan import ReadPlan, Run, check_run
 
-__all__ = ["RELEASE_BATCH_BYTES", "READAHEAD_WINDOW", "READAHEAD_BYTES", "read_runs",
+__all__ = ["RELEASE_BATCH_BYTES", "READAHEAD_WINDOW", "READAHEAD_BYTES", "SMALL_RUN_BYTES",
+           "CHECK_INTERVAL_S", "new_piece", "read_runs", "copy_runs", "SourceViews",
            "source_views", "count_read", "PageReleases", "Readahead", "tensor_spans",
            "piece_spans"]
 
@@ -28,6 +35,13 @@ RELEASE_BATCH_BYTES = 256 << 20
 #: the read-ahead asks for the file in windows of this size, this far ahead of the copies
 READAHEAD_WINDOW = 32 << 20
 READAHEAD_BYTES = 256 << 20
+#: runs of up to this many bytes are copied by numpy, larger ones by torch (see above)
+SMALL_RUN_BYTES = 1 << 20
+#: a load checks that a file is still the one it opened before its first read of the file,
+#: again before any read this long after the last check, and once more when it is done (so a
+#: file changed under a load fails it, never mixes into it). A ``stat`` per piece was a tenth
+#: of a load of small tensors, more with many worker threads: each hands the GIL on.
+CHECK_INTERVAL_S = 0.1
 
 
 def _copy_run(dst: torch.Tensor, src: torch.Tensor, run: Run) -> None:
@@ -42,21 +56,90 @@ def _copy_run(dst: torch.Tensor, src: torch.Tensor, run: Run) -> None:
     copy_blocks(d, s)
 
 
-def read_runs(source: Checkpoint, runs, shape, dtype: str, zeros: bool, name: str
-              ) -> torch.Tensor:
-    """A new CPU tensor of ``shape``/``dtype`` filled by ``runs`` from ``source``'s bytes."""
-    torch_dtype = dtypes.to_torch(dtype)
-    out = (torch.zeros if zeros else torch.empty)(tuple(shape), dtype=torch_dtype)
-    if not runs:
-        return out
-    flat = out.view(-1).view(torch.uint8) if out.dim() else out.reshape(1).view(torch.uint8)
-    views = source_views(source, runs)
+class SourceViews:
+    """The byte sources of one load, each as a 1-D uint8 tensor and a numpy view of the same
+    memory, fetched from the checkpoint once (``source_bytes``, which checks that the file is
+    unchanged) and checked again at most every ``CHECK_INTERVAL_S`` while in use."""
+
+    def __init__(self, source: Checkpoint):
+        self._source = source
+        self._views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+        self._checked: dict[int, float] = {}
+
+    def get(self, index: int) -> tuple[torch.Tensor, np.ndarray]:
+        now = time.monotonic()
+        if now - self._checked.get(index, -1.0) >= CHECK_INTERVAL_S:
+            view = self._source.source_bytes(index)          # checks the file is unchanged
+            self._views[index] = (view, view.numpy())
+            self._checked[index] = now
+        return self._views[index]
+
+    def check(self) -> None:
+        """Check again every source used so far (the end of a load)."""
+        for index in self._views:
+            self._source.source_bytes(index)
+
+
+#: the numpy dtype a piece is made as: its own where numpy has one, else an integer of its
+#: width that torch then views as the piece's dtype
+_NUMPY = {name: np.dtype(name) for name in ("bool", "uint8", "int8", "int16", "uint16",
+                                            "float16", "int32", "uint32", "float32", "int64",
+                                            "uint64", "float64")}
+_CARRIER = {"bfloat16": np.dtype("int16"), "float8_e4m3fn": np.dtype("uint8"),
+            "float8_e5m2": np.dtype("uint8")}
+
+
+def new_piece(shape, dtype: str, zeros: bool) -> tuple[torch.Tensor, np.ndarray]:
+    """A new CPU tensor of ``shape``/``dtype`` (zeros or uninitialised) that owns its memory,
+    and a flat uint8 numpy view of its bytes to copy into.
+
+    Made by numpy, then taken by torch (``from_numpy``): numpy's small calls do not release the
+    GIL, where every torch call does. With many workers in threads of one process, a release
+    per call handed the GIL from thread to thread at every piece, which cost more than the
+    pieces' own copies."""
+    carrier = _NUMPY.get(dtype)
+    if carrier is None:
+        dtype = dtypes.canonical(dtype)
+        carrier = _NUMPY.get(dtype)
+    array = (np.zeros if zeros else np.empty)(shape, carrier or _CARRIER[dtype])
+    tensor = torch.from_numpy(array)
+    if carrier is None:
+        tensor = tensor.view(dtypes.to_torch(dtype))
+    return tensor, array.reshape(-1).view(np.uint8)
+
+
+def copy_runs(dst: np.ndarray, runs, views: SourceViews, name: str) -> int:
+    """Copy ``runs`` into ``dst`` (a piece's bytes, ``new_piece``), each run checked against
+    the bounds of its source and of ``dst`` first; the bytes copied."""
+    total = 0
     for run in runs:
-        src = views[run.source]
-        check_run(run, src.numel(), flat.numel(), name)
-        _copy_run(flat, src, run)
-    count_read(source, runs)
-    return out
+        total += run.nbytes * run.count
+        src_t, src = views.get(run.source)
+        check_run(run, src.shape[0], dst.shape[0], name)
+        if run.total > SMALL_RUN_BYTES:
+            _copy_run(torch.from_numpy(dst), src_t, run)
+        elif run.count == 1:
+            dst[run.dst_offset:run.dst_offset + run.nbytes] = \
+                src[run.offset:run.offset + run.nbytes]
+        else:
+            np.ndarray((run.count, run.nbytes), np.uint8, dst, run.dst_offset,
+                       (run.dst_stride or run.nbytes, 1))[...] = \
+                np.ndarray((run.count, run.nbytes), np.uint8, src, run.offset,
+                           (run.stride or run.nbytes, 1))
+    return total
+
+
+def read_runs(source: Checkpoint, runs, shape, dtype: str, zeros: bool, name: str,
+              views: Optional[SourceViews] = None) -> torch.Tensor:
+    """A new CPU tensor of ``shape``/``dtype`` filled by ``runs`` from ``source``'s bytes.
+    Through ``views``, a load's ``SourceViews``, where given: then the load counts the bytes
+    read (``count_read``) itself, once, rather than per piece."""
+    tensor, dst = new_piece(tuple(shape), dtype, zeros)
+    if runs:
+        copy_runs(dst, runs, views or SourceViews(source), name)
+        if views is None:
+            count_read(source, runs)
+    return tensor
 
 
 def source_views(source: Checkpoint, runs) -> dict[int, torch.Tensor]:
@@ -69,11 +152,12 @@ def source_views(source: Checkpoint, runs) -> dict[int, torch.Tensor]:
     return views
 
 
-def count_read(source: Checkpoint, runs) -> None:
-    """Tell ``source`` the bytes ``runs`` read, where it counts them (``count_read``)."""
+def count_read(source: Checkpoint, runs=(), nbytes: int = 0) -> None:
+    """Tell ``source`` the bytes ``runs`` read, plus ``nbytes``, where it counts them
+    (``count_read``)."""
     count = getattr(source, "count_read", None)
     if count is not None:
-        count(sum(run.total for run in runs))
+        count(sum(run.total for run in runs) + nbytes)
 
 
 class PageReleases:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -18,7 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from ..readers.base import Checkpoint
-from ..readplan import PieceRead
+from ..readplan import PieceRead, ReadPlan
 from ..sessions import Stopped
 from .reads import PageReleases, Readahead, tensor_spans
 
@@ -114,23 +115,59 @@ class LocalLoad:
     num_local: int
     num_shards: int
     shards: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    #: the read plans of the workers in this process, by rank (handed over as they are)
+    plans: dict[int, ReadPlan] = field(default_factory=dict)
     stopped: threading.Event = field(default_factory=threading.Event)
-    _done: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.shared = SharedOutputs(self.num_local, self.stopped.is_set)
         self.releases = PageReleases(self.ckpt, workers=self.num_local,
                                      num_shards=self.num_shards)
-        self.readahead = Readahead(self.ckpt, tensor_spans(self.ckpt))
+        self._spans = tensor_spans(self.ckpt)
+        self.readahead = Readahead(self.ckpt, self._spans)
+        self._order = {span[0]: k for k, span in enumerate(self._spans)}
+        self._at: dict[int, int] = {}   # each local worker's last finished tensor, in order
+        # Workers of CPU devices take turns to read batches of pieces, as many at once as
+        # there are cores: each copy is memory-bound, and more threads than cores running
+        # per-piece Python only hand the GIL back and forth (a third of the CPU time of eight
+        # workers on two cores went to that).
+        # (a queue of tokens, not threading.Semaphore: that is Python code around a Condition,
+        # itself a GIL hand-off at every turn)
+        self.turns: "queue.SimpleQueue[int]" = queue.SimpleQueue()
+        for token in range(max(1, min(self.num_local, os.cpu_count() or 1))):
+            self.turns.put(token)
+        self._released = -1             # the tensors up to this one went back
 
-    def finished(self, piece: PieceRead) -> None:
-        """The mapped pages of a tensor go back (in a batch) once every local worker has its
-        piece."""
-        with self._lock:
-            self._done[piece.name] = count = self._done.get(piece.name, 0) + 1
-        if count == self.num_local:  # the whole tensor: each worker touched its own part of it
-            self.releases.add(*self.ckpt.locate(piece.name))
+    def start(self, plans: dict[int, ReadPlan]) -> None:
+        """The read plans of the workers in this process, before they run."""
+        self.plans.update(plans)
+        self._at.update((rank, -1) for rank in plans)
+
+    def finished(self, rank: int, pieces: list[PieceRead]) -> None:
+        """Worker ``rank`` has its pieces up to ``pieces[-1]``. Workers take their pieces in
+        storage order, so every tensor before the one the slowest worker is on is done with:
+        its mapped pages go back (in a batch). No lock in the common case: many workers
+        finishing small pieces made one lock the load's bottleneck."""
+        last = self._order.get(pieces[-1].name) if pieces else None
+        if last is None or rank not in self._at:
+            return
+        self._at[rank] = last          # one store: atomic under the GIL
+        low = min(self._at.values())
+        if low <= self._released:
+            return
+        with self._lock:  # whichever worker gets here first releases the span
+            begin, self._released = self._released + 1, max(low, self._released)
+        run: Optional[list] = None  # tensors lie in storage order: one span per file
+        for _, index, first, end in self._spans[begin:low + 1]:
+            if run is not None and run[0] == index and first >= run[2]:
+                run[2] = end
+                continue
+            if run is not None:
+                self.releases.add(*run)
+            run = [index, first, end]
+        if run is not None:
+            self.releases.add(*run)
 
 
 #: the loads under way in this process, by token. Module-global because the worker's side has
