@@ -41,6 +41,7 @@ from shardload.cli import EXIT_BROKEN_PIPE, cli
 from shardload.sessions import protocol
 from shardload.plan import MAX_NUM_SHARDS
 from shardload.sessions.base import resolve_devices
+from shardload.sessions.watchdog import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
 from shardload.sessions.threaded import abandoned_threads
 from test_sessions_process import _describe, _kill, _wait_gone
 
@@ -266,6 +267,67 @@ def test_torch_rank_watchdog_ends_the_rank_with_one_line():
     assert "NOT REACHED" not in proc.stdout
     assert ("rank 0 failed while loading <memory>: TimeoutError: no progress for 0.5 s on "
             "parameter 'p1'") in proc.stderr
+
+
+# ---- 2b. the default watchdog: no --timeout, no timeout= -------------------------------------
+
+def test_sessions_have_the_default_watchdog_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    with ThreadedSession(2) as sess:
+        assert sess.timeout == DEFAULT_TIMEOUT_S == 600.0
+    with ThreadedSession(2, timeout=None) as sess:  # turned off
+        assert sess.timeout is None
+    monkeypatch.setenv(TIMEOUT_ENV, "2.5")
+    with ThreadedSession(2) as sess:
+        assert sess.timeout == 2.5
+    with ThreadedSession(2, timeout=7) as sess:     # given: the environment does not matter
+        assert sess.timeout == 7.0
+    for off in ("0", "off"):
+        monkeypatch.setenv(TIMEOUT_ENV, off)
+        with ThreadedSession(2) as sess:
+            assert sess.timeout is None
+    monkeypatch.setenv(TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="SHARDLOAD_TIMEOUT='soon' is not a number of seconds"):
+        ThreadedSession(2)
+
+
+def test_a_bad_default_watchdog_is_bad_usage(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "shardload", "load", "--shards", "2",
+                           "--quiet", str(EXAMPLE)], cwd=REPO, text=True, capture_output=True,
+                          env=_env(**{TIMEOUT_ENV: "-3"}), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert _lines(proc.stderr) == ["Error: SHARDLOAD_TIMEOUT='-3' is not a number of seconds: "
+                                   "set a positive number, or 0 (or off) for no watchdog"]
+
+
+def test_a_hung_thread_without_timeout_meets_the_default_watchdog(release, monkeypatch):
+    # without a default watchdog this load never ends (the function waits for ever)
+    monkeypatch.setenv(TIMEOUT_ENV, "0.5")
+    sess = ThreadedSession(2)
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        load_sharded(_params(), _hang_plan(), sess, progress=False)
+    assert "no progress for 0.5 s on parameter 'p1'" in str(info.value)
+    assert time.monotonic() - start < 10  # a hang check, with a wide margin
+    assert sess.closed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LINUX, reason="SIGSTOP, and worker processes through /proc")
+def test_cli_stopped_worker_without_timeout_is_one_line_within_the_default(tmp_path):
+    # The case: a worker process stopped (SIGSTOP) and no --timeout. The default is
+    # shortened through its documented variable; without a default watchdog the load hangs
+    # until the subprocess timeout fails the test.
+    ckpt, plan = _checkpoint(tmp_path, _hang_plan("tests.faults.stop_on_1"))
+    proc = subprocess.run([sys.executable, "-m", "shardload", "load", "--shards", "2",
+                           "--session", "process", "--plugin", PLUGIN, "--shard-info", str(plan),
+                           str(ckpt)], cwd=REPO, text=True, capture_output=True,
+                          env=_env(**{TIMEOUT_ENV: "1"}), timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    lines = _lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert "worker 1" in lines[0] and "TimeoutError: no progress for 1 s on parameter 'p1'" \
+        in lines[0], lines[0]
 
 
 # ---- 3. Ctrl-C on a thread session ----------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Sequence, Union
@@ -18,6 +17,8 @@ import torch
 
 from ..errors import DEVICE_CPU, SessionClosedError, ShardloadError, mention, quote
 from ..limits import num_shards_problem
+from .watchdog import (DEFAULT, DEFAULT_TIMEOUT_S, TIMEOUT_ENV, check_timeout,  # noqa: F401
+                       default_timeout, session_timeout)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .groups import Group
@@ -67,21 +68,6 @@ def _device(spec: Union[str, torch.device]) -> torch.device:
     except (RuntimeError, TypeError):   # torch's message lists every device type it knows
         raise ValueError(f"{quote(spec)} is not a device: use 'cpu', 'cuda' or 'cuda:N'") \
             from None
-
-
-def check_timeout(timeout: Optional[float]) -> Optional[float]:
-    """``timeout`` as a float of seconds, or ``None`` (no watchdog); ``ValueError`` otherwise.
-
-    >>> check_timeout(2)
-    2.0
-    """
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None, got "
-                         f"{timeout!r}")
-    return float(timeout)
 
 
 class Heartbeats:
@@ -183,7 +169,6 @@ class WorkerContext:
 #: that run here)
 WorkerArgs = Union[Sequence[Sequence[Any]], Callable[[int], Sequence[Any]]]
 ProgressCallback = Callable[[int], None]
-DEFAULT: Any = object()
 
 
 def args_for(args: WorkerArgs, workers: Sequence[int]) -> dict[int, list]:

@@ -20,6 +20,7 @@ from typing import Any, TYPE_CHECKING, Callable, Iterable, Optional
 
 from ..errors import SessionError, Setting
 from ..table import Table
+from .watchdog import DEFAULT
 
 if TYPE_CHECKING:  # pragma: no cover
     from .base import Session
@@ -69,10 +70,11 @@ def session_kinds() -> list[SessionKind]:
 
 
 def open_session(kind: str, num_workers: int, *, device=None, plugins: Iterable[str] = (),
-                 timeout: Optional[float] = None, **options: Any) -> "Session":
+                 timeout: Optional[float] = DEFAULT, **options: Any) -> "Session":
     """A session of ``kind`` with ``num_workers`` workers; ``SessionError`` when it cannot be
     made as asked. ``device``: ``"cpu"``, ``"cuda"``, or one per worker (a list, or a
-    comma-separated string); the kind's own default when None. ``options``: what a kind takes
+    comma-separated string); the kind's own default when None. ``timeout``: the watchdog (left
+    out: the default, ``DEFAULT_TIMEOUT_S``; None: none). ``options``: what a kind takes
     beside (``torch``: ``group``, a process group of a running job, such as an engine's
     tensor-parallel group)."""
     if isinstance(device, str) and "," in device:

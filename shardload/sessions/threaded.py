@@ -26,7 +26,8 @@ import torch
 
 from ..errors import ShardloadError, WorkerError, WorkerFailure, describe
 from .base import (DEFAULT, DeviceSpec, Heartbeats, ProgressCallback, Session, Stopped,
-                   WorkerArgs, WorkerContext, args_for, check_timeout, resolve_devices)
+                   WorkerArgs, WorkerContext, args_for, check_timeout, resolve_devices,
+                   session_timeout)
 from .functions import get_session_func
 from .groups import ThreadGroup
 from .protocol import to_jsonable
@@ -79,7 +80,8 @@ class ThreadedSession(Session):
     Torch and numpy copies release the GIL, so workers read and copy in parallel.
     ``timeout``: seconds a worker may go without progress (a parameter loaded, a call
     answered) before the session gives up on it: ``WorkerError`` naming the worker and its
-    parameter, the other workers stopped, the session closed. A stuck thread cannot be killed;
+    parameter, the other workers stopped, the session closed. Left out, the default watchdog
+    (``DEFAULT_TIMEOUT_S``, 10 minutes, or ``$SHARDLOAD_TIMEOUT``); ``None``, no watchdog. A stuck thread cannot be killed;
     it is abandoned (a daemon thread: the interpreter can still exit).
 
     Threads share this process: a shard function that calls ``os._exit`` or crashes the
@@ -98,10 +100,10 @@ class ThreadedSession(Session):
     """
 
     def __init__(self, num_workers: int, device: DeviceSpec = "cpu", *,
-                 timeout: Optional[float] = None):
+                 timeout: Optional[float] = _DEFAULT):
         self.devices = resolve_devices(device, num_workers)
         self.num_workers = num_workers
-        self.timeout = check_timeout(timeout)
+        self.timeout = session_timeout(timeout)
         self._group = ThreadGroup(num_workers)
         self._contexts = [WorkerContext(i, num_workers, d, group=self._group.member(i))
                           for i, d in enumerate(self.devices)]

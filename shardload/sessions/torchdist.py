@@ -23,7 +23,7 @@ import torch
 from .. import strict_json
 from ..errors import ShardloadError, WorkerError, WorkerFailure, describe
 from .base import (DEFAULT, Heartbeats, ProgressCallback, Session, WorkerArgs, WorkerContext,
-                   args_for, check_timeout)
+                   args_for, check_timeout, session_timeout)
 from .functions import get_session_func
 from .groups import DistGroup
 
@@ -65,7 +65,8 @@ class TorchDistributedSession(Session):
     whole job (an engine's tensor-parallel group: ``shardload.vllm`` passes vLLM's); each member
     is the worker of its rank within the group, and the session never destroys it.
 
-    ``timeout`` is the watchdog (default: none): a rank without progress for that many seconds
+    ``timeout`` is the watchdog (left out: ``DEFAULT_TIMEOUT_S`` or ``$SHARDLOAD_TIMEOUT``;
+    None: none): a rank without progress for that many seconds
     in a ``run`` (a load) prints one line naming it and what it is on, and ends with exit 1
     (a rank's own thread runs the work, so a stuck one cannot be interrupted);
     torchrun then stops the other ranks. ``timeout_s`` is the process group's timeout.
@@ -77,11 +78,11 @@ class TorchDistributedSession(Session):
 
     def __init__(self, device: Union[str, torch.device, None] = None, *,
                  backend: Optional[str] = None, timeout_s: float = 600.0,
-                 timeout: Optional[float] = None, group=None):
+                 timeout: Optional[float] = DEFAULT, group=None):
         import torch.distributed as dist
 
         self._dist = dist
-        self.timeout = check_timeout(timeout)
+        self.timeout = session_timeout(timeout)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if device is None:
             device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,63 @@
+"""The watchdog's settings: how long a worker may go without progress before its session gives
+up on it, by default and as given. Torch-free, so that the CLI's help can name them without
+importing torch."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional
+
+__all__ = ["DEFAULT", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "default_timeout", "session_timeout",
+           "check_timeout"]
+
+#: an argument left out (``timeout=DEFAULT``: the default watchdog, or the session's)
+DEFAULT: Any = object()
+
+#: The default watchdog: seconds a worker may go without progress before the session gives
+#: up on it. Progress is a piece done, 64 MiB of a long copy, a call answered, or a turn
+#: waited for, so the slowest legitimate silence is one shard function's run on one tensor
+#: (a custom chain over a multi-GB tensor on a slow CPU: minutes); ten minutes is NCCL's own
+#: default. ``SHARDLOAD_TIMEOUT`` (seconds; ``0`` or ``off``: none) changes it for a process.
+DEFAULT_TIMEOUT_S = 600.0
+TIMEOUT_ENV = "SHARDLOAD_TIMEOUT"
+
+
+def default_timeout() -> Optional[float]:
+    """The watchdog a session gets when it is given none: ``$SHARDLOAD_TIMEOUT`` if set (``0``
+    or ``off``: no watchdog), else ``DEFAULT_TIMEOUT_S``.
+
+    >>> default_timeout()                                    # doctest: +SKIP
+    600.0
+    """
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    if text.lower() in ("0", "off", "none"):
+        return None
+    try:
+        return check_timeout(float(text))
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds: set a positive "
+                         "number, or 0 (or off) for no watchdog") from None
+
+
+def session_timeout(timeout: Any) -> Optional[float]:
+    """A session's watchdog from its ``timeout`` argument: left out (``DEFAULT``), the default
+    watchdog (``default_timeout``); ``None``, none; else positive seconds."""
+    return default_timeout() if timeout is DEFAULT else check_timeout(timeout)
+
+
+def check_timeout(timeout: Optional[float]) -> Optional[float]:
+    """``timeout`` as a float of seconds, or ``None`` (no watchdog); ``ValueError`` otherwise.
+
+    >>> check_timeout(2)
+    2.0
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got "
+                         f"{timeout!r}")
+    return float(timeout)
