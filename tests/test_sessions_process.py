@@ -7,9 +7,11 @@ fields; and, above all, no worker process outlives its session, however the sess
 Ctrl-C in the CLI).
 
 Shard and session functions the workers run live in ``helpers/process_plugins.py`` (workers can
-only run functions they can import). Starting a session costs about two seconds (each worker
-imports torch), so the tests that leave the session usable share one module-scoped session, and
-the ones that end a session start their own. Every process a test starts is killed by pid in a
+only run functions they can import). Workers are forked from this process's fork server (the
+default; ``test_sessions_forkserver.py`` checks what is particular to it): the first session
+waits for the server to import torch (about two seconds), later ones start in tens of
+milliseconds. The tests that leave the session usable share one module-scoped session, and the
+ones that end a session start their own. Every process a test starts is killed by pid in a
 ``finally`` if it is still there.
 
 The process checks read ``/proc``, so the module runs on Linux only.
@@ -41,6 +43,7 @@ from shardload.errors import (PlanError, SessionClosedError, ShardloadError,
                               UnknownSessionFunctionError, WorkerCrashedError, WorkerError)
 from shardload.registry import register_shard_func
 from shardload.sessions import ProcessSession
+from shardload.sessions import forkserver
 from shardload.sessions import process as process_module
 from shardload.sessions.functions import unregister_session_func
 
@@ -50,6 +53,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "tiny_llama_q4"
 WORKER_MODULE = "shardload.sessions.worker"
+SERVER_MODULE = "shardload.sessions.forkserver"
 
 
 # ---- processes -----------------------------------------------------------------------------------
@@ -71,19 +75,39 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+def _is_server(pid: int) -> bool:
+    return SERVER_MODULE in _cmdline(pid)
+
+
 def _is_worker(pid: int) -> bool:
-    return WORKER_MODULE in _cmdline(pid)
+    """A worker started as a fresh interpreter, or forked by a fork server (whose command line
+    it shares: it is told from the server by its parent, the server)."""
+    if WORKER_MODULE in _cmdline(pid):
+        return True
+    stat = _stat(pid)
+    return stat is not None and _is_server(pid) and _is_server(stat[1])
 
 
-def _worker_children(parent: int) -> list[int]:
-    """The ProcessSession workers whose parent is ``parent``."""
+def _children(parent: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             stat = _stat(int(entry.name))
-            if stat is not None and stat[1] == parent and _is_worker(int(entry.name)):
+            if stat is not None and stat[1] == parent:
                 found.append(int(entry.name))
     return sorted(found)
+
+
+def _servers(controller: int) -> list[int]:
+    """The fork servers the process ``controller`` started."""
+    return [pid for pid in _children(controller) if _is_server(pid)]
+
+
+def _worker_children(controller: int) -> list[int]:
+    """The ProcessSession workers of the process ``controller``: its children, or its fork
+    server's."""
+    parents = [controller, *_servers(controller)]
+    return sorted(pid for parent in parents for pid in _children(parent) if _is_worker(pid))
 
 
 def _wait_gone(pids, timeout: float) -> list[int]:
@@ -219,15 +243,19 @@ def _still_works(session: ProcessSession) -> None:
 
 # ---- 1. basics -----------------------------------------------------------------------------------
 
-def test_workers_are_live_children_of_this_process(sess):
+def test_workers_are_live_processes_forked_by_this_process_s_server(sess):
     pids = sess.pids
     assert len(pids) == 2 and len(set(pids)) == 2
+    server = forkserver.server_pid()
+    assert sess.start_method == "forkserver" and server is not None
+    assert _stat(server)[1] == os.getpid() and _is_server(server)
     for pid in pids:
         stat = _stat(pid)
         assert stat is not None, f"worker {pid} does not exist"
         assert stat[0] not in "ZX", f"worker {pid} is not running: {stat}"
-        assert stat[1] == os.getpid(), f"worker {pid}'s parent is {stat[1]}"
+        assert stat[1] == server, f"worker {pid}'s parent is {stat[1]}"
         assert _is_worker(pid), _cmdline(pid)
+    assert _worker_children(os.getpid()) == sorted(pids)
     envs = sess.call("tests.process.env")
     assert envs == [{"pid": pids[0], "rank": "0", "world_size": "2"},
                     {"pid": pids[1], "rank": "1", "world_size": "2"}]
@@ -588,10 +616,10 @@ def test_exception_in_with_block_stops_every_worker():
 # ---- 6. and 7. the controller process ends -------------------------------------------------------
 
 OPEN_AND_EXIT = """
-from shardload.sessions import ProcessSession
+from shardload.sessions import ProcessSession, forkserver
 
 session = ProcessSession(2)
-print(*session.pids, flush=True)
+print(forkserver.server_pid(), *session.pids, flush=True)
 # no close(): the interpreter exits with the session open
 """
 
@@ -607,9 +635,10 @@ def test_interpreter_exit_with_open_session_stops_workers(tmp_path):
         pids = [int(p) for p in stdout.split()]
         assert proc.returncode == 0, stderr
         assert stderr == ""
-        assert len(pids) == 2
+        assert len(pids) == 3  # the fork server and two workers
         left = _wait_gone(pids, 5)
-        assert not left, f"workers outlived the interpreter: {_describe(left)}"
+        assert not left, f"workers or their fork server outlived the interpreter: " \
+                         f"{_describe(left)}"
     finally:
         _kill_popen(proc)
         _kill(pids)
@@ -634,10 +663,10 @@ while True:
 
 OPEN_AND_SLEEP = """
 import os, time
-from shardload.sessions import ProcessSession
+from shardload.sessions import ProcessSession, forkserver
 
 session = ProcessSession(2)
-print(os.getpid(), *session.pids, flush=True)
+print(os.getpid(), forkserver.server_pid(), *session.pids, flush=True)
 time.sleep(120)
 """
 
@@ -651,14 +680,16 @@ def test_workers_exit_when_controller_is_killed(tmp_path):
     try:
         line = _read_line(wrapper, 60)
         pids = [int(p) for p in line.split()]
-        assert len(pids) == 3, (line, wrapper.poll())
-        controller, workers = pids[0], pids[1:]
+        assert len(pids) == 4, (line, wrapper.poll())
+        controller, server, workers = pids[0], pids[1], pids[2:]
+        assert _stat(server)[1] == controller
         for pid in workers:
-            assert _stat(pid)[1] == controller
+            assert _stat(pid)[1] == server
         os.kill(controller, signal.SIGKILL)
         killed = time.monotonic()
-        left = _wait_gone(workers, 5)
-        assert not left, f"workers outlived their controller: {_describe(left)}"
+        left = _wait_gone([server, *workers], 5)
+        assert not left, f"the fork server or workers outlived their controller: " \
+                         f"{_describe(left)}"
         assert time.monotonic() - killed < 5
         wrapper.wait(timeout=5)
         assert wrapper.returncode == 0
@@ -695,6 +726,9 @@ def test_ctrl_c_in_cli_exits_130_and_stops_workers(tmp_path):
             time.sleep(0.02)
             workers = _worker_children(proc.pid)
         assert len(workers) == 2, _describe(workers)
+        servers = _servers(proc.pid)
+        assert len(servers) == 1, _describe(servers)
+        workers += servers  # gone too, and killed by the finally if not
         time.sleep(0.3)
         assert proc.poll() is None, "the load finished before it could be interrupted"
         sent = time.monotonic()

@@ -1,16 +1,23 @@
 """Workers as separate processes: the TVM Disco model.
 
-The controller starts N workers from ``sys.executable`` (``python -m shardload.sessions.worker``),
-each with one end of a socket pair, and drives them with JSON messages (tensors travel as raw
-bytes; see ``protocol.py``). Shards stay in the workers: the controller holds handles and
-fetches copies on request.
+The controller starts N workers, each with one end of a socket pair, and drives them with JSON
+messages (tensors travel as raw bytes; see ``protocol.py``). Shards stay in the workers: the
+controller holds handles and fetches copies on request.
+
+How workers start (``start_method``, or the environment variable ``SHARDLOAD_WORKER_START``):
+``"forkserver"`` (the default on Linux) forks each from this process's fork server, an
+interpreter that has imported torch and shardload once (``forkserver.py``): N workers start in
+about the time of one, and a second session in the same process in milliseconds.
+``"spawn"`` starts each as a fresh interpreter, ``python -m shardload.sessions.worker``, which
+imports torch itself: seconds per worker, N of them contending for the cores (the default where
+there is no fork, and a way out should a library misbehave in a forked worker).
 
 Lifecycle of a ``ProcessSession``:
 
-1. **Start**: spawn N workers; send each ``init`` (rank, device, the controller's ``sys.path``,
-   plugins, and the address of a ``TCPStore`` the controller hosts, the rendezvous of a
-   torch.distributed group the workers join: gloo on CPU, NCCL on CUDA); wait for every
-   ``ready``. A worker that dies while starting stops the others.
+1. **Start**: start N workers (above); send each ``init`` (rank, device, the controller's
+   ``sys.path``, plugins, and the address of a ``TCPStore`` the controller hosts, the
+   rendezvous of a torch.distributed group the workers join: gloo on CPU, NCCL on CUDA); wait
+   for every ``ready``. A worker that dies while starting stops the others.
 2. **Work**: ``run`` (a session function on each worker with its own args; ``load_sharded``
    is one), ``call``, ``set_value``, ``get_value``. A session function a worker lacks is
    registered there by importing the module the controller registered it from. Every request
@@ -23,11 +30,13 @@ Lifecycle of a ``ProcessSession``:
 3. **Close** (``close()``, leaving ``with``, Ctrl-C, a crash or a timeout, interpreter exit via
    ``weakref.finalize``): ask each worker to exit, then SIGTERM (and SIGCONT, so a stopped
    worker acts on it), then SIGKILL. Workers ignore SIGINT (the controller decides) and exit on
-   their own within a second of the controller dying.
+   their own within a second of the controller dying (a forked worker's fork server kills them
+   at once, and exits).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -42,9 +51,9 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from ..errors import ShardloadError, WorkerCrashedError, WorkerError, WorkerFailure
-from . import protocol
+from . import forkserver, protocol
 from .base import (DEFAULT, DeviceSpec, Heartbeats, ProgressCallback, Session, WorkerArgs,
-                   args_for, check_timeout, resolve_devices)
+                   args_for, check_timeout, resolve_devices, session_timeout)
 from ..modules import import_modules, importable_module
 from .functions import get_session_func
 
@@ -54,6 +63,27 @@ GRACE_S = 3.0
 POLL_S = 0.1
 
 _DEFAULT: Any = DEFAULT
+#: how workers start: ``ProcessSession(start_method=...)``, else this environment variable
+START_ENV = "SHARDLOAD_WORKER_START"
+START_METHODS = ("forkserver", "spawn")
+
+
+def default_start_method() -> str:
+    """``$SHARDLOAD_WORKER_START`` if set, else ``"forkserver"`` on Linux, else ``"spawn"``."""
+    chosen = os.environ.get(START_ENV, "")
+    if chosen:
+        return _check_start_method(chosen, START_ENV)
+    return "forkserver" if sys.platform.startswith("linux") else "spawn"
+
+
+def _check_start_method(method: Any, where: str = "start_method") -> str:
+    if method not in START_METHODS:
+        raise ValueError(f"{where}={method!r}: the ways to start workers are "
+                         f"{', '.join(map(repr, START_METHODS))}")
+    if method == "forkserver" and not sys.platform.startswith("linux"):
+        raise ValueError(f"{where}='forkserver' is for Linux (fork, file descriptors passed "
+                         "over unix sockets, /proc); use 'spawn'")
+    return method
 
 
 def _signal_name(returncode: Optional[int]) -> Optional[str]:
@@ -65,7 +95,7 @@ def _signal_name(returncode: Optional[int]) -> Optional[str]:
         return f"signal {-returncode}"
 
 
-def _stop(procs: Sequence[subprocess.Popen], conns: Sequence[Connection],
+def _stop(procs: Sequence[Any], conns: Sequence[Connection],
           grace: Sequence[float] = (GRACE_S,)) -> None:
     """Ask, then terminate, then kill. Safe to call twice, and at interpreter exit.
 
@@ -95,6 +125,24 @@ def _stop(procs: Sequence[subprocess.Popen], conns: Sequence[Connection],
             conn.close()
 
 
+#: open sessions, for the exit hook below
+_LIVE: "weakref.WeakSet[ProcessSession]" = weakref.WeakSet()
+_PID = os.getpid()
+
+
+@atexit.register
+def _at_exit() -> None:
+    # Whatever order atexit runs hooks in: the sessions' workers first (asked to exit, as
+    # close() does), then the fork server, which this process then reaps (an orphaned server
+    # would wait on an init that may never reap it). Not in a fork of this process: the
+    # sessions and the server are its parent's.
+    if os.getpid() != _PID:
+        return
+    for session in list(_LIVE):
+        session._finalizer()
+    forkserver.shutdown()
+
+
 class ProcessSession(Session):
     """N worker processes, worker i on ``devices[i]``, controlled over pipes.
 
@@ -104,7 +152,10 @@ class ProcessSession(Session):
     ``timeout``: seconds a worker may go without progress (a parameter loaded, a request
     answered) before the session gives up on it: ``WorkerError`` naming it and its parameter,
     and the session closed (its workers asked to exit, then terminated, then killed).
-    ``start_timeout`` bounds starting the workers.
+    ``start_timeout`` bounds starting the workers. ``start_method``: ``"forkserver"`` (fork
+    each worker from an interpreter that has imported torch once: the default on Linux) or
+    ``"spawn"`` (a fresh interpreter per worker); default ``$SHARDLOAD_WORKER_START``, see the
+    module's docstring.
 
     >>> with ProcessSession(num_workers=2) as sess:                             # doctest: +SKIP
     ...     sharded = load_sharded("ckpt/", "ckpt/shard_info.json", sess)
@@ -113,11 +164,15 @@ class ProcessSession(Session):
 
     def __init__(self, num_workers: int, device: DeviceSpec = "cpu",
                  plugins: Iterable[str] = (), *, distributed: bool = True,
-                 start_timeout: float = 300.0, timeout: Optional[float] = None):
+                 start_timeout: float = 300.0, timeout: Optional[float] = _DEFAULT,
+                 start_method: Optional[str] = None):
         self.devices = resolve_devices(device, num_workers)
         self.num_workers = num_workers
-        self.timeout = check_timeout(timeout)
-        self._procs: list[subprocess.Popen] = []
+        self.start_method = (default_start_method() if start_method is None
+                             else _check_start_method(start_method))
+        self.timeout = session_timeout(timeout)
+        # subprocess.Popen (spawn) or forkserver.ForkedProcess: the same few methods
+        self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self._closed = False
         self._store = None
@@ -125,6 +180,7 @@ class ProcessSession(Session):
         self._known: set[str] = set()  # session functions the workers are known to have
         # The backstop: runs at garbage collection or interpreter exit if close() never did.
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._grace)
+        _LIVE.add(self)
         try:
             self._start(list(plugins), distributed, start_timeout)
         except BaseException:
@@ -134,6 +190,8 @@ class ProcessSession(Session):
     # ---- 1. start --------------------------------------------------------------------------------
 
     def _start(self, plugins: list[str], distributed: bool, timeout: float) -> None:
+        # started first: it imports torch while this process does the rest
+        server = forkserver.get_server() if self.start_method == "forkserver" else None
         import_modules(plugins)  # fail here, clearly, rather than in N workers
         dist = None
         if distributed:
@@ -147,14 +205,23 @@ class ProcessSession(Session):
         # spinning teams starve one another (the profile showed ~45% of worker time in libgomp
         # busy-waits at N=4 on 2 cores). A value the user set is left alone.
         threads = str(max(1, (os.cpu_count() or 1) // self.num_workers))
+        deadline = time.monotonic() + timeout
         for i in range(self.num_workers):
             parent, child = socket.socketpair()
             env = {"OMP_NUM_THREADS": threads, **os.environ, "SHARDLOAD_RANK": str(i),
                    "SHARDLOAD_WORLD_SIZE": str(self.num_workers)}
             try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "shardload.sessions.worker", str(child.fileno())],
-                    pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                if server is not None:
+                    proc = server.fork(child.fileno(), env, f"shardload-w{i}",
+                                       max(1.0, deadline - time.monotonic()))
+                else:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "shardload.sessions.worker",
+                         str(child.fileno())],
+                        pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
+            except BaseException:
+                parent.close()
+                raise
             finally:
                 child.close()
             self._procs.append(proc)
@@ -241,6 +308,8 @@ class ProcessSession(Session):
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
         code = proc.poll()
+        if not getattr(proc, "status_known", True):  # its fork server died before saying
+            code = None
         raise WorkerCrashedError(i, exitcode=code, signal_name=_signal_name(code),
                                  context=context)
 
@@ -255,10 +324,15 @@ class ProcessSession(Session):
                 protocol.send(self._conns[i], message(i) if callable(message) else message,
                               tensor)
         except OSError:
-            for i in workers:
-                if self._procs[i].poll() is not None:
-                    self._crashed(i, context)
-            raise
+            # a worker that died before it was asked: as in _gather, the session is closed
+            self._grace[0] = 0.2
+            try:
+                for i in workers:
+                    if self._procs[i].poll() is not None:
+                        self._crashed(i, context)
+                raise
+            finally:
+                self.close()
         return self._gather(workers, context, **kwargs)
 
     def _ensure_function(self, name: str, func: Any) -> None:

@@ -1,8 +1,10 @@
-"""A ProcessSession worker: ``python -m shardload.sessions.worker FD``.
+"""A ProcessSession worker: forked by the fork server (``forkserver.py``, the default), or a
+fresh interpreter, ``python -m shardload.sessions.worker FD``.
 
 It serves requests from its controller over the connection on file descriptor FD, one at a
 time, until ``shutdown`` or until the controller goes away: the connection closing, or this
-process being re-parented (the controller killed), ends it within a second.
+process being re-parented (its parent, the controller or the fork server, gone), ends it within
+a second.
 """
 
 from __future__ import annotations
@@ -255,11 +257,18 @@ def _as_reply(value: Any) -> tuple[dict, Optional[Any]]:
     return {"value": protocol.to_jsonable(value)}, None
 
 
+def serve_fd(fd: int) -> None:
+    """Serve the controller on the connection at ``fd`` until it is done with this worker:
+    a fresh interpreter's ``main``, and a worker forked by the fork server (``forkserver.py``),
+    whose parent is the server."""
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    Worker(Connection(fd)).serve()
+
+
 def main(argv: list[str]) -> None:
     if len(argv) != 2:
         sys.exit("usage: python -m shardload.sessions.worker FD  (started by ProcessSession)")
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    Worker(Connection(int(argv[1]))).serve()
+    serve_fd(int(argv[1]))
 
 
 if __name__ == "__main__":
