@@ -23,8 +23,9 @@ Lifecycle of a ``ProcessSession``:
    registered there by importing the module the controller registered it from. Every request
    is answered by every worker it went to; a failure becomes ``WorkerError`` once all answered
    (the others told to stop), a worker that dies becomes ``WorkerCrashedError`` and stops the
-   rest. With ``timeout=`` a watchdog watches each worker's progress messages (sent while a
-   function runs and reports ``ctx.progress``: bytes done and what it is on); a worker silent
+   rest. A watchdog (``timeout=``, by default ``DEFAULT_TIMEOUT_S``) watches each worker's
+   progress messages (sent while a function runs and reports ``ctx.progress``: bytes done and
+   what it is on); a worker silent
    for that long, hung or stopped (SIGSTOP), becomes ``WorkerError`` naming it and what it was
    on, and the session is closed.
 3. **Close** (``close()``, leaving ``with``, Ctrl-C, a crash or a timeout, interpreter exit via
@@ -151,8 +152,9 @@ class ProcessSession(Session):
     (gloo on CPU, NCCL on CUDA) that session functions can use for collectives.
     ``timeout``: seconds a worker may go without progress (a parameter loaded, a request
     answered) before the session gives up on it: ``WorkerError`` naming it and its parameter,
-    and the session closed (its workers asked to exit, then terminated, then killed).
-    ``start_timeout`` bounds starting the workers. ``start_method``: ``"forkserver"`` (fork
+    and the session closed (its workers asked to exit, then terminated, then killed). Left
+    out, the default watchdog (``DEFAULT_TIMEOUT_S``, 10 minutes, or ``$SHARDLOAD_TIMEOUT``);
+    ``None``, no watchdog. ``start_timeout`` bounds starting the workers. ``start_method``: ``"forkserver"`` (fork
     each worker from an interpreter that has imported torch once: the default on Linux) or
     ``"spawn"`` (a fresh interpreter per worker); default ``$SHARDLOAD_WORKER_START``, see the
     module's docstring.
