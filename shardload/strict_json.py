@@ -33,11 +33,11 @@ import json
 import math
 import re
 import threading
-from typing import Any, Iterator, Union
+from typing import Any, Callable, Iterator, Union
 
 from .errors import quote
 
-__all__ = ["loads", "gc_paused", "is_text"]
+__all__ = ["loads", "loads_object", "NotAnObjectError", "gc_paused", "is_text"]
 
 _BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
          (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
@@ -144,6 +144,19 @@ def _lone_surrogate(data: Any) -> "str | None":
     return None
 
 
+def _text(text: Union[str, bytes, bytearray, memoryview]) -> str:
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        return _decode(bytes(text))
+    if text.startswith("\ufeff"):
+        raise ValueError("the text starts with a byte order mark, which JSON forbids (re-save "
+                         "it as UTF-8 without a BOM)")
+    return text
+
+
+def _has_surrogate_escape(text: str) -> bool:
+    return "\\u" in text and _SURROGATE_ESCAPE.search(text) is not None
+
+
 def loads(text: Union[str, bytes, bytearray, memoryview], *,
           allow_lone_surrogates: bool = False) -> Any:
     """Parse ``text``; ``ValueError`` for text that is not UTF-8, invalid, duplicate-keyed,
@@ -151,20 +164,129 @@ def loads(text: Union[str, bytes, bytearray, memoryview], *,
 
     ``allow_lone_surrogates=True`` keeps strings such as ``"\\ud800"`` (for a transport
     between trusted processes that must carry any Python string ``json.dumps`` wrote)."""
-    if isinstance(text, (bytes, bytearray, memoryview)):
-        text = _decode(bytes(text))
-    elif text.startswith("\ufeff"):
-        raise ValueError("the text starts with a byte order mark, which JSON forbids (re-save "
-                         "it as UTF-8 without a BOM)")
+    text = _text(text)
     try:
         with gc_paused():
             data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
                               parse_float=_finite_float)
     except RecursionError:
         raise ValueError("nested too deeply") from None
-    if not allow_lone_surrogates and "\\u" in text and _SURROGATE_ESCAPE.search(text):
+    if not allow_lone_surrogates and _has_surrogate_escape(text):
         bad = _lone_surrogate(data)
         if bad is not None:
-            raise ValueError(f"the string {quote(bad)} holds a lone UTF-16 surrogate (a \\ud800-"
-                             "\\udfff escape without its pair): it is not valid Unicode text")
+            raise _surrogate_error(bad)
     return data
+
+
+def _surrogate_error(bad: str) -> ValueError:
+    return ValueError(f"the string {quote(bad)} holds a lone UTF-16 surrogate (a \\ud800-"
+                      "\\udfff escape without its pair): it is not valid Unicode text")
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_no_constant,
+                            parse_float=_finite_float)
+_SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace, and only it
+# from the end of a member's value to just inside the next key's opening quote
+_NEXT_KEY = re.compile(r'[ \t\n\r]*,[ \t\n\r]*"')
+_COLON = re.compile(r"[ \t\n\r]*:[ \t\n\r]*")
+_SCAN = _DECODER.scan_once
+_scanstring = json.decoder.scanstring
+#: a document that is not an object is parsed whole only up to this size, to say what is wrong
+#: with it (it may not be JSON at all); a larger one is named by its first character
+_NOT_OBJECT_PARSED_CHARS = 1 << 20
+_FIRST_CHAR_TYPES = {"[": "list", '"': "str", "t": "bool", "f": "bool", "n": "NoneType",
+                     "-": "number", **{d: "number" for d in "0123456789"}}
+
+
+class NotAnObjectError(TypeError):
+    """``loads_object`` was given valid JSON that is not an object; ``type_name`` says what
+    it is (``"list"``)."""
+
+    def __init__(self, type_name: str):
+        super().__init__(f"must be a JSON object, got {type_name}")
+        self.type_name = type_name
+
+
+def loads_object(text: Union[str, bytes, bytearray, memoryview],
+                 convert: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """A JSON object parsed one member at a time, each as strictly as ``loads``: every value
+    goes to ``convert(key, value)`` as soon as it is parsed, and only what that returns is
+    kept, in a dict by key, in the text's order (a key twice is a ``ValueError``).
+
+    For a large object of small members (a safetensors header of a million tensors) the
+    parsed JSON of the whole never exists at once: memory is the text plus what ``convert``
+    keeps, where ``loads`` would build every member's dicts and lists first (about eight
+    times the text). Valid JSON that is not an object is a ``NotAnObjectError``; one over
+    1 MiB is named by its first character without being parsed (``loads`` would build it
+    whole: a list of empty lists takes 80 bytes for every 3 of text).
+
+    >>> loads_object('{"a": [1, 2], "b": [3]}', lambda key, value: sum(value))
+    {'a': 3, 'b': 3}
+    """
+    text = _text(text)
+    space = _SPACE.match
+    i = space(text).end()
+    if text[i:i + 1] != "{":
+        raise _not_object(text, i)
+    surrogates = _has_surrogate_escape(text)  # a rare escape: checked member by member only then
+    out: dict[str, Any] = {}
+    i = space(text, i + 1).end()
+    first = text[i:i + 1]
+    if first == "}":
+        return _end(text, i + 1, out)
+    if first != '"':
+        raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
+    # One regular expression before each key and one after it, and json's own C scanner for
+    # the strings and values: a million members parse in seconds.
+    next_key, colon, scan_key, scan = _NEXT_KEY.match, _COLON.match, _scanstring, _SCAN
+    k = i + 1  # just inside the key's opening quote
+    try:
+        with gc_paused():
+            while True:
+                key, i = scan_key(text, k, True)
+                c = colon(text, i)
+                if c is None:
+                    raise json.JSONDecodeError("Expecting ':' delimiter", text,
+                                               space(text, i).end())
+                try:
+                    value, i = scan(text, c.end())
+                except StopIteration as err:
+                    raise json.JSONDecodeError("Expecting value", text, err.value) from None
+                if key in out:
+                    raise ValueError(f"duplicate key {quote(key)}")
+                if surrogates:
+                    bad = _lone_surrogate([key, value])
+                    if bad is not None:
+                        raise _surrogate_error(bad)
+                out[key] = convert(key, value)
+                m = next_key(text, i)
+                if m is None:
+                    break
+                k = m.end()
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    # after the last member: the object's end, or what is wrong instead
+    i = space(text, i).end()
+    if text[i:i + 1] == "}":
+        return _end(text, i + 1, out)
+    if text[i:i + 1] == ",":
+        raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text,
+                                   space(text, i + 1).end())
+    raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
+
+
+def _end(text: str, i: int, out: dict[str, Any]) -> dict[str, Any]:
+    i = _SPACE.match(text, i).end()
+    if i != len(text):
+        raise json.JSONDecodeError("Extra data", text, i)
+    return out
+
+
+def _not_object(text: str, i: int) -> NotAnObjectError:
+    """The error for a document that is not an object (``ValueError`` if it is not JSON)."""
+    if len(text) - i <= _NOT_OBJECT_PARSED_CHARS:
+        return NotAnObjectError(type(loads(text)).__name__)
+    type_name = _FIRST_CHAR_TYPES.get(text[i:i + 1])
+    if type_name is None:
+        raise json.JSONDecodeError("Expecting value", text, i)
+    return NotAnObjectError(type_name)

@@ -146,9 +146,9 @@ def _check_array_dtypes(func, in_dtype: str, out_dtype: str, where: dict) -> Non
                         "with array='torch'", **where)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ParamPlan:
-    """What the loader does with one parameter."""
+    """What the loader does with one parameter (slots: a plan may hold a million)."""
 
     meta: TensorMeta
     steps: tuple[Step, ...]

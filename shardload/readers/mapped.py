@@ -32,7 +32,9 @@ import mmap
 import operator
 import os
 import threading
-from typing import Iterable, Optional
+from array import array
+from itertools import repeat
+from typing import Iterable, Optional, Union
 
 import numpy as np
 import torch
@@ -87,11 +89,52 @@ def copy_blocks(dst: torch.Tensor, src: torch.Tensor) -> None:
             hook()
 
 
+class TensorTable:
+    """Tensors' metadata by name, in storage order, and where their bytes lie: what a reader
+    hands ``MappedCheckpoint``.
+
+    Compact, because a header may list a million tensors: per tensor one ``TensorMeta``, one
+    entry in each of two dicts, an index and 20 bytes of arrays (a ``(file, begin, end)``
+    tuple of Python ints would take 64 bytes, and each offset over 256 another 32).
+    """
+
+    __slots__ = ("meta", "pos", "file", "begin", "end")
+
+    def __init__(self) -> None:
+        self.meta: dict[str, TensorMeta] = {}
+        self.pos: dict[str, int] = {}  # name -> index into the arrays
+        self.file = array("I")
+        self.begin = array("q")  # offsets into the file's data
+        self.end = array("q")
+
+    def add(self, meta: TensorMeta, file: int, begin: int, end: int) -> None:
+        self.pos[meta.name] = len(self.begin)
+        self.meta[meta.name] = meta
+        self.file.append(file)
+        self.begin.append(begin)
+        self.end.append(end)
+
+    def extend(self, file: int, metas: dict[str, TensorMeta], begins: array,
+               ends: array) -> None:
+        """Add a file's tensors, ``metas`` in storage order with their offsets; the first
+        file's ``metas`` becomes the table's own (not copied: the caller lets go of it)."""
+        start = len(self.begin)
+        if self.meta:
+            self.meta.update(metas)
+        else:
+            self.meta = metas
+        self.pos.update(zip(metas, range(start, start + len(metas))))
+        self.file.extend(repeat(file, len(metas)))
+        self.begin.extend(begins)
+        self.end.extend(ends)
+
+
 class MappedCheckpoint(Checkpoint):
     """Tensors at known byte ranges of memory-mapped files.
 
-    ``tensors`` yields ``(meta, file_index, begin, end)`` with offsets into file
-    ``file_index``'s data, which starts at ``data_starts[file_index]`` (0 by default).
+    ``tensors`` is a ``TensorTable``, or yields ``(meta, file_index, begin, end)`` with offsets
+    into file ``file_index``'s data, which starts at ``data_starts[file_index]`` (0 by
+    default).
     ``stats`` holds each file's ``fstat`` as it was mapped; a read refuses a file that no longer
     matches it (see the module docstring). Reads are thread-safe; ``bytes_read`` counts every
     byte copied out. After ``close()`` reads raise ``ValueError``; tensors already returned stay
@@ -99,7 +142,7 @@ class MappedCheckpoint(Checkpoint):
     """
 
     def __init__(self, source: str, files: list[str], maps: list[Optional[mmap.mmap]],
-                 tensors: Iterable[tuple[TensorMeta, int, int, int]],
+                 tensors: Union[TensorTable, Iterable[tuple[TensorMeta, int, int, int]]],
                  data_starts: Optional[list[int]] = None,
                  stats: Optional[list[Optional[os.stat_result]]] = None):
         super().__init__()
@@ -120,21 +163,28 @@ class MappedCheckpoint(Checkpoint):
             else torch.empty(0, dtype=torch.uint8) for m in self._maps]
         self._data: Optional[list[torch.Tensor]] = [
             whole[start:] for whole, start in zip(self._files_data, self._data_starts)]
-        self._meta: dict[str, TensorMeta] = {}
-        self._where: dict[str, tuple[int, int, int]] = {}
-        meta_of, where_of = self._meta, self._where
-        for meta, index, begin, end in tensors:
-            meta_of[meta.name] = meta
-            where_of[meta.name] = (index, begin, end)
+        if not isinstance(tensors, TensorTable):
+            table = TensorTable()
+            for meta, index, begin, end in tensors:
+                table.add(meta, index, begin, end)
+            tensors = table
+        self._table = tensors
+        self._meta = tensors.meta
         self._lock = threading.Lock()
 
     def metadata(self) -> dict[str, TensorMeta]:
         return self._meta
 
+    def _where(self, name: str) -> tuple[int, int, int]:
+        """``(file index, begin, end)`` of a tensor known to be here."""
+        table = self._table
+        k = table.pos[name]
+        return table.file[k], table.begin[k], table.end[k]
+
     def byte_range(self, name: str) -> tuple[str, int, int]:
         """``(file, start, end)``: where the tensor's bytes lie, as offsets into the file."""
         self.meta(name)
-        i, begin, end = self._where[name]
+        i, begin, end = self._where(name)
         return self.files[i], self._data_starts[i] + begin, self._data_starts[i] + end
 
     # -- byte sources: this checkpoint's files, for read plans
@@ -145,7 +195,7 @@ class MappedCheckpoint(Checkpoint):
 
     def locate(self, name: str) -> tuple[int, int, int]:
         self.meta(name)
-        i, begin, end = self._where[name]
+        i, begin, end = self._where(name)
         return i, self._data_starts[i] + begin, self._data_starts[i] + end
 
     def source_bytes(self, index: int) -> torch.Tensor:
@@ -192,7 +242,7 @@ class MappedCheckpoint(Checkpoint):
         """The tensor's metadata and a uint8 view of exactly its bytes, after checking that its
         file is still the one that was opened (it is about to be read)."""
         meta = self.meta(name)
-        i, begin, end = self._where[name]
+        i, begin, end = self._where(name)
         with self._lock:
             if self._data is None:
                 raise ValueError(f"{self.source}: checkpoint is closed; open it again to read "

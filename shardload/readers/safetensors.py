@@ -37,8 +37,10 @@ After ``open_safetensors`` returns, a read is a bounds-checked copy and nothing 
   ``snapshots/<rev>/model-00001-of-00002.safetensors`` is a symlink to ``../../blobs/<sha256>``,
   and that loads. Every file it names exists, and it lists exactly the tensors each file holds.
 
-Opening is linear in the header's size: a 60 MB header of a million (empty) tensors opens in
-seconds, not minutes.
+Opening is linear in the header's size, in time and in memory: a 60 MB header of a million
+(empty) tensors opens in seconds, not minutes, and at its peak takes at most 6x the header's
+bytes (docs/performance.md): the header is parsed one entry at a time
+(``strict_json.loads_object``), each kept as one ``TensorMeta``, its offsets in arrays.
 
 Where we are stricter than the safetensors library (0.8), the code says so.
 
@@ -52,18 +54,21 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import numpy as np
 
 from .. import dtypes, strict_json
 from ..errors import FormatError, quote
-from ..files import MAX_SIDE_FILE_BYTES, check_member_name, open_regular, parse_json, read_json
+from ..files import MAX_SIDE_FILE_BYTES, check_member_name, open_regular, read_json
 from ..dtypes import shape_problem
 from ..limits import MAX_DIM, MAX_NDIM
 from ..strict_json import gc_paused
 from .base import MAX_INDEX_BYTES, TensorMeta
-from .mapped import MappedCheckpoint, unmap
+from .mapped import MappedCheckpoint, TensorTable, unmap
 
 __all__ = ["open_safetensors", "SafetensorsCheckpoint", "INDEX_NAME", "MAX_HEADER_SIZE",
            "MAX_INDEX_BYTES"]
@@ -77,10 +82,27 @@ _REDO = "re-download or re-save the checkpoint"
 # strict JSON
 
 
-def _load_json(data: bytes, what: str, path: Path) -> Any:
+def _load_header(raw: bytearray, path: Path,
+                 convert: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """The header, member by member through ``convert`` (``strict_json.loads_object``), so
+    that the parsed JSON of a million entries never exists at once. ``raw`` is emptied as
+    soon as it is decoded: the text is all that stays while parsing."""
     # Duplicate keys are refused (strict_json): the library refuses duplicate fields inside an
     # entry, but silently keeps the last of two top-level entries with one name.
-    return parse_json(data, what, lambda msg: FormatError(msg, file=path), f"; {_REDO}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"header is not valid UTF-8 ({exc}); JSON files must be UTF-8; "
+                          f"{_REDO}", file=path) from None
+    finally:
+        del raw[:]
+    try:
+        return strict_json.loads_object(text, convert)
+    except strict_json.NotAnObjectError as exc:
+        raise FormatError(f"header must be a JSON object, got {exc.type_name}; {_REDO}",
+                          file=path) from None
+    except ValueError as exc:  # includes json.JSONDecodeError
+        raise FormatError(f"header is not valid JSON: {exc}; {_REDO}", file=path) from None
 
 
 def _read_small_json(path: Path) -> dict[str, Any] | None:
@@ -108,7 +130,9 @@ class _Shard:
 
     path: Path
     metadata: dict[str, str]  # the header's __metadata__
-    tensors: list[tuple[TensorMeta, int, int]]  # storage order; offsets into the data buffer
+    tensors: dict[str, TensorMeta]  # storage order
+    begins: array  # each tensor's offsets into the data buffer, in the order of `tensors`
+    ends: array
     data_start: int  # 8 + N
     map: mmap.mmap
     stat: os.stat_result  # as mapped: reads check the file is still this one
@@ -169,17 +193,27 @@ def _entry_error(path: Path, name: str, entry: Any) -> FormatError:
                f"{dtype} needs {nbytes}: the header lies about the size")
 
 
-def _check_entries(path: Path, header: dict[str, Any]) -> list[tuple[TensorMeta, int, int]]:
-    """Every header entry as (meta, begin, end), in header order, or a FormatError saying what
-    is wrong with the first bad one.
+def _entry_reader(path: Path, data_len: int, begins: array,
+                  ends: array) -> Callable[[str, Any], Any]:
+    """The ``convert`` for ``strict_json.loads_object``: each header entry, as it is parsed,
+    checked and kept as a ``TensorMeta``, its offsets appended to ``begins`` and ``ends``;
+    a ``FormatError`` saying what is wrong with a bad one. ``__metadata__`` is passed through
+    for the caller to check.
 
     A few type tests and int comparisons per entry, inline: this runs once per tensor, and a
     header may hold a million of them. An entry it does not accept goes to ``_entry_error``,
     which makes the same checks one at a time to say which one failed.
     """
-    out: list[tuple[TensorMeta, int, int]] = []
-    append, keys, known, max_dim, max_ndim = out.append, _ENTRY_KEYS, _DTYPES, MAX_DIM, MAX_NDIM
-    for name, entry in header.items():
+    keys, known, max_dim, max_ndim = _ENTRY_KEYS, _DTYPES, MAX_DIM, MAX_NDIM
+    add_begin, add_end = begins.append, ends.append
+    # one tuple per distinct shape: real checkpoints repeat a few dozen shapes many times (a
+    # header of a million distinct ones empties the cache now and then rather than double it)
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+    shared = shapes.setdefault
+
+    def check(name: str, entry: Any) -> Any:
+        if name == "__metadata__":
+            return entry
         if not name.isascii() or not name:  # isascii() is O(1); only non-ASCII can be a surrogate
             err = _bad_name(path, name)
             if err:
@@ -204,49 +238,63 @@ def _check_entries(path: Path, header: dict[str, Any]) -> list[tuple[TensorMeta,
         # still hide dimensions whose product does not (one dimension alone always fits).
         if numel == 0 and len(shape) > 1 and shape_problem(shape, spec[1]):
             raise _entry_error(path, name, entry)
-        append((TensorMeta(name, tuple(shape), spec[0]), begin, end))
-    return out
-
-
-def _check_layout(path: Path, tensors: list[tuple[TensorMeta, int, int]], data_len: int) -> None:
-    """The tensors must tile the data buffer exactly, as the safetensors library requires."""
-    for meta, begin, end in tensors:  # bounds first: a cut file should be called truncated
-        if end > data_len:
+        if end > data_len:  # here, before the layout: a cut file should be called truncated
             raise FormatError(f"data_offsets [{begin}, {end}] run past the end of the "
-                              f"{data_len}-byte data buffer: the file is truncated or the header "
-                              f"is wrong; {_REDO}", file=path, tensor=meta.name)
+                              f"{data_len}-byte data buffer: the file is truncated or the "
+                              f"header is wrong; {_REDO}", file=path, tensor=name)
+        add_begin(begin)
+        add_end(end)
+        shape = tuple(shape)
+        if len(shapes) >= 4096:
+            shapes.clear()
+        return TensorMeta(name, shared(shape, shape), spec[0])
+
+    return check
+
+
+def _check_layout(path: Path, tensors: dict[str, TensorMeta], begins: array, ends: array,
+                  data_len: int) -> None:
+    """The tensors, in storage order and each inside the buffer (``_entry_reader``), must tile
+    the data buffer exactly, as the safetensors library requires."""
     expected, prev = 0, None
-    for meta, begin, end in tensors:  # sorted by (begin, end)
+    for name, begin, end in zip(tensors, begins, ends):
         if begin != expected:
             if begin < expected:
                 raise FormatError(f"data_offsets [{begin}, {end}] overlap tensor {quote(prev)} "
                                   f"(which ends at {expected}); every byte belongs to one "
                                   f"tensor. The header is corrupt; {_REDO}",
-                                  file=path, tensor=meta.name)
+                                  file=path, tensor=name)
             after = (f"after tensor {quote(prev)}" if prev is not None
                      else "at the start of the buffer")
             raise FormatError(f"data_offsets [{begin}, {end}] leave a gap of {begin - expected} "
                               f"unclaimed bytes {after}; tensors must cover the data buffer "
                               f"exactly. The header is corrupt; {_REDO}", file=path,
-                              tensor=meta.name)
+                              tensor=name)
         if end != begin:
-            expected, prev = end, meta.name
+            expected, prev = end, name
     if expected != data_len:
         raise FormatError(f"{data_len - expected} trailing bytes after the last tensor (the "
                           f"tensors end at {expected}, the data buffer at {data_len}); the file "
                           f"is corrupt or was appended to; {_REDO}", file=path)
 
 
-def _storage_order(tensors: list[tuple[TensorMeta, int, int]]) -> None:
-    """Sort by (begin, end), in place; stable, so ties keep header order. Writers list tensors
-    in storage order or close to it, so first check in one pass whether there is anything to
-    do: a sort with a key builds a tuple per entry."""
-    prev = (0, 0)
-    for _, begin, end in tensors:
-        if (begin, end) < prev:
-            tensors.sort(key=lambda t: (t[1], t[2]))
-            return
-        prev = (begin, end)
+def _storage_order(tensors: dict[str, TensorMeta], begins: array,
+                   ends: array) -> tuple[dict[str, TensorMeta], array, array]:
+    """The tensors sorted by (begin, end), ties in header order. Writers list tensors in
+    storage order or close to it, so first check in one pass whether there is anything to do;
+    a sort sorts the offsets (numpy: 8 bytes a tensor, not a tuple of Python ints each)."""
+    prev_begin = prev_end = 0
+    for begin, end in zip(begins, ends):
+        if begin < prev_begin or (begin == prev_begin and end < prev_end):
+            break
+        prev_begin, prev_end = begin, end
+    else:
+        return tensors, begins, ends
+    b, e = np.frombuffer(begins, dtype=np.int64), np.frombuffer(ends, dtype=np.int64)
+    order = np.lexsort((e, b))  # stable: the last key sorts first
+    names = list(tensors)
+    tensors = {names[k]: tensors[names[k]] for k in order.tolist()}
+    return tensors, array("q", b[order].tobytes()), array("q", e[order].tobytes())
 
 
 def _open_shard(path: Path) -> _Shard:
@@ -267,19 +315,18 @@ def _open_shard(path: Path) -> _Shard:
         if 8 + n > size:
             raise FormatError(f"header length {n} runs past the end of the {size}-byte file: the "
                               f"file is truncated; {_REDO}", file=path)
-        raw = f.read(n)
-        if len(raw) != n:
+        raw = bytearray(n)
+        if f.readinto(raw) != n:
             raise FormatError("file shrank while being opened; do not modify a checkpoint while "
                               "it is loading", file=path)
+        data_start = 8 + n
+        data_len = size - data_start
+        begins, ends = array("q"), array("q")
         # (Like the library, we accept whitespace around the JSON object.)
-        header = _load_json(raw, "header", path)
-        del raw
-        if not isinstance(header, dict):
-            raise FormatError(f"header must be a JSON object, got {type(header).__name__}; "
-                              f"{_REDO}", file=path)
+        tensors = _load_header(raw, path, _entry_reader(path, data_len, begins, ends))
 
         # The library also takes "__metadata__": null; we want an object if the key is there.
-        metadata = header.pop("__metadata__", {})
+        metadata = tensors.pop("__metadata__", {})
         if not (isinstance(metadata, dict)
                 and all(isinstance(v, str) for v in metadata.values())):
             raise FormatError(f"__metadata__ must be an object of string -> string, got "
@@ -289,11 +336,8 @@ def _open_shard(path: Path) -> _Shard:
                 if not strict_json.is_text(text):
                     raise FormatError(f"__metadata__ holds {quote(text)}, which is not valid "
                                       f"Unicode (a lone surrogate escape); {_REDO}", file=path)
-        tensors = _check_entries(path, header)
-        del header
-        _storage_order(tensors)
-        data_start = 8 + n
-        _check_layout(path, tensors, size - data_start)
+        tensors, begins, ends = _storage_order(tensors, begins, ends)
+        _check_layout(path, tensors, begins, ends, data_len)
 
         # ACCESS_COPY: a private copy-on-write mapping. torch sees a writable buffer (so no
         # "non-writable buffer" warning), and no write through a tensor can reach the file.
@@ -303,7 +347,7 @@ def _open_shard(path: Path) -> _Shard:
         mapped.close()
         raise FormatError("file changed size while being opened; do not modify a checkpoint "
                           "while it is loading", file=path)
-    return _Shard(path, metadata, tensors, data_start, mapped, st)
+    return _Shard(path, metadata, tensors, begins, ends, data_start, mapped, st)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,14 +398,14 @@ def _open_sharded(index: Path, source: str) -> "SafetensorsCheckpoint":
         for file_name in sorted(listed):  # HF numbers its shards, so name order is storage order
             shard = _open_shard(paths[file_name])
             shards.append(shard)
-            stored = {meta.name for meta, _, _ in shard.tensors}
+            stored = shard.tensors
             for tensor in listed[file_name]:
                 if tensor not in stored:
                     raise FormatError(f"{index.name} puts this tensor in {quote(file_name)}, but "
                                       f"the file does not hold it; {_REDO}",
                                       file=shard.path, tensor=tensor)
             if len(stored) != len(listed[file_name]):  # (the names listed are all stored)
-                for tensor in sorted(stored - set(listed[file_name])):
+                for tensor in sorted(set(stored) - set(listed[file_name])):
                     other = weight_map.get(tensor)
                     why = (f"{index.name} puts it in {quote(other)}: a tensor name must be in "
                            f"one file only" if other is not None
@@ -442,10 +486,12 @@ class SafetensorsCheckpoint(MappedCheckpoint):
 
     def __init__(self, source: str, shards: list[_Shard],
                  index_metadata: dict[str, Any] | None = None):
+        table = TensorTable()
+        for i, shard in enumerate(shards):
+            table.extend(i, shard.tensors, shard.begins, shard.ends)
+            shard.tensors = shard.begins = shard.ends = None  # type: ignore[assignment]
         super().__init__(source, [str(s.path) for s in shards], [s.map for s in shards],
-                         ((meta, i, begin, end) for i, shard in enumerate(shards)
-                          for meta, begin, end in shard.tensors),
-                         [s.data_start for s in shards], [s.stat for s in shards])
+                         table, [s.data_start for s in shards], [s.stat for s in shards])
         self.path = os.path.abspath(source)
         self.file_metadata: dict[str, dict[str, str]] = {str(s.path): s.metadata for s in shards}
         self.index_metadata: dict[str, Any] = dict(index_metadata or {})
