@@ -49,11 +49,15 @@ Architectures the planner knows that transformers (5.24) cannot read from GGUF, 
   files get the plain one, which maps none of the experts (``ffn_*_exps``), their biases or the
   sinks, and its ``rope.scaling`` parsing fails on llama.cpp's key-values (``TypeError``).
 
-Each worker's GGUF carries its sizes in the key-values (``attention.head_count``, ...), and
-transformers reads no head size for qwen2, qwen2moe and phi3 (it would take hidden_size // the
-worker's heads) and no expert widths for qwen2moe and qwen3moe (the class defaults): the worker
-hands transformers its sizes in the config as well. ``test_worker_sizes_*`` are the cases that
-showed it (they failed, with a size mismatch, before).
+Each worker builds its model as transformers' GGUF loader would from its own pieces
+(``shardload.hf.from_gguf``: transformers' config of the whole file, its tensor names, its
+tensor processors), with its sizes set on the config. transformers reads no head size for
+qwen2, qwen2moe and phi3 (it would take hidden_size // the worker's heads) and no expert widths
+for qwen2moe and qwen3moe (the class defaults), so the worker sets those too.
+``test_worker_sizes_*`` are the cases that showed it, when each worker wrote a GGUF of its
+pieces for transformers to read (they failed, with a size mismatch, before). The config and
+the tokenizer are checked to be transformers' own (``test_config_and_tokenizer_are_*``), and
+the architectures transformers cannot read are refused before anything is loaded.
 """
 
 from __future__ import annotations
@@ -308,6 +312,45 @@ def test_sharded_gguf_matches_transformers(reference, case, n):
     assert logits.dtype == torch.float32 and logits.shape == ref.logits.shape
     assert diff < TOLERANCE, f"{case} at N={n}: logits differ by {diff:.2e} (relative)"
     assert tokens.tolist() == ref.tokens.tolist(), f"{case} at N={n}: greedy tokens differ"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_config_and_tokenizer_are_transformers_own(reference, case):
+    """What each worker builds from: the config ``from_gguf.config_dict`` reads from
+    shardload's reader is the one transformers' GGUF loader makes of the file, and so is the
+    tokenizer ``shardload run`` builds (its class and its tokenizer)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from shardload import open_checkpoint
+    from shardload.hf.from_gguf import config_dict
+    from shardload.hf.text import tokenizer
+
+    path = reference(case).path
+    with open_checkpoint(path) as ckpt:
+        assert config_dict(ckpt) == load_gguf_checkpoint(path, return_tensors=False)["config"]
+    ours = tokenizer(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                        gguf_file=os.path.basename(path))
+    assert type(ours) is type(theirs)
+    assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
+
+
+@pytest.mark.parametrize("arch, name", [("mistral", ""), ("mistral", "mistral"), ("olmo2", ""),
+                                        ("granite", ""), ("gpt-oss", "")])
+def test_unreadable_architectures_are_refused_before_loading(tmp_path, monkeypatch, arch, name):
+    """A GGUF the planner plans but transformers cannot read (``UNREADABLE``) is refused with
+    a ``FormatError`` naming the file, before any piece is loaded."""
+    import shardload.hf.model
+    from shardload.errors import FormatError
+
+    def never(*args, **kwargs):
+        raise AssertionError("loaded before refusing")
+
+    monkeypatch.setattr(shardload.hf.model, "load_sharded", never)
+    path = _unreadable_file(tmp_path, arch, name)
+    with ThreadedSession(2) as session, pytest.raises(FormatError) as info:
+        load_tp_model(path, session)
+    assert path in str(info.value) and "transformers cannot build a model" in str(info.value)
 
 
 # ---- what the cases rest on ----------------------------------------------------------------------

@@ -4,7 +4,8 @@ The controller's steps:
 
 1. open the checkpoint and resolve its plan for the session's N by the front door's policy
    (``frontdoor.resolve_plan``: the plan given, else ``shard_info.json`` beside it, else one
-   made from its config, padded where the heads or the MLP do not divide);
+   made from its config, padded where the heads or the MLP do not divide); for a GGUF, read
+   transformers' config and tensor names once (``from_gguf``), before any data moves;
 2. load the shards (``load_sharded``): each worker holds only its pieces, still quantized;
 3. read each worker's share of the model from the plan (``geometry.worker_share``: its query and
    KV heads and MLP rows, the row-parallel biases it must not add, its experts); the workers
@@ -19,8 +20,9 @@ Then ``TPModel(input_ids)`` runs the forward on every worker and returns the log
 from __future__ import annotations
 
 import copy
+import threading
 import uuid
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -81,20 +83,28 @@ class TPModel:
 
     def generate(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, seed: int = 0,
-                 eos_token_id: Union[int, Sequence[int], None, str] = "config") -> torch.Tensor:
+                 eos_token_id: Union[int, Sequence[int], None, str] = "config",
+                 on_token: Optional[Callable[[int], None]] = None) -> torch.Tensor:
         """``input_ids`` followed by up to ``max_new_tokens`` tokens (greedy, or sampled with
         ``temperature`` and ``top_k`` from ``seed``), stopping early when every row has
         produced an ``eos_token_id``: by default the checkpoint's own (its config's
         ``eos_token_id``, a GGUF's ``tokenizer.ggml.eos_token_id``), as transformers' generate
-        stops; ``None`` never stops early."""
+        stops; ``None`` never stops early. ``on_token(count)``: told the number of tokens
+        chosen so far, as they are chosen (worker processes tell every 0.2 s at most).
+
+        >>> model.generate([[1, 2, 3]], max_new_tokens=4, on_token=print)  # doctest: +SKIP
+        """
         if eos_token_id == "config":
             eos_token_id = _config_eos(self.config)
         eos = ([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int)
                else list(eos_token_id))
         sampling = {"do_sample": bool(do_sample), "temperature": float(temperature),
                     "top_k": int(top_k), "seed": int(seed)}
-        results = self.session.call(worker.GENERATE, self.token, _as_lists(input_ids),
-                                    int(max_new_tokens), sampling, eos, self._answer)
+        args = [self.token, _as_lists(input_ids), int(max_new_tokens), sampling, eos,
+                self._answer]
+        results = self.session.run(worker.GENERATE, lambda i: args,
+                                   context=f"in {worker.GENERATE}",
+                                   on_progress=on_token and _counter(on_token))
         return torch.tensor(self._first(results), dtype=torch.long)
 
     def close(self) -> None:
@@ -108,6 +118,18 @@ class TPModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _counter(report: Callable[[int], None]) -> Callable[[int], None]:
+    """An ``on_progress(n)`` that tells ``report`` the sum of the ``n`` so far."""
+    lock, done = threading.Lock(), [0]
+
+    def advance(n: int) -> None:
+        with lock:
+            done[0] += n
+            report(done[0])
+
+    return advance
 
 
 def _config_eos(config: dict) -> Union[int, list, None]:
@@ -146,39 +168,71 @@ def _build_spec(share: WorkerShare, dtype: torch.dtype, token: str, config: dict
     record = share.record
     common = {"dtype": _DTYPE_NAMES[dtype], "quant": share.quantization, "token": token,
               "split_norms": share.projection_norms,
-              "zero_on_others": share.row_parallel_biases}
-    if gguf is not None:
-        if share.kv_map is not None:
-            raise ShardloadError(f"{gguf['file']} at N={share.num_shards}: this zero-padded "
-                                 "layout gives a worker query heads whose KV heads "
-                                 "transformers cannot pair by its regular rule; load a GGUF at "
-                                 "an N the heads divide")
-        # transformers reads some sizes from no GGUF key (Qwen2's head size, Qwen-MoE's expert
-        # widths): the worker sets them on the config itself
-        return {**common, "gguf": {**gguf, "kv": share.config, "config": share.sizes}}
+              "zero_on_others": share.row_parallel_biases, "kv_map": share.kv_map,
+              "kv_projections": record.get("kv_projections", []),
+              "head_dim": share.sizes["head_dim"]}
     itemsize = torch.empty((), dtype=dtype).element_size()
     eager = any(share.sizes.get(k, 0) * itemsize % 16 for k in
                 ("moe_intermediate_size", "intermediate_size"))
+    if gguf is not None:
+        sizes = dict(share.sizes)
+        if share.kv_map is not None:   # expanded: one (copied) KV head per query head
+            sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+        return {**common, "eager_experts": eager, "gguf": gguf, "sizes": sizes}
     sizes = dict(share.config)
     if share.kv_map is not None:   # expanded: one (copied) KV head per query head
         key = record["config_keys"]["num_key_value_heads"]
         sizes[key] = share.sizes["num_attention_heads"]
     return {**common, "eager_experts": eager, "experts": share.experts, "config": config,
-            "sizes": sizes, "kv_map": share.kv_map,
-            "kv_projections": record.get("kv_projections", []),
-            "head_dim": share.sizes["head_dim"]}
+            "sizes": sizes}
+
+
+def _gguf_spec(ckpt, validated, architecture: str) -> dict:
+    """What every worker needs to build a GGUF's model: transformers' config of the whole
+    model and its name for each tensor (``from_gguf``), read once here, each tensor's ggml
+    type, and the tensors every worker holds whole."""
+    from . import from_gguf
+
+    try:
+        config = from_gguf.config_dict(ckpt)
+        mapping = from_gguf.weights_map(config, architecture)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, it cannot read it
+        raise FormatError(f"transformers cannot build a model of this GGUF "
+                          f"({type(exc).__name__}: {exc}); load_tp_model builds transformers' "
+                          "own model, so it needs an architecture transformers reads from GGUF",
+                          file=ckpt.source) from None
+    return {"arch": architecture, "config": config, "mapping": mapping,
+            "types": {name: ckpt.tensor_format(name)["ggml_type"] for name in ckpt.metadata()},
+            "replicated": [param.name for param in validated if param.replicated]}
+
+
+#: ``progress(stage, done, total)``: ``stage`` "load" (bytes of pieces loaded) or "build" (bytes
+#: of pieces dequantized and handed to transformers), ``done`` of ``total`` so far
+StartProgress = Callable[[str, int, int], None]
+
+
+def _stage(progress: Optional[StartProgress], stage: str, total: int
+           ) -> Optional[Callable[[int], None]]:
+    """An ``advance(nbytes)`` that reports ``stage``'s bytes so far to ``progress``."""
+    if progress is None:
+        return None
+    progress(stage, 0, total)
+    return _counter(lambda done: progress(stage, done, total))
 
 
 def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, *,
                   shard_info: Any = None, experts: str = "tp",
-                  progress: bool = False) -> TPModel:
+                  progress: Union[bool, StartProgress] = False) -> TPModel:
     """transformers' model of the checkpoint ``params`` (a folder, or an open checkpoint),
     split over the workers of ``session``, its weights dequantized to ``dtype``.
 
     The plan is the front door's (``shardload.load_sharded``'s): ``shard_info`` if given, else
     ``shard_info.json`` beside the checkpoint, else one made from its config; it must be one the
     planner wrote (its record of the model, ``__metadata__.model``, is what each worker's model
-    is built from). ``experts="ep"`` plans whole routed experts per worker.
+    is built from). ``experts="ep"`` plans whole routed experts per worker. ``progress``: a
+    bar over the bytes loaded (``True``), none, or ``progress(stage, done, total)``, called as
+    the pieces are loaded (stage ``"load"``) and then built into the model (``"build"``),
+    in bytes of pieces (the CLI's one bar for ``shardload run``).
 
     >>> from shardload import ProcessSession                                 # doctest: +SKIP
     >>> from shardload.hf import load_tp_model
@@ -205,17 +259,19 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
         raise mention(ShardloadError("expert-parallel plans of GGUF checkpoints are not built "
                                      f"into a model yet: load with {EXPERTS_TP.python}"),
                       EXPERTS_TP)
-    sharded = load_sharded(ckpt, validated, session, progress=progress)          # 2.
-    gguf = None                                                                    # 3.
-    if kind == "gguf":
-        gguf = {"file": ckpt.source, "arch": shares[0].record["architecture"],
-                "types": {name: ckpt.tensor_format(name)["ggml_type"]
-                          for name in ckpt.metadata()}}
-    config = _dense_config(ckpt.config) if kind == "hf" else {}
+    gguf = (_gguf_spec(ckpt, validated, shares[0].record["architecture"]) if kind == "gguf"
+            else None)
+    # under torchrun each rank reports its own worker only, and rank 0 speaks for all
+    report = progress if callable(progress) and session.reports else None
+    total = sum(validated.bytes_per_worker(i) for i in session.workers_in_view)
+    loading = _stage(report, "load", total) or bool(progress is True)
+    sharded = load_sharded(ckpt, validated, session, progress=loading)            # 2.
+    config = _dense_config(ckpt.config) if kind == "hf" else {}                    # 3.
     token = uuid.uuid4().hex
     session.run(worker.BUILD,                                                      # 4.
                 lambda i: [_build_spec(shares[i], dtype, token, config, gguf)],
-                context=f"while building the model of {ckpt.source}")
+                context=f"while building the model of {ckpt.source}",
+                on_progress=_stage(report, "build", total))
     return TPModel(session, token, ckpt.config, sharded, resolved)
 
 

@@ -20,12 +20,41 @@ def tokenizer(ckpt: str):
     folder = _folder(ckpt)
     kwargs = {"gguf_file": os.path.basename(ckpt)} if ckpt.endswith(".gguf") else {}
     try:
+        chosen = _gguf_tokenizer_class(ckpt) if kwargs else None
+        if chosen is not None:
+            return chosen.from_pretrained(folder, **kwargs)
         return transformers.AutoTokenizer.from_pretrained(folder, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any failure means: no usable tokenizer there
         raise ValueError(f"{ckpt} has no tokenizer transformers can read ({type(exc).__name__}: "
                          f"{_first_line(str(exc))}); shardload run needs the checkpoint's "
                          "tokenizer (tokenizer.json and tokenizer_config.json, or a GGUF "
                          "file's vocabulary)") from None
+
+
+def _gguf_tokenizer_class(path: str):
+    """The class ``AutoTokenizer`` picks for a GGUF file with no ``tokenizer_config.json``
+    beside it: the one registered for its config's class, else ``TokenizersBackend``; None
+    where its choice takes more (a tokenizer config, a class the config names, Mistral's).
+
+    ``AutoTokenizer`` reads the config with transformers' GGUF parser, which decodes the whole
+    vocabulary and merges key by key (4 s for SmolLM2's 49k tokens) only to learn the model
+    type; ``from_gguf.config_dict`` reads the same config from shardload's reader."""
+    import transformers
+    from transformers.models.auto.tokenization_auto import (TOKENIZER_MAPPING,
+                                                            get_tokenizer_config)
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    from ..readers import open_checkpoint
+    from .from_gguf import config_dict
+
+    if get_tokenizer_config(_folder(path)):
+        return None
+    with open_checkpoint(path) as ckpt:
+        config = transformers.AutoConfig.for_model(**config_dict(ckpt))
+    if getattr(config, "tokenizer_class", None):
+        return None
+    chosen = TOKENIZER_MAPPING.get(type(config), TokenizersBackend) or TokenizersBackend
+    return None if chosen.__name__ == "MistralCommonBackend" else chosen
 
 
 def _first_line(text: str, limit: int = 160) -> str:

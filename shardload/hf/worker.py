@@ -10,13 +10,17 @@ Building, on each worker (``build``):
 2. zero the row-parallel biases on every worker but 0 (they are added once, after the sum);
 3. where the worker's query heads do not use its KV heads in transformers' regular pattern (some
    zero-padded layouts), give each query head its own copy of its KV head;
-4. let transformers load them (``from_pretrained`` of a folder in memory, ``/dev/shm``, holding
-   the dense weights, with the checkpoint's config given this worker's sizes: its heads, its
-   MLP rows, set on the config object after it is built, as transformers' own checks want
-   the whole model's sizes), so every name conversion and every architecture's forward is
-   transformers' own;
+4. let transformers load them, with the checkpoint's config given this worker's sizes (its
+   heads, its MLP rows, set on the config object after it is built, as transformers' own
+   checks want the whole model's sizes), so every name conversion and every architecture's
+   forward is transformers' own: an HF checkpoint's dense weights through ``from_pretrained``
+   of a folder in memory (``/dev/shm``); a GGUF's as transformers' GGUF loader makes them
+   (``from_gguf``: its names, its tensor processors), handed to ``from_pretrained`` as a state
+   dict, with no file written or parsed;
 5. add a forward hook summing the outputs of every decoder layer's attention and MLP over the
    workers (the session's collectives, ``ctx.group``): the row-parallel reduction.
+
+Each worker reports the bytes of the pieces it has dequantized as progress (``ctx.progress``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import Any, Optional
+from concurrent.futures import Future
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -174,58 +179,101 @@ def _reduce_outputs(model, group) -> None:
             module.register_forward_hook(hook)
 
 
-def _write_gguf(path: str, shards: dict[str, torch.Tensor], gguf_spec: dict) -> None:
-    """A GGUF file of this worker's share: the original file's key-values (vocabulary, chat
-    template, rope) with the worker's sizes, and its pieces, still quantized, as tensors.
-    transformers then reads it as it reads any GGUF (its name mapping, its dequantization, its
-    reverse of llama.cpp's q/k permutation, within each of the worker's whole heads)."""
-    import gguf
+class _Shared:
+    """Replicated pieces dequantized once per process: the workers of one build that share a
+    process (a ThreadedSession's threads) hold the same replicated pieces (the embeddings, the
+    norms), so the first to need one dequantizes it and the others take its tensor (and share
+    its memory). Worker processes each make their own, as before."""
 
-    reader = gguf.GGUFReader(gguf_spec["file"])
-    arch = gguf_spec["arch"]
-    writer = gguf.GGUFWriter(path, arch)
-    overrides = gguf_spec["kv"]
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = overrides.get(key, field.contents())
-        kind = field.types[0]
-        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, value, kind, sub_type=sub)
-    for key, value in overrides.items():
-        if key not in reader.fields:
-            writer.add_uint32(key, int(value))
-    for name, piece in shards.items():
-        kind = gguf.GGMLQuantizationType[gguf_spec["types"][name]]
-        array = piece.contiguous().numpy() if piece.dtype != torch.bfloat16 else (
-            piece.contiguous().view(torch.uint16).numpy())
-        writer.add_tensor(name, array, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.builds: dict[str, tuple[int, dict[str, Future]]] = {}   # token -> users, tensors
+
+    @contextlib.contextmanager
+    def build(self, token: str):
+        with self.lock:
+            users, made = self.builds.get(token, (0, {}))
+            self.builds[token] = (users + 1, made)
+        try:
+            yield made
+        finally:
+            with self.lock:
+                users, made = self.builds[token]
+                if users == 1:
+                    del self.builds[token]
+                else:
+                    self.builds[token] = (users - 1, made)
+
+    def get(self, made: dict[str, Future], name: str, make: Callable[[], torch.Tensor]
+            ) -> torch.Tensor:
+        with self.lock:
+            future, mine = made.get(name), name not in made
+            if mine:
+                future = made[name] = Future()
+        if mine:   # made synchronously, waiting on nothing: no worker waits in a cycle
+            try:
+                future.set_result(make())
+            except BaseException as exc:
+                future.set_exception(exc)
+                raise
+        return future.result()
 
 
-def _load_gguf(ctx, spec: dict, dtype: torch.dtype, folder: str):
+_SHARED = _Shared()
+
+
+def _gguf_arrays(ctx, spec: dict) -> dict[str, torch.Tensor]:
+    """This worker's GGUF pieces dequantized to float32 (``shardload.formats``: gguf-py's
+    dequantization, as transformers' own loader runs it), under their GGUF names; each piece's
+    bytes reported as progress (``ctx.progress``). Replicated pieces are dequantized once per
+    process (``_Shared``)."""
+    from .. import formats
+
+    gguf = spec["gguf"]
+    types, replicated = gguf["types"], set(gguf["replicated"])
+    zeroed = set(spec["zero_on_others"]) if ctx.rank else set()
+    out = {}
+    with _SHARED.build(spec["token"]) as made:
+        for name, piece in ctx.shards.items():
+            def make(piece=piece, name=name) -> torch.Tensor:
+                return formats.dequantize_module("gguf", {"weight": piece},
+                                                 ggml_types={"weight": types[name]})["weight"]
+
+            dense = _SHARED.get(made, name, make) if name in replicated else make()
+            # a float piece comes back as itself, a replicated one is shared: a copy to zero
+            out[name] = torch.zeros_like(dense) if name in zeroed else dense
+            ctx.progress(nbytes=piece.nbytes)
+    return out
+
+
+def _load_gguf(ctx, spec: dict, dtype: torch.dtype):
+    """transformers' model of this worker's GGUF pieces, as transformers' GGUF loader builds
+    one (``from_gguf``), from the pieces dequantized here and not from a file."""
     import transformers
 
-    path = os.path.join(folder, "model.gguf")
-    shards = dict(ctx.shards)
-    for name in spec["zero_on_others"] if ctx.rank else ():
-        if name in shards:
-            shards[name] = torch.zeros_like(shards[name])
-    _write_gguf(path, shards, spec["gguf"])
-    original = spec["gguf"]["file"]
+    from . import from_gguf
+
+    gguf, sizes = spec["gguf"], spec["sizes"]
+    arrays = _gguf_arrays(ctx, spec)
+    if spec.get("kv_map"):
+        # rows of a GGUF k/v are whole heads too (llama.cpp permutes within each head)
+        _expand_kv(arrays, spec["kv_map"], spec["head_dim"], spec["kv_projections"])
+    # the tensor processors read the worker's head counts (llama's q/k permutation is undone
+    # within each of its heads)
+    local = {**gguf["config"], **sizes}
+    state = from_gguf.state_dict({k: v.numpy() for k, v in arrays.items()}, gguf["arch"],
+                                 local, gguf["mapping"], dtype)
+    del arrays
+    extra = _experts_implementation(spec)
     with _LOADING, _quiet(transformers):
         # the whole model's config, which transformers' checks accept, given this worker's
-        # sizes (the worker's own file carries them too, for transformers' tensor processing)
-        config = transformers.AutoConfig.from_pretrained(os.path.dirname(original) or ".",
-                                                         gguf_file=os.path.basename(original))
-        for key, value in spec["gguf"]["config"].items():
+        # sizes (transformers reads some from no GGUF key: Qwen2's head size, the expert widths)
+        config = transformers.AutoConfig.for_model(**gguf["config"])
+        for key, value in sizes.items():
             if key == "head_dim" or hasattr(config, key):
                 setattr(config, key, value)
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file="model.gguf", config=config, dtype=dtype)
+        return from_gguf.model_class(config).from_pretrained(
+            None, config=config, state_dict=state, dtype=dtype, **extra)
 
 
 @register_session_func(BUILD)
@@ -233,13 +281,15 @@ def build(ctx, spec: dict) -> dict:
     """Build this worker's model from its shards (see the module docstring); ``spec`` is what
     the controller worked out for this worker (``model.py``)."""
     dtype = _DTYPES[spec["dtype"]]
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    folder = tempfile.mkdtemp(prefix="shardload-hf-", dir=base)
-    try:
-        model = (_load_gguf(ctx, spec, dtype, folder) if spec.get("gguf")
-                 else _load_dense(ctx, spec, dtype, folder))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    if spec.get("gguf"):
+        model = _load_gguf(ctx, spec, dtype)
+    else:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        folder = tempfile.mkdtemp(prefix="shardload-hf-", dir=base)
+        try:
+            model = _load_dense(ctx, spec, dtype, folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
     model.eval()
     group = ctx.group if ctx.world_size > 1 else None
     if spec.get("split_norms"):
@@ -254,6 +304,7 @@ def _load_dense(ctx, spec: dict, dtype: torch.dtype, folder: str):
     import transformers
 
     dense = dense_weights(ctx.shards, spec["quant"], dtype)
+    ctx.progress(nbytes=sum(piece.nbytes for piece in ctx.shards.values()))
     if spec.get("experts"):
         _whole_experts(dense, spec["experts"], dtype)
     for name in spec["zero_on_others"] if ctx.rank else ():
@@ -267,16 +318,19 @@ def _load_dense(ctx, spec: dict, dtype: torch.dtype, folder: str):
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(spec["config"], f)
     del dense
-    extra = {}
-    if spec.get("eager_experts"):
-        # torch's grouped_mm wants 16-byte strides, which a worker's share of an expert (11 rows
-        # of 32 at N=3) need not have: transformers' reference loop has no such rule
-        extra["experts_implementation"] = "eager"
+    extra = _experts_implementation(spec)
     with _LOADING, _quiet(transformers):
         config = transformers.AutoConfig.from_pretrained(folder)
         _set_sizes(config, spec["sizes"])
         return transformers.AutoModelForCausalLM.from_pretrained(folder, config=config,
                                                                  dtype=dtype, **extra)
+
+
+def _experts_implementation(spec: dict) -> dict:
+    """``from_pretrained``'s experts implementation: torch's grouped_mm wants 16-byte strides,
+    which a worker's share of an expert (11 rows of 32 at N=3) need not have; transformers'
+    reference loop has no such rule."""
+    return {"experts_implementation": "eager"} if spec.get("eager_experts") else {}
 
 
 def _set_sizes(config, sizes: dict[str, int]) -> None:
@@ -365,6 +419,8 @@ def generate(ctx, token: str, input_ids: list, max_new_tokens: int, sampling: di
             if built.group is not None:
                 chosen = built.group.broadcast(chosen.contiguous())
             out = torch.cat([out, chosen[:, None]], dim=1)
+            if ctx.rank == answer:
+                ctx.progress(nbytes=1)    # one more token chosen (``on_token``)
             done |= torch.tensor([int(t) in eos for t in chosen.tolist()])
             if bool(done.all()):
                 break
