@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import click
 
@@ -203,16 +204,33 @@ def _human(n: float) -> str:
 
 def _table(headers: list[str], rows: list[list[Any]], right: tuple[int, ...] = ()) -> str:
     """A plain-text table; columns listed in ``right`` (numbers) are right-aligned."""
-    cells = [headers] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[k]) for r in cells) for k in range(len(headers))]
+    return "\n".join(_table_lines(headers, lambda: rows, right))
 
-    def line(row: list[str]) -> str:
-        padded = [c.rjust(w) if k in right else c.ljust(w)
+
+def _table_lines(headers: list[str], rows: Callable[[], Iterable[list[Any]]],
+                 right: tuple[int, ...] = ()) -> Iterator[str]:
+    """``_table``'s lines one at a time, from ``rows()`` made twice (the first time for the
+    widths): a table of a million rows is never held whole."""
+    widths = [len(h) for h in headers]
+    for row in rows():
+        widths = [max(w, len(str(c))) for w, c in zip(widths, row)]
+
+    def line(row: list[Any]) -> str:
+        padded = [str(c).rjust(w) if k in right else str(c).ljust(w)
                   for k, (c, w) in enumerate(zip(row, widths))]
         return "  ".join(padded).rstrip()
 
-    return "\n".join([line(cells[0]), line(["-" * w for w in widths]),
-                      *(line(r) for r in cells[1:])])
+    yield line(headers)
+    yield line(["-" * w for w in widths])
+    yield from map(line, rows())
+
+
+def _out_joined(pieces: Iterable[str], sep: str) -> None:
+    """``_out(sep.join(pieces), nl=False)``, a few thousand pieces at a time."""
+    pieces, first = iter(pieces), True
+    while chunk := list(itertools.islice(pieces, 4096)):
+        _out(("" if first else sep) + sep.join(chunk), nl=False)
+        first = False
 
 
 # ---- shared options ----------------------------------------------------------------------------
@@ -315,14 +333,21 @@ def _padding_bytes(param) -> int:
 
 def _open_session(kind: str, num_shards: int, device: Optional[str], plugins: tuple[str, ...],
                   timeout: Optional[float] = None):
-    """The front door's session of ``kind``; one that cannot be made as asked is bad usage."""
+    """The front door's session of ``kind``; one that cannot be made as asked is bad usage.
+    ``timeout`` as ``--timeout`` gives it: None, the default watchdog; 0, none."""
     from .errors import SessionError
     from .frontdoor import open_session
+    from .sessions.watchdog import DEFAULT, default_timeout
 
     try:
-        return open_session(kind, num_shards, device=device, plugins=plugins, timeout=timeout)
+        watchdog = DEFAULT if timeout is None else (timeout or None)
+        if watchdog is DEFAULT:
+            default_timeout()  # a bad $SHARDLOAD_TIMEOUT is bad usage, said before anything
+        return open_session(kind, num_shards, device=device, plugins=plugins, timeout=watchdog)
     except SessionError as exc:
         raise BadInput(cli_text(exc)) from None
+    except ValueError as exc:  # $SHARDLOAD_TIMEOUT
+        raise BadInput(str(exc)) from None
 
 
 # ---- commands ----------------------------------------------------------------------------------
@@ -354,13 +379,14 @@ def cli() -> None:
                    "list, one per worker. With --session torch: this rank's device (default "
                    "cuda:LOCAL_RANK where CUDA is available).")
 @_session_option
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--timeout", type=click.FloatRange(min=0), default=None,
               metavar="SECONDS",
               help="Give up on a worker that makes no progress for SECONDS (a shard function "
                    "that never returns, a stopped process): exit 1 naming the worker and the "
                    "parameter it was on, the other workers stopped. Progress is each "
-                   "parameter and every 64 MiB read; a custom shard function's computation "
-                   "counts as one step. Default: no limit.")
+                   "parameter (or 1 MiB of small ones) and every 64 MiB read; a custom shard "
+                   "function's computation counts as one step. Default: 600 (or "
+                   "$SHARDLOAD_TIMEOUT); 0: no limit.")
 @click.option("--staging", type=click.Choice(["auto", "on", "off"]), default="auto",
               show_default=True,
               help="How pieces travel to the devices: 'auto' stages CUDA workers' pieces "
@@ -505,29 +531,40 @@ def inspect(num_shards: int, shard_info: Optional[str], replicate: bool,
             from .readplan import build_read_plans
 
             plans = build_read_plans(validated, checkpoint)
-        rows = [{"name": p.name, "shape": list(p.meta.shape), "dtype": p.meta.dtype,
+    if reads:
+        _print_reads(plans, validated, as_json)
+        return
+
+    # Rows are made as they are printed: a million of them held at once would take about
+    # 0.7 KB each, ten times the checkpoint header they come from.
+    def rows() -> Iterator[dict]:
+        return ({"name": p.name, "shape": list(p.meta.shape), "dtype": p.meta.dtype,
                  "steps": [s.func for s in p.steps], "shard_shape": list(p.piece_shape),
                  "shard_dtype": p.piece_dtype, "bytes_per_worker": p.piece_nbytes,
                  "padding_bytes": _padding_bytes(p),
                  "workers": None if p.workers is None else list(p.workers)}
-                for p in validated]
-    if reads:
-        _print_reads(plans, validated, as_json)
-        return
-    padding = sum(r["padding_bytes"] for r in rows)
+                for p in validated)
+
+    padding = sum(_padding_bytes(p) for p in validated)
     if as_json:
         meta = validated.plan.metadata
-        _out(json.dumps({"num_shards": num_shards, "params": rows, "padding_bytes": padding,
-                         "tensor_parallel": meta.get("tensor_parallel"),
-                         "experts": meta.get("experts")}))
+        head, tail = json.dumps({"num_shards": num_shards, "params": [],
+                                 "padding_bytes": padding,
+                                 "tensor_parallel": meta.get("tensor_parallel"),
+                                 "experts": meta.get("experts")}).split("[]", 1)
+        _out(head + "[", nl=False)
+        _out_joined(map(json.dumps, rows()), ", ")
+        _out("]" + tail)
         return
-    _out(_table(["parameter", "stored", "steps", "per worker", "bytes"],
-                [[r["name"], f"{r['shape']} {r['dtype']}",
+    _out_joined(_table_lines(
+        ["parameter", "stored", "steps", "per worker", "bytes"],
+        lambda: ([r["name"], f"{r['shape']} {r['dtype']}",
                   " > ".join(r["steps"]) or ("(replicated)" if r["workers"] is None else
                                              f"(whole on {_workers(r['workers'])})"),
                   f"{r['shard_shape']} {r['shard_dtype']}", _human(r["bytes_per_worker"])]
-                 for r in rows], right=(4,)))
-    _out(f"{len(rows)} tensors, {_per_worker(validated)}")
+                 for r in rows()), right=(4,)), "\n")
+    _out()
+    _out(f"{len(validated.params)} tensors, {_per_worker(validated)}")
     if padding:
         total = sum(validated.bytes_per_worker(i) for i in range(num_shards))
         _out(f"zero padding: {_human(padding)} over all workers "
@@ -657,36 +694,69 @@ def run(num_shards: int, ckpt: str, prompt: str, max_new_tokens: int, chat: bool
     built from its shards (needs the hf extra: pip install "shardload[hf]").
 
     Prints the text and tokens per second; --check compares the logits with the unsharded
-    model's.
+    model's. One progress bar on stderr (where it is a terminal, and not with --json) covers
+    the start: imports, tokenizer, loading, building, the first token.
     """
-    import torch
+    from tqdm.auto import tqdm
+
+    # one bar for the whole start, each stage a span of it, sized by where SmolLM2's start at
+    # N=3 spends its time (importing transformers is most of "tokenizer" and "loading")
+    spans = {"importing": (0, 15), "tokenizer": (15, 40), "load": (40, 55),
+             "build": (55, 92), "first token": (92, 100)}
+    names = {"load": "loading", "build": "building"}
+    bar = tqdm(total=100, leave=False, disable=True if as_json else None,
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
+
+    shown = [""]
+
+    def show(stage: str, done: int = 0, total: int = 1) -> None:
+        low, high = spans[stage]
+        if shown[0] != stage:
+            shown[0] = stage
+            bar.set_description_str(names.get(stage, stage))
+        # update() draws at most every tenth of a second: the workers report every piece
+        bar.update(max(0, low + (high - low) * min(done, total) // max(total, 1) - bar.n))
 
     try:
-        from .hf import load_tp_model, text
-    except ImportError:
-        raise BadInput("shardload run needs transformers: pip install \"shardload[hf]\"") \
-            from None
+        show("importing")
+        import torch
 
-    session = _open_session(session_kind, num_shards, None, ())
-    try:
-        tokenizer = text.tokenizer(ckpt)
-    except ValueError as exc:
-        session.close()
-        raise BadInput(str(exc)) from None
-    ids = text.prompt_ids(tokenizer, prompt, chat)
-    torch_dtype = getattr(torch, dtype)
-    with session:
-        with _reading():
-            model = load_tp_model(ckpt, session, dtype=torch_dtype, experts=experts)
-        with model:
-            start = time.perf_counter()
-            out = model.generate([ids], max_new_tokens, do_sample=sample,
-                                 temperature=temperature, top_k=top_k, seed=seed,
-                                 eos_token_id=tokenizer.eos_token_id)
-            seconds = time.perf_counter() - start
-            new = out[0, len(ids):].tolist()
-            diff = text.unsharded_difference(ckpt, model, out, torch_dtype) if check else None
-    if session.spmd and session.local_workers != [0]:
+        try:
+            from .hf import load_tp_model, text
+        except ImportError:
+            raise BadInput("shardload run needs transformers: pip install "
+                           "\"shardload[hf]\"") from None
+
+        session = _open_session(session_kind, num_shards, None, ())
+        if not session.reports:
+            bar.close()     # under torchrun, rank 0 shows the bar
+        show("tokenizer")
+        try:
+            tokenizer = text.tokenizer(ckpt)
+        except ValueError as exc:
+            session.close()
+            raise BadInput(str(exc)) from None
+        ids = text.prompt_ids(tokenizer, prompt, chat)
+        torch_dtype = getattr(torch, dtype)
+        with session:
+            show("load")
+            with _reading():
+                model = load_tp_model(ckpt, session, dtype=torch_dtype, experts=experts,
+                                      progress=show)
+            with model:
+                show("first token")
+                start = time.perf_counter()
+                out = model.generate([ids], max_new_tokens, do_sample=sample,
+                                     temperature=temperature, top_k=top_k, seed=seed,
+                                     eos_token_id=tokenizer.eos_token_id,
+                                     on_token=lambda count: bar.close())
+                seconds = time.perf_counter() - start
+                new = out[0, len(ids):].tolist()
+                diff = (text.unsharded_difference(ckpt, model, out, torch_dtype) if check
+                        else None)
+    finally:
+        bar.close()
+    if not session.reports:
         return          # under torchrun, rank 0 reports
     text = tokenizer.decode(new, skip_special_tokens=True)
     rate = len(new) / seconds if seconds > 0 else float("inf")

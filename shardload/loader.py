@@ -312,7 +312,7 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
     n = session.num_workers
     here = session.local_workers
     remote = len(here) < n and not session.spmd  # some workers run in other processes
-    ranks = here if session.spmd else range(n)
+    ranks = session.workers_in_view
     staged = staging_for(staging, session.devices)
     with contextlib.ExitStack() as stack:
         stack.enter_context(gc_paused())  # a load's objects are many and all kept
@@ -331,7 +331,7 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
         local.start({i: plans[i] for i in here})
         total = sum(plan.nbytes for plan in plans.values())  # for the progress bar
         advance, close_bar = progress_callback(
-            progress if not session.spmd or session.local_workers == [0] else False, total)
+            progress if session.reports else False, total)
         stack.callback(close_bar)
         start = time.perf_counter()
         replies = session.run(                                                      # 4.

@@ -207,6 +207,18 @@ class Session(abc.ABC):
         reachable only from its own process."""
         return False
 
+    @property
+    def workers_in_view(self) -> list[int]:
+        """The workers whose work this process sees: all of them, or under torchrun this
+        rank's alone (what a progress bar here counts)."""
+        return self.local_workers if self.spmd else list(range(self.num_workers))
+
+    @property
+    def reports(self) -> bool:
+        """Whether this process speaks for the session (bars, summaries): always, or under
+        torchrun on rank 0 alone."""
+        return not self.spmd or self.local_workers == [0]
+
     @abc.abstractmethod
     def run(self, func_name: str, args: WorkerArgs, *, workers: Optional[Sequence[int]] = None,
             context: str = "", timeout: Optional[float] = DEFAULT,
