@@ -27,8 +27,11 @@ def seen(ctx, name):
 
 @register_session_func("tests.startup.say")
 def say(ctx, text):
-    print(text, flush=True)
-    print(text, file=sys.stderr, flush=True)
+    # one write per stream: print() writes the text and its newline apart, and two workers'
+    # halves may interleave
+    for stream in (sys.stdout, sys.stderr):
+        stream.write(text + "\n")
+        stream.flush()
 
 
 @register_session_func("tests.startup.exit")
