@@ -2,12 +2,15 @@
 """Benchmark: load a 4-bit GPTQ Llama-style checkpoint onto N workers, with shardload and with
 the real libraries a user would otherwise load it with.
 
-    python benchmarks/bench_load.py [--size-gb X] [--shards 1,2,4,8] [--runs R] [--cold]
-                                    [--json FILE] [--dir DIR] [--methods a,b,...]
+    python benchmarks/bench_load.py [--size-gb X] [--model dense|moe] [--shards 1,2,4,8]
+                                    [--runs R] [--cold] [--json FILE] [--dir DIR]
+                                    [--methods a,b,...]
 
 1. Writes (once, cached in DIR) a synthetic checkpoint of about X GB: random packed words and
    random fp16 scales in GPTQ v1 layout, ``config.json`` with its ``quantization_config``, and
-   the planner's symbolic plan (``shard_info.json``) next to it.
+   the planner's symbolic plan (``shard_info.json``) next to it. ``--model moe`` makes it a
+   Qwen2-MoE (60 routed experts and a shared one per layer): real MoE checkpoints hold tens of
+   thousands of tensors, where a load's cost per piece counts most.
 2. Warms the page cache, then, for each N, loads shardload's pieces once as the reference and
    runs every method R times, rotating their order from one repetition to the next:
 
@@ -74,6 +77,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help=f"where the checkpoint is cached (default {default_dir()})")
     ap.add_argument("--methods", default=",".join(METHODS),
                     help="comma-separated subset of: " + ", ".join(METHODS))
+    ap.add_argument("--model", choices=("dense", "moe"), default="dense",
+                    help="dense: a Llama (2,343 tensors at 0.5 GB); moe: a Qwen2-MoE with 60 "
+                         "experts a layer (14,291 tensors at 0.5 GB)")
     ap.add_argument("--intermediate", type=int, default=None,
                     help=f"MLP size (default {DEFAULT_INTERMEDIATE}; 3072 for the small dims)")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA section")

@@ -47,19 +47,34 @@ class Geometry:
     layers: int
     group: int = 128
     bits: int = 4
+    #: routed experts per layer (0: a dense model); each is a GPTQ MLP of ``intermediate``,
+    #: beside one shared expert of ``intermediate`` and a router (Qwen2-MoE's layout)
+    experts: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     def linears(self) -> dict[str, tuple[int, int]]:
-        """Projection -> (out_features, in_features), as in the HF model."""
+        """Quantized projection -> (out_features, in_features), as in the HF model."""
         h, i, hd = self.hidden, self.intermediate, self.head_dim
-        return {"self_attn.q_proj": (self.heads * hd, h),
-                "self_attn.k_proj": (self.kv_heads * hd, h),
-                "self_attn.v_proj": (self.kv_heads * hd, h),
-                "self_attn.o_proj": (h, self.heads * hd),
-                "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+        out = {"self_attn.q_proj": (self.heads * hd, h),
+               "self_attn.k_proj": (self.kv_heads * hd, h),
+               "self_attn.v_proj": (self.kv_heads * hd, h),
+               "self_attn.o_proj": (h, self.heads * hd)}
+        mlps = ["mlp"] if not self.experts else (
+            [f"mlp.experts.{e}" for e in range(self.experts)] + ["mlp.shared_expert"])
+        for mlp in mlps:
+            out.update({f"{mlp}.gate_proj": (i, h), f"{mlp}.up_proj": (i, h),
+                        f"{mlp}.down_proj": (h, i)})
+        return out
+
+    def router_shapes(self) -> dict[str, tuple[int, ...]]:
+        """An MoE layer's unquantized fp16 router and shared-expert gate."""
+        if not self.experts:
+            return {}
+        return {"mlp.gate.weight": (self.experts, self.hidden),
+                "mlp.shared_expert_gate.weight": (1, self.hidden)}
 
     def gptq_shapes(self, n_out: int, k_in: int) -> dict[str, tuple[tuple[int, ...], str]]:
         pack = 32 // self.bits
@@ -75,6 +90,7 @@ class Geometry:
     def layer_bytes(self) -> int:
         size = {"int32": 4, "float16": 2}
         total = 2 * self.hidden * 2  # the two norms
+        total += sum(math.prod(shape) * 2 for shape in self.router_shapes().values())
         for n_out, k_in in self.linears().values():
             for shape, dtype in self.gptq_shapes(n_out, k_in).values():
                 total += math.prod(shape) * size[dtype]
@@ -83,8 +99,14 @@ class Geometry:
     def total_bytes(self) -> int:
         return self.fixed_bytes() + self.layers * self.layer_bytes()
 
+    @property
+    def tensors(self) -> int:
+        """How many tensors the checkpoint holds."""
+        return 3 + self.layers * (2 + 4 * len(self.linears()) + len(self.router_shapes()))
+
     def key(self) -> str:
-        return (f"llama-gptq{self.bits}-g{self.group}-h{self.hidden}-i{self.intermediate}"
+        kind = f"qwen2moe-e{self.experts}" if self.experts else "llama"
+        return (f"{kind}-gptq{self.bits}-g{self.group}-h{self.hidden}-i{self.intermediate}"
                 f"-a{self.heads}-kv{self.kv_heads}-v{self.vocab}-l{self.layers}"
                 f"-s{SEED}-v{CHECKPOINT_VERSION}")
 
@@ -110,7 +132,35 @@ def choose_geometry(size_gb: float, intermediate: Optional[int] = None) -> Geome
     return Geometry(**{**asdict(base), "layers": layers})
 
 
+#: The MoE checkpoint (``--model moe``): Qwen1.5-MoE-A2.7B's 60 routed experts and its shared
+#: expert per layer, at small widths so that its tens of thousands of tensors fit in well under
+#: a gigabyte; GPTQ groups of 64, so 512 is 8 groups and every N up to 8 splits whole groups.
+MOE = Geometry(hidden=512, intermediate=512, heads=8, kv_heads=4, vocab=2048, layers=1,
+               group=64, experts=60)
+
+
+def choose_moe_geometry(size_gb: float) -> Geometry:
+    """``MOE`` with as many layers as make about ``size_gb`` GB."""
+    layers = max(1, round((size_gb * GB - MOE.fixed_bytes()) / MOE.layer_bytes()))
+    return Geometry(**{**asdict(MOE), "layers": layers})
+
+
 def make_config(g: Geometry) -> dict:
+    if g.experts:
+        return {
+            "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+            "hidden_size": g.hidden, "intermediate_size": g.intermediate,
+            "moe_intermediate_size": g.intermediate,
+            "shared_expert_intermediate_size": g.intermediate,
+            "num_experts": g.experts, "num_experts_per_tok": 4, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "num_hidden_layers": g.layers,
+            "num_attention_heads": g.heads, "num_key_value_heads": g.kv_heads,
+            "vocab_size": g.vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "torch_dtype": "float16", "tie_word_embeddings": False,
+            "quantization_config": {"quant_method": "gptq", "bits": g.bits,
+                                    "group_size": g.group, "desc_act": False, "sym": True,
+                                    "checkpoint_format": "gptq"},
+        }
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": g.hidden, "intermediate_size": g.intermediate,
@@ -140,6 +190,8 @@ def make_tensors(g: Geometry, seed: int = SEED) -> dict[str, torch.Tensor]:
         p = f"model.layers.{layer}."
         out[p + "input_layernorm.weight"] = fp16((g.hidden,), 0.05, 1.0)
         out[p + "post_attention_layernorm.weight"] = fp16((g.hidden,), 0.05, 1.0)
+        for name, shape in g.router_shapes().items():
+            out[p + name] = fp16(shape, 0.02)
         for proj, (n_out, k_in) in g.linears().items():
             shapes = g.gptq_shapes(n_out, k_in)
             out[f"{p}{proj}.qweight"] = words(shapes["qweight"][0])

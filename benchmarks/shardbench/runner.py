@@ -17,8 +17,8 @@ from shardload import ShardInfo, open_checkpoint
 from shardload.errors import PlanError
 
 from . import GB, MiB
-from .checkpoints import (MODEL_FILE, PLAN_FILE, choose_geometry, default_dir,
-                          ensure_checkpoint)
+from .checkpoints import (MODEL_FILE, PLAN_FILE, choose_geometry, choose_moe_geometry,
+                          default_dir, ensure_checkpoint)
 from .cuda import bench_cuda
 from .measure import PageCache, RssSampler, cold_mode_check, measure, rotated, warm_page_cache
 from .methods import METHODS, SHARDLOAD, Case, reference_pieces
@@ -91,10 +91,11 @@ def run(args: argparse.Namespace) -> int:
     """The benchmark for ``bench_load.py``'s parsed flags; the exit status (0; 2: a worker
     count the checkpoint cannot be split over; 3: some method's pieces were wrong)."""
     root = os.path.abspath(args.dir or default_dir())
-    geom = choose_geometry(args.size_gb, args.intermediate)
+    geom = (choose_moe_geometry(args.size_gb) if args.model == "moe"
+            else choose_geometry(args.size_gb, args.intermediate))
     ckpt_dir, made, make_s = ensure_checkpoint(root, geom)
     file = os.path.join(ckpt_dir, MODEL_FILE)
-    log(f"checkpoint: {ckpt_dir}, {geom.total_bytes() / GB:.2f} GB "
+    log(f"checkpoint: {ckpt_dir}, {geom.total_bytes() / GB:.2f} GB, {geom.tensors} tensors "
         f"({'written in %.1f s' % make_s if made else 'cached'})")
     info = ShardInfo.load(os.path.join(ckpt_dir, PLAN_FILE))
     with open_checkpoint(ckpt_dir) as ckpt:
