@@ -279,7 +279,8 @@ def check_padded_gguf(path: str, n: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 4, 5, 9])
+@pytest.mark.parametrize("n", [2, 9, pytest.param(4, marks=pytest.mark.extended),
+                               pytest.param(5, marks=pytest.mark.extended)])
 def test_real_model_any_n_with_zero_padding(smollm2, n):
     layout = check_padded_gguf(smollm2, n)
     assert layout["num_shards"] == n

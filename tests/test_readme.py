@@ -6,7 +6,7 @@ not see, and this test does what it says:
 * ``<!-- test: setup -->``: one of the two set-up commands. The test command must be what
   ``.ci/run`` runs, verbatim (CI runs it on a fresh clone); the first one's install is that
   same install, and what follows its ``&&`` is run here;
-* ``<!-- test: run -->`` (``slow``, ``real_model``, ``vllm``: marks; ``vllm`` also runs it in
+* ``<!-- test: run -->`` (``slow``, ``real_model``, ``vllm``, ``extended``: marks; ``vllm`` also runs it in
   vLLM's environment, ``scripts/vllm-env.sh``): run as written from the repository
   root, ``bash`` blocks by bash (``-e -o pipefail``), ``python`` blocks by python;
 * ``<!-- test: output -->``: the standard output of the block before it, line for line (``...``

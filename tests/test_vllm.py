@@ -281,8 +281,10 @@ def compare_with_default(name: str, model: str, tp: int, *args: str) -> tuple[di
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name, tp", [
+    # every format sharded (TP=2); unsharded, bf16 by default and the others under -m extended
+    *((name, 2) for name in FORMATS), ("llama_bf16", 1),
+    *(pytest.param(name, 1, marks=pytest.mark.extended) for name in FORMATS[1:])])
 def test_shardload_loads_what_vllms_default_loader_loads(name, tp):
     report, stats, log = compare_with_default(name, str(models().path(name)), tp)
     check_same_as_default(report, stats, log, tp)
@@ -309,7 +311,7 @@ def _two_engines(model: str, tp: int, *args: str, verify: bool = True
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.extended), 2])
 def test_shardload_loads_a_moe_as_vllms_default_loader_does(tp):
     report, stats, log = _two_engines(str(models().path("qwen2_moe_bf16")), tp)
     check_same_as_default(report, stats, log, tp)
@@ -354,7 +356,10 @@ def _smollm2_engine(name: str, tp: int) -> tuple[dict, list, str]:
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.real_model
-@pytest.mark.parametrize("name, tp", [("hf", 1), ("hf", 3), ("W8A8", 1), ("W4A16", 1)])
+@pytest.mark.parametrize("name, tp", [
+    ("hf", 3), ("W8A8", 1),
+    pytest.param("hf", 1, marks=pytest.mark.extended),
+    pytest.param("W4A16", 1, marks=pytest.mark.extended)])
 def test_smollm2_answers_paris_through_vllm_with_shardload(name, tp):
     report, stats, log = _smollm2_engine(name, tp)
     check_same_as_default(report, stats, log, tp)
