@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .errors import (FormatError, PlanError, SessionClosedError, SessionError, ShardloadError,
-                     UnknownSessionFunctionError, UnknownShardFunctionError, WorkerCrashedError,
+                     StorageError, UnknownSessionFunctionError, UnknownShardFunctionError, WorkerCrashedError,
                      WorkerError)
 from .modules import lazy_names
 
@@ -54,7 +54,7 @@ _LAZY = {
 
 __all__ = sorted([*_LAZY, "ShardloadError", "PlanError", "UnknownShardFunctionError",
                   "UnknownSessionFunctionError", "SessionClosedError", "SessionError",
-                  "FormatError",
+                  "FormatError", "StorageError",
                   "WorkerError", "WorkerCrashedError", "__version__"])
 
 

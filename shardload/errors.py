@@ -20,6 +20,7 @@ __all__ = [
     "SessionClosedError",
     "SessionError",
     "FormatError",
+    "StorageError",
     "WorkerError",
     "WorkerCrashedError",
     "WorkerFailure",
@@ -216,6 +217,37 @@ class FormatError(ShardloadError):
         self.tensor = tensor
         self.reason = message
         super().__init__(_located(message, self.file, tensor and f"tensor {quote(tensor)}"))
+
+
+def _url_text(url: object) -> str:
+    """A URL as an error message leads with it: as written when it is a printable string of
+    sane length (real checkpoint URLs are), else quoted and cut, as a hostile name would be."""
+    limit = 3 * QUOTE_LIMIT
+    if isinstance(url, str) and url.isprintable() and 0 < len(url) <= limit:
+        return url
+    return quote(url, limit)
+
+
+class StorageError(ShardloadError):
+    """Object storage (``s3://``) could not give the bytes asked for.
+
+    ``url`` is the object or folder, ``byte_range`` the ``(begin, end)`` bytes a ranged read
+    was after (or None), and ``usage`` says whose move it is: True when the user must change
+    something (a bad URL, a missing bucket or key, access denied, no or refused credentials,
+    botocore not installed), False for transport failures (an endpoint that does not answer,
+    retries exhausted). The message is one line, ``"<url>: <what happened>; <what to do>"``,
+    built from error codes, never from a server's raw text, so it never carries a credential.
+    """
+
+    def __init__(self, message: str, *, url: str, byte_range: tuple[int, int] | None = None,
+                 usage: bool = False):
+        self.url = url
+        self.byte_range = None if byte_range is None else (int(byte_range[0]),
+                                                           int(byte_range[1]))
+        self.usage = bool(usage)
+        self.reason = message
+        super().__init__(_located(message, _url_text(url), self.byte_range and
+                                  f"bytes [{self.byte_range[0]}, {self.byte_range[1]})"))
 
 
 def annotate(exc: BaseException, where: str) -> None:

@@ -1,0 +1,219 @@
+"""An object's bytes in this process: a sparse mapping of its size, filled by ranged GETs as
+they are needed, and given back as they are done with.
+
+A reader parses a header out of it as out of a mapped file (asking ``need`` first), a load
+copies its pieces out of it as out of a mapped file (after ``need_spans`` of its read plan). So
+everything above the sources sees one kind of bytes, mapped, whether a file or an object holds
+them.
+
+1. **The mapping** is anonymous, private and never reserved (``MAP_NORESERVE``): an object of
+   100 GB costs nothing until bytes land in it, and only the pages that do.
+2. **Need**: the parts of the asked spans not yet present and not already being fetched by
+   another thread are fetched (``S3Client.fetch``: coalesced, concurrent, every GET checked
+   against the object's ETag); a thread that asks for bytes another thread is fetching waits
+   for them. What arrived is recorded; nothing is ever read from a part that was not.
+3. **Release**: the pages lying wholly inside a released span are handed back to the kernel
+   (``MADV_DONTNEED``: freed) and forgotten, so a later need fetches them again.
+
+>>> data = ObjectBytes(info)                                   # doctest: +SKIP
+>>> data.need(0, 8); bytes(data.map[:8])                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import threading
+from typing import Callable, Iterable, Optional
+
+from .s3 import ObjectInfo, S3Client, coalesce, default_client
+
+__all__ = ["ObjectBytes", "Spans", "MAP_NORESERVE"]
+
+#: Linux's MAP_NORESERVE (Python's mmap module does not name it before 3.13): without it, the
+#: kernel's default overcommit heuristic refuses a mapping larger than memory and swap
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+#: a thread waiting for bytes another thread fetches looks again this often (and calls its
+#: ``alive`` hook, so a watchdog does not take waiting for a download for a hang)
+WAIT_POLL_S = 0.25
+
+
+class Spans:
+    """A set of byte positions as sorted, disjoint, non-touching ``[begin, end)`` spans."""
+
+    __slots__ = ("begins", "ends")
+
+    def __init__(self) -> None:
+        self.begins: list[int] = []
+        self.ends: list[int] = []
+
+    def __iter__(self):
+        return iter(zip(self.begins, self.ends))
+
+    def __len__(self) -> int:
+        return len(self.begins)
+
+    def total(self) -> int:
+        return sum(e - b for b, e in self)
+
+    def add(self, begin: int, end: int) -> None:
+        if end <= begin:
+            return
+        # the spans that touch or overlap [begin, end) are merged into it
+        lo = bisect.bisect_left(self.ends, begin)
+        hi = bisect.bisect_right(self.begins, end)
+        if lo < hi:
+            begin = min(begin, self.begins[lo])
+            end = max(end, self.ends[hi - 1])
+        self.begins[lo:hi] = [begin]
+        self.ends[lo:hi] = [end]
+
+    def remove(self, begin: int, end: int) -> None:
+        if end <= begin:
+            return
+        lo = bisect.bisect_right(self.ends, begin)
+        hi = bisect.bisect_left(self.begins, end)
+        keep_b, keep_e = [], []
+        if lo < hi:
+            if self.begins[lo] < begin:
+                keep_b.append(self.begins[lo])
+                keep_e.append(begin)
+            if self.ends[hi - 1] > end:
+                keep_b.append(end)
+                keep_e.append(self.ends[hi - 1])
+        self.begins[lo:hi] = keep_b
+        self.ends[lo:hi] = keep_e
+
+    def missing(self, spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The parts of ``spans`` (sorted, disjoint) this set does not hold."""
+        out: list[tuple[int, int]] = []
+        begins, ends = self.begins, self.ends
+        for begin, end in spans:
+            k = bisect.bisect_right(ends, begin)
+            at = begin
+            while at < end:
+                if k == len(begins) or begins[k] >= end:
+                    out.append((at, end))
+                    break
+                if begins[k] > at:
+                    out.append((at, begins[k]))
+                at = max(at, ends[k])
+                k += 1
+        return out
+
+
+def merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` sorted, empty ones dropped, overlapping or touching ones merged."""
+    out: list[tuple[int, int]] = []
+    for begin, end in sorted(s for s in spans if s[1] > s[0]):
+        if out and begin <= out[-1][1]:
+            if end > out[-1][1]:
+                out[-1] = (out[-1][0], end)
+        else:
+            out.append((begin, end))
+    return out
+
+
+class ObjectBytes:
+    """One object's bytes in this process (see the module docstring). Thread-safe."""
+
+    def __init__(self, info: ObjectInfo, client: Optional[S3Client] = None):
+        self.info = info
+        self.size = info.size
+        self._client = client
+        self.map: Optional[mmap.mmap] = (
+            mmap.mmap(-1, info.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+            if info.size else None)
+        self._have = Spans()
+        self._fetching = Spans()
+        self._cond = threading.Condition()
+        #: bytes this process fetched (over-read between coalesced spans included)
+        self.fetched = 0
+
+    @property
+    def client(self) -> S3Client:
+        if self._client is None:
+            self._client = default_client()
+        return self._client
+
+    def spec(self) -> dict:
+        """What another process needs to fetch the same object's bytes (JSON)."""
+        return {"url": self.info.url, "size": self.info.size, "etag": self.info.etag,
+                "last_modified": self.info.last_modified}
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> "ObjectBytes":
+        return cls(ObjectInfo(url=str(spec["url"]), size=int(spec["size"]),
+                              etag=str(spec["etag"]), last_modified=str(spec["last_modified"])))
+
+    def need(self, begin: int, end: int, alive: Optional[Callable[[], None]] = None) -> int:
+        """Make bytes ``[begin, end)`` present (fetching what is missing)."""
+        return self.need_spans([(begin, end)], alive)
+
+    def need_spans(self, spans: Iterable[tuple[int, int]],
+                   alive: Optional[Callable[[], None]] = None) -> int:
+        """Make every span present: fetch the parts nobody has or is fetching, wait for the
+        parts another thread is fetching. ``alive()`` is called while waiting. Returns the
+        bytes this call fetched."""
+        want = merged((max(0, b), min(self.size, e)) for b, e in spans)
+        mine_total = 0
+        while True:
+            with self._cond:
+                missing = self._have.missing(want)
+                if not missing:
+                    return mine_total
+                # the gaps the client will read through are claimed too, so that another
+                # thread needing bytes in them waits for them rather than fetching them again
+                mine = self._fetching.missing(
+                    coalesce(self._fetching.missing(missing), self.client.max_gap))
+                if not mine:  # all of it is on its way, in other threads
+                    self._cond.wait(WAIT_POLL_S)
+                    if alive is not None:
+                        alive()
+                    continue
+                for b, e in mine:
+                    self._fetching.add(b, e)
+            ok = False
+            try:
+                n = self.client.fetch(self.info, mine, self._write)
+                ok = True
+            finally:
+                with self._cond:
+                    for b, e in mine:
+                        self._fetching.remove(b, e)
+                        if ok:
+                            self._have.add(b, e)
+                    if ok:
+                        self.fetched += n
+                        mine_total += n
+                    self._cond.notify_all()
+
+    def _write(self, offset: int, data: memoryview) -> None:
+        self.map[offset:offset + len(data)] = data
+
+    def present(self, begin: int, end: int) -> bool:
+        with self._cond:
+            return not self._have.missing([(begin, end)])
+
+    def release(self, begin: int, end: int) -> None:
+        """Hand back the pages wholly inside ``[begin, end)`` (they are fetched again if
+        needed again)."""
+        page = mmap.PAGESIZE
+        first = -(-begin // page) * page
+        last = end // page * page if end < self.size else self.size
+        if self.map is None or last <= first:
+            return
+        with self._cond:
+            self._have.remove(first, last)
+            try:
+                self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        m, self.map = self.map, None
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:  # a view still alive: it goes with the last one
+                pass
