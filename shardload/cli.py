@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import click
 
-from .errors import FormatError, PlanError, SessionError, ShardloadError, cli_text, quote
+from .errors import (FormatError, PlanError, SessionError, ShardloadError, StorageError,
+                     cli_text, quote)
 
 EXIT_OK, EXIT_LOAD_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 #: standard output closed before all was written (128 + SIGPIPE, as the shell reports a tool
@@ -152,6 +153,8 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except (PlanError, FormatError, SessionError) as exc:
             raise BadInput(cli_text(exc), type(exc).__name__) from None
+        except StorageError as exc:  # the user's move (a path, credentials) or the network's
+            raise (BadInput if exc.usage else LoadFailed)(str(exc), "StorageError") from None
         except ShardloadError as exc:
             raise LoadFailed(cli_text(exc), type(exc).__name__) from None
         except ImportError as exc:  # a --plugin module that does not import
@@ -287,7 +290,19 @@ def _plan_options(f):
     return f
 
 
-_ckpt_argument = click.argument("ckpt", type=click.Path(exists=True))
+class _CheckpointPath(click.Path):
+    """A local path that must exist, or an object storage URL (``s3://bucket/folder/``),
+    checked when it is opened."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        from .sources import is_object_url
+
+        if is_object_url(value):
+            return value
+        return super().convert(value, param, ctx)
+
+
+_ckpt_argument = click.argument("ckpt", type=_CheckpointPath(exists=True))
 
 
 def _prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num_shards: int,

@@ -20,6 +20,11 @@ Two rules, applied by every reader, the plan loader and every config reader:
 Small side files (indexes, configs, plans) are read with a stated cap (``read_capped``), so a
 1.6 GB "index" is refused before it is read.
 
+A data file (a safetensors file, a GGUF, an MLC shard) is mapped by ``map_data``: the file's own
+pages, or, for a path registered with ``register_data`` (a placeholder for an object in object
+storage: ``readers.objects``), that object's sparse mapping, whose bytes the reader asks for
+(``need``) before it parses them.
+
 >>> check_member_name("model-00001-of-00002.safetensors", index="model.safetensors.index.json")
 >>> check_member_name("../etc/passwd", index="i.json")
 Traceback (most recent call last):
@@ -30,16 +35,20 @@ shardload.errors.FormatError: i.json: names file '../etc/passwd', which has a '.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import stat
+import threading
 import unicodedata
+from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Optional, Union
 
 from . import strict_json
 from .errors import FormatError, quote
 
 __all__ = ["MAX_MEMBER_NAME", "MAX_SIDE_FILE_BYTES", "check_member_name", "regular_file",
-           "open_regular", "read_capped", "parse_json", "read_json", "kind_of"]
+           "open_regular", "read_capped", "parse_json", "read_json", "kind_of", "MappedData",
+           "map_data", "register_data", "unregister_data", "data_at"]
 
 #: longest file name a checkpoint may carry (real ones are under 100 characters)
 MAX_MEMBER_NAME = 1024
@@ -198,3 +207,74 @@ def read_json(path: PathLike, max_bytes: int, what: str = "the file",
     default)."""
     error = error or _format_error(path)
     return parse_json(read_capped(path, max_bytes, what, error), what, error, hint)
+
+
+# ---- data files: mapped, whether a file or an object holds them --------------------------------
+
+@dataclass
+class MappedData:
+    """A data file's bytes as a mapping (None for an empty file) of ``size`` bytes.
+
+    ``stat``: the file's ``fstat`` as mapped (its identity), None for an object (whose identity
+    its every read checks). ``need(begin, end)``: make those bytes present before reading them
+    (nothing to do for a file; ranged GETs for an object). ``remote``: the object's bytes
+    (``sources.sparse.ObjectBytes``), or None for a file.
+    """
+
+    map: Optional[mmap.mmap]
+    size: int
+    stat: Optional[os.stat_result]
+    need: Callable[[int, int], None]
+    remote: Any = None
+
+
+_REGISTERED: dict[str, Any] = {}
+_REGISTERED_LOCK = threading.Lock()
+
+
+def _key(path: PathLike) -> str:
+    return os.path.abspath(os.fspath(path))
+
+
+def register_data(path: PathLike, data: Any) -> None:
+    """Make ``map_data(path)`` hand out ``data`` (an object with ``map``, ``size`` and
+    ``need``) instead of mapping the file at ``path``."""
+    with _REGISTERED_LOCK:
+        _REGISTERED[_key(path)] = data
+
+
+def unregister_data(path: PathLike) -> None:
+    with _REGISTERED_LOCK:
+        _REGISTERED.pop(_key(path), None)
+
+
+def data_at(path: PathLike) -> Any:
+    """What ``register_data`` registered for ``path``, or None."""
+    if not _REGISTERED:
+        return None
+    with _REGISTERED_LOCK:
+        return _REGISTERED.get(_key(path))
+
+
+def _nothing_to_fetch(begin: int, end: int) -> None:
+    pass
+
+
+def map_data(path: PathLike, what: str = "the file",
+             error: Optional[ErrorFactory] = None) -> MappedData:
+    """The bytes of the data file at ``path``: a private copy-on-write mapping of the regular
+    file (``open_regular``; ACCESS_COPY: torch sees a writable buffer, and no write through a
+    tensor can reach the file), or the registered object's sparse mapping."""
+    remote = data_at(path)
+    if remote is not None:
+        return MappedData(remote.map, remote.size, None, remote.need, remote)
+    error = error or _format_error(path)
+    f, st = open_regular(path, what, error)
+    with f:
+        # the mapping holds its own handle on the file, so the file object can be closed
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if st.st_size else None
+    if mapped is not None and len(mapped) != st.st_size:
+        mapped.close()
+        raise error(f"{what} changed size while being opened; do not modify a checkpoint "
+                    f"while it is loading")
+    return MappedData(mapped, st.st_size, st, _nothing_to_fetch)

@@ -107,6 +107,12 @@ FORBIDDEN = {
                            "shardload.shard_functions", "shardload.planners", "shardload.cli",
                            "shardload.formats", "shardload.geometry", "shardload.frontdoor",
                            "shardload.hf"],
+    # sources give bytes by range (object storage): nothing of formats, plans or loading
+    "shardload.sources": ["shardload.readers", "shardload.plan", "shardload.readplan",
+                          "shardload.loader", "shardload.pieces", "shardload.sessions",
+                          "shardload.registry", "shardload.planners", "shardload.formats",
+                          "shardload.frontdoor", "shardload.cli", "shardload.hf",
+                          "shardload.vllm"],
     # readers know formats and bytes, nothing of sharding
     "shardload.readers": ["shardload.plan", "shardload.readplan", "shardload.loader",
                           "shardload.pieces", "shardload.sessions", "shardload.registry",

@@ -125,7 +125,7 @@ def resolve_plan(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None
     if shard_info is not None:
         _no_planner_options(experts, vocab_parallel, pad, quote(_label(shard_info)))
         if origin == "beside":
-            shard_info = ShardInfo.load(shard_info)
+            shard_info = ShardInfo.load(shard_info, checkpoint.name_of(shard_info))
         validated = _given(shard_info, checkpoint, num_shards)
         return ResolvedPlan(validated, origin, _label(shard_info))
     from ..planners import plan_decision

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -28,7 +29,7 @@ from ..sessions import Stopped, WorkerContext, register_session_func
 from ..staging import Pipeline, Staging
 from .chains import run_steps
 from .reads import (PageReleases, Readahead, SourceViews, copy_runs, count_read, new_piece,
-                    piece_spans, read_runs, source_views)
+                    object_spans, piece_spans, read_runs, source_views)
 from .sharing import SharedOutputs, local_for
 
 __all__ = ["LOAD_PIECES", "FETCH_PIECE", "RELEASE_LOADS", "read_piece", "load_pieces",
@@ -244,6 +245,36 @@ class _Books:
         self._ctx.progress(nbytes=nbytes)
 
 
+def _fetch_objects(source: Checkpoint, plan: ReadPlan, ctx: WorkerContext,
+                   stopped: Callable[[], bool]) -> Optional[int]:
+    """Fetch the bytes of the plan's object sources before any is copied (``object_spans``:
+    ranged GETs, concurrent, of what this process does not hold yet; the workers of one
+    process share what they fetch). The wait reports progress, so a long download is not
+    taken for a hang. Returns the bytes fetched, None where the plan reads no object."""
+    wanted = object_spans(plan)
+    if not wanted:
+        return None
+    outcome: dict = {"bytes": 0}
+
+    def fetch() -> None:
+        try:
+            for index, spans in wanted.items():
+                outcome["bytes"] += source.fetch_bytes(index, spans)
+        except BaseException as exc:  # noqa: BLE001 - raised in the worker's thread below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fetch, name=f"shardload-fetch-{ctx.rank}", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.25)
+        ctx.progress(where="fetching its bytes from object storage")
+        if stopped():
+            raise Stopped()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["bytes"]
+
+
 @register_session_func(LOAD_PIECES)
 def load_pieces(ctx: WorkerContext, request: dict) -> dict:
     """Carry out ``request["plan"]`` (a ``ReadPlan`` as JSON) on this worker.
@@ -291,6 +322,7 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
         shared = local.shared if local is not None and local.num_local > 1 else None
         worker = _Worker(source, plan.num_shards, plan.rank, ctx.device, pipe, shared, waiting,
                          stopped, SourceViews(source))
+        fetched = _fetch_objects(source, plan, ctx, stopped)
         books = _Books(ctx, readahead, local, releases, stopped)
         stack.callback(books.give_turn)
         direct_cpu = pipe is None and ctx.device.type == "cpu"
@@ -333,7 +365,10 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
         local.shards[plan.rank] = kept  # the loader returns them itself
     else:  # kept here until the loader says its result was dropped (release_loads)
         ctx.values.setdefault(LOAD_PIECES, {})[request["load"]] = kept
-    reply = {"bytes": kept_bytes, "tensors": len(kept), "bytes_read": read, "seconds": time.perf_counter() - start}
+    reply = {"bytes": kept_bytes, "tensors": len(kept), "bytes_read": read,
+             "seconds": time.perf_counter() - start}
+    if fetched is not None:
+        reply["bytes_fetched"] = fetched
     if pipe is not None:
         reply["staging"] = pipe.stats.as_dict()
     return reply

@@ -250,13 +250,15 @@ class ShardInfo:
             return cls.from_dict(data, source, _strict_json=True)
 
     @classmethod
-    def load(cls, path: Union[str, os.PathLike]) -> "ShardInfo":
+    def load(cls, path: Union[str, os.PathLike], source: Optional[str] = None) -> "ShardInfo":
         """Read and parse a plan file. It must be a regular file (a FIFO, a device, a directory
-        or a symlink loop is a ``PlanError``) of at most ``MAX_PLAN_BYTES``."""
+        or a symlink loop is a ``PlanError``) of at most ``MAX_PLAN_BYTES``. ``source``: what
+        messages call it (default: the path)."""
         path = os.fsdecode(path)
+        source = path if source is None else source
         text = files.read_capped(path, limits.MAX_PLAN_BYTES, "the plan",
-                                 error=lambda m: PlanError(m, source=path))
-        return cls.loads(text, source=path)
+                                 error=lambda m: PlanError(m, source=source))
+        return cls.loads(text, source=source)
 
     @classmethod
     def coerce(cls, obj: Any) -> "ShardInfo":

@@ -23,7 +23,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
       ``model.safetensors.index.json``;
     - a Hugging Face hub cache repository folder (``models--org--name``, with ``refs/main`` and
       ``snapshots/``): the snapshot ``refs/main`` names. A snapshot folder itself (its files are
-      symlinks into ``blobs/``) is an ordinary folder.
+      symlinks into ``blobs/``) is an ordinary folder;
+    - any of these in object storage, ``s3://bucket/folder/`` or ``s3://bucket/model.gguf``
+      (``readers.objects``: headers by ranged GETs, tensor bytes fetched when needed).
 
     Nothing but headers is read until a tensor is asked for. The checkpoint's ``path`` is what
     was opened: for a hub cache repository folder, the snapshot folder, which is where the plan
@@ -33,6 +35,17 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     >>> ckpt.meta("model.embed_tokens.weight").shape               # doctest: +SKIP
     (512, 256)
     """
+    from ..sources import is_object_url
+
+    if is_object_url(path):
+        from .objects import open_object_checkpoint
+
+        return open_object_checkpoint(path, open_local_checkpoint)
+    return open_local_checkpoint(path)
+
+
+def open_local_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """``open_checkpoint`` of a path on this machine."""
     from .hub_cache import resolve_snapshot
 
     path = resolve_snapshot(os.fspath(path))

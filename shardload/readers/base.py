@@ -19,6 +19,7 @@ import abc
 import contextlib
 import contextvars
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -165,6 +166,12 @@ class Checkpoint(abc.ABC):
         """A hint that bytes ``[begin, end)`` of source ``index`` will be read soon (a file's
         reader asks the kernel to start reading them into the page cache)."""
 
+    def fetch_bytes(self, index: int, spans, alive=None) -> int:
+        """Make the ``[begin, end)`` byte ``spans`` of source ``index`` present before they
+        are copied (an object's are fetched; a file's and memory's are there). Returns the
+        bytes fetched from object storage."""
+        return 0
+
     def _source_index(self) -> dict[str, int]:
         cached = getattr(self, "_source_indices", None)
         if cached is None:
@@ -199,6 +206,21 @@ class Checkpoint(abc.ABC):
 
     def names(self) -> list[str]:
         return list(self.metadata())
+
+    #: ``(local folder, what it stands for)`` where this checkpoint's files were brought here
+    #: from elsewhere (object storage: ``readers.objects``), for ``name_of``
+    named_as: "tuple[str, str] | None" = None
+
+    def name_of(self, path: str) -> str:
+        """What messages call a local file of this checkpoint: its path, or, for a checkpoint
+        brought from object storage, its URL there."""
+        if self.named_as is None:
+            return path
+        local, remote = self.named_as
+        rel = os.path.relpath(path, local)
+        if rel == "." or rel.startswith(".."):
+            return remote if rel == "." else path
+        return remote.rstrip("/") + "/" + rel.replace(os.sep, "/")
 
     def close(self) -> None:
         """Release files and mappings. Tensors already returned stay valid."""

@@ -71,7 +71,7 @@ from gguf import GGUFValueType
 
 from .. import dtypes
 from ..errors import FormatError, quote
-from ..files import open_regular
+from ..files import MappedData, map_data
 from ..dtypes import shape_problem
 from ..limits import MAX_DIM
 from ..strict_json import gc_paused
@@ -148,11 +148,23 @@ class _Header:
     data_start: int
 
 
-class _Parser:
-    """Bounds-checked reads of the header out of a mapping of the file."""
+class _NeedMore(Exception):
+    """The parse reached past the bytes present (an object's header, fetched a part at a
+    time): ``end`` is how far it needs them."""
 
-    def __init__(self, buf: Any, size: int, path: Path):
+    def __init__(self, end: int):
+        super().__init__(end)
+        self.end = end
+
+
+class _Parser:
+    """Bounds-checked reads of the header out of a mapping of the file. Only the first
+    ``avail`` bytes are read (all of them, for a file): a read past them raises
+    ``_NeedMore`` when the file holds more."""
+
+    def __init__(self, buf: Any, size: int, path: Path, avail: int | None = None):
         self.buf, self.size, self.path = buf, size, path
+        self.avail = size if avail is None else avail
         self.pos = 0
         self.where = "the header"  # what is being read, for messages
         self.tensor: str | None = None
@@ -162,7 +174,9 @@ class _Parser:
                            tensor=self.tensor)
 
     def need(self, n: int, what: str) -> None:
-        if n > self.size - self.pos:
+        if n > self.avail - self.pos:
+            if self.avail < self.size and n <= self.size - self.pos:
+                raise _NeedMore(self.pos + n)
             raise self.fail(f"{what} in {self.where} (at byte {self.pos}, {n} bytes) runs past the "
                             f"end of the {self.size}-byte file: the file is truncated or its "
                             f"header is corrupt")
@@ -192,7 +206,7 @@ class _Parser:
     def skip_strings(self, count: int, what: str) -> None:
         """Walk ``count`` strings, checking each is inside the file and valid UTF-8."""
         self.need(8 * count, f"{count} strings of {what}")  # each has at least its length
-        buf, size, pos, unpack = self.buf, self.size, self.pos, _U64.unpack_from
+        buf, size, pos, unpack = self.buf, self.avail, self.pos, _U64.unpack_from
         for i in range(count):
             if size - pos < 8:
                 self.pos = pos
@@ -257,6 +271,8 @@ class _Parser:
         if self.size < 24:
             raise self.fail(f"file is {self.size} bytes, too short for the 24-byte GGUF header: "
                             f"it is truncated or not a GGUF file")
+        if self.avail < 24:
+            raise _NeedMore(24)
         magic, version = struct.unpack_from("<II", self.buf, 0)
         if magic != GGUF_MAGIC:
             raise self.fail(f"magic is {bytes(self.buf[0:4])!r}, not b'GGUF': this is not a GGUF "
@@ -329,6 +345,8 @@ class _Parser:
         stop = min(data_start, self.size)
         if stop <= header_end:
             return
+        if stop > self.avail:
+            raise _NeedMore(stop)
         pad = np.frombuffer(self.buf, np.uint8, stop - header_end, header_end)
         nonzero = np.flatnonzero(pad)
         del pad  # a view holds the mapping; do not keep it
@@ -449,27 +467,45 @@ def open_gguf(path: str | os.PathLike) -> "GGUFCheckpoint":
         raise FormatError("no such file", file=p)
     if p.is_dir():
         raise FormatError("not a file; pass the path of a .gguf file", file=p)
-    f, st = open_regular(p, "the GGUF file")
-    with f:
-        size = st.st_size
+    data = map_data(p, "the GGUF file")
+    mapped, size = data.map, data.size
+    try:
         if size == 0:
             raise FormatError(f"file is empty: it is truncated or not a GGUF file; {_REDO}",
                               file=p)
-        # ACCESS_COPY: a private copy-on-write mapping. torch sees a writable buffer (so no
-        # "non-writable buffer" warning), and no write through a tensor can reach the file.
-        # The mapping holds its own handle on the file, so the file object can be closed.
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    try:
-        if len(mapped) != size:
-            raise FormatError("file changed size while being opened; do not modify a checkpoint "
-                              "while it is loading", file=p)
         with gc_paused():  # see gc_paused: a header of many tensors must open in time linear in it
-            header = _Parser(mapped, size, p).header()
+            header = _parse_header(p, data)
             tensors = _check_tensors(p, header, size)
-            return GGUFCheckpoint(str(path), mapped, header, tensors, st)
+            return GGUFCheckpoint(str(path), mapped, header, tensors, data.stat)
     except BaseException:
         unmap(mapped)
         raise
+
+
+#: an object's header is fetched this much at first, then twice as much each time the parse
+#: needs more, up to ``MAX_FETCHED_HEADER`` (real headers, a 150k-token vocabulary with its
+#: merges included, are tens of MB): a header that claims more is refused before it is fetched
+FIRST_HEADER_FETCH = 1 << 20
+MAX_FETCHED_HEADER = 512 << 20
+
+
+def _parse_header(p: Path, data: MappedData) -> _Header:
+    """The validated header; for an object, parsed again on a longer prefix each time the
+    parse reaches past what was fetched (a parse is milliseconds, a GET a round trip)."""
+    if data.remote is None:
+        return _Parser(data.map, data.size, p).header()
+    avail = min(data.size, FIRST_HEADER_FETCH)
+    while True:
+        data.need(0, avail)
+        try:
+            return _Parser(data.map, data.size, p, avail).header()
+        except _NeedMore as more:
+            if more.end > MAX_FETCHED_HEADER:
+                raise FormatError(f"the header reaches byte {more.end}, past the "
+                                  f"{MAX_FETCHED_HEADER}-byte limit on a header fetched from "
+                                  f"object storage: the header is corrupt or hostile (nothing "
+                                  f"past the limit was fetched)", file=p) from None
+            avail = min(data.size, max(2 * avail, more.end))
 
 
 class GGUFCheckpoint(MappedCheckpoint):

@@ -42,6 +42,7 @@ import torch
 from .. import dtypes
 from ..errors import FormatError
 from . import base
+from ..files import data_at
 from .base import Checkpoint, TensorMeta
 
 #: what identifies a file's contents: (st_dev, st_ino, st_size, st_mtime_ns)
@@ -144,11 +145,15 @@ class MappedCheckpoint(Checkpoint):
     def __init__(self, source: str, files: list[str], maps: list[Optional[mmap.mmap]],
                  tensors: Union[TensorTable, Iterable[tuple[TensorMeta, int, int, int]]],
                  data_starts: Optional[list[int]] = None,
-                 stats: Optional[list[Optional[os.stat_result]]] = None):
+                 stats: Optional[list[Optional[os.stat_result]]] = None,
+                 remote: Optional[list] = None):
         super().__init__()
         self.source = source
         self.files = list(files)
         self._maps = list(maps)
+        # each file's object bytes where an object holds it (``files.map_data``), else None
+        self._remote = list(remote) if remote is not None else [data_at(f) for f in self.files]
+        self._closers: list = []
         self._data_starts = list(data_starts or [0] * len(maps))
         # absolute: a chdir in another thread must not make the check look at another file
         self._idents: list[tuple[str, Optional[Identity]]] = [
@@ -190,8 +195,13 @@ class MappedCheckpoint(Checkpoint):
     # -- byte sources: this checkpoint's files, for read plans
 
     def sources(self) -> list[dict]:
-        return [{"file": path, "identity": None if ident is None else list(ident)}
-                for path, ident in self._idents]
+        out = []
+        for (path, ident), remote in zip(self._idents, self._remote):
+            spec = {"file": path, "identity": None if ident is None else list(ident)}
+            if remote is not None:
+                spec["object"] = remote.spec()
+            out.append(spec)
+        return out
 
     def locate(self, name: str) -> tuple[int, int, int]:
         self.meta(name)
@@ -210,8 +220,27 @@ class MappedCheckpoint(Checkpoint):
 
     def release_bytes(self, index: int, begin: int, end: int) -> None:
         """Give this process's mapping of the file's pages ``[begin, end)`` back (see
-        ``release``); only memory accounting suffers where it cannot."""
+        ``release``); only memory accounting suffers where it cannot. An object's pages are
+        freed, and fetched again if they are needed again."""
+        remote = self._remote[index] if index < len(self._remote) else None
+        if remote is not None:
+            remote.release(begin, end)
+            return
         self._advise(index, begin, end, "MADV_DONTNEED")
+
+    def fetch_bytes(self, index: int, spans, alive=None) -> int:
+        """Make the ``[begin, end)`` byte spans of source ``index`` present before they are
+        copied: nothing to do for a file (the kernel pages it in); ranged GETs of what is
+        missing for an object (``alive()`` is called while waiting on another thread's).
+        Returns the bytes fetched from object storage."""
+        remote = self._remote[index]
+        if remote is None:
+            return 0
+        return remote.need_spans(spans, alive)
+
+    def on_close(self, callback) -> None:
+        """Call ``callback()`` when this checkpoint is closed, after its mappings."""
+        self._closers.append(callback)
 
     def prefetch_bytes(self, index: int, begin: int, end: int) -> None:
         """Ask the kernel to read the file's pages ``[begin, end)`` ahead (``MADV_WILLNEED``):
@@ -224,6 +253,8 @@ class MappedCheckpoint(Checkpoint):
         so a closed mapping or a platform without it is no error."""
         with self._lock:
             m = self._maps[index] if index < len(self._maps) else None
+            if index < len(self._remote) and self._remote[index] is not None:
+                return  # an object's bytes are fetched when needed, never faulted in
         if m is None or end <= begin or not hasattr(mmap, advice):
             return
         first = begin // mmap.PAGESIZE * mmap.PAGESIZE
@@ -250,6 +281,10 @@ class MappedCheckpoint(Checkpoint):
             data = self._data[i]
         if end > begin:
             self.check_unchanged(i, name)
+            remote = self._remote[i]
+            if remote is not None:
+                start = self._data_starts[i]
+                remote.need(start + begin, start + end)
         return meta, data[begin:end]
 
     def check_unchanged(self, i: int, tensor: Optional[str] = None) -> None:
@@ -384,6 +419,9 @@ class MappedCheckpoint(Checkpoint):
             maps, self._maps = self._maps, []
         for m in maps:
             unmap(m)
+        closers, self._closers = self._closers, []
+        for callback in closers:
+            callback()
 
 
 def open_sources(sources: list[dict], source: str = "<read plan>") -> MappedCheckpoint:
@@ -395,7 +433,7 @@ def open_sources(sources: list[dict], source: str = "<read plan>") -> MappedChec
     """
     from ..files import open_regular
 
-    files, maps, stats = [], [], []
+    files, maps, stats, remotes = [], [], [], []
     try:
         for spec in sources:
             path = spec.get("file")
@@ -403,6 +441,15 @@ def open_sources(sources: list[dict], source: str = "<read plan>") -> MappedChec
                 raise ValueError("a worker process can only read sources that are files; this "
                                  f"one is {spec!r} (the loader writes in-memory tensors to a "
                                  "file first)")
+            if spec.get("object") is not None:  # fetched by this process as it needs it
+                from ..sources.sparse import ObjectBytes
+
+                remote = ObjectBytes.from_spec(spec["object"])
+                files.append(path)
+                maps.append(remote.map)
+                stats.append(None)
+                remotes.append(remote)
+                continue
             f, st = open_regular(path, "the checkpoint file")
             with f:
                 want = spec.get("identity")
@@ -414,8 +461,9 @@ def open_sources(sources: list[dict], source: str = "<read plan>") -> MappedChec
             files.append(path)
             maps.append(m)
             stats.append(st)
+            remotes.append(None)
     except BaseException:
         for m in maps:
             unmap(m)
         raise
-    return MappedCheckpoint(source, files, maps, (), stats=stats)
+    return MappedCheckpoint(source, files, maps, (), stats=stats, remote=remotes)

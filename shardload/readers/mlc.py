@@ -78,7 +78,7 @@ from typing import Any
 
 from .. import dtypes, strict_json
 from ..errors import FormatError, quote
-from ..files import MAX_SIDE_FILE_BYTES, check_member_name, open_regular, read_json
+from ..files import MAX_SIDE_FILE_BYTES, check_member_name, map_data, read_json
 from ..dtypes import shape_problem
 from ..strict_json import gc_paused
 from .base import MAX_INDEX_BYTES, TensorMeta
@@ -301,27 +301,17 @@ def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
 # mapping
 
 
-def _map_shard(index: Path, spec: _ShardSpec) -> "tuple[mmap.mmap | None, os.stat_result]":
+def _map_shard(index: Path, spec: _ShardSpec) -> "tuple[mmap.mmap | None, os.stat_result | None]":
     """Map one shard file after checking its size; None for an empty file (mmap refuses those).
-    Also returns its ``fstat`` as mapped."""
-    f, st = open_regular(spec.path, "the shard file")
-    with f:
-        size = st.st_size
-        if size != spec.nbytes:
-            how = "truncated" if size < spec.nbytes else "longer than listed"
-            raise FormatError(f"shard file is {size} bytes, but {index.name} says {spec.nbytes} "
-                              f"(its nbytes): it is {how} (an interrupted download?); {_REDO}",
-                              file=spec.path)
-        if size == 0:
-            return None, st
-        # ACCESS_COPY: a private copy-on-write mapping. torch sees a writable buffer, and no
-        # write through a tensor can reach the file. The map keeps its own handle on the file.
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    if len(mapped) != spec.nbytes:
-        mapped.close()
-        raise FormatError("shard file changed size while being opened; do not modify a "
-                          "checkpoint while it is loading", file=spec.path)
-    return mapped, st
+    Also returns its ``fstat`` as mapped (None for an object: ``files.map_data``)."""
+    data = map_data(spec.path, "the shard file")
+    if data.size != spec.nbytes:
+        unmap(data.map)
+        how = "truncated" if data.size < spec.nbytes else "longer than listed"
+        raise FormatError(f"shard file is {data.size} bytes, but {index.name} says {spec.nbytes} "
+                          f"(its nbytes): it is {how} (an interrupted download?); {_REDO}",
+                          file=spec.path)
+    return data.map, data.stat
 
 
 # ----------------------------------------------------------------------------------------------

@@ -63,7 +63,8 @@ import numpy as np
 
 from .. import dtypes, strict_json
 from ..errors import FormatError, quote
-from ..files import MAX_SIDE_FILE_BYTES, check_member_name, open_regular, read_json
+from ..files import (MAX_SIDE_FILE_BYTES, MappedData, check_member_name, map_data,
+                     open_regular, read_json)
 from ..dtypes import shape_problem
 from ..limits import MAX_DIM, MAX_NDIM
 from ..strict_json import gc_paused
@@ -298,56 +299,66 @@ def _storage_order(tensors: dict[str, TensorMeta], begins: array,
 
 
 def _open_shard(path: Path) -> _Shard:
-    """Read, validate and map one file. Only the header is read; the data is mapped."""
-    f, st = open_regular(path, "the file")
-    with f:
-        size = st.st_size
-        if size < 8:
-            raise FormatError(f"file is {size} bytes, too short for the 8-byte header length: it "
-                              f"is truncated or not a safetensors file; {_REDO}", file=path)
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n == 0:
-            raise FormatError(f"header length is 0; a safetensors header is at least '{{}}'; "
-                              f"{_REDO}", file=path)
-        if n > MAX_HEADER_SIZE:
-            raise FormatError(f"header length {n} is over the {MAX_HEADER_SIZE}-byte limit: the "
-                              f"file is corrupt or not a safetensors file", file=path)
-        if 8 + n > size:
-            raise FormatError(f"header length {n} runs past the end of the {size}-byte file: the "
-                              f"file is truncated; {_REDO}", file=path)
-        raw = bytearray(n)
-        if f.readinto(raw) != n:
-            raise FormatError("file shrank while being opened; do not modify a checkpoint while "
-                              "it is loading", file=path)
-        data_start = 8 + n
-        data_len = size - data_start
-        begins, ends = array("q"), array("q")
-        # (Like the library, we accept whitespace around the JSON object.)
-        tensors = _load_header(raw, path, _entry_reader(path, data_len, begins, ends))
+    """Read, validate and map one file. Only the header is read; the data is mapped (or, for
+    an object, fetched as it is needed: ``files.map_data``)."""
+    data = map_data(path, "the file")
+    try:
+        return _shard_of(path, data)
+    except BaseException:
+        unmap(data.map)
+        raise
 
-        # The library also takes "__metadata__": null; we want an object if the key is there.
-        metadata = tensors.pop("__metadata__", {})
-        if not (isinstance(metadata, dict)
-                and all(isinstance(v, str) for v in metadata.values())):
-            raise FormatError(f"__metadata__ must be an object of string -> string, got "
-                              f"{quote(metadata)}; {_REDO}", file=path)
-        for key, value in metadata.items():
-            for text in (key, value):
-                if not strict_json.is_text(text):
-                    raise FormatError(f"__metadata__ holds {quote(text)}, which is not valid "
-                                      f"Unicode (a lone surrogate escape); {_REDO}", file=path)
-        tensors, begins, ends = _storage_order(tensors, begins, ends)
-        _check_layout(path, tensors, begins, ends, data_len)
 
-        # ACCESS_COPY: a private copy-on-write mapping. torch sees a writable buffer (so no
-        # "non-writable buffer" warning), and no write through a tensor can reach the file.
-        # The mapping holds its own handle on the file, so the file object can be closed.
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    if len(mapped) != size:
-        mapped.close()
-        raise FormatError("file changed size while being opened; do not modify a checkpoint "
-                          "while it is loading", file=path)
-    return _Shard(path, metadata, tensors, begins, ends, data_start, mapped, st)
+def _shard_of(path: Path, data: MappedData) -> _Shard:
+    size, mapped = data.size, data.map
+    if size < 8:
+        raise FormatError(f"file is {size} bytes, too short for the 8-byte header length: it "
+                          f"is truncated or not a safetensors file; {_REDO}", file=path)
+    data.need(0, 8)
+    (n,) = struct.unpack_from("<Q", mapped, 0)
+    if n == 0:
+        raise FormatError(f"header length is 0; a safetensors header is at least '{{}}'; "
+                          f"{_REDO}", file=path)
+    if n > MAX_HEADER_SIZE:
+        raise FormatError(f"header length {n} is over the {MAX_HEADER_SIZE}-byte limit: the "
+                          f"file is corrupt or not a safetensors file", file=path)
+    if 8 + n > size:
+        raise FormatError(f"header length {n} runs past the end of the {size}-byte file: the "
+                          f"file is truncated; {_REDO}", file=path)
+    data.need(8, 8 + n)
+    raw = bytearray(n)
+    with memoryview(mapped) as view:  # released before the mapping may be closed
+        raw[:] = view[8:8 + n]
+    if data.stat is not None:
+        _drop_pages(mapped, 8 + n)  # the header's pages: its text is all that is kept
+    data_start = 8 + n
+    data_len = size - data_start
+    begins, ends = array("q"), array("q")
+    # (Like the library, we accept whitespace around the JSON object.)
+    tensors = _load_header(raw, path, _entry_reader(path, data_len, begins, ends))
+
+    # The library also takes "__metadata__": null; we want an object if the key is there.
+    metadata = tensors.pop("__metadata__", {})
+    if not (isinstance(metadata, dict)
+            and all(isinstance(v, str) for v in metadata.values())):
+        raise FormatError(f"__metadata__ must be an object of string -> string, got "
+                          f"{quote(metadata)}; {_REDO}", file=path)
+    for key, value in metadata.items():
+        for text in (key, value):
+            if not strict_json.is_text(text):
+                raise FormatError(f"__metadata__ holds {quote(text)}, which is not valid "
+                                  f"Unicode (a lone surrogate escape); {_REDO}", file=path)
+    tensors, begins, ends = _storage_order(tensors, begins, ends)
+    _check_layout(path, tensors, begins, ends, data_len)
+    return _Shard(path, metadata, tensors, begins, ends, data_start, mapped, data.stat)
+
+
+def _drop_pages(mapped: mmap.mmap, end: int) -> None:
+    """Hand back this process's mapping of bytes ``[0, end)`` (they stay in the page cache)."""
+    try:
+        mapped.madvise(mmap.MADV_DONTNEED, 0, min(end, len(mapped)))
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 # ----------------------------------------------------------------------------------------------
