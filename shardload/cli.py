@@ -732,6 +732,12 @@ def run(num_shards: int, ckpt: str, prompt: str, max_new_tokens: int, chat: bool
         # update() draws at most every tenth of a second: the workers report every piece
         bar.update(max(0, low + (high - low) * min(done, total) // max(total, 1) - bar.n))
 
+    from .sources import is_object_url
+
+    if is_object_url(ckpt):  # its tokenizer and config would be read from the scratch folder
+        bar.close()
+        raise BadInput("shardload run does not read from object storage yet: copy the "
+                       f"checkpoint to a local folder first (aws s3 sync {ckpt} DIR)")
     try:
         show("importing")
         import torch

@@ -286,3 +286,8 @@ def test_no_credential_in_any_message(aws, tiny):
     with pytest.raises(StorageError) as info:
         open_checkpoint("s3://no-such-bucket-here/x/")
     assert info.value.usage and secret not in str(info.value) and key_id not in str(info.value)
+
+
+def test_run_from_object_storage_is_refused_before_anything_starts(aws, tiny):
+    run, _ = _cli(aws, "run", "--shards", "2", "--prompt", "hi", tiny)
+    assert run.returncode == 2 and "does not read from object storage yet" in run.stderr
