@@ -291,3 +291,66 @@ def test_no_credential_in_any_message(aws, tiny):
 def test_run_from_object_storage_is_refused_before_anything_starts(aws, tiny):
     run, _ = _cli(aws, "run", "--shards", "2", "--prompt", "hi", tiny)
     assert run.returncode == 2 and "does not read from object storage yet" in run.stderr
+
+
+# -- the reliability corpus, served from S3 -----------------------------------------------------
+
+#: the corpus' classes about what a checkpoint's files hold (the rest are about local file
+#: system layouts, configs and plans, which object storage does not change)
+CORPUS_CLASSES = {"safetensors header", "GGUF header", "GGUF metadata", "MLC index",
+                  "index file", "index file names", "truncated file", "pathological sizes",
+                  "legitimate", "metadata vs tensors"}
+
+
+#: by default, the headers; the other classes under -m extended
+HEADER_CLASSES = {"safetensors header", "GGUF header", "MLC index", "truncated file"}
+
+
+def _corpus():
+    from helpers.hostile_corpus import CASES
+
+    return [pytest.param(c, id=c.id, marks=[] if c.klass in HEADER_CLASSES
+                         else [pytest.mark.extended])
+            for c in CASES if c.klass in CORPUS_CLASSES and not c.slow]
+
+
+def _outcome(ckpt_path: str, shards: int):
+    """``None`` where the checkpoint loads (its plan beside it, or the planner's), else the
+    refusal."""
+    from shardload import PlanError, plan_for
+
+    try:
+        with open_checkpoint(ckpt_path) as ckpt:
+            plan = None if any(os.path.basename(f) == "shard_info.json"
+                               for f in os.listdir(ckpt.path if os.path.isdir(ckpt.path)
+                                                   else os.path.dirname(ckpt.path))) \
+                else plan_for(ckpt, shards)
+            with ThreadedSession(shards) as sess:
+                load_sharded(ckpt, plan, sess, progress=False)
+        return None
+    except (FormatError, PlanError, StorageError) as exc:
+        return exc
+
+
+@pytest.mark.parametrize("case", _corpus())
+def test_the_corpus_from_s3_gets_the_answers_it_gets_from_files(aws, case, tmp_path):
+    folder = tmp_path / "case"
+    folder.mkdir()
+    target = case.build(folder)
+    if target.plan is not None or any(p.is_symlink() or not (p.is_file() or p.is_dir())
+                                      for p in folder.rglob("*")) \
+            or any(p.is_dir() for p in folder.iterdir()):
+        pytest.skip("a layout object storage has no counterpart of (links, FIFOs, folders)")
+    local = _outcome(target.ckpt, target.shards)
+    prefix = f"corpus/{case.id}"
+    url = upload(aws, str(folder), prefix)
+    rel = os.path.relpath(target.ckpt, folder)
+    remote = _outcome(url if rel == "." else url + rel, target.shards)
+    if local is None:
+        assert remote is None, remote
+        return
+    assert type(remote) is type(local), (local, remote)
+    text = str(remote)
+    assert str(folder) not in text and "shardload-s3-" not in text, text  # says the URL
+    for fragment in case.mentions:
+        assert fragment in text, (fragment, text)

@@ -26,6 +26,13 @@ def _folder(source: str) -> str:
     return source if os.path.isdir(source) else os.path.dirname(source)
 
 
+def _local_path(ckpt) -> str:
+    """Where the checkpoint's files are on this machine: its source, or, for one brought from
+    object storage, the scratch folder holding its side files (``Checkpoint.name_of`` says
+    them as URLs)."""
+    return ckpt.source if ckpt.named_as is None else ckpt.path
+
+
 def _no_config(source: str, what: str) -> PlanError:
     error = PlanError(f"no plan, and no model config next to the checkpoint ({what}) to write "
                       f"one from: pass a plan ({SHARD_INFO.python}, or a shard_info.json beside "
@@ -41,16 +48,20 @@ class _QuantizationFile:
     AutoGPTQ; ``hf_quant_config.json``, ModelOpt). Decided only when a message needs it (it
     re-reads the small config.json)."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, name_of: Callable[[str], str] = str):
         from ..readers.safetensors import QUANT_SIDE_FILES
 
         self.config = os.path.join(folder, "config.json")
         self.sides = [os.path.join(folder, side) for side in QUANT_SIDE_FILES]
         self._label: Optional[str] = None
+        self._name_of = name_of  # what messages call a local file (a URL, for an object's)
 
     def __call__(self) -> str:
         if self._label is None:
-            self._label = self._find()
+            found = self._find()
+            for path in (self.config, *self.sides):
+                found = found.replace(path, self._name_of(path))
+            self._label = found
         return self._label
 
     def _find(self) -> str:
@@ -77,7 +88,8 @@ def _read_mlc(ckpt) -> tuple[ModelSpec, Scheme]:
     config, source = ckpt.config, ckpt.source
     if not set(config) - {"tensor_cache_metadata"}:
         raise _no_config(source, "mlc-chat-config.json")
-    label = (os.path.join(source, "mlc-chat-config.json") if os.path.isdir(source)
+    local = _local_path(ckpt)
+    label = (ckpt.name_of(os.path.join(local, "mlc-chat-config.json")) if os.path.isdir(local)
              else source)
     cfg = Fields(config, file=label)
     quant = cfg.str("quantization")
@@ -94,10 +106,11 @@ def _read_hf(ckpt) -> tuple[ModelSpec, Scheme]:
     if not config:
         raise _no_config(source, "config.json, GGUF metadata or mlc-chat-config.json")
     quant_file: Union[str, Callable[[], str]]
-    if isinstance(source, str) and os.path.exists(source):
-        folder = _folder(source)
-        label = os.path.join(folder, "config.json")
-        quant_file = _QuantizationFile(folder)
+    local = _local_path(ckpt)
+    if isinstance(local, str) and os.path.exists(local):
+        folder = _folder(local)
+        label = ckpt.name_of(os.path.join(folder, "config.json"))
+        quant_file = _QuantizationFile(folder, ckpt.name_of)
     else:  # a checkpoint not read from files: its config has no file to name
         label = quant_file = f"{source} (its config)"
     cfg = Fields(config, file=label)

@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""Benchmark: a checkpoint loaded from S3 onto N workers, shardload against the Run:ai
+Model Streamer, both reading from the same local S3 server.
+
+    python benchmarks/bench_s3.py [--size-gb 0.25] [--shards 1,2,4,8] [--runs 2] [--json F]
+
+1. Writes (once, cached) the GPTQ Llama checkpoint of ``bench_load.py`` at ``--size-gb``,
+   starts moto's S3 server on 127.0.0.1 behind the tests' counting proxy
+   (``tests/helpers/s3server.py``) and uploads the checkpoint.
+2. For each N, alternating the methods ``--runs`` times, measures the wall time and the bytes
+   the server sent (counted at the server, not by the loaders):
+   ``shardload-thread``   ``load_sharded("s3://...")`` on a started ``ThreadedSession(N)``;
+   ``shardload-process``  the same on a started ``ProcessSession(N)``;
+   ``runai-streamer``     N ranks, each a thread streaming the whole file with
+                          ``SafetensorsStreamer`` from ``s3://`` (``runai-model-streamer-s3``)
+                          and keeping every tensor: what each rank of vLLM's
+                          ``--load-format runai_streamer`` reads before its weight loaders
+                          narrow (the slicing itself is not timed).
+3. Prints medians, bytes per worker, and the ratios to ``runai-streamer``.
+
+A local server measures request overhead and bytes, not a cloud's bandwidth: the bytes are the
+primary figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from typing import Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
+
+from shardbench.checkpoints import (MODEL_FILE, PLAN_FILE, choose_geometry,  # noqa: E402
+                                    default_dir, ensure_checkpoint)
+
+BUCKET = "bench"
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-gb", type=float, default=0.25)
+    ap.add_argument("--shards", default="1,2,4,8")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--methods", default="shardload-thread,shardload-process,runai-streamer")
+    return ap.parse_args(argv)
+
+
+def run_runai(url: str, n: int) -> None:
+    from runai_model_streamer import SafetensorsStreamer
+
+    errors: list[BaseException] = []
+
+    def rank() -> None:
+        try:
+            kept = {}
+            with SafetensorsStreamer() as streamer:
+                streamer.stream_file(url, device="cpu")
+                for name, tensor in streamer.get_tensors():
+                    kept[name] = tensor
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    from helpers import s3server
+
+    from shardload import ProcessSession, ThreadedSession, load_sharded
+
+    geom = choose_geometry(args.size_gb)
+    folder, _, _ = ensure_checkpoint(os.path.abspath(default_dir()), geom)
+    file_bytes = os.path.getsize(os.path.join(folder, MODEL_FILE))
+    results = []
+    with s3server.S3Server() as server:
+        os.environ.update(server.aws_env())
+        # the Run:ai streamer's S3 client: path-style addressing on a local endpoint
+        os.environ.setdefault("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "0")
+        client = server.client()
+        client.create_bucket(Bucket=BUCKET)
+        for name in ("config.json", MODEL_FILE, PLAN_FILE):
+            with open(os.path.join(folder, name), "rb") as f:
+                client.put_object(Bucket=BUCKET, Key=f"ckpt/{name}", Body=f.read())
+        url = f"s3://{BUCKET}/ckpt/"
+        methods = args.methods.split(",")
+        print(f"checkpoint: {file_bytes / 1e9:.2f} GB, {geom.tensors} tensors; server "
+              f"{server.endpoint}", file=sys.stderr)
+        for n in [int(x) for x in args.shards.split(",")]:
+            sessions = {}
+            if "shardload-thread" in methods:
+                sessions["shardload-thread"] = ThreadedSession(n)
+            if "shardload-process" in methods:
+                sessions["shardload-process"] = ProcessSession(n)
+            try:
+                times: dict[str, list[float]] = {m: [] for m in methods}
+                sent: dict[str, list[int]] = {m: [] for m in methods}
+                kept: dict[str, int] = {}
+                for r in range(args.runs):
+                    order = methods[r % len(methods):] + methods[:r % len(methods)]
+                    for method in order:
+                        server.reset_counts()
+                        start = time.perf_counter()
+                        if method == "runai-streamer":
+                            run_runai(url + MODEL_FILE, n)
+                        else:
+                            sharded = load_sharded(url, None, sessions[method], progress=False)
+                            kept[method] = sum(sharded.stats.bytes_per_worker)
+                            del sharded
+                        times[method].append(time.perf_counter() - start)
+                        sent[method].append(server.bytes_sent(f"ckpt/{MODEL_FILE}"))
+                        print(f"  N={n} run {r + 1} {method:18s} {times[method][-1]:7.2f} s "
+                              f"sent {sent[method][-1] / 1e6:8.1f} MB", file=sys.stderr)
+            finally:
+                for sess in sessions.values():
+                    sess.close()
+            for method in methods:
+                results.append({"n": n, "method": method,
+                                "seconds": statistics.median(times[method]),
+                                "sent_bytes": statistics.median(sent[method]),
+                                "kept_bytes": kept.get(method)})
+    base = {r["n"]: r for r in results if r["method"] == "runai-streamer"}
+    print(f"{'method':18s} {'N':>2s} {'median s':>9s} {'sent MB':>9s} {'per worker':>11s} "
+          f"{'vs file':>8s} {'time vs runai':>14s}")
+    for r in results:
+        ref = base.get(r["n"])
+        ratio = f"{r['seconds'] / ref['seconds']:.2f}x" if ref else ""
+        print(f"{r['method']:18s} {r['n']:2d} {r['seconds']:9.2f} {r['sent_bytes'] / 1e6:9.1f} "
+              f"{r['sent_bytes'] / r['n'] / 1e6:11.1f} {r['sent_bytes'] / file_bytes:7.2f}x "
+              f"{ratio:>14s}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"file_bytes": file_bytes, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
