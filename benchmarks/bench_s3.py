@@ -6,7 +6,7 @@ Model Streamer, both reading from the same local S3 server.
 
 1. Writes (once, cached) the GPTQ Llama checkpoint of ``bench_load.py`` at ``--size-gb``,
    starts moto's S3 server on 127.0.0.1 behind the tests' counting proxy
-   (``tests/helpers/s3server.py``) and uploads the checkpoint.
+   (``tests/helpers/s3server.py``), in a process of its own, and uploads the checkpoint.
 2. For each N, alternating the methods ``--runs`` times, measures the wall time and the bytes
    the server sent (counted at the server, not by the loaders):
    ``shardload-thread``   ``load_sharded("s3://...")`` on a started ``ThreadedSession(N)``;
@@ -52,6 +52,54 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+class ServerProcess:
+    """``S3Server`` (moto behind the counting proxy) in a process of its own, so that its
+    Python threads do not share a GIL with the loaders measured. A line protocol on its
+    standard input and output: ``reset``; ``sent KEY`` answers the body bytes sent for KEY."""
+
+    CHILD = ("import sys, json; sys.path[:0] = [sys.argv[1]]\n"
+             "from helpers import s3server\n"
+             "with s3server.S3Server() as srv:\n"
+             "    print(json.dumps(srv.aws_env()), flush=True)\n"
+             "    for line in sys.stdin:\n"
+             "        cmd, _, arg = line.strip().partition(' ')\n"
+             "        if cmd == 'reset': srv.reset_counts(); print('ok', flush=True)\n"
+             "        elif cmd == 'sent': print(srv.bytes_sent(arg), flush=True)\n"
+             "        else: break\n")
+
+    def __init__(self) -> None:
+        import subprocess
+
+        tests = os.path.join(os.path.dirname(HERE), "tests")
+        self.proc = subprocess.Popen([sys.executable, "-c", self.CHILD, tests],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.env = json.loads(self.proc.stdout.readline())
+        self.endpoint = self.env["AWS_ENDPOINT_URL"]
+
+    def _ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def reset_counts(self) -> None:
+        self._ask("reset")
+
+    def bytes_sent(self, key: str) -> int:
+        return int(self._ask(f"sent {key}"))
+
+    def client(self):
+        import botocore.session
+
+        return botocore.session.Session().create_client("s3")
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
 def run_runai(url: str, n: int) -> None:
     from runai_model_streamer import SafetensorsStreamer
 
@@ -78,16 +126,14 @@ def run_runai(url: str, n: int) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    from helpers import s3server
-
     from shardload import ProcessSession, ThreadedSession, load_sharded
 
     geom = choose_geometry(args.size_gb)
     folder, _, _ = ensure_checkpoint(os.path.abspath(default_dir()), geom)
     file_bytes = os.path.getsize(os.path.join(folder, MODEL_FILE))
     results = []
-    with s3server.S3Server() as server:
-        os.environ.update(server.aws_env())
+    with ServerProcess() as server:
+        os.environ.update(server.env)
         # the Run:ai streamer's S3 client: path-style addressing on a local endpoint
         os.environ.setdefault("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "0")
         client = server.client()

@@ -443,6 +443,9 @@ class S3Client:
         self.region = region
         self.max_folder_objects = _whole("max_folder_objects", max_folder_objects, 1)
         self._lock = threading.Lock()
+        # GETs in flight in this process, whichever fetch they serve (the workers of a
+        # ThreadedSession fetch at once): at most `concurrency`, so memory stays chunk x that
+        self._in_flight = threading.BoundedSemaphore(self.concurrency)
         self._client_obj: Any = None
         self._pid: Optional[int] = None
         _CLIENTS.add(self)
@@ -465,6 +468,9 @@ class S3Client:
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
+        # GETs in flight in this process, whichever fetch they serve (the workers of a
+        # ThreadedSession fetch at once): at most `concurrency`, so memory stays chunk x that
+        self._in_flight = threading.BoundedSemaphore(self.concurrency)
         self._client_obj = None  # the parent's pool: dropped, never closed or used here
         self._pid = None
 
@@ -827,10 +833,11 @@ class S3Client:
             if buf is None:
                 buf = scratch["buf"] = memoryview(bytearray(capacity))
             view = buf[:e - b]
-            self._get_range(info, loc, b, view, stop)
-            if stop.is_set():
-                raise _Stopped()
-            write(b, view)
+            with self._in_flight:
+                self._get_range(info, loc, b, view, stop)
+                if stop.is_set():
+                    raise _Stopped()
+                write(b, view)
 
         self._run(pieces, work)
         return sum(e - b for b, e in merged)
