@@ -11,11 +11,10 @@ Model Streamer, both reading from the same local S3 server.
    the server sent (counted at the server, not by the loaders):
    ``shardload-thread``   ``load_sharded("s3://...")`` on a started ``ThreadedSession(N)``;
    ``shardload-process``  the same on a started ``ProcessSession(N)``;
-   ``runai-streamer``     N ranks, each a thread streaming the whole file with
+   ``runai-streamer``     N started processes, each streaming the whole file with
                           ``SafetensorsStreamer`` from ``s3://`` (``runai-model-streamer-s3``)
-                          and keeping every tensor: what each rank of vLLM's
-                          ``--load-format runai_streamer`` reads before its weight loaders
-                          narrow (the slicing itself is not timed).
+                          and keeping its slice of every tensor: what each rank of vLLM's
+                          ``--load-format runai_streamer`` does (``RunaiRanks``).
 3. Prints medians, bytes per worker, and the ratios to ``runai-streamer``.
 
 A local server measures request overhead and bytes, not a cloud's bandwidth: the bytes are the
@@ -29,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from typing import Optional
 
@@ -100,28 +98,62 @@ class ServerProcess:
         self.proc.wait(30)
 
 
-def run_runai(url: str, n: int) -> None:
-    from runai_model_streamer import SafetensorsStreamer
+class RunaiRanks:
+    """N processes, one per rank as vLLM runs its tensor-parallel ranks, each streaming the
+    file with the Run:ai streamer (``SafetensorsStreamer``, as vLLM's ``runai_streamer`` load
+    format does) and keeping its rank's slice of every tensor (``chunk(n)[rank]`` of the first
+    axis, cloned: the narrowing vLLM's weight loaders do). Started before the clock: ``load``
+    times a load from the word go to every rank's answer. (Several streamers in the threads of
+    one process crash the streamer's native library at N = 4 here.)"""
 
-    errors: list[BaseException] = []
+    CHILD = ("import sys, torch\n"
+             "from runai_model_streamer import SafetensorsStreamer\n"
+             "rank, n = int(sys.argv[1]), int(sys.argv[2])\n"
+             "print('ready', flush=True)\n"
+             "for line in sys.stdin:\n"
+             "    kept = {}\n"
+             "    with SafetensorsStreamer() as streamer:\n"
+             "        streamer.stream_file(line.strip(), device='cpu')\n"
+             "        for name, t in streamer.get_tensors():\n"
+             "            kept[name] = (t.chunk(n)[min(rank, len(t.chunk(n)) - 1)].clone()\n"
+             "                          if t.dim() else t.clone())\n"
+             "    print('done', sum(v.numel() * v.element_size() for v in kept.values()),\n"
+             "          flush=True)\n")
 
-    def rank() -> None:
-        try:
-            kept = {}
-            with SafetensorsStreamer() as streamer:
-                streamer.stream_file(url, device="cpu")
-                for name, tensor in streamer.get_tensors():
-                    kept[name] = tensor
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+    def __init__(self, n: int) -> None:
+        import subprocess
 
-    threads = [threading.Thread(target=rank) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+        self.procs = [subprocess.Popen([sys.executable, "-c", self.CHILD, str(r), str(n)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                      for r in range(n)]
+        for p in self.procs:
+            if p.stdout.readline().strip() != "ready":
+                self.close()
+                raise RuntimeError("a Run:ai rank did not start")
+
+    def load(self, url: str) -> int:
+        """The bytes the ranks keep."""
+        for p in self.procs:
+            p.stdin.write(url + "\n")
+            p.stdin.flush()
+        kept = 0
+        for rank, p in enumerate(self.procs):
+            answer = p.stdout.readline().split()
+            if not answer or answer[0] != "done":
+                raise RuntimeError(f"Run:ai rank {rank} failed (exit {p.poll()})")
+            kept += int(answer[1])
+        return kept
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.stdin:
+                p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except Exception:  # noqa: BLE001 - a rank that does not end is killed
+                p.kill()
+                p.wait()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -151,6 +183,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 sessions["shardload-thread"] = ThreadedSession(n)
             if "shardload-process" in methods:
                 sessions["shardload-process"] = ProcessSession(n)
+            if "runai-streamer" in methods:
+                sessions["runai-streamer"] = RunaiRanks(n)
             try:
                 times: dict[str, list[float]] = {m: [] for m in methods}
                 sent: dict[str, list[int]] = {m: [] for m in methods}
@@ -161,7 +195,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         server.reset_counts()
                         start = time.perf_counter()
                         if method == "runai-streamer":
-                            run_runai(url + MODEL_FILE, n)
+                            kept[method] = sessions[method].load(url + MODEL_FILE)
                         else:
                             sharded = load_sharded(url, None, sessions[method], progress=False)
                             kept[method] = sum(sharded.stats.bytes_per_worker)

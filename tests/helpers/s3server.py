@@ -51,6 +51,8 @@ SECRET_ACCESS_KEY = "sHaRdLoAdTeStSeCrEt/9f8e7d6c5b4a3+ZYXWVUTSRQ"
 REGION = "us-east-1"
 #: where the AWS config and credentials files are said to be: nowhere
 NO_SUCH_FILE = "/nonexistent/shardload-tests/aws"
+#: a body is written in parts of this size, and counted as far as the client took it
+SEND_PART = 1 << 20
 
 #: response headers a proxy does not pass on (hop-by-hop, or set by the proxy itself)
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding",
@@ -115,6 +117,9 @@ class _Proxy(ThreadingHTTPServer):
     daemon_threads = False  # joined by server_close: no thread outlives close()
     block_on_close = True
     allow_reuse_address = True
+    # a real server's listen backlog: socketserver's default of 5 drops the connections of a
+    # burst (N workers x their concurrent GETs), which clients see as a second's SYN retry
+    request_queue_size = 128
 
     def __init__(self, owner: "S3Server"):
         self.owner = owner
@@ -241,8 +246,18 @@ class _Handler(BaseHTTPRequestHandler):
         owner._record(entry)
         if self.command == "HEAD":
             return
-        self.wfile.write(out)
-        self.wfile.flush()
+        written = 0
+        try:
+            # in parts, so that a client that goes away mid-body is counted as far as it got
+            view = memoryview(out)
+            while written < len(out):
+                self.wfile.write(view[written:written + SEND_PART])
+                written = min(len(out), written + SEND_PART)
+            self.wfile.flush()
+        finally:
+            if written < len(out):
+                with owner._lock:
+                    entry.sent = written
         if drop:
             self.close_connection = True
             try:
