@@ -734,10 +734,12 @@ def run(num_shards: int, ckpt: str, prompt: str, max_new_tokens: int, chat: bool
 
     from .sources import is_object_url
 
-    if is_object_url(ckpt):  # its tokenizer and config would be read from the scratch folder
+    if check and is_object_url(ckpt):
         bar.close()
-        raise BadInput("shardload run does not read from object storage yet: copy the "
-                       f"checkpoint to a local folder first (aws s3 sync {ckpt} DIR)")
+        raise BadInput("--check runs transformers' own model, which reads the whole "
+                       f"checkpoint from a local file: copy {ckpt} to a folder first "
+                       f"(aws s3 sync {ckpt} DIR), or leave out --check")
+    opened = None
     try:
         show("importing")
         import torch
@@ -753,17 +755,30 @@ def run(num_shards: int, ckpt: str, prompt: str, max_new_tokens: int, chat: bool
             bar.close()     # under torchrun, rank 0 shows the bar
         show("tokenizer")
         try:
-            tokenizer = text.tokenizer(ckpt)
+            source = ckpt
+            if is_object_url(ckpt):
+                # opened once: headers by ranged GETs, the configs and tokenizer files into its
+                # scratch folder, a GGUF's header (its vocabulary) into its placeholder there
+                from .readers import open_checkpoint
+                from .readers.objects import write_fetched_bytes
+
+                opened = open_checkpoint(ckpt)
+                write_fetched_bytes(opened)
+                source = opened.path
+            tokenizer = text.tokenizer(source)
         except ValueError as exc:
             session.close()
-            raise BadInput(str(exc)) from None
+            raise BadInput(str(exc).replace(str(source), ckpt)) from None
+        except BaseException:
+            session.close()
+            raise
         ids = text.prompt_ids(tokenizer, prompt, chat)
         torch_dtype = getattr(torch, dtype)
         with session:
             show("load")
             with _reading():
-                model = load_tp_model(ckpt, session, dtype=torch_dtype, experts=experts,
-                                      progress=show)
+                model = load_tp_model(opened or ckpt, session, dtype=torch_dtype,
+                                      experts=experts, progress=show)
             with model:
                 show("first token")
                 start = time.perf_counter()
@@ -777,6 +792,8 @@ def run(num_shards: int, ckpt: str, prompt: str, max_new_tokens: int, chat: bool
                         else None)
     finally:
         bar.close()
+        if opened is not None:
+            opened.close()
     if not session.reports:
         return          # under torchrun, rank 0 reports
     text = tokenizer.decode(new, skip_special_tokens=True)

@@ -20,8 +20,8 @@ pytest.importorskip("moto")
 from conftest import EXAMPLE, REPO, subprocess_env  # noqa: E402
 from helpers import s3server  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
-from shardload import (FormatError, ProcessSession, StorageError, ThreadedSession,  # noqa: E402
-                       WorkerError, load_sharded, open_checkpoint)
+from shardload import (FormatError, PlanError, ProcessSession, StorageError,  # noqa: E402
+                       ThreadedSession, WorkerError, load_sharded, open_checkpoint)
 from shardload.sources import s3 as s3_module  # noqa: E402
 
 BUCKET = "models"
@@ -288,9 +288,102 @@ def test_no_credential_in_any_message(aws, tiny):
     assert info.value.usage and secret not in str(info.value) and key_id not in str(info.value)
 
 
-def test_run_from_object_storage_is_refused_before_anything_starts(aws, tiny):
-    run, _ = _cli(aws, "run", "--shards", "2", "--prompt", "hi", tiny)
-    assert run.returncode == 2 and "does not read from object storage yet" in run.stderr
+def _run_json(aws, *args: str) -> dict:
+    run, _ = _cli(aws, "run", "--json", "--max-new-tokens", "8", *args)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    """A random tiny Llama saved by transformers, with a tokenizer (tests/helpers/tokenizer.py)."""
+    transformers = pytest.importorskip("transformers")
+    from helpers.tokenizer import char_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-hf")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=96)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def test_run_and_load_tp_model_from_an_object_folder(aws, tiny_hf):
+    from shardload.hf import load_tp_model
+
+    url = upload(aws, tiny_hf, "tiny-hf")
+    # the configs and the tokenizer come from the folder's side files, the weights by range
+    local = _run_json(aws, "--shards", "2", "--no-chat", "--prompt", "Hello", tiny_hf)
+    remote = _run_json(aws, "--shards", "2", "--no-chat", "--prompt", "Hello", url)
+    assert remote["tokens"] == local["tokens"] and remote["text"] == local["text"]
+    prompt = [[3, 17, 42, 5, 88, 11]]
+    with ThreadedSession(2) as sess:
+        with load_tp_model(tiny_hf, sess) as model:
+            want = model(prompt)
+        with load_tp_model(url, sess) as model:
+            got = model(prompt)
+    assert torch.equal(got, want)
+
+
+def test_run_refuses_check_from_object_storage(aws, tiny):
+    run, _ = _cli(aws, "run", "--shards", "2", "--prompt", "hi", "--check", tiny)
+    assert run.returncode == 2 and "--check" in run.stderr and tiny in run.stderr, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_run_a_real_gguf_from_object_storage(aws):
+    # the tokenizer is built from the GGUF's vocabulary: its header, fetched by the reader,
+    # written into the scratch folder's sparse placeholder for transformers to read
+    from helpers.real_models import smollm2_gguf
+
+    path = smollm2_gguf()
+    client = bucket(aws)
+    with open(path, "rb") as f:
+        client.put_object(Bucket=BUCKET, Key="run-gguf/model.gguf", Body=f.read())
+    url = f"s3://{BUCKET}/run-gguf/model.gguf"
+    local = _run_json(aws, "--shards", "3", "--prompt", "What is the capital of France?", path)
+    aws.reset_counts()
+    remote = _run_json(aws, "--shards", "3", "--prompt", "What is the capital of France?", url)
+    assert remote["tokens"] == local["tokens"] and "Paris" in remote["text"]
+    # three threads share what they fetch: about the file once (its header is read twice:
+    # by the readers, then by transformers' tokenizer from the sparse copy, not the server)
+    assert aws.bytes_sent("run-gguf/model.gguf") < 1.1 * os.path.getsize(path)
+
+
+def test_a_plan_from_object_storage(aws, tiny, monkeypatch):
+    from shardload import ShardInfo
+    from shardload.plan import limits
+
+    plan = tiny + "shard_info.json"
+    run, _ = _cli(aws, "load", "--shards", "2", "--json", "--shard-info", plan, EXAMPLE)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["shard_info"] == plan
+    assert ShardInfo.load(plan).steps == ShardInfo.load(
+        os.path.join(EXAMPLE, "shard_info.json")).steps
+    # its size is checked before a byte of it is fetched
+    monkeypatch.setattr(limits, "MAX_PLAN_BYTES", 100)
+    aws.reset_counts()
+    with pytest.raises(PlanError, match="over the 100-byte limit"):
+        ShardInfo.load(plan)
+    assert aws.bytes_sent("tiny/shard_info.json") == 0
+
+
+def test_an_objects_tensors_are_read_not_viewed(aws, tiny):
+    # a view would hold (so fetch) the whole tensor; a read fetches the bytes it asks for
+    name = "model.layers.0.mlp.down_proj.qweight"
+    with open_checkpoint(EXAMPLE) as ckpt:
+        assert ckpt.view(name) is not None
+        want = ckpt.read_narrow(name, 0, 0, 8)
+    with open_checkpoint(tiny) as ckpt:
+        aws.reset_counts()
+        assert ckpt.view(name) is None
+        assert torch.equal(ckpt.read_narrow(name, 0, 0, 8), want)
+        size = ckpt.meta(name).nbytes
+    assert 0 < aws.bytes_sent("tiny/model.safetensors") < size
 
 
 # -- the reliability corpus, served from S3 -----------------------------------------------------

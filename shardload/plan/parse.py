@@ -252,8 +252,20 @@ class ShardInfo:
     @classmethod
     def load(cls, path: Union[str, os.PathLike], source: Optional[str] = None) -> "ShardInfo":
         """Read and parse a plan file. It must be a regular file (a FIFO, a device, a directory
-        or a symlink loop is a ``PlanError``) of at most ``MAX_PLAN_BYTES``. ``source``: what
-        messages call it (default: the path)."""
+        or a symlink loop is a ``PlanError``) of at most ``MAX_PLAN_BYTES``, or an object in
+        object storage (``s3://...``) of at most that size, checked before it is fetched.
+        ``source``: what messages call it (default: the path)."""
+        from ..sources import is_object_url
+
+        if is_object_url(path):
+            from ..sources.s3 import default_client
+
+            def too_big(size: int) -> PlanError:
+                return PlanError(f"the plan is {size} bytes, over the {limits.MAX_PLAN_BYTES}"
+                                 f"-byte limit for a plan", source=source or path)
+
+            text = default_client().read_capped(path, limits.MAX_PLAN_BYTES, too_big)
+            return cls.loads(text, source=source or path)
         path = os.fsdecode(path)
         source = path if source is None else source
         text = files.read_capped(path, limits.MAX_PLAN_BYTES, "the plan",

@@ -269,9 +269,12 @@ class MappedCheckpoint(Checkpoint):
 
     # -- reading
 
-    def _locate(self, name: str) -> tuple[TensorMeta, torch.Tensor]:
+    def _locate(self, name: str, slices: Optional[tuple[int, list]] = None
+                ) -> tuple[TensorMeta, torch.Tensor]:
         """The tensor's metadata and a uint8 view of exactly its bytes, after checking that its
-        file is still the one that was opened (it is about to be read)."""
+        file is still the one that was opened (it is about to be read). An object's bytes are
+        fetched first: the whole tensor's, or with ``slices`` (``(dim, [(start, length)])``)
+        only those slices'."""
         meta = self.meta(name)
         i, begin, end = self._where(name)
         with self._lock:
@@ -283,8 +286,11 @@ class MappedCheckpoint(Checkpoint):
             self.check_unchanged(i, name)
             remote = self._remote[i]
             if remote is not None:
-                start = self._data_starts[i]
-                remote.need(start + begin, start + end)
+                base = self._data_starts[i] + begin
+                if slices is None:
+                    remote.need(base, base + end - begin)
+                else:
+                    remote.need_spans(_slice_spans(meta, base, *slices))
         return meta, data[begin:end]
 
     def check_unchanged(self, i: int, tensor: Optional[str] = None) -> None:
@@ -327,7 +333,12 @@ class MappedCheckpoint(Checkpoint):
 
     def view(self, name: str) -> Optional[torch.Tensor]:
         """The tensor as a view of its file's private mapping (``Checkpoint.view``); ``None``
-        where its offset is not aligned for its dtype (``read`` copies it as bytes)."""
+        where its offset is not aligned for its dtype (``read`` copies it as bytes), and for
+        a tensor of an object in object storage: a view must hold the whole tensor's bytes,
+        which would fetch all of it where a read fetches only the bytes it asks for."""
+        i, _, _ = self._where(name)
+        if self._remote[i] is not None:
+            return None
         meta, raw = self._locate(name)
         torch_dtype = dtypes.to_torch(meta.dtype)
         if not raw.numel():
@@ -347,7 +358,7 @@ class MappedCheckpoint(Checkpoint):
         shape = meta.shape
         out = torch.empty(shape[:dim] + (length,) + shape[dim + 1:],
                           dtype=dtypes.to_torch(meta.dtype))
-        _, raw = self._locate(name)
+        _, raw = self._locate(name, (dim, [(start, length)]))
         self._copy_slice(meta, raw, dim, start, length, out, 0)
         return out
 
@@ -361,7 +372,8 @@ class MappedCheckpoint(Checkpoint):
         total = sum(length for _, _, length in checked)
         shape = meta.shape[:dim] + (total,) + meta.shape[dim + 1:]
         out = torch.empty(shape, dtype=dtypes.to_torch(meta.dtype))
-        _, raw = self._locate(name)  # one check of the file for all the ranges
+        # one check of the file for all the ranges
+        _, raw = self._locate(name, (dim, [(start, length) for _, start, length in checked]))
         offset = 0
         for _, start, length in checked:
             self._copy_slice(meta, raw, dim, start, length, out, offset)
@@ -467,3 +479,13 @@ def open_sources(sources: list[dict], source: str = "<read plan>") -> MappedChec
             unmap(m)
         raise
     return MappedCheckpoint(source, files, maps, (), stats=stats, remote=remotes)
+
+
+def _slice_spans(meta: TensorMeta, base: int, dim: int, slices: list) -> list[tuple[int, int]]:
+    """The ``[begin, end)`` bytes of the slices ``[start, start + length)`` of ``dim`` of a C-order
+    tensor whose bytes start at ``base``: one run per slice per index of the dims before."""
+    shape = meta.shape
+    inner = math.prod(shape[dim + 1:]) * dtypes.itemsize(meta.dtype)
+    row = shape[dim] * inner
+    return [(base + o * row + start * inner, base + o * row + (start + length) * inner)
+            for o in range(math.prod(shape[:dim])) for start, length in slices if length]

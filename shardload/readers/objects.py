@@ -37,9 +37,10 @@ import weakref
 from typing import Callable
 
 from ..errors import FormatError, StorageError
-from ..files import check_member_name, register_data, unregister_data
+from ..files import check_member_name, data_at, register_data, unregister_data
 
-__all__ = ["open_object_checkpoint", "DATA_SUFFIXES", "SIDE_FILE_BYTES", "SIDE_FILES_BYTES"]
+__all__ = ["open_object_checkpoint", "write_fetched_bytes", "DATA_SUFFIXES", "SIDE_FILE_BYTES",
+           "SIDE_FILES_BYTES"]
 
 #: objects holding tensor data, mapped sparsely and fetched by range (MLC's shards are .bin)
 DATA_SUFFIXES = (".safetensors", ".gguf", ".bin")
@@ -106,6 +107,33 @@ def open_object_checkpoint(url: str, open_local: Callable):
     # cleaned when the checkpoint is closed, or collected, or at exit
     ckpt.on_close(weakref.finalize(ckpt, cleanup))
     return ckpt
+
+
+def write_fetched_bytes(ckpt) -> None:
+    """Fill each data file's placeholder in ``ckpt``'s scratch folder with the bytes fetched so
+    far (the headers its readers parsed) as a sparse file of the object's size, whose other
+    bytes read as zeros and take no disk: for a library that reads only a file's header
+    (transformers builds a tokenizer from a GGUF's vocabulary). A checkpoint not in object
+    storage is left alone.
+
+    >>> with open_checkpoint("s3://models/smollm2.gguf") as ckpt:      # doctest: +SKIP
+    ...     write_fetched_bytes(ckpt)
+    ...     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(ckpt.path),
+    ...                                               gguf_file=os.path.basename(ckpt.path))
+    """
+    scratch = getattr(ckpt, "named_as", None)
+    if not scratch:
+        return
+    for member in sorted(os.listdir(scratch[0])):
+        path = os.path.join(scratch[0], member)
+        data = data_at(path)
+        if data is None or data.map is None:
+            continue
+        with open(path, "r+b") as f:
+            for begin, end in data.present_spans():
+                f.seek(begin)
+                f.write(data.map[begin:end])
+            f.truncate(data.size)
 
 
 class _Cleanup:

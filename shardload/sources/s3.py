@@ -807,6 +807,15 @@ class S3Client:
         self.get_into(info, begin, buf)
         return bytes(buf)
 
+    def read_capped(self, url: Union[str, ObjectUrl], max_bytes: int,
+                    refuse: Callable[[int], BaseException]) -> bytes:
+        """A small object whole (a plan, a config), its size checked before a byte of it is
+        fetched: over ``max_bytes``, ``refuse(size)`` is raised."""
+        info = self.head(url)
+        if info.size > max_bytes:
+            raise refuse(info.size)
+        return self.get_bytes(info, 0, info.size)
+
     def fetch(self, info: ObjectInfo, spans: Iterable[Sequence[int]],
               write: Callable[[int, memoryview], None]) -> int:
         """Read the ``[begin, end)`` byte ``spans`` of the object, and hand them to ``write``.

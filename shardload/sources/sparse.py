@@ -195,6 +195,11 @@ class ObjectBytes:
         with self._cond:
             return not self._have.missing([(begin, end)])
 
+    def present_spans(self) -> list[tuple[int, int]]:
+        """The ``[begin, end)`` spans fetched and still held, in order."""
+        with self._cond:
+            return list(self._have)
+
     def release(self, begin: int, end: int) -> None:
         """Hand back the pages wholly inside ``[begin, end)`` (they are fetched again if
         needed again)."""

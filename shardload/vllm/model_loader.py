@@ -5,7 +5,9 @@ the loader's ``load_weights``, then runs ``process_weights_after_loading`` (Marl
 requantization) itself. ``load_weights`` here, on every tensor-parallel rank:
 
 1. **options**: ``model_loader_extra_config`` checked strictly (``options.py``);
-2. **checkpoint**: the local folder, or vLLM's own download of a hub model;
+2. **checkpoint**: the ``checkpoint`` option (a path, or an ``s3://`` URL of which each rank
+   fetches only its read plan's byte ranges), else the model folder, or vLLM's own download of
+   a hub model;
 3. **plan** for (N, rank) through the front door (``resolve_plan``: the ``plan`` option, else
    ``shard_info.json`` beside the checkpoint, else one made from its config; expert-parallel
    when vLLM places whole experts per rank), and checked against the sizes vLLM built the model
@@ -109,6 +111,12 @@ class ShardloadModelLoader(BaseModelLoader):
         self.options = LoaderOptions.from_extra_config(load_config.model_loader_extra_config)
 
     def _folder(self, model_config: ModelConfig) -> str:
+        """The checkpoint to open: the ``checkpoint`` option (a local path or an object storage
+        URL, each rank fetching only its own byte ranges), else vLLM's model folder, or vLLM's
+        download of a hub model. (vLLM itself refuses an ``s3://`` model for every load format
+        but its own streamers, so an object's weights come through the option.)"""
+        if self.options.checkpoint is not None:
+            return self.options.checkpoint
         path = model_config.model
         if os.path.isfile(path) or path.endswith(".gguf"):
             # GGUF in vLLM is an out-of-tree plugin whose loader renames GGUF tensors to

@@ -25,6 +25,9 @@ OPTIONS = {
                "device; buffers is how many pieces are in flight at once (default: "
                "shardload's choice for the device)",
     "timeout": "seconds without progress before a rank's load fails (default: none)",
+    "checkpoint": "where the weights are, when not in vLLM's model folder: a local path or an "
+                  "object storage URL (s3://bucket/folder/; vLLM's model is then a local folder "
+                  "with the config and tokenizer)",
 }
 
 
@@ -40,6 +43,7 @@ class LoaderOptions:
     verify: bool = False
     staging: Any = None
     timeout: Optional[float] = None
+    checkpoint: Optional[str] = None
 
     @classmethod
     def from_extra_config(cls, extra: Any) -> "LoaderOptions":
@@ -61,6 +65,10 @@ class LoaderOptions:
         plan = extra.get("plan")
         if plan is not None and not isinstance(plan, str):
             raise OptionsError(f"plan must be a path (a string), not {plan!r}")
+        checkpoint = extra.get("checkpoint")
+        if checkpoint is not None and (not isinstance(checkpoint, str) or not checkpoint):
+            raise OptionsError(f"checkpoint must be a path or an s3:// URL (a string), not "
+                               f"{checkpoint!r}")
         verify = extra.get("verify", False)
         if not isinstance(verify, bool):
             raise OptionsError(f"verify must be true or false, not {verify!r}")
@@ -68,7 +76,7 @@ class LoaderOptions:
         if timeout is not None and (isinstance(timeout, bool) or
                                     not isinstance(timeout, (int, float)) or not timeout > 0):
             raise OptionsError(f"timeout must be a number of seconds above 0, not {timeout!r}")
-        return cls(plan, verify, _staging(extra.get("staging")), timeout)
+        return cls(plan, verify, _staging(extra.get("staging")), timeout, checkpoint)
 
 
 def _staging(value: Any) -> Any:
