@@ -124,7 +124,8 @@ class RunaiRanks:
         import subprocess
 
         self.procs = [subprocess.Popen([sys.executable, "-c", self.CHILD, str(r), str(n)],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=subprocess.DEVNULL, text=True)
                       for r in range(n)]
         for p in self.procs:
             if p.stdout.readline().strip() != "ready":
@@ -144,9 +145,13 @@ class RunaiRanks:
             kept += int(answer[1])
         return kept
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        """End the ranks: at once with ``kill`` (after a failed load, whose other ranks may
+        still be streaming and would weigh on the next measurement)."""
         for p in self.procs:
-            if p.stdin:
+            if kill:
+                p.kill()
+            elif p.stdin:
                 p.stdin.close()
         for p in self.procs:
             try:
@@ -195,7 +200,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                         server.reset_counts()
                         start = time.perf_counter()
                         if method == "runai-streamer":
-                            kept[method] = sessions[method].load(url + MODEL_FILE)
+                            try:
+                                kept[method] = sessions[method].load(url + MODEL_FILE)
+                            except RuntimeError as exc:  # recorded, and the others go on
+                                print(f"  N={n} run {r + 1} {method}: {exc}", file=sys.stderr)
+                                sessions[method].close(kill=True)
+                                sessions[method] = RunaiRanks(n)
+                                continue
                         else:
                             sharded = load_sharded(url, None, sessions[method], progress=False)
                             kept[method] = sum(sharded.stats.bytes_per_worker)
@@ -208,14 +219,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for sess in sessions.values():
                     sess.close()
             for method in methods:
+                if not times[method]:
+                    results.append({"n": n, "method": method, "failed": True})
+                    continue
                 results.append({"n": n, "method": method,
                                 "seconds": statistics.median(times[method]),
                                 "sent_bytes": statistics.median(sent[method]),
                                 "kept_bytes": kept.get(method)})
-    base = {r["n"]: r for r in results if r["method"] == "runai-streamer"}
+    base = {r["n"]: r for r in results if r["method"] == "runai-streamer" and "failed" not in r}
     print(f"{'method':18s} {'N':>2s} {'median s':>9s} {'sent MB':>9s} {'per worker':>11s} "
           f"{'vs file':>8s} {'time vs runai':>14s}")
     for r in results:
+        if "failed" in r:
+            print(f"{r['method']:18s} {r['n']:2d}   failed every run")
+            continue
         ref = base.get(r["n"])
         ratio = f"{r['seconds'] / ref['seconds']:.2f}x" if ref else ""
         print(f"{r['method']:18s} {r['n']:2d} {r['seconds']:9.2f} {r['sent_bytes'] / 1e6:9.1f} "

@@ -9,7 +9,9 @@ The loader drives every load in the same numbered steps, whatever the session:
 3. **Build each worker's read plan** (``readplan``): which bytes of which file make its piece of
    each parameter, or which chain of shard functions to compute. Workers outside this process
    get files they can map (an in-memory checkpoint is written to a temporary file first) and
-   the plugin modules their chains need.
+   the plugin modules their chains need. The bytes the workers read of objects in object
+   storage are fetched once, here, for all of them (into memory that workers in other
+   processes map).
 4. **Run** the per-worker load (``pieces.load_pieces``, a session function) on every worker
    with its read plan and the staging it uses (``staging.Staging``: the pipeline to a GPU):
    the session decides where that runs (threads, worker processes, this torchrun rank), the
@@ -24,6 +26,7 @@ Every kept piece owns its memory. Sessions know nothing of any of this: they run
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -38,6 +41,7 @@ import torch
 from .gc_pause import gc_paused
 from .errors import DEVICE_CUDA, PLUGINS, PlanError, SessionClosedError, ShardloadError, mention
 from .pieces import FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, local_load
+from .pieces.reads import object_spans
 from .plan import ParamPlan, Plan, ShardInfo, ValidatedPlan
 from .readers import Checkpoint, as_checkpoint
 from .readplan import ReadPlan, build_read_plans, worker_functions
@@ -226,6 +230,28 @@ def _readable_elsewhere(ckpt: Checkpoint, remote: bool):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _objects_fetched_once(source: Checkpoint, plans: dict[int, ReadPlan], here: set,
+                          stack: contextlib.ExitStack) -> dict[int, ReadPlan]:
+    """The bytes the workers read of objects in object storage (``s3://``), fetched once,
+    here, before they start: the union of their read plans' spans, so that each byte is
+    fetched once and a gap between one worker's parts, being another's, is read rather than
+    over-read, in the fewest and largest GETs. The workers in this process share the
+    checkpoint's bytes; those in other processes are given memory they map
+    (``Checkpoint.objects_for_processes``), freed when the load is done."""
+    wanted: dict[bool, dict[int, list]] = {True: {}, False: {}}
+    for i, plan in plans.items():
+        for index, spans in object_spans(plan).items():
+            wanted[i in here].setdefault(index, []).extend(spans)
+    for index, spans in wanted[True].items():
+        source.fetch_bytes(index, spans)
+    if not any(wanted[False].values()):
+        return plans
+    sources, close = source.objects_for_processes(wanted[False])
+    stack.callback(close)
+    return {i: plan if i in here else dataclasses.replace(plan, sources=tuple(sources))
+            for i, plan in plans.items()}
+
+
 def progress_callback(progress: Union[bool, ProgressCallback], total: int):
     """A thread-safe ``advance(nbytes)`` and a ``close()``."""
     if callable(progress):
@@ -326,6 +352,8 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
                                                                           ranks)))
             if reads is not None:
                 plans = {i: reads(plan) for i, plan in plans.items()}
+            if not session.spmd:  # a rank of an SPMD job fetches its own
+                plans = _objects_fetched_once(source, plans, set(here), stack)
             _release_dropped(session)
         token, local = stack.enter_context(local_load(source, len(here), n))
         local.start({i: plans[i] for i in here})

@@ -21,7 +21,7 @@ from conftest import EXAMPLE, REPO, subprocess_env  # noqa: E402
 from helpers import s3server  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from shardload import (FormatError, PlanError, ProcessSession, StorageError,  # noqa: E402
-                       ThreadedSession, WorkerError, load_sharded, open_checkpoint)
+                       ThreadedSession, load_sharded, open_checkpoint)
 from shardload.sources import s3 as s3_module  # noqa: E402
 
 BUCKET = "models"
@@ -96,8 +96,34 @@ def test_a_folder_loads_as_the_local_checkpoint_on_threads(aws, tiny, n):
         os.path.join(EXAMPLE, "model.safetensors"))
 
 
-def test_worker_processes_fetch_only_what_they_keep(aws, tiny, monkeypatch):
-    # gaps read through make a few more bytes (the rule); without them, exactly the bytes kept
+@pytest.mark.parametrize("n, gap_kb", [(2, "0"), (4, "1024")])
+def test_worker_processes_share_one_fetch(aws, tiny, monkeypatch, n, gap_kb):
+    # the loader's process fetches the union of the workers' spans once, into memory they map:
+    # every tensor byte once (the header was fetched when the checkpoint was opened), not each
+    # process its own parts and the gaps it reads through
+    monkeypatch.setenv("SHARDLOAD_S3_MAX_GAP_KB", gap_kb)
+    path = os.path.join(EXAMPLE, "model.safetensors")
+    with open(path, "rb") as f:
+        data_bytes = os.path.getsize(path) - 8 - int.from_bytes(f.read(8), "little")
+    with ProcessSession(n) as sess:
+        local = load_sharded(EXAMPLE, None, sess, progress=False)
+        with open_checkpoint(tiny) as ckpt:
+            aws.reset_counts()
+            remote = load_sharded(ckpt, None, sess, progress=False)
+            kept = same_pieces(local, remote, n)
+    assert aws.bytes_sent("tiny/model.safetensors") == data_bytes < kept
+
+
+def test_a_worker_that_cannot_map_the_fetched_bytes_fetches_its_own(aws, tiny, monkeypatch):
+    # the memory file is reached through /proc/<pid>/fd; where a worker cannot open it, it
+    # fetches its own spans, and its pieces are the same
+    from shardload.sources import sparse
+
+    def unreachable(self):  # a memory file no worker can open, said to hold everything
+        return {**self.spec(), "filled": {"path": "/proc/self/fd/999999",
+                                          "spans": [[0, self.size]]}}
+
+    monkeypatch.setattr(sparse.ObjectBytes, "filled_spec", unreachable)
     monkeypatch.setenv("SHARDLOAD_S3_MAX_GAP_KB", "0")
     with ProcessSession(2) as sess:
         local = load_sharded(EXAMPLE, None, sess, progress=False)
@@ -105,8 +131,11 @@ def test_worker_processes_fetch_only_what_they_keep(aws, tiny, monkeypatch):
             aws.reset_counts()
             remote = load_sharded(ckpt, None, sess, progress=False)
             kept = same_pieces(local, remote, 2)
-    assert aws.bytes_sent("tiny/model.safetensors") == kept
-    assert kept < 2 * os.path.getsize(os.path.join(EXAMPLE, "model.safetensors"))
+    # the loader's fetch, and each worker's own parts again
+    path = os.path.join(EXAMPLE, "model.safetensors")
+    with open(path, "rb") as f:
+        data_bytes = os.path.getsize(path) - 8 - int.from_bytes(f.read(8), "little")
+    assert aws.bytes_sent("tiny/model.safetensors") == data_bytes + kept
 
 
 def test_an_indexed_set_at_n8(aws, tmp_path):
@@ -148,11 +177,11 @@ def test_a_real_gguf_at_a_padded_n(aws, tmp_path):
             aws.reset_counts()
             remote = load_sharded(ckpt, None, sess, progress=False)
             kept = same_pieces(local, remote, 2)
-    # about what two workers keep (the embeddings twice), not two copies of the file: the
-    # over-read is the rule's (sources.s3.coalesce), here the rows of the tensors split along
-    # their blocks (attn_output, ffn_down), whose parts lie under 64 KiB apart
+    # the file once (the workers' union, fetched by the loader's process), where each process
+    # fetching its own would send what they keep (the embeddings twice) and more: the rows of
+    # the tensors split along their blocks (attn_output, ffn_down) lie under 64 KiB apart
     sent = aws.bytes_sent("smollm2/model.gguf")
-    assert sent < 1.3 * kept and sent < 0.9 * 2 * os.path.getsize(path)
+    assert sent <= os.path.getsize(path) < kept
 
 
 def test_gguf_and_mlc(aws, tmp_path):
@@ -237,9 +266,12 @@ def test_an_object_replaced_mid_load_fails_it(aws, tiny, tmp_path):
         data = open(os.path.join(EXAMPLE, "model.safetensors"), "rb").read()
         aws.client().put_object(Bucket=BUCKET, Key="replaced/model.safetensors",
                                 Body=data[:-4] + b"\0\0\0\1")
-        with ThreadedSession(2) as sess, pytest.raises(WorkerError) as info:
-            load_sharded(ckpt, None, sess, progress=False)
-    assert "changed while loading" in str(info.value)
+        # the loader's process fetches for the workers before they start: its GET fails
+        for session in (ThreadedSession(2), ProcessSession(2)):
+            with session as sess, pytest.raises(FormatError) as info:
+                load_sharded(ckpt, None, sess, progress=False)
+            assert "changed while loading" in str(info.value)
+            assert str(info.value).startswith(url + "model.safetensors")
 
 
 def test_slow_down_and_a_dropped_connection_are_retried(aws, tiny):

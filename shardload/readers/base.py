@@ -166,6 +166,13 @@ class Checkpoint(abc.ABC):
         """A hint that bytes ``[begin, end)`` of source ``index`` will be read soon (a file's
         reader asks the kernel to start reading them into the page cache)."""
 
+    def objects_for_processes(self, wanted: dict) -> tuple[list[dict], Callable[[], None]]:
+        """``sources()`` for worker processes that will read the byte ``wanted`` spans (by
+        source index) of this checkpoint's objects: those fetched once, here, into memory the
+        workers map, and a ``close()`` for when their load is done. Files, and a checkpoint
+        without objects, are given as they are."""
+        return self.sources(), _nothing
+
     def fetch_bytes(self, index: int, spans, alive=None) -> int:
         """Make the ``[begin, end)`` byte ``spans`` of source ``index`` present before they
         are copied (an object's are fetched; a file's and memory's are there). Returns the
@@ -242,3 +249,7 @@ class Checkpoint(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.source!r}, {len(self)} tensors)"
+
+
+def _nothing() -> None:
+    pass

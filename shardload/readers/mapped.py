@@ -34,7 +34,7 @@ import os
 import threading
 from array import array
 from itertools import repeat
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import numpy as np
 import torch
@@ -227,6 +227,34 @@ class MappedCheckpoint(Checkpoint):
             remote.release(begin, end)
             return
         self._advise(index, begin, end, "MADV_DONTNEED")
+
+    def objects_for_processes(self, wanted: dict) -> tuple[list[dict], Callable[[], None]]:
+        """``Checkpoint.objects_for_processes``: each object's wanted spans fetched into a
+        memory file (``ObjectBytes.in_shared_memory``), coalesced over all the workers' spans,
+        so a byte two processes read is fetched once and a gap between one worker's parts is
+        another's (read, not over-read)."""
+        from ..sources.sparse import ObjectBytes
+
+        sources = self.sources()
+        made: list = []
+
+        def close() -> None:
+            for shared in made:
+                shared.close()
+
+        try:
+            for index, spans in wanted.items():
+                remote = self._remote[index] if index < len(self._remote) else None
+                if remote is None or not spans:
+                    continue
+                shared = ObjectBytes.in_shared_memory(remote.info, remote.client)
+                made.append(shared)
+                shared.need_spans(spans)
+                sources[index] = {**sources[index], "object": shared.filled_spec()}
+        except BaseException:
+            close()
+            raise
+        return sources, close
 
     def fetch_bytes(self, index: int, spans, alive=None) -> int:
         """Make the ``[begin, end)`` byte spans of source ``index`` present before they are

@@ -14,6 +14,13 @@ them.
    for them. What arrived is recorded; nothing is ever read from a part that was not.
 3. **Release**: the pages lying wholly inside a released span are handed back to the kernel
    (``MADV_DONTNEED``: freed) and forgotten, so a later need fetches them again.
+4. **Shared with worker processes** (``in_shared_memory``, ``filled_spec``): the bytes live in
+   a memory file (``memfd``) that the loader's process fills once with the spans of every
+   worker's read plan; each worker process maps that file (``from_spec``, through
+   ``/proc/<pid>/fd``) and finds its spans there, fetching only what it might lack. Its
+   releases then drop only its own view of the pages; the memory goes when the loader's
+   process closes the file and the workers their mappings. A worker that cannot open the file
+   fetches for itself.
 
 >>> data = ObjectBytes(info)                                   # doctest: +SKIP
 >>> data.need(0, 8); bytes(data.map[:8])                       # doctest: +SKIP
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import mmap
+import os
 import threading
 from typing import Callable, Iterable, Optional
 
@@ -117,13 +125,19 @@ def merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 class ObjectBytes:
     """One object's bytes in this process (see the module docstring). Thread-safe."""
 
-    def __init__(self, info: ObjectInfo, client: Optional[S3Client] = None):
+    def __init__(self, info: ObjectInfo, client: Optional[S3Client] = None,
+                 _shared: Optional[tuple[int, bool]] = None):
         self.info = info
         self.size = info.size
         self._client = client
-        self.map: Optional[mmap.mmap] = (
-            mmap.mmap(-1, info.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
-            if info.size else None)
+        #: (the memory file's descriptor or -1, whether another process filled it)
+        self._fd, self._borrowed = _shared if _shared is not None else (-1, False)
+        if _shared is None:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
+            self.map: Optional[mmap.mmap] = mmap.mmap(-1, info.size, flags=flags) \
+                if info.size else None
+        else:
+            self.map = None  # set by the constructor that made the memory file
         self._have = Spans()
         self._fetching = Spans()
         self._cond = threading.Condition()
@@ -143,8 +157,61 @@ class ObjectBytes:
 
     @classmethod
     def from_spec(cls, spec: dict) -> "ObjectBytes":
-        return cls(ObjectInfo(url=str(spec["url"]), size=int(spec["size"]),
-                              etag=str(spec["etag"]), last_modified=str(spec["last_modified"])))
+        """The object of ``spec()``; of ``filled_spec()``, the filled memory file mapped."""
+        info = ObjectInfo(url=str(spec["url"]), size=int(spec["size"]), etag=str(spec["etag"]),
+                          last_modified=str(spec["last_modified"]))
+        filled = spec.get("filled")
+        return (cls._borrow(info, filled) if isinstance(filled, dict) else None) or cls(info)
+
+    @classmethod
+    def in_shared_memory(cls, info: ObjectInfo, client: Optional[S3Client] = None
+                         ) -> "ObjectBytes":
+        """The object's bytes in a memory file that worker processes map too (module
+        docstring, 4): filled here with ``need_spans``, handed over as ``filled_spec()``."""
+        fd = os.memfd_create("shardload-object", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, info.size)  # sparse: a page takes memory when bytes land in it
+            obj = cls(info, client, _shared=(fd, False))
+            obj.map = mmap.mmap(fd, info.size, flags=mmap.MAP_SHARED) if info.size else None
+        except BaseException:
+            os.close(fd)
+            raise
+        return obj
+
+    def filled_spec(self) -> dict:
+        """``spec()`` and where this process's memory file is, with the spans fetched into it:
+        what a worker process maps (``from_spec``) instead of fetching them again."""
+        if self._fd < 0 or self._borrowed:
+            return self.spec()
+        return {**self.spec(), "filled": {"path": f"/proc/{os.getpid()}/fd/{self._fd}",
+                                          "spans": [list(s) for s in self.present_spans()]}}
+
+    @classmethod
+    def _borrow(cls, info: ObjectInfo, filled: dict) -> Optional["ObjectBytes"]:
+        """The loader's memory file mapped here, its filled spans known to be present; None
+        where it cannot be opened as that (this process then fetches for itself)."""
+        path, spans = filled.get("path"), filled.get("spans")
+        if not isinstance(path, str) or not path.startswith("/proc/") or \
+                not isinstance(spans, list) or not info.size:
+            return None
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if os.fstat(fd).st_size != info.size:
+                return None
+            obj = cls(info, None, _shared=(-1, True))
+            obj.map = mmap.mmap(fd, info.size, flags=mmap.MAP_SHARED)
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)  # the mapping holds the file
+        for span in spans:
+            if (isinstance(span, list) and len(span) == 2 and
+                    all(type(x) is int for x in span) and 0 <= span[0] <= span[1] <= info.size):
+                obj._have.add(span[0], span[1])
+        return obj
 
     def need(self, begin: int, end: int, alive: Optional[Callable[[], None]] = None) -> int:
         """Make bytes ``[begin, end)`` present (fetching what is missing)."""
@@ -209,13 +276,17 @@ class ObjectBytes:
         if self.map is None or last <= first:
             return
         with self._cond:
-            self._have.remove(first, last)
+            if not self._borrowed:  # a borrowed file keeps its pages: only this view drops
+                self._have.remove(first, last)
             try:
                 self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
             except (OSError, ValueError):
                 pass
 
     def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
         m, self.map = self.map, None
         if m is not None:
             try:
