@@ -1,5 +1,6 @@
-"""The embedded example: it loads for every planned N, and every worker's GPTQ shard
-dequantizes to exactly its slice of the dequantized full weight."""
+"""The embedded example: it loads for every N from 1 to 8 (its shard_info.json where it fits
+N; the planner's zero-padded plan elsewhere), and every worker's GPTQ shard dequantizes to
+exactly its slice of the dequantized full weight (zero-padded by an independent rule)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from safetensors.numpy import load_file
 
 from conftest import EXAMPLE
 from helpers.gptq_reference import dequantize
+from helpers.tp_reference import padded_heads, padded_units, take
 from shardload import PlanError, ProcessSession, ThreadedSession, load_sharded, open_checkpoint
 
 with open(os.path.join(EXAMPLE, "config.json")) as f:
@@ -51,6 +53,39 @@ def test_every_shard_dequantizes_to_its_slice(full, n, session):
     check_example(full, n, result)
 
 
+GROUP = 32        # the example's GPTQ group: padded MLP rows move in whole groups
+
+
+@pytest.mark.parametrize("n", [3, 5, 6, 7])
+def test_every_n_loads_from_the_default_policy_zero_padded(full, n):
+    """The plan beside the example fits 1, 2, 4, 8; for the other N the planner's padded plan
+    takes over (its zero rows are zero-scaled groups of their own, g_idx included)."""
+    with open_checkpoint(EXAMPLE) as ckpt, ThreadedSession(n) as sess:
+        loaded = load_sharded(ckpt, None, sess, progress=False)
+        shards = {i: loaded.worker(i) for i in range(n)}
+    q, kv = padded_heads(CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"], n)
+    mlp = padded_units(CONFIG["intermediate_size"] // GROUP, n)
+    units = {"self_attn.q_proj": (q, HEAD_DIM), "self_attn.k_proj": (kv, HEAD_DIM),
+             "self_attn.v_proj": (kv, HEAD_DIM), "self_attn.o_proj": (q, HEAD_DIM),
+             "mlp.gate_proj": (mlp, GROUP), "mlp.up_proj": (mlp, GROUP),
+             "mlp.down_proj": (mlp, GROUP)}
+    parts = ("qweight", "qzeros", "scales", "g_idx")
+    for layer in range(CONFIG["num_hidden_layers"]):
+        for proj, (worker_units, size) in units.items():
+            p = f"model.layers.{layer}.{proj}."
+            w = dequantize(*(full[p + s] for s in parts))            # [N, K]
+            for i in range(n):
+                got = dequantize(*(shards[i][p + s].numpy() for s in parts))
+                want = take(w, worker_units[i], size, axis=1 if proj in ROW else 0)
+                np.testing.assert_array_equal(got, want, err_msg=f"{p} worker {i} of {n}")
+
+
+def test_the_cli_loads_the_example_onto_three_workers():
+    result = subprocess.run([sys.executable, "-m", "shardload", "load", "--shards", "3",
+                             "--quiet", EXAMPLE], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 def check_example(full, n, shards):
     checked = 0
     for layer in range(CONFIG["num_hidden_layers"]):
@@ -74,7 +109,7 @@ def check_example(full, n, shards):
             np.testing.assert_array_equal(shards[i][name].numpy(), full[name])
 
 
-def test_three_workers_are_refused_before_reading(full):
+def test_the_plan_given_is_used_as_it_is_and_refuses_three_before_reading(full):
     with open_checkpoint(EXAMPLE) as ckpt, ThreadedSession(3) as sess:
         with pytest.raises(PlanError, match="3"):
             load_sharded(ckpt, os.path.join(EXAMPLE, "shard_info.json"), sess, progress=False)

@@ -76,18 +76,16 @@ KINDS = {
     "modelopt_nvfp4_llama": (U, U, P, U),
     "modelopt_nvfp4_phi3": (U, U, P, U),        # fused qkv_proj and gate_up_proj
     "modelopt_nvfp4_qwen3_moe": (U, U, P, P),   # 32-row experts: 2 groups of 16 over 4
-    "gptq_g32": (U, U, R, U),
-    "gptq_g32_act_order": (U, U, R, U),
-    "gptq_g32_asym_bias": (U, U, R, U),
+    # zero rows of down_proj in zero-scaled groups of their own, act-order or not
+    "gptq_g32": (U, U, P, U),
+    "gptq_g32_act_order": (U, U, P, U),
+    "gptq_g32_asym_bias": (U, U, P, U),
     "awq_g32": (U, U, P, U),
 }
 #: what a refused N's PlanError says, per case
 REFUSALS = {
     "deepseek_fp8": r"192-element head is not a whole number of the 128-element blocks",
     "deepseek_fp8_ds_config": r"192-element head is not a whole number of the 128-element blocks",
-    "gptq_g32": r"g_idx: zero-padding cannot be exact for tensors with a g_idx",
-    "gptq_g32_act_order": r"g_idx: zero-padding cannot be exact for tensors with a g_idx",
-    "gptq_g32_asym_bias": r"g_idx: zero-padding cannot be exact for tensors with a g_idx",
 }
 GROUP = 32
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -368,7 +368,7 @@ def test_plan_is_symbolic_and_names_the_valid_n(tmp_path):
         info = plan_for(ckpt, num_shards=3)
         assert info.is_symbolic
         with pytest.raises(PlanError) as err:
-            plan_for(ckpt, num_shards=2)
+            plan_for(ckpt, num_shards=2, pad=False)      # padded, 2 works too
     message = str(err.value)
     assert "cannot be split over 2 workers" in message and "N that work" in message
     assert "1, 3" in message and "k_proj" in message
@@ -545,7 +545,9 @@ def test_random_gptq_models(tmp_path_factory, case):
 
 # ---- zero padding --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt", [PLAIN[0], awq(32), pack_quantized(4, 32, False), fp8("channel")],
+@pytest.mark.parametrize("fmt", [PLAIN[0], awq(32), pack_quantized(4, 32, False), fp8("channel"),
+                                 gptq(4, 32), gptq(3, 32, version=2, act_order=True),
+                                 gptq(4, 32, act_order=True)],
                          ids=lambda f: f.name)
 @pytest.mark.parametrize("n", [2, 5, 8])
 def test_zero_padding_for_n_the_heads_do_not_divide(tmp_path, fmt, n):
@@ -572,8 +574,32 @@ def test_zero_padding_for_n_the_heads_do_not_divide(tmp_path, fmt, n):
                 f"{fmt.name} {module} worker {i} of {n}"
 
 
-def test_zero_padding_is_refused_for_gptq(tmp_path):
-    model = write_model(str(tmp_path), THREE, gptq(4, 32))
-    with pytest.raises(PlanError, match="g_idx") as err:
+def test_zero_padding_is_refused_for_a_per_channel_gptq_layer(tmp_path):
+    # zero codes are not zero weights under a zero point, and there is no group to zero
+    model = write_model(str(tmp_path), THREE, gptq(4, -1))
+    with pytest.raises(PlanError, match="per channel") as err:
         plan_for(model.folder, num_shards=2)
     assert "N that work (up to 64): 1, 3" in str(err.value)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_padded_gptq_rows_are_zero_groups_of_their_own(tmp_path, act_order):
+    """Row-parallel zero rows point at groups whose scales are 0: the worker's own (no
+    act-order) or ones appended after every real group (act-order, scales replicated)."""
+    model = write_model(str(tmp_path), THREE, gptq(4, 32, act_order=act_order))
+    n, groups = 5, THREE.inter // 32                     # 24 groups: 5 per worker, 1 padded
+    with open_checkpoint(model.folder) as ckpt, ThreadedSession(n) as sess:
+        info = plan_for(ckpt, num_shards=n)
+        shards = [load_sharded(ckpt, info, sess, progress=False).worker(i) for i in range(n)]
+    last = shards[-1]
+    prefix = "model.layers.0.mlp.down_proj."
+    g_idx, scales = last[prefix + "g_idx"].numpy(), last[prefix + "scales"].numpy()
+    padded_rows = slice(4 * 32, 5 * 32)                 # worker 4 holds groups 20..23, then 0s
+    if act_order:
+        assert scales.shape[0] == n * 5                 # every real group, then zero groups
+        assert (g_idx[padded_rows] == groups).all()
+        assert not scales[groups:].any()
+    else:
+        assert scales.shape[0] == 5
+        assert (g_idx == np.arange(5 * 32) // 32).all()
+        assert not scales[4].any()

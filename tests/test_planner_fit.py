@@ -42,15 +42,16 @@ def decisions(ckpt, **kwargs) -> dict[str, list[int]]:
     # 8 query heads, 2 KV heads, MLP 512: N divides the heads, or is a multiple of the 2 KV heads
     (GQA, PLAIN[0], [1, 2, 4, 8], []),
     (GQA, awq(32), [1, 2, 4, 8], []),
-    (GQA, gptq(4, 32), [1, 2, 4, 8], [3, 5, 6, 7, 9, 10, 11, 12]),     # g_idx: never padded
+    (GQA, gptq(4, 32), [1, 2, 4, 8], []),    # g_idx: zero rows in zero-scaled groups of their own
+    (GQA, gptq(4, -1), [1, 2, 4, 8], [3, 5, 6, 7, 9, 10, 11, 12]),  # per channel, zero points
     # 12 query heads, 3 KV heads, MLP 768
     (THREE, PLAIN[0], [1, 3, 6, 12], []),
     (THREE, fp8("channel"), [1, 3, 6, 12], []),
-    (THREE, gptq(4, 32), [1, 3, 6, 12], [2, 4, 5, 7, 8, 9, 10, 11]),
+    (THREE, gptq(4, 32, act_order=True), [1, 3, 6, 12], []),
     # 1 KV head: replicated to every worker; zero points packed 8 to a word along N
     (MQA, pack_quantized(4, 32, False), [1, 2, 4, 8], []),
-], ids=["gqa-fp16", "gqa-awq", "gqa-gptq", "three-fp16", "three-fp8", "three-gptq",
-        "mqa-ct-asym"])
+], ids=["gqa-fp16", "gqa-awq", "gqa-gptq", "gqa-gptq-channel", "three-fp16", "three-fp8",
+        "three-gptq-act-order", "mqa-ct-asym"])
 def test_unpadded_padded_or_refused(tmp_path, geometry, fmt, unpadded, refused):
     folder = write_model(str(tmp_path), geometry, fmt).folder
     with open_checkpoint(folder) as ckpt:
@@ -140,8 +141,9 @@ def test_random_models_decide_as_validating_would(tmp_path_factory, case):
             kind = plan_decision(ckpt, n).kind      # a padded plan has passed its validation
             if n in decision.valid:
                 assert kind == "unpadded"
-            else:    # GPTQ's g_idx cannot be padded; every other format here can
-                assert kind == ("refused" if fmt.name.startswith("gptq") else "padded")
+            else:    # per channel with zero points or offset codes cannot pad; others can
+                per_channel_offset = fmt.name in ("gptq2-g-1-v1", "ct-int8-channel-sym")
+                assert kind == ("refused" if per_channel_offset else "padded"), fmt.name
 
 
 # ---- no binding or validating to decide ---------------------------------------------------------
@@ -178,8 +180,8 @@ def test_the_decision_binds_nothing_and_validates_once(tmp_path, counted, n, pad
 
 
 def test_refused_with_padding_impossible_validates_nothing(tmp_path, counted):
-    folder = write_model(str(tmp_path), THREE, gptq(4, 32)).folder
-    with pytest.raises(PlanError, match="g_idx"):
+    folder = write_model(str(tmp_path), THREE, gptq(4, -1)).folder
+    with pytest.raises(PlanError, match="per channel"):
         plan_for(folder, num_shards=2)
     assert counted == {"bind": 0, "validate": 0}
 
@@ -217,7 +219,7 @@ def test_refusal_names_packed_words_and_blocks(tmp_path):
             "zero-padding cannot help") in str(err)
     assert "heads cannot be padded" in str(err) and "N that work (up to 64): 1, 2" in str(err)
     folder = write_model(str(tmp_path / "gptq"), THREE, gptq(4, 32)).folder
-    err = refusal(folder, 24)          # 768 MLP rows in 96 words of 8 rows: 24 divides, but
+    err = refusal(folder, 24, pad=False)  # 768 MLP rows in 96 words of 8 rows: 24 divides, but
     assert "N that work (up to 64): 1, 3, 6, 12" in str(err)    # not the 3 KV heads
 
 
@@ -268,7 +270,7 @@ def test_cli_plan_calls_the_planner_once(tmp_path, monkeypatch):
 
 
 def test_cli_plan_prints_the_refusal(tmp_path):
-    folder = write_model(str(tmp_path), THREE, gptq(4, 32)).folder
+    folder = write_model(str(tmp_path), THREE, gptq(4, -1)).folder
     result = CliRunner().invoke(cli, ["plan", "--shards", "2", folder])
     assert result.exit_code == 2 and "Traceback" not in result.output
     (line,) = result.stderr.strip().splitlines()

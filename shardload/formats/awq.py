@@ -49,6 +49,9 @@ class AWQ(QuantFormat):
             return TensorAxes(Axis(1), group, grouped=True)
         return None
 
+    def zero_codes_are_zero(self, scheme, parts):
+        return False  # (q - z) * s: a zero code is -z
+
     def dense(self, parts, scheme, ggml_types):
         from .packing import columns, unpack_int32
 

@@ -128,6 +128,13 @@ class QuantFormat:
         """The format's own tensors' axes (``axes`` adds ``bias`` and the common ones)."""
         return None
 
+    def zero_codes_are_zero(self, scheme: "Scheme", parts: "set[str]") -> bool:
+        """Whether a stored code of 0 dequantizes to 0 whatever its scale, in a module storing
+        ``parts`` (suffixes). Zero-padded rows under a scale they share with real rows (per
+        channel, on a row split) are exact only then; codes with a zero point or an offset
+        (GPTQ, AWQ, compressed-tensors' packed ints) need a zero scale of their own."""
+        return True
+
     def stored_as(self, fmt: Optional[Mapping[str, Any]]) -> Optional[str]:
         """How the tensor stores its blocks when the tensor itself says (GGUF: ``Q4_K
         blocks``); ``None``: the scheme's settings say (bits, group size, block)."""

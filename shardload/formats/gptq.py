@@ -11,8 +11,11 @@ Split rules: a column split takes ``qweight``/``scales`` columns and ``qzeros`` 
 words; ``g_idx`` stays whole. A row split takes ``qweight`` rows in whole words, ``scales`` and
 ``qzeros`` rows in whole groups (the K share must be a multiple of G), and ``g_idx`` sliced and
 rebased. **Act-order** (``desc_act``: ``g_idx`` reorders rows): any row may use any group, so a
-row split keeps every scale and zero point, and ``g_idx`` is sliced but not rebased. Zero-padding
-is refused with a ``g_idx`` (padded rows would use real groups' scales).
+row split keeps every scale and zero point, and ``g_idx`` is sliced but not rebased.
+Zero-padding a row split adds zero rows in zero-scaled groups of their own, which ``g_idx``
+points them at (``shardload.take_g_idx``; act-order appends the zero groups to the replicated
+scales, ``shardload.replicate_padded``): a zero scale makes any code 0. Per channel (group -1)
+a padded row shares its column's scale, and its zero code is ``-z``, so that is refused.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ class GPTQ(QuantFormat):
         if suffix == "g_idx":
             return TensorAxes(None, Axis(0), special="g_idx")
         return None
+
+    def zero_codes_are_zero(self, scheme, parts):
+        return False  # (q - z) * s: a zero code is -z
 
     def dense(self, parts, scheme, ggml_types):
         from .packing import columns, unpack_int32

@@ -57,6 +57,9 @@ class IntQuantized(QuantFormat):
         group = Axis(1, scheme.group_size) if scheme.group_size != -1 else None
         return TensorAxes(Axis(0), group, grouped=True)
 
+    def zero_codes_are_zero(self, scheme, parts):
+        return "weight_zero_point" not in parts  # (q - zp) * s
+
     def dense(self, parts, scheme, ggml_types):
         import torch
 

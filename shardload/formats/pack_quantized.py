@@ -60,6 +60,9 @@ class PackQuantized(QuantFormat):
             return TensorAxes(None, None, special="shape")
         return None
 
+    def zero_codes_are_zero(self, scheme, parts):
+        return False  # codes stored + 2^(b-1): a stored 0 is -2^(b-1)
+
     def dense(self, parts, scheme, ggml_types):
         from .packing import columns, unpack_int32
 

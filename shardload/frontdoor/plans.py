@@ -7,7 +7,10 @@
 2. ``shard_info`` is given (a path, a dict, a ``ShardInfo``, a bound ``Plan`` or a
    ``ValidatedPlan``): that plan, as it is;
 3. a ``shard_info.json`` beside the checkpoint (in the folder the reader resolved: a Hugging
-   Face cache folder resolves to its snapshot);
+   Face cache folder resolves to its snapshot); one that shardload's planner wrote (it records
+   the model, ``__metadata__.model``) and that does not fit N gives way to step 4 where the
+   planner zero-pads for N: it is the planner's own work for every N it fits, kept, and the
+   planner would write the padded plan for this N from the same config;
 4. a plan made from the checkpoint's config (``planners.plan_decision``: zero-padded where N
    does not divide the heads or the MLP, refused with the N that work where even that cannot
    be exact);
@@ -126,7 +129,14 @@ def resolve_plan(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None
         _no_planner_options(experts, vocab_parallel, pad, quote(_label(shard_info)))
         if origin == "beside":
             shard_info = ShardInfo.load(shard_info, checkpoint.name_of(shard_info))
-        validated = _given(shard_info, checkpoint, num_shards)
+        try:
+            validated = _given(shard_info, checkpoint, num_shards)
+        except PlanError:
+            padded = _padded_instead(shard_info, checkpoint, num_shards) \
+                if origin == "beside" else None
+            if padded is None:
+                raise
+            return padded
         return ResolvedPlan(validated, origin, _label(shard_info))
     from ..planners import plan_decision
 
@@ -134,6 +144,25 @@ def resolve_plan(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None
                              experts=experts)
     info = decision.plan()
     return ResolvedPlan(decision.validated, "planned", info.source, decision)
+
+
+def _padded_instead(beside: ShardInfo, checkpoint: Checkpoint,
+                    num_shards: int) -> Optional[ResolvedPlan]:
+    """The planner's zero-padded plan for N, where the plan beside the checkpoint is the
+    planner's own symbolic plan (it records the model) and does not fit N; else None (the
+    refusal of the plan beside stands)."""
+    from ..geometry import MODEL_KEY
+    from ..planners import plan_decision
+
+    if not beside.is_symbolic or MODEL_KEY not in beside.metadata:
+        return None
+    try:
+        decision = plan_decision(checkpoint, num_shards)
+    except PlanError:
+        return None
+    if decision.kind != "padded":
+        return None
+    return ResolvedPlan(decision.validated, "planned", decision.plan().source, decision)
 
 
 def _no_planner_options(experts: str, vocab_parallel: bool, pad: bool, plan: str) -> None:

@@ -8,7 +8,8 @@ For each tensor (``tensors.tensors``: its role, MLP kind and axes), in storage o
 1. no role, or no axes (a norm, a router, a tensor the format does not know): replicated;
 2. under expert parallelism, a routed expert's tensor goes whole to its worker (one per
    tensor: ``__placement__``) or is split along its expert axis (stacked: ``experts.py``);
-3. with a zero-padded layout (``padding.py``), the units each worker takes, zeros included;
+3. with a zero-padded layout (``padding.py``), the units each worker takes, zeros included
+   (a row-parallel ``g_idx`` layer's zero rows in zero-scaled groups of their own);
 4. otherwise the role's logical split (``roles.py``: its segments of heads, KV heads, MLP or
    vocabulary rows) converted into the tensor's own units along the axis the role splits
    (``_in_units``: packed words, quantization groups, FP8 or GGUF blocks), as one
@@ -165,7 +166,10 @@ def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, *,
             planned.replicated.append(t.name)
             continue
         if padding is not None and t.role.paddable:
-            step = padded_step(t, t.axes, spec, padding, ckpt)
+            reorders = (not t.role.column and (t.axes.special == "g_idx" or t.axes.act_order)
+                        and act_order(t.module))
+            step = padded_step(t, t.axes, spec, padding, ckpt, group_size=scheme.group_size,
+                               act_order=reorders)
         else:
             segments = t.role.segments(spec, t.mlp, t.module)
             group = _Group(t.name, t.role.labels(spec, t.mlp, t.module), t.role.paddable,

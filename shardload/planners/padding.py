@@ -4,9 +4,10 @@ For such an N, a plan for that N alone gives every worker the same number of que
 heads and MLP blocks, filling up with zero units (``tp_layout.py``: which heads each worker
 holds; ``-1`` is a zero unit), read with ``shardload.take_units``. Zero weights with zero scales
 dequantize to exact zeros, so the model's output is unchanged. ``padding_layout`` first judges
-every tensor it would pad, and refuses where padding cannot be exact: a ``g_idx`` (padded rows
-would use real groups' scales), a head that is not a whole number of its storage blocks, an MLP
-that is not a whole number of blocks, per-part scales of a fused layer.
+every tensor it would pad, and refuses where padding cannot be exact: a head that is not a whole
+number of its storage blocks, an MLP that is not a whole number of blocks, per-part scales of a
+fused layer, rows of a per-channel row-parallel layer whose zero codes are not zero weights. Rows of a layer with a ``g_idx`` (GPTQ,
+compressed-tensors act-order) pad in whole zero-scaled groups of their own (``padded_step``).
 """
 
 from __future__ import annotations
@@ -72,19 +73,30 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
                          source=spec.file or None)
     naming = spec.rules.naming
     mlp_unit, sizes = 1, set()
+    modules: dict[str, set[str]] = {}
+
+    def parts_of(module: str) -> set[str]:
+        if not modules:    # once, and only for a layer that asks
+            for name in ckpt.metadata():
+                prefix, _, suffix = name.rpartition(".")
+                modules.setdefault(prefix, set()).add(suffix)
+        return modules.get(module, set())
+
     for t in tensors(ckpt, spec, scheme, vocab_parallel=False):
         if t.axes is None:
             continue
         if whole_experts and t.role.kind == "mlp" and naming.expert_kind(t.name, t.module):
             continue
-        if t.axes.special == "g_idx":
-            return PlanError(f"{t.name}: zero-padding cannot be exact for tensors with a g_idx "
-                             "(GPTQ, compressed-tensors act-order): padded rows would use real "
-                             "groups' scales")
+        if (not t.role.column and t.axes.grouped and t.axes.k is None
+                and not scheme.format.zero_codes_are_zero(scheme, parts_of(t.module))):
+            return PlanError(f"{t.name}: a row-parallel layer quantized per channel "
+                             f"({scheme.describe()}) keeps one scale for real and padded rows, "
+                             "and its zero codes are not zero weights (a zero point or an "
+                             "offset), so padded rows would not be zeros")
         axis = t.axes.n if t.role.column else t.axes.k
         if axis is None:
-            if (t.role.column and t.axes.special != "shape" and t.meta.numel > 1
-                    and len(t.meta.shape) <= 1):
+            if (t.role.column and t.axes.special not in ("shape", "g_idx")
+                    and t.meta.numel > 1 and len(t.meta.shape) <= 1):
                 return PlanError(f"{t.name}: per-part scales of a fused layer cannot be padded "
                                  "yet")
             continue
@@ -108,8 +120,16 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
 
 
 def padded_step(t: Tensor, axes: TensorAxes, spec: "ModelSpec", padding: Padding,
-                ckpt: "Checkpoint") -> Optional[list]:
-    """The step taking worker by worker the units of ``padding`` (zeros for ``-1``)."""
+                ckpt: "Checkpoint", *, group_size: int = -1,
+                act_order: bool = False) -> Optional[list]:
+    """The step taking worker by worker the units of ``padding`` (zeros for ``-1``).
+
+    A row-parallel layer with a ``g_idx`` (``group_size``; ``act_order``: its ``g_idx``
+    reorders rows) gets zero rows that are whole zero-scaled groups of their own: without
+    act-order each worker's scales take zero groups where its rows are zero and its ``g_idx``
+    counts its own groups; with act-order every worker holds every real group plus zero groups
+    appended (``shardload.replicate_padded``), and its zero rows point at those
+    (``shardload.take_g_idx``). A zero scale dequantizes any code to exactly 0."""
     n, role, split_n = padding.num_shards, t.role, t.role.column
     if axes.special == "shape":
         unit, units = role.padded_units(spec, padding, t.mlp, t.module, 0)
@@ -121,11 +141,23 @@ def padded_step(t: Tensor, axes: TensorAxes, spec: "ModelSpec", padding: Padding
     if axis is None:   # per-part scales of fused layers were refused by padding_layout
         return None
     unit, _ = role.padded_units(spec, padding, t.mlp, t.module, 0)
+    indices = [role.padded_units(spec, padding, t.mlp, t.module, r)[1] for r in range(n)]
+    if axes.special == "g_idx":       # row-parallel: the layer's input rows, one per element
+        rows = t.meta.shape[0]
+        zero_group = -(-rows // group_size) if act_order else -1
+        return step_json("shardload.take_g_idx", [n, len(indices[0]) * unit], t.meta.dtype,
+                         (unit, group_size, zero_group, *[u for w in indices for u in w]))
+    if not split_n and axes.act_order and act_order:
+        # every real group on every worker, then zero groups for the zero rows: as many as
+        # the padded layer's input has groups (what an engine sizes a replicated scale by)
+        out = [n, *t.meta.shape]
+        out[axis.dim + 1] = n * len(indices[0]) * unit // axis.elems * axis.width
+        return step_json("shardload.replicate_padded", out, t.meta.dtype,
+                         (axis.dim, out[axis.dim + 1]))
     if unit % axis.elems:   # padding_layout refused these: heads and MLP blocks are whole blocks
         raise AssertionError(f"{t.name}: {unit}-element units straddle its {axis.elems}-element "
                              "blocks")
     stored = unit // axis.elems * axis.width
-    indices = [role.padded_units(spec, padding, t.mlp, t.module, r)[1] for r in range(n)]
     out = [n, *t.meta.shape]
     out[axis.dim + 1] = len(indices[0]) * stored
     return step_json("shardload.take_units", out, t.meta.dtype,

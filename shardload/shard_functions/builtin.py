@@ -359,6 +359,100 @@ def take_units(input: torch.Tensor, dim: int, unit: int, *indices_and_output) ->
                 dst[i].narrow(axis, j * unit, unit).copy_(src.narrow(axis, u * unit, unit))
 
 
+# ---- shardload.replicate_padded ----------------------------------------------------------------
+
+def _replicate_padded_rule(in_shape: Shape, in_dtype: str, dim: int, size: int, *,
+                           num_shards: int):
+    axis = _axis(dim, len(in_shape))
+    size = _int(size, "size")
+    if not in_shape[axis] <= size <= dtypes.MAX_DIM:
+        raise ValueError(f"dim {dim} has size {in_shape[axis]}: padding it to {size} would "
+                         "drop elements" if size < in_shape[axis] else
+                         f"size {size} is beyond the {dtypes.MAX_DIM} (2**53) any dim may have")
+    return _stack_shape(in_shape, axis, size, num_shards), in_dtype
+
+
+def replicate_padded(input: torch.Tensor, dim: int, size: int, output: torch.Tensor) -> None:
+    """Give every worker the whole tensor with zeros appended along ``dim`` up to ``size``.
+
+    For act-order scales and zero points of a zero-padded row-parallel layer: every worker
+    needs every real group (any input row may use any group), and the zero rows padding adds
+    need groups of their own, whose zero scale makes any code dequantize to exactly 0
+    (``take_g_idx`` points them there).
+    """
+    _check_output(_replicate_padded_rule, input, (dim, size), output)
+    axis = _axis(dim, input.dim())
+    dst = dtypes.movable_view(output)
+    dst.zero_()
+    dst.narrow(axis + 1, 0, input.shape[axis]).copy_(
+        dtypes.movable_view(input).unsqueeze(0).expand(output.shape[0], *input.shape))
+
+
+# ---- shardload.take_g_idx ----------------------------------------------------------------------
+
+def _g_idx_args(in_shape: Shape, in_dtype: str, unit: int, group: int, zero_group: int,
+                indices: Sequence[int], num_shards: int):
+    if len(in_shape) != 1 or in_dtype not in _INTEGER:
+        raise ValueError(f"a g_idx is a vector of integers, got {list(in_shape)} {in_dtype}")
+    group, zero_group = _int(group, "group"), _int(zero_group, "zero_group")
+    axis, unit, per_worker = take_ranges(in_shape, 0, unit, indices, num_shards)
+    if group <= 0 or unit % group:
+        raise ValueError(f"units of {unit} rows are not whole groups of {group}")
+    if zero_group < -1:
+        raise ValueError(f"zero_group is a group index, or -1, got {zero_group}")
+    return unit, group, zero_group, per_worker
+
+
+def _take_g_idx_rule(in_shape: Shape, in_dtype: str, unit: int, group: int, zero_group: int,
+                     *indices: int, num_shards: int):
+    unit, _, _, per_worker = _g_idx_args(in_shape, in_dtype, unit, group, zero_group, indices,
+                                         num_shards)
+    return (len(per_worker), len(per_worker[0]) * unit), in_dtype
+
+
+def _renumber(piece: torch.Tensor, units: Sequence[int], unit: int, group: int,
+              zero_group: int) -> None:
+    """One worker's g_idx after its units were taken (zero units read as zeros): see
+    ``take_g_idx``."""
+    if zero_group < 0:       # groups in storage order, the worker's own
+        local = torch.arange(piece.numel(), dtype=torch.int64) // group
+        piece.copy_(local.to(piece.dtype))
+        return
+    padded = 0
+    for slot, u in enumerate(units):
+        if u < 0:
+            rows = torch.arange(padded, padded + unit, dtype=torch.int64) // group + zero_group
+            piece.narrow(0, slot * unit, unit).copy_(rows.to(piece.dtype))
+            padded += unit
+
+
+def take_g_idx(input: torch.Tensor, unit: int, group: int, zero_group: int,
+               *indices_and_output) -> None:
+    """Each worker's ``g_idx`` (a row's quantization group) for its units of the input rows,
+    some of them zero units, under zero-padding of a row-parallel layer.
+
+    Extra args: ``unit, group, zero_group, i_0_0, ...``: rows per unit (whole groups), the
+    group size, and N equal lists of unit indices (-1: a zero unit), as ``take_units``.
+
+    * ``zero_group`` -1 (no act-order: rows sit in groups in storage order, and each worker
+      takes its groups' scales by the same units): worker row ``r`` is in group ``r // group``
+      of its own scales, a zero unit's rows in the zero groups its scales got there.
+    * ``zero_group`` g >= 0 (act-order: every worker holds every real group, and
+      ``replicate_padded`` appended zero groups from g on): real rows keep their group; the
+      ``j``-th zero row of a worker is in group ``g + j // group``.
+
+    Either way a zero row's codes are 0 and its group's scale is 0, so it dequantizes to 0.
+    """
+    *indices, output = indices_and_output
+    _check_output(_take_g_idx_rule, input, (unit, group, zero_group, *indices), output)
+    unit, group, zero_group, per_worker = _g_idx_args(
+        tuple(input.shape), dtypes.from_torch(input.dtype), unit, group, zero_group, indices,
+        output.shape[0])
+    take_units(input, 0, unit, *indices, output)
+    for i, units in enumerate(per_worker):
+        _renumber(output[i], units, unit, group, zero_group)
+
+
 # ---- what each worker's piece is, for reading only its bytes -----------------------------------
 
 def _split_selection(in_shape: Shape, in_dtype: str, dim: int, *, num_shards: int,
@@ -386,6 +480,27 @@ def _take_selection(in_shape: Shape, in_dtype: str, dim: int, unit: int, *indice
                                  for u in per_worker[index]))
 
 
+def _replicate_padded_selection(in_shape: Shape, in_dtype: str, dim: int, size: int, *,
+                                num_shards: int, index: int) -> Selection:
+    axis = _axis(dim, len(in_shape))
+    return Selection(axis, ((0, in_shape[axis]), (None, _int(size, "size") - in_shape[axis])))
+
+
+def _take_g_idx_selection(in_shape: Shape, in_dtype: str, unit: int, group: int,
+                          zero_group: int, *indices: int, num_shards: int,
+                          index: int) -> Selection:
+    unit, _, _, per_worker = _g_idx_args(in_shape, in_dtype, unit, group, zero_group, indices,
+                                         num_shards)
+    return Selection(0, tuple((None if u < 0 else u * unit, unit) for u in per_worker[index]))
+
+
+def _take_g_idx_fixup(piece: torch.Tensor, unit: int, group: int, zero_group: int,
+                      *indices: int, num_shards: int, index: int) -> None:
+    # the ranges rule checked these args against the stored g_idx before anything was read
+    per = len(indices) // num_shards
+    _renumber(piece, indices[index * per:(index + 1) * per], unit, group, zero_group)
+
+
 def _rebase_fixup(piece: torch.Tensor, dim: int, *, num_shards: int, index: int) -> None:
     piece.copy_(rebase(piece))
 
@@ -404,4 +519,8 @@ BUILTINS = [
     # a piece larger than the input: computed (per-part scales, a handful of numbers)
     ("shardload.repeat_segments", repeat_segments, dict(shape_rule=_repeat_rule)),
     ("shardload.take_units", take_units, dict(shape_rule=_take_rule, ranges=_take_selection)),
+    ("shardload.replicate_padded", replicate_padded,
+     dict(shape_rule=_replicate_padded_rule, ranges=_replicate_padded_selection)),
+    ("shardload.take_g_idx", take_g_idx,
+     dict(shape_rule=_take_g_idx_rule, ranges=_take_g_idx_selection, fixup=_take_g_idx_fixup)),
 ]
