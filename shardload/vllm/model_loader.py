@@ -16,11 +16,15 @@ requantization) itself. ``load_weights`` here, on every tensor-parallel rank:
    a tensor stored as vLLM takes it is a view of the mapped file, not read at all (vLLM's
    narrowing copies this rank's bytes out of it, one copy); a zero-padded tensor or a
    computed one is read into memory, through a session of vLLM's own tensor-parallel group,
-   so a rank that fails fails every rank, named; with ``verify`` every stand-in is read;
+   so a rank that fails fails every rank, named; with ``verify`` every stand-in is read.
+   Under pipeline parallelism, only of the tensors this stage's model holds (``stages.py``:
+   its decoder layers, the embeddings on the first stage, the final norm and ``lm_head`` on
+   the last), so nothing else is read, kept or counted;
 5. **hand** them to the model's own ``load_weights``, which narrows them as it narrows a full
    tensor (with ``verify``: twice, poisoned, ``verify.py``); vLLM's check that every weight was
    loaded runs as for its default loader;
-6. **log** what this rank read and kept, and vLLM's "Loading weights took" line.
+6. **log** what this rank read and kept (under pipeline parallelism, with its stage and the
+   layers it holds), and vLLM's "Loading weights took" line.
 
 ``get_all_weights`` gives the stand-ins of steps 2 to 4 to vLLM's in-place reload
 (``LLM.collective_rpc("reload_weights")``: new weights in a running engine).
@@ -48,6 +52,7 @@ from ..geometry import worker_share
 from ..readers import Checkpoint, open_checkpoint
 from .options import LoaderOptions
 from .padding import overrides_for, padded_sizes
+from .stages import stage_of
 from .standins import StandIns, stand_in_reads
 from .verify import poison, verified_load
 
@@ -146,6 +151,7 @@ class ShardloadModelLoader(BaseModelLoader):
         tp = get_tp_group()
         rank, n = tp.rank_in_group, tp.world_size
         whole_experts = _whole_experts(model, model_config)
+        stage = stage_of(model)        # under pipeline parallelism: what this stage holds
         ckpt = open_checkpoint(self._folder(model_config))                           # 2.
         made: dict[int, StandIns] = {}
         # the workers are vLLM's own tensor-parallel ranks: a torch session over its group
@@ -162,6 +168,8 @@ class ShardloadModelLoader(BaseModelLoader):
             view = None if verify else ckpt.view
 
             def reads(plan):
+                if stage is not None:      # only the tensors of this stage's modules
+                    plan = stage.restrict(plan)
                 made[plan.rank] = stand_in_reads(plan, validated, ckpt, view)
                 return made[plan.rank].plan
 
@@ -179,6 +187,8 @@ class ShardloadModelLoader(BaseModelLoader):
                 "tensors": len(tensors), "padded_tensors": len(ins.padded),
                 "read_seconds": round(time.perf_counter() - start, 4),
                 "verified": verify, "experts": "ep" if whole_experts else "tp"}
+        if stage is not None:
+            line.update(stage.describe())
         return _RankRead(ckpt, ins, tensors, line, start)
 
     def get_all_weights(self, model_config: ModelConfig, model: nn.Module
