@@ -2,20 +2,32 @@
 
 With N dividing the query heads (and N dividing, or a multiple of, the KV heads) this is the
 usual layout: worker r holds query heads ``[r*n_q/N, (r+1)*n_q/N)`` and the KV heads they use
-(vLLM's rule). For any other N, query heads are padded with zero heads up to
-``ceil(n_q / N) * N``, each worker holds the KV heads its query heads use (a KV head may then be
-held by two workers), and workers holding fewer KV heads than others get zero heads to keep
-every worker's shapes equal. Padded heads have zero weights, and the o_proj columns that read
-them are zero, so the model's output is unchanged.
+(vLLM's rule). For any other N the heads are zero-padded into the smallest layout that is still
+regular, the shape every engine's attention has: ``n_kv'`` KV heads (N divides them, or they
+divide N and each is held by ``N / n_kv'`` workers in turn), each read by ``g'`` query heads
+(``g'`` at least the model's ``n_q / n_kv``), ``n_kv' * g'`` query heads in all, divisible by N,
+padded query head ``p`` reading KV head ``p // g'``. KV head ``j``'s real query heads come first
+in its group, then zero query heads; KV heads past the real ones are zero heads read only by
+zero query heads. Zero heads have zero weights and the o_proj columns that read them are zero,
+so the model's output is unchanged. Of the regular layouts, the one with the fewest query heads
+(then KV heads) is taken; where N splits the heads evenly that is the plain one.
 
->>> head_layout(9, 3, 2).q_heads
-[[0, 1, 2, 3, 4], [5, 6, 7, 8, -1]]
+Where even that has more than twice the model's query heads (12 heads on 11 workers would need
+44), the fewest heads are taken instead: query heads padded up to ``ceil(n_q / N) * N``, each
+worker holding the KV heads its query heads use (one may be held by two workers) and zero KV
+heads to keep every worker's shapes equal. Only shardload's own model runs that layout.
+
+>>> head_layout(9, 3, 2).q_heads        # SmolLM2 on 2 workers: 12 query, 4 KV heads
+[[0, 1, 2, 3, 4, 5], [6, 7, 8, -1, -1, -1]]
 >>> head_layout(9, 3, 2).kv_heads
-[[0, 1], [1, 2]]
+[[0, 1], [2, -1]]
+>>> head_layout(8, 2, 3).q_heads        # 12 query, 3 KV heads: the third worker's are zeros
+[[0, 1, 2, 3], [4, 5, 6, 7], [-1, -1, -1, -1]]
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 
@@ -47,6 +59,25 @@ def _count(value: object, what: str) -> int:
     return value
 
 
+def _regular_sizes(num_heads: int, num_kv_heads: int, num_shards: int) -> tuple[int, int]:
+    """(padded KV heads, query heads per KV head) of the smallest regular layout: the fewest
+    query heads in all, then the fewest KV heads (the module docstring)."""
+    group, n = num_heads // num_kv_heads, num_shards
+    # KV heads: the first multiple of N from the model's, or a divisor of N at least as many
+    candidates = {-(-num_kv_heads // n) * n}
+    d = 1
+    while d * d <= n:
+        candidates.update(k for k in (d, n // d) if n % d == 0 and k >= num_kv_heads)
+        d += 1
+    best = None
+    for kv in sorted(candidates):
+        step = n // math.gcd(kv, n)              # kv * g is a multiple of N iff step divides g
+        g = -(-group // step) * step
+        if best is None or kv * g < best[0] * best[1]:
+            best = (kv, g)
+    return best
+
+
 def head_layout(num_heads: int, num_kv_heads: int, num_shards: int) -> HeadLayout:
     _count(num_heads, "num_heads")
     _count(num_kv_heads, "num_kv_heads")
@@ -54,6 +85,33 @@ def head_layout(num_heads: int, num_kv_heads: int, num_shards: int) -> HeadLayou
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group evenly onto {num_kv_heads} KV "
                          "heads")
+    group = num_heads // num_kv_heads
+    kv_pad, g_pad = _regular_sizes(num_heads, num_kv_heads, num_shards)
+    if kv_pad * g_pad > 2 * num_heads:
+        return _fewest_heads(num_heads, num_kv_heads, num_shards)
+    q_per = kv_pad * g_pad // num_shards
+
+    def real_query(p: int) -> int:     # padded query head p -> the model's, or -1
+        kv, i = divmod(p, g_pad)
+        return kv * group + i if kv < num_kv_heads and i < group else -1
+
+    q_heads = [[real_query(p) for p in range(r * q_per, (r + 1) * q_per)]
+               for r in range(num_shards)]
+    if kv_pad >= num_shards:           # each KV head on one worker
+        kv_per = kv_pad // num_shards
+        first = [r * kv_per for r in range(num_shards)]
+    else:                              # each KV head on N / kv_pad workers in turn
+        kv_per = 1
+        first = [r // (num_shards // kv_pad) for r in range(num_shards)]
+    kv_heads = [[h if h < num_kv_heads else -1 for h in range(f, f + kv_per)] for f in first]
+    q_to_kv = [[p // g_pad - f for p in range(r * q_per, (r + 1) * q_per)]
+               for r, f in enumerate(first)]
+    return HeadLayout(q_heads, kv_heads, q_to_kv)
+
+
+def _fewest_heads(num_heads: int, num_kv_heads: int, num_shards: int) -> HeadLayout:
+    """Query heads padded at the end to ``ceil(n_q / N) * N``; each worker's KV heads those
+    use, zero KV heads filling every worker up to the most any holds."""
     group = num_heads // num_kv_heads
     per_worker = -(-num_heads // num_shards)
     q_heads = [[h if h < num_heads else -1

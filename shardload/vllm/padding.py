@@ -8,9 +8,10 @@ model computes exactly what the model does, and vLLM can run it if it is told th
 
 vLLM's attention has one shape on every rank: the same query and KV heads per rank, query head
 ``h`` reading KV head ``h // (q / kv)``, no KV head on two ranks once the KV heads are padded to
-a multiple of N. A padded plan whose layout is that (``vllm_layout``) gets its overrides; one
-that is not (at N=2 SmolLM2's exact padding puts 5 query heads over 2 KV heads, one of them
-shared) is refused, with the N that do work.
+a multiple of N. The planner pads heads into such a layout (``tp_layout.head_layout``: SmolLM2's
+9 query and 3 KV heads at N=2 become 12 and 4), so a padded plan gets its overrides; one that
+is not (a hand-written plan, latent attention, norms over whole projections) is refused, with
+the N that do work.
 
     shardload vllm-overrides --shards 4 CKPT     # the --hf-overrides JSON for N=4
 """
@@ -44,13 +45,17 @@ def vllm_layout_problem(validated) -> Optional[str]:
     if uneven is not None:
         return (f"rank {uneven.rank}'s query heads read KV heads {uneven.kv_map}, not vLLM's "
                 f"regular h // (query heads / KV heads)")
+    kv_heads = padding["kv_heads"]
+    # fewer (padded) KV heads than ranks: vLLM gives each to N / K ranks in turn
+    replicas = _replicas(kv_heads)
     seen: dict[int, int] = {}
-    for rank, heads in enumerate(padding["kv_heads"]):
+    for rank, heads in enumerate(kv_heads):
         for h in heads:
-            if h >= 0 and h in seen:
+            if h >= 0 and h in seen and seen[h] // replicas != rank // replicas:
                 return (f"KV head {h} is on ranks {seen[h]} and {rank}; vLLM shares KV heads "
-                        "between ranks only when there are fewer KV heads than ranks")
-            seen[h] = rank
+                        "between ranks only when there are fewer KV heads than ranks, each "
+                        "with the ranks next to it")
+            seen.setdefault(h, rank)
     record = shares[0].record
     if record.get("projection_norms"):
         return ("its norms span whole projections (" + ", ".join(record["projection_norms"]) +
@@ -58,6 +63,17 @@ def vllm_layout_problem(validated) -> Optional[str]:
     if record.get("mla") or validated.plan.metadata.get("experts"):
         return "vLLM pads neither latent attention nor expert parallelism"
     return None
+
+
+def _replicas(kv_heads: list[list[int]]) -> int:
+    """How many ranks in turn hold each KV head: 1, or, where every rank holds one KV head,
+    the length of the first run of ranks holding the same one."""
+    if any(len(heads) != 1 for heads in kv_heads):
+        return 1
+    run = 1
+    while run < len(kv_heads) and kv_heads[run] == kv_heads[0]:
+        run += 1
+    return run if len(kv_heads) % run == 0 else 1
 
 
 def _nested(flat: dict[str, Any]) -> dict[str, Any]:
@@ -81,8 +97,10 @@ def padded_sizes(validated) -> dict[str, int]:
     sizes = {"num_attention_heads": n * local["num_attention_heads"],
              "num_key_value_heads": n * local["num_key_value_heads"],
              "head_dim": local["head_dim"]}
-    for attr in MLP_SIZES:    # only the widths padding changed
-        if attr in local and n * local[attr] != whole.get(attr):
+    padded_widths = validated.plan.metadata["tensor_parallel"].get("mlp_blocks", {})
+    for attr in MLP_SIZES:    # only the widths padding changed (of an MLP some tensor has)
+        if (attr in local and n * local[attr] != whole.get(attr)
+                and str(whole.get(attr)) in padded_widths):
             sizes[attr] = n * local[attr]
     return sizes
 

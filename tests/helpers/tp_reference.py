@@ -23,15 +23,44 @@ def take(w: np.ndarray, units: list[int], size: int, axis: int) -> np.ndarray:
 
 def padded_heads(num_heads: int, num_kv_heads: int, n: int) -> tuple[list, list]:
     """Zero padding for N the heads do not divide: (query heads, KV heads) per worker, -1 a
-    zero head. Worker r takes query heads ``r*c .. (r+1)*c - 1`` with ``c = ceil(heads / n)``
-    (those past the last are zero heads) and the KV heads those use, in order, filled up with
-    zero heads to the most any worker holds."""
-    c = -(-num_heads // n)
+    zero head, in the smallest layout an engine's attention holds: ``K`` KV heads (at least the
+    model's; N divides K, or K divides N and each is held by N / K workers in turn) each read
+    by ``Q / K`` query heads (at least the model's group), ``Q`` query heads in all (N divides
+    them), the fewest ``Q``, then the fewest ``K``. KV head j's query heads are j's real ones,
+    then zeros; worker r holds query heads ``r*Q/N ..`` in that order. Where that ``Q`` is over
+    twice the model's heads: ``c = ceil(heads / n)`` query heads each, worker r taking heads
+    ``r*c .. (r+1)*c - 1`` (those past the last are zero heads) and the KV heads those use, in
+    order, filled up with zero heads to the most any worker holds."""
     group = num_heads // num_kv_heads
-    q = [[h if h < num_heads else -1 for h in range(r * c, (r + 1) * c)] for r in range(n)]
-    kv = [sorted({h // group for h in heads if h >= 0}) for heads in q]
-    width = max(1, *(len(k) for k in kv))
-    return q, [k + [-1] * (width - len(k)) for k in kv]
+    total = num_heads
+    while True:
+        fits = [k for k in range(num_kv_heads, total + 1)
+                if total % n == 0 and total % k == 0 and total // k >= group
+                and (k % n == 0 or n % k == 0)]
+        if fits:
+            kv_total = fits[0]
+            break
+        total += 1
+    if total > 2 * num_heads:
+        c = -(-num_heads // n)
+        q = [[h if h < num_heads else -1 for h in range(r * c, (r + 1) * c)] for r in range(n)]
+        kv = [sorted({h // group for h in heads if h >= 0}) for heads in q]
+        width = max(1, *(len(k) for k in kv))
+        return q, [k + [-1] * (width - len(k)) for k in kv]
+    per_group = total // kv_total
+    order = []                                       # padded query heads, in order
+    for j in range(kv_total):
+        real = list(range(j * group, (j + 1) * group)) if j < num_kv_heads else []
+        order += real + [-1] * (per_group - len(real))
+    per = total // n
+    q = [order[r * per:(r + 1) * per] for r in range(n)]
+    kv_slots = [h if h < num_kv_heads else -1 for h in range(kv_total)]
+    if kv_total >= n:
+        width = kv_total // n
+        kv = [kv_slots[r * width:(r + 1) * width] for r in range(n)]
+    else:
+        kv = [[kv_slots[r * kv_total // n]] for r in range(n)]
+    return q, kv
 
 
 def padded_units(units: int, n: int) -> list[list[int]]:
