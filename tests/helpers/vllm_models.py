@@ -54,6 +54,11 @@ MODELS: dict[str, str] = {
                   "round-to-nearest; fp16",
     "llama_awq": "llama_bf16 in AWQ GEMM layout: 4-bit with zero points, group 32, "
                  "round-to-nearest; fp16",
+    # an MLP of 5 groups of 32: no TP > 1 splits it into whole groups of 32 rows per rank
+    "llama160_bf16": "llama_bf16's shape but intermediate 160 (5 groups of 32); bf16",
+    "llama160_gptq": "llama160_bf16 in GPTQ v1 layout as llama_gptq (trivial g_idx); fp16",
+    "llama160_w4a16": "llama160_bf16's config by compressed-tensors W4A16 (symmetric int4, "
+                      "groups of 32), as llama_w4a16",
 }
 
 _COMMON = dict(vocab_size=512, num_hidden_layers=2, max_position_embeddings=256,
@@ -131,6 +136,10 @@ def _make_llama9_bf16(folder: Path) -> None:
     _random(_llama_config(hidden=576, heads=9, kv=3, head_dim=64, inter=1536), folder)
 
 
+def _make_llama160_bf16(folder: Path) -> None:
+    _random(_llama_config(inter=160), folder)
+
+
 def _make_qwen2_moe_bf16(folder: Path) -> None:
     _random(_qwen2_moe_config(), folder)
 
@@ -148,6 +157,12 @@ def _make_llama_w4a16(folder: Path) -> None:
     from helpers.compressed_tensors_tool import compress_w4a16
 
     compress_w4a16(folder, _llama_config(), symmetric=True, group=GROUP)
+
+
+def _make_llama160_w4a16(folder: Path) -> None:
+    from helpers.compressed_tensors_tool import compress_w4a16
+
+    compress_w4a16(folder, _llama_config(inter=160), symmetric=True, group=GROUP)
 
 
 # ---- GPTQ and AWQ, from the formats' definitions -------------------------------------------------
@@ -202,11 +217,12 @@ def quantize_awq(w: np.ndarray) -> dict[str, np.ndarray]:
             "scales": scale}                                          # [K/G, N]
 
 
-def _quantized_llama(folder: Path, quantize, quant_config: dict, extra_files: dict) -> None:
+def _quantized_llama(folder: Path, quantize, quant_config: dict, extra_files: dict,
+                     source: str = "llama_bf16") -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    source = path("llama_bf16")
+    source = path(source)
     weights = load_file(str(source / "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
@@ -235,6 +251,12 @@ def _make_llama_gptq(folder: Path) -> None:
                                                if k != "quant_method"}})
 
 
+def _make_llama160_gptq(folder: Path) -> None:
+    quant = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
+             "sym": True, "checkpoint_format": "gptq"}
+    _quantized_llama(folder, quantize_gptq_sym, quant, {}, source="llama160_bf16")
+
+
 def _make_llama_awq(folder: Path) -> None:
     quant = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
              "version": "gemm", "modules_to_not_convert": None}
@@ -249,6 +271,9 @@ _MAKERS = {
     "llama_w4a16": _make_llama_w4a16,
     "llama_gptq": _make_llama_gptq,
     "llama_awq": _make_llama_awq,
+    "llama160_bf16": _make_llama160_bf16,
+    "llama160_gptq": _make_llama160_gptq,
+    "llama160_w4a16": _make_llama160_w4a16,
 }
 assert _MAKERS.keys() == MODELS.keys()
 

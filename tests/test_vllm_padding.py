@@ -1,0 +1,63 @@
+"""Any N in vLLM where its own loader refuses the quantization groups: an MLP of 5 groups of 32.
+
+``llama160_*`` (tests/helpers/vllm_models.py) have intermediate 160: at TP=2 each rank's
+down_proj would take 80 input rows, which no kernel takes in groups of 32 (vLLM's CPU kernel:
+"Input size (80) not supported by CPUWNA16, supported sizes are multiples of 32"). shardload
+zero-pads the MLP to 192 rows (3 groups per rank; the GPTQ ``g_idx`` points the zero rows at
+zero-scaled groups of their own), and vLLM, told ``intermediate_size: 192``, generates the
+tokens its default loader generates at TP=1, with ``verify`` on.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from conftest import REPO, subprocess_env
+from helpers import vllm_models
+from helpers.vllm_engine import launch
+
+PADDED = {"intermediate_size": 192}
+
+
+def engine(model: str, tp: int, *args: str) -> tuple[dict, list, str]:
+    return launch(model, "--tp", str(tp), *args, cwd=REPO,
+                  env=subprocess_env(VLLM_CPU_KVCACHE_SPACE="1"))
+
+
+@functools.lru_cache(maxsize=None)
+def tp1_tokens(name: str) -> list:
+    """vLLM's default loader at TP=1: the tokens every padded N must give."""
+    report, _, log = engine(str(vllm_models.path(name)), 1)
+    assert "outputs" in report, log[-6000:]
+    return [o["tokens"] for o in report["outputs"]]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllms_default_loader_refuses_tp2_for_groups_that_do_not_divide():
+    report, _, log = engine(str(vllm_models.path("llama160_gptq")), 2)
+    assert report.get("returncode", 0) != 0
+    assert "Input size (80) not supported" in log, log[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["llama160_gptq",
+                                  pytest.param("llama160_w4a16", marks=pytest.mark.extended)])
+def test_padded_groups_give_tp1s_tokens(name):
+    from shardload.vllm import vllm_overrides
+
+    model = str(vllm_models.path(name))
+    overrides = vllm_overrides(model, 2)
+    assert overrides["intermediate_size"] == 192                 # 5 groups -> 6, 3 per rank
+    report, stats, log = engine(model, 2, "--load-format", "shardload", "--verify",
+                                "--hf-overrides", json.dumps(overrides))
+    assert "outputs" in report, log[-6000:]
+    assert [o["tokens"] for o in report["outputs"]] == tp1_tokens(name)
+    first = sorted((s for s in stats if not s["reload"]), key=lambda s: s["rank"])
+    assert [s["rank"] for s in first] == [0, 1] and all(s["verified"] for s in first)
+    # gate, up and down of 2 layers, and down_proj's g_idx (GPTQ) or weight_shape (pack)
+    assert all(s["padded_tensors"] >= 2 * 3 * 2 for s in first)
