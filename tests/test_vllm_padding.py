@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import functools
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO, subprocess_env
+from conftest import EXAMPLE, REPO, subprocess_env
 from helpers import vllm_models
 from helpers.vllm_engine import launch
 
@@ -61,3 +62,42 @@ def test_padded_groups_give_tp1s_tokens(name):
     assert [s["rank"] for s in first] == [0, 1] and all(s["verified"] for s in first)
     # gate, up and down of 2 layers, and down_proj's g_idx (GPTQ) or weight_shape (pack)
     assert all(s["padded_tensors"] >= 2 * 3 * 2 for s in first)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_without_the_overrides_vllm_is_told_the_one_flag_to_add():
+    """Before vLLM's own refusal (in its worker, here): one line with the exact flag."""
+    model = str(vllm_models.path("llama160_gptq"))
+    report, stats, log = engine(model, 2, "--load-format", "shardload")
+    assert report.get("returncode", 0) != 0 and not stats
+    line = next(l for l in reversed(log.splitlines()) if "PlanError" in l)
+    flag = line.split("add --hf-overrides ", 1)[1]
+    assert json.loads(flag.strip("'")) == {"num_attention_heads": 8, "num_key_value_heads": 2,
+                                           "head_dim": 32, **PADDED}
+    assert "Input size (80)" not in log             # vLLM's own refusal never came
+
+
+def _vllm_config(model: str, n: int, built: dict, load_format: str = "shardload"):
+    """What preflight reads of vLLM's VllmConfig, without vLLM."""
+    return SimpleNamespace(
+        load_config=SimpleNamespace(load_format=load_format, model_loader_extra_config=None),
+        model_config=SimpleNamespace(model=model, hf_text_config=SimpleNamespace(**built)),
+        parallel_config=SimpleNamespace(tensor_parallel_size=n, enable_expert_parallel=False))
+
+
+def test_preflight_names_the_flag_or_the_n_that_work():
+    from shardload import PlanError
+    from shardload.vllm.preflight import preflight
+
+    as_stored = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+                 "intermediate_size": 512}
+    preflight(_vllm_config(str(EXAMPLE), 4, as_stored))         # N divides: vLLM goes on
+    preflight(_vllm_config(str(EXAMPLE), 3, as_stored, "auto"))  # not shardload's to judge
+    with pytest.raises(PlanError) as err:                        # 8 heads, 16 groups over 3
+        preflight(_vllm_config(str(EXAMPLE), 3, as_stored))
+    (line,) = str(err.value).splitlines()
+    wanted = {"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 32,
+              "intermediate_size": 576}
+    assert line.endswith(f"add --hf-overrides '{json.dumps(wanted)}'")
+    preflight(_vllm_config(str(EXAMPLE), 3, wanted))             # with them: vLLM goes on

@@ -38,8 +38,10 @@ def register() -> None:
     from vllm.model_executor.model_loader import register_model_loader
 
     from .model_loader import ShardloadModelLoader
+    from .preflight import install
 
     register_model_loader(LOAD_FORMAT)(ShardloadModelLoader)
+    install()      # the padded model's --hf-overrides asked for before vLLM refuses N
     _registered = True
 
 

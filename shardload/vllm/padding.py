@@ -160,5 +160,7 @@ def vllm_overrides(checkpoint: Any, tensor_parallel_size: int,
         validated = resolve_plan(ckpt, tensor_parallel_size, shard_info).validated
         return overrides_for(validated)
     except PlanError as exc:
-        raise PlanError(f"{exc.reason}; {describe_working(ckpt)}", source=exc.source,
+        # the planner's own list (the N its unpadded plan fits) gives way to vLLM's
+        reason = exc.reason.split(". N that work", 1)[0].rstrip(".")
+        raise PlanError(f"{reason}; {describe_working(ckpt)}", source=exc.source,
                         param=exc.param, step=exc.step) from None
