@@ -124,6 +124,53 @@ def pack_quantized(bits: int, group: Optional[int], symmetric: bool) -> Format:
                   k_align=math.lcm(pf, group or 1))
 
 
+def ct_act_order(bits: int = 4, group: int = 32) -> Format:
+    """compressed-tensors pack-quantized with ``actorder: group``: each input column's group
+    given by ``weight_g_idx`` (a permutation of ``k // group``), made and read with the
+    library's own functions, each column given its group's scale and zero point."""
+    from compressed_tensors.compressors.pack_quantized.helpers import (pack_to_int32,
+                                                                      unpack_from_int32)
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=bits, symmetric=False, strategy="group", group_size=group)
+    column = QuantizationArgs(num_bits=bits, symmetric=False, strategy="group", group_size=1)
+
+    def quantize_(w):
+        w = torch.from_numpy(w)
+        n, k = w.shape
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(k))] = (
+            torch.arange(k, dtype=torch.int32) // group)
+        lo = torch.stack([w[:, g_idx == j].amin(1) for j in range(k // group)], 1)
+        hi = torch.stack([w[:, g_idx == j].amax(1) for j in range(k // group)], 1)
+        scale, zero = calculate_qparams(lo, hi, args)
+        cols = g_idx.long()
+        codes = quantize(w, scale[:, cols], zero[:, cols], column, dtype=torch.int8)
+        return {"weight_packed": pack_to_int32(codes, bits), "weight_scale": scale,
+                "weight_zero_point": pack_to_int32(zero, bits, packed_dim=0),
+                "weight_g_idx": g_idx, "weight_shape": torch.tensor([n, k])}
+
+    def dequantize_(t):
+        t = {k: torch.as_tensor(v) for k, v in t.items()}
+        shape = torch.Size(t["weight_shape"].tolist())
+        codes = unpack_from_int32(t["weight_packed"], bits, shape)
+        zero = unpack_from_int32(t["weight_zero_point"], bits,
+                                 torch.Size([shape[0], t["weight_scale"].shape[1]]),
+                                 packed_dim=0)
+        cols = t["weight_g_idx"].long()
+        return dequantize(codes, t["weight_scale"][:, cols], zero[:, cols], column,
+                          dtype=torch.float32).numpy()
+
+    weights = {"num_bits": bits, "type": "int", "symmetric": False, "strategy": "group",
+               "group_size": group, "actorder": "group"}
+    return Format(f"ct-int{bits}-g{group}-act-order",
+                  {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                   "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}},
+                  quantize_, dequantize_, n_align=32 // bits, k_align=32 // bits)
+
+
 def fp8(strategy: str) -> Format:
     weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True}
     if strategy == "block":
@@ -547,7 +594,7 @@ def test_random_gptq_models(tmp_path_factory, case):
 
 @pytest.mark.parametrize("fmt", [PLAIN[0], awq(32), pack_quantized(4, 32, False), fp8("channel"),
                                  gptq(4, 32), gptq(3, 32, version=2, act_order=True),
-                                 gptq(4, 32, act_order=True)],
+                                 gptq(4, 32, act_order=True), ct_act_order()],
                          ids=lambda f: f.name)
 @pytest.mark.parametrize("n", [2, 5, 8])
 def test_zero_padding_for_n_the_heads_do_not_divide(tmp_path, fmt, n):
@@ -564,6 +611,41 @@ def test_zero_padding_for_n_the_heads_do_not_divide(tmp_path, fmt, n):
              "v_proj": (layout["kv_heads"], hd, 0), "o_proj": (layout["q_heads"], hd, 1),
              "gate_proj": (mlp, block, 0), "up_proj": (mlp, block, 0),
              "down_proj": (mlp, block, 1)}
+    for module, w in model.full.items():
+        worker_units, size, axis = units[module.rsplit(".", 1)[1]]
+        prefix = f"model.layers.0.{module}."
+        for i in range(n):
+            stored = {k[len(prefix):]: _as_numpy(t) for k, t in shards[i].items()
+                      if k.startswith(prefix)}
+            assert np.array_equal(fmt.dequantize(stored), take(w, worker_units[i], size, axis)), \
+                f"{fmt.name} {module} worker {i} of {n}"
+
+
+@pytest.mark.parametrize("fmt, experts", [(fp8("block"), 0), (fp8("block"), 4),
+                                         (gptq(4, 32, act_order=True), 4), (awq(32), 4)],
+                         ids=["fp8-block", "fp8-block-experts", "gptq-act-experts", "awq-experts"])
+def test_zero_padding_keeps_blocks_and_experts_whole(tmp_path, fmt, experts):
+    """FP8's 128x128 scale blocks and every expert's MLP: padded in whole blocks (and groups),
+    zero blocks and zero-scaled groups dequantizing to exact zeros, at N=3 (4 heads over 2 KV
+    heads of 128, an MLP of 8 blocks of 128)."""
+    n = 3
+    model = write_model(str(tmp_path), WIDE, fmt, experts=experts)
+    with open_checkpoint(model.folder) as ckpt:
+        info = plan_for(ckpt, num_shards=n)
+        layout = info.metadata["tensor_parallel"]
+        with ThreadedSession(n) as sess:
+            result = load_sharded(ckpt, info, sess, progress=False)
+            shards = [result.worker(i) for i in range(n)]
+    hd, block = layout["head_dim"], layout["mlp_block"]
+    assert block == 128 if fmt.name.startswith("fp8") else block % 32 == 0
+    mlp = layout["mlp_blocks"][str(WIDE.inter)]
+    per = -(-WIDE.inter // block // n)                   # 8 blocks of 128 -> 9; 32 of 32 -> 33
+    assert [len(u) for u in mlp] == [per] * n
+    units = {"q_proj": (layout["q_heads"], hd, 0), "k_proj": (layout["kv_heads"], hd, 0),
+             "v_proj": (layout["kv_heads"], hd, 0), "o_proj": (layout["q_heads"], hd, 1),
+             "gate_proj": (mlp, block, 0), "up_proj": (mlp, block, 0),
+             "down_proj": (mlp, block, 1), "w1": (mlp, block, 0), "w3": (mlp, block, 0),
+             "w2": (mlp, block, 1)}
     for module, w in model.full.items():
         worker_units, size, axis = units[module.rsplit(".", 1)[1]]
         prefix = f"model.layers.0.{module}."
