@@ -5,7 +5,9 @@ down_proj would take 80 input rows, which no kernel takes in groups of 32 (vLLM'
 "Input size (80) not supported by CPUWNA16, supported sizes are multiples of 32"). shardload
 zero-pads the MLP to 192 rows (3 groups per rank; the GPTQ ``g_idx`` points the zero rows at
 zero-scaled groups of their own), and vLLM, told ``intermediate_size: 192``, generates the
-tokens its default loader generates at TP=1, with ``verify`` on.
+tokens its default loader generates at TP=1, with ``verify`` on. So does a Qwen2-MoE whose experts
+and shared expert pad at TP=3, in vLLM's fused MoE; and without the overrides, vLLM is told, in
+one line, the flag to add.
 """
 
 from __future__ import annotations
@@ -62,6 +64,27 @@ def test_padded_groups_give_tp1s_tokens(name):
     assert [s["rank"] for s in first] == [0, 1] and all(s["verified"] for s in first)
     # gate, up and down of 2 layers, and down_proj's g_idx (GPTQ) or weight_shape (pack)
     assert all(s["padded_tensors"] >= 2 * 3 * 2 for s in first)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_padded_experts_and_shared_expert_give_tp1s_tokens_in_vllms_fused_moe():
+    """Qwen2-MoE at TP=3: every routed expert's 128 rows and the shared expert's 256 pad to
+    129 and 258 (vLLM's fused MoE asserts they divide); heads and vocabulary divide."""
+    from shardload.vllm import vllm_overrides
+
+    model = str(vllm_models.path("qwen2_moe576_bf16"))
+    overrides = vllm_overrides(model, 3)
+    assert overrides == {"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 32,
+                         "moe_intermediate_size": 129, "shared_expert_intermediate_size": 258}
+    report, stats, log = engine(model, 3, "--load-format", "shardload", "--verify",
+                                "--hf-overrides", json.dumps(overrides))
+    assert "outputs" in report, log[-6000:]
+    assert [o["tokens"] for o in report["outputs"]] == tp1_tokens("qwen2_moe576_bf16")
+    first = sorted((s for s in stats if not s["reload"]), key=lambda s: s["rank"])
+    assert [s["rank"] for s in first] == [0, 1, 2] and all(s["verified"] for s in first)
+    # 8 experts x 3 + the shared expert's 3 tensors, in 2 layers
+    assert all(s["padded_tensors"] == 2 * (8 * 3 + 3) for s in first)
 
 
 @pytest.mark.slow

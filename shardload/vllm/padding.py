@@ -28,6 +28,10 @@ __all__ = ["vllm_overrides", "vllm_layout_problem", "working_sizes"]
 #: the sizes the padded model's config states, under transformers' names
 _HEAD_SIZES = ("num_attention_heads", "num_key_value_heads", "head_dim")
 
+#: architectures whose vLLM model takes head_dim as hidden_size / heads, not from the config
+#: (vllm/model_executor/models/qwen2.py, qwen2_moe.py), so padded heads would change it
+_HEAD_DIM_FROM_HIDDEN = {"qwen2", "qwen2_moe"}
+
 
 def vllm_layout_problem(validated) -> Optional[str]:
     """Why vLLM's model cannot hold this padded plan's layout, or None if it can."""
@@ -57,6 +61,11 @@ def vllm_layout_problem(validated) -> Optional[str]:
                         "with the ranks next to it")
             seen.setdefault(h, rank)
     record = shares[0].record
+    heads_padded = n * shares[0].sizes["num_attention_heads"] != record["sizes"][
+        "num_attention_heads"]
+    if heads_padded and record.get("architecture") in _HEAD_DIM_FROM_HIDDEN:
+        return (f"vLLM's {record['architecture']} model takes head_dim as hidden_size / "
+                "attention heads, so padded heads would change it")
     if record.get("projection_norms"):
         return ("its norms span whole projections (" + ", ".join(record["projection_norms"]) +
                 "), which vLLM's model cannot pad")

@@ -59,6 +59,10 @@ MODELS: dict[str, str] = {
     "llama160_gptq": "llama160_bf16 in GPTQ v1 layout as llama_gptq (trivial g_idx); fp16",
     "llama160_w4a16": "llama160_bf16's config by compressed-tensors W4A16 (symmetric int4, "
                       "groups of 32), as llama_w4a16",
+    "qwen2_moe576_bf16": "Qwen2MoeForCausalLM, hidden 384, 12 heads, 3 KV heads, 8 experts "
+                         "top-2 (moe_intermediate 128), shared expert 256, vocabulary 576 "
+                         "(vLLM's 64-row padding then divides by 3): at TP=3 the experts of "
+                         "128 rows and the shared expert of 256 pad, the heads do not; bf16",
 }
 
 _COMMON = dict(vocab_size=512, num_hidden_layers=2, max_position_embeddings=256,
@@ -106,14 +110,13 @@ def _llama_config(hidden=256, heads=8, kv=2, head_dim=32, inter=512):
                                     intermediate_size=inter, **_COMMON)
 
 
-def _qwen2_moe_config():
+def _qwen2_moe_config(**sizes):
     import transformers
 
-    return transformers.Qwen2MoeConfig(hidden_size=256, num_attention_heads=8,
-                                       num_key_value_heads=2, intermediate_size=512,
-                                       num_experts=8, num_experts_per_tok=2,
-                                       moe_intermediate_size=128,
-                                       shared_expert_intermediate_size=256, **_COMMON)
+    return transformers.Qwen2MoeConfig(**{**dict(
+        hidden_size=256, num_attention_heads=8, num_key_value_heads=2, intermediate_size=512,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+        shared_expert_intermediate_size=256, **_COMMON), **sizes})
 
 
 # ---- bf16: transformers' own random initialisation -----------------------------------------------
@@ -142,6 +145,11 @@ def _make_llama160_bf16(folder: Path) -> None:
 
 def _make_qwen2_moe_bf16(folder: Path) -> None:
     _random(_qwen2_moe_config(), folder)
+
+
+def _make_qwen2_moe576_bf16(folder: Path) -> None:
+    _random(_qwen2_moe_config(vocab_size=576, hidden_size=384, num_attention_heads=12,
+                              num_key_value_heads=3), folder)
 
 
 # ---- compressed-tensors, by the library itself ---------------------------------------------------
@@ -274,6 +282,7 @@ _MAKERS = {
     "llama160_bf16": _make_llama160_bf16,
     "llama160_gptq": _make_llama160_gptq,
     "llama160_w4a16": _make_llama160_w4a16,
+    "qwen2_moe576_bf16": _make_qwen2_moe576_bf16,
 }
 assert _MAKERS.keys() == MODELS.keys()
 
