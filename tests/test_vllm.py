@@ -293,8 +293,10 @@ def compare_with_default(name: str, model: str, tp: int, *args: str) -> tuple[di
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.parametrize("name, tp", [
-    # every format sharded (TP=2) by default; unsharded (TP=1) under -m extended
-    *((name, 2) for name in FORMATS),
+    # every format sharded (TP=2) by default but GPTQ (test_vllm_padding.py runs it padded at
+    # TP=2, and test_vllm_pipeline.py at PP=2, by default); unsharded (TP=1) under -m extended
+    *((name, 2) if name != "llama_gptq" else pytest.param(name, 2, marks=pytest.mark.extended)
+      for name in FORMATS),
     *(pytest.param(name, 1, marks=pytest.mark.extended) for name in FORMATS)])
 def test_shardload_loads_what_vllms_default_loader_loads(name, tp):
     report, stats, log = compare_with_default(name, str(models().path(name)), tp)
@@ -364,7 +366,9 @@ def _two_engines(model: str, tp: int, *args: str, verify: bool = True
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.extended), 2])
+# TP=2 under -m extended too: test_vllm_padding.py runs a MoE at the padded TP=3 by default
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.extended),
+                                pytest.param(2, marks=pytest.mark.extended)])
 def test_shardload_loads_a_moe_as_vllms_default_loader_does(tp):
     report, stats, log = _two_engines(str(models().path("qwen2_moe_bf16")), tp)
     check_same_as_default(report, stats, log, tp)

@@ -36,3 +36,30 @@ def test_shardload_loads_what_vllms_default_loader_loads_on_the_gpu(tmp_path_fac
     report, stats, log = run_engine(model, 1, "--load-format", "shardload", "--verify",
                                     "--compare-default")
     check_same_as_default(report, stats, log, 1)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs 2 GPUs")
+@pytest.mark.parametrize("preset", ["FP8_BLOCK", "NVFP4"])
+def test_padded_blocks_give_tp1s_tokens_on_two_gpus(tmp_path_factory, preset):
+    """An MLP of 3 blocks of 128 rows (FP8 128x128; NVFP4 24 groups of 16): at TP=2 vLLM's
+    loader refuses the FP8 block split; shardload pads to 4 blocks and gives TP=1's tokens."""
+    import json
+
+    import transformers
+
+    from helpers.compressed_tensors_tool import compress_preset
+    from helpers.vllm_models import path
+    from shardload.vllm import vllm_overrides
+
+    config = transformers.AutoConfig.from_pretrained(str(path("llama_bf16")))
+    config.intermediate_size = 384
+    folder = tmp_path_factory.mktemp(preset.lower() + "_384")
+    compress_preset(folder, config, preset)
+    one, _, log1 = run_engine(str(folder), 1)
+    assert "outputs" in one, log1[-6000:]
+    overrides = vllm_overrides(str(folder), 2)
+    padded, stats, log = run_engine(str(folder), 2, "--load-format", "shardload", "--verify",
+                                    *(("--hf-overrides", json.dumps(overrides))
+                                      if overrides else ()))
+    assert "outputs" in padded, log[-6000:]
+    assert [o["tokens"] for o in padded["outputs"]] == [o["tokens"] for o in one["outputs"]]
