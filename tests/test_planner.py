@@ -25,7 +25,7 @@ from helpers.quant_refs.compressed_tensors import (dequantize_fp8, dequantize_pa
                                            quantize_fp8, quantize_pack_quantized)
 from helpers.quant_refs.gptq import dequantize_gptq, quantize_gptq
 from shardload import PlanError, ThreadedSession, load_sharded, open_checkpoint
-from helpers.tp_reference import rows_of, take
+from helpers.tp_reference import padded_heads, padded_units, rows_of, take
 from shardload.planners import plan_for, valid_num_shards
 
 NS = (1, 2, 3, 4, 8)
@@ -592,13 +592,17 @@ def test_random_gptq_models(tmp_path_factory, case):
 
 # ---- zero padding --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt", [PLAIN[0], awq(32), pack_quantized(4, 32, False), fp8("channel"),
-                                 gptq(4, 32), gptq(3, 32, version=2, act_order=True),
-                                 gptq(4, 32, act_order=True), ct_act_order()],
-                         ids=lambda f: f.name)
-@pytest.mark.parametrize("n", [2, 5, 8])
-def test_zero_padding_for_n_the_heads_do_not_divide(tmp_path, fmt, n):
-    model = write_model(str(tmp_path), THREE, fmt)          # 12 query heads, 3 KV heads, 768
+#: which units of a layer each padded layout entry moves: (layout key, head or block, axis)
+_PADDED_UNITS = {"q_proj": ("q_heads", 0), "k_proj": ("kv_heads", 0), "v_proj": ("kv_heads", 0),
+                 "o_proj": ("q_heads", 1), "gate_proj": ("mlp", 0), "up_proj": ("mlp", 0),
+                 "down_proj": ("mlp", 1), "w1": ("mlp", 0), "w3": ("mlp", 0), "w2": ("mlp", 1)}
+
+
+def check_padded(model: Model, n: int) -> dict:
+    """Load ``model`` padded onto n workers; every worker's every layer must dequantize (by the
+    format's own reference) to its units of the dense weight, zeros for padded units, in the
+    layout of the independent rule (``helpers.tp_reference``). Returns the layout."""
+    g, fmt = model.geometry, model.fmt
     with open_checkpoint(model.folder) as ckpt:
         info = plan_for(ckpt, num_shards=n)
         layout = info.metadata["tensor_parallel"]
@@ -606,19 +610,30 @@ def test_zero_padding_for_n_the_heads_do_not_divide(tmp_path, fmt, n):
             result = load_sharded(ckpt, info, sess, progress=False)
             shards = [result.worker(i) for i in range(n)]
     hd, block = layout["head_dim"], layout["mlp_block"]
-    mlp = layout["mlp_blocks"][str(THREE.inter)]
-    units = {"q_proj": (layout["q_heads"], hd, 0), "k_proj": (layout["kv_heads"], hd, 0),
-             "v_proj": (layout["kv_heads"], hd, 0), "o_proj": (layout["q_heads"], hd, 1),
-             "gate_proj": (mlp, block, 0), "up_proj": (mlp, block, 0),
-             "down_proj": (mlp, block, 1)}
+    assert (layout["q_heads"], layout["kv_heads"]) == padded_heads(g.heads, g.kv_heads, n)
+    mlp = layout["mlp_blocks"][str(g.inter)]
+    assert mlp == padded_units(g.inter // block, n)
+    units = {"q_heads": (layout["q_heads"], hd), "kv_heads": (layout["kv_heads"], hd),
+             "mlp": (mlp, block)}
     for module, w in model.full.items():
-        worker_units, size, axis = units[module.rsplit(".", 1)[1]]
+        key, axis = _PADDED_UNITS[module.rsplit(".", 1)[1]]
+        worker_units, size = units[key]
         prefix = f"model.layers.0.{module}."
         for i in range(n):
             stored = {k[len(prefix):]: _as_numpy(t) for k, t in shards[i].items()
                       if k.startswith(prefix)}
             assert np.array_equal(fmt.dequantize(stored), take(w, worker_units[i], size, axis)), \
                 f"{fmt.name} {module} worker {i} of {n}"
+    return layout
+
+
+@pytest.mark.parametrize("fmt", [PLAIN[0], awq(32), pack_quantized(4, 32, False), fp8("channel"),
+                                 gptq(4, 32), gptq(3, 32, version=2, act_order=True),
+                                 gptq(4, 32, act_order=True), ct_act_order()],
+                         ids=lambda f: f.name)
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_zero_padding_for_n_the_heads_do_not_divide(tmp_path, fmt, n):
+    check_padded(write_model(str(tmp_path), THREE, fmt), n)   # 12 query, 3 KV heads, 768
 
 
 @pytest.mark.parametrize("fmt, experts", [(fp8("block"), 0), (fp8("block"), 4),
@@ -628,32 +643,8 @@ def test_zero_padding_keeps_blocks_and_experts_whole(tmp_path, fmt, experts):
     """FP8's 128x128 scale blocks and every expert's MLP: padded in whole blocks (and groups),
     zero blocks and zero-scaled groups dequantizing to exact zeros, at N=3 (4 heads over 2 KV
     heads of 128, an MLP of 8 blocks of 128)."""
-    n = 3
-    model = write_model(str(tmp_path), WIDE, fmt, experts=experts)
-    with open_checkpoint(model.folder) as ckpt:
-        info = plan_for(ckpt, num_shards=n)
-        layout = info.metadata["tensor_parallel"]
-        with ThreadedSession(n) as sess:
-            result = load_sharded(ckpt, info, sess, progress=False)
-            shards = [result.worker(i) for i in range(n)]
-    hd, block = layout["head_dim"], layout["mlp_block"]
-    assert block == 128 if fmt.name.startswith("fp8") else block % 32 == 0
-    mlp = layout["mlp_blocks"][str(WIDE.inter)]
-    per = -(-WIDE.inter // block // n)                   # 8 blocks of 128 -> 9; 32 of 32 -> 33
-    assert [len(u) for u in mlp] == [per] * n
-    units = {"q_proj": (layout["q_heads"], hd, 0), "k_proj": (layout["kv_heads"], hd, 0),
-             "v_proj": (layout["kv_heads"], hd, 0), "o_proj": (layout["q_heads"], hd, 1),
-             "gate_proj": (mlp, block, 0), "up_proj": (mlp, block, 0),
-             "down_proj": (mlp, block, 1), "w1": (mlp, block, 0), "w3": (mlp, block, 0),
-             "w2": (mlp, block, 1)}
-    for module, w in model.full.items():
-        worker_units, size, axis = units[module.rsplit(".", 1)[1]]
-        prefix = f"model.layers.0.{module}."
-        for i in range(n):
-            stored = {k[len(prefix):]: _as_numpy(t) for k, t in shards[i].items()
-                      if k.startswith(prefix)}
-            assert np.array_equal(fmt.dequantize(stored), take(w, worker_units[i], size, axis)), \
-                f"{fmt.name} {module} worker {i} of {n}"
+    layout = check_padded(write_model(str(tmp_path), WIDE, fmt, experts=experts), 3)
+    assert layout["mlp_block"] == (128 if fmt.name.startswith("fp8") else 32)
 
 
 def test_zero_padding_is_refused_for_a_per_channel_gptq_layer(tmp_path):

@@ -28,6 +28,7 @@ import torch
 from safetensors.numpy import save_file
 
 from conftest import REPO, subprocess_env
+from helpers.vllm_engine import launch
 from shardload import open_checkpoint
 from shardload.errors import PlanError
 from shardload.frontdoor import resolve_plan
@@ -38,7 +39,6 @@ from shardload.vllm.padding import vllm_overrides
 from shardload.vllm.standins import stand_in_reads
 from shardload.vllm.verify import VerifyError, poison, verified_load
 
-STATS_PREFIX = "shardload load: "   # shardload.vllm.model_loader.STATS_PREFIX (imports vllm)
 
 
 # ---- without vLLM: options, stand-ins, padding, verify ------------------------------------------
@@ -198,34 +198,13 @@ def test_verify_passes_a_true_narrowing_and_names_the_parameter_poison_reaches()
 
 # ---- in vLLM ------------------------------------------------------------------------------------
 
-def _vllm_python() -> str:
-    given = os.environ.get("SHARDLOAD_VLLM_PYTHON")
-    root = Path(os.environ.get("SHARDLOAD_CACHE", Path.home() / ".cache" / "shardload"))
-    python = given or str(root / "vllm-venv" / "bin" / "python")
-    if not os.path.exists(python):
-        why = (f"no vLLM environment at {python}: make it with scripts/vllm-env.sh")
-        if os.environ.get("SHARDLOAD_REQUIRE_VLLM") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-    return python
-
-
 def run_engine(model: str, tp: int, *args: str, timeout: float = 600,
                env: dict | None = None) -> tuple[dict, list, str]:
-    """One engine (tests/helpers/vllm_engine.py): its report, the shardload statistics lines,
-    and its whole output (for failures); ``env``: variables to add to its environment."""
-    out = Path(os.environ.get("PYTEST_TMP", "/tmp")) / f"vllm-{os.getpid()}-{abs(hash(args))}.json"
-    cmd = [_vllm_python(), os.path.join(REPO, "tests", "helpers", "vllm_engine.py"), model,
-           "--tp", str(tp), "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env=subprocess_env(VLLM_CPU_KVCACHE_SPACE="1", **(env or {})))
-    log = proc.stdout + proc.stderr
-    stats = [json.loads(line.split(STATS_PREFIX, 1)[1]) for line in log.splitlines()
-             if STATS_PREFIX in line]
-    if proc.returncode != 0:
-        return {"returncode": proc.returncode}, stats, log
-    report = json.loads(out.read_text())
-    out.unlink()
+    """One engine (tests/helpers/vllm_engine.py): its report, the shardload statistics lines
+    (by rank), and its whole output (for failures); ``env``: variables to add to its
+    environment."""
+    report, stats, log = launch(model, "--tp", str(tp), *args, timeout=timeout, cwd=REPO,
+                                env=subprocess_env(VLLM_CPU_KVCACHE_SPACE="1", **(env or {})))
     return report, sorted(stats, key=lambda s: s["rank"]), log
 
 
