@@ -41,7 +41,7 @@ def register() -> None:
     from .preflight import install
 
     register_model_loader(LOAD_FORMAT)(ShardloadModelLoader)
-    install()      # the padded model's --hf-overrides asked for before vLLM refuses N
+    install(LOAD_FORMAT)   # the padded model's --hf-overrides asked for before vLLM refuses N
     _registered = True
 
 

@@ -32,14 +32,14 @@ from ..errors import PlanError
 __all__ = ["install", "preflight"]
 
 
-def preflight(config: Any) -> None:
-    """Steps 1 to 3 of the module docstring on vLLM's ``VllmConfig`` (before it verifies)."""
-    from . import LOAD_FORMAT
+def preflight(config: Any, load_format: str = "shardload") -> None:
+    """Steps 1 to 3 of the module docstring on vLLM's ``VllmConfig`` (before it verifies),
+    for the load format registered as ``load_format``."""
     from .options import LoaderOptions
     from .padding import vllm_overrides
 
     load, model, parallel = config.load_config, config.model_config, config.parallel_config
-    if model is None or load is None or str(load.load_format) != LOAD_FORMAT:
+    if model is None or load is None or str(load.load_format) != load_format:
         return
     options = LoaderOptions.from_extra_config(load.model_loader_extra_config)
     checkpoint = options.checkpoint or model.model
@@ -74,8 +74,9 @@ def _get(config: Any, dotted: str) -> Any:
     return getattr(config, dotted.rsplit(".", 1)[-1], None)
 
 
-def install() -> None:
-    """Run ``preflight`` before vLLM's own checks of every ``VllmConfig`` (once)."""
+def install(load_format: str) -> None:
+    """Run ``preflight`` for ``load_format`` before vLLM's own checks of every ``VllmConfig``
+    (once)."""
     from vllm.config import VllmConfig
 
     original = VllmConfig.__post_init__
@@ -83,7 +84,7 @@ def install() -> None:
         return
 
     def __post_init__(self, *args, **kwargs):
-        preflight(self)
+        preflight(self, load_format)
         return original(self, *args, **kwargs)
 
     __post_init__._shardload_preflight = True          # type: ignore[attr-defined]
