@@ -408,22 +408,27 @@ def test_smollm2_answers_paris_through_vllm_with_shardload(name, tp):
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.real_model
-@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.extended)])
-def test_smollm2_at_a_padded_n_is_the_exactly_padded_model_with_tp1s_tokens(tp):
+@pytest.mark.parametrize("name, tp", [("hf", 2), pytest.param("hf", 4, marks=pytest.mark.extended),
+                                      pytest.param("W4A16", 2, marks=pytest.mark.extended)])
+def test_smollm2_at_a_padded_n_is_the_exactly_padded_model_with_tp1s_tokens(name, tp):
     """vLLM refuses N=2 and 4 for 9 heads; shardload pads them to 12 query and 4 KV heads (at
     N=2 the smallest exact padding, 5 query heads a rank over 2 KV heads one of which two
     ranks share, is not a layout vLLM's attention holds: the planner takes the regular one),
-    exact in vLLM's model, so with its --hf-overrides the engine gives the tokens of N=1."""
+    exact in vLLM's model, so with its --hf-overrides the engine gives the tokens of N=1; the
+    same weights quantized W4A16 by compressed-tensors (groups of 64: o_proj's 9 groups pad to
+    12, 6 a rank) too."""
     from helpers.vllm_real import PROMPT
 
-    model = _real("hf")
+    model = _real(name)
     overrides = vllm_overrides(model, tp)
     assert overrides == {"num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64}
     padded, stats, log = run_engine(model, tp, "--load-format", "shardload", "--verify",
                                     "--reload", "--hf-overrides", json.dumps(overrides),
                                     "--text", PROMPT)
     assert "outputs" in padded, log[-6000:]
-    assert [s["padded_tensors"] for s in stats] == [120] * 2 * tp   # q, k, v, o of 30 layers
+    padded_tensors = {s["padded_tensors"] for s in stats}   # q, k, v, o of 30 layers
+    assert padded_tensors == {120} if name == "hf" else len(padded_tensors) == 1 and \
+        min(padded_tensors) >= 120
     # shardload's reload: the padded tensors read, the rest views of the file
     assert padded["reload_outputs"] == padded["outputs"]
     assert padded["reload_digests"] == padded["digests"]
@@ -433,11 +438,17 @@ def test_smollm2_at_a_padded_n_is_the_exactly_padded_model_with_tp1s_tokens(tp):
     # heads are all zeros
     holding = [True] * tp if tp == 2 else [True] * 3 + [False]
     assert [s["bytes_read"] > s["bytes_read_in_place"] for s in again] == holding
-    one, _, log1 = _smollm2_engine("hf", 1)      # vLLM's default loader's tokens at TP=1
-    assert "hf" not in RELOAD_UNFAITHFUL         # (so they come from its in-place reload)
+    assert padded["outputs"][0]["text"].lstrip().startswith("Paris")
+    if name != "hf":
+        # vLLM's CPU int4 kernel quantizes activations over each rank's slice, so its tokens
+        # depend on N with its own loader too (SmolLM2 W4A16: TP=3 leaves TP=1's tokens at the
+        # 6th, " Paris" at logprob -0.61 against -1.21): the shards' exactness is the planner's
+        # tests', and here vLLM runs the padded model and answers
+        return
+    one, _, log1 = _smollm2_engine(name, 1)      # vLLM's default loader's tokens at TP=1
+    assert name not in RELOAD_UNFAITHFUL         # (so they come from its in-place reload)
     assert "default_outputs" in one, log1[-6000:]
     assert padded["outputs"][0]["tokens"] == one["default_outputs"][0]["tokens"]
-    assert padded["outputs"][0]["text"].lstrip().startswith("Paris")
 
 
 @pytest.mark.real_model
