@@ -72,6 +72,11 @@ def resident(ckpt: Path) -> int:
     return total
 
 
+def _first_json(text: str) -> dict:
+    """The JSON object a log line starts with (two workers' lines can land on one line)."""
+    return json.JSONDecoder().raw_decode(text.lstrip())[0]
+
+
 def run(python: str, ckpt: Path, fmt: str, tp: int, out: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
                VLLM_CPU_KVCACHE_SPACE="1")
@@ -81,9 +86,9 @@ def run(python: str, ckpt: Path, fmt: str, tp: int, out: Path) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     log = proc.stdout + proc.stderr
     # each rank's load_weights, timed alike for every loader (helpers.vllm_ext)
-    took = [json.loads(line.split(TIMED, 1)[1])["seconds"] for line in log.splitlines()
+    took = [_first_json(line.split(TIMED, 1)[1])["seconds"] for line in log.splitlines()
             if TIMED in line]
-    stats = [json.loads(line.split(STATS, 1)[1]) for line in log.splitlines() if STATS in line]
+    stats = [_first_json(line.split(STATS, 1)[1]) for line in log.splitlines() if STATS in line]
     result = {"format": fmt, "tp": tp, "ok": proc.returncode == 0 and bool(took),
               "load_s": max(took) if took else None, "engine_s": time.perf_counter() - start,
               "shardload_bytes_read": [s["bytes_read"] for s in
@@ -118,6 +123,10 @@ def main() -> None:
                                             "--peers"],
                                            capture_output=True, text=True,
                                            check=True).stdout.split()[-1]
+    # this checkout's bytecode, as an installed shardload has it (pip compiles a wheel's
+    # modules; an editable checkout under PYTHONDONTWRITEBYTECODE=1, as on these machines,
+    # would otherwise compile every module in every rank, inside the timed load_weights)
+    subprocess.run([python, "-m", "compileall", "-q", str(REPO / "shardload")], check=True)
     size = sum(f.stat().st_size for f in _files(ckpt))
     out = Path("/tmp") / f"bench-vllm-{os.getpid()}.json"
     rows = []

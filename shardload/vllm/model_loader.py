@@ -162,6 +162,7 @@ class ShardloadModelLoader(BaseModelLoader):
                 resolved = resolve_plan(ckpt, n, opts.plan, **planner)
                 validated = resolved.validated
                 _check_sizes(validated, model_config.hf_text_config)
+            planned = time.perf_counter()
 
             # verify poisons the stand-ins, so it reads them all; else read pieces are
             # views of the mapped checkpoint, which vLLM's narrowing copies from (standins.py)
@@ -185,6 +186,7 @@ class ShardloadModelLoader(BaseModelLoader):
                 "bytes_read_in_place": ins.viewed,
                 "bytes_kept": ins.kept, "bytes_replicated": ins.replicated,
                 "tensors": len(tensors), "padded_tensors": len(ins.padded),
+                "plan_seconds": round(planned - start, 4),
                 "read_seconds": round(time.perf_counter() - start, 4),
                 "verified": verify, "experts": "ep" if whole_experts else "tp"}
         if stage is not None:
