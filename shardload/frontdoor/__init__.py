@@ -33,11 +33,12 @@ from ..readplan import ReadPlan
 from ..sessions import Session
 from ..sessions.kinds import open_session, register_session_kind, session_kinds
 from ..staging import Staging
-from .plans import PLAN_FILE, REPLICATE, ResolvedPlan, plan_beside, resolve_plan
+from .plans import PLAN_FILE, REPLICATE, ResolvedPlan, plan_beside, planned_fits, resolve_plan
 from .writes import write_atomic
 
 __all__ = ["load_sharded", "resolve_plan", "ResolvedPlan", "REPLICATE", "PLAN_FILE",
-           "plan_beside", "open_session", "register_session_kind", "session_kinds",
+           "plan_beside", "planned_fits", "open_session", "register_session_kind",
+           "session_kinds",
            "write_plan", "write_atomic"]
 
 

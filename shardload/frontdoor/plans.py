@@ -33,7 +33,8 @@ from ..errors import EXPERTS_EP, PlanError, Setting, mention, quote
 from ..plan import Plan, ShardInfo, ValidatedPlan
 from ..readers import Checkpoint
 
-__all__ = ["REPLICATE", "ResolvedPlan", "resolve_plan", "plan_beside", "PLAN_FILE"]
+__all__ = ["REPLICATE", "ResolvedPlan", "resolve_plan", "plan_beside", "planned_fits",
+           "PLAN_FILE"]
 
 #: the name of a plan beside its checkpoint
 PLAN_FILE = "shard_info.json"
@@ -163,6 +164,25 @@ def _padded_instead(beside: ShardInfo, checkpoint: Checkpoint,
     if decision.kind != "padded":
         return None
     return ResolvedPlan(decision.validated, "planned", decision.plan().source, decision)
+
+
+def planned_fits(checkpoint: Checkpoint) -> list[int]:
+    """The N (up to the planner's ``MAX_SHARDS_TRIED``) for which the plan ``resolve_plan``
+    makes from the checkpoint's config fits as it is, unpadded: decided from the planner's
+    constraints in one pass, nothing bound or validated per N. Empty where the plan would not be
+    the planner's (a ``shard_info.json`` beside the checkpoint) or it cannot plan.
+
+    >>> planned_fits(open_checkpoint("SmolLM2-135M/"))                         # doctest: +SKIP
+    [1, 3, 9, ...]
+    """
+    from ..planners import plan_decision
+
+    if plan_beside(checkpoint) is not None:
+        return []
+    try:
+        return list(plan_decision(checkpoint).valid)
+    except PlanError:
+        return []
 
 
 def _no_planner_options(experts: str, vocab_parallel: bool, pad: bool, plan: str) -> None:

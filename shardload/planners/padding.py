@@ -6,8 +6,9 @@ holds; ``-1`` is a zero unit), read with ``shardload.take_units``. Zero weights 
 dequantize to exact zeros, so the model's output is unchanged. ``padding_layout`` first judges
 every tensor it would pad, and refuses where padding cannot be exact: a head that is not a whole
 number of its storage blocks, an MLP that is not a whole number of blocks, per-part scales of a
-fused layer, rows of a per-channel row-parallel layer whose zero codes are not zero weights. Rows of a layer with a ``g_idx`` (GPTQ,
-compressed-tensors act-order) pad in whole zero-scaled groups of their own (``padded_step``).
+fused layer, rows of a per-channel row-parallel layer whose zero codes are not zero weights.
+Rows of a layer with a ``g_idx`` (GPTQ, compressed-tensors act-order) pad in whole zero-scaled
+groups of their own (``padded_step``).
 """
 
 from __future__ import annotations

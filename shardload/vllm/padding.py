@@ -120,7 +120,8 @@ def overrides_for(validated) -> dict[str, Any]:
     ``PlanError``."""
     problem = vllm_layout_problem(validated)
     if problem is not None:
-        raise PlanError(f"vLLM cannot run shardload's zero-padded plan for N={validated.num_shards}: "
+        raise PlanError("vLLM cannot run shardload's zero-padded plan for "
+                        f"N={validated.num_shards}: "
                         f"{problem}", source=validated.plan.source)
     sizes = padded_sizes(validated)
     if not sizes:
@@ -130,11 +131,17 @@ def overrides_for(validated) -> dict[str, Any]:
 
 
 def working_sizes(checkpoint, up_to: int = 8) -> list[tuple[int, bool]]:
-    """The tensor-parallel sizes from 1 to ``up_to`` vLLM can run with shardload: (N, padded)."""
-    from ..frontdoor import resolve_plan
+    """The tensor-parallel sizes from 1 to ``up_to`` vLLM can run with shardload: (N, padded).
+    An N the planner's plan fits unpadded is vLLM's usual layout, known from one planning; only
+    the others are planned, each for its own N."""
+    from ..frontdoor import planned_fits, resolve_plan
 
+    unpadded = set(planned_fits(checkpoint))
     works = []
     for n in range(1, up_to + 1):
+        if n in unpadded:
+            works.append((n, False))
+            continue
         try:
             validated = resolve_plan(checkpoint, n).validated
         except PlanError:
