@@ -46,12 +46,11 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from ..errors import PlanError, ShardloadError
+from ..errors import ShardloadError
 from ..frontdoor import load_sharded, open_session, resolve_plan
-from ..geometry import worker_share
 from ..readers import Checkpoint, open_checkpoint
 from .options import LoaderOptions
-from .padding import overrides_for, padded_sizes
+from .padding import check_built
 from .stages import stage_of
 from .standins import StandIns, stand_in_reads
 from .verify import poison, verified_load
@@ -66,27 +65,6 @@ STATS_PREFIX = "shardload load: "
 
 #: what a checkpoint folder vLLM downloads for shardload must hold
 _ALLOW = ["*.safetensors", "*.json", "*.gguf", "*.model", "*.txt"]
-
-
-def _check_sizes(validated, hf_config) -> None:
-    """The model vLLM built must be the one the plan loads: the padded one for a padded plan
-    (``--hf-overrides`` with these sizes), the checkpoint's own otherwise."""
-    wanted = padded_sizes(validated)
-    if not wanted:
-        record = worker_share(validated, 0).record
-        wanted = {k: v for k, v in record["sizes"].items()
-                  if k in ("num_attention_heads", "num_key_value_heads")}
-    built = {k: getattr(hf_config, k, None) for k in wanted}
-    wrong = {k: v for k, v in wanted.items() if built[k] is not None and built[k] != v}
-    if wrong:
-        overrides = overrides_for(validated) if padded_sizes(validated) else {}
-        raise PlanError(
-            f"vLLM built the model with {', '.join(f'{k}={built[k]}' for k in wrong)}, but "
-            f"shardload's plan for N={validated.num_shards} loads "
-            f"{', '.join(f'{k}={v}' for k, v in wrong.items())}: "
-            + (f"start vLLM with --hf-overrides '{json.dumps(overrides)}'" if overrides else
-               "start vLLM without --hf-overrides of these sizes"),
-            source=validated.plan.source)
 
 
 def _whole_experts(model: nn.Module, model_config: ModelConfig) -> bool:
@@ -161,7 +139,7 @@ class ShardloadModelLoader(BaseModelLoader):
                 planner = {"experts": "ep"} if whole_experts and opts.plan is None else {}
                 resolved = resolve_plan(ckpt, n, opts.plan, **planner)
                 validated = resolved.validated
-                _check_sizes(validated, model_config.hf_text_config)
+                check_built(validated, model_config.hf_text_config)
             planned = time.perf_counter()
 
             # verify poisons the stand-ins, so it reads them all; else read pieces are

@@ -18,12 +18,17 @@ the N that do work.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import json
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import PlanError
 from ..geometry import MLP_SIZES, worker_share
 
-__all__ = ["vllm_overrides", "vllm_layout_problem", "working_sizes"]
+if TYPE_CHECKING:  # pragma: no cover
+    from ..plan import ValidatedPlan
+
+__all__ = ["vllm_overrides", "validated_for_vllm", "check_built", "vllm_layout_problem",
+           "working_sizes"]
 
 #: the sizes the padded model's config states, under transformers' names
 _HEAD_SIZES = ("num_attention_heads", "num_key_value_heads", "head_dim")
@@ -168,15 +173,46 @@ def vllm_overrides(checkpoint: Any, tensor_parallel_size: int,
     >>> vllm_overrides("SmolLM2-135M/", 4)                                   # doctest: +SKIP
     {'num_attention_heads': 12, 'num_key_value_heads': 4, 'head_dim': 64}
     """
+    return overrides_for(validated_for_vllm(checkpoint, tensor_parallel_size, shard_info))
+
+
+def validated_for_vllm(checkpoint: Any, tensor_parallel_size: int,
+                       shard_info: Any = None) -> "ValidatedPlan":
+    """The plan shardload loads into vLLM at N (the front door's), validated, where vLLM's
+    model can hold its layout; else ``PlanError`` naming the N that work."""
     from ..frontdoor import resolve_plan
     from ..readers import as_checkpoint
 
     ckpt = as_checkpoint(checkpoint)
     try:
         validated = resolve_plan(ckpt, tensor_parallel_size, shard_info).validated
-        return overrides_for(validated)
+        overrides_for(validated)            # refuses a layout vLLM cannot hold
+        return validated
     except PlanError as exc:
         # the planner's own list (the N its unpadded plan fits) gives way to vLLM's
         reason = exc.reason.split(". N that work", 1)[0].rstrip(".")
         raise PlanError(f"{reason}; {describe_working(ckpt)}", source=exc.source,
                         param=exc.param, step=exc.step) from None
+
+
+def check_built(validated: "ValidatedPlan", hf_config: Any) -> None:
+    """The model vLLM builds (``hf_config``: its text config, ``hf_overrides`` applied) must be
+    the one the plan loads: the padded one for a padded plan, the checkpoint's own otherwise;
+    else ``PlanError`` with the exact flag to start vLLM with. Run before vLLM's own checks
+    (``preflight.py``) and again by the loader."""
+    wanted = padded_sizes(validated)
+    if not wanted:
+        record = worker_share(validated, 0).record
+        wanted = {k: v for k, v in record["sizes"].items() if k in _HEAD_SIZES[:2]}
+    built = {k: getattr(hf_config, k, None) for k in wanted}
+    wrong = {k: v for k, v in wanted.items() if built[k] is not None and built[k] != v}
+    if not wrong:
+        return
+    overrides = overrides_for(validated) if padded_sizes(validated) else {}
+    raise PlanError(
+        f"vLLM at tensor-parallel size {validated.num_shards} builds the model with "
+        f"{', '.join(f'{k}={built[k]}' for k in wrong)}, but shardload's plan loads "
+        f"{', '.join(f'{k}={v}' for k, v in wrong.items())}, its zero-padded model: "
+        + (f"add --hf-overrides '{json.dumps(overrides)}'" if overrides else
+           "start vLLM without --hf-overrides of these sizes"),
+        source=validated.plan.source)

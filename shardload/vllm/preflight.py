@@ -5,25 +5,25 @@
 heads ... must be divisible") or deep in a worker ("Input size (80) not supported"), before
 shardload's loader runs. Where shardload's exact zero-padding serves that N, the user needs
 one thing: the ``--hf-overrides`` of the padded model. So the loader's check that the model
-vLLM builds is the one the plan loads (``model_loader._check_sizes``) also runs first, in
+vLLM builds is the one the plan loads (``padding.check_built``) also runs first, in
 vLLM's config, before vLLM's own checks (``install`` wraps ``VllmConfig.__post_init__`` once,
 from the plugin's ``register``):
 
 1. only for ``--load-format shardload``, a local checkpoint (the ``checkpoint`` option or the
    model folder), tensor parallelism without expert parallelism (a plan vLLM's loader makes
    from its built model) and no plan of the user's own;
-2. the sizes shardload's plan for N loads (``padding.vllm_overrides``: none, the padded ones,
-   or a ``PlanError`` naming the N that work) against the model's config as vLLM will build
-   it (its ``hf_overrides`` applied);
+2. the plan shardload loads at N (``padding.validated_for_vllm``, or a ``PlanError`` naming
+   the N that work), its sizes against the model's config as vLLM will build it (its
+   ``hf_overrides`` applied: ``padding.check_built``);
 3. a mismatch is one ``PlanError`` line with the exact flag to add; else vLLM goes on.
 
-    shardload: vLLM at tensor-parallel size 2 needs shardload's zero-padded model:
-    add --hf-overrides '{"intermediate_size": 192}'
+    PlanError: vLLM at tensor-parallel size 2 builds the model with intermediate_size=160,
+    but shardload's plan loads intermediate_size=192, its zero-padded model: add
+    --hf-overrides '{"num_attention_heads": 8, ..., "intermediate_size": 192}'
 """
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -36,7 +36,7 @@ def preflight(config: Any, load_format: str = "shardload") -> None:
     """Steps 1 to 3 of the module docstring on vLLM's ``VllmConfig`` (before it verifies),
     for the load format registered as ``load_format``."""
     from .options import LoaderOptions
-    from .padding import vllm_overrides
+    from .padding import check_built, validated_for_vllm
 
     load, model, parallel = config.load_config, config.model_config, config.parallel_config
     if model is None or load is None or str(load.load_format) != load_format:
@@ -48,30 +48,11 @@ def preflight(config: Any, load_format: str = "shardload") -> None:
         return
     n = parallel.tensor_parallel_size
     try:
-        wanted = vllm_overrides(checkpoint, n)
+        validated = validated_for_vllm(checkpoint, n)
     except PlanError as exc:
         raise PlanError(f"shardload cannot serve {checkpoint} at tensor-parallel size {n}: "
                         f"{exc.reason}") from None
-    built = model.hf_text_config
-    flat = dict(_flatten(wanted))
-    wrong = {k: v for k, v in flat.items() if _get(built, k) not in (None, v)}
-    if wrong:
-        raise PlanError(f"vLLM at tensor-parallel size {n} needs shardload's zero-padded "
-                        f"model: add --hf-overrides '{json.dumps(wanted)}'")
-
-
-def _flatten(nested: dict, prefix: str = ""):
-    for key, value in nested.items():
-        if isinstance(value, dict):
-            yield from _flatten(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
-
-
-def _get(config: Any, dotted: str) -> Any:
-    """A (possibly nested, ``text_config.x``) size of the config vLLM built; the last part
-    is looked up on the text config vLLM built, which is where its sizes live."""
-    return getattr(config, dotted.rsplit(".", 1)[-1], None)
+    check_built(validated, model.hf_text_config)
 
 
 def install(load_format: str) -> None:
