@@ -25,8 +25,13 @@ checkpoint, with each format's most independent reference:
   transformers model with every linear weight replaced by the same codecs' ``dequantize_gptq``
   / ``dequantize_awq``. GPTQ also with act-order (``desc_act``, a random ``perm`` per layer,
   so ``g_idx`` reorders rows) and asymmetric with biases on every linear (v1's ``z - 1``, row-
-  parallel biases). N = 1, 2, 4; at N = 3 GPTQ is refused (any ``g_idx`` refuses zero-padding,
-  as docs/quant_formats.md says), AWQ is zero-padded.
+  parallel biases). N = 1, 2, 4, and 3, where the MLP's 8 groups zero-pad to 9 (the zero rows
+  in zero-scaled groups of their own, act-order or not).
+* **GPTQ written by GPTQModel** (``helpers.gptqmodel_tool``, in the environment
+  ``scripts/quant-tools-env.sh`` makes): the same random Llama quantized by the tool people
+  quantize with, trivial ``g_idx`` and act-order; the reference holds ``quant_refs``'
+  ``dequantize_gptq`` of the tool's stored tensors. vLLM 0.32 refuses act-order GPTQ at every
+  N with its own loader, so this is where act-order from a real tool is proven padded at N = 3.
 
 Norms (and DeepSeek-V3's router bias) are randomised in every checkpoint (in the FP8 tool's
 output and in a copy of ModelOpt's export, rewritten in their stored dtype, every quantized
@@ -81,6 +86,9 @@ KINDS = {
     "gptq_g32_act_order": (U, U, P, U),
     "gptq_g32_asym_bias": (U, U, P, U),
     "awq_g32": (U, U, P, U),
+    # written by GPTQModel itself (vLLM 0.32 refuses desc_act=True at any N: this is its proof)
+    "gptqmodel_g32": (U, U, P, U),
+    "gptqmodel_g32_act_order": (U, U, P, U),
 }
 #: what a refused N's PlanError says, per case
 REFUSALS = {
@@ -236,6 +244,33 @@ def make_int4(folder: Path, tmp: Path, method: str, *, act_order: bool = False,
     return model.eval()
 
 
+def make_gptqmodel(folder: Path, tmp: Path, *, act_order: bool):
+    """A random Llama of test_hf_tp_model's quantized sizes (norms randomised) quantized by
+    GPTQModel (4-bit, group 32); the reference is that config with every linear weight
+    replaced by ``dequantize_gptq`` of the tensors GPTQModel stored."""
+    from helpers.gptqmodel_tool import quantize
+
+    config = transformers.LlamaConfig(**QUANT_SIZES)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    randomise(model)
+    model.to(torch.bfloat16).save_pretrained(tmp / "source")
+    quantize(tmp / "source", folder, bits=4, group=GROUP, desc_act=act_order)
+    stored = load_file(str(folder / "model.safetensors"))
+    modules = sorted(k[:-len(".qweight")] for k in stored if k.endswith(".qweight"))
+    assert len(modules) == 2 * len(LINEARS), modules
+    dense = {k: v for k, v in stored.items() if k.rsplit(".", 1)[0] not in modules}
+    for module in modules:
+        parts = {p: stored[f"{module}.{p}"].numpy() for p in ("qweight", "qzeros", "scales",
+                                                             "g_idx")}
+        dense[f"{module}.weight"] = torch.from_numpy(dequantize_gptq(parts, 4, 1))
+    (tmp / "dense").mkdir()
+    save_file(dense, str(tmp / "dense" / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(tmp / "dense")
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp / "dense",
+                                                             dtype=torch.float32).eval()
+
+
 MAKERS = {
     "deepseek_fp8": lambda d, t: make_deepseek_fp8(d, t),
     "deepseek_fp8_ds_config": lambda d, t: make_deepseek_fp8(d, t, ds_config=True),
@@ -246,6 +281,8 @@ MAKERS = {
     "gptq_g32_act_order": lambda d, t: make_int4(d, t, "gptq", act_order=True),
     "gptq_g32_asym_bias": lambda d, t: make_int4(d, t, "gptq", sym=False, biases=True),
     "awq_g32": lambda d, t: make_int4(d, t, "awq"),
+    "gptqmodel_g32": lambda d, t: make_gptqmodel(d, t, act_order=False),
+    "gptqmodel_g32_act_order": lambda d, t: make_gptqmodel(d, t, act_order=True),
 }
 assert MAKERS.keys() == KINDS.keys()
 
@@ -357,7 +394,7 @@ def test_transformers_fp8_load_is_the_exact_dequantization(reference):
 
 
 @pytest.mark.parametrize("case", ["gptq_g32", "gptq_g32_act_order", "gptq_g32_asym_bias",
-                                  "awq_g32"])
+                                  "awq_g32", "gptqmodel_g32", "gptqmodel_g32_act_order"])
 def test_int4_checkpoints_are_what_the_tools_write(reference, case):
     """The premise of the GPTQ / AWQ cases: AutoGPTQ's v1 and AutoAWQ's GEMM tensors, int32
     packed, fp16 scales; act-order ``g_idx`` really reorders rows; asymmetric zero points vary;
@@ -373,7 +410,7 @@ def test_int4_checkpoints_are_what_the_tools_write(reference, case):
         assert stored[f"{down}.scales"].shape == (256 // GROUP, 128)
         g_idx = stored[f"{down}.g_idx"].long()
         trivial = torch.equal(g_idx, torch.arange(256) // GROUP)
-        assert trivial != (case == "gptq_g32_act_order")
+        assert trivial != case.endswith("act_order")
         zeros = stored[f"{q}.qzeros"]
         assert (zeros == 0x77777777).all() == (case != "gptq_g32_asym_bias")
         if case == "gptq_g32_asym_bias":
@@ -385,8 +422,9 @@ def test_int4_checkpoints_are_what_the_tools_write(reference, case):
         assert f"{q}.g_idx" not in stored
     assert stored[f"{q}.qweight"].dtype == torch.int32
     assert stored[f"{q}.scales"].dtype == torch.float16
-    assert stored["model.norm.weight"].dtype == torch.float16
+    assert stored["model.norm.weight"].dtype == (torch.bfloat16 if "gptqmodel" in case
+                                                 else torch.float16)
     assert stored["model.norm.weight"].float().std() > 0
     summary = str(plan_decision(str(ref.folder), 2).summary)
-    method = "gptq" if case.startswith("gptq") else "awq"
+    method = "awq" if case.startswith("awq") else "gptq"
     assert f"{method} 4-bit group {GROUP}" in summary, summary

@@ -377,6 +377,8 @@ def test_under_expert_parallelism_each_rank_reads_only_its_experts():
 
 def _real(name: str) -> str:
     from helpers import vllm_real
+    if name == "GPTQ":
+        return str(vllm_real.smollm2_gptqmodel())
     return str(vllm_real.smollm2_hf() if name == "hf" else vllm_real.smollm2_quantized(name))
 
 
@@ -409,14 +411,15 @@ def test_smollm2_answers_paris_through_vllm_with_shardload(name, tp):
 @pytest.mark.vllm
 @pytest.mark.real_model
 @pytest.mark.parametrize("name, tp", [("hf", 2), pytest.param("hf", 4, marks=pytest.mark.extended),
-                                      pytest.param("W4A16", 2, marks=pytest.mark.extended)])
+                                      pytest.param("W4A16", 2, marks=pytest.mark.extended),
+                                      pytest.param("GPTQ", 2, marks=pytest.mark.extended)])
 def test_smollm2_at_a_padded_n_is_the_exactly_padded_model_with_tp1s_tokens(name, tp):
     """vLLM refuses N=2 and 4 for 9 heads; shardload pads them to 12 query and 4 KV heads (at
     N=2 the smallest exact padding, 5 query heads a rank over 2 KV heads one of which two
     ranks share, is not a layout vLLM's attention holds: the planner takes the regular one),
     exact in vLLM's model, so with its --hf-overrides the engine gives the tokens of N=1; the
-    same weights quantized W4A16 by compressed-tensors (groups of 64: o_proj's 9 groups pad to
-    12, 6 a rank) too."""
+    same weights quantized W4A16 by compressed-tensors and GPTQ by GPTQModel (groups of 64:
+    o_proj's 9 groups pad to 12, 6 a rank) too."""
     from helpers.vllm_real import PROMPT
 
     model = _real(name)

@@ -13,9 +13,12 @@ saved by ``save_pretrained``; the quantized ones are ``llama_bf16``'s weights:
   so the same weights before quantization;
 * ``llama_gptq``, ``llama_awq``: written here from the formats' definitions, round-to-nearest
   per group of 32 input rows, from ``llama_bf16``'s saved weights; embeddings, norms and
-  ``lm_head`` unquantized in fp16.
+  ``lm_head`` unquantized in fp16;
+* ``llama160_gptqmodel``, ``llama160_gptqmodel_act``: ``llama160_bf16`` quantized by GPTQModel
+  itself (``helpers.gptqmodel_tool``, in the environment ``scripts/quant-tools-env.sh`` makes),
+  as the GPTQ checkpoints people serve are: a trivial ``g_idx``, and act-order.
 
-Deterministic (fixed seeds, no calibration data) and atomic: each is made in a temporary folder
+Deterministic (fixed seeds; GPTQModel's calibration data are seeded random token ids) and atomic: each is made in a temporary folder
 beside its final one, marked complete, then renamed into place; a folder with the marker is
 reused as it is.
 """
@@ -57,6 +60,10 @@ MODELS: dict[str, str] = {
     # an MLP of 5 groups of 32: no TP > 1 splits it into whole groups of 32 rows per rank
     "llama160_bf16": "llama_bf16's shape but intermediate 160 (5 groups of 32); bf16",
     "llama160_gptq": "llama160_bf16 in GPTQ v1 layout as llama_gptq (trivial g_idx); fp16",
+    "llama160_gptqmodel": "llama160_bf16 quantized by GPTQModel: 4-bit symmetric, group 32, "
+                          "desc_act false (a trivial g_idx); bf16 elsewhere",
+    "llama160_gptqmodel_act": "llama160_bf16 quantized by GPTQModel with act-order (desc_act "
+                              "true: a g_idx that permutes the groups); bf16 elsewhere",
     "llama160_w4a16": "llama160_bf16's config by compressed-tensors W4A16 (symmetric int4, "
                       "groups of 32), as llama_w4a16",
     "qwen2_moe576_bf16": "Qwen2MoeForCausalLM, hidden 384, 12 heads, 3 KV heads, 8 experts "
@@ -265,6 +272,12 @@ def _make_llama160_gptq(folder: Path) -> None:
     _quantized_llama(folder, quantize_gptq_sym, quant, {}, source="llama160_bf16")
 
 
+def _make_llama160_gptqmodel(folder: Path, desc_act: bool = False) -> None:
+    from helpers.gptqmodel_tool import quantize
+
+    quantize(path("llama160_bf16"), folder, bits=4, group=GROUP, desc_act=desc_act)
+
+
 def _make_llama_awq(folder: Path) -> None:
     quant = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
              "version": "gemm", "modules_to_not_convert": None}
@@ -281,6 +294,8 @@ _MAKERS = {
     "llama_awq": _make_llama_awq,
     "llama160_bf16": _make_llama160_bf16,
     "llama160_gptq": _make_llama160_gptq,
+    "llama160_gptqmodel": _make_llama160_gptqmodel,
+    "llama160_gptqmodel_act": lambda folder: _make_llama160_gptqmodel(folder, desc_act=True),
     "llama160_w4a16": _make_llama160_w4a16,
     "qwen2_moe576_bf16": _make_qwen2_moe576_bf16,
 }

