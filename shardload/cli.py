@@ -339,8 +339,10 @@ def _padding_bytes(param) -> int:
     """Bytes of zero units a padded plan adds for this parameter, over all workers."""
     total = 0
     for step in param.steps:
-        if step.func == "shardload.take_units":
+        if step.func in ("shardload.take_units", "shardload.take_units_fill"):
             dim, unit, *indices = step.extra
+            if step.func == "shardload.take_units_fill":
+                indices = indices[1:]                  # after the fill
             per_unit = param.meta.nbytes // max(param.meta.shape[dim], 1) * unit
             total += indices.count(-1) * per_unit
     return total

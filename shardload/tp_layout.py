@@ -23,6 +23,14 @@ heads to keep every worker's shapes equal. Only shardload's own model runs that 
 [[0, 1], [2, -1]]
 >>> head_layout(8, 2, 3).q_heads        # 12 query, 3 KV heads: the third worker's are zeros
 [[0, 1, 2, 3], [4, 5, 6, 7], [-1, -1, -1, -1]]
+
+Heads that must stay ``together`` (DeepSeek-V3's 192-row query heads in 128-row FP8 scale
+blocks: only two heads fill whole blocks, three of them) are laid out as heads ``together``
+times as wide, then each is unfolded into its heads: every worker holds whole aligned runs of
+``together`` real heads, or of zero heads.
+
+>>> head_layout(8, 8, 3, together=2).q_heads     # 4 pairs over 3 workers: 6 pairs, 12 heads
+[[0, 1, 2, 3], [4, 5, 6, 7], [-1, -1, -1, -1]]
 """
 
 from __future__ import annotations
@@ -78,10 +86,14 @@ def _regular_sizes(num_heads: int, num_kv_heads: int, num_shards: int) -> tuple[
     return best
 
 
-def head_layout(num_heads: int, num_kv_heads: int, num_shards: int) -> HeadLayout:
+def head_layout(num_heads: int, num_kv_heads: int, num_shards: int, *,
+                together: int = 1) -> HeadLayout:
     _count(num_heads, "num_heads")
     _count(num_kv_heads, "num_kv_heads")
     _count(num_shards, "num_shards")
+    _count(together, "together")
+    if together > 1:
+        return _unfolded(num_heads, num_kv_heads, num_shards, together)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group evenly onto {num_kv_heads} KV "
                          "heads")
@@ -106,6 +118,30 @@ def head_layout(num_heads: int, num_kv_heads: int, num_shards: int) -> HeadLayou
     kv_heads = [[h if h < num_kv_heads else -1 for h in range(f, f + kv_per)] for f in first]
     q_to_kv = [[p // g_pad - f for p in range(r * q_per, (r + 1) * q_per)]
                for r, f in enumerate(first)]
+    return HeadLayout(q_heads, kv_heads, q_to_kv)
+
+
+def _unfolded(num_heads: int, num_kv_heads: int, num_shards: int, together: int) -> HeadLayout:
+    """The layout of heads ``together`` times as wide, each unfolded into its ``together``
+    heads (query and KV alike); a real query head keeps the KV head it reads, a zero one reads
+    the one an engine's regular layout would give it (local ``i // (queries / KV heads)``)."""
+    if num_heads % together or num_kv_heads % together:
+        raise ValueError(f"{num_heads} query and {num_kv_heads} KV heads do not make whole runs "
+                         f"of {together} heads")
+    wide = head_layout(num_heads // together, num_kv_heads // together, num_shards)
+
+    def unfold(heads: list[int]) -> list[int]:
+        return [h * together + j if h >= 0 else -1 for h in heads for j in range(together)]
+
+    group = num_heads // num_kv_heads
+    q_heads = [unfold(heads) for heads in wide.q_heads]
+    kv_heads = [unfold(heads) for heads in wide.kv_heads]
+    q_to_kv = []
+    for queries, keys in zip(q_heads, kv_heads):
+        local = {h: i for i, h in enumerate(keys) if h >= 0}
+        ratio = max(1, len(queries) // len(keys))
+        q_to_kv.append([local[h // group] if h >= 0 else min(p // ratio, len(keys) - 1)
+                        for p, h in enumerate(queries)])
     return HeadLayout(q_heads, kv_heads, q_to_kv)
 
 

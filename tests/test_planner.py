@@ -85,19 +85,21 @@ def _plain(t):
     return torch.as_tensor(t["weight"]).float().numpy()
 
 
-def gptq(bits: int, group: int, version: int = 1, act_order: bool = False) -> Format:
+def gptq(bits: int, group: int, version: int = 1, act_order: bool = False,
+         sym: bool = False) -> Format:
     pack_rows = {2: 16, 3: 32, 4: 8, 8: 4}[bits]
 
     def quantize(w):
         perm = np.random.default_rng(w.shape[1]).permutation(w.shape[1]) if act_order else None
-        return quantize_gptq(w, bits, group, sym=False, version=version, perm=perm)
+        return quantize_gptq(w, bits, group, sym=sym, version=version, perm=perm)
 
     fmt = "gptq" if version == 1 else "gptq_v2"
     # K splits keep packed rows whole, and whole groups unless act-order replicates the scales
     k_align = pack_rows if (act_order or group == -1) else math.lcm(pack_rows, group)
-    return Format(f"gptq{bits}-g{group}-v{version}{'-act' if act_order else ''}",
+    return Format(f"gptq{bits}-g{group}-v{version}{'-act' if act_order else ''}"
+                  f"{'-sym' if sym else ''}",
                   {"quant_method": "gptq", "bits": bits, "group_size": group,
-                   "desc_act": act_order, "sym": False, "checkpoint_format": fmt},
+                   "desc_act": act_order, "sym": sym, "checkpoint_format": fmt},
                   quantize, lambda t: dequantize_gptq(t, bits, version),
                   n_align=pack_rows, k_align=k_align)   # qzeros pack N like qweight packs K
 
@@ -647,12 +649,28 @@ def test_zero_padding_keeps_blocks_and_experts_whole(tmp_path, fmt, experts):
     assert layout["mlp_block"] == (128 if fmt.name.startswith("fp8") else 32)
 
 
-def test_zero_padding_is_refused_for_a_per_channel_gptq_layer(tmp_path):
-    # zero codes are not zero weights under a zero point, and there is no group to zero
-    model = write_model(str(tmp_path), THREE, gptq(4, -1))
+@pytest.mark.parametrize("fmt", [gptq(4, -1), gptq(3, -1, sym=True),
+                                 pack_quantized(4, None, False)], ids=lambda f: f.name)
+def test_zero_padding_is_refused_for_a_per_channel_layer_without_one_zero_code(tmp_path, fmt):
+    # asymmetric: each column's zero point is its own, so no one code pads every column with
+    # zeros, and there is no group to zero; 3-bit codes straddle words (no one word repeats)
+    model = write_model(str(tmp_path), THREE, fmt)
     with pytest.raises(PlanError, match="per channel") as err:
         plan_for(model.folder, num_shards=2)
+    assert "no one stored element is a zero weight in every column" in str(err.value)
     assert "N that work (up to 64): 1, 3" in str(err.value)
+
+
+@pytest.mark.parametrize("fmt", [gptq(4, -1, sym=True), gptq(4, -1, act_order=True, sym=True),
+                                 gptq(8, -1, version=2, sym=True), gptq(2, -1, sym=True),
+                                 pack_quantized(4, None, True), pack_quantized(8, None, True)],
+                         ids=lambda f: f.name)
+@pytest.mark.parametrize("n", [2, 5])
+def test_per_channel_symmetric_rows_pad_with_the_zero_code(tmp_path, fmt, n):
+    """A per-channel row-parallel layer whose columns share one zero code (symmetric GPTQ, as
+    TheBloke's Mixtral GPTQ; compressed-tensors' offset ints): padded rows hold that code in
+    every field, so they dequantize to zeros under the column's one scale."""
+    check_padded(write_model(str(tmp_path), THREE, fmt), n)
 
 
 @pytest.mark.parametrize("act_order", [False, True])

@@ -33,8 +33,9 @@ What is proven, and how:
   qk_nope 64 + qk_rope 128 = 192 rows are 12 blocks of 128 in ``q_b_proj`` and ``kv_b_proj``; a
   head straddles blocks, two heads fill three, so workers take pairs of heads: N = 1, 2, 4 load
   (every ``weight`` and ``weight_scale_inv`` piece exact, and transformers' dequantizer of each
-  worker's pieces is that worker's slice of the whole dequantized weight), N = 3 and 8 are
-  refused naming the blocks and listing the N that work;
+  worker's pieces is that worker's slice of the whole dequantized weight); at N = 3 and 8 the
+  pairs are zero-padded (``padded_head_runs``) and each worker's dequantized weights are its
+  padded piece;
 * expert parallel (N = 1, 2, 3, 4, 8): each routed expert's tensors are held whole by the one
   worker of a contiguous balanced assignment computed here (the first E % N workers take one more
   expert), as ``__metadata__.experts`` records; the other workers do not hold them (``holds``
@@ -59,7 +60,8 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2_modeling
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3_modeling
 
 from helpers.deepseek_fp8_tool import DEEPSEEK_QUANT_CONFIG, dequantize, write_deepseek_fp8
-from helpers.tp_reference import expert_slots, layer_piece, padded_heads, padded_units, rows_of
+from helpers.tp_reference import (expert_slots, layer_piece, padded_head_runs, padded_heads,
+                                  padded_units, rows_of, take)
 from shardload import PlanError, ProcessSession, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_decision
@@ -406,7 +408,7 @@ def test_moe_block_forward_sums_to_whole_at_2_workers(request, version, experts)
 FP8_HEADS, FP8_NOPE, FP8_ROPE, FP8_V = 8, 64, 128, 128
 FP8_QK, FP8_KV_B = FP8_NOPE + FP8_ROPE, FP8_NOPE + FP8_V     # 192 and 192 rows a head
 FP8_HIDDEN, FP8_INTER, FP8_MOE_INTER = 256, 1536, 512        # 12 and 4 blocks of MLP rows
-FP8_SHARDS, FP8_REFUSED = (1, 2, 4), (3, 8)
+FP8_SHARDS, FP8_PADDED = (1, 2, 4), (3, 8)
 
 
 def fp8_config():
@@ -559,29 +561,39 @@ def test_fp8_attention_forward_sums_to_whole_at_4_workers(fp8):
 
 
 @pytest.mark.parametrize("experts", ["tp", "ep"])
-def test_fp8_heads_straddling_blocks_refuse_3_and_8(fp8, experts):
-    """N=3 and N=8 cannot be exact: the 8 heads split in 4 pairs (three whole blocks each), and
-    a 192-row head cannot be zero-padded in 128-row blocks. Both are refused (expert parallel
-    too: attention stays tensor-parallel), naming the blocks, and listing the N that work (in
-    either mode 1, 2 and 4, which ``test_fp8_every_piece_and_dequantized`` and
-    ``test_fp8_expert_parallel`` load), never the refused N itself."""
-    folder, _, _ = fp8
-    for n in FP8_REFUSED:
-        decision = plan_decision(str(folder), n, experts=experts)
-        assert decision.kind == "refused", n
-        with pytest.raises(PlanError) as caught:
-            decision.plan()
-        message = str(caught.value)
-        assert f"cannot be split over {n} workers" in message, message
-        assert re.search(r"192-element head is not a whole number of the 128-element blocks",
-                         message), message
-        listed = re.search(r"N that work[^:]*: ([0-9, ]+)$", message)
-        assert listed, message
-        works = [int(v) for v in listed.group(1).split(", ")]
-        assert n not in works and works == list(FP8_SHARDS), message   # 1, 2, 4
-        if n == 3:   # the MLPs' 12 blocks divide among 3: the head pairs are what refuse
-            assert re.search(r"8 query heads .*12 blocks of 128.*4 groups of 2 that fill 3 "
-                             r"whole blocks", message), message
+def test_fp8_heads_straddling_blocks_pad_in_pairs_at_3_and_8(fp8, experts):
+    """N=3 and N=8 split neither the 4 pairs of heads (two heads fill three whole blocks) nor,
+    at 8, the MLPs' blocks: the pairs are zero-padded (``padded_head_runs``: the layout of 4
+    heads twice as wide, each unfolded into its pair), the MLPs in whole blocks (expert
+    parallel too: attention stays tensor-parallel). Every worker's block dequantization of
+    every quantized tensor is its padded piece of the whole dequantized weight: its real
+    heads' rows, zeros for zero heads and blocks."""
+    folder, _, stored = fp8
+    quantized = [k[:-len("_scale_inv")] for k in stored if k.endswith(".weight_scale_inv")]
+    whole = {k: dequantize(stored[k], stored[k + "_scale_inv"]) for k in quantized}
+    for n in FP8_PADDED:
+        q_heads, _ = padded_head_runs(FP8_HEADS, FP8_HEADS, n, 2)
+        with load(folder, n, experts=experts) as (decision, sharded):
+            assert decision.kind == "padded", n
+            layout = decision.info.metadata["tensor_parallel"]
+            assert layout["q_heads"] == q_heads, n
+            checked = 0
+            for i in range(n):
+                worker = sharded.worker(i)
+                for name in quantized:
+                    split = fp8_split(name)
+                    if split is None or (experts == "ep" and is_routed(name)):
+                        continue
+                    axis, size, units = split
+                    if units == FP8_HEADS:
+                        held, unit = q_heads[i], size // FP8_HEADS
+                    else:
+                        held, unit = padded_units(size // BLOCK, n)[i], BLOCK
+                    want = torch.from_numpy(take(whole[name].numpy(), held, unit, axis))
+                    got = dequantize(worker[name], worker[name + "_scale_inv"])
+                    assert torch.equal(got, want), (name, i, n)
+                    checked += 1
+            assert checked >= n * 2 * 3, n        # q_b, kv_b and o_proj of 2 layers at least
 
 
 def test_fp8_expert_parallel(fp8):

@@ -141,9 +141,10 @@ def test_random_models_decide_as_validating_would(tmp_path_factory, case):
             kind = plan_decision(ckpt, n).kind      # a padded plan has passed its validation
             if n in decision.valid:
                 assert kind == "unpadded"
-            else:    # per channel with zero points or offset codes cannot pad; others can
-                per_channel_offset = fmt.name in ("gptq2-g-1-v1", "ct-int8-channel-sym")
-                assert kind == ("refused" if per_channel_offset else "padded"), fmt.name
+            else:    # per channel with zero points that differ by column cannot pad (the
+                # asymmetric GPTQ); a symmetric offset (compressed-tensors) pads with its code
+                per_channel_zero_points = fmt.name == "gptq2-g-1-v1"
+                assert kind == ("refused" if per_channel_zero_points else "padded"), fmt.name
 
 
 # ---- no binding or validating to decide ---------------------------------------------------------

@@ -27,6 +27,7 @@ CLI names the format.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -36,7 +37,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from helpers.modelopt_tool import cached_modelopt_nvfp4, dequantize_module
-from helpers.tp_reference import expert_slots, layer_piece, padded_heads, padded_units, rows_of
+from helpers.tp_reference import (expert_slots, layer_piece, padded_head_runs, padded_units,
+                                  rows_of)
 from shardload import PlanError, ProcessSession, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_decision
@@ -96,6 +98,12 @@ def mlp_rows(inter: int, n: int) -> list[list[int]]:
             for blocks in padded_units(inter // GROUP, n)]
 
 
+def heads_per_run(config) -> int:
+    """The fewest heads that fill whole ``GROUP``-element scale groups of o_proj's K: they pad
+    together (``padded_head_runs``)."""
+    return math.lcm(head_dim(config), GROUP) // head_dim(config)
+
+
 def expected(module: str, full: torch.Tensor, n: int, i: int, config,
              padded: bool) -> torch.Tensor:
     """Worker i's piece of a module's dequantized weight ``full``."""
@@ -103,7 +111,8 @@ def expected(module: str, full: torch.Tensor, n: int, i: int, config,
     segs = segments(module, config)
     layout = None
     if padded:
-        q, kv = padded_heads(config.num_attention_heads, config.num_key_value_heads, n)
+        q, kv = padded_head_runs(config.num_attention_heads, config.num_key_value_heads, n,
+                                 heads_per_run(config))
         mlp = [s for s in segs if s[3] == "mlp"]
         layout = q, kv, mlp_rows(mlp[0][0], n) if mlp else None
     return layer_piece(full, axis, segs, n, i, head_dim(config), layout)
@@ -165,8 +174,8 @@ def check_padded_layout(decision, config, mlp_sizes) -> None:
     """The padded plan's record of each worker's heads and MLP blocks: the rule's."""
     n = decision.num_shards
     layout = decision.plan().metadata["tensor_parallel"]
-    assert (layout["q_heads"], layout["kv_heads"]) == padded_heads(
-        config.num_attention_heads, config.num_key_value_heads, n)
+    assert (layout["q_heads"], layout["kv_heads"]) == padded_head_runs(
+        config.num_attention_heads, config.num_key_value_heads, n, heads_per_run(config))
     if mlp_sizes:
         assert layout["mlp_block"] == GROUP
     assert layout["mlp_blocks"] == {str(s): padded_units(s // GROUP, n) for s in mlp_sizes}
@@ -315,21 +324,23 @@ def test_qwen3_moe_expert_parallel_places_whole_experts(n, processes):
 
 # ---- refusals ------------------------------------------------------------------------------------
 
-def test_heads_narrower_than_a_group_are_refused_with_the_n_that_work():
-    # 4 heads of 8 elements: o_proj's K is 2 groups of 16, two heads each; 4 workers would
-    # cut the groups, and zero-padding cannot help (a head is not a whole group). N=3 would
-    # pad the heads: refused too. The N that work do work, exactly.
+def test_heads_narrower_than_a_group_pad_in_pairs():
+    # 4 heads of 8 elements: o_proj's K is 2 groups of 16, two heads each. 3 and 4 workers
+    # would cut the groups: the heads pad in pairs (2 query and 1 KV pair, laid out as heads
+    # twice as wide), each worker's dequantized weights exactly its padded piece. Without
+    # padding, those N are refused naming the groups.
     folder, config = export("llama_narrow_heads"), CONFIGS["llama_narrow_heads"]()
+    assert heads_per_run(config) == 2
     for n in (3, 4):
         decision = plan_decision(str(folder), n)
-        assert decision.kind == "refused" and decision.validated is None, n
-        with pytest.raises(PlanError) as err:
-            decision.plan()
-        message = str(err.value)
-        assert "8-element head is not a whole number of the 16-element blocks" in message
-        assert "zero-padding cannot help" in message and "o_proj.weight_scale" in message
-        assert "N that work (up to 64): 1, 2" in message
-    message = str(plan_decision(str(folder), 4).error)
+        assert decision.kind == "padded", n
+        check_padded_layout(decision, config, [config.intermediate_size])
+        assert check_every_worker(folder, config, decision, load(folder, decision)) == 7
+        refused = plan_decision(str(folder), n, pad=False)
+        assert refused.kind == "refused" and refused.validated is None, n
+        message = str(refused.error)
+        assert "N that work (up to 64): 1, 2" in message, message
+    message = str(plan_decision(str(folder), 4, pad=False).error)
     assert "the 4 query heads ('num_attention_heads' = 4), stored in 2 blocks of 16" in message
     decision = plan_decision(str(folder), 2)
     assert decision.kind == "unpadded"
@@ -392,5 +403,6 @@ def test_cli_plan_names_the_format():
     steps = json.loads(result.stdout)
     assert "model.layers.0.self_attn.qkv_proj.weight_scale" in steps
     assert "model.layers.0.self_attn.qkv_proj.weight_scale_2" not in steps    # replicated
-    result = CliRunner().invoke(cli, ["plan", "--shards", "4", str(export("llama_narrow_heads"))])
+    result = CliRunner().invoke(cli, ["plan", "--shards", "4", "--no-pad",
+                                      str(export("llama_narrow_heads"))])
     assert result.exit_code == 2 and "N that work (up to 64): 1, 2" in result.output

@@ -75,6 +75,10 @@ BUILTIN_CASES = [
     ("take_cols", (4, 5 * 2), torch.int32, "shardload.take_units",
      lambda n: [1, 2, *[(i * 2 + j) % 5 if (i + j) % 3 else -1 for i in range(n)
                         for j in range(2)]], NS),
+    # packed 4-bit codes whose zero weight is code 8: zero units are 0x88888888 words
+    ("take_fill", (5 * 3, 4), torch.int32, "shardload.take_units_fill",
+     lambda n: [0, 3, -0x77777778, *[h if h < 5 else -1 for i in range(n)
+                                    for h in range(i, math.ceil(5 / n) * n, n)]], NS),
 ]
 
 

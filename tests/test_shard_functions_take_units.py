@@ -43,6 +43,38 @@ def test_matches_numpy(data):
     assert np.array_equal(got, reference(x, dim, unit, per_worker))
 
 
+@given(data=st.data())
+@settings(max_examples=40, deadline=None)
+def test_fill_is_take_units_with_zero_units_filled(data):
+    """``take_units_fill``: the units ``take_units`` takes, every element of a zero unit the
+    fill (the word of a per-channel layer's zero code), as numpy does it."""
+    unit, units, n = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 5)), data.draw(
+        st.integers(1, 5))
+    fill = data.draw(st.integers(-2**31, 2**31 - 1))
+    per_worker = [[data.draw(st.integers(-1, units - 1)) for _ in range(2)] for _ in range(n)]
+    x = np.arange(units * unit * 3, dtype=np.int32).reshape(units * unit, 3) + 1
+    want = reference(x, 0, unit, per_worker)
+    for w, wanted in enumerate(per_worker):
+        for j, u in enumerate(wanted):
+            if u < 0:
+                want[w, j * unit:(j + 1) * unit] = fill
+    func = get_shard_func("shardload.take_units_fill")
+    flat = [u for units_ in per_worker for u in units_]
+    shape, dtype = func.shape_rule((units * unit, 3), "int32", 0, unit, fill, *flat,
+                                   num_shards=n)
+    out = torch.full(shape, 7, dtype=torch.int32)
+    func.func(torch.from_numpy(x), 0, unit, fill, *flat, out)
+    assert np.array_equal(out.numpy(), want)
+
+
+@pytest.mark.parametrize("dtype, fill", [("int32", 2**31), ("int8", 128), ("float16", 0),
+                                         ("uint8", -1)])
+def test_fill_must_be_a_value_of_the_integer_dtype(dtype, fill):
+    func = get_shard_func("shardload.take_units_fill")
+    with pytest.raises(ValueError, match="is not a value of the integer dtype"):
+        func.shape_rule((4, 2), dtype, 0, 2, fill, 0, -1, num_shards=1)
+
+
 def test_padded_heads_are_zero_in_any_dtype():
     x = torch.arange(12, dtype=torch.float32).reshape(6, 2).to(torch.float8_e4m3fn)
     out = run(x, 0, 2, [[0, 1], [2, -1]])

@@ -49,8 +49,14 @@ class AWQ(QuantFormat):
             return TensorAxes(Axis(1), group, grouped=True)
         return None
 
-    def zero_codes_are_zero(self, scheme, parts):
-        return False  # (q - z) * s: a zero code is -z
+    def zero_weight_fill(self, scheme, parts, read):
+        # (q - z) * s: the zero point's code is a zero weight, if every column shares it
+        from .packing import fill_word, one_code, unpack_int32
+
+        if "qzeros" not in parts:
+            return None
+        code = one_code(unpack_int32(read("qzeros"), 4, dim=1))
+        return None if code is None else fill_word(code, 4)
 
     def dense(self, parts, scheme, ggml_types):
         from .packing import columns, unpack_int32

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from ..config_fields import Fields
     from ..readers.base import TensorMeta
     from .scheme import Scheme
@@ -128,12 +130,17 @@ class QuantFormat:
         """The format's own tensors' axes (``axes`` adds ``bias`` and the common ones)."""
         return None
 
-    def zero_codes_are_zero(self, scheme: "Scheme", parts: "set[str]") -> bool:
-        """Whether a stored code of 0 dequantizes to 0 whatever its scale, in a module storing
-        ``parts`` (suffixes). Zero-padded rows under a scale they share with real rows (per
-        channel, on a row split) are exact only then; codes with a zero point or an offset
-        (GPTQ, AWQ, compressed-tensors' packed ints) need a zero scale of their own."""
-        return True
+    def zero_weight_fill(self, scheme: "Scheme", parts: "set[str]",
+                         read: "Callable[[str], torch.Tensor]") -> Optional[int]:
+        """The stored element (a code, or a word of packed codes) that dequantizes to 0 in
+        every column of a module storing ``parts`` (suffixes; ``read(suffix)`` reads one), or
+        ``None`` where no one element does (zero points that differ by column).
+
+        Zero-padded rows of a layer quantized per channel, on a row split, share their
+        column's scale with the real rows: they are zero weights only when filled with this
+        (``shardload.take_units_fill``). 0 where a stored 0 is a zero weight; codes with a zero
+        point or an offset (GPTQ, AWQ, compressed-tensors' packed ints) say theirs."""
+        return 0
 
     def stored_as(self, fmt: Optional[Mapping[str, Any]]) -> Optional[str]:
         """How the tensor stores its blocks when the tensor itself says (GGUF: ``Q4_K

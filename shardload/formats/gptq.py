@@ -15,7 +15,9 @@ row split keeps every scale and zero point, and ``g_idx`` is sliced but not reba
 Zero-padding a row split adds zero rows in zero-scaled groups of their own, which ``g_idx``
 points them at (``shardload.take_g_idx``; act-order appends the zero groups to the replicated
 scales, ``shardload.replicate_padded``): a zero scale makes any code 0. Per channel (group -1)
-a padded row shares its column's scale, and its zero code is ``-z``, so that is refused.
+a padded row shares its column's scale: its codes are the zero point's (``shardload.
+take_units_fill``; symmetric, 2^(b-1) in every column), refused where zero points differ by
+column or codes straddle words (3-bit).
 """
 
 from __future__ import annotations
@@ -63,8 +65,17 @@ class GPTQ(QuantFormat):
             return TensorAxes(None, Axis(0), special="g_idx")
         return None
 
-    def zero_codes_are_zero(self, scheme, parts):
-        return False  # (q - z) * s: a zero code is -z
+    def zero_weight_fill(self, scheme, parts, read):
+        # (q - z) * s: the zero point's code is a zero weight (symmetric: 2^(b-1) everywhere)
+        from .packing import fill_word, one_code, unpack_int32
+
+        if "qzeros" not in parts:
+            return None
+        z = unpack_int32(read("qzeros"), scheme.bits, dim=1, count=read("scales").shape[1])
+        if scheme.gptq_version == 1:
+            z = (z + 1) & ((1 << scheme.bits) - 1)
+        code = one_code(z)
+        return None if code is None else fill_word(code, scheme.bits)
 
     def dense(self, parts, scheme, ggml_types):
         from .packing import columns, unpack_int32

@@ -57,8 +57,11 @@ class IntQuantized(QuantFormat):
         group = Axis(1, scheme.group_size) if scheme.group_size != -1 else None
         return TensorAxes(Axis(0), group, grouped=True)
 
-    def zero_codes_are_zero(self, scheme, parts):
-        return "weight_zero_point" not in parts  # (q - zp) * s
+    def zero_weight_fill(self, scheme, parts, read):
+        # (q - zp) * s: the zero point is a zero weight, if every column shares it
+        from .packing import one_code
+
+        return one_code(read("weight_zero_point")) if "weight_zero_point" in parts else 0
 
     def dense(self, parts, scheme, ggml_types):
         import torch

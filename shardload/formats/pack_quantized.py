@@ -60,8 +60,15 @@ class PackQuantized(QuantFormat):
             return TensorAxes(None, None, special="shape")
         return None
 
-    def zero_codes_are_zero(self, scheme, parts):
-        return False  # codes stored + 2^(b-1): a stored 0 is -2^(b-1)
+    def zero_weight_fill(self, scheme, parts, read):
+        # codes stored + 2^(b-1): a zero weight is the stored offset, or the zero point
+        from .packing import fill_word, one_code, unpack_int32
+
+        code = 1 << (scheme.bits - 1)
+        if "weight_zero_point" in parts:     # asymmetric: stored with the same offset
+            code = one_code(unpack_int32(read("weight_zero_point"), scheme.bits, dim=0,
+                                         count=read("weight_scale").shape[0]))
+        return None if code is None else fill_word(code, scheme.bits)
 
     def dense(self, parts, scheme, ggml_types):
         from .packing import columns, unpack_int32

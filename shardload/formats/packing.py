@@ -14,11 +14,30 @@ from typing import Optional
 
 import torch
 
-__all__ = ["unpack_int32", "columns", "fp4_values", "scale_groups", "mxfp4", "FP4_VALUES"]
+__all__ = ["unpack_int32", "fill_word", "one_code", "columns", "fp4_values", "scale_groups", "mxfp4", "FP4_VALUES"]
 
 #: E2M1 code -> value; bit 3 is the sign (OCP Microscaling spec v1.0)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def fill_word(code: int, bits: int) -> Optional[int]:
+    """The int32 word whose every ``bits``-bit field holds ``code`` (as a signed value), or
+    ``None`` for 3-bit codes, which straddle words (no one word repeats).
+
+    >>> hex(fill_word(8, 4) & 0xFFFFFFFF)
+    '0x88888888'
+    """
+    if 32 % bits:
+        return None
+    word = sum(code << (bits * i) for i in range(32 // bits))
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def one_code(codes: torch.Tensor) -> Optional[int]:
+    """The one value every code holds, or ``None`` where they differ (or there are none)."""
+    values = torch.unique(codes)
+    return int(values[0]) if values.numel() == 1 else None
 
 
 def unpack_int32(words: torch.Tensor, bits: int, dim: int,

@@ -4,9 +4,13 @@ For such an N, a plan for that N alone gives every worker the same number of que
 heads and MLP blocks, filling up with zero units (``tp_layout.py``: which heads each worker
 holds; ``-1`` is a zero unit), read with ``shardload.take_units``. Zero weights with zero scales
 dequantize to exact zeros, so the model's output is unchanged. ``padding_layout`` first judges
-every tensor it would pad, and refuses where padding cannot be exact: a head that is not a whole
-number of its storage blocks, an MLP that is not a whole number of blocks, per-part scales of a
-fused layer, rows of a per-channel row-parallel layer whose zero codes are not zero weights.
+every tensor it would pad, and refuses where padding cannot be exact: heads that no run of
+whole heads fills whole storage blocks with, an MLP that is not a whole number of blocks,
+per-part scales of a fused layer, rows of a per-channel row-parallel layer whose columns do not
+share one zero code (asymmetric zero points). Where they share one that is not 0 (symmetric
+GPTQ's 2^(b-1), compressed-tensors' offset), the padded rows are filled with it
+(``shardload.take_units_fill``): the column's scale then multiplies zeros. Heads that straddle blocks (DeepSeek-V3's 192-row query heads in 128-row FP8
+blocks) pad in runs that fill whole blocks (two heads, three blocks): ``together``.
 Rows of a layer with a ``g_idx`` (GPTQ, compressed-tensors act-order) pad in whole zero-scaled
 groups of their own (``padded_step``).
 """
@@ -14,7 +18,7 @@ groups of their own (``padded_step``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
 from ..errors import PlanError
@@ -40,6 +44,8 @@ class Padding:
     heads: HeadLayout
     mlp_unit: int                              # logical MLP rows per block
     mlp: dict[int, list[list[int]]]            # intermediate size -> blocks per worker
+    #: module -> the stored element its padded rows are filled with, where 0 is no zero weight
+    fills: dict[str, int] = field(default_factory=dict)
 
     def metadata(self, spec: "ModelSpec") -> dict:
         """What an engine needs to run the padded shards (recorded in the plan as
@@ -73,7 +79,7 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
                          f"every worker's heads, for at most {MAX_LAYOUT} workers",
                          source=spec.file or None)
     naming = spec.rules.naming
-    mlp_unit, sizes = 1, set()
+    mlp_unit, sizes, together, fills = 1, set(), 1, {}
     modules: dict[str, set[str]] = {}
 
     def parts_of(module: str) -> set[str]:
@@ -89,11 +95,16 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
         if whole_experts and t.role.kind == "mlp" and naming.expert_kind(t.name, t.module):
             continue
         if (not t.role.column and t.axes.grouped and t.axes.k is None
-                and not scheme.format.zero_codes_are_zero(scheme, parts_of(t.module))):
-            return PlanError(f"{t.name}: a row-parallel layer quantized per channel "
-                             f"({scheme.describe()}) keeps one scale for real and padded rows, "
-                             "and its zero codes are not zero weights (a zero point or an "
-                             "offset), so padded rows would not be zeros")
+                and t.module not in fills):
+            fill = scheme.format.zero_weight_fill(
+                scheme, parts_of(t.module), lambda part: ckpt.read(f"{t.module}.{part}"))
+            if fill is None:
+                return PlanError(f"{t.name}: a row-parallel layer quantized per channel "
+                                 f"({scheme.describe()}) keeps one scale for real and padded "
+                                 "rows, and no one stored element is a zero weight in every "
+                                 "column (zero points that differ by column, or 3-bit codes "
+                                 "straddling words), so padded rows would not be zeros")
+            fills[t.module] = fill
         axis = t.axes.n if t.role.column else t.axes.k
         if axis is None:
             if (t.role.column and t.axes.special not in ("shape", "g_idx")
@@ -103,10 +114,13 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
             continue
         if t.role.kind == "heads":
             width = t.role.head_width(spec)
-            if width % axis.elems:
-                return PlanError(f"{t.name}: a {width}-element head is not a whole "
-                                 f"number of the {axis.elems}-element blocks it is stored in, "
-                                 "so heads cannot be padded")
+            run = math.lcm(width, axis.elems) // width    # the fewest heads in whole blocks
+            together = math.lcm(together, run)
+            if spec.num_heads % together or spec.num_kv_heads % together:
+                return PlanError(f"{t.name}: its {width}-element heads fill whole "
+                                 f"{axis.elems}-element blocks only {together} at a time, and "
+                                 f"{spec.num_heads} query and {spec.num_kv_heads} KV heads are "
+                                 f"not whole runs of {together}, so heads cannot be padded")
         else:
             mlp_unit = math.lcm(mlp_unit, axis.elems)
             sizes.add(mlp_size(spec, t.mlp, t.module))
@@ -116,8 +130,9 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
             return PlanError(f"an MLP of {size} rows is not a whole number of {mlp_unit}-row "
                              "blocks")
         mlp[size] = unit_layout(size // mlp_unit, num_shards)
-    return Padding(num_shards, head_layout(spec.num_heads, spec.num_kv_heads, num_shards),
-                   mlp_unit, mlp)
+    return Padding(num_shards, head_layout(spec.num_heads, spec.num_kv_heads, num_shards,
+                                           together=together), mlp_unit, mlp,
+                   {module: fill for module, fill in fills.items() if fill})
 
 
 def padded_step(t: Tensor, axes: TensorAxes, spec: "ModelSpec", padding: Padding,
@@ -143,6 +158,9 @@ def padded_step(t: Tensor, axes: TensorAxes, spec: "ModelSpec", padding: Padding
         return None
     unit, _ = role.padded_units(spec, padding, t.mlp, t.module, 0)
     indices = [role.padded_units(spec, padding, t.mlp, t.module, r)[1] for r in range(n)]
+    if axes.special == "g_idx" and group_size <= 0:   # per channel: every row in group 0
+        return step_json("shardload.take_units", [n, len(indices[0]) * unit], t.meta.dtype,
+                         (0, unit, *[u for w in indices for u in w]))
     if axes.special == "g_idx":       # row-parallel: the layer's input rows, one per element
         rows = t.meta.shape[0]
         zero_group = -(-rows // group_size) if act_order else -1
@@ -155,11 +173,29 @@ def padded_step(t: Tensor, axes: TensorAxes, spec: "ModelSpec", padding: Padding
         out[axis.dim + 1] = n * len(indices[0]) * unit // axis.elems * axis.width
         return step_json("shardload.replicate_padded", out, t.meta.dtype,
                          (axis.dim, out[axis.dim + 1]))
-    if unit % axis.elems:   # padding_layout refused these: heads and MLP blocks are whole blocks
-        raise AssertionError(f"{t.name}: {unit}-element units straddle its {axis.elems}-element "
-                             "blocks")
+    if unit % axis.elems:   # heads in runs that fill whole blocks (padding_layout's together)
+        unit, indices = _runs(t.name, unit, axis.elems, indices)
     stored = unit // axis.elems * axis.width
     out = [n, *t.meta.shape]
     out[axis.dim + 1] = len(indices[0]) * stored
-    return step_json("shardload.take_units", out, t.meta.dtype,
-                     (axis.dim, stored, *[u for worker in indices for u in worker]))
+    taken = [u for worker in indices for u in worker]
+    fill = padding.fills.get(t.module) if not split_n and not axes.special else None
+    if fill:   # the codes of a per-channel layer whose zero weight is not a stored 0
+        return step_json("shardload.take_units_fill", out, t.meta.dtype,
+                         (axis.dim, stored, fill, *taken))
+    return step_json("shardload.take_units", out, t.meta.dtype, (axis.dim, stored, *taken))
+
+
+def _runs(name: str, unit: int, elems: int, indices: list[list[int]]) -> tuple[int, list]:
+    """Heads of ``unit`` elements taken in runs that fill whole ``elems``-element blocks: each
+    worker's heads, read ``run`` at a time, are one aligned run of real heads (its index) or of
+    zero heads (-1), as ``head_layout(..., together)`` lays them out."""
+    run = math.lcm(unit, elems) // unit
+    out = []
+    for heads in indices:
+        runs = [heads[i:i + run] for i in range(0, len(heads), run)]
+        if any(len(r) != run or not (all(h < 0 for h in r) or (r[0] % run == 0 and r == list(
+                range(r[0], r[0] + run)))) for r in runs):   # padding_layout made them so
+            raise AssertionError(f"{name}: heads {heads} are not whole runs of {run}")
+        out.append([r[0] // run if r[0] >= 0 else -1 for r in runs])
+    return unit * run, out

@@ -359,6 +359,47 @@ def take_units(input: torch.Tensor, dim: int, unit: int, *indices_and_output) ->
                 dst[i].narrow(axis, j * unit, unit).copy_(src.narrow(axis, u * unit, unit))
 
 
+# ---- shardload.take_units_fill -----------------------------------------------------------------
+
+def _take_fill_rule(in_shape: Shape, in_dtype: str, dim: int, unit: int, fill: int,
+                    *indices: int, num_shards: int):
+    _fill_value(fill, in_dtype)
+    return _take_rule(in_shape, in_dtype, dim, unit, *indices, num_shards=num_shards)
+
+
+def _fill_value(fill: int, dtype: str) -> int:
+    fill = _int(fill, "fill")
+    lo, hi = dtypes.INTEGER_RANGE.get(dtype, (1, 0))
+    if not lo <= fill <= hi:
+        raise ValueError(f"fill {fill} is not a value of the integer dtype {dtype}")
+    return fill
+
+
+def _fill_zero_units(piece: torch.Tensor, axis: int, unit: int, units: Sequence[int],
+                     fill: int) -> None:
+    for j, u in enumerate(units):
+        if u < 0:
+            piece.narrow(axis, j * unit, unit).fill_(fill)
+
+
+def take_units_fill(input: torch.Tensor, dim: int, unit: int, fill: int,
+                    *indices_and_output) -> None:
+    """As ``take_units``, with every element of a zero unit ``fill`` instead of 0.
+
+    Extra args: ``dim, unit, fill, i_0_0, ...``. For the codes of a row-parallel layer quantized
+    per channel whose zero code is not 0 (GPTQ's zero point, compressed-tensors' offset): a
+    padded row shares its column's scale with the real rows, so it is a zero weight only when
+    every code in it is the zero code; ``fill`` is that code in every field of a packed word
+    (symmetric 4-bit: 0x88888888).
+    """
+    *indices, output = indices_and_output
+    _check_output(_take_fill_rule, input, (dim, unit, fill, *indices), output)
+    take_units(input, dim, unit, *indices, output)
+    axis, unit, per_worker = take_ranges(tuple(input.shape), dim, unit, indices, output.shape[0])
+    for i, wanted in enumerate(per_worker):
+        _fill_zero_units(output[i], axis, unit, wanted, fill)
+
+
 # ---- shardload.replicate_padded ----------------------------------------------------------------
 
 def _replicate_padded_rule(in_shape: Shape, in_dtype: str, dim: int, size: int, *,
@@ -480,6 +521,20 @@ def _take_selection(in_shape: Shape, in_dtype: str, dim: int, unit: int, *indice
                                  for u in per_worker[index]))
 
 
+def _take_fill_selection(in_shape: Shape, in_dtype: str, dim: int, unit: int, fill: int,
+                         *indices: int, num_shards: int, index: int) -> Selection:
+    return _take_selection(in_shape, in_dtype, dim, unit, *indices, num_shards=num_shards,
+                           index=index)
+
+
+def _take_fill_fixup(piece: torch.Tensor, dim: int, unit: int, fill: int, *indices: int,
+                     num_shards: int, index: int) -> None:
+    # the ranges rule checked these args against the stored tensor before anything was read
+    per = len(indices) // num_shards
+    _fill_zero_units(piece, _axis(dim, piece.dim()), unit, indices[index * per:(index + 1) * per],
+                     fill)
+
+
 def _replicate_padded_selection(in_shape: Shape, in_dtype: str, dim: int, size: int, *,
                                 num_shards: int, index: int) -> Selection:
     axis = _axis(dim, len(in_shape))
@@ -519,6 +574,8 @@ BUILTINS = [
     # a piece larger than the input: computed (per-part scales, a handful of numbers)
     ("shardload.repeat_segments", repeat_segments, dict(shape_rule=_repeat_rule)),
     ("shardload.take_units", take_units, dict(shape_rule=_take_rule, ranges=_take_selection)),
+    ("shardload.take_units_fill", take_units_fill,
+     dict(shape_rule=_take_fill_rule, ranges=_take_fill_selection, fixup=_take_fill_fixup)),
     ("shardload.replicate_padded", replicate_padded,
      dict(shape_rule=_replicate_padded_rule, ranges=_replicate_padded_selection)),
     ("shardload.take_g_idx", take_g_idx,

@@ -63,6 +63,18 @@ def padded_heads(num_heads: int, num_kv_heads: int, n: int) -> tuple[list, list]
     return q, kv
 
 
+def padded_head_runs(num_heads: int, num_kv_heads: int, n: int, run: int) -> tuple[list, list]:
+    """``padded_heads`` for heads that only ``run`` at a time fill whole storage blocks
+    (DeepSeek-V3's 192-row heads in 128-row FP8 blocks: two heads, three blocks): the layout of
+    heads ``run`` times as wide, each unfolded into its ``run`` heads, zero ones into zeros."""
+    wide_q, wide_kv = padded_heads(num_heads // run, num_kv_heads // run, n)
+
+    def unfold(heads):
+        return [h * run + j if h >= 0 else -1 for h in heads for j in range(run)]
+
+    return [unfold(h) for h in wide_q], [unfold(h) for h in wide_kv]
+
+
 def padded_units(units: int, n: int) -> list[list[int]]:
     """Units (MLP rows) per worker: ``ceil(units / n)`` each, in order, -1 past the last."""
     c = -(-units // n)
