@@ -501,16 +501,17 @@ def validate(num_shards: int, shard_info: Optional[str], replicate: bool,
 @_shards_option
 @click.option("--plan", "shard_info", default=None, type=click.Path(dir_okay=False),
               help="A shard_info.json to use instead of the plan policy's.")
+@_experts_option
 @_ckpt_argument
-def vllm_overrides(num_shards: int, shard_info: Optional[str], ckpt: str) -> None:
+def vllm_overrides(num_shards: int, shard_info: Optional[str], experts: str, ckpt: str) -> None:
     """The --hf-overrides JSON that runs CKPT in vLLM at --tensor-parallel-size N with
-    --load-format shardload: {} where N divides the model, the zero-padded model's sizes where
-    shardload's padding is exact in vLLM's model; else exit 2, saying why, with the N that
-    work. Reads no tensor data."""
+    --load-format shardload (--experts ep: with --enable-expert-parallel): {} where N divides
+    the model, the zero-padded model's sizes where shardload's padding is exact in vLLM's
+    model; else exit 2, saying why, with the N that work. Reads no tensor data."""
     from .vllm.padding import vllm_overrides as overrides
 
     with _reading():
-        _out(json.dumps(overrides(ckpt, num_shards, shard_info)))
+        _out(json.dumps(overrides(ckpt, num_shards, shard_info, experts=experts)))
 
 
 def _per_worker(validated) -> str:

@@ -93,6 +93,41 @@ def test_padded_experts_and_shared_expert_give_tp1s_tokens_in_vllms_fused_moe():
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_under_expert_parallelism_only_the_shared_expert_pads():
+    """Qwen2-MoE at TP=3 with --enable-expert-parallel: the 8 routed experts are whole on their
+    ranks (3, 3 and 2, vLLM's placement) and keep their 128 rows; the shared expert's 256 pad
+    to 258. vLLM builds that model and shardload loads it, verify on (vLLM's CPU MoE kernels
+    crash generating under expert parallelism, with its own loader too: loaded only). Without
+    the overrides, one line names them."""
+    import re
+
+    from shardload import open_checkpoint
+    from shardload.vllm import vllm_overrides
+
+    model = str(vllm_models.path("qwen2_moe576_bf16"))
+    overrides = vllm_overrides(model, 3, experts="ep")
+    assert overrides == {"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 32,
+                         "shared_expert_intermediate_size": 258}
+    report, stats, log = engine(model, 3, "--ep", "--tokens", "0", "--load-format", "shardload",
+                                "--verify", "--hf-overrides", json.dumps(overrides))
+    assert "outputs" in report, log[-6000:]
+    first = sorted((s for s in stats if not s["reload"]), key=lambda s: s["rank"])
+    assert [s["rank"] for s in first] == [0, 1, 2]
+    assert all(s["verified"] and s["experts"] == "ep" for s in first)
+    assert [s["padded_tensors"] for s in first] == [2 * 3] * 3    # the shared expert's, 2 layers
+    names = list(open_checkpoint(model).metadata())
+    expert = [int(m.group(1)) for n in names if (m := re.search(r"\.experts\.(\d+)\.", n))]
+    held = [range(0, 3), range(3, 6), range(6, 8)]
+    for rank, s in enumerate(first):
+        assert s["tensors"] == len(names) - sum(1 for e in expert if e not in held[rank])
+    report, stats, log = engine(model, 3, "--ep", "--tokens", "0", "--load-format", "shardload")
+    assert report.get("returncode", 0) != 0 and not stats
+    line = next(l for l in reversed(log.splitlines()) if "PlanError" in l)
+    assert json.loads(line.split("add --hf-overrides ", 1)[1].strip("'")) == overrides
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_without_the_overrides_vllm_is_told_the_one_flag_to_add():
     """Before vLLM's own refusal (in its worker, here): one line with the exact flag."""
     model = str(vllm_models.path("llama160_gptqmodel"))
@@ -128,3 +163,17 @@ def test_preflight_names_the_flag_or_the_n_that_work():
               "intermediate_size": 576}
     assert line.endswith(f"add --hf-overrides '{json.dumps(wanted)}'")
     preflight(_vllm_config(str(EXAMPLE), 3, wanted))             # with them: vLLM goes on
+
+
+def test_the_command_line_gives_the_overrides_under_expert_parallelism():
+    from click.testing import CliRunner
+
+    from shardload.cli import cli
+
+    model = str(vllm_models.path("qwen2_moe576_bf16"))
+    tp = CliRunner().invoke(cli, ["vllm-overrides", "--shards", "3", model])
+    ep = CliRunner().invoke(cli, ["vllm-overrides", "--shards", "3", "--experts", "ep", model])
+    assert tp.exit_code == 0 and ep.exit_code == 0, (tp.output, ep.output)
+    assert json.loads(tp.stdout)["moe_intermediate_size"] == 129     # experts split, padded
+    assert json.loads(ep.stdout) == {"num_attention_heads": 12, "num_key_value_heads": 3,
+                                     "head_dim": 32, "shared_expert_intermediate_size": 258}

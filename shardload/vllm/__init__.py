@@ -45,8 +45,10 @@ def register() -> None:
     _registered = True
 
 
-def vllm_overrides(checkpoint: Any, tensor_parallel_size: int, shard_info: Any = None) -> dict:
-    """``padding.vllm_overrides``: the ``hf_overrides`` for N (``{}`` where none are needed)."""
+def vllm_overrides(checkpoint: Any, tensor_parallel_size: int, shard_info: Any = None, *,
+                   experts: str = "tp") -> dict:
+    """``padding.vllm_overrides``: the ``hf_overrides`` for N (``{}`` where none are needed;
+    ``experts="ep"`` under ``--enable-expert-parallel``)."""
     from .padding import vllm_overrides as overrides
 
-    return overrides(checkpoint, tensor_parallel_size, shard_info)
+    return overrides(checkpoint, tensor_parallel_size, shard_info, experts=experts)

@@ -11,7 +11,9 @@ vLLM's attention has one shape on every rank: the same query and KV heads per ra
 a multiple of N. The planner pads heads into such a layout (``tp_layout.head_layout``: SmolLM2's
 9 query and 3 KV heads at N=2 become 12 and 4), so a padded plan gets its overrides; one that
 is not (a hand-written plan, latent attention, norms over whole projections) is refused, with
-the N that do work.
+the N that do work. Under expert parallelism (``experts="ep"``) routed experts are whole on
+their rank and keep their width; the heads, the dense MLP and a shared expert with a width of
+its own (Qwen2-MoE's ``shared_expert_intermediate_size``) pad as they do without it.
 
     shardload vllm-overrides --shards 4 CKPT     # the --hf-overrides JSON for N=4
 """
@@ -74,8 +76,16 @@ def vllm_layout_problem(validated) -> Optional[str]:
     if record.get("projection_norms"):
         return ("its norms span whole projections (" + ", ".join(record["projection_norms"]) +
                 "), which vLLM's model cannot pad")
-    if record.get("mla") or validated.plan.metadata.get("experts"):
-        return "vLLM pads neither latent attention nor expert parallelism"
+    if record.get("mla"):
+        return "vLLM's latent attention is not padded"
+    if validated.plan.metadata.get("experts"):
+        whole = record["sizes"].get("moe_intermediate_size")
+        padded = {int(w) for w in padding.get("mlp_blocks", {})}
+        own = {record["sizes"].get(a) for a in MLP_SIZES if a != "moe_intermediate_size"}
+        if whole in padded and whole not in own:
+            return (f"under expert parallelism its shared experts pad from {whole} rows, the "
+                    "width vLLM builds them from (moe_intermediate_size), which the routed "
+                    "experts, whole on their ranks, keep")
     return None
 
 
@@ -112,7 +122,10 @@ def padded_sizes(validated) -> dict[str, int]:
              "num_key_value_heads": n * local["num_key_value_heads"],
              "head_dim": local["head_dim"]}
     padded_widths = validated.plan.metadata["tensor_parallel"].get("mlp_blocks", {})
+    whole_experts = bool(validated.plan.metadata.get("experts"))
     for attr in MLP_SIZES:    # only the widths padding changed (of an MLP some tensor has)
+        if whole_experts and attr == "moe_intermediate_size":
+            continue          # expert parallelism: routed experts whole, their width kept
         if (attr in local and n * local[attr] != whole.get(attr)
                 and str(whole.get(attr)) in padded_widths):
             sizes[attr] = n * local[attr]
@@ -135,20 +148,20 @@ def overrides_for(validated) -> dict[str, Any]:
     return _nested({keys.get(attr, attr): value for attr, value in sizes.items()})
 
 
-def working_sizes(checkpoint, up_to: int = 8) -> list[tuple[int, bool]]:
+def working_sizes(checkpoint, up_to: int = 8, experts: str = "tp") -> list[tuple[int, bool]]:
     """The tensor-parallel sizes from 1 to ``up_to`` vLLM can run with shardload: (N, padded).
     An N the planner's plan fits unpadded is vLLM's usual layout, known from one planning; only
     the others are planned, each for its own N."""
     from ..frontdoor import planned_fits, resolve_plan
 
-    unpadded = set(planned_fits(checkpoint))
+    unpadded = set(planned_fits(checkpoint)) if experts == "tp" else set()
     works = []
     for n in range(1, up_to + 1):
         if n in unpadded:
             works.append((n, False))
             continue
         try:
-            validated = resolve_plan(checkpoint, n).validated
+            validated = resolve_plan(checkpoint, n, experts=experts).validated
         except PlanError:
             continue
         if vllm_layout_problem(validated) is None:
@@ -156,43 +169,47 @@ def working_sizes(checkpoint, up_to: int = 8) -> list[tuple[int, bool]]:
     return works
 
 
-def describe_working(checkpoint, up_to: int = 8) -> str:
-    works = working_sizes(checkpoint, up_to)
+def describe_working(checkpoint, up_to: int = 8, experts: str = "tp") -> str:
+    works = working_sizes(checkpoint, up_to, experts)
     if not works:
         return f"no N from 1 to {up_to} works"
     return "N that work: " + ", ".join(f"{n} (padded)" if padded else str(n)
                                        for n, padded in works)
 
 
-def vllm_overrides(checkpoint: Any, tensor_parallel_size: int,
-                   shard_info: Any = None) -> dict[str, Any]:
+def vllm_overrides(checkpoint: Any, tensor_parallel_size: int, shard_info: Any = None, *,
+                   experts: str = "tp") -> dict[str, Any]:
     """The ``hf_overrides`` vLLM needs to run ``checkpoint`` at ``tensor_parallel_size`` with
-    shardload: {} where N divides the model, the padded sizes where shardload's exact padding
-    is a layout vLLM holds, else ``PlanError`` naming the N that work.
+    shardload (``experts="ep"``: under ``--enable-expert-parallel``): {} where N divides the
+    model, the padded sizes where shardload's exact padding is a layout vLLM holds, else
+    ``PlanError`` naming the N that work.
 
     >>> vllm_overrides("SmolLM2-135M/", 4)                                   # doctest: +SKIP
     {'num_attention_heads': 12, 'num_key_value_heads': 4, 'head_dim': 64}
     """
-    return overrides_for(validated_for_vllm(checkpoint, tensor_parallel_size, shard_info))
+    return overrides_for(validated_for_vllm(checkpoint, tensor_parallel_size, shard_info,
+                                            experts=experts))
 
 
-def validated_for_vllm(checkpoint: Any, tensor_parallel_size: int,
-                       shard_info: Any = None) -> "ValidatedPlan":
-    """The plan shardload loads into vLLM at N (the front door's), validated, where vLLM's
-    model can hold its layout; else ``PlanError`` naming the N that work."""
+def validated_for_vllm(checkpoint: Any, tensor_parallel_size: int, shard_info: Any = None, *,
+                       experts: str = "tp") -> "ValidatedPlan":
+    """The plan shardload loads into vLLM at N (the front door's; with ``experts``, as the
+    loader plans under vLLM's expert parallelism), validated, where vLLM's model can hold its
+    layout; else ``PlanError`` naming the N that work."""
     from ..frontdoor import resolve_plan
     from ..readers import as_checkpoint
 
     ckpt = as_checkpoint(checkpoint)
+    planner = {"experts": experts} if experts != "tp" else {}
     try:
-        validated = resolve_plan(ckpt, tensor_parallel_size, shard_info).validated
+        validated = resolve_plan(ckpt, tensor_parallel_size, shard_info, **planner).validated
         overrides_for(validated)            # refuses a layout vLLM cannot hold
         return validated
     except PlanError as exc:
         # the planner's own list (the N its unpadded plan fits) gives way to vLLM's
         reason = exc.reason.split(". N that work", 1)[0].rstrip(".")
-        raise PlanError(f"{reason}; {describe_working(ckpt)}", source=exc.source,
-                        param=exc.param, step=exc.step) from None
+        raise PlanError(f"{reason}; {describe_working(ckpt, experts=experts)}",
+                        source=exc.source, param=exc.param, step=exc.step) from None
 
 
 def check_built(validated: "ValidatedPlan", hf_config: Any) -> None:

@@ -10,8 +10,8 @@ vLLM's config, before vLLM's own checks (``install`` wraps ``VllmConfig.__post_i
 from the plugin's ``register``):
 
 1. only for ``--load-format shardload``, a local checkpoint (the ``checkpoint`` option or the
-   model folder), tensor parallelism without expert parallelism (a plan vLLM's loader makes
-   from its built model) and no plan of the user's own;
+   model folder) and no plan of the user's own; under ``--enable-expert-parallel`` the plan is
+   the one the loader makes there (``experts="ep"``: routed experts whole on their ranks);
 2. the plan shardload loads at N (``padding.validated_for_vllm``, or a ``PlanError`` naming
    the N that work), its sizes against the model's config as vLLM will build it (its
    ``hf_overrides`` applied: ``padding.check_built``);
@@ -43,12 +43,12 @@ def preflight(config: Any, load_format: str = "shardload") -> None:
         return
     options = LoaderOptions.from_extra_config(load.model_loader_extra_config)
     checkpoint = options.checkpoint or model.model
-    if (options.plan is not None or parallel.enable_expert_parallel
-            or not os.path.isdir(str(checkpoint))):
+    if options.plan is not None or not os.path.isdir(str(checkpoint)):
         return
     n = parallel.tensor_parallel_size
+    experts = "ep" if parallel.enable_expert_parallel and model.is_moe else "tp"
     try:
-        validated = validated_for_vllm(checkpoint, n)
+        validated = validated_for_vllm(checkpoint, n, experts=experts)
     except PlanError as exc:
         raise PlanError(f"shardload cannot serve {checkpoint} at tensor-parallel size {n}: "
                         f"{exc.reason}") from None
