@@ -12,7 +12,8 @@ the weights at load time; gpt-oss with ``Mxfp4Config(dequantize=True)``), and it
 ``generate(ids, max_new_tokens=16, do_sample=False)``.
 
 For every case and every N in 1..4 on a ``ThreadedSession`` (3 zero-pads the 4 query heads, and
-the MLP where it does not divide: the padded plan is asserted to be the one used), the logits
+the MLP where it does not divide; compressed-tensors' FP8 block checkpoint, an MLP of 3 blocks
+of 128 rows, pads at 2, 3 and 4: the padded plan is asserted to be the one used), the logits
 must be within 1e-3 of the reference (max abs difference over max abs of the reference, float32)
 and the 16 greedy tokens identical. ``ProcessSession`` (a gloo group of worker processes) is
 checked at one N per family (slow). Run with ``-s`` to see the parity table.
@@ -54,7 +55,7 @@ SHARDS = (1, 2, 3, 4)
 PADDED = 3            # 4 query heads (and the MLPs) over 3 workers: zero-padded
 #: cases zero-padded at more N than PADDED: gpt-oss MXFP4's experts hold 64 rows, two 32-groups
 #: of down_proj's inputs, which 4 workers cannot share evenly
-ALSO_PADDED = {"gpt_oss_mxfp4": {4}}
+ALSO_PADDED = {"gpt_oss_mxfp4": {4}, "ct_fp8_block_llama": {2, 4}}
 TOLERANCE = 1e-3      # max |TP - reference| / max |reference|, float32
 
 #: the float checkpoints: config makers (the tiny configs of the planner's own tests)
@@ -110,6 +111,9 @@ QUANTIZED = {
     "ct_w8a8_llama": lambda d: compress_preset(d, _quant_llama(), "W8A8"),
     "ct_nvfp4a16_llama": lambda d: compress_preset(d, _quant_llama(), "NVFP4A16"),
     "ct_mxfp4a16_llama": lambda d: compress_preset(d, _quant_llama(), "MXFP4A16"),
+    # 128x128 blocks: heads of 128 rows, an MLP of 3 blocks (padded at 2, 3 and 4)
+    "ct_fp8_block_llama": lambda d: compress_preset(d, transformers.LlamaConfig(
+        **{**QUANT_SIZES, "hidden_size": 512, "intermediate_size": 384}), "FP8_BLOCK"),
     "gpt_oss_mxfp4": lambda d: write_gpt_oss_mxfp4(d, gpt_oss_config()),
 }
 

@@ -53,7 +53,7 @@ def dequant(t: dict[str, torch.Tensor], prefix: str, args) -> torch.Tensor:
     return dequantize(codes, t[f"{prefix}.weight_scale"], zero, args=args, dtype=torch.float32)
 
 
-# ---- any preset: W8A8 int8, NVFP4, MXFP4 ---------------------------------------------------------
+# ---- any preset: W8A8 int8, NVFP4, MXFP4, FP8 block ----------------------------------------------
 
 def _calibrate(module, args) -> None:
     """Min/max weight qparams for ``module`` computed with the library's own
@@ -63,6 +63,10 @@ def _calibrate(module, args) -> None:
     rows = weight.shape[0]
     if args.strategy == "channel":
         lo, hi = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
+    elif args.strategy == "block":    # one scale per [bn, bk] block of W
+        bn, bk = args.block_structure
+        blocks = weight.reshape(rows // bn, bn, -1, bk)
+        lo, hi = blocks.amin((1, 3)), blocks.amax((1, 3))
     else:  # group, tensor_group: one scale per group_size elements of K
         groups = weight.reshape(rows, -1, args.group_size)
         lo, hi = groups.amin(-1), groups.amax(-1)
