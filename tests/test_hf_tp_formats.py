@@ -133,14 +133,15 @@ def _set_quant_config(folder: Path, quant: dict) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _dense_reference(folder: Path, dense_folder: Path, dequantize_module) -> tuple:
+def _dense_reference(folder: Path, dense_folder: Path, dequantize_module,
+                     part: str = "weight_scale") -> tuple:
     """transformers' model of ``folder``'s config (its ``quantization_config`` dropped) holding
     ``dequantize_module(tensors, module)`` for every quantized module (the one whose parts
-    include ``weight_scale``) and every other stored tensor as it is: a dense checkpoint written
-    to ``dense_folder`` and loaded by transformers (which fuses per-expert weights its own way).
+    include ``part``) and every other stored tensor as it is: a dense checkpoint written to
+    ``dense_folder`` and loaded by transformers (which fuses per-expert weights its own way).
     Returns (model, the number of quantized modules)."""
     stored = load_file(str(folder / "model.safetensors"))
-    modules = sorted({k.rsplit(".", 1)[0] for k in stored if k.endswith(".weight_scale")})
+    modules = sorted({k.rsplit(".", 1)[0] for k in stored if k.endswith("." + part)})
     dense = {}
     for module in modules:
         dense[f"{module}.weight"] = dequantize_module(stored, module).float().contiguous()
@@ -255,19 +256,15 @@ def make_gptqmodel(folder: Path, tmp: Path, *, act_order: bool):
     randomise(model)
     model.to(torch.bfloat16).save_pretrained(tmp / "source")
     quantize(tmp / "source", folder, bits=4, group=GROUP, desc_act=act_order)
-    stored = load_file(str(folder / "model.safetensors"))
-    modules = sorted(k[:-len(".qweight")] for k in stored if k.endswith(".qweight"))
-    assert len(modules) == 2 * len(LINEARS), modules
-    dense = {k: v for k, v in stored.items() if k.rsplit(".", 1)[0] not in modules}
-    for module in modules:
+
+    def module_weight(stored, module):
         parts = {p: stored[f"{module}.{p}"].numpy() for p in ("qweight", "qzeros", "scales",
                                                              "g_idx")}
-        dense[f"{module}.weight"] = torch.from_numpy(dequantize_gptq(parts, 4, 1))
-    (tmp / "dense").mkdir()
-    save_file(dense, str(tmp / "dense" / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(tmp / "dense")
-    return transformers.AutoModelForCausalLM.from_pretrained(tmp / "dense",
-                                                             dtype=torch.float32).eval()
+        return torch.from_numpy(dequantize_gptq(parts, 4, 1))
+
+    model, count = _dense_reference(folder, tmp / "dense", module_weight, part="qweight")
+    assert count == 2 * len(LINEARS)
+    return model
 
 
 MAKERS = {
