@@ -57,14 +57,16 @@ def _split(url) -> tuple[object, str]:
     key = url.key
     last = key.rsplit("/", 1)[-1]
     if last.endswith(FILE_SUFFIXES):
-        return type(url)(url.bucket, key[:len(key) - len(last)]), last
-    return type(url)(url.bucket, key if not key or key.endswith("/") else key + "/"), ""
+        return type(url)(url.scheme, url.bucket, key[:len(key) - len(last)]), last
+    return type(url)(url.scheme, url.bucket,
+                     key if not key or key.endswith("/") else key + "/"), ""
 
 
 def open_object_checkpoint(url: str, open_local: Callable):
     """The checkpoint at ``url`` (``s3://...``), opened as the module docstring says;
     ``open_local(path)`` opens the scratch folder (``readers.open_local_checkpoint``)."""
-    from ..sources.s3 import ObjectUrl, default_client
+    from ..sources.store import default_client
+    from ..sources.urls import ObjectUrl
     from ..sources.sparse import ObjectBytes
 
     client = default_client()
@@ -78,7 +80,7 @@ def open_object_checkpoint(url: str, open_local: Callable):
         raise StorageError("no objects under this prefix; check the path (a folder URL "
                            "stands for the objects directly under it)", url=url, usage=True)
 
-    scratch = tempfile.mkdtemp(prefix="shardload-s3-")
+    scratch = tempfile.mkdtemp(prefix="shardload-objects-")
     registered: list[str] = []
     objects: list[ObjectBytes] = []
     cleanup = _Cleanup(scratch, registered, objects)

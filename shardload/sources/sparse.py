@@ -9,7 +9,7 @@ them.
 1. **The mapping** is anonymous, private and never reserved (``MAP_NORESERVE``): an object of
    100 GB costs nothing until bytes land in it, and only the pages that do.
 2. **Need**: the parts of the asked spans not yet present and not already being fetched by
-   another thread are fetched (``S3Client.fetch``: coalesced, concurrent, every GET checked
+   another thread are fetched (``ObjectClient.fetch``: coalesced, concurrent, every GET checked
    against the object's ETag); a thread that asks for bytes another thread is fetching waits
    for them. What arrived is recorded; nothing is ever read from a part that was not.
 3. **Release**: the pages lying wholly inside a released span are handed back to the kernel
@@ -34,7 +34,7 @@ import os
 import threading
 from typing import Callable, Iterable, Optional
 
-from .s3 import ObjectInfo, S3Client, coalesce, default_client
+from .store import ObjectClient, ObjectInfo, coalesce, default_client
 
 __all__ = ["ObjectBytes", "Spans", "MAP_NORESERVE"]
 
@@ -125,7 +125,7 @@ def merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 class ObjectBytes:
     """One object's bytes in this process (see the module docstring). Thread-safe."""
 
-    def __init__(self, info: ObjectInfo, client: Optional[S3Client] = None,
+    def __init__(self, info: ObjectInfo, client: Optional[ObjectClient] = None,
                  _shared: Optional[tuple[int, bool]] = None):
         self.info = info
         self.size = info.size
@@ -145,7 +145,7 @@ class ObjectBytes:
         self.fetched = 0
 
     @property
-    def client(self) -> S3Client:
+    def client(self) -> ObjectClient:
         if self._client is None:
             self._client = default_client()
         return self._client
@@ -164,7 +164,7 @@ class ObjectBytes:
         return (cls._borrow(info, filled) if isinstance(filled, dict) else None) or cls(info)
 
     @classmethod
-    def in_shared_memory(cls, info: ObjectInfo, client: Optional[S3Client] = None
+    def in_shared_memory(cls, info: ObjectInfo, client: Optional[ObjectClient] = None
                          ) -> "ObjectBytes":
         """The object's bytes in a memory file that worker processes map too (module
         docstring, 4): filled here with ``need_spans``, handed over as ``filled_spec()``."""
