@@ -291,7 +291,8 @@ def _plan_options(f):
 
 
 class _CheckpointPath(click.Path):
-    """A local path that must exist, or an object storage URL (``s3://bucket/folder/``),
+    """A local path that must exist, or an object storage URL (``s3://``, ``gs://`` or
+    ``az://bucket/folder/``),
     checked when it is opened."""
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-pytest.importorskip("botocore")
+pytest.importorskip("obstore")
 
-from shardload.sources.s3 import ObjectInfo  # noqa: E402
+from shardload.sources.store import ObjectInfo  # noqa: E402
 from shardload.sources.sparse import ObjectBytes, Spans, merged  # noqa: E402
 
 

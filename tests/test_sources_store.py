@@ -608,25 +608,24 @@ def test_object_deleted_between_head_and_get(s3, bucket):
 # ------------------------------------------------------------------ processes and settings
 
 @pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # threads: moto's, the proxy's
-def test_fresh_client_after_fork(s3, bucket):
+def test_a_child_forked_after_reading_objects_is_refused_at_once(s3, bucket):
+    # the library's runtime does not survive a fork (its threads stay behind): a child that
+    # tried would hang, so it is told, at once, in one line, how to start its process instead
     data = put(s3, "fork/a.bin", 30_000)
     client = ObjectClient(chunk_bytes=10_000, concurrency=2)
     info = client.head("s3://models/fork/a.bin")
-    parents = client._store(ObjectUrl.parse("s3://models/fork/a.bin"))
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report, and leave without running anything of pytest's
-        code = 1
         try:
-            ok = client.get_bytes(info, 0, len(data)) == data
-            fresh = client._stores.get("s3://models") not in (None, parents)
-            ok2 = storemod.default_client().get_bytes(info, 5, 10) == data[5:10]
-            os.write(write, b"ok" if ok and fresh and ok2 else b"bad")
-            code = 0
+            client.get_bytes(info, 0, len(data))
+            os.write(write, b"read")
+        except StorageError as exc:
+            os.write(write, str(exc).encode()[:1000])
         except BaseException as exc:  # noqa: BLE001
-            os.write(write, repr(exc).encode()[:500])
+            os.write(write, repr(exc).encode()[:1000])
         finally:
-            os._exit(code)
+            os._exit(0)
     os.close(write)
     deadline = time.monotonic() + 30
     while True:
@@ -638,14 +637,16 @@ def test_fresh_client_after_fork(s3, bucket):
             os.waitpid(pid, 0)
             pytest.fail("the forked child hung")
         time.sleep(0.02)
-    said = os.read(read, 1000)
+    said = os.read(read, 1000).decode()
     os.close(read)
-    assert said == b"ok" and os.waitstatus_to_exitcode(status) == 0, said
-    assert client._store(ObjectUrl.parse("s3://models/x")) is parents  # the parent's is kept
+    assert said.startswith("s3://models/fork/a.bin: this process was forked from one that "
+                           "had read object storage"), said
+    assert "'spawn'" in said and "\n" not in said
+    assert client.get_bytes(info, 0, 10) == data[:10]  # the parent reads on
 
 
 def test_default_client_settings(monkeypatch):
-    monkeypatch.setattr(s3mod, "_DEFAULT", None)
+    monkeypatch.setattr(storemod, "_DEFAULT", None)
     monkeypatch.setenv("SHARDLOAD_OBJECT_CONCURRENCY", "3")
     monkeypatch.setenv("SHARDLOAD_OBJECT_CHUNK_MB", "0.25")
     monkeypatch.setenv("SHARDLOAD_OBJECT_RETRIES", "")                   # empty: the default
@@ -662,7 +663,7 @@ def test_default_client_settings(monkeypatch):
         with pytest.raises(ValueError) as info:
             storemod.settings_from_env({name: value})
         assert str(info.value).startswith(f"{name}={value!r} ")
-    monkeypatch.setattr(s3mod, "_DEFAULT", None)
+    monkeypatch.setattr(storemod, "_DEFAULT", None)
     monkeypatch.setenv("SHARDLOAD_OBJECT_RETRIES", "lots")
     with pytest.raises(ValueError, match="SHARDLOAD_OBJECT_RETRIES"):
         storemod.default_client()

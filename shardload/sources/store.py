@@ -110,6 +110,13 @@ _TIMEOUT_WORDS = ("operation timed out", "timed out", "deadline has elapsed")
 _NO_CREDENTIAL_WORDS = ("Error getting credentials", "Missing credentials",
                         "No credentials", "Failed to load credentials", "Missing account name",
                         "Missing SAS key", "Missing service account")
+#: where the library asks for credentials when none are set (instance metadata: EC2, Azure
+#: managed identity, GCE; ECS container credentials), and the variables that move it: a
+#: failure there is no credentials, whatever its status, not the storage endpoint's
+_METADATA_HOSTS = ("169.254.169.254", "169.254.170.2", "[fd00:ec2::254]",
+                   "metadata.google.internal")
+_METADATA_ENV = ("AWS_METADATA_ENDPOINT", "AZURE_MSI_ENDPOINT", "AZURE_IDENTITY_ENDPOINT",
+                 "IDENTITY_ENDPOINT", "MSI_ENDPOINT")
 
 
 # ------------------------------------------------------------------------------------ objects
@@ -128,7 +135,8 @@ def _iso(value: Any) -> str:
 @dataclass(frozen=True)
 class ObjectInfo:
     """An object as ``head`` or ``list_folder`` saw it: its URL, size, ETag (as the service
-    gives it) and Last-Modified time (ISO 8601, UTC, to the second)."""
+    gives it, quoted where a listing gives it bare) and Last-Modified time (ISO 8601, UTC, to
+    the second)."""
 
     url: str
     size: int
@@ -147,7 +155,18 @@ def _info(url: str, meta: Any) -> ObjectInfo:
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise StorageError("the service's answer has no valid object size; the endpoint does "
                            "not speak its storage API as expected", url=url, usage=False)
-    return ObjectInfo(url, size, str(meta.get("e_tag") or ""), _iso(meta.get("last_modified")))
+    return ObjectInfo(url, size, _etag(meta.get("e_tag")), _iso(meta.get("last_modified")))
+
+
+def _etag(value: Any) -> str:
+    """An ETag in its HTTP form, a quoted string (a weak one's ``W/`` kept). Headers say it
+    quoted, but some listings bare (Azure's, and GCS's XML API as fake-gcs-server writes it):
+    an object listed and then read must have one identity, and ``If-Match`` takes it quoted."""
+    text = "" if value is None else str(value).strip()
+    if not text or text.startswith(('"', 'W/"')):
+        return text
+    return f'"{text}"'
+
 
 
 # ------------------------------------------------------------------------------------ coalesce
@@ -253,6 +272,52 @@ def _endpoint(scheme: str) -> str:
                           scheme)
 
 
+def _obstore(loc: ObjectUrl) -> Any:
+    """The library, or (not installed) the error that says how to install it."""
+    try:
+        import obstore
+    except ImportError:
+        raise StorageError(f"reading {loc.scheme}:// URLs needs obstore, which is not "
+                           'installed; pip install "shardload[objects]"', url=str(loc),
+                           usage=True) from None
+    return obstore
+
+
+def _check_endpoint_settings(loc: ObjectUrl) -> None:
+    """Refuse an endpoint variable that is not an http(s) URL with a host: the library takes
+    it as it is and panics on it at the first request (a Rust panic, past every ``except
+    Exception``). Its value is not repeated (a URL may carry a secret)."""
+    for name in _ENDPOINT_ENV.get(loc.scheme, ()):
+        value = os.environ.get(name)
+        if not value or loc.scheme == "gs":  # gs: a service-account file, read by the library
+            continue
+        try:
+            parts = urlsplit(value.strip())
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname) and \
+                not any(c.isspace() or ord(c) < 32 for c in value.strip())
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError:
+            ok = False
+        if not ok:
+            raise StorageError(f"the endpoint setting {name} is not an http:// or https:// URL "
+                               "with a host; set it to the endpoint's URL (http://HOST:PORT), "
+                               "or unset it for the service's own", url=str(loc), usage=True)
+
+
+def _from_metadata_service(text: str) -> bool:
+    """The library's error text says a request to an instance metadata service failed (the
+    credential source of last resort), not one to the storage endpoint."""
+    hosts = list(_METADATA_HOSTS)
+    for name in _METADATA_ENV:
+        try:
+            host = urlsplit(os.environ.get(name) or "").netloc
+        except ValueError:
+            continue
+        if host:
+            hosts.append(host)
+    return any(f"//{host}/" in text or f"//{host}:" in text for host in hosts)
+
+
 def _library_error(exc: BaseException) -> Optional[str]:
     """The kind of an error a call of the library raised (its class name; it raises Python's
     own ``FileNotFoundError`` for a missing object), or None for any other exception."""
@@ -285,8 +350,11 @@ def _seconds(name: str, value: Any) -> float:
 class ObjectClient:
     """Reads objects by byte range, from any scheme. One per process (``default_client``).
 
-    A store of the library is made per bucket on first use, and made again in a child after a
-    fork: stores, their connections and their runtime are never shared across processes.
+    A store of the library is made per bucket on first use. The library's runtime (threads,
+    connections) does not survive ``fork``: a process forked after its parent used object
+    storage is refused (``StorageError``, at once) rather than left to hang; worker processes
+    are started fresh (``ProcessSession``'s fork server, ``spawn``), never forked from a
+    process that read objects.
 
     ``concurrency`` GETs run at once per process, each of at most ``chunk_bytes``; the library
     retries a failed request ``retries`` times after ``backoff * 2**(k-1)`` seconds (capped at
@@ -328,21 +396,26 @@ class ObjectClient:
     def _store(self, loc: ObjectUrl) -> Any:
         if self._pid != os.getpid():
             self._after_fork()
+        if _USED_IN not in (None, os.getpid()):
+            raise StorageError(
+                f"this process was forked from one that had read object storage (pid "
+                f"{_USED_IN}), and the object-store library's runtime does not survive a fork; "
+                "start the process fresh instead (multiprocessing's 'spawn' or 'forkserver', "
+                "or VLLM_WORKER_MULTIPROC_METHOD=spawn)", url=str(loc), usage=True)
         store = self._stores.get(loc.root)
         if store is not None:
             return store
         with self._lock:
             if loc.root not in self._stores:
+                _mark_used()
                 self._stores[loc.root] = self._make_store(loc)
             return self._stores[loc.root]
 
     def _make_store(self, loc: ObjectUrl) -> Any:
-        try:
-            from obstore.store import from_url
-        except ImportError:
-            raise StorageError(f"reading {loc.scheme}:// URLs needs obstore, which is not "
-                               'installed; pip install "shardload[objects]"', url=str(loc),
-                               usage=True) from None
+        _obstore(loc)
+        from obstore.store import from_url
+
+        _check_endpoint_settings(loc)
         retry = {"max_retries": self.retries,
                  "backoff": {"init_backoff": timedelta(seconds=self.backoff),
                              "max_backoff": timedelta(seconds=max(self.backoff,
@@ -378,6 +451,13 @@ class ObjectClient:
             return StorageError(message, url=url, byte_range=byte_range, usage=True)
 
         status = next((int(g) for m in _STATUS.finditer(text) for g in m.groups() if g), 0)
+        if _from_metadata_service(text):
+            # no credentials are set, and the cloud's metadata service (where the library looks
+            # last) gave none: off the cloud it is not there, or it refuses (HTTP 403, 404)
+            how = f"HTTP {status}" if status else "it did not answer"
+            return usage(f"no {service} credentials found: none are set, and the cloud's "
+                         f"instance metadata service gave none ({how}); set "
+                         f"{_CREDENTIALS_HINT[scheme]}")
         if kind == "PreconditionError" or (action == "get" and status == 416):
             return _Changed()
         if kind == "NotFoundError" or status == 404:
@@ -470,9 +550,8 @@ class ObjectClient:
 
     def head(self, url: Union[str, ObjectUrl]) -> ObjectInfo:
         """The object's size and identity (a HEAD request)."""
-        import obstore
-
         loc = as_url(url)
+        obstore = _obstore(loc)
         if loc.is_folder:
             raise StorageError("names a folder (a key prefix), not an object; name an object "
                                "in it, or list it", url=str(loc), usage=True)
@@ -491,9 +570,8 @@ class ObjectClient:
         """The objects directly under a folder prefix (``s3://b/dir/``; ``s3://b/dir`` is taken
         as ``dir/``), sorted by key, not those in sub-folders. A folder with more than
         ``max_folder_objects`` entries (objects and sub-folders) is refused."""
-        import obstore
-
         loc = as_url(url)
+        obstore = _obstore(loc)
         folder = ObjectUrl(loc.scheme, loc.bucket, loc.prefix)
         listing = self._call(folder, "list", lambda s: obstore.list_with_delimiter(
             s, prefix=folder.key or None))
@@ -646,8 +724,7 @@ class ObjectClient:
         """Fill ``view`` with bytes ``[begin, begin + len(view))``: one ranged GET (which the
         library retries), and, where its body breaks off, GETs of the bytes not yet
         received, up to ``retries`` of them."""
-        import obstore
-
+        obstore = _obstore(loc)
         store, n, got, resumed = self._store(loc), len(view), 0, 0
         while True:
             if stop.is_set():
@@ -697,7 +774,7 @@ class ObjectClient:
     def _check_answer(self, result: Any, info: ObjectInfo, lo: int, hi: int) -> None:
         """The GET's answer is the bytes asked for, of the object that was seen."""
         meta = result.meta
-        etag = meta.get("e_tag")
+        etag = _etag(meta.get("e_tag"))
         if etag and info.etag and etag != info.etag:
             raise _changed_error(info, f"ETag now {etag}, was {info.etag}")
         size = meta.get("size")
@@ -770,6 +847,15 @@ def _positive_float(text: str) -> float:
 
 _DEFAULT: Optional[ObjectClient] = None
 _DEFAULT_LOCK = threading.Lock()
+#: the process that first made a store of the library: its runtime lives there, and only
+#: there (a child forked from it inherits this value, and is refused: ``ObjectClient``)
+_USED_IN: Optional[int] = None
+
+
+def _mark_used() -> None:
+    global _USED_IN
+    if _USED_IN is None:
+        _USED_IN = os.getpid()
 
 
 def default_client() -> ObjectClient:
