@@ -234,8 +234,8 @@ class StorageError(ShardloadError):
     ``url`` is the object or folder, ``byte_range`` the ``(begin, end)`` bytes a ranged read
     was after (or None), and ``usage`` says whose move it is: True when the user must change
     something (a bad URL, a missing bucket or key, access denied, no or refused credentials,
-    obstore not installed, a process forked after reading objects), False for transport failures (an endpoint that does not answer,
-    retries exhausted). The message is one line, ``"<url>: <what happened>; <what to do>"``,
+    obstore not installed, a process forked after reading objects), False for transport
+    failures (an endpoint that does not answer, retries exhausted). The message is one line, ``"<url>: <what happened>; <what to do>"``,
     built from error codes, never from a server's raw text, so it never carries a credential.
     """
 

@@ -1,6 +1,7 @@
 """``sources.sparse``: the span set an object's fetched bytes are tracked with, against a
 brute-force set of byte positions; ``ObjectBytes`` against a fake client that records what it
-was asked for (the real S3 server is in test_sources_s3.py and test_objects.py)."""
+was asked for (the real object-storage servers are in test_sources_store.py and
+test_objects.py)."""
 
 from __future__ import annotations
 

@@ -293,8 +293,10 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
     """Carry out ``request["plan"]`` (a ``ReadPlan`` as JSON) on this worker.
 
     ``request["load"]`` names the load (``request["plan"]`` is None for a worker in the
-    loader's process: its plan is the load's own, ``LocalLoad.plans``); ``request["modules"]`` lists plugin modules that define
-    shard functions the plan computes with; ``request["staging"]`` (a ``Staging`` as JSON, or
+    loader's process: its plan is the load's own, ``LocalLoad.plans``); ``request["stream"]``
+    is its side of the load's stream of object bytes (``stream.ObjectStream.spec``), for a
+    worker process; ``request["modules"]`` lists plugin modules that define shard functions
+    the plan computes with; ``request["staging"]`` (a ``Staging`` as JSON, or
     absent) sends the pieces through the staged pipeline. The pieces become ``ctx.shards`` (the
     worker's model); a worker outside the loader's process keeps them for ``fetch_piece`` until
     ``release_loads``. Returns statistics.

@@ -161,12 +161,15 @@ def _info(url: str, meta: Any) -> ObjectInfo:
 def _etag(value: Any) -> str:
     """An ETag in its HTTP form, a quoted string (a weak one's ``W/`` kept). Headers say it
     quoted, but some listings bare (Azure's, and GCS's XML API as fake-gcs-server writes it):
-    an object listed and then read must have one identity, and ``If-Match`` takes it quoted."""
+    an object listed and then read must have one identity, and ``If-Match`` takes it quoted.
+
+    >>> _etag("0x8DC1A2B3C4D5E6F"), _etag('"abc"'), _etag('W/"abc"'), _etag(None)
+    ('"0x8DC1A2B3C4D5E6F"', '"abc"', 'W/"abc"', '')
+    """
     text = "" if value is None else str(value).strip()
     if not text or text.startswith(('"', 'W/"')):
         return text
     return f'"{text}"'
-
 
 
 # ------------------------------------------------------------------------------------ coalesce
@@ -284,24 +287,34 @@ def _obstore(loc: ObjectUrl) -> Any:
 
 
 def _check_endpoint_settings(loc: ObjectUrl) -> None:
-    """Refuse an endpoint variable that is not an http(s) URL with a host: the library takes
-    it as it is and panics on it at the first request (a Rust panic, past every ``except
-    Exception``). Its value is not repeated (a URL may carry a secret)."""
+    """Refuse an endpoint setting that is not an http(s) URL with a host (S3's and Azure's
+    variables; GCS's ``gcs_base_url`` in the service-account file): the library takes it as it
+    is and panics on it at the first request (a Rust panic, past every ``except Exception``).
+    Its value is not repeated (a URL may carry a secret)."""
     for name in _ENDPOINT_ENV.get(loc.scheme, ()):
         value = os.environ.get(name)
-        if not value or loc.scheme == "gs":  # gs: a service-account file, read by the library
+        what = f"the endpoint setting {name}"
+        if value and loc.scheme == "gs":  # a service-account file: its gcs_base_url
+            try:
+                with open(value, encoding="utf-8") as f:
+                    value = json.load(f).get("gcs_base_url")
+            except (OSError, ValueError, AttributeError):
+                continue  # the library says the file is bad
+            what = f"the gcs_base_url in the file {name} names"
+        if not value:
             continue
         try:
-            parts = urlsplit(value.strip())
+            text = str(value).strip()
+            parts = urlsplit(text)
             ok = parts.scheme in ("http", "https") and bool(parts.hostname) and \
-                not any(c.isspace() or ord(c) < 32 for c in value.strip())
+                not any(c.isspace() or ord(c) < 32 for c in text)
             parts.port  # noqa: B018 - raises ValueError on a bad port
         except ValueError:
             ok = False
         if not ok:
-            raise StorageError(f"the endpoint setting {name} is not an http:// or https:// URL "
-                               "with a host; set it to the endpoint's URL (http://HOST:PORT), "
-                               "or unset it for the service's own", url=str(loc), usage=True)
+            raise StorageError(f"{what} is not an http:// or https:// URL with a host; set it "
+                               "to the endpoint's URL (http://HOST:PORT), or unset it for the "
+                               "service's own", url=str(loc), usage=True)
 
 
 def _from_metadata_service(text: str) -> bool:

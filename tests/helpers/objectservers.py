@@ -16,12 +16,16 @@ emulator and
    client kept;
 2. **injects faults** by rule (``inject``): an error answer with a body of the service's own
    kind (S3 XML, GCS JSON or XML, Azure XML) and status, a connection dropped after M bytes of a
-   body, a delay.
+   body, a delay;
+3. **corrects** an answer where an emulator is known to differ from its service (``_amend``):
+   fake-gcs-server lists a missing bucket with a 500, GCS answers 404 ``NoSuchBucket``.
 
 Every server has the same interface (``ObjectServer``): ``scheme``, ``url(bucket, key)``,
 ``make_bucket``/``put``/``delete`` (setup, straight to the emulator: not counted, no faults),
 ``env()`` (the variables that point obstore's standard configuration, and for S3 botocore's, at
-the proxy: no code changes in the client), the counts, the faults, ``close()``. Fixtures wrap
+the proxy: no code changes in the client; ``env_at(endpoint)`` points it elsewhere, a dead
+port say, and ``env_without_credentials()`` leaves the credentials out), the counts, the
+faults, ``close()``. Fixtures wrap
 ``object_server`` (a generator)::
 
     @pytest.fixture(scope="session", params=SCHEMES)
@@ -286,6 +290,8 @@ class _Handler(BaseHTTPRequestHandler):
             status, resp_headers = resp.status, resp.getheaders()
         finally:
             conn.close()
+        status, resp_headers, data = owner._amend(self.command, entry, status, resp_headers,
+                                                  data)
         drop = fault is not None and fault.kind == "drop" and self.command != "HEAD"
         self.send_response_only(status)
         for name, value in resp_headers:
@@ -570,6 +576,19 @@ class ObjectServer:
     def _settings(self) -> dict:
         raise NotImplementedError
 
+    def env_at(self, endpoint: str) -> dict:
+        """``env()`` with the client pointed at ``endpoint`` (``http://HOST:PORT``, as the proxy's
+        ``endpoint``) instead of the proxy: a dead endpoint, say."""
+        raise NotImplementedError
+
+    def env_without_credentials(self) -> dict:
+        """``env()`` without credentials: the client finds none set and asks the cloud's
+        instance metadata service, its source of last resort (not there, or refusing, off the
+        cloud). GCS: the endpoint is in the service-account file, so it goes too (the client
+        fails before any request); a subprocess should also get a ``HOME`` without gcloud's
+        application default credentials."""
+        raise NotImplementedError
+
     def subprocess_env(self, base: Optional[dict] = None) -> dict:
         """A whole environment for a subprocess: ``base`` (default: this process's) without
         any cloud setting of its own, plus ``env()``."""
@@ -598,6 +617,12 @@ class ObjectServer:
     def _error_body(self, fault: Fault, route: _Route, path: str) -> tuple:
         """The error answer for ``fault``: (content type, body, extra headers)."""
         raise NotImplementedError
+
+    def _amend(self, method: str, request: Request, status: int, headers: list,
+               body: bytes) -> tuple:
+        """The emulator's answer as the service itself would give it, where the emulator is
+        known to differ: (status, headers, body)."""
+        return status, headers, body
 
     def _code(self, fault: Fault) -> tuple:
         """The fault's code and message: the service's usual ones where it names none."""
@@ -743,6 +768,12 @@ class S3ObjectServer(ObjectServer):
         # AWS_REGION: obstore's name for it (botocore's is AWS_DEFAULT_REGION)
         return {**self.aws_env(), "AWS_REGION": REGION}
 
+    def env_at(self, endpoint: str) -> dict:
+        return {**self._settings(), "AWS_ENDPOINT_URL": endpoint}
+
+    def env_without_credentials(self) -> dict:
+        return {**self.aws_env(credentials=False), "AWS_REGION": REGION}
+
     def client(self) -> Any:
         """A botocore S3 client straight to moto (not counted, no faults), for setup."""
         import botocore.session
@@ -863,15 +894,25 @@ class GCSObjectServer(ObjectServer):
             self._child = None
 
     def _settings(self) -> dict:
+        return self._service_account(self.endpoint, "service-account.json")
+
+    def _service_account(self, endpoint: str, name: str) -> dict:
         # a service-account file with an endpoint and no OAuth: obstore's GCS configuration
         # takes gcs_base_url and disable_oauth from it
-        path = os.path.join(self._tmp, "service-account.json")
+        path = os.path.join(self._tmp, name)
         if not os.path.exists(path):
             with open(path + ".tmp", "w") as f:
-                json.dump({"gcs_base_url": self.endpoint, "disable_oauth": True,
+                json.dump({"gcs_base_url": endpoint, "disable_oauth": True,
                            "client_email": "", "private_key": "", "private_key_id": ""}, f)
             os.replace(path + ".tmp", path)
         return {"GOOGLE_SERVICE_ACCOUNT": path, "GOOGLE_ALLOW_HTTP": "true"}
+
+    def env_at(self, endpoint: str) -> dict:
+        return self._service_account(
+            endpoint, f"service-account-{quote(endpoint, safe='')}.json")
+
+    def env_without_credentials(self) -> dict:
+        return {"GOOGLE_ALLOW_HTTP": "true"}
 
     # setup: the JSON API, straight to the emulator (obstore's own PUT, the XML API, is
     # refused by fake-gcs-server: "invalid uploadType")
@@ -897,6 +938,19 @@ class GCSObjectServer(ObjectServer):
         if status not in (200, 204):
             raise RuntimeError(f"fake-gcs-server: deleting {bucket}/{key}: {status} "
                                f"{body[:500]!r}")
+
+    def _amend(self, method: str, request: Request, status: int, headers: list,
+               body: bytes) -> tuple:
+        # fake-gcs-server answers a listing of a missing bucket on the XML API with 500 and
+        # "no bucket named ..."; the service answers 404 NoSuchBucket (a client would take the
+        # 500 for a failing service, and retry it)
+        if status == 500 and request.key == "" and b"no bucket named" in body and \
+                not request.path.startswith(("/storage/", "/download/", "/upload/")):
+            fixed = _xml_error("NoSuchBucket", "The specified bucket does not exist.",
+                               f"<Details>{escape(request.path)}</Details>")
+            return 404, [(k, v) for k, v in headers if k.lower() != "content-type"] + [
+                ("Content-Type", "application/xml; charset=UTF-8")], fixed
+        return status, headers, body
 
     def _route(self, path: str, query: str) -> _Route:
         for prefix in ("/storage/v1/", "/download/storage/v1/", "/upload/storage/v1/"):
@@ -1020,10 +1074,18 @@ class AzureObjectServer(ObjectServer):
             self._child = None
 
     def _settings(self) -> dict:
+        return self.env_at(self.endpoint)
+
+    def env_at(self, endpoint: str) -> dict:
         return {"AZURE_STORAGE_ACCOUNT_NAME": AZURITE_ACCOUNT,
                 "AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY,
-                "AZURE_STORAGE_ENDPOINT": f"{self.endpoint}/{AZURITE_ACCOUNT}",
+                "AZURE_STORAGE_ENDPOINT": f"{endpoint}/{AZURITE_ACCOUNT}",
                 "AZURE_ALLOW_HTTP": "true"}
+
+    def env_without_credentials(self) -> dict:
+        env = self._settings()
+        del env["AZURE_STORAGE_ACCOUNT_KEY"]
+        return env
 
     def connection_string(self) -> str:
         """Straight to Azurite (not counted, no faults), for setup."""
