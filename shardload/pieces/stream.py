@@ -30,6 +30,7 @@ for itself where it cannot share the loader's):
 
 from __future__ import annotations
 
+import heapq
 import mmap
 import os
 import threading
@@ -98,19 +99,47 @@ def _run_spans(run) -> list[tuple[int, int]]:
                                                stride)]
 
 
+def _merged_order(plans: list[ReadPlan]) -> list[str]:
+    """One order of every piece name that each plan's order keeps (each plan's pieces are a
+    subsequence of the load's parameters, so there is one): the plans' orders merged, ties
+    taken in the order names were first seen. A worker that holds some parameters only
+    (expert parallelism) must not find a unit it still needs behind one the others are past."""
+    first: dict[str, int] = {}
+    after: dict[str, list[str]] = {}
+    waiting: dict[str, int] = {}
+    for plan in plans:
+        prev = None
+        for piece in plan.pieces:
+            name = piece.name
+            if name not in first:
+                first[name] = len(first)
+                waiting[name] = 0
+            if prev is not None:
+                after.setdefault(prev, []).append(name)
+                waiting[name] += 1
+            prev = name
+    ready = [(k, name) for name, k in first.items() if not waiting[name]]
+    heapq.heapify(ready)
+    order: list[str] = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        order.append(name)
+        for nxt in after.get(name, ()):
+            waiting[nxt] -= 1
+            if not waiting[nxt]:
+                heapq.heappush(ready, (first[nxt], nxt))
+    if len(order) != len(first):
+        raise ValueError("the workers' read plans take the parameters in orders that "
+                         "contradict each other; they cannot share one stream")
+    return order
+
+
 def stream_units(plans: list[ReadPlan]) -> tuple[list[str], list[dict[int, list]]]:
     """The load's units in the workers' order: their names, and each one's byte spans by
     object source (unsorted, overlapping as the workers' are; empty for a unit no worker reads
     from an object)."""
-    names: list[str] = []
-    position: dict[str, int] = {}
-    # the workers' orders merged: each is a subsequence of the load's, so a name first seen
-    # after another in any plan comes after it
-    for plan in plans:
-        for piece in plan.pieces:
-            if piece.name not in position:
-                position[piece.name] = len(names)
-                names.append(piece.name)
+    names = _merged_order(plans)
+    position = {name: k for k, name in enumerate(names)}
     spans: list[dict[int, list]] = [{} for _ in names]
     for plan in plans:
         remote = _object_sources(plan)
@@ -125,11 +154,15 @@ def stream_units(plans: list[ReadPlan]) -> tuple[list[str], list[dict[int, list]
 
 
 def piece_units(plan: ReadPlan, names: list[str]) -> list[int]:
-    """Each piece's unit, or -1 for a piece that reads no object."""
+    """Each piece's unit, or -1 for a piece that reads no object; rising (``_merged_order``)."""
     position = {name: k for k, name in enumerate(names)}
     remote = _object_sources(plan)
-    return [position[p.name] if any(r.source in remote for r in p.runs) else -1
-            for p in plan.pieces]
+    units = [position[p.name] if any(r.source in remote for r in p.runs) else -1
+             for p in plan.pieces]
+    reading = [u for u in units if u >= 0]
+    if any(a >= b for a, b in zip(reading, reading[1:])):
+        raise ValueError(f"worker {plan.rank}'s pieces are not in the stream's order")
+    return units
 
 
 # ---- the counters -------------------------------------------------------------------------------

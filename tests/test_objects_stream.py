@@ -234,3 +234,64 @@ def test_the_fetch_has_a_bar_of_its_own(env, small, monkeypatch):
         load_sharded(url, None, sess, progress=True)
     assert bars["fetching"].total == bars["fetching"].n == data_bytes
     assert bars["loading"].n == data_bytes
+
+
+# ---- the order of the stream ---------------------------------------------------------------------
+
+def test_the_stream_takes_every_workers_order():
+    # a worker holding some parameters only (expert parallelism) takes a subsequence of the
+    # load's order; merged by first sight, [a, c] and [a, b, c] would put b after c, and the
+    # second worker would find c released behind it
+    from shardload.pieces.stream import piece_units, stream_units
+    from shardload.readplan import PieceRead, ReadPlan, Run
+
+    def plan(rank, names):
+        run = (Run(0, 0, 1, 1, 1, 0, 1),)
+        return ReadPlan(rank, 2, ({"object": {}},), tuple(
+            PieceRead(n, (1,), "uint8", run, False, None, None, False) for n in names))
+
+    plans = [plan(0, ["a", "c", "e"]), plan(1, ["a", "b", "c", "d", "e"])]
+    names, _ = stream_units(plans)
+    assert names == ["a", "b", "c", "d", "e"]
+    plans = [plan(0, ["x", "e0", "e2", "y"]), plan(1, ["x", "e1", "e3", "y"])]
+    names, _ = stream_units(plans)
+    assert names.index("y") > max(names.index(e) for e in ("e0", "e1", "e2", "e3"))
+    assert names[0] == "x"
+    with pytest.raises(ValueError, match="contradict"):
+        stream_units([plan(0, ["a", "b"]), plan(1, ["b", "a"])])
+    with pytest.raises(ValueError, match="not in the stream's order"):
+        piece_units(plan(0, ["b", "a"]), ["a", "b"])
+
+
+@pytest.mark.parametrize("kind", [ThreadedSession, ProcessSession])
+def test_experts_placed_on_some_workers_stream_through_a_small_window(env, kind, tmp_path,
+                                                                      monkeypatch):
+    import json
+
+    monkeypatch.setenv("SHARDLOAD_OBJECT_WINDOW_MB", "4")   # two tensors: releases all along
+    rng = np.random.default_rng(7)
+    data, placement, plan = {}, {}, {}
+    for layer in range(4):
+        data[f"l{layer}.attn"] = rng.standard_normal((ROWS, COLS), dtype=np.float32)
+        plan[f"l{layer}.attn"] = [["shardload.split", [["num_shards", f"{ROWS} // num_shards",
+                                                         COLS], "float32"], 0]]
+        for e in range(4):
+            data[f"l{layer}.e{e}"] = rng.standard_normal((ROWS, COLS), dtype=np.float32)
+            placement[f"l{layer}.e{e}"] = [e % 2]
+    plan["__placement__"] = {"num_shards": 2, "params": placement}
+    save_file(data, str(tmp_path / "model.safetensors"))
+    (tmp_path / "shard_info.json").write_text(json.dumps(plan))
+    try:
+        env.make_bucket(BUCKET)
+    except Exception:  # noqa: BLE001 - made by another test
+        pass
+    for name in ("model.safetensors", "shard_info.json"):
+        env.put(BUCKET, f"experts/{name}", (tmp_path / name).read_bytes())
+    with kind(2) as sess:
+        local = load_sharded(str(tmp_path), None, sess, progress=False)
+        remote = load_sharded(env.url(BUCKET, "experts/"), None, sess, progress=False)
+        for i in range(2):
+            a, b = local.worker(i), remote.worker(i)
+            assert a.keys() == b.keys() and len(a) == 4 + 8
+            for name in a:
+                assert torch.equal(a[name], b[name]), (i, name)
