@@ -54,12 +54,15 @@ class _FakeClient:
         self.data, self.delay, self.asked = data, delay, []
         self.lock = threading.Lock()
 
-    def fetch(self, info, spans, write):
+    def fetch(self, info, spans, write=None, *, into=None):
         with self.lock:
             self.asked.append(list(spans))
         time.sleep(self.delay)
         for b, e in spans:
-            write(b, memoryview(self.data)[b:e])
+            if into is not None:
+                into[b:e] = self.data[b:e]
+            else:
+                write(b, memoryview(self.data)[b:e])
         return sum(e - b for b, e in spans)
 
 
@@ -114,11 +117,11 @@ def test_a_failed_fetch_is_raised_and_fetched_again_by_the_next_need():
     class Flaky(_FakeClient):
         fail = True
 
-        def fetch(self, info, spans, write):
+        def fetch(self, info, spans, write=None, *, into=None):
             if self.fail:
                 self.fail = False
                 raise OSError("dropped")
-            return super().fetch(info, spans, write)
+            return super().fetch(info, spans, write, into=into)
 
     obj = ObjectBytes(info, Flaky(data))
     with pytest.raises(OSError):

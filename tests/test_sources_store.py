@@ -383,6 +383,18 @@ def test_fetch(s3, bucket, concurrency, chunk_bytes, max_gap):
     gets = s3.requests(key=key, method="GET")
     assert len(gets) == len(storemod._pieces(merged, chunk_bytes))
     assert len(buffers) <= concurrency                               # bounded memory
+    # straight into the object's bytes: the same GETs, each landing in place
+    s3.reset_counts()
+    whole = bytearray(len(data))
+    with memoryview(whole) as into:
+        assert client.fetch(info, spans, into=into) == n
+    for b, e in merged:
+        assert whole[b:e] == data[b:e]
+    assert s3.bytes_sent(key) == n and len(s3.requests(key=key, method="GET")) == len(gets)
+    with pytest.raises(TypeError):
+        client.fetch(info, spans)
+    with pytest.raises(ValueError):
+        client.fetch(info, spans, into=memoryview(bytearray(len(data) - 1)))
 
 
 def test_fetch_nothing(s3, bucket):

@@ -8,9 +8,9 @@ for itself where it cannot share the loader's):
    pieces are a subsequence of it). A unit is one parameter: the union of every worker's byte
    spans of it, per object source (``stream_units``). Units without object bytes cost nothing.
 2. **Fetch.** One thread fetches the units in that order, in batches of about
-   ``batch_bytes`` (each a coalesced, concurrent set of GETs: ``ObjectBytes.need_spans``),
-   while the bytes held, from the first unit a worker still needs to the last fetched, stay
-   within ``window`` bytes. The unit the slowest worker needs is fetched whatever its size:
+   ``batch_bytes`` (each a coalesced, concurrent set of GETs: ``ObjectBytes.need_spans``;
+   ``IN_FLIGHT`` batches at once, settled in order), while the bytes held, from the first
+   unit a worker still needs to the last fetched, stay within ``window`` bytes. The unit the slowest worker needs is fetched whatever its size:
    the bound is ``max(window, the largest batch)``.
 3. **Consume.** Before each piece a worker says which unit it is on (``Consumer.at``) and waits
    until that unit is fetched. Every unit before the slowest worker's is done with: its bytes
@@ -30,6 +30,7 @@ for itself where it cannot share the loader's):
 
 from __future__ import annotations
 
+import collections
 import heapq
 import mmap
 import os
@@ -48,8 +49,10 @@ __all__ = ["ObjectStream", "Consumer", "Control", "StreamFailed", "stream_units"
 #: workers keep (``$SHARDLOAD_OBJECT_WINDOW_MB``)
 DEFAULT_WINDOW_BYTES = 1 << 30
 WINDOW_ENV = "SHARDLOAD_OBJECT_WINDOW_MB"
-#: a batch is at most this, and at most a quarter of the window (fetching overlaps reading)
+#: a batch is at most this, and at most a quarter of the window (fetching overlaps reading);
+#: this many are fetched at once, so that one's slowest GET does not leave the pipe idle
 BATCH_BYTES = 64 << 20
+IN_FLIGHT = 2
 #: seconds between looks at the counters, while waiting (a worker for bytes, the fetch for
 #: room in the window)
 POLL_S = 0.002
@@ -333,44 +336,69 @@ class ObjectStream:
 
     def _fetch_all(self, words) -> None:
         count = len(self.units)
+        pending: collections.deque[_Batch] = collections.deque()  # in flight, in order
         k = 0
         pause = POLL_S
         while not self._stop.is_set():
+            moved = False
+            while pending and pending[0].done.is_set():   # settled in order: F only grows
+                batch = pending.popleft()
+                if batch.error is not None:
+                    raise batch.error
+                with self._lock:
+                    self._held.append((batch.first, batch.end, batch.nbytes))
+                self.fetched += batch.fetched
+                words[_BYTES] += batch.fetched
+                words[_FETCHED] = batch.end
+                if self.on_bytes is not None and batch.nbytes:
+                    self.on_bytes(batch.nbytes)
+                moved = True
             low = self.control.slowest()
             if self._held and self._held[0][1] <= low:   # batches every worker is past
                 self._release(low)
                 words[_MOVES] += 1
-            if low >= count or (k >= count and not self._held):
+                moved = True
+            if low >= count or (k >= count and not self._held and not pending):
                 return
-            if k >= count:
+            if k < count and len(pending) < IN_FLIGHT:
+                end, nbytes = k, 0
+                while end < count and (end == k or
+                                       nbytes + self.unit_bytes[end] <= self.batch_bytes):
+                    nbytes += self.unit_bytes[end]
+                    end += 1
+                # the unit the slowest worker needs is fetched whatever the window holds
+                if k <= low or self._held_bytes + nbytes <= self.window:
+                    batch = _Batch(k, end, nbytes)
+                    with self._lock:
+                        self._held_bytes += nbytes
+                        self._fetched_to = end
+                    self.peak_held = max(self.peak_held, self._held_bytes)
+                    threading.Thread(target=self._fetch_batch, args=(batch,), daemon=True,
+                                     name="shardload-stream-batch").start()
+                    pending.append(batch)
+                    k = end
+                    pause = POLL_S
+                    continue
+            if moved:
+                pause = POLL_S
+            elif pending:
+                pending[0].done.wait(pause)
+                pause = min(POLL_MAX_S, pause * 2)
+            else:   # no room: wait for the slowest worker to move on
                 time.sleep(pause)
                 pause = min(POLL_MAX_S, pause * 2)
-                continue
-            end, nbytes = k, 0
-            while end < count and (end == k or nbytes + self.unit_bytes[end] <= self.batch_bytes):
-                nbytes += self.unit_bytes[end]
-                end += 1
-            if k > low and self._held_bytes + nbytes > self.window:
-                time.sleep(pause)   # no room: wait for the slowest worker to move on
-                pause = min(POLL_MAX_S, pause * 2)
-                continue
-            pause = POLL_S
-            fetched = 0
+
+    def _fetch_batch(self, batch: "_Batch") -> None:
+        try:
             for index, obj in self.objects.items():
-                wanted = [s for unit in self.units[k:end] for s in unit.get(index, ())]
-                if wanted:
-                    fetched += obj.need_spans(wanted)
-            with self._lock:
-                self._held.append((k, end, nbytes))
-                self._held_bytes += nbytes
-                self._fetched_to = end
-            self.peak_held = max(self.peak_held, self._held_bytes)
-            self.fetched += fetched
-            k = end
-            words[_BYTES] += fetched
-            words[_FETCHED] = end
-            if self.on_bytes is not None and nbytes:
-                self.on_bytes(nbytes)
+                wanted = [s for unit in self.units[batch.first:batch.end]
+                          for s in unit.get(index, ())]
+                if wanted and not self._stop.is_set():
+                    batch.fetched += obj.need_spans(wanted)
+        except BaseException as exc:  # noqa: BLE001 - raised by the fetch loop, in order
+            batch.error = exc
+        finally:
+            batch.done.set()
 
     def _release(self, low: int) -> None:
         """Release the held batches every worker is past (those ending at or before unit
@@ -402,6 +430,18 @@ class ObjectStream:
                 spans = coalesce(wanted, obj.client.max_gap)
                 for b, e in (keep[index].missing(spans) if index in keep else spans):
                     obj.release(b, e)
+
+
+class _Batch:
+    """Units ``[first, end)`` being fetched (``nbytes`` wanted), by a thread of their own."""
+
+    __slots__ = ("first", "end", "nbytes", "fetched", "error", "done")
+
+    def __init__(self, first: int, end: int, nbytes: int):
+        self.first, self.end, self.nbytes = first, end, nbytes
+        self.fetched = 0
+        self.error: Optional[BaseException] = None
+        self.done = threading.Event()
 
 
 # ---- the workers' side --------------------------------------------------------------------------

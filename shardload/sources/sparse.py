@@ -240,7 +240,8 @@ class ObjectBytes:
                     self._fetching.add(b, e)
             ok = False
             try:
-                n = self.client.fetch(self.info, mine, self._write)
+                with memoryview(self.map) as into:  # each GET lands in place
+                    n = self.client.fetch(self.info, mine, into=into)
                 ok = True
             finally:
                 with self._cond:
@@ -252,9 +253,6 @@ class ObjectBytes:
                         self.fetched += n
                         mine_total += n
                     self._cond.notify_all()
-
-    def _write(self, offset: int, data: memoryview) -> None:
-        self.map[offset:offset + len(data)] = data
 
     def present(self, begin: int, end: int) -> bool:
         with self._cond:

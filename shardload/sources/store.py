@@ -647,27 +647,40 @@ class ObjectClient:
         return self.get_bytes(info, 0, info.size)
 
     def fetch(self, info: ObjectInfo, spans: Iterable[Sequence[int]],
-              write: Callable[[int, memoryview], None]) -> int:
-        """Read the ``[begin, end)`` byte ``spans`` of the object, and hand them to ``write``.
+              write: Optional[Callable[[int, memoryview], None]] = None, *,
+              into: Optional[memoryview] = None) -> int:
+        """Read the ``[begin, end)`` byte ``spans`` of the object, into ``into`` (a writable
+        view of the whole object's bytes: each GET lands where its bytes belong, no copy, no
+        buffer) or through ``write``.
 
         The spans are coalesced (``coalesce``, with this client's ``max_gap``), cut into GETs of
-        at most ``chunk_bytes``, and run on up to ``concurrency`` threads. Each thread streams
-        its GETs into one reusable buffer of ``chunk_bytes`` and calls ``write(offset, view)``
-        when a GET is complete: ``view`` holds bytes ``[offset, offset + len(view))`` of the
-        object, over-read gaps included, and is valid only during the call. ``write`` may be
-        called from several threads at once, in any order. Memory is bounded by ``chunk_bytes
-        * concurrency``. The first failure (a read, or ``write`` raising) stops the rest and is
-        raised. Returns the bytes fetched, over-read included.
+        at most ``chunk_bytes``, and run on up to ``concurrency`` threads, at most
+        ``concurrency`` GETs in flight in this process whatever the fetches. With ``write``,
+        each thread streams its GETs into one reusable buffer of ``chunk_bytes`` and calls
+        ``write(offset, view)`` when a GET is complete: ``view`` holds bytes ``[offset, offset
+        + len(view))`` of the object, over-read gaps included, and is valid only during the
+        call; ``write`` may be called from several threads at once, in any order. The first
+        failure (a read, or ``write`` raising) stops the rest and is raised; bytes of ``into``
+        a failed GET touched are then not to be read. Returns the bytes fetched, over-read
+        included.
         """
+        if (write is None) == (into is None):
+            raise TypeError("fetch takes one of write and into")
         merged = coalesce(spans, self.max_gap)
         if merged:
             _check_within(info, merged[0][0], merged[-1][1])
+        if into is not None and len(into) < info.size:
+            raise ValueError(f"into holds {len(into)} bytes, the object {info.size}")
         loc = as_url(info.url)
         pieces = _pieces(merged, self.chunk_bytes)
         capacity = max((e - b for b, e in pieces), default=0)
 
         def work(piece: tuple[int, int], stop: threading.Event, scratch: dict) -> None:
             b, e = piece
+            if into is not None:
+                with self._in_flight:
+                    self._get_range(info, loc, b, into[b:e], stop)
+                return
             buf = scratch.get("buf")
             if buf is None:
                 buf = scratch["buf"] = memoryview(bytearray(capacity))
