@@ -18,13 +18,13 @@ if ! "$VENV/bin/python" -c "import vllm, shardload" >/dev/null 2>&1; then
     rm -rf "$VENV"
     python -m venv "$VENV"
     "$VENV/bin/pip" install -q torch==2.13.0
-    "$VENV/bin/pip" install -q -e ".[vllm,s3]"
+    "$VENV/bin/pip" install -q -e ".[vllm,objects]"
     "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 fi
-# the s3 extra (botocore), for the checkpoint option's s3:// URLs; topped up in an environment
-# made before it was added
-if ! "$VENV/bin/python" -c "import botocore" >/dev/null 2>&1; then
-    "$VENV/bin/pip" install -q "botocore>=1.34"
+# the objects extra (obstore), for the checkpoint option's s3://, gs:// and az:// URLs; topped
+# up in an environment made before it was added
+if ! "$VENV/bin/python" -c "import obstore" >/dev/null 2>&1; then
+    "$VENV/bin/pip" install -q "obstore>=0.12,<0.13"
 fi
 if [ "${1:-}" = "--peers" ]; then
     "$VENV/bin/pip" install -q runai-model-streamer fastsafetensors

@@ -291,7 +291,8 @@ def _plan_options(f):
 
 
 class _CheckpointPath(click.Path):
-    """A local path that must exist, or an object storage URL (``s3://bucket/folder/``),
+    """A local path that must exist, or an object storage URL (``s3://``, ``gs://`` or
+    ``az://bucket/folder/``),
     checked when it is opened."""
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
@@ -761,7 +762,7 @@ def run(num_shards: int, ckpt: str, prompt: str, max_new_tokens: int, chat: bool
             source = ckpt
             if is_object_url(ckpt):
                 # opened once: headers by ranged GETs, the configs and tokenizer files into its
-                # scratch folder, a GGUF's header (its vocabulary) into its placeholder there
+                # scratch folder, a GGUF's header (its vocabulary) into a sparse file there
                 from .readers import open_checkpoint
                 from .readers.objects import write_fetched_bytes
 

@@ -229,13 +229,13 @@ def _url_text(url: object) -> str:
 
 
 class StorageError(ShardloadError):
-    """Object storage (``s3://``) could not give the bytes asked for.
+    """Object storage (``s3://``, ``gs://``, ``az://``) could not give the bytes asked for.
 
     ``url`` is the object or folder, ``byte_range`` the ``(begin, end)`` bytes a ranged read
     was after (or None), and ``usage`` says whose move it is: True when the user must change
     something (a bad URL, a missing bucket or key, access denied, no or refused credentials,
-    botocore not installed), False for transport failures (an endpoint that does not answer,
-    retries exhausted). The message is one line, ``"<url>: <what happened>; <what to do>"``,
+    obstore not installed, a process forked after reading objects), False for transport
+    failures (an endpoint that does not answer, retries exhausted). The message is one line, ``"<url>: <what happened>; <what to do>"``,
     built from error codes, never from a server's raw text, so it never carries a credential.
     """
 

@@ -20,10 +20,10 @@ Two rules, applied by every reader, the plan loader and every config reader:
 Small side files (indexes, configs, plans) are read with a stated cap (``read_capped``), so a
 1.6 GB "index" is refused before it is read.
 
-A data file (a safetensors file, a GGUF, an MLC shard) is mapped by ``map_data``: the file's own
-pages, or, for a path registered with ``register_data`` (a placeholder for an object in object
-storage: ``readers.objects``), that object's sparse mapping, whose bytes the reader asks for
-(``need``) before it parses them.
+A data file (a safetensors file, a GGUF, an MLC shard) is found (``data_lexists``,
+``data_names``) and mapped (``map_data``) through the ``Files`` in force: the file's own pages,
+or, while a checkpoint in object storage opens (``reading_from(readers.objects.ObjectFiles)``),
+an object's sparse mapping, whose bytes the reader asks for (``need``) before it parses them.
 
 >>> check_member_name("model-00001-of-00002.safetensors", index="model.safetensors.index.json")
 >>> check_member_name("../etc/passwd", index="i.json")
@@ -34,6 +34,8 @@ shardload.errors.FormatError: i.json: names file '../etc/passwd', which has a '.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import errno
 import mmap
 import os
@@ -48,7 +50,8 @@ from .errors import FormatError, quote
 
 __all__ = ["MAX_MEMBER_NAME", "MAX_SIDE_FILE_BYTES", "check_member_name", "regular_file",
            "open_regular", "read_capped", "parse_json", "read_json", "kind_of", "MappedData",
-           "map_data", "register_data", "unregister_data", "data_at"]
+           "map_data", "Files", "LOCAL_FILES", "reading_from", "data_lexists", "data_names",
+           "data_at"]
 
 #: longest file name a checkpoint may carry (real ones are under 100 characters)
 MAX_MEMBER_NAME = 1024
@@ -228,32 +231,63 @@ class MappedData:
     remote: Any = None
 
 
-_REGISTERED: dict[str, Any] = {}
-_REGISTERED_LOCK = threading.Lock()
+class Files:
+    """Where readers find a checkpoint's data files: this machine's file system. A checkpoint in
+    object storage is read through another (``readers.objects.ObjectFiles``), made for its open
+    alone and in force only while it opens (``reading_from``): nothing is registered for the
+    process, and no file stands in for an object."""
+
+    def lexists(self, path: PathLike) -> bool:
+        """Whether a file of that name is there (by name: a dangling link is there)."""
+        return os.path.lexists(path)
+
+    def glob(self, folder: PathLike, suffix: str) -> list[str]:
+        """The names in ``folder`` ending in ``suffix``, sorted (as ``glob("*" + suffix)``:
+        hidden names left out)."""
+        try:
+            return sorted(n for n in os.listdir(folder)
+                          if n.endswith(suffix) and not n.startswith("."))
+        except OSError:
+            return []
+
+    def remote(self, path: PathLike) -> Any:
+        """The object in object storage holding ``path``'s bytes
+        (``sources.sparse.ObjectBytes``), or None for a file."""
+        return None
+
+    def map_data(self, path: PathLike, what: str, error: Optional[ErrorFactory]) -> "MappedData":
+        return _map_file(path, what, error)
 
 
-def _key(path: PathLike) -> str:
-    return os.path.abspath(os.fspath(path))
+LOCAL_FILES = Files()
+_FILES: "contextvars.ContextVar[Files]" = contextvars.ContextVar("shardload_files",
+                                                                default=LOCAL_FILES)
 
 
-def register_data(path: PathLike, data: Any) -> None:
-    """Make ``map_data(path)`` hand out ``data`` (an object with ``map``, ``size`` and
-    ``need``) instead of mapping the file at ``path``."""
-    with _REGISTERED_LOCK:
-        _REGISTERED[_key(path)] = data
+@contextlib.contextmanager
+def reading_from(files: Files):
+    """Readers opening a checkpoint in this block (this thread) find its data files in
+    ``files``."""
+    token = _FILES.set(files)
+    try:
+        yield files
+    finally:
+        _FILES.reset(token)
 
 
-def unregister_data(path: PathLike) -> None:
-    with _REGISTERED_LOCK:
-        _REGISTERED.pop(_key(path), None)
+def data_lexists(path: PathLike) -> bool:
+    """Whether the data file ``path`` is there (``Files.lexists`` of the files in force)."""
+    return _FILES.get().lexists(path)
+
+
+def data_names(folder: PathLike, suffix: str) -> list[str]:
+    """The data files in ``folder`` ending in ``suffix`` (``Files.glob``), sorted."""
+    return _FILES.get().glob(folder, suffix)
 
 
 def data_at(path: PathLike) -> Any:
-    """What ``register_data`` registered for ``path``, or None."""
-    if not _REGISTERED:
-        return None
-    with _REGISTERED_LOCK:
-        return _REGISTERED.get(_key(path))
+    """The object holding data file ``path``'s bytes where one does, else None."""
+    return _FILES.get().remote(path)
 
 
 def _nothing_to_fetch(begin: int, end: int) -> None:
@@ -262,12 +296,14 @@ def _nothing_to_fetch(begin: int, end: int) -> None:
 
 def map_data(path: PathLike, what: str = "the file",
              error: Optional[ErrorFactory] = None) -> MappedData:
-    """The bytes of the data file at ``path``: a private copy-on-write mapping of the regular
-    file (``open_regular``; ACCESS_COPY: torch sees a writable buffer, and no write through a
-    tensor can reach the file), or the registered object's sparse mapping."""
-    remote = data_at(path)
-    if remote is not None:
-        return MappedData(remote.map, remote.size, None, remote.need, remote)
+    """The bytes of the data file at ``path``, from the files in force (``reading_from``): a
+    private copy-on-write mapping of the regular file (``open_regular``; ACCESS_COPY: torch
+    sees a writable buffer, and no write through a tensor can reach the file), or an object's
+    sparse mapping."""
+    return _FILES.get().map_data(path, what, error)
+
+
+def _map_file(path: PathLike, what: str, error: Optional[ErrorFactory]) -> MappedData:
     error = error or _format_error(path)
     f, st = open_regular(path, what, error)
     with f:

@@ -10,8 +10,8 @@ The loader drives every load in the same numbered steps, whatever the session:
    each parameter, or which chain of shard functions to compute. Workers outside this process
    get files they can map (an in-memory checkpoint is written to a temporary file first) and
    the plugin modules their chains need. The bytes the workers read of objects in object
-   storage are fetched once, here, for all of them (into memory that workers in other
-   processes map).
+   storage are fetched once, here, for all of them, while they read (``pieces.stream``: into
+   memory that workers in other processes map, within a bounded window).
 4. **Run** the per-worker load (``pieces.load_pieces``, a session function) on every worker
    with its read plan and the staging it uses (``staging.Staging``: the pipeline to a GPU):
    the session decides where that runs (threads, worker processes, this torchrun rank), the
@@ -41,7 +41,7 @@ import torch
 from .gc_pause import gc_paused
 from .errors import DEVICE_CUDA, PLUGINS, PlanError, SessionClosedError, ShardloadError, mention
 from .pieces import FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, local_load
-from .pieces.reads import object_spans
+from .pieces.stream import ObjectStream, stream_units
 from .plan import ParamPlan, Plan, ShardInfo, ValidatedPlan
 from .readers import Checkpoint, as_checkpoint
 from .readplan import ReadPlan, build_read_plans, worker_functions
@@ -230,26 +230,61 @@ def _readable_elsewhere(ckpt: Checkpoint, remote: bool):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _objects_fetched_once(source: Checkpoint, plans: dict[int, ReadPlan], here: set,
-                          stack: contextlib.ExitStack) -> dict[int, ReadPlan]:
-    """The bytes the workers read of objects in object storage (``s3://``), fetched once,
-    here, before they start: the union of their read plans' spans, so that each byte is
-    fetched once and a gap between one worker's parts, being another's, is read rather than
-    over-read, in the fewest and largest GETs. The workers in this process share the
-    checkpoint's bytes; those in other processes are given memory they map
-    (``Checkpoint.objects_for_processes``), freed when the load is done."""
-    wanted: dict[bool, dict[int, list]] = {True: {}, False: {}}
-    for i, plan in plans.items():
-        for index, spans in object_spans(plan).items():
-            wanted[i in here].setdefault(index, []).extend(spans)
-    for index, spans in wanted[True].items():
-        source.fetch_bytes(index, spans)
-    if not any(wanted[False].values()):
-        return plans
-    sources, close = source.objects_for_processes(wanted[False])
-    stack.callback(close)
-    return {i: plan if i in here else dataclasses.replace(plan, sources=tuple(sources))
-            for i, plan in plans.items()}
+def _object_streams(source: Checkpoint, plans: dict[int, ReadPlan], here: set,
+                    stack: contextlib.ExitStack) -> tuple[dict[int, ReadPlan], list, dict]:
+    """The streams that fetch the bytes the workers read of objects in object storage
+    (``pieces.stream``): one for the workers in this process, into the checkpoint's own
+    mapping of each object, and one for those in other processes, into memory files they map;
+    each fetches the union of its workers' spans once, in their order, within the window.
+    Returns the read plans (those of other processes naming the memory files), the streams
+    (not started), and each worker's side: a ``Consumer`` here, a spec for the others."""
+    objects = source.object_bytes()
+    if not objects:
+        return plans, [], {}
+    streams, sides = [], {}
+    groups = ([i for i in plans if i in here], [i for i in plans if i not in here])
+    for shared, ranks in enumerate(groups):
+        if not ranks:
+            continue
+        into = objects
+        if shared:
+            sources, into = source.with_objects(objects)
+            stack.callback(lambda files=into: [f.close() for f in files.values()])
+            plans = {i: dataclasses.replace(plan, sources=tuple(sources)) if i in ranks
+                     else plan for i, plan in plans.items()}
+        stream = ObjectStream(into, stream_units([plans[i] for i in ranks]), len(ranks),
+                              shared=bool(shared))
+        stack.callback(stream.close_control)
+        stack.callback(stream.close)
+        streams.append(stream)
+        for slot, i in enumerate(ranks):
+            sides[i] = (stream.spec(slot, plans[i]) if shared
+                        else stream.consumer(slot, plans[i]))
+    return plans, streams, sides
+
+
+def _fetch_bar(streams: list, progress: Union[bool, ProgressCallback],
+               stack: contextlib.ExitStack) -> None:
+    """A bar over the bytes fetched from object storage, beside the load's own (only where
+    the load shows a bar of its own)."""
+    if progress is not True:
+        return
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=sum(s.total_bytes for s in streams), unit="B", unit_scale=True,
+               unit_divisor=1024, desc="fetching", leave=False, disable=None)
+    for stream in streams:
+        stream.on_bytes = bar.update   # one fetch thread per stream: its own calls in order
+    stack.callback(bar.close)
+
+
+def _raise_fetch_error(streams: list) -> None:
+    """A load whose fetch failed fails with the fetch's own error (one line: the URL, what
+    happened), not the workers' report of waiting in vain."""
+    for stream in streams:
+        stream.close()
+        if stream.error is not None:
+            raise stream.error from None
 
 
 def progress_callback(progress: Union[bool, ProgressCallback], total: int):
@@ -352,22 +387,32 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *,
                                                                           ranks)))
             if reads is not None:
                 plans = {i: reads(plan) for i, plan in plans.items()}
-            if not session.spmd:  # a rank of an SPMD job fetches its own
-                plans = _objects_fetched_once(source, plans, set(here), stack)
+            plans, streams, sides = _object_streams(source, plans, set(here), stack)
             _release_dropped(session)
         token, local = stack.enter_context(local_load(source, len(here), n))
-        local.start({i: plans[i] for i in here})
+        local.start({i: plans[i] for i in here},
+                    {i: side for i, side in sides.items() if i in here})
         total = sum(plan.nbytes for plan in plans.values())  # for the progress bar
         advance, close_bar = progress_callback(
             progress if session.reports else False, total)
         stack.callback(close_bar)
+        if streams:
+            _fetch_bar(streams, progress if session.reports else False, stack)
         start = time.perf_counter()
-        replies = session.run(                                                      # 4.
-            LOAD_PIECES, lambda i: [{"load": token,
-                                     "plan": None if i in local.plans else plans[i].to_json(),
-                                     "modules": modules,
-                                     "staging": staged and staged.to_json()}],
-            context=f"while loading {ckpt.source}", timeout=timeout, on_progress=advance)
+        for stream in streams:  # fetching from object storage while the workers read
+            stream.start()
+        try:
+            replies = session.run(                                                  # 4.
+                LOAD_PIECES, lambda i: [{"load": token,
+                                         "plan": None if i in local.plans
+                                         else plans[i].to_json(),
+                                         "stream": None if i in local.plans else sides.get(i),
+                                         "modules": modules,
+                                         "staging": staged and staged.to_json()}],
+                context=f"while loading {ckpt.source}", timeout=timeout, on_progress=advance)
+        except BaseException:
+            _raise_fetch_error(streams)
+            raise
         seconds = time.perf_counter() - start
         if session.spmd:  # each rank timed its own load; the load took the slowest's time
             seconds = max(r["seconds"] for r in replies)

@@ -1,6 +1,7 @@
 """``sources.sparse``: the span set an object's fetched bytes are tracked with, against a
 brute-force set of byte positions; ``ObjectBytes`` against a fake client that records what it
-was asked for (the real S3 server is in test_sources_s3.py and test_objects.py)."""
+was asked for (the real object-storage servers are in test_sources_store.py and
+test_objects.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import time
 
 import pytest
 
-pytest.importorskip("botocore")
+pytest.importorskip("obstore")
 
-from shardload.sources.s3 import ObjectInfo  # noqa: E402
+from shardload.sources.store import ObjectInfo  # noqa: E402
 from shardload.sources.sparse import ObjectBytes, Spans, merged  # noqa: E402
 
 
@@ -53,12 +54,15 @@ class _FakeClient:
         self.data, self.delay, self.asked = data, delay, []
         self.lock = threading.Lock()
 
-    def fetch(self, info, spans, write):
+    def fetch(self, info, spans, write=None, *, into=None):
         with self.lock:
             self.asked.append(list(spans))
         time.sleep(self.delay)
         for b, e in spans:
-            write(b, memoryview(self.data)[b:e])
+            if into is not None:
+                into[b:e] = self.data[b:e]
+            else:
+                write(b, memoryview(self.data)[b:e])
         return sum(e - b for b, e in spans)
 
 
@@ -113,11 +117,11 @@ def test_a_failed_fetch_is_raised_and_fetched_again_by_the_next_need():
     class Flaky(_FakeClient):
         fail = True
 
-        def fetch(self, info, spans, write):
+        def fetch(self, info, spans, write=None, *, into=None):
             if self.fail:
                 self.fail = False
                 raise OSError("dropped")
-            return super().fetch(info, spans, write)
+            return super().fetch(info, spans, write, into=into)
 
     obj = ObjectBytes(info, Flaky(data))
     with pytest.raises(OSError):

@@ -29,7 +29,8 @@ from ..sessions import Stopped, WorkerContext, register_session_func
 from ..staging import Pipeline, Staging
 from .chains import run_steps
 from .reads import (PageReleases, Readahead, SourceViews, copy_runs, count_read, new_piece,
-                    object_spans, piece_spans, read_runs, source_views)
+                    piece_spans, read_runs, source_views)
+from .stream import Consumer, ObjectStream, attach_consumer, stream_units
 from .sharing import SharedOutputs, local_for
 
 __all__ = ["LOAD_PIECES", "FETCH_PIECE", "RELEASE_LOADS", "read_piece", "load_pieces",
@@ -245,34 +246,46 @@ class _Books:
         self._ctx.progress(nbytes=nbytes)
 
 
-def _fetch_objects(source: Checkpoint, plan: ReadPlan, ctx: WorkerContext,
-                   stopped: Callable[[], bool]) -> Optional[int]:
-    """Fetch the bytes of the plan's object sources before any is copied (``object_spans``:
-    ranged GETs, concurrent, of what this process does not hold yet; the workers of one
-    process share what they fetch). The wait reports progress, so a long download is not
-    taken for a hang. Returns the bytes fetched, None where the plan reads no object."""
-    wanted = object_spans(plan)
-    if not wanted:
-        return None
-    outcome: dict = {"bytes": 0}
+def _consumer(plan: ReadPlan, request: dict, local, stack: contextlib.ExitStack,
+              source: Optional[Checkpoint]) -> tuple[Checkpoint, Optional[Consumer]]:
+    """The worker's source and its side of the stream of object bytes it reads: the loader's
+    (in its process, or mapped from a worker process), or, where it cannot map that, a stream
+    of its own, over objects of its own (``stream.attach_consumer``). None where it reads no
+    object."""
+    if local is not None and plan.rank in local.consumers:
+        return source, local.consumers[plan.rank]
+    spec = request.get("stream")
+    if source is None:
+        from ..readers.mapped import open_sources
 
-    def fetch() -> None:
-        try:
-            for index, spans in wanted.items():
-                outcome["bytes"] += source.fetch_bytes(index, spans)
-        except BaseException as exc:  # noqa: BLE001 - raised in the worker's thread below
-            outcome["error"] = exc
+        source = open_sources(list(plan.sources))
+        stack.callback(source.close)
+        if isinstance(spec, dict):
+            consumer = attach_consumer(spec, plan, source)
+            if consumer is not None:
+                stack.callback(consumer.control.close)
+                return source, consumer
+            if any(obj.borrowed for obj in source.object_bytes().values()):
+                # the loader's memory files without its counters: objects of its own
+                source = open_sources([_own(spec) for spec in plan.sources])
+                stack.callback(source.close)
+    objects = source.object_bytes()
+    if not objects:
+        return source, None
+    own = ObjectStream(objects, stream_units([plan]), 1)
+    consumer = own.consumer(0, plan)
+    stack.callback(own.close_control)
+    stack.callback(own.close)
+    own.start()
+    return source, consumer
 
-    thread = threading.Thread(target=fetch, name=f"shardload-fetch-{ctx.rank}", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        thread.join(0.25)
-        ctx.progress(where="fetching its bytes from object storage")
-        if stopped():
-            raise Stopped()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["bytes"]
+
+def _own(spec: dict) -> dict:
+    """A source spec without the loader's memory file (its object fetched here)."""
+    obj = spec.get("object")
+    if isinstance(obj, dict) and "shared" in obj:
+        return {**spec, "object": {k: v for k, v in obj.items() if k != "shared"}}
+    return spec
 
 
 @register_session_func(LOAD_PIECES)
@@ -280,8 +293,10 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
     """Carry out ``request["plan"]`` (a ``ReadPlan`` as JSON) on this worker.
 
     ``request["load"]`` names the load (``request["plan"]`` is None for a worker in the
-    loader's process: its plan is the load's own, ``LocalLoad.plans``); ``request["modules"]`` lists plugin modules that define
-    shard functions the plan computes with; ``request["staging"]`` (a ``Staging`` as JSON, or
+    loader's process: its plan is the load's own, ``LocalLoad.plans``); ``request["stream"]``
+    is its side of the load's stream of object bytes (``stream.ObjectStream.spec``), for a
+    worker process; ``request["modules"]`` lists plugin modules that define shard functions
+    the plan computes with; ``request["staging"]`` (a ``Staging`` as JSON, or
     absent) sends the pieces through the staged pipeline. The pieces become ``ctx.shards`` (the
     worker's model); a worker outside the loader's process keeps them for ``fetch_piece`` until
     ``release_loads``. Returns statistics.
@@ -302,11 +317,9 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(gc_paused())  # a piece is a tensor the collector would walk
-        if source is None:
-            from ..readers.mapped import open_sources
-
-            source = open_sources(list(plan.sources))
-            stack.callback(source.close)
+        source, consumer = _consumer(plan, request, local, stack, source)
+        if consumer is not None:
+            stack.callback(consumer.finish)  # done, failed or stopped: the stream moves on
         if local is not None:
             releases, readahead = local.releases, local.readahead
         else:
@@ -322,15 +335,21 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
         shared = local.shared if local is not None and local.num_local > 1 else None
         worker = _Worker(source, plan.num_shards, plan.rank, ctx.device, pipe, shared, waiting,
                          stopped, SourceViews(source))
-        fetched = _fetch_objects(source, plan, ctx, stopped)
         books = _Books(ctx, readahead, local, releases, stopped)
         stack.callback(books.give_turn)
         direct_cpu = pipe is None and ctx.device.type == "cpu"
         views = worker.views
-        for piece in plan.pieces:
+        for j, piece in enumerate(plan.pieces):
             current[0] = piece.name
             nbytes = piece.nbytes
             books.starting(piece, nbytes)  # and stops here if the load is stopping
+            if consumer is not None and not consumer.ready(j):
+                books.give_turn()  # never wait for bytes holding a turn another needs
+                current[0] = f"{piece.name} (waiting for its bytes from object storage)"
+                consumer.at(j, waiting, stopped)
+                current[0] = piece.name
+            elif consumer is not None:
+                consumer.at(j, waiting, stopped)
             if direct_cpu and piece.chain is None:
                 # the common piece, read straight into its own new tensor: kept to the fewest
                 # calls, since a load of many small tensors is made of little else
@@ -367,8 +386,8 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
         ctx.values.setdefault(LOAD_PIECES, {})[request["load"]] = kept
     reply = {"bytes": kept_bytes, "tensors": len(kept), "bytes_read": read,
              "seconds": time.perf_counter() - start}
-    if fetched is not None:
-        reply["bytes_fetched"] = fetched
+    if consumer is not None:
+        reply["seconds_waiting_for_objects"] = consumer.waited
     if pipe is not None:
         reply["staging"] = pipe.stats.as_dict()
     return reply

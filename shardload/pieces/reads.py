@@ -28,7 +28,7 @@ from ..readplan import ReadPlan, Run, check_run
 __all__ = ["RELEASE_BATCH_BYTES", "READAHEAD_WINDOW", "READAHEAD_BYTES", "SMALL_RUN_BYTES",
            "CHECK_INTERVAL_S", "new_piece", "read_runs", "copy_runs", "SourceViews",
            "source_views", "count_read", "PageReleases", "Readahead", "tensor_spans",
-           "piece_spans", "object_spans"]
+           "piece_spans"]
 
 #: mapped pages go back to the kernel once this many bytes of them are done with (PageReleases)
 RELEASE_BATCH_BYTES = 256 << 20
@@ -289,28 +289,6 @@ class Readahead:
 def tensor_spans(ckpt: Checkpoint) -> list[tuple[str, int, int, int]]:
     """Every tensor's bytes, in storage order: what the workers of one process read."""
     return [(name, *ckpt.locate(name)) for name in ckpt.metadata()]
-
-
-def object_spans(plan: ReadPlan) -> dict[int, list[tuple[int, int]]]:
-    """The byte spans of each object source ``plan`` reads (``{"object": ...}`` in its
-    sources), by source index: what its worker fetches before copying, a strided run's rows
-    each a span (the client decides which gaps to read through). Empty for files."""
-    remote = {k for k, spec in enumerate(plan.sources) if spec.get("object") is not None}
-    spans: dict[int, list[tuple[int, int]]] = {k: [] for k in remote}
-    if not remote:
-        return spans
-    for piece in plan.pieces:
-        for run in piece.runs:
-            if run.source not in remote:
-                continue
-            out = spans[run.source]
-            stride = run.stride or run.nbytes
-            if run.count == 1 or stride == run.nbytes:
-                out.append((run.offset, run.offset + run.count * run.nbytes))
-            else:
-                out.extend((a, a + run.nbytes)
-                           for a in range(run.offset, run.offset + run.count * stride, stride))
-    return spans
 
 
 def piece_spans(plan: ReadPlan) -> list[tuple[str, int, int, int]]:

@@ -117,6 +117,8 @@ class LocalLoad:
     shards: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     #: the read plans of the workers in this process, by rank (handed over as they are)
     plans: dict[int, ReadPlan] = field(default_factory=dict)
+    #: the workers' sides of the load's stream of object bytes, by rank
+    consumers: dict = field(default_factory=dict)
     stopped: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -139,9 +141,11 @@ class LocalLoad:
             self.turns.put(token)
         self._released = -1             # the tensors up to this one went back
 
-    def start(self, plans: dict[int, ReadPlan]) -> None:
-        """The read plans of the workers in this process, before they run."""
+    def start(self, plans: dict[int, ReadPlan], consumers: Optional[dict] = None) -> None:
+        """The read plans of the workers in this process, before they run, and their sides of
+        the load's stream of object bytes (``stream.Consumer``), where it has one."""
         self.plans.update(plans)
+        self.consumers.update(consumers or {})
         self._at.update((rank, -1) for rank in plans)
 
     def finished(self, rank: int, pieces: list[PieceRead]) -> None:

@@ -258,7 +258,7 @@ class ShardInfo:
         from ..sources import is_object_url
 
         if is_object_url(path):
-            from ..sources.s3 import default_client
+            from ..sources.store import default_client
 
             def too_big(size: int) -> PlanError:
                 return PlanError(f"the plan is {size} bytes, over the {limits.MAX_PLAN_BYTES}"

@@ -24,8 +24,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     - a Hugging Face hub cache repository folder (``models--org--name``, with ``refs/main`` and
       ``snapshots/``): the snapshot ``refs/main`` names. A snapshot folder itself (its files are
       symlinks into ``blobs/``) is an ordinary folder;
-    - any of these in object storage, ``s3://bucket/folder/`` or ``s3://bucket/model.gguf``
-      (``readers.objects``: headers by ranged GETs, tensor bytes fetched when needed).
+    - any of these in object storage, ``s3://bucket/folder/``, ``gs://bucket/model.gguf``,
+      ``az://container/folder/`` (``readers.objects``: headers by ranged GETs, tensor bytes
+      fetched when needed).
 
     Nothing but headers is read until a tensor is asked for. The checkpoint's ``path`` is what
     was opened: for a hub cache repository folder, the snapshot folder, which is where the plan

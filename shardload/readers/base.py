@@ -166,12 +166,16 @@ class Checkpoint(abc.ABC):
         """A hint that bytes ``[begin, end)`` of source ``index`` will be read soon (a file's
         reader asks the kernel to start reading them into the page cache)."""
 
-    def objects_for_processes(self, wanted: dict) -> tuple[list[dict], Callable[[], None]]:
-        """``sources()`` for worker processes that will read the byte ``wanted`` spans (by
-        source index) of this checkpoint's objects: those fetched once, here, into memory the
-        workers map, and a ``close()`` for when their load is done. Files, and a checkpoint
-        without objects, are given as they are."""
-        return self.sources(), _nothing
+    def object_bytes(self) -> dict:
+        """``{source index: ObjectBytes}`` for the sources that are objects in object storage
+        (``sources.sparse``), fetched by a load's stream (``pieces.stream``); none here."""
+        return {}
+
+    def with_objects(self, objects: dict) -> tuple[list[dict], dict]:
+        """``sources()`` for worker processes, with the object sources ``objects`` (indices)
+        given as memory files they map, which a load's stream fills; and those files by
+        index (``ObjectBytes``: the caller closes them)."""
+        return self.sources(), {}
 
     def fetch_bytes(self, index: int, spans, alive=None) -> int:
         """Make the ``[begin, end)`` byte ``spans`` of source ``index`` present before they
@@ -249,7 +253,3 @@ class Checkpoint(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.source!r}, {len(self)} tensors)"
-
-
-def _nothing() -> None:
-    pass

@@ -71,7 +71,7 @@ from gguf import GGUFValueType
 
 from .. import dtypes
 from ..errors import FormatError, quote
-from ..files import MappedData, map_data
+from ..files import MappedData, data_lexists, map_data
 from ..dtypes import shape_problem
 from ..limits import MAX_DIM
 from ..strict_json import gc_paused
@@ -463,7 +463,7 @@ def open_gguf(path: str | os.PathLike) -> "GGUFCheckpoint":
     {'ggml_type': 'Q4_1', 'block_size': 32, 'type_size': 20, 'ne': [576, 576]}
     """
     p = Path(path)
-    if not os.path.lexists(p):
+    if not data_lexists(p):
         raise FormatError("no such file", file=p)
     if p.is_dir():
         raise FormatError("not a file; pass the path of a .gguf file", file=p)

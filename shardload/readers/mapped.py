@@ -221,40 +221,36 @@ class MappedCheckpoint(Checkpoint):
     def release_bytes(self, index: int, begin: int, end: int) -> None:
         """Give this process's mapping of the file's pages ``[begin, end)`` back (see
         ``release``); only memory accounting suffers where it cannot. An object's pages are
-        freed, and fetched again if they are needed again."""
-        remote = self._remote[index] if index < len(self._remote) else None
-        if remote is not None:
-            remote.release(begin, end)
+        the load's stream's to release (``pieces.stream``), never a worker's: another worker
+        may still need them."""
+        if index < len(self._remote) and self._remote[index] is not None:
             return
         self._advise(index, begin, end, "MADV_DONTNEED")
 
-    def objects_for_processes(self, wanted: dict) -> tuple[list[dict], Callable[[], None]]:
-        """``Checkpoint.objects_for_processes``: each object's wanted spans fetched into a
-        memory file (``ObjectBytes.in_shared_memory``), coalesced over all the workers' spans,
-        so a byte two processes read is fetched once and a gap between one worker's parts is
-        another's (read, not over-read)."""
+    def object_bytes(self) -> dict:
+        """``{source index: ObjectBytes}`` of the sources that are objects in object
+        storage (``sources.sparse``): what a load's stream fetches into."""
+        return {k: remote for k, remote in enumerate(self._remote) if remote is not None}
+
+    def with_objects(self, objects: dict) -> tuple[list[dict], dict]:
+        """``Checkpoint.with_objects``: for each object source, a new memory file
+        (``ObjectBytes.in_shared_memory``) that the load's stream fills and the worker
+        processes map; the read plans' sources naming them, and the files by index (the
+        caller closes them)."""
         from ..sources.sparse import ObjectBytes
 
         sources = self.sources()
-        made: list = []
-
-        def close() -> None:
-            for shared in made:
-                shared.close()
-
+        made: dict = {}
         try:
-            for index, spans in wanted.items():
-                remote = self._remote[index] if index < len(self._remote) else None
-                if remote is None or not spans:
-                    continue
-                shared = ObjectBytes.in_shared_memory(remote.info, remote.client)
-                made.append(shared)
-                shared.need_spans(spans)
-                sources[index] = {**sources[index], "object": shared.filled_spec()}
+            for index in objects:
+                remote = self._remote[index]
+                made[index] = shared = ObjectBytes.in_shared_memory(remote.info, remote.client)
+                sources[index] = {**sources[index], "object": shared.shared_spec()}
         except BaseException:
-            close()
+            for shared in made.values():
+                shared.close()
             raise
-        return sources, close
+        return sources, made
 
     def fetch_bytes(self, index: int, spans, alive=None) -> int:
         """Make the ``[begin, end)`` byte spans of source ``index`` present before they are

@@ -78,7 +78,8 @@ from typing import Any
 
 from .. import dtypes, strict_json
 from ..errors import FormatError, quote
-from ..files import MAX_SIDE_FILE_BYTES, check_member_name, map_data, read_json
+from ..files import (MAX_SIDE_FILE_BYTES, check_member_name, data_lexists, map_data,
+                     read_json)
 from ..dtypes import shape_problem
 from ..strict_json import gc_paused
 from .base import MAX_INDEX_BYTES, TensorMeta
@@ -168,7 +169,7 @@ def _shard_path(index: Path, data_path: Any, where: str, label: str) -> Path:
                           file=index)
     check_member_name(data_path, index=index, what=f"{label}: dataPath")
     path = index.parent / data_path
-    if not os.path.lexists(path):
+    if not data_lexists(path):
         raise FormatError(f"shard file is missing: {index.name} lists it ({where}); {_REDO}",
                           file=path)
     return path

@@ -1,4 +1,5 @@
-"""A checkpoint in object storage: ``s3://bucket/folder/`` (a folder prefix) or one object.
+"""A checkpoint in object storage: ``s3://bucket/folder/``, ``gs://...``, ``az://...`` (a
+folder prefix) or one object.
 
 Opening it (``open_object_checkpoint``):
 
@@ -9,16 +10,16 @@ Opening it (``open_object_checkpoint``):
    (``DATA_SUFFIXES``: ``config.json``, the index, ``tensor-cache.json``, ``shard_info.json``,
    the tokenizer's files) of at most ``SIDE_FILE_BYTES`` is fetched whole into a scratch folder,
    under its own name, where transformers and vLLM can read the configs and the tokenizer too.
-   Each data file gets an empty placeholder there, and an ``ObjectBytes`` (a sparse mapping of
-   its size, filled by ranged GETs) registered for that path (``files.register_data``).
-3. **The readers open the scratch folder** as any checkpoint (safetensors, GGUF, MLC): each data
-   file's header is read out of its mapping through ``files.map_data``, which fetches what the
-   parse asks for, never more than the reader's caps allow (a header declared 100 GB long is
-   refused from its length, before it is fetched).
-4. **Tensor bytes come when asked**: a tensor read directly fetches its range; a load fetches
-   each worker's read-plan spans before copying them (``Checkpoint.fetch_bytes``), and a worker
-   process fetches its own, from the object spec its read plan carries. Every GET names the
-   ETag the listing saw (``If-Match``): an object replaced mid-load fails the load.
+   Each data file is an ``ObjectBytes`` (a sparse mapping of its size, filled by ranged GETs),
+   in an ``ObjectFiles`` made for this open alone: no file stands in for it.
+3. **The readers open the scratch folder** as any checkpoint (safetensors, GGUF, MLC), with
+   the ``ObjectFiles`` in force (``files.reading_from``): they find the data files by name in
+   it and read each one's header out of its mapping (``files.map_data``), which fetches what
+   the parse asks for, never more than the reader's caps allow (a header declared 100 GB long
+   is refused from its length, before it is fetched).
+4. **Tensor bytes come when asked**: a tensor read directly fetches its range; a load streams
+   the workers' spans while they copy them (``pieces.stream``). Every GET names the ETag the
+   listing saw (``If-Match``): an object replaced mid-load fails the load.
 
 Errors name the URL, not the scratch folder. The scratch folder and the mappings go when the
 checkpoint is closed, or at the latest when the process exits.
@@ -37,10 +38,10 @@ import weakref
 from typing import Callable
 
 from ..errors import FormatError, StorageError
-from ..files import check_member_name, data_at, register_data, unregister_data
+from ..files import Files, MappedData, check_member_name, reading_from
 
-__all__ = ["open_object_checkpoint", "write_fetched_bytes", "DATA_SUFFIXES", "SIDE_FILE_BYTES",
-           "SIDE_FILES_BYTES"]
+__all__ = ["open_object_checkpoint", "write_fetched_bytes", "ObjectFiles", "DATA_SUFFIXES",
+           "SIDE_FILE_BYTES", "SIDE_FILES_BYTES"]
 
 #: objects holding tensor data, mapped sparsely and fetched by range (MLC's shards are .bin)
 DATA_SUFFIXES = (".safetensors", ".gguf", ".bin")
@@ -57,14 +58,17 @@ def _split(url) -> tuple[object, str]:
     key = url.key
     last = key.rsplit("/", 1)[-1]
     if last.endswith(FILE_SUFFIXES):
-        return type(url)(url.bucket, key[:len(key) - len(last)]), last
-    return type(url)(url.bucket, key if not key or key.endswith("/") else key + "/"), ""
+        return type(url)(url.scheme, url.bucket, key[:len(key) - len(last)]), last
+    return type(url)(url.scheme, url.bucket,
+                     key if not key or key.endswith("/") else key + "/"), ""
 
 
 def open_object_checkpoint(url: str, open_local: Callable):
-    """The checkpoint at ``url`` (``s3://...``), opened as the module docstring says;
+    """The checkpoint at ``url`` (``s3://``, ``gs://``, ``az://``), opened as the module
+    docstring says;
     ``open_local(path)`` opens the scratch folder (``readers.open_local_checkpoint``)."""
-    from ..sources.s3 import ObjectUrl, default_client
+    from ..sources.store import default_client
+    from ..sources.urls import ObjectUrl
     from ..sources.sparse import ObjectBytes
 
     client = default_client()
@@ -78,41 +82,74 @@ def open_object_checkpoint(url: str, open_local: Callable):
         raise StorageError("no objects under this prefix; check the path (a folder URL "
                            "stands for the objects directly under it)", url=url, usage=True)
 
-    scratch = tempfile.mkdtemp(prefix="shardload-s3-")
-    registered: list[str] = []
-    objects: list[ObjectBytes] = []
-    cleanup = _Cleanup(scratch, registered, objects)
+    scratch = tempfile.mkdtemp(prefix="shardload-objects-")
+    files = ObjectFiles(scratch)
+    cleanup = _Cleanup(scratch, files)
     try:
         side_total = 0
         for member, info in sorted(infos.items()):
             check_member_name(member, index=str(folder), what="holds object")
             local = os.path.join(scratch, member)
             if member.endswith(DATA_SUFFIXES):
-                open(local, "wb").close()  # a placeholder: folder listings find it
-                data = ObjectBytes(info, client)
-                objects.append(data)
-                register_data(local, data)
-                registered.append(local)
+                files.add(local, ObjectBytes(info, client))
             elif info.size <= SIDE_FILE_BYTES and side_total + info.size <= SIDE_FILES_BYTES:
                 side_total += info.size
                 with open(local, "wb") as f:
                     f.write(client.get_bytes(info, 0, info.size))
         path = os.path.join(scratch, name) if name else scratch
-        ckpt = _translated(lambda: open_local(path), scratch, str(folder))
+        with reading_from(files):
+            ckpt = _translated(lambda: open_local(path), scratch, str(folder))
     except BaseException:
         cleanup()
         raise
     ckpt.source = url
     ckpt.named_as = (scratch, str(folder))
+    ckpt.object_files = files
     # cleaned when the checkpoint is closed, or collected, or at exit
     ckpt.on_close(weakref.finalize(ckpt, cleanup))
     return ckpt
 
 
+class ObjectFiles(Files):
+    """The data files of one checkpoint in object storage, by the path each would have in its
+    scratch folder (``files.Files``): found by name, mapped as their objects' bytes. The
+    scratch folder's real files (the side files) are found as files."""
+
+    def __init__(self, scratch: str):
+        self.scratch = scratch
+        self.objects: dict[str, object] = {}
+
+    def add(self, path: str, data) -> None:
+        self.objects[os.path.abspath(path)] = data
+
+    def remote(self, path):
+        return self.objects.get(os.path.abspath(os.fspath(path)))
+
+    def lexists(self, path) -> bool:
+        return self.remote(path) is not None or os.path.lexists(path)
+
+    def glob(self, folder, suffix: str) -> list[str]:
+        folder = os.path.abspath(os.fspath(folder))
+        names = {os.path.basename(p) for p in self.objects
+                 if os.path.dirname(p) == folder and p.endswith(suffix)}
+        return sorted(names.union(super().glob(folder, suffix)))
+
+    def map_data(self, path, what: str, error) -> MappedData:
+        data = self.remote(path)
+        if data is None:
+            return super().map_data(path, what, error)
+        return MappedData(data.map, data.size, None, data.need, data)
+
+    def close(self) -> None:
+        objects, self.objects = self.objects, {}
+        for data in objects.values():
+            data.close()
+
+
 def write_fetched_bytes(ckpt) -> None:
-    """Fill each data file's placeholder in ``ckpt``'s scratch folder with the bytes fetched so
-    far (the headers its readers parsed) as a sparse file of the object's size, whose other
-    bytes read as zeros and take no disk: for a library that reads only a file's header
+    """Write each data file of ``ckpt`` into its scratch folder with the bytes fetched so far
+    (the headers its readers parsed), as a sparse file of the object's size whose other bytes
+    read as zeros and take no disk: for a library that reads only a file's header
     (transformers builds a tokenizer from a GGUF's vocabulary). A checkpoint not in object
     storage is left alone.
 
@@ -121,15 +158,13 @@ def write_fetched_bytes(ckpt) -> None:
     ...     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(ckpt.path),
     ...                                               gguf_file=os.path.basename(ckpt.path))
     """
-    scratch = getattr(ckpt, "named_as", None)
-    if not scratch:
+    files = getattr(ckpt, "object_files", None)
+    if files is None:
         return
-    for member in sorted(os.listdir(scratch[0])):
-        path = os.path.join(scratch[0], member)
-        data = data_at(path)
-        if data is None or data.map is None:
+    for path, data in sorted(files.objects.items()):
+        if data.map is None:
             continue
-        with open(path, "r+b") as f:
+        with open(path, "wb") as f:
             for begin, end in data.present_spans():
                 f.seek(begin)
                 f.write(data.map[begin:end])
@@ -137,17 +172,13 @@ def write_fetched_bytes(ckpt) -> None:
 
 
 class _Cleanup:
-    """Forget the data paths, close the mappings, remove the scratch folder (once)."""
+    """Close the objects' mappings and remove the scratch folder (once)."""
 
-    def __init__(self, scratch: str, registered: list, objects: list):
-        self.scratch, self.registered, self.objects = scratch, registered, objects
+    def __init__(self, scratch: str, files: ObjectFiles):
+        self.scratch, self.files = scratch, files
 
     def __call__(self) -> None:
-        for path in self.registered:
-            unregister_data(path)
-        for data in self.objects:
-            data.close()
-        self.registered, self.objects = [], []
+        self.files.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 

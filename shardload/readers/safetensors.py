@@ -63,8 +63,8 @@ import numpy as np
 
 from .. import dtypes, strict_json
 from ..errors import FormatError, quote
-from ..files import (MAX_SIDE_FILE_BYTES, MappedData, check_member_name, map_data,
-                     open_regular, read_json)
+from ..files import (MAX_SIDE_FILE_BYTES, MappedData, check_member_name, data_lexists,
+                     data_names, map_data, open_regular, read_json)
 from ..dtypes import shape_problem
 from ..limits import MAX_DIM, MAX_NDIM
 from ..strict_json import gc_paused
@@ -390,7 +390,7 @@ def _shard_path(index: Path, file_name: str, tensor: str) -> Path:
     except FormatError as e:
         raise FormatError(e.reason, file=index, tensor=tensor) from None
     path = index.parent / file_name
-    if not os.path.lexists(path):
+    if not data_lexists(path):
         raise FormatError(f"file is missing: {index.name} lists it (for tensor {quote(tensor)} "
                           f"and maybe others); {_REDO}", file=path)
     return path
@@ -445,16 +445,17 @@ def open_safetensors(path: str | os.PathLike) -> "SafetensorsCheckpoint":
 
 
 def _open(p: Path, source: str) -> "SafetensorsCheckpoint":
-    if not os.path.lexists(p):
+    if not data_lexists(p):
         raise FormatError("no such file or folder", file=p)
     if p.is_dir():
         # By name, not by what the name leads to: an index that is a dangling link or a FIFO
         # is refused, not silently passed over for the folder's other files.
         if os.path.lexists(p / INDEX_NAME):
             return _open_sharded(p / INDEX_NAME, source)
-        found = sorted(p.glob("*.safetensors"))  # whatever they are: see _open_shard
+        # whatever they are: see _open_shard
+        found = [p / name for name in data_names(p, ".safetensors")]
         if not found:
-            ggufs = sorted(f.name for f in p.glob("*.gguf"))
+            ggufs = data_names(p, ".gguf")
             hint = (f"; a GGUF checkpoint is one file: pass it ({p / ggufs[0]})" if ggufs
                     else "")
             raise FormatError(f"folder holds no checkpoint shardload reads: no *.safetensors "

@@ -9,18 +9,17 @@ them.
 1. **The mapping** is anonymous, private and never reserved (``MAP_NORESERVE``): an object of
    100 GB costs nothing until bytes land in it, and only the pages that do.
 2. **Need**: the parts of the asked spans not yet present and not already being fetched by
-   another thread are fetched (``S3Client.fetch``: coalesced, concurrent, every GET checked
+   another thread are fetched (``ObjectClient.fetch``: coalesced, concurrent, every GET checked
    against the object's ETag); a thread that asks for bytes another thread is fetching waits
    for them. What arrived is recorded; nothing is ever read from a part that was not.
 3. **Release**: the pages lying wholly inside a released span are handed back to the kernel
    (``MADV_DONTNEED``: freed) and forgotten, so a later need fetches them again.
-4. **Shared with worker processes** (``in_shared_memory``, ``filled_spec``): the bytes live in
-   a memory file (``memfd``) that the loader's process fills once with the spans of every
-   worker's read plan; each worker process maps that file (``from_spec``, through
-   ``/proc/<pid>/fd``) and finds its spans there, fetching only what it might lack. Its
-   releases then drop only its own view of the pages; the memory goes when the loader's
-   process closes the file and the workers their mappings. A worker that cannot open the file
-   fetches for itself.
+4. **Shared with worker processes** (``in_shared_memory``, ``shared_spec``): the bytes live
+   in a memory file (``memfd``) that the loader's process fills (``pieces.stream``); each
+   worker process maps that file (``from_spec``, through ``/proc/<pid>/fd``) and copies from
+   it the bytes the stream says are there. Releasing in the loader's process frees the file's
+   pages (``MADV_REMOVE``), for every process that maps it. A worker that cannot open the file
+   gets an object of its own and fetches for itself.
 
 >>> data = ObjectBytes(info)                                   # doctest: +SKIP
 >>> data.need(0, 8); bytes(data.map[:8])                       # doctest: +SKIP
@@ -34,7 +33,7 @@ import os
 import threading
 from typing import Callable, Iterable, Optional
 
-from .s3 import ObjectInfo, S3Client, coalesce, default_client
+from .store import ObjectClient, ObjectInfo, coalesce, default_client
 
 __all__ = ["ObjectBytes", "Spans", "MAP_NORESERVE"]
 
@@ -125,7 +124,7 @@ def merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 class ObjectBytes:
     """One object's bytes in this process (see the module docstring). Thread-safe."""
 
-    def __init__(self, info: ObjectInfo, client: Optional[S3Client] = None,
+    def __init__(self, info: ObjectInfo, client: Optional[ObjectClient] = None,
                  _shared: Optional[tuple[int, bool]] = None):
         self.info = info
         self.size = info.size
@@ -145,7 +144,7 @@ class ObjectBytes:
         self.fetched = 0
 
     @property
-    def client(self) -> S3Client:
+    def client(self) -> ObjectClient:
         if self._client is None:
             self._client = default_client()
         return self._client
@@ -157,17 +156,19 @@ class ObjectBytes:
 
     @classmethod
     def from_spec(cls, spec: dict) -> "ObjectBytes":
-        """The object of ``spec()``; of ``filled_spec()``, the filled memory file mapped."""
+        """The object of ``spec()``; of ``shared_spec()``, the loader's memory file mapped
+        (or, where it cannot be opened, an object of this process's own: ``borrowed`` says
+        which)."""
         info = ObjectInfo(url=str(spec["url"]), size=int(spec["size"]), etag=str(spec["etag"]),
                           last_modified=str(spec["last_modified"]))
-        filled = spec.get("filled")
-        return (cls._borrow(info, filled) if isinstance(filled, dict) else None) or cls(info)
+        shared = spec.get("shared")
+        return (cls._borrow(info, shared) if isinstance(shared, str) else None) or cls(info)
 
     @classmethod
-    def in_shared_memory(cls, info: ObjectInfo, client: Optional[S3Client] = None
+    def in_shared_memory(cls, info: ObjectInfo, client: Optional[ObjectClient] = None
                          ) -> "ObjectBytes":
         """The object's bytes in a memory file that worker processes map too (module
-        docstring, 4): filled here with ``need_spans``, handed over as ``filled_spec()``."""
+        docstring, 4), handed over as ``shared_spec()``."""
         fd = os.memfd_create("shardload-object", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, info.size)  # sparse: a page takes memory when bytes land in it
@@ -178,21 +179,22 @@ class ObjectBytes:
             raise
         return obj
 
-    def filled_spec(self) -> dict:
-        """``spec()`` and where this process's memory file is, with the spans fetched into it:
-        what a worker process maps (``from_spec``) instead of fetching them again."""
+    @property
+    def borrowed(self) -> bool:
+        """Whether these bytes are another process's memory file, mapped here."""
+        return self._borrowed
+
+    def shared_spec(self) -> dict:
+        """``spec()`` and where this process's memory file is: what a worker process maps
+        (``from_spec``)."""
         if self._fd < 0 or self._borrowed:
             return self.spec()
-        return {**self.spec(), "filled": {"path": f"/proc/{os.getpid()}/fd/{self._fd}",
-                                          "spans": [list(s) for s in self.present_spans()]}}
+        return {**self.spec(), "shared": f"/proc/{os.getpid()}/fd/{self._fd}"}
 
     @classmethod
-    def _borrow(cls, info: ObjectInfo, filled: dict) -> Optional["ObjectBytes"]:
-        """The loader's memory file mapped here, its filled spans known to be present; None
-        where it cannot be opened as that (this process then fetches for itself)."""
-        path, spans = filled.get("path"), filled.get("spans")
-        if not isinstance(path, str) or not path.startswith("/proc/") or \
-                not isinstance(spans, list) or not info.size:
+    def _borrow(cls, info: ObjectInfo, path: str) -> Optional["ObjectBytes"]:
+        """The loader's memory file mapped here; None where it cannot be opened as that."""
+        if not path.startswith("/proc/") or not info.size:
             return None
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -207,10 +209,6 @@ class ObjectBytes:
             return None
         finally:
             os.close(fd)  # the mapping holds the file
-        for span in spans:
-            if (isinstance(span, list) and len(span) == 2 and
-                    all(type(x) is int for x in span) and 0 <= span[0] <= span[1] <= info.size):
-                obj._have.add(span[0], span[1])
         return obj
 
     def need(self, begin: int, end: int, alive: Optional[Callable[[], None]] = None) -> int:
@@ -242,7 +240,8 @@ class ObjectBytes:
                     self._fetching.add(b, e)
             ok = False
             try:
-                n = self.client.fetch(self.info, mine, self._write)
+                with memoryview(self.map) as into:  # each GET lands in place
+                    n = self.client.fetch(self.info, mine, into=into)
                 ok = True
             finally:
                 with self._cond:
@@ -255,9 +254,6 @@ class ObjectBytes:
                         mine_total += n
                     self._cond.notify_all()
 
-    def _write(self, offset: int, data: memoryview) -> None:
-        self.map[offset:offset + len(data)] = data
-
     def present(self, begin: int, end: int) -> bool:
         with self._cond:
             return not self._have.missing([(begin, end)])
@@ -269,7 +265,8 @@ class ObjectBytes:
 
     def release(self, begin: int, end: int) -> None:
         """Hand back the pages wholly inside ``[begin, end)`` (they are fetched again if
-        needed again)."""
+        needed again). The owner of a memory file frees its pages for every process that maps
+        it (``MADV_REMOVE``); ``MADV_DONTNEED`` would drop this mapping's view only."""
         page = mmap.PAGESIZE
         first = -(-begin // page) * page
         last = end // page * page if end < self.size else self.size
@@ -278,8 +275,10 @@ class ObjectBytes:
         with self._cond:
             if not self._borrowed:  # a borrowed file keeps its pages: only this view drops
                 self._have.remove(first, last)
+            advice = (mmap.MADV_REMOVE if self._fd >= 0 and hasattr(mmap, "MADV_REMOVE")
+                      else mmap.MADV_DONTNEED)
             try:
-                self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
+                self.map.madvise(advice, first, last - first)
             except (OSError, ValueError):
                 pass
 

@@ -5,7 +5,7 @@ the loader's ``load_weights``, then runs ``process_weights_after_loading`` (Marl
 requantization) itself. ``load_weights`` here, on every tensor-parallel rank:
 
 1. **options**: ``model_loader_extra_config`` checked strictly (``options.py``);
-2. **checkpoint**: the ``checkpoint`` option (a path, or an ``s3://`` URL of which each rank
+2. **checkpoint**: the ``checkpoint`` option (a path, or an ``s3://``, ``gs://`` or ``az://`` URL of which each rank
    fetches only its read plan's byte ranges), else the model folder, or vLLM's own download of
    a hub model;
 3. **plan** for (N, rank) through the front door (``resolve_plan``: the ``plan`` option, else

@@ -26,8 +26,8 @@ OPTIONS = {
                "shardload's choice for the device)",
     "timeout": "seconds without progress before a rank's load fails (default: none)",
     "checkpoint": "where the weights are, when not in vLLM's model folder: a local path or an "
-                  "object storage URL (s3://bucket/folder/; vLLM's model is then a local folder "
-                  "with the config and tokenizer)",
+                  "object storage URL (s3://, gs:// or az://bucket/folder/; vLLM's model is "
+                  "then a local folder with the config and tokenizer)",
 }
 
 
@@ -67,8 +67,8 @@ class LoaderOptions:
             raise OptionsError(f"plan must be a path (a string), not {plan!r}")
         checkpoint = extra.get("checkpoint")
         if checkpoint is not None and (not isinstance(checkpoint, str) or not checkpoint):
-            raise OptionsError(f"checkpoint must be a path or an s3:// URL (a string), not "
-                               f"{checkpoint!r}")
+            raise OptionsError("checkpoint must be a path or an s3://, gs:// or az:// URL "
+                               f"(a string), not {checkpoint!r}")
         verify = extra.get("verify", False)
         if not isinstance(verify, bool):
             raise OptionsError(f"verify must be true or false, not {verify!r}")

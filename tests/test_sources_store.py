@@ -1,6 +1,6 @@
-"""The object-storage client layer (``shardload.sources``): URLs, coalescing, and every read
-against a real S3 server (moto's, behind the counting, fault-injecting proxy of
-``helpers.s3server``)."""
+"""The object-storage client layer (``shardload.sources``): URLs of every scheme, coalescing,
+and every read against a real S3 server (moto's, behind the counting, fault-injecting proxy of
+``helpers.s3server``), through obstore."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-pytest.importorskip("botocore")
+pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 
 import numpy as np  # noqa: E402
@@ -26,9 +26,11 @@ from helpers import s3server  # noqa: E402
 from helpers.s3server import ACCESS_KEY_ID, SECRET_ACCESS_KEY  # noqa: E402
 from shardload import sources  # noqa: E402
 from shardload.errors import FormatError, StorageError  # noqa: E402
-from shardload.sources import s3 as s3mod  # noqa: E402
-from shardload.sources.s3 import (MAX_GAP, ObjectInfo, ObjectUrl, S3Client,  # noqa: E402
-                                  coalesce)
+from shardload.sources import store as storemod  # noqa: E402
+from shardload.sources import urls as urlsmod  # noqa: E402
+from shardload.sources.store import (MAX_GAP, ObjectClient, ObjectInfo,  # noqa: E402
+                                     coalesce)
+from shardload.sources.urls import ObjectUrl  # noqa: E402
 
 from conftest import subprocess_env  # noqa: E402
 
@@ -58,6 +60,7 @@ def aws_env(request, monkeypatch):
         return
     server = request.getfixturevalue("s3")
     s3server.use_env(monkeypatch, server.aws_env())
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")          # the emulator speaks plain HTTP
     server.clear_faults()
     server.reset_counts()
     yield server
@@ -96,7 +99,8 @@ def raises_within(exc_type, fn, bound: float = BOUND_S):
 def test_is_object_url():
     assert sources.is_object_url("s3://models/x")
     assert sources.is_object_url("s3://models")
-    for path in ("models/x", "/s3://x", "S3://models/x", "gs://b/k", "https://x/y", "", None,
+    assert sources.is_object_url("gs://models/x") and sources.is_object_url("az://ckpt/x")
+    for path in ("models/x", "/s3://x", "S3://models/x", "gcs://b/k", "https://x/y", "", None,
                  b"s3://models/x"):
         assert not sources.is_object_url(path)
     import pathlib
@@ -110,18 +114,25 @@ def test_is_object_url():
     ("s3://my.bucket-1/dir/", "my.bucket-1", "dir/"),
     ("s3://abc/" + "é" * 512, "abc", "é" * 512),              # 1024 UTF-8 bytes: the limit
     ("s3://b12/a b/ü?x=1#y", "b12", "a b/ü?x=1#y"),          # any other character is a key's
+    ("gs://my_bucket.v2/dir/", "my_bucket.v2", "dir/"),      # GCS allows '_'
+    ("az://ckpt-01/dir/x", "ckpt-01", "dir/x"),
 ], ids=lambda v: repr(v)[:40])
 def test_parse_good(url, bucket, key):
     u = ObjectUrl.parse(url)
     assert (u.bucket, u.key) == (bucket, key)
-    assert str(u) == f"s3://{bucket}/{key}"
+    assert str(u) == f"{u.scheme}://{bucket}/{key}"
     assert ObjectUrl.parse(str(u)) == u
 
 
 @pytest.mark.parametrize("url, says", [
-    ("S3://models/k", "does not start with s3://"),
-    ("s3:/models/k", "does not start with s3://"),
-    ("models/k", "does not start with s3://"),
+    ("S3://models/k", "does not start with one of s3://, gs://, az://"),
+    ("s3:/models/k", "does not start with one of"),
+    ("models/k", "does not start with one of"),
+    ("gcs://models/k", "does not start with one of"),
+    ("gs://goog-models/k", "reserved prefix 'goog'"),
+    ("az://ab/k", "container name 'ab' is 2 characters long (3 to 63)"),
+    ("az://ck_pt/k", "holds '_'"),
+    ("az://ck--pt/k", "two adjacent dashes"),
     ("s3:///k", "bucket name is empty"),
     ("s3://ab/k", "2 characters long (3 to 63)"),
     ("s3://" + "a" * 64 + "/k", "64 characters long (3 to 63)"),
@@ -145,8 +156,10 @@ def test_parse_bad(url, says):
     exc = info.value
     assert exc.usage is True and exc.byte_range is None and exc.url == url
     text = str(exc)
-    assert "\n" not in text and says in text and "not a valid S3 URL" in text
-    assert text.endswith("write it as s3://BUCKET/KEY")
+    assert "\n" not in text and says in text and "not a valid object storage URL" in text
+    scheme = url.partition("://")[0]
+    form = {"s3": "s3://BUCKET/KEY", "gs": "gs://BUCKET/KEY", "az": "az://CONTAINER/KEY"}
+    assert text.endswith(f"write it as {form.get(scheme, 'SCHEME://BUCKET/KEY')}")
     assert len(text) < 600  # a 1025-byte key is not echoed whole
 
 
@@ -162,8 +175,9 @@ def test_join_and_folders():
     assert str(folder.join("./sub//x.bin")) == "s3://models/llama/sub/x.bin"
     assert str(ObjectUrl.parse("s3://models/llama").join("a")) == "s3://models/llama/a"
     assert str(ObjectUrl.parse("s3://models").join("a")) == "s3://models/a"
-    assert ObjectUrl.parse("s3://models/a/b.bin").folder == ObjectUrl("models", "a/")
-    assert ObjectUrl.parse("s3://models/b.bin").folder == ObjectUrl("models", "")
+    assert ObjectUrl.parse("s3://models/a/b.bin").folder == ObjectUrl("s3", "models", "a/")
+    assert ObjectUrl.parse("s3://models/b.bin").folder == ObjectUrl("s3", "models", "")
+    assert str(ObjectUrl.parse("az://ckpt/a/b.bin").folder.join("c")) == "az://ckpt/a/c"
     for bad in ("../x", "a/../../x", "/etc/passwd", ".", "a\nb"):
         with pytest.raises(StorageError) as info:
             folder.join(bad)
@@ -178,8 +192,8 @@ def test_object_info_identity_is_json():
 
 
 def test_doctests():
-    assert doctest.testmod(s3mod).failed == 0
-    assert doctest.testmod(sources).failed == 0
+    for module in (storemod, urlsmod, sources):
+        assert doctest.testmod(module).failed == 0
 
 
 # ---------------------------------------------------------------------------------- coalesce
@@ -263,7 +277,7 @@ def test_client_arguments_checked():
     for kwargs in ({"concurrency": 0}, {"chunk_bytes": 0}, {"retries": -1}, {"retries": 99},
                    {"concurrency": True}, {"backoff": -1}, {"max_gap": 1.5}):
         with pytest.raises(ValueError):
-            S3Client(**kwargs)
+            ObjectClient(**kwargs)
 
 
 # ------------------------------------------------------------------------- against the server
@@ -273,7 +287,7 @@ def test_head_list_and_identity(s3, bucket):
     put(s3, "fold/b.bin", 0)
     put(s3, "fold/sub/c.bin", 10)
     s3.client().put_object(Bucket=BUCKET, Key="fold/", Body=b"")  # a console "folder"
-    client = S3Client()
+    client = ObjectClient()
     info = client.head("s3://models/fold/a.bin")
     assert info.url == "s3://models/fold/a.bin" and info.size == len(a)
     assert info.etag.startswith('"') and info.last_modified.endswith("+00:00")
@@ -287,27 +301,25 @@ def test_head_list_and_identity(s3, bucket):
     client.check_unchanged(info)
 
 
-def test_list_pages_and_cap(s3, bucket, monkeypatch):
+def test_list_and_cap(s3, bucket):
     for i in range(5):
         put(s3, f"many/{i}.bin", 3)
-    monkeypatch.setattr(s3mod, "_LIST_PAGE", 2)
-    client = S3Client(**FAST)
+    client = ObjectClient(**FAST)
     assert [i.url for i in client.list_folder("s3://models/many/")] == \
         [f"s3://models/many/{i}.bin" for i in range(5)]
-    assert len(s3.requests(key="", method="GET")) == 3           # three pages
     exc = raises_within(StorageError,
-                        lambda: S3Client(max_folder_objects=4).list_folder("s3://models/many"))
+                        lambda: ObjectClient(max_folder_objects=4).list_folder("s3://models/many"))
     assert exc.usage and "more than 4 entries" in str(exc)
 
 
 def test_head_of_a_folder_is_refused(s3, bucket):
-    exc = raises_within(StorageError, lambda: S3Client().head("s3://models/fold/"))
+    exc = raises_within(StorageError, lambda: ObjectClient().head("s3://models/fold/"))
     assert exc.usage and "names a folder" in str(exc)
 
 
 def test_get_bytes_and_get_into(s3, bucket):
     data = put(s3, "get/x.bin", 100_003)
-    client = S3Client(chunk_bytes=7000, concurrency=3)
+    client = ObjectClient(chunk_bytes=7000, concurrency=3)
     info = client.head("s3://models/get/x.bin")
     assert client.get_bytes(info, 0, len(data)) == data
     assert client.get_bytes(info, 99_999, 100_003) == data[99_999:]
@@ -339,7 +351,7 @@ def test_get_bytes_and_get_into(s3, bucket):
 def test_fetch(s3, bucket, concurrency, chunk_bytes, max_gap):
     key = f"fetch/{concurrency}-{chunk_bytes}.bin"
     data = put(s3, key, 300_000)
-    client = S3Client(concurrency=concurrency, chunk_bytes=chunk_bytes, max_gap=max_gap)
+    client = ObjectClient(concurrency=concurrency, chunk_bytes=chunk_bytes, max_gap=max_gap)
     info = client.head(f"s3://models/{key}")
     rng = random.Random(chunk_bytes)
     spans = [(b, min(b + rng.randrange(1, 6000), len(data)))
@@ -369,13 +381,25 @@ def test_fetch(s3, bucket, concurrency, chunk_bytes, max_gap):
     assert seen.sum() == n
     assert s3.bytes_sent(key) == n                                   # the server sent no more
     gets = s3.requests(key=key, method="GET")
-    assert len(gets) == len(s3mod._pieces(merged, chunk_bytes))
+    assert len(gets) == len(storemod._pieces(merged, chunk_bytes))
     assert len(buffers) <= concurrency                               # bounded memory
+    # straight into the object's bytes: the same GETs, each landing in place
+    s3.reset_counts()
+    whole = bytearray(len(data))
+    with memoryview(whole) as into:
+        assert client.fetch(info, spans, into=into) == n
+    for b, e in merged:
+        assert whole[b:e] == data[b:e]
+    assert s3.bytes_sent(key) == n and len(s3.requests(key=key, method="GET")) == len(gets)
+    with pytest.raises(TypeError):
+        client.fetch(info, spans)
+    with pytest.raises(ValueError):
+        client.fetch(info, spans, into=memoryview(bytearray(len(data) - 1)))
 
 
 def test_fetch_nothing(s3, bucket):
     put(s3, "fetch/empty.bin", 0)
-    client = S3Client()
+    client = ObjectClient()
     info = client.head("s3://models/fetch/empty.bin")
     assert client.fetch(info, [], lambda o, v: None) == 0
     assert client.fetch(info, [(0, 0)], lambda o, v: None) == 0
@@ -386,7 +410,7 @@ def test_fetch_nothing(s3, bucket):
 
 def test_fetch_write_failure_stops_the_rest(s3, bucket):
     data = put(s3, "fetch/stop.bin", 200_000)
-    client = S3Client(concurrency=4, chunk_bytes=1000)
+    client = ObjectClient(concurrency=4, chunk_bytes=1000)
     info = client.head("s3://models/fetch/stop.bin")
     s3.reset_counts()
     calls = []
@@ -405,7 +429,7 @@ def test_fetch_write_failure_stops_the_rest(s3, bucket):
 
 def test_slowdown_twice_then_success(s3, bucket):
     data = put(s3, "retry/slow.bin", 20_000)
-    client = S3Client(**FAST)
+    client = ObjectClient(**FAST)
     info = client.head("s3://models/retry/slow.bin")
     fault = s3.inject("slowdown", times=2)
     s3.reset_counts()
@@ -417,7 +441,7 @@ def test_slowdown_twice_then_success(s3, bucket):
 
 def test_dropped_connection_resumes(s3, bucket):
     data = put(s3, "retry/drop.bin", 50_000)
-    client = S3Client(**FAST)
+    client = ObjectClient(**FAST)
     info = client.head("s3://models/retry/drop.bin")
     s3.inject("drop", after_bytes=12_345)
     s3.reset_counts()
@@ -430,7 +454,7 @@ def test_dropped_connection_resumes(s3, bucket):
 
 def test_dropped_connections_in_fetch_resume(s3, bucket):
     data = put(s3, "retry/dropfetch.bin", 64_000)
-    client = S3Client(concurrency=4, chunk_bytes=8000, **FAST)
+    client = ObjectClient(concurrency=4, chunk_bytes=8000, **FAST)
     info = client.head("s3://models/retry/dropfetch.bin")
     s3.inject("drop", after_bytes=100, times=3)
     s3.reset_counts()
@@ -441,7 +465,7 @@ def test_dropped_connections_in_fetch_resume(s3, bucket):
 
 def test_server_error_forever(s3, bucket):
     put(s3, "retry/500.bin", 5000)
-    client = S3Client(retries=3, backoff=0.01, backoff_cap=0.05)
+    client = ObjectClient(retries=3, backoff=0.01, backoff_cap=0.05)
     info = client.head("s3://models/retry/500.bin")
     s3.inject("error", status=500, code="InternalError", times=None)
     s3.reset_counts()
@@ -449,66 +473,54 @@ def test_server_error_forever(s3, bucket):
     assert exc.usage is False and exc.byte_range == (10, 4000)
     assert exc.url == "s3://models/retry/500.bin"
     assert str(exc).startswith("s3://models/retry/500.bin: bytes [10, 4000): ")
-    assert "4 attempts" in str(exc) and "HTTP 500 InternalError" in str(exc)
+    assert "4 attempts" in str(exc) and "HTTP 500" in str(exc)
     assert len(s3.requests(method="GET")) == 4
-
-
-def test_read_timeout_is_bounded(s3, bucket):
-    put(s3, "retry/slowanswer.bin", 100)
-    client = S3Client(retries=1, backoff=0.01, read_timeout=0.3)
-    info = client.head("s3://models/retry/slowanswer.bin")
-    s3.inject("delay", seconds=1.0, times=2)
-    exc = raises_within(StorageError, lambda: client.get_bytes(info, 0, 100))
-    assert exc.usage is False and "read timeout" in str(exc)
 
 
 def test_not_retried_4xx(s3, bucket):
     put(s3, "retry/403.bin", 100)
-    client = S3Client(**FAST)
+    client = ObjectClient(**FAST)
     info = client.head("s3://models/retry/403.bin")
     s3.inject("error", status=403, code="AccessDenied", times=None)
     s3.reset_counts()
     exc = raises_within(StorageError, lambda: client.get_bytes(info, 0, 100))
     assert exc.usage is True and exc.byte_range == (0, 100)
-    assert "access denied (AccessDenied)" in str(exc) and "s3:GetObject" in str(exc)
+    assert "access denied" in str(exc) and "may not read it" in str(exc)
     assert len(s3.requests(method="GET")) == 1
 
 
 # ------------------------------------------------------------------------------------- errors
 
 def test_missing_key_and_bucket(s3, bucket):
-    client = S3Client(**FAST)
+    client = ObjectClient(**FAST)
     exc = raises_within(StorageError, lambda: client.head("s3://models/nope/model.bin"))
-    assert exc.usage and str(exc) == ("s3://models/nope/model.bin: no such key (NoSuchKey); "
-                                      "check the path, or list it with "
-                                      "`aws s3 ls s3://models/nope/`")
+    assert exc.usage and str(exc) == ("s3://models/nope/model.bin: no such object; check the "
+                                      "path, or list the folder it should be in "
+                                      "(s3://models/nope/)")
     for call in (lambda: client.head("s3://no-such-bucket/k"),
                  lambda: client.list_folder("s3://no-such-bucket/dir/")):
         exc = raises_within(StorageError, call)
-        assert exc.usage and "no such bucket 'no-such-bucket' (NoSuchBucket)" in str(exc)
+        assert exc.usage and "no such S3 bucket 'no-such-bucket'" in str(exc)
         assert s3.endpoint in str(exc)
 
 
 def test_access_denied(s3, bucket):
     put(s3, "denied/a.bin", 10)
-    client = S3Client(**FAST)
+    client = ObjectClient(**FAST)
     s3.inject("error", status=403, code="AccessDenied", method="HEAD")
     exc = raises_within(StorageError, lambda: client.head("s3://models/denied/a.bin"))
     assert exc.usage and exc.byte_range is None
-    assert "access denied" in str(exc) and "(s3:GetObject)" in str(exc)
+    assert "access denied" in str(exc) and "may not read it" in str(exc)
     s3.inject("error", status=403, code="AccessDenied", key="")
     exc = raises_within(StorageError, lambda: client.list_folder("s3://models/denied/"))
-    assert exc.usage and "may not list it (s3:ListBucket)" in str(exc)
+    assert exc.usage and "may not list it" in str(exc)
 
 
 def test_no_credentials(s3, bucket, monkeypatch):
     s3server.use_env(monkeypatch, s3.aws_env(credentials=False))
-    exc = raises_within(StorageError, lambda: S3Client(**FAST).head("s3://models/fold/a.bin"))
-    assert exc.usage is True
-    assert str(exc) == ("s3://models/fold/a.bin: no AWS credentials found (environment, "
-                        "~/.aws, instance metadata); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
-                        " or AWS_PROFILE")
-    assert s3.requests() == []                                       # nothing was sent
+    exc = raises_within(StorageError, lambda: ObjectClient(**FAST).head("s3://models/fold/a.bin"))
+    assert exc.usage is True, exc
+    assert "credentials" in str(exc) and "AWS_ACCESS_KEY_ID" in str(exc), exc
 
 
 def test_dead_endpoint(s3, monkeypatch):
@@ -516,15 +528,15 @@ def test_dead_endpoint(s3, monkeypatch):
         sock.bind(("127.0.0.1", 0))                                  # bound, never listening
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
         s3server.use_env(monkeypatch, s3.aws_env(endpoint=dead))
-        exc = raises_within(StorageError, lambda: S3Client(**FAST).head("s3://models/k"))
+        exc = raises_within(StorageError, lambda: ObjectClient(**FAST).head("s3://models/k"))
     assert exc.usage is False
-    assert dead in str(exc) and "check AWS_ENDPOINT_URL" in str(exc) and "3 attempts" in str(exc)
+    assert dead in str(exc) and "could not connect" in str(exc) and "3 attempts" in str(exc)
 
 
 def test_bad_endpoint_url(s3, monkeypatch):
     s3server.use_env(monkeypatch, s3.aws_env(endpoint="not a url"))
-    exc = raises_within(StorageError, lambda: S3Client(**FAST).head("s3://models/k"))
-    assert exc.usage and "AWS_ENDPOINT_URL" in str(exc)
+    exc = raises_within(StorageError, lambda: ObjectClient(**FAST).head("s3://models/k"))
+    assert "endpoint" in str(exc), exc
 
 
 def test_refused_credentials_never_echoed(s3, bucket):
@@ -544,35 +556,35 @@ def test_refused_credentials_never_echoed(s3, bucket):
         plain.get_object(Bucket=BUCKET, Key="secret/a.bin")
     assert ACCESS_KEY_ID in str(leaked.value)
 
-    client = S3Client(**FAST)
+    client = ObjectClient(**FAST)
     info = ObjectInfo("s3://models/secret/a.bin", 10, '"x"', "")
     for call in (lambda: client.get_bytes(info, 0, 10),
                  lambda: client.fetch(info, [(0, 10)], lambda o, v: None),
                  lambda: client.list_folder("s3://models/secret/")):
         exc = raises_within(StorageError, call)
-        assert exc.usage and "the AWS credentials in use were refused (SignatureDoesNotMatch)" \
-            in str(exc)
+        assert exc.usage and "the S3 credentials in use were refused" in str(exc), exc
 
 
-def test_botocore_missing(monkeypatch):
-    for name in ("botocore", "botocore.session", "botocore.config", "botocore.exceptions"):
+def test_obstore_missing(monkeypatch):
+    for name in ("obstore", "obstore.store"):
         monkeypatch.setitem(sys.modules, name, None)
-    exc = raises_within(StorageError, lambda: S3Client().head("s3://models/k"))
-    assert exc.usage and str(exc).endswith('pip install "shardload[s3]"')
+    exc = raises_within(StorageError, lambda: ObjectClient().head("gs://models/k"))
+    assert exc.usage and str(exc).endswith('pip install "shardload[objects]"')
 
 
-def test_botocore_is_imported_lazily(s3, bucket):
-    """``import shardload`` (and the CLI's module) never import botocore; the first s3:// read
-    does, in a subprocess configured only by ``s3.env()``."""
+def test_obstore_is_imported_lazily(s3, bucket):
+    """``import shardload`` (and the CLI's module) never import obstore; the first read of a
+    URL does, in a subprocess configured only by ``s3.env()``."""
     data = put(s3, "lazy/a.bin", 100)
-    code = ("import sys, shardload, shardload.sources, shardload.sources.s3 as s\n"
-            "s.S3Client(); s.ObjectUrl.parse('s3://models/k'); s.coalesce([(0, 1)])\n"
+    code = ("import sys, shardload, shardload.sources, shardload.sources.store as s\n"
+            "s.ObjectClient(); s.ObjectUrl.parse('s3://models/k'); s.coalesce([(0, 1)])\n"
             "import shardload.cli\n"
-            "assert 'botocore' not in sys.modules, 'botocore imported'\n"
+            "assert 'obstore' not in sys.modules, 'obstore imported'\n"
             "c = s.default_client(); info = c.head('s3://models/lazy/a.bin')\n"
             "sys.stdout.write(c.get_bytes(info, 0, info.size).hex())\n"
-            "assert 'botocore' in sys.modules\n")
-    done = subprocess.run([sys.executable, "-c", code], env=subprocess_env(s3.env()),
+            "assert 'obstore' in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code],
+                          env=subprocess_env({**s3.env(), "AWS_ALLOW_HTTP": "true"}),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert bytes.fromhex(done.stdout) == data
@@ -582,7 +594,7 @@ def test_botocore_is_imported_lazily(s3, bucket):
 
 def test_object_replaced_between_head_and_get(s3, bucket):
     put(s3, "changed/a.bin", 5000, seed=1)
-    client = S3Client(**FAST)
+    client = ObjectClient(**FAST)
     info = client.head("s3://models/changed/a.bin")
     put(s3, "changed/a.bin", 5000, seed=2)                           # same size, new bytes
     now = client.head("s3://models/changed/a.bin")
@@ -598,35 +610,34 @@ def test_object_replaced_between_head_and_get(s3, bucket):
 
 def test_object_deleted_between_head_and_get(s3, bucket):
     put(s3, "changed/b.bin", 100)
-    client = S3Client(**FAST)
+    client = ObjectClient(**FAST)
     info = client.head("s3://models/changed/b.bin")
     s3.client().delete_object(Bucket=BUCKET, Key="changed/b.bin")
     exc = raises_within(FormatError, lambda: client.get_bytes(info, 0, 10))
-    assert "the object changed while loading (it can no longer be read: no such key" in str(exc)
+    assert "the object changed while loading (it can no longer be read: no such object" in str(exc)
 
 
 # ------------------------------------------------------------------ processes and settings
 
 @pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # threads: moto's, the proxy's
-def test_fresh_client_after_fork(s3, bucket):
+def test_a_child_forked_after_reading_objects_is_refused_at_once(s3, bucket):
+    # the library's runtime does not survive a fork (its threads stay behind): a child that
+    # tried would hang, so it is told, at once, in one line, how to start its process instead
     data = put(s3, "fork/a.bin", 30_000)
-    client = S3Client(chunk_bytes=10_000, concurrency=2)
+    client = ObjectClient(chunk_bytes=10_000, concurrency=2)
     info = client.head("s3://models/fork/a.bin")
-    parents = client._client("s3://models/fork/a.bin")
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report, and leave without running anything of pytest's
-        code = 1
         try:
-            ok = client.get_bytes(info, 0, len(data)) == data
-            fresh = client._client_obj is not None and client._client_obj is not parents
-            ok2 = s3mod.default_client().get_bytes(info, 5, 10) == data[5:10]
-            os.write(write, b"ok" if ok and fresh and ok2 else b"bad")
-            code = 0
+            client.get_bytes(info, 0, len(data))
+            os.write(write, b"read")
+        except StorageError as exc:
+            os.write(write, str(exc).encode()[:1000])
         except BaseException as exc:  # noqa: BLE001
-            os.write(write, repr(exc).encode()[:500])
+            os.write(write, repr(exc).encode()[:1000])
         finally:
-            os._exit(code)
+            os._exit(0)
     os.close(write)
     deadline = time.monotonic() + 30
     while True:
@@ -638,34 +649,36 @@ def test_fresh_client_after_fork(s3, bucket):
             os.waitpid(pid, 0)
             pytest.fail("the forked child hung")
         time.sleep(0.02)
-    said = os.read(read, 1000)
+    said = os.read(read, 1000).decode()
     os.close(read)
-    assert said == b"ok" and os.waitstatus_to_exitcode(status) == 0, said
-    assert client._client("s3://models/fork/a.bin") is parents       # the parent's is kept
+    assert said.startswith("s3://models/fork/a.bin: this process was forked from one that "
+                           "had read object storage"), said
+    assert "'spawn'" in said and "\n" not in said
+    assert client.get_bytes(info, 0, 10) == data[:10]  # the parent reads on
 
 
 def test_default_client_settings(monkeypatch):
-    monkeypatch.setattr(s3mod, "_DEFAULT", None)
-    monkeypatch.setenv("SHARDLOAD_S3_CONCURRENCY", "3")
-    monkeypatch.setenv("SHARDLOAD_S3_CHUNK_MB", "0.25")
-    monkeypatch.setenv("SHARDLOAD_S3_RETRIES", "")                   # empty: the default
-    client = s3mod.default_client()
-    assert s3mod.default_client() is client
+    monkeypatch.setattr(storemod, "_DEFAULT", None)
+    monkeypatch.setenv("SHARDLOAD_OBJECT_CONCURRENCY", "3")
+    monkeypatch.setenv("SHARDLOAD_OBJECT_CHUNK_MB", "0.25")
+    monkeypatch.setenv("SHARDLOAD_OBJECT_RETRIES", "")                   # empty: the default
+    client = storemod.default_client()
+    assert storemod.default_client() is client
     assert (client.concurrency, client.chunk_bytes, client.retries) == (3, 256 << 10, 5)
-    assert s3mod.settings_from_env({}) == {"concurrency": 8, "chunk_bytes": 8 << 20,
+    assert storemod.settings_from_env({}) == {"concurrency": 8, "chunk_bytes": 8 << 20,
                                            "retries": 5, "max_gap": 1 << 20}
-    assert s3mod.settings_from_env({"SHARDLOAD_S3_MAX_GAP_KB": "0"})["max_gap"] == 0
-    for name, value in [("SHARDLOAD_S3_CONCURRENCY", "0"), ("SHARDLOAD_S3_CONCURRENCY", "x"),
-                        ("SHARDLOAD_S3_CONCURRENCY", "2.5"), ("SHARDLOAD_S3_CHUNK_MB", "-1"),
-                        ("SHARDLOAD_S3_CHUNK_MB", "nan"), ("SHARDLOAD_S3_RETRIES", "21"),
-                        ("SHARDLOAD_S3_RETRIES", "-1"), ("SHARDLOAD_S3_MAX_GAP_KB", "-1")]:
+    assert storemod.settings_from_env({"SHARDLOAD_OBJECT_MAX_GAP_KB": "0"})["max_gap"] == 0
+    for name, value in [("SHARDLOAD_OBJECT_CONCURRENCY", "0"), ("SHARDLOAD_OBJECT_CONCURRENCY", "x"),
+                        ("SHARDLOAD_OBJECT_CONCURRENCY", "2.5"), ("SHARDLOAD_OBJECT_CHUNK_MB", "-1"),
+                        ("SHARDLOAD_OBJECT_CHUNK_MB", "nan"), ("SHARDLOAD_OBJECT_RETRIES", "21"),
+                        ("SHARDLOAD_OBJECT_RETRIES", "-1"), ("SHARDLOAD_OBJECT_MAX_GAP_KB", "-1")]:
         with pytest.raises(ValueError) as info:
-            s3mod.settings_from_env({name: value})
+            storemod.settings_from_env({name: value})
         assert str(info.value).startswith(f"{name}={value!r} ")
-    monkeypatch.setattr(s3mod, "_DEFAULT", None)
-    monkeypatch.setenv("SHARDLOAD_S3_RETRIES", "lots")
-    with pytest.raises(ValueError, match="SHARDLOAD_S3_RETRIES"):
-        s3mod.default_client()
+    monkeypatch.setattr(storemod, "_DEFAULT", None)
+    monkeypatch.setenv("SHARDLOAD_OBJECT_RETRIES", "lots")
+    with pytest.raises(ValueError, match="SHARDLOAD_OBJECT_RETRIES"):
+        storemod.default_client()
 
 
 def test_proxy_stops_its_threads(monkeypatch):
@@ -674,7 +687,8 @@ def test_proxy_stops_its_threads(monkeypatch):
         s3server.use_env(monkeypatch, server.aws_env())
         server.client().create_bucket(Bucket="other")
         server.client().put_object(Bucket="other", Key="k", Body=b"abc")
-        client = S3Client(endpoint_url=server.endpoint)
+        monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+        client = ObjectClient()
         info = client.head("s3://other/k")                          # keep-alive connections
         assert client.get_bytes(info, 0, 3) == b"abc"
         assert server.bytes_sent("k") == 3

@@ -1,0 +1,297 @@
+"""Loads from object storage stream within a bounded window: the peak memory of the load's
+whole process tree stays under what the workers keep plus the window, whatever the
+checkpoint's size (two sizes, one over four windows), on threads and on worker processes,
+against a real GCS server on 127.0.0.1 (fake-gcs-server, a process of its own, behind the
+counting proxy: moto's S3 server would run in this process, and its memory would count).
+
+Memory is measured as the kernel accounts it: the proportional set size of anonymous and
+shared memory (``Pss_Anon + Pss_Shmem`` of ``/proc/<pid>/smaps_rollup``) of this process and
+every worker process, summed (a page that several processes map counts once), sampled while
+the load runs, less the same before it started. The bound is generous (10%, and a few MiB
+for the client's buffers); fetching the whole checkpoint before copying, as loads did before
+streaming, would exceed it by the checkpoint's size less the window.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("obstore")
+
+from helpers import objectservers  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+from shardload import ProcessSession, ThreadedSession, load_sharded, open_checkpoint  # noqa: E402
+from shardload.sources import store  # noqa: E402
+
+BUCKET = "memory"
+MIB = 1 << 20
+WINDOW_MB = 16
+#: the client's own memory besides the window: its GET buffers (chunk x concurrency) and slack
+#: for the allocator
+SLACK = 24 * MIB
+ROWS, COLS = 512, 1024   # float32: 2 MiB a tensor
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from objectservers.object_server("gs")
+
+
+@pytest.fixture
+def env(server, monkeypatch):
+    objectservers.use_env(monkeypatch, server.env())
+    monkeypatch.setenv("SHARDLOAD_OBJECT_WINDOW_MB", str(WINDOW_MB))
+    monkeypatch.setenv("SHARDLOAD_OBJECT_CHUNK_MB", "1")
+    monkeypatch.setenv("SHARDLOAD_OBJECT_CONCURRENCY", "4")
+    monkeypatch.setattr(store, "_DEFAULT", None)
+    yield server
+    store._DEFAULT = None
+
+
+def _checkpoint(server, tmp_path_factory, tensors: int) -> tuple[str, int]:
+    """A checkpoint of ``tensors`` float32 matrices of 2 MiB each, split by rows, uploaded;
+    its URL and its data bytes."""
+    folder = tmp_path_factory.mktemp(f"ckpt{tensors}")
+    rng = np.random.default_rng(tensors)
+    data = {f"w.{k:03d}": rng.standard_normal((ROWS, COLS), dtype=np.float32)
+            for k in range(tensors)}
+    save_file(data, str(folder / "model.safetensors"))
+    plan = {name: [["shardload.split", [["num_shards", f"{ROWS} // num_shards", COLS],
+                                        "float32"], 0]] for name in data}
+    import json
+    (folder / "shard_info.json").write_text(json.dumps(plan))
+    try:
+        server.make_bucket(BUCKET)
+    except Exception:  # noqa: BLE001 - made by the other size
+        pass
+    prefix = f"c{tensors}"
+    for name in ("model.safetensors", "shard_info.json"):
+        server.put(BUCKET, f"{prefix}/{name}", (folder / name).read_bytes())
+    return server.url(BUCKET, f"{prefix}/"), tensors * ROWS * COLS * 4
+
+
+@pytest.fixture(scope="module")
+def small(server, tmp_path_factory):
+    return _checkpoint(server, tmp_path_factory, 12)     # 24 MiB: 1.5 windows
+
+
+@pytest.fixture(scope="module")
+def large(server, tmp_path_factory):
+    return _checkpoint(server, tmp_path_factory, 48)     # 96 MiB: 6 windows
+
+
+def _pss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            text = f.read().decode()
+    except OSError:
+        return 0
+    total = 0
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("Pss_Anon", "Pss_Shmem"):
+            total += int(rest.split()[0]) * 1024
+    return total
+
+
+def _tree(pid: int, leave_out: set) -> list[int]:
+    """``pid`` and every descendant (through /proc/<pid>/task/*/children), but those in
+    ``leave_out`` and theirs (the emulator)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if p in leave_out:
+            continue
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+class _Peak:
+    """The peak of the tree's memory while the ``with`` block runs, sampled every 10 ms."""
+
+    def __init__(self, server):
+        self.leave_out = {server._child.proc.pid}
+
+    def _now(self) -> int:
+        return sum(map(_pss, _tree(os.getpid(), self.leave_out)))
+
+    def __enter__(self) -> "_Peak":
+        self.base = self._now()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self._now())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._now())
+
+    @property
+    def grew(self) -> int:
+        return self.peak - self.base
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("kind", [ThreadedSession, ProcessSession])
+def test_peak_memory_is_kept_plus_the_window(env, request, size, kind):
+    url, data_bytes = request.getfixturevalue(size)
+    with kind(2) as sess, open_checkpoint(url) as ckpt:
+        env.reset_counts()
+        with _Peak(env) as peak:
+            sharded = load_sharded(ckpt, None, sess, progress=False)
+        sent = env.bytes_sent(f"{url.split('/', 3)[3]}model.safetensors")
+        kept = sharded.stats.bytes_total
+        bound = 1.1 * (kept + WINDOW_MB * MIB) + SLACK
+        assert kept == data_bytes  # split by rows: the workers keep every byte once
+        assert peak.grew <= bound, (f"{kind.__name__}, {size}: the load's processes grew by "
+                                    f"{peak.grew / MIB:.1f} MiB, over kept "
+                                    f"{kept / MIB:.1f} MiB + the window")
+        # a worker's piece is what the file holds (the load is right, not only small)
+        with open_checkpoint(url) as again:
+            whole = again.read("w.000")
+        assert torch.equal(sharded.shard("w.000", 1), whole[ROWS // 2:])
+    # every byte once, even through a window a sixth of the checkpoint
+    assert data_bytes <= sent <= data_bytes * 1.01
+
+
+# ---- seen while it happens: the watchdog, a failed fetch, the bar ------------------------------
+
+@pytest.mark.parametrize("kind", [ThreadedSession, ProcessSession])
+def test_a_fetch_that_stops_is_a_stall_the_watchdog_names(env, small, kind):
+    from shardload import WorkerError
+
+    url, _ = small
+    key = f"{url.split('/', 3)[3]}model.safetensors"
+    with kind(2) as sess, open_checkpoint(url) as ckpt:
+        env.inject("delay", key=key, seconds=20, times=None)   # the GETs stop answering
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            load_sharded(ckpt, None, sess, progress=False, timeout=2)
+        took = time.monotonic() - start
+        env.clear_faults()
+    message = str(info.value)
+    assert "waiting for its bytes from object storage" in message, message
+    assert "\n" not in message and took < 12, (took, message)
+
+
+@pytest.mark.parametrize("kind", [ThreadedSession, ProcessSession])
+def test_a_fetch_that_fails_fails_the_load_with_its_own_line(env, small, kind, monkeypatch):
+    from shardload import StorageError
+
+    monkeypatch.setenv("SHARDLOAD_OBJECT_RETRIES", "1")
+    monkeypatch.setattr(store, "_DEFAULT", None)
+    url, _ = small
+    key = f"{url.split('/', 3)[3]}model.safetensors"
+    with kind(2) as sess, open_checkpoint(url) as ckpt:
+        env.inject("error", key=key, status=503, times=None)
+        with pytest.raises(StorageError) as info:
+            load_sharded(ckpt, None, sess, progress=False)
+        env.clear_faults()
+        message = str(info.value)
+        assert message.startswith(f"{url}model.safetensors") and "\n" not in message, message
+        # the session lives on: the next load, with the server well again, is whole
+        sharded = load_sharded(ckpt, None, sess, progress=False)
+        assert sharded.stats.bytes_total == 12 * ROWS * COLS * 4
+
+
+def test_the_fetch_has_a_bar_of_its_own(env, small, monkeypatch):
+    import tqdm.auto
+
+    bars: dict = {}
+
+    class Bar:
+        def __init__(self, total, desc, **kwargs):
+            self.n, self.total = 0, total
+            bars[desc] = self
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    url, data_bytes = small
+    with ThreadedSession(2) as sess:
+        load_sharded(url, None, sess, progress=True)
+    assert bars["fetching"].total == bars["fetching"].n == data_bytes
+    assert bars["loading"].n == data_bytes
+
+
+# ---- the order of the stream ---------------------------------------------------------------------
+
+def test_the_stream_takes_every_workers_order():
+    # a worker holding some parameters only (expert parallelism) takes a subsequence of the
+    # load's order; merged by first sight, [a, c] and [a, b, c] would put b after c, and the
+    # second worker would find c released behind it
+    from shardload.pieces.stream import piece_units, stream_units
+    from shardload.readplan import PieceRead, ReadPlan, Run
+
+    def plan(rank, names):
+        run = (Run(0, 0, 1, 1, 1, 0, 1),)
+        return ReadPlan(rank, 2, ({"object": {}},), tuple(
+            PieceRead(n, (1,), "uint8", run, False, None, None, False) for n in names))
+
+    plans = [plan(0, ["a", "c", "e"]), plan(1, ["a", "b", "c", "d", "e"])]
+    names, _ = stream_units(plans)
+    assert names == ["a", "b", "c", "d", "e"]
+    plans = [plan(0, ["x", "e0", "e2", "y"]), plan(1, ["x", "e1", "e3", "y"])]
+    names, _ = stream_units(plans)
+    assert names.index("y") > max(names.index(e) for e in ("e0", "e1", "e2", "e3"))
+    assert names[0] == "x"
+    with pytest.raises(ValueError, match="contradict"):
+        stream_units([plan(0, ["a", "b"]), plan(1, ["b", "a"])])
+    with pytest.raises(ValueError, match="not in the stream's order"):
+        piece_units(plan(0, ["b", "a"]), ["a", "b"])
+
+
+@pytest.mark.parametrize("kind", [ThreadedSession, ProcessSession])
+def test_experts_placed_on_some_workers_stream_through_a_small_window(env, kind, tmp_path,
+                                                                      monkeypatch):
+    import json
+
+    monkeypatch.setenv("SHARDLOAD_OBJECT_WINDOW_MB", "4")   # two tensors: releases all along
+    rng = np.random.default_rng(7)
+    data, placement, plan = {}, {}, {}
+    for layer in range(4):
+        data[f"l{layer}.attn"] = rng.standard_normal((ROWS, COLS), dtype=np.float32)
+        plan[f"l{layer}.attn"] = [["shardload.split", [["num_shards", f"{ROWS} // num_shards",
+                                                         COLS], "float32"], 0]]
+        for e in range(4):
+            data[f"l{layer}.e{e}"] = rng.standard_normal((ROWS, COLS), dtype=np.float32)
+            placement[f"l{layer}.e{e}"] = [e % 2]
+    plan["__placement__"] = {"num_shards": 2, "params": placement}
+    save_file(data, str(tmp_path / "model.safetensors"))
+    (tmp_path / "shard_info.json").write_text(json.dumps(plan))
+    try:
+        env.make_bucket(BUCKET)
+    except Exception:  # noqa: BLE001 - made by another test
+        pass
+    for name in ("model.safetensors", "shard_info.json"):
+        env.put(BUCKET, f"experts/{name}", (tmp_path / name).read_bytes())
+    with kind(2) as sess:
+        local = load_sharded(str(tmp_path), None, sess, progress=False)
+        remote = load_sharded(env.url(BUCKET, "experts/"), None, sess, progress=False)
+        for i in range(2):
+            a, b = local.worker(i), remote.worker(i)
+            assert a.keys() == b.keys() and len(a) == 4 + 8
+            for name in a:
+                assert torch.equal(a[name], b[name]), (i, name)
