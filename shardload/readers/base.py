@@ -177,12 +177,6 @@ class Checkpoint(abc.ABC):
         index (``ObjectBytes``: the caller closes them)."""
         return self.sources(), {}
 
-    def fetch_bytes(self, index: int, spans, alive=None) -> int:
-        """Make the ``[begin, end)`` byte ``spans`` of source ``index`` present before they
-        are copied (an object's are fetched; a file's and memory's are there). Returns the
-        bytes fetched from object storage."""
-        return 0
-
     def _source_index(self) -> dict[str, int]:
         cached = getattr(self, "_source_indices", None)
         if cached is None:

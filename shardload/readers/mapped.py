@@ -252,16 +252,6 @@ class MappedCheckpoint(Checkpoint):
             raise
         return sources, made
 
-    def fetch_bytes(self, index: int, spans, alive=None) -> int:
-        """Make the ``[begin, end)`` byte spans of source ``index`` present before they are
-        copied: nothing to do for a file (the kernel pages it in); ranged GETs of what is
-        missing for an object (``alive()`` is called while waiting on another thread's).
-        Returns the bytes fetched from object storage."""
-        remote = self._remote[index]
-        if remote is None:
-            return 0
-        return remote.need_spans(spans, alive)
-
     def on_close(self, callback) -> None:
         """Call ``callback()`` when this checkpoint is closed, after its mappings."""
         self._closers.append(callback)
