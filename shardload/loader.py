@@ -254,7 +254,6 @@ def _object_streams(source: Checkpoint, plans: dict[int, ReadPlan], here: set,
                      else plan for i, plan in plans.items()}
         stream = ObjectStream(into, stream_units([plans[i] for i in ranks]), len(ranks),
                               shared=bool(shared))
-        stack.callback(stream.close_control)
         stack.callback(stream.close)
         streams.append(stream)
         for slot, i in enumerate(ranks):

@@ -30,7 +30,7 @@ from ..staging import Pipeline, Staging
 from .chains import run_steps
 from .reads import (PageReleases, Readahead, SourceViews, copy_runs, count_read, new_piece,
                     piece_spans, read_runs, source_views)
-from .stream import Consumer, ObjectStream, attach_consumer, stream_units
+from .stream import worker_side
 from .sharing import SharedOutputs, local_for
 
 __all__ = ["LOAD_PIECES", "FETCH_PIECE", "RELEASE_LOADS", "read_piece", "load_pieces",
@@ -246,48 +246,6 @@ class _Books:
         self._ctx.progress(nbytes=nbytes)
 
 
-def _consumer(plan: ReadPlan, request: dict, local, stack: contextlib.ExitStack,
-              source: Optional[Checkpoint]) -> tuple[Checkpoint, Optional[Consumer]]:
-    """The worker's source and its side of the stream of object bytes it reads: the loader's
-    (in its process, or mapped from a worker process), or, where it cannot map that, a stream
-    of its own, over objects of its own (``stream.attach_consumer``). None where it reads no
-    object."""
-    if local is not None and plan.rank in local.consumers:
-        return source, local.consumers[plan.rank]
-    spec = request.get("stream")
-    if source is None:
-        from ..readers.mapped import open_sources
-
-        source = open_sources(list(plan.sources))
-        stack.callback(source.close)
-        if isinstance(spec, dict):
-            consumer = attach_consumer(spec, plan, source)
-            if consumer is not None:
-                stack.callback(consumer.control.close)
-                return source, consumer
-            if any(obj.borrowed for obj in source.object_bytes().values()):
-                # the loader's memory files without its counters: objects of its own
-                source = open_sources([_own(spec) for spec in plan.sources])
-                stack.callback(source.close)
-    objects = source.object_bytes()
-    if not objects:
-        return source, None
-    own = ObjectStream(objects, stream_units([plan]), 1)
-    consumer = own.consumer(0, plan)
-    stack.callback(own.close_control)
-    stack.callback(own.close)
-    own.start()
-    return source, consumer
-
-
-def _own(spec: dict) -> dict:
-    """A source spec without the loader's memory file (its object fetched here)."""
-    obj = spec.get("object")
-    if isinstance(obj, dict) and "shared" in obj:
-        return {**spec, "object": {k: v for k, v in obj.items() if k != "shared"}}
-    return spec
-
-
 @register_session_func(LOAD_PIECES)
 def load_pieces(ctx: WorkerContext, request: dict) -> dict:
     """Carry out ``request["plan"]`` (a ``ReadPlan`` as JSON) on this worker.
@@ -317,7 +275,10 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(gc_paused())  # a piece is a tensor the collector would walk
-        source, consumer = _consumer(plan, request, local, stack, source)
+        if local is not None and plan.rank in local.consumers:
+            consumer = local.consumers[plan.rank]
+        else:
+            source, consumer = worker_side(plan, request.get("stream"), source, stack)
         if consumer is not None:
             stack.callback(consumer.finish)  # done, failed or stopped: the stream moves on
         if local is not None:
@@ -343,13 +304,12 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
             current[0] = piece.name
             nbytes = piece.nbytes
             books.starting(piece, nbytes)  # and stops here if the load is stopping
-            if consumer is not None and not consumer.ready(j):
-                books.give_turn()  # never wait for bytes holding a turn another needs
-                current[0] = f"{piece.name} (waiting for its bytes from object storage)"
+            if consumer is not None:
+                if not consumer.ready(j):
+                    books.give_turn()  # never wait for bytes holding a turn another needs
+                    current[0] = f"{piece.name} (waiting for its bytes from object storage)"
                 consumer.at(j, waiting, stopped)
                 current[0] = piece.name
-            elif consumer is not None:
-                consumer.at(j, waiting, stopped)
             if direct_cpu and piece.chain is None:
                 # the common piece, read straight into its own new tensor: kept to the fewest
                 # calls, since a load of many small tensors is made of little else

@@ -43,7 +43,7 @@ from ..readplan import ReadPlan
 from ..sessions import Stopped
 
 __all__ = ["ObjectStream", "Consumer", "Control", "StreamFailed", "stream_units",
-           "attach_consumer", "DEFAULT_WINDOW_BYTES", "window_from_env", "WINDOW_ENV"]
+           "worker_side", "attach_consumer", "DEFAULT_WINDOW_BYTES", "window_from_env", "WINDOW_ENV"]
 
 #: the window's default: bytes of objects held at once by a load's process, besides what the
 #: workers keep (``$SHARDLOAD_OBJECT_WINDOW_MB``)
@@ -176,14 +176,11 @@ class Control:
     has one writer (the fetch thread, or one worker); readers poll."""
 
     def __init__(self, consumers: int, shared: bool):
+        from ..sources.sparse import memory_file
+
         size = 8 * (_HEADER + consumers)
-        self._fd = -1
-        if shared:
-            self._fd = os.memfd_create("shardload-stream", os.MFD_CLOEXEC)
-            os.ftruncate(self._fd, size)
-            self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED)
-        else:
-            self._map = mmap.mmap(-1, size)
+        self._fd, self._map = memory_file("shardload-stream", size) if shared \
+            else (-1, mmap.mmap(-1, size))
         self.consumers = consumers
         self.words = memoryview(self._map).cast("q")
         for k in range(consumers):
@@ -192,31 +189,23 @@ class Control:
     @classmethod
     def attach(cls, path: str, consumers: int) -> Optional["Control"]:
         """The loader's counters, mapped here; None where they cannot be."""
-        if not isinstance(path, str) or not path.startswith("/proc/") or \
-                type(consumers) is not int or not 0 < consumers < (1 << 20):
+        from ..sources.sparse import map_memory_file
+
+        if type(consumers) is not int or not 0 < consumers < (1 << 20):
             return None
-        size = 8 * (_HEADER + consumers)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
+        mapped = map_memory_file(path, 8 * (_HEADER + consumers))
+        if mapped is None:
             return None
-        try:
-            if os.fstat(fd).st_size != size:
-                return None
-            self = cls.__new__(cls)
-            self._fd = -1
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        except (OSError, ValueError):
-            return None
-        finally:
-            os.close(fd)
-        self.consumers = consumers
-        self.words = memoryview(self._map).cast("q")
+        self = cls.__new__(cls)
+        self._fd, self._map, self.consumers = -1, mapped, consumers
+        self.words = memoryview(mapped).cast("q")
         return self
 
     @property
     def path(self) -> Optional[str]:
-        return None if self._fd < 0 else f"/proc/{os.getpid()}/fd/{self._fd}"
+        from ..sources.sparse import memory_file_path
+
+        return None if self._fd < 0 else memory_file_path(self._fd)
 
     def position(self, slot: int) -> int:
         return self.words[_HEADER + slot]
@@ -309,16 +298,11 @@ class ObjectStream:
             words[_STATE] = CLOSED
         if not self.fetching:
             self._release(DONE)
+            self.control.close()   # else the thread still writes them: they go with it
 
     @property
     def fetching(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    def close_control(self) -> None:
-        """Unmap the counters, once the fetch thread is done with them (else they go with
-        the stream)."""
-        if not self.fetching:
-            self.control.close()
 
     # -- the fetch thread
 
@@ -391,14 +375,17 @@ class ObjectStream:
     def _fetch_batch(self, batch: "_Batch") -> None:
         try:
             for index, obj in self.objects.items():
-                wanted = [s for unit in self.units[batch.first:batch.end]
-                          for s in unit.get(index, ())]
+                wanted = self._spans(batch.first, batch.end, index)
                 if wanted and not self._stop.is_set():
                     batch.fetched += obj.need_spans(wanted)
         except BaseException as exc:  # noqa: BLE001 - raised by the fetch loop, in order
             batch.error = exc
         finally:
             batch.done.set()
+
+    def _spans(self, first: int, end: int, index: int) -> list:
+        """The wanted spans of source ``index`` in units ``[first, end)``."""
+        return [s for unit in self.units[first:end] for s in unit.get(index, ())]
 
     def _release(self, low: int) -> None:
         """Release the held batches every worker is past (those ending at or before unit
@@ -423,7 +410,7 @@ class ObjectStream:
                     into.add(b, e)
         for first, end, _ in done:
             for index, obj in self.objects.items():
-                wanted = [s for unit in self.units[first:end] for s in unit.get(index, ())]
+                wanted = self._spans(first, end, index)
                 if not wanted:
                     continue
                 # the gaps the client read through go with the spans around them
@@ -497,6 +484,46 @@ class Consumer:
         """This worker reads no more (done, failed or stopped)."""
         if self.control.words is not None:
             self.control.set_position(self.slot, DONE)
+
+
+def worker_side(plan: ReadPlan, spec: Optional[dict], source, stack
+                ) -> tuple[object, Optional[Consumer]]:
+    """A worker's source and its side of the stream of the object bytes it reads, where the
+    loader did not hand it one in its own process: the loader's stream (``spec``: a worker
+    process maps its memory files and counters), or, where it cannot map them, or is a rank
+    with no loader above it, a stream of its own over objects of its own. ``source`` is the
+    loader's checkpoint, or None for a worker process (its read plan's sources are opened
+    here). Closing is left to ``stack``. None where the plan reads no object."""
+    if source is None:
+        from ..readers.mapped import open_sources
+
+        source = open_sources(list(plan.sources))
+        stack.callback(source.close)
+        if isinstance(spec, dict):
+            consumer = attach_consumer(spec, plan, source)
+            if consumer is not None:
+                stack.callback(consumer.control.close)
+                return source, consumer
+            if any(obj.borrowed for obj in source.object_bytes().values()):
+                # the loader's memory files without its counters: objects of its own
+                source = open_sources([_unshared(s) for s in plan.sources])
+                stack.callback(source.close)
+    objects = source.object_bytes()
+    if not objects:
+        return source, None
+    own = ObjectStream(objects, stream_units([plan]), 1)
+    consumer = own.consumer(0, plan)
+    stack.callback(own.close)
+    own.start()
+    return source, consumer
+
+
+def _unshared(spec: dict) -> dict:
+    """A source spec without the loader's memory file (its object fetched here)."""
+    obj = spec.get("object")
+    if isinstance(obj, dict) and "shared" in obj:
+        return {**spec, "object": {k: v for k, v in obj.items() if k != "shared"}}
+    return spec
 
 
 def attach_consumer(spec: dict, plan: ReadPlan, source) -> Optional[Consumer]:

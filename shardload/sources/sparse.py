@@ -35,7 +35,8 @@ from typing import Callable, Iterable, Optional
 
 from .store import ObjectClient, ObjectInfo, coalesce, default_client
 
-__all__ = ["ObjectBytes", "Spans", "MAP_NORESERVE"]
+__all__ = ["ObjectBytes", "Spans", "MAP_NORESERVE", "memory_file", "memory_file_path",
+           "map_memory_file"]
 
 #: Linux's MAP_NORESERVE (Python's mmap module does not name it before 3.13): without it, the
 #: kernel's default overcommit heuristic refuses a mapping larger than memory and swap
@@ -121,6 +122,42 @@ def merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+def memory_file(name: str, size: int) -> tuple[int, mmap.mmap]:
+    """A new memory file (``memfd``) of ``size`` bytes, sparse, and its shared mapping: what
+    worker processes map too, through ``memory_file_path``."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)  # sparse: a page takes memory when bytes land in it
+        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def memory_file_path(fd: int) -> str:
+    """Where another process of this user opens this process's memory file ``fd``."""
+    return f"/proc/{os.getpid()}/fd/{fd}"
+
+
+def map_memory_file(path: object, size: int) -> Optional[mmap.mmap]:
+    """Another process's memory file (``memory_file_path``), mapped shared here, if it is one
+    of ``size`` bytes; None where it cannot be opened as that (the caller then does without)."""
+    if not isinstance(path, str) or not path.startswith("/proc/") or size <= 0:
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != size:
+            return None
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)  # the mapping holds the file
+
+
 class ObjectBytes:
     """One object's bytes in this process (see the module docstring). Thread-safe."""
 
@@ -169,14 +206,11 @@ class ObjectBytes:
                          ) -> "ObjectBytes":
         """The object's bytes in a memory file that worker processes map too (module
         docstring, 4), handed over as ``shared_spec()``."""
-        fd = os.memfd_create("shardload-object", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, info.size)  # sparse: a page takes memory when bytes land in it
-            obj = cls(info, client, _shared=(fd, False))
-            obj.map = mmap.mmap(fd, info.size, flags=mmap.MAP_SHARED) if info.size else None
-        except BaseException:
-            os.close(fd)
-            raise
+        if not info.size:
+            return cls(info, client)
+        fd, mapped = memory_file("shardload-object", info.size)
+        obj = cls(info, client, _shared=(fd, False))
+        obj.map = mapped
         return obj
 
     @property
@@ -189,26 +223,16 @@ class ObjectBytes:
         (``from_spec``)."""
         if self._fd < 0 or self._borrowed:
             return self.spec()
-        return {**self.spec(), "shared": f"/proc/{os.getpid()}/fd/{self._fd}"}
+        return {**self.spec(), "shared": memory_file_path(self._fd)}
 
     @classmethod
     def _borrow(cls, info: ObjectInfo, path: str) -> Optional["ObjectBytes"]:
         """The loader's memory file mapped here; None where it cannot be opened as that."""
-        if not path.startswith("/proc/") or not info.size:
+        mapped = map_memory_file(path, info.size)
+        if mapped is None:
             return None
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            if os.fstat(fd).st_size != info.size:
-                return None
-            obj = cls(info, None, _shared=(-1, True))
-            obj.map = mmap.mmap(fd, info.size, flags=mmap.MAP_SHARED)
-        except (OSError, ValueError):
-            return None
-        finally:
-            os.close(fd)  # the mapping holds the file
+        obj = cls(info, None, _shared=(-1, True))
+        obj.map = mapped
         return obj
 
     def need(self, begin: int, end: int, alive: Optional[Callable[[], None]] = None) -> int:
