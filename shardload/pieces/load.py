@@ -246,6 +246,25 @@ class _Books:
         self._ctx.progress(nbytes=nbytes)
 
 
+def _copy_parts(dst, parts, views: SourceViews, name: str, consumer, books: _Books,
+                current: list, waiting: Callable[[], None], stopped: Callable[[], bool]) -> int:
+    """Copy a piece streamed in parts (``Consumer.parts``), each once its unit is fetched:
+    the copy of the first parts overlaps the fetch of the rest."""
+    nread = 0
+    with copy_progress(waiting):
+        for unit, runs in parts:
+            if not consumer.fetched(unit):
+                books.give_turn()  # never wait for bytes holding a turn another needs
+                current[0] = f"{name} (waiting for its bytes from object storage)"
+                consumer.reach(unit, waiting, stopped)
+                current[0] = name
+                books.take_turn()
+            else:
+                consumer.reach(unit, waiting, stopped)  # past the units before it
+            nread += copy_runs(dst, runs, views, name)
+    return nread
+
+
 @register_session_func(LOAD_PIECES)
 def load_pieces(ctx: WorkerContext, request: dict) -> dict:
     """Carry out ``request["plan"]`` (a ``ReadPlan`` as JSON) on this worker.
@@ -304,18 +323,23 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
             current[0] = piece.name
             nbytes = piece.nbytes
             books.starting(piece, nbytes)  # and stops here if the load is stopping
-            if consumer is not None:
+            direct = direct_cpu and piece.chain is None
+            parts = consumer.parts(j, piece) if consumer is not None and direct else None
+            if consumer is not None and parts is None:
                 if not consumer.ready(j):
                     books.give_turn()  # never wait for bytes holding a turn another needs
                     current[0] = f"{piece.name} (waiting for its bytes from object storage)"
                 consumer.at(j, waiting, stopped)
                 current[0] = piece.name
-            if direct_cpu and piece.chain is None:
+            if direct:
                 # the common piece, read straight into its own new tensor: kept to the fewest
                 # calls, since a load of many small tensors is made of little else
                 books.take_turn()  # no waiting on other workers while holding it
                 tensor, dst = new_piece(piece.shape, piece.dtype, piece.zeros)
-                if nbytes > COPY_CHUNK_BYTES:
+                if parts is not None:  # a large piece of an object, copied as it arrives
+                    nread = _copy_parts(dst, parts, views, piece.name, consumer, books,
+                                        current, waiting, stopped)
+                elif nbytes > COPY_CHUNK_BYTES:
                     with copy_progress(waiting):  # a long copy reports progress too
                         nread = copy_runs(dst, piece.runs, views, piece.name)
                 else:

@@ -7,13 +7,17 @@ for itself where it cannot share the loader's):
 1. **Units.** Every worker's read plan takes the load's parameters in one order (each plan's
    pieces are a subsequence of it). A unit is one parameter: the union of every worker's byte
    spans of it, per object source (``stream_units``). Units without object bytes cost nothing.
+   A parameter of more than ``PART_BYTES`` in one object is cut, by position in the object,
+   into parts of about that size, one unit each (``split_runs`` cuts each worker's runs the
+   same way): a worker copies the first part of a 2 GB embedding while the rest arrives, and
+   the window need not hold it whole.
 2. **Fetch.** One thread fetches the units in that order, in batches of about
    ``batch_bytes`` (each a coalesced, concurrent set of GETs: ``ObjectBytes.need_spans``;
    ``IN_FLIGHT`` batches at once, settled in order), while the bytes held, from the first
    unit a worker still needs to the last fetched, stay within ``window`` bytes. The unit the slowest worker needs is fetched whatever its size:
    the bound is ``max(window, the largest batch)``.
-3. **Consume.** Before each piece a worker says which unit it is on (``Consumer.at``) and waits
-   until that unit is fetched. Every unit before the slowest worker's is done with: its bytes
+3. **Consume.** Before each piece, or each part of one, a worker says which unit it is on
+   (``Consumer.at``, ``Consumer.reach``) and waits until that unit is fetched. Every unit before the slowest worker's is done with: its bytes
    are released (pages freed, ``ObjectBytes.release``), except any a held unit still needs.
 4. **Shared.** The counters live in a small block of shared memory (``Control``): the state,
    the units fetched, the bytes fetched and each worker's unit. Worker processes map it, and
@@ -30,20 +34,23 @@ for itself where it cannot share the loader's):
 
 from __future__ import annotations
 
+import bisect
 import collections
 import heapq
 import mmap
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..errors import ShardloadError
-from ..readplan import ReadPlan
+from ..readplan import PieceRead, ReadPlan, Run
 from ..sessions import Stopped
 
-__all__ = ["ObjectStream", "Consumer", "Control", "StreamFailed", "stream_units",
-           "worker_side", "attach_consumer", "DEFAULT_WINDOW_BYTES", "window_from_env", "WINDOW_ENV"]
+__all__ = ["ObjectStream", "Consumer", "Control", "StreamFailed", "Units", "stream_units",
+           "piece_units", "split_runs", "worker_side", "attach_consumer", "DEFAULT_WINDOW_BYTES",
+           "PART_BYTES", "window_from_env", "WINDOW_ENV"]
 
 #: the window's default: bytes of objects held at once by a load's process, besides what the
 #: workers keep (``$SHARDLOAD_OBJECT_WINDOW_MB``)
@@ -53,6 +60,8 @@ WINDOW_ENV = "SHARDLOAD_OBJECT_WINDOW_MB"
 #: this many are fetched at once, so that one's slowest GET does not leave the pipe idle
 BATCH_BYTES = 64 << 20
 IN_FLIGHT = 2
+#: a parameter with more bytes than this in one object is streamed in parts of about this size
+PART_BYTES = 16 << 20
 #: seconds between looks at the counters, while waiting (a worker for bytes, the fetch for
 #: room in the window)
 POLL_S = 0.002
@@ -137,35 +146,126 @@ def _merged_order(plans: list[ReadPlan]) -> list[str]:
     return order
 
 
-def stream_units(plans: list[ReadPlan]) -> tuple[list[str], list[dict[int, list]]]:
-    """The load's units in the workers' order: their names, and each one's byte spans by
-    object source (unsorted, overlapping as the workers' are; empty for a unit no worker reads
-    from an object)."""
-    names = _merged_order(plans)
-    position = {name: k for k, name in enumerate(names)}
+@dataclass
+class Units:
+    """A load's units in the workers' order (``stream_units``): ``names[u]``, the parameter
+    unit ``u`` is (a part of); ``spans[u]``, its byte spans by object source (unsorted,
+    overlapping as the workers' are; empty for a unit no worker reads from an object);
+    ``first[name]``, a parameter's first unit; ``cuts[name]``, ``(source, offsets)`` for a
+    parameter streamed in parts (``split_runs``)."""
+
+    names: list[str]
+    spans: list[dict[int, list]]
+    first: dict[str, int]
+    cuts: dict[str, tuple[int, tuple[int, ...]]]
+
+
+def _cuts(plans: list[ReadPlan], part_bytes: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Where each parameter of more than ``part_bytes`` in one object is cut: every
+    ``part_bytes`` from the first byte any worker reads of it. A parameter read from several
+    objects stays whole."""
+    bounds: dict[str, dict[int, list[int]]] = {}
+    for plan in plans:
+        remote = _object_sources(plan)
+        for piece in plan.pieces:
+            for run in piece.runs:
+                if run.source in remote:
+                    lo = run.offset
+                    hi = lo + (run.count - 1) * (run.stride or run.nbytes) + run.nbytes
+                    b = bounds.setdefault(piece.name, {}).setdefault(run.source, [lo, hi])
+                    b[0], b[1] = min(b[0], lo), max(b[1], hi)
+    cuts = {}
+    for name, by_source in bounds.items():
+        if len(by_source) == 1:
+            (source, (lo, hi)), = by_source.items()
+            if hi - lo > part_bytes:
+                cuts[name] = (source, tuple(range(lo + part_bytes, hi, part_bytes)))
+    return cuts
+
+
+def split_runs(runs, source: int, cuts) -> list[list[Run]]:
+    """``runs`` cut at the byte offsets ``cuts`` of ``source``: one list per part, part ``k``
+    holding what ends before ``cuts[k]`` (and after the cut before it). A contiguous run is cut
+    at the offsets themselves; a run of several blocks between its blocks, each block going
+    to the part where it ends, so that a part fetched means its blocks are whole. Runs from
+    other sources go with the first part."""
+    parts: list[list[Run]] = [[] for _ in range(len(cuts) + 1)]
+    for run in runs:
+        if run.source != source:
+            parts[0].append(run)
+        elif run.count == 1:
+            begin, end = run.offset, run.offset + run.nbytes
+            k = bisect.bisect_right(cuts, begin)
+            while begin < end:
+                stop = min(end, cuts[k]) if k < len(cuts) else end
+                parts[k].append(Run(source, begin, stop - begin, 1, 0,
+                                    run.dst_offset + begin - run.offset, 0))
+                begin, k = stop, k + 1
+        else:
+            stride = run.stride or run.nbytes
+            dst_stride = run.dst_stride or run.nbytes
+            first = 0
+            for k in range(len(cuts) + 1):
+                # the blocks whose last byte lies before the cut: offset + r*stride + nbytes <= cut
+                last = run.count if k == len(cuts) else min(run.count, max(
+                    first, -(-(cuts[k] - run.offset - run.nbytes + 1) // stride)))
+                if last > first:
+                    parts[k].append(Run(source, run.offset + first * stride, run.nbytes,
+                                        last - first, run.stride,
+                                        run.dst_offset + first * dst_stride, run.dst_stride))
+                first = last
+    return parts
+
+
+def _piece_parts(piece: PieceRead, cut) -> list:
+    return [piece.runs] if cut is None else split_runs(piece.runs, cut[0], cut[1])
+
+
+def stream_units(plans: list[ReadPlan], part_bytes: Optional[int] = None) -> Units:
+    """The load's units (``Units``) for the workers of ``plans``, parameters cut in parts of
+    ``part_bytes`` (default ``PART_BYTES``)."""
+    order = _merged_order(plans)
+    cuts = _cuts(plans, PART_BYTES if part_bytes is None else part_bytes)
+    names: list[str] = []
+    first: dict[str, int] = {}
+    for name in order:
+        first[name] = len(names)
+        names.extend([name] * (len(cuts[name][1]) + 1 if name in cuts else 1))
     spans: list[dict[int, list]] = [{} for _ in names]
     for plan in plans:
         remote = _object_sources(plan)
         if not remote:
             continue
         for piece in plan.pieces:
-            out = spans[position[piece.name]]
-            for run in piece.runs:
-                if run.source in remote:
-                    out.setdefault(run.source, []).extend(_run_spans(run))
-    return names, spans
+            at = first[piece.name]
+            for k, runs in enumerate(_piece_parts(piece, cuts.get(piece.name))):
+                for run in runs:
+                    if run.source in remote:
+                        spans[at + k].setdefault(run.source, []).extend(_run_spans(run))
+    return Units(names, spans, first, cuts)
 
 
-def piece_units(plan: ReadPlan, names: list[str]) -> list[int]:
-    """Each piece's unit, or -1 for a piece that reads no object; rising (``_merged_order``)."""
-    position = {name: k for k, name in enumerate(names)}
+def piece_units(plan: ReadPlan, units: Units) -> tuple[list[int], list[int], dict[int, list]]:
+    """For each piece of ``plan``: its first and last unit (-1 for a piece that reads no
+    object; rising: ``_merged_order``), and, for a piece streamed in parts, its ``cuts``
+    (``{piece index: [source, offsets]}``)."""
     remote = _object_sources(plan)
-    units = [position[p.name] if any(r.source in remote for r in p.runs) else -1
-             for p in plan.pieces]
-    reading = [u for u in units if u >= 0]
-    if any(a >= b for a, b in zip(reading, reading[1:])):
+    firsts, lasts, cuts = [], [], {}
+    for j, piece in enumerate(plan.pieces):
+        if not any(r.source in remote for r in piece.runs):
+            firsts.append(-1)
+            lasts.append(-1)
+            continue
+        at = units.first[piece.name]
+        cut = units.cuts.get(piece.name)
+        firsts.append(at)
+        lasts.append(at + (len(cut[1]) if cut else 0))
+        if cut is not None:
+            cuts[j] = [cut[0], list(cut[1])]
+    reading = [(a, b) for a, b in zip(firsts, lasts) if a >= 0]
+    if any(b[0] <= a[1] for a, b in zip(reading, reading[1:])):
         raise ValueError(f"worker {plan.rank}'s pieces are not in the stream's order")
-    return units
+    return firsts, lasts, cuts
 
 
 # ---- the counters -------------------------------------------------------------------------------
@@ -239,15 +339,15 @@ class ObjectStream:
     that read them; ``shared``: whether worker processes map the counters; ``on_bytes(n)``:
     called with each batch's bytes (a progress bar)."""
 
-    def __init__(self, objects: dict, units: tuple[list[str], list[dict[int, list]]],
-                 consumers: int, *, window: Optional[int] = None, shared: bool = False,
+    def __init__(self, objects: dict, units: Units, consumers: int, *,
+                 window: Optional[int] = None, shared: bool = False,
                  on_bytes: Optional[Callable[[int], None]] = None):
         from ..sources.sparse import merged
 
         self.objects = objects
-        self.names, spans = units
+        self.layout = units
         self.units = [{k: merged(v) for k, v in unit.items() if k in objects}
-                      for unit in spans]
+                      for unit in units.spans]
         self.unit_bytes = [sum(e - b for v in unit.values() for b, e in v)
                            for unit in self.units]
         self.window = window_from_env() if window is None else int(window)
@@ -278,12 +378,14 @@ class ObjectStream:
 
     def consumer(self, slot: int, plan: ReadPlan) -> "Consumer":
         """Worker ``slot``'s side, in this process."""
-        return Consumer(self.control, slot, piece_units(plan, self.names), self)
+        return Consumer(self.control, slot, *piece_units(plan, self.layout), stream=self)
 
     def spec(self, slot: int, plan: ReadPlan) -> dict:
         """Worker ``slot``'s side, for a worker process (JSON; ``attach_consumer``)."""
+        firsts, lasts, cuts = piece_units(plan, self.layout)
         return {"control": self.control.path, "consumers": self.control.consumers,
-                "slot": slot, "units": piece_units(plan, self.names)}
+                "slot": slot, "units": firsts, "last": lasts,
+                "cuts": {str(j): cut for j, cut in cuts.items()}}
 
     def close(self) -> None:
         """Stop fetching and release every byte still held. A GET in flight is not waited
@@ -435,34 +537,55 @@ class _Batch:
 
 class Consumer:
     """One worker's side of a stream: ``at(j)`` before piece ``j`` (waits until its bytes are
-    fetched), ``finish()`` when done (or failed)."""
+    fetched), or, for a piece streamed in parts, ``parts(j, piece)`` and ``reach(unit)``
+    before each part; ``finish()`` when done (or failed)."""
 
-    def __init__(self, control: Control, slot: int, units: list[int],
-                 stream: Optional[ObjectStream] = None):
-        self.control, self.slot, self.units = control, slot, units
+    def __init__(self, control: Control, slot: int, units: list[int], last: list[int],
+                 cuts: dict, stream: Optional[ObjectStream] = None):
+        self.control, self.slot = control, slot
+        self.units, self.last, self.cuts = units, last, cuts
         self._stream = stream   # in this process: its error is raised as it is
         self.waited = 0.0
         control.set_position(slot, next((u for u in units if u >= 0), DONE))
 
     def ready(self, j: int) -> bool:
-        unit = self.units[j]
-        return unit < 0 or self.control.words[_FETCHED] > unit
+        """Whether all of piece ``j``'s bytes are fetched."""
+        return self.last[j] < 0 or self.control.words[_FETCHED] > self.last[j]
+
+    def fetched(self, unit: int) -> bool:
+        return self.control.words[_FETCHED] > unit
+
+    def parts(self, j: int, piece: PieceRead) -> Optional[list[tuple[int, list[Run]]]]:
+        """Piece ``j``'s runs by unit, ``[(unit, runs), ...]`` in order, for a piece streamed in
+        parts; None for a piece in one unit (or none)."""
+        cut = self.cuts.get(j)
+        if cut is None:
+            return None
+        first = self.units[j]
+        return [(first + k, runs) for k, runs in enumerate(split_runs(piece.runs, *cut))
+                if runs]
 
     def at(self, j: int, alive: Callable[[], None], stopped: Callable[[], bool]) -> None:
-        """Piece ``j`` is next: this worker is done with the units before its own; wait until
-        its unit is fetched. ``alive()`` is called while the load moves."""
-        unit = self.units[j]
-        if unit < 0:
-            return
+        """Piece ``j`` is next: this worker is done with the units before its first; wait
+        until all of its units are fetched. ``alive()`` is called while the load moves."""
+        if self.units[j] >= 0:
+            self._wait(self.units[j], self.last[j], alive, stopped)
+
+    def reach(self, unit: int, alive: Callable[[], None], stopped: Callable[[], bool]) -> None:
+        """This worker is done with the units before ``unit``; wait until it is fetched."""
+        self._wait(unit, unit, alive, stopped)
+
+    def _wait(self, at: int, until: int, alive: Callable[[], None],
+              stopped: Callable[[], bool]) -> None:
         words = self.control.words
-        if words[_HEADER + self.slot] != unit:
-            words[_HEADER + self.slot] = unit
-        if words[_FETCHED] > unit:
+        if words[_HEADER + self.slot] != at:
+            words[_HEADER + self.slot] = at
+        if words[_FETCHED] > until:
             return
         start = time.perf_counter()
         pause = POLL_S
         seen = None
-        while words[_FETCHED] <= unit:
+        while words[_FETCHED] <= until:
             state = words[_STATE]
             if state == FAILED:
                 if self._stream is not None and self._stream.error is not None:
@@ -533,13 +656,34 @@ def attach_consumer(spec: dict, plan: ReadPlan, source) -> Optional[Consumer]:
     control = Control.attach(spec.get("control"), spec.get("consumers"))
     if control is None:
         return None
-    slot, units = spec.get("slot"), spec.get("units")
-    ok = (type(slot) is int and 0 <= slot < control.consumers and isinstance(units, list)
-          and len(units) == len(plan.pieces) and all(type(u) is int for u in units))
+    slot, units, last = spec.get("slot"), spec.get("units"), spec.get("last")
+    cuts = _spec_cuts(spec.get("cuts"), len(plan.pieces))
+
+    def ints(values) -> bool:
+        return (isinstance(values, list) and len(values) == len(plan.pieces)
+                and all(type(u) is int for u in values))
+
+    ok = (type(slot) is int and 0 <= slot < control.consumers and ints(units) and ints(last)
+          and cuts is not None)
     borrowed = all(obj.borrowed for obj in source.object_bytes().values())
     if not ok or not borrowed:
         if type(slot) is int and 0 <= slot < control.consumers:
             control.set_position(slot, DONE)
         control.close()
         return None
-    return Consumer(control, slot, units)
+    return Consumer(control, slot, units, last, cuts)
+
+
+def _spec_cuts(cuts, pieces: int) -> Optional[dict]:
+    """A spec's ``{"j": [source, offsets]}`` as ``{j: (source, offsets)}``; None if it is not
+    that."""
+    if not isinstance(cuts, dict):
+        return None
+    out = {}
+    for key, cut in cuts.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < pieces
+                and isinstance(cut, list) and len(cut) == 2 and type(cut[0]) is int
+                and isinstance(cut[1], list) and all(type(c) is int for c in cut[1])):
+            return None
+        out[int(key)] = (cut[0], tuple(cut[1]))
+    return out
