@@ -4,7 +4,8 @@ shardload against the Run:ai Model Streamer, all reading from the same local emu
 the server sent, wall time, and the peak host memory of the loader's whole process tree.
 
     python benchmarks/bench_objects.py [--schemes s3,gs] [--size-gb 1.0] [--shards 1,2,4,8]
-                                       [--runs 2] [--window-mb M] [--json F]
+                                       [--runs 2] [--window-mb M] [--overlap] [--link-mbps R]
+                                       [--json F]
 
 1. Writes (once, cached under ``--dir``, outside the repository) the synthetic GPTQ Llama
    checkpoint of ``bench_load.py`` at ``--size-gb``. For each scheme, starts that scheme's
@@ -19,7 +20,16 @@ the server sent, wall time, and the peak host memory of the loader's whole proce
                           ``SafetensorsStreamer`` (``runai-model-streamer-s3`` / ``-gcs``) and
                           keeping its slice of every tensor: what each rank of vLLM's
                           ``--load-format runai_streamer`` does (s3 and gs only).
-   and measures, from the go to the loader's answer: the wall time; the bytes the server sent
+   With ``--overlap``, also the two halves a streamed load overlaps:
+   ``fetch-only``         shardload's client fetching the whole file into memory (the GETs of
+                          a load, nothing copied);
+   ``local-thread``, ``local-process``  the same loads from the checkpoint's local folder
+                          (page cache warm),
+   and reads each shardload load's time against them: ``max(fetch, local)`` is what a load that
+   overlaps fetching and copying completely takes, ``fetch + local`` one that does them in turn.
+   ``--link-mbps`` sends the server's answers through one link of that bandwidth (the proxy
+   paces them), as from a cloud: the fetch waits on the link, not on the cores.
+   Every measured load runs, from the go to the loader's answer: the wall time; the bytes the server sent
    for the safetensors file (counted at the proxy, per key) and its GETs; the memory of the
    loader's process tree (the loader and all its descendants), sampled here every
    ``--sample-ms`` (``TreeSampler``): the peak of the summed ``RssAnon + RssShmem`` of
@@ -58,6 +68,9 @@ SCRIPT = os.path.abspath(__file__)
 BUCKET = "bench"
 PREFIX = "ckpt/"
 METHODS = ("shardload-thread", "shardload-process", "runai-streamer")
+#: the two halves an object load overlaps, measured with ``--overlap``: fetching alone, and the
+#: same load from the local folder
+HALVES = ("fetch-only", "local-thread", "local-process")
 SCHEMES = ("s3", "gs", "az")
 #: the Run:ai backend module each scheme needs (Azure: not measured here, see the README)
 RUNAI_BACKENDS = {"s3": "runai_model_streamer_s3", "gs": "runai_model_streamer_gcs"}
@@ -265,6 +278,9 @@ def server_main(scheme: str) -> int:
                     srv.put(bucket, key, data)
                     del data
                     say(out, ok=True)
+                elif cmd == "link":
+                    srv.set_link(float(args[0]))
+                    say(out, ok=True)
                 elif cmd == "reset":
                     srv.reset_counts()
                     say(out, ok=True)
@@ -447,6 +463,8 @@ def load_main(method: str, n: int, url: str, runai_python: str) -> int:
     try:
         if method == "runai-streamer":
             return runai_load(n, url, runai_python, out)
+        if method == "fetch-only":
+            return fetch_only(url, out)
         return shardload_load(method, n, url, out)
     except BaseException as exc:  # noqa: BLE001 - said to the harness, then raised
         say(out, error=f"{type(exc).__name__}: {exc}")
@@ -456,7 +474,8 @@ def load_main(method: str, n: int, url: str, runai_python: str) -> int:
 def shardload_load(method: str, n: int, url: str, out) -> int:
     from shardload import ProcessSession, ThreadedSession, load_sharded
 
-    session = (ThreadedSession if method == "shardload-thread" else ProcessSession)(n)
+    threads = method in ("shardload-thread", "local-thread")
+    session = (ThreadedSession if threads else ProcessSession)(n)
     with session:
         say(out, ready=True)
         if sys.stdin.readline().strip() != "go":
@@ -468,6 +487,29 @@ def shardload_load(method: str, n: int, url: str, out) -> int:
         say(out, seconds=seconds, kept=sum(per_worker), kept_per_worker=per_worker)
         sys.stdin.readline()  # "exit", or the harness gone
         del sharded
+    return 0
+
+
+def fetch_only(url: str, out) -> int:
+    """The object's bytes fetched into memory by shardload's client (its GETs, in place, on
+    its threads), nothing else done with them."""
+    import mmap
+
+    from shardload.sources.store import default_client
+
+    client = default_client()
+    say(out, ready=True)
+    if sys.stdin.readline().strip() != "go":
+        return 1
+    start = time.perf_counter()
+    info = client.head(url)
+    held = mmap.mmap(-1, max(1, info.size))
+    with memoryview(held) as into:
+        client.fetch(info, [(0, info.size)], into=into)
+    seconds = time.perf_counter() - start
+    say(out, seconds=seconds, kept=0, kept_per_worker=[])
+    sys.stdin.readline()
+    held.close()
     return 0
 
 
@@ -531,6 +573,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--window-mb", type=float, default=None,
                     help=f"shardload's object window, passed as ${WINDOW_ENV}")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also measure fetch-only and the local load, and read each load's "
+                    "time against them")
+    ap.add_argument("--link-mbps", type=float, default=0.0,
+                    help="the server's answers share one link of this many MB/s (default: "
+                    "as fast as the machine)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dir", default=None, help="where the checkpoint is cached "
                     "(default ~/.cache/shardload-bench)")
@@ -594,10 +642,11 @@ def loader_env(server: ServerProcess, args: argparse.Namespace) -> dict:
 
 
 def measure(server: ServerProcess, env: dict, method: str, n: int, args: argparse.Namespace,
-            runai_python: str, key: str) -> dict:
+            runai_python: str, key: str, local: str) -> dict:
     """One load in a fresh loader process: its record (``failed`` with the reason if it
     failed)."""
-    url = server.url(key) if method == "runai-streamer" else server.url(PREFIX)
+    url = (server.url(key) if method in ("runai-streamer", "fetch-only") else
+           local if method.startswith("local-") else server.url(PREFIX))
     proc = spawn([sys.executable, SCRIPT, "--_load", method, str(n), url,
                   "--runai-python", runai_python], env=env)
     lines = Lines(proc, f"{method} N={n}")
@@ -676,6 +725,23 @@ def print_table(rows: list[dict], file_bytes: int) -> None:
               + (f"  ({r['failed_runs']} failed)" if r["failed_runs"] else ""))
 
 
+def print_overlap(rows: list[dict]) -> None:
+    """Each shardload load's time against its halves: ``/max`` near 1 is a load that fetches
+    and copies at once; ``/sum`` near 1 one that does them in turn."""
+    by = {(r["scheme"], r["method"], r["n"]): r["seconds"] for r in rows}
+    print(f"{'scheme':6s} {'method':17s} {'N':>2s} {'time s':>7s} {'fetch s':>7s} "
+          f"{'local s':>7s} {'/max':>6s} {'/sum':>6s}")
+    for (scheme, method, n), seconds in by.items():
+        if not method.startswith("shardload-") or seconds is None:
+            continue
+        fetch = by.get((scheme, "fetch-only", n))
+        local = by.get((scheme, method.replace("shardload-", "local-"), n))
+        if fetch is None or local is None:
+            continue
+        print(f"{scheme:6s} {method:17s} {n:2d} {seconds:7.2f} {fetch:7.2f} {local:7.2f} "
+              f"{seconds / max(fetch, local):6.2f} {seconds / (fetch + local):6.2f}")
+
+
 def harness(args: argparse.Namespace) -> int:
     from shardbench.checkpoints import (MODEL_FILE, PLAN_FILE, choose_geometry, default_dir,
                                         ensure_checkpoint)
@@ -683,8 +749,10 @@ def harness(args: argparse.Namespace) -> int:
     schemes = [s for s in args.schemes.split(",") if s]
     methods = [m for m in args.methods.split(",") if m]
     for bad in [s for s in schemes if s not in SCHEMES] + [m for m in methods
-                                                          if m not in METHODS]:
+                                                          if m not in METHODS + HALVES]:
         raise SystemExit(f"unknown scheme or method {bad!r}")
+    if args.overlap:
+        methods += [m for m in HALVES if m not in methods]
     shards = [int(x) for x in args.shards.split(",")]
     runai_python = args.runai_python or default_runai_python()
     geom = choose_geometry(args.size_gb)
@@ -724,13 +792,17 @@ def harness(args: argparse.Namespace) -> int:
                 log(f"{scheme}: skipped: the upload failed: {exc}")
                 continue
             env = loader_env(server, args)
-            log(f"{scheme}: server {server.endpoint}")
+            if args.link_mbps:
+                server.ask("link", args.link_mbps * MB)
+            log(f"{scheme}: server {server.endpoint}"
+                + (f", link {args.link_mbps:g} MB/s" if args.link_mbps else ""))
             for n in shards:
                 for r in range(args.runs):
                     k = r % len(here)
                     for method in here[k:] + here[:k]:
                         rec = {"scheme": scheme, "method": method, "n": n, "run": r + 1,
-                               **measure(server, env, method, n, args, runai_python, key)}
+                               **measure(server, env, method, n, args, runai_python, key,
+                                          folder)}
                         records.append(rec)
                         if "failed" in rec:
                             log(f"  {scheme} N={n} run {r + 1} {method:17s} FAILED: "
@@ -743,15 +815,18 @@ def harness(args: argparse.Namespace) -> int:
                                 f"{rec['kept_bytes'] / MB:8.1f} MB")
     rows = summarize(records)
     print(f"file {file_bytes / MB:.1f} MB; medians of {args.runs} run(s); window "
-          f"{'unset' if args.window_mb is None else f'{args.window_mb:g} MiB'}")
+          f"{'unset' if args.window_mb is None else f'{args.window_mb:g} MiB'}; link "
+          f"{f'{args.link_mbps:g} MB/s' if args.link_mbps else 'unlimited'}")
     print_table(rows, file_bytes)
+    if args.overlap:
+        print_overlap(rows)
     for what, why in skipped.items():
         print(f"skipped {what}: {why}")
     if args.json:
         report = {
             "size_gb": args.size_gb, "file_bytes": file_bytes, "tensors": geom.tensors,
             "checkpoint": folder, "schemes": schemes, "methods": methods, "shards": shards,
-            "runs": args.runs, "window_mb": args.window_mb,
+            "runs": args.runs, "window_mb": args.window_mb, "link_mbps": args.link_mbps,
             "object_settings": {k: v for k, v in os.environ.items()
                                 if k.startswith("SHARDLOAD_OBJECT_")} | (
                 {WINDOW_ENV: f"{args.window_mb:g}"} if args.window_mb is not None else {}),

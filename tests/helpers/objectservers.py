@@ -104,6 +104,28 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transf
                          "te", "trailer", "upgrade", "content-length"})
 
 
+# -- a network link of a set bandwidth --------------------------------------------------------
+
+class _Link:
+    """The proxy's answers share one link of ``rate`` bytes a second (0: as fast as the
+    machine): each part of a body waits for its turn on the link, first come first served, so
+    that a benchmark can load as from a cloud's bandwidth, with the cores free to copy."""
+
+    def __init__(self) -> None:
+        self.rate = 0.0
+        self._lock = threading.Lock()
+        self._free_at = 0.0   # when the link has sent everything taken so far
+
+    def take(self, nbytes: int) -> None:
+        if self.rate <= 0:
+            return
+        with self._lock:
+            start = max(time.monotonic(), self._free_at)
+            self._free_at = start + nbytes / self.rate
+            done = self._free_at
+        time.sleep(max(0.0, done - time.monotonic()))
+
+
 # -- fault rules and the request log ----------------------------------------------------------
 
 @dataclass
@@ -318,6 +340,7 @@ class _Handler(BaseHTTPRequestHandler):
             # in parts, so that a client that goes away mid-body is counted as far as it got
             view = memoryview(out)
             while written < len(out):
+                owner._link.take(min(SEND_PART, len(out) - written))
                 self.wfile.write(view[written:written + SEND_PART])
                 written = min(len(out), written + SEND_PART)
             self.wfile.flush()
@@ -474,6 +497,7 @@ class ObjectServer:
         self._faults: list[Fault] = []
         self._log: list[Request] = []
         self._generation = 0
+        self._link = _Link()
         self._tmp: Optional[str] = None
         self.upstream_host = "127.0.0.1"
         self.upstream_port = 0
@@ -657,6 +681,10 @@ class ObjectServer:
         with self._lock:
             self._log.clear()
             self._generation += 1
+
+    def set_link(self, bytes_per_s: float) -> None:
+        """Send every answer's body through one link of this bandwidth (0: unlimited)."""
+        self._link.rate = float(bytes_per_s)
 
     # -- faults -----------------------------------------------------------------------------
 
