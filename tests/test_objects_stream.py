@@ -174,6 +174,49 @@ def test_peak_memory_is_kept_plus_the_window(env, request, size, kind):
 
 # ---- seen while it happens: the watchdog, a failed fetch, the bar ------------------------------
 
+def test_each_torchrun_rank_streams_within_the_window(env, large, tmp_path, monkeypatch):
+    # a torchrun rank is a loader of its own: it streams its own spans through its own window,
+    # and grows by what it keeps plus at most the window (each rank measures itself). Each
+    # keeps 48 MiB of rows and reads 48 MiB: fetched whole before copying, a rank would grow
+    # by 96 MiB, over the bound of 1.1 x (48 + 4) + 24 = 81 MiB
+    import json
+    import subprocess
+    import sys
+
+    window_mb = 4
+    monkeypatch.setenv("SHARDLOAD_OBJECT_WINDOW_MB", str(window_mb))
+
+    url, _ = large
+    folder = tmp_path / "local"
+    folder.mkdir()
+    for name in ("model.safetensors", "shard_info.json"):
+        key = url.split(f"{BUCKET}/", 1)[1] + name
+        (folder / name).write_bytes(_get(env, key))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run_env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    run_env["PYTHONPATH"] = os.pathsep.join([repo, os.path.join(repo, "tests")])
+    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", "-m", "helpers.object_rank_job", url,
+                          str(folder), str(tmp_path)], capture_output=True, text=True,
+                         timeout=300, cwd=repo, env=run_env)
+    assert job.returncode == 0, job.stderr[-3000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["equal"], rank
+        bound = 1.1 * (result["kept"] + window_mb * MIB) + SLACK
+        assert result["grew"] <= bound, (rank, result["grew"] / MIB, bound / MIB)
+        print(f"rank {rank}: kept {result['kept'] / MIB:.0f} MiB, grew "
+              f"{result['grew'] / MIB:.0f} MiB (bound {bound / MIB:.0f})")
+
+
+def _get(server, key: str) -> bytes:
+    """An object's bytes (the local copy a test compares with)."""
+    client = store.default_client()
+    info = client.head(server.url(BUCKET, key))
+    return client.get_bytes(info, 0, info.size)
+
+
 @pytest.mark.parametrize("kind", [ThreadedSession, ProcessSession])
 def test_a_fetch_that_stops_is_a_stall_the_watchdog_names(env, small, kind):
     from shardload import WorkerError
