@@ -349,6 +349,27 @@ def pss_bytes(pid: int) -> int:
     return total
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """The CPU time (user + system, all threads) the processes ``pids`` have used so far."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])   # utime, stime (fields 14, 15)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy() -> float:
+    """CPU seconds every core of the machine has been busy, since boot (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)   # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def comm(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/comm") as f:
@@ -657,8 +678,13 @@ def measure(server: ServerProcess, env: dict, method: str, n: int, args: argpars
         server.reset()
         sampler = TreeSampler(proc.pid, args.sample_ms / 1000)
         base, base_pss = sampler.begin()
+        servers = tree(server.proc.pid)
+        cpu0 = cpu_seconds(sampler.pids) + cpu_seconds(servers)
+        busy0, wall0 = machine_busy(), time.monotonic()
         send(proc, "go")
         result = lines.json(args.timeout)
+        busy, wall = machine_busy() - busy0, time.monotonic() - wall0
+        cpu = cpu_seconds(tree(proc.pid)) + cpu_seconds(servers) - cpu0
         end_rss, end_pss = sampler.end()
         counts = server.counts(key)
         send(proc, "exit")
@@ -669,7 +695,8 @@ def measure(server: ServerProcess, env: dict, method: str, n: int, args: argpars
                 "base_pss_bytes": base_pss, "peak_pss_bytes": sampler.pss_peak,
                 "end_pss_bytes": end_pss, "processes": len(sampler.pids),
                 "peak_processes": sampler.peak_processes, "samples": sampler.samples,
-                "pss_samples": sampler.pss_samples}
+                "pss_samples": sampler.pss_samples, "cpu_seconds": cpu,
+                "machine_busy": busy / (wall * (os.cpu_count() or 1))}
     except (RuntimeError, TimeoutError, OSError) as exc:
         grace = 0.0  # a failed load's processes may still be busy: killed at once
         return {"failed": str(exc)}
@@ -700,7 +727,7 @@ def summarize(records: list[dict]) -> list[dict]:
         row["failed_runs"] = len(row["runs"]) - len(ok)
         for field in ("seconds", "sent_bytes", "sent_total_bytes", "gets", "kept_bytes",
                       "base_bytes", "peak_bytes", "end_bytes", "base_pss_bytes",
-                      "peak_pss_bytes", "end_pss_bytes"):
+                      "peak_pss_bytes", "end_pss_bytes", "cpu_seconds", "machine_busy"):
             row[field] = median(ok, field)
         out.append(row)
     return out
@@ -728,18 +755,25 @@ def print_table(rows: list[dict], file_bytes: int) -> None:
 def print_overlap(rows: list[dict]) -> None:
     """Each shardload load's time against its halves: ``/max`` near 1 is a load that fetches
     and copies at once; ``/sum`` near 1 one that does them in turn."""
-    by = {(r["scheme"], r["method"], r["n"]): r["seconds"] for r in rows}
+    by = {(r["scheme"], r["method"], r["n"]): r for r in rows if r["seconds"] is not None}
+    cores = os.cpu_count() or 1
     print(f"{'scheme':6s} {'method':17s} {'N':>2s} {'time s':>7s} {'fetch s':>7s} "
-          f"{'local s':>7s} {'/max':>6s} {'/sum':>6s}")
-    for (scheme, method, n), seconds in by.items():
-        if not method.startswith("shardload-") or seconds is None:
+          f"{'local s':>7s} {'/max':>6s} {'/sum':>6s} {'cpu s':>6s} {'fetch+local cpu s':>17s} "
+          f"{'busy':>5s}")
+    for (scheme, method, n), row in by.items():
+        if not method.startswith("shardload-"):
             continue
         fetch = by.get((scheme, "fetch-only", n))
         local = by.get((scheme, method.replace("shardload-", "local-"), n))
         if fetch is None or local is None:
             continue
-        print(f"{scheme:6s} {method:17s} {n:2d} {seconds:7.2f} {fetch:7.2f} {local:7.2f} "
-              f"{seconds / max(fetch, local):6.2f} {seconds / (fetch + local):6.2f}")
+        t, f, lo = row["seconds"], fetch["seconds"], local["seconds"]
+        print(f"{scheme:6s} {method:17s} {n:2d} {t:7.2f} {f:7.2f} {lo:7.2f} "
+              f"{t / max(f, lo):6.2f} {t / (f + lo):6.2f} {row['cpu_seconds']:6.2f} "
+              f"{fetch['cpu_seconds'] + local['cpu_seconds']:17.2f} "
+              f"{row['machine_busy']:5.0%}")
+    print(f"(cpu s: the loader's and the server's processes, user + system; busy: the share "
+          f"of the machine's {cores} cores busy during the load, whoever used them)")
 
 
 def harness(args: argparse.Namespace) -> int:
