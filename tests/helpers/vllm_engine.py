@@ -39,7 +39,8 @@ def vllm_python() -> str:
 
     root = Path(os.environ.get("SHARDLOAD_CACHE") or Path.home() / ".cache" / "shardload")
     python = os.environ.get("SHARDLOAD_VLLM_PYTHON") or str(root / "vllm-venv" / "bin" / "python")
-    if not os.path.exists(python):
+    # the script writes ``ready`` beside bin/ last: a half-made environment is not taken
+    if not (Path(python).parent.parent / "ready").exists():
         why = f"no vLLM environment at {python}: make it with scripts/vllm-env.sh"
         if os.environ.get("SHARDLOAD_REQUIRE_VLLM") == "1":
             pytest.fail(why)
