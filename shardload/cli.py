@@ -656,7 +656,7 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
     whole experts, for this N only.
     """
     from .frontdoor import write_plan
-    from .planners import plan_decision
+    from .planners.decision import plan_decision
     from .readers import open_checkpoint
 
     with _reading():
