@@ -433,7 +433,7 @@ def load(num_shards: int, shard_info: Optional[str], replicate: bool, plugins: t
     becomes an error naming the worker). Under torchrun (--session torch) every rank loads its
     own shards and rank 0 reports.
     """
-    from .loader import load_sharded
+    from .loader import load_validated
     from .staging import Staging
 
     try:
@@ -454,8 +454,8 @@ def load(num_shards: int, shard_info: Optional[str], replicate: bool, plugins: t
     if stage is None and any(d.type == "cuda" for d in session.devices):
         stage = ring  # auto: the ring as sized, where it applies
     with checkpoint, session:
-        result = load_sharded(checkpoint, validated, session,
-                              progress=not (quiet or as_json), staging=stage)
+        result = load_validated(checkpoint, validated, session,
+                                progress=not (quiet or as_json), staging=stage)
     if getattr(session, "rank", 0) != 0:
         return  # under torchrun, rank 0 speaks for all
     stats = result.stats
@@ -656,7 +656,7 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
     whole experts, for this N only.
     """
     from .frontdoor import write_plan
-    from .planners import plan_decision
+    from .planners.decision import plan_decision
     from .readers import open_checkpoint
 
     with _reading():

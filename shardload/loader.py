@@ -1,4 +1,4 @@
-"""``load_sharded``: every worker ends up with its own piece of every parameter.
+"""``load_validated``: every worker ends up with its own piece of every parameter.
 
 The loader drives every load in the same numbered steps, whatever the session:
 
@@ -50,7 +50,7 @@ from .sessions.base import check_timeout
 from .staging import Staging, staging_for
 from .modules import importable_module
 
-__all__ = ["load_sharded", "ShardedParams", "LoadStats", "progress_callback"]
+__all__ = ["load_validated", "ShardedParams", "LoadStats", "progress_callback"]
 
 ProgressCallback = Callable[[int], None]
 
@@ -338,35 +338,23 @@ def _fetcher(session: Session, token: str, local: dict[int, dict[str, torch.Tens
 
 # ---- the entry point ---------------------------------------------------------------------------
 
-def load_sharded(params: Any, shard_info: Any, session: Session, *,
-                 progress: Union[bool, ProgressCallback] = True,
-                 timeout: Optional[float] = None,
-                 staging: Union[None, bool, Staging] = None,
-                 reads: Optional[Callable[[ReadPlan], ReadPlan]] = None) -> ShardedParams:
-    """Shard ``params`` by ``shard_info`` onto the workers of ``session``: the loader's own
-    entry, which runs the plan it is given. ``shardload.load_sharded`` (``frontdoor``) is the
-    public one: it decides which plan a load uses, then calls this.
+def load_validated(params: Any, shard_info: Any, session: Session, *,
+                   progress: Union[bool, ProgressCallback] = True,
+                   timeout: Optional[float] = None,
+                   staging: Union[None, bool, Staging] = None,
+                   reads: Optional[Callable[[ReadPlan], ReadPlan]] = None) -> ShardedParams:
+    """The load itself, with the plan already chosen: the core the front door
+    (``shardload.load_sharded``) calls once it has resolved and validated the plan, and that
+    the CLI and integrations holding a ``ValidatedPlan`` call directly.
 
-    ``params``: a ``Checkpoint`` (``open_checkpoint(path)``), a path, or a mapping of name ->
-    numpy/torch array. ``shard_info``: a ``ShardInfo``, a path to ``shard_info.json``, a dict, a
-    ``Plan`` bound to the session's N, or a ``ValidatedPlan`` (validated against these tensors:
-    not validated again). ``progress``: a tqdm
-    bar over bytes (``True``), none (``False``), or a callback given each kept piece's bytes.
-    ``timeout``: the watchdog for this load (default: the session's ``timeout``): a worker
-    without progress for that many seconds fails the load with ``WorkerError`` naming it and
-    the parameter it was on; the other workers are stopped and the session closed.
-    ``staging``: how pieces travel to the devices (``Staging``): by default through a small
-    ring of pinned host buffers, copied asynchronously, for CUDA workers, and straight into
-    host memory for CPU workers; ``Staging(buffers=, buffer_mib=)`` sizes the ring (and stages
-    for CPU workers too), ``False`` never stages. ``reads``: a transform of each worker's read
-    plan before it runs, for an integration that wants the bytes somewhere else than in pieces
-    (``shardload.vllm`` reads them into full-shape stand-ins at their own places).
-
-    The steps are in the module docstring.
+    ``shard_info`` is the plan to run, never ``None`` (choosing one is the front door's):
+    preferably its ``ValidatedPlan`` (not validated again); any other plan (a ``ShardInfo``, a
+    path, a dict, a bound ``Plan``) is bound and validated here. The other arguments mean
+    what ``shardload.load_sharded``'s do. The steps are in the module docstring.
 
     >>> with ThreadedSession(num_workers=4) as sess:                            # doctest: +SKIP
-    ...     sharded = load_sharded(open_checkpoint("ckpt/"), "ckpt/shard_info.json", sess)
-    ...     sharded.shard("model.layers.0.mlp.down_proj.qweight", 3)
+    ...     resolved = resolve_plan(ckpt, sess.num_workers)
+    ...     sharded = load_validated(ckpt, resolved.validated, sess)
     """
     timeout = session.timeout if timeout is None else check_timeout(timeout)
     n = session.num_workers

@@ -346,7 +346,7 @@ def test_unreadable_architectures_are_refused_before_loading(tmp_path, monkeypat
     def never(*args, **kwargs):
         raise AssertionError("loaded before refusing")
 
-    monkeypatch.setattr(shardload.hf.model, "load_sharded", never)
+    monkeypatch.setattr(shardload.hf.model, "load_validated", never)
     path = _unreadable_file(tmp_path, arch, name)
     with ThreadedSession(2) as session, pytest.raises(FormatError) as info:
         load_tp_model(path, session)

@@ -47,7 +47,7 @@ What is proven, and how:
       which ``load``/``validate`` then use and refuse for another N; ``load --experts ep``
       with a plan file (given, or beside the checkpoint) is a usage error (exit 2).
 
-``check_num_shards`` refusing a plan for another N (a placed plan, or any plan of plain
+``check_plan_fits`` refusing a plan for another N (a placed plan, or any plan of plain
 integers) says the reason with one full stop, and names the one N the plan works for.
 """
 
@@ -74,8 +74,8 @@ from shardload import (ArrayCheckpoint, PlanError, ProcessSession, ShardInfo, Th
                        load_sharded, open_checkpoint)
 from shardload.cli import cli
 from shardload.errors import cli_text
-from shardload.planners import (check_num_shards, plan_decision, plan_for,
-                                valid_num_shards)
+from shardload.plan import check_plan_fits
+from shardload.planners import plan_decision, plan_for, valid_num_shards
 from shardload.readplan import read_plan_for
 
 
@@ -243,28 +243,28 @@ def test_binding_to_another_n_says_how_to_replan(other):
     assert f"num_shards={N} (__placement__)" in text and f"num_shards={other} was" in text
     assert f"plan_for(checkpoint, num_shards={other}, experts='ep')" in text
     assert f"shardload plan --shards {other} --experts ep" in cli_text(exc.value)
-    # through the planners' check, which also lists the N that work: for a plan in expressions
+    # through the plan's check, which also lists the N that work: for a plan in expressions
     # of num_shards, just the placement's
     symbolic = {**PLAN, "embed.weight": [
         ["shardload.split", [["num_shards", "6 // num_shards", 4], "float32"], 0]]}
     with pytest.raises(PlanError, match=rf"N that work \(up to 64\): {N}$") as exc:
-        check_num_shards(ShardInfo.from_dict(symbolic), ArrayCheckpoint(TENSORS), other)
+        check_plan_fits(ShardInfo.from_dict(symbolic), ArrayCheckpoint(TENSORS), other)
     assert f"num_shards={N} (__placement__)" in str(exc.value)
     assert f"--shards {other} --experts ep" in cli_text(exc.value)
 
 
-# check_num_shards' message (planners._refuse), which placement makes common (a placed plan is
+# check_plan_fits' message (plan.shards._refuse), which placement makes common (a placed plan is
 # always for one N), though plain-integer plans have it too
 def test_check_num_shards_message_has_one_full_stop():
     with pytest.raises(PlanError) as exc:
-        check_num_shards(ShardInfo.from_dict(PLAN), ArrayCheckpoint(TENSORS), 2)
+        check_plan_fits(ShardInfo.from_dict(PLAN), ArrayCheckpoint(TENSORS), 2)
     assert "`.." not in str(exc.value), str(exc.value)
 
 
 def test_check_num_shards_names_the_n_a_placed_plan_works_for():
     assert valid_num_shards(ShardInfo.from_dict(PLAN), ArrayCheckpoint(TENSORS)) == [N]
     with pytest.raises(PlanError) as exc:
-        check_num_shards(ShardInfo.from_dict(PLAN), ArrayCheckpoint(TENSORS), 2)
+        check_plan_fits(ShardInfo.from_dict(PLAN), ArrayCheckpoint(TENSORS), 2)
     assert str(exc.value).endswith(f"N that work (up to 64): {N}"), str(exc.value)
 
 

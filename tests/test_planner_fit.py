@@ -255,8 +255,8 @@ def test_num_shards_is_checked_first(tmp_path):
 def test_cli_plan_calls_the_planner_once(tmp_path, monkeypatch):
     folder = write_model(str(tmp_path / "m"), THREE, PLAIN[0]).folder
     calls = []
-    real = planners.plan_decision
-    monkeypatch.setattr(planners, "plan_decision",
+    real = planners.decision.plan_decision
+    monkeypatch.setattr(planners.decision, "plan_decision",
                         lambda *a, **k: calls.append(a[1:]) or real(*a, **k))
     out = tmp_path / "plan.json"
     result = CliRunner().invoke(cli, ["plan", "--shards", "2", "-o", str(out), folder])

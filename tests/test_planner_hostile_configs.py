@@ -4,7 +4,7 @@ they use agrees with the tensors it is applied to.
 Each hostile case edits one field of a tiny, otherwise valid checkpoint (HF GPTQ, compressed-
 tensors and FP8 configs, GGUF key-values, MLC's mlc-chat-config.json) and must be refused with
 the documented exception, naming the file, the key and the value found, through the Python API
-(``describe_plan``, ``plan_for``) and through ``shardload plan`` and ``shardload validate``
+(``plan_decision``, ``plan_for``) and through ``shardload plan`` and ``shardload validate``
 (exit 2, one ``Error:`` line, no traceback). The "vs" cases are metadata that disagrees with the
 tensors' shapes: accepted, they would load wrong shards with exit 0.
 """
@@ -24,12 +24,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import shardload.planners as planners
+import shardload.plan.shards as plan_shards
 from helpers.hostile_corpus import gguf_file, set_key as _set
 from shardload import FormatError, PlanError, ShardInfo, open_checkpoint
 from shardload.cli import cli
 from shardload.config_fields import Fields
-from shardload.planners import describe_plan, plan_for, valid_num_shards
+from shardload.plan import check_plan_fits
+from shardload.planners import plan_decision, plan_for, valid_num_shards
 from shardload.tp_layout import head_layout, unit_layout
 from test_planner import GQA, PLAIN, gptq, write_model
 from test_planner_gguf_mlc import write_mlc_model
@@ -73,7 +74,7 @@ def _check_message(message: str, file: str, case: Case) -> None:
 def _check_refused(ckpt_path: str, file: str, case: Case) -> None:
     """The case through the API and the CLI: the exception, the file, the key, the value."""
     with open_checkpoint(ckpt_path) as ckpt:
-        for call in (lambda: describe_plan(ckpt), lambda: plan_for(ckpt, num_shards=2)):
+        for call in (lambda: plan_decision(ckpt).plan(), lambda: plan_for(ckpt, num_shards=2)):
             with pytest.raises((FormatError, PlanError)) as err:
                 call()
             assert type(err.value) is case.exc, (case.id, err.value)
@@ -278,7 +279,8 @@ def test_null_is_absent_where_hf_writes_it(plain_model, tmp_path, field, value):
         with pytest.raises(FormatError, match="num_key_value_heads.*absent, so"):
             plan_for(folder)      # 2 KV heads of 128 = 256 rows, but k_proj has 64
         return
-    info, summary = describe_plan(folder)
+    decision = plan_decision(folder)
+    info, summary = decision.plan(), decision.summary
     assert summary.spec.head_dim == 32 and len(info) > 0
 
 
@@ -357,7 +359,8 @@ def test_gguf_metadata_is_refused(tmp_path, case):
 def test_gguf_without_vocab_size_takes_it_from_the_embeddings(tmp_path):
     # the one size that is only a hint: absent, the embeddings' rows are the vocabulary
     path = write_gguf(str(tmp_path / "model.gguf"), drop=("llama.vocab_size",))
-    info, summary = describe_plan(path, vocab_parallel=True)
+    decision = plan_decision(path, vocab_parallel=True)
+    info, summary = decision.plan(), decision.summary
     assert summary.spec.vocab_size == 32
     step = info.to_dict()["token_embd.weight"][0]
     assert step[1][0][:2] == ["num_shards", "32 // num_shards"]
@@ -519,15 +522,15 @@ def test_valid_num_shards_keeps_args_of_different_types_apart():
 def test_valid_num_shards_caps_its_work_and_says_so(monkeypatch):
     info, arrays = _big_plan(3, rows="12 // num_shards")
     ckpt = open_checkpoint_arrays(arrays)
-    monkeypatch.setattr(planners, "MAX_VALIDATION_WORK", 2 * 12)   # 2 distinct params of 6
+    monkeypatch.setattr(plan_shards, "MAX_VALIDATION_WORK", 2 * 12)   # 2 distinct params of 6
     valid = valid_num_shards(info, ckpt)
     assert valid.tried == 2 and not valid.complete and list(valid) == [1, 2]
     assert "N that work (up to 2; the plan is too large to try every N up to 64): 1, 2" \
         == valid.describe()
     with pytest.raises(PlanError, match="too large to try every N") as err:
-        planners.check_num_shards(info, ckpt, 3)
+        check_plan_fits(info, ckpt, 3)
     assert "cannot be split over 3 workers" in str(err.value)
-    monkeypatch.setattr(planners, "MAX_VALIDATION_WORK", 1)
+    monkeypatch.setattr(plan_shards, "MAX_VALIDATION_WORK", 1)
     assert "not computed" in valid_num_shards(info, ckpt).describe()
 
 

@@ -19,7 +19,7 @@ from .scheme import Scheme
 Lookup = Callable[[str], Optional[ConfigReader]]
 
 
-def read_compressed_tensors(quant, lookup: Lookup, known: list[str]) -> Scheme:
+def read_compressed_tensors_family(quant, lookup: Lookup, known: list[str]) -> Scheme:
     fmt = quant.str("format", default="", nullable=True)
     groups = quant.sub("config_groups")
     names = list(groups.keys())
@@ -37,7 +37,7 @@ def read_compressed_tensors(quant, lookup: Lookup, known: list[str]) -> Scheme:
     return reader(quant, weights=first)
 
 
-def read_modelopt(quant, lookup: Lookup, known: list[str]) -> Scheme:
+def read_modelopt_family(quant, lookup: Lookup, known: list[str]) -> Scheme:
     """NVIDIA ModelOpt's export (``quant_algo`` in ``quantization_config``, or in
     ``hf_quant_config.json``'s ``quantization``)."""
     algo = quant.str("quant_algo")
@@ -49,4 +49,5 @@ def read_modelopt(quant, lookup: Lookup, known: list[str]) -> Scheme:
 
 
 #: quant_method -> the family reader
-FAMILIES = {"compressed-tensors": read_compressed_tensors, "modelopt": read_modelopt}
+FAMILIES = {"compressed-tensors": read_compressed_tensors_family,
+            "modelopt": read_modelopt_family}

@@ -10,7 +10,7 @@ format, object storage) all reach the loader the same way:
    config; it is validated for N there, once;
 3. **open a session** by kind (``open_session``: ``thread``, ``process``, ``torch``, or one a
    plugin registered: ``sessions.kinds``);
-4. **load** (``loader.load_sharded``, the numbered steps of ``loader.py``).
+4. **load** (``loader.load_validated``, the numbered steps of ``loader.py``).
 
 Around them: plans are written whole or not at all (``write_plan``), and help text and the
 documentation's tables are made from the tables themselves (``tables.py``).
@@ -25,8 +25,7 @@ from typing import Any, Callable, Optional, Union
 
 from ..errors import PlanError
 from ..gc_pause import gc_paused
-from ..loader import ProgressCallback, ShardedParams
-from ..loader import load_sharded as _load
+from ..loader import ProgressCallback, ShardedParams, load_validated
 from ..plan import MAX_PLAN_BYTES, ShardInfo
 from ..readers import as_checkpoint
 from ..readplan import ReadPlan
@@ -63,7 +62,7 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *, experts: str
     ring of pinned host buffers for CUDA workers, straight into host memory for CPU workers;
     ``Staging(buffers=, buffer_mib=)`` sizes the ring (and stages for CPU workers too),
     ``False`` never stages. ``reads``: a transform of each worker's read plan before it runs
-    (for integrations: ``loader.load_sharded``).
+    (for integrations: ``loader.load_validated``).
 
     >>> with ThreadedSession(num_workers=4) as sess:                            # doctest: +SKIP
     ...     sharded = load_sharded("examples/tiny_llama_q4", None, sess)
@@ -73,8 +72,8 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *, experts: str
         with session.collective("preparing the load"):
             ckpt = as_checkpoint(params)
             resolved = resolve_plan(ckpt, session.num_workers, shard_info, experts=experts)
-        return _load(ckpt, resolved.validated, session, progress=progress, timeout=timeout,
-                     staging=staging, reads=reads)
+        return load_validated(ckpt, resolved.validated, session, progress=progress,
+                              timeout=timeout, staging=staging, reads=reads)
 
 
 def write_plan(info: ShardInfo, path: Optional[str] = None) -> str:

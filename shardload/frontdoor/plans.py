@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..errors import EXPERTS_EP, PlanError, Setting, mention, quote
-from ..plan import Plan, ShardInfo, ValidatedPlan
+from ..plan import Plan, ShardInfo, ValidatedPlan, check_plan_fits
 from ..readers import Checkpoint
 
 __all__ = ["REPLICATE", "ResolvedPlan", "resolve_plan", "plan_beside", "planned_fits",
@@ -85,10 +85,8 @@ def plan_beside(checkpoint: Checkpoint) -> Optional[str]:
 def _for_n(info: ShardInfo, checkpoint: Checkpoint, num_shards: int) -> ValidatedPlan:
     """``info`` bound to N and validated; a refusal of a symbolic plan lists the N that work,
     where other N do (a plan that fits no N says only what is wrong)."""
-    from ..planners import check_num_shards
-
     if info.is_symbolic:
-        return check_num_shards(info, checkpoint, num_shards)
+        return check_plan_fits(info, checkpoint, num_shards)
     return info.bind(num_shards).validate(checkpoint.metadata())
 
 
@@ -139,7 +137,7 @@ def resolve_plan(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None
                 raise
             return padded
         return ResolvedPlan(validated, origin, _label(shard_info))
-    from ..planners import plan_decision
+    from ..planners.decision import plan_decision
 
     decision = plan_decision(checkpoint, num_shards, vocab_parallel=vocab_parallel, pad=pad,
                              experts=experts)
@@ -153,7 +151,7 @@ def _padded_instead(beside: ShardInfo, checkpoint: Checkpoint,
     planner's own symbolic plan (it records the model) and does not fit N; else None (the
     refusal of the plan beside stands)."""
     from ..geometry import MODEL_KEY
-    from ..planners import plan_decision
+    from ..planners.decision import plan_decision
 
     if not beside.is_symbolic or MODEL_KEY not in beside.metadata:
         return None
@@ -175,7 +173,7 @@ def planned_fits(checkpoint: Checkpoint) -> list[int]:
     >>> planned_fits(open_checkpoint("SmolLM2-135M/"))                         # doctest: +SKIP
     [1, 3, 9, ...]
     """
-    from ..planners import plan_decision
+    from ..planners.decision import plan_decision
 
     if plan_beside(checkpoint) is not None:
         return []

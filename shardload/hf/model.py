@@ -6,7 +6,8 @@ The controller's steps:
    (``frontdoor.resolve_plan``: the plan given, else ``shard_info.json`` beside it, else one
    made from its config, padded where the heads or the MLP do not divide); for a GGUF, read
    transformers' config and tensor names once (``from_gguf``), before any data moves;
-2. load the shards (``load_sharded``): each worker holds only its pieces, still quantized;
+2. load the shards (``loader.load_validated``): each worker holds only its pieces, still
+   quantized;
 3. read each worker's share of the model from the plan (``geometry.worker_share``: its query and
    KV heads and MLP rows, the row-parallel biases it must not add, its experts); the workers
    reduce over the session's own collectives (``ctx.group``), whatever the session;
@@ -29,7 +30,7 @@ import torch
 from ..errors import EXPERTS_TP, FormatError, ShardloadError, mention
 from ..geometry import WorkerShare, worker_share
 from ..frontdoor import resolve_plan
-from ..loader import load_sharded
+from ..loader import load_validated
 from ..readers import as_checkpoint
 from ..sessions import Session
 from . import worker
@@ -265,7 +266,7 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
     report = progress if callable(progress) and session.reports else None
     total = sum(validated.bytes_per_worker(i) for i in session.workers_in_view)
     loading = _stage(report, "load", total) or bool(progress is True)
-    sharded = load_sharded(ckpt, validated, session, progress=loading)            # 2.
+    sharded = load_validated(ckpt, validated, session, progress=loading)          # 2.
     config = _dense_config(ckpt.config) if kind == "hf" else {}                    # 3.
     token = uuid.uuid4().hex
     session.run(worker.BUILD,                                                      # 4.

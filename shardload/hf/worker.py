@@ -92,7 +92,7 @@ def dense_weights(shards: dict[str, torch.Tensor], quant: dict,
     return out
 
 
-def _whole_experts(dense: dict[str, torch.Tensor], ep: dict, dtype: torch.dtype) -> None:
+def _fill_in_experts(dense: dict[str, torch.Tensor], ep: dict, dtype: torch.dtype) -> None:
     """Expert parallelism: transformers' MoE block routes over every expert, so the experts
     other workers hold become zero stand-ins (a zero expert adds nothing; the sum over the
     workers is the whole block). Stacked experts (gpt-oss) are scattered from this worker's
@@ -306,7 +306,7 @@ def _load_dense(ctx, spec: dict, dtype: torch.dtype, folder: str):
     dense = dense_weights(ctx.shards, spec["quant"], dtype)
     ctx.progress(nbytes=sum(piece.nbytes for piece in ctx.shards.values()))
     if spec.get("experts"):
-        _whole_experts(dense, spec["experts"], dtype)
+        _fill_in_experts(dense, spec["experts"], dtype)
     for name in spec["zero_on_others"] if ctx.rank else ():
         if name in dense:
             dense[name].zero_()

@@ -28,7 +28,7 @@ loader opened. Either way nothing is parsed or validated here beyond the bounds 
 The modules, one concern each:
 
 * ``chains``: running a chain of shard functions (``run_steps``);
-* ``reads``: copying byte runs out of the sources (``read_runs``, ``source_views``) and the
+* ``reads``: copying byte runs out of the sources (``read_runs``, ``source_bytes_for``) and the
   page policy around them (``PageReleases``, ``Readahead``);
 * ``sharing``: what the workers of one process share (``SharedOutputs``, ``LocalLoad``, the
   table of loads under way here, ``local_load``);
@@ -45,9 +45,9 @@ from .chains import run_steps
 from .load import (FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, fetch_piece, load_pieces,
                    read_piece, release_loads)
 from .reads import (READAHEAD_BYTES, READAHEAD_WINDOW, RELEASE_BATCH_BYTES, PageReleases,
-                    Readahead, read_runs, source_views)
+                    Readahead, read_runs, source_bytes_for)
 from .sharing import MAX_SHARED, LocalLoad, SharedOutputs, local_load
 
 __all__ = ["LOAD_PIECES", "FETCH_PIECE", "RELEASE_LOADS", "MAX_SHARED", "LocalLoad",
            "SharedOutputs", "PageReleases", "run_steps", "read_runs", "read_piece",
-           "source_views", "load_pieces"]
+           "source_bytes_for", "load_pieces"]

@@ -29,7 +29,7 @@ from ..sessions import Stopped, WorkerContext, register_session_func
 from ..staging import Pipeline, Staging
 from .chains import run_steps
 from .reads import (PageReleases, Readahead, SourceViews, copy_runs, count_read, new_piece,
-                    piece_spans, read_runs, source_views)
+                    piece_spans, read_runs, source_bytes_for)
 from .stream import worker_side
 from .sharing import SharedOutputs, local_for
 
@@ -104,7 +104,7 @@ class _Worker:
             if fixup is not None:
                 fixup(tensor)
             return tensor
-        return self.pipe.piece(source_views(self.source, runs), runs, shape, dtype, zeros,
+        return self.pipe.piece(source_bytes_for(self.source, runs), runs, shape, dtype, zeros,
                                name, fixup)
 
     def share(self, name: str, make: Callable[[], torch.Tensor]

@@ -27,7 +27,7 @@ from ..readplan import ReadPlan, Run, check_run
 
 __all__ = ["RELEASE_BATCH_BYTES", "READAHEAD_WINDOW", "READAHEAD_BYTES", "SMALL_RUN_BYTES",
            "CHECK_INTERVAL_S", "new_piece", "read_runs", "copy_runs", "SourceViews",
-           "source_views", "count_read", "PageReleases", "Readahead", "tensor_spans",
+           "source_bytes_for", "count_read", "PageReleases", "Readahead", "tensor_spans",
            "piece_spans"]
 
 #: mapped pages go back to the kernel once this many bytes of them are done with (PageReleases)
@@ -142,9 +142,10 @@ def read_runs(source: Checkpoint, runs, shape, dtype: str, zeros: bool, name: st
     return tensor
 
 
-def source_views(source: Checkpoint, runs) -> dict[int, torch.Tensor]:
-    """The byte sources ``runs`` copy from, each as a 1-D uint8 view (each checked, once, to
-    be unchanged since it was opened)."""
+def source_bytes_for(source: Checkpoint, runs) -> dict[int, torch.Tensor]:
+    """The bytes of each source ``runs`` copy from, by source index: 1-D uint8 tensors
+    (``Checkpoint.source_bytes``), each checked once to be unchanged since it was opened.
+    ``SourceViews`` keeps them for a whole load instead, checking them again as it goes."""
     views: dict[int, torch.Tensor] = {}
     for run in runs:
         if run.source not in views:

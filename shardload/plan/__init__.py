@@ -36,13 +36,17 @@ whole), the plan is for that N alone (binding it to another is refused with the 
 re-plan), and a worker not named neither reads nor keeps it (``ParamPlan.workers``,
 ``ValidatedPlan.held_by``).
 
+**Which N** (``shards``). ``valid_num_shards`` lists the N a plan binds and validates for on a
+checkpoint (each distinct parameter once per N, the work capped), and ``check_plan_fits``
+validates it for one N, its refusal naming the N that work where other N do.
+
 **One serialisation** (``steps``). ``step_json`` writes a step as ``shard_info.json`` has it;
 ``RawStep``, ``Step``, ``ShardInfo.to_dict``/``dumps``, ``Plan.to_dict`` and the planners all go
 through it.
 
-The modules import one another in one direction: ``parse`` → ``bound`` → ``validated``; each
-of those and ``schema`` → ``steps`` → ``placement`` → ``messages`` and ``limits``. The names
-this package exports are the public ones; the modules are its internals.
+The modules import one another in one direction: ``shards`` → ``parse`` → ``bound`` →
+``validated``; each of those and ``schema`` → ``steps`` → ``placement`` → ``messages`` and
+``limits``. The names this package exports are the public ones; the modules are its internals.
 
 >>> info = ShardInfo.from_dict({"w": [["shardload.split", [["num_shards", "8 // num_shards"],
 ...                                                       "float16"], 0]]})
@@ -59,10 +63,13 @@ from .limits import (MAX_DIM, MAX_DIMS, MAX_EXPRESSIONS, MAX_EXTRA_ARGS, MAX_GRO
 from .parse import ShardInfo
 from .placement import Placement
 from .schema import SCHEMA_FILE, json_schema, schema_text, write_schema
+from .shards import (MAX_SHARDS_TRIED, MAX_VALIDATION_WORK, ValidNumShards, check_plan_fits,
+                     valid_num_shards)
 from .steps import Step, step_json
 from .validated import ParamPlan, ValidatedPlan
 
 __all__ = ["ShardInfo", "Plan", "Step", "ValidatedPlan", "ParamPlan", "MAX_PLAN_BYTES",
            "MAX_GROWTH", "MAX_NUM_SHARDS", "MAX_PARAMS", "MAX_STEPS", "MAX_DIMS",
            "MAX_EXTRA_ARGS", "MAX_EXPRESSIONS", "MAX_DIM", "json_schema", "write_schema",
-           "schema_text", "step_json", "SCHEMA_FILE", "Placement"]
+           "schema_text", "step_json", "SCHEMA_FILE", "Placement", "valid_num_shards",
+           "check_plan_fits", "ValidNumShards", "MAX_SHARDS_TRIED", "MAX_VALIDATION_WORK"]

@@ -30,10 +30,10 @@ from .steps import RawStep, Step, plan_json
 if TYPE_CHECKING:  # pragma: no cover
     from .parse import Expressions, ShardInfo
 
-__all__ = ["Plan", "bind", "check_num_shards"]
+__all__ = ["Plan", "bind", "check_worker_count"]
 
 
-def check_num_shards(num_shards: Any, source: Optional[str]) -> None:
+def check_worker_count(num_shards: Any, source: Optional[str]) -> None:
     """A ``PlanError`` unless ``num_shards`` is a number of workers shardload runs."""
     problem = num_shards_problem(num_shards)
     if problem is not None:
@@ -44,7 +44,7 @@ def bind(info: "ShardInfo", num_shards: int, exprs: "Expressions") -> "Plan":
     """``info`` bound to ``num_shards`` (``ShardInfo.bind``): every expression evaluated, each
     distinct one once (``exprs`` holds those the plan compiled, and gains those it had not);
     a plan written for another N is refused with the way to re-plan."""
-    check_num_shards(num_shards, info.source)
+    check_worker_count(num_shards, info.source)
     if info.placement is not None and info.placement.num_shards != num_shards:
         replan = Setting(f"plan_for(checkpoint, num_shards={num_shards}, experts='ep')",
                          f"shardload plan --shards {num_shards} --experts ep")
@@ -144,7 +144,7 @@ class Plan:
     def __init__(self, num_shards: int, params: Mapping[str, tuple[Step, ...]],
                  source: Optional[str] = None, metadata: Optional[Mapping[str, Any]] = None,
                  placement: Optional[Placement] = None):
-        check_num_shards(num_shards, source)
+        check_worker_count(num_shards, source)
         if placement is not None:
             if placement.num_shards != num_shards:
                 raise PlanError(f"{Placement.KEY} is for num_shards={placement.num_shards}, "

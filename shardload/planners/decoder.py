@@ -60,7 +60,7 @@ class Planned:
 
 
 @dataclass(frozen=True)
-class _Group:
+class _TensorGroup:
     """The tensor being planned, for the constraints its split puts on N: its name, what its
     logical segments are, and how its quantization stores them."""
 
@@ -172,7 +172,7 @@ def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, *,
                                act_order=reorders)
         else:
             segments = t.role.segments(spec, t.mlp, t.module)
-            group = _Group(t.name, t.role.labels(spec, t.mlp, t.module), t.role.paddable,
+            group = _TensorGroup(t.name, t.role.labels(spec, t.mlp, t.module), t.role.paddable,
                            held(scheme, t.fmt), planned.constraints)
             step = _tensor_step(ckpt, t, t.axes, segments, act_order, group)
         if step is None:
@@ -183,7 +183,7 @@ def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, *,
 
 
 def _tensor_step(ckpt: "Checkpoint", t: Tensor, axes: TensorAxes, segments: Segments,
-                 act_order: "_ActOrder", group: _Group) -> Optional[list]:
+                 act_order: "_ActOrder", group: _TensorGroup) -> Optional[list]:
     """The step for one tensor; the split it makes is noted in ``group``'s constraints."""
     split_n, meta = t.role.column, t.meta
     if axes.special == "shape":

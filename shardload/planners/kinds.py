@@ -16,7 +16,7 @@ from ..errors import REPLICATE, SHARD_INFO, PlanError, mention
 from ..formats import Scheme, scheme_from_hf
 from .spec import ModelSpec, spec_from_gguf, spec_from_hf, spec_from_mlc
 
-__all__ = ["detect", "kind_of", "KINDS"]
+__all__ = ["detect", "checkpoint_kind", "KINDS"]
 
 #: MLC quantizations the planner splits (q0: unquantized)
 MLC_QUANTIZATIONS = ("q4f16_1", "q0f16", "q0f32")
@@ -121,7 +121,7 @@ def _read_hf(ckpt) -> tuple[ModelSpec, Scheme]:
 KINDS = {"gguf": _read_gguf, "mlc": _read_mlc, "hf": _read_hf}
 
 
-def kind_of(ckpt) -> str:
+def checkpoint_kind(ckpt) -> str:
     """``gguf``, ``mlc`` or ``hf``: by the reader that opened the checkpoint; for other
     checkpoints (in memory, user subclasses), by the config's own marks."""
     from ..readers.safetensors import SafetensorsCheckpoint
@@ -147,6 +147,6 @@ def kind_of(ckpt) -> str:
 
 def detect(ckpt) -> tuple[str, ModelSpec, Scheme]:
     """The checkpoint's kind, the model's sizes and its quantization."""
-    kind = kind_of(ckpt)
+    kind = checkpoint_kind(ckpt)
     spec, scheme = KINDS[kind](ckpt)
     return kind, spec, scheme

@@ -67,7 +67,7 @@ STATS_PREFIX = "shardload load: "
 _ALLOW = ["*.safetensors", "*.json", "*.gguf", "*.model", "*.txt"]
 
 
-def _whole_experts(model: nn.Module, model_config: ModelConfig) -> bool:
+def _vllm_places_whole_experts(model: nn.Module, model_config: ModelConfig) -> bool:
     """Whether vLLM places whole experts per rank (``--enable-expert-parallel``): its
     parallel config says so on a first load; vLLM's in-place reload sets no current config,
     and there the model it built says so (its fused MoE layers hold fewer experts than the
@@ -128,7 +128,7 @@ class ShardloadModelLoader(BaseModelLoader):
         opts = self.options
         tp = get_tp_group()
         rank, n = tp.rank_in_group, tp.world_size
-        whole_experts = _whole_experts(model, model_config)
+        whole_experts = _vllm_places_whole_experts(model, model_config)
         stage = stage_of(model)        # under pipeline parallelism: what this stage holds
         ckpt = open_checkpoint(self._folder(model_config))                           # 2.
         made: dict[int, StandIns] = {}

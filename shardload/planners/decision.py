@@ -1,0 +1,229 @@
+"""The planner's decision for one N: the plan as it is, a zero-padded plan for N, or a refusal.
+
+``plan_decision`` plans the checkpoint once, symbolic in ``num_shards``, recording which N each
+tensor group allows (``fit.Constraint``). For a given N it decides from those constraints
+alone: every one allows N (``"unpadded"``); or, where zero-padding is exact, the padded plan
+for N alone (``"padded"``: a second walk over the tensors, since padding changes their steps);
+or a refusal naming the constraint N breaks and the N that work (``"refused"``). The plan it
+returns for N is validated once, as a safety check, and kept for the load.
+
+>>> decision = plan_decision("examples/tiny_llama_q4", 3)                # doctest: +SKIP
+>>> decision.kind, list(decision.valid)
+('padded', [1, 2, 4, 8])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from ..errors import EXPERTS_TP, PlanError, mention
+from ..formats import Scheme
+from ..geometry import MODEL_KEY
+from ..limits import num_shards_problem
+from ..plan import MAX_SHARDS_TRIED, Placement, ShardInfo, ValidatedPlan, ValidNumShards
+from ..readers import Checkpoint, as_checkpoint
+from .checks import check_shapes, vocab_from_tensors
+from .decoder import Planned, plan_decoder
+from .experts import MODES, ExpertParallel
+from .fit import Constraint
+from .kinds import detect
+from .padding import Padding, padding_layout
+from .record import model_record
+from .spec import ModelSpec
+
+__all__ = ["plan_for", "plan_decision", "PlanDecision", "PlanSummary"]
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """What the planner saw and decided, for people."""
+
+    spec: ModelSpec
+    scheme: Scheme
+    sharded: int
+    replicated: int
+    unknown: tuple[str, ...]
+    padded: bool = False
+    #: expert parallelism: tensors of experts held whole by one worker
+    placed: int = 0
+    experts: str = "tp"
+
+    def __str__(self) -> str:
+        s = self.spec
+        attention = (f"{s.num_heads} MLA heads of {s.head_dim} (values {s.v_head_dim})"
+                     if s.mla else
+                     f"{s.num_heads} query / {s.num_kv_heads} KV heads of {s.head_dim}")
+        text = (f"{s.architecture}, {s.num_layers} layers, {attention}, "
+                f"{self.scheme.describe()}: {self.sharded} tensors sharded, "
+                f"{self.replicated} replicated")
+        if self.experts == "ep":
+            text += f", {self.placed} placed whole on one worker (expert parallel)"
+        if self.unknown:
+            text += f" ({len(self.unknown)} unrecognised, replicated: {self.unknown[0]}, ...)"
+        if self.padded:
+            text += "; zero-padded for this N"
+        return text
+
+
+@dataclass(frozen=True)
+class PlanDecision:
+    """What the planner decided for one N, in one pass (``plan_decision``).
+
+    ``kind``: ``"unpadded"`` (the plan, symbolic in num_shards, fits N as it is),
+    ``"padded"`` (a plan for N alone that zero-pads query heads, KV heads and MLP blocks),
+    ``"refused"`` (``error`` names the constraint N breaks and the N that work), or
+    ``"symbolic"`` when no N was asked. ``valid``: the N (up to ``MAX_SHARDS_TRIED``) the
+    unpadded plan fits, from the same constraints.
+    """
+
+    num_shards: Optional[int]
+    kind: str
+    summary: PlanSummary
+    valid: ValidNumShards
+    info: Optional[ShardInfo] = None
+    error: Optional[PlanError] = None
+    #: the plan bound to N and validated against the checkpoint (None when refused or no N)
+    validated: Optional[ValidatedPlan] = None
+
+    def plan(self) -> ShardInfo:
+        """The plan, or the refusal raised."""
+        if self.error is not None:
+            raise self.error
+        assert self.info is not None
+        return self.info
+
+
+def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: bool = False,
+                  pad: bool = True, experts: str = "tp") -> PlanDecision:
+    """Plan ``params`` (a checkpoint or path) and decide, once, what to do for ``num_shards``.
+
+    The plan is symbolic in ``num_shards``; planning it records which N each tensor group
+    allows (``Planned.constraints``). For the given N: when every constraint allows it, that
+    plan is the answer (``"unpadded"``); else, with ``pad``, where zero-padding can be exact
+    (``padding.padding_layout``) and every broken constraint is one padding lifts, a plan for N
+    alone that zero-pads heads and MLP blocks (``"padded"``); else a refusal naming the first
+    broken constraint (and why padding cannot help) and the N that work. Every plan records
+    the model for integrations (``__metadata__.model``, read by ``shardload.geometry``). Errors
+    in the checkpoint's metadata are raised; a refusal is returned (``PlanDecision.plan()``
+    raises it).
+
+    ``experts``: ``"tp"`` splits every routed expert across the workers; ``"ep"`` gives each
+    worker whole experts (``experts.py``), for the one ``num_shards`` it needs.
+
+    >>> plan_decision("examples/tiny_llama_q4", 4).kind                    # doctest: +SKIP
+    'unpadded'
+    """
+    if experts not in MODES:
+        raise PlanError(f"experts must be one of {', '.join(map(repr, MODES))}, got "
+                        f"{experts!r}")
+    if experts == "ep" and num_shards is None:
+        raise PlanError("expert parallelism assigns whole experts to workers, so its plan is "
+                        "for one number of workers: give num_shards")
+    problem = None if num_shards is None else num_shards_problem(num_shards)
+    if problem is not None:
+        raise PlanError(f"num_shards {problem}")
+    ckpt = as_checkpoint(params)
+    kind, spec, scheme = detect(ckpt)
+    spec = vocab_from_tensors(ckpt, spec)
+    check_shapes(ckpt, spec, scheme)
+    # the assignment of experts depends on N alone, so a padded plan for N reuses it
+    ep = None if experts == "tp" else ExpertParallel(
+        num_shards, spec.rules.naming.count_experts(ckpt.metadata()))
+    planned = plan_decoder(ckpt, spec, scheme, vocab_parallel=vocab_parallel, experts=ep)
+    if ep is not None and not ep.layouts:
+        error = PlanError(f"{ckpt.source} has no routed experts ({spec.architecture}): expert "
+                          "parallelism needs a mixture-of-experts model; plan with "
+                          f"{EXPERTS_TP.python}", source=ckpt.source)
+        raise mention(error, EXPERTS_TP)
+    constraints = planned.constraints
+    # with expert parallelism, the N an EP plan can be made for (its experts put no constraint)
+    valid = ValidNumShards([n for n in range(1, MAX_SHARDS_TRIED + 1) if constraints.allows(n)],
+                           tried=MAX_SHARDS_TRIED)
+    record = {MODEL_KEY: model_record(ckpt, spec, scheme, kind, ep)}
+    source = f"<plan for {ckpt.source}>"
+    if num_shards is None:
+        return PlanDecision(None, "symbolic", _summary(planned, spec, scheme, experts), valid,
+                            _plan_info(planned.steps, record, ep, source))
+    broken = constraints.broken(num_shards)
+    if not broken:
+        decided = "unpadded"
+    else:
+        padding = _padding(ckpt, spec, scheme, num_shards, broken, pad, ep is not None)
+        if not isinstance(padding, Padding):
+            first, why = padding
+            reason = first.why_not(num_shards)
+            if why:
+                reason += f"; and zero-padding cannot help: {why}"
+            error = PlanError(f"{ckpt.source} cannot be split over {num_shards} workers: "
+                              f"{reason}. {valid.describe()}", source=source, param=first.tensor)
+            return PlanDecision(num_shards, "refused", _summary(planned, spec, scheme, experts),
+                                valid, error=error)
+        decided = "padded"
+        planned = plan_decoder(ckpt, spec, scheme, vocab_parallel=vocab_parallel,
+                               padding=padding, experts=ep)
+        record = {**record, "tensor_parallel": padding.metadata(spec)}
+        source = f"<padded plan for {ckpt.source}>"
+    info = _plan_info(planned.steps, record, ep, source)
+    # decided from the constraints alone; the plan for N is validated once, as a safety check,
+    # and kept: the caller loads with it rather than validating it again
+    validated = info.bind(num_shards).validate(ckpt.metadata())
+    return PlanDecision(num_shards, decided,
+                        _summary(planned, spec, scheme, experts, padded=decided == "padded"),
+                        valid, info, validated=validated)
+
+
+def plan_for(params, num_shards: Optional[int] = None, *, vocab_parallel: bool = False,
+             pad: bool = True, experts: str = "tp") -> ShardInfo:
+    """A plan for ``params`` (a checkpoint or path), symbolic in ``num_shards``.
+
+    With ``num_shards``, also check that this N works: if the model's heads or MLP do not
+    divide among N workers, plan zero-padding for that N (``pad``, on by default), and where
+    even that cannot be exact, raise ``PlanError`` naming the constraint N breaks and listing
+    the N that do work (``plan_decision`` decides, in one pass).
+    ``vocab_parallel`` splits embeddings and lm_head by vocabulary rows instead of replicating.
+    ``experts="ep"`` gives each worker whole routed experts (expert parallelism, for one N).
+
+    >>> info = plan_for(open_checkpoint("examples/tiny_llama_q4"), num_shards=4)  # doctest: +SKIP
+    >>> info.is_symbolic
+    True
+    """
+    return plan_decision(params, num_shards, vocab_parallel=vocab_parallel, pad=pad,
+                         experts=experts).plan()
+
+
+def _summary(planned: Planned, spec: ModelSpec, scheme: Scheme, experts: str, *,
+             padded: bool = False) -> PlanSummary:
+    return PlanSummary(spec, scheme, len(planned.steps), len(planned.replicated),
+                       tuple(planned.unknown), padded=padded, placed=len(planned.placed),
+                       experts=experts)
+
+
+def _plan_info(steps: dict, metadata: dict, ep: Optional[ExpertParallel],
+               source: str) -> ShardInfo:
+    """The plan: its steps, what it records for engines, and, for expert parallelism, the
+    assignment of experts (``__metadata__.experts``) and the placement of experts stored one
+    per tensor (for its one N)."""
+    data: dict = dict(steps)
+    if ep is not None:
+        metadata = {**metadata, "experts": ep.metadata()}
+        data[Placement.KEY] = {"num_shards": ep.num_shards, "params": ep.placement}
+    if metadata:
+        data[ShardInfo.METADATA_KEY] = metadata
+    return ShardInfo.from_dict(data, source=source)
+
+
+def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int,
+             broken: list[Constraint], pad: bool,
+             whole_experts: bool = False) -> Union[Padding, tuple[Constraint, str]]:
+    """For an N that breaks the ``broken`` constraints: the zero-padded layout that lifts them,
+    or the constraint to name in the refusal and why padding cannot help ("" when ``pad`` is
+    off)."""
+    if not pad:
+        return broken[0], ""
+    unpaddable = [c for c in broken if not c.paddable]
+    if unpaddable:
+        return unpaddable[0], ("the vocabulary is split evenly, never padded (split embeddings "
+                               "and lm_head only for an N that divides it)")
+    padding = padding_layout(ckpt, spec, scheme, num_shards, whole_experts=whole_experts)
+    return (broken[0], padding.reason) if isinstance(padding, PlanError) else padding
