@@ -27,7 +27,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-from conftest import interrupt_once_started, subprocess_env
+from helpers.subprocesses import interrupt_once_started, subprocess_env
 from shardload.cli import cli
 
 REPO = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ import torch
 # tp_llama is examples/tp_llama.py: examples/ is on sys.path (pytest's ``pythonpath``), and
 # worker processes inherit it and import tp_llama from it
 import tp_llama  # noqa: F401  (registers the tp_llama.* session functions)
-from conftest import EXAMPLES
+from helpers.paths import EXAMPLES
 from helpers.real_models import cache_dir, smollm2_gguf
 from shardload import PlanError, ProcessSession, ThreadedSession, open_checkpoint
 from shardload.planners import plan_for

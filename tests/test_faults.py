@@ -33,7 +33,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-from conftest import interrupt_once_started, subprocess_env
+from helpers.subprocesses import interrupt_once_started, subprocess_env
 from helpers import fault_plugins
 from shardload import (REPLICATE, PlanError, ProcessSession, ShardloadError, ThreadedSession,
                        WorkerError, load_sharded)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from conftest import EXAMPLE
+from helpers.paths import EXAMPLE
 from shardload import (REPLICATE, PlanError, SessionError, ShardInfo, ThreadedSession,
                        load_sharded, open_checkpoint, open_session, resolve_plan)
 from shardload.frontdoor import plan_beside, write_plan

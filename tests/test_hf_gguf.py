@@ -32,7 +32,8 @@ import pytest
 import torch
 import transformers
 
-from conftest import REPO, subprocess_env
+from helpers.paths import REPO
+from helpers.subprocesses import subprocess_env
 from helpers.real_models import smollm2_gguf
 from shardload import ThreadedSession, open_checkpoint
 from shardload.hf import load_tp_model

@@ -24,7 +24,8 @@ import torch
 
 pytest.importorskip("obstore")
 
-from conftest import EXAMPLE, REPO, subprocess_env  # noqa: E402
+from helpers.paths import EXAMPLE, REPO  # noqa: E402
+from helpers.subprocesses import subprocess_env  # noqa: E402
 from helpers import objectservers  # noqa: E402
 from helpers.objectservers import SCHEMES  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402

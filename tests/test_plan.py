@@ -326,7 +326,7 @@ def test_schema_is_valid_draft_2020_12():
 
 
 def test_example_plan_matches_the_schema():
-    from conftest import EXAMPLE
+    from helpers.paths import EXAMPLE
 
     with open(f"{EXAMPLE}/shard_info.json") as f:
         jsonschema.validate(json.load(f), json_schema())

@@ -68,7 +68,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
-from conftest import EXAMPLE
+from helpers.paths import EXAMPLE
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
 from shardload import (ArrayCheckpoint, PlanError, ProcessSession, ShardInfo, ThreadedSession,
                        load_sharded, open_checkpoint)

@@ -177,7 +177,7 @@ def test_real_model_plan_passes_shardload_validate(smollm2, tmp_path, n):
 
 
 def test_embedded_example_plan_passes_shardload_validate():
-    from conftest import EXAMPLE
+    from helpers.paths import EXAMPLE
 
     for n in (1, 2, 4, 8):
         result = CliRunner().invoke(cli, ["validate", "--shards", str(n), EXAMPLE])

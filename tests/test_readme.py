@@ -27,7 +27,8 @@ from typing import Optional
 
 import pytest
 
-from conftest import REPO, subprocess_env
+from helpers.paths import REPO
+from helpers.subprocesses import subprocess_env
 
 DIRECTIVE = re.compile(r"<!-- test: ([a-z_ ]+) -->")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)

@@ -185,7 +185,7 @@ print(server, forkserver.server_pid(), *second.pids, flush=True)
 
 @pytest.mark.slow
 def test_shutdown_then_a_new_server_and_nothing_left_at_exit(tmp_path):
-    from conftest import subprocess_env
+    from helpers.subprocesses import subprocess_env
 
     proc = subprocess.run([sys.executable, "-c", "import helpers.process_plugins\n"
                            + SHUTDOWN_AND_EXIT], cwd=tmp_path, env=subprocess_env(),

@@ -35,7 +35,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-from conftest import default_sigint, subprocess_env
+from helpers.subprocesses import default_sigint, subprocess_env
 from helpers import process_plugins
 from shardload import load_sharded, register_session_func
 from shardload.cli import cli

@@ -328,7 +328,7 @@ def sigint_raises():
     """SIGINT raises KeyboardInterrupt, as in Python run from a terminal. pytest run as a
     background job of a non-interactive shell inherits SIGINT ignored, and
     ``_thread.interrupt_main`` then does nothing: the load ran to its end and the test failed
-    (conftest.default_sigint does the same for child processes)."""
+    (helpers.subprocesses.default_sigint does the same for child processes)."""
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, old)

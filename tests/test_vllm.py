@@ -27,7 +27,8 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from conftest import REPO, subprocess_env
+from helpers.paths import REPO
+from helpers.subprocesses import subprocess_env
 from helpers.vllm_engine import launch
 from shardload import open_checkpoint
 from shardload.errors import PlanError
