@@ -248,7 +248,7 @@ def test_a_real_gguf_at_a_padded_n(server, tmp_path):
 def test_gguf_and_mlc(server, tmp_path):
     from gguf import GGMLQuantizationType as T
 
-    from test_planner_gguf_mlc import GGUF_LINEARS, write_gguf, write_mlc_model
+    from helpers.gguf_mlc_models import GGUF_LINEARS, write_gguf, write_mlc_model
 
     gguf_dir = tmp_path / "gguf"
     gguf_dir.mkdir()

@@ -229,7 +229,7 @@ def test_int64_edges_agree():
 
 def test_planner_plans_and_their_serialisations_match_the_schema(tmp_path):
     from helpers.paths import EXAMPLE
-    from test_planner import PLAIN, THREE, write_model
+    from helpers.quantized_models import PLAIN, THREE, write_model
 
     from shardload.planners import plan_for
 

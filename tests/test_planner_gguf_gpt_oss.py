@@ -40,6 +40,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.constants import MODEL_ARCH, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 from gguf.quants import dequantize, quantize
 
+from helpers.gguf_blocks import dequantized
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
 from shardload import ThreadedSession, load_sharded
 from shardload.planners import plan_decision
@@ -145,10 +146,6 @@ def model(tmp_path_factory):
     return path, stored, shapes
 
 
-def _deq(raw: np.ndarray, qtype: T) -> np.ndarray:
-    return raw.astype(np.float32) if qtype in (T.F16, T.F32) else dequantize(raw, qtype)
-
-
 def _load(path: str, decision):
     n = decision.num_shards
     with ThreadedSession(n) as sess:
@@ -241,7 +238,7 @@ def test_tp_every_worker_dequantizes_to_its_slice(model, n):
     sharded = _load(path, d)
     for name, (raw, qtype) in stored.items():
         split = splits[name]
-        whole = _deq(raw, qtype)
+        whole = dequantized(raw, qtype)
         for i in range(n):
             piece = sharded.shard(name, i).numpy()
             where = f"{name} worker {i} of {n}"
@@ -252,7 +249,7 @@ def test_tp_every_worker_dequantizes_to_its_slice(model, n):
                       else take(raw, mlp[i], BLOCK_BYTES, 2))
                 assert piece.shape == by.shape and np.array_equal(piece, by), where
             want = _want(whole, split, q[i], kv[i], mlp[i])
-            got = _deq(piece, qtype)
+            got = dequantized(piece, qtype)
             assert got.shape == want.shape, where
             assert np.array_equal(got, want), where
             if qtype == T.MXFP4 and mlp[i][-1] == -1:    # a padded block is zeros, exactly
@@ -292,7 +289,7 @@ def test_ep_every_exps_tensor_splits_in_whole_experts(model, n):
     exps = {f"{gguf_name(k, b)}.{s}" for k in EXP_KINDS for b in range(LAYERS)
             for s in ("weight", "bias")}
     for name, (raw, qtype) in stored.items():
-        whole = _deq(raw, qtype)
+        whole = dequantized(raw, qtype)
         for i in range(n):
             piece = sharded.shard(name, i).numpy()
             where = f"{name} worker {i} of {n} (EP)"
@@ -306,7 +303,7 @@ def test_ep_every_exps_tensor_splits_in_whole_experts(model, n):
                 want = _want(whole, split, q[i], kv[i], [])
                 if split == "rep":
                     assert np.array_equal(piece, raw), where
-            assert np.array_equal(_deq(piece, qtype), want), where
+            assert np.array_equal(dequantized(piece, qtype), want), where
 
 
 # ---- roles ---------------------------------------------------------------------------------

@@ -25,14 +25,14 @@ import pytest
 from click.testing import CliRunner
 
 import shardload.planners as planners
+from helpers.gguf_mlc_models import write_mlc_model
 from helpers.hostile_corpus import gguf_file, set_key as _set
+from helpers.quantized_models import GQA, PLAIN, gptq, write_model
 from shardload import FormatError, PlanError, ShardInfo, open_checkpoint
 from shardload.cli import cli
 from shardload.config_fields import Fields
 from shardload.planners import describe_plan, plan_for, valid_num_shards
 from shardload.tp_layout import head_layout, unit_layout
-from test_planner import GQA, PLAIN, gptq, write_model
-from test_planner_gguf_mlc import write_mlc_model
 
 Q = "quantization_config"
 

@@ -154,7 +154,7 @@ def test_read_plans_travel_as_json_unchanged(tmp_path):
 
 @pytest.mark.parametrize("n", [2, 5, 8])
 def test_padded_plans_read_only_their_units(tmp_path, n):
-    from test_planner import PLAIN, THREE, write_model
+    from helpers.quantized_models import PLAIN, THREE, write_model
 
     from shardload.planners import plan_for
 
