@@ -408,11 +408,11 @@ def test_cases_are_the_planners_architectures_transformers_reads():
 
 
 def _unreadable_file(folder, arch: str, name: str = "") -> str:
-    """A tiny GGUF of ``arch`` as llama.cpp writes it (gpt-oss: test_planner_gguf_gpt_oss's; mistral:
+    """A tiny GGUF of ``arch`` as llama.cpp writes it (gpt-oss: helpers.gpt_oss_gguf's; mistral:
     Llama's tensors under ``general.architecture`` ``mistral``, or ``llama`` named ``name``)."""
     path = str(folder / f"{arch}{name}.gguf")
     if arch == "gpt-oss":
-        from test_planner_gguf_gpt_oss import write_gpt_oss
+        from helpers.gpt_oss_gguf import write_gpt_oss
 
         write_gpt_oss(path)
         return path
