@@ -7,7 +7,7 @@ reference, float32) and the same 16 greedy tokens, at N = 1, 2, 3 (zero-padded: 
 3 workers) and 4 on a ``ThreadedSession``.
 
 The files. Each is a random model made by transformers (``from_config`` under
-``torch.manual_seed(0)``, norms and biases randomised as ``test_hf_tp_model.randomise`` does),
+``torch.manual_seed(0)``, norms and biases randomised by ``helpers.hf_parity.randomise``),
 converted to GGUF here the way llama.cpp's ``convert_hf_to_gguf.py`` converts it, written with
 gguf-py's ``GGUFWriter``: tensor names from gguf-py's ``TensorNameMap`` for the architecture;
 llama's q/k rows permuted (``LlamaModel.permute``, which transformers' ``LlamaTensorProcessor``
@@ -76,6 +76,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.constants import MODEL_ARCH_NAMES
 from gguf.quants import quantize
 
+from helpers.hf_parity import randomise, relative
 from shardload import ThreadedSession
 from shardload.hf import load_tp_model
 from shardload.planners.architectures import GGUF_ARCHITECTURES
@@ -132,19 +133,6 @@ LOST_SIZES = {
 
 
 # ---- the converter: an HF model to the GGUF llama.cpp would write ------------------------------
-
-def randomise(model) -> None:
-    """Biases, norms and every other constant-initialised parameter drawn at random (as
-    ``test_hf_tp_model.randomise``), so that any of them taken from the wrong worker, added N
-    times or dropped changes the logits."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            first = float(param.flatten()[0])
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.05)
-            elif "norm" in name or (param.numel() > 1 and bool((param == first).all())):
-                param.normal_(first, 0.1)
-
 
 def hf_model(case: str):
     torch.manual_seed(0)
@@ -256,10 +244,6 @@ def answers(model) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = model.generate(ids, attention_mask=torch.ones_like(ids),
                                 max_new_tokens=NEW_TOKENS, do_sample=False)
     return logits, tokens
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 class Reference:

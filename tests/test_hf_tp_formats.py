@@ -5,8 +5,8 @@ checkpoint, with each format's most independent reference:
 
 * **DeepSeek block FP8** (``quant_method: fp8``, ``weight_scale_inv`` per 128x128 block): the
   checkpoint is written by transformers' own FP8 quantizer (``helpers.deepseek_fp8_tool``; the
-  DeepSeek-V3 of ``test_planner_deepseek.fp8_config``, whose 192-row heads straddle the 128-row blocks),
-  and the reference is transformers' own ``from_pretrained`` of that folder: on a machine
+  DeepSeek-V3 of ``helpers.deepseek_configs.fp8_config``, whose 192-row heads straddle the
+  128-row blocks), and the reference is transformers' own ``from_pretrained`` of that folder: on a machine
   without a GPU it dequantizes the weights at load time (with one, ``FineGrainedFP8Config(
   dequantize=True)`` is asked for; ``test_transformers_fp8_load_is_the_exact_dequantization``
   pins that both give exactly the float32 block dequantization, not bf16).
@@ -15,8 +15,8 @@ checkpoint, with each format's most independent reference:
   to 6 pairs.
 * **ModelOpt NVFP4** (Llama; Phi-3, fused ``qkv_proj`` / ``gate_up_proj``; Qwen3-MoE, experts
   one tensor each): exported by ModelOpt itself
-  (``helpers.modelopt_tool.cached_modelopt_nvfp4``, the configs of ``test_planner_modelopt``, cached per
-  machine); the reference is transformers' model of the export's config whose every quantized
+  (``helpers.modelopt_tool.cached_modelopt_nvfp4``, the configs of ``helpers.modelopt_configs``,
+  cached per machine); the reference is transformers' model of the export's config whose every quantized
   weight is ModelOpt's own ``NVFP4QTensor.dequantize`` of the stored tensors. N = 1..4 (3
   zero-pads the heads and MLP blocks; Qwen3-MoE's 32-row experts are zero-padded at 4 too).
 * **GPTQ v1, 4-bit, group 32** (AutoGPTQ's ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx``) and
@@ -58,18 +58,18 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from helpers.deepseek_configs import fp8_config
 from helpers.deepseek_fp8_tool import DEEPSEEK_QUANT_CONFIG, dequantize as fp8_dequantize
 from helpers.deepseek_fp8_tool import write_deepseek_fp8
+from helpers.hf_parity import (NEW_TOKENS, PROMPT, QUANT_SIZES, TOLERANCE, Reference, answers,
+                               randomise, relative)
+from helpers.modelopt_configs import CONFIGS as MODELOPT_CONFIGS
 from helpers.modelopt_tool import cached_modelopt_nvfp4, dequantize as nvfp4_dequantize
 from helpers.quant_refs.awq import dequantize_awq, quantize_awq
 from helpers.quant_refs.gptq import dequantize_gptq, quantize_gptq
 from shardload import PlanError, ProcessSession, ThreadedSession
 from shardload.hf import TPModel, load_tp_model
 from shardload.planners import plan_decision
-from test_planner_deepseek import fp8_config
-from test_hf_tp_model import (NEW_TOKENS, PROMPT, QUANT_SIZES, TOLERANCE, Reference, answers,
-                              randomise, relative)
-from test_planner_modelopt import CONFIGS as MODELOPT_CONFIGS
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:You passed `quantization_config`:UserWarning")   # dequantize=True over the config's
@@ -113,7 +113,7 @@ def _rewrite(folder: Path, change) -> None:
 
 def _randomise_stored(tensors: dict, seed: int) -> None:
     """Norm weights ~ N(1, 0.1) and DeepSeek-V3's router bias ~ N(0, 0.01), in their stored dtype
-    (they are 1 and 0 in a fresh model; test_hf_tp_model's ``randomise`` on a stored file)."""
+    (they are 1 and 0 in a fresh model; ``helpers.hf_parity.randomise`` on a stored file)."""
     generator = torch.Generator().manual_seed(seed)
     for name in sorted(tensors):
         t = tensors[name]
@@ -180,8 +180,8 @@ def make_deepseek_fp8(folder: Path, tmp: Path, ds_config: bool = False):
 
 
 def make_modelopt(folder: Path, tmp: Path, arch: str):
-    """A copy of ModelOpt's (cached) export of ``test_planner_modelopt.CONFIGS[arch]``, norms randomised;
-    the reference holds ModelOpt's own dequantization of every quantized module."""
+    """A copy of ModelOpt's (cached) export of ``helpers.modelopt_configs.CONFIGS[arch]``, norms
+    randomised; the reference holds ModelOpt's own dequantization of every quantized module."""
     export = cached_modelopt_nvfp4(arch, MODELOPT_CONFIGS[arch]())
     for item in export.iterdir():
         shutil.copy(item, folder / item.name)
@@ -203,7 +203,7 @@ def _as_torch(x) -> torch.Tensor:
 
 def make_int4(folder: Path, tmp: Path, method: str, *, act_order: bool = False,
               sym: bool = True, biases: bool = False):
-    """A random Llama of test_hf_tp_model's quantized sizes (norms and biases randomised, every
+    """A random Llama of the quantized sizes ``QUANT_SIZES`` (norms and biases randomised, every
     float tensor rounded to fp16 and stored so), its 7 linears per layer quantized by
     ``quant_refs`` (GPTQ v1 group 32, with a random ``perm`` per linear for act-order; or AWQ
     GEMM group 32); the reference is the same model with each linear weight replaced by the
@@ -245,7 +245,7 @@ def make_int4(folder: Path, tmp: Path, method: str, *, act_order: bool = False,
 
 
 def make_gptqmodel(folder: Path, tmp: Path, *, act_order: bool):
-    """A random Llama of test_hf_tp_model's quantized sizes (norms randomised) quantized by
+    """A random Llama of the quantized sizes ``QUANT_SIZES`` (norms randomised) quantized by
     GPTQModel (4-bit, group 32); the reference is that config with every linear weight
     replaced by ``dequantize_gptq`` of the tensors GPTQModel stored."""
     from helpers.gptqmodel_tool import quantize

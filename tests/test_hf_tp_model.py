@@ -36,27 +36,26 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from helpers.architecture_configs import CONFIGS as ARCH_CONFIGS
+from helpers.architecture_configs import SMALL
 from helpers.compressed_tensors_tool import compress_preset, compress_w4a16
+from helpers.deepseek_configs import tiny_config as deepseek_config
 from helpers.gpt_oss_tool import load_with_transformers, write_gpt_oss_mxfp4
 from helpers.gpt_oss_tool import tiny_config as gpt_oss_config
+from helpers.hf_parity import (NEW_TOKENS, PROMPT, QUANT_SIZES, TOLERANCE, Reference, answers,
+                               randomise, relative)
+from helpers.moe_configs import CONFIGS as MOE_CONFIGS
 from shardload import ProcessSession, ShardloadError, ThreadedSession, WorkerError
 from shardload.hf import TPModel, load_tp_model
-from test_planner_architectures import CONFIGS as ARCH_CONFIGS
-from test_planner_architectures import SMALL
-from test_planner_deepseek import tiny_config as deepseek_config
-from test_planner_moe import CONFIGS as MOE_CONFIGS
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:You passed `quantization_config`:UserWarning")   # dequantize=True over the config's
 
-PROMPT = [[3, 17, 42, 5, 88, 11, 60, 29]]      # token ids < 96, every tiny vocabulary
-NEW_TOKENS = 16
 SHARDS = (1, 2, 3, 4)
 PADDED = 3            # 4 query heads (and the MLPs) over 3 workers: zero-padded
 #: cases zero-padded at more N than PADDED: gpt-oss MXFP4's experts hold 64 rows, two 32-groups
 #: of down_proj's inputs, which 4 workers cannot share evenly
 ALSO_PADDED = {"gpt_oss_mxfp4": {4}, "ct_fp8_block_llama": {2, 4}}
-TOLERANCE = 1e-3      # max |TP - reference| / max |reference|, float32
 
 #: the float checkpoints: config makers (the tiny configs of the planner's own tests)
 FLOAT = {
@@ -86,10 +85,6 @@ FLOAT = {
     "llama_8_heads": lambda: transformers.LlamaConfig(**EIGHT_HEADS),
 }
 
-#: the quantized checkpoints: sizes where every N of 1..4 plans (one head = one 32-group of
-#: o_proj's inputs; 256 MLP rows), as tests/test_formats_compressed_tensors.py has them, with 2 layers
-QUANT_SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
 #: a hidden size the padded heads of N = 3 do not divide (8 heads: 3 per worker)
 EIGHT_HEADS = dict(QUANT_SIZES, hidden_size=256, num_attention_heads=8)
 
@@ -125,40 +120,11 @@ PROCESS_CASES = [("olmo2", 3), ("qwen2_moe", 2), ("gpt_oss", 2), ("deepseek_v3",
 
 # ---- the checkpoints and transformers' answers -------------------------------------------------
 
-def randomise(model) -> None:
-    """Biases, norms and every other constant-initialised parameter (gpt-oss's sinks, Gemma's
-    zero-centred norms) drawn at random, so that any of them taken from the wrong worker, added
-    N times or dropped changes the logits; DeepSeek-V3's router bias ~ N(0, 0.01) (small enough
-    that the router still picks every expert group, as in test_planner_deepseek)."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            first = float(param.flatten()[0])
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.05)
-            elif "norm" in name or (param.numel() > 1 and bool((param == first).all())):
-                param.normal_(first, 0.1)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.01)
-
-
 def write_float(folder, case: str) -> None:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(FLOAT[case]())
     randomise(model)
     model.save_pretrained(folder)
-
-
-def answers(model) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits float32, greedy tokens) of a transformers model for ``PROMPT``; all 16 tokens,
-    as ``TPModel.generate`` without ``eos_token_id`` gives them (the tiny OLMo-2 picks its EOS
-    at once)."""
-    ids = torch.tensor(PROMPT)
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        logits = model(ids).logits.float()
-        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-    return logits, tokens
 
 
 def nvfp4_float32_reference(folder):
@@ -202,14 +168,6 @@ def reference_model(folder, case: str):
     return model.eval()
 
 
-class Reference:
-    def __init__(self, folder, model):
-        self.folder = folder
-        self.logits, self.tokens = answers(model)
-        # every one of the 16 tokens is compared: the reference does not stop at an EOS
-        assert self.tokens.shape == (1, len(PROMPT[0]) + NEW_TOKENS)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """``reference(case)``: the case's checkpoint folder and transformers' answers, made once per
@@ -229,10 +187,6 @@ def reference(tmp_path_factory):
         return made[case]
 
     return get
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def check_parity(case: str, ref: Reference, n: int, session_class) -> None:

@@ -59,32 +59,21 @@ from safetensors.torch import load_file
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2_modeling
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3_modeling
 
+from helpers.deepseek_configs import (EXPERTS, FP8_HEADS, FP8_HIDDEN, FP8_INTER, FP8_MOE_INTER,
+                                      FP8_NOPE, FP8_ROPE, FP8_V, HEADS, HIDDEN, INTER, KV_LORA,
+                                      MOE_INTER, NOPE, Q_LORA, ROPE, SHARED, V_DIM, fp8_config,
+                                      tiny_config)
 from helpers.deepseek_fp8_tool import DEEPSEEK_QUANT_CONFIG, dequantize, write_deepseek_fp8
 from helpers.tp_reference import (expert_slots, layer_piece, padded_head_runs, padded_heads,
                                   padded_units, rows_of, take)
-from shardload import PlanError, ProcessSession, ThreadedSession, load_sharded
+from shardload import ProcessSession, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_decision
 
-HEADS, HIDDEN, INTER, MOE_INTER, SHARED, EXPERTS, VOCAB = 4, 64, 96, 32, 1, 4, 96
-Q_LORA, KV_LORA, NOPE, ROPE, V_DIM = 48, 32, 16, 8, 16
 QK, KV_B = NOPE + ROPE, NOPE + V_DIM          # a query head's rows (24), a kv_b head's rows (32)
 TP_SHARDS = (1, 2, 4, 3)                      # 3: 4 heads and 32/96-row MLPs zero-padded
 EP_SHARDS = (1, 2, 3, 4, 8)
 BLOCK = 128                                   # block FP8: 128 x 128 scale blocks
-
-
-def tiny_config(version: str):
-    """The tiny DeepSeek-V3 (q_lora) or DeepSeek-V2 (``q_lora_rank=None``: ``q_proj``)."""
-    common = dict(hidden_size=HIDDEN, intermediate_size=INTER, moe_intermediate_size=MOE_INTER,
-                  num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-                  vocab_size=VOCAB, n_routed_experts=EXPERTS, n_shared_experts=SHARED,
-                  num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=KV_LORA,
-                  qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_DIM, n_group=2,
-                  topk_group=1)
-    if version == "v3":
-        return transformers.DeepseekV3Config(q_lora_rank=Q_LORA, **common)
-    return transformers.DeepseekV2Config(q_lora_rank=None, **common)
 
 
 def write_tiny(folder, version: str):
@@ -405,23 +394,8 @@ def test_moe_block_forward_sums_to_whole_at_2_workers(request, version, experts)
 
 # ---- C. block FP8, written by transformers' own quantizer ----------------------------------------
 
-FP8_HEADS, FP8_NOPE, FP8_ROPE, FP8_V = 8, 64, 128, 128
 FP8_QK, FP8_KV_B = FP8_NOPE + FP8_ROPE, FP8_NOPE + FP8_V     # 192 and 192 rows a head
-FP8_HIDDEN, FP8_INTER, FP8_MOE_INTER = 256, 1536, 512        # 12 and 4 blocks of MLP rows
 FP8_SHARDS, FP8_PADDED = (1, 2, 4), (3, 8)
-
-
-def fp8_config():
-    """A DeepSeek-V3 whose every quantized dim is a multiple of 128 (the tool's requirement):
-    kv_a_proj_with_mqa is kv_lora 256 + rope 128 = 384 rows; the MLPs 1536 (12 blocks: any N
-    of 1, 2, 3, 4 divides them, so at N=3 only the heads refuse) and 512 (4 blocks). kv_lora
-    is 256, not 128: a [N/128, 1] scale grid is misread (test_fp8_one_block_of_k_columns)."""
-    return transformers.DeepseekV3Config(
-        hidden_size=FP8_HIDDEN, intermediate_size=FP8_INTER, moe_intermediate_size=FP8_MOE_INTER,
-        num_hidden_layers=2, num_attention_heads=FP8_HEADS, num_key_value_heads=FP8_HEADS,
-        vocab_size=256, n_routed_experts=EXPERTS, n_shared_experts=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, q_lora_rank=256, kv_lora_rank=256, qk_nope_head_dim=FP8_NOPE,
-        qk_rope_head_dim=FP8_ROPE, v_head_dim=FP8_V, n_group=2, topk_group=1)
 
 
 @pytest.fixture(scope="module")

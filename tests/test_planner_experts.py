@@ -68,6 +68,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
+from helpers.moe_configs import mlp_sizes
 from helpers.paths import EXAMPLE
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
 from shardload import (ArrayCheckpoint, PlanError, ProcessSession, ShardInfo, ThreadedSession,
@@ -458,16 +459,6 @@ def expert_of(name: str, arch: str):
         assert parts[6] in projections, name
         return int(parts[2]), int(parts[5])
     return None
-
-
-def mlp_sizes(config) -> dict[str, int]:
-    """The MLP widths by kind (Mixtral's experts are ``intermediate_size`` wide)."""
-    if config.model_type == "mixtral":
-        return {"experts": config.intermediate_size}
-    sizes = {"experts": config.moe_intermediate_size, "dense": config.intermediate_size}
-    if getattr(config, "shared_expert_intermediate_size", None):
-        sizes["shared_expert"] = config.shared_expert_intermediate_size
-    return sizes
 
 
 def split_of(name: str, config):

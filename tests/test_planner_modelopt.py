@@ -32,35 +32,18 @@ import shutil
 
 import pytest
 import torch
-import transformers
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from helpers.modelopt_configs import CONFIGS, EXPERTS, HEADS, HIDDEN, INTER, MOE_INTER, VOCAB
 from helpers.modelopt_tool import cached_modelopt_nvfp4, dequantize_module
 from helpers.tp_reference import (expert_slots, layer_piece, padded_head_runs, padded_units,
                                   rows_of)
-from shardload import PlanError, ProcessSession, ThreadedSession, load_sharded
+from shardload import ProcessSession, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_decision
 
-HEADS, KV_HEADS, HIDDEN, INTER, VOCAB = 4, 2, 64, 128, 96
 GROUP = 16          # NVFP4: one E4M3 scale per 16 weights along K
-EXPERTS, MOE_INTER = 4, 32
-DENSE = dict(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
-             num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB)
-CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**DENSE),
-    "phi3": lambda: transformers.Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                            **DENSE),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        hidden_size=HIDDEN, intermediate_size=INTER, moe_intermediate_size=MOE_INTER,
-        num_experts=EXPERTS, num_experts_per_tok=2, num_hidden_layers=2,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=16,
-        vocab_size=VOCAB, decoder_sparse_step=1),
-    # heads of 8 elements: each 16-element group of o_proj's K holds two of them
-    "llama_narrow_heads": lambda: transformers.LlamaConfig(
-        **{**DENSE, "hidden_size": 32, "intermediate_size": 64}),
-}
 #: the tensors ModelOpt writes per quantized linear
 NVFP4_TENSORS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 PADDED = 3          # 4 query heads and 8 MLP blocks over 3 workers: zero-padded

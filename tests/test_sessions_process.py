@@ -8,12 +8,12 @@ Ctrl-C in the CLI).
 
 Shard and session functions the workers run live in ``helpers/process_plugins.py`` (workers can
 only run functions they can import); reading the processes from ``/proc``, and the load that
-proves a session still works, in ``helpers/process_sessions.py``. Workers are forked from this process's fork server (the
-default; ``test_sessions_forkserver.py`` checks what is particular to it): the first session
-waits for the server to import torch (about two seconds), later ones start in tens of
-milliseconds. The tests that leave the session usable share one module-scoped session, and the
-ones that end a session start their own. Every process a test starts is killed by pid in a
-``finally`` if it is still there.
+proves a session still works, in ``helpers/process_sessions.py``. Workers are forked from this
+process's fork server (the default; ``test_sessions_forkserver.py`` checks what is particular to
+it): the first session waits for the server to import torch (about two seconds), later ones
+start in tens of milliseconds. The tests that leave the session usable share one module-scoped
+session, and the ones that end a session start their own. Every process a test starts is killed
+by pid in a ``finally`` if it is still there.
 
 The process checks read ``/proc``, so the module runs on Linux only.
 """

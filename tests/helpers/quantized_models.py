@@ -49,7 +49,7 @@ MQA = Geometry(hidden=256, heads=8, kv_heads=1, head_dim=32, inter=512)       # 
 WIDE = Geometry(hidden=512, heads=4, kv_heads=2, head_dim=128, inter=1024)    # FP8 blocks
 
 
-# ---- the formats -----------------------------------------------------------------------------------
+# ---- the formats ---------------------------------------------------------------------------------
 
 @dataclass
 class Format:
@@ -186,7 +186,7 @@ OTHERS = [awq(32), awq(-1), pack_quantized(4, 32, True), pack_quantized(4, 32, F
           pack_quantized(8, None, True), fp8("tensor"), fp8("channel")]
 
 
-# ---- writing a checkpoint --------------------------------------------------------------------------
+# ---- writing a checkpoint ------------------------------------------------------------------------
 
 ROLES_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
