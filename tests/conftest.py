@@ -5,6 +5,7 @@ modules use. Plain helpers the tests import by name live in ``tests/helpers`` (`
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from shardload import registry
@@ -51,8 +52,29 @@ def _restore_registry():
             session_functions.register_session_func(name, f.func, override=True)
 
 
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    """The path of the published SmolLM2-135M-Instruct GGUF (Q4_1: 9 query heads, 3 KV heads),
+    fetched once (``helpers.real_models``); the tests that use it are marked ``real_model``."""
+    from helpers.real_models import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+@pytest.fixture
+def small_ckpt(tmp_path):
+    """A folder holding one safetensors file of one float32 tensor ``a`` [8, 4], no config."""
+    from safetensors.numpy import save_file
+
+    folder = tmp_path / "small"
+    folder.mkdir()
+    save_file({"a": np.arange(32, dtype=np.float32).reshape(8, 4)},
+              str(folder / "model.safetensors"))
+    return folder
+
+
 # fixtures that hand a test the real model (tests/helpers/real_models.py downloads it once, 93 MB)
-REAL_MODEL_FIXTURES = {"smollm2", "model_path"}
+REAL_MODEL_FIXTURES = {"smollm2"}
 
 
 def pytest_collection_modifyitems(config, items):

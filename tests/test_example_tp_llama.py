@@ -25,7 +25,7 @@ import torch
 # worker processes inherit it and import tp_llama from it
 import tp_llama  # noqa: F401  (registers the tp_llama.* session functions)
 from helpers.paths import EXAMPLES
-from helpers.real_models import cache_dir, smollm2_gguf
+from helpers.real_models import cache_dir
 from shardload import PlanError, ProcessSession, ThreadedSession, open_checkpoint
 from shardload.planners import plan_for
 from tp_llama import TensorParallelLlama
@@ -45,11 +45,6 @@ LOGIT_TOL = 1e-3     # N workers vs one: float32 sums in a different order over 
 LAYER0_TOL = 1e-4    # the reference forward vs an independent layer 0
 
 
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    return smollm2_gguf()
-
-
 class Reference:
     """The one-worker model and its outputs for PROMPT, computed once for the module."""
 
@@ -62,8 +57,8 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(model_path):
-    with ThreadedSession(1) as session, TensorParallelLlama(model_path, session) as model:
+def one_worker_reference(smollm2):
+    with ThreadedSession(1) as session, TensorParallelLlama(smollm2, session) as model:
         yield Reference(model)
 
 
@@ -91,56 +86,56 @@ def report(label: str, diffs: dict, seconds: float) -> None:
 # ---- N workers against one ----------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_reference_generates_sensible_text(model_path, reference):
+def test_reference_generates_sensible_text(smollm2, one_worker_reference):
     """The RoPE convention and the weights are right: the model answers the question."""
-    ids = reference.new_ids
+    ids = one_worker_reference.new_ids
     # " Paris" (one token) among the first words of the answer
-    with open_checkpoint(model_path) as ckpt:
+    with open_checkpoint(smollm2) as ckpt:
         tokens = ckpt.field("tokenizer.ggml.tokens")
     text = "".join(tokens[i] for i in ids[:8]).replace("\u0120", " ")
     assert "Paris" in text, text
     # the greedy choice is clear at every step: float32 noise cannot flip it
-    top2 = reference.forced.topk(2, dim=-1).values
+    top2 = one_worker_reference.forced.topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).min() > 10 * LOGIT_TOL
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n", NS)
-def test_threads_match_one_worker(n, model_path, reference):
+def test_threads_match_one_worker(n, smollm2, one_worker_reference):
     start = time.perf_counter()
     if n == 1:  # the reference itself: still checks the cache path against teacher forcing
-        diffs = check_matches_reference(reference.model, reference)
+        diffs = check_matches_reference(one_worker_reference.model, one_worker_reference)
     else:
-        with ThreadedSession(n) as session, TensorParallelLlama(model_path, session) as model:
+        with ThreadedSession(n) as session, TensorParallelLlama(smollm2, session) as model:
             assert [w["q_heads"] for w in model.workers] == [9 // n] * n
-            diffs = check_matches_reference(model, reference)
+            diffs = check_matches_reference(model, one_worker_reference)
     report(f"threads, N={n}", diffs, time.perf_counter() - start)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [n for n in NS if n > 1])
-def test_processes_match_one_worker(n, model_path, reference):
+def test_processes_match_one_worker(n, smollm2, one_worker_reference):
     start = time.perf_counter()
-    with ProcessSession(n) as session, TensorParallelLlama(model_path, session) as model:
-        diffs = check_matches_reference(model, reference)
+    with ProcessSession(n) as session, TensorParallelLlama(smollm2, session) as model:
+        diffs = check_matches_reference(model, one_worker_reference)
     report(f"processes, N={n}", diffs, time.perf_counter() - start)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n", PADDED_NS)
-def test_padded_threads_match_one_worker(n, model_path, reference):
+def test_padded_threads_match_one_worker(n, smollm2, one_worker_reference):
     try:
-        plan = plan_for(model_path, num_shards=n)
+        plan = plan_for(smollm2, num_shards=n)
     except PlanError as exc:
         pytest.skip(f"the planner cannot split SmolLM2 (9 query heads, 3 KV heads, MLP 1536) "
                     f"over {n} workers yet: zero padding is not in it ({exc})")
     start = time.perf_counter()
     with ThreadedSession(n) as session, \
-            TensorParallelLlama(model_path, session, plan=plan) as model:
+            TensorParallelLlama(smollm2, session, plan=plan) as model:
         recorded = plan.metadata.get("tensor_parallel") if hasattr(plan, "metadata") else None
         if recorded:  # the forward follows the layout the planner padded the shards to
             assert model.spec["layout"]["q_to_kv"] == recorded["q_to_kv"]
-        diffs = check_matches_reference(model, reference)
+        diffs = check_matches_reference(model, one_worker_reference)
     report(f"threads, N={n} (padded)", diffs, time.perf_counter() - start)
 
 
@@ -181,8 +176,8 @@ def _rope_complex(x: torch.Tensor, base: float) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_layer0_matches_independent_computation(model_path, reference):
-    w, hp = _gguf_layer0(model_path)
+def test_layer0_matches_independent_computation(smollm2, one_worker_reference):
+    w, hp = _gguf_layer0(smollm2)
     T, heads, kv_heads = len(PROMPT), hp["heads"], hp["kv_heads"]
 
     def norm(x, weight):
@@ -206,7 +201,7 @@ def test_layer0_matches_independent_computation(model_path, reference):
         * torch.nn.functional.linear(h, w["ffn_up"])
     expected = x + torch.nn.functional.linear(mlp, w["ffn_down"])
 
-    got = reference.model.hidden(PROMPT, 1)
+    got = one_worker_reference.model.hidden(PROMPT, 1)
     assert got.shape == expected.shape
     diff = (got - expected).abs().max().item()
     print(f"\nlayer 0: max |diff| {diff:.3g} (hidden state max {expected.abs().max():.3g})")
@@ -216,8 +211,8 @@ def test_layer0_matches_independent_computation(model_path, reference):
 # ---- the example script ------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_generate_script(model_path):
-    env = {**os.environ, "SHARDLOAD_MODEL_CACHE": str(cache_dir())}  # where model_path lies
+def test_generate_script(smollm2):
+    env = {**os.environ, "SHARDLOAD_MODEL_CACHE": str(cache_dir())}  # where smollm2 lies
     done = subprocess.run([sys.executable, os.path.join(EXAMPLES, "generate.py"), "--shards",
                            "3", "--max-new-tokens", "8"], capture_output=True, text=True,
                           env=env, timeout=600)

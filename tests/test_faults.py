@@ -481,15 +481,6 @@ def test_unreadable_checkpoint_file_is_exit_2(small_ckpt):
     assert "model.safetensors" in result.stderr and "Traceback" not in result.output
 
 
-@pytest.fixture
-def small_ckpt(tmp_path) -> Path:
-    folder = tmp_path / "small"
-    folder.mkdir()
-    save_file({"a": np.arange(32, dtype=np.float32).reshape(8, 4)},
-              str(folder / "model.safetensors"))
-    return folder
-
-
 def test_shard_info_that_is_a_directory_is_exit_2(small_ckpt, tmp_path):
     result = CliRunner().invoke(cli, ["validate", "--shards", "2", "--shard-info", str(tmp_path),
                                       str(small_ckpt)])

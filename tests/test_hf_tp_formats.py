@@ -6,19 +6,20 @@ checkpoint, with each format's most independent reference:
 * **DeepSeek block FP8** (``quant_method: fp8``, ``weight_scale_inv`` per 128x128 block): the
   checkpoint is written by transformers' own FP8 quantizer (``helpers.deepseek_fp8_tool``; the
   DeepSeek-V3 of ``helpers.deepseek_configs.fp8_config``, whose 192-row heads straddle the
-  128-row blocks), and the reference is transformers' own ``from_pretrained`` of that folder: on a machine
-  without a GPU it dequantizes the weights at load time (with one, ``FineGrainedFP8Config(
-  dequantize=True)`` is asked for; ``test_transformers_fp8_load_is_the_exact_dequantization``
-  pins that both give exactly the float32 block dequantization, not bf16).
+  128-row blocks), and the reference is transformers' own ``from_pretrained`` of that folder:
+  on a machine without a GPU it dequantizes the weights at load time (with one,
+  ``FineGrainedFP8Config(dequantize=True)`` is asked for;
+  ``test_transformers_fp8_load_is_the_exact_dequantization`` pins that both give exactly the
+  float32 block dequantization, not bf16).
   The same tensors under DeepSeek's own four-field ``quantization_config`` too. N = 1..4; at
   N = 3 the 8 heads, which split in 4 pairs (two heads fill three whole blocks), are zero-padded
   to 6 pairs.
 * **ModelOpt NVFP4** (Llama; Phi-3, fused ``qkv_proj`` / ``gate_up_proj``; Qwen3-MoE, experts
   one tensor each): exported by ModelOpt itself
   (``helpers.modelopt_tool.cached_modelopt_nvfp4``, the configs of ``helpers.modelopt_configs``,
-  cached per machine); the reference is transformers' model of the export's config whose every quantized
-  weight is ModelOpt's own ``NVFP4QTensor.dequantize`` of the stored tensors. N = 1..4 (3
-  zero-pads the heads and MLP blocks; Qwen3-MoE's 32-row experts are zero-padded at 4 too).
+  cached per machine); the reference is transformers' model of the export's config whose every
+  quantized weight is ModelOpt's own ``NVFP4QTensor.dequantize`` of the stored tensors. N = 1..4
+  (3 zero-pads the heads and MLP blocks; Qwen3-MoE's 32-row experts are zero-padded at 4 too).
 * **GPTQ v1, 4-bit, group 32** (AutoGPTQ's ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx``) and
   **AWQ GEMM, 4-bit, group 32**: a tiny random Llama (norms randomised, float tensors fp16 as
   those tools store them) whose linear weights are quantized by the project's independent
@@ -284,9 +285,10 @@ assert MAKERS.keys() == KINDS.keys()
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """``reference(case)``: the case's checkpoint folder and its reference's answers, made once
-    per module."""
+def format_reference(tmp_path_factory):
+    """``format_reference(case)``: the case's checkpoint folder and its format's reference's
+    answers (each format's most independent one: see the module's docstring), made once per
+    module."""
     made: dict[str, Reference] = {}
 
     def get(case: str) -> Reference:
@@ -327,25 +329,25 @@ def check_parity(case: str, ref: Reference, n: int, session_class) -> None:
 
 @pytest.mark.parametrize("n", (1, 2, 3, 4))
 @pytest.mark.parametrize("case", list(KINDS))
-def test_quantized_format_equals_reference(reference, case, n):
-    check_parity(case, reference(case), n, ThreadedSession)
+def test_quantized_format_equals_reference(format_reference, case, n):
+    check_parity(case, format_reference(case), n, ThreadedSession)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case, n", PROCESS_CASES)
-def test_process_session_equals_reference(reference, case, n):
-    check_parity(case, reference(case), n, ProcessSession)
+def test_process_session_equals_reference(format_reference, case, n):
+    check_parity(case, format_reference(case), n, ProcessSession)
 
 
 # ---- what the cases rest on --------------------------------------------------------------------
 
-def test_transformers_fp8_load_is_the_exact_dequantization(reference):
+def test_transformers_fp8_load_is_the_exact_dequantization(format_reference):
     """The FP8 reference, transformers' load of the block-FP8 folder (on CPU, plain; and with
     ``FineGrainedFP8Config(dequantize=True)``), holds exactly the float32 block dequantization
     (the tool's ``dequantize``: transformers' ``_dequantize_fp8_weight``; per-expert weights
     fused) of every quantized weight, not the bf16-rounded values its log message announces;
     and DeepSeek's own four-field config loads to the same model."""
-    ref = reference("deepseek_fp8")
+    ref = format_reference("deepseek_fp8")
     stored = load_file(str(ref.folder / "model.safetensors"))
     quantized = [k[:-len("_scale_inv")] for k in stored if k.endswith(".weight_scale_inv")]
     experts = "model.layers.1.mlp.experts."
@@ -371,7 +373,7 @@ def test_transformers_fp8_load_is_the_exact_dequantization(reference):
                            torch.cat([stacked("gate_proj"), stacked("up_proj")], dim=1))
         assert torch.equal(state[experts + "down_proj"], stacked("down_proj"))
         assert not torch.equal(state[plain[0]], state[plain[0]].bfloat16().float())
-    ds = reference("deepseek_fp8_ds_config")
+    ds = format_reference("deepseek_fp8_ds_config")
     assert json.loads((ds.folder / "config.json").read_text())["quantization_config"] == \
         DEEPSEEK_QUANT_CONFIG
     assert torch.equal(ds.logits, ref.logits)
@@ -380,11 +382,11 @@ def test_transformers_fp8_load_is_the_exact_dequantization(reference):
 
 @pytest.mark.parametrize("case", ["gptq_g32", "gptq_g32_act_order", "gptq_g32_asym_bias",
                                   "awq_g32", "gptqmodel_g32", "gptqmodel_g32_act_order"])
-def test_int4_checkpoints_are_what_the_tools_write(reference, case):
+def test_int4_checkpoints_are_what_the_tools_write(format_reference, case):
     """The premise of the GPTQ / AWQ cases: AutoGPTQ's v1 and AutoAWQ's GEMM tensors, int32
     packed, fp16 scales; act-order ``g_idx`` really reorders rows; asymmetric zero points vary;
     the planner reads the format it should."""
-    ref = reference(case)
+    ref = format_reference(case)
     stored = load_file(str(ref.folder / "model.safetensors"))
     q = "model.layers.0.self_attn.q_proj"
     down = "model.layers.0.mlp.down_proj"

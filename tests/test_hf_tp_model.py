@@ -169,9 +169,9 @@ def reference_model(folder, case: str):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """``reference(case)``: the case's checkpoint folder and transformers' answers, made once per
-    module."""
+def transformers_reference(tmp_path_factory):
+    """``transformers_reference(case)``: the case's checkpoint folder and the answers of
+    transformers' own unsharded model of it, made once per module."""
     made: dict[str, Reference] = {}
 
     def get(case: str) -> Reference:
@@ -215,43 +215,43 @@ def check_parity(case: str, ref: Reference, n: int, session_class) -> None:
 
 @pytest.mark.parametrize("n", SHARDS)
 @pytest.mark.parametrize("case", sorted(FLOAT))
-def test_float_checkpoint_equals_transformers(reference, case, n):
-    check_parity(case, reference(case), n, ThreadedSession)
+def test_float_checkpoint_equals_transformers(transformers_reference, case, n):
+    check_parity(case, transformers_reference(case), n, ThreadedSession)
 
 
 @pytest.mark.parametrize("n", SHARDS)
 @pytest.mark.parametrize("case", sorted(QUANTIZED))
-def test_quantized_checkpoint_equals_transformers(reference, case, n):
-    check_parity(case, reference(case), n, ThreadedSession)
+def test_quantized_checkpoint_equals_transformers(transformers_reference, case, n):
+    check_parity(case, transformers_reference(case), n, ThreadedSession)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case, n", PROCESS_CASES)
-def test_process_session_equals_transformers(reference, case, n):
-    check_parity(case, reference(case), n, ProcessSession)
+def test_process_session_equals_transformers(transformers_reference, case, n):
+    check_parity(case, transformers_reference(case), n, ProcessSession)
 
 
 # ---- what the cases rest on ----------------------------------------------------------------------
 
-def test_randomised_checkpoints_have_no_constant_bias_or_norm(reference):
+def test_randomised_checkpoints_have_no_constant_bias_or_norm(transformers_reference):
     """The checkpoints really hold random biases and norms (row-parallel biases included)."""
     for case in ("llama_biases", "qwen2", "gpt_oss", "gemma2", "olmo2", "deepseek_v3"):
-        stored = load_file(str(reference(case).folder / "model.safetensors"))
+        stored = load_file(str(transformers_reference(case).folder / "model.safetensors"))
         picked = {name: t for name, t in stored.items()
                   if name.endswith(("bias", "norm.weight", "sinks"))}
         assert picked, case
         for name, t in picked.items():
             assert t.numel() == 1 or t.float().std() > 0, f"{case}: {name} is constant"
-    llama = load_file(str(reference("llama_biases").folder / "model.safetensors"))
+    llama = load_file(str(transformers_reference("llama_biases").folder / "model.safetensors"))
     assert "model.layers.0.self_attn.o_proj.bias" in llama
     assert "model.layers.0.mlp.down_proj.bias" in llama
 
 
-def test_nvfp4_transformers_rounds_to_bfloat16(reference):
+def test_nvfp4_transformers_rounds_to_bfloat16(transformers_reference):
     """transformers' own load of the NVFP4 checkpoint (compressed-tensors' decompression) gives
     bf16-rounded weights: the TP model (float32 dequantization) is within 1e-2 of it, not 1e-3,
     at every N alike (the decompression's precision, not the sharding), with the same tokens."""
-    ref = reference("ct_nvfp4a16_llama")
+    ref = transformers_reference("ct_nvfp4a16_llama")
     plain = reference_model(ref.folder, "ct_nvfp4a16_llama")
     weight = plain.get_parameter("model.layers.0.self_attn.q_proj.weight")
     assert torch.equal(weight, weight.bfloat16().float())
@@ -268,10 +268,10 @@ def test_nvfp4_transformers_rounds_to_bfloat16(reference):
     assert abs(diffs[0] - diffs[1]) < 1e-4
 
 
-def test_sampling_is_the_same_at_every_n(reference):
+def test_sampling_is_the_same_at_every_n(transformers_reference):
     """Sampled decoding: worker 0 samples from ``seed`` and broadcasts, so the tokens depend on
     the seed, not on N (gpt-oss: biases, sinks, MoE)."""
-    ref = reference("gpt_oss")
+    ref = transformers_reference("gpt_oss")
     sampled = {}
     for n in (1, 3):
         with ThreadedSession(n) as session, load_tp_model(str(ref.folder), session) as model:
@@ -285,10 +285,10 @@ def test_sampling_is_the_same_at_every_n(reference):
     assert len(first[0]) == len(PROMPT[0]) + NEW_TOKENS
 
 
-def test_batch_and_closed_model(reference):
+def test_batch_and_closed_model(transformers_reference):
     """Two prompts at once: transformers' logits for both, the first one's greedy tokens; a
     closed model is gone from its workers (the session stays open)."""
-    ref = reference("qwen2")
+    ref = transformers_reference("qwen2")
     prompts = [PROMPT[0], [9, 8, 7, 6, 5, 4, 3, 2]]
     full = transformers.AutoModelForCausalLM.from_pretrained(ref.folder, dtype=torch.float32)
     with torch.no_grad():
@@ -304,10 +304,10 @@ def test_batch_and_closed_model(reference):
         model.close()                                   # twice: nothing more to free
 
 
-def test_unsupported_dtype_is_refused(reference):
+def test_unsupported_dtype_is_refused(transformers_reference):
     with ThreadedSession(1) as session:
         with pytest.raises(ShardloadError, match="dtype"):
-            load_tp_model(str(reference("llama").folder), session, dtype=torch.float64)
+            load_tp_model(str(transformers_reference("llama").folder), session, dtype=torch.float64)
 
 
 # ---- expert parallelism: whole experts per worker, same answers --------------------------------
@@ -317,13 +317,13 @@ EP_CASES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "gpt_
 
 @pytest.mark.parametrize("n", (2, 3, 8))
 @pytest.mark.parametrize("case", EP_CASES)
-def test_expert_parallel_equals_transformers(reference, case, n):
+def test_expert_parallel_equals_transformers(transformers_reference, case, n):
     """``experts="ep"``: each worker holds whole routed experts (placed per expert, or its slots
     of gpt-oss's stacked experts), the others' are zero stand-ins in transformers' MoE block,
     shared experts and attention stay tensor-parallel (DeepSeek's shared experts zero-padded to
     their configured width); the sum over workers is transformers' whole model. 8 workers on 4
     experts: half the workers hold none."""
-    ref = reference(case)
+    ref = transformers_reference(case)
     with ThreadedSession(n) as session:
         with load_tp_model(str(ref.folder), session, experts="ep") as model:
             held = model.decision.plan().metadata["experts"]["experts_per_worker"]

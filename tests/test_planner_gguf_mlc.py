@@ -17,7 +17,6 @@ from gguf import GGMLQuantizationType as T
 from helpers.gguf_blocks import dequantized
 from helpers.gguf_mlc_models import GGUF_LINEARS, HEADS, KV_HEADS, write_gguf, write_mlc_model
 from helpers.mlc_reference import dequantize_q4f16_1
-from helpers.real_models import smollm2_gguf
 from helpers.tp_reference import rows_of, take
 from shardload import ProcessSession, ThreadedSession, load_sharded, open_checkpoint
 from shardload.cli import cli
@@ -103,11 +102,6 @@ def test_gguf_on_processes(tmp_path):
 
 
 # ---- the real model --------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return smollm2_gguf()
-
 
 def test_real_model_valid_n(smollm2):
     with open_checkpoint(smollm2) as ckpt:

@@ -293,13 +293,6 @@ def test_a_ranges_rule_that_disagrees_with_its_function_is_a_plan_error():
 
 # ---- checkpoints the real tools wrote -------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from helpers.real_models import smollm2_gguf
-
-    return smollm2_gguf()
-
-
 def test_the_published_smollm2_gguf_padded_at_4_reads_its_own_units(smollm2):
     # a real llama.cpp-quantized file (Q4_1 blocks, mixed types) and the planner's padded plan:
     # every worker's read plan gives what computing each tensor whole and slicing it gives

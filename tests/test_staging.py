@@ -583,13 +583,6 @@ def test_a_threaded_load_asks_for_its_file_ahead(tmp_path, monkeypatch):
 
 # ---- a file the real tools wrote --------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from helpers.real_models import smollm2_gguf
-
-    return smollm2_gguf()
-
-
 @pytest.mark.parametrize("n", [3, 4])
 def test_the_published_gguf_loads_padded_the_same_staged_and_direct(smollm2, n):
     """llama.cpp's Q4_1 SmolLM2 (mixed block types, 9 query / 3 KV heads: padded at 3 and 4),
