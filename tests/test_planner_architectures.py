@@ -24,8 +24,9 @@ from safetensors.torch import load_file, save_file
 
 from helpers.architecture_configs import CONFIGS, HEADS, HIDDEN, INTER, KV_HEADS, VOCAB
 from helpers.compressed_tensors_tool import compress_w4a16, dequant
+from helpers.loads import plan_and_load
 from helpers.tp_reference import layer_piece, padded_heads, padded_units, rows_of, take
-from shardload import FormatError, PlanError, ThreadedSession, load_sharded
+from shardload import FormatError, PlanError
 from shardload.cli import cli
 from shardload.planners import plan_for
 from shardload.planners.architectures import ARCHITECTURES
@@ -102,16 +103,10 @@ def expected(name: str, w: torch.Tensor, n: int, i: int, g: Geometry,
     return layer_piece(w, axis, segments(module, g), n, i, g.head_dim, padded)
 
 
-def load(folder: Path, n: int):
-    with ThreadedSession(n) as session:
-        info = plan_for(str(folder), n)
-        return info, load_sharded(str(folder), info, session, progress=False)
-
-
 def check_every_shard(folder: Path, config, n: int) -> None:
     g = Geometry(config)
     dense = load_file(str(folder / "model.safetensors"))
-    info, sharded = load(folder, n)
+    info, sharded = plan_and_load(folder, n)
     padded = None
     if n == PADDED:
         layout = info.metadata["tensor_parallel"]
@@ -237,7 +232,7 @@ def test_phi3_w4a16_shards_dequantize_to_their_slice(tmp_path, symmetric):
                                                              "o_proj", "qkv_proj"]
     g = Geometry(config)
     for n in (*UNPADDED, PADDED):
-        info, sharded = load(tmp_path, n)
+        info, sharded = plan_and_load(tmp_path, n)
         padded = None
         if n == PADDED:   # the MLP pads in whole groups: down_proj's K, groups of 32
             block = info.metadata["tensor_parallel"]["mlp_block"]
@@ -277,7 +272,7 @@ def test_phi3_layers_forward_equal_at_2_workers(tmp_path):
     config = save_model(tmp_path, "phi3")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, attn_implementation="eager").eval()
-    _, sharded = load(tmp_path, n)
+    _, sharded = plan_and_load(tmp_path, n)
     part = _worker_config(model.config, n)
     part._attn_implementation = "eager"     # the same attention code as the whole model's
     torch.manual_seed(1)
@@ -314,7 +309,7 @@ def test_olmo2_split_norms_compute_the_whole_projection_norm(tmp_path, n):
     config = save_model(tmp_path, "olmo2")
     g = Geometry(config)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    info, sharded = load(tmp_path, n)
+    info, sharded = plan_and_load(tmp_path, n)
     if n == PADDED:
         q_heads, kv_heads = padded_heads(g.heads, g.kv_heads, n)
         assert info.metadata["tensor_parallel"]["projection_norms"] == {"q_norm": g.q,

@@ -45,8 +45,8 @@ from helpers.gguf_blocks import dequantized
 from helpers.gpt_oss_gguf import (ARCH, BLOCK, BLOCK_BYTES, EXPERTS, EXP_KINDS, GROUPS, HEADS,
                                   HEAD_DIM, HIDDEN, INTER, KV_HEADS, LAYERS, gguf_name, tensors,
                                   write_gpt_oss)
+from helpers.loads import load_decision
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
-from shardload import ThreadedSession, load_sharded
 from shardload.planners import plan_decision
 from shardload.planners.architectures import GGUF_ARCHITECTURES
 from shardload.planners.spec import spec_from_gguf
@@ -61,12 +61,6 @@ def model(tmp_path_factory):
     stored = {t.name: (np.array(t.data), T(t.tensor_type)) for t in reader.tensors}
     shapes = {t.name: t.shape.tolist() for t in reader.tensors}
     return path, stored, shapes
-
-
-def _load(path: str, decision):
-    n = decision.num_shards
-    with ThreadedSession(n) as sess:
-        return load_sharded(path, decision.validated, sess, progress=False)
 
 
 def test_the_model_is_laid_out_as_llama_cpp_writes_it(model):
@@ -152,7 +146,7 @@ def test_tp_every_worker_dequantizes_to_its_slice(model, n):
         assert layout["mlp_block"] == BLOCK
         assert layout["mlp_blocks"] == {str(INTER): padded_units(GROUPS, n)}
     assert "experts" not in info.metadata
-    sharded = _load(path, d)
+    sharded = load_decision(path, d)
     for name, (raw, qtype) in stored.items():
         split = splits[name]
         whole = dequantized(raw, qtype)
@@ -202,7 +196,7 @@ def test_ep_every_exps_tensor_splits_in_whole_experts(model, n):
     if n == 3:
         assert info.metadata["tensor_parallel"]["mlp_blocks"] == {}
     q, kv, _ = _layout(n)
-    sharded = _load(path, d)
+    sharded = load_decision(path, d)
     exps = {f"{gguf_name(k, b)}.{s}" for k in EXP_KINDS for b in range(LAYERS)
             for s in ("weight", "bias")}
     for name, (raw, qtype) in stored.items():

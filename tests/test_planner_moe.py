@@ -27,9 +27,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from helpers.loads import plan_and_load
 from helpers.moe_configs import CONFIGS, EXPERTS, HEADS, HIDDEN, KV_HEADS, mlp_sizes
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
-from shardload import FormatError, ThreadedSession, load_sharded
+from shardload import FormatError
 from shardload.planners import plan_for
 
 UNPADDED = (1, 2, 4)
@@ -80,12 +81,6 @@ def expected(name, w, n, i, config, padded=None):
                                  else head_dim, axis))
 
 
-def load(folder: Path, n: int):
-    with ThreadedSession(n) as session:
-        info = plan_for(str(folder), n)
-        return info, load_sharded(str(folder), info, session, progress=False)
-
-
 def test_transformers_saves_experts_per_expert(tmp_path):
     for arch, (block, (gate, up, down)) in MOE.items():
         config = save_model(tmp_path / arch, arch)
@@ -114,7 +109,7 @@ def test_every_shard_is_its_slice(tmp_path, arch):
     routers = [k for k in dense if k.endswith((".gate.weight", "shared_expert_gate.weight"))]
     assert len(routers) == (1 if arch != "mixtral" else 2) + (arch == "qwen2_moe")
     for n in (*UNPADDED, PADDED):
-        info, sharded = load(tmp_path, n)
+        info, sharded = plan_and_load(tmp_path, n)
         padded = None
         if n == PADDED:
             layout = info.metadata["tensor_parallel"]
@@ -147,7 +142,7 @@ def test_moe_block_forward_equal_at_2_workers(tmp_path, arch):
     n = 2
     config = save_model(tmp_path / "full", arch)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "full").eval()
-    _, sharded = load(tmp_path / "full", n)
+    _, sharded = plan_and_load(tmp_path / "full", n)
     full = load_file(str(tmp_path / "full" / "model.safetensors"))
     torch.manual_seed(1)
     x = torch.randn(1, 5, config.hidden_size)
