@@ -26,14 +26,15 @@ import torch
 import tp_llama  # noqa: F401  (registers the tp_llama.* session functions)
 from helpers.paths import EXAMPLES
 from helpers.real_models import cache_dir
-from shardload import PlanError, ProcessSession, ThreadedSession, open_checkpoint
-from shardload.planners import plan_for
+from shardload import ProcessSession, ThreadedSession, open_checkpoint
+from shardload.planners import plan_decision, plan_for
 from tp_llama import TensorParallelLlama
 
 #: N that the planner splits SmolLM2 into without padding (9 query heads, 3 KV heads)
 NS = [1, 3]
-#: N that need zero-padded heads / MLP blocks; skipped while the planner refuses them.
-#: 5 is the uneven case: one worker holds two KV heads, the others one and a zero head.
+#: N that the planner zero-pads: 2 and 4 pad the query and KV heads (at 4 one worker holds
+#: only zero heads), 9 the MLP blocks alone (one query head each), 5 both (two workers of zero
+#: heads)
 PADDED_NS = [2, 9, pytest.param(4, marks=pytest.mark.extended),
              pytest.param(5, marks=pytest.mark.extended)]
 
@@ -124,17 +125,18 @@ def test_processes_match_one_worker(n, smollm2, one_worker_reference):
 @pytest.mark.slow
 @pytest.mark.parametrize("n", PADDED_NS)
 def test_padded_threads_match_one_worker(n, smollm2, one_worker_reference):
-    try:
-        plan = plan_for(smollm2, num_shards=n)
-    except PlanError as exc:
-        pytest.skip(f"the planner cannot split SmolLM2 (9 query heads, 3 KV heads, MLP 1536) "
-                    f"over {n} workers yet: zero padding is not in it ({exc})")
+    # SmolLM2 (9 query heads, 3 KV heads, MLP 1536 = 48 blocks of 32) over N the heads or the
+    # MLP blocks do not divide: the planner zero-pads, and its plan records the padded layout
+    assert plan_decision(smollm2, n).kind == "padded"
+    plan = plan_for(smollm2, num_shards=n)
+    recorded = plan.metadata["tensor_parallel"]
+    assert recorded["num_shards"] == n
     start = time.perf_counter()
     with ThreadedSession(n) as session, \
             TensorParallelLlama(smollm2, session, plan=plan) as model:
-        recorded = plan.metadata.get("tensor_parallel") if hasattr(plan, "metadata") else None
-        if recorded:  # the forward follows the layout the planner padded the shards to
-            assert model.spec["layout"]["q_to_kv"] == recorded["q_to_kv"]
+        # the forward follows the layout the planner padded the shards to
+        assert model.spec["layout"] == {key: recorded[key]
+                                        for key in ("q_heads", "kv_heads", "q_to_kv")}
         diffs = check_matches_reference(model, one_worker_reference)
     report(f"threads, N={n} (padded)", diffs, time.perf_counter() - start)
 
