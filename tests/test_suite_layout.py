@@ -87,32 +87,28 @@ def test_no_test_module_imports_another_or_conftest(module):
 
 
 def test_the_rule_catches_every_form():
-    source = textwrap.dedent('''
-        import test_planner
-        from conftest import EXAMPLE
-        from .conftest import REPO
-        from tests.conftest import subprocess_env
-        from tests import test_vllm
-        import tests.test_plan as plan_tests
-
-        def lazily():
-            from test_planner_gguf_mlc import write_gguf
-
-        SCRIPT = """
-        import helpers.fault_plugins
-        from test_faults import hang_plan
-        """
-    ''')
+    # written line by line, so that no line of this module starts with such an import
+    source = "\n".join([
+        "import test_planner",
+        "from conftest import EXAMPLE",
+        "from .conftest import REPO",
+        "from tests.conftest import subprocess_env",
+        "from tests import test_vllm",
+        "import tests.test_plan as plan_tests",
+        "def lazily():",
+        "    from test_planner_gguf_mlc import write_gguf",
+        "SCRIPT = 'import helpers.fault_plugins; from test_faults import hang_plan'",
+    ])
     assert offences(source, "t.py") == [
-        "t.py:2 imports test_planner", "t.py:3 imports conftest", "t.py:4 imports conftest",
-        "t.py:5 imports tests.conftest", "t.py:6 imports tests.test_vllm",
-        "t.py:7 imports tests.test_plan", "t.py:10 imports test_planner_gguf_mlc",
-        "t.py:14 imports test_faults"]
-    fine = textwrap.dedent('''
-        import helpers.fault_plugins
-        from helpers.paths import EXAMPLE
-        from helpers import test_tools_are_not_test_modules
-        from shardload.testing import conftest_like
-        SCRIPT = "import numpy as np; from helpers.fault_plans import params"
-    ''')
+        "t.py:1 imports test_planner", "t.py:2 imports conftest", "t.py:3 imports conftest",
+        "t.py:4 imports tests.conftest", "t.py:5 imports tests.test_vllm",
+        "t.py:6 imports tests.test_plan", "t.py:8 imports test_planner_gguf_mlc",
+        "t.py:9 imports test_faults"]
+    fine = "\n".join([
+        "import helpers.fault_plugins",
+        "from helpers.paths import EXAMPLE",
+        "from helpers import test_tools_are_not_test_modules",
+        "from shardload.testing import conftest_like",
+        "SCRIPT = 'import numpy as np; from helpers.fault_plans import params'",
+    ])
     assert offences(fine, "t.py") == []
