@@ -1,47 +1,15 @@
-"""Shared fixtures: a clean registry per test, and small checkpoints on disk."""
+"""Shared fixtures and pytest hooks only: a clean registry per test, and the checkpoints several
+modules use. Plain helpers the tests import by name live in ``tests/helpers`` (``helpers.paths``,
+``helpers.subprocesses``, ...): no test module imports this one or another test module
+(``test_suite_layout.py``)."""
 
 from __future__ import annotations
 
-import os
-import signal
-
+import numpy as np
 import pytest
 
 from shardload import registry
 from shardload.sessions import functions as session_functions
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(TESTS)
-EXAMPLES = os.path.join(REPO, "examples")
-EXAMPLE = os.path.join(EXAMPLES, "tiny_llama_q4")
-
-#: what pyproject.toml's ``pythonpath`` puts on sys.path for the tests (the checkout; tests/, for
-#: the package ``helpers``; examples/), for a subprocess's PYTHONPATH: see ``subprocess_env``
-PYTHONPATH = (REPO, TESTS, EXAMPLES)
-
-
-def subprocess_env(env: dict | None = None, **extra: str) -> dict:
-    """``env`` (default: this process's environment) with ``PYTHONPATH`` led by the folders the
-    tests import from, so a subprocess (the CLI, torchrun) can import ``helpers.*`` plugins, the
-    examples and this checkout's shardload; then ``extra``."""
-    env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (*PYTHONPATH, env.get("PYTHONPATH")) if p)
-    env.update(extra)
-    return env
-
-
-def torchrun(*args: str, timeout: float = 120, nproc: int = 2):
-    """A ``torchrun --standalone`` job of ``nproc`` ranks on loopback, run from the checkout with
-    the tests' ``PYTHONPATH`` (and none of an enclosing job's rank variables)."""
-    import subprocess
-    import sys
-
-    env = subprocess_env({k: v for k, v in os.environ.items()
-                          if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                       "MASTER_PORT")})
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", str(nproc), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO, env=env)
 
 
 def _shard_funcs() -> dict:
@@ -84,46 +52,29 @@ def _restore_registry():
             session_functions.register_session_func(name, f.func, override=True)
 
 
-def interrupt_once_started(args: list[str], started, env: dict, cwd: str = REPO
-                           ) -> tuple[int, str, str, float]:
-    """Run ``args``, wait until the file ``started`` exists (a plugin creates it when the load
-    is under way), send one SIGINT, and return (exit code, stdout, stderr, seconds from the
-    signal to the exit). The child is killed if it outlives the wait."""
-    import subprocess
-    import time
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    """The path of the published SmolLM2-135M-Instruct GGUF (Q4_1: 9 query heads, 3 KV heads),
+    fetched once (``helpers.real_models``); the tests that use it are marked ``real_model``."""
+    from helpers.real_models import smollm2_gguf
 
-    proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
-    try:
-        deadline = time.monotonic() + 30
-        while not os.path.exists(started):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the load never started"
-            time.sleep(0.02)
-        time.sleep(0.3)
-        assert proc.poll() is None, "the load finished before it could be interrupted"
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=10)
-        return proc.returncode, stdout, stderr, time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    return smollm2_gguf()
 
 
-def default_sigint() -> None:
-    """``preexec_fn`` for a child that must see Ctrl-C: SIGINT as a terminal's shell gives it.
+@pytest.fixture
+def small_ckpt(tmp_path):
+    """A folder holding one safetensors file of one float32 tensor ``a`` [8, 4], no config."""
+    from safetensors.numpy import save_file
 
-    An ignored SIGINT is inherited through exec (pytest run as a background job of a
-    non-interactive shell has it), and Python then installs no KeyboardInterrupt handler.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    folder = tmp_path / "small"
+    folder.mkdir()
+    save_file({"a": np.arange(32, dtype=np.float32).reshape(8, 4)},
+              str(folder / "model.safetensors"))
+    return folder
 
 
 # fixtures that hand a test the real model (tests/helpers/real_models.py downloads it once, 93 MB)
-REAL_MODEL_FIXTURES = {"smollm2", "model_path"}
+REAL_MODEL_FIXTURES = {"smollm2"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from helpers.paths import REPO
 
 # each runs the benchmark script in a fresh interpreter: 12-14 s and 2.2-2.5 s on 2 shared cores
 pytestmark = pytest.mark.slow

@@ -16,7 +16,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, subprocess_env
+from helpers.paths import REPO
+from helpers.subprocesses import subprocess_env
 from shardload import ShardInfo, ThreadedSession, load_sharded
 from shardload.frontdoor.tables import TABLES, render
 from shardload.planners import valid_num_shards

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import EXAMPLE
+from helpers.paths import EXAMPLE
 from helpers.gptq_reference import dequantize
 from helpers.tp_reference import padded_heads, padded_units, take
 from shardload import PlanError, ProcessSession, ThreadedSession, load_sharded, open_checkpoint

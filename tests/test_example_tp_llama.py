@@ -24,16 +24,17 @@ import torch
 # tp_llama is examples/tp_llama.py: examples/ is on sys.path (pytest's ``pythonpath``), and
 # worker processes inherit it and import tp_llama from it
 import tp_llama  # noqa: F401  (registers the tp_llama.* session functions)
-from conftest import EXAMPLES
-from helpers.real_models import cache_dir, smollm2_gguf
-from shardload import PlanError, ProcessSession, ThreadedSession, open_checkpoint
-from shardload.planners import plan_for
+from helpers.paths import EXAMPLES
+from helpers.real_models import cache_dir
+from shardload import ProcessSession, ThreadedSession, open_checkpoint
+from shardload.planners import plan_decision, plan_for
 from tp_llama import TensorParallelLlama
 
 #: N that the planner splits SmolLM2 into without padding (9 query heads, 3 KV heads)
 NS = [1, 3]
-#: N that need zero-padded heads / MLP blocks; skipped while the planner refuses them.
-#: 5 is the uneven case: one worker holds two KV heads, the others one and a zero head.
+#: N that the planner zero-pads: 2 and 4 pad the query and KV heads (at 4 one worker holds
+#: only zero heads), 9 the MLP blocks alone (one query head each), 5 both (two workers of zero
+#: heads)
 PADDED_NS = [2, 9, pytest.param(4, marks=pytest.mark.extended),
              pytest.param(5, marks=pytest.mark.extended)]
 
@@ -43,11 +44,6 @@ PROMPT = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 953
 NEW_TOKENS = 16
 LOGIT_TOL = 1e-3     # N workers vs one: float32 sums in a different order over 30 layers
 LAYER0_TOL = 1e-4    # the reference forward vs an independent layer 0
-
-
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    return smollm2_gguf()
 
 
 class Reference:
@@ -62,8 +58,8 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(model_path):
-    with ThreadedSession(1) as session, TensorParallelLlama(model_path, session) as model:
+def one_worker_reference(smollm2):
+    with ThreadedSession(1) as session, TensorParallelLlama(smollm2, session) as model:
         yield Reference(model)
 
 
@@ -91,56 +87,57 @@ def report(label: str, diffs: dict, seconds: float) -> None:
 # ---- N workers against one ----------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_reference_generates_sensible_text(model_path, reference):
+def test_reference_generates_sensible_text(smollm2, one_worker_reference):
     """The RoPE convention and the weights are right: the model answers the question."""
-    ids = reference.new_ids
+    ids = one_worker_reference.new_ids
     # " Paris" (one token) among the first words of the answer
-    with open_checkpoint(model_path) as ckpt:
+    with open_checkpoint(smollm2) as ckpt:
         tokens = ckpt.field("tokenizer.ggml.tokens")
     text = "".join(tokens[i] for i in ids[:8]).replace("\u0120", " ")
     assert "Paris" in text, text
     # the greedy choice is clear at every step: float32 noise cannot flip it
-    top2 = reference.forced.topk(2, dim=-1).values
+    top2 = one_worker_reference.forced.topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).min() > 10 * LOGIT_TOL
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n", NS)
-def test_threads_match_one_worker(n, model_path, reference):
+def test_threads_match_one_worker(n, smollm2, one_worker_reference):
     start = time.perf_counter()
     if n == 1:  # the reference itself: still checks the cache path against teacher forcing
-        diffs = check_matches_reference(reference.model, reference)
+        diffs = check_matches_reference(one_worker_reference.model, one_worker_reference)
     else:
-        with ThreadedSession(n) as session, TensorParallelLlama(model_path, session) as model:
+        with ThreadedSession(n) as session, TensorParallelLlama(smollm2, session) as model:
             assert [w["q_heads"] for w in model.workers] == [9 // n] * n
-            diffs = check_matches_reference(model, reference)
+            diffs = check_matches_reference(model, one_worker_reference)
     report(f"threads, N={n}", diffs, time.perf_counter() - start)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [n for n in NS if n > 1])
-def test_processes_match_one_worker(n, model_path, reference):
+def test_processes_match_one_worker(n, smollm2, one_worker_reference):
     start = time.perf_counter()
-    with ProcessSession(n) as session, TensorParallelLlama(model_path, session) as model:
-        diffs = check_matches_reference(model, reference)
+    with ProcessSession(n) as session, TensorParallelLlama(smollm2, session) as model:
+        diffs = check_matches_reference(model, one_worker_reference)
     report(f"processes, N={n}", diffs, time.perf_counter() - start)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n", PADDED_NS)
-def test_padded_threads_match_one_worker(n, model_path, reference):
-    try:
-        plan = plan_for(model_path, num_shards=n)
-    except PlanError as exc:
-        pytest.skip(f"the planner cannot split SmolLM2 (9 query heads, 3 KV heads, MLP 1536) "
-                    f"over {n} workers yet: zero padding is not in it ({exc})")
+def test_padded_threads_match_one_worker(n, smollm2, one_worker_reference):
+    # SmolLM2 (9 query heads, 3 KV heads, MLP 1536 = 48 blocks of 32) over N the heads or the
+    # MLP blocks do not divide: the planner zero-pads, and its plan records the padded layout
+    assert plan_decision(smollm2, n).kind == "padded"
+    plan = plan_for(smollm2, num_shards=n)
+    recorded = plan.metadata["tensor_parallel"]
+    assert recorded["num_shards"] == n
     start = time.perf_counter()
     with ThreadedSession(n) as session, \
-            TensorParallelLlama(model_path, session, plan=plan) as model:
-        recorded = plan.metadata.get("tensor_parallel") if hasattr(plan, "metadata") else None
-        if recorded:  # the forward follows the layout the planner padded the shards to
-            assert model.spec["layout"]["q_to_kv"] == recorded["q_to_kv"]
-        diffs = check_matches_reference(model, reference)
+            TensorParallelLlama(smollm2, session, plan=plan) as model:
+        # the forward follows the layout the planner padded the shards to
+        assert model.spec["layout"] == {key: recorded[key]
+                                        for key in ("q_heads", "kv_heads", "q_to_kv")}
+        diffs = check_matches_reference(model, one_worker_reference)
     report(f"threads, N={n} (padded)", diffs, time.perf_counter() - start)
 
 
@@ -181,8 +178,8 @@ def _rope_complex(x: torch.Tensor, base: float) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_layer0_matches_independent_computation(model_path, reference):
-    w, hp = _gguf_layer0(model_path)
+def test_layer0_matches_independent_computation(smollm2, one_worker_reference):
+    w, hp = _gguf_layer0(smollm2)
     T, heads, kv_heads = len(PROMPT), hp["heads"], hp["kv_heads"]
 
     def norm(x, weight):
@@ -206,7 +203,7 @@ def test_layer0_matches_independent_computation(model_path, reference):
         * torch.nn.functional.linear(h, w["ffn_up"])
     expected = x + torch.nn.functional.linear(mlp, w["ffn_down"])
 
-    got = reference.model.hidden(PROMPT, 1)
+    got = one_worker_reference.model.hidden(PROMPT, 1)
     assert got.shape == expected.shape
     diff = (got - expected).abs().max().item()
     print(f"\nlayer 0: max |diff| {diff:.3g} (hidden state max {expected.abs().max():.3g})")
@@ -216,8 +213,8 @@ def test_layer0_matches_independent_computation(model_path, reference):
 # ---- the example script ------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_generate_script(model_path):
-    env = {**os.environ, "SHARDLOAD_MODEL_CACHE": str(cache_dir())}  # where model_path lies
+def test_generate_script(smollm2):
+    env = {**os.environ, "SHARDLOAD_MODEL_CACHE": str(cache_dir())}  # where smollm2 lies
     done = subprocess.run([sys.executable, os.path.join(EXAMPLES, "generate.py"), "--shards",
                            "3", "--max-new-tokens", "8"], capture_output=True, text=True,
                           env=env, timeout=600)

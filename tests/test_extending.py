@@ -15,7 +15,7 @@ import transformers
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from conftest import EXAMPLE
+from helpers.paths import EXAMPLE
 from shardload import (Selection, ThreadedSession, load_sharded, open_checkpoint,
                        register_shard_func)
 from shardload.cli import cli

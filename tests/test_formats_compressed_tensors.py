@@ -24,8 +24,9 @@ from compressed_tensors.compressors.mx_utils import decompress_mx_scale
 from safetensors.torch import load_file
 
 from helpers.compressed_tensors_tool import compress_preset, decompress
+from helpers.loads import plan_and_load
 from helpers.tp_reference import layer_piece, padded_head_runs, padded_units
-from shardload import FormatError, PlanError, ThreadedSession, load_sharded
+from shardload import FormatError, PlanError
 from shardload.cli import cli
 from shardload.planners import plan_for
 from shardload.formats import scheme_from_hf
@@ -96,18 +97,12 @@ def expected(layer: str, w: torch.Tensor, n: int, i: int, head_dim: int,
     return layer_piece(w, axis, segments(module, head_dim), n, i, head_dim, padded)
 
 
-def load(folder, n: int):
-    info = plan_for(str(folder), n)
-    with ThreadedSession(n) as session:
-        return info, load_sharded(str(folder), info, session, progress=False)
-
-
 def check_every_shard(folder, config, scheme, fmt: str, n: int, mlp_block: int) -> int:
     """Every worker's every tensor against the library's own decompression; returns how
     many quantized layers were checked."""
     stored = load_file(str(folder / "model.safetensors"))
     head_dim = config.hidden_size // config.num_attention_heads
-    info, sharded = load(folder, n)
+    info, sharded = plan_and_load(folder, n)
     padded = None
     if "tensor_parallel" in info.metadata:
         layout = info.metadata["tensor_parallel"]
@@ -188,7 +183,7 @@ def test_padding_is_exact_though_an_e8m0_zero_byte_is_not_zero(checkpoint):
     assert decompress_mx_scale(torch.zeros(1, dtype=torch.uint8)).item() == 2.0 ** -127
     assert torch.zeros(1, dtype=torch.uint8).view(torch.float8_e4m3fn).float().item() == 0.0
     folder, config, scheme, fmt = checkpoint("MXFP4", "phi3")
-    _, sharded = load(folder, PADDED)
+    _, sharded = plan_and_load(folder, PADDED)
     layer = "model.layers.0.mlp.down_proj"
     last = sharded.worker(PADDED - 1)           # holds the padded MLP blocks (8 over 3)
     weight = decompress(last, layer, scheme, fmt)

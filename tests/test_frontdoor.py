@@ -17,9 +17,10 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from conftest import EXAMPLE
-from shardload import (REPLICATE, PlanError, SessionError, ShardInfo, ThreadedSession,
-                       load_sharded, open_checkpoint, open_session, resolve_plan)
+from helpers.loads import load_on_threads
+from helpers.paths import EXAMPLE
+from shardload import (REPLICATE, PlanError, SessionError, ShardInfo, open_checkpoint, open_session,
+                       resolve_plan)
 from shardload.frontdoor import plan_beside, write_plan
 from shardload.planners import plan_for
 
@@ -34,16 +35,11 @@ def stored(tmp_path):
     return path
 
 
-def _load(params, shard_info, n=2, **kwargs):
-    with ThreadedSession(n) as sess:
-        return load_sharded(params, shard_info, sess, progress=False, **kwargs)
-
-
 def test_a_plan_given_is_used(stored, tmp_path):
     plan = tmp_path / "elsewhere.json"
     plan.write_text(json.dumps(SPLIT))
     for given in (str(plan), SPLIT, ShardInfo.from_dict(SPLIT)):
-        sharded = _load(str(stored), given)
+        sharded = load_on_threads(str(stored), given)
         assert torch.equal(sharded.shard("w", 1), torch.arange(4, 8, dtype=torch.float32))
 
 
@@ -52,12 +48,12 @@ def test_none_takes_the_plan_beside_the_checkpoint(stored, tmp_path):
     with open_checkpoint(str(stored)) as ckpt:
         resolved = resolve_plan(ckpt, 2)
         assert (resolved.origin, resolved.source) == ("beside", str(tmp_path / "shard_info.json"))
-    assert torch.equal(_load(str(stored), None).shard("w", 0), torch.arange(4.0))
+    assert torch.equal(load_on_threads(str(stored), None).shard("w", 0), torch.arange(4.0))
 
 
 def test_replicate_is_an_explicit_choice(stored, tmp_path):
     (tmp_path / "shard_info.json").write_text(json.dumps(SPLIT))    # REPLICATE wins over it
-    sharded = _load(str(stored), REPLICATE)
+    sharded = load_on_threads(str(stored), REPLICATE)
     for worker in (0, 1):
         assert torch.equal(sharded.shard("w", worker), torch.arange(8.0))
 
@@ -65,9 +61,9 @@ def test_replicate_is_an_explicit_choice(stored, tmp_path):
 def test_none_without_a_plan_or_a_config_says_what_to_pass(stored):
     with pytest.raises(PlanError, match=r"no model config next to the checkpoint.*"
                                         r"shard_info=shardload.REPLICATE"):
-        _load(str(stored), None)
+        load_on_threads(str(stored), None)
     with pytest.raises(PlanError, match=r"shard_info=shardload.REPLICATE"):
-        _load({"w": np.zeros(4, np.float32)}, None)
+        load_on_threads({"w": np.zeros(4, np.float32)}, None)
 
 
 def test_none_with_a_config_and_no_plan_is_the_planners_plan(tmp_path):
@@ -79,7 +75,7 @@ def test_none_with_a_config_and_no_plan_is_the_planners_plan(tmp_path):
         assert resolved.origin == "planned" and resolved.decision.kind == "unpadded"
         want = plan_for(ckpt, 4).bind(4).validate(ckpt.metadata())
     assert {p.name: p.steps for p in resolved.validated} == {p.name: p.steps for p in want}
-    sharded = _load(str(folder), None, 4)
+    sharded = load_on_threads(str(folder), None, 4)
     with open_checkpoint(str(folder)) as ckpt:
         q = ckpt.read("model.layers.0.self_attn.q_proj.qweight")
     assert torch.equal(sharded.shard("model.layers.0.self_attn.q_proj.qweight", 3),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import subprocess_env
+from helpers.subprocesses import subprocess_env
 from shardload import open_checkpoint, strict_json
 
 #: peak memory to open a checkpoint, as a multiple of its header's bytes (measured: 4.5x)

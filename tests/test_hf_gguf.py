@@ -32,7 +32,8 @@ import pytest
 import torch
 import transformers
 
-from conftest import REPO, subprocess_env
+from helpers.paths import REPO
+from helpers.subprocesses import subprocess_env
 from helpers.real_models import smollm2_gguf
 from shardload import ThreadedSession, open_checkpoint
 from shardload.hf import load_tp_model
@@ -44,7 +45,9 @@ PROMPT = [[504, 3458, 282, 4649, 314, 253, 1345, 30]]
 
 
 @pytest.fixture(scope="module")
-def reference():
+def transformers_answers():
+    """SmolLM2's GGUF read whole by transformers itself: (path, logits of PROMPT, its 16 greedy
+    tokens)."""
     path = smollm2_gguf()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
@@ -57,8 +60,8 @@ def reference():
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_sharded_gguf_matches_transformers(reference, n):
-    path, want, want_tokens = reference
+def test_sharded_gguf_matches_transformers(transformers_answers, n):
+    path, want, want_tokens = transformers_answers
     with ThreadedSession(n) as session, load_tp_model(path, session) as model:
         assert model.decision.kind == ("unpadded" if n == 3 else "padded")
         got = model(PROMPT)

@@ -7,7 +7,7 @@ reference, float32) and the same 16 greedy tokens, at N = 1, 2, 3 (zero-padded: 
 3 workers) and 4 on a ``ThreadedSession``.
 
 The files. Each is a random model made by transformers (``from_config`` under
-``torch.manual_seed(0)``, norms and biases randomised as ``test_hf_tp_model.randomise`` does),
+``torch.manual_seed(0)``, norms and biases randomised by ``helpers.hf_parity.randomise``),
 converted to GGUF here the way llama.cpp's ``convert_hf_to_gguf.py`` converts it, written with
 gguf-py's ``GGUFWriter``: tensor names from gguf-py's ``TensorNameMap`` for the architecture;
 llama's q/k rows permuted (``LlamaModel.permute``, which transformers' ``LlamaTensorProcessor``
@@ -76,6 +76,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.constants import MODEL_ARCH_NAMES
 from gguf.quants import quantize
 
+from helpers.hf_parity import randomise, relative
 from shardload import ThreadedSession
 from shardload.hf import load_tp_model
 from shardload.planners.architectures import GGUF_ARCHITECTURES
@@ -132,19 +133,6 @@ LOST_SIZES = {
 
 
 # ---- the converter: an HF model to the GGUF llama.cpp would write ------------------------------
-
-def randomise(model) -> None:
-    """Biases, norms and every other constant-initialised parameter drawn at random (as
-    ``test_hf_tp_model.randomise``), so that any of them taken from the wrong worker, added N
-    times or dropped changes the logits."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            first = float(param.flatten()[0])
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.05)
-            elif "norm" in name or (param.numel() > 1 and bool((param == first).all())):
-                param.normal_(first, 0.1)
-
 
 def hf_model(case: str):
     torch.manual_seed(0)
@@ -258,10 +246,6 @@ def answers(model) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, tokens
 
 
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
-
-
 class Reference:
     def __init__(self, path: str):
         self.path = path
@@ -272,8 +256,8 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """``reference(case)``: the case's quantized GGUF and transformers' answers, made once."""
+def gguf_reference(tmp_path_factory):
+    """``gguf_reference(case)``: the case's quantized GGUF and transformers' answers, made once."""
     made: dict[str, Reference] = {}
 
     def get(case: str) -> Reference:
@@ -296,8 +280,8 @@ def _params():
 
 
 @pytest.mark.parametrize("case, n", _params())
-def test_sharded_gguf_matches_transformers(reference, case, n):
-    ref = reference(case)
+def test_sharded_gguf_matches_transformers(gguf_reference, case, n):
+    ref = gguf_reference(case)
     started = time.perf_counter()
     with ThreadedSession(n) as session, load_tp_model(ref.path, session) as model:
         assert model.num_shards == n
@@ -315,7 +299,7 @@ def test_sharded_gguf_matches_transformers(reference, case, n):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_config_and_tokenizer_are_transformers_own(reference, case):
+def test_config_and_tokenizer_are_transformers_own(gguf_reference, case):
     """What each worker builds from: the config ``from_gguf.config_dict`` reads from
     shardload's reader is the one transformers' GGUF loader makes of the file, and so is the
     tokenizer ``shardload run`` builds (its class and its tokenizer)."""
@@ -325,7 +309,7 @@ def test_config_and_tokenizer_are_transformers_own(reference, case):
     from shardload.hf.from_gguf import config_dict
     from shardload.hf.text import tokenizer
 
-    path = reference(case).path
+    path = gguf_reference(case).path
     with open_checkpoint(path) as ckpt:
         assert config_dict(ckpt) == load_gguf_checkpoint(path, return_tensors=False)["config"]
     ours = tokenizer(path)
@@ -378,11 +362,11 @@ def test_f32_conversion_reads_back_exactly(tmp_path, case):
     assert all(T(t.tensor_type) == T.F32 for t in gguf.GGUFReader(path).tensors)
 
 
-def test_quantized_files_hold_quantized_weights(reference):
+def test_quantized_files_hold_quantized_weights(gguf_reference):
     """The parity runs on quantized files: every matrix in its case's type (embeddings Q8_0),
     only vectors and routers F32."""
     for case, spec in CASES.items():
-        tensors = gguf.GGUFReader(reference(case).path).tensors
+        tensors = gguf.GGUFReader(gguf_reference(case).path).tensors
         for t in tensors:
             kind = T(t.tensor_type)
             if len(t.shape) == 1 or t.name.rpartition(".")[0].endswith("ffn_gate_inp"):
@@ -408,11 +392,11 @@ def test_cases_are_the_planners_architectures_transformers_reads():
 
 
 def _unreadable_file(folder, arch: str, name: str = "") -> str:
-    """A tiny GGUF of ``arch`` as llama.cpp writes it (gpt-oss: test_planner_gguf_gpt_oss's; mistral:
+    """A tiny GGUF of ``arch`` as llama.cpp writes it (gpt-oss: helpers.gpt_oss_gguf's; mistral:
     Llama's tensors under ``general.architecture`` ``mistral``, or ``llama`` named ``name``)."""
     path = str(folder / f"{arch}{name}.gguf")
     if arch == "gpt-oss":
-        from test_planner_gguf_gpt_oss import write_gpt_oss
+        from helpers.gpt_oss_gguf import write_gpt_oss
 
         write_gpt_oss(path)
         return path
@@ -474,18 +458,19 @@ def test_transformers_reads_no_key_for_the_lost_sizes():
     assert "shared_expert_intermediate_size" not in _transformers_sizes("qwen2moe")
 
 
-def test_worker_sizes_qwen2_gguf_at_two_workers(reference):
+def test_worker_sizes_qwen2_gguf_at_two_workers(gguf_reference):
     """Minimal reproduction: a Qwen2 GGUF transformers reads whole, over 2 workers. Each worker's
     file says 2 query heads and hidden 128; transformers makes head_dim 64 (not 32) and refuses
     the 64-row q_proj (``ignore_mismatched_sizes``)."""
-    with ThreadedSession(2) as session, load_tp_model(reference("qwen2").path, session) as model:
-        assert relative(model(PROMPT), reference("qwen2").logits) < TOLERANCE
+    ref = gguf_reference("qwen2")
+    with ThreadedSession(2) as session, load_tp_model(ref.path, session) as model:
+        assert relative(model(PROMPT), ref.logits) < TOLERANCE
 
 
-def test_worker_sizes_qwen3moe_gguf_at_two_workers(reference):
+def test_worker_sizes_qwen3moe_gguf_at_two_workers(gguf_reference):
     """Minimal reproduction: a Qwen3-MoE GGUF (experts 768 wide: transformers' default, so it
     reads the whole file) over 2 workers: each worker's experts are 384 wide, its file says so
     (``expert_feed_forward_length``), transformers reads 768 and refuses them."""
-    path = reference("qwen3moe").path
+    path = gguf_reference("qwen3moe").path
     with ThreadedSession(2) as session, load_tp_model(path, session) as model:
-        assert relative(model(PROMPT), reference("qwen3moe").logits) < TOLERANCE
+        assert relative(model(PROMPT), gguf_reference("qwen3moe").logits) < TOLERANCE

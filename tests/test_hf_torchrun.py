@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import torchrun
+from helpers.subprocesses import torchrun
 from helpers.gpt_oss_tool import tiny_config
 from helpers.hf_dist_job import PROMPT
 from shardload import ThreadedSession

@@ -5,20 +5,21 @@ checkpoint, with each format's most independent reference:
 
 * **DeepSeek block FP8** (``quant_method: fp8``, ``weight_scale_inv`` per 128x128 block): the
   checkpoint is written by transformers' own FP8 quantizer (``helpers.deepseek_fp8_tool``; the
-  DeepSeek-V3 of ``test_planner_deepseek.fp8_config``, whose 192-row heads straddle the 128-row blocks),
-  and the reference is transformers' own ``from_pretrained`` of that folder: on a machine
-  without a GPU it dequantizes the weights at load time (with one, ``FineGrainedFP8Config(
-  dequantize=True)`` is asked for; ``test_transformers_fp8_load_is_the_exact_dequantization``
-  pins that both give exactly the float32 block dequantization, not bf16).
+  DeepSeek-V3 of ``helpers.deepseek_configs.fp8_config``, whose 192-row heads straddle the
+  128-row blocks), and the reference is transformers' own ``from_pretrained`` of that folder:
+  on a machine without a GPU it dequantizes the weights at load time (with one,
+  ``FineGrainedFP8Config(dequantize=True)`` is asked for;
+  ``test_transformers_fp8_load_is_the_exact_dequantization`` pins that both give exactly the
+  float32 block dequantization, not bf16).
   The same tensors under DeepSeek's own four-field ``quantization_config`` too. N = 1..4; at
   N = 3 the 8 heads, which split in 4 pairs (two heads fill three whole blocks), are zero-padded
   to 6 pairs.
 * **ModelOpt NVFP4** (Llama; Phi-3, fused ``qkv_proj`` / ``gate_up_proj``; Qwen3-MoE, experts
   one tensor each): exported by ModelOpt itself
-  (``helpers.modelopt_tool.cached_modelopt_nvfp4``, the configs of ``test_planner_modelopt``, cached per
-  machine); the reference is transformers' model of the export's config whose every quantized
-  weight is ModelOpt's own ``NVFP4QTensor.dequantize`` of the stored tensors. N = 1..4 (3
-  zero-pads the heads and MLP blocks; Qwen3-MoE's 32-row experts are zero-padded at 4 too).
+  (``helpers.modelopt_tool.cached_modelopt_nvfp4``, the configs of ``helpers.modelopt_configs``,
+  cached per machine); the reference is transformers' model of the export's config whose every
+  quantized weight is ModelOpt's own ``NVFP4QTensor.dequantize`` of the stored tensors. N = 1..4
+  (3 zero-pads the heads and MLP blocks; Qwen3-MoE's 32-row experts are zero-padded at 4 too).
 * **GPTQ v1, 4-bit, group 32** (AutoGPTQ's ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx``) and
   **AWQ GEMM, 4-bit, group 32**: a tiny random Llama (norms randomised, float tensors fp16 as
   those tools store them) whose linear weights are quantized by the project's independent
@@ -58,18 +59,18 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from helpers.deepseek_configs import fp8_config
 from helpers.deepseek_fp8_tool import DEEPSEEK_QUANT_CONFIG, dequantize as fp8_dequantize
 from helpers.deepseek_fp8_tool import write_deepseek_fp8
+from helpers.hf_parity import (NEW_TOKENS, PROMPT, QUANT_SIZES, TOLERANCE, Reference, answers,
+                               randomise, relative)
+from helpers.modelopt_configs import CONFIGS as MODELOPT_CONFIGS
 from helpers.modelopt_tool import cached_modelopt_nvfp4, dequantize as nvfp4_dequantize
 from helpers.quant_refs.awq import dequantize_awq, quantize_awq
 from helpers.quant_refs.gptq import dequantize_gptq, quantize_gptq
 from shardload import PlanError, ProcessSession, ThreadedSession
 from shardload.hf import TPModel, load_tp_model
 from shardload.planners import plan_decision
-from test_planner_deepseek import fp8_config
-from test_hf_tp_model import (NEW_TOKENS, PROMPT, QUANT_SIZES, TOLERANCE, Reference, answers,
-                              randomise, relative)
-from test_planner_modelopt import CONFIGS as MODELOPT_CONFIGS
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:You passed `quantization_config`:UserWarning")   # dequantize=True over the config's
@@ -113,7 +114,7 @@ def _rewrite(folder: Path, change) -> None:
 
 def _randomise_stored(tensors: dict, seed: int) -> None:
     """Norm weights ~ N(1, 0.1) and DeepSeek-V3's router bias ~ N(0, 0.01), in their stored dtype
-    (they are 1 and 0 in a fresh model; test_hf_tp_model's ``randomise`` on a stored file)."""
+    (they are 1 and 0 in a fresh model; ``helpers.hf_parity.randomise`` on a stored file)."""
     generator = torch.Generator().manual_seed(seed)
     for name in sorted(tensors):
         t = tensors[name]
@@ -180,8 +181,8 @@ def make_deepseek_fp8(folder: Path, tmp: Path, ds_config: bool = False):
 
 
 def make_modelopt(folder: Path, tmp: Path, arch: str):
-    """A copy of ModelOpt's (cached) export of ``test_planner_modelopt.CONFIGS[arch]``, norms randomised;
-    the reference holds ModelOpt's own dequantization of every quantized module."""
+    """A copy of ModelOpt's (cached) export of ``helpers.modelopt_configs.CONFIGS[arch]``, norms
+    randomised; the reference holds ModelOpt's own dequantization of every quantized module."""
     export = cached_modelopt_nvfp4(arch, MODELOPT_CONFIGS[arch]())
     for item in export.iterdir():
         shutil.copy(item, folder / item.name)
@@ -203,7 +204,7 @@ def _as_torch(x) -> torch.Tensor:
 
 def make_int4(folder: Path, tmp: Path, method: str, *, act_order: bool = False,
               sym: bool = True, biases: bool = False):
-    """A random Llama of test_hf_tp_model's quantized sizes (norms and biases randomised, every
+    """A random Llama of the quantized sizes ``QUANT_SIZES`` (norms and biases randomised, every
     float tensor rounded to fp16 and stored so), its 7 linears per layer quantized by
     ``quant_refs`` (GPTQ v1 group 32, with a random ``perm`` per linear for act-order; or AWQ
     GEMM group 32); the reference is the same model with each linear weight replaced by the
@@ -245,7 +246,7 @@ def make_int4(folder: Path, tmp: Path, method: str, *, act_order: bool = False,
 
 
 def make_gptqmodel(folder: Path, tmp: Path, *, act_order: bool):
-    """A random Llama of test_hf_tp_model's quantized sizes (norms randomised) quantized by
+    """A random Llama of the quantized sizes ``QUANT_SIZES`` (norms randomised) quantized by
     GPTQModel (4-bit, group 32); the reference is that config with every linear weight
     replaced by ``dequantize_gptq`` of the tensors GPTQModel stored."""
     from helpers.gptqmodel_tool import quantize
@@ -284,9 +285,10 @@ assert MAKERS.keys() == KINDS.keys()
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """``reference(case)``: the case's checkpoint folder and its reference's answers, made once
-    per module."""
+def format_reference(tmp_path_factory):
+    """``format_reference(case)``: the case's checkpoint folder and its format's reference's
+    answers (each format's most independent one: see the module's docstring), made once per
+    module."""
     made: dict[str, Reference] = {}
 
     def get(case: str) -> Reference:
@@ -327,25 +329,25 @@ def check_parity(case: str, ref: Reference, n: int, session_class) -> None:
 
 @pytest.mark.parametrize("n", (1, 2, 3, 4))
 @pytest.mark.parametrize("case", list(KINDS))
-def test_quantized_format_equals_reference(reference, case, n):
-    check_parity(case, reference(case), n, ThreadedSession)
+def test_quantized_format_equals_reference(format_reference, case, n):
+    check_parity(case, format_reference(case), n, ThreadedSession)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case, n", PROCESS_CASES)
-def test_process_session_equals_reference(reference, case, n):
-    check_parity(case, reference(case), n, ProcessSession)
+def test_process_session_equals_reference(format_reference, case, n):
+    check_parity(case, format_reference(case), n, ProcessSession)
 
 
 # ---- what the cases rest on --------------------------------------------------------------------
 
-def test_transformers_fp8_load_is_the_exact_dequantization(reference):
+def test_transformers_fp8_load_is_the_exact_dequantization(format_reference):
     """The FP8 reference, transformers' load of the block-FP8 folder (on CPU, plain; and with
     ``FineGrainedFP8Config(dequantize=True)``), holds exactly the float32 block dequantization
     (the tool's ``dequantize``: transformers' ``_dequantize_fp8_weight``; per-expert weights
     fused) of every quantized weight, not the bf16-rounded values its log message announces;
     and DeepSeek's own four-field config loads to the same model."""
-    ref = reference("deepseek_fp8")
+    ref = format_reference("deepseek_fp8")
     stored = load_file(str(ref.folder / "model.safetensors"))
     quantized = [k[:-len("_scale_inv")] for k in stored if k.endswith(".weight_scale_inv")]
     experts = "model.layers.1.mlp.experts."
@@ -371,7 +373,7 @@ def test_transformers_fp8_load_is_the_exact_dequantization(reference):
                            torch.cat([stacked("gate_proj"), stacked("up_proj")], dim=1))
         assert torch.equal(state[experts + "down_proj"], stacked("down_proj"))
         assert not torch.equal(state[plain[0]], state[plain[0]].bfloat16().float())
-    ds = reference("deepseek_fp8_ds_config")
+    ds = format_reference("deepseek_fp8_ds_config")
     assert json.loads((ds.folder / "config.json").read_text())["quantization_config"] == \
         DEEPSEEK_QUANT_CONFIG
     assert torch.equal(ds.logits, ref.logits)
@@ -380,11 +382,11 @@ def test_transformers_fp8_load_is_the_exact_dequantization(reference):
 
 @pytest.mark.parametrize("case", ["gptq_g32", "gptq_g32_act_order", "gptq_g32_asym_bias",
                                   "awq_g32", "gptqmodel_g32", "gptqmodel_g32_act_order"])
-def test_int4_checkpoints_are_what_the_tools_write(reference, case):
+def test_int4_checkpoints_are_what_the_tools_write(format_reference, case):
     """The premise of the GPTQ / AWQ cases: AutoGPTQ's v1 and AutoAWQ's GEMM tensors, int32
     packed, fp16 scales; act-order ``g_idx`` really reorders rows; asymmetric zero points vary;
     the planner reads the format it should."""
-    ref = reference(case)
+    ref = format_reference(case)
     stored = load_file(str(ref.folder / "model.safetensors"))
     q = "model.layers.0.self_attn.q_proj"
     down = "model.layers.0.mlp.down_proj"

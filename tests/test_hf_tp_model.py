@@ -36,27 +36,26 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from helpers.architecture_configs import CONFIGS as ARCH_CONFIGS
+from helpers.architecture_configs import SMALL
 from helpers.compressed_tensors_tool import compress_preset, compress_w4a16
+from helpers.deepseek_configs import tiny_config as deepseek_config
 from helpers.gpt_oss_tool import load_with_transformers, write_gpt_oss_mxfp4
 from helpers.gpt_oss_tool import tiny_config as gpt_oss_config
+from helpers.hf_parity import (NEW_TOKENS, PROMPT, QUANT_SIZES, TOLERANCE, Reference, answers,
+                               randomise, relative)
+from helpers.moe_configs import CONFIGS as MOE_CONFIGS
 from shardload import ProcessSession, ShardloadError, ThreadedSession, WorkerError
 from shardload.hf import TPModel, load_tp_model
-from test_planner_architectures import CONFIGS as ARCH_CONFIGS
-from test_planner_architectures import SMALL
-from test_planner_deepseek import tiny_config as deepseek_config
-from test_planner_moe import CONFIGS as MOE_CONFIGS
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:You passed `quantization_config`:UserWarning")   # dequantize=True over the config's
 
-PROMPT = [[3, 17, 42, 5, 88, 11, 60, 29]]      # token ids < 96, every tiny vocabulary
-NEW_TOKENS = 16
 SHARDS = (1, 2, 3, 4)
 PADDED = 3            # 4 query heads (and the MLPs) over 3 workers: zero-padded
 #: cases zero-padded at more N than PADDED: gpt-oss MXFP4's experts hold 64 rows, two 32-groups
 #: of down_proj's inputs, which 4 workers cannot share evenly
 ALSO_PADDED = {"gpt_oss_mxfp4": {4}, "ct_fp8_block_llama": {2, 4}}
-TOLERANCE = 1e-3      # max |TP - reference| / max |reference|, float32
 
 #: the float checkpoints: config makers (the tiny configs of the planner's own tests)
 FLOAT = {
@@ -86,10 +85,6 @@ FLOAT = {
     "llama_8_heads": lambda: transformers.LlamaConfig(**EIGHT_HEADS),
 }
 
-#: the quantized checkpoints: sizes where every N of 1..4 plans (one head = one 32-group of
-#: o_proj's inputs; 256 MLP rows), as tests/test_formats_compressed_tensors.py has them, with 2 layers
-QUANT_SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
 #: a hidden size the padded heads of N = 3 do not divide (8 heads: 3 per worker)
 EIGHT_HEADS = dict(QUANT_SIZES, hidden_size=256, num_attention_heads=8)
 
@@ -125,40 +120,11 @@ PROCESS_CASES = [("olmo2", 3), ("qwen2_moe", 2), ("gpt_oss", 2), ("deepseek_v3",
 
 # ---- the checkpoints and transformers' answers -------------------------------------------------
 
-def randomise(model) -> None:
-    """Biases, norms and every other constant-initialised parameter (gpt-oss's sinks, Gemma's
-    zero-centred norms) drawn at random, so that any of them taken from the wrong worker, added
-    N times or dropped changes the logits; DeepSeek-V3's router bias ~ N(0, 0.01) (small enough
-    that the router still picks every expert group, as in test_planner_deepseek)."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            first = float(param.flatten()[0])
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.05)
-            elif "norm" in name or (param.numel() > 1 and bool((param == first).all())):
-                param.normal_(first, 0.1)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.01)
-
-
 def write_float(folder, case: str) -> None:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(FLOAT[case]())
     randomise(model)
     model.save_pretrained(folder)
-
-
-def answers(model) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits float32, greedy tokens) of a transformers model for ``PROMPT``; all 16 tokens,
-    as ``TPModel.generate`` without ``eos_token_id`` gives them (the tiny OLMo-2 picks its EOS
-    at once)."""
-    ids = torch.tensor(PROMPT)
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        logits = model(ids).logits.float()
-        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-    return logits, tokens
 
 
 def nvfp4_float32_reference(folder):
@@ -202,18 +168,10 @@ def reference_model(folder, case: str):
     return model.eval()
 
 
-class Reference:
-    def __init__(self, folder, model):
-        self.folder = folder
-        self.logits, self.tokens = answers(model)
-        # every one of the 16 tokens is compared: the reference does not stop at an EOS
-        assert self.tokens.shape == (1, len(PROMPT[0]) + NEW_TOKENS)
-
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """``reference(case)``: the case's checkpoint folder and transformers' answers, made once per
-    module."""
+def transformers_reference(tmp_path_factory):
+    """``transformers_reference(case)``: the case's checkpoint folder and the answers of
+    transformers' own unsharded model of it, made once per module."""
     made: dict[str, Reference] = {}
 
     def get(case: str) -> Reference:
@@ -229,10 +187,6 @@ def reference(tmp_path_factory):
         return made[case]
 
     return get
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def check_parity(case: str, ref: Reference, n: int, session_class) -> None:
@@ -261,43 +215,43 @@ def check_parity(case: str, ref: Reference, n: int, session_class) -> None:
 
 @pytest.mark.parametrize("n", SHARDS)
 @pytest.mark.parametrize("case", sorted(FLOAT))
-def test_float_checkpoint_equals_transformers(reference, case, n):
-    check_parity(case, reference(case), n, ThreadedSession)
+def test_float_checkpoint_equals_transformers(transformers_reference, case, n):
+    check_parity(case, transformers_reference(case), n, ThreadedSession)
 
 
 @pytest.mark.parametrize("n", SHARDS)
 @pytest.mark.parametrize("case", sorted(QUANTIZED))
-def test_quantized_checkpoint_equals_transformers(reference, case, n):
-    check_parity(case, reference(case), n, ThreadedSession)
+def test_quantized_checkpoint_equals_transformers(transformers_reference, case, n):
+    check_parity(case, transformers_reference(case), n, ThreadedSession)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case, n", PROCESS_CASES)
-def test_process_session_equals_transformers(reference, case, n):
-    check_parity(case, reference(case), n, ProcessSession)
+def test_process_session_equals_transformers(transformers_reference, case, n):
+    check_parity(case, transformers_reference(case), n, ProcessSession)
 
 
 # ---- what the cases rest on ----------------------------------------------------------------------
 
-def test_randomised_checkpoints_have_no_constant_bias_or_norm(reference):
+def test_randomised_checkpoints_have_no_constant_bias_or_norm(transformers_reference):
     """The checkpoints really hold random biases and norms (row-parallel biases included)."""
     for case in ("llama_biases", "qwen2", "gpt_oss", "gemma2", "olmo2", "deepseek_v3"):
-        stored = load_file(str(reference(case).folder / "model.safetensors"))
+        stored = load_file(str(transformers_reference(case).folder / "model.safetensors"))
         picked = {name: t for name, t in stored.items()
                   if name.endswith(("bias", "norm.weight", "sinks"))}
         assert picked, case
         for name, t in picked.items():
             assert t.numel() == 1 or t.float().std() > 0, f"{case}: {name} is constant"
-    llama = load_file(str(reference("llama_biases").folder / "model.safetensors"))
+    llama = load_file(str(transformers_reference("llama_biases").folder / "model.safetensors"))
     assert "model.layers.0.self_attn.o_proj.bias" in llama
     assert "model.layers.0.mlp.down_proj.bias" in llama
 
 
-def test_nvfp4_transformers_rounds_to_bfloat16(reference):
+def test_nvfp4_transformers_rounds_to_bfloat16(transformers_reference):
     """transformers' own load of the NVFP4 checkpoint (compressed-tensors' decompression) gives
     bf16-rounded weights: the TP model (float32 dequantization) is within 1e-2 of it, not 1e-3,
     at every N alike (the decompression's precision, not the sharding), with the same tokens."""
-    ref = reference("ct_nvfp4a16_llama")
+    ref = transformers_reference("ct_nvfp4a16_llama")
     plain = reference_model(ref.folder, "ct_nvfp4a16_llama")
     weight = plain.get_parameter("model.layers.0.self_attn.q_proj.weight")
     assert torch.equal(weight, weight.bfloat16().float())
@@ -314,10 +268,10 @@ def test_nvfp4_transformers_rounds_to_bfloat16(reference):
     assert abs(diffs[0] - diffs[1]) < 1e-4
 
 
-def test_sampling_is_the_same_at_every_n(reference):
+def test_sampling_is_the_same_at_every_n(transformers_reference):
     """Sampled decoding: worker 0 samples from ``seed`` and broadcasts, so the tokens depend on
     the seed, not on N (gpt-oss: biases, sinks, MoE)."""
-    ref = reference("gpt_oss")
+    ref = transformers_reference("gpt_oss")
     sampled = {}
     for n in (1, 3):
         with ThreadedSession(n) as session, load_tp_model(str(ref.folder), session) as model:
@@ -331,10 +285,10 @@ def test_sampling_is_the_same_at_every_n(reference):
     assert len(first[0]) == len(PROMPT[0]) + NEW_TOKENS
 
 
-def test_batch_and_closed_model(reference):
+def test_batch_and_closed_model(transformers_reference):
     """Two prompts at once: transformers' logits for both, the first one's greedy tokens; a
     closed model is gone from its workers (the session stays open)."""
-    ref = reference("qwen2")
+    ref = transformers_reference("qwen2")
     prompts = [PROMPT[0], [9, 8, 7, 6, 5, 4, 3, 2]]
     full = transformers.AutoModelForCausalLM.from_pretrained(ref.folder, dtype=torch.float32)
     with torch.no_grad():
@@ -350,10 +304,10 @@ def test_batch_and_closed_model(reference):
         model.close()                                   # twice: nothing more to free
 
 
-def test_unsupported_dtype_is_refused(reference):
+def test_unsupported_dtype_is_refused(transformers_reference):
     with ThreadedSession(1) as session:
         with pytest.raises(ShardloadError, match="dtype"):
-            load_tp_model(str(reference("llama").folder), session, dtype=torch.float64)
+            load_tp_model(str(transformers_reference("llama").folder), session, dtype=torch.float64)
 
 
 # ---- expert parallelism: whole experts per worker, same answers --------------------------------
@@ -363,13 +317,13 @@ EP_CASES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "gpt_
 
 @pytest.mark.parametrize("n", (2, 3, 8))
 @pytest.mark.parametrize("case", EP_CASES)
-def test_expert_parallel_equals_transformers(reference, case, n):
+def test_expert_parallel_equals_transformers(transformers_reference, case, n):
     """``experts="ep"``: each worker holds whole routed experts (placed per expert, or its slots
     of gpt-oss's stacked experts), the others' are zero stand-ins in transformers' MoE block,
     shared experts and attention stay tensor-parallel (DeepSeek's shared experts zero-padded to
     their configured width); the sum over workers is transformers' whole model. 8 workers on 4
     experts: half the workers hold none."""
-    ref = reference(case)
+    ref = transformers_reference(case)
     with ThreadedSession(n) as session:
         with load_tp_model(str(ref.folder), session, experts="ep") as model:
             held = model.decision.plan().metadata["experts"]["experts_per_worker"]

@@ -9,17 +9,13 @@ import pytest
 import torch
 
 import helpers.session_plugins  # noqa: F401  (registers test shard functions, here and in workers)
+from helpers.loads import load_on_threads
 from shardload import (REPLICATE, ArrayCheckpoint, PlanError, ProcessSession, SessionClosedError,
                        ShardInfo, ThreadedSession, WorkerError, load_sharded,
                        register_shard_func)
 from shardload import get_shard_func, pieces
 
 NS = [1, 2, 3, 4, 8]
-
-
-def load(params, plan, n, **kwargs):
-    with ThreadedSession(n) as sess:
-        return load_sharded(params, plan, sess, progress=False, **kwargs)
 
 
 _process_sessions: dict[int, ProcessSession] = {}
@@ -249,7 +245,7 @@ def test_staging_is_bounded_for_opaque_chains(monkeypatch):
     monkeypatch.setattr(pieces.SharedOutputs, "take", take)
     params = {f"p{k}": np.full((8, 4), k, np.float32) for k in range(20)}
     plan = {name: [["tests.loader.opaque", [[4, 2, 4], "float32"]]] for name in params}
-    result = load(params, plan, 4)
+    result = load_on_threads(params, plan, 4)
     assert peak[0] <= pieces.MAX_SHARED
     for k in range(20):
         assert torch.equal(result.shard(f"p{k}", 3), torch.full((2, 4), float(k)))
@@ -336,7 +332,7 @@ def test_cupy_functions_need_cuda_and_cupy_is_imported_lazily():
     assert "cupy" not in sys.modules  # registering does not import it
     plan = {"w": [["tests.loader.cupy_split", [[2, 4], "float32"]]]}
     with pytest.raises(PlanError) as info:
-        load({"w": np.zeros(8, np.float32)}, plan, 2)
+        load_on_threads({"w": np.zeros(8, np.float32)}, plan, 2)
     assert "need CUDA devices" in str(info.value) and info.value.param == "w"
 
 
@@ -349,7 +345,7 @@ def test_cuda_workers_get_the_same_shards_as_cpu_workers():
     plan = {"x": [["shardload.split", [["num_shards", "64 // num_shards", 32], "float16"], 0]],
             "y": [["shardload.replicate", [["num_shards", 64, 32], "float16"]],
                   ["shardload.split", [["num_shards", 1, 64, 32], "float16"], 0]]}
-    cpu = load({"x": x, "y": x}, plan, n)
+    cpu = load_on_threads({"x": x, "y": x}, plan, n)
     with ThreadedSession(n, device=devices) as sess:
         gpu = load_sharded({"x": x, "y": x}, plan, sess, progress=False)
     for i in range(n):

@@ -24,7 +24,8 @@ import torch
 
 pytest.importorskip("obstore")
 
-from conftest import EXAMPLE, REPO, subprocess_env  # noqa: E402
+from helpers.paths import EXAMPLE, REPO  # noqa: E402
+from helpers.subprocesses import subprocess_env  # noqa: E402
 from helpers import objectservers  # noqa: E402
 from helpers.objectservers import SCHEMES  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
@@ -247,7 +248,7 @@ def test_a_real_gguf_at_a_padded_n(server, tmp_path):
 def test_gguf_and_mlc(server, tmp_path):
     from gguf import GGMLQuantizationType as T
 
-    from test_planner_gguf_mlc import GGUF_LINEARS, write_gguf, write_mlc_model
+    from helpers.gguf_mlc_models import GGUF_LINEARS, write_gguf, write_mlc_model
 
     gguf_dir = tmp_path / "gguf"
     gguf_dir.mkdir()

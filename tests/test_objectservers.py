@@ -36,7 +36,7 @@ from obstore.exceptions import (GenericError, PermissionDeniedError,  # noqa: E4
                                 PreconditionError)
 from obstore.store import from_url  # noqa: E402
 
-from conftest import subprocess_env  # noqa: E402
+from helpers.subprocesses import subprocess_env  # noqa: E402
 from helpers import objectservers  # noqa: E402
 from helpers.objectservers import SCHEMES  # noqa: E402
 

@@ -21,13 +21,12 @@ import os
 import jsonschema
 import pytest
 
+from helpers.plan_corpus import INVALID as PLAN_INVALID, VALID as PLAN_VALID
 from shardload import PlanError, ShardInfo
 from shardload import plan as plan_module
 from shardload.plan import limits as plan_limits, steps as plan_steps
 from shardload.plan import (MAX_DIM, MAX_DIMS, MAX_EXTRA_ARGS, MAX_PARAMS, MAX_PLAN_BYTES,
                             MAX_STEPS, json_schema, schema_text, step_json, write_schema)
-
-from test_plan import INVALID as PLAN_INVALID, VALID as PLAN_VALID
 
 
 def shipped_path() -> str:
@@ -228,8 +227,8 @@ def test_int64_edges_agree():
 
 
 def test_planner_plans_and_their_serialisations_match_the_schema(tmp_path):
-    from conftest import EXAMPLE
-    from test_planner import PLAIN, THREE, write_model
+    from helpers.paths import EXAMPLE
+    from helpers.quantized_models import PLAIN, THREE, write_model
 
     from shardload.planners import plan_for
 

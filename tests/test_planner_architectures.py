@@ -2,7 +2,8 @@
 Gemma 3 (text, and multimodal with its language model under ``text_config``), Phi-3 / Phi-4,
 OLMo-2 and Granite, each as transformers saves it.
 
-Each test saves a tiny random model with transformers (``save_pretrained``), plans and loads it
+Each test saves a tiny random model with transformers (``save_pretrained`` of a config of
+``helpers.architecture_configs``), plans and loads it
 over N workers, and compares every worker's every tensor with a reference written here from the
 rules (``helpers.tp_reference``: vLLM's GQA layout, and the zero-padding rule), not from the
 planner: which module is column- or row-parallel, where a fused tensor's segments lie (read
@@ -21,9 +22,11 @@ import transformers
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from helpers.architecture_configs import CONFIGS, HEADS, HIDDEN, INTER, KV_HEADS, VOCAB
 from helpers.compressed_tensors_tool import compress_w4a16, dequant
+from helpers.loads import plan_and_load
 from helpers.tp_reference import layer_piece, padded_heads, padded_units, rows_of, take
-from shardload import FormatError, PlanError, ThreadedSession, load_sharded
+from shardload import FormatError, PlanError
 from shardload.cli import cli
 from shardload.planners import plan_for
 from shardload.planners.architectures import ARCHITECTURES
@@ -31,34 +34,8 @@ from shardload.planners.naming import HF
 from shardload.planners.roles import ROLES
 from shardload.planners.spec import spec_from_hf
 
-HEADS, KV_HEADS, HIDDEN, INTER, VOCAB = 4, 2, 64, 128, 96
-SMALL = dict(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
-             num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB)
-GEMMA_HEAD_DIM = 24      # explicit, and not hidden / heads (16)
 UNPADDED = (1, 2, 4)     # 4 workers replicate each of the 2 KV heads to 2 of them
 PADDED = 3               # 4 query heads over 3 workers: zero-padded
-
-
-def _gemma3_multimodal(**text):
-    return transformers.Gemma3Config(
-        text_config=dict(SMALL, head_dim=GEMMA_HEAD_DIM, **text),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=28, patch_size=14),
-        mm_tokens_per_image=4, image_token_index=90, boi_token_index=91, eoi_token_index=92)
-
-
-CONFIGS = {
-    "gemma2": lambda: transformers.Gemma2Config(head_dim=GEMMA_HEAD_DIM, **SMALL),
-    "gemma3_text": lambda: transformers.Gemma3TextConfig(head_dim=GEMMA_HEAD_DIM, **SMALL),
-    "gemma3": _gemma3_multimodal,
-    "phi3": lambda: transformers.Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                            **SMALL),
-    "olmo2": lambda: transformers.Olmo2Config(pad_token_id=0, eos_token_id=1, **SMALL),
-    "granite": lambda: transformers.GraniteConfig(embedding_multiplier=12.0,
-                                                  residual_multiplier=0.22,
-                                                  attention_multiplier=0.0078125,
-                                                  logits_scaling=8.0, **SMALL),
-}
 #: the language model's tensors in a multimodal Gemma 3 checkpoint: as the hub's checkpoints
 #: (and transformers 5) name them, and as transformers 4.52 to 4.57 saved them
 GEMMA3_LM = ("language_model.", "model.language_model.", "lm_head.")
@@ -126,16 +103,10 @@ def expected(name: str, w: torch.Tensor, n: int, i: int, g: Geometry,
     return layer_piece(w, axis, segments(module, g), n, i, g.head_dim, padded)
 
 
-def load(folder: Path, n: int):
-    with ThreadedSession(n) as session:
-        info = plan_for(str(folder), n)
-        return info, load_sharded(str(folder), info, session, progress=False)
-
-
 def check_every_shard(folder: Path, config, n: int) -> None:
     g = Geometry(config)
     dense = load_file(str(folder / "model.safetensors"))
-    info, sharded = load(folder, n)
+    info, sharded = plan_and_load(folder, n)
     padded = None
     if n == PADDED:
         layout = info.metadata["tensor_parallel"]
@@ -261,7 +232,7 @@ def test_phi3_w4a16_shards_dequantize_to_their_slice(tmp_path, symmetric):
                                                              "o_proj", "qkv_proj"]
     g = Geometry(config)
     for n in (*UNPADDED, PADDED):
-        info, sharded = load(tmp_path, n)
+        info, sharded = plan_and_load(tmp_path, n)
         padded = None
         if n == PADDED:   # the MLP pads in whole groups: down_proj's K, groups of 32
             block = info.metadata["tensor_parallel"]["mlp_block"]
@@ -301,7 +272,7 @@ def test_phi3_layers_forward_equal_at_2_workers(tmp_path):
     config = save_model(tmp_path, "phi3")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, attn_implementation="eager").eval()
-    _, sharded = load(tmp_path, n)
+    _, sharded = plan_and_load(tmp_path, n)
     part = _worker_config(model.config, n)
     part._attn_implementation = "eager"     # the same attention code as the whole model's
     torch.manual_seed(1)
@@ -338,7 +309,7 @@ def test_olmo2_split_norms_compute_the_whole_projection_norm(tmp_path, n):
     config = save_model(tmp_path, "olmo2")
     g = Geometry(config)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    info, sharded = load(tmp_path, n)
+    info, sharded = plan_and_load(tmp_path, n)
     if n == PADDED:
         q_heads, kv_heads = padded_heads(g.heads, g.kv_heads, n)
         assert info.metadata["tensor_parallel"]["projection_norms"] == {"q_norm": g.q,

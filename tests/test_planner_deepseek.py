@@ -49,42 +49,30 @@ import copy
 import json
 import re
 import shutil
-from contextlib import contextmanager
 
 import pytest
 import torch
 import transformers
-from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2_modeling
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3_modeling
 
+from helpers.cli_runs import invoke_ok
+from helpers.deepseek_configs import (EXPERTS, FP8_HEADS, FP8_HIDDEN, FP8_INTER, FP8_MOE_INTER,
+                                      FP8_NOPE, FP8_ROPE, FP8_V, HEADS, HIDDEN, INTER, KV_LORA,
+                                      MOE_INTER, NOPE, Q_LORA, ROPE, SHARED, V_DIM, fp8_config,
+                                      tiny_config)
 from helpers.deepseek_fp8_tool import DEEPSEEK_QUANT_CONFIG, dequantize, write_deepseek_fp8
+from helpers.loads import decided_load
 from helpers.tp_reference import (expert_slots, layer_piece, padded_head_runs, padded_heads,
                                   padded_units, rows_of, take)
-from shardload import PlanError, ProcessSession, ThreadedSession, load_sharded
-from shardload.cli import cli
+from shardload import ProcessSession, ThreadedSession
 from shardload.planners import plan_decision
 
-HEADS, HIDDEN, INTER, MOE_INTER, SHARED, EXPERTS, VOCAB = 4, 64, 96, 32, 1, 4, 96
-Q_LORA, KV_LORA, NOPE, ROPE, V_DIM = 48, 32, 16, 8, 16
 QK, KV_B = NOPE + ROPE, NOPE + V_DIM          # a query head's rows (24), a kv_b head's rows (32)
 TP_SHARDS = (1, 2, 4, 3)                      # 3: 4 heads and 32/96-row MLPs zero-padded
 EP_SHARDS = (1, 2, 3, 4, 8)
 BLOCK = 128                                   # block FP8: 128 x 128 scale blocks
-
-
-def tiny_config(version: str):
-    """The tiny DeepSeek-V3 (q_lora) or DeepSeek-V2 (``q_lora_rank=None``: ``q_proj``)."""
-    common = dict(hidden_size=HIDDEN, intermediate_size=INTER, moe_intermediate_size=MOE_INTER,
-                  num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-                  vocab_size=VOCAB, n_routed_experts=EXPERTS, n_shared_experts=SHARED,
-                  num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=KV_LORA,
-                  qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_DIM, n_group=2,
-                  topk_group=1)
-    if version == "v3":
-        return transformers.DeepseekV3Config(q_lora_rank=Q_LORA, **common)
-    return transformers.DeepseekV2Config(q_lora_rank=None, **common)
 
 
 def write_tiny(folder, version: str):
@@ -121,15 +109,6 @@ def v3(tmp_path_factory):
 def v2(tmp_path_factory):
     """(folder, config, stored tensors) of the tiny DeepSeek-V2 without q_lora."""
     return _tiny(tmp_path_factory, "v2")
-
-
-@contextmanager
-def load(folder, n: int, experts: str = "tp", session_class=ThreadedSession):
-    """The decision for N and every worker's pieces, while the session is open (a
-    ``ProcessSession``'s pieces stay in its workers)."""
-    decision = plan_decision(str(folder), n, experts=experts)
-    with session_class(n) as session:
-        yield decision, load_sharded(str(folder), decision.validated, session, progress=False)
 
 
 # ---- the reference: worker i's piece, from the rules ---------------------------------------------
@@ -220,7 +199,7 @@ def test_transformers_writes_mla_as_assumed(request, version):
 # ---- A. tensor parallel: every worker, every tensor ----------------------------------------------
 
 def check_tensor_parallel(folder, stored, n: int, session_class=ThreadedSession) -> None:
-    with load(folder, n, session_class=session_class) as (decision, sharded):
+    with decided_load(folder, n, session_class=session_class) as (decision, sharded):
         padded = HEADS % n != 0
         assert decision.kind == ("padded" if padded else "unpadded"), n
         assert decision.plan().placement is None
@@ -319,7 +298,7 @@ def test_mla_attention_forward_sums_to_whole(request, version, n):
     whole = attention_module(version, config, HEADS, lambda m: stored[f"{prefix}{m}.weight"])
     want = run_attention(version, whole, x, position_embeddings, mask)
     zero_workers = 0
-    with load(folder, n) as (decision, sharded):
+    with decided_load(folder, n) as (decision, sharded):
         got = torch.zeros_like(want)
         for i in range(n):
             piece = sharded.worker(i)
@@ -391,7 +370,7 @@ def test_moe_block_forward_sums_to_whole_at_2_workers(request, version, experts)
         want = whole(x)
         _, _, indices = whole.gate(x)
     assert indices.unique().numel() == EXPERTS      # every expert is used, on both workers
-    with load(folder, n, experts=experts) as (decision, sharded):
+    with decided_load(folder, n, experts=experts) as (decision, sharded):
         slots = expert_slots(EXPERTS, n) if experts == "ep" else [range(EXPERTS)] * n
         got = torch.zeros_like(want)
         for i in range(n):
@@ -405,23 +384,8 @@ def test_moe_block_forward_sums_to_whole_at_2_workers(request, version, experts)
 
 # ---- C. block FP8, written by transformers' own quantizer ----------------------------------------
 
-FP8_HEADS, FP8_NOPE, FP8_ROPE, FP8_V = 8, 64, 128, 128
 FP8_QK, FP8_KV_B = FP8_NOPE + FP8_ROPE, FP8_NOPE + FP8_V     # 192 and 192 rows a head
-FP8_HIDDEN, FP8_INTER, FP8_MOE_INTER = 256, 1536, 512        # 12 and 4 blocks of MLP rows
 FP8_SHARDS, FP8_PADDED = (1, 2, 4), (3, 8)
-
-
-def fp8_config():
-    """A DeepSeek-V3 whose every quantized dim is a multiple of 128 (the tool's requirement):
-    kv_a_proj_with_mqa is kv_lora 256 + rope 128 = 384 rows; the MLPs 1536 (12 blocks: any N
-    of 1, 2, 3, 4 divides them, so at N=3 only the heads refuse) and 512 (4 blocks). kv_lora
-    is 256, not 128: a [N/128, 1] scale grid is misread (test_fp8_one_block_of_k_columns)."""
-    return transformers.DeepseekV3Config(
-        hidden_size=FP8_HIDDEN, intermediate_size=FP8_INTER, moe_intermediate_size=FP8_MOE_INTER,
-        num_hidden_layers=2, num_attention_heads=FP8_HEADS, num_key_value_heads=FP8_HEADS,
-        vocab_size=256, n_routed_experts=EXPERTS, n_shared_experts=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, q_lora_rank=256, kv_lora_rank=256, qk_nope_head_dim=FP8_NOPE,
-        qk_rope_head_dim=FP8_ROPE, v_head_dim=FP8_V, n_group=2, topk_group=1)
 
 
 @pytest.fixture(scope="module")
@@ -513,7 +477,7 @@ def test_fp8_every_piece_and_dequantized(fp8):
     assert len(quantized) == 2 * 5 + 3 + 3 * (EXPERTS + 1)   # attention x2, dense, experts, shared
     whole = {k: dequantize(stored[k], stored[k + "_scale_inv"]) for k in quantized}
     for n in FP8_SHARDS:
-        with load(folder, n) as (decision, sharded):
+        with decided_load(folder, n) as (decision, sharded):
             assert decision.kind == "unpadded", n
             split = 0
             for i in range(n):
@@ -550,7 +514,7 @@ def test_fp8_attention_forward_sums_to_whole_at_4_workers(fp8):
                                                 weights(stored.__getitem__)),
                          x, position_embeddings, mask)
     n = 4
-    with load(folder, n) as (_, sharded):
+    with decided_load(folder, n) as (_, sharded):
         got = torch.zeros_like(want)
         for i in range(n):
             module = attention_module("v3", config, FP8_HEADS // n,
@@ -573,7 +537,7 @@ def test_fp8_heads_straddling_blocks_pad_in_pairs_at_3_and_8(fp8, experts):
     whole = {k: dequantize(stored[k], stored[k + "_scale_inv"]) for k in quantized}
     for n in FP8_PADDED:
         q_heads, _ = padded_head_runs(FP8_HEADS, FP8_HEADS, n, 2)
-        with load(folder, n, experts=experts) as (decision, sharded):
+        with decided_load(folder, n, experts=experts) as (decision, sharded):
             assert decision.kind == "padded", n
             layout = decision.info.metadata["tensor_parallel"]
             assert layout["q_heads"] == q_heads, n
@@ -604,7 +568,7 @@ def test_fp8_expert_parallel(fp8):
     for n in (2, 4):
         slots = expert_slots(EXPERTS, n)
         owner = {e: w for w, held in enumerate(slots) for e in held if e >= 0}
-        with load(folder, n, experts="ep") as (decision, sharded):
+        with decided_load(folder, n, experts="ep") as (decision, sharded):
             assert decision.kind == "unpadded"
             assert decision.plan().metadata["experts"]["experts_per_worker"] == {
                 str(EXPERTS): slots}
@@ -630,7 +594,7 @@ def test_fp8_one_block_of_k_columns(tmp_path_factory):
     name = "model.layers.0.self_attn.kv_b_proj.weight_scale_inv"
     assert stored[name].shape == (12, 1)
     assert plan_decision(str(folder), 2).kind == "unpadded"
-    with load(folder, 2) as (_, sharded):      # whole heads: the grid's rows, halved
+    with decided_load(folder, 2) as (_, sharded):      # whole heads: the grid's rows, halved
         for i in range(2):
             assert same(sharded.shard(name, i), stored[name][6 * i:6 * (i + 1)])
 
@@ -642,7 +606,7 @@ def check_expert_parallel(folder, stored, n: int, session_class=ThreadedSession)
     slots = expert_slots(EXPERTS, n)
     assert sorted(e for held in slots for e in held if e >= 0) == list(range(EXPERTS))
     owner = {e: w for w, held in enumerate(slots) for e in held if e >= 0}
-    with load(folder, n, experts="ep", session_class=session_class) as (decision, sharded):
+    with decided_load(folder, n, experts="ep", session_class=session_class) as (decision, sharded):
         info = decision.plan()
         assert info.metadata["experts"] == {"mode": "ep", "num_shards": n,
                                             "experts_per_worker": {str(EXPERTS): slots}}
@@ -690,7 +654,7 @@ def test_planner_experts(v3):
     folder, _, stored = v3
     for n in EP_SHARDS:
         ep = check_expert_parallel(folder, stored, n)
-        with load(folder, n) as (_, sharded):
+        with decided_load(folder, n) as (_, sharded):
             tp = list(sharded.stats.bytes_read_per_worker)
         assert sum(ep) == sum(tp), (n, ep, tp)
         if EXPERTS % n == 0:            # whole experts or slices: the same bytes per worker
@@ -707,26 +671,20 @@ def test_expert_parallel_process_session(v3):
 
 # ---- E. command line -----------------------------------------------------------------------------
 
-def invoke(*args):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exit_code == 0, (result.output, result.exception)
-    return result
-
-
 def test_cli_plan_and_load(v3):
     """``shardload plan --shards 2`` prints the TP plan (MLA heads split in their own widths)
     and a summary naming MLA; ``--experts ep`` the EP plan (whole experts placed on one worker
     each); ``shardload load --shards 3 --experts ep --json`` loads it: worker 0 holds its two
     experts' tensors more than the others."""
     folder, _, stored = v3
-    result = invoke("plan", "--shards", 2, folder)
+    result = invoke_ok("plan", "--shards", 2, folder)
     plan = json.loads(result.stdout)
     assert "MLA" in result.stderr and "4 MLA heads of 24 (values 16)" in result.stderr
     assert "valid for N in 1, 2, 4" in result.stderr
     for name in stored:
         assert (name in plan) == (split_of(name) is not None), name
 
-    result = invoke("plan", "--shards", 2, "--experts", "ep", folder)
+    result = invoke_ok("plan", "--shards", 2, "--experts", "ep", folder)
     plan = json.loads(result.stdout)
     assert plan["__metadata__"]["experts"]["experts_per_worker"] == {
         str(EXPERTS): expert_slots(EXPERTS, 2)}
@@ -734,7 +692,7 @@ def test_cli_plan_and_load(v3):
     for name in stored:
         assert (name in plan) == (split_of(name) is not None and not is_routed(name)), name
 
-    report = json.loads(invoke("load", "--shards", 3, "--experts", "ep", folder,
+    report = json.loads(invoke_ok("load", "--shards", 3, "--experts", "ep", folder,
                                "--json").stdout)
     assert report["num_shards"] == 3 and len(report["workers"]) == 3
     others = len(stored) - 3 * EXPERTS

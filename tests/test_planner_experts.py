@@ -63,16 +63,16 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from click.testing import CliRunner
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
-from conftest import EXAMPLE
+from helpers.cli_runs import run_cli
+from helpers.moe_configs import mlp_sizes
+from helpers.paths import EXAMPLE
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
 from shardload import (ArrayCheckpoint, PlanError, ProcessSession, ShardInfo, ThreadedSession,
                        load_sharded, open_checkpoint)
-from shardload.cli import cli
 from shardload.errors import cli_text
 from shardload.plan import check_plan_fits
 from shardload.planners import plan_decision, plan_for, valid_num_shards
@@ -309,10 +309,6 @@ def test_a_worker_may_hold_nothing():
 
 # ---- the command line, on a safetensors file -------------------------------------------------
 
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
-
-
 def ok(result) -> str:
     assert result.exit_code == 0, (result.output, result.exception)
     return result.stdout
@@ -347,7 +343,7 @@ def placed_files(tmp_path):
 
 def test_cli_shows_placement(placed_files):
     ckpt, plan = placed_files
-    lines = ok(run("inspect", "--shards", N, "--shard-info", plan, ckpt)).splitlines()
+    lines = ok(run_cli("inspect", "--shards", N, "--shard-info", plan, ckpt)).splitlines()
     rows = {line.split()[0]: line for line in lines[2:2 + len(TENSORS)]}
     assert "(whole on worker 0)" in rows["experts.0.w"]
     assert "(whole on worker 2)" in rows["experts.1.w"]
@@ -356,16 +352,16 @@ def test_cli_shows_placement(placed_files):
     assert lines[-1] == (f"{len(TENSORS)} tensors, at most {max(BYTES)} B per worker "
                          f"(3 tensors placed on some workers only)")
 
-    report = json.loads(ok(run("inspect", "--shards", N, "--json", "--shard-info", plan, ckpt)))
+    report = json.loads(ok(run_cli("inspect", "--shards", N, "--json", "--shard-info", plan, ckpt)))
     workers = {row["name"]: row["workers"] for row in report["params"]}
     assert workers == {name: HOLDERS.get(name) for name in TENSORS}
 
-    checked = ok(run("validate", "--shards", N, "--shard-info", plan, ckpt))
+    checked = ok(run_cli("validate", "--shards", N, "--shard-info", plan, ckpt))
     assert checked.startswith("ok:")
     assert checked.rstrip().endswith(f"at most {max(BYTES)} B per worker (3 tensors placed on "
                                      "some workers only)")
 
-    loaded = json.loads(ok(run("load", "--shards", N, "--json", "--shard-info", plan, ckpt)))
+    loaded = json.loads(ok(run_cli("load", "--shards", N, "--json", "--shard-info", plan, ckpt)))
     assert [w["bytes_read"] for w in loaded["workers"]] == BYTES
     assert [w["tensors"] for w in loaded["workers"]] == [len(held(w)) for w in range(N)]
 
@@ -373,7 +369,7 @@ def test_cli_shows_placement(placed_files):
 def test_cli_reads_list_each_workers_own_tensors(placed_files):
     ckpt, plan = placed_files
     ranges = data_ranges(ckpt)
-    text = ok(run("inspect", "--shards", N, "--reads", "--shard-info", plan, ckpt))
+    text = ok(run_cli("inspect", "--shards", N, "--reads", "--shard-info", plan, ckpt))
     listed: dict[int, dict[str, str]] = {}
     for line in text.splitlines():
         if line.startswith("worker "):
@@ -389,7 +385,7 @@ def test_cli_reads_list_each_workers_own_tensors(placed_files):
         for w in HOLDERS[name]:
             assert listed[w][name] == f"read {end - begin} B: {ckpt.name}[{begin}:{end}]"
 
-    report = json.loads(ok(run("inspect", "--shards", N, "--reads", "--json", "--shard-info",
+    report = json.loads(ok(run_cli("inspect", "--shards", N, "--reads", "--json", "--shard-info",
                                plan, ckpt)))
     assert [w["bytes_read"] for w in report["workers"]] == BYTES
     for w in report["workers"]:
@@ -399,7 +395,7 @@ def test_cli_reads_list_each_workers_own_tensors(placed_files):
 def test_cli_refuses_a_placed_plan_for_another_n(placed_files):
     ckpt, plan = placed_files
     for command in ("validate", "inspect", "load"):
-        line = usage_error(run(command, "--shards", 2, "--shard-info", plan, ckpt))
+        line = usage_error(run_cli(command, "--shards", 2, "--shard-info", plan, ckpt))
         assert f"num_shards={N} (__placement__)" in line
         assert "Re-plan for 2 workers with `shardload plan --shards 2 --experts ep`" in line
 
@@ -458,16 +454,6 @@ def expert_of(name: str, arch: str):
         assert parts[6] in projections, name
         return int(parts[2]), int(parts[5])
     return None
-
-
-def mlp_sizes(config) -> dict[str, int]:
-    """The MLP widths by kind (Mixtral's experts are ``intermediate_size`` wide)."""
-    if config.model_type == "mixtral":
-        return {"experts": config.intermediate_size}
-    sizes = {"experts": config.moe_intermediate_size, "dense": config.intermediate_size}
-    if getattr(config, "shared_expert_intermediate_size", None):
-        sizes["shared_expert"] = config.shared_expert_intermediate_size
-    return sizes
 
 
 def split_of(name: str, config):
@@ -744,7 +730,7 @@ def test_unknown_expert_modes_are_refused(moe_model, mode):
 def test_cli_plan_ep_then_load_and_validate_with_it(moe_model, tmp_path):
     folder, config, dense = moe_model("mixtral")
     n = 3
-    result = run("plan", "--shards", n, "--experts", "ep", folder)
+    result = run_cli("plan", "--shards", n, "--experts", "ep", folder)
     written = json.loads(ok(result))
     owners = owner(EXPERTS, n)
     experts = {name: ex[1] for name in dense if (ex := expert_of(name, "mixtral")) is not None}
@@ -761,24 +747,25 @@ def test_cli_plan_ep_then_load_and_validate_with_it(moe_model, tmp_path):
     want_read = [sum((nbytes(w) * (owners[experts[name]] == i)) if name in experts
                      else tp_piece(name, w, n, i, config, padded=True)[1]
                      for name, w in dense.items()) for i in range(n)]
-    report = json.loads(ok(run("load", "--shards", n, "--json", "--shard-info", plan, folder)))
+    report = json.loads(ok(run_cli("load", "--shards", n, "--json", "--shard-info", plan, folder)))
     assert [w["bytes_read"] for w in report["workers"]] == want_read
     assert [w["tensors"] for w in report["workers"]] == [
         len(dense) - len(experts) + sum(owners[e] == i for e in experts.values())
         for i in range(n)]
     # planning on the fly (--experts ep, no plan file) loads the same
-    direct = json.loads(ok(run("load", "--shards", n, "--json", "--experts", "ep", folder)))
+    direct = json.loads(ok(run_cli("load", "--shards", n, "--json", "--experts", "ep", folder)))
     assert direct["workers"] == report["workers"]
-    line = usage_error(run("validate", "--shards", 2, "--shard-info", plan, folder))
+    line = usage_error(run_cli("validate", "--shards", 2, "--shard-info", plan, folder))
     assert "`shardload plan --shards 2 --experts ep`" in line
-    checked = ok(run("validate", "--shards", n, "--experts", "ep", folder))
+    checked = ok(run_cli("validate", "--shards", n, "--experts", "ep", folder))
     assert checked.rstrip().endswith(f"({len(experts)} tensors placed on some workers only)")
 
 
 def test_cli_experts_applies_only_when_shardload_plans(moe_model, tmp_path, placed_files):
     folder, _, _ = moe_model("mixtral")
     ckpt, plan = placed_files
-    line = usage_error(run("load", "--shards", N, "--experts", "ep", "--shard-info", plan, ckpt))
+    line = usage_error(run_cli("load", "--shards", N, "--experts", "ep", "--shard-info", plan,
+                               ckpt))
     assert "--experts ep chooses how shardload plans" in line
     assert "is used as it is" in line and "shardload plan --experts ep" in line
     # a plan beside the checkpoint is a plan file too
@@ -786,8 +773,8 @@ def test_cli_experts_applies_only_when_shardload_plans(moe_model, tmp_path, plac
     shutil.copytree(folder, copy)
     (copy / "shard_info.json").write_text(plan_for(str(copy), 2).dumps())
     for command in ("load", "validate", "inspect"):
-        line = usage_error(run(command, "--shards", 2, "--experts", "ep", copy))
+        line = usage_error(run_cli(command, "--shards", 2, "--experts", "ep", copy))
         assert "--experts ep chooses how shardload plans" in line
         assert "shard_info.json" in line
     # --experts tp (the default) with a plan file is fine
-    ok(run("validate", "--shards", 2, "--experts", "tp", copy))
+    ok(run_cli("validate", "--shards", 2, "--experts", "tp", copy))

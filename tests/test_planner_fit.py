@@ -4,8 +4,9 @@ that work. It knows which N each tensor group allows from the model and the quan
 (``planners.fit``), so nothing is bound or validated to decide; the plan it returns for N is
 validated once, as a safety check.
 
-The decisions are checked on the tiny models ``test_planner`` builds, and the N the
-constraints allow against validating the plan for every N (``valid_num_shards``).
+The decisions are checked on the tiny models ``helpers.quantized_models`` and
+``helpers.gguf_mlc_models`` build, and the N the constraints allow against validating the plan
+for every N (``valid_num_shards``).
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from click.testing import CliRunner
 from gguf import GGMLQuantizationType as T
 
 import shardload.planners as planners
+from helpers.gguf_mlc_models import GGUF_LINEARS, write_gguf, write_mlc_model
+from helpers.quantized_models import (GPTQ, GQA, MQA, OTHERS, PLAIN, THREE, WIDE, Geometry, awq,
+                                      fp8, gptq, pack_quantized, write_model)
 from shardload import PlanError, ThreadedSession, load_sharded, open_checkpoint
 from shardload import plan as plan_module
 from shardload.cli import cli
 from shardload.planners import plan_decision, plan_for, valid_num_shards
 from shardload.planners.fit import Constraint, Constraints
-from test_planner import (GPTQ, GQA, MQA, OTHERS, PLAIN, THREE, WIDE, Geometry, awq, fp8, gptq,
-                          pack_quantized, write_model)
-from test_planner_gguf_mlc import GGUF_LINEARS, write_gguf, write_mlc_model
 
 NS = range(1, 13)
 

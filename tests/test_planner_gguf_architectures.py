@@ -24,9 +24,9 @@ import pytest
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType as T
 from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
-from gguf.quants import dequantize
 
 from helpers.gguf_blocks import blocks
+from helpers.gguf_blocks import dequantized
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
 from shardload import ThreadedSession, load_sharded, open_checkpoint
 from shardload.cli import cli
@@ -130,10 +130,6 @@ def write_model(path: str, arch: str, qtype: T) -> dict[str, str]:
     return kinds
 
 
-def _deq(raw: np.ndarray, qtype: T) -> np.ndarray:
-    return raw.astype(np.float32) if qtype in (T.F16, T.F32) else dequantize(raw, qtype)
-
-
 def _want(whole: np.ndarray, split: str, n: int, i: int) -> np.ndarray:
     """Worker i's part of ``whole`` (dequantized) for an N the heads and MLP divide."""
     if split == "rep":
@@ -197,13 +193,13 @@ def test_every_worker_dequantizes_to_its_slice(tmp_path, arch, qtype):
         info, shards = _load(path, n)
         assert "tensor_parallel" not in info.metadata
         for name, (raw, stored) in full.items():
-            whole = _deq(raw, stored)
+            whole = dequantized(raw, stored)
             for i in range(n):
                 piece = shards[i][name].numpy()
                 if kinds[name] == "rep":     # replicated, bytes and all
                     assert np.array_equal(piece, raw), name
                 want = _want(whole, kinds[name], n, i)
-                assert np.array_equal(_deq(piece, stored), want), f"{name} worker {i} of {n}"
+                assert np.array_equal(dequantized(piece, stored), want), f"{name} worker {i} of {n}"
 
     info, shards = _load(path, PADDED)
     layout = info.metadata["tensor_parallel"]
@@ -217,10 +213,10 @@ def test_every_worker_dequantizes_to_its_slice(tmp_path, arch, qtype):
     else:
         assert "projection_norms" not in layout
     for name, (raw, stored) in full.items():
-        whole = _deq(raw, stored)
+        whole = dequantized(raw, stored)
         for i in range(PADDED):
             want = _want_padded(whole, kinds[name], q_heads[i], kv_heads[i], mlp[i], block)
-            got = _deq(shards[i][name].numpy(), stored)
+            got = dequantized(shards[i][name].numpy(), stored)
             assert np.array_equal(got, want), f"{name} worker {i} of {PADDED} (padded)"
 
 

@@ -1,9 +1,10 @@
 """gpt-oss as llama.cpp's converter writes it to GGUF (``general.architecture`` ``gpt-oss``).
 
-The test model is written with gguf-py's own ``GGUFWriter``, with the tensors and keys
-llama.cpp's ``convert_hf_to_gguf.py`` (``GptOssModel``) writes for gpt-oss; each tensor name is
-gguf-py's (``TENSOR_NAMES``), checked to be one gguf-py lists for ``MODEL_ARCH.GPT_OSS``
-(``MODEL_TENSORS``), and the model holds every tensor gguf-py lists for it:
+The test model (``helpers.gpt_oss_gguf``) is written with gguf-py's own ``GGUFWriter``, with
+the tensors and keys llama.cpp's ``convert_hf_to_gguf.py`` (``GptOssModel``) writes for gpt-oss;
+each tensor name is gguf-py's (``TENSOR_NAMES``), checked to be one gguf-py lists for
+``MODEL_ARCH.GPT_OSS`` (``MODEL_TENSORS``), and the model holds every tensor gguf-py lists for
+it:
 
 * per block ``attn_norm``, ``post_attention_norm``; ``attn_q/k/v/output`` with ``.weight``
   and ``.bias``; ``attn_sinks.weight`` [n_head] (one learned logit per query head);
@@ -37,101 +38,18 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf.constants import MODEL_ARCH, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
-from gguf.quants import dequantize, quantize
+from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
+from gguf.quants import dequantize
 
+from helpers.gguf_blocks import dequantized
+from helpers.gpt_oss_gguf import (ARCH, BLOCK, BLOCK_BYTES, EXPERTS, EXP_KINDS, GROUPS, HEADS,
+                                  HEAD_DIM, HIDDEN, INTER, KV_HEADS, LAYERS, gguf_name, tensors,
+                                  write_gpt_oss)
+from helpers.loads import load_decision
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
-from shardload import ThreadedSession, load_sharded
 from shardload.planners import plan_decision
 from shardload.planners.architectures import GGUF_ARCHITECTURES
 from shardload.planners.spec import spec_from_gguf
-
-ARCH = "gpt-oss"
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
-EXPERTS, INTER, LAYERS, VOCAB, CONTEXT = 4, 96, 2, 96, 256
-Q, KV = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-BLOCK, BLOCK_BYTES = gguf.GGML_QUANT_SIZES[T.MXFP4]           # 32 elements in 17 bytes
-GROUPS = INTER // BLOCK                                       # the experts' 96 rows: 3 blocks
-
-# how each tensor splits under tensor parallelism: q / kv (rows in whole query / KV heads), o
-# (columns in whole query heads), sinks (one per query head), exp_rows (dim 1 of [E, inter,
-# ...]), exp_k (dim 2 of [E, hidden, inter]), rep (replicated)
-TOP = {"TOKEN_EMBD": [("weight", (VOCAB, HIDDEN), T.F16, "rep")],
-       "OUTPUT_NORM": [("weight", (HIDDEN,), T.F32, "rep")],
-       "OUTPUT": [("weight", (VOCAB, HIDDEN), T.F16, "rep")]}
-BLOCK_TENSORS = {
-    "ATTN_NORM": [("weight", (HIDDEN,), T.F32, "rep")],
-    "ATTN_POST_NORM": [("weight", (HIDDEN,), T.F32, "rep")],
-    "ATTN_Q": [("weight", (Q, HIDDEN), T.F16, "q"), ("bias", (Q,), T.F32, "q")],
-    "ATTN_K": [("weight", (KV, HIDDEN), T.F16, "kv"), ("bias", (KV,), T.F32, "kv")],
-    "ATTN_V": [("weight", (KV, HIDDEN), T.F16, "kv"), ("bias", (KV,), T.F32, "kv")],
-    # the bias is added once, after the row-parallel sum
-    "ATTN_OUT": [("weight", (HIDDEN, Q), T.F16, "o"), ("bias", (HIDDEN,), T.F32, "rep")],
-    "ATTN_SINKS": [("weight", (HEADS,), T.F32, "sinks")],
-    "FFN_GATE_INP": [("weight", (EXPERTS, HIDDEN), T.F32, "rep"),
-                     ("bias", (EXPERTS,), T.F32, "rep")],
-    "FFN_GATE_EXP": [("weight", (EXPERTS, INTER, HIDDEN), T.MXFP4, "exp_rows"),
-                     ("bias", (EXPERTS, INTER), T.F32, "exp_rows")],
-    "FFN_UP_EXP": [("weight", (EXPERTS, INTER, HIDDEN), T.MXFP4, "exp_rows"),
-                   ("bias", (EXPERTS, INTER), T.F32, "exp_rows")],
-    "FFN_DOWN_EXP": [("weight", (EXPERTS, HIDDEN, INTER), T.MXFP4, "exp_k"),
-                     ("bias", (EXPERTS, HIDDEN), T.F32, "rep")],
-}
-EXP_KINDS = ("FFN_GATE_EXP", "FFN_UP_EXP", "FFN_DOWN_EXP")
-
-
-def gguf_name(kind: str, bid: int = 0) -> str:
-    """gguf-py's name for a gpt-oss tensor, checked to be one it lists for the architecture."""
-    tensor = MODEL_TENSOR[kind]
-    assert tensor in MODEL_TENSORS[MODEL_ARCH.GPT_OSS], f"gguf-py lists no gpt-oss {kind}"
-    return TENSOR_NAMES[tensor].format(bid=bid)
-
-
-def tensors() -> dict[str, tuple[tuple[int, ...], T, str]]:
-    """Every tensor of the test model: name -> (numpy shape, ggml type, split)."""
-    out = {}
-    for kind, parts in TOP.items():
-        for suffix, shape, qtype, split in parts:
-            out[f"{gguf_name(kind)}.{suffix}"] = shape, qtype, split
-    for bid in range(LAYERS):
-        for kind, parts in BLOCK_TENSORS.items():
-            for suffix, shape, qtype, split in parts:
-                out[f"{gguf_name(kind, bid)}.{suffix}"] = shape, qtype, split
-    return out
-
-
-def write_gpt_oss(path: str) -> None:
-    """The tiny model, with the keys llama.cpp's converter writes for gpt-oss (``TextModel``'s
-    and ``GptOssModel.set_gguf_parameters``')."""
-    rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(path, ARCH)
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(CONTEXT)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(INTER)          # gpt-oss's intermediate_size: the experts'
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(150000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_expert_count(EXPERTS)
-    writer.add_expert_used_count(2)
-    writer.add_key_length(HEAD_DIM)
-    writer.add_value_length(HEAD_DIM)
-    writer.add_sliding_window(128)
-    writer.add_expert_feed_forward_length(INTER)
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(32.0)
-    writer.add_rope_scaling_orig_ctx_len(4096)
-    for name, (shape, qtype, _) in tensors().items():
-        x = rng.standard_normal(shape).astype(np.float32)
-        if qtype == T.MXFP4:
-            writer.add_tensor(name, quantize(x, T.MXFP4), raw_dtype=T.MXFP4)
-        else:
-            writer.add_tensor(name, x.astype(np.float16 if qtype == T.F16 else np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.fixture(scope="module")
@@ -143,16 +61,6 @@ def model(tmp_path_factory):
     stored = {t.name: (np.array(t.data), T(t.tensor_type)) for t in reader.tensors}
     shapes = {t.name: t.shape.tolist() for t in reader.tensors}
     return path, stored, shapes
-
-
-def _deq(raw: np.ndarray, qtype: T) -> np.ndarray:
-    return raw.astype(np.float32) if qtype in (T.F16, T.F32) else dequantize(raw, qtype)
-
-
-def _load(path: str, decision):
-    n = decision.num_shards
-    with ThreadedSession(n) as sess:
-        return load_sharded(path, decision.validated, sess, progress=False)
 
 
 def test_the_model_is_laid_out_as_llama_cpp_writes_it(model):
@@ -238,10 +146,10 @@ def test_tp_every_worker_dequantizes_to_its_slice(model, n):
         assert layout["mlp_block"] == BLOCK
         assert layout["mlp_blocks"] == {str(INTER): padded_units(GROUPS, n)}
     assert "experts" not in info.metadata
-    sharded = _load(path, d)
+    sharded = load_decision(path, d)
     for name, (raw, qtype) in stored.items():
         split = splits[name]
-        whole = _deq(raw, qtype)
+        whole = dequantized(raw, qtype)
         for i in range(n):
             piece = sharded.shard(name, i).numpy()
             where = f"{name} worker {i} of {n}"
@@ -252,7 +160,7 @@ def test_tp_every_worker_dequantizes_to_its_slice(model, n):
                       else take(raw, mlp[i], BLOCK_BYTES, 2))
                 assert piece.shape == by.shape and np.array_equal(piece, by), where
             want = _want(whole, split, q[i], kv[i], mlp[i])
-            got = _deq(piece, qtype)
+            got = dequantized(piece, qtype)
             assert got.shape == want.shape, where
             assert np.array_equal(got, want), where
             if qtype == T.MXFP4 and mlp[i][-1] == -1:    # a padded block is zeros, exactly
@@ -288,11 +196,11 @@ def test_ep_every_exps_tensor_splits_in_whole_experts(model, n):
     if n == 3:
         assert info.metadata["tensor_parallel"]["mlp_blocks"] == {}
     q, kv, _ = _layout(n)
-    sharded = _load(path, d)
+    sharded = load_decision(path, d)
     exps = {f"{gguf_name(k, b)}.{s}" for k in EXP_KINDS for b in range(LAYERS)
             for s in ("weight", "bias")}
     for name, (raw, qtype) in stored.items():
-        whole = _deq(raw, qtype)
+        whole = dequantized(raw, qtype)
         for i in range(n):
             piece = sharded.shard(name, i).numpy()
             where = f"{name} worker {i} of {n} (EP)"
@@ -306,7 +214,7 @@ def test_ep_every_exps_tensor_splits_in_whole_experts(model, n):
                 want = _want(whole, split, q[i], kv[i], [])
                 if split == "rep":
                     assert np.array_equal(piece, raw), where
-            assert np.array_equal(_deq(piece, qtype), want), where
+            assert np.array_equal(dequantized(piece, qtype), want), where
 
 
 # ---- roles ---------------------------------------------------------------------------------

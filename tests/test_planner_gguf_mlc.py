@@ -13,58 +13,16 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType as T
-from gguf.quants import dequantize
 
-from helpers.gguf_blocks import blocks
-from helpers.mlc_reference import dequantize_q4f16_1, quantize_q4f16_1, write_mlc_folder
-from helpers.real_models import smollm2_gguf
+from helpers.gguf_blocks import dequantized
+from helpers.gguf_mlc_models import GGUF_LINEARS, HEADS, KV_HEADS, write_gguf, write_mlc_model
+from helpers.mlc_reference import dequantize_q4f16_1
 from helpers.tp_reference import rows_of, take
 from shardload import ProcessSession, ThreadedSession, load_sharded, open_checkpoint
 from shardload.cli import cli
 from shardload.planners import plan_for, valid_num_shards
 
-HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
-
-
 # ---- GGUF ------------------------------------------------------------------------------------------
-
-GGUF_LINEARS = {"attn_q": "q", "attn_k": "kv", "attn_v": "kv", "attn_output": "row",
-                "ffn_gate": "mlp", "ffn_up": "mlp", "ffn_down": "row"}
-
-
-def write_gguf(path: str, qtypes: dict[str, T], *, hidden: int, inter: int, layers: int = 1):
-    """A Llama GGUF whose linear weights are quantized to ``qtypes[role]`` (F32 norms)."""
-    rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(layers)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(inter)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_vocab_size(64)
-    shapes = {"attn_q": (HEADS * HEAD_DIM, hidden), "attn_k": (KV_HEADS * HEAD_DIM, hidden),
-              "attn_v": (KV_HEADS * HEAD_DIM, hidden), "attn_output": (hidden, HEADS * HEAD_DIM),
-              "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
-    writer.add_tensor("token_embd.weight", blocks(rng, T.Q8_0, 64, hidden), raw_dtype=T.Q8_0)
-    for layer in range(layers):
-        writer.add_tensor(f"blk.{layer}.attn_norm.weight",
-                          rng.standard_normal(hidden).astype(np.float32))
-        for name, (rows, cols) in shapes.items():
-            qtype = qtypes.get(name, T.Q8_0)
-            data = (rng.standard_normal((rows, cols)).astype(np.float16) if qtype == T.F16
-                    else blocks(rng, qtype, rows, cols))
-            writer.add_tensor(f"blk.{layer}.{name}.weight", data,
-                              raw_dtype=None if qtype == T.F16 else qtype)
-    writer.add_tensor("output_norm.weight", rng.standard_normal(hidden).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def _deq(raw: np.ndarray, qtype: T) -> np.ndarray:
-    return raw.astype(np.float32) if qtype in (T.F16, T.F32) else dequantize(raw, qtype)
-
 
 def check_gguf_shards(path: str, n: int, session=ThreadedSession) -> int:
     """Every GGUF tensor's shards against gguf's dequantizer; the number of tensors checked."""
@@ -83,13 +41,13 @@ def check_gguf_shards(path: str, n: int, session=ThreadedSession) -> int:
     checked = 0
     for name, (raw, qtype) in full.items():
         role = GGUF_LINEARS.get(name.split(".")[-2]) if name.startswith("blk.") else None
-        whole = _deq(raw, qtype)
+        whole = dequantized(raw, qtype)
         for i in range(n):
             piece = shards[i][name].numpy()
             if role is None:  # replicated, bytes and all
                 assert np.array_equal(piece, raw), name
                 continue
-            got = _deq(piece, qtype)
+            got = dequantized(piece, qtype)
             if role == "row":
                 want = np.split(whole, n, axis=1)[i]
             elif role == "mlp":
@@ -145,11 +103,6 @@ def test_gguf_on_processes(tmp_path):
 
 # ---- the real model --------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return smollm2_gguf()
-
-
 def test_real_model_valid_n(smollm2):
     with open_checkpoint(smollm2) as ckpt:
         info = plan_for(ckpt)
@@ -177,7 +130,7 @@ def test_real_model_plan_passes_shardload_validate(smollm2, tmp_path, n):
 
 
 def test_embedded_example_plan_passes_shardload_validate():
-    from conftest import EXAMPLE
+    from helpers.paths import EXAMPLE
 
     for n in (1, 2, 4, 8):
         result = CliRunner().invoke(cli, ["validate", "--shards", str(n), EXAMPLE])
@@ -185,28 +138,6 @@ def test_embedded_example_plan_passes_shardload_validate():
 
 
 # ---- MLC -------------------------------------------------------------------------------------------
-
-def write_mlc_model(folder, *, hidden=256, inter=512, quantization="q4f16_1"):
-    """An MLC q4f16_1 Llama layer: fused qkv_proj and gate_up_proj, as MLC stores them."""
-    rng = np.random.default_rng(1)
-    q, kv = HEADS * 32, KV_HEADS * 32
-    linears = {"self_attn.qkv_proj": (q + 2 * kv, hidden), "self_attn.o_proj": (hidden, q),
-               "mlp.gate_up_proj": (2 * inter, hidden), "mlp.down_proj": (hidden, inter)}
-    tensors, full = {}, {}
-    for module, shape in linears.items():
-        w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
-        q_weight, q_scale = quantize_q4f16_1(w)
-        tensors[f"model.layers.0.{module}.q_weight"] = q_weight
-        tensors[f"model.layers.0.{module}.q_scale"] = q_scale
-        full[module] = dequantize_q4f16_1(q_weight, q_scale)
-    tensors["model.layers.0.input_layernorm.weight"] = np.ones(hidden, np.float16)
-    config = {"model_type": "llama", "quantization": quantization,
-              "model_config": {"hidden_size": hidden, "intermediate_size": inter,
-                               "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-                               "head_dim": 32, "num_hidden_layers": 1, "vocab_size": 64}}
-    write_mlc_folder(folder, tensors, config=config, shard_bytes=64 << 10)
-    return full
-
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_mlc_q4f16_1_fused_layers(tmp_path, n):
@@ -259,9 +190,9 @@ def check_padded_gguf(path: str, n: int) -> dict:
     (mlp,) = layout["mlp_blocks"].values()
     for name, (raw, qtype) in full.items():
         role = name.split(".")[-2] if name.startswith("blk.") else None
-        whole = _deq(raw, qtype)
+        whole = dequantized(raw, qtype)
         for i in range(n):
-            got = _deq(shards[i][name].numpy(), qtype)
+            got = dequantized(shards[i][name].numpy(), qtype)
             if role == "attn_q":
                 want = take(whole, layout["q_heads"][i], hd, 0)
             elif role in ("attn_k", "attn_v"):

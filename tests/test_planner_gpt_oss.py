@@ -35,21 +35,19 @@ it.
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 
 import pytest
 import torch
 import transformers
-from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
 
+from helpers.cli_runs import invoke_ok
 from helpers.gpt_oss_tool import (dequantize, load_with_transformers, tiny_config,
                                   write_gpt_oss_mxfp4)
+from helpers.loads import decided_load
 from helpers.tp_reference import expert_slots, padded_heads, padded_units, rows_of, take
-from shardload import ProcessSession, ThreadedSession, load_sharded
-from shardload.cli import cli
-from shardload.planners import plan_decision
+from shardload import ProcessSession, ThreadedSession
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, EXPERTS, LAYERS = 4, 2, 16, 64, 4, 2
 BF16_INTER, MXFP4_INTER, GROUP = 64, 96, 32
@@ -89,15 +87,6 @@ def mxfp4(tmp_path_factory):
     config = tiny_config(intermediate_size=MXFP4_INTER)
     write_gpt_oss_mxfp4(folder, config, seed=0)
     return folder, config, load_file(str(folder / "model.safetensors"))
-
-
-@contextmanager
-def load(folder, n: int, experts: str = "tp", session_class=ThreadedSession):
-    """The decision for N and every worker's pieces, while the session is open (a
-    ``ProcessSession``'s pieces stay in its workers)."""
-    decision = plan_decision(str(folder), n, experts=experts)
-    with session_class(n) as session:
-        yield decision, load_sharded(str(folder), decision.validated, session, progress=False)
 
 
 # ---- the reference: worker i's piece, from the rules ---------------------------------------------
@@ -192,7 +181,7 @@ def test_bf16_tensor_parallel_every_piece(bf16):
     assert stored["model.layers.0.self_attn.sinks"].shape == (HEADS,)
     assert all(w.dtype == torch.bfloat16 for w in stored.values())
     for n in TP_SHARDS:
-        with load(folder, n) as (decision, sharded):
+        with decided_load(folder, n) as (decision, sharded):
             padded = HEADS % n != 0
             assert decision.kind == ("padded" if padded else "unpadded"), n
             if padded:
@@ -221,7 +210,7 @@ def test_mxfp4_tensor_parallel_bytes_and_dequantized(mxfp4):
             for layer in (f"model.layers.{k}.mlp.experts" for k in range(LAYERS))
             for proj in ("gate_up_proj", "down_proj")}
     for n in TP_SHARDS:
-        with load(folder, n) as (decision, sharded):
+        with decided_load(folder, n) as (decision, sharded):
             padded = n != 1
             assert decision.kind == ("padded" if padded else "unpadded"), n
             if padded:
@@ -242,7 +231,7 @@ def test_mxfp4_tensor_parallel_bytes_and_dequantized(mxfp4):
 # ---- expert parallel -----------------------------------------------------------------------------
 
 def check_expert_parallel(folder, stored, n, session_class=ThreadedSession) -> None:
-    with load(folder, n, experts="ep", session_class=session_class) as (decision, sharded):
+    with decided_load(folder, n, experts="ep", session_class=session_class) as (decision, sharded):
         slots = expert_slots(EXPERTS, n)
         assert sorted(e for held in slots for e in held if e >= 0) == list(range(EXPERTS))
         metadata = decision.plan().metadata
@@ -316,7 +305,7 @@ def test_experts_forward_sums_to_whole(request, which, n):
     outputs exactly 0)."""
     folder, config, stored = request.getfixturevalue(which)
     prefix = "model.layers.0.mlp."
-    with load(folder, n) as (decision, sharded):
+    with decided_load(folder, n) as (decision, sharded):
         torch.manual_seed(1)
         x = torch.randn(9, HIDDEN)
         router = GptOssTopKRouter(config)
@@ -373,12 +362,6 @@ def test_transformers_reads_the_mxfp4_checkpoint(mxfp4):
 
 # ---- command line --------------------------------------------------------------------------------
 
-def invoke(*args):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exit_code == 0, (result.output, result.exception)
-    return result
-
-
 def test_cli_plan_and_load(mxfp4):
     """``shardload plan --shards 4`` prints the padded TP plan (take_units of 32-row blocks for
     the experts, the 4th a zero block) and ``--experts ep`` the EP plan (split along the experts
@@ -386,7 +369,7 @@ def test_cli_plan_and_load(mxfp4):
     folder, _, stored = mxfp4
     experts = expert_names(stored)
 
-    plan = json.loads(invoke("plan", "--shards", 4, folder).stdout)
+    plan = json.loads(invoke_ok("plan", "--shards", 4, folder).stdout)
     assert plan["__metadata__"]["tensor_parallel"]["mlp_blocks"] == {
         str(MXFP4_INTER): padded_units(MXFP4_INTER // GROUP, 4)}
     for name in experts:
@@ -396,14 +379,14 @@ def test_cli_plan_and_load(mxfp4):
             assert [step[0] for step in plan[name]] == ["shardload.take_units"], name
     assert plan["model.layers.0.self_attn.sinks"][0][0] == "shardload.take_units"
 
-    plan = json.loads(invoke("plan", "--shards", 4, "--experts", "ep", folder).stdout)
+    plan = json.loads(invoke_ok("plan", "--shards", 4, "--experts", "ep", folder).stdout)
     assert plan["__metadata__"]["experts"]["experts_per_worker"] == {
         str(EXPERTS): expert_slots(EXPERTS, 4)}
     for name in experts:
         assert [step[0] for step in plan[name]] == ["shardload.split"], name
     assert plan["model.layers.0.self_attn.q_proj.weight"][0][0] == "shardload.split_segments"
 
-    report = json.loads(invoke("load", "--shards", 3, "--experts", "ep", folder,
+    report = json.loads(invoke_ok("load", "--shards", 3, "--experts", "ep", folder,
                                "--json").stdout)
     assert report["num_shards"] == 3 and len(report["workers"]) == 3
     assert all(w["tensors"] == len(stored) for w in report["workers"])

@@ -25,15 +25,15 @@ import pytest
 from click.testing import CliRunner
 
 import shardload.plan.shards as plan_shards
+from helpers.gguf_mlc_models import write_mlc_model
 from helpers.hostile_corpus import gguf_file, set_key as _set
+from helpers.quantized_models import GQA, PLAIN, gptq, write_model
 from shardload import FormatError, PlanError, ShardInfo, open_checkpoint
 from shardload.cli import cli
 from shardload.config_fields import Fields
 from shardload.plan import check_plan_fits
 from shardload.planners import plan_decision, plan_for, valid_num_shards
 from shardload.tp_layout import head_layout, unit_layout
-from test_planner import GQA, PLAIN, gptq, write_model
-from test_planner_gguf_mlc import write_mlc_model
 
 Q = "quantization_config"
 
@@ -352,7 +352,7 @@ def test_gguf_metadata_is_refused(tmp_path, case):
     start = time.process_time()
     _check_refused(path, path, case)
     # CPU time: head_count 2**62 allocates nothing (a list of 2**62 heads would never end).
-    # Measured: at most 0.003 s a case.
+    # Measured: 0.002 s a case, 0.06 s at most (head-count-absent and head-count-0).
     assert time.process_time() - start < 10
 
 

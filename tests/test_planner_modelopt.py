@@ -32,35 +32,19 @@ import shutil
 
 import pytest
 import torch
-import transformers
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from helpers.loads import load_decision
+from helpers.modelopt_configs import CONFIGS, EXPERTS, HEADS, HIDDEN, INTER, MOE_INTER, VOCAB
 from helpers.modelopt_tool import cached_modelopt_nvfp4, dequantize_module
 from helpers.tp_reference import (expert_slots, layer_piece, padded_head_runs, padded_units,
                                   rows_of)
-from shardload import PlanError, ProcessSession, ThreadedSession, load_sharded
+from shardload import ProcessSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_decision
 
-HEADS, KV_HEADS, HIDDEN, INTER, VOCAB = 4, 2, 64, 128, 96
 GROUP = 16          # NVFP4: one E4M3 scale per 16 weights along K
-EXPERTS, MOE_INTER = 4, 32
-DENSE = dict(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
-             num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB)
-CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**DENSE),
-    "phi3": lambda: transformers.Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                            **DENSE),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        hidden_size=HIDDEN, intermediate_size=INTER, moe_intermediate_size=MOE_INTER,
-        num_experts=EXPERTS, num_experts_per_tok=2, num_hidden_layers=2,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=16,
-        vocab_size=VOCAB, decoder_sparse_step=1),
-    # heads of 8 elements: each 16-element group of o_proj's K holds two of them
-    "llama_narrow_heads": lambda: transformers.LlamaConfig(
-        **{**DENSE, "hidden_size": 32, "intermediate_size": 64}),
-}
 #: the tensors ModelOpt writes per quantized linear
 NVFP4_TENSORS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 PADDED = 3          # 4 query heads and 8 MLP blocks over 3 workers: zero-padded
@@ -126,11 +110,6 @@ def balanced(experts: int, n: int) -> list[list[int]]:
 def expert_of(module: str):
     parts = module.split(".")
     return int(parts[parts.index("experts") + 1]) if "experts" in parts else None
-
-
-def load(folder, decision):
-    with ThreadedSession(decision.num_shards) as sess:
-        return load_sharded(str(folder), decision.validated, sess, progress=False)
 
 
 def check_every_worker(folder, config, decision, sharded, owners=None,
@@ -244,7 +223,7 @@ def test_every_worker_dequantizes_to_its_slice(arch):
             check_padded_layout(decision, config, [INTER])
         else:
             assert "tensor_parallel" not in decision.plan().metadata
-        sharded = load(folder, decision)
+        sharded = load_decision(folder, decision)
         assert check_every_worker(folder, config, decision, sharded) == (4 if arch == "phi3"
                                                                          else 7)
         if kind == "padded":
@@ -278,7 +257,7 @@ def test_qwen3_moe_experts_split_like_an_mlp_of_32_rows():
             check_padded_layout(decision, config, [MOE_INTER])
             assert decision.plan().metadata["tensor_parallel"]["mlp_blocks"] == {
                 "32": [[0], [1], [-1], [-1]]}
-        sharded = load(folder, decision)
+        sharded = load_decision(folder, decision)
         assert check_every_worker(folder, config, decision, sharded) == 2 * (4 + 3 * EXPERTS)
     expert = "model.layers.1.mlp.experts.2"
     for i in (2, 3):
@@ -309,7 +288,7 @@ def test_qwen3_moe_expert_parallel_places_whole_experts(n, processes):
     if decision.kind == "padded":         # the attention's heads; no MLP is split
         check_padded_layout(decision, config, [])
     if not processes:
-        sharded = load(folder, decision)
+        sharded = load_decision(folder, decision)
         assert check_every_worker(folder, config, decision, sharded, owners) == 2 * (
             4 + 3 * EXPERTS)
         return
@@ -335,7 +314,7 @@ def test_heads_narrower_than_a_group_pad_in_pairs():
         decision = plan_decision(str(folder), n)
         assert decision.kind == "padded", n
         check_padded_layout(decision, config, [config.intermediate_size])
-        assert check_every_worker(folder, config, decision, load(folder, decision)) == 7
+        assert check_every_worker(folder, config, decision, load_decision(folder, decision)) == 7
         refused = plan_decision(str(folder), n, pad=False)
         assert refused.kind == "refused" and refused.validated is None, n
         message = str(refused.error)
@@ -344,7 +323,7 @@ def test_heads_narrower_than_a_group_pad_in_pairs():
     assert "the 4 query heads ('num_attention_heads' = 4), stored in 2 blocks of 16" in message
     decision = plan_decision(str(folder), 2)
     assert decision.kind == "unpadded"
-    assert check_every_worker(folder, config, decision, load(folder, decision)) == 7
+    assert check_every_worker(folder, config, decision, load_decision(folder, decision)) == 7
 
 
 def test_vocab_parallel_splits_the_float_lm_head_and_never_pads_it():
@@ -353,7 +332,7 @@ def test_vocab_parallel_splits_the_float_lm_head_and_never_pads_it():
     folder, config = export("llama"), CONFIGS["llama"]()
     decision = plan_decision(str(folder), 4, vocab_parallel=True)
     assert decision.kind == "unpadded"
-    sharded = load(folder, decision)
+    sharded = load_decision(folder, decision)
     assert check_every_worker(folder, config, decision, sharded, vocab_parallel=True) == 7
     refused = plan_decision(str(folder), 5, vocab_parallel=True)
     assert refused.kind == "refused"

@@ -27,26 +27,15 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from helpers.loads import plan_and_load
+from helpers.moe_configs import CONFIGS, EXPERTS, HEADS, HIDDEN, KV_HEADS, mlp_sizes
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
-from shardload import FormatError, ThreadedSession, load_sharded
+from shardload import FormatError
 from shardload.planners import plan_for
 
-HEADS, KV_HEADS, HIDDEN, VOCAB, EXPERTS = 4, 2, 64, 96, 4
-COMMON = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
-              num_key_value_heads=KV_HEADS, vocab_size=VOCAB, num_experts_per_tok=2)
 UNPADDED = (1, 2, 4)
 PADDED = 3          # 4 heads, 96/32/48/128-row MLPs over 3 workers: zero-padded
 
-CONFIGS = {
-    "mixtral": lambda: transformers.MixtralConfig(intermediate_size=96,
-                                                  num_local_experts=EXPERTS, **COMMON),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        num_experts=EXPERTS, decoder_sparse_step=1, mlp_only_layers=[1], **COMMON),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        intermediate_size=128, moe_intermediate_size=32, head_dim=24, num_experts=EXPERTS,
-        decoder_sparse_step=1, mlp_only_layers=[1], **COMMON),
-}
 #: where each model keeps a layer's MoE block in the checkpoint, and its expert names
 MOE = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
        "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
@@ -58,16 +47,6 @@ def save_model(folder: Path, arch: str):
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return config
-
-
-def _sizes(config) -> dict:
-    """MLP sizes by kind: Mixtral's experts are ``intermediate_size`` wide."""
-    if config.model_type == "mixtral":
-        return {"experts": config.intermediate_size}
-    sizes = {"experts": config.moe_intermediate_size, "dense": config.intermediate_size}
-    if getattr(config, "shared_expert_intermediate_size", None):
-        sizes["shared_expert"] = config.shared_expert_intermediate_size
-    return sizes
 
 
 def split_of(name: str, config):
@@ -82,7 +61,7 @@ def split_of(name: str, config):
         return None      # norms (q/k norms per head), routers, shared_expert_gate, embeddings
     kind = ("experts" if ".experts." in name else
             "shared_expert" if ".shared_expert." in name else "dense")
-    size = _sizes(config)[kind]
+    size = mlp_sizes(config)[kind]
     return (1 if module in ("down_proj", "w2") else 0), size, size, False, kind
 
 
@@ -102,18 +81,12 @@ def expected(name, w, n, i, config, padded=None):
                                  else head_dim, axis))
 
 
-def load(folder: Path, n: int):
-    with ThreadedSession(n) as session:
-        info = plan_for(str(folder), n)
-        return info, load_sharded(str(folder), info, session, progress=False)
-
-
 def test_transformers_saves_experts_per_expert(tmp_path):
     for arch, (block, (gate, up, down)) in MOE.items():
         config = save_model(tmp_path / arch, arch)
         shapes = {k: list(v.shape) for k, v in
                   load_file(str(tmp_path / arch / "model.safetensors")).items()}
-        inter = _sizes(config)["experts"]
+        inter = mlp_sizes(config)["experts"]
         for e in range(EXPERTS):
             prefix = f"model.layers.0.{block}.experts.{e}."
             assert shapes[prefix + gate + ".weight"] == [inter, HIDDEN], arch
@@ -136,14 +109,14 @@ def test_every_shard_is_its_slice(tmp_path, arch):
     routers = [k for k in dense if k.endswith((".gate.weight", "shared_expert_gate.weight"))]
     assert len(routers) == (1 if arch != "mixtral" else 2) + (arch == "qwen2_moe")
     for n in (*UNPADDED, PADDED):
-        info, sharded = load(tmp_path, n)
+        info, sharded = plan_and_load(tmp_path, n)
         padded = None
         if n == PADDED:
             layout = info.metadata["tensor_parallel"]
             assert (layout["q_heads"], layout["kv_heads"]) == padded_heads(HEADS, KV_HEADS, n)
             assert layout["mlp_block"] == 1
             assert layout["mlp_blocks"] == {str(size): padded_units(size, n)
-                                            for size in _sizes(config).values()}
+                                            for size in mlp_sizes(config).values()}
             padded = True
         assert sorted(sharded.names) == sorted(dense)
         split = 0
@@ -169,7 +142,7 @@ def test_moe_block_forward_equal_at_2_workers(tmp_path, arch):
     n = 2
     config = save_model(tmp_path / "full", arch)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "full").eval()
-    _, sharded = load(tmp_path / "full", n)
+    _, sharded = plan_and_load(tmp_path / "full", n)
     full = load_file(str(tmp_path / "full" / "model.safetensors"))
     torch.manual_seed(1)
     x = torch.randn(1, 5, config.hidden_size)

@@ -23,7 +23,6 @@ from shardload.errors import FormatError
 from shardload.readers import open_checkpoint
 from shardload.readers.gguf import CONFIG_MAX_ARRAY, GGUFCheckpoint, open_gguf
 
-from helpers.real_models import smollm2_gguf
 
 BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 BIG = 2000  # items in the big key-value arrays (over CONFIG_MAX_ARRAY)
@@ -546,13 +545,13 @@ def test_refused_written_by_gguf_py(tmp_path, written, patch, fragment):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    path = smollm2_gguf()
-    return path, gguf.GGUFReader(path)
+def smollm2_reader(smollm2):
+    """The published SmolLM2 GGUF's path and gguf-py's reader of it."""
+    return smollm2, gguf.GGUFReader(smollm2)
 
 
-def test_real_model_smollm2_q4_1(smollm2):
-    path, reader = smollm2
+def test_real_model_smollm2_q4_1(smollm2_reader):
+    path, reader = smollm2_reader
     with open_checkpoint(path) as c:
         assert isinstance(c, GGUFCheckpoint) and len(c) == 272
         cfg = c.config

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from helpers.mlc_reference import (dequantize_q4f16_1, f32_to_bf16_bits, pack_int4,
                                    quantize_q4f16_1, unpack_int4, write_mlc_folder)
-from helpers.reader_checks import check_close_while_a_read_is_in_flight
+from helpers.reader_checks import check_close_while_a_read_is_in_flight, narrow_cases, same
 from shardload.errors import FormatError
 from shardload.readers import open_checkpoint
 from shardload.readers.base import TensorMeta
@@ -34,15 +34,6 @@ INDEX = "tensor-cache.json"
 
 # ----------------------------------------------------------------------------------------------
 # helpers
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes, so that equality is bitwise (NaNs, float8 and bool included)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
 
 
 def to_torch(x) -> torch.Tensor:
@@ -285,24 +276,11 @@ def test_unaligned_offsets(tmp_path: Path) -> None:
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int64, torch.uint8, torch.bool,
            torch.float8_e4m3fn, torch.uint32]
-
-
-@st.composite
-def narrow_cases(draw):
-    shape = draw(st.lists(st.integers(0, 5), min_size=1, max_size=4))
-    dim = draw(st.integers(-len(shape), len(shape) - 1))
-    size = shape[dim]
-    begin = draw(st.integers(0, size))
-    length = draw(st.integers(0, size - begin))
-    start = begin - size if begin < size and draw(st.booleans()) else begin
-    return shape, draw(st.sampled_from(_DTYPES)), dim, start, length
-
-
 _counter = itertools.count()
 
 
 @settings(max_examples=50, deadline=None)
-@given(case=narrow_cases(), pad=st.integers(0, 7), align=st.sampled_from([1, 8, 64]))
+@given(case=narrow_cases(_DTYPES), pad=st.integers(0, 7), align=st.sampled_from([1, 8, 64]))
 def test_read_narrow_property(tmp_path_factory, case, pad, align) -> None:
     shape, dtype, dim, start, length = case
     itemsize = torch.empty(0, dtype=dtype).element_size()

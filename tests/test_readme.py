@@ -27,7 +27,8 @@ from typing import Optional
 
 import pytest
 
-from conftest import REPO, subprocess_env
+from helpers.paths import REPO
+from helpers.subprocesses import subprocess_env
 
 DIRECTIVE = re.compile(r"<!-- test: ([a-z_ ]+) -->")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -77,9 +78,9 @@ def _run(lang: str, code: str, timeout: float, vllm: bool = False
     env = subprocess_env()
     python = sys.executable
     if vllm:  # vLLM's own environment first on PATH: its python, its `vllm`
-        from test_vllm import _vllm_python
+        from helpers.vllm_engine import vllm_python
 
-        python = _vllm_python()
+        python = vllm_python()
         env["PATH"] = os.pathsep.join([os.path.dirname(python), env.get("PATH", "")])
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     command = (["bash", "-e", "-o", "pipefail", "-c", code] if lang == "bash"

@@ -154,7 +154,7 @@ def test_read_plans_travel_as_json_unchanged(tmp_path):
 
 @pytest.mark.parametrize("n", [2, 5, 8])
 def test_padded_plans_read_only_their_units(tmp_path, n):
-    from test_planner import PLAIN, THREE, write_model
+    from helpers.quantized_models import PLAIN, THREE, write_model
 
     from shardload.planners import plan_for
 
@@ -292,13 +292,6 @@ def test_a_ranges_rule_that_disagrees_with_its_function_is_a_plan_error():
 
 
 # ---- checkpoints the real tools wrote -------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from helpers.real_models import smollm2_gguf
-
-    return smollm2_gguf()
-
 
 def test_the_published_smollm2_gguf_padded_at_4_reads_its_own_units(smollm2):
     # a real llama.cpp-quantized file (Q4_1 blocks, mixed types) and the planner's padded plan:

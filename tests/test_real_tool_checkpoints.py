@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 from safetensors.torch import load_file
 
-from conftest import EXAMPLE
+from helpers.paths import EXAMPLE
 from shardload import ShardInfo, Staging, ThreadedSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_for

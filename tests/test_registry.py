@@ -13,7 +13,7 @@ import pytest
 from shardload import (ArrayCheckpoint, ThreadedSession, UnknownShardFunctionError,
                        get_shard_func, list_shard_funcs, load_plugins, load_sharded,
                        register_shard_func)
-from conftest import subprocess_env
+from helpers.subprocesses import subprocess_env
 from shardload import registry
 
 

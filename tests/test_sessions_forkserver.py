@@ -23,12 +23,12 @@ import time
 import pytest
 
 from helpers import process_plugins, startup_plugins  # noqa: F401 - the workers' functions
+from helpers.process_sessions import (WORKER_MODULE, describe, is_server, kill_all, own_session,
+                                      proc_cmdline, proc_stat, still_works, wait_gone)
 from shardload.errors import WorkerCrashedError
 from shardload.sessions import ProcessSession, forkserver
 from shardload.sessions.functions import unregister_session_func
 from shardload.sessions.process import START_ENV, default_start_method
-from test_sessions_process import (WORKER_MODULE, _cmdline, _describe, _is_server, _kill,
-                                   _session, _stat, _still_works, _wait_gone)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="forks workers; checks them through /proc")
@@ -37,11 +37,11 @@ PLUGIN = startup_plugins.__name__
 
 
 def _wait_stopped(pids, timeout: float) -> list[int]:
-    """Like ``_wait_gone``, but a zombie counts as stopped: a worker orphaned by its server's
+    """Like ``wait_gone``, but a zombie counts as stopped: a worker orphaned by its server's
     death waits on an init that may never reap it."""
     deadline = time.monotonic() + timeout
     while True:
-        left = [pid for pid in pids if (_stat(pid) or ("X",))[0] not in "ZX"]
+        left = [pid for pid in pids if (proc_stat(pid) or ("X",))[0] not in "ZX"]
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.05)
@@ -60,27 +60,27 @@ def test_the_default_is_the_fork_server(monkeypatch):
 
 
 def test_a_worker_killed_by_a_signal_is_a_crash_naming_it():
-    with _session(2, distributed=False) as sess:
+    with own_session(2, distributed=False) as sess:
         pids = list(sess.pids)
         server = forkserver.server_pid()
         os.kill(pids[1], signal.SIGUSR1)  # its default action: the process ends
-        assert not _wait_gone([pids[1]], 5), "the server did not reap its worker"
+        assert not wait_gone([pids[1]], 5), "the server did not reap its worker"
         with pytest.raises(WorkerCrashedError) as info:
             sess.call("tests.process.rank")
         err = info.value
         assert (err.worker, err.signal_name, err.exitcode) == (1, "SIGUSR1", -signal.SIGUSR1)
         assert str(err).startswith("worker 1 was killed by SIGUSR1 ")
-        left = _wait_gone(pids, 5)
-        assert not left, f"still there: {_describe(left)}"
+        left = wait_gone(pids, 5)
+        assert not left, f"still there: {describe(left)}"
     # the server is untouched, and forks the next session's workers
-    with _session(1, distributed=False) as sess:
+    with own_session(1, distributed=False) as sess:
         assert forkserver.server_pid() == server
-        assert _stat(sess.pids[0])[1] == server
+        assert proc_stat(sess.pids[0])[1] == server
         assert sess.call("tests.process.rank") == [0]
 
 
 def test_a_worker_that_exits_is_a_crash_with_its_exit_code():
-    with _session(2, distributed=False, plugins=[PLUGIN]) as sess:
+    with own_session(2, distributed=False, plugins=[PLUGIN]) as sess:
         with pytest.raises(WorkerCrashedError) as info:
             sess.run("tests.startup.exit", [(0,), (7,)])
         err = info.value
@@ -89,22 +89,22 @@ def test_a_worker_that_exits_is_a_crash_with_its_exit_code():
 
 
 def test_a_killed_fork_server_takes_its_workers_and_the_next_session_starts_another():
-    with _session(2, distributed=False) as sess:
+    with own_session(2, distributed=False) as sess:
         pids = list(sess.pids)
         server = forkserver.server_pid()
         os.kill(server, signal.SIGKILL)
         # they see their parent go (worker.py watches it every 0.5 s)
         left = _wait_stopped(pids, 5)
-        assert not left, f"workers outlived their fork server: {_describe(left)}"
+        assert not left, f"workers outlived their fork server: {describe(left)}"
         with pytest.raises(WorkerCrashedError) as info:
             sess.call("tests.process.rank")
         err = info.value
         assert (err.worker, err.signal_name, err.exitcode) == (0, None, None)
         assert str(err).startswith("worker 0 died ")
-    assert not _wait_gone([server], 5), "the dead server was not reaped"
-    with _session(2) as sess:
+    assert not wait_gone([server], 5), "the dead server was not reaped"
+    with own_session(2) as sess:
         assert forkserver.server_pid() not in (None, server)
-        _still_works(sess)
+        still_works(sess)
 
 
 def test_a_forked_worker_starts_as_a_fresh_interpreter_would(tmp_path, monkeypatch, capfd):
@@ -126,7 +126,7 @@ def test_a_forked_worker_starts_as_a_fresh_interpreter_would(tmp_path, monkeypat
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.chdir(tmp_path)
     try:
-        with _session(2, distributed=False, plugins=[name, PLUGIN]) as sess:
+        with own_session(2, distributed=False, plugins=[name, PLUGIN]) as sess:
             seen = sess.call("tests.startup.seen", "SHARDLOAD_TEST_STARTUP")
             assert sess.call("tests.startup.tmp_plugin") == [str(plugin_dir / f"{name}.py")] * 2
             capfd.readouterr()
@@ -152,20 +152,20 @@ def test_a_forked_worker_starts_as_a_fresh_interpreter_would(tmp_path, monkeypat
 
 
 def test_the_fork_server_has_no_thread_to_fork_after():
-    with _session(1, distributed=False) as sess:
+    with own_session(1, distributed=False) as sess:
         assert sess.call("tests.process.rank") == [0]
         server = forkserver.server_pid()
         assert sorted(os.listdir(f"/proc/{server}/task")) == [str(server)]
-        assert _is_server(server) and _stat(server)[1] == os.getpid()
+        assert is_server(server) and proc_stat(server)[1] == os.getpid()
 
 
 def test_spawn_still_starts_fresh_interpreters():
-    with _session(2, start_method="spawn") as sess:
+    with own_session(2, start_method="spawn") as sess:
         assert sess.start_method == "spawn"
         for pid in sess.pids:
-            assert _stat(pid)[1] == os.getpid()
-            assert WORKER_MODULE in _cmdline(pid)
-        _still_works(sess)
+            assert proc_stat(pid)[1] == os.getpid()
+            assert WORKER_MODULE in proc_cmdline(pid)
+        still_works(sess)
 
 
 SHUTDOWN_AND_EXIT = """
@@ -185,7 +185,7 @@ print(server, forkserver.server_pid(), *second.pids, flush=True)
 
 @pytest.mark.slow
 def test_shutdown_then_a_new_server_and_nothing_left_at_exit(tmp_path):
-    from conftest import subprocess_env
+    from helpers.subprocesses import subprocess_env
 
     proc = subprocess.run([sys.executable, "-c", "import helpers.process_plugins\n"
                            + SHUTDOWN_AND_EXIT], cwd=tmp_path, env=subprocess_env(),
@@ -196,7 +196,7 @@ def test_shutdown_then_a_new_server_and_nothing_left_at_exit(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert lines[0] == "WorkerCrashedError", proc.stdout
         assert len(pids) == 3 and pids[0] != pids[1]
-        left = _wait_gone(pids, 5)  # the exit hook asked the worker, then ended the server
-        assert not left, f"left after the interpreter exited: {_describe(left)}"
+        left = wait_gone(pids, 5)  # the exit hook asked the worker, then ended the server
+        assert not left, f"left after the interpreter exited: {describe(left)}"
     finally:
-        _kill(pids)
+        kill_all(pids)

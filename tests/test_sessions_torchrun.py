@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import EXAMPLE, torchrun
+from helpers.paths import EXAMPLE
+from helpers.subprocesses import torchrun
 from shardload import (ProcessSession, ShardloadError, ThreadedSession, TorchDistributedSession,
                        load_sharded)
 

@@ -32,7 +32,7 @@ from shardload.sources.store import (MAX_GAP, ObjectClient, ObjectInfo,  # noqa:
                                      coalesce)
 from shardload.sources.urls import ObjectUrl  # noqa: E402
 
-from conftest import subprocess_env  # noqa: E402
+from helpers.subprocesses import subprocess_env  # noqa: E402
 
 BUCKET = "models"
 #: retry settings that fail fast

@@ -328,7 +328,7 @@ def sigint_raises():
     """SIGINT raises KeyboardInterrupt, as in Python run from a terminal. pytest run as a
     background job of a non-interactive shell inherits SIGINT ignored, and
     ``_thread.interrupt_main`` then does nothing: the load ran to its end and the test failed
-    (conftest.default_sigint does the same for child processes)."""
+    (helpers.subprocesses.default_sigint does the same for child processes)."""
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, old)
@@ -582,13 +582,6 @@ def test_a_threaded_load_asks_for_its_file_ahead(tmp_path, monkeypatch):
 
 
 # ---- a file the real tools wrote --------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from helpers.real_models import smollm2_gguf
-
-    return smollm2_gguf()
-
 
 @pytest.mark.parametrize("n", [3, 4])
 def test_the_published_gguf_loads_padded_the_same_staged_and_direct(smollm2, n):

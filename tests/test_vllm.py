@@ -27,8 +27,9 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from conftest import REPO, subprocess_env
-from helpers.vllm_engine import launch
+from helpers.paths import REPO
+from helpers.subprocesses import subprocess_env
+from helpers.vllm_checks import check_same_as_default, run_engine
 from shardload import open_checkpoint
 from shardload.errors import PlanError
 from shardload.frontdoor import resolve_plan
@@ -199,43 +200,12 @@ def test_verify_passes_a_true_narrowing_and_names_the_parameter_poison_reaches()
 
 # ---- in vLLM ------------------------------------------------------------------------------------
 
-def run_engine(model: str, tp: int, *args: str, timeout: float = 600,
-               env: dict | None = None) -> tuple[dict, list, str]:
-    """One engine (tests/helpers/vllm_engine.py): its report, the shardload statistics lines
-    (by rank), and its whole output (for failures); ``env``: variables to add to its
-    environment."""
-    report, stats, log = launch(model, "--tp", str(tp), *args, timeout=timeout, cwd=REPO,
-                                env=subprocess_env(VLLM_CPU_KVCACHE_SPACE="1", **(env or {})))
-    return report, sorted(stats, key=lambda s: s["rank"]), log
-
-
 def models():
     from helpers import vllm_models
     return vllm_models
 
 
 FORMATS = ["llama_bf16", "llama_w8a8", "llama_w4a16", "llama_gptq", "llama_awq"]
-
-
-def check_same_as_default(report: dict, stats: list, log: str, tp: int,
-                          verified: bool = True) -> None:
-    """shardload's load (verified: read into poisoned stand-ins) equals vLLM's default
-    loader's, and so does shardload's in-place reload where the engine made one (views of the
-    mapped file, nothing read into stand-ins but padded tensors)."""
-    assert "outputs" in report, log[-6000:]
-    assert report["outputs"] == report["default_outputs"]   # tokens and top-5 logprobs, exactly
-    assert report["digests"] == report["default_digests"]   # every parameter, bitwise
-    first = [s for s in stats if not s["reload"]]
-    assert [s["rank"] for s in first] == list(range(tp))
-    assert all(s["verified"] == verified for s in first)
-    if "reload_outputs" in report:
-        assert report["reload_outputs"] == report["outputs"]
-        assert report["reload_digests"] == report["digests"]
-        again = [s for s in stats if s["reload"]]
-        assert [s["rank"] for s in again] == list(range(tp))
-        assert all(not s["verified"] and s["bytes_read_in_place"] > 0 for s in again)
-    for s in stats:
-        assert s["bytes_read"] <= 1.05 * s["bytes_kept"]
 
 
 def _header_bytes(model: str) -> tuple[int, int]:

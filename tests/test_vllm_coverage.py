@@ -22,7 +22,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, subprocess_env
+from helpers.paths import REPO
+from helpers.subprocesses import subprocess_env
 
 SCRIPT = os.path.join(REPO, "scripts", "vllm_coverage.py")
 STALE = "docs/vllm.md's coverage table is stale: run python scripts/vllm_coverage.py --write"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_vllm import check_same_as_default, run_engine
+from helpers.vllm_checks import check_same_as_default, run_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -21,7 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import EXAMPLE, REPO, subprocess_env
+from helpers.paths import EXAMPLE, REPO
+from helpers.subprocesses import subprocess_env
 from helpers import vllm_models
 from helpers.vllm_engine import launch
 

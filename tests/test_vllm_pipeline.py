@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 from torch import nn
 
-from conftest import REPO, subprocess_env
+from helpers.paths import REPO
+from helpers.subprocesses import subprocess_env
 from shardload import REPLICATE, ArrayCheckpoint
 from shardload.frontdoor import resolve_plan
 from shardload.readplan import read_plan_for

@@ -16,4 +16,18 @@ registered twice with different function objects.
   independent reference codecs and layouts.
 * ``hostile_corpus``: the hostile-input corpus; ``real_models``: the real model, downloaded
   once.
+
+What several test modules share, so that no test module imports another (or conftest:
+``test_suite_layout.py`` checks it):
+
+* ``paths`` (REPO, EXAMPLES, EXAMPLE), ``subprocesses`` (a subprocess's environment,
+  torchrun, Ctrl-C), ``cli_runs`` (the CLI in-process), ``loads`` (a load on threads, the
+  planner's plan loaded);
+* checkpoints and configs: ``quantized_models`` (tiny Llama/Mixtral in every quantized
+  format), ``gguf_mlc_models``, ``gpt_oss_gguf``, ``architecture_configs``, ``moe_configs``,
+  ``deepseek_configs``, ``modelopt_configs``; ``plan_corpus`` (plans the schema and the parser
+  agree on);
+* checks: ``reader_checks``, ``process_sessions`` (worker processes through /proc),
+  ``fault_plans``, ``hf_parity`` (transformers' answers for the TP-model tests),
+  ``vllm_checks`` (one vLLM engine, compared with its default loader).
 """

@@ -3,8 +3,9 @@
     PYTHONPATH=.:tests:examples torchrun --standalone --nproc-per-node 2 -m helpers.dist_job \
         MODE OUT_DIR
 
-from the repository root. The test sets that ``PYTHONPATH`` (``conftest.subprocess_env``): the
-job imports ``helpers.real_models`` and the example's ``tp_llama`` from it.
+from the repository root. The test sets that ``PYTHONPATH``
+(``helpers.subprocesses.subprocess_env``): the job imports ``helpers.real_models`` and the
+example's ``tp_llama`` from it.
 
 MODE ``example``: load the embedded example, save this rank's shards to OUT_DIR/rank{r}.safetensors.
 MODE ``staged``: the same through the staged pipeline (a ring of two 10 KiB buffers).

@@ -1,9 +1,10 @@
 """GGUF block data for tests: real quantization where gguf-py has a quantizer, valid random
-blocks for the K-quants (gguf-py has no K-quant quantizer)."""
+blocks for the K-quants (gguf-py has no K-quant quantizer); and gguf-py's own dequantizer of
+stored data, the reference the GGUF tests compare with (``dequantized``)."""
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
 K_TYPES = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
 # K blocks are random bytes with their f16 scales (at these byte offsets in the block) set to
@@ -22,3 +23,9 @@ def blocks(rng: np.random.Generator, qtype: T, rows: int, cols: int) -> np.ndarr
         scale = rng.uniform(0.001, 0.1, raw.shape[:2]).astype(np.float16)
         raw[..., at:at + 2] = scale[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
+
+
+def dequantized(raw: np.ndarray, qtype: T) -> np.ndarray:
+    """Stored GGUF data as float32: F16 / F32 converted, every block type through gguf-py's own
+    dequantizer."""
+    return raw.astype(np.float32) if qtype in (T.F16, T.F32) else dequantize(raw, qtype)
