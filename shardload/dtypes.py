@@ -128,6 +128,33 @@ def from_numpy(dtype) -> str:
         raise ValueError(f"numpy dtype {name!r} has no shardload equivalent") from None
 
 
+def numpy_carrier(name: str) -> "tuple[object, bool]":
+    """The numpy dtype a tensor of dtype ``name`` is made as, and whether torch must view it as
+    ``name`` afterwards: numpy's own dtype where it has one, else a same-width integer
+    (bfloat16 as int16, float8 as uint8).
+
+    >>> numpy_carrier("bfloat16")
+    (dtype('int16'), True)
+    """
+    carrier = _NUMPY.get(name)
+    if carrier is None:
+        import numpy as np
+
+        name = canonical(name)
+        if name in _NUMPY_OWN:
+            carrier = _NUMPY[name] = (np.dtype(name), False)
+        else:
+            carrier = _NUMPY[name] = (np.dtype(f"{'u' if name.startswith('float8') else ''}"
+                                               f"int{8 * ITEMSIZE[name]}"), True)
+    return carrier
+
+
+#: dtypes numpy has under the same name (the others are carried by an integer of their width)
+_NUMPY_OWN = frozenset({"bool", "uint8", "int8", "int16", "uint16", "float16", "int32", "uint32",
+                        "float32", "int64", "uint64", "float64"})
+_NUMPY: dict[str, "tuple[object, bool]"] = {}
+
+
 def movable_view(tensor: "torch.Tensor") -> "torch.Tensor":
     """A view of ``tensor`` with a dtype that supports every copy/cat/index op in torch.
 

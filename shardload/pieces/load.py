@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -72,11 +71,41 @@ def read_piece(source: Checkpoint, piece: PieceRead, num_shards: int, rank: int
                ) -> torch.Tensor:
     """Worker ``rank``'s piece, read by its byte runs (a piece without a chain), fixed up, as
     a new CPU tensor."""
-    tensor = read_runs(source, piece.runs, piece.shape, piece.dtype, piece.zeros, piece.name)
-    fix = _fixup(piece, num_shards, rank)
-    if fix is not None:
-        fix(tensor)
+    views = SourceViews(source)
+    tensor, _ = read_host(piece, views, num_shards, rank)
+    count_read(source, piece.runs)
     return tensor
+
+
+#: ``wait(unit, name)``: wait until a unit of the load's stream of object bytes is fetched
+WaitForUnit = Callable[[int, str], None]
+
+
+def read_host(piece: PieceRead, views: SourceViews, num_shards: int, rank: int,
+              waiting: Optional[Callable[[], None]] = None, parts=None,
+              wait: Optional[WaitForUnit] = None) -> tuple[torch.Tensor, int]:
+    """The one read of a piece without a chain into host memory: a new tensor that owns its
+    memory, filled by the piece's runs and fixed up; and the checkpoint bytes copied. A load
+    reads most pieces this way, so it is kept to the fewest calls.
+
+    ``parts``: the piece's runs by unit of a stream of object bytes (``Consumer.parts``), each
+    copied once ``wait(unit, name)`` returns, so that the copy of the first parts overlaps the
+    fetch of the rest. ``waiting``: called while a large copy goes on (``copy_progress``)."""
+    tensor, dst = new_piece(piece.shape, piece.dtype, piece.zeros)
+    if parts is not None:
+        nread = 0
+        with copy_progress(waiting):
+            for unit, runs in parts:
+                wait(unit, piece.name)
+                nread += copy_runs(dst, runs, views, piece.name)
+    elif waiting is not None and piece.nbytes > COPY_CHUNK_BYTES:
+        with copy_progress(waiting):  # a long copy reports progress too
+            nread = copy_runs(dst, piece.runs, views, piece.name)
+    else:
+        nread = copy_runs(dst, piece.runs, views, piece.name)
+    if piece.fixup is not None:
+        _fixup(piece, num_shards, rank)(tensor)
+    return tensor, nread
 
 
 @dataclass
@@ -97,8 +126,9 @@ class _Worker:
 
     def fill(self, runs, shape, dtype: str, zeros: bool, name: str,
              fixup: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
-        """A new tensor on the device (staged) or on the host (direct), filled by ``runs``;
-        the load counts the bytes read (``count_read``) once it is done."""
+        """A new tensor on the device (staged) or on the host (direct), filled by ``runs``: a
+        chain's input, or a replicated piece staged once for the workers of a process; the
+        load counts the bytes read (``count_read``) once it is done."""
         if self.pipe is None:
             tensor = read_runs(self.source, runs, shape, dtype, zeros, name, self.views)
             if fixup is not None:
@@ -135,11 +165,15 @@ def _piece(w: _Worker, piece: PieceRead) -> tuple[torch.Tensor, int]:
     and its steps run on that worker's device.
     """
     chain = piece.chain
-    if chain is None and not (piece.shared and w.pipe is not None and w.shared is not None):
-        tensor = w.fill(piece.runs, piece.shape, piece.dtype, piece.zeros, piece.name,
-                        _fixup(piece, w.num_shards, w.rank))
-        if w.pipe is None and w.device.type == "cpu":
-            return tensor, piece.bytes_read  # read_runs made it: new, owned, contiguous
+    if chain is None and w.pipe is None:
+        tensor, nread = read_host(piece, w.views, w.num_shards, w.rank, w.waiting)
+        if w.device.type == "cpu":
+            return tensor, nread  # read_host made it: new, owned, contiguous
+        return _place(tensor, w.device, owned=True), nread
+    if chain is None and not (piece.shared and w.shared is not None):
+        tensor = w.pipe.piece(source_bytes_for(w.source, piece.runs), piece.runs, piece.shape,
+                              piece.dtype, piece.zeros, piece.name,
+                              _fixup(piece, w.num_shards, w.rank))
         return _place(tensor, w.device, owned=True), piece.bytes_read
 
     if chain is None:  # staged, replicated, shared by several workers of this process
@@ -246,25 +280,6 @@ class _Books:
         self._ctx.progress(nbytes=nbytes)
 
 
-def _copy_parts(dst, parts, views: SourceViews, name: str, consumer, books: _Books,
-                current: list, waiting: Callable[[], None], stopped: Callable[[], bool]) -> int:
-    """Copy a piece streamed in parts (``Consumer.parts``), each once its unit is fetched:
-    the copy of the first parts overlaps the fetch of the rest."""
-    nread = 0
-    with copy_progress(waiting):
-        for unit, runs in parts:
-            if not consumer.fetched(unit):
-                books.give_turn()  # never wait for bytes holding a turn another needs
-                current[0] = f"{name} (waiting for its bytes from object storage)"
-                consumer.reach(unit, waiting, stopped)
-                current[0] = name
-                books.take_turn()
-            else:
-                consumer.reach(unit, waiting, stopped)  # past the units before it
-            nread += copy_runs(dst, runs, views, name)
-    return nread
-
-
 @register_session_func(LOAD_PIECES)
 def load_pieces(ctx: WorkerContext, request: dict) -> dict:
     """Carry out ``request["plan"]`` (a ``ReadPlan`` as JSON) on this worker.
@@ -319,6 +334,19 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
         stack.callback(books.give_turn)
         direct_cpu = pipe is None and ctx.device.type == "cpu"
         views = worker.views
+
+        def wait_for_unit(unit: int, name: str) -> None:
+            """Before each part of a piece streamed in parts: past the units before it, and
+            its bytes fetched (waiting, if need be, without a turn another worker needs)."""
+            if consumer.fetched(unit):
+                consumer.reach(unit, waiting, stopped)
+                return
+            books.give_turn()
+            current[0] = f"{name} (waiting for its bytes from object storage)"
+            consumer.reach(unit, waiting, stopped)
+            current[0] = name
+            books.take_turn()
+
         for j, piece in enumerate(plan.pieces):
             current[0] = piece.name
             nbytes = piece.nbytes
@@ -332,20 +360,11 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
                 consumer.at(j, waiting, stopped)
                 current[0] = piece.name
             if direct:
-                # the common piece, read straight into its own new tensor: kept to the fewest
-                # calls, since a load of many small tensors is made of little else
-                books.take_turn()  # no waiting on other workers while holding it
-                tensor, dst = new_piece(piece.shape, piece.dtype, piece.zeros)
-                if parts is not None:  # a large piece of an object, copied as it arrives
-                    nread = _copy_parts(dst, parts, views, piece.name, consumer, books,
-                                        current, waiting, stopped)
-                elif nbytes > COPY_CHUNK_BYTES:
-                    with copy_progress(waiting):  # a long copy reports progress too
-                        nread = copy_runs(dst, piece.runs, views, piece.name)
-                else:
-                    nread = copy_runs(dst, piece.runs, views, piece.name)
-                if piece.fixup is not None:
-                    _fixup(piece, worker.num_shards, worker.rank)(tensor)
+                # the common piece, read straight into its own new tensor, holding a turn (no
+                # waiting on other workers while holding it)
+                books.take_turn()
+                tensor, nread = read_host(piece, views, plan.num_shards, plan.rank, waiting,
+                                          parts, wait_for_unit)
             else:
                 books.give_turn()
                 ctx.progress(where=piece.name)  # may wait on others or compute long: named

@@ -80,15 +80,6 @@ class SourceViews:
             self._source.source_bytes(index)
 
 
-#: the numpy dtype a piece is made as: its own where numpy has one, else an integer of its
-#: width that torch then views as the piece's dtype
-_NUMPY = {name: np.dtype(name) for name in ("bool", "uint8", "int8", "int16", "uint16",
-                                            "float16", "int32", "uint32", "float32", "int64",
-                                            "uint64", "float64")}
-_CARRIER = {"bfloat16": np.dtype("int16"), "float8_e4m3fn": np.dtype("uint8"),
-            "float8_e5m2": np.dtype("uint8")}
-
-
 def new_piece(shape, dtype: str, zeros: bool) -> tuple[torch.Tensor, np.ndarray]:
     """A new CPU tensor of ``shape``/``dtype`` (zeros or uninitialised) that owns its memory,
     and a flat uint8 numpy view of its bytes to copy into.
@@ -97,13 +88,10 @@ def new_piece(shape, dtype: str, zeros: bool) -> tuple[torch.Tensor, np.ndarray]
     GIL, where every torch call does. With many workers in threads of one process, a release
     per call handed the GIL from thread to thread at every piece, which cost more than the
     pieces' own copies."""
-    carrier = _NUMPY.get(dtype)
-    if carrier is None:
-        dtype = dtypes.canonical(dtype)
-        carrier = _NUMPY.get(dtype)
-    array = (np.zeros if zeros else np.empty)(shape, carrier or _CARRIER[dtype])
+    carrier, view = dtypes.numpy_carrier(dtype)
+    array = (np.zeros if zeros else np.empty)(shape, carrier)
     tensor = torch.from_numpy(array)
-    if carrier is None:
+    if view:
         tensor = tensor.view(dtypes.to_torch(dtype))
     return tensor, array.reshape(-1).view(np.uint8)
 
