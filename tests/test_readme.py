@@ -7,8 +7,11 @@ not see, and this test does what it says:
   ``.ci/run`` runs, verbatim (CI runs it on a fresh clone); the first one's install is that
   same install, and what follows its ``&&`` is run here;
 * ``<!-- test: run -->`` (``slow``, ``real_model``, ``vllm``, ``extended``: marks; ``vllm`` also runs it in
-  vLLM's environment, ``scripts/vllm-env.sh``): run as written from the repository
-  root, ``bash`` blocks by bash (``-e -o pipefail``), ``python`` blocks by python;
+  vLLM's environment, ``scripts/vllm-env.sh``): run as a reader would run it. The block is
+  saved to a file and run in a fresh process from the repository root, ``bash`` blocks by
+  bash (``-e -o pipefail``), ``python`` blocks by python, with the environment a reader has
+  (``reader_env``): shardload installed, nothing on ``PYTHONPATH``, none of the tests' own
+  settings. A ``vllm`` block runs with vLLM's python first on ``PATH``, as the README says;
 * ``<!-- test: output -->``: the standard output of the block before it, line for line (``...``
   stands for any text, for timings); of its last command, for a block of several (an install,
   then the command whose output is shown).
@@ -22,13 +25,13 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
 import pytest
 
 from helpers.paths import REPO
-from helpers.subprocesses import subprocess_env
 
 DIRECTIVE = re.compile(r"<!-- test: ([a-z_ ]+) -->")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -73,20 +76,37 @@ def _param(block: Block):
     return pytest.param(block, marks=marks, id=f"line{block.line}-{first}")
 
 
+#: what the tests' own environment holds that a reader's does not: the tests' import path and
+#: their settings (the README states every variable a block needs, in the block)
+_NOT_A_READERS = ("PYTHONPATH", "PYTEST_", "SHARDLOAD_REQUIRE_", "SHARDLOAD_VLLM_PYTHON",
+                  "SHARDLOAD_QUANT_PYTHON", "SHARDLOAD_AZURITE", "VLLM_")
+
+
+def reader_env() -> dict:
+    """The environment a reader runs the README's blocks in: this one without what only the
+    tests set."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(_NOT_A_READERS)}
+
+
 def _run(lang: str, code: str, timeout: float, vllm: bool = False
          ) -> subprocess.CompletedProcess:
-    env = subprocess_env()
+    env = reader_env()
     python = sys.executable
     if vllm:  # vLLM's own environment first on PATH: its python, its `vllm`
         from helpers.vllm_engine import vllm_python
 
         python = vllm_python()
         env["PATH"] = os.pathsep.join([os.path.dirname(python), env.get("PATH", "")])
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    command = (["bash", "-e", "-o", "pipefail", "-c", code] if lang == "bash"
-               else [python, "-c", code])
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    else:     # the python the README's install went into, first on PATH
+        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    with tempfile.TemporaryDirectory(prefix="shardload-readme-") as folder:
+        script = os.path.join(folder, "block.sh" if lang == "bash" else "block.py")
+        with open(script, "w", encoding="utf-8") as f:
+            f.write(code)
+        command = (["bash", "-e", "-o", "pipefail", script] if lang == "bash"
+                   else [python, script])
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=timeout)
 
 
 def _matches(expected: str, got: str, whole: bool = True) -> bool:
