@@ -11,11 +11,12 @@ The controller's steps:
 3. read each worker's share of the model from the plan (``geometry.worker_share``: its query and
    KV heads and MLP rows, the row-parallel biases it must not add, its experts); the workers
    reduce over the session's own collectives (``ctx.group``), whatever the session;
-4. run ``worker.build`` on every worker: it dequantizes its pieces and lets transformers build
-   and load the model class of the checkpoint's config with those sizes (see ``worker.py``).
+4. run ``build.build`` on every worker: it dequantizes its pieces (``weights``) and lets
+   transformers build the model class of the checkpoint's config with those sizes from them.
 
 Then ``TPModel(input_ids)`` runs the forward on every worker and returns the logits, and
-``generate`` decodes with a KV cache on the workers, worker 0 choosing each token.
+``generate`` decodes with a KV cache on the workers, worker 0 choosing each token
+(``decode``).
 """
 
 from __future__ import annotations
@@ -27,15 +28,17 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from .. import dtypes
 from ..errors import EXPERTS_TP, FormatError, ShardloadError, mention
 from ..geometry import WorkerShare, worker_share
 from ..frontdoor import resolve_plan
 from ..loader import load_validated
 from ..readers import as_checkpoint
 from ..sessions import Session
-from . import worker
+from . import build, decode, weights
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: the dtypes a model is built in (the dequantizers' outputs)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class TPModel:
@@ -79,7 +82,7 @@ class TPModel:
     def __call__(self, input_ids: Union[torch.Tensor, Sequence[Sequence[int]]]) -> torch.Tensor:
         """The logits ``[batch, tokens, vocab]`` (float32) for ``input_ids`` ``[batch, tokens]``."""
         ids = _as_lists(input_ids)
-        results = self.session.call(worker.FORWARD, self.token, ids, self._answer)
+        results = self.session.call(decode.FORWARD, self.token, ids, self._answer)
         return self._first(results)
 
     def generate(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False,
@@ -103,8 +106,8 @@ class TPModel:
                     "top_k": int(top_k), "seed": int(seed)}
         args = [self.token, _as_lists(input_ids), int(max_new_tokens), sampling, eos,
                 self._answer]
-        results = self.session.run(worker.GENERATE, lambda i: args,
-                                   context=f"in {worker.GENERATE}",
+        results = self.session.run(decode.GENERATE, lambda i: args,
+                                   context=f"in {decode.GENERATE}",
                                    on_progress=on_token and _counter(on_token))
         return torch.tensor(self._first(results), dtype=torch.long)
 
@@ -112,7 +115,7 @@ class TPModel:
         """Free the workers' models (the session stays open)."""
         if not self._closed and not self.session.closed:
             self._closed = True
-            self.session.call(worker.RELEASE, self.token)
+            self.session.call(decode.RELEASE, self.token)
 
     def __enter__(self) -> "TPModel":
         return self
@@ -165,9 +168,9 @@ def _dense_config(config: dict) -> dict:
 
 def _build_spec(share: WorkerShare, dtype: torch.dtype, token: str, config: dict,
                 gguf: Optional[dict]) -> dict:
-    """What worker ``share.rank``'s build needs (``worker.build``)."""
+    """What worker ``share.rank``'s build needs (``build.build``)."""
     record = share.record
-    common = {"dtype": _DTYPE_NAMES[dtype], "quant": share.quantization, "token": token,
+    common = {"dtype": dtypes.from_torch(dtype), "quant": share.quantization, "token": token,
               "split_norms": share.projection_norms,
               "zero_on_others": share.row_parallel_biases, "kv_map": share.kv_map,
               "kv_projections": record.get("kv_projections", []),
@@ -242,8 +245,8 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
     ...     logits = model(input_ids)
     ...     text = model.generate(input_ids, max_new_tokens=32)
     """
-    if dtype not in _DTYPE_NAMES:
-        raise ShardloadError(f"dtype must be one of {', '.join(map(str, _DTYPE_NAMES))}, "
+    if dtype not in _DTYPES:
+        raise ShardloadError(f"dtype must be one of {', '.join(map(str, _DTYPES))}, "
                              f"got {dtype}")
     ckpt = as_checkpoint(params)                                                   # 1.
     n = session.num_workers
@@ -269,10 +272,10 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
     sharded = load_validated(ckpt, validated, session, progress=loading)          # 2.
     config = _dense_config(ckpt.config) if kind == "hf" else {}                    # 3.
     token = uuid.uuid4().hex
-    session.run(worker.BUILD,                                                      # 4.
-                lambda i: [_build_spec(shares[i], dtype, token, config, gguf)],
-                context=f"while building the model of {ckpt.source}",
-                on_progress=_stage(report, "build", total))
+    with weights.sharing_replicated(token, len(session.local_workers)):             # 4.
+        session.run(build.BUILD, lambda i: [_build_spec(shares[i], dtype, token, config, gguf)],
+                    context=f"while building the model of {ckpt.source}",
+                    on_progress=_stage(report, "build", total))
     return TPModel(session, token, ckpt.config, sharded, resolved)
 
 
