@@ -46,7 +46,9 @@ def _record_and_raise(signum, frame) -> None:
 def exit_at_once() -> None:
     """Install the exit-at-once handler: called by ``main()`` before anything is parsed."""
     global _installed
-    if threading.current_thread() is threading.main_thread():
+    # only over Python's own handler: SIGINT ignored (a background job) stays ignored
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
         signal.signal(signal.SIGINT, _exit_at_once)
         _installed = True
 
