@@ -150,6 +150,12 @@ FORBIDDEN = {
 }
 
 
+def _in_cli(module: str) -> bool:
+    """The command line: the ``shardload.cli`` package (a module per command) and ``python -m
+    shardload``."""
+    return module == "shardload.__main__" or module.split(".")[:2] == ["shardload", "cli"]
+
+
 def test_only_the_integration_imports_transformers_and_only_the_cli_imports_it():
     # shardload.hf sits beside the CLI: nothing below reaches it, and transformers (the
     # optional hf extra) is imported there alone
@@ -159,7 +165,7 @@ def test_only_the_integration_imports_transformers_and_only_the_cli_imports_it()
         with open(path, encoding="utf-8") as f:
             source = f.read()
         assert "import transformers" not in source and "from transformers" not in source, module
-        if module not in ("shardload.cli", "shardload.__main__"):   # the CLI, on top
+        if not _in_cli(module):   # the CLI, on top
             reached = [t for t in _reaches(module) if t.split(".")[:2] == ["shardload", "hf"]]
             assert not reached, (module, reached)
 
@@ -174,7 +180,10 @@ INTEGRATIONS = ["shardload.hf", "shardload.vllm"]
 INTEGRATION_MAY_IMPORT = {"shardload", "shardload.frontdoor", "shardload.geometry",
                           "shardload.formats", "shardload.loader", "shardload.readers",
                           "shardload.sessions", "shardload.errors", "shardload.plan",
-                          "shardload.readplan", "shardload.staging", "shardload.dtypes"}
+                          "shardload.readplan", "shardload.staging", "shardload.dtypes",
+                          # a checkpoint in object storage, opened once for transformers'
+                          # tokenizer (hf.run_setup): the URL test and the fetched bytes
+                          "shardload.sources", "shardload.readers.objects"}
 SESSION_KINDS = ("ThreadedSession", "ProcessSession", "TorchDistributedSession")
 
 
@@ -233,8 +242,23 @@ def test_shared_modules_reach_no_layer(module):
 
 def test_only_the_cli_reaches_the_terminal_libraries():
     for module, path in MODULES.items():
-        if module in ("shardload.cli", "shardload.loader"):
+        if _in_cli(module) or module == "shardload.loader":
             continue  # the loader's progress bar imports tqdm.auto lazily, only when asked
         with open(path, encoding="utf-8") as f:
             source = f.read()
         assert "import click" not in source and "from click" not in source, module
+
+
+# the command line's own layers: the group and what commands share, then one module per
+# command, which knows no other command (adding one touches its module and one registration)
+CLI_PLUMBING = {"shardload.cli.app", "shardload.cli.codes", "shardload.cli.interrupts",
+                "shardload.cli.options", "shardload.cli.tables"}
+
+
+def test_cli_commands_know_no_other_command():
+    commands = {m for m in GRAPH if m.startswith("shardload.cli.") and m not in CLI_PLUMBING}
+    assert {"shardload.cli.load", "shardload.cli.plan", "shardload.cli.run"} <= commands
+    for module in sorted(commands):
+        assert not GRAPH[module] & commands, module
+    for module in sorted(CLI_PLUMBING):
+        assert not _reaches(module) & commands, module

@@ -15,10 +15,12 @@ import math
 import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -718,3 +720,55 @@ def test_run_without_a_tokenizer_says_so_in_one_line():
     line = error_line(result, 2)
     assert "has no tokenizer transformers can read" in line and "\n" not in line
     assert line.endswith("or a GGUF file's vocabulary)")
+
+
+def test_shards_that_is_not_a_number_says_what_shards_takes():
+    line = error_line(run_cli("load", "--shards", "abc", EXAMPLE), 2)
+    assert line == ("Error: Invalid value for '--shards' / '-n': 'abc' is not a number of "
+                    "workers; give a whole number from 1 to 4096 (e.g. --shards 4)")
+    assert "range" in error_line(run_cli("load", "--shards", "0", EXAMPLE), 2)  # as before
+
+
+def test_plan_result_on_stdout_commentary_on_stderr(tmp_path):
+    out = tmp_path / "plan.json"
+    written = run_cli("plan", "--shards", 2, EXAMPLE, "-o", out)
+    assert_ok(written)
+    # with -o the summary is the result; without, the plan is, and the summary is commentary
+    assert "valid for N in" in written.stdout and f"(written to {out})" in written.stdout
+    assert written.stderr == ""
+    piped = run_cli("plan", "--shards", 2, EXAMPLE)
+    assert_ok(piped)
+    assert json.loads(piped.stdout) == json.loads(out.read_text())
+    assert "valid for N in" in piped.stderr and "written to" not in piped.stderr
+
+
+def test_json_anywhere_among_the_options_makes_a_usage_error_json():
+    result = run_cli("inspect", "--shards", 2, "--bogus", "--json", EXAMPLE)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert json.loads(result.stderr)["error"]["type"] == "NoSuchOption"
+    # a prompt that reads "--json" is a value, not the flag
+    result = run_cli("run", "--shards", "x", EXAMPLE, "--prompt", "--json")
+    assert result.exit_code == 2 and result.stderr.startswith("Usage:")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGINT to a child process needs POSIX")
+def test_ctrl_c_while_importing_ends_at_once_with_130():
+    # 0.3 s in, the command is importing torch and the loader: nothing to clean up yet
+    proc = subprocess.Popen([sys.executable, "-m", "shardload", "load", "--shards", "2",
+                             "--quiet", str(EXAMPLE)], cwd=REPO, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (stdout, stderr)
+    assert stderr.strip() == "Interrupted." and stdout == ""
+
+
+def test_an_interrupt_swallowed_after_work_started_is_raised_at_the_next_phase(monkeypatch):
+    from shardload.cli import interrupts
+
+    interrupts.check()                                      # nothing recorded: nothing raised
+    monkeypatch.setattr(interrupts, "_interrupted", True)   # as CPython's "Exception ignored"
+    with pytest.raises(KeyboardInterrupt):
+        interrupts.check()

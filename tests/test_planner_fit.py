@@ -264,7 +264,7 @@ def test_cli_plan_calls_the_planner_once(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert len(calls) == 1
     assert "zero-padded for this N; for N=2 only; unpadded plans fit N in 1, 3, 6, 12" \
-        in result.stderr
+        in result.stdout            # with -o, the summary is the result
     calls.clear()
     result = CliRunner().invoke(cli, ["plan", "--shards", "3", folder])
     assert result.exit_code == 0 and len(calls) == 1

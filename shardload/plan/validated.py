@@ -146,6 +146,10 @@ def _check_array_dtypes(func, in_dtype: str, out_dtype: str, where: dict) -> Non
                         "with array='torch'", **where)
 
 
+#: the steps that take whole units of a tensor, ``-1`` a zero unit (``shard_functions.builtin``)
+_TAKE_UNITS = ("shardload.take_units", "shardload.take_units_fill")
+
+
 @dataclass(frozen=True, slots=True)
 class ParamPlan:
     """What the loader does with one parameter (slots: a plan may hold a million)."""
@@ -181,6 +185,29 @@ class ParamPlan:
     def piece_nbytes(self) -> int:
         return math.prod(self.piece_shape) * dtypes.itemsize(self.piece_dtype)
 
+    @property
+    def padding_bytes(self) -> int:
+        """Bytes of zero units a padded plan adds for this parameter, over all workers: the
+        ``-1`` indices of its ``take_units`` steps (written only by the planners' padding),
+        each a unit of the stored tensor along ``dim``.
+
+        >>> from shardload.plan import ShardInfo
+        >>> from shardload.readers.base import TensorMeta
+        >>> meta = {"w": TensorMeta("w", (3, 4), "float32")}
+        >>> take = ["shardload.take_units", [[2, 2, 4], "float32"], 0, 1, 0, 1, 2, -1]
+        >>> ShardInfo.from_dict({"w": [take]}).bind(2).validate(meta).params["w"].padding_bytes
+        16
+        """
+        total = 0
+        for step in self.steps:
+            if step.func in _TAKE_UNITS:
+                dim, unit, *indices = step.extra
+                if step.func == "shardload.take_units_fill":
+                    indices = indices[1:]                  # after the fill
+                per_unit = self.meta.nbytes // max(self.meta.shape[dim], 1) * unit
+                total += indices.count(-1) * per_unit
+        return total
+
 
 @dataclass(frozen=True)
 class ValidatedPlan:
@@ -199,6 +226,11 @@ class ValidatedPlan:
     def held_by(self, worker: int) -> Iterator[ParamPlan]:
         """The parameters worker ``worker`` keeps a piece of (all but those placed elsewhere)."""
         return (p for p in self.params.values() if p.held_by(worker))
+
+    @property
+    def padding_bytes(self) -> int:
+        """Bytes of zero units the plan adds, over all parameters and workers."""
+        return sum(p.padding_bytes for p in self)
 
     def bytes_per_worker(self, worker: Optional[int] = None) -> int:
         """The bytes of the pieces one worker keeps: worker ``worker``'s, or (``None``) the
