@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -92,6 +93,13 @@ class ShardloadModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
         self.options = LoaderOptions.from_extra_config(load_config.model_loader_extra_config)
+
+    def _default_loader(self) -> DefaultModelLoader:
+        """vLLM's default loader, for the checks of its own that a load through shardload runs
+        too. Made without shardload's options, which its constructor would refuse as
+        unexpected."""
+        return DefaultModelLoader(dataclasses.replace(self.load_config,
+                                                      model_loader_extra_config={}))
 
     def _folder(self, model_config: ModelConfig) -> str:
         """The checkpoint to open: the ``checkpoint`` option (a local path or an object storage
@@ -204,7 +212,7 @@ class ShardloadModelLoader(BaseModelLoader):
             loaded = hand()
         if model_config.quantization is None and loaded is not None:
             # vLLM's own check, as its default loader runs it: every parameter was loaded
-            DefaultModelLoader.track_weights_loading(self, model, set(loaded))
+            self._default_loader().track_weights_loading(model, set(loaded))
         if unwritten:
             read.line["not_in_checkpoint"] = unwritten
         read.done(reload=False)                                                      # 6.
