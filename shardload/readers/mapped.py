@@ -20,8 +20,9 @@ What remains: a file truncated *during* the copy of one tensor, after its check,
 (SIGBUS). Python cannot recover from a fault inside a ``memcpy`` (the signal arrives in C code;
 a handler cannot resume or unwind it), so that window, about one tensor's copy long, is
 accepted. Closing it would mean reading through ``pread`` / ``readinto`` instead of the
-mapping: it was measured 1.8x slower at N=1 in an earlier session (a ``pread`` copies on one
-core per call), a cost every load would pay to guard against a mistake the user can avoid.
+mapping, 1.8x slower at N=1 (a ``pread`` copies on one core per call, where a copy out of the
+mapping runs on torch's threads): a cost every load would pay to guard against a mistake the
+user can avoid.
 ``ProcessSession`` isolates a worker that does fault (``WorkerCrashedError``).
 """
 
