@@ -9,8 +9,8 @@ the server sent, wall time, and the peak host memory of the loader's whole proce
 
 1. Writes (once, cached under ``--dir``, outside the repository) the synthetic GPTQ Llama
    checkpoint of ``bench_load.py`` at ``--size-gb``. For each scheme, starts that scheme's
-   emulator behind the tests' counting proxy (``tests/helpers/objectservers.py``: moto for S3,
-   fake-gcs-server for GCS, Azurite for Azure) in a process of its own, whose memory is not
+   emulator behind the counting proxy the tests use too (``devtools/objectservers.py``: moto
+   for S3, fake-gcs-server for GCS, Azurite for Azure) in a process of its own, whose memory is not
    counted, and uploads the checkpoint to it (straight to the emulator: not counted).
 2. For each N, alternating the methods ``--runs`` times, runs every measured load in a fresh
    process (the *loader*), started and made ready before the clock:
@@ -59,10 +59,9 @@ from typing import Any, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-TESTS = os.path.join(REPO, "tests")
-# shardbench, the tests' helpers (the emulators), and this checkout's shardload before any
-# installed one; the loader processes get the checkout on PYTHONPATH too (``loader_env``)
-sys.path[:0] = [HERE, TESTS, REPO]
+# shardbench, and the checkout (this shardload before any installed one; devtools, the
+# emulators); the loader processes get the checkout on PYTHONPATH too (``loader_env``)
+sys.path[:0] = [HERE, REPO]
 
 SCRIPT = os.path.abspath(__file__)
 BUCKET = "bench"
@@ -256,11 +255,11 @@ class ServerProcess:
 def server_main(scheme: str) -> int:
     exit_on_sigterm()
     out = protocol_out()
-    from helpers import objectservers
+    from devtools import objectservers
 
     try:
         srv = objectservers.make_server(scheme).start()
-    except BaseException as exc:  # noqa: BLE001 - pytest's skip (not installed) too: said
+    except BaseException as exc:  # noqa: BLE001 - EmulatorMissing (not installed) too: said
         say(out, error=f"{type(exc).__name__}: {exc}")
         return 1
     try:
@@ -644,7 +643,7 @@ def runai_check(python: str, scheme: str) -> tuple[Optional[str], Optional[str]]
 def loader_env(server: ServerProcess, args: argparse.Namespace) -> dict:
     """The loader's environment: this one without any cloud setting of its own, plus the
     emulator's (obstore's, botocore's), Run:ai's for the scheme, and the window."""
-    from helpers.objectservers import is_cloud_setting
+    from devtools.objectservers import is_cloud_setting
 
     env = {k: v for k, v in os.environ.items() if not is_cloud_setting(k)}
     env.update(server.env)
@@ -657,7 +656,7 @@ def loader_env(server: ServerProcess, args: argparse.Namespace) -> dict:
         env["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = server.endpoint
     if args.window_mb is not None:
         env[WINDOW_ENV] = f"{args.window_mb:g}"
-    # the benchmark's folder and the tests' (helpers) for the loader, the checkout first
+    # the checkout first, for the loader
     env["PYTHONPATH"] = os.pathsep.join([REPO, *filter(None, [env.get("PYTHONPATH")])])
     return env
 
