@@ -10,8 +10,8 @@ the server sent, wall time, and the peak host memory of the loader's whole proce
 1. Writes (once, cached under ``--dir``, outside the repository) the synthetic GPTQ Llama
    checkpoint of ``bench_load.py`` at ``--size-gb``. For each scheme, starts that scheme's
    emulator behind the counting proxy the tests use too (``devtools/objectservers.py``: moto
-   for S3, fake-gcs-server for GCS, Azurite for Azure) in a process of its own, whose memory is not
-   counted, and uploads the checkpoint to it (straight to the emulator: not counted).
+   for S3, fake-gcs-server for GCS, Azurite for Azure) in a process of its own, whose memory is
+   not counted, and uploads the checkpoint to it (straight to the emulator: not counted).
 2. For each N, alternating the methods ``--runs`` times, runs every measured load in a fresh
    process (the *loader*), started and made ready before the clock:
    ``shardload-thread``   ``load_sharded(URL, None, ThreadedSession(N))``;
