@@ -52,11 +52,11 @@ def _plot(series: dict[str, dict[int, float]], title: str, ylabel: str, path: st
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=SIZE, dpi=DPI)
     ns = sorted({n for points in series.values() for n in points})
-    styles = ["o-", "s-", "^-", "D-", "v-", "P-", "X-", "*-", "h-", "<-", ">-"]
+    markers = "os^DvPX*h<>"
     for k, (label, points) in enumerate(series.items()):
         xs = sorted(points)
         dashed = label.endswith("(cold)")
-        ax.plot(xs, [points[n] for n in xs], styles[k % len(styles)],
+        ax.plot(xs, [points[n] for n in xs], marker=markers[k % len(markers)],
                 linestyle="--" if dashed else "-", label=label, markersize=4, linewidth=1.4)
     if reference:
         xs = sorted(reference)
