@@ -81,8 +81,8 @@ from xml.sax.saxutils import escape
 
 __all__ = ["EmulatorMissing", "set_missing", "ObjectServer", "S3ObjectServer", "GCSObjectServer",
            "AzureObjectServer", "Fault", "Request", "SCHEMES", "object_server", "make_server",
-           "free_port", "is_cloud_setting", "ACCESS_KEY_ID", "SECRET_ACCESS_KEY", "REGION", "NO_SUCH_FILE",
-           "AZURITE_ACCOUNT", "AZURITE_KEY"]
+           "free_port", "is_cloud_setting", "ACCESS_KEY_ID", "SECRET_ACCESS_KEY", "REGION",
+           "NO_SUCH_FILE", "AZURITE_ACCOUNT", "AZURITE_KEY"]
 
 SCHEMES = ("s3", "gs", "az")
 

@@ -27,7 +27,7 @@ import devtools.objectservers as _impl
 from devtools.objectservers import *  # noqa: F401,F403 - the tests' names
 from devtools.objectservers import is_cloud_setting, set_missing
 
-__all__ = [*_impl.__all__, "use_env"]
+__all__ = [*_impl.__all__, "use_env"]  # noqa: PLE0604
 # every other name too (SEND_PART, _SETPRIV, ...): what a test reads there, it reads here
 globals().update({k: v for k, v in vars(_impl).items()
                   if not k.startswith("__") and k not in globals()})
