@@ -1,6 +1,6 @@
-"""The benchmarks' code, one module per concern; the ``bench_*.py`` scripts are its entry points
-(``bench_load.py`` the main one) and put ``benchmarks/`` on ``sys.path`` (worker processes inherit it, so the
-plugin modules here import there under the same names).
+"""The benchmarks' code, one module per concern; the ``bench_*.py`` scripts are its entry
+points (``bench_load.py`` the main one) and put ``benchmarks/`` on ``sys.path`` (worker
+processes inherit it, so the plugin modules here import there under the same names).
 
 ``checkpoints``   the synthetic GPTQ checkpoint: its geometry, writing it once, where it is cached
 ``peers``         the real libraries compared with (safetensors, fastsafetensors, Run:ai, ...)
