@@ -4,7 +4,7 @@ the real libraries a user would otherwise load it with.
 
     python benchmarks/bench_load.py [--size-gb X] [--model dense|moe] [--shards 1,2,4,8]
                                     [--runs R] [--cold] [--json FILE] [--dir DIR]
-                                    [--methods a,b,...]
+                                    [--methods a,b,...] [--figures DIR]
 
 1. Writes (once, cached in DIR) a synthetic checkpoint of about X GB: random packed words and
    random fp16 scales in GPTQ v1 layout, ``config.json`` with its ``quantization_config``, and
@@ -34,7 +34,9 @@ the real libraries a user would otherwise load it with.
    with ``mincore`` and reported).
 3. Prints the medians, their ratios to ``floor`` and to ``shardload-thread``, memory, the
    issue's targets as PASS/MISS (a report, not an assertion) and, with ``--json``, writes
-   everything as one JSON object. Where CUDA is available, a CUDA section follows.
+   everything as one JSON object (``shardbench/harness.py``'s header first); with
+   ``--figures DIR``, load time and peak memory against N as PNGs there
+   (``shardbench/figures.py``). Where CUDA is available, a CUDA section follows.
 
 This script parses the flags; the benchmark is the package ``shardbench`` next to it, one
 module per concern (``shardbench/__init__.py`` lists them). See ``benchmarks/README.md`` for how
@@ -54,27 +56,25 @@ if HERE not in sys.path:
     # shardbench.worker (the benchmark's session function) imports there too
     sys.path.insert(0, HERE)
 
-from shardbench.checkpoints import DEFAULT_INTERMEDIATE, default_dir  # noqa: E402
+from shardbench import harness  # noqa: E402
+from shardbench.checkpoints import DEFAULT_INTERMEDIATE  # noqa: E402
 from shardbench.methods import METHODS  # noqa: E402
 from shardbench.runner import run  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--size-gb", type=float, default=1.5,
                     help="checkpoint size in GB (1e9 bytes), within about 10%%; below about "
                          "0.66 GB (one 7B-style layer), smaller dims")
     ap.add_argument("--shards", default="1,2,4,8", help="comma-separated worker counts")
-    ap.add_argument("--runs", type=int, default=3, help="repetitions per method and N")
+    harness.add_common(ap, runs=3, runs_help="repetitions per method and N", dir=True,
+                       json_help="write the results as JSON here", figures=True)
     ap.add_argument("--cold", action="store_true",
                     help="also run every method with the page cache dropped before it")
     ap.add_argument("--cold-drop", choices=("auto", "fadvise"), default="auto",
                     help="how --cold drops the cache: drop_caches (root, machine-wide) and "
                          "posix_fadvise on the file (auto), or posix_fadvise only")
-    ap.add_argument("--json", metavar="FILE", help="write the results as JSON here")
-    ap.add_argument("--dir", metavar="DIR", default=None,
-                    help=f"where the checkpoint is cached (default {default_dir()})")
     ap.add_argument("--methods", default=",".join(METHODS),
                     help="comma-separated subset of: " + ", ".join(METHODS))
     ap.add_argument("--model", choices=("dense", "moe"), default="dense",
@@ -84,25 +84,20 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help=f"MLP size (default {DEFAULT_INTERMEDIATE}; 3072 for the small dims)")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA section")
     args = ap.parse_args(argv)
-    try:
-        args.shards = [int(s) for s in args.shards.split(",") if s.strip()]
-    except ValueError:
-        ap.error(f"--shards takes integers like 1,2,4,8, got {args.shards!r}")
-    if not args.shards or any(n < 1 for n in args.shards):
-        ap.error("--shards needs positive worker counts")
+    args.shards = harness.int_list(ap, args.shards)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown or not args.methods:
         ap.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-    if args.runs < 1:
-        ap.error("--runs must be at least 1")
+    harness.check_runs(ap, args)
     if args.size_gb <= 0:
         ap.error("--size-gb must be positive")
     return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return run(parse_args(argv))
+    args = parse_args(argv)
+    return run(args, harness.Bench("bench_load", args))
 
 
 if __name__ == "__main__":

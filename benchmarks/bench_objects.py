@@ -9,9 +9,9 @@ the server sent, wall time, and the peak host memory of the loader's whole proce
 
 1. Writes (once, cached under ``--dir``, outside the repository) the synthetic GPTQ Llama
    checkpoint of ``bench_load.py`` at ``--size-gb``. For each scheme, starts that scheme's
-   emulator behind the tests' counting proxy (``tests/helpers/objectservers.py``: moto for S3,
-   fake-gcs-server for GCS, Azurite for Azure) in a process of its own, whose memory is not
-   counted, and uploads the checkpoint to it (straight to the emulator: not counted).
+   emulator behind the counting proxy the tests use too (``devtools/objectservers.py``: moto
+   for S3, fake-gcs-server for GCS, Azurite for Azure) in a process of its own, whose memory is
+   not counted, and uploads the checkpoint to it (straight to the emulator: not counted).
 2. For each N, alternating the methods ``--runs`` times, runs every measured load in a fresh
    process (the *loader*), started and made ready before the clock:
    ``shardload-thread``   ``load_sharded(URL, None, ThreadedSession(N))``;
@@ -50,7 +50,6 @@ import platform
 import queue
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -59,10 +58,11 @@ from typing import Any, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-TESTS = os.path.join(REPO, "tests")
-# shardbench, the tests' helpers (the emulators), and this checkout's shardload before any
-# installed one; the loader processes get the checkout on PYTHONPATH too (``loader_env``)
-sys.path[:0] = [HERE, TESTS, REPO]
+# shardbench, and the checkout (this shardload before any installed one; devtools, the
+# emulators); the loader processes get the checkout on PYTHONPATH too (``loader_env``)
+sys.path[:0] = [HERE, REPO]
+
+from shardbench import harness  # noqa: E402 - the common flags, medians, the JSON
 
 SCRIPT = os.path.abspath(__file__)
 BUCKET = "bench"
@@ -256,11 +256,11 @@ class ServerProcess:
 def server_main(scheme: str) -> int:
     exit_on_sigterm()
     out = protocol_out()
-    from helpers import objectservers
+    from devtools import objectservers
 
     try:
         srv = objectservers.make_server(scheme).start()
-    except BaseException as exc:  # noqa: BLE001 - pytest's skip (not installed) too: said
+    except BaseException as exc:  # noqa: BLE001 - EmulatorMissing (not installed) too: said
         say(out, error=f"{type(exc).__name__}: {exc}")
         return 1
     try:
@@ -582,15 +582,17 @@ def end_rank(proc: subprocess.Popen, grace: float) -> None:
         proc.wait(10)
 
 
-# ==== the harness ===============================================================================
+# ==== the benchmark ===============================================================================
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--schemes", default="s3,gs",
                     help="of s3, gs, az (az: shardload only) (default s3,gs)")
     ap.add_argument("--size-gb", type=float, default=1.0)
     ap.add_argument("--shards", default="1,2,4,8")
-    ap.add_argument("--runs", type=int, default=2)
+    harness.add_common(ap, runs=2, json_help="write everything as JSON here", dir=True,
+                       dir_help="where the checkpoint is cached (default "
+                                "~/.cache/shardload-bench)", figures=True)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--window-mb", type=float, default=None,
                     help=f"shardload's object window, passed as ${WINDOW_ENV}")
@@ -600,9 +602,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--link-mbps", type=float, default=0.0,
                     help="the server's answers share one link of this many MB/s (default: "
                     "as fast as the machine)")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--dir", default=None, help="where the checkpoint is cached "
-                    "(default ~/.cache/shardload-bench)")
     ap.add_argument("--runai-python", default=None,
                     help="the interpreter of Run:ai's ranks (default: the vLLM venv's, "
                     "scripts/vllm-env.sh, where it exists; else this one)")
@@ -612,7 +611,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     # the child processes' entries
     ap.add_argument("--_server", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_load", nargs=3, default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    harness.check_runs(ap, args)
+    return args
 
 
 def default_runai_python() -> str:
@@ -644,7 +645,7 @@ def runai_check(python: str, scheme: str) -> tuple[Optional[str], Optional[str]]
 def loader_env(server: ServerProcess, args: argparse.Namespace) -> dict:
     """The loader's environment: this one without any cloud setting of its own, plus the
     emulator's (obstore's, botocore's), Run:ai's for the scheme, and the window."""
-    from helpers.objectservers import is_cloud_setting
+    from devtools.objectservers import is_cloud_setting
 
     env = {k: v for k, v in os.environ.items() if not is_cloud_setting(k)}
     env.update(server.env)
@@ -657,7 +658,7 @@ def loader_env(server: ServerProcess, args: argparse.Namespace) -> dict:
         env["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = server.endpoint
     if args.window_mb is not None:
         env[WINDOW_ENV] = f"{args.window_mb:g}"
-    # the benchmark's folder and the tests' (helpers) for the loader, the checkout first
+    # the checkout first, for the loader
     env["PYTHONPATH"] = os.pathsep.join([REPO, *filter(None, [env.get("PYTHONPATH")])])
     return env
 
@@ -709,11 +710,6 @@ def measure(server: ServerProcess, env: dict, method: str, n: int, args: argpars
         end(proc, grace, f"{method} N={n} loader")
 
 
-def median(runs: list[dict], field: str) -> Optional[float]:
-    values = [r[field] for r in runs if r.get(field) is not None]
-    return statistics.median(values) if values else None
-
-
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (scheme, method, N): the medians of its runs that did not fail."""
     rows: dict[tuple, dict] = {}
@@ -728,7 +724,7 @@ def summarize(records: list[dict]) -> list[dict]:
         for field in ("seconds", "sent_bytes", "sent_total_bytes", "gets", "kept_bytes",
                       "base_bytes", "peak_bytes", "end_bytes", "base_pss_bytes",
                       "peak_pss_bytes", "end_pss_bytes", "cpu_seconds", "machine_busy"):
-            row[field] = median(ok, field)
+            row[field] = harness.median(r.get(field) for r in ok)
         out.append(row)
     return out
 
@@ -776,9 +772,13 @@ def print_overlap(rows: list[dict]) -> None:
           f"of the machine's {cores} cores busy during the load, whoever used them)")
 
 
-def harness(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """The benchmark for the parsed flags (this process: the harness of the children)."""
     from shardbench.checkpoints import (MODEL_FILE, PLAN_FILE, choose_geometry, default_dir,
                                         ensure_checkpoint)
+    from shardbench.figures import draw_objects
+
+    bench = harness.Bench("bench_objects", args)
 
     schemes = [s for s in args.schemes.split(",") if s]
     methods = [m for m in args.methods.split(",") if m]
@@ -787,7 +787,7 @@ def harness(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown scheme or method {bad!r}")
     if args.overlap:
         methods += [m for m in HALVES if m not in methods]
-    shards = [int(x) for x in args.shards.split(",")]
+    shards = [int(x) for x in args.shards.split(",") if x.strip()]
     runai_python = args.runai_python or default_runai_python()
     geom = choose_geometry(args.size_gb)
     folder, made, made_s = ensure_checkpoint(os.path.abspath(args.dir or default_dir()), geom)
@@ -831,22 +831,20 @@ def harness(args: argparse.Namespace) -> int:
             log(f"{scheme}: server {server.endpoint}"
                 + (f", link {args.link_mbps:g} MB/s" if args.link_mbps else ""))
             for n in shards:
-                for r in range(args.runs):
-                    k = r % len(here)
-                    for method in here[k:] + here[:k]:
-                        rec = {"scheme": scheme, "method": method, "n": n, "run": r + 1,
-                               **measure(server, env, method, n, args, runai_python, key,
-                                          folder)}
-                        records.append(rec)
-                        if "failed" in rec:
-                            log(f"  {scheme} N={n} run {r + 1} {method:17s} FAILED: "
-                                f"{rec['failed']}")
-                        else:
-                            log(f"  {scheme} N={n} run {r + 1} {method:17s} "
-                                f"{rec['seconds']:7.2f} s  sent {rec['sent_bytes'] / MB:8.1f} MB"
-                                f"  peak {rec['peak_bytes'] / MB:8.1f} MB  PSS "
-                                f"{rec['peak_pss_bytes'] / MB:8.1f} MB  kept "
-                                f"{rec['kept_bytes'] / MB:8.1f} MB")
+                for r, method in harness.rounds(here, args.runs):
+                    rec = {"scheme": scheme, "method": method, "n": n, "run": r + 1,
+                           **measure(server, env, method, n, args, runai_python, key,
+                                     folder)}
+                    records.append(rec)
+                    if "failed" in rec:
+                        log(f"  {scheme} N={n} run {r + 1} {method:17s} FAILED: "
+                            f"{rec['failed']}")
+                    else:
+                        log(f"  {scheme} N={n} run {r + 1} {method:17s} "
+                            f"{rec['seconds']:7.2f} s  sent {rec['sent_bytes'] / MB:8.1f} MB"
+                            f"  peak {rec['peak_bytes'] / MB:8.1f} MB  PSS "
+                            f"{rec['peak_pss_bytes'] / MB:8.1f} MB  kept "
+                            f"{rec['kept_bytes'] / MB:8.1f} MB")
     rows = summarize(records)
     print(f"file {file_bytes / MB:.1f} MB; medians of {args.runs} run(s); window "
           f"{'unset' if args.window_mb is None else f'{args.window_mb:g} MiB'}; link "
@@ -856,7 +854,7 @@ def harness(args: argparse.Namespace) -> int:
         print_overlap(rows)
     for what, why in skipped.items():
         print(f"skipped {what}: {why}")
-    if args.json:
+    if args.json or args.figures:
         report = {
             "size_gb": args.size_gb, "file_bytes": file_bytes, "tensors": geom.tensors,
             "checkpoint": folder, "schemes": schemes, "methods": methods, "shards": shards,
@@ -875,8 +873,7 @@ def harness(args: argparse.Namespace) -> int:
             "machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
                         "python": platform.python_version()},
             "skipped": skipped, "results": rows}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        bench.finish(report, draw_objects)
     return 0
 
 
@@ -889,7 +886,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return load_main(method, int(n), url, args.runai_python or sys.executable)
     exit_on_sigterm()
     try:
-        return harness(args)
+        return run(args)
     except KeyboardInterrupt:  # every child already ended by the cleanup on the way here
         log("interrupted")
         return 130

@@ -23,10 +23,7 @@ test-model cache (``shardbench/models.py``; 93 MB).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
 import time
 
@@ -36,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)  # shardbench.padded_funcs must import here and in worker processes
 
-from shardbench import padded_funcs  # noqa: E402  (registers bench.take_units_computed)
+from shardbench import harness, padded_funcs  # noqa: E402  (registers bench.take_units_computed)
 from shardbench.models import smollm2_gguf  # noqa: E402
 from shardload import (ProcessSession, ShardInfo, ThreadedSession, load_sharded,  # noqa: E402
                        open_checkpoint)
@@ -54,12 +51,13 @@ def computed_variant(info: ShardInfo) -> ShardInfo:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser = harness.parser(__doc__, 1)
     parser.add_argument("--ckpt", help="checkpoint (default: SmolLM2-135M Q4_1 GGUF)")
     parser.add_argument("--shards", type=int, default=4)
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--json", help="write the results as JSON here")
+    harness.add_common(parser, runs=5)
     args = parser.parse_args()
+    harness.check_runs(parser, args)
+    bench = harness.Bench("bench_padded", args)
     path = args.ckpt or smollm2_gguf()
     n = args.shards
     with open_checkpoint(path) as ckpt:
@@ -79,23 +77,22 @@ def main() -> None:
             sess = ThreadedSession(n)
         with sess:
             kept = {}
-            for r in range(args.runs):
-                for method in (list(plans) if r % 2 == 0 else list(plans)[::-1]):
-                    start = time.perf_counter()
-                    result = load_sharded(path, plans[method], sess, progress=False)
-                    seconds = time.perf_counter() - start
-                    entry = results.setdefault(f"{kind}/{method}", {"seconds": []})
-                    entry["seconds"].append(seconds)
-                    entry["bytes_read_per_worker"] = result.stats.bytes_read_per_worker
-                    if r == 0:
-                        kept[method] = [[result.shard(p, i) for p in result.names[:40]]
-                                        for i in range(n)]
-                    del result
+            for r, method in harness.rounds(list(plans), args.runs):
+                start = time.perf_counter()
+                result = load_sharded(path, plans[method], sess, progress=False)
+                seconds = time.perf_counter() - start
+                entry = results.setdefault(f"{kind}/{method}", {"seconds": []})
+                entry["seconds"].append(seconds)
+                entry["bytes_read_per_worker"] = result.stats.bytes_read_per_worker
+                if r == 0:
+                    kept[method] = [[result.shard(p, i) for p in result.names[:40]]
+                                    for i in range(n)]
+                del result
             for i in range(n):
                 for a, b in zip(kept["read-plan"][i], kept["compute-then-slice"][i]):
                     if not torch.equal(a, b):
                         raise SystemExit(f"{kind}: worker {i} differs between the two ways")
-    base = {k: statistics.median(v["seconds"]) for k, v in results.items()}
+    base = {k: harness.median(v["seconds"]) for k, v in results.items()}
     print(f"\n{'session/method':<30} {'median s':>9} {'vs compute':>10}  "
           "bytes read per worker (MiB; sharded part / sharded total)")
     for key, entry in results.items():
@@ -103,10 +100,8 @@ def main() -> None:
         ratio = base[key] / base[f"{kind}/compute-then-slice"]
         per = ", ".join(f"{(b - replicated) / 2**20:.1f}" for b in entry["bytes_read_per_worker"])
         print(f"{key:<30} {base[key]:9.3f} {ratio:9.2f}x  [{per}] / {sharded / 2**20:.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"checkpoint": path, "num_shards": n, "sharded_bytes": sharded,
-                       "replicated_bytes": replicated, "results": results}, f, indent=1)
+    bench.finish({"checkpoint": path, "num_shards": n, "sharded_bytes": sharded,
+                  "replicated_bytes": replicated, "results": results})
 
 
 if __name__ == "__main__":

@@ -21,23 +21,23 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Optional
 
 import torch
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from shardbench import harness  # noqa: E402
+from shardbench.harness import default_dir  # noqa: E402
+
 ROWS = 8
-
-
-def default_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "shardload-bench")
 
 
 def ensure_file(root: str, tensors: int) -> str:
@@ -83,13 +83,14 @@ def timed(fn) -> tuple[float, float, list]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--tensors", type=int, default=100_000)
     ap.add_argument("--shards", default="1,4,8")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--dir", default=None)
-    ap.add_argument("--json", metavar="FILE")
+    harness.add_common(ap, runs=3, dir=True)
     args = ap.parse_args(argv)
+    harness.check_runs(ap, args)
+    shards = harness.int_list(ap, args.shards)
+    bench = harness.Bench("bench_per_piece", args)
     from shardload import ThreadedSession
 
     folder = ensure_file(os.path.abspath(args.dir or default_dir()), args.tensors)
@@ -97,14 +98,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{args.tensors} tensors of 8x8 int32; medians of {args.runs}; cpu: this process")
     print(f"{'method':24} {'N':>2} {'wall s':>7} {'cpu s':>7} {'cpu us/piece':>13} "
           f"{'cpu vs load_file':>17}")
-    for n in (int(x) for x in args.shards.split(",")):
+    for n in shards:
         samples: dict[str, list[tuple[float, float]]] = {"shardload-thread": [],
                                                          "safetensors-load_file": []}
         with ThreadedSession(n) as session:
             for r in range(args.runs):
-                order = list(samples) if r % 2 == 0 else list(samples)[::-1]
                 pieces = {}
-                for method in order:
+                for method in harness.rotated(list(samples), r):
                     fn = ((lambda: run_shardload(folder, session)) if method.startswith("shard")
                           else (lambda: run_load_file(folder, n)))
                     wall, cpu, pieces[method] = timed(fn)
@@ -116,17 +116,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                     print("error: the two methods' pieces differ", file=sys.stderr)
                     return 3
                 del pieces, sharded, a, b
-        base = statistics.median(c for _, c in samples["safetensors-load_file"])
+        base = harness.median(c for _, c in samples["safetensors-load_file"])
         for method, runs in samples.items():
-            wall = statistics.median(w for w, _ in runs)
-            cpu = statistics.median(c for _, c in runs)
+            wall = harness.median(w for w, _ in runs)
+            cpu = harness.median(c for _, c in runs)
             per = cpu / (n * args.tensors) * 1e6
             print(f"{method:24} {n:>2} {wall:7.2f} {cpu:7.2f} {per:13.1f} {cpu / base:16.2f}x")
             results.append({"method": method, "n": n, "wall_s": wall, "cpu_s": cpu,
                             "cpu_us_per_piece": per, "cpu_vs_load_file": cpu / base})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"tensors": args.tensors, "results": results}, f, indent=2)
+    bench.finish({"tensors": args.tensors, "results": results})
     return 0
 
 

@@ -31,11 +31,8 @@ test-model cache (``shardbench/models.py``; 93 MB).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +43,7 @@ REPO = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+from shardbench import harness  # noqa: E402
 from shardbench.models import smollm2_gguf  # noqa: E402
 
 TARGET = 1.2      # shardload-run's median over generate.py's, at most
@@ -102,13 +100,14 @@ def timed(command: list[str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser = harness.parser(__doc__, 1)
     parser.add_argument("--ckpt", help="a GGUF file (default: SmolLM2-135M Q4_1)")
     parser.add_argument("--shards", type=int, default=3)
-    parser.add_argument("--runs", type=int, default=3)
+    harness.add_common(parser, runs=3)
     parser.add_argument("--prompt", default=PROMPT)
-    parser.add_argument("--json", help="write the results as JSON here")
     args = parser.parse_args()
+    harness.check_runs(parser, args)
+    bench = harness.Bench("bench_run", args)
     ckpt = args.ckpt or smollm2_gguf()
     cmds = commands(ckpt, args.shards, args.prompt)
     names = list(cmds)
@@ -116,17 +115,16 @@ def main() -> None:
     for name in names:                                   # warm-up, untimed
         print(f"warm-up {name}: {timed(cmds[name])['line'][:60]}", file=sys.stderr, flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in names}
-    for r in range(args.runs):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            result = timed(cmds[name])
-            runs[name].append(result)
-            print(f"run {r + 1} {name}: {result['seconds']:.2f} s", file=sys.stderr, flush=True)
+    for r, name in harness.rounds(names, args.runs):
+        result = timed(cmds[name])
+        runs[name].append(result)
+        print(f"run {r + 1} {name}: {result['seconds']:.2f} s", file=sys.stderr, flush=True)
     rows = {}
     for name, results in runs.items():
         seconds = [x["seconds"] for x in results]
-        rows[name] = {"median_s": statistics.median(seconds), "min_s": min(seconds),
+        rows[name] = {"median_s": harness.median(seconds), "min_s": min(seconds),
                       "runs_s": seconds,
-                      "cpu_s": statistics.median(x["cpu_s"] for x in results),
+                      "cpu_s": harness.median(x["cpu_s"] for x in results),
                       "peak_rss_bytes": max(x["peak_rss_bytes"] for x in results),
                       "first_line": results[0]["line"], "command": cmds[name]}
     base = rows["generate.py"]["median_s"]
@@ -144,12 +142,9 @@ def main() -> None:
           f"import-hf), generate.py {beyond['generate.py']:.2f} s (after import-torch)")
     print(f"target: shardload run to its first token at N={args.shards} within {TARGET}x of "
           f"examples/generate.py: {ratio:.2f}x {verdict}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"checkpoint": ckpt, "num_shards": args.shards, "runs": args.runs,
-                       "cpus": os.cpu_count(), "results": rows, "beyond_imports_s": beyond,
-                       "target": {"value": ratio, "limit": TARGET, "result": verdict}},
-                      f, indent=1)
+    bench.finish({"checkpoint": ckpt, "num_shards": args.shards, "runs": args.runs,
+                  "cpus": os.cpu_count(), "results": rows, "beyond_imports_s": beyond,
+                  "target": {"value": ratio, "limit": TARGET, "result": verdict}})
 
 
 if __name__ == "__main__":

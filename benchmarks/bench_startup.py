@@ -25,16 +25,18 @@ they say): forkserver at the largest N within 1.5x of forkserver at N = 1, and w
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+
+from shardbench import harness  # noqa: E402
 
 #: the controller: import (untimed), then time the session's construction, and a second one
 CONTROLLER = """
@@ -78,16 +80,17 @@ def time_session(n: int, method: str, distributed: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--shards", default="1,2,4,8", help="worker counts N (default 1,2,4,8)")
-    parser.add_argument("--runs", type=int, default=3, help="repetitions; medians reported")
+    harness.add_common(parser, runs=3, json_help="also write the figures as JSON")
     parser.add_argument("--no-spawn", action="store_true",
                         help="skip the fresh-interpreter sessions (slow on few cores)")
     parser.add_argument("--no-distributed", action="store_true",
                         help="sessions without a process group (distributed=False)")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args(argv)
-    shards = [int(s) for s in args.shards.split(",")]
+    harness.check_runs(parser, args)
+    shards = harness.int_list(parser, args.shards)
+    bench = harness.Bench("bench_startup", args)
     methods = ["forkserver"] + ([] if args.no_spawn else ["spawn"])
     distributed = not args.no_distributed
 
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
                     times["forkserver-warm"][n].append(got["warm"])
                 print(f"  N={n} {method}: {got['cold']:.2f} s", file=sys.stderr, flush=True)
 
-    med = {m: {n: statistics.median(v) for n, v in d.items() if v} for m, d in times.items()}
+    med = {m: {n: harness.median(v) for n, v in d.items() if v} for m, d in times.items()}
     imp = med["import"][0]
     print(f"\nmachine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
           f"distributed={distributed}, {args.runs} runs, medians (s)")
@@ -115,7 +118,7 @@ def main(argv=None) -> int:
     header = ["method"] + [f"N={n}" for n in shards] + ["close N=" + str(shards[-1])]
     print("\n" + "  ".join(f"{h:>16}" for h in header))
     for m in methods + ["forkserver-warm"]:
-        close = (statistics.median(closes[m][shards[-1]]) if m in closes
+        close = (harness.median(closes[m][shards[-1]]) if m in closes
                  and closes[m][shards[-1]] else None)
         row = [m] + [f"{med[m][n]:.2f}" for n in shards] + [
             f"{close:.2f}" if close is not None else "-"]
@@ -136,14 +139,12 @@ def main(argv=None) -> int:
               f"{med['spawn'][hi] / med['spawn'][lo]:.2f}; spawn N={hi} / import: "
               f"{med['spawn'][hi] / imp:.2f}; spawn / forkserver at N={hi}: "
               f"{med['spawn'][hi] / fork_hi:.1f}x")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "cpus": os.cpu_count(), "python": sys.version.split()[0], "runs": args.runs,
-            "distributed": distributed, "times_s": {m: {str(n): v for n, v in d.items()}
-                                                    for m, d in times.items()},
-            "close_s": {m: {str(n): v for n, v in d.items()} for m, d in closes.items()},
-            "targets": {name: {"ratio": r, "limit": lim} for name, r, lim in targets}},
-            indent=1))
+    bench.finish({
+        "cpus": os.cpu_count(), "python": sys.version.split()[0], "runs": args.runs,
+        "distributed": distributed, "times_s": {m: {str(n): v for n, v in d.items()}
+                                                for m, d in times.items()},
+        "close_s": {m: {str(n): v for n, v in d.items()} for m, d in closes.items()},
+        "targets": {name: {"ratio": r, "limit": lim} for name, r, lim in targets}})
     return 0
 
 

@@ -16,7 +16,6 @@ fastsafetensors).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import mmap
@@ -30,6 +29,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from shardbench import harness  # noqa: E402
+from vllm_checkpoint import make  # noqa: E402
 TIMED = "vllm_ext load_weights: "   # tests/helpers/vllm_ext.py's TIMING_PREFIX
 STATS = "shardload load: "
 
@@ -108,15 +112,15 @@ def machine() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__.splitlines()[0])
     ap.add_argument("--tp", default="1,2")
     ap.add_argument("--formats", default="auto,runai_streamer,fastsafetensors,shardload")
     ap.add_argument("--warm", type=int, default=3, help="warm engines per row (the median)")
     ap.add_argument("--python", default=None, help="vLLM's python (default: scripts/vllm-env.sh)")
-    ap.add_argument("--json", default=None)
+    harness.add_common(ap)
     args = ap.parse_args()
-    sys.path.insert(0, str(HERE))
-    from vllm_checkpoint import make
+    tps = harness.int_list(ap, args.tp, "--tp")
+    bench = harness.Bench("bench_vllm_load", args)
 
     ckpt = make()
     python = args.python or subprocess.run(["bash", str(REPO / "scripts" / "vllm-env.sh"),
@@ -130,7 +134,7 @@ def main() -> None:
     size = sum(f.stat().st_size for f in _files(ckpt))
     out = Path("/tmp") / f"bench-vllm-{os.getpid()}.json"
     rows = []
-    for tp in [int(t) for t in args.tp.split(",")]:
+    for tp in tps:
         for fmt in args.formats.split(","):
             evict(ckpt)
             before = resident(ckpt)
@@ -165,9 +169,7 @@ def main() -> None:
         print(f"| {c['format']} | {c['tp']} | {secs(c)} | {ratio(r, 'cold')} | "
               f"{c['resident_after'] / 1e9:.2f} GB of {size / 1e9:.2f} | {secs(w)} | "
               f"{ratio(r, 'warm')} | {per_rank} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"checkpoint": str(ckpt), "bytes": size,
-                                               "machine": machine(), "rows": rows}, indent=1))
+    bench.finish({"checkpoint": str(ckpt), "bytes": size, "machine": machine(), "rows": rows})
 
 
 if __name__ == "__main__":

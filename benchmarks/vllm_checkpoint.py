@@ -3,9 +3,10 @@
     python benchmarks/vllm_checkpoint.py          # prints its folder (made once)
 
 Random weights (the load does not care what they are), quantized with compressed-tensors'
-``W8A8`` preset (int8 weights per channel, dynamic int8 activations) by the same calls the
-tests use (``tests/helpers/compressed_tensors_tool.py``: the library's own qparams and
-``ModelCompressor``), saved by transformers. Made into ``$SHARDLOAD_CACHE/bench`` (default
+``W8A8`` preset (int8 weights per channel, dynamic int8 activations) by the library itself
+(``compress_w8a8``: its preset, its ``calculate_qparams`` on each row's min/max, its
+``ModelCompressor``; the tests' ``compress_preset`` makes the same calls), saved by
+transformers. Made into ``$SHARDLOAD_CACHE/bench`` (default
 ``~/.cache/shardload/bench``), atomically.
 """
 
@@ -13,11 +14,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
 NAME = "llama_1p5gb_w8a8"
 
 
@@ -26,14 +25,43 @@ def folder() -> Path:
     return root / "bench" / NAME
 
 
+def compress_w8a8(folder: Path, config) -> None:
+    """A random model of ``config`` quantized with compressed-tensors' ``W8A8`` preset (every
+    Linear but ``lm_head``), its per-channel weight scales from each row's min/max by the
+    library's ``calculate_qparams``, compressed by its ``ModelCompressor`` and saved to
+    ``folder``."""
+    import torch
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
+                                                 preset_name_to_scheme)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    scheme = preset_name_to_scheme("W8A8", ["Linear"])
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
+                                                        ignore=["lm_head"]))
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            weight = module.weight.detach().float()
+            scale, zero = calculate_qparams(weight.amin(1, keepdim=True),
+                                            weight.amax(1, keepdim=True),
+                                            module.quantization_scheme.weights)
+            module.weight_scale.data.copy_(scale)
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.data.copy_(zero)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(folder)
+    compressor.update_config(folder)
+
+
 def make() -> Path:
     out = folder()
     if (out / ".complete").exists():
         return out
     import transformers
-
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    from helpers.compressed_tensors_tool import compress_preset
 
     # 1.35 B int8 weights + 2 x 65.5 M bf16 embedding rows: ~1.6 GB on disk
     config = transformers.LlamaConfig(
@@ -43,7 +71,7 @@ def make() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=out.parent))
     try:
-        compress_preset(tmp, config, "W8A8")
+        compress_w8a8(tmp, config)
         (tmp / ".complete").write_text("")
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)

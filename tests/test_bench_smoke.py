@@ -101,3 +101,41 @@ def test_bench_load_cold(tmp_path):
     assert rows[("cold", "shardload-thread")]["verified"] is True
     assert "cold page cache" in proc.stdout
     assert "(cold) within 1.1x of read-file" in proc.stdout
+
+
+def _synthetic_rows() -> tuple[list[dict], list[dict]]:
+    """Rows shaped as bench_load.py's and bench_objects.py's reports hold them."""
+    load = [{"method": m, "num_shards": n, "cache": "warm", "median_s": 0.1 * n + k,
+             "peak_rss_bytes": (20 + 10 * n + k) << 20, "kept_bytes_per_worker": [10 << 20] * n}
+            for k, m in enumerate(("floor", "shardload-thread", "shardload-process"))
+            for n in (1, 2, 4)]
+    objects = [{"scheme": "gs", "method": m, "n": n, "seconds": 0.2 * n + k,
+                "base_pss_bytes": 100 << 20, "peak_pss_bytes": (150 + 20 * n) << 20,
+                "kept_bytes": 50 << 20, "runs": []}
+               for k, m in enumerate(("shardload-thread", "shardload-process")) for n in (1, 2)]
+    return load, objects
+
+
+def test_figures_from_a_report(tmp_path):
+    """``python -m shardbench.figures REPORT OUT_DIR`` draws load time and peak memory against N
+    from a saved report (one with the harness's header, one from before it)."""
+    pytest.importorskip("matplotlib")
+    load, objects = _synthetic_rows()
+    reports = {
+        "load": ({"header": {"benchmark": "bench_load", "environment": {"cpus": 2}},
+                  "runs": 1, "results": load}, ("load_time.png", "load_memory.png")),
+        "objects": ({"runs": 1, "file_bytes": 50_000_000, "results": objects},
+                    ("objects_time.png", "objects_memory.png")),
+    }
+    for name, (report, pngs) in reports.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(report))
+        out = tmp_path / f"{name}-figures"
+        proc = subprocess.run([sys.executable, "-m", "shardbench.figures", str(path), str(out)],
+                              cwd=os.path.join(REPO, "benchmarks"), capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        for png in pngs:
+            data = (out / png).read_bytes()
+            assert data.startswith(b"\x89PNG\r\n\x1a\n") and 5_000 < len(data) < 150_000, png
+            assert str(out / png) in proc.stdout

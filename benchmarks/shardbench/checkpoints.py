@@ -24,6 +24,7 @@ from shardload import ShardInfo, open_checkpoint
 from shardload.plan import ValidatedPlan
 
 from . import GB, MiB
+from .harness import default_dir  # noqa: F401 - where checkpoints are cached
 from .worker import malloc_trim
 
 #: bump when the synthetic checkpoint's content or layout changes (it is part of the cache key)
@@ -201,11 +202,6 @@ def make_tensors(g: Geometry, seed: int = SEED) -> dict[str, torch.Tensor]:
     out["model.norm.weight"] = fp16((g.hidden,), 0.05, 1.0)
     out["lm_head.weight"] = fp16((g.vocab, g.hidden), 0.02)
     return out
-
-
-def default_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "shardload-bench")
 
 
 def ensure_checkpoint(root: str, g: Geometry) -> tuple[str, bool, float]:

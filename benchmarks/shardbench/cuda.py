@@ -19,7 +19,8 @@ from shardload import ShardInfo, Staging, ThreadedSession
 
 from . import GB, MiB, peers
 from .checkpoints import MODEL_FILE, bind_plan
-from .measure import RssSampler, Window, free_memory, rotated
+from .harness import rotated
+from .measure import RssSampler, Window, free_memory
 from .methods import Check, Outcome, check_pieces, kept_bytes, reference_pieces, shardload_load
 from .report import fmt_num
 

@@ -321,10 +321,3 @@ def measure(case: Case, method: str, sampler: RssSampler, cache: Optional[PageCa
     del outcome  # the shards: freed before the next method starts
     free_memory(*sessions)
     return run
-
-
-def rotated(methods: list[str], r: int) -> list[str]:
-    """``methods`` rotated by ``r``: repetition ``r``'s order, so that no method always runs
-    first or right after the same neighbour."""
-    k = r % len(methods)
-    return methods[k:] + methods[:k]

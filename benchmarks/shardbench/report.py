@@ -1,10 +1,10 @@
 """The load benchmark's report: runs summarised into rows (the JSON's ``results``), the tables
 printed from them, the issue's targets as PASS, MISS or n/a (a report, never an assertion:
-they do not change the exit status), the machine's description, and the JSON file."""
+they do not change the exit status) and the machine's description (the JSON file: the
+harness, ``harness.py``)."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -333,14 +333,3 @@ def machine_info(zero_copy: bool) -> dict:
             "mem_total_bytes": mem, "root": hasattr(os, "geteuid") and os.geteuid() == 0,
             "cuda": torch.cuda.is_available(),
             "safetensors_get_tensor_zero_copy": zero_copy}
-
-
-def write_json(path: Optional[str], report: dict) -> None:
-    """``report`` to ``path`` (nothing without one), whole or not at all."""
-    if not path:
-        return
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-        f.write("\n")
-    os.replace(tmp, path)

@@ -20,11 +20,12 @@ from . import GB, MiB
 from .checkpoints import (MODEL_FILE, PLAN_FILE, choose_geometry, choose_moe_geometry,
                           default_dir, ensure_checkpoint)
 from .cuda import bench_cuda
-from .measure import PageCache, RssSampler, cold_mode_check, measure, rotated, warm_page_cache
+from .harness import Bench, rotated
+from .measure import PageCache, RssSampler, cold_mode_check, measure, warm_page_cache
 from .methods import METHODS, SHARDLOAD, Case, reference_pieces
 from .peers import zero_copy_get_tensor
 from .report import (cuda_targets, machine_info, print_cuda, print_report, summarise, targets,
-                     write_json, wrong_pieces)
+                     wrong_pieces)
 
 
 def log(msg: str) -> None:
@@ -87,9 +88,11 @@ def bench_n(ckpt_dir: str, info: ShardInfo, n: int, methods: list[str], runs: in
     return results, {k: v for k, v in startup.items() if k in methods}
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, bench: Optional[Bench] = None) -> int:
     """The benchmark for ``bench_load.py``'s parsed flags; the exit status (0; 2: a worker
-    count the checkpoint cannot be split over; 3: some method's pieces were wrong)."""
+    count the checkpoint cannot be split over; 3: some method's pieces were wrong). ``bench``
+    (the harness: the environment, the JSON, the figures) is made here if not given."""
+    bench = bench or Bench("bench_load", args)
     root = os.path.abspath(args.dir or default_dir())
     geom = (choose_moe_geometry(args.size_gb) if args.model == "moe"
             else choose_geometry(args.size_gb, args.intermediate))
@@ -152,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
                            "skipped": cold_skipped, "trial": cold_trial},
                   "session_startup_s": {k: v for k, v in startup.items() if v},
                   "runs": args.runs, "targets": checks}
-        write_json(args.json, report)  # the CPU results stand even if the CUDA part dies
+        bench.write(report)  # the CPU results stand even if the CUDA part dies
         print_report(report)
 
         if torch.cuda.is_available() and not args.no_cuda:
@@ -171,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
                 log(f"cuda section failed: {type(exc).__name__}: {exc}")
                 report["cuda_error"] = f"{type(exc).__name__}: {exc}"
                 print(f"\ncuda section failed: {type(exc).__name__}: {exc}")
-        write_json(args.json, report)
+        bench.finish(report)
         if args.json:
             print(f"\nwrote {args.json}")
     finally:
