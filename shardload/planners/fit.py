@@ -2,7 +2,7 @@
 
 Every tensor the planner splits is split in whole units of its own: heads, KV heads, MLP rows,
 vocabulary rows, or the packed words, quantization groups, FP8 blocks or GGUF blocks that hold
-them (``llama._in_units``). Each such split is a ``Constraint``: its units must divide among
+them (``decoder._in_units``). Each such split is a ``Constraint``: its units must divide among
 the N workers or, for KV heads (``replicable``), N may also be a multiple of them, each unit
 then going whole to the workers that need it. These are exactly the rules the plan's shard
 functions apply (``shardload.split``, ``shardload.split_segments``), so a plan fits N when
@@ -31,7 +31,7 @@ class Constraint:
     logical units with the keys they came from (``the 3 KV heads ('num_key_value_heads' =
     3)``), ``stored`` how the tensor stores them when it holds several per stored block
     (``stored in 64 blocks of 8 (...)``), ``tensor`` the first tensor it applies to.
-    ``paddable``: zero-padding for N (``llama.Padding``) lifts it (heads and MLP blocks; the
+    ``paddable``: zero-padding for N (``padding.Padding``) lifts it (heads and MLP blocks; the
     vocabulary is never padded).
     """
 
