@@ -6,7 +6,7 @@ On one quantized checkpoint (``vllm_checkpoint.py``: ~1.6 GB, W8A8 by compressed
 each load format and tensor-parallel size, one engine with a cold page cache (the checkpoint's
 pages evicted first with ``posix_fadvise(DONTNEED)``) then ``--warm`` warm ones (the median): the
 time the loader's ``load_weights`` took (the slowest rank's; timed alike for every loader by
-the workers' extension, ``tests/helpers/vllm_ext.py``: Run:ai's loader prints no time), the
+the workers' extension, ``devtools/vllm_ext.py``: Run:ai's loader prints no time), the
 checkpoint's bytes in the page cache after the cold load (what the whole engine read, counted
 by the kernel: ``mincore``), and shardload's own bytes read per rank. Ratios are against
 vLLM's default loader (``auto``) in the same run. Engines run in vLLM's environment
@@ -34,7 +34,7 @@ if str(HERE) not in sys.path:
 
 from shardbench import harness  # noqa: E402
 from vllm_checkpoint import make  # noqa: E402
-TIMED = "vllm_ext load_weights: "   # tests/helpers/vllm_ext.py's TIMING_PREFIX
+TIMED = "vllm_ext load_weights: "   # devtools/vllm_ext.py's TIMING_PREFIX
 STATS = "shardload load: "
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -82,14 +82,14 @@ def _first_json(text: str) -> dict:
 
 
 def run(python: str, ckpt: Path, fmt: str, tp: int, out: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
-               VLLM_CPU_KVCACHE_SPACE="1")
-    cmd = [python, str(REPO / "tests" / "helpers" / "vllm_engine.py"), str(ckpt), "--tp",
+    # the checkout first, for shardload and for devtools.vllm_ext, which vLLM's workers import
+    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1")
+    cmd = [python, str(REPO / "devtools" / "vllm_engine.py"), str(ckpt), "--tp",
            str(tp), "--load-format", fmt, "--tokens", "1", "--time-loads", "--out", str(out)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     log = proc.stdout + proc.stderr
-    # each rank's load_weights, timed alike for every loader (helpers.vllm_ext)
+    # each rank's load_weights, timed alike for every loader (devtools.vllm_ext)
     took = [_first_json(line.split(TIMED, 1)[1])["seconds"] for line in log.splitlines()
             if TIMED in line]
     stats = [_first_json(line.split(STATS, 1)[1]) for line in log.splitlines() if STATS in line]

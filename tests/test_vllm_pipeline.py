@@ -192,7 +192,7 @@ def test_each_stage_reads_only_its_layers_and_loads_what_vllms_default_loader_lo
     generate under pipeline parallelism in eager mode, with its own loader too (a later
     stage's first step fails, ``assert self.intermediate_tensors is not None``), so the
     engine helper gives later stages the activation buffers vLLM's skipped warm-up would
-    (``vllm_engine._pipeline_buffers``). With them, two stages generate what one does
+    (``devtools.vllm_engine._pipeline_buffers``). With them, two stages generate what one does
     (checked by hand on ``llama_bf16`` with vLLM's own loader: the same tokens and
     log-probabilities)."""
     from helpers import vllm_models

@@ -12,7 +12,7 @@ from helpers.vllm_engine import launch
 
 def run_engine(model: str, tp: int, *args: str, timeout: float = 600,
                env: dict | None = None) -> tuple[dict, list, str]:
-    """One engine (tests/helpers/vllm_engine.py): its report, the shardload statistics lines
+    """One engine (devtools/vllm_engine.py): its report, the shardload statistics lines
     (by rank), and its whole output (for failures); ``env``: variables to add to its
     environment."""
     report, stats, log = launch(model, "--tp", str(tp), *args, timeout=timeout, cwd=REPO,

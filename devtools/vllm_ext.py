@@ -1,8 +1,8 @@
-"""A vLLM worker extension for the tests: digests of the model's parameters, and a reload of them
+"""A vLLM worker extension for the tests and bench_vllm_load.py: digests of the model's parameters, and a reload of them
 by vLLM's own default loader in the same engine (so that only the loader differs); importing it
 times every loader's ``load_weights`` alike (for the benchmark).
 
-``LLM(..., worker_extension_cls="helpers.vllm_ext.LoaderComparison")``, then
+``LLM(..., worker_extension_cls="devtools.vllm_ext.LoaderComparison")``, then
 ``llm.collective_rpc("param_digests")``, ``llm.collective_rpc("reload_with_default_loader")``
 and ``llm.collective_rpc("reload_with_engines_loader")`` (the engine's own load format again,
 through its ``get_all_weights``: for shardload, the stand-ins as views of the mapped file).

@@ -1,0 +1,168 @@
+"""Run one vLLM engine on one checkpoint and print what it generated, as JSON (run in vLLM's env).
+
+    python devtools/vllm_engine.py CKPT --tp 2 --load-format shardload --verify
+    python devtools/vllm_engine.py CKPT --pp 2 --load-format shardload --compare-default
+
+Greedy tokens and the top-5 logprobs of each generated token, for a fixed prompt of token ids
+(the tiny test models have no tokenizer) or of text (``--text``, for real models), and, for
+``--load-format shardload``, each rank's statistics line from vLLM's log. One engine start per
+call: the tests call it once per (checkpoint, N, loader). ``--pp P``: P pipeline stages, each
+of ``--tp`` ranks.
+
+On the caller's side (its Python, no vLLM imported): ``launch`` runs this script with vLLM's
+python (the tests find it with ``tests/helpers/vllm_engine.vllm_python``, the benchmark with
+its ``--python``) and gives its report, the statistics lines and its whole output. The repository
+root must be on the engine's ``PYTHONPATH``: its workers import ``devtools.vllm_ext``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+PROMPTS = [[1, 5, 9, 13, 200, 7], [3, 100, 42]]
+
+#: the start of shardload's statistics line in vLLM's log
+#: (``shardload.vllm.model_loader.STATS_PREFIX``, which imports vLLM)
+STATS_PREFIX = "shardload load: "
+
+
+def launch(python: str, model: str, *args: str, env: dict, cwd: str, timeout: float = 600,
+           out_dir: Optional[str] = None) -> tuple[dict, list, str]:
+    """This script on ``model`` with ``args``, run by vLLM's ``python`` (``env``: the whole
+    environment it runs with): its report (``{"returncode": rc}`` where it failed), the
+    statistics lines of every rank as dicts, in the order logged, and its whole output."""
+    folder = Path(out_dir or os.environ.get("PYTEST_TMP", "/tmp"))
+    out = folder / f"vllm-{os.getpid()}-{abs(hash((model, args)))}.json"
+    cmd = [python, os.path.abspath(__file__), model, "--out", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env=env)
+    log = proc.stdout + proc.stderr
+    stats = [json.loads(line.split(STATS_PREFIX, 1)[1]) for line in log.splitlines()
+             if STATS_PREFIX in line]
+    if proc.returncode != 0:
+        return {"returncode": proc.returncode}, stats, log
+    report = json.loads(out.read_text())
+    out.unlink()
+    return report, stats, log
+
+
+def _pipeline_buffers(worker) -> None:
+    """Give a later pipeline stage the buffers its received activations go into.
+
+    vLLM 0.32's CPU runner makes them only in its warm-up run, which it skips in eager mode
+    (``enforce_eager``, as these engines run), so a later stage's first step fails
+    (``gpu_model_runner.py``: ``assert self.intermediate_tensors is not None``), with vLLM's
+    own loader too. Made here as that warm-up makes them (``_dummy_run``), run in every
+    worker through ``collective_rpc``; nothing of the weights is touched."""
+    from vllm.distributed import get_pp_group
+
+    runner = worker.model_runner
+    if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
+        return
+    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype,
+        device=runner.device)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--verify", action="store_true")
+    ap.add_argument("--extra", default=None, help="model_loader_extra_config as JSON")
+    ap.add_argument("--hf-overrides", default=None)
+    ap.add_argument("--text", default=None)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--ep", action="store_true", help="enable_expert_parallel")
+    ap.add_argument("--compare-default", action="store_true",
+                    help="then reload the weights with vLLM's default loader in the same engine "
+                         "and generate again (and, for shardload, reload with shardload again)")
+    ap.add_argument("--reload", action="store_true",
+                    help="then reload the weights in place with the engine's own loader and "
+                         "generate again (with --digests: digests again)")
+    ap.add_argument("--digests", action="store_true",
+                    help="a digest of every parameter after loading (and the bytes they hold)")
+    ap.add_argument("--time-loads", action="store_true",
+                    help="each worker prints how long its loader's load_weights took "
+                         "(devtools.vllm_ext.TIMING_PREFIX), whatever the load format")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                          "|".join(str(i % (os.cpu_count() or 1))
+                                   for i in range(args.tp * args.pp)))
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = json.loads(args.extra) if args.extra else {}
+    if args.verify and args.load_format == "shardload":
+        extra["verify"] = True
+    # the engine core in this process, and with one rank its worker too (vLLM's "uni"
+    # executor): each process start saved is ~10 s on 2 cores; the loader runs the same, in
+    # the workers, over their tensor-parallel group
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    kwargs = dict(model=args.model, tensor_parallel_size=args.tp,
+                  pipeline_parallel_size=args.pp, load_format=args.load_format,
+                  distributed_executor_backend="uni" if args.tp * args.pp == 1 else "mp",
+                  enforce_eager=True, max_model_len=128, max_num_seqs=2, dtype=args.dtype, seed=0,
+                  skip_tokenizer_init=args.text is None,
+                  enable_expert_parallel=args.ep)
+    if extra:
+        kwargs["model_loader_extra_config"] = extra
+    if args.compare_default or args.digests or args.reload or args.time_loads:
+        kwargs["worker_extension_cls"] = "devtools.vllm_ext.LoaderComparison"
+    if args.hf_overrides:
+        kwargs["hf_overrides"] = json.loads(args.hf_overrides)
+    llm = LLM(**kwargs)
+    if args.pp > 1:
+        llm.collective_rpc(_pipeline_buffers)
+    params = SamplingParams(temperature=0, max_tokens=max(1, args.tokens), logprobs=5,
+                            detokenize=args.text is not None)
+    prompts = ([args.text] if args.text is not None else
+               [TokensPrompt(prompt_token_ids=p) for p in PROMPTS])
+
+    def generate() -> list:
+        if args.tokens == 0:   # load only (vLLM's CPU MoE kernels under expert parallelism crash)
+            return []
+        result = []
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            gen = out.outputs[0]
+            result.append({
+                "tokens": list(gen.token_ids),
+                "text": gen.text if args.text is not None else None,
+                "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
+                             for step in (gen.logprobs or [])]})
+        return result
+
+    report = {"outputs": generate()}
+    if args.compare_default or args.digests or args.reload:
+        report["digests"] = llm.collective_rpc("param_digests")
+        report["param_bytes"] = llm.collective_rpc("param_bytes")
+    if args.compare_default:
+        llm.collective_rpc("reload_with_default_loader")
+        report["default_outputs"] = generate()
+        report["default_digests"] = llm.collective_rpc("param_digests")
+    if args.reload or (args.compare_default and args.load_format == "shardload"):
+        # and the engine's own loader again, in place (shardload's reload: views of the file
+        # where vLLM narrows the stored tensor, reads for the rest)
+        llm.collective_rpc("reload_with_engines_loader")
+        report["reload_outputs"] = generate()
+        report["reload_digests"] = llm.collective_rpc("param_digests")
+    with open(args.out, "w") as f:
+        json.dump(report, f)
+    del llm
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
