@@ -68,7 +68,8 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
 from helpers.cli_runs import run_cli
-from helpers.moe_configs import mlp_sizes
+from helpers.moe_configs import (COMMON, CONFIGS, EXPERTS, HEADS, HIDDEN,  # noqa: F401
+                                 KV_HEADS, VOCAB, mlp_sizes)
 from helpers.paths import EXAMPLE
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
 from shardload import (ArrayCheckpoint, PlanError, ProcessSession, ShardInfo, ThreadedSession,
@@ -403,19 +404,7 @@ def test_cli_refuses_a_placed_plan_for_another_n(placed_files):
 # ----------------------------------------------------------------------------------------------
 # 2a. expert parallelism: MoE models saved by transformers, one tensor per expert
 
-HEADS, KV_HEADS, HIDDEN, VOCAB, EXPERTS = 4, 2, 64, 96, 4
-COMMON = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
-              num_key_value_heads=KV_HEADS, vocab_size=VOCAB, num_experts_per_tok=2)
-CONFIGS = {
-    "mixtral": lambda: transformers.MixtralConfig(intermediate_size=96,
-                                                  num_local_experts=EXPERTS, **COMMON),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        num_experts=EXPERTS, decoder_sparse_step=1, mlp_only_layers=[1], **COMMON),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        intermediate_size=128, moe_intermediate_size=32, head_dim=24, num_experts=EXPERTS,
-        decoder_sparse_step=1, mlp_only_layers=[1], **COMMON),
-}
+# the tiny MoE configs (HEADS, ..., COMMON, CONFIGS): helpers.moe_configs
 #: where a layer's experts live, and their projections
 EXPERT_MODULES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                   "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
