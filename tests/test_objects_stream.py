@@ -61,19 +61,25 @@ def _checkpoint(server, tmp_path_factory, tensors: int) -> tuple[str, int]:
     rng = np.random.default_rng(tensors)
     data = {f"w.{k:03d}": rng.standard_normal((ROWS, COLS), dtype=np.float32)
             for k in range(tensors)}
-    save_file(data, str(folder / "model.safetensors"))
     plan = {name: [["shardload.split", [["num_shards", f"{ROWS} // num_shards", COLS],
                                         "float32"], 0]] for name in data}
+    return _upload(server, folder, data, plan, f"c{tensors}"), tensors * ROWS * COLS * 4
+
+
+def _upload(server, folder, data: dict, plan: dict, prefix: str) -> str:
+    """``data`` and its ``plan`` written into ``folder`` as a checkpoint and uploaded under
+    ``prefix``; its URL."""
     import json
+
+    save_file(data, str(folder / "model.safetensors"))
     (folder / "shard_info.json").write_text(json.dumps(plan))
     try:
         server.make_bucket(BUCKET)
-    except Exception:  # noqa: BLE001 - made by the other size
+    except Exception:  # noqa: BLE001 - made by an earlier test
         pass
-    prefix = f"c{tensors}"
     for name in ("model.safetensors", "shard_info.json"):
         server.put(BUCKET, f"{prefix}/{name}", (folder / name).read_bytes())
-    return server.url(BUCKET, f"{prefix}/"), tensors * ROWS * COLS * 4
+    return server.url(BUCKET, f"{prefix}/")
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +315,6 @@ def test_the_stream_takes_every_workers_order():
 @pytest.mark.parametrize("kind", [ThreadedSession, ProcessSession])
 def test_experts_placed_on_some_workers_stream_through_a_small_window(env, kind, tmp_path,
                                                                       monkeypatch):
-    import json
 
     monkeypatch.setenv("SHARDLOAD_OBJECT_WINDOW_MB", "4")   # two tensors: releases all along
     rng = np.random.default_rng(7)
@@ -322,17 +327,10 @@ def test_experts_placed_on_some_workers_stream_through_a_small_window(env, kind,
             data[f"l{layer}.e{e}"] = rng.standard_normal((ROWS, COLS), dtype=np.float32)
             placement[f"l{layer}.e{e}"] = [e % 2]
     plan["__placement__"] = {"num_shards": 2, "params": placement}
-    save_file(data, str(tmp_path / "model.safetensors"))
-    (tmp_path / "shard_info.json").write_text(json.dumps(plan))
-    try:
-        env.make_bucket(BUCKET)
-    except Exception:  # noqa: BLE001 - made by another test
-        pass
-    for name in ("model.safetensors", "shard_info.json"):
-        env.put(BUCKET, f"experts/{name}", (tmp_path / name).read_bytes())
+    url = _upload(env, tmp_path, data, plan, "experts")
     with kind(2) as sess:
         local = load_sharded(str(tmp_path), None, sess, progress=False)
-        remote = load_sharded(env.url(BUCKET, "experts/"), None, sess, progress=False)
+        remote = load_sharded(url, None, sess, progress=False)
         for i in range(2):
             a, b = local.worker(i), remote.worker(i)
             assert a.keys() == b.keys() and len(a) == 4 + 8
@@ -393,7 +391,6 @@ def test_a_large_tensor_streams_in_parts(env, kind, axis, tmp_path, monkeypatch)
     # a tensor of many parts: each worker copies part after part as they arrive (contiguous
     # runs when split by rows, strided ones by columns), through a window of a few parts, and
     # gets what the local load gets
-    import json
 
     from shardload.pieces import stream
 
@@ -414,18 +411,11 @@ def test_a_large_tensor_streams_in_parts(env, kind, axis, tmp_path, monkeypatch)
     plan = {name: [["shardload.split", [["num_shards", "64 // num_shards", 64], "float32"],
                     0]] for name in ("a.small", "c.small")}
     plan["b.big"] = [["shardload.split", shape, axis]]
-    save_file(data, str(tmp_path / "model.safetensors"))
-    (tmp_path / "shard_info.json").write_text(json.dumps(plan))
-    try:
-        env.make_bucket(BUCKET)
-    except Exception:  # noqa: BLE001 - made by another test
-        pass
     prefix = f"parts{axis}{kind.__name__}"
-    for name in ("model.safetensors", "shard_info.json"):
-        env.put(BUCKET, f"{prefix}/{name}", (tmp_path / name).read_bytes())
+    url = _upload(env, tmp_path, data, plan, prefix)
     with kind(2) as sess:
         local = load_sharded(str(tmp_path), None, sess, progress=False)
-        remote = load_sharded(env.url(BUCKET, f"{prefix}/"), None, sess, progress=False)
+        remote = load_sharded(url, None, sess, progress=False)
         for i in range(2):
             a, b = local.worker(i), remote.worker(i)
             assert a.keys() == b.keys() == data.keys()
