@@ -22,7 +22,7 @@ from helpers.quant_refs.compressed_tensors import dequantize_fp8, quantize_fp8
 from helpers.quantized_models import (GPTQ, GQA, MQA, OTHERS, PLAIN, THREE, WIDE, Geometry, Model,
                                       awq, ct_act_order, fp8, gptq, pack_quantized, write_model)
 from shardload import PlanError, ThreadedSession, load_sharded, open_checkpoint
-from helpers.tp_reference import padded_heads, padded_units, rows_of, take
+from helpers.tp_reference import padded_head_runs, padded_units, rows_of, take
 from shardload.planners import plan_for, valid_num_shards
 
 NS = (1, 2, 3, 4, 8)
@@ -365,10 +365,11 @@ _PADDED_UNITS = {"q_proj": ("q_heads", 0), "k_proj": ("kv_heads", 0), "v_proj": 
                  "down_proj": ("mlp", 1), "w1": ("mlp", 0), "w3": ("mlp", 0), "w2": ("mlp", 1)}
 
 
-def check_padded(model: Model, n: int) -> dict:
+def check_padded(model: Model, n: int, run: int = 1) -> dict:
     """Load ``model`` padded onto n workers; every worker's every layer must dequantize (by the
     format's own reference) to its units of the dense weight, zeros for padded units, in the
-    layout of the independent rule (``helpers.tp_reference``). Returns the layout."""
+    layout of the independent rule (``helpers.tp_reference``; heads in aligned runs of ``run``).
+    Returns the layout."""
     g, fmt = model.geometry, model.fmt
     with open_checkpoint(model.folder) as ckpt:
         info = plan_for(ckpt, num_shards=n)
@@ -377,7 +378,8 @@ def check_padded(model: Model, n: int) -> dict:
             result = load_sharded(ckpt, info, sess, progress=False)
             shards = [result.worker(i) for i in range(n)]
     hd, block = layout["head_dim"], layout["mlp_block"]
-    assert (layout["q_heads"], layout["kv_heads"]) == padded_heads(g.heads, g.kv_heads, n)
+    assert (layout["q_heads"], layout["kv_heads"]) == padded_head_runs(g.heads, g.kv_heads, n,
+                                                                        run)
     mlp = layout["mlp_blocks"][str(g.inter)]
     assert mlp == padded_units(g.inter // block, n)
     units = {"q_heads": (layout["q_heads"], hd), "kv_heads": (layout["kv_heads"], hd),
@@ -412,6 +414,17 @@ def test_zero_padding_keeps_blocks_and_experts_whole(tmp_path, fmt, experts):
     heads of 128, an MLP of 8 blocks of 128)."""
     layout = check_padded(write_model(str(tmp_path), WIDE, fmt, experts=experts), 3)
     assert layout["mlp_block"] == (128 if fmt.name.startswith("fp8") else 32)
+
+
+@pytest.mark.parametrize("fmt", [gptq(4, 64), gptq(4, 64, act_order=True),
+                                 gptq(8, 64, version=2, act_order=True)], ids=lambda f: f.name)
+@pytest.mark.parametrize("n", [3, 5])
+def test_zero_padding_heads_narrower_than_a_group(tmp_path, fmt, n):
+    """Heads of 16 rows in groups of 64 rows (as 32-dim heads in GPTQ's usual 128): o_proj's
+    rows, its g_idx among them, pad in runs of 4 heads, whole zero groups (not one head, which
+    would cut a group: the planner once wrote a plan its own validation refused)."""
+    narrow = Geometry(hidden=256, heads=8, kv_heads=4, head_dim=16, inter=512)
+    check_padded(write_model(str(tmp_path), narrow, fmt), n, run=4)
 
 
 @pytest.mark.parametrize("fmt", [gptq(4, -1), gptq(3, -1, sym=True),

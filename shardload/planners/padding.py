@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from ..errors import PlanError
 from ..formats import Scheme, TensorAxes
 from ..plan import step_json
 from .roles import mlp_size
-from .tensors import Tensor, tensors
+from .tensors import Tensor
 from ..tp_layout import MAX_LAYOUT, HeadLayout, head_layout, unit_layout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,12 +68,14 @@ class Padding:
         return meta
 
 
-def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_shards: int, *,
+def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_shards: int,
+                   walked: Sequence[Tensor], *,
                    whole_experts: bool = False) -> Union[Padding, PlanError]:
     """The zero-padded layout for N workers, or (returned, not raised) the ``PlanError`` saying
-    why zero-padding cannot be exact for this checkpoint: every tensor ``padded_step`` would
-    pad is judged here, before a padded plan is written (with ``whole_experts``, expert
-    parallelism, routed experts are not split, so not padded)."""
+    why zero-padding cannot be exact for this checkpoint: every tensor of ``walked``
+    (``tensors.tensors``) that ``padded_step`` would pad is judged here, before a padded plan
+    is written (with ``whole_experts``, expert parallelism, routed experts are not split, so
+    not padded)."""
     if type(num_shards) is not int or not 1 <= num_shards <= MAX_LAYOUT:
         return PlanError(f"cannot zero-pad for num_shards={num_shards!r}: a padded plan lists "
                          f"every worker's heads, for at most {MAX_LAYOUT} workers",
@@ -89,8 +91,8 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
                 modules.setdefault(prefix, set()).add(suffix)
         return modules.get(module, set())
 
-    for t in tensors(ckpt, spec, scheme, vocab_parallel=False):
-        if t.axes is None:
+    for t in walked:
+        if t.axes is None or not t.role.paddable:   # the vocabulary is never padded
             continue
         if whole_experts and t.role.kind == "mlp" and naming.expert_kind(t.name, t.module):
             continue
@@ -162,6 +164,8 @@ def padded_step(t: Tensor, axes: TensorAxes, spec: "ModelSpec", padding: Padding
         return step_json("shardload.take_units", [n, len(indices[0]) * unit], t.meta.dtype,
                          (0, unit, *[u for w in indices for u in w]))
     if axes.special == "g_idx":       # row-parallel: the layer's input rows, one per element
+        if unit % group_size:   # heads narrower than a group: in runs of whole groups, as
+            unit, indices = _runs(t.name, unit, group_size, indices)   # the scales take them
         rows = t.meta.shape[0]
         zero_group = -(-rows // group_size) if act_order else -1
         return step_json("shardload.take_g_idx", [n, len(indices[0]) * unit], t.meta.dtype,
