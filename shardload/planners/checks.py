@@ -12,13 +12,13 @@ the vocabulary is then the embeddings' rows (``vocab_from_tensors``).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from ..errors import FormatError, PlanError
 from ..formats import Axis, Scheme
-from .tensors import tensors
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .tensors import Tensor
     from ..readers.base import Checkpoint
     from .spec import ModelSpec
 
@@ -55,12 +55,13 @@ def held(scheme: Scheme, fmt: Optional[Mapping[str, Any]]) -> str:
     return f" ({how})" if how else ""
 
 
-def check_shapes(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme) -> None:
+def check_shapes(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme,
+                 walked: Sequence["Tensor"]) -> None:
     """``FormatError`` unless every size the planner will use agrees with the shape of every
-    tensor it is applied to (see above). Reads no tensor data, but for compressed-tensors'
-    two-element ``weight_shape`` tensors."""
+    tensor it is applied to (``walked``: ``tensors.tensors``; see above). Reads no tensor data,
+    but for compressed-tensors' two-element ``weight_shape`` tensors."""
     planned = 0
-    for t in tensors(ckpt, spec, scheme):
+    for t in walked:
         if t.role is None:
             continue
         planned += 1

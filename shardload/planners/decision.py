@@ -1,11 +1,12 @@
 """The planner's decision for one N: the plan as it is, a zero-padded plan for N, or a refusal.
 
-``plan_decision`` plans the checkpoint once, symbolic in ``num_shards``, recording which N each
-tensor group allows (``fit.Constraint``). For a given N it decides from those constraints
-alone: every one allows N (``"unpadded"``); or, where zero-padding is exact, the padded plan
-for N alone (``"padded"``: a second walk over the tensors, since padding changes their steps);
-or a refusal naming the constraint N breaks and the N that work (``"refused"``). The plan it
-returns for N is validated once, as a safety check, and kept for the load.
+``plan_decision`` classifies the checkpoint's tensors once (``tensors.tensors``: role, MLP kind,
+axes) and plans them symbolic in ``num_shards``, recording which N each tensor group allows
+(``fit.Constraint``). For a given N it decides from those constraints alone: every one allows N
+(``"unpadded"``); or, where zero-padding is exact, the padded plan for N alone (``"padded"``:
+the same tensors stepped again, since padding changes their steps); or a refusal naming the
+constraint N breaks and the N that work (``"refused"``). The plan it returns for N is
+validated once, as a safety check, and kept for the load.
 
 >>> decision = plan_decision("examples/tiny_llama_q4", 3)                # doctest: +SKIP
 >>> decision.kind, list(decision.valid)
@@ -24,13 +25,14 @@ from ..limits import num_shards_problem
 from ..plan import MAX_SHARDS_TRIED, Placement, ShardInfo, ValidatedPlan, ValidNumShards
 from ..readers import Checkpoint, as_checkpoint
 from .checks import check_shapes, vocab_from_tensors
-from .decoder import Planned, plan_decoder
+from .decoder import ActOrder, Planned, plan_decoder
 from .experts import MODES, ExpertParallel
 from .fit import Constraint
 from .kinds import detect
 from .padding import Padding, padding_layout
 from .record import model_record
 from .spec import ModelSpec
+from .tensors import Tensor, tensors
 
 __all__ = ["plan_for", "plan_decision", "PlanDecision", "PlanSummary"]
 
@@ -86,8 +88,9 @@ class PlanDecision:
     #: the plan bound to N and validated against the checkpoint (None when refused or no N)
     validated: Optional[ValidatedPlan] = None
 
-    def plan(self) -> ShardInfo:
-        """The plan, or the refusal raised."""
+    def shard_info(self) -> ShardInfo:
+        """The plan as a plan file holds it (symbolic, or for this N alone when padded), or the
+        refusal raised."""
         if self.error is not None:
             raise self.error
         assert self.info is not None
@@ -105,7 +108,7 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     alone that zero-pads heads and MLP blocks (``"padded"``); else a refusal naming the first
     broken constraint (and why padding cannot help) and the N that work. Every plan records
     the model for integrations (``__metadata__.model``, read by ``shardload.geometry``). Errors
-    in the checkpoint's metadata are raised; a refusal is returned (``PlanDecision.plan()``
+    in the checkpoint's metadata are raised; a refusal is returned (``PlanDecision.shard_info()``
     raises it).
 
     ``experts``: ``"tp"`` splits every routed expert across the workers; ``"ep"`` gives each
@@ -126,11 +129,14 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     ckpt = as_checkpoint(params)
     kind, spec, scheme = detect(ckpt)
     spec = vocab_from_tensors(ckpt, spec)
-    check_shapes(ckpt, spec, scheme)
+    walked = tuple(tensors(ckpt, spec, scheme))     # every pass below reads this one walk
+    act_order = ActOrder(ckpt, scheme)
+    check_shapes(ckpt, spec, scheme, walked)
     # the assignment of experts depends on N alone, so a padded plan for N reuses it
     ep = None if experts == "tp" else ExpertParallel(
         num_shards, spec.rules.naming.count_experts(ckpt.metadata()))
-    planned = plan_decoder(ckpt, spec, scheme, vocab_parallel=vocab_parallel, experts=ep)
+    planned = plan_decoder(ckpt, spec, scheme, walked, act_order,
+                           vocab_parallel=vocab_parallel, experts=ep)
     if ep is not None and not ep.layouts:
         error = PlanError(f"{ckpt.source} has no routed experts ({spec.architecture}): expert "
                           "parallelism needs a mixture-of-experts model; plan with "
@@ -140,7 +146,7 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     # with expert parallelism, the N an EP plan can be made for (its experts put no constraint)
     valid = ValidNumShards([n for n in range(1, MAX_SHARDS_TRIED + 1) if constraints.allows(n)],
                            tried=MAX_SHARDS_TRIED)
-    record = {MODEL_KEY: model_record(ckpt, spec, scheme, kind, ep)}
+    record = {MODEL_KEY: model_record(ckpt, spec, scheme, kind, walked, ep)}
     source = f"<plan for {ckpt.source}>"
     if num_shards is None:
         return PlanDecision(None, "symbolic", _summary(planned, spec, scheme, experts), valid,
@@ -149,7 +155,7 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     if not broken:
         decided = "unpadded"
     else:
-        padding = _padding(ckpt, spec, scheme, num_shards, broken, pad, ep is not None)
+        padding = _padding(ckpt, spec, scheme, walked, num_shards, broken, pad, ep is not None)
         if not isinstance(padding, Padding):
             first, why = padding
             reason = first.why_not(num_shards)
@@ -160,8 +166,8 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
             return PlanDecision(num_shards, "refused", _summary(planned, spec, scheme, experts),
                                 valid, error=error)
         decided = "padded"
-        planned = plan_decoder(ckpt, spec, scheme, vocab_parallel=vocab_parallel,
-                               padding=padding, experts=ep)
+        planned = plan_decoder(ckpt, spec, scheme, walked, act_order,
+                               vocab_parallel=vocab_parallel, padding=padding, experts=ep)
         record = {**record, "tensor_parallel": padding.metadata(spec)}
         source = f"<padded plan for {ckpt.source}>"
     info = _plan_info(planned.steps, record, ep, source)
@@ -189,7 +195,7 @@ def plan_for(params, num_shards: Optional[int] = None, *, vocab_parallel: bool =
     True
     """
     return plan_decision(params, num_shards, vocab_parallel=vocab_parallel, pad=pad,
-                         experts=experts).plan()
+                         experts=experts).shard_info()
 
 
 def _summary(planned: Planned, spec: ModelSpec, scheme: Scheme, experts: str, *,
@@ -213,8 +219,8 @@ def _plan_info(steps: dict, metadata: dict, ep: Optional[ExpertParallel],
     return ShardInfo.from_dict(data, source=source)
 
 
-def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int,
-             broken: list[Constraint], pad: bool,
+def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, walked: tuple[Tensor, ...],
+             num_shards: int, broken: list[Constraint], pad: bool,
              whole_experts: bool = False) -> Union[Padding, tuple[Constraint, str]]:
     """For an N that breaks the ``broken`` constraints: the zero-padded layout that lifts them,
     or the constraint to name in the refusal and why padding cannot help ("" when ``pad`` is
@@ -225,5 +231,6 @@ def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, num_shards: int,
     if unpaddable:
         return unpaddable[0], ("the vocabulary is split evenly, never padded (split embeddings "
                                "and lm_head only for an N that divides it)")
-    padding = padding_layout(ckpt, spec, scheme, num_shards, whole_experts=whole_experts)
+    padding = padding_layout(ckpt, spec, scheme, num_shards, walked,
+                             whole_experts=whole_experts)
     return (broken[0], padding.reason) if isinstance(padding, PlanError) else padding

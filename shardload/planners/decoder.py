@@ -3,7 +3,8 @@ units. Every architecture the planner knows goes through it (Llama and its relat
 Phi, the MoE families, gpt-oss, DeepSeek's MLA, OLMo-2): an architecture is a row of
 ``architectures.py`` naming its tensors' roles, never a branch here.
 
-For each tensor (``tensors.tensors``: its role, MLP kind and axes), in storage order:
+For each tensor (``tensors.tensors``, classified once per decision and passed in: its role, MLP
+kind and axes), in storage order:
 
 1. no role, or no axes (a norm, a router, a tensor the format does not know): replicated;
 2. under expert parallelism, a routed expert's tensor goes whole to its worker (one per
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..errors import PlanError
 from ..formats import Axis, Scheme, TensorAxes
@@ -37,13 +38,13 @@ from .experts import ExpertParallel
 from .fit import Constraint, Constraints
 from .padding import Padding, padded_step
 from .roles import Segments
-from .tensors import Tensor, tensors
+from .tensors import Tensor
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..readers.base import Checkpoint
     from .spec import ModelSpec
 
-__all__ = ["plan_decoder", "Planned", "split_step"]
+__all__ = ["plan_decoder", "Planned", "split_step", "ActOrder"]
 
 
 @dataclass
@@ -137,18 +138,19 @@ def split_step(shape: tuple[int, ...], dtype: str, dim: int, segments: Segments)
                      (dim, *[v for pair in segments for v in pair]))
 
 
-def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, *,
+def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme,
+                 walked: Sequence[Tensor], act_order: "ActOrder", *,
                  vocab_parallel: bool = False, padding: Optional[Padding] = None,
                  experts: Optional[ExpertParallel] = None) -> Planned:
-    """The steps for every tensor of a decoder checkpoint: symbolic in num_shards, with the
-    constraints they put on N (``Planned.constraints``), or, with ``padding``, for its one N
-    with zero heads and blocks where N does not divide. With ``experts``, routed experts go
-    whole to workers (expert parallelism, ``experts.py``) and put no constraint on N."""
+    """The steps for every tensor of a decoder checkpoint (``walked``: ``tensors.tensors``):
+    symbolic in num_shards, with the constraints they put on N (``Planned.constraints``), or,
+    with ``padding``, for its one N with zero heads and blocks where N does not divide. With
+    ``experts``, routed experts go whole to workers (expert parallelism, ``experts.py``) and put
+    no constraint on N. Embeddings and lm_head are replicated unless ``vocab_parallel``."""
     planned = Planned()
-    act_order = _ActOrder(ckpt, scheme)
     naming = spec.rules.naming
-    for t in tensors(ckpt, spec, scheme, vocab_parallel=vocab_parallel):
-        if t.role is None:
+    for t in walked:
+        if t.role is None or (t.role.kind == "vocab" and not vocab_parallel):
             planned.replicated.append(t.name)
             continue
         kind = (naming.expert_kind(t.name, t.module)
@@ -183,7 +185,7 @@ def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, *,
 
 
 def _tensor_step(ckpt: "Checkpoint", t: Tensor, axes: TensorAxes, segments: Segments,
-                 act_order: "_ActOrder", group: _TensorGroup) -> Optional[list]:
+                 act_order: "ActOrder", group: _TensorGroup) -> Optional[list]:
     """The step for one tensor; the split it makes is noted in ``group``'s constraints."""
     split_n, meta = t.role.column, t.meta
     if axes.special == "shape":
@@ -219,9 +221,10 @@ def _per_part_scales(meta, segments: Segments) -> list:
     return [expand, split_step((rows, 1), meta.dtype, 0, segments)]
 
 
-class _ActOrder:
+class ActOrder:
     """Whether a module's input rows are reordered (act-order): its ``g_idx`` is not the
-    trivial ``k // G`` (read once per module), or, without one, the config says so."""
+    trivial ``k // G`` (read once per module, for every pass of a decision), or, without one,
+    the config says so."""
 
     def __init__(self, ckpt: "Checkpoint", scheme: Scheme):
         self.ckpt, self.scheme = ckpt, scheme

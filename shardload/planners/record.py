@@ -10,12 +10,12 @@ shares follow from it and the padded layout (``__metadata__.tensor_parallel``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..formats import Scheme
-from .tensors import tensors
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .tensors import Tensor
     from ..readers.base import Checkpoint
     from .experts import ExpertParallel
     from .spec import ModelSpec
@@ -61,13 +61,14 @@ def _config_keys(spec: "ModelSpec", kind: str, config: dict) -> dict[str, str]:
 
 
 def model_record(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, kind: str,
-                 experts: Optional["ExpertParallel"] = None) -> dict:
-    """The record of ``spec`` for the plan's ``__metadata__.model``."""
+                 walked: Sequence["Tensor"], experts: Optional["ExpertParallel"] = None) -> dict:
+    """The record of ``spec`` for the plan's ``__metadata__.model`` (``walked``: its tensors,
+    ``tensors.tensors``)."""
     sizes = {name: getattr(spec, attr) for name, attr in _SIZES.items()}
     sizes = {name: value for name, value in sizes.items() if value}
     naming = spec.rules.naming
     row_biases, kv, stacked, expert_shapes, shared_shapes = [], [], [], {}, {}
-    for t in tensors(ckpt, spec, scheme):
+    for t in walked:
         role = t.role
         if role is None:
             continue
