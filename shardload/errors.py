@@ -24,6 +24,7 @@ __all__ = [
     "WorkerError",
     "WorkerCrashedError",
     "WorkerFailure",
+    "Stopped",
     "Setting",
     "mention",
     "cli_text",
@@ -296,6 +297,12 @@ class WorkerError(ShardloadError):
     def traceback(self) -> str:
         """The remote traceback of the earliest failure."""
         return self.failures[0].traceback
+
+
+class Stopped(ShardloadError):
+    """Raised by a worker function that stops because ``ctx.should_stop()`` said so (another
+    worker failed, or the run was interrupted): the session reports the failure that caused it,
+    not this."""
 
 
 class WorkerCrashedError(ShardloadError):

@@ -27,52 +27,20 @@ ValueError: number 1e400 is out of the float64 range (it would be infinity)
 from __future__ import annotations
 
 import codecs
-import contextlib
-import gc
 import json
 import math
 import re
-import threading
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Union
 
 from .errors import quote
+from .gc_pause import gc_paused
 
-__all__ = ["loads", "loads_object", "NotAnObjectError", "gc_paused", "is_text"]
+__all__ = ["loads", "loads_object", "NotAnObjectError", "is_text"]
 
 _BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
          (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
 # a \u escape of a UTF-16 surrogate: the only way a lone surrogate gets into parsed JSON
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
-_gc_lock = threading.Lock()
-_gc_depth = 0
-_gc_was_enabled = False
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while building a large acyclic structure.
-
-    Parsing a 50 MB document creates millions of lists and dicts; each allocation burst
-    triggers a collection that walks every object made so far, which makes the parse several
-    times slower as it grows. Nothing built here has cycles (reference counting frees it), so
-    collection only waits. Nests, and is safe across threads: the collector comes back when
-    the last one leaves, if it was on when the first entered.
-    """
-    global _gc_depth, _gc_was_enabled
-    with _gc_lock:
-        if _gc_depth == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_depth += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_depth -= 1
-            if _gc_depth == 0 and _gc_was_enabled:
-                gc.enable()
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

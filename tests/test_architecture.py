@@ -181,6 +181,8 @@ INTEGRATION_MAY_IMPORT = {"shardload", "shardload.frontdoor", "shardload.geometr
                           "shardload.formats", "shardload.loader", "shardload.readers",
                           "shardload.sessions", "shardload.errors", "shardload.plan",
                           "shardload.readplan", "shardload.staging", "shardload.dtypes",
+                          # what the workers of a process compute once (hf: replicated pieces)
+                          "shardload.shared_outputs",
                           # a checkpoint in object storage, opened once for transformers'
                           # tokenizer (hf.run_setup): the URL test and the fetched bytes
                           "shardload.sources", "shardload.readers.objects"}
@@ -230,7 +232,8 @@ def test_no_arrow_from_a_lower_layer_up(layer):
 # small modules every layer may import (docs/architecture.md, "shared by all"): they import
 # nothing of shardload but one another, so importing them puts no layer above another
 SHARED = ["shardload.errors", "shardload.limits", "shardload.table", "shardload.files",
-          "shardload.strict_json", "shardload.dtypes", "shardload.selection"]
+          "shardload.strict_json", "shardload.dtypes", "shardload.selection",
+          "shardload.gc_pause", "shardload.shared_outputs"]
 
 
 @pytest.mark.parametrize("module", SHARED)

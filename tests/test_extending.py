@@ -88,7 +88,7 @@ def _toy_checkpoint(folder) -> transformers.PreTrainedModel:
 def test_a_format_is_one_class_planned_loaded_dequantized_and_run(toy_format, tmp_path):
     reference = _toy_checkpoint(tmp_path)
     decision = plan_decision(str(tmp_path), 2)
-    steps = decision.plan().steps
+    steps = decision.shard_info().steps
     assert decision.summary.scheme.method == "toy-row-int8"
     layer = "model.layers.0."
     assert layer + "self_attn.q_proj.codes" in steps and layer + "self_attn.q_proj.row_scale" \

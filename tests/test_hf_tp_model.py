@@ -326,7 +326,7 @@ def test_expert_parallel_equals_transformers(transformers_reference, case, n):
     ref = transformers_reference(case)
     with ThreadedSession(n) as session:
         with load_tp_model(str(ref.folder), session, experts="ep") as model:
-            held = model.decision.plan().metadata["experts"]["experts_per_worker"]
+            held = model.decision.shard_info().metadata["experts"]["experts_per_worker"]
             assert all(len(slots) == n for slots in held.values())
             logits = model(torch.tensor(PROMPT))
             tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS,

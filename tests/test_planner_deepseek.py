@@ -157,7 +157,7 @@ def read_bytes(name: str, w: torch.Tensor, n: int, i: int, padded: bool) -> int:
 
 
 def check_padded_layout(decision, n: int) -> None:
-    layout = decision.plan().metadata["tensor_parallel"]
+    layout = decision.shard_info().metadata["tensor_parallel"]
     assert layout["num_shards"] == n
     assert (layout["q_heads"], layout["kv_heads"]) == padded_heads(HEADS, HEADS, n)
     assert layout["mlp_block"] == 1
@@ -202,11 +202,11 @@ def check_tensor_parallel(folder, stored, n: int, session_class=ThreadedSession)
     with decided_load(folder, n, session_class=session_class) as (decision, sharded):
         padded = HEADS % n != 0
         assert decision.kind == ("padded" if padded else "unpadded"), n
-        assert decision.plan().placement is None
+        assert decision.shard_info().placement is None
         if padded:
             check_padded_layout(decision, n)
         else:
-            assert "tensor_parallel" not in decision.plan().metadata
+            assert "tensor_parallel" not in decision.shard_info().metadata
         assert sorted(sharded.names) == sorted(stored)
         split = 0
         for i in range(n):
@@ -307,7 +307,7 @@ def test_mla_attention_forward_sums_to_whole(request, version, n):
                 version, config, heads, lambda m: piece[f"{prefix}{m}.weight"]),
                 x, position_embeddings, mask)
             if decision.kind == "padded" and all(
-                    h == -1 for h in decision.plan().metadata["tensor_parallel"]["q_heads"][i]):
+                    h == -1 for h in decision.shard_info().metadata["tensor_parallel"]["q_heads"][i]):
                 assert torch.equal(part, torch.zeros_like(part)), (version, n, i)
                 zero_workers += 1
             got += part
@@ -570,7 +570,7 @@ def test_fp8_expert_parallel(fp8):
         owner = {e: w for w, held in enumerate(slots) for e in held if e >= 0}
         with decided_load(folder, n, experts="ep") as (decision, sharded):
             assert decision.kind == "unpadded"
-            assert decision.plan().metadata["experts"]["experts_per_worker"] == {
+            assert decision.shard_info().metadata["experts"]["experts_per_worker"] == {
                 str(EXPERTS): slots}
             for i in range(n):
                 worker = sharded.worker(i)
@@ -607,7 +607,7 @@ def check_expert_parallel(folder, stored, n: int, session_class=ThreadedSession)
     assert sorted(e for held in slots for e in held if e >= 0) == list(range(EXPERTS))
     owner = {e: w for w, held in enumerate(slots) for e in held if e >= 0}
     with decided_load(folder, n, experts="ep", session_class=session_class) as (decision, sharded):
-        info = decision.plan()
+        info = decision.shard_info()
         assert info.metadata["experts"] == {"mode": "ep", "num_shards": n,
                                             "experts_per_worker": {str(EXPERTS): slots}}
         padded = HEADS % n != 0        # 4 heads over 3 or 8: attention and MLPs padded as in TP

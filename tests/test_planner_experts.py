@@ -490,7 +490,7 @@ def test_ep_places_whole_experts_on_their_workers(moe_model, arch):
     assert len(experts) == 3 * EXPERTS * len(layers) and experts      # 3 projections each
     for n in SHARDS:
         decision = plan_decision(str(folder), n, experts="ep")
-        info, padded = decision.plan(), n in PADDED
+        info, padded = decision.shard_info(), n in PADDED
         assert decision.kind == ("padded" if padded else "unpadded"), (arch, n)
         # the placement: every expert tensor on its expert's worker, nothing else placed
         owners = owner(EXPERTS, n)
@@ -570,7 +570,7 @@ def test_ep_needs_no_padding_for_an_n_only_the_experts_break(tmp_path):
     assert plan_decision(str(tmp_path), 4, experts="tp").kind == "padded"
     decision = plan_decision(str(tmp_path), 4, experts="ep")
     assert decision.kind == "unpadded"
-    info = decision.plan()
+    info = decision.shard_info()
     assert "tensor_parallel" not in info.metadata
     assert info.metadata["experts"]["experts_per_worker"] == {"6": slots(6, 4)}
     symbolic = plan_for(str(tmp_path)).to_dict()
@@ -650,7 +650,7 @@ def test_gguf_stacked_experts_split_in_whole_experts(tmp_path, qtype, num_expert
 
     with open_checkpoint(path) as ckpt:
         decision = plan_decision(ckpt, n, experts="ep")
-        info = decision.plan()
+        info = decision.shard_info()
         layout = slots(num_experts, n)
         assert info.metadata["experts"]["experts_per_worker"] == {str(num_experts): layout}
         assert dict(info.placement.params) == {}       # stacked: split, not placed

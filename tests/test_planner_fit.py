@@ -68,15 +68,15 @@ def test_what_each_decision_holds(tmp_path):
     folder = write_model(str(tmp_path), THREE, PLAIN[0]).folder
     with open_checkpoint(folder) as ckpt:
         unpadded = plan_decision(ckpt, 3)
-        assert unpadded.plan().is_symbolic and not unpadded.summary.padded
+        assert unpadded.shard_info().is_symbolic and not unpadded.summary.padded
         padded = plan_decision(ckpt, 4)
-        assert padded.plan().metadata["tensor_parallel"]["num_shards"] == 4
-        assert padded.summary.padded and not padded.plan().is_symbolic
+        assert padded.shard_info().metadata["tensor_parallel"]["num_shards"] == 4
+        assert padded.summary.padded and not padded.shard_info().is_symbolic
         assert list(padded.valid) == [1, 3, 6, 12]
         refused = plan_decision(ckpt, 4, pad=False)
         assert refused.info is None and isinstance(refused.error, PlanError)
         with pytest.raises(PlanError) as err:
-            refused.plan()
+            refused.shard_info()
         assert err.value is refused.error
         symbolic = plan_decision(ckpt)
         assert symbolic.kind == "symbolic" and symbolic.num_shards is None
@@ -108,7 +108,7 @@ def test_constraints_allow_exactly_the_n_that_validate(tmp_path, fmt):
         folder = write_model(str(tmp_path / str(k)), geometry, fmt).folder
         with open_checkpoint(folder) as ckpt:
             decision = plan_decision(ckpt)
-            truth = valid_num_shards(decision.plan(), ckpt)       # binds and validates each N
+            truth = valid_num_shards(decision.shard_info(), ckpt)       # binds and validates each N
             assert list(decision.valid) == list(truth), (fmt.name, geometry)
             assert decision.valid.complete
 
@@ -137,7 +137,7 @@ def test_random_models_decide_as_validating_would(tmp_path_factory, case):
     folder = write_model(str(tmp_path_factory.mktemp("random")), geometry, fmt).folder
     with open_checkpoint(folder) as ckpt:
         decision = plan_decision(ckpt)
-        assert list(decision.valid) == list(valid_num_shards(decision.plan(), ckpt))
+        assert list(decision.valid) == list(valid_num_shards(decision.shard_info(), ckpt))
         for n in (2, 3, 5, 6):
             kind = plan_decision(ckpt, n).kind      # a padded plan has passed its validation
             if n in decision.valid:
@@ -237,7 +237,7 @@ def test_vocab_parallel_is_never_padded(tmp_path):
         decision = plan_decision(ckpt, 2, vocab_parallel=True)
         assert decision.kind == "padded"
         with ThreadedSession(2) as sess:
-            result = load_sharded(ckpt, decision.plan(), sess, progress=False)
+            result = load_sharded(ckpt, decision.shard_info(), sess, progress=False)
         full = ckpt.read("lm_head.weight")
     for i in range(2):
         assert torch.equal(result.shard("lm_head.weight", i), full.chunk(2)[i])

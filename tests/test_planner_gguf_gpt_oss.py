@@ -135,7 +135,7 @@ def test_tp_every_worker_dequantizes_to_its_slice(model, n):
     # N = 1 fits as is; 2 and 4 break the experts' 3 MXFP4 groups along down's K, 3 the 4
     # query heads: each is a zero-padded plan for that N
     assert d.kind == ("unpadded" if n == 1 else "padded")
-    info = d.plan()
+    info = d.shard_info()
     q, kv, mlp = _layout(n)
     if n == 1:
         assert "tensor_parallel" not in info.metadata
@@ -187,7 +187,7 @@ def test_ep_every_exps_tensor_splits_in_whole_experts(model, n):
     path, stored, _ = model
     splits = {name: split for name, (_, _, split) in tensors().items()}
     d = plan_decision(path, n, experts="ep")
-    info = d.plan()
+    info = d.shard_info()
     slots = _experts_of(n)
     assert info.metadata["experts"]["experts_per_worker"] == {str(EXPERTS): slots}
     assert info.metadata["experts"]["mode"] == "ep"

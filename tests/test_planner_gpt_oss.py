@@ -157,7 +157,7 @@ def check_every_piece(sharded, stored: dict, n: int, unit_of, slots=None) -> int
 
 
 def check_padded_layout(decision, n: int, inter: int, block: int) -> None:
-    layout = decision.plan().metadata["tensor_parallel"]
+    layout = decision.shard_info().metadata["tensor_parallel"]
     assert layout["num_shards"] == n and layout["head_dim"] == HEAD_DIM
     assert (layout["q_heads"], layout["kv_heads"]) == padded_heads(HEADS, KV_HEADS, n)
     assert layout["mlp_block"] == block
@@ -187,7 +187,7 @@ def test_bf16_tensor_parallel_every_piece(bf16):
             if padded:
                 check_padded_layout(decision, n, BF16_INTER, 1)
             else:
-                assert "tensor_parallel" not in decision.plan().metadata
+                assert "tensor_parallel" not in decision.shard_info().metadata
             changed = check_every_piece(sharded, stored, n,
                                         lambda i: units_of(n, i, BF16_INTER, padded, 1))
             if n > 1:  # per layer: q/k/v weight+bias, o weight, sinks, gate_up w+bias, down
@@ -234,7 +234,7 @@ def check_expert_parallel(folder, stored, n, session_class=ThreadedSession) -> N
     with decided_load(folder, n, experts="ep", session_class=session_class) as (decision, sharded):
         slots = expert_slots(EXPERTS, n)
         assert sorted(e for held in slots for e in held if e >= 0) == list(range(EXPERTS))
-        metadata = decision.plan().metadata
+        metadata = decision.shard_info().metadata
         assert metadata["experts"] == {"mode": "ep", "num_shards": n,
                                        "experts_per_worker": {str(EXPERTS): slots}}
         padded = HEADS % n != 0     # attention as in TP: 4 query heads over 3 or 8 padded
@@ -326,7 +326,7 @@ def test_experts_forward_sums_to_whole(request, which, n):
                 inter = weights["down_proj"].shape[1]
                 part = experts_module(config, inter, weights)(x, indices, scores)
                 if decision.kind == "padded":
-                    blocks = decision.plan().metadata["tensor_parallel"]["mlp_blocks"]
+                    blocks = decision.shard_info().metadata["tensor_parallel"]["mlp_blocks"]
                     if all(b == -1 for b in blocks[str(config.intermediate_size)][i]):
                         assert torch.equal(part, torch.zeros_like(part)), (which, n, i)
                 got += part

@@ -74,7 +74,7 @@ def _check_message(message: str, file: str, case: Case) -> None:
 def _check_refused(ckpt_path: str, file: str, case: Case) -> None:
     """The case through the API and the CLI: the exception, the file, the key, the value."""
     with open_checkpoint(ckpt_path) as ckpt:
-        for call in (lambda: plan_decision(ckpt).plan(), lambda: plan_for(ckpt, num_shards=2)):
+        for call in (lambda: plan_decision(ckpt).shard_info(), lambda: plan_for(ckpt, num_shards=2)):
             with pytest.raises((FormatError, PlanError)) as err:
                 call()
             assert type(err.value) is case.exc, (case.id, err.value)
@@ -280,7 +280,7 @@ def test_null_is_absent_where_hf_writes_it(plain_model, tmp_path, field, value):
             plan_for(folder)      # 2 KV heads of 128 = 256 rows, but k_proj has 64
         return
     decision = plan_decision(folder)
-    info, summary = decision.plan(), decision.summary
+    info, summary = decision.shard_info(), decision.summary
     assert summary.spec.head_dim == 32 and len(info) > 0
 
 
@@ -360,7 +360,7 @@ def test_gguf_without_vocab_size_takes_it_from_the_embeddings(tmp_path):
     # the one size that is only a hint: absent, the embeddings' rows are the vocabulary
     path = write_gguf(str(tmp_path / "model.gguf"), drop=("llama.vocab_size",))
     decision = plan_decision(path, vocab_parallel=True)
-    info, summary = decision.plan(), decision.summary
+    info, summary = decision.shard_info(), decision.summary
     assert summary.spec.vocab_size == 32
     step = info.to_dict()["token_embd.weight"][0]
     assert step[1][0][:2] == ["num_shards", "32 // num_shards"]

@@ -152,7 +152,7 @@ def check_every_worker(folder, config, decision, sharded, owners=None,
 def check_padded_layout(decision, config, mlp_sizes) -> None:
     """The padded plan's record of each worker's heads and MLP blocks: the rule's."""
     n = decision.num_shards
-    layout = decision.plan().metadata["tensor_parallel"]
+    layout = decision.shard_info().metadata["tensor_parallel"]
     assert (layout["q_heads"], layout["kv_heads"]) == padded_head_runs(
         config.num_attention_heads, config.num_key_value_heads, n, heads_per_run(config))
     if mlp_sizes:
@@ -222,7 +222,7 @@ def test_every_worker_dequantizes_to_its_slice(arch):
         if kind == "padded":
             check_padded_layout(decision, config, [INTER])
         else:
-            assert "tensor_parallel" not in decision.plan().metadata
+            assert "tensor_parallel" not in decision.shard_info().metadata
         sharded = load_decision(folder, decision)
         assert check_every_worker(folder, config, decision, sharded) == (4 if arch == "phi3"
                                                                          else 7)
@@ -255,7 +255,7 @@ def test_qwen3_moe_experts_split_like_an_mlp_of_32_rows():
         assert decision.kind == kind, n
         if kind == "padded":
             check_padded_layout(decision, config, [MOE_INTER])
-            assert decision.plan().metadata["tensor_parallel"]["mlp_blocks"] == {
+            assert decision.shard_info().metadata["tensor_parallel"]["mlp_blocks"] == {
                 "32": [[0], [1], [-1], [-1]]}
         sharded = load_decision(folder, decision)
         assert check_every_worker(folder, config, decision, sharded) == 2 * (4 + 3 * EXPERTS)
@@ -275,7 +275,7 @@ def test_qwen3_moe_expert_parallel_places_whole_experts(n, processes):
     folder, config = export("qwen3_moe"), CONFIGS["qwen3_moe"]()
     decision = plan_decision(str(folder), n, experts="ep")
     assert decision.kind == ("padded" if HEADS % n else "unpadded")   # the heads, not experts
-    plan = decision.plan()
+    plan = decision.shard_info()
     workers = balanced(EXPERTS, n)
     width = max(map(len, workers))
     assert plan.metadata["experts"]["experts_per_worker"] == {
@@ -368,7 +368,7 @@ def test_hf_quant_config_alone_gives_the_same_plan(tmp_path, arch, cases):
                 " ('quantization_config.group_size' = 16)", "") == str(new.error).replace(
                     str(folder), "F")
         else:
-            assert was.plan().to_dict() == new.plan().to_dict(), (n, experts)
+            assert was.shard_info().to_dict() == new.shard_info().to_dict(), (n, experts)
 
 
 # ---- the command line ----------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
         decision = planner_decision.plan_decision(checkpoint, num_shards,
                                                   vocab_parallel=vocab_parallel,
                                                   pad=not no_pad, experts=experts)
-        info, summary, valid = decision.plan(), decision.summary, decision.valid
+        info, summary, valid = decision.shard_info(), decision.summary, decision.valid
     interrupts.check()
     try:
         text = write_plan(info, output)

@@ -141,7 +141,7 @@ def resolve_plan(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None
 
     decision = plan_decision(checkpoint, num_shards, vocab_parallel=vocab_parallel, pad=pad,
                              experts=experts)
-    info = decision.plan()
+    info = decision.shard_info()
     return ResolvedPlan(decision.validated, "planned", info.source, decision)
 
 
@@ -161,7 +161,7 @@ def _padded_instead(beside: ShardInfo, checkpoint: Checkpoint,
         return None
     if decision.kind != "padded":
         return None
-    return ResolvedPlan(decision.validated, "planned", decision.plan().source, decision)
+    return ResolvedPlan(decision.validated, "planned", decision.shard_info().source, decision)
 
 
 def planned_fits(checkpoint: Checkpoint) -> list[int]:

@@ -16,11 +16,11 @@ worker reports the bytes of the pieces it has dequantized as progress (``ctx.pro
 from __future__ import annotations
 
 import contextlib
-import threading
-from concurrent.futures import Future
-from typing import Callable
 
 import torch
+
+from ..errors import Stopped
+from ..shared_outputs import SharedOutputs
 
 __all__ = ["hf_state", "gguf_state", "dense_weights", "sharing_replicated"]
 
@@ -128,34 +128,12 @@ def _expand_kv(dense: dict[str, torch.Tensor], kv_map: list[int], head_dim: int,
             dense[name] = dense[name].index_select(0, rows).contiguous()
 
 
-class _Replicated:
-    """The replicated pieces of one build, each dequantized once by whichever worker of this
-    process needs it first; the others wait for it and share its tensor (and its failure)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._made: dict[str, Future] = {}
-
-    def get(self, name: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        with self._lock:
-            future, mine = self._made.get(name), name not in self._made
-            if mine:
-                future = self._made[name] = Future()
-        if mine:   # made synchronously, waiting on nothing: no worker waits in a cycle
-            try:
-                future.set_result(make())
-            except BaseException as exc:
-                future.set_exception(exc)
-                raise
-        return future.result()
-
-
 #: the builds under way in this process whose workers share replicated pieces, by token.
 #: Module-global because a worker finds its build by the token in its spec alone: the
 #: controller registers the build here for as long as it runs (``sharing_replicated``) when
 #: workers run in its process (threads, or its own torchrun rank); a worker process finds none
 #: and dequantizes its own.
-_replicated: dict[str, _Replicated] = {}
+_replicated: dict[str, SharedOutputs] = {}
 
 
 @contextlib.contextmanager
@@ -165,7 +143,7 @@ def sharing_replicated(token: str, num_local: int):
     if num_local < 2:
         yield
         return
-    _replicated[token] = _Replicated()
+    _replicated[token] = SharedOutputs(num_local)
     try:
         yield
     finally:
@@ -188,6 +166,18 @@ def _gguf_arrays(ctx, spec: dict) -> dict[str, torch.Tensor]:
                                              ggml_types={"weight": types[name]})["weight"]
 
         shared = _replicated.get(spec["token"]) if name in replicated else None
-        out[name] = shared.get(name, make) if shared is not None else make()
+        if shared is None:
+            out[name] = make()
+        else:   # every local worker holds every replicated piece, in the same order
+            out[name], _ = shared.take(name, make, lambda: _alive(ctx))
+            shared.release(name)
         ctx.progress(nbytes=piece.nbytes)
     return out
+
+
+def _alive(ctx) -> None:
+    """While a worker waits on another's dequantization: stop if the session says so (the
+    other may have failed), else say it is alive."""
+    if ctx.should_stop():
+        raise Stopped()
+    ctx.progress()

@@ -30,7 +30,8 @@ from .chains import run_steps
 from .reads import (PageReleases, Readahead, SourceViews, copy_runs, count_read, new_piece,
                     piece_spans, read_runs, source_bytes_for)
 from .stream import worker_side
-from .sharing import SharedOutputs, local_for
+from ..shared_outputs import SharedOutputs
+from .sharing import local_for
 
 __all__ = ["LOAD_PIECES", "FETCH_PIECE", "RELEASE_LOADS", "read_piece", "load_pieces",
            "fetch_piece", "release_loads"]

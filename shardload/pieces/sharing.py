@@ -14,93 +14,19 @@ import os
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from ..readers.base import Checkpoint
 from ..readplan import PieceRead, ReadPlan
-from ..sessions import Stopped
+from ..shared_outputs import SharedOutputs
 from .reads import PageReleases, Readahead, tensor_spans
 
 __all__ = ["MAX_SHARED", "SharedOutputs", "LocalLoad", "local_load", "local_for"]
 
 #: chains whose full output may be alive at once in one process (the staging bound)
 MAX_SHARED = 2
-
-
-@dataclass
-class _Cell:
-    value: Optional[torch.Tensor] = None
-    failed: bool = False
-    ready: bool = False
-    taken: int = 0
-
-
-class SharedOutputs:
-    """Full outputs of chains, computed once and shared by the workers of a process.
-
-    The first worker to reach a parameter computes it; the others wait for it. A cell is dropped
-    when all its workers have taken their piece, and a new one is opened only while fewer than
-    ``MAX_SHARED`` are alive. No deadlock: a worker holds no cell while it waits for a slot, and
-    only the worker furthest ahead ever opens one, so the workers behind it, who free the
-    slots, never wait on it.
-    """
-
-    def __init__(self, num_workers: int, stop: Callable[[], bool]):
-        self._n = num_workers
-        self._stop = stop
-        self._cond = threading.Condition()
-        self._cells: dict[str, _Cell] = {}
-
-    def take(self, name: str, compute: Callable[[], torch.Tensor],
-             waiting: Callable[[], None]) -> tuple[torch.Tensor, bool]:
-        """The full output for ``name`` and whether this call computed it. ``waiting()`` is
-        called while this worker waits on another (a worker waiting on a stuck one is alive)."""
-        with self._cond:
-            while True:
-                self._check_stop()
-                cell = self._cells.get(name)
-                if cell is not None or len(self._cells) < MAX_SHARED:
-                    break
-                waiting()
-                self._cond.wait(0.1)
-            owner = cell is None
-            if owner:
-                cell = self._cells[name] = _Cell()
-        if owner:
-            try:
-                cell.value = compute()
-            except BaseException:
-                cell.failed = True
-                raise
-            finally:
-                with self._cond:
-                    cell.ready = True
-                    self._cond.notify_all()
-            return cell.value, True
-        with self._cond:
-            while not cell.ready:
-                self._check_stop()
-                waiting()
-                self._cond.wait(0.1)
-        if cell.failed:
-            raise Stopped()  # the owner reports the failure; this worker stops quietly
-        return cell.value, False
-
-    def release(self, name: str) -> None:
-        with self._cond:
-            cell = self._cells.get(name)
-            if cell is None:
-                return
-            cell.taken += 1
-            if cell.taken == self._n:
-                del self._cells[name]
-                self._cond.notify_all()
-
-    def _check_stop(self) -> None:
-        if self._stop():
-            raise Stopped()
 
 
 # ---- loads the loader runs in its own process ----------------------------------------------------
@@ -123,7 +49,7 @@ class LocalLoad:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        self.shared = SharedOutputs(self.num_local, self.stopped.is_set)
+        self.shared = SharedOutputs(self.num_local, self.stopped.is_set, most_alive=MAX_SHARED)
         self.releases = PageReleases(self.ckpt, workers=self.num_local,
                                      num_shards=self.num_shards)
         self._spans = tensor_spans(self.ckpt)

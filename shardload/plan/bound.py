@@ -18,7 +18,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from .. import dtypes, strict_json, symbolic
+from ..gc_pause import gc_paused
+from .. import dtypes, symbolic
 from ..errors import PlanError, Setting, mention, quote
 from ..limits import num_shards_problem
 from ..readers.base import TensorMeta
@@ -75,7 +76,7 @@ def bind(info: "ShardInfo", num_shards: int, exprs: "Expressions") -> "Plan":
     values: dict[str, int] = {}  # each distinct expression evaluated once for this N
     bound: dict[tuple[int, int], Step] = {}  # a step shared by many parameters, bound once
     params = {}
-    with strict_json.gc_paused():
+    with gc_paused():
         for name, raw_steps in info.steps.items():
             steps = []
             for k, raw in enumerate(raw_steps):

@@ -20,6 +20,7 @@ import os
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Union
 
+from ..gc_pause import gc_paused
 from .. import dtypes, files, strict_json, symbolic
 from ..errors import PlanError, quote
 from . import bound, limits
@@ -246,7 +247,7 @@ class ShardInfo:
             data = strict_json.loads(text)
         except ValueError as exc:
             raise PlanError(f"not valid JSON: {cut(str(exc))}", source=source) from None
-        with strict_json.gc_paused():
+        with gc_paused():
             return cls.from_dict(data, source, _strict_json=True)
 
     @classmethod

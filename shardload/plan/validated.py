@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
-from .. import dtypes, strict_json
+from ..gc_pause import gc_paused
+from .. import dtypes
 from ..errors import PlanError, UnknownShardFunctionError, quote
 from ..readers.base import TensorMeta
 from . import limits
@@ -49,7 +50,7 @@ def validate(plan: "Plan", metadata: Mapping[str, TensorMeta]) -> "ValidatedPlan
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise PlanError(f"the checkpoint has no tensor named {quote(first)}{hint}{more}; the "
                         "plan does not match this checkpoint", source=plan.source, param=first)
-    with strict_json.gc_paused():
+    with gc_paused():
         return ValidatedPlan(plan, MappingProxyType(_validate(plan, metadata)))
 
 

@@ -35,7 +35,7 @@ import os
 import threading
 from array import array
 from itertools import repeat
-from typing import Callable, Iterable, Optional, Union
+from typing import Iterable, Optional, Union
 
 import numpy as np
 import torch

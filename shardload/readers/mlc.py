@@ -81,7 +81,7 @@ from ..errors import FormatError, quote
 from ..files import (MAX_SIDE_FILE_BYTES, check_member_name, data_lexists, map_data,
                      read_json)
 from ..dtypes import shape_problem
-from ..strict_json import gc_paused
+from ..gc_pause import gc_paused
 from .base import MAX_INDEX_BYTES, TensorMeta
 from .mapped import MappedCheckpoint, unmap
 

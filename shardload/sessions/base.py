@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Seque
 
 import torch
 
-from ..errors import DEVICE_CPU, SessionClosedError, ShardloadError, mention, quote
+from ..errors import (DEVICE_CPU, SessionClosedError, Stopped,  # noqa: F401 (Stopped: here too)
+                      mention, quote)
 from ..limits import num_shards_problem
 from .watchdog import (DEFAULT, DEFAULT_TIMEOUT_S, TIMEOUT_ENV, check_timeout,  # noqa: F401
                        default_timeout, session_timeout)
@@ -112,12 +113,6 @@ class Heartbeats:
         where = self.where[worker]
         on = f" on parameter {quote(where)}" if where is not None else ""
         return f"no progress for {timeout:g} s{on} (the watchdog's timeout)"
-
-
-class Stopped(ShardloadError):
-    """Raised by a worker function that stops because ``ctx.should_stop()`` said so (another
-    worker failed, or the run was interrupted): the session reports the failure that caused it,
-    not this."""
 
 
 def _no_progress(nbytes: int = 0, where: Optional[str] = None) -> None:
