@@ -1,4 +1,5 @@
-"""The README runs as written: every command and snippet in it.
+"""The README runs as written: every command and snippet in it, and the blocks of ``docs/``
+that carry a directive.
 
 Each fenced block the README shows is preceded by a directive, an HTML comment the reader does
 not see, and this test does what it says:
@@ -16,11 +17,15 @@ not see, and this test does what it says:
   stands for any text, for timings); of its last command, for a block of several (an install,
   then the command whose output is shown).
 
-A block with no directive fails the test: nothing in the README goes unchecked.
+A README block with no directive fails the test: nothing in the README goes unchecked. In
+``docs/``, a block with a ``run`` directive is run the same way (a page there may also show
+commands that need what a reader has and CI does not, a cloud account or a GPU: those carry no
+directive).
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
@@ -39,6 +44,7 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 
 @dataclass
 class Block:
+    file: str                      # relative to the repository
     line: int
     lang: str
     code: str
@@ -50,14 +56,14 @@ class Block:
         return (self.directive or "").split()
 
 
-def _blocks() -> list[Block]:
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+def _blocks(file: str) -> list[Block]:
+    with open(os.path.join(REPO, file), encoding="utf-8") as f:
         text = f.read()
     blocks: list[Block] = []
     for match in FENCE.finditer(text):
         before = text[:match.start()].rstrip().rsplit("\n", 1)[-1]
         directive = DIRECTIVE.fullmatch(before.strip())
-        block = Block(text[:match.start()].count("\n") + 1, match.group(1), match.group(2),
+        block = Block(file, text[:match.start()].count("\n") + 1, match.group(1), match.group(2),
                       directive.group(1).strip() if directive else None)
         if block.words == ["output"]:
             assert blocks, "an output block with no block before it"
@@ -67,13 +73,16 @@ def _blocks() -> list[Block]:
     return blocks
 
 
-BLOCKS = _blocks()
+BLOCKS = _blocks("README.md")
+DOC_BLOCKS = [block for page in sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+              for block in _blocks(os.path.relpath(page, REPO)) if block.directive is not None]
 
 
 def _param(block: Block):
     marks = [getattr(pytest.mark, word) for word in block.words[1:]]
     first = block.code.strip().splitlines()[0][:40]
-    return pytest.param(block, marks=marks, id=f"line{block.line}-{first}")
+    page = "" if block.file == "README.md" else os.path.basename(block.file) + "-"
+    return pytest.param(block, marks=marks, id=f"{page}line{block.line}-{first}")
 
 
 #: what the tests' own environment holds that a reader's does not: the tests' import path and
@@ -121,6 +130,9 @@ def test_every_block_says_how_it_is_checked():
     unchecked = [b.line for b in BLOCKS if b.directive is None]
     assert not unchecked, f"README blocks with no <!-- test: ... --> directive: lines {unchecked}"
     assert all(b.words[0] in ("setup", "run") for b in BLOCKS), [b.directive for b in BLOCKS]
+    # the set-up commands are the README's; a page of docs/ only runs its blocks
+    assert all(b.words[0] == "run" for b in DOC_BLOCKS), [(b.file, b.line) for b in DOC_BLOCKS]
+    assert any(b.file == "docs/objects.md" for b in DOC_BLOCKS)
 
 
 SETUP = [b for b in BLOCKS if b.words[:1] == ["setup"]]
@@ -144,11 +156,13 @@ def test_the_first_command_loads_the_example_as_shown():
     assert _matches(install.output, done.stdout), done.stdout
 
 
-@pytest.mark.parametrize("block", [_param(b) for b in BLOCKS if b.words[:1] == ["run"]])
+@pytest.mark.parametrize("block", [_param(b) for b in BLOCKS + DOC_BLOCKS
+                                   if b.words[:1] == ["run"]])
 def test_the_block_runs_as_written(block: Block):
     done = _run(block.lang, block.code, 900, vllm="vllm" in block.words)
-    assert done.returncode == 0, f"README line {block.line}:\n{done.stdout}\n{done.stderr}"
+    where = f"{block.file} line {block.line}"
+    assert done.returncode == 0, f"{where}:\n{done.stdout}\n{done.stderr}"
     if block.output is not None:
         commands = [line for line in block.code.splitlines() if line.strip()]
         assert _matches(block.output, done.stdout, whole=len(commands) == 1), (
-            f"README line {block.line} prints\n{done.stdout}\nnot\n{block.output}")
+            f"{where} prints\n{done.stdout}\nnot\n{block.output}")
