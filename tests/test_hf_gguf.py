@@ -70,6 +70,30 @@ def test_sharded_gguf_matches_transformers(transformers_answers, n):
     assert torch.equal(tokens, want_tokens)
 
 
+def test_replicated_pieces_are_dequantized_once_per_process(transformers_answers, monkeypatch):
+    """The embeddings and norms every worker holds whole are dequantized by one thread worker
+    and shared (``shared_outputs.SharedOutputs``); each split piece by its own worker."""
+    import shardload.formats
+
+    path, _, _ = transformers_answers
+    calls = []
+    dequantize = shardload.formats.dequantize_module
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return dequantize(*args, **kwargs)
+
+    monkeypatch.setattr(shardload.formats, "dequantize_module", counting)
+    n = 3
+    with ThreadedSession(n) as session, load_tp_model(path, session) as model:
+        split = model.decision.shard_info().steps
+    with open_checkpoint(path) as ckpt:
+        names = list(ckpt.metadata())
+    replicated = [name for name in names if name not in split]
+    assert replicated and len(replicated) < len(names)
+    assert len(calls) == n * (len(names) - len(replicated)) + len(replicated)
+
+
 def test_config_is_transformers_own():
     """``from_gguf.config_dict`` (from shardload's reader) is what transformers' GGUF loader
     makes of the file (``load_gguf_checkpoint``, which parses every key-value again)."""
