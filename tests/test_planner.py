@@ -23,7 +23,7 @@ from helpers.quantized_models import (GPTQ, GQA, MQA, OTHERS, PLAIN, THREE, WIDE
                                       awq, ct_act_order, fp8, gptq, pack_quantized, write_model)
 from shardload import PlanError, ThreadedSession, load_sharded, open_checkpoint
 from helpers.tp_reference import padded_head_runs, padded_units, rows_of, take
-from shardload.planners import plan_for, valid_num_shards
+from shardload.planners import plan_decision, plan_for, valid_num_shards
 
 NS = (1, 2, 3, 4, 8)
 
@@ -243,12 +243,16 @@ def test_layouts_that_cannot_be_sliced_are_refused(tmp_path, quant, phrase):
         plan_for(model.folder)
 
 
-def test_fp8_blocks_straddling_kv_heads_are_refused(tmp_path):
-    # 64-row KV heads inside 128-row scale blocks: a KV head cannot be split off exactly
+def test_fp8_blocks_straddling_kv_heads_go_in_pairs(tmp_path):
+    # 64-row KV heads inside 128-row scale blocks: a KV head cannot be split off exactly, a
+    # pair can: N = 1 as it is (it was refused, N = 1 too), other N zero-padded in pairs
     model = write_model(str(tmp_path), Geometry(hidden=512, heads=8, kv_heads=2, head_dim=64,
                                                 inter=1024), fp8("block"))
-    with pytest.raises(PlanError, match="straddle"):
-        plan_for(model.folder)
+    decision = plan_decision(model.folder)
+    assert list(decision.valid) == [1]
+    assert "KV heads" in str(plan_decision(model.folder, 2, pad=False).error)
+    for n in (2, 3):
+        check_padded(model, n, run=2)
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
@@ -424,7 +428,42 @@ def test_zero_padding_heads_narrower_than_a_group(tmp_path, fmt, n):
     rows, its g_idx among them, pad in runs of 4 heads, whole zero groups (not one head, which
     would cut a group: the planner once wrote a plan its own validation refused)."""
     narrow = Geometry(hidden=256, heads=8, kv_heads=4, head_dim=16, inter=512)
-    check_padded(write_model(str(tmp_path), narrow, fmt), n, run=4)
+    model = write_model(str(tmp_path), narrow, fmt)
+    if n == 5 and fmt.name.endswith("act"):   # 2 runs of heads over 5 workers: 2.5x the heads
+        assert "would more than double" in str(plan_decision(model.folder, n).error)
+        return
+    check_padded(model, n, run=4)
+
+
+@pytest.mark.parametrize("fmt", [gptq(3, 32), gptq(3, 32, act_order=True)], ids=lambda f: f.name)
+def test_kv_heads_narrower_than_a_packed_block(tmp_path, fmt):
+    """3-bit GPTQ packs qzeros' columns 32 to a block of 3 words: KV heads of 16 columns go in
+    pairs, whole blocks (the planner once refused every N, N = 1 too). Unpadded where N
+    divides the 2 pairs of KV heads, zero-padded in runs of two heads elsewhere, exactly."""
+    narrow = Geometry(hidden=256, heads=8, kv_heads=4, head_dim=16, inter=512)
+    model = write_model(str(tmp_path), narrow, fmt)
+    with open_checkpoint(model.folder) as ckpt:
+        decision = plan_decision(ckpt)
+        assert list(decision.valid) == list(valid_num_shards(decision.shard_info(), ckpt))
+        assert list(decision.valid) == [1, 2]
+        assert plan_decision(ckpt, 2).kind == "unpadded"
+    for n in (3, 4):
+        check_padded(model, n, run=2)
+
+
+def test_act_order_padding_past_twice_the_heads_is_refused(tmp_path):
+    """Act-order keeps all of o_proj's group scales on every worker, plus zero groups for its
+    zero rows: 2 query heads padded to 8 over 8 workers would hold 4x the layer's scales on
+    each, past what the loader allocates for a stored tensor. Refused with the reason (a
+    returned refusal, not the plan's own validation raising); without act-order it pads."""
+    two_heads = Geometry(hidden=512, heads=2, kv_heads=1, head_dim=128, inter=1024)
+    act = write_model(str(tmp_path / "act"), two_heads, gptq(4, 32, act_order=True))
+    decision = plan_decision(act.folder, 8)
+    assert decision.kind == "refused"
+    assert ("act-order keeps every group's scales on every worker, and 2 query heads "
+            "zero-padded to 8 over 8 workers") in str(decision.error)
+    assert plan_decision(act.folder, 3).kind == "padded"      # 2 heads to 3: within twice
+    check_padded(write_model(str(tmp_path / "plain"), two_heads, gptq(4, 32)), 8)
 
 
 @pytest.mark.parametrize("fmt", [gptq(4, -1), gptq(3, -1, sym=True),

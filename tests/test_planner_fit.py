@@ -217,7 +217,8 @@ def test_refusal_names_packed_words_and_blocks(tmp_path):
     path = str(tmp_path / "m.gguf")
     write_gguf(path, dict.fromkeys(GGUF_LINEARS, T.Q4_K), hidden=512, inter=1024)
     err = refusal(path, 4)
-    assert ("stored in 2 blocks of 256 (Q4_K blocks), do not divide among 4 workers; and "
+    assert ("stored in 2 blocks of 256 (Q4_K blocks), 4 to a block, do not divide among 4 "
+            "workers; and "
             "zero-padding cannot help") in str(err)
     assert "heads cannot be padded" in str(err) and "N that work (up to 64): 1, 2" in str(err)
     folder = write_model(str(tmp_path / "gptq"), THREE, gptq(4, 32)).folder

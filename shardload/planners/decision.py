@@ -155,7 +155,8 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     if not broken:
         decided = "unpadded"
     else:
-        padding = _padding(ckpt, spec, scheme, walked, num_shards, broken, pad, ep is not None)
+        padding = _padding(ckpt, spec, scheme, walked, act_order, num_shards, broken, pad,
+                           ep is not None)
         if not isinstance(padding, Padding):
             first, why = padding
             reason = first.why_not(num_shards)
@@ -220,7 +221,7 @@ def _plan_info(steps: dict, metadata: dict, ep: Optional[ExpertParallel],
 
 
 def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, walked: tuple[Tensor, ...],
-             num_shards: int, broken: list[Constraint], pad: bool,
+             act_order: ActOrder, num_shards: int, broken: list[Constraint], pad: bool,
              whole_experts: bool = False) -> Union[Padding, tuple[Constraint, str]]:
     """For an N that breaks the ``broken`` constraints: the zero-padded layout that lifts them,
     or the constraint to name in the refusal and why padding cannot help ("" when ``pad`` is
@@ -231,6 +232,6 @@ def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, walked: tuple[Te
     if unpaddable:
         return unpaddable[0], ("the vocabulary is split evenly, never padded (split embeddings "
                                "and lm_head only for an N that divides it)")
-    padding = padding_layout(ckpt, spec, scheme, num_shards, walked,
+    padding = padding_layout(ckpt, spec, scheme, num_shards, walked, act_order,
                              whole_experts=whole_experts)
     return (broken[0], padding.reason) if isinstance(padding, PlanError) else padding

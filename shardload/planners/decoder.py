@@ -78,7 +78,9 @@ class _TensorGroup:
             if units == logical:
                 stored = ""
             elif abs(units) == blocks:
-                stored = f"stored in {blocks} blocks of {axis.elems}{self.held}"
+                per_block = abs(logical) // abs(units)   # units that share one block
+                stored = (f"stored in {blocks} blocks of {axis.elems}{self.held}"
+                          + (f", {per_block} to a block" if per_block > 1 else ""))
             else:   # units grouped until they fill whole blocks (_in_units)
                 stored = (f"stored in {blocks} blocks of {axis.elems}{self.held}, so split in "
                           f"{abs(units)} groups of {abs(logical) // abs(units)} that fill "
@@ -110,9 +112,11 @@ def _in_units(segments: Segments, axis: Axis, tensor: str) -> Segments:
         together = math.lcm(per_unit, axis.elems)     # the fewest whole units in whole blocks
         if per_unit % axis.elems == 0:
             out.append((stored, units))
-        elif units > 0 and size % together == 0:
+        elif size % together == 0:
             # e.g. DeepSeek-V3's 192-row query heads in 128-row FP8 scale blocks: two heads
-            # are three whole blocks, so workers split in pairs of heads
+            # are three whole blocks, so workers split in pairs of heads. KV heads in runs are
+            # no longer replicable (a worker past their count would hold a run, not one head):
+            # N must divide the runs
             out.append((stored, size // together))
         else:
             raise PlanError(f"{tensor}: its {abs(units)} units of {per_unit} elements straddle "

@@ -12,14 +12,17 @@ GPTQ's 2^(b-1), compressed-tensors' offset), the padded rows are filled with it
 (``shardload.take_units_fill``): the column's scale then multiplies zeros. Heads that straddle blocks (DeepSeek-V3's 192-row query heads in 128-row FP8
 blocks) pad in runs that fill whole blocks (two heads, three blocks): ``together``.
 Rows of a layer with a ``g_idx`` (GPTQ, compressed-tensors act-order) pad in whole zero-scaled
-groups of their own (``padded_step``).
+groups of their own (``padded_step``), heads narrower than a group in runs that fill whole
+groups. With act-order every worker holds all the layer's group scales plus zero groups for its
+zero rows, so padding past twice the heads (or MLP blocks) is refused: each worker would hold
+more than twice the layer's scales, past the loader's bound on a piece's size.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from ..errors import PlanError
 from ..formats import Scheme, TensorAxes
@@ -69,13 +72,13 @@ class Padding:
 
 
 def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_shards: int,
-                   walked: Sequence[Tensor], *,
+                   walked: Sequence[Tensor], act_order: Callable[[str], bool], *,
                    whole_experts: bool = False) -> Union[Padding, PlanError]:
     """The zero-padded layout for N workers, or (returned, not raised) the ``PlanError`` saying
-    why zero-padding cannot be exact for this checkpoint: every tensor of ``walked``
-    (``tensors.tensors``) that ``padded_step`` would pad is judged here, before a padded plan
-    is written (with ``whole_experts``, expert parallelism, routed experts are not split, so
-    not padded)."""
+    why zero-padding cannot be exact for this checkpoint, or cannot be held: every tensor of
+    ``walked`` (``tensors.tensors``) that ``padded_step`` would pad is judged here, before a
+    padded plan is written (``act_order(module)``: its rows are reordered; with
+    ``whole_experts``, expert parallelism, routed experts are not split, so not padded)."""
     if type(num_shards) is not int or not 1 <= num_shards <= MAX_LAYOUT:
         return PlanError(f"cannot zero-pad for num_shards={num_shards!r}: a padded plan lists "
                          f"every worker's heads, for at most {MAX_LAYOUT} workers",
@@ -83,6 +86,7 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
     naming = spec.rules.naming
     mlp_unit, sizes, together, fills = 1, set(), 1, {}
     modules: dict[str, set[str]] = {}
+    replicated: dict[str, str] = {}       # role kind -> a row-parallel act-order tensor
 
     def parts_of(module: str) -> set[str]:
         if not modules:    # once, and only for a layer that asks
@@ -107,6 +111,8 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
                                  "column (zero points that differ by column, or 3-bit codes "
                                  "straddling words), so padded rows would not be zeros")
             fills[t.module] = fill
+        if not t.role.column and t.axes.act_order and act_order(t.module):
+            replicated.setdefault(t.role.kind, t.name)
         axis = t.axes.n if t.role.column else t.axes.k
         if axis is None:
             if (t.role.column and t.axes.special not in ("shape", "g_idx")
@@ -132,8 +138,22 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
             return PlanError(f"an MLP of {size} rows is not a whole number of {mlp_unit}-row "
                              "blocks")
         mlp[size] = unit_layout(size // mlp_unit, num_shards)
-    return Padding(num_shards, head_layout(spec.num_heads, spec.num_kv_heads, num_shards,
-                                           together=together), mlp_unit, mlp,
+    heads = head_layout(spec.num_heads, spec.num_kv_heads, num_shards, together=together)
+    # (units held by all workers, the model's, what they are), by role kind
+    padded = {"heads": [(num_shards * len(heads.q_heads[0]), spec.num_heads, "query heads")],
+              "mlp": [(num_shards * len(blocks[0]), size // mlp_unit,
+                       f"{mlp_unit}-row blocks of the {size}-row MLP")
+                      for size, blocks in mlp.items()]}
+    for kind, name in replicated.items():
+        for held, real, what in padded.get(kind, []):
+            if held > 2 * real:
+                # every worker holds every group's scales plus zero groups for the padded
+                # rows (replicate_padded): N times the padded layer's, which the plan's own
+                # bound refuses past twice N times the stored tensor
+                return PlanError(f"{name}: act-order keeps every group's scales on every "
+                                 f"worker, and {real} {what} zero-padded to {held} over "
+                                 f"{num_shards} workers would more than double them on each")
+    return Padding(num_shards, heads, mlp_unit, mlp,
                    {module: fill for module, fill in fills.items() if fill})
 
 
