@@ -334,7 +334,7 @@ def test_qwen_biases_and_per_head_norms(tmp_path):
 
 # ---- random geometries ---------------------------------------------------------------------------
 
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings, strategies as st  # noqa: E402
 
 
 @st.composite
@@ -398,6 +398,65 @@ def check_padded(model: Model, n: int, run: int = 1) -> dict:
             assert np.array_equal(fmt.dequantize(stored), take(w, worker_units[i], size, axis)), \
                 f"{fmt.name} {module} worker {i} of {n}"
     return layout
+
+
+@st.composite
+def narrow_head_models(draw):
+    """Heads as wide as, narrower than, or straddling the groups and packed blocks they are
+    stored in (the geometries where the padded planner broke before)."""
+    kv_heads = draw(st.sampled_from([1, 2, 4]))
+    heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
+    head_dim = draw(st.sampled_from([16, 32, 64]))
+    inter = draw(st.sampled_from([256, 384, 640]))
+    fmt = draw(st.sampled_from([gptq(4, 64), gptq(4, 128), gptq(3, 32), awq(64), awq(128),
+                                gptq(4, 64, act_order=True), ct_act_order(),
+                                gptq(8, 128, version=2, act_order=True),
+                                pack_quantized(4, 128, True)]))
+    config = fmt.quant_config
+    group = config.get("group_size") or config["config_groups"]["group_0"]["weights"]["group_size"]
+    assume(heads * head_dim % group == 0)     # quantizers (ours, GPTQ's) need whole groups
+    return Geometry(hidden=512, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter,
+                    vocab=32), fmt
+
+
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(case=narrow_head_models())
+def test_random_narrow_heads_pad_exactly_or_are_refused(tmp_path_factory, case):
+    """Every N is decided, never raised: unpadded, refused with its reason, or padded such that
+    each real query head is held once, each real KV head at least once, and every worker's
+    layers dequantize to exactly the units its layout names (zeros for zero units)."""
+    geometry, fmt = case
+    model = write_model(str(tmp_path_factory.mktemp("narrow")), geometry, fmt)
+    with open_checkpoint(model.folder) as ckpt:
+        for n in (3, 5):
+            decision = plan_decision(ckpt, n)
+            if decision.kind == "refused":
+                assert "cannot be split over" in str(decision.error)
+                continue
+            info = decision.shard_info()
+            with ThreadedSession(n) as sess:
+                result = load_sharded(ckpt, info, sess, progress=False)
+                shards = [result.worker(i) for i in range(n)]
+            layout = info.metadata.get("tensor_parallel")
+            if layout is None:
+                continue     # unpadded: the exact splits are test_random_gptq_models' concern
+            q = sorted(h for worker in layout["q_heads"] for h in worker if h >= 0)
+            assert q == list(range(geometry.heads))
+            assert {h for w in layout["kv_heads"] for h in w if h >= 0} == set(
+                range(geometry.kv_heads))
+            units = {"q_heads": (layout["q_heads"], layout["head_dim"]),
+                     "kv_heads": (layout["kv_heads"], layout["head_dim"]),
+                     "mlp": (layout["mlp_blocks"][str(geometry.inter)], layout["mlp_block"])}
+            for module, w in model.full.items():
+                key, axis = _PADDED_UNITS[module.rsplit(".", 1)[1]]
+                prefix = f"model.layers.0.{module}."
+                for i in range(n):
+                    stored = {k[len(prefix):]: _as_numpy(t) for k, t in shards[i].items()
+                              if k.startswith(prefix)}
+                    want = take(w, units[key][0][i], units[key][1], axis)
+                    assert np.array_equal(fmt.dequantize(stored), want), (module, n, i)
 
 
 @pytest.mark.parametrize("fmt", [PLAIN[0], awq(32), pack_quantized(4, 32, False), fp8("channel"),
