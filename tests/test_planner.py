@@ -255,6 +255,26 @@ def test_fp8_blocks_straddling_kv_heads_go_in_pairs(tmp_path):
         check_padded(model, n, run=2)
 
 
+def test_partial_fp8_blocks_load_whole_at_one_worker(tmp_path):
+    """SmolLM2's geometry (9 query, 3 KV heads of 64) in 128x128 FP8 blocks: its k/v
+    projections (192 rows) end in a partial block, so no split is exact. The plan fits N = 1
+    (it was refused at every N) and names the partial block for other N."""
+    smollm2 = Geometry(hidden=512, heads=9, kv_heads=3, head_dim=64, inter=1024)
+    model = write_model(str(tmp_path), smollm2, fp8("block"))
+    with open_checkpoint(model.folder) as ckpt:
+        decision = plan_decision(ckpt, 1)
+        assert decision.kind == "unpadded" and list(decision.valid) == [1]
+        with ThreadedSession(1) as sess:
+            shards = load_sharded(ckpt, decision.shard_info(), sess, progress=False).worker(0)
+    for module, w in model.full.items():
+        prefix = f"model.layers.0.{module}."
+        stored = {k[len(prefix):]: _as_numpy(t) for k, t in shards.items() if k.startswith(prefix)}
+        assert np.array_equal(model.fmt.dequantize(stored), w), module
+    err = str(plan_decision(model.folder, 2, pad=False).error)
+    assert ("the 3 KV heads ('num_key_value_heads' = 3), whose 192 elements end in a partial "
+            "128-element block") in err and "N that work (up to 64): 1" in err
+
+
 def test_unsupported_architecture_is_refused(tmp_path):
     model = write_model(str(tmp_path), GQA, PLAIN[0])
     config = json.load(open(os.path.join(model.folder, "config.json")))

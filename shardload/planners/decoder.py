@@ -16,7 +16,9 @@ kind and axes), in storage order:
    (``_in_units``: packed words, quantization groups, FP8 or GGUF blocks), as one
    ``shardload.split`` or ``shardload.split_segments`` step, symbolic in ``num_shards``. The
    split is recorded as a ``fit.Constraint`` (its units, what they are and which keys say so),
-   so the planner knows which N the plan allows without binding it.
+   so the planner knows which N the plan allows without binding it. A tensor whose segments
+   end in a partial block (192 KV rows in 128-row FP8 blocks) is one unit: N = 1 only, or any
+   N for a single KV head.
 
 The format's rules ride on the axes (``formats.TensorAxes``): a ``g_idx`` is whole on a column
 split and sliced (rebased unless act-order) on a row split; act-order scales are replicated on
@@ -78,15 +80,24 @@ class _TensorGroup:
             if units == logical:
                 stored = ""
             elif abs(units) == blocks:
-                per_block = abs(logical) // abs(units)   # units that share one block
+                per_block = abs(logical) // abs(units)   # heads that share one block
                 stored = (f"stored in {blocks} blocks of {axis.elems}{self.held}"
-                          + (f", {per_block} to a block" if per_block > 1 else ""))
+                          + (f", {per_block} to a block" if 1 < per_block < axis.elems else ""))
             else:   # units grouped until they fill whole blocks (_in_units)
                 stored = (f"stored in {blocks} blocks of {axis.elems}{self.held}, so split in "
                           f"{abs(units)} groups of {abs(logical) // abs(units)} that fill "
                           f"{blocks // abs(units)} whole blocks each")
             self.constraints.add(Constraint(abs(units), units < 0, label, self.name,
                                             self.paddable, stored))
+
+    def note_partial(self, segments: Segments, axis: Axis, units: int) -> None:
+        """A tensor held whole (``_partial_blocks``): N = 1, or any N for one KV head."""
+        size, label = next((size, label) for (size, _), label in zip(segments, self.labels)
+                           if size % axis.elems)
+        self.constraints.add(Constraint(
+            1, units < 0, label, self.name, self.paddable,
+            f"whose {size} elements end in a partial {axis.elems}-element block{self.held}, so "
+            "they are never split"))
 
     def note_rows(self, rows: int, segments: Segments) -> None:
         """A tensor split in whole rows of the layer's input (GPTQ's g_idx)."""
@@ -103,10 +114,7 @@ def _in_units(segments: Segments, axis: Axis, tensor: str) -> Segments:
     unit that straddles blocks cannot be split exactly and is refused.
     """
     out = []
-    for size, units in segments:
-        if size % axis.elems:
-            raise PlanError(f"{tensor}: a segment of {size} elements is not a whole number of "
-                            f"the {axis.elems}-element blocks this tensor is stored in")
+    for size, units in segments:   # whole blocks: _partial_blocks takes the rest
         stored = size // axis.elems * axis.width
         per_unit = size // abs(units)
         together = math.lcm(per_unit, axis.elems)     # the fewest whole units in whole blocks
@@ -210,9 +218,21 @@ def _tensor_step(ckpt: "Checkpoint", t: Tensor, axes: TensorAxes, segments: Segm
         return None
     if not split_n and axes.act_order and act_order(t.module):
         return None  # act-order: any row may use any group, so every worker needs them all
+    if any(size % axis.elems for size, _ in segments):
+        return _partial_blocks(meta, axis, segments, group)
     in_units = _in_units(segments, axis, t.name)
     group.note(segments, in_units, axis)
     return split_step(meta.shape, meta.dtype, axis.dim, in_units)
+
+
+def _partial_blocks(meta, axis: Axis, segments: Segments, group: _TensorGroup) -> list:
+    """A tensor whose segments are not whole storage blocks (a KV projection of 192 rows in
+    128-row FP8 blocks; vLLM loads such a model only unsplit too): no split is exact, so it is
+    held whole, one unit: the plan fits N = 1, or any N when the tensor is one KV head, the
+    head every worker needs."""
+    units = -1 if len(segments) == 1 and segments[0][1] == -1 else 1
+    group.note_partial(segments, axis, units)
+    return split_step(meta.shape, meta.dtype, axis.dim, [(meta.shape[axis.dim], units)])
 
 
 def _per_part_scales(meta, segments: Segments) -> list:
