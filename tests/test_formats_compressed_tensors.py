@@ -259,3 +259,27 @@ def test_int_quantized_configs_are_read_strictly(weights, message):
     with pytest.raises((PlanError, FormatError)) as err:
         scheme_from_hf({"quantization_config": quant}, "config.json")
     assert message in str(err.value)
+
+
+# ---- a projection ending in a partial FP8 block: whole, at N = 1 --------------------------------
+
+def test_fp8_block_kv_rows_in_a_partial_block_load_at_one_worker(checkpoint):
+    """SmolLM2's attention (9 query, 3 KV heads of 64) in compressed-tensors' 128x128 FP8
+    blocks: k_proj and v_proj are 192 rows, a block and a half, so no split of them is exact.
+    The plan fits N = 1 (it was refused at every N): every layer as the library decompresses
+    it; N = 2 is refused, naming the partial block."""
+    folder, config, scheme, fmt = checkpoint("FP8_BLOCK", "llama", hidden_size=576,
+                                             num_attention_heads=9, num_key_value_heads=3,
+                                             intermediate_size=256)
+    stored = load_file(str(folder / "model.safetensors"))
+    assert stored["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert stored["model.layers.0.self_attn.k_proj.weight_scale"].shape == (2, 5)
+    info, sharded = plan_and_load(folder, 1)
+    worker = sharded.worker(0)
+    layers = sorted({k.rsplit(".", 1)[0] for k in stored if k.endswith(".weight_scale")})
+    assert len(layers) == 7
+    for layer in layers:
+        assert torch.equal(decompress(worker, layer, scheme, fmt),
+                           decompress(stored, layer, scheme, fmt)), layer
+    with pytest.raises(PlanError, match="whose 192 elements end in a partial 128-element block"):
+        plan_for(str(folder), 2, pad=False)

@@ -65,7 +65,10 @@ def _calibrate(module, args) -> None:
         lo, hi = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
     elif args.strategy == "block":    # one scale per [bn, bk] block of W
         bn, bk = args.block_structure
-        blocks = weight.reshape(rows // bn, bn, -1, bk)
+        # a last partial block (rows or columns not a multiple of the block) is padded with
+        # zeros: the scheme is symmetric, so its scale (the largest magnitude) is unchanged
+        padded = torch.nn.functional.pad(weight, (0, -weight.shape[1] % bk, 0, -rows % bn))
+        blocks = padded.reshape(padded.shape[0] // bn, bn, -1, bk)
         lo, hi = blocks.amin((1, 3)), blocks.amax((1, 3))
     else:  # group, tensor_group: one scale per group_size elements of K
         groups = weight.reshape(rows, -1, args.group_size)
