@@ -14,6 +14,7 @@ from shardload import (REPLICATE, ArrayCheckpoint, PlanError, ProcessSession, Se
                        ShardInfo, ThreadedSession, WorkerError, load_sharded,
                        register_shard_func)
 from shardload import get_shard_func, pieces
+from shardload.shared_outputs import SharedOutputs
 
 NS = [1, 2, 3, 4, 8]
 
@@ -234,7 +235,7 @@ def test_staging_is_bounded_for_opaque_chains(monkeypatch):
     # Opaque chains share one full output per parameter; no more than MAX_SHARED at a time.
     live, peak = set(), [0]
 
-    original = pieces.SharedOutputs.take
+    original = SharedOutputs.take
 
     def take(self, name, compute, *rest):
         with self._cond:
@@ -242,7 +243,7 @@ def test_staging_is_bounded_for_opaque_chains(monkeypatch):
             peak[0] = max(peak[0], len(self._cells))
         return original(self, name, compute, *rest)
 
-    monkeypatch.setattr(pieces.SharedOutputs, "take", take)
+    monkeypatch.setattr(SharedOutputs, "take", take)
     params = {f"p{k}": np.full((8, 4), k, np.float32) for k in range(20)}
     plan = {name: [["tests.loader.opaque", [[4, 2, 4], "float32"]]] for name in params}
     result = load_on_threads(params, plan, 4)

@@ -30,8 +30,8 @@ The modules, one concern each:
 * ``chains``: running a chain of shard functions (``run_steps``);
 * ``reads``: copying byte runs out of the sources (``read_runs``, ``source_bytes_for``) and the
   page policy around them (``PageReleases``, ``Readahead``);
-* ``sharing``: what the workers of one process share (``SharedOutputs``, ``LocalLoad``, the
-  table of loads under way here, ``local_load``);
+* ``sharing``: what the workers of one process share (``LocalLoad``, the table of loads under
+  way here, ``local_load``; chains computed once through ``shardload.shared_outputs``);
 * ``load``: the session functions (``load_pieces``, ``fetch_piece``, ``release_loads``) and
   the per-piece work (``read_piece``).
 
@@ -46,8 +46,8 @@ from .load import (FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, fetch_piece, load_pi
                    read_piece, release_loads)
 from .reads import (READAHEAD_BYTES, READAHEAD_WINDOW, RELEASE_BATCH_BYTES, PageReleases,
                     Readahead, read_runs, source_bytes_for)
-from .sharing import MAX_SHARED, LocalLoad, SharedOutputs, local_load
+from .sharing import MAX_SHARED, LocalLoad, local_load
 
 __all__ = ["LOAD_PIECES", "FETCH_PIECE", "RELEASE_LOADS", "MAX_SHARED", "LocalLoad",
-           "SharedOutputs", "PageReleases", "run_steps", "read_runs", "read_piece",
+           "PageReleases", "run_steps", "read_runs", "read_piece",
            "source_bytes_for", "load_pieces"]

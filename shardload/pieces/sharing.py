@@ -1,9 +1,9 @@
 """What the workers of one process share: computed chains, and the load the loader runs here.
 
 Workers that share this process (threads, or the loader's own rank) compute each chain once
-(``SharedOutputs``) and read from the checkpoint the loader opened (``LocalLoad``), leaving their
-pieces there for the loader to return. A worker finds its ``LocalLoad`` by the token the loader
-sent in its request (``local_for``).
+(``shared_outputs.SharedOutputs``) and read from the checkpoint the loader opened
+(``LocalLoad``), leaving their pieces there for the loader to return. A worker finds its
+``LocalLoad`` by the token the loader sent in its request (``local_for``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..readplan import PieceRead, ReadPlan
 from ..shared_outputs import SharedOutputs
 from .reads import PageReleases, Readahead, tensor_spans
 
-__all__ = ["MAX_SHARED", "SharedOutputs", "LocalLoad", "local_load", "local_for"]
+__all__ = ["MAX_SHARED", "LocalLoad", "local_load", "local_for"]
 
 #: chains whose full output may be alive at once in one process (the staging bound)
 MAX_SHARED = 2

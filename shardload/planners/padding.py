@@ -86,7 +86,7 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
     naming = spec.rules.naming
     mlp_unit, sizes, together, fills = 1, set(), 1, {}
     modules: dict[str, set[str]] = {}
-    replicated: dict[str, str] = {}       # role kind -> a row-parallel act-order tensor
+    act_order_scales: dict[str, str] = {}   # role kind -> a row-parallel act-order tensor
 
     def parts_of(module: str) -> set[str]:
         if not modules:    # once, and only for a layer that asks
@@ -112,7 +112,7 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
                                  "straddling words), so padded rows would not be zeros")
             fills[t.module] = fill
         if not t.role.column and t.axes.act_order and act_order(t.module):
-            replicated.setdefault(t.role.kind, t.name)
+            act_order_scales.setdefault(t.role.kind, t.name)
         axis = t.axes.n if t.role.column else t.axes.k
         if axis is None:
             if (t.role.column and t.axes.special not in ("shape", "g_idx")
@@ -144,7 +144,7 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
               "mlp": [(num_shards * len(blocks[0]), size // mlp_unit,
                        f"{mlp_unit}-row blocks of the {size}-row MLP")
                       for size, blocks in mlp.items()]}
-    for kind, name in replicated.items():
+    for kind, name in act_order_scales.items():
         for held, real, what in padded.get(kind, []):
             if held > 2 * real:
                 # every worker holds every group's scales plus zero groups for the padded
