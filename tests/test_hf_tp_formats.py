@@ -93,6 +93,12 @@ KINDS = {
     # written by GPTQModel itself (vLLM 0.32 refuses desc_act=True at any N: this is its proof)
     "gptqmodel_g32": (U, U, P, U),
     "gptqmodel_g32_act_order": (U, U, P, U),
+    # 32-row heads in groups of 64: o_proj and its g_idx split and pad in pairs of heads (N=4
+    # gives each worker one pair, real or zero); the query heads then read their KV heads out
+    # of transformers' regular pattern on some workers (each gets its own copy). Act-order
+    # keeps every scale on every worker, so N=4 splits single heads unpadded; N=3 pads pairs
+    "gptqmodel_g64": (U, U, P, P),
+    "gptqmodel_g64_act_order": (U, U, P, U),
 }
 #: what a refused N's PlanError says, per case
 GROUP = 32
@@ -245,9 +251,9 @@ def make_int4(folder: Path, tmp: Path, method: str, *, act_order: bool = False,
     return model.eval()
 
 
-def make_gptqmodel(folder: Path, tmp: Path, *, act_order: bool):
+def make_gptqmodel(folder: Path, tmp: Path, *, act_order: bool, group: int = GROUP):
     """A random Llama of the quantized sizes ``QUANT_SIZES`` (norms randomised) quantized by
-    GPTQModel (4-bit, group 32); the reference is that config with every linear weight
+    GPTQModel (4-bit, ``group``); the reference is that config with every linear weight
     replaced by ``dequantize_gptq`` of the tensors GPTQModel stored."""
     from helpers.gptqmodel_tool import quantize
 
@@ -256,7 +262,7 @@ def make_gptqmodel(folder: Path, tmp: Path, *, act_order: bool):
     model = transformers.AutoModelForCausalLM.from_config(config)
     randomise(model)
     model.to(torch.bfloat16).save_pretrained(tmp / "source")
-    quantize(tmp / "source", folder, bits=4, group=GROUP, desc_act=act_order)
+    quantize(tmp / "source", folder, bits=4, group=group, desc_act=act_order)
 
     def module_weight(stored, module):
         parts = {p: stored[f"{module}.{p}"].numpy() for p in ("qweight", "qzeros", "scales",
@@ -280,6 +286,8 @@ MAKERS = {
     "awq_g32": lambda d, t: make_int4(d, t, "awq"),
     "gptqmodel_g32": lambda d, t: make_gptqmodel(d, t, act_order=False),
     "gptqmodel_g32_act_order": lambda d, t: make_gptqmodel(d, t, act_order=True),
+    "gptqmodel_g64": lambda d, t: make_gptqmodel(d, t, act_order=False, group=64),
+    "gptqmodel_g64_act_order": lambda d, t: make_gptqmodel(d, t, act_order=True, group=64),
 }
 assert MAKERS.keys() == KINDS.keys()
 
