@@ -62,6 +62,7 @@ REPO = os.path.dirname(HERE)
 # emulators); the loader processes get the checkout on PYTHONPATH too (``loader_env``)
 sys.path[:0] = [HERE, REPO]
 
+from devtools.environments import environment  # noqa: E402 - where vLLM's environment is
 from shardbench import harness  # noqa: E402 - the common flags, medians, the JSON
 
 SCRIPT = os.path.abspath(__file__)
@@ -617,11 +618,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def default_runai_python() -> str:
-    venv = os.environ.get("SHARDLOAD_VLLM_VENV") or os.path.join(
-        os.environ.get("SHARDLOAD_CACHE") or os.path.expanduser("~/.cache/shardload"),
-        "vllm-venv")
-    python = os.path.join(venv, "bin", "python")
-    return python if os.access(python, os.X_OK) else sys.executable
+    return environment("vllm").find() or sys.executable
 
 
 def runai_check(python: str, scheme: str) -> tuple[Optional[str], Optional[str]]:

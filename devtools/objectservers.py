@@ -78,6 +78,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 from xml.sax.saxutils import escape
 
+from .environments import environment
+
 
 __all__ = ["EmulatorMissing", "set_missing", "ObjectServer", "S3ObjectServer", "GCSObjectServer",
            "AzureObjectServer", "Fault", "Request", "SCHEMES", "object_server", "make_server",
@@ -96,11 +98,9 @@ NO_SUCH_FILE = "/nonexistent/shardload-tests/aws"
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
                "KBHBeksoGMGw==")
-AZURITE_VERSION = "3.37.0"  # as scripts/azurite.sh installs it
 #: a body is written in parts of this size, and counted as far as the client took it
 SEND_PART = 1 << 20
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: response headers a proxy does not pass on (hop-by-hop, or set by the proxy itself)
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding",
                          "te", "trailer", "upgrade", "content-length"})
@@ -1033,27 +1033,9 @@ class GCSObjectServer(ObjectServer):
 
 
 def azurite_blob() -> Optional[str]:
-    """Azurite's ``azurite-blob``: ``$SHARDLOAD_AZURITE_BLOB``, or the install
-    ``scripts/azurite.sh`` keeps (made now if it is not ready; None without npm)."""
-    given = os.environ.get("SHARDLOAD_AZURITE_BLOB")
-    if given:
-        return given
-    folder = os.environ.get("SHARDLOAD_AZURITE_DIR") or os.path.join(
-        os.environ.get("SHARDLOAD_CACHE") or os.path.expanduser("~/.cache/shardload"), "azurite")
-    exe = os.path.join(folder, "node_modules", ".bin", "azurite-blob")
-    try:
-        with open(os.path.join(folder, "ready")) as f:
-            if f.read().strip() == f"azurite@{AZURITE_VERSION}" and os.access(exe, os.X_OK):
-                return exe
-    except OSError:
-        pass
-    if shutil.which("npm") is None or shutil.which("node") is None:
-        return None
-    done = subprocess.run([os.path.join(_REPO, "scripts", "azurite.sh")], capture_output=True,
-                          text=True, timeout=600)
-    if done.returncode != 0 or not done.stdout.strip():
-        raise RuntimeError(f"scripts/azurite.sh failed: {done.stderr[-2000:]}")
-    return done.stdout.strip().splitlines()[-1]
+    """Azurite's ``azurite-blob``, where ``scripts/azurite.sh`` made it
+    (``devtools.environments``); None where it has not: nothing is installed from here."""
+    return environment("azurite").find()
 
 
 class AzureObjectServer(ObjectServer):
@@ -1083,13 +1065,9 @@ class AzureObjectServer(ObjectServer):
             import azure.storage.blob  # noqa: F401
         except ImportError:
             _missing("azure-storage-blob is not installed (the tests' Azure setup uses it)")
-        try:
-            self._exe = azurite_blob()
-        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:  # offline, say
-            _missing(f"Azurite could not be installed: {exc}")
+        self._exe = azurite_blob()
         if self._exe is None:
-            _missing("Azurite is not installed and npm is not there to install it "
-                     "(scripts/azurite.sh)")
+            _missing(environment("azurite").missing())
 
     def _start_upstream(self) -> None:
         location = os.path.join(self._tmp, "azurite")

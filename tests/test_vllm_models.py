@@ -21,8 +21,10 @@ LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn
 
 
 def _make_all(cache: Path) -> dict[str, Path]:
+    # the models' folder moves, not SHARDLOAD_CACHE: the environments (GPTQModel's) stay
+    # where their scripts made them
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SHARDLOAD_CACHE", str(cache))
+        mp.setattr(vllm_models, "root", lambda: cache / "vllm-models")
         return {name: vllm_models.path(name) for name in vllm_models.MODELS}
 
 
@@ -281,7 +283,7 @@ def test_making_is_deterministic_atomic_and_made_once(models, tmp_path, monkeypa
         assert _config(folder) == _config(again[name]), name
     assert not [p for p in tmp_path.joinpath("vllm-models").iterdir()
                 if p.name.startswith(".")]                      # no temporary folders left
-    monkeypatch.setenv("SHARDLOAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(vllm_models, "root", lambda: tmp_path / "vllm-models")
     mtime = (again["llama_gptq"] / "model.safetensors").stat().st_mtime_ns
     assert vllm_models.path("llama_gptq") == again["llama_gptq"]
     assert (again["llama_gptq"] / "model.safetensors").stat().st_mtime_ns == mtime

@@ -21,7 +21,6 @@ import argparse
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -30,19 +29,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def tool_python() -> str:
-    """The python of the quantization tools' environment (``SHARDLOAD_QUANT_PYTHON``, else the
-    one ``scripts/quant-tools-env.sh`` makes under ``$SHARDLOAD_CACHE``), once it is whole."""
-    import pytest
+    """The python of the quantization tools' environment (``helpers.environments``: made by
+    ``scripts/quant-tools-env.sh``); without it the calling test skips, or fails where
+    ``SHARDLOAD_REQUIRE_QUANT_TOOLS=1`` (CI)."""
+    from helpers.environments import require
 
-    root = Path(os.environ.get("SHARDLOAD_CACHE") or Path.home() / ".cache" / "shardload")
-    python = os.environ.get("SHARDLOAD_QUANT_PYTHON") or str(root / "quant-venv" / "bin" / "python")
-    # the script writes ``ready`` beside bin/ last: a half-made environment is not taken
-    if not (Path(python).parent.parent / "ready").exists():
-        why = f"no quantization tools' environment at {python}: make it with scripts/quant-tools-env.sh"
-        if os.environ.get("SHARDLOAD_REQUIRE_QUANT_TOOLS") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-    return python
+    return require("quant")
 
 
 def quantize(source: Path, out: Path, *, bits: int = 4, group: int = 32, desc_act: bool = False,

@@ -78,8 +78,9 @@ _COMMON = dict(vocab_size=512, num_hidden_layers=2, max_position_embeddings=256,
 
 def root() -> Path:
     """``$SHARDLOAD_CACHE/vllm-models`` (default ``~/.cache/shardload/vllm-models``)."""
-    base = os.environ.get("SHARDLOAD_CACHE") or Path.home() / ".cache" / "shardload"
-    return Path(base) / "vllm-models"
+    from devtools.environments import cache_root
+
+    return cache_root() / "vllm-models"
 
 
 def path(name: str) -> Path:
@@ -315,5 +316,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # tests/, for helpers.*
+    # tests/, for helpers.*, and the checkout, for devtools
+    sys.path[:0] = [str(Path(__file__).resolve().parents[n]) for n in (1, 2)]
     main()
