@@ -73,8 +73,22 @@ def small_ckpt(tmp_path):
     return folder
 
 
-# fixtures that hand a test the real model (tests/helpers/real_models.py downloads it once, 93 MB)
+# fixtures that hand a test the real model (tests/helpers/real_models.py downloads it once, 98 MB)
 REAL_MODEL_FIXTURES = {"smollm2"}
+
+
+#: markers naming an optional environment (``devtools/environments.py``): a test carrying one
+#: skips before it starts where that environment is not made, saying which script makes it
+#: (fails instead under CI's ``SHARDLOAD_REQUIRE_*=1``); nothing is installed from here
+ENVIRONMENT_MARKERS = {"vllm": "vllm", "quant_tools": "quant", "azurite": "azurite"}
+
+
+def pytest_runtest_setup(item):
+    from helpers.environments import require
+
+    for marker, environment in ENVIRONMENT_MARKERS.items():
+        if item.get_closest_marker(marker) is not None:
+            require(environment)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -27,7 +27,7 @@ pytest.importorskip("obstore")
 from helpers.paths import EXAMPLE, REPO  # noqa: E402
 from helpers.subprocesses import subprocess_env  # noqa: E402
 from helpers import objectservers  # noqa: E402
-from helpers.objectservers import SCHEMES  # noqa: E402
+from helpers.objectservers import SCHEME_PARAMS, SCHEMES, scheme_params  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from shardload import (FormatError, PlanError, ProcessSession, StorageError,  # noqa: E402
                        ThreadedSession, load_sharded, open_checkpoint)
@@ -35,12 +35,12 @@ from shardload.sources import store as store_module  # noqa: E402
 from shardload.sources.urls import SCHEMES as URL_SCHEMES  # noqa: E402
 
 BUCKET = "models"  # a valid bucket (S3, GCS) and container (Azure) name
-per_scheme = pytest.mark.parametrize("scheme", SCHEMES)
+per_scheme = pytest.mark.parametrize("scheme", SCHEME_PARAMS)
 
 
 def on(scheme: str):
     """A test that is not about the scheme, on one of them."""
-    return pytest.mark.parametrize("scheme", [scheme])
+    return pytest.mark.parametrize("scheme", scheme_params(scheme))
 
 
 #: what each service calls a bucket, and the variable its credentials hint names
@@ -398,7 +398,7 @@ def test_a_hostile_header_is_refused_before_it_is_fetched(server, scheme, tmp_pa
     assert server.bytes_sent("hostile-gguf/m.gguf") <= len(header) + 4096
 
 
-@pytest.mark.parametrize("scheme", ["s3", "az"])  # the schemes whose tests sign with a secret
+@pytest.mark.parametrize("scheme", scheme_params("s3", "az"))  # they sign with a secret
 def test_no_credential_in_any_message(server, tiny, scheme):
     secrets = SECRETS[scheme]
     for url in (server.url(BUCKET, "nothing-here/"), server.url("no-such-bucket-here", "x/")):

@@ -38,7 +38,7 @@ from obstore.store import from_url  # noqa: E402
 
 from helpers.subprocesses import subprocess_env  # noqa: E402
 from helpers import objectservers  # noqa: E402
-from helpers.objectservers import SCHEMES  # noqa: E402
+from helpers.objectservers import SCHEME_PARAMS  # noqa: E402
 
 BUCKET = "shardload-objects"  # a valid name for all three: 3-63 characters, lower case
 BIG = "ckpt/model-00001-of-00002.bin"
@@ -54,7 +54,7 @@ FAST = {"max_retries": 2, "init_backoff": timedelta(milliseconds=10),
         "max_backoff": timedelta(milliseconds=50), "retry_timeout": timedelta(seconds=10)}
 
 
-@pytest.fixture(scope="session", params=SCHEMES)
+@pytest.fixture(scope="session", params=SCHEME_PARAMS)
 def server(request):
     """One server per scheme, its bucket made and ``OBJECTS`` in it."""
     for server in objectservers.object_server(request.param):

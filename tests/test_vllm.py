@@ -27,6 +27,7 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
+from helpers.objectservers import SCHEME_PARAMS
 from helpers.paths import REPO
 from helpers.subprocesses import subprocess_env
 from helpers.vllm_checks import check_same_as_default, run_engine
@@ -260,7 +261,7 @@ def test_shardload_loads_what_vllms_default_loader_loads(name, tp):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("scheme", ["s3", "gs", "az"])
+@pytest.mark.parametrize("scheme", SCHEME_PARAMS)
 def test_weights_from_object_storage_load_what_the_local_folder_loads(tmp_path, monkeypatch,
                                                                       scheme):
     # vLLM refuses an object-storage model for every load format but its own streamers, so
@@ -386,7 +387,8 @@ def test_smollm2_answers_paris_through_vllm_with_shardload(name, tp):
 @pytest.mark.real_model
 @pytest.mark.parametrize("name, tp", [("hf", 2), pytest.param("hf", 4, marks=pytest.mark.extended),
                                       pytest.param("W4A16", 2, marks=pytest.mark.extended),
-                                      pytest.param("GPTQ", 2, marks=pytest.mark.extended)])
+                                      pytest.param("GPTQ", 2, marks=[
+                                          pytest.mark.extended, pytest.mark.quant_tools])])
 def test_smollm2_at_a_padded_n_is_the_exactly_padded_model_with_tp1s_tokens(name, tp):
     """vLLM refuses N=2 and 4 for 9 heads; shardload pads them to 12 query and 4 KV heads (at
     N=2 the smallest exact padding, 5 query heads a rank over 2 KV heads one of which two

@@ -44,6 +44,7 @@ def tp1_tokens(name: str) -> list:
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.quant_tools
 def test_vllms_default_loader_refuses_tp2_for_groups_that_do_not_divide():
     report, _, log = engine(str(vllm_models.path("llama160_gptqmodel")), 2)
     assert report.get("returncode", 0) != 0
@@ -52,9 +53,10 @@ def test_vllms_default_loader_refuses_tp2_for_groups_that_do_not_divide():
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", ["llama160_gptqmodel",
-                                  pytest.param("llama160_gptq", marks=pytest.mark.extended),
-                                  pytest.param("llama160_w4a16", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("name", [
+    pytest.param("llama160_gptqmodel", marks=pytest.mark.quant_tools),
+    pytest.param("llama160_gptq", marks=pytest.mark.extended),
+    pytest.param("llama160_w4a16", marks=pytest.mark.extended)])
 def test_padded_groups_give_tp1s_tokens(name):
     from shardload.vllm import vllm_overrides
 
@@ -129,6 +131,7 @@ def test_under_expert_parallelism_only_the_shared_expert_pads():
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.quant_tools
 def test_without_the_overrides_vllm_is_told_the_one_flag_to_add():
     """Before vLLM's own refusal (in its worker, here): one line with the exact flag."""
     model = str(vllm_models.path("llama160_gptqmodel"))

@@ -25,9 +25,9 @@ import pytest
 
 import devtools.objectservers as _impl
 from devtools.objectservers import *  # noqa: F401,F403 - the tests' names
-from devtools.objectservers import is_cloud_setting, set_missing
+from devtools.objectservers import SCHEMES, is_cloud_setting, set_missing
 
-__all__ = [*_impl.__all__, "use_env"]  # noqa: PLE0604
+__all__ = [*_impl.__all__, "use_env", "scheme_params", "SCHEME_PARAMS"]  # noqa: PLE0604
 # every other name too (SEND_PART, _SETPRIV, ...): what a test reads there, it reads here
 globals().update({k: v for k, v in vars(_impl).items()
                   if not k.startswith("__") and k not in globals()})
@@ -42,6 +42,15 @@ def _skip_or_fail(what: str) -> None:
 
 
 set_missing(_skip_or_fail)
+
+def scheme_params(*schemes: str) -> list:
+    """``schemes`` (default: all) as test parameters, ``az`` marked ``azurite``: its emulator
+    is made by ``scripts/azurite.sh``, and without it those tests skip before they start."""
+    return [pytest.param(s, marks=pytest.mark.azurite, id=s) if s == "az" else s
+            for s in schemes or SCHEMES]
+
+
+SCHEME_PARAMS = scheme_params()
 
 
 def use_env(monkeypatch: Any, env: dict) -> None:
