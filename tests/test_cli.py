@@ -425,6 +425,29 @@ def test_example_with_three_shards(tmp_path):
         assert run_cli(command, "-n", 3, EXAMPLE).exit_code == 0
 
 
+PLAN_INSTEAD = (f"{EXAMPLE / 'shard_info.json'} does not fit 3 workers (N that work (up to 64): "
+                "1, 2, 4, 8): using the planner's zero-padded plan for 3 instead")
+
+
+@pytest.mark.parametrize("command", ["load", "validate", "inspect"])
+def test_the_plan_used_instead_of_the_one_beside_is_said_in_one_line(command):
+    said = run_cli(command, "-n", 3, EXAMPLE)
+    assert_ok(said)
+    assert said.stderr.splitlines() == [PLAN_INSTEAD]
+    assert PLAN_INSTEAD not in said.stdout
+    fits = run_cli(command, "-n", 4, EXAMPLE)        # the plan beside fits 4: nothing to say
+    assert_ok(fits)
+    assert fits.stderr == ""
+
+
+@pytest.mark.parametrize("args", [("load", "--quiet"), ("load", "--json"), ("inspect", "--json")])
+def test_quiet_and_json_say_nothing_of_the_plan_on_stderr(args):
+    result = run_cli(*args, "-n", 3, EXAMPLE)
+    assert_ok(result)
+    assert result.stderr == ""
+    assert result.stdout == "" if "--quiet" in args else json.loads(result.stdout)
+
+
 # ----------------------------------------------------------------------------------------------
 # load failures: exit 1
 
@@ -722,11 +745,35 @@ def test_run_without_a_tokenizer_says_so_in_one_line():
     assert line.endswith("or a GGUF file's vocabulary)")
 
 
-def test_shards_that_is_not_a_number_says_what_shards_takes():
-    line = error_line(run_cli("load", "--shards", "abc", EXAMPLE), 2)
-    assert line == ("Error: Invalid value for '--shards' / '-n': 'abc' is not a number of "
-                    "workers; give a whole number from 1 to 4096 (e.g. --shards 4)")
-    assert "range" in error_line(run_cli("load", "--shards", "0", EXAMPLE), 2)  # as before
+@pytest.mark.parametrize("given", ["abc", "0", "-3", "1.5", "99999"])
+def test_shards_that_is_not_a_number_of_workers_says_what_shards_takes(given):
+    line = error_line(run_cli("load", "--shards", given, EXAMPLE), 2)
+    assert line == (f"Error: --shards: '{given}' is not a number of workers; give a whole "
+                    "number from 1 to 4096 (e.g. --shards 4) (see 'shardload load --help')")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["load", "--bogus", EXAMPLE], "Error: no such option '--bogus' (see 'shardload load --help')"),
+    (["load", "--shards", 2], "Error: missing argument 'CKPT' (see 'shardload load --help')"),
+    (["load", EXAMPLE], "Error: missing option '--shards' / '-n' (see 'shardload load --help')"),
+    (["nosuch"], "Error: no such command 'nosuch' (see 'shardload --help')"),
+    (["load", "--shards", 2, "no/such/folder"],
+     "Error: CKPT: Path 'no/such/folder' does not exist (see 'shardload load --help')"),
+    (["plan", "--shards", 2, "--experts", "xx", EXAMPLE],
+     "Error: --experts: 'xx' is not one of 'tp', 'ep' (see 'shardload plan --help')"),
+    (["load", "--shards", 2, "--staging-buffers", 1, EXAMPLE],
+     "Error: --staging-buffers: 1 is not in the range 2<=x<=64 (see 'shardload load --help')"),
+])
+def test_a_usage_error_is_one_line_in_the_voice_of_the_others(args, says):
+    """click's usage banner (``Usage: ...``, ``Try ...``, a blank line) is not printed: the
+    error is one line, naming the option and where every option is listed."""
+    result = run_cli(*args)
+    assert error_line(result, 2) == says
+    assert result.stderr.strip() == says and result.stdout == ""
+    as_json = run_cli(*args[:1], "--json", *args[1:]) if args[0] != "nosuch" else None
+    if as_json is not None and args[0] == "load":
+        error = json.loads(as_json.stderr)["error"]
+        assert error["message"] == says[len("Error: "):] and error["exit_code"] == 2
 
 
 def test_plan_result_on_stdout_commentary_on_stderr(tmp_path):
@@ -748,7 +795,7 @@ def test_json_anywhere_among_the_options_makes_a_usage_error_json():
     assert json.loads(result.stderr)["error"]["type"] == "NoSuchOption"
     # a prompt that reads "--json" is a value, not the flag
     result = run_cli("run", "--shards", "x", EXAMPLE, "--prompt", "--json")
-    assert result.exit_code == 2 and result.stderr.startswith("Usage:")
+    assert result.exit_code == 2 and result.stderr.startswith("Error: --shards: 'x' is not")
 
 
 @pytest.mark.skipif(os.name != "posix", reason="SIGINT to a child process needs POSIX")

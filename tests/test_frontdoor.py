@@ -82,6 +82,17 @@ def test_none_with_a_config_and_no_plan_is_the_planners_plan(tmp_path):
                        torch.as_tensor(q)[:, 3 * 64:4 * 64])
 
 
+def test_the_planners_plan_beside_gives_way_for_an_n_it_does_not_fit_and_says_so():
+    with open_checkpoint(EXAMPLE) as ckpt:
+        fits = resolve_plan(ckpt, 4)
+        assert (fits.origin, fits.note) == ("beside", "")
+        padded = resolve_plan(ckpt, 3)
+    assert padded.origin == "planned" and padded.decision.kind == "padded"
+    beside = os.path.join(EXAMPLE, "shard_info.json")
+    assert padded.note == (f"{beside} does not fit 3 workers (N that work (up to 64): 1, 2, 4, "
+                           "8): using the planner's zero-padded plan for 3 instead")
+
+
 def test_the_planners_options_are_refused_with_a_plan_of_ones_own(stored, tmp_path):
     (tmp_path / "shard_info.json").write_text(json.dumps(SPLIT))
     with open_checkpoint(str(stored)) as ckpt:

@@ -450,7 +450,7 @@ def test_cli_refuses_a_ring_too_large():
     result = CliRunner().invoke(cli, ["load", "--shards", "2", "--staging", "on",
                                       "--staging-mib", "4000", EXAMPLE])
     assert result.exit_code == 2
-    assert "Invalid value for '--staging-mib'" in result.output
+    assert result.output.startswith("Error: --staging-mib: ")
     assert "at most 4096 MiB" in result.output
 
 

@@ -61,15 +61,42 @@ class OutputFailed(click.ClickException):
         super().__init__(f"cannot write {target}: {exc.strerror or exc}")
 
 
+def _usage_line(exc: click.UsageError) -> str:
+    """A usage error as one line in the voice of the others: what is wrong, where, and where
+    the command's options are listed (click would print its usage banner over four lines).
+
+    ``Error: --shards: 0 is not a number of workers; ... (see 'shardload load --help')``
+    """
+    where = None
+    if isinstance(exc, click.BadParameter) and not isinstance(exc, click.MissingParameter):
+        param = exc.param
+        if isinstance(param, click.Option) and param.opts:
+            where = param.opts[0]
+        elif param is not None:
+            where = param.human_readable_name
+        elif isinstance(exc.param_hint, str):
+            where = exc.param_hint.strip("'\"")
+    message = f"{where}: {exc.message}" if where else exc.format_message()
+    message = message.strip().rstrip(".")
+    if message[:1].isupper() and message[1:2].islower():   # "No such option" -> "no such option"
+        message = message[0].lower() + message[1:]
+    names, ctx = [], exc.ctx
+    while ctx is not None and ctx.parent is not None:   # the command's, under any program name
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return f"{message} (see '{' '.join(['shardload', *reversed(names)])} --help')"
+
+
 def _show(exc: click.ClickException, as_json: bool) -> None:
     """Print ``exc`` on stderr: one line, or, under ``--json``, one JSON object ``{"error":
     {"type", "message", "exit_code"}}`` (standard output stays for results)."""
+    message = _usage_line(exc) if isinstance(exc, click.UsageError) else exc.format_message()
     with contextlib.suppress(OSError, ValueError):
         if not as_json:
-            exc.show()
+            click.echo(f"Error: {message}", err=True)
             return
         kind = getattr(exc, "kind", None) or type(exc).__name__
-        click.echo(json.dumps({"error": {"type": kind, "message": exc.format_message(),
+        click.echo(json.dumps({"error": {"type": kind, "message": message,
                                          "exit_code": exc.exit_code}}), err=True)
 
 

@@ -29,7 +29,7 @@ def inspect(num_shards: int, shard_info: Optional[str], replicate: bool,
     computes, and the bytes it reads in all.
     """
     checkpoint, validated, _ = prepare(ckpt, shard_info, plugins, num_shards, experts,
-                                       replicate)
+                                       replicate, as_json)
     with checkpoint:
         if reads:
             from ..readplan import build_read_plans

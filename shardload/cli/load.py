@@ -75,7 +75,7 @@ def load(num_shards: int, shard_info: Optional[str], replicate: bool, plugins: t
     session = open_session(session_kind, num_shards, device, plugins, timeout)
     try:
         checkpoint, validated, plan_file = prepare(ckpt, shard_info, plugins, num_shards,
-                                                   experts, replicate)
+                                                   experts, replicate, quiet or as_json)
     except BaseException:
         session.close()
         raise

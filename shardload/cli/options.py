@@ -14,37 +14,28 @@ import click
 from ..errors import SessionError, cli_text
 from ..limits import MAX_NUM_SHARDS, num_shards_problem
 from . import interrupts
-from .app import BadInput, reading
+from .app import BadInput, note, reading
 
 
-class NumShards(click.IntRange):
-    """A number of workers, 1 to ``MAX_NUM_SHARDS``; what is not a whole number is answered
-    with what ``--shards`` takes, not click's "not a valid integer range"."""
+class NumShards(click.ParamType):
+    """A number of workers, 1 to ``MAX_NUM_SHARDS`` (``--shards 100000`` is a typo, not 100,000
+    threads); anything else is answered with what ``--shards`` takes."""
 
-    def __init__(self) -> None:
-        super().__init__(min=1)
+    name = "integer"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        if isinstance(value, str):
-            try:
-                int(value)
-            except ValueError:
-                self.fail(f"{value!r} is not a number of workers; give a whole number from 1 "
-                          f"to {MAX_NUM_SHARDS} (e.g. --shards 4)", param, ctx)
-        return super().convert(value, param, ctx)
-
-
-def _check_shards(ctx: click.Context, param: click.Parameter, value: Optional[int]):
-    """At most MAX_NUM_SHARDS workers: --shards 100000 is a typo, not 100,000 threads."""
-    problem = None if value is None else num_shards_problem(value)
-    if problem is not None:
-        raise click.BadParameter(problem, ctx, param)
-    return value
+        try:
+            number = int(value)
+        except (TypeError, ValueError):   # not a whole number (or too many digits to read)
+            number = None
+        if number is None or num_shards_problem(number) is not None:
+            self.fail(f"{value!r} is not a number of workers; give a whole number from 1 to "
+                      f"{MAX_NUM_SHARDS} (e.g. --shards 4)", param, ctx)
+        return number
 
 
 def shards_option(f):
-    return click.option("--shards", "-n", "num_shards", type=NumShards(),
-                        required=True, callback=_check_shards,
+    return click.option("--shards", "-n", "num_shards", type=NumShards(), required=True,
                         help=f"Number of workers (tensor-parallel ranks), at most "
                              f"{MAX_NUM_SHARDS}.")(f)
 
@@ -107,10 +98,12 @@ def load_plugins(plugins: tuple[str, ...]) -> None:
 
 
 def prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num_shards: int,
-            experts: str = "tp", replicate: bool = False):
+            experts: str = "tp", replicate: bool = False, quiet: bool = False):
     """Load plugins, open the checkpoint, resolve its plan by the front door's policy and
     validate it for N (no tensor data read, except the few GPTQ g_idx vectors a planner looks
-    at). Returns the checkpoint, the validated plan and what to call the plan."""
+    at). Returns the checkpoint, the validated plan and what to call the plan. Where the plan
+    is not the one beside the checkpoint, because that one does not fit N, one line on stderr
+    says so (unless ``quiet``)."""
     from ..frontdoor import REPLICATE, resolve_plan
     from ..readers import open_checkpoint
 
@@ -129,6 +122,8 @@ def prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num_
     except BaseException:
         checkpoint.close()
         raise
+    if resolved.note and not quiet:
+        note(resolved.note)
     return checkpoint, resolved.validated, resolved.source
 
 

@@ -10,7 +10,8 @@
    Face cache folder resolves to its snapshot); one that shardload's planner wrote (it records
    the model, ``__metadata__.model``) and that does not fit N gives way to step 4 where the
    planner zero-pads for N: it is the planner's own work for every N it fits, kept, and the
-   planner would write the padded plan for this N from the same config;
+   planner would write the padded plan for this N from the same config (``ResolvedPlan.note``
+   says so, in one line, for the caller to show);
 4. a plan made from the checkpoint's config (``planners.plan_decision``: zero-padded where N
    does not divide the heads or the MLP, refused with the N that work where even that cannot
    be exact);
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..errors import EXPERTS_EP, PlanError, Setting, mention, quote
-from ..plan import Plan, ShardInfo, ValidatedPlan, check_plan_fits
+from ..plan import Plan, ShardInfo, ValidatedPlan, check_plan_fits, valid_num_shards
 from ..readers import Checkpoint
 
 __all__ = ["REPLICATE", "ResolvedPlan", "resolve_plan", "plan_beside", "planned_fits",
@@ -56,13 +57,16 @@ class ResolvedPlan:
 
     ``origin``: ``"replicate"``, ``"given"``, ``"beside"`` (``shard_info.json`` next to the
     checkpoint) or ``"planned"`` (from the config; ``decision`` is the planner's); ``source``
-    names it for people (the file, or ``<plan for CKPT>``).
+    names it for people (the file, or ``<plan for CKPT>``). ``note``: one line saying why this
+    is not the plan beside the checkpoint, where there is one and it did not fit N (step 3);
+    empty otherwise.
     """
 
     validated: ValidatedPlan
     origin: str
     source: str
     decision: Any = None
+    note: str = ""
 
     @property
     def plan(self) -> Plan:
@@ -161,7 +165,11 @@ def _padded_instead(beside: ShardInfo, checkpoint: Checkpoint,
         return None
     if decision.kind != "padded":
         return None
-    return ResolvedPlan(decision.validated, "planned", decision.shard_info().source, decision)
+    fits = valid_num_shards(beside, checkpoint).describe()
+    note = (f"{beside.source} does not fit {num_shards} workers ({fits}): using the planner's "
+            f"zero-padded plan for {num_shards} instead")
+    return ResolvedPlan(decision.validated, "planned", decision.shard_info().source, decision,
+                        note)
 
 
 def planned_fits(checkpoint: Checkpoint) -> list[int]:
