@@ -8,10 +8,10 @@ threads with bounded memory. One ``ObjectClient`` serves every scheme (``urls.SC
 
 What the library does, and we do not write: signing, the standard credential chains of each
 service (``AWS_*`` and ``~/.aws``, ``GOOGLE_*`` and application default credentials,
-``AZURE_*``; an emulator is an endpoint in the environment: ``AWS_ENDPOINT_URL``,
-``GOOGLE_SERVICE_ACCOUNT`` with a ``gcs_base_url``, ``AZURE_STORAGE_ENDPOINT``, with
-``*_ALLOW_HTTP``), connection pooling, and retrying a request that fails (5xx, throttling, a
-connection refused or reset) with backoff, ``retries`` times.
+``AZURE_*``), connection pooling, and retrying a request that fails (5xx, throttling, a
+connection refused or reset) with backoff, ``retries`` times. Each cloud's own settings that
+the library does not read (``AZURE_STORAGE_CONNECTION_STRING``, ``STORAGE_EMULATOR_HOST``, an
+``http://`` endpoint meaning plain HTTP) are translated by ``sources.settings``.
 
 What stays ours, because no library does it for us:
 
@@ -33,18 +33,19 @@ What stays ours, because no library does it for us:
 
 from __future__ import annotations
 
-import json
 import operator
 import os
 import re
+import socket
 import threading
 import weakref
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from ..errors import FormatError, StorageError, quote
+from .settings import StoreSettings, default_settings, store_settings
 from .urls import ObjectUrl, as_url
 
 __all__ = [
@@ -90,15 +91,6 @@ MAX_CONCURRENCY = 256
 MAX_CHUNK_MB = 1024
 MAX_RETRIES = 20
 
-#: where each scheme's endpoint is configured, for messages (the library reads them itself)
-_ENDPOINT_ENV = {"s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"),
-                 "gs": ("GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_PATH"),
-                 "az": ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT")}
-_CREDENTIALS_HINT = {
-    "s3": "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN) or AWS_PROFILE",
-    "gs": "GOOGLE_APPLICATION_CREDENTIALS or GOOGLE_SERVICE_ACCOUNT",
-    "az": "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY (or a SAS or Entra ID "
-          "token)"}
 #: the library's words for a few causes, recognised (never repeated) to say them our way
 _STATUS = re.compile(r"status code: (\d{3})|Server returned non-2xx status code: (\d{3})")
 _CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
@@ -106,7 +98,7 @@ _CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToke
 _CONNECT_WORDS = ("error sending request", "Connection refused", "tcp connect error",
                   "dns error", "failed to lookup address", "client error (Connect)")
 _NO_BUCKET_WORDS = ("NoSuchBucket", "ContainerNotFound", "The specified bucket does not exist")
-_TIMEOUT_WORDS = ("operation timed out", "timed out", "deadline has elapsed")
+_TIMEOUT_WORDS = ("operation timed out", "timed out", "deadline has elapsed", "kind: Timeout")
 _NO_CREDENTIAL_WORDS = ("Error getting credentials", "Missing credentials",
                         "No credentials", "Failed to load credentials", "Missing account name",
                         "Missing SAS key", "Missing service account")
@@ -242,39 +234,6 @@ class _Changed(Exception):
     caller builds the error, which needs a HEAD to say what the object is now."""
 
 
-def _safe_endpoint(value: Optional[str], scheme: str) -> str:
-    """An endpoint as messages may show it: scheme, host, port and path of a URL (no userinfo,
-    query or fragment: they could carry secrets); a GCS service account file's
-    ``gcs_base_url``; else the service's default."""
-    default = {"s3": "the default AWS endpoint", "gs": "the default Google Cloud endpoint",
-               "az": "the default Azure endpoint"}[scheme]
-    if not value:
-        return default
-    if scheme == "gs":
-        try:
-            with open(value, encoding="utf-8") as f:
-                value = json.load(f).get("gcs_base_url") or ""
-        except (OSError, ValueError, AttributeError):
-            return default
-        if not value:
-            return default
-    try:
-        parts = urlsplit(str(value))
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = host + (f":{parts.port}" if parts.port else "")
-        return urlunsplit((parts.scheme, netloc, parts.path, "", "")) or default
-    except ValueError:
-        return "the configured endpoint"
-
-
-def _endpoint(scheme: str) -> str:
-    names = _ENDPOINT_ENV.get(scheme, ())
-    return _safe_endpoint(next((os.environ[n] for n in names if os.environ.get(n)), None),
-                          scheme)
-
-
 def _obstore(loc: ObjectUrl) -> Any:
     """The library, or (not installed) the error that says how to install it."""
     try:
@@ -286,35 +245,52 @@ def _obstore(loc: ObjectUrl) -> Any:
     return obstore
 
 
-def _check_endpoint_settings(loc: ObjectUrl) -> None:
-    """Refuse an endpoint setting that is not an http(s) URL with a host (S3's and Azure's
-    variables; GCS's ``gcs_base_url`` in the service-account file): the library takes it as it
-    is and panics on it at the first request (a Rust panic, past every ``except Exception``).
-    Its value is not repeated (a URL may carry a secret)."""
-    for name in _ENDPOINT_ENV.get(loc.scheme, ()):
-        value = os.environ.get(name)
-        what = f"the endpoint setting {name}"
-        if value and loc.scheme == "gs":  # a service-account file: its gcs_base_url
-            try:
-                with open(value, encoding="utf-8") as f:
-                    value = json.load(f).get("gcs_base_url")
-            except (OSError, ValueError, AttributeError):
-                continue  # the library says the file is bad
-            what = f"the gcs_base_url in the file {name} names"
-        if not value:
-            continue
+#: the variables that send requests through a proxy: there, a connection of our own to the
+#: endpoint would not tell whether the client can reach it
+_PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
+#: the resolver's answers that a host name has no address (not a failure to ask)
+_NO_SUCH_HOST = tuple(getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODATA")
+                      if hasattr(socket, n))
+
+
+def _check_answers(settings: StoreSettings, loc: ObjectUrl, timeout: float) -> None:
+    """Refuse, at once and in one line naming its variable, an endpoint a setting gave where
+    nothing listens (the connection refused) or whose host has no address: the library would
+    retry such a request for seconds, and no retry cures a wrong setting. Anything else (a
+    timeout, a network that is down) is left to the library and its retries."""
+    endpoint = settings.endpoint
+    if endpoint is None or "proxy_url" in settings.client_options or any(
+            os.environ.get(n) or os.environ.get(n.lower()) for n in _PROXY_VARIABLES):
+        return
+    parts = urlsplit(endpoint.url.strip())
+    port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        raise StorageError(f"could not connect to the endpoint {endpoint.shown} that "
+                           f"{endpoint.source} gives: the connection was refused (nothing "
+                           f"listens there); start the server, or correct {endpoint.variable}",
+                           url=str(loc), usage=False) from None
+    except socket.gaierror as exc:
+        if exc.errno not in _NO_SUCH_HOST:
+            return  # a name server that did not answer: the library tries again
+        raise StorageError(f"the endpoint {endpoint.shown} that {endpoint.source} gives names "
+                           f"a host that has no address; correct {endpoint.variable}",
+                           url=str(loc), usage=True) from None
+    except OSError:
+        return
+
+
+def _bad_client_setting(settings: StoreSettings, loc: ObjectUrl,
+                        from_url: Callable[..., Any]) -> Optional[str]:
+    """The environment's client setting the library refused (``AWS_TIMEOUT=soon``), found by
+    making a store with each alone; None where none of them is."""
+    for option, name in settings.carried.items():
         try:
-            text = str(value).strip()
-            parts = urlsplit(text)
-            ok = parts.scheme in ("http", "https") and bool(parts.hostname) and \
-                not any(c.isspace() or ord(c) < 32 for c in text)
-            parts.port  # noqa: B018 - raises ValueError on a bad port
-        except ValueError:
-            ok = False
-        if not ok:
-            raise StorageError(f"{what} is not an http:// or https:// URL with a host; set it "
-                               "to the endpoint's URL (http://HOST:PORT), or unset it for the "
-                               "service's own", url=str(loc), usage=True)
+            from_url(loc.root, client_options={option: settings.client_options[option]})
+        except Exception:  # noqa: BLE001 - the library's refusal of this one value
+            return name
+    return None
 
 
 def _from_metadata_service(text: str) -> bool:
@@ -402,6 +378,7 @@ class ObjectClient:
         # ThreadedSession fetch at once): at most `concurrency`, so memory stays chunk x that
         self._in_flight = threading.BoundedSemaphore(self.concurrency)
         self._stores: dict[str, Any] = {}   # the parent's: dropped, never used here
+        self._settings: dict[str, StoreSettings] = {}
         self._pid = os.getpid()
 
     # -- the library's stores -----------------------------------------------------------------
@@ -428,7 +405,12 @@ class ObjectClient:
         _obstore(loc)
         from obstore.store import from_url
 
-        _check_endpoint_settings(loc)
+        # the environment's settings, each cloud's own translated (sources.settings); ours
+        # are the timeouts, where the environment sets none
+        settings = store_settings(loc, client_defaults={
+            "connect_timeout": timedelta(seconds=self.connect_timeout),
+            "timeout": timedelta(seconds=self.request_timeout)})
+        _check_answers(settings, loc, self.connect_timeout)
         retry = {"max_retries": self.retries,
                  "backoff": {"init_backoff": timedelta(seconds=self.backoff),
                              "max_backoff": timedelta(seconds=max(self.backoff,
@@ -436,16 +418,25 @@ class ObjectClient:
                              "base": 2.0},
                  "retry_timeout": timedelta(seconds=self.request_timeout * (self.retries + 1))}
         try:
-            # no client_options: given any, the library drops those of the environment
-            # (*_ALLOW_HTTP, proxies), and its timeouts are ours (REQUEST_TIMEOUT)
-            return from_url(loc.root, retry_config=retry)
+            store = from_url(loc.root, config=settings.config or None,
+                             client_options=settings.client_options, retry_config=retry)
         except Exception as exc:
             if _library_error(exc) is None and not isinstance(exc, ValueError):
                 raise
+            name = _bad_client_setting(settings, loc, from_url)
+            if name is not None:
+                raise StorageError(f"{name} is not a value the client takes; correct it, or "
+                                   "unset it", url=str(loc), usage=True) from None
             raise StorageError(f"the {loc.service} client could not be configured "
                                f"({type(exc).__name__}); check the environment "
-                               f"({_CREDENTIALS_HINT[loc.scheme]}, and the endpoint)",
+                               f"({settings.credentials}, and the endpoint)",
                                url=str(loc), usage=True) from None
+        self._settings[loc.root] = settings
+        return store
+
+    def _settings_of(self, loc: ObjectUrl) -> StoreSettings:
+        """The settings ``loc``'s store was made with, for messages."""
+        return self._settings.get(loc.root) or default_settings(loc.scheme)
 
     # -- judging failures ---------------------------------------------------------------------
 
@@ -459,6 +450,7 @@ class ObjectClient:
             return exc
         text = str(exc)
         url, scheme, service = str(loc), loc.scheme, loc.service
+        settings = self._settings_of(loc)
 
         def usage(message: str) -> StorageError:
             return StorageError(message, url=url, byte_range=byte_range, usage=True)
@@ -470,7 +462,7 @@ class ObjectClient:
             how = f"HTTP {status}" if status else "it did not answer"
             return usage(f"no {service} credentials found: none are set, and the cloud's "
                          f"instance metadata service gave none ({how}); set "
-                         f"{_CREDENTIALS_HINT[scheme]}")
+                         f"{settings.credentials}")
         if kind == "PreconditionError" or (action == "get" and status == 416):
             return _Changed()
         if kind == "NotFoundError" or status == 404:
@@ -481,18 +473,19 @@ class ObjectClient:
                     action == "read" and not self._bucket_exists(loc)):
                 word = "container" if scheme == "az" else "bucket"
                 return usage(f"no such {loc.service} {word} {quote(loc.bucket)} at "
-                             f"{_endpoint(scheme)}; check its name, and the endpoint if it is "
+                             f"{settings.where}; check its name, and the endpoint if it is "
                              "not the service's own")
             return usage("no such object; check the path, or list the folder it should be in "
                          f"({loc.folder})")
         if kind == "UnauthenticatedError" or any(c in text for c in _CREDENTIAL_CODES):
             return usage(f"the {service} credentials in use were refused; check "
-                         f"{_CREDENTIALS_HINT[scheme]}")
+                         f"{settings.credentials}")
         if kind == "PermissionDeniedError" or status == 403:
             verb = "list" if action == "list" else "read"
-            return usage(f"access denied; the credentials in use may not {verb} it")
+            return usage(f"access denied; the credentials in use may not {verb} it; check "
+                         f"{settings.credentials}")
         if any(w in text for w in _NO_CREDENTIAL_WORDS):
-            return usage(f"no {service} credentials found; set {_CREDENTIALS_HINT[scheme]}")
+            return usage(f"no {service} credentials found; set {settings.credentials}")
         tries = f"{self.retries + 1} attempt{'s' if self.retries else ''}"
         if status >= 500 or status == 429:
             return StorageError(f"the storage service failed {tries} (last: HTTP {status}); it "
@@ -500,20 +493,22 @@ class ObjectClient:
                                 f"retries ({RETRIES_ENV})", url=url, byte_range=byte_range,
                                 usage=False)
         if any(w in text for w in _TIMEOUT_WORDS):
+            limit = settings.carried.get("timeout")
+            limit = f"the time {limit} sets" if limit else f"{self.request_timeout:g} s"
             return StorageError(f"the transfer timed out {tries} (a GET must finish within "
-                                f"{self.request_timeout:g} s); the network or the endpoint "
-                                f"{_endpoint(scheme)} is failing: try again later",
-                                url=url, byte_range=byte_range, usage=False)
+                                f"{limit}); the network or the endpoint {settings.where} is "
+                                "failing: try again later", url=url, byte_range=byte_range,
+                                usage=False)
         if any(w in text for w in _CONNECT_WORDS):
-            return StorageError(f"could not connect to the endpoint {_endpoint(scheme)} "
-                                f"({tries}); check the endpoint setting and the network",
+            return StorageError(f"could not connect to the endpoint {settings.where} "
+                                f"({tries}); check {settings.check}",
                                 url=url, byte_range=byte_range, usage=False)
         if 400 <= status < 500:
             return usage(f"the service refused the request (HTTP {status}); check the URL and "
-                         f"the endpoint ({_endpoint(scheme)})")
+                         f"the endpoint ({settings.where})")
         return StorageError(f"the {service} request failed ({kind}"
                             f"{f', HTTP {status}' if status else ''}, {tries}); check the "
-                            f"endpoint ({_endpoint(scheme)}) and the network", url=url,
+                            f"endpoint ({settings.where}) and the network", url=url,
                             byte_range=byte_range, usage=False)
 
     def _bucket_exists(self, loc: ObjectUrl) -> bool:
@@ -791,9 +786,10 @@ class ObjectClient:
                 return
             resumed += 1
             if resumed > self.retries:
+                where = self._settings_of(loc).where
                 raise StorageError(f"the transfer broke off {resumed} times (the connection "
                                    "dropped mid-response); the network or the endpoint "
-                                   f"{_endpoint(loc.scheme)} is failing: try again later, or "
+                                   f"{where} is failing: try again later, or "
                                    f"allow more retries ({RETRIES_ENV})", url=info.url,
                                    byte_range=(begin, begin + n), usage=False)
 
