@@ -49,6 +49,12 @@ How each service's paths name an object (for the counts and for the fault rules'
 * Azure: ``/devstoreaccount1/container/blob`` (data unless a ``comp=`` sub-resource);
   ``/devstoreaccount1/container?restype=container&comp=list`` is a listing.
 
+A reader's server (``examples/object_store.py``, docs/objects.md) is the emulator alone, no
+proxy, on the port its documentation gives it (``DEFAULT_PORT``): ``standalone_argv(port,
+folder)`` is its command and ``answers(port)`` says it is up; ``attach(port)`` points a server
+object's setup (``make_bucket``, ``put``) at one running there. ``proxy_port`` puts the proxy on
+a fixed port, for a client whose settings name one (Azure's ``UseDevelopmentStorage=true``).
+
 Emulator processes run in process groups of their own and are stopped, group and all, by
 ``close()``, at interpreter exit (``atexit``) and, on Linux, when this process dies (a parent-
 death signal, set by ``setpriv``): none outlives a test session, even an interrupted one.
@@ -68,6 +74,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -208,11 +215,11 @@ class _Proxy(ThreadingHTTPServer):
     # burst (N workers x their concurrent GETs), which clients see as a second's SYN retry
     request_queue_size = 128
 
-    def __init__(self, owner: "ObjectServer"):
+    def __init__(self, owner: "ObjectServer", port: int = 0):
         self.owner = owner
         self.open_connections: set = set()
         self.conn_lock = threading.Lock()
-        super().__init__(("127.0.0.1", 0), _Handler)
+        super().__init__(("127.0.0.1", port), _Handler)
 
     def process_request(self, request, client_address):
         with self.conn_lock:
@@ -508,8 +515,15 @@ class ObjectServer:
     MESSAGES: Mapping[str, str] = {}
     #: whether it needs a temporary folder (``_tmp``)
     uses_tmp = True
+    #: the port its own documentation gives it, where a reader runs it alone (``standalone_argv``)
+    DEFAULT_PORT = 0
+    #: seconds it is given to end on SIGTERM before SIGKILL
+    GRACE = 5.0
 
-    def __init__(self) -> None:
+    def __init__(self, proxy_port: int = 0) -> None:
+        """``proxy_port``: the proxy's port (0: any free one), for a client whose settings
+        name a fixed address (Azure's ``UseDevelopmentStorage=true``: 127.0.0.1:10000)."""
+        self._proxy_port = proxy_port
         self._proxy: Optional[_Proxy] = None
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -529,7 +543,7 @@ class ObjectServer:
             if self.uses_tmp:  # logs, data, files of settings: removed by close()
                 self._tmp = tempfile.mkdtemp(prefix=f"shardload-{self.scheme}-")
             # the proxy first: an emulator may need to know the address clients use
-            self._proxy = _Proxy(self)
+            self._proxy = _Proxy(self, self._proxy_port)
             self._start_upstream()
             self._thread = threading.Thread(target=self._proxy.serve_forever,
                                             kwargs={"poll_interval": 0.05},
@@ -562,6 +576,24 @@ class ObjectServer:
 
     def _check(self) -> None:
         """Skip (or fail: ``_missing``) when the emulator is not installed."""
+
+    # -- the emulator alone, for a reader (examples/object_store.py) -------------------------
+
+    def standalone_argv(self, port: int, folder: str) -> list:
+        """The command that runs the emulator alone on 127.0.0.1:``port``, clients talking to
+        it straight (no proxy), its data in ``folder``. Checks first that it is installed
+        (``_missing`` otherwise)."""
+        raise NotImplementedError
+
+    def answers(self, port: int) -> bool:
+        """This emulator answers on 127.0.0.1:``port``."""
+        raise NotImplementedError
+
+    def attach(self, port: int) -> "ObjectServer":
+        """This server's setup (``make_bucket``, ``put``, ``delete``) pointed at an emulator
+        already running on 127.0.0.1:``port``, started elsewhere (no proxy here)."""
+        self.upstream_host, self.upstream_port = "127.0.0.1", port
+        return self
 
     def _start_upstream(self) -> None:
         raise NotImplementedError
@@ -760,9 +792,10 @@ class S3ObjectServer(ObjectServer):
         503: ("SlowDown", "Please reduce your request rate."),
     }
     MESSAGES = {"ServiceUnavailable": "Service is unable to handle request."}
+    DEFAULT_PORT = 9000  # MinIO's, and what S3 emulators' walk-throughs use
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, proxy_port: int = 0) -> None:
+        super().__init__(proxy_port)
         self._moto: Any = None
 
     @property
@@ -797,6 +830,17 @@ class S3ObjectServer(ObjectServer):
         if self._moto is not None:
             self._moto.stop()
             self._moto = None
+
+    def standalone_argv(self, port: int, folder: str) -> list:
+        self._check()
+        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+
+    def answers(self, port: int) -> bool:
+        try:
+            status, _ = _http("GET", f"http://127.0.0.1:{port}/moto-api/data.json", timeout=2)
+        except OSError:
+            return False
+        return status == 200
 
     def aws_env(self, *, credentials: bool = True, endpoint: Optional[str] = None) -> dict:
         """The AWS settings a client needs to reach the proxy (or ``endpoint``) and nothing
@@ -896,8 +940,11 @@ class GCSObjectServer(ObjectServer):
                   404: "NoSuchKey", 412: "PreconditionFailed", 429: "SlowDown",
                   500: "InternalError", 503: "ServiceUnavailable"}
 
-    def __init__(self, preload: Optional[Mapping[str, Mapping[str, bytes]]] = None) -> None:
-        super().__init__()
+    DEFAULT_PORT = 4443  # fake-gcs-server's own
+
+    def __init__(self, preload: Optional[Mapping[str, Mapping[str, bytes]]] = None,
+                 proxy_port: int = 0) -> None:
+        super().__init__(proxy_port)
         self._preload = preload or {}
         self._child: Optional[_Child] = None
         self._binary: Optional[str] = None
@@ -919,14 +966,24 @@ class GCSObjectServer(ObjectServer):
                 with open(path, "wb") as f:
                     f.write(blob)
         proxy = f"127.0.0.1:{self._proxy.server_address[1]}"
+        self._child = self._start_child(lambda port: self._argv(port, data, proxy),
+                                        self._probe, "fake-gcs-server")
+
+    def _argv(self, port: int, data: str, public: str) -> list:
         # -public-host: the XML API (/bucket/key, what obstore reads with) answers requests
-        # whose Host is it, and the proxy passes the client's Host (its own address) on;
-        # -external-url: the links and upload locations it hands out lead to the proxy too
-        self._child = self._start_child(
-            lambda port: [self._binary, "-scheme", "http", "-host", "127.0.0.1", "-port",
-                          str(port), "-backend", "memory", "-data", data, "-public-host",
-                          proxy, "-external-url", f"http://{proxy}", "-log-level", "warn"],
-            self._probe, "fake-gcs-server")
+        # whose Host is it: the address clients use (the proxy passes the client's Host on);
+        # -external-url: the links and upload locations it hands out lead there too
+        return [self._binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+                "-backend", "memory", "-data", data, "-public-host", public,
+                "-external-url", f"http://{public}", "-log-level", "warn"]
+
+    def standalone_argv(self, port: int, folder: str) -> list:
+        self._check()
+        os.makedirs(folder, exist_ok=True)
+        return self._argv(port, folder, f"127.0.0.1:{port}")
+
+    def answers(self, port: int) -> bool:
+        return self._probe(port)
 
     def _probe(self, port: int) -> bool:
         try:
@@ -1055,8 +1112,13 @@ class AzureObjectServer(ObjectServer):
               "your request."),
     }
 
-    def __init__(self) -> None:
-        super().__init__()
+    DEFAULT_PORT = 10000  # Azurite's own, and UseDevelopmentStorage=true's
+    # SIGKILL at once: once it has answered a request, Azurite says "successfully closed" on
+    # SIGTERM but does not exit; its data is thrown away
+    GRACE = 0.0
+
+    def __init__(self, proxy_port: int = 0) -> None:
+        super().__init__(proxy_port)
         self._child: Optional[_Child] = None
         self._exe: Optional[str] = None
 
@@ -1072,13 +1134,20 @@ class AzureObjectServer(ObjectServer):
     def _start_upstream(self) -> None:
         location = os.path.join(self._tmp, "azurite")
         os.makedirs(location)
-        self._child = self._start_child(
-            lambda port: [self._exe, "--blobHost", "127.0.0.1", "--blobPort", str(port),
-                          "--location", location, "--silent", "--skipApiVersionCheck",
-                          "--loose"],
-            # SIGKILL at once: once it has answered a request, Azurite says "successfully
-            # closed" on SIGTERM but does not exit; its data goes with the temporary folder
-            self._probe, "azurite", grace=0)
+        self._child = self._start_child(lambda port: self._argv(port, location), self._probe,
+                                        "azurite", grace=self.GRACE)
+
+    def _argv(self, port: int, location: str) -> list:
+        return [self._exe, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location",
+                location, "--silent", "--skipApiVersionCheck", "--loose"]
+
+    def standalone_argv(self, port: int, folder: str) -> list:
+        self._check()
+        os.makedirs(folder, exist_ok=True)
+        return self._argv(port, folder)
+
+    def answers(self, port: int) -> bool:
+        return self._probe(port)
 
     def _probe(self, port: int) -> bool:
         try:

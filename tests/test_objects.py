@@ -465,6 +465,23 @@ def test_run_refuses_check_from_object_storage(server, tiny):
     assert len(run.stderr.strip().splitlines()) == 1
 
 
+def test_the_walk_throughs_server_refuses_a_taken_port(tmp_path):
+    # docs/objects.md's examples/object_store.py (run as a reader runs it: from elsewhere, no
+    # PYTHONPATH): a port something listens on is refused in one line saying how to choose
+    # another, before anything is started
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run([sys.executable, os.path.join(REPO, "examples", "object_store.py"),
+                              "start", "s3", EXAMPLE, "--port", str(port)],
+                             capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                             env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert run.returncode == 2 and run.stdout == "", run.stderr
+    line = one_line(run)
+    assert f"port {port}" in line and "--port" in line, line
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 @on("az")
