@@ -4,7 +4,8 @@ Each rank runs the caller's program (SPMD), constructs a ``TorchDistributedSessi
 ``load_sharded``; each ends with exactly its own shards on its own device. Ranks agree on the
 outcome: after every ``run`` and ``collective`` they exchange a status, so a failure on one rank
 is reported on every rank, naming it, instead of leaving the others to hang in a later
-collective.
+collective. A rank that is gone (its process ended, its machine lost) cannot send a status: the
+ranks' heartbeats (``peers.py``) name it instead.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import datetime
 import json
 import os
+import secrets
 import sys
 import threading
 import traceback
@@ -21,11 +23,13 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 
 from .. import strict_json
-from ..errors import ShardloadError, WorkerError, WorkerFailure, describe
+from ..errors import (ShardloadError, WorkerCrashedError, WorkerError, WorkerFailure,
+                      describe)
 from .base import (DEFAULT, Heartbeats, ProgressCallback, Session, WorkerArgs, WorkerContext,
                    args_for, check_timeout, session_timeout)
 from .functions import get_session_func
 from .groups import DistGroup
+from .peers import Peers, name_ranks, watch_peers
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -71,10 +75,21 @@ class TorchDistributedSession(Session):
     (a rank's own thread runs the work, so a stuck one cannot be interrupted);
     torchrun then stops the other ranks. ``timeout_s`` is the process group's timeout.
 
+    A rank whose process ends while the others wait for its outcome fails them with
+    ``WorkerCrashedError`` naming it; one that stops answering without closing its connections
+    (its machine lost) ends each rank that waits on it for ``PEER_TIMEOUT`` seconds, with one
+    line naming it.
+
     >>> # torchrun --nproc-per-node 2 load.py                                 # doctest: +SKIP
     >>> sess = TorchDistributedSession()
     >>> mine = load_sharded("ckpt/", "ckpt/shard_info.json", sess).worker(sess.rank)
     """
+
+    #: how long a rank waiting in an exchange lets a silent peer (no heartbeat: its machine
+    #: lost, its process stopped) go before it ends. A peer's beats come from a thread of their
+    #: own, silent only while something holds its GIL; a peer whose process ended is named
+    #: within seconds, as its connections close
+    PEER_TIMEOUT = 60.0
 
     def __init__(self, device: Union[str, torch.device, None] = None, *,
                  backend: Optional[str] = None, timeout_s: float = 600.0,
@@ -113,13 +128,54 @@ class TorchDistributedSession(Session):
         self._ctx = WorkerContext(self.rank, self.num_workers, self.device,
                                   group=DistGroup(self.rank, self.num_workers, group))
         self._closed = False
-        self.devices = [torch.device(d) for d in self._all_gather(str(self.device))]
+        self._peers: Optional[Peers] = None
+        self._lost = False    # a rank is gone: no rank to meet at close
+        opened = self._all_gather({"device": str(self.device), "token": secrets.token_hex(8)},
+                                  "opening the session")
+        self.devices = [torch.device(o["device"]) for o in opened]
+        if self.num_workers > 1:
+            self._peers = watch_peers(opened[0]["token"], self.rank, self.num_workers,
+                                      self.PEER_TIMEOUT)
 
     # ---- agreeing on outcomes --------------------------------------------------------------------
 
-    def _all_gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value`` (JSON), in rank order: sizes, then padded bytes."""
-        data = json.dumps(value).encode()
+    def _all_gather(self, value: Any, what: str) -> list[Any]:
+        """Every rank's ``value`` (JSON), in rank order. Where the exchange breaks because a
+        rank is gone, ``WorkerCrashedError`` naming it (``what``: what the ranks were doing)."""
+        peers = self._peers
+        try:
+            with peers.exchanging(what) if peers else contextlib.nullcontext():
+                return self._gather_bytes(json.dumps(value).encode())
+        except Exception as exc:  # noqa: BLE001 - the backend's error, named if a rank is gone
+            named = self._who_went(what, exc) if peers else None
+            if named is None:
+                raise
+            self._lost = True
+            raise named from exc
+
+    def _who_went(self, what: str, exc: Exception) -> Optional[ShardloadError]:
+        """The error saying which rank went, after the exchange broke with ``exc``; None where
+        every rank is still there (the backend's own error stands)."""
+        gone = self._peers.gone()
+        if gone is None or (gone.store_lost and not gone.first):
+            return ShardloadError(
+                f"{what}: the exchange between the ranks broke ({type(exc).__name__}) and the "
+                "job's store does not answer either: the machine serving it (MASTER_ADDR; "
+                "under torchrun, the --rdzv-endpoint's) is lost, or its launcher ended")
+        if not gone.first:
+            return None
+        if gone.store_lost:
+            how = ("it had not reached the exchange when it broke, and the job's store stopped "
+                   "answering too (the launcher or machine serving it ended; its log says why)")
+        else:
+            how = ("its process ended or its machine was lost (its connections closed and its "
+                   "heartbeat stopped; its launcher's log says why)")
+        too = f"; {name_ranks(gone.first[1:])} too" if gone.first[1:] else ""
+        then = f"; {name_ranks(gone.after)} ended after it" if gone.after else ""
+        return WorkerCrashedError(gone.first[0], context=f"{what}: {how}{too}{then}")
+
+    def _gather_bytes(self, data: bytes) -> list[Any]:
+        """Every rank's JSON ``data``, decoded, in rank order: sizes, then padded bytes."""
         dev = self._comm_device
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         sizes = [torch.zeros_like(size) for _ in range(self.num_workers)]
@@ -136,7 +192,12 @@ class TorchDistributedSession(Session):
     def _outcome(self, status: dict, local: Optional[BaseException], what: str) -> list[dict]:
         """Exchange every rank's status; raise this rank's own error, or ``WorkerError`` naming
         the ranks that failed; else every rank's status."""
-        statuses = self._all_gather(status)
+        try:
+            statuses = self._all_gather(status, what)
+        except Exception:
+            if local is not None:  # this rank's own failure is its answer, the rest context
+                raise local
+            raise
         failures = [WorkerFailure(r, s["exc_type"], s["message"], s["traceback"])
                     for r, s in enumerate(statuses) if not s["ok"]]
         if local is not None:
@@ -233,8 +294,11 @@ class TorchDistributedSession(Session):
         if self._closed:
             return
         self._closed = True
+        if self._peers is not None:
+            self._peers.stop()
         if self._owns_group and self._dist.is_initialized():
-            self._meet_before_teardown()
+            if not self._lost:
+                self._meet_before_teardown()
             self._dist.destroy_process_group()
 
     #: how long a closing rank waits for the others before tearing the group down anyway
