@@ -57,25 +57,11 @@ SECRETS = {"s3": (objectservers.ACCESS_KEY_ID, objectservers.SECRET_ACCESS_KEY),
 def servers():
     """The module's servers, one per scheme, each started (its bucket made) when a test first
     asks for it and stopped when the module ends."""
-    started: dict = {}
+    def setup(server: objectservers.ObjectServer) -> None:
+        server.make_bucket(BUCKET)
+        server.uploaded = set()
 
-    def get(scheme: str) -> objectservers.ObjectServer:
-        if scheme not in started:
-            server = objectservers.make_server(scheme).start()  # skips without the emulator
-            try:
-                server.make_bucket(BUCKET)
-            except BaseException:
-                server.close()
-                raise
-            server.uploaded = set()
-            started[scheme] = server
-        return started[scheme]
-
-    try:
-        yield get
-    finally:
-        for server in started.values():
-            server.close()
+    yield from objectservers.servers_on_demand(setup)
 
 
 @pytest.fixture

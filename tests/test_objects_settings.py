@@ -62,24 +62,7 @@ def _upload(server: objectservers.ObjectServer) -> None:
 def servers():
     """The module's servers, one per scheme, each started (the example uploaded) when a test
     first asks for it, stopped when the module ends."""
-    started: dict = {}
-
-    def get(scheme: str) -> objectservers.ObjectServer:
-        if scheme not in started:
-            server = objectservers.make_server(scheme).start()  # skips without the emulator
-            try:
-                _upload(server)
-            except BaseException:
-                server.close()
-                raise
-            started[scheme] = server
-        return started[scheme]
-
-    try:
-        yield get
-    finally:
-        for server in started.values():
-            server.close()
+    yield from objectservers.servers_on_demand(_upload)
 
 
 def _clean(monkeypatch, env: dict) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import types
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -27,7 +27,7 @@ import devtools.objectservers as _impl
 from devtools.objectservers import *  # noqa: F401,F403 - the tests' names
 from devtools.objectservers import SCHEMES, is_cloud_setting, set_missing
 
-__all__ = [*_impl.__all__, "use_env", "scheme_params", "SCHEME_PARAMS"]  # noqa: PLE0604
+__all__ = [*_impl.__all__, "use_env", "scheme_params", "SCHEME_PARAMS", "servers_on_demand"]  # noqa: PLE0604
 # every other name too (SEND_PART, _SETPRIV, ...): what a test reads there, it reads here
 globals().update({k: v for k, v in vars(_impl).items()
                   if not k.startswith("__") and k not in globals()})
@@ -51,6 +51,35 @@ def scheme_params(*schemes: str) -> list:
 
 
 SCHEME_PARAMS = scheme_params()
+
+
+def servers_on_demand(setup: Callable[[Any], None]) -> Iterator[Callable[[str], Any]]:
+    """The body of a fixture handing out one server per scheme: ``get(scheme)`` starts that
+    scheme's server the first time a test asks for it (skipping without its emulator) and
+    runs ``setup(server)`` on it; every one started is closed when the fixture ends::
+
+        @pytest.fixture(scope="module")
+        def servers():
+            yield from servers_on_demand(lambda server: server.make_bucket("models"))
+    """
+    started: dict = {}
+
+    def get(scheme: str) -> Any:
+        if scheme not in started:
+            server = make_server(scheme).start()
+            try:
+                setup(server)
+            except BaseException:
+                server.close()
+                raise
+            started[scheme] = server
+        return started[scheme]
+
+    try:
+        yield get
+    finally:
+        for server in started.values():
+            server.close()
 
 
 def use_env(monkeypatch: Any, env: dict) -> None:
