@@ -74,8 +74,10 @@ def load(num_shards: int, shard_info: Optional[str], replicate: bool, plugins: t
     # first thing to say
     session = open_session(session_kind, num_shards, device, plugins, timeout)
     try:
-        checkpoint, validated, plan_file = prepare(ckpt, shard_info, plugins, num_shards,
-                                                   experts, replicate, quiet or as_json)
+        # under torchrun every rank prepares; rank 0 speaks for all
+        checkpoint, validated, plan_file = prepare(
+            ckpt, shard_info, plugins, num_shards, experts, replicate,
+            quiet or as_json or getattr(session, "rank", 0) != 0)
     except BaseException:
         session.close()
         raise
