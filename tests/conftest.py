@@ -89,6 +89,12 @@ def pytest_runtest_setup(item):
     for marker, environment in ENVIRONMENT_MARKERS.items():
         if item.get_closest_marker(marker) is not None:
             require(environment)
+    if item.get_closest_marker("int4_kernel") is not None:
+        from helpers.vllm_engine import int4_kernel_missing
+
+        why = int4_kernel_missing()
+        if why is not None:     # the machine's, as a missing GPU is: skipped under CI too
+            pytest.skip(why)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -24,7 +24,7 @@ import pytest
 from helpers.paths import EXAMPLE, REPO
 from helpers.subprocesses import subprocess_env
 from helpers import vllm_models
-from helpers.vllm_engine import launch
+from helpers.vllm_engine import int4_kernel_missing, launch
 
 PADDED = {"intermediate_size": 192}
 
@@ -63,10 +63,15 @@ def test_padded_groups_give_tp1s_tokens(name):
     model = str(vllm_models.path(name))
     overrides = vllm_overrides(model, 2)
     assert overrides["intermediate_size"] == 192                 # 5 groups -> 6, 3 per rank
+    # where vLLM's CPU build has no int4 kernel (no AVX-512), the padded model is loaded and
+    # verified but cannot generate, with vLLM's own loader neither: the tokens are not compared
+    generates = int4_kernel_missing() is None
     report, stats, log = engine(model, 2, "--load-format", "shardload", "--verify",
-                                "--hf-overrides", json.dumps(overrides))
+                                "--hf-overrides", json.dumps(overrides),
+                                *(() if generates else ("--tokens", "0")))
     assert "outputs" in report, log[-6000:]
-    assert [o["tokens"] for o in report["outputs"]] == tp1_tokens(name)
+    if generates:
+        assert [o["tokens"] for o in report["outputs"]] == tp1_tokens(name)
     first = sorted((s for s in stats if not s["reload"]), key=lambda s: s["rank"])
     assert [s["rank"] for s in first] == [0, 1] and all(s["verified"] for s in first)
     # gate, up and down of 2 layers, and down_proj's g_idx (GPTQ) or weight_shape (pack)
