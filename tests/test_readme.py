@@ -7,12 +7,14 @@ not see, and this test does what it says:
 * ``<!-- test: setup -->``: one of the two set-up commands. The test command must be what
   ``.ci/run`` runs, verbatim (CI runs it on a fresh clone); the first one's install is that
   same install, and what follows its ``&&`` is run here;
-* ``<!-- test: run -->`` (``slow``, ``real_model``, ``vllm``, ``extended``: marks; ``vllm`` also runs it in
-  vLLM's environment, ``scripts/vllm-env.sh``): run as a reader would run it. The block is
-  saved to a file and run in a fresh process from the repository root, ``bash`` blocks by
-  bash (``-e -o pipefail``), ``python`` blocks by python, with the environment a reader has
-  (``reader_env``): shardload installed, nothing on ``PYTHONPATH``, none of the tests' own
-  settings. A ``vllm`` block runs with vLLM's python first on ``PATH``, as the README says;
+* ``<!-- test: run -->`` (``slow``, ``real_model``, ``vllm``, ``azurite``, ``extended``: marks;
+  a block naming an environment is told where it is, as a reader who made it knows, and
+  ``vllm`` also runs it in vLLM's environment, ``scripts/vllm-env.sh``): run as a reader would
+  run it. The block is saved to a file and run in a fresh process from the repository root,
+  ``bash`` blocks by bash (``-e -o pipefail``), ``python`` blocks by python, with the
+  environment a reader has (``reader_env``): shardload installed, nothing on ``PYTHONPATH``,
+  none of the tests' own settings. A ``vllm`` block runs with vLLM's python first on
+  ``PATH``, as the README says (a newcomer's empty home: ``tests/test_fresh_clone.py``);
 * ``<!-- test: output -->``: the standard output of the block before it, line for line (``...``
   stands for any text, for timings); of its last command, for a block of several (an install,
   then the command whose output is shown).
@@ -36,6 +38,8 @@ from typing import Optional
 
 import pytest
 
+from devtools.environments import ENVIRONMENTS, environment
+from helpers.environments import require
 from helpers.paths import REPO
 
 DIRECTIVE = re.compile(r"<!-- test: ([a-z_ ]+) -->")
@@ -97,14 +101,14 @@ def reader_env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith(_NOT_A_READERS)}
 
 
-def _run(lang: str, code: str, timeout: float, vllm: bool = False
+def _run(lang: str, code: str, timeout: float, needs: tuple = ()
          ) -> subprocess.CompletedProcess:
     env = reader_env()
+    for name in needs:   # where the environments it names are, as a reader who made them knows
+        env[environment(name).program_env] = require(name)
     python = sys.executable
-    if vllm:  # vLLM's own environment first on PATH: its python, its `vllm`
-        from helpers.vllm_engine import vllm_python
-
-        python = vllm_python()
+    if "vllm" in needs:  # vLLM's own environment first on PATH: its python, its `vllm`
+        python = require("vllm")
         env["PATH"] = os.pathsep.join([os.path.dirname(python), env.get("PATH", "")])
     else:     # the python the README's install went into, first on PATH
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
@@ -159,7 +163,7 @@ def test_the_first_command_loads_the_example_as_shown():
 @pytest.mark.parametrize("block", [_param(b) for b in BLOCKS + DOC_BLOCKS
                                    if b.words[:1] == ["run"]])
 def test_the_block_runs_as_written(block: Block):
-    done = _run(block.lang, block.code, 900, vllm="vllm" in block.words)
+    done = _run(block.lang, block.code, 900, tuple(w for w in block.words if w in ENVIRONMENTS))
     where = f"{block.file} line {block.line}"
     assert done.returncode == 0, f"{where}:\n{done.stdout}\n{done.stderr}"
     if block.output is not None:
