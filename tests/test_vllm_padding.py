@@ -45,6 +45,7 @@ def tp1_tokens(name: str) -> list:
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.quant_tools
+@pytest.mark.extended    # vLLM's own refusal, the premise of the tests below
 def test_vllms_default_loader_refuses_tp2_for_groups_that_do_not_divide():
     report, _, log = engine(str(vllm_models.path("llama160_gptqmodel")), 2)
     assert report.get("returncode", 0) != 0

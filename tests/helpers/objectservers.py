@@ -43,11 +43,12 @@ def _skip_or_fail(what: str) -> None:
 
 set_missing(_skip_or_fail)
 
-def scheme_params(*schemes: str) -> list:
-    """``schemes`` (default: all) as test parameters, ``az`` marked ``azurite``: its emulator
-    is made by ``scripts/azurite.sh``, and without it those tests skip before they start."""
-    return [pytest.param(s, marks=pytest.mark.azurite, id=s) if s == "az" else s
-            for s in schemes or SCHEMES]
+def scheme_params(*schemes: str, marks: tuple = ()) -> list:
+    """``schemes`` (default: all) as test parameters with ``marks``, ``az`` marked ``azurite``
+    too: its emulator is made by ``scripts/azurite.sh``, and without it those tests skip
+    before they start."""
+    return [pytest.param(s, marks=[*marks, *([pytest.mark.azurite] if s == "az" else [])],
+                         id=s) for s in schemes or SCHEMES]
 
 
 SCHEME_PARAMS = scheme_params()
