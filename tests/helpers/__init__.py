@@ -24,8 +24,8 @@ What several test modules share, so that no test module imports another (or conf
 ``test_suite_layout.py`` checks it):
 
 * ``paths`` (REPO, EXAMPLES, EXAMPLE), ``subprocesses`` (a subprocess's environment,
-  torchrun, one job from several launchers, Ctrl-C), ``cli_runs`` (the CLI in-process), ``loads`` (a load on threads, the
-  planner's plan loaded);
+  torchrun, one job from several launchers, Ctrl-C), ``cli_runs`` (the CLI in-process),
+  ``loads`` (a load on threads, the planner's plan loaded);
 * checkpoints and configs: ``quantized_models`` (tiny Llama/Mixtral in every quantized
   format), ``gguf_mlc_models``, ``gpt_oss_gguf``, ``architecture_configs``, ``moe_configs``,
   ``deepseek_configs``, ``modelopt_configs``; ``plan_corpus`` (plans the schema and the parser
