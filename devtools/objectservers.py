@@ -90,8 +90,8 @@ from .environments import environment
 
 __all__ = ["EmulatorMissing", "set_missing", "ObjectServer", "S3ObjectServer", "GCSObjectServer",
            "AzureObjectServer", "Fault", "Request", "SCHEMES", "object_server", "make_server",
-           "free_port", "is_cloud_setting", "ACCESS_KEY_ID", "SECRET_ACCESS_KEY", "REGION",
-           "NO_SUCH_FILE", "AZURITE_ACCOUNT", "AZURITE_KEY"]
+           "free_port", "group_members", "is_cloud_setting", "ACCESS_KEY_ID",
+           "SECRET_ACCESS_KEY", "REGION", "NO_SUCH_FILE", "AZURITE_ACCOUNT", "AZURITE_KEY"]
 
 SCHEMES = ("s3", "gs", "az")
 
@@ -452,6 +452,23 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError(f"no free port in {span}")
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (a zombie has exited: not counted), from
+    /proc: how a stopped emulator's whole group is seen to be gone."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the name: state, ppid, pgrp
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(entry))
+    return members
 
 
 def _listens(pid: int, port: int) -> bool:

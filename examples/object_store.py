@@ -73,21 +73,6 @@ def _start_time(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
-def _group_alive(pgid: int) -> bool:
-    """Some process of the group ``pgid`` still runs (a zombie does not count)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            return True
-    return False
-
-
 def _recorded(scheme: str) -> dict | None:
     try:
         return json.loads((state_root() / scheme / "server.json").read_text())
@@ -114,9 +99,9 @@ def stop_one(scheme: str, say: bool = True) -> None:
             except ProcessLookupError:
                 break
             deadline = time.monotonic() + wait
-            while _group_alive(pid) and time.monotonic() < deadline:
+            while objectservers.group_members(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if not _group_alive(pid):
+            if not objectservers.group_members(pid):
                 break
         if say:  # on stderr: a script's output ends with its own, whatever stops after it
             print(f"stopped {NAMES[scheme]} (pid {pid}, port {record['port']})",

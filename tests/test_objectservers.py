@@ -352,7 +352,8 @@ def test_emulator_dies_with_its_parent():
         assert _wait_for(lambda: not _alive(pid), timeout=10), f"emulator {pid} outlived"
         # and every process of its group (it runs in a group of its own): a probe of its port
         # could meet another emulator that took the freed port, as tests run side by side
-        assert _wait_for(lambda: not _group_members(pid), timeout=10), _group_members(pid)
+        assert _wait_for(lambda: not objectservers.group_members(pid), timeout=10), \
+            objectservers.group_members(pid)
     finally:
         parent.kill()
         parent.wait()
@@ -372,22 +373,6 @@ def _raw(server, method: str, path: str) -> tuple:
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:
         conn.close()
-
-
-def _group_members(pgid: int) -> list[int]:
-    """The live processes of process group ``pgid``."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":   # pgrp; a zombie has exited
-            members.append(int(entry))
-    return members
 
 
 def _wait_for(condition, timeout: float = 20.0) -> bool:
