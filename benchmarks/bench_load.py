@@ -36,7 +36,10 @@ the real libraries a user would otherwise load it with.
    issue's targets as PASS/MISS (a report, not an assertion) and, with ``--json``, writes
    everything as one JSON object (``shardbench/harness.py``'s header first); with
    ``--figures DIR``, load time and peak memory against N as PNGs there
-   (``shardbench/figures.py``). Where CUDA is available, a CUDA section follows.
+   (``shardbench/figures.py``). Where CUDA is available, a CUDA section follows: every N,
+   shardload staged onto the devices and each peer that reaches a GPU. ``--cuda-only`` runs
+   that section alone (the GPU check: ``gpu_check.sh``); ``--cuda-stand-in`` runs its code
+   with CPU workers (the check's dry run, not a measurement).
 
 This script parses the flags; the benchmark is the package ``shardbench`` next to it, one
 module per concern (``shardbench/__init__.py`` lists them). See ``benchmarks/README.md`` for how
@@ -83,6 +86,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--intermediate", type=int, default=None,
                     help=f"MLP size (default {DEFAULT_INTERMEDIATE}; 3072 for the small dims)")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA section")
+    ap.add_argument("--cuda-only", action="store_true",
+                    help="the CUDA section alone (at every N of --shards); exit 4 without CUDA")
+    ap.add_argument("--cuda-stand-in", action="store_true",
+                    help="run the CUDA section with CPU workers and no bandwidth figure: the "
+                         "code path, not a measurement (the GPU check's dry run)")
     args = ap.parse_args(argv)
     args.shards = harness.int_list(ap, args.shards)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -90,6 +98,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if unknown or not args.methods:
         ap.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     harness.check_runs(ap, args)
+    if args.no_cuda and (args.cuda_only or args.cuda_stand_in):
+        ap.error("--no-cuda contradicts --cuda-only and --cuda-stand-in")
     if args.size_gb <= 0:
         ap.error("--size-gb must be positive")
     return args

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers.paths import REPO
 
@@ -139,3 +140,27 @@ def test_figures_from_a_report(tmp_path):
             data = (out / png).read_bytes()
             assert data.startswith(b"\x89PNG\r\n\x1a\n") and 5_000 < len(data) < 150_000, png
             assert str(out / png) in proc.stdout
+
+
+def test_the_cuda_section_alone_with_cpu_stand_ins_and_a_padded_n(tmp_path):
+    """``--cuda-only --cuda-stand-in`` (the GPU check's steps, in its dry run): no CPU methods,
+    the CUDA section's code at every N, N = 3 through the planner's padded plan (the saved one
+    does not divide 8 KV heads by 3), every piece checked against shardload's."""
+    out = tmp_path / "cuda.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_load.py"), "--size-gb",
+           "0.02", "--runs", "1", "--shards", "1,3", "--cuda-only", "--cuda-stand-in",
+           "--json", str(out), "--dir", str(tmp_path / "ckpt")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads(out.read_text())
+    assert report["results"] == [] and report["checkpoint"]["padded_n"] == [3]
+    assert "padded for N=3" in proc.stderr
+    rows = {(r["method"], r["num_shards"]): r for r in report["cuda_results"]}
+    for method in ("shardload-thread", "safetensors-load_file", "safetensors-get_slice"):
+        assert {(method, 1), (method, 3)} <= set(rows), sorted(rows)
+    assert all(r["verified"] for r in rows.values()), rows
+    assert all(v["verified"] for v in report["cuda"]["shardload_vs_cpu"].values())
+    if not torch.cuda.is_available():  # without the stand-in, it says what it needs
+        no_cuda = subprocess.run([a for a in cmd if a != "--cuda-stand-in"], cwd=REPO,
+                                 capture_output=True, text=True, timeout=120)
+        assert no_cuda.returncode == 4 and "--cuda-only needs a CUDA device" in no_cuda.stderr

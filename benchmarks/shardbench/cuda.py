@@ -11,7 +11,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -48,14 +48,17 @@ def pinned_h2d_gb_per_s(nbytes: int = 256 * MiB, reps: int = 5) -> float:
     return nbytes / statistics.median(times) / GB
 
 
-def bench_cuda(ckpt_dir: str, info: ShardInfo, shards: list[int], runs: int,
-               sampler: RssSampler, zero_copy: bool, log, dry_run_on_cpu: bool = False) -> dict:
+def bench_cuda(ckpt_dir: str, plans: Mapping[int, ShardInfo], shards: list[int], runs: int,
+               sampler: RssSampler, zero_copy: bool, log, dry_run_on_cpu: bool = False,
+               after_each_n: Optional[Callable[[dict], None]] = None) -> dict:
     """shardload-thread and the CUDA peers with worker i on cuda:(i mod device count), at
-    N = 1 and the largest N; every piece checked against shardload's (on the device, all of
-    them), shardload's own checked against a CPU load of the same plan.
+    every N of ``shards`` (with ``plans[n]``); every piece checked against shardload's (on the
+    device, all of them), shardload's own checked against a CPU load of the same plan. ``after_each_n`` gets
+    the section so far once each N is done (so a run cut short keeps what it measured).
 
     ``dry_run_on_cpu``: the same code with every worker on the CPU and no bandwidth figure (how
-    this section is exercised on a machine without CUDA; not a measurement)."""
+    this section is exercised on a machine without CUDA: ``--cuda-stand-in``; not a
+    measurement)."""
     file = os.path.join(ckpt_dir, MODEL_FILE)
     cuda = not dry_run_on_cpu
     count = torch.cuda.device_count() if cuda else 1
@@ -79,14 +82,15 @@ def bench_cuda(ckpt_dir: str, info: ShardInfo, shards: list[int], runs: int,
             sync()
         return w.seconds, holder, w.base, w.peak
 
-    for n in sorted({1, max(shards)}):
+    for n in sorted(set(shards)):
         devices = [torch.device(f"cuda:{i % count}" if cuda else "cpu") for i in range(n)]
+        info = plans[n]
         plan = bind_plan(ckpt_dir, info, n)
         session = ThreadedSession(n, device=[str(d) for d in devices])
         pool = ThreadPoolExecutor(n, "cuda-worker")
         job = peers.Job(file, list(plan), n, peers.direct_map(plan, n), pool, devices, zero_copy)
 
-        def shardload_go():
+        def shardload_go(info=info, session=session):
             return shardload_load(ckpt_dir, info, session, staging=staging)
 
         methods: dict[str, Callable[[], Any]] = {"shardload-thread": shardload_go}
@@ -98,7 +102,7 @@ def bench_cuda(ckpt_dir: str, info: ShardInfo, shards: list[int], runs: int,
                 out["skipped"][name] = why
                 log(f"  cuda N={n} {name}: skipped, {why}")
             else:
-                methods[name] = (lambda run=peer.run: run(job))
+                methods[name] = (lambda run=peer.run, job=job: run(job))
         try:
             # the reference: shardload's pieces on the devices (this is also its warm-up:
             # CUDA contexts, the allocator), checked in full against a CPU load
@@ -169,4 +173,6 @@ def bench_cuda(ckpt_dir: str, info: ShardInfo, shards: list[int], runs: int,
             pool.shutdown()
             session.close()
             free_memory(cuda=cuda)
+        if after_each_n is not None:
+            after_each_n(out)
     return out

@@ -275,10 +275,10 @@ PEERS: dict[str, Peer] = {
     "safetensors-get_slice": Peer("safetensors", "safetensors", run_get_slice,
                                   reads_whole_file=False),
     "fastsafetensors": Peer("fastsafetensors", "fastsafetensors", run_fastsafetensors),
-    # its streamer reaches a GPU only through its distributed mode, which needs
-    # torch.distributed: left out of the CUDA section
-    "runai-streamer": Peer("runai_model_streamer", "runai-model-streamer", run_runai,
-                           cuda=False),
+    # on a GPU as vLLM's runai_streamer format uses it: streamed into its host buffers, each
+    # worker copying its pieces to its device (its own GPU path is its distributed mode, which
+    # needs torch.distributed)
+    "runai-streamer": Peer("runai_model_streamer", "runai-model-streamer", run_runai),
     "instanttensor": Peer("instanttensor", "instanttensor", run_instanttensor),
 }
 

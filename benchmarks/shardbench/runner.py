@@ -15,6 +15,7 @@ import torch
 
 from shardload import ShardInfo, open_checkpoint
 from shardload.errors import PlanError
+from shardload.planners import plan_for
 
 from . import GB, MiB
 from .checkpoints import (MODEL_FILE, PLAN_FILE, choose_geometry, choose_moe_geometry,
@@ -30,6 +31,23 @@ from .report import (cuda_targets, machine_info, print_cuda, print_report, summa
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def plan_at(ckpt, info: ShardInfo, n: int) -> ShardInfo:
+    """``info`` where it splits the checkpoint over ``n`` workers, else the planner's plan
+    zero-padded for ``n`` (heads or groups that do not divide: ``shardload.take_units``), as
+    ``shardload load`` does; ``PlanError`` where neither can."""
+    metadata = ckpt.metadata()
+    try:
+        info.bind(n).validate(metadata)
+        return info
+    except PlanError:
+        padded = plan_for(ckpt, num_shards=n)
+        validated = padded.bind(n).validate(metadata)
+        units = sum(1 for p in validated for s in p.steps if s.func == "shardload.take_units")
+        log(f"N={n}: the saved plan does not divide; the planner's plan padded for N={n} "
+            f"({units} tensors through shardload.take_units)")
+        return padded
 
 
 def bench_n(ckpt_dir: str, info: ShardInfo, n: int, methods: list[str], runs: int,
@@ -88,11 +106,21 @@ def bench_n(ckpt_dir: str, info: ShardInfo, n: int, methods: list[str], runs: in
     return results, {k: v for k, v in startup.items() if k in methods}
 
 
+#: the exit status of ``--cuda-only`` where there is no CUDA device (and no ``--cuda-stand-in``)
+NO_CUDA = 4
+
+
 def run(args: argparse.Namespace, bench: Optional[Bench] = None) -> int:
     """The benchmark for ``bench_load.py``'s parsed flags; the exit status (0; 2: a worker
-    count the checkpoint cannot be split over; 3: some method's pieces were wrong). ``bench``
-    (the harness: the environment, the JSON, the figures) is made here if not given."""
+    count the checkpoint cannot be split over; 3: some method's pieces were wrong; 4:
+    ``--cuda-only`` without CUDA). ``bench`` (the harness: the environment, the JSON, the
+    figures) is made here if not given."""
     bench = bench or Bench("bench_load", args)
+    cuda_only, stand_in = getattr(args, "cuda_only", False), getattr(args, "cuda_stand_in", False)
+    if cuda_only and not stand_in and not torch.cuda.is_available():
+        log("error: --cuda-only needs a CUDA device, and torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}); --cuda-stand-in runs the section on the CPU")
+        return NO_CUDA
     root = os.path.abspath(args.dir or default_dir())
     geom = (choose_moe_geometry(args.size_gb) if args.model == "moe"
             else choose_geometry(args.size_gb, args.intermediate))
@@ -101,19 +129,21 @@ def run(args: argparse.Namespace, bench: Optional[Bench] = None) -> int:
     log(f"checkpoint: {ckpt_dir}, {geom.total_bytes() / GB:.2f} GB, {geom.tensors} tensors "
         f"({'written in %.1f s' % make_s if made else 'cached'})")
     info = ShardInfo.load(os.path.join(ckpt_dir, PLAN_FILE))
+    plans: dict[int, ShardInfo] = {}
     with open_checkpoint(ckpt_dir) as ckpt:
         metadata = ckpt.metadata()
         for n in args.shards:
             try:
-                info.bind(n).validate(metadata)
+                plans[n] = plan_at(ckpt, info, n)
             except PlanError as exc:
                 log(f"error: this checkpoint cannot be split over {n} workers: {exc}")
                 return 2
+    padded = [n for n in args.shards if plans[n] is not info]
     largest = max(metadata.values(), key=lambda m: m.nbytes)
 
     skipped: dict[str, str] = {}
     methods = []
-    for m in args.methods:
+    for m in ([] if cuda_only else args.methods):
         why = METHODS[m].unavailable(file)
         if why is not None:
             skipped[m] = why
@@ -126,6 +156,8 @@ def run(args: argparse.Namespace, bench: Optional[Bench] = None) -> int:
         if cold_skipped:
             log(f"cold mode skipped: {cold_skipped}")
     warm_s = warm_page_cache(file)
+    if cuda_only:
+        log("--cuda-only: the CPU methods are not run")
     zero_copy = zero_copy_get_tensor(file, largest.name)
     log(f"page cache warmed in {warm_s:.2f} s; {os.cpu_count()} CPUs; "
         f"safetensors get_tensor zero-copy: {zero_copy}")
@@ -135,7 +167,7 @@ def run(args: argparse.Namespace, bench: Optional[Bench] = None) -> int:
     startup: dict[str, dict[str, float]] = {k: {} for k in SHARDLOAD}
     try:
         for n in args.shards:
-            runs, started = bench_n(ckpt_dir, info, n, methods, args.runs, sampler,
+            runs, started = bench_n(ckpt_dir, plans[n], n, methods, args.runs, sampler,
                                     zero_copy, cache, skipped)
             for mode, by_method in runs.items():
                 all_runs[(mode, n)] = by_method
@@ -148,7 +180,8 @@ def run(args: argparse.Namespace, bench: Optional[Bench] = None) -> int:
                       "tensor_bytes": sum(m.nbytes for m in metadata.values()),
                       "num_tensors": len(metadata), "largest_tensor": largest.name,
                       "largest_tensor_bytes": largest.nbytes, "geometry": asdict(geom),
-                      "plan": os.path.join(ckpt_dir, PLAN_FILE), "written_now": made}
+                      "plan": os.path.join(ckpt_dir, PLAN_FILE), "written_now": made,
+                      "padded_n": padded}
         report = {"machine": machine_info(zero_copy), "checkpoint": checkpoint, "results": rows,
                   "skipped": skipped,
                   "cold": {"requested": args.cold, "ran": cache is not None,
@@ -156,12 +189,18 @@ def run(args: argparse.Namespace, bench: Optional[Bench] = None) -> int:
                   "session_startup_s": {k: v for k, v in startup.items() if v},
                   "runs": args.runs, "targets": checks}
         bench.write(report)  # the CPU results stand even if the CUDA part dies
-        print_report(report)
+        if not cuda_only:
+            print_report(report)
 
-        if torch.cuda.is_available() and not args.no_cuda:
+        if stand_in or (torch.cuda.is_available() and not args.no_cuda):
+            def so_far(section: dict) -> None:  # each N's rows kept as soon as it is done
+                bench.write({**report, "cuda": {k: v for k, v in section.items()
+                                                if k != "results"},
+                             "cuda_results": section["results"]})
+
             try:
-                cuda = bench_cuda(ckpt_dir, info, args.shards, args.runs, sampler, zero_copy,
-                                  log)
+                cuda = bench_cuda(ckpt_dir, plans, args.shards, args.runs, sampler, zero_copy,
+                                  log, dry_run_on_cpu=stand_in, after_each_n=so_far)
                 report["cuda"] = {k: v for k, v in cuda.items() if k != "results"}
                 report["cuda_results"] = cuda["results"]
                 ctargets = cuda_targets(cuda)
@@ -174,6 +213,9 @@ def run(args: argparse.Namespace, bench: Optional[Bench] = None) -> int:
                 log(f"cuda section failed: {type(exc).__name__}: {exc}")
                 report["cuda_error"] = f"{type(exc).__name__}: {exc}"
                 print(f"\ncuda section failed: {type(exc).__name__}: {exc}")
+                if cuda_only:
+                    bench.finish(report)
+                    return 1
         bench.finish(report)
         if args.json:
             print(f"\nwrote {args.json}")
