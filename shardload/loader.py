@@ -41,6 +41,7 @@ import torch
 from .gc_pause import gc_paused
 from .errors import DEVICE_CUDA, PLUGINS, PlanError, SessionClosedError, ShardloadError, mention
 from .pieces import FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, local_load
+from .pieces.chains import cupy_missing
 from .pieces.stream import ObjectStream, stream_units
 from .plan import ParamPlan, Plan, ShardInfo, ValidatedPlan
 from .readers import Checkpoint, as_checkpoint
@@ -173,17 +174,23 @@ def _bind(shard_info: Any, num_shards: int) -> Plan:
 
 def _check_devices(plan: list[ParamPlan], devices: list[torch.device],
                    source: Optional[str]) -> None:
-    """cupy shard functions need CUDA workers; say so before anything is read."""
-    if all(d.type == "cuda" for d in devices):
-        return
+    """cupy shard functions need CUDA workers, and cupy; say so before anything is read."""
+    on_cuda = all(d.type == "cuda" for d in devices)
     for param in plan:
         for step, func in zip(param.steps, param.funcs):
-            if func.array == "cupy":
-                raise mention(PlanError(
-                    f"{func.name} takes cupy arrays, which need CUDA devices, but this "
-                    f"session's workers are on {', '.join(map(str, devices))}; load with "
-                    f"{DEVICE_CUDA.python}", source=source, param=param.name,
-                    step=step.index), DEVICE_CUDA)
+            if func.array != "cupy":
+                continue
+            if on_cuda:
+                missing = cupy_missing()
+                if missing is None:
+                    return
+                raise PlanError(f"{func.name} takes cupy arrays, and {missing}",
+                                source=source, param=param.name, step=step.index)
+            raise mention(PlanError(
+                f"{func.name} takes cupy arrays, which need CUDA devices, but this session's "
+                f"workers are on {', '.join(map(str, devices))}; load with "
+                f"{DEVICE_CUDA.python}", source=source, param=param.name,
+                step=step.index), DEVICE_CUDA)
 
 
 def _plugin_modules(validated: ValidatedPlan, remote: bool) -> list[str]:

@@ -337,6 +337,36 @@ def test_cupy_functions_need_cuda_and_cupy_is_imported_lazily():
     assert "need CUDA devices" in str(info.value) and info.value.param == "w"
 
 
+@pytest.mark.parametrize("cuda, wheel", [("13.0", "cupy-cuda13x"), ("12.8", "cupy-cuda12x"),
+                                         (None, "cupy-cuda12x, cupy-cuda13x")])
+def test_cuda_workers_without_cupy_are_told_the_wheel_of_their_cuda(monkeypatch, cuda, wheel):
+    """On CUDA workers a cupy function needs ``import cupy``; which wheel gives it depends on
+    the CUDA torch is built for (the GPU machine's is 13: cupy-cuda13x), said before a read."""
+    import importlib.util
+
+    from shardload import loader
+    from shardload.plan import ShardInfo
+    from shardload.readers.base import TensorMeta
+
+    @register_shard_func("tests.loader.cupy_copy", array="cupy")
+    def cupy_copy(input, output):
+        output[...] = input
+
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "cupy" else real(name, *a))
+    plan = ShardInfo.coerce({"w": [["tests.loader.cupy_copy",
+                                    [["num_shards", "8 // num_shards"], "float32"]]]}).bind(2)
+    validated = plan.validate({"w": TensorMeta("w", (8,), "float32")})
+    with pytest.raises(PlanError, match=f"cupy is not installed: pip install .*{wheel}") as info:
+        loader._check_devices(list(validated), [torch.device("cuda:0")] * 2, "plan.json")
+    assert info.value.param == "w"
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    if real("cupy") is not None:  # where cupy is installed, CUDA workers are let through
+        loader._check_devices(list(validated), [torch.device("cuda:0")] * 2, "plan.json")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_workers_get_the_same_shards_as_cpu_workers():

@@ -8,13 +8,32 @@ in, each step's output is allocated with its declared shape and dtype, and the f
 
 from __future__ import annotations
 
+import importlib.util
+from typing import Optional
+
 import torch
 
 from .. import dtypes
 from ..errors import ShardloadError, annotate
 from ..registry import ShardFunc, get_shard_func
 
-__all__ = ["run_steps"]
+__all__ = ["run_steps", "cupy_missing"]
+
+
+def cupy_missing() -> Optional[str]:
+    """Why ``import cupy`` fails here, with what to install; None where it works. CuPy's wheel
+    is named for the CUDA it is built for (``cupy-cuda12x``, ``cupy-cuda13x``): any of them
+    gives the module ``cupy``, which is all shardload asks for.
+
+    >>> cupy_missing() is None or "pip install cupy-cuda" in cupy_missing()
+    True
+    """
+    if importlib.util.find_spec("cupy") is not None:
+        return None
+    major = (torch.version.cuda or "").split(".")[0]
+    wheel = (f"cupy-cuda{major}x (this torch is built for CUDA {torch.version.cuda})" if major
+             else "the cupy-cuda wheel of your CUDA (cupy-cuda12x, cupy-cuda13x)")
+    return f"cupy is not installed: pip install {wheel}"
 
 
 def _as_array(tensor: torch.Tensor, kind: str):
