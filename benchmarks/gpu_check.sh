@@ -1,13 +1,32 @@
 #!/usr/bin/env bash
-# The GPU check, in one go: bash benchmarks/gpu_check.sh OUTDIR   (from the repo root)
+# The GPU check, in one go, on a GPU machine that can fetch nothing:
 #
-# Installs what it can (each install may fail: the machine may have no network), records the
-# machine, runs the GPU tests and the load benchmark, and writes OUTDIR/summary.txt. Every step
-# runs under `timeout`; all of them together stay within GPU_CHECK_BUDGET_S (default 570 s).
-# A failed or timed-out step is logged and the script goes on; it exits 0. See
-# benchmarks/README.md ("On a GPU machine"). Environment: PYTHON (default python),
-# GPU_CHECK_BUDGET_S, GPU_CHECK_BENCH_ARGS (default --size-gb 1.5 --shards 1,2,4,8 --runs 3),
-# GPU_CHECK_PIP=0 (no installs), GPU_CHECK_PIP_ARGS (extra pip options, e.g. --dry-run).
+#   bash benchmarks/gpu_check.sh OUTDIR      # from the repository root; about 5 minutes at most
+#
+# First, here (with a network): scripts/gpu-wheels.sh puts the wheels the machine's image lacks
+# (gguf and the peer loaders, 10 MB, for its Python 3.12) in .gpu-wheels/, which the device call
+# carries. Nothing is fetched there: the wheels are installed from that folder alone (pip
+# --isolated --no-index --no-deps --target), never over the machine's torch, and the checkout is
+# used where it is (PYTHONPATH). The steps, the most important first, so that a run cut short
+# has done what matters most; each runs under `timeout`, all of them within GPU_CHECK_BUDGET_S
+# (default 330 s); a step that fails or runs out of time is logged and the next one runs:
+#
+#   1. install  the carried wheels; torch checked unchanged                      (summary.txt)
+#   2. machine  nvidia-smi; Python, torch, CUDA; each package's version and import  machine.txt
+#   3. tests    pytest -m "gpu and not vllm" on the files holding GPU tests          tests.txt
+#   4. load     bench_load.py --cuda-only: the 1.5 GB GPTQ Llama, N = 1, 2, 4, 8, every peer
+#               on the pinned host-to-device path of one GPU                          load.json
+#   5. moe      the same for the 14,291-tensor Qwen2-MoE (0.5 GB), N = 1 and 8         moe.json
+#   6. padded   the same for the Llama at N = 3, where the planner pads its heads   padded.json
+#   7. vllm     tests/test_vllm_gpu.py, only where the machine's python has vLLM     tests.txt
+#
+# summary.txt holds each step's outcome as it ends, then the tables (shardbench/gpu_summary.py,
+# also the rows for docs/performance.md's GPU table); whatever else a step prints goes to
+# log.txt. Seven files at most, none near 16 MiB. It exits 0.
+#
+# Environment: PYTHON (default python3, the machine's), GPU_CHECK_WHEELS (default .gpu-wheels),
+# GPU_CHECK_BUDGET_S, GPU_CHECK_STAND_IN=cpu (the dry run, on a machine without CUDA: steps 4-6
+# run the CUDA section's code on CPU workers, at a small size; tests/test_gpu_check.py).
 set -u
 
 OUT=${1:?usage: bash benchmarks/gpu_check.sh OUTDIR}
@@ -15,172 +34,122 @@ mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
-PY=${PYTHON:-python}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-570}
-BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---size-gb 1.5 --shards 1,2,4,8 --runs 3}
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"   # the checkout, installed or not
-export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
-PIP_NET="--retries 1 --timeout 15"
-PIP_EXTRA=${GPU_CHECK_PIP_ARGS:-}   # e.g. --dry-run, to try the script without installing
-LAST_RC=0
-STEPS="$OUT/steps.txt"
-: > "$STEPS"
+PY=${PYTHON:-python3}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-330}
+WHEELS=${GPU_CHECK_WHEELS:-$REPO/.gpu-wheels}
+STAND_IN=${GPU_CHECK_STAND_IN:-}
+SITE=$(mktemp -d "${TMPDIR:-/tmp}/shardload-gpu-site.XXXXXX") || exit 2
+trap 'rm -rf "$SITE"' EXIT
+export PYTHONPATH="$REPO:$SITE:$REPO/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+export SHARDLOAD_CACHE="$SITE/cache"   # whatever a test keeps, gone with the check
+SUMMARY="$OUT/summary.txt" LOG="$OUT/log.txt"
+: > "$LOG"
 START=$SECONDS
+LAST_RC=0
+
+# the benchmark steps' sizes: the real ones, or the dry run's (the code path, in seconds)
+if [ "$STAND_IN" = cpu ]; then
+    LOAD="--size-gb 0.05 --shards 1,2 --runs 1 --cuda-stand-in"
+    MOE="--model moe --size-gb 0.02 --shards 1,2 --runs 1 --cuda-stand-in"
+    PADDED="--size-gb 0.05 --shards 3 --runs 1 --cuda-stand-in"
+else
+    LOAD="--size-gb 1.5 --shards 1,2,4,8 --runs 3"
+    MOE="--model moe --size-gb 0.5 --shards 1,8 --runs 2"
+    PADDED="--size-gb 1.5 --shards 3 --runs 2"
+fi
 
 left() { echo $(( BUDGET_S - (SECONDS - START) )); }
+say() { echo "$*" | tee -a "$SUMMARY"; }
 
-# step NAME CAP KEEP LOG CMD...: CMD (stdout and stderr to LOG) with at most CAP seconds, and
-# never so long that less than KEEP seconds of the budget would be left for what follows.
+# step NAME CAP KEEP FILE CMD...: CMD, its output to FILE (appended, under a heading), for at
+# most CAP seconds, and never so long that less than KEEP seconds are left for what follows
 step() {
-    local name=$1 cap=$2 keep=$3 log=$4
+    local name=$1 cap=$2 keep=$3 file=$4
     shift 4
     local t=$(( $(left) - keep ))
     (( t > cap )) && t=$cap
     if (( t < 5 )); then
-        echo "$name: skipped (no time left in the ${BUDGET_S}s budget)" | tee -a "$STEPS"
+        say "$name: skipped (no time left in the ${BUDGET_S} s budget)"
+        LAST_RC=124
         return 0
     fi
+    echo "==== $name: $*" >> "$file"
     local t0=$SECONDS
-    timeout --kill-after=10 "$t" "$@" > "$log" 2>&1
+    timeout --kill-after=10 "$t" "$@" >> "$file" 2>&1
     LAST_RC=$?
-    report "$name" "$LAST_RC" "$t" "$t0" "$(basename "$log")"
-    return 0
-}
-
-report() {  # NAME RC LIMIT T0 LOG
     local what=ok
-    if (( $2 == 124 || $2 == 137 )); then what="timed out after $3 s"
-    elif (( $2 != 0 )); then what="failed (exit $2)"; fi
-    echo "$1: $what, $(( SECONDS - $4 )) s, log $5" | tee -a "$STEPS"
+    if (( LAST_RC == 124 || LAST_RC == 137 )); then what="timed out after $t s"
+    elif (( LAST_RC == 4 )) && [ "$file" = "$LOG" ]; then what="skipped: no CUDA device"
+    elif (( LAST_RC != 0 )); then what="failed (exit $LAST_RC)"; fi
+    say "$name: $what, $(( SECONDS - t0 )) s (output: $(basename "$file"))"
 }
 
-echo "gpu_check: $REPO -> $OUT (budget ${BUDGET_S}s)"
+torch_is() { "$PY" -c 'import torch; print(torch.__version__, torch.__file__)' 2>&1; }
 
-# ---- 1. installs (each may fail) -----------------------------------------------------------------
-# keep the torch that is there (a CUDA build): pip must not swap it for another
-CONS="$OUT/constraints.txt"
-: > "$CONS"
-timeout 60 "$PY" -c 'import torch; print("torch==" + torch.__version__)' > "$CONS" 2>/dev/null \
-    || : > "$CONS"
-if [ "${GPU_CHECK_PIP:-1}" = 0 ]; then
-    echo "pip installs: skipped (GPU_CHECK_PIP=0)" | tee -a "$STEPS"
+{
+    echo "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) at $(git rev-parse --short HEAD 2>/dev/null \
+        || echo '?'), budget ${BUDGET_S} s${STAND_IN:+, dry run: CUDA steps on $STAND_IN workers}"
+    echo
+} > "$SUMMARY"
+echo "gpu_check: $REPO -> $OUT"
+
+# ---- 1. install: the carried wheels, nothing else ---------------------------------------------
+BEFORE=$(torch_is)
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+    step "install $(ls "$WHEELS"/*.whl | wc -l) wheels from $(basename "$WHEELS")" 60 270 "$LOG" \
+        "$PY" -m pip --isolated install --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$SITE" "$WHEELS"/*.whl
 else
-    # shellcheck disable=SC2086  (the option lists split on purpose)
-    step "pip install -e .[cuda,test]" 150 420 "$OUT/pip_project.log" \
-        "$PY" -m pip install $PIP_NET $PIP_EXTRA -c "$CONS" -e ".[cuda,test]"
-    if (( LAST_RC != 0 )); then  # no network: setuptools may be there, build without an index
-        step "pip install -e . (offline fallback)" 60 400 "$OUT/pip_project_offline.log" \
-            "$PY" -m pip install $PIP_EXTRA --no-build-isolation --no-deps --no-index -e .
-    fi
-    for pkg in fastsafetensors runai-model-streamer instanttensor; do
-        step "pip install $pkg" 60 380 "$OUT/pip_$pkg.log" \
-            "$PY" -m pip install $PIP_NET $PIP_EXTRA -c "$CONS" "$pkg"
-    done
+    say "install: no wheels in $WHEELS (run scripts/gpu-wheels.sh here and carry the folder)"
+fi
+AFTER=$(torch_is)
+if [ "$BEFORE" = "$AFTER" ] && [ ! -e "$SITE/torch" ]; then
+    say "torch unchanged: $AFTER"
+else
+    say "TORCH CHANGED: before '$BEFORE', after '$AFTER'"
 fi
 
-# ---- 2. the machine --------------------------------------------------------------------------------
-step "nvidia-smi" 20 360 "$OUT/nvidia-smi.txt" nvidia-smi
-step "versions" 60 350 "$OUT/env.txt" "$PY" - <<'EOF'
-import importlib, importlib.metadata as md, platform, sys
-print("python", sys.version.split()[0], platform.platform())
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "available",
-      torch.cuda.is_available(), "devices", torch.cuda.device_count())
-for d in range(torch.cuda.device_count()):
-    print(f"  cuda:{d}", torch.cuda.get_device_name(d))
-for dist, mod in (("shardload", "shardload"), ("safetensors", "safetensors"),
-                  ("cupy-cuda12x", "cupy"), ("fastsafetensors", "fastsafetensors"),
-                  ("runai-model-streamer", "runai_model_streamer"),
-                  ("instanttensor", "instanttensor")):
-    try:
-        v = md.version(dist)
-    except md.PackageNotFoundError:
-        v = "not installed"
-    try:
-        m = importlib.import_module(mod)
-        where = "imports from " + (getattr(m, "__file__", None) or "?")
-    except Exception as exc:
-        where = f"does not import: {type(exc).__name__}: {exc}"
-    print(f"{dist}: {v}; {where}")
-EOF
-cat "$OUT/env.txt" 2>/dev/null
+# ---- 2. the machine ------------------------------------------------------------------------------
+step "nvidia-smi" 20 250 "$OUT/machine.txt" nvidia-smi
+step "versions" 60 240 "$OUT/machine.txt" "$PY" -m shardbench.gpu_summary machine
 
-# ---- 3. the GPU tests ------------------------------------------------------------------------------
-step "pytest -m gpu" 150 300 "$OUT/pytest_gpu.log" "$PY" -m pytest -q -m "gpu and not vllm" \
-    -p no:cacheprovider
-tail -n 3 "$OUT/pytest_gpu.log" 2>/dev/null
-# vLLM's load format on the formats only its GPU kernels run (FP8, block FP8, NVFP4, MXFP4, GGUF),
-# where this machine's python has vLLM (nothing to install it from here: it is skipped if not)
+# ---- 3. the GPU tests ----------------------------------------------------------------------------
+# the files marking tests `gpu` (not `gpu_sim`), test_gpu.py first; vLLM's are step 7
+mapfile -t GPU_TESTS < <(grep -lE 'pytest\.mark\.gpu([^_[:alnum:]]|$)' tests/test_gpu.py \
+    tests/test_*.py | grep -v vllm | awk '!seen[$0]++')
+step "pytest -m 'gpu and not vllm' ${GPU_TESTS[*]}" 120 150 "$OUT/tests.txt" \
+    "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not vllm" "${GPU_TESTS[@]}"
+tail -n 1 "$OUT/tests.txt" | tee -a "$SUMMARY"
+
+# ---- 4-6. the load benchmark's CUDA section --------------------------------------------------------
+# shellcheck disable=SC2086  (the option lists split on purpose)
+step "load: bench_load.py --cuda-only $LOAD" 150 60 "$LOG" \
+    "$PY" benchmarks/bench_load.py --cuda-only $LOAD --dir "$SITE/bench" --json "$OUT/load.json"
+# shellcheck disable=SC2086
+step "moe: bench_load.py --cuda-only $MOE" 100 25 "$LOG" \
+    "$PY" benchmarks/bench_load.py --cuda-only $MOE --dir "$SITE/bench" --json "$OUT/moe.json"
+# shellcheck disable=SC2086
+step "padded: bench_load.py --cuda-only $PADDED" 60 5 "$LOG" \
+    "$PY" benchmarks/bench_load.py --cuda-only $PADDED --dir "$SITE/bench" \
+    --json "$OUT/padded.json"
+
+# ---- 7. vLLM on the formats only its GPU kernels run, where this python has vLLM -----------------
 if "$PY" -c "import vllm" > /dev/null 2>&1; then
     export SHARDLOAD_VLLM_PYTHON; SHARDLOAD_VLLM_PYTHON=$(command -v "$PY")
-    step "pytest -m 'gpu and vllm'" 200 130 "$OUT/pytest_vllm_gpu.log" "$PY" -m pytest -q \
-        -m "gpu and vllm" -p no:cacheprovider tests/test_vllm_gpu.py
-    tail -n 3 "$OUT/pytest_vllm_gpu.log" 2>/dev/null
+    step "pytest tests/test_vllm_gpu.py" 200 0 "$OUT/tests.txt" "$PY" -m pytest -q \
+        -p no:cacheprovider -m "gpu and vllm" tests/test_vllm_gpu.py
 else
-    echo "pytest -m 'gpu and vllm': skipped (no vllm in $PY)" | tee -a "$STEPS"
+    say "vllm: skipped (no vllm in $PY; it cannot be carried)"
 fi
 
-# ---- 4. the benchmark (its table teed into bench.txt) ----------------------------------------------
-T=$(( $(left) - 15 ))
-if (( T >= 30 )); then
-    t0=$SECONDS
-    # shellcheck disable=SC2086
-    timeout --kill-after=10 "$T" "$PY" benchmarks/bench_load.py $BENCH_ARGS \
-        --json "$OUT/bench.json" 2> "$OUT/bench.err" | tee "$OUT/bench.txt"
-    report "bench_load.py $BENCH_ARGS" "${PIPESTATUS[0]}" "$T" "$t0" "bench.txt, bench.err"
-else
-    echo "bench_load.py: skipped (no time left)" | tee -a "$STEPS"
-fi
-
-# ---- 5. the summary --------------------------------------------------------------------------------
+# ---- the summary ---------------------------------------------------------------------------------
 {
-    echo "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ), $(( SECONDS - START )) s of ${BUDGET_S} s"
     echo
-    cat "$STEPS"
+    echo "$(( SECONDS - START )) s of ${BUDGET_S} s"
     echo
-    grep -m 3 -E "^(torch|  cuda:)" "$OUT/env.txt" 2>/dev/null
-    grep -E "^(fastsafetensors|runai-model-streamer|instanttensor|cupy-cuda12x):" \
-        "$OUT/env.txt" 2>/dev/null
-    echo
-    echo "pytest -m gpu: $(tail -n 1 "$OUT/pytest_gpu.log" 2>/dev/null || echo 'no log')"
-    echo
-    timeout 30 "$PY" - "$OUT/bench.json" <<'EOF' 2>&1 || true
-import json, sys
-try:
-    r = json.load(open(sys.argv[1]))
-except (OSError, ValueError) as exc:
-    sys.exit(f"no benchmark JSON ({exc})")
-def f(x, spec):
-    return "-" if x is None else format(x, spec)
-cuda = r.get("cuda")
-if cuda:
-    print(f"CUDA: {', '.join(cuda['devices'])}; pinned host-to-device "
-          f"{f(cuda['pinned_h2d_gb_per_s'], '.1f')} GB/s; staging {cuda.get('staging')}")
-    for row in r.get("cuda_results", []):
-        print(f"  {row['method']:<22} N={row['num_shards']}  {f(row['median_s'], '.3f')} s  "
-              f"{f(row['gb_per_s'], '.1f')} GB/s  {f(row['fraction_of_pinned'], '.2f')} of "
-              f"pinned  {f(row['ratio_to_shardload_thread'], '.2f')}x thread  host "
-              f"+{f(row['peak_anon_bytes'] / 2**20, '.0f')} MiB anon  "
-              f"{'equal' if row['verified'] else 'WRONG'}")
-    for m, why in cuda.get("skipped", {}).items():
-        print(f"  skipped: {m}: {why}")
-elif r.get("cuda_error"):
-    print("CUDA section failed:", r["cuda_error"])
-else:
-    print("no CUDA section (torch.cuda.is_available() was False, or the run was cut short)")
-for m, why in r.get("skipped", {}).items():
-    print(f"skipped on CPU: {m}: {why}")
-print("targets:")
-for t in r.get("targets", []):
-    v = t["value"]
-    shown = ("n/a" if v is None else f"{v / 2**20:.0f} MiB (limit {t['limit'] / 2**20:.0f})"
-             if t["unit"] == "bytes" else f"{v:.2f} {t['unit']} (limit {t['limit']})")
-    print(f"  {t['result']:<4} {t['target']}: {shown}")
-wrong = [x for x in r.get("results", []) + r.get("cuda_results", []) if x.get("verified") is False]
-print("pieces: " + ("all equal to shardload's" if not wrong else
-                    "WRONG: " + ", ".join(f"{x['method']} N={x['num_shards']}" for x in wrong)))
-EOF
-} > "$OUT/summary.txt" 2>&1
+    timeout 30 "$PY" -m shardbench.gpu_summary tables "$OUT" 2>&1
+} >> "$SUMMARY"
 echo
-cat "$OUT/summary.txt"
+cat "$SUMMARY"
 exit 0
