@@ -1,7 +1,7 @@
 """The optional environments of the tests and the benchmarks, and the one rule for finding them.
 
-Three things the suite uses are too large, or pin versions the ``test`` extra cannot hold, so a
-script of ``scripts/`` makes each on request (``.ci/run`` makes all three first). The suite
+Four things the suite uses are too large, or pin versions the ``test`` extra cannot hold, so a
+script of ``scripts/`` makes each on request (``.ci/run`` makes all four first). The suite
 never makes them itself: a test that needs one that is not there skips, saying which script
 makes it (``tests/helpers/environments.py``), or fails under CI's ``SHARDLOAD_REQUIRE_*=1``.
 
@@ -11,6 +11,7 @@ name      what                                        made by                   
 vllm      vLLM's CPU build with this checkout         ``scripts/vllm-env.sh``       vllm-venv
 quant     GPTQModel, the quantization tool            ``scripts/quant-tools-env.sh``  quant-venv
 azurite   Azurite, the Azure Storage emulator (npm)   ``scripts/azurite.sh``        azurite
+gpu_sim   the GPU machine's packages, simulated       ``scripts/gpu-sim-env.sh``    gpu-sim-venv
 ========  ==========================================  ============================  ===========
 
 Where each is looked for (the scripts make it where rules 2 and 3 say); the first set wins:
@@ -99,11 +100,15 @@ ENVIRONMENTS = {env.name: env for env in (
                 "azurite", "node_modules/.bin/azurite-blob", "azurite@3.37.0",
                 "SHARDLOAD_AZURITE_BLOB", "SHARDLOAD_AZURITE_DIR",
                 "SHARDLOAD_REQUIRE_OBJECT_SERVERS"),
+    Environment("gpu_sim", "simulated GPU machine environment", "scripts/gpu-sim-env.sh",
+                "gpu-sim-venv", "bin/python", "gpu machine image, simulated 1",
+                "SHARDLOAD_GPU_SIM_PYTHON", "SHARDLOAD_GPU_SIM_VENV",
+                "SHARDLOAD_REQUIRE_GPU_SIM"),
 )}
 
 
 def environment(name: str) -> Environment:
-    """The environment called ``name`` (``vllm``, ``quant``, ``azurite``)."""
+    """The environment called ``name`` (``vllm``, ``quant``, ``azurite``, ``gpu_sim``)."""
     try:
         return ENVIRONMENTS[name]
     except KeyError:

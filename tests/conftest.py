@@ -80,7 +80,8 @@ REAL_MODEL_FIXTURES = {"smollm2"}
 #: markers naming an optional environment (``devtools/environments.py``): a test carrying one
 #: skips before it starts where that environment is not made, saying which script makes it
 #: (fails instead under CI's ``SHARDLOAD_REQUIRE_*=1``); nothing is installed from here
-ENVIRONMENT_MARKERS = {"vllm": "vllm", "quant_tools": "quant", "azurite": "azurite"}
+ENVIRONMENT_MARKERS = {"vllm": "vllm", "quant_tools": "quant", "azurite": "azurite",
+                       "gpu_sim": "gpu_sim"}
 
 
 def pytest_runtest_setup(item):

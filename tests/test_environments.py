@@ -94,7 +94,7 @@ def test_a_test_needing_it_skips_naming_the_script_or_fails_under_ci(name, monke
 
 
 def test_an_unknown_environment_is_named_with_the_known_ones():
-    with pytest.raises(KeyError, match="no environment 'nope'; they are vllm, quant, azurite"):
+    with pytest.raises(KeyError, match="no environment 'nope'; they are vllm, quant, azurite, gpu_sim"):
         environment("nope")
 
 

@@ -75,7 +75,7 @@ def test_the_readme_and_docs_blocks_pass_with_nothing_made_first(newcomer):
 
 
 def test_every_test_needing_an_environment_skips_naming_its_script(newcomer):
-    done = _pytest(newcomer, "-m", "vllm or quant_tools or azurite", "tests")
+    done = _pytest(newcomer, "-m", "vllm or quant_tools or azurite or gpu_sim", "tests")
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     summary = _summary(done)
     assert "skipped" in summary and "passed" not in summary and "failed" not in summary, summary
