@@ -20,6 +20,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.numpy import load_file
 
+import helpers.group_plugins  # noqa: F401  (tests.groups.rounds, here and in the workers)
 from helpers.paths import EXAMPLE, REPO
 from shardload import ProcessSession, Staging, ThreadedSession, load_sharded
 
@@ -249,3 +250,17 @@ def test_a_cupy_shard_function_runs_on_cuda_workers(device):
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.strip().endswith("ok")
+
+
+# ---- 5. collectives among worker processes that share the GPU --------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_worker_processes_sharing_a_device_reduce_over_their_group(device):
+    """More workers than GPUs (the GPU machine has one): their group is gloo, since NCCL refuses
+    two ranks on one device; all_reduce, broadcast and barrier work among them."""
+    from shardload.sessions.process import group_backend
+
+    devices = _devices(device, 2)
+    assert group_backend([torch.device(d) for d in devices]) == "gloo"
+    with ProcessSession(2, device=devices) as sess:
+        assert sess.call("tests.groups.rounds", 2) == [[[11.0, 0.0], [13.0, 101.0]]] * 2

@@ -139,3 +139,14 @@ def test_a_failing_thread_stops_the_others_waiting_in_a_collective():
         assert time.monotonic() - start < 10      # measured: 0.2 s; without the abort, never
         # the broken barrier is mended: the next run's collectives work
         assert session.call("tests.groups.rounds", 1) == [[[111.0, 0.0]]] * 3
+
+
+def test_the_workers_group_is_nccl_only_where_each_has_a_gpu_of_its_own():
+    from shardload.sessions.process import group_backend
+
+    def backend(*names):
+        return group_backend([torch.device(n) for n in names])
+
+    assert backend("cuda:0", "cuda:1", "cuda:2") == "nccl"
+    assert backend("cuda:0", "cuda:1", "cuda:0") == "gloo"   # more workers than GPUs
+    assert backend("cpu", "cpu") == "gloo" and backend("cuda:0", "cpu") == "gloo"

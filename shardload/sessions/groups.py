@@ -9,7 +9,7 @@ token) to all, ``barrier`` waits for every worker. Each session supplies its own
   (so every worker gets the very same bits). A worker that fails breaks the barrier, so the
   others stop (``Stopped``) instead of waiting for ever; the next run starts with it mended;
 * ``ProcessSession``: ``DistGroup`` over the torch.distributed group its worker processes form
-  when they start (gloo on CPU, NCCL on CUDA);
+  when they start (NCCL where each worker has a GPU of its own, else gloo: ``group_backend``);
 * ``TorchDistributedSession``: ``DistGroup`` over the job's own group.
 
 >>> @register_session_func("example.total")                         # doctest: +SKIP

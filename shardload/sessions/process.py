@@ -16,7 +16,7 @@ Lifecycle of a ``ProcessSession``:
 
 1. **Start**: start N workers (above); send each ``init`` (rank, device, the controller's
    ``sys.path``, plugins, and the address of a ``TCPStore`` the controller hosts, the
-   rendezvous of a torch.distributed group the workers join: gloo on CPU, NCCL on CUDA); wait
+   rendezvous of a torch.distributed group the workers join: ``group_backend``); wait
    for every ``ready``. A worker that dies while starting stops the others.
 2. **Work**: ``run`` (a session function on each worker with its own args; ``load_sharded``
    is one), ``call``, ``set_value``, ``get_value``. A session function a worker lacks is
@@ -144,12 +144,28 @@ def _at_exit() -> None:
     forkserver.shutdown()
 
 
+def group_backend(devices: Sequence[torch.device]) -> str:
+    """The torch.distributed backend of workers on ``devices``: NCCL where each has a GPU of its
+    own; gloo otherwise, on the CPU and where workers share a GPU (more workers than GPUs, as
+    on a one-GPU machine): NCCL refuses two ranks on one device at their first collective,
+    while gloo's all_reduce, broadcast and barrier take CUDA tensors too.
+
+    >>> group_backend([torch.device("cuda:0"), torch.device("cuda:1")])
+    'nccl'
+    >>> group_backend([torch.device("cuda:0"), torch.device("cuda:0")])
+    'gloo'
+    """
+    own_gpus = all(d.type == "cuda" for d in devices) and len(set(devices)) == len(devices)
+    return "nccl" if own_gpus else "gloo"
+
+
 class ProcessSession(Session):
     """N worker processes, worker i on ``devices[i]``, controlled over pipes.
 
     ``plugins`` are modules every worker imports (their ``@register_shard_func`` calls run
     there too). With ``distributed=True`` the workers form a torch.distributed process group
-    (gloo on CPU, NCCL on CUDA) that session functions can use for collectives.
+    (``group_backend``: NCCL where each worker has a GPU of its own, else gloo) that session
+    functions can use for collectives.
     ``timeout``: seconds a worker may go without progress (a parameter loaded, a request
     answered) before the session gives up on it: ``WorkerError`` naming it and its parameter,
     and the session closed (its workers asked to exit, then terminated, then killed). Left
@@ -199,7 +215,7 @@ class ProcessSession(Session):
         if distributed:
             from torch.distributed import TCPStore
 
-            backend = "nccl" if all(d.type == "cuda" for d in self.devices) else "gloo"
+            backend = group_backend(self.devices)
             self._store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
             dist = {"host": "127.0.0.1", "port": self._store.port, "backend": backend,
                     "timeout_s": timeout}
