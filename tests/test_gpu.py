@@ -88,7 +88,7 @@ def _check_staging(rings: list, bytes_read: list[int], cuda: bool, threads: bool
     """Every worker staged exactly what it read, through pinned buffers on CUDA; the threads of
     one process read every stored byte once between them, worker processes each their own."""
     assert len(rings) == len(bytes_read)
-    for ring, nread in zip(rings, bytes_read):
+    for ring, nread in zip(rings, bytes_read, strict=True):
         assert ring is not None and ring["pinned"] is cuda, rings
         assert ring["buffers"] == 4 and ring["bytes_staged"] == nread > 0, rings
     if threads:  # which thread stages a replicated tensor is a race: only the sum is fixed
@@ -252,7 +252,7 @@ def test_a_cupy_shard_function_runs_on_cuda_workers(device):
     assert run.stdout.strip().endswith("ok")
 
 
-# ---- 5. collectives among worker processes that share the GPU --------------------------------------
+# ---- 5. collectives among worker processes that share the GPU -------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_worker_processes_sharing_a_device_reduce_over_their_group(device):
