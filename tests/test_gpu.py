@@ -252,7 +252,7 @@ def test_a_cupy_shard_function_runs_on_cuda_workers(device):
     assert run.stdout.strip().endswith("ok")
 
 
-# ---- 5. collectives among worker processes that share the GPU -------------------------------------
+# ---- 5. collectives among worker processes that share the GPU ------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_worker_processes_sharing_a_device_reduce_over_their_group(device):
