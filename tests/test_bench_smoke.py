@@ -164,3 +164,22 @@ def test_the_cuda_section_alone_with_cpu_stand_ins_and_a_padded_n(tmp_path):
         no_cuda = subprocess.run([a for a in cmd if a != "--cuda-stand-in"], cwd=REPO,
                                  capture_output=True, text=True, timeout=120)
         assert no_cuda.returncode == 4 and "--cuda-only needs a CUDA device" in no_cuda.stderr
+
+
+def test_bench_scale_smoke(tmp_path):
+    """bench_scale.py on its smallest checkpoint at one N: every phase measured in its own
+    interpreter, `shardload validate` whole, the JSON and both figures."""
+    out = tmp_path / "scale.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_scale.py"), "--models",
+           "series", "--max-tensors", "1000", "--shards", "2", "--json", str(out),
+           "--figures", str(tmp_path / "fig"), "--dir", str(tmp_path / "ckpt")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["tensors"], r["num_shards"]) for r in rows] == [(497, 2)]
+    for r in rows:
+        phases = [r[f"{p}_s"] for p in ("open", "plan", "validate", "read_plan")]
+        assert all(t > 0 for t in phases) and r["total_s"] == pytest.approx(sum(phases))
+        assert r["validate_cli_s"] > r["import_s"] > 0
+    assert sorted(p.name for p in (tmp_path / "fig").iterdir()) == ["scale_n.png",
+                                                                      "scale_time.png"]

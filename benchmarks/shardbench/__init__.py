@@ -16,6 +16,8 @@ processes inherit it, so the plugin modules here import there under the same nam
 ``worker``        the session function that frees a worker's shards between two loads (a plugin)
 ``padded_funcs``  ``bench_padded.py``'s shard function without its read rule (a plugin)
 ``models``        ``bench_padded.py``'s default checkpoint, fetched once
+``scale``         ``bench_scale.py``'s header-only checkpoints and its one measurement
+``gpu_summary``   the GPU check's reports (``gpu_check.sh``): the machine, the tables
 
 Nothing here imports at package level, so a worker process importing a plugin pays for that
 plugin only.

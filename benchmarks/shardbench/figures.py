@@ -144,9 +144,45 @@ def draw_objects(report: dict, out_dir: str) -> list[str]:
     ]
 
 
+# ==== bench_scale.py ============================================================================
+
+def draw_scale(report: dict, out_dir: str) -> list[str]:
+    """``scale_time.png``: each phase against the tensor count, for the checkpoints of one N
+    (the first measured); ``scale_n.png``: open + plan + validate + a rank's read plan against
+    N, one line per checkpoint."""
+    plt = _pyplot()
+    os.makedirs(out_dir, exist_ok=True)
+    rows = report["results"]
+    paths = []
+    first_n = rows[0]["num_shards"]
+    at_n = sorted((r for r in rows if r["num_shards"] == first_n), key=lambda r: r["tensors"])
+    fig, ax = plt.subplots(figsize=SIZE, dpi=DPI)
+    for phase in [*report["phases"], "total"]:
+        ax.plot([r["tensors"] for r in at_n], [r[f"{phase}_s"] for r in at_n], marker="o",
+                markersize=4, linewidth=1.4 if phase != "total" else 2.2, label=phase)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tensors in the checkpoint")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"bench_scale.py: before the first byte, N = {first_n}\n{_subtitle(report)}",
+                 fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(os.path.join(out_dir, "scale_time.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1])
+    plt.close(fig)
+    series = {}
+    for r in rows:
+        series.setdefault(f"{r['model']} ({r['tensors']:,})", {})[r["num_shards"]] = r["total_s"]
+    paths.append(_plot(series, "bench_scale.py: open + plan + validate + read plan against N",
+                       "seconds", os.path.join(out_dir, "scale_n.png"), _subtitle(report)))
+    return paths
+
+
 # ==== either ====================================================================================
 
-DRAW = {"bench_load": draw_load, "bench_objects": draw_objects}
+DRAW = {"bench_load": draw_load, "bench_objects": draw_objects, "bench_scale": draw_scale}
 
 
 def kind(report: dict) -> str:

@@ -1,0 +1,119 @@
+"""``bench_scale.py``'s checkpoints and its one measurement.
+
+The checkpoints are header-only copies of published ones (``scripts/vllm_coverage.py``'s writer:
+the names, shapes and dtypes the published files hold, the data a sparse hole), and a series of
+DeepSeek-V3's config with fewer or more layers and routed experts, from about a thousand tensors
+to 150k. A measurement runs in a fresh interpreter (``python -m shardbench.scale FOLDER N``), so
+that its import, its memory and its caches are its own, and prints one JSON line: the seconds of
+each phase and the peak RSS above the import.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import resource
+import sys
+import time
+
+from .harness import REPO
+
+#: the published checkpoints measured, as the coverage table names them
+PUBLISHED = ("deepseek-ai/DeepSeek-V3", "Qwen/Qwen3-235B-A22B-FP8", "openai/gpt-oss-120b",
+             "RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic")
+#: DeepSeek-V3 scaled: (layers, routed experts) -> about 1k, 5k, 20k, 45k, 92k and 150k tensors
+SERIES = ((4, 32), (8, 96), (16, 192), (32, 224), (61, 256), (61, 416))
+#: the phases one rank pays before its first byte, in the order they run (``read_plans_all``,
+#: every rank's read plan, is what a session of one process builds: measured, not in the total)
+PHASES = ("open", "plan", "validate", "read_plan")
+
+
+def coverage():
+    """``scripts/vllm_coverage.py`` as a module: its writer and its ``MODELS``."""
+    module = sys.modules.get("vllm_coverage")
+    if module is None:
+        path = os.path.join(REPO, "scripts", "vllm_coverage.py")
+        spec = importlib.util.spec_from_file_location("vllm_coverage", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return module
+
+
+def models(which: str) -> list[dict]:
+    """The checkpoints to measure: ``published``, ``series`` or ``all``, each a coverage-table
+    model (``name``, ``config``, ...)."""
+    cov = coverage()
+    by_name = {m["name"]: m for m in cov.MODELS}
+    out = []
+    if which in ("published", "all"):
+        out += [by_name[n] for n in PUBLISHED]
+    if which in ("series", "all"):
+        base = by_name["deepseek-ai/DeepSeek-V3"]
+        for layers, experts in SERIES:
+            model = copy.deepcopy(base)
+            model["config"].update(num_hidden_layers=layers, n_routed_experts=experts,
+                                   first_k_dense_replace=min(3, layers - 1))
+            model["name"] = f"DeepSeek-V3 scaled: {layers} layers, {experts} experts"
+            out.append(model)
+    return out
+
+
+def ensure(model: dict, root: str) -> tuple[str, int]:
+    """The header-only checkpoint of ``model`` under ``root`` (written once: sparse files, a
+    few MB of disk), and its tensor count."""
+    key = "".join(c if c.isalnum() else "-" for c in model["name"]).strip("-").lower()
+    folder = os.path.join(root, key)
+    done = os.path.join(folder, "tensors.txt")
+    if not os.path.isfile(done):
+        os.makedirs(folder, exist_ok=True)
+        count = coverage().write_checkpoint(model, folder)
+        with open(done, "w") as f:
+            f.write(f"{count}\n")
+    with open(done) as f:
+        return folder, int(f.read())
+
+
+def measure(folder: str, n: int) -> dict:
+    """Each phase's seconds for ``folder`` at ``n`` workers, in this process: ``import``
+    (shardload, torch with it), ``open`` (every header), ``plan`` (``plan_for``), ``validate``
+    (the plan bound and checked against the headers), ``read_plan`` (rank 0's),
+    ``read_plans_all`` (every rank's, as a session of one process builds them); and the peak
+    RSS above the import's up to rank 0's read plan (what one rank holds)."""
+    start = time.perf_counter()
+    from shardload import open_checkpoint
+    from shardload.planners import plan_for
+    from shardload.readplan import build_read_plans
+
+    out: dict = {"import": time.perf_counter() - start}
+    base = _rss()
+    t = time.perf_counter()
+    with open_checkpoint(folder) as ckpt:
+        metadata = ckpt.metadata()
+        out["open"], t = time.perf_counter() - t, time.perf_counter()
+        info = plan_for(ckpt, num_shards=n)
+        out["plan"], t = time.perf_counter() - t, time.perf_counter()
+        validated = info.bind(n).validate(metadata)
+        out["validate"], t = time.perf_counter() - t, time.perf_counter()
+        build_read_plans(validated, ckpt, ranks=[0])
+        out["read_plan"] = time.perf_counter() - t
+        out["peak_above_import_bytes"] = max(0, _peak() - base)  # one rank's, to here
+        t = time.perf_counter()
+        build_read_plans(validated, ckpt)
+        out["read_plans_all"] = time.perf_counter() - t
+    return out
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(sys.argv[1], int(sys.argv[2]))))
