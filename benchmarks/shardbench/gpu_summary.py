@@ -79,7 +79,8 @@ def tables(out: str) -> None:
         cuda = r.get("cuda") or {}
         what = f"{ckpt.get('tensor_bytes', 0) / 1e9:.1f} GB {what}"
         print(f"{name}: {what}, {ckpt.get('num_tensors', '?')} tensors; "
-              f"{', '.join(cuda.get('devices', []))}; pinned host-to-device {_f(cuda.get('pinned_h2d_gb_per_s'), '.1f')} GB/s")
+              f"{', '.join(cuda.get('devices', []))}; pinned host-to-device "
+              f"{_f(cuda.get('pinned_h2d_gb_per_s'), '.1f')} GB/s")
         if r.get("cuda_error"):
             print(f"  CUDA section failed: {r['cuda_error']}")
         for row in r.get("cuda_results", []):
