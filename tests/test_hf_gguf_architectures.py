@@ -279,7 +279,7 @@ def _params():
             yield pytest.param(case, n, id=f"{case}-N{n}")
 
 
-@pytest.mark.parametrize("case, n", _params())
+@pytest.mark.parametrize("case, n", list(_params()))
 def test_sharded_gguf_matches_transformers(gguf_reference, case, n):
     ref = gguf_reference(case)
     started = time.perf_counter()
