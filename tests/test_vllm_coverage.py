@@ -14,7 +14,6 @@ After a change to the planner: ``python scripts/vllm_coverage.py --write``.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import sys
 import numpy as np
 import pytest
 
+from devtools.coverage import coverage_script
 from helpers.paths import REPO
 from helpers.subprocesses import subprocess_env
 
@@ -31,14 +31,7 @@ STALE = "docs/vllm.md's coverage table is stale: run python scripts/vllm_coverag
 
 @pytest.fixture(scope="module")
 def cov():
-    spec = importlib.util.spec_from_file_location("vllm_coverage", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module       # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+    return coverage_script()
 
 
 @pytest.fixture(scope="module")

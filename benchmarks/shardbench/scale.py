@@ -11,7 +11,6 @@ each phase and the peak RSS above the import.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import resource
@@ -19,6 +18,10 @@ import sys
 import time
 
 from .harness import REPO
+
+if REPO not in sys.path:  # devtools: the checkout's development code
+    sys.path.append(REPO)
+from devtools.coverage import coverage_script as coverage  # noqa: E402
 
 #: the published checkpoints measured, as the coverage table names them
 PUBLISHED = ("deepseek-ai/DeepSeek-V3", "Qwen/Qwen3-235B-A22B-FP8", "openai/gpt-oss-120b",
@@ -28,18 +31,6 @@ SERIES = ((4, 32), (8, 96), (16, 192), (32, 224), (61, 256), (61, 416))
 #: the phases one rank pays before its first byte, in the order they run (``read_plans_all``,
 #: every rank's read plan, is what a session of one process builds: measured, not in the total)
 PHASES = ("open", "plan", "validate", "read_plan")
-
-
-def coverage():
-    """``scripts/vllm_coverage.py`` as a module: its writer and its ``MODELS``."""
-    module = sys.modules.get("vllm_coverage")
-    if module is None:
-        path = os.path.join(REPO, "scripts", "vllm_coverage.py")
-        spec = importlib.util.spec_from_file_location("vllm_coverage", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
-    return module
 
 
 def models(which: str) -> list[dict]:

@@ -14,7 +14,6 @@ by name), or ``"refused"`` where the planner refuses that N.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import sys
@@ -25,17 +24,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DATA = os.path.join(REPO, "tests", "data", "plan_digests.json")
 N_ALL = tuple(range(2, 17))
 
-
-def coverage_script():
-    """``scripts/vllm_coverage.py`` as a module (its writer and its ``MODELS``)."""
-    path = os.path.join(REPO, "scripts", "vllm_coverage.py")
-    module = sys.modules.get("vllm_coverage")
-    if module is None:
-        spec = importlib.util.spec_from_file_location("vllm_coverage", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
-    return module
+if REPO not in sys.path:  # run as a script
+    sys.path.insert(0, REPO)
+from devtools.coverage import coverage_script  # noqa: E402
 
 
 def _plan_digest(plan_file: dict) -> str:
@@ -90,7 +81,6 @@ def recorded() -> dict[str, dict[str, object]]:
 
 
 def main(argv: list[str]) -> int:
-    sys.path.insert(0, REPO)
     names = [m["name"] for m in coverage_script().MODELS]
     got = {}
     for name in names:
