@@ -30,12 +30,13 @@ import codecs
 import json
 import math
 import re
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterable, Iterator, Union
 
 from .errors import quote
 from .gc_pause import gc_paused
 
-__all__ = ["loads", "loads_object", "NotAnObjectError", "is_text"]
+__all__ = ["loads", "loads_object", "loads_plain", "members_match", "object_pieces",
+           "NotAnObjectError", "is_text"]
 
 _BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
          (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
@@ -56,6 +57,10 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _no_float(text: str) -> float:
+    raise ValueError(f"{text} is not an integer")
 
 
 def _finite_float(text: str) -> float:
@@ -144,6 +149,77 @@ def loads(text: Union[str, bytes, bytearray, memoryview], *,
         if bad is not None:
             raise _surrogate_error(bad)
     return data
+
+
+# -- the plain parse: json's C parser with no hook, and what proves it lost nothing -------------
+#
+# A hook called for every object (``object_pairs_hook``, to refuse a repeated key) costs a Python
+# call per object, the most of a parse of a header or an index of 100,000 tensors. Without it,
+# json keeps the last of two members with one key; the count of members says whether it did. In
+# a text json accepted, every ':' either ends an object's key (one per member) or lies inside a
+# string, written as itself: an escape can only spell one as ``\\u003a``. So a text without a
+# ``\\u`` escape holds ``text.count(":")`` members less the colons of its strings, and if the
+# parsed value holds that many (the sum of its objects' sizes), no key was repeated.
+
+
+def loads_plain(text: str, floats: bool = True) -> Any:
+    """``json.loads(text)`` at C speed, checked for nothing but NaN, Infinity and numbers that
+    overflow to infinity; ``None`` where the text needs the precise parse instead: it holds an
+    escape (a ``\\u`` one may spell a lone surrogate, or a colon ``members_match`` cannot
+    see), or json refuses it (the precise parse says why, in its own words), or it is ``null``.
+
+    ``floats=False``: ``None`` for a text holding any number that is not an integer.
+
+    A caller that gets a value checks what it holds, then ``members_match``; anything that
+    fails goes to the precise parse, which refuses it with the reason or accepts it."""
+    if "\\" in text:  # (a search for one character: many times faster than for "\\u")
+        return None
+    try:
+        with gc_paused():
+            return (_PLAIN if floats else _INTEGERS).decode(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+_PLAIN = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
+_INTEGERS = json.JSONDecoder(parse_constant=_no_constant, parse_float=_no_float)
+
+
+def members_match(text: str, members: int, strings: Callable[[], Iterable[str]]) -> bool:
+    """Whether ``loads_plain(text)`` kept every member of every object, so no key was
+    repeated: ``members`` is the sum of the sizes of every dict it made, ``strings()`` yields
+    every string it holds (keys and values; asked for only when the text has more colons
+    than ``members``). See the comment above for why the colons tell."""
+    colons = text.count(":")
+    if colons == members:  # the common case: no string holds a colon
+        return True
+    return colons - sum(s.count(":") for s in strings()) == members
+
+
+#: after a member whose value is an object: the one place ``object_pieces`` cuts
+_CUT = re.compile(r'\},[ \t\n\r]*"')
+
+
+def object_pieces(text: str, chars: int) -> Iterator[str]:
+    """The text of one large object cut, after about every ``chars`` characters, into the
+    texts of objects that hold its members in order, for ``loads_plain`` to parse one at a
+    time, so that the parsed JSON of the whole never exists at once. A text of at most
+    ``chars`` is its own one piece; a piece may be longer where no cut is found.
+
+    A cut is made after a ``}``, a ``,`` and the ``"`` of what looks like the next key, where
+    a member whose value is an object ends. It may be wrong: that ``}`` may lie in a string
+    (``"a},"``) or close an object nested deeper. But then the piece it ends does not parse:
+    json reads each piece as it would read the whole text from the same place, so a piece
+    that parses ends where a member of the outer object ends, and the next one starts where
+    the next member does. The caller trusts the pieces only if every one of them parses."""
+    start, search, prefix = 0, _CUT.search, ""
+    while len(text) - start > chars:
+        cut = search(text, start + chars)
+        if cut is None:
+            break
+        yield prefix + text[start:cut.start() + 1] + "}"
+        start, prefix = cut.end() - 1, "{"
+    yield prefix + text[start:] if start else text
 
 
 def _surrogate_error(bad: str) -> ValueError:

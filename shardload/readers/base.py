@@ -20,8 +20,10 @@ import contextlib
 import contextvars
 import math
 import os
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from itertools import repeat
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -70,6 +72,18 @@ class TensorMeta:
     name: str
     shape: tuple[int, ...]
     dtype: str  # canonical name, see shardload.dtypes
+
+    @classmethod
+    def many(cls, names: Iterable[str], shapes: Iterable[tuple[int, ...]],
+             dtypes: Iterable[str]) -> list["TensorMeta"]:
+        """``[TensorMeta(n, s, d) for n, s, d in zip(names, shapes, dtypes)]``, for a reader
+        that has checked every field, in a few passes in C: a frozen dataclass's ``__init__``
+        sets each field through ``object.__setattr__`` (about 1 us a tensor, 0.1 s of opening
+        DeepSeek-V3's 92k); here each slot is set by its own descriptor, in a third of that."""
+        made = list(map(object.__new__, repeat(cls, len(names := list(names)))))
+        for field, values in ((cls.name, names), (cls.shape, shapes), (cls.dtype, dtypes)):
+            deque(map(field.__set__, made, values), maxlen=0)  # type: ignore[attr-defined]
+        return made
 
     @property
     def numel(self) -> int:
@@ -138,6 +152,11 @@ class Checkpoint(abc.ABC):
         meta = self.meta(name)
         index = self._source_index().get(name)
         return index, 0, meta.nbytes
+
+    def locate_all(self, names: Iterable[str]) -> list[tuple[int, int]]:
+        """``(source, begin)`` of each tensor of ``names`` (``locate``'s first two, for a read
+        plan of every tensor at once)."""
+        return [self.locate(name)[:2] for name in names]
 
     def source_bytes(self, index: int) -> torch.Tensor:
         """Source ``index`` as a 1-D uint8 tensor (a view where it can be), checked to be what

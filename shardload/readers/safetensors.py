@@ -39,8 +39,11 @@ After ``open_safetensors`` returns, a read is a bounds-checked copy and nothing 
 
 Opening is linear in the header's size, in time and in memory: a 60 MB header of a million
 (empty) tensors opens in seconds, not minutes, and at its peak takes at most 6x the header's
-bytes (docs/performance.md): the header is parsed one entry at a time
-(``strict_json.loads_object``), each kept as one ``TensorMeta``, its offsets in arrays.
+bytes (docs/performance.md): the header is parsed a piece at a time by json's C parser and its
+entries checked together (``safetensors_bulk``), or, where that declines (an escape in a name,
+a header it cannot vouch for), one entry at a time (``strict_json.loads_object``), which says
+what is wrong; each tensor is kept as one ``TensorMeta``, its offsets in arrays. A checkpoint in
+object storage has its files' headers fetched at once (``_fetch_headers``).
 
 Where we are stricter than the safetensors library (0.8), the code says so.
 
@@ -55,6 +58,7 @@ import mmap
 import os
 import struct
 from array import array
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -63,19 +67,23 @@ import numpy as np
 
 from .. import dtypes, strict_json
 from ..errors import FormatError, quote
-from ..files import (MAX_SIDE_FILE_BYTES, MappedData, check_member_name, data_lexists,
-                     data_names, map_data, open_regular, read_json)
+from ..files import (MAX_SIDE_FILE_BYTES, MappedData, check_member_name, data_at,
+                     data_lexists, data_names, map_data, open_regular, read_json)
 from ..dtypes import shape_problem
 from ..limits import MAX_DIM, MAX_NDIM
 from ..strict_json import gc_paused
 from .base import MAX_INDEX_BYTES, TensorMeta
 from .mapped import MappedCheckpoint, TensorTable, unmap
+from .safetensors_bulk import SHAPES_KEPT, parse_header
 
 __all__ = ["open_safetensors", "SafetensorsCheckpoint", "INDEX_NAME", "MAX_HEADER_SIZE",
            "MAX_INDEX_BYTES"]
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_SIZE = 100_000_000  # the safetensors library's limit: headers are small, files are not
+#: the bytes of each file of a checkpoint in object storage its open asks for first
+#: (``_fetch_headers``): DeepSeek-V3's and Qwen3-235B's headers are about 75 KB a file
+HEADER_GUESS = 128 << 10
 _REDO = "re-download or re-save the checkpoint"
 
 
@@ -83,11 +91,13 @@ _REDO = "re-download or re-save the checkpoint"
 # strict JSON
 
 
-def _load_header(raw: bytearray, path: Path,
-                 convert: Callable[[str, Any], Any]) -> dict[str, Any]:
-    """The header, member by member through ``convert`` (``strict_json.loads_object``), so
-    that the parsed JSON of a million entries never exists at once. ``raw`` is emptied as
-    soon as it is decoded: the text is all that stays while parsing."""
+def _load_header(raw: bytearray, path: Path, data_len: int,
+                 shapes: dict) -> tuple[dict[str, Any], dict[str, TensorMeta], array, array]:
+    """``(__metadata__ as found, tensors by name in header order, begins, ends)``: checked in
+    bulk (``safetensors_bulk``), or where that does not accept the header, member by member
+    through ``_entry_reader`` (``strict_json.loads_object``), which says what is wrong. Either
+    way the parsed JSON of a million entries never exists at once. ``raw`` is emptied as soon
+    as it is decoded: the text is all that stays while parsing."""
     # Duplicate keys are refused (strict_json): the library refuses duplicate fields inside an
     # entry, but silently keeps the last of two top-level entries with one name.
     try:
@@ -97,13 +107,20 @@ def _load_header(raw: bytearray, path: Path,
                           f"{_REDO}", file=path) from None
     finally:
         del raw[:]
+    fast = parse_header(text, data_len, shapes)
+    if fast is not None:
+        return fast
+    begins, ends = array("q"), array("q")
     try:
-        return strict_json.loads_object(text, convert)
+        tensors = strict_json.loads_object(text, _entry_reader(path, data_len, begins, ends,
+                                                               shapes))
     except strict_json.NotAnObjectError as exc:
         raise FormatError(f"header must be a JSON object, got {exc.type_name}; {_REDO}",
                           file=path) from None
     except ValueError as exc:  # includes json.JSONDecodeError
         raise FormatError(f"header is not valid JSON: {exc}; {_REDO}", file=path) from None
+    # The library also takes "__metadata__": null; we want an object if the key is there.
+    return tensors.pop("__metadata__", {}), tensors, begins, ends
 
 
 def _read_small_json(path: Path) -> dict[str, Any] | None:
@@ -194,22 +211,23 @@ def _entry_error(path: Path, name: str, entry: Any) -> FormatError:
                f"{dtype} needs {nbytes}: the header lies about the size")
 
 
-def _entry_reader(path: Path, data_len: int, begins: array,
-                  ends: array) -> Callable[[str, Any], Any]:
+def _entry_reader(path: Path, data_len: int, begins: array, ends: array,
+                  shapes: dict) -> Callable[[str, Any], Any]:
     """The ``convert`` for ``strict_json.loads_object``: each header entry, as it is parsed,
     checked and kept as a ``TensorMeta``, its offsets appended to ``begins`` and ``ends``;
     a ``FormatError`` saying what is wrong with a bad one. ``__metadata__`` is passed through
     for the caller to check.
 
-    A few type tests and int comparisons per entry, inline: this runs once per tensor, and a
-    header may hold a million of them. An entry it does not accept goes to ``_entry_error``,
-    which makes the same checks one at a time to say which one failed.
+    These are the rules; ``safetensors_bulk`` keeps them at C speed, and a header it does not
+    accept comes here. A few type tests and int comparisons per entry, inline: an entry this
+    does not accept goes to ``_entry_error``, which makes the same checks one at a time to say
+    which one failed.
     """
     keys, known, max_dim, max_ndim = _ENTRY_KEYS, _DTYPES, MAX_DIM, MAX_NDIM
     add_begin, add_end = begins.append, ends.append
-    # one tuple per distinct shape: real checkpoints repeat a few dozen shapes many times (a
-    # header of a million distinct ones empties the cache now and then rather than double it)
-    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+    # one tuple per distinct shape (``shapes``, shared by a checkpoint's files): real
+    # checkpoints repeat a few dozen shapes many times (a header of a million distinct ones
+    # empties the cache now and then rather than double it)
     shared = shapes.setdefault
 
     def check(name: str, entry: Any) -> Any:
@@ -246,11 +264,21 @@ def _entry_reader(path: Path, data_len: int, begins: array,
         add_begin(begin)
         add_end(end)
         shape = tuple(shape)
-        if len(shapes) >= 4096:
+        if len(shapes) >= SHAPES_KEPT:
             shapes.clear()
         return TensorMeta(name, shared(shape, shape), spec[0])
 
     return check
+
+
+def _tiled(begins: array, ends: array, data_len: int) -> bool:
+    """Whether the tensors, in header order, tile the data buffer: each begins where the one
+    before it ends (so header order is storage order), the first at 0, the last at the end.
+    What writers write, checked with array comparisons; anything else goes to
+    ``_storage_order`` and ``_check_layout``. (Each tensor's ``begin <= end`` is checked.)"""
+    if not begins:
+        return data_len == 0
+    return begins[0] == 0 and ends[-1] == data_len and begins[1:] == ends[:-1]
 
 
 def _check_layout(path: Path, tensors: dict[str, TensorMeta], begins: array, ends: array,
@@ -298,18 +326,19 @@ def _storage_order(tensors: dict[str, TensorMeta], begins: array,
     return tensors, array("q", b[order].tobytes()), array("q", e[order].tobytes())
 
 
-def _open_shard(path: Path) -> _Shard:
+def _open_shard(path: Path, shapes: dict | None = None) -> _Shard:
     """Read, validate and map one file. Only the header is read; the data is mapped (or, for
-    an object, fetched as it is needed: ``files.map_data``)."""
+    an object, fetched as it is needed: ``files.map_data``). ``shapes`` shares equal shape
+    tuples between the files of a checkpoint."""
     data = map_data(path, "the file")
     try:
-        return _shard_of(path, data)
+        return _shard_of(path, data, {} if shapes is None else shapes)
     except BaseException:
         unmap(data.map)
         raise
 
 
-def _shard_of(path: Path, data: MappedData) -> _Shard:
+def _shard_of(path: Path, data: MappedData, shapes: dict) -> _Shard:
     size, mapped = data.size, data.map
     if size < 8:
         raise FormatError(f"file is {size} bytes, too short for the 8-byte header length: it "
@@ -333,12 +362,8 @@ def _shard_of(path: Path, data: MappedData) -> _Shard:
         _drop_pages(mapped, 8 + n)  # the header's pages: its text is all that is kept
     data_start = 8 + n
     data_len = size - data_start
-    begins, ends = array("q"), array("q")
     # (Like the library, we accept whitespace around the JSON object.)
-    tensors = _load_header(raw, path, _entry_reader(path, data_len, begins, ends))
-
-    # The library also takes "__metadata__": null; we want an object if the key is there.
-    metadata = tensors.pop("__metadata__", {})
+    metadata, tensors, begins, ends = _load_header(raw, path, data_len, shapes)
     if not (isinstance(metadata, dict)
             and all(isinstance(v, str) for v in metadata.values())):
         raise FormatError(f"__metadata__ must be an object of string -> string, got "
@@ -348,8 +373,9 @@ def _shard_of(path: Path, data: MappedData) -> _Shard:
             if not strict_json.is_text(text):
                 raise FormatError(f"__metadata__ holds {quote(text)}, which is not valid "
                                   f"Unicode (a lone surrogate escape); {_REDO}", file=path)
-    tensors, begins, ends = _storage_order(tensors, begins, ends)
-    _check_layout(path, tensors, begins, ends, data_len)
+    if not _tiled(begins, ends, data_len):  # the common case, checked in C; else say why
+        tensors, begins, ends = _storage_order(tensors, begins, ends)
+        _check_layout(path, tensors, begins, ends, data_len)
     return _Shard(path, metadata, tensors, begins, ends, data_start, mapped, data.stat)
 
 
@@ -371,8 +397,7 @@ def _read_index(index: Path) -> tuple[dict[str, Any], dict[str, str]]:
     if not isinstance(obj, dict):
         raise FormatError(f"index must be a JSON object, got {type(obj).__name__}", file=index)
     weight_map = obj.get("weight_map")
-    if not (isinstance(weight_map, dict)
-            and all(isinstance(v, str) for v in weight_map.values())):
+    if not (isinstance(weight_map, dict) and set(map(type, weight_map.values())) <= {str}):
         raise FormatError('index needs a "weight_map" object of tensor name -> file name',
                           file=index)
     metadata = obj.get("metadata", {})
@@ -381,48 +406,96 @@ def _read_index(index: Path) -> tuple[dict[str, Any], dict[str, str]]:
     return metadata, weight_map
 
 
-def _shard_path(index: Path, file_name: str, tensor: str) -> Path:
+def _first_listed(weight_map: dict[str, str], file_name: str) -> str:
+    """The first tensor the index puts in ``file_name`` (for a message)."""
+    return next(t for t, f in weight_map.items() if f == file_name)
+
+
+def _shard_path(index: Path, file_name: str, weight_map: dict[str, str]) -> Path:
     """The file an index entry names, refused by name unless it is a plain relative path inside
     the index's folder. The path may be a symlink to anywhere (the hub cache's blobs): what it
     leads to is checked to be a regular file when it is opened."""
     try:
         check_member_name(file_name, index=index, what="weight_map names file")
     except FormatError as e:
-        raise FormatError(e.reason, file=index, tensor=tensor) from None
+        raise FormatError(e.reason, file=index,
+                          tensor=_first_listed(weight_map, file_name)) from None
     path = index.parent / file_name
     if not data_lexists(path):
-        raise FormatError(f"file is missing: {index.name} lists it (for tensor {quote(tensor)} "
-                          f"and maybe others); {_REDO}", file=path)
+        raise FormatError(f"file is missing: {index.name} lists it (for tensor "
+                          f"{quote(_first_listed(weight_map, file_name))} and maybe others); "
+                          f"{_REDO}", file=path)
     return path
+
+
+def _check_listed(index: Path, weight_map: dict[str, str], file_name: str,
+                  shard: _Shard) -> None:
+    """The tensors the index puts in ``file_name`` are exactly those the file holds."""
+    listed = [t for t, f in weight_map.items() if f == file_name]
+    stored = shard.tensors
+    for tensor in listed:
+        if tensor not in stored:
+            raise FormatError(f"{index.name} puts this tensor in {quote(file_name)}, but the file "
+                              f"does not hold it; {_REDO}", file=shard.path, tensor=tensor)
+    for tensor in sorted(set(stored) - set(listed)):  # (the names listed are all stored)
+        other = weight_map.get(tensor)
+        why = (f"{index.name} puts it in {quote(other)}: a tensor name must be in one file "
+               f"only" if other is not None else f"{index.name} does not list it")
+        raise FormatError(f"tensor is stored in this file, but {why}; {_REDO}",
+                          file=shard.path, tensor=tensor)
+
+
+def _fetch_headers(paths: list[Path]) -> dict[Path, BaseException]:
+    """Where the files are objects in object storage (``files.data_at``), each one's header
+    fetched now, all of them at once (``sources.store.each``): opened in turn, 200 files
+    would wait 400 round trips (the length, then the header). Each file's first GET asks for
+    its first ``HEADER_GUESS`` bytes, as the Hugging Face hub's reader does: the header of a
+    file of a large checkpoint lies within, so one round trip fetches it; a longer header's
+    rest is a second GET, and a length the rules refuse fetches nothing more (it is refused
+    when the file is opened). Returns what fetching failed with, by path, up to the first
+    failure (each file after it is left to be fetched, if ever, when it is opened); opening
+    in order raises it where it would have met it."""
+    remote = [(path, data) for path in paths if (data := data_at(path)) is not None]
+    if len(remote) < 2:
+        return {}
+    from ..sources.store import each
+
+    def fetch(item: tuple) -> None:
+        _, data = item
+        first = min(data.size, HEADER_GUESS)
+        if first < 8:
+            return
+        data.need(0, first, small=True)
+        (n,) = struct.unpack_from("<Q", data.map, 0)
+        if 0 < n <= MAX_HEADER_SIZE and first < 8 + n <= data.size:
+            data.need(first, 8 + n, small=True)
+
+    return {remote[k][0]: exc for k, exc in each(remote, fetch).items()}
 
 
 def _open_sharded(index: Path, source: str) -> "SafetensorsCheckpoint":
     index_metadata, weight_map = _read_index(index)
-    listed: dict[str, list[str]] = {}  # file name -> the tensors the index puts in it
-    for tensor, file_name in weight_map.items():
-        listed.setdefault(file_name, []).append(tensor)
+    # how many tensors the index puts in each file, the files in the order it first names them
+    counts = Counter(weight_map.values())
     # every name is checked before any file is opened
-    paths = {fn: _shard_path(index, fn, names[0]) for fn, names in listed.items()}
+    paths = {fn: _shard_path(index, fn, weight_map) for fn in counts}
 
+    order = sorted(counts)  # HF numbers its shards, so name order is storage order
+    failed = _fetch_headers([paths[fn] for fn in order])
     shards: list[_Shard] = []
+    shapes: dict = {}  # one tuple per distinct shape, for all the files
     try:
-        for file_name in sorted(listed):  # HF numbers its shards, so name order is storage order
-            shard = _open_shard(paths[file_name])
+        for file_name in order:
+            if paths[file_name] in failed:  # what opening it would have met
+                raise failed[paths[file_name]]
+            shard = _open_shard(paths[file_name], shapes)
             shards.append(shard)
+            # The index lists exactly this file's tensors if it puts each of them here and
+            # puts as many here as there are: counted in C, and said in words where not.
             stored = shard.tensors
-            for tensor in listed[file_name]:
-                if tensor not in stored:
-                    raise FormatError(f"{index.name} puts this tensor in {quote(file_name)}, but "
-                                      f"the file does not hold it; {_REDO}",
-                                      file=shard.path, tensor=tensor)
-            if len(stored) != len(listed[file_name]):  # (the names listed are all stored)
-                for tensor in sorted(set(stored) - set(listed[file_name])):
-                    other = weight_map.get(tensor)
-                    why = (f"{index.name} puts it in {quote(other)}: a tensor name must be in "
-                           f"one file only" if other is not None
-                           else f"{index.name} does not list it")
-                    raise FormatError(f"tensor is stored in this file, but {why}; {_REDO}",
-                                      file=shard.path, tensor=tensor)
+            if counts[file_name] != len(stored) \
+                    or list(map(weight_map.get, stored)).count(file_name) != len(stored):
+                _check_listed(index, weight_map, file_name, shard)
         return SafetensorsCheckpoint(source, shards, index_metadata)
     except BaseException:
         for shard in shards:
