@@ -37,6 +37,16 @@ the server sent, wall time, and the peak host memory of the loader's whole proce
    ``/proc/<pid>/smaps_rollup``; and the bytes the workers keep (their tensors, summed).
 3. Prints the medians per scheme, method and N, and writes everything to ``--json``.
 
+``--open-files F`` measures opening instead (issue 40, goal 4): a sharded checkpoint of ``F``
+small safetensors files and its index (written once under ``--dir``), every request the proxy
+answers delayed ``--latency-ms`` (default 20) as a distant service's is, opened
+(``open_checkpoint`` and its metadata, nothing loaded) in a fresh process by ``open`` (the
+headers fetched together, ``sources.store.each``) and ``open-one-at-a-time`` (the same requests
+in turn: ``OPEN_CONCURRENCY = 1``, what opening did before). Prints the median seconds and the
+requests per scheme and method::
+
+    python benchmarks/bench_objects.py --open-files 200 --schemes s3,gs,az --runs 3
+
 A local server measures request overhead, bytes and memory, not a cloud's bandwidth.
 ``benchmarks/README.md`` says how to install what each method needs and what each column means.
 """
@@ -69,6 +79,10 @@ SCRIPT = os.path.abspath(__file__)
 BUCKET = "bench"
 PREFIX = "ckpt/"
 METHODS = ("shardload-thread", "shardload-process", "runai-streamer")
+#: the methods of ``--open-files``: opening, headers fetched together and one at a time
+OPEN_METHODS = ("open", "open-one-at-a-time")
+#: where ``--open-files`` puts its checkpoint in the bucket
+OPEN_PREFIX = "many/"
 #: the two halves an object load overlaps, measured with ``--overlap``: fetching alone, and the
 #: same load from the local folder
 HALVES = ("fetch-only", "local-thread", "local-process")
@@ -285,6 +299,15 @@ def server_main(scheme: str) -> int:
                 elif cmd == "reset":
                     srv.reset_counts()
                     say(out, ok=True)
+                elif cmd == "latency":
+                    # every request, of an object (key) or not (a listing: key ""), waits
+                    for rule_key in (None, ""):
+                        srv.inject("delay", seconds=float(args[0]), times=None, method=None,
+                                   key=rule_key)
+                    say(out, ok=True)
+                elif cmd == "requests":
+                    say(out, ok={"requests": len(srv.requests()),
+                                 "gets": len(srv.requests(method="GET"))})
                 elif cmd == "counts":
                     (key,) = args
                     gets = [r for r in srv.requests(key, "GET") if r.data]
@@ -487,6 +510,8 @@ def load_main(method: str, n: int, url: str, runai_python: str) -> int:
             return runai_load(n, url, runai_python, out)
         if method == "fetch-only":
             return fetch_only(url, out)
+        if method in OPEN_METHODS:
+            return open_only(method, url, out)
         return shardload_load(method, n, url, out)
     except BaseException as exc:  # noqa: BLE001 - said to the harness, then raised
         say(out, error=f"{type(exc).__name__}: {exc}")
@@ -532,6 +557,129 @@ def fetch_only(url: str, out) -> int:
     say(out, seconds=seconds, kept=0, kept_per_worker=[])
     sys.stdin.readline()
     held.close()
+    return 0
+
+
+def open_only(method: str, url: str, out) -> int:
+    """``open_checkpoint(url)`` and its metadata, nothing loaded: ``open`` fetches the headers
+    together, ``open-one-at-a-time`` one after another (what opening did before)."""
+    from shardload import open_checkpoint
+    from shardload.sources import store
+
+    if method == "open-one-at-a-time":
+        store.OPEN_CONCURRENCY = 1
+    say(out, ready=True)
+    if sys.stdin.readline().strip() != "go":
+        return 1
+    start, cpu = time.perf_counter(), time.process_time()
+    with open_checkpoint(url) as ckpt:
+        tensors = len(ckpt.metadata())
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    say(out, seconds=seconds, cpu_seconds=cpu, kept=0, kept_per_worker=[], tensors=tensors)
+    sys.stdin.readline()
+    return 0
+
+
+def write_many_files(folder: str, files: int) -> str:
+    """A sharded checkpoint of ``files`` small safetensors files (six tensors each, as a
+    layer's) and its index, under ``folder`` (once); its path."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path = os.path.join(folder, f"open-{files}-files")
+    done = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(done):
+        return path
+    os.makedirs(path, exist_ok=True)
+    weight_map = {}
+    for k in range(files):
+        name = f"model-{k + 1:05d}-of-{files:05d}.safetensors"
+        tensors = {f"model.layers.{k}.{part}": np.full(shape, k % 7, dtype=np.float16)
+                   for part, shape in (("self_attn.q_proj.weight", (64, 64)),
+                                       ("self_attn.k_proj.weight", (16, 64)),
+                                       ("self_attn.v_proj.weight", (16, 64)),
+                                       ("self_attn.o_proj.weight", (64, 64)),
+                                       ("mlp.down_proj.weight", (64, 128)),
+                                       ("input_layernorm.weight", (64,)))}
+        save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": files}, f)
+    with open(done + ".tmp", "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    os.replace(done + ".tmp", done)
+    return path
+
+
+def run_open(args: argparse.Namespace) -> int:
+    """``--open-files``: the open of a checkpoint of many small files, per scheme and method
+    (see the module docstring)."""
+    bench = harness.Bench("bench_objects", args)
+    schemes = [s for s in args.schemes.split(",") if s]
+    latency = 20.0 if args.latency_ms is None else args.latency_ms
+    folder = write_many_files(os.path.abspath(args.dir or harness.default_dir()),
+                              args.open_files)
+    names = sorted(os.listdir(folder))
+    log(f"checkpoint: {args.open_files} files, {folder}; latency {latency:g} ms a request")
+    records: list[dict] = []
+    for scheme in schemes:
+        try:
+            server = ServerProcess(scheme)
+        except (RuntimeError, TimeoutError) as exc:
+            log(f"{scheme}: skipped: {exc}")
+            continue
+        with server:
+            for name in names:
+                server.put(OPEN_PREFIX + name, os.path.join(folder, name))
+            server.ask("latency", latency / 1000)
+            env = loader_env(server, args)
+            for r, method in harness.rounds(OPEN_METHODS, args.runs):
+                proc = spawn([sys.executable, SCRIPT, "--_load", method, "1",
+                              server.url(OPEN_PREFIX)], env=env)
+                lines = Lines(proc, f"{scheme} {method}")
+                try:
+                    lines.json(600)
+                    server.reset()
+                    send(proc, "go")
+                    result = lines.json(args.timeout)
+                    counts = server.ask("requests")
+                    send(proc, "exit")
+                    rec = {"scheme": scheme, "method": method, "run": r + 1,
+                           "seconds": result["seconds"], "cpu_seconds": result["cpu_seconds"],
+                           "tensors": result["tensors"], **counts}
+                except (RuntimeError, TimeoutError, OSError) as exc:
+                    rec = {"scheme": scheme, "method": method, "run": r + 1,
+                           "failed": str(exc)}
+                finally:
+                    end(proc, 10, f"{scheme} {method}")
+                records.append(rec)
+                log(f"  {scheme} run {r + 1} {method:20s} "
+                    + (f"FAILED: {rec['failed']}" if "failed" in rec else
+                       f"{rec['seconds']:6.3f} s  (opener's CPU {rec['cpu_seconds']:.3f} s)  "
+                       f"{rec['requests']} requests"))
+    print(f"open of {args.open_files} files, {latency:g} ms a request; medians of "
+          f"{args.runs} run(s)")
+    print(f"{'scheme':6s} {'method':20s} {'open s':>7s} {'CPU s':>6s} {'requests':>8s} "
+          f"{'tensors':>7s}")
+    rows = []
+    for scheme in schemes:
+        for method in OPEN_METHODS:
+            ok = [r for r in records if r["scheme"] == scheme and r["method"] == method
+                  and "failed" not in r]
+            if not ok:
+                continue
+            row = {"scheme": scheme, "method": method, "runs": ok,
+                   "seconds": harness.median(r["seconds"] for r in ok),
+                   "cpu_seconds": harness.median(r["cpu_seconds"] for r in ok),
+                   "requests": harness.median(r["requests"] for r in ok),
+                   "tensors": ok[0]["tensors"]}
+            rows.append(row)
+            print(f"{scheme:6s} {method:20s} {row['seconds']:7.3f} {row['cpu_seconds']:6.3f} "
+                  f"{row['requests']:8.0f} {row['tensors']:7d}")
+    print("(open s: open_checkpoint and its metadata, in a fresh process; CPU s: that "
+          "process's; requests: all the proxy answered)")
+    bench.write({"open_files": args.open_files, "latency_ms": latency, "schemes": schemes,
+                 "runs": args.runs, "results": rows})
     return 0
 
 
@@ -606,6 +754,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--runai-python", default=None,
                     help="the interpreter of Run:ai's ranks (default: the vLLM venv's, "
                     "scripts/vllm-env.sh, where it exists; else this one)")
+    ap.add_argument("--open-files", type=int, default=0, metavar="F",
+                    help="measure opening a checkpoint of F small files instead (see above)")
+    ap.add_argument("--latency-ms", type=float, default=None,
+                    help="with --open-files: every request the proxy answers waits this "
+                    "long (default 20)")
     ap.add_argument("--sample-ms", type=float, default=SAMPLE_MS)
     ap.add_argument("--timeout", type=float, default=1800.0,
                     help="seconds one load may take before it is killed and counted failed")
@@ -883,7 +1036,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return load_main(method, int(n), url, args.runai_python or sys.executable)
     exit_on_sigterm()
     try:
-        return run(args)
+        return run_open(args) if args.open_files else run(args)
     except KeyboardInterrupt:  # every child already ended by the cleanup on the way here
         log("interrupted")
         return 130

@@ -235,15 +235,17 @@ class ObjectBytes:
         obj.map = mapped
         return obj
 
-    def need(self, begin: int, end: int, alive: Optional[Callable[[], None]] = None) -> int:
+    def need(self, begin: int, end: int, alive: Optional[Callable[[], None]] = None, *,
+             small: bool = False) -> int:
         """Make bytes ``[begin, end)`` present (fetching what is missing)."""
-        return self.need_spans([(begin, end)], alive)
+        return self.need_spans([(begin, end)], alive, small=small)
 
     def need_spans(self, spans: Iterable[tuple[int, int]],
-                   alive: Optional[Callable[[], None]] = None) -> int:
+                   alive: Optional[Callable[[], None]] = None, *, small: bool = False) -> int:
         """Make every span present: fetch the parts nobody has or is fetching, wait for the
         parts another thread is fetching. ``alive()`` is called while waiting. Returns the
-        bytes this call fetched."""
+        bytes this call fetched. ``small``: a header an open waits for (``ObjectClient.fetch``:
+        not one of the GETs that pace a load)."""
         want = merged((max(0, b), min(self.size, e)) for b, e in spans)
         mine_total = 0
         while True:
@@ -265,7 +267,9 @@ class ObjectBytes:
             ok = False
             try:
                 with memoryview(self.map) as into:  # each GET lands in place
-                    n = self.client.fetch(self.info, mine, into=into)
+                    fetch = self.client.fetch
+                    n = (fetch(self.info, mine, into=into, small=True) if small
+                         else fetch(self.info, mine, into=into))
                 ok = True
             finally:
                 with self._cond:

@@ -39,9 +39,10 @@ import re
 import socket
 import threading
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, Union
 from urllib.parse import urlsplit
 
 from ..errors import FormatError, StorageError, quote
@@ -58,6 +59,8 @@ __all__ = [
     "ObjectClient",
     "coalesce",
     "default_client",
+    "each",
+    "OPEN_CONCURRENCY",
     "settings_from_env",
 ]
 
@@ -68,6 +71,8 @@ DEFAULT_CONCURRENCY = 8
 DEFAULT_CHUNK_BYTES = 8 << 20
 #: retries of one request after its first attempt (``$SHARDLOAD_OBJECT_RETRIES``)
 DEFAULT_RETRIES = 5
+#: the small requests opening a checkpoint makes at once (``each``: headers, side files)
+OPEN_CONCURRENCY = 32
 #: the largest gap between two wanted spans that ``coalesce`` reads through, and the gap it
 #: always reads through (see there)
 MAX_GAP = 1 << 20
@@ -643,7 +648,7 @@ class ObjectClient:
 
     def fetch(self, info: ObjectInfo, spans: Iterable[Sequence[int]],
               write: Optional[Callable[[int, memoryview], None]] = None, *,
-              into: Optional[memoryview] = None) -> int:
+              into: Optional[memoryview] = None, small: bool = False) -> int:
         """Read the ``[begin, end)`` byte ``spans`` of the object, into ``into`` (a writable
         view of the whole object's bytes: each GET lands where its bytes belong, no copy, no
         buffer) or through ``write``.
@@ -658,6 +663,11 @@ class ObjectClient:
         failure (a read, or ``write`` raising) stops the rest and is raised; bytes of ``into``
         a failed GET touched are then not to be read. Returns the bytes fetched, over-read
         included.
+
+        ``small=True`` (with ``into``): a few bytes that opening a checkpoint waits for (a
+        header), not one of the ``concurrency`` GETs in flight, which pace a load's data: an
+        open fetches many headers at once (``each``), a round trip each, and bounds them
+        itself.
         """
         if (write is None) == (into is None):
             raise TypeError("fetch takes one of write and into")
@@ -673,7 +683,7 @@ class ObjectClient:
         def work(piece: tuple[int, int], stop: threading.Event, scratch: dict) -> None:
             b, e = piece
             if into is not None:
-                with self._in_flight:
+                with nullcontext() if small else self._in_flight:
                     self._get_range(info, loc, b, into[b:e], stop)
                 return
             buf = scratch.get("buf")
@@ -807,6 +817,63 @@ class ObjectClient:
             raise StorageError(f"the service answered bytes [{first}, {last}) to a request "
                                f"for [{lo}, {hi}); the endpoint does not serve ranged GETs "
                                "correctly", url=info.url, byte_range=(lo, hi), usage=False)
+
+
+T = TypeVar("T")
+
+
+def each(items: Sequence[T], work: Callable[[T], None],
+         threads: Optional[int] = None) -> dict[int, BaseException]:
+    """``work(item)`` for every item, on up to ``threads`` threads (``OPEN_CONCURRENCY``; the
+    items started in their order), for the small requests of an open: each waits a round
+    trip, and a checkpoint of 200 files would wait 200 of them in turn (``threads=1``: what
+    it did). Returns the failures by the index of their item;
+    after the first one no further item starts, and this returns once every thread has ended,
+    so nothing is left running. Every item before a failed one was started, so the failure of
+    the earliest item is the one a loop in order would have met first."""
+    failed: dict[int, BaseException] = {}
+    if threads is None:
+        threads = OPEN_CONCURRENCY
+    if not items:
+        return failed
+    if len(items) == 1 or threads <= 1:
+        for k, item in enumerate(items):
+            try:
+                work(item)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                failed[k] = exc
+                break
+        return failed
+    queue = iter(enumerate(items))
+    lock, stop = threading.Lock(), threading.Event()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                nxt = None if stop.is_set() else next(queue, None)
+            if nxt is None:
+                return
+            k, item = nxt
+            try:
+                work(item)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                with lock:
+                    failed[k] = exc
+                stop.set()
+
+    pool = [threading.Thread(target=worker, name=f"shardload-open-{i}", daemon=True)
+            for i in range(min(threads, len(items)))]
+    for t in pool:
+        t.start()
+    try:
+        for t in pool:
+            t.join()
+    except BaseException:  # Ctrl-C: no further item, wait for those running, and go
+        stop.set()
+        for t in pool:
+            t.join()
+        raise
+    return failed
 
 
 def _changed_error(info: ObjectInfo, how: str) -> FormatError:

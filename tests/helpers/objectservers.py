@@ -27,7 +27,8 @@ import devtools.objectservers as _impl
 from devtools.objectservers import *  # noqa: F401,F403 - the tests' names
 from devtools.objectservers import SCHEMES, is_cloud_setting, set_missing
 
-__all__ = [*_impl.__all__, "use_env", "scheme_params", "SCHEME_PARAMS", "servers_on_demand"]  # noqa: PLE0604
+__all__ = [*_impl.__all__, "use_env", "scheme_params", "SCHEME_PARAMS",  # noqa: PLE0604
+           "servers_on_demand", "add_latency"]
 # every other name too (SEND_PART, _SETPRIV, ...): what a test reads there, it reads here
 globals().update({k: v for k, v in vars(_impl).items()
                   if not k.startswith("__") and k not in globals()})
@@ -90,6 +91,16 @@ def use_env(monkeypatch: Any, env: dict) -> None:
             monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+
+
+def add_latency(server: Any, seconds: float) -> list:
+    """Every request ``server``'s proxy answers from now on (object requests and listings
+    alike) waits ``seconds`` first, as one to a distant service does: two ``delay`` rules of
+    the proxy's own (``Fault``), for requests that name an object and for those that name none
+    (a listing). A request takes the first rule that matches it, so a rule added before these
+    (an error for one key) still takes its requests; ``clear_faults`` ends the latency."""
+    return [server.inject("delay", seconds=seconds, times=None, method=None, key=key)
+            for key in (None, "")]
 
 
 class _Glue(types.ModuleType):
