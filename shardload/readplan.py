@@ -307,23 +307,41 @@ def _build(validated: "ValidatedPlan", ckpt: "Checkpoint",
     n = validated.num_shards
     ranks = list(range(n) if ranks is None else ranks)
     pieces: list[list[PieceRead]] = [[] for _ in ranks]
-    templates: dict[tuple, list[tuple]] = {}
-    for param in validated:
+    templates: dict[tuple, list] = {}
+    new = tuple.__new__
+    params = list(validated)
+    where = ckpt.locate_all([param.meta.name for param in params])
+    for param, (source, begin) in zip(params, where):
         meta = param.meta
-        key = (tuple(map(id, param.steps)), meta.shape, meta.dtype, param.workers)
+        # parameters with the same steps share one tuple of them (``ShardInfo.from_dict``)
+        key = (id(param.steps), meta.shape, meta.dtype, param.workers)
         per_rank = templates.get(key)
         if per_rank is None:
-            per_rank = templates[key] = [_template(validated, param, r) for r in ranks]
-        source, begin, _ = ckpt.locate(meta.name)
+            per_rank = templates[key] = [_moving(_template(validated, param, r))
+                                         for r in ranks]
         for out, template in zip(pieces, per_rank):
             if template is None:  # placed on other workers
                 continue
             shape, dtype, runs, zeros, fixup, chain, shared = template
-            runs = tuple(Run(source, begin + r.offset, r.nbytes, r.count, r.stride,
-                             r.dst_offset, r.dst_stride) for r in runs)
-            out.append(PieceRead(meta.name, shape, dtype, runs, zeros, fixup, chain, shared))
+            # the template's runs moved to where this tensor lies, tuples made whole (a read
+            # plan of a large MoE holds hundreds of thousands; most pieces are one run)
+            if len(runs) == 1:
+                moved: tuple = (new(Run, (source, begin + runs[0][0]) + runs[0][1]),)
+            else:
+                moved = tuple([new(Run, (source, begin + offset) + tail)
+                               for offset, tail in runs])
+            out.append(new(PieceRead, (meta.name, shape, dtype, moved, zeros, fixup, chain,
+                                       shared)))
     sources = tuple(ckpt.sources())
     return [ReadPlan(r, n, sources, tuple(p)) for r, p in zip(ranks, pieces)]
+
+
+def _moving(template: Optional[tuple]) -> Optional[tuple]:
+    """A template as ``_build`` moves it: its runs as (offset, the fields after it)."""
+    if template is None:
+        return None
+    shape, dtype, runs, *after = template
+    return (shape, dtype, [(r.offset, tuple(r)[2:]) for r in runs], *after)
 
 
 def _template(validated: "ValidatedPlan", param: "ParamPlan", rank: int) -> Optional[tuple]:

@@ -75,9 +75,14 @@ def bind(info: "ShardInfo", num_shards: int, exprs: "Expressions") -> "Plan":
                 source=info.source, param=first), replan)
     values: dict[str, int] = {}  # each distinct expression evaluated once for this N
     bound: dict[tuple[int, int], Step] = {}  # a step shared by many parameters, bound once
+    chains: dict[int, tuple[Step, ...]] = {}  # and a tuple of steps shared by them
     params = {}
     with gc_paused():
         for name, raw_steps in info.steps.items():
+            chain = chains.get(id(raw_steps))
+            if chain is not None:
+                params[name] = chain
+                continue
             steps = []
             for k, raw in enumerate(raw_steps):
                 step = bound.get((id(raw), k))
@@ -85,7 +90,7 @@ def bind(info: "ShardInfo", num_shards: int, exprs: "Expressions") -> "Plan":
                     step = bound[id(raw), k] = _bind_step(info.source, name, k, raw,
                                                            num_shards, values, exprs)
                 steps.append(step)
-            params[name] = tuple(steps)
+            params[name] = chains[id(raw_steps)] = tuple(steps)
     return Plan(num_shards, params, info.source, info.metadata, info.placement)
 
 

@@ -207,8 +207,14 @@ class ShardInfo:
         placement = (Placement.from_json(data[Placement.KEY], source)
                      if Placement.KEY in data else None)
         exprs: Expressions = {}
-        # real plans repeat each step for every layer: a step already parsed is reused
+        # real plans repeat each step for every layer: a step already parsed is reused, and
+        # a list of steps a planner shares among its parameters is parsed once (``data``
+        # holds every list while this runs, so an id names one list)
         seen: dict[tuple, RawStep] = {}
+        shared: dict[int, tuple[RawStep, ...]] = {}
+        # and parameters with the same steps share one tuple of them, which binding,
+        # validating and read planning then work out once (they key on the tuple)
+        chains: dict[tuple[int, ...], tuple[RawStep, ...]] = {}
         for name, raw_steps in data.items():
             if name == cls.METADATA_KEY or name == Placement.KEY:
                 continue
@@ -218,6 +224,10 @@ class ShardInfo:
             if not strict_json.is_text(name):
                 raise PlanError(f"the parameter name {quote(name)} is not valid Unicode (it "
                                 "holds a lone surrogate)", source=source)
+            parsed_before = shared.get(id(raw_steps))
+            if parsed_before is not None:
+                steps[name] = parsed_before
+                continue
             if not isinstance(raw_steps, list):
                 raise PlanError("the value must be a list of steps", source=source, param=name)
             if len(raw_steps) > limits.MAX_STEPS:
@@ -232,7 +242,9 @@ class ShardInfo:
                     if key is not None:
                         seen[key] = step
                 parsed.append(step)
-            steps[name] = tuple(parsed)
+            chain = tuple(parsed)
+            chain = chains.setdefault(tuple(map(id, chain)), chain)
+            steps[name] = shared[id(raw_steps)] = chain
         info = cls(steps, source, metadata, placement)
         info._exprs = exprs
         return info

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple, Optional
 
 from ..gc_pause import gc_paused
 from .. import dtypes
@@ -63,11 +63,20 @@ def _validate(plan: "Plan", metadata: Mapping[str, TensorMeta]) -> dict[str, "Pa
     # a step shared by many parameters (every layer's), met with the same input again,
     # passes again: checked once
     passed: set[tuple] = set()
+    # a tuple of steps shared by many parameters, met with the same stored shape and dtype
+    # again, passes again: its functions are found once
+    chains: dict[tuple, tuple] = {}
     out = {}
+    get, new = plan.params.get, tuple.__new__   # ParamPlan's own __new__ is Python's
     for name, meta in metadata.items():
-        steps = plan.params.get(name, ())
+        steps = get(name, ())
         if not steps:
-            out[name] = ParamPlan(meta, (), (), placed.get(name))
+            out[name] = new(ParamPlan, (meta, (), (), placed.get(name)))
+            continue
+        chain_key = (id(steps), meta.shape, meta.dtype)
+        funcs_before = chains.get(chain_key)
+        if funcs_before is not None:
+            out[name] = new(ParamPlan, (meta, steps, funcs_before, None))
             continue
         if len(steps) > limits.MAX_STEPS:
             raise PlanError(f"{len(steps)} steps, more than the {limits.MAX_STEPS} a parameter "
@@ -90,7 +99,7 @@ def _validate(plan: "Plan", metadata: Mapping[str, TensorMeta]) -> dict[str, "Pa
             raise PlanError(f"the last step's output must have num_shards={n} on axis 0, "
                             f"got {got} (shape {brief(shape)})",
                             source=plan.source, param=name, step=steps[-1].index)
-        out[name] = ParamPlan(meta, steps, tuple(funcs))
+        out[name] = ParamPlan(meta, steps, chains.setdefault(chain_key, tuple(funcs)))
     return out
 
 
@@ -151,9 +160,9 @@ def _check_array_dtypes(func, in_dtype: str, out_dtype: str, where: dict) -> Non
 _TAKE_UNITS = ("shardload.take_units", "shardload.take_units_fill")
 
 
-@dataclass(frozen=True, slots=True)
-class ParamPlan:
-    """What the loader does with one parameter (slots: a plan may hold a million)."""
+class ParamPlan(NamedTuple):
+    """What the loader does with one parameter (a named tuple, as ``readplan.PieceRead``: a plan
+    may hold a million, and a tuple is made several times faster than a frozen dataclass)."""
 
     meta: TensorMeta
     steps: tuple[Step, ...]
@@ -237,7 +246,21 @@ class ValidatedPlan:
         """The bytes of the pieces one worker keeps: worker ``worker``'s, or (``None``) the
         most any worker keeps."""
         if worker is not None:
-            return sum(p.piece_nbytes for p in self.held_by(worker))
+            return _piece_bytes(self.held_by(worker))
         if self.plan.placement is None:
-            return sum(p.piece_nbytes for p in self)
+            return _piece_bytes(self)
         return max(self.bytes_per_worker(w) for w in range(self.num_shards))
+
+
+def _piece_bytes(params: Iterator[ParamPlan]) -> int:
+    """The bytes of the pieces of ``params``, each kind of piece sized once: parameters with the
+    same steps share one tuple of them (``ShardInfo.from_dict``), replicated ones their shape."""
+    sizes: dict[Any, int] = {}
+    total = 0
+    for p in params:
+        key = id(p.steps) if p.steps else (p.meta.shape, p.meta.dtype)
+        size = sizes.get(key)
+        if size is None:
+            size = sizes[key] = p.piece_nbytes
+        total += size
+    return total

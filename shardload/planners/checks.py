@@ -12,13 +12,13 @@ the vocabulary is then the embeddings' rows (``vocab_from_tensors``).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from ..errors import FormatError, PlanError
 from ..formats import Axis, Scheme
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .tensors import Tensor
+    from .tensors import Tensor, Walk
     from ..readers.base import Checkpoint
     from .spec import ModelSpec
 
@@ -55,51 +55,24 @@ def held(scheme: Scheme, fmt: Optional[Mapping[str, Any]]) -> str:
     return f" ({how})" if how else ""
 
 
-def check_shapes(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme,
-                 walked: Sequence["Tensor"]) -> None:
+def check_shapes(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, walked: "Walk") -> None:
     """``FormatError`` unless every size the planner will use agrees with the shape of every
-    tensor it is applied to (``walked``: ``tensors.tensors``; see above). Reads no tensor data,
-    but for compressed-tensors' two-element ``weight_shape`` tensors."""
-    planned = 0
-    for t in walked:
-        if t.role is None:
+    tensor it is applied to (``walked``: ``tensors.walk``; see above). Reads no tensor data,
+    but for compressed-tensors' two-element ``weight_shape`` tensors. A kind of tensor is
+    checked once, at its first tensor, as the shapes it checks are the kind's."""
+    planned = False
+    checked: set[int] = set()
+    for meta, kind in walked.rows():
+        if kind.role is None:
             continue
-        planned += 1
-        if t.axes is None:
+        planned = True
+        if kind.axes is None:
             continue
-        (n_out, n_why), (k_in, k_why) = t.role.extents(spec, t.mlp)
-
-        def refuse(message: str) -> FormatError:
-            return FormatError(message, file=spec.file or None, tensor=t.name)
-
-        if t.role.vector and t.suffix == "weight" and len(t.meta.shape) != 1:
-            raise refuse(f"has shape {list(t.meta.shape)}: a {spec.architecture} "
-                         f"{t.module.rpartition('.')[2]} weight is one vector over "
-                         f"{t.role.vector} {n_out} rows ({n_why}), so it must be [{n_out}]")
-        if t.axes.special == "shape":
-            values = [int(v) for v in ckpt.read(t.name).reshape(-1).tolist()]
-            if values != [n_out, k_in] and n_out and k_in:
-                raise refuse(f"holds the weight shape {values}, but the metadata gives "
-                             f"[{n_out}, {k_in}]: {n_out} output features ({n_why}) and "
-                             f"{k_in} input features ({k_why}){_DISAGREE}")
-            continue
-        for axis, size, why, what in ((t.axes.n, n_out, n_why, "output features"),
-                                      (t.axes.k, k_in, k_why, "input features")):
-            if axis is None or not size:
-                continue        # not held by this tensor, or a size the metadata lacks
-            want = -(-size // axis.elems) * axis.width
-            got = t.meta.shape[axis.dim] if axis.dim < len(t.meta.shape) else None
-            if got != want:
-                found = "none" if got is None else got
-                raise refuse(f"has shape {list(t.meta.shape)}, which disagrees with the "
-                             f"metadata: its dim {axis.dim} holds the layer's {what}, {size} by "
-                             f"{why}{_packing(axis, scheme, t.fmt, spec)}, so it must be "
-                             f"{want}, not {found}{_DISAGREE}")
-        group = scheme.group_size
-        if t.axes.grouped and t.axes.k is not None and group > 0 and k_in and k_in % group:
-            raise refuse(f"is quantized in groups of {scheme.explain('group_size')}, which do "
-                         f"not tile the layer's {k_in} input features ({k_why}); the group size "
-                         "must divide them")
+        if kind.axes.special == "shape":      # the stored values: every tensor's own
+            _check_tensor(ckpt, spec, scheme, walked.tensor(meta, kind))
+        elif id(kind) not in checked:
+            checked.add(id(kind))
+            _check_tensor(ckpt, spec, scheme, kind)
     if spec.rules.prefixes and not planned:
         raise PlanError(f"model_type {spec.architecture!r} keeps its language model's tensors "
                         f"under {', '.join(map(repr, spec.rules.prefixes))}, and the checkpoint "
@@ -109,6 +82,43 @@ def check_shapes(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme,
         raise PlanError(f"value heads of {spec.explain('value_head_dim')} differ from the key "
                         f"heads of {spec.explain('head_dim')}: attention with value heads of "
                         "another width is not supported by the planner", source=spec.file or None)
+
+
+def _check_tensor(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, t: "Tensor") -> None:
+    """One tensor's shape (and stored ``weight_shape``) against the metadata's sizes."""
+    (n_out, n_why), (k_in, k_why) = t.role.extents(spec, t.mlp)
+
+    def refuse(message: str) -> FormatError:
+        return FormatError(message, file=spec.file or None, tensor=t.name)
+
+    if t.role.vector and t.suffix == "weight" and len(t.meta.shape) != 1:
+        raise refuse(f"has shape {list(t.meta.shape)}: a {spec.architecture} "
+                     f"{t.module.rpartition('.')[2]} weight is one vector over "
+                     f"{t.role.vector} {n_out} rows ({n_why}), so it must be [{n_out}]")
+    if t.axes.special == "shape":
+        values = [int(v) for v in ckpt.read(t.name).reshape(-1).tolist()]
+        if values != [n_out, k_in] and n_out and k_in:
+            raise refuse(f"holds the weight shape {values}, but the metadata gives "
+                         f"[{n_out}, {k_in}]: {n_out} output features ({n_why}) and "
+                         f"{k_in} input features ({k_why}){_DISAGREE}")
+        return
+    for axis, size, why, what in ((t.axes.n, n_out, n_why, "output features"),
+                                  (t.axes.k, k_in, k_why, "input features")):
+        if axis is None or not size:
+            continue        # not held by this tensor, or a size the metadata lacks
+        want = -(-size // axis.elems) * axis.width
+        got = t.meta.shape[axis.dim] if axis.dim < len(t.meta.shape) else None
+        if got != want:
+            found = "none" if got is None else got
+            raise refuse(f"has shape {list(t.meta.shape)}, which disagrees with the "
+                         f"metadata: its dim {axis.dim} holds the layer's {what}, {size} by "
+                         f"{why}{_packing(axis, scheme, t.fmt, spec)}, so it must be "
+                         f"{want}, not {found}{_DISAGREE}")
+    group = scheme.group_size
+    if t.axes.grouped and t.axes.k is not None and group > 0 and k_in and k_in % group:
+        raise refuse(f"is quantized in groups of {scheme.explain('group_size')}, which do "
+                     f"not tile the layer's {k_in} input features ({k_why}); the group size "
+                     "must divide them")
 
 
 def vocab_from_tensors(ckpt: "Checkpoint", spec: "ModelSpec") -> "ModelSpec":

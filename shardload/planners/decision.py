@@ -1,7 +1,7 @@
 """The planner's decision for one N: the plan as it is, a zero-padded plan for N, or a refusal.
 
-``plan_decision`` classifies the checkpoint's tensors once (``tensors.tensors``: role, MLP kind,
-axes) and plans them symbolic in ``num_shards``, recording which N each tensor group allows
+``plan_decision`` classifies the checkpoint's tensors once (``tensors.walk``: role, MLP kind,
+axes, each kind of tensor once) and plans them symbolic in ``num_shards``, recording which N each tensor group allows
 (``fit.Constraint``). For a given N it decides from those constraints alone: every one allows N
 (``"unpadded"``); or, where zero-padding is exact, the padded plan for N alone (``"padded"``:
 the same tensors stepped again, since padding changes their steps); or a refusal naming the
@@ -20,6 +20,7 @@ from typing import Optional, Union
 
 from ..errors import EXPERTS_TP, PlanError, mention
 from ..formats import Scheme
+from ..gc_pause import gc_paused
 from ..geometry import MODEL_KEY
 from ..limits import num_shards_problem
 from ..plan import MAX_SHARDS_TRIED, Placement, ShardInfo, ValidatedPlan, ValidNumShards
@@ -32,7 +33,7 @@ from .kinds import detect
 from .padding import Padding, padding_layout
 from .record import model_record
 from .spec import ModelSpec
-from .tensors import Tensor, tensors
+from .tensors import Walk, walk
 
 __all__ = ["plan_for", "plan_decision", "PlanDecision", "PlanSummary"]
 
@@ -127,9 +128,16 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     if problem is not None:
         raise PlanError(f"num_shards {problem}")
     ckpt = as_checkpoint(params)
+    with gc_paused():   # each pass makes a list or a dict of every tensor, all kept
+        return _decide(ckpt, num_shards, vocab_parallel, pad, experts)
+
+
+def _decide(ckpt: Checkpoint, num_shards: Optional[int], vocab_parallel: bool, pad: bool,
+            experts: str) -> PlanDecision:
+    """``plan_decision``'s work, its arguments checked."""
     kind, spec, scheme = detect(ckpt)
     spec = vocab_from_tensors(ckpt, spec)
-    walked = tuple(tensors(ckpt, spec, scheme))     # every pass below reads this one walk
+    walked = walk(ckpt, spec, scheme)     # every pass below reads this one walk
     act_order = ActOrder(ckpt, scheme)
     check_shapes(ckpt, spec, scheme, walked)
     # the assignment of experts depends on N alone, so a padded plan for N reuses it
@@ -220,7 +228,7 @@ def _plan_info(steps: dict, metadata: dict, ep: Optional[ExpertParallel],
     return ShardInfo.from_dict(data, source=source)
 
 
-def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, walked: tuple[Tensor, ...],
+def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, walked: Walk,
              act_order: ActOrder, num_shards: int, broken: list[Constraint], pad: bool,
              whole_experts: bool = False) -> Union[Padding, tuple[Constraint, str]]:
     """For an N that breaks the ``broken`` constraints: the zero-padded layout that lifts them,

@@ -3,8 +3,8 @@ units. Every architecture the planner knows goes through it (Llama and its relat
 Phi, the MoE families, gpt-oss, DeepSeek's MLA, OLMo-2): an architecture is a row of
 ``architectures.py`` naming its tensors' roles, never a branch here.
 
-For each tensor (``tensors.tensors``, classified once per decision and passed in: its role, MLP
-kind and axes), in storage order:
+For each tensor (``tensors.walk``, classified once per decision and passed in: its role, MLP
+kind and axes), in storage order (each kind of tensor stepped once, ``plan_decoder``):
 
 1. no role, or no axes (a norm, a router, a tensor the format does not know): replicated;
 2. under expert parallelism, a routed expert's tensor goes whole to its worker (one per
@@ -29,8 +29,9 @@ a row split; per-part scales of a fused layer are expanded to rows; compressed-t
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import PlanError
 from ..formats import Axis, Scheme, TensorAxes
@@ -40,7 +41,7 @@ from .experts import ExpertParallel
 from .fit import Constraint, Constraints
 from .padding import Padding, padded_step
 from .roles import Segments
-from .tensors import Tensor
+from .tensors import Tensor, Walk
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..readers.base import Checkpoint
@@ -150,50 +151,94 @@ def split_step(shape: tuple[int, ...], dtype: str, dim: int, segments: Segments)
                      (dim, *[v for pair in segments for v in pair]))
 
 
-def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme,
-                 walked: Sequence[Tensor], act_order: "ActOrder", *,
-                 vocab_parallel: bool = False, padding: Optional[Padding] = None,
+def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, walked: Walk,
+                 act_order: "ActOrder", *, vocab_parallel: bool = False,
+                 padding: Optional[Padding] = None,
                  experts: Optional[ExpertParallel] = None) -> Planned:
-    """The steps for every tensor of a decoder checkpoint (``walked``: ``tensors.tensors``):
+    """The steps for every tensor of a decoder checkpoint (``walked``: ``tensors.walk``):
     symbolic in num_shards, with the constraints they put on N (``Planned.constraints``), or,
     with ``padding``, for its one N with zero heads and blocks where N does not divide. With
     ``experts``, routed experts go whole to workers (expert parallelism, ``experts.py``) and put
-    no constraint on N. Embeddings and lm_head are replicated unless ``vocab_parallel``."""
+    no constraint on N. Embeddings and lm_head are replicated unless ``vocab_parallel``.
+
+    Each kind of tensor is stepped once and its steps (one list, shared) stamped on every tensor
+    of the kind, in storage order; what a tensor's own module decides (act-order, a padded
+    fill) is part of the key, and what its own data decides (a stored ``weight_shape``) is
+    stepped for each tensor.
+    """
     planned = Planned()
     naming = spec.rules.naming
-    for t in walked:
-        if t.role is None or (t.role.kind == "vocab" and not vocab_parallel):
-            planned.replicated.append(t.name)
+    stepped: dict[tuple, Optional[list]] = {}
+    for meta, kind in walked.rows():
+        name, role, axes = meta.name, kind.role, kind.axes
+        if role is None or (role.kind == "vocab" and not vocab_parallel):
+            planned.replicated.append(name)
             continue
-        kind = (naming.expert_kind(t.name, t.module)
-                if experts is not None and t.role.kind == "mlp" else None)
-        if kind is not None:
-            if kind[0] == "one":
-                experts.place(t.name, kind[1], kind[2])
-                planned.placed.append(t.name)
-            else:
-                planned.steps[t.name] = [experts.stacked_step(t.name, t.meta.shape,
-                                                              t.meta.dtype)]
+        if experts is not None and role.kind == "mlp":
+            expert = naming.expert_kind(name, name.rpartition(".")[0])
+            if expert is not None:
+                if expert[0] == "one":
+                    experts.place(name, expert[1], expert[2])
+                    planned.placed.append(name)
+                else:
+                    planned.steps[name] = [experts.stacked_step(name, meta.shape, meta.dtype)]
+                continue
+        if axes is None:
+            planned.unknown.append(name)
+            planned.replicated.append(name)
             continue
-        if t.axes is None:
-            planned.unknown.append(t.name)
-            planned.replicated.append(t.name)
-            continue
-        if padding is not None and t.role.paddable:
-            reorders = (not t.role.column and (t.axes.special == "g_idx" or t.axes.act_order)
-                        and act_order(t.module))
-            step = padded_step(t, t.axes, spec, padding, ckpt, group_size=scheme.group_size,
-                               act_order=reorders)
+        key = _step_key(kind, name, act_order, padding)
+        steps = stepped.get(key, _UNSTEPPED) if key is not None else _UNSTEPPED
+        if steps is _UNSTEPPED:
+            steps = _steps(ckpt, spec, scheme, walked.tensor(meta, kind), act_order, padding,
+                           planned.constraints)
+            if key is not None:
+                stepped[key] = steps
+        if steps is None:
+            planned.replicated.append(name)
         else:
-            segments = t.role.segments(spec, t.mlp, t.module)
-            group = _TensorGroup(t.name, t.role.labels(spec, t.mlp, t.module), t.role.paddable,
-                           held(scheme, t.fmt), planned.constraints)
-            step = _tensor_step(ckpt, t, t.axes, segments, act_order, group)
-        if step is None:
-            planned.replicated.append(t.name)
-        else:
-            planned.steps[t.name] = step if isinstance(step[0], list) else [step]
+            planned.steps[name] = steps
     return planned
+
+
+_UNSTEPPED: Any = object()
+
+
+def _step_key(kind: Tensor, name: str, act_order: "ActOrder",
+              padding: Optional[Padding]) -> Optional[tuple]:
+    """What decides the steps of tensor ``name`` of ``kind``: the kind, and what its module
+    decides (its rows reordered; a padded row-parallel layer's fill); None where its own data
+    does (compressed-tensors' ``weight_shape``), stepped for each tensor."""
+    axes = kind.axes
+    if axes.special == "shape":
+        return None
+    if kind.role.column or not (axes.special == "g_idx" or axes.act_order or
+                                (padding is not None and padding.fills)):
+        return (id(kind),)
+    module = name.rpartition(".")[0]
+    reorders = (axes.special == "g_idx" or axes.act_order) and act_order(module)
+    fill = padding.fills.get(module) if padding is not None and not axes.special else None
+    return id(kind), reorders, fill
+
+
+def _steps(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, t: Tensor,
+           act_order: "ActOrder", padding: Optional[Padding],
+           constraints: Constraints) -> Optional[list]:
+    """The steps of one tensor (None: replicated); the split it makes noted in
+    ``constraints``."""
+    if padding is not None and t.role.paddable:
+        reorders = (not t.role.column and (t.axes.special == "g_idx" or t.axes.act_order)
+                    and act_order(t.module))
+        step = padded_step(t, t.axes, spec, padding, ckpt, group_size=scheme.group_size,
+                           act_order=reorders)
+    else:
+        segments = t.role.segments(spec, t.mlp, t.module)
+        group = _TensorGroup(t.name, t.role.labels(spec, t.mlp, t.module), t.role.paddable,
+                             held(scheme, t.fmt), constraints)
+        step = _tensor_step(ckpt, t, t.axes, segments, act_order, group)
+    if step is None:
+        return None
+    return step if isinstance(step[0], list) else [step]
 
 
 def _tensor_step(ckpt: "Checkpoint", t: Tensor, axes: TensorAxes, segments: Segments,
@@ -245,22 +290,34 @@ def _per_part_scales(meta, segments: Segments) -> list:
     return [expand, split_step((rows, 1), meta.dtype, 0, segments)]
 
 
+#: what each open checkpoint's ``g_idx`` tensors said, by (tensor, group size): a checkpoint's
+#: tensors do not change while it is open (readers check), and deciding for several N (or
+#: for vLLM's N and the planner's) reads each once
+_G_IDX_SEEN: "weakref.WeakKeyDictionary[Checkpoint, dict[tuple[str, int], bool]]" = \
+    weakref.WeakKeyDictionary()
+
+
 class ActOrder:
     """Whether a module's input rows are reordered (act-order): its ``g_idx`` is not the
-    trivial ``k // G`` (read once per module, for every pass of a decision), or, without one,
-    the config says so."""
+    trivial ``k // G`` (read once per module and open checkpoint), or, without one, the config
+    says so."""
 
     def __init__(self, ckpt: "Checkpoint", scheme: Scheme):
         self.ckpt, self.scheme = ckpt, scheme
         self.part = scheme.format.g_idx_part
         self.cache: dict[str, bool] = {}
+        self.seen = _G_IDX_SEEN.setdefault(ckpt, {})
 
     def __call__(self, module: str) -> bool:
         if module not in self.cache:
             name = f"{module}.{self.part}" if self.part else None
-            found = name is not None and name in self.ckpt.metadata()
-            self.cache[module] = (not _trivial_g_idx(self.ckpt, name, self.scheme.group_size)
-                                  if found else self.scheme.act_order)
+            if name is not None and name in self.ckpt.metadata():
+                key = (name, self.scheme.group_size)
+                if key not in self.seen:
+                    self.seen[key] = not _trivial_g_idx(self.ckpt, name, self.scheme.group_size)
+                self.cache[module] = self.seen[key]
+            else:
+                self.cache[module] = self.scheme.act_order
         return self.cache[module]
 
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from ..errors import PlanError
 from ..formats import Scheme, TensorAxes
 from ..plan import step_json
 from .roles import mlp_size
-from .tensors import Tensor
+from .tensors import Tensor, Walk
 from ..tp_layout import MAX_LAYOUT, HeadLayout, head_layout, unit_layout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,11 +72,11 @@ class Padding:
 
 
 def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_shards: int,
-                   walked: Sequence[Tensor], act_order: Callable[[str], bool], *,
+                   walked: Walk, act_order: Callable[[str], bool], *,
                    whole_experts: bool = False) -> Union[Padding, PlanError]:
     """The zero-padded layout for N workers, or (returned, not raised) the ``PlanError`` saying
     why zero-padding cannot be exact for this checkpoint, or cannot be held: every tensor of
-    ``walked`` (``tensors.tensors``) that ``padded_step`` would pad is judged here, before a
+    ``walked`` (``tensors.walk``) that ``padded_step`` would pad is judged here, before a
     padded plan is written (``act_order(module)``: its rows are reordered; with
     ``whole_experts``, expert parallelism, routed experts are not split, so not padded)."""
     if type(num_shards) is not int or not 1 <= num_shards <= MAX_LAYOUT:
@@ -95,9 +95,17 @@ def padding_layout(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, num_sh
                 modules.setdefault(prefix, set()).add(suffix)
         return modules.get(module, set())
 
-    for t in walked:
-        if t.axes is None or not t.role.paddable:   # the vocabulary is never padded
+    judged: set[int] = set()    # kinds judged already, where the module decides nothing
+    for meta, kind in walked.rows():
+        if kind.axes is None or not kind.role.paddable:   # the vocabulary is never padded
             continue
+        by_module = not kind.role.column and (kind.axes.act_order or (
+            kind.axes.grouped and kind.axes.k is None))
+        if not by_module and not whole_experts:
+            if id(kind) in judged:
+                continue
+            judged.add(id(kind))
+        t = walked.tensor(meta, kind)
         if whole_experts and t.role.kind == "mlp" and naming.expert_kind(t.name, t.module):
             continue
         if (not t.role.column and t.axes.grouped and t.axes.k is None

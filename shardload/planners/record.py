@@ -10,12 +10,12 @@ shares follow from it and the padded layout (``__metadata__.tensor_parallel``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from ..formats import Scheme
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .tensors import Tensor
+    from .tensors import Tensor, Walk
     from ..readers.base import Checkpoint
     from .experts import ExpertParallel
     from .spec import ModelSpec
@@ -61,47 +61,79 @@ def _config_keys(spec: "ModelSpec", kind: str, config: dict) -> dict[str, str]:
 
 
 def model_record(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, kind: str,
-                 walked: Sequence["Tensor"], experts: Optional["ExpertParallel"] = None) -> dict:
+                 walked: "Walk", experts: Optional["ExpertParallel"] = None) -> dict:
     """The record of ``spec`` for the plan's ``__metadata__.model`` (``walked``: its tensors,
-    ``tensors.tensors``)."""
+    ``tensors.walk``)."""
     sizes = {name: getattr(spec, attr) for name, attr in _SIZES.items()}
     sizes = {name: value for name, value in sizes.items() if value}
-    naming = spec.rules.naming
-    row_biases, kv, stacked, expert_shapes, shared_shapes = [], [], [], {}, {}
-    for t in walked:
-        role = t.role
-        if role is None:
+    row_biases: list[str] = []
+    kv: dict[str, None] = {}            # modules, in storage order
+    stacked: dict[str, None] = {}
+    expert_shapes: dict[str, list[int]] = {}
+    shared_shapes: dict[str, list[int]] = {}
+    noted: dict[int, _Notes] = {}       # by kind: what its tensors add to the record
+    for meta, each in walked.rows():
+        if each.role is None:
             continue
-        expert = naming.expert_kind(t.name, t.module) if role.kind == "mlp" else None
-        if "bias" in t.suffix and not role.column and not (experts is not None and expert):
-            # added once, after the row-parallel sum; an expert's own bias under expert
-            # parallelism belongs to the worker holding the expert
-            row_biases.append(t.name)
-        if role.name in ("k", "v") and t.module not in kv:
-            kv.append(t.module)
-        if expert is not None and expert[0] == "one":
-            (n, _), (k, _) = role.extents(spec, t.mlp)
-            expert_shapes[t.module.rpartition(".")[2]] = [n, k]
-        if expert is not None and expert[0] == "stacked" and t.module not in stacked:
-            stacked.append(t.module)
-        if (experts is not None and spec.mla is not None and t.mlp == "shared"
-                and spec.shared_expert_intermediate_size and t.suffix in ("weight", "qweight",
-                                                                          "weight_packed")):
-            # DeepSeek sizes its shared experts from the experts' width (moe_intermediate_size
-            # x n_shared_experts), which expert parallelism keeps whole: their tensor-parallel
-            # share is zero-padded to that width (zero rows of gate/up, columns of down)
-            (n, _), (k, _) = role.extents(spec, t.mlp)
-            shared_shapes[f"{t.module}.weight"] = [n, k]
+        notes = noted.get(id(each))
+        if notes is None:
+            notes = noted[id(each)] = _notes(each, spec, experts)
+            if notes.expert_shape is not None:
+                expert_shapes[each.module.rpartition(".")[2]] = notes.expert_shape
+        if notes.row_bias:
+            row_biases.append(meta.name)
+        if notes.modules is not None or notes.shared_shape is not None:
+            module = meta.name.rpartition(".")[0]
+            if notes.modules == "kv":
+                kv.setdefault(module)
+            elif notes.modules == "stacked":
+                stacked.setdefault(module)
+            if notes.shared_shape is not None:
+                shared_shapes[f"{module}.weight"] = notes.shared_shape
     record = {"architecture": spec.architecture, "checkpoint": kind, "sizes": sizes,
               "config_keys": _config_keys(spec, kind, ckpt.config),
               "mla": spec.mla is not None,
               "projection_norms": dict(spec.rules.split_norms),
-              "row_parallel_biases": row_biases, "kv_projections": kv,
+              "row_parallel_biases": row_biases, "kv_projections": list(kv),
               "quantization": scheme.to_json()}
     if stacked:
-        record["stacked_experts"] = stacked
+        record["stacked_experts"] = list(stacked)
     if expert_shapes:
         record["expert_shapes"] = expert_shapes
     if shared_shapes:
         record["shared_expert_shapes"] = shared_shapes
     return record
+
+
+class _Notes(NamedTuple):
+    """What every tensor of one kind adds to the record."""
+
+    row_bias: bool                      # its name goes in ``row_parallel_biases``
+    modules: Optional[str]              # its module goes in ``kv`` or ``stacked`` (experts)
+    expert_shape: Optional[list[int]]   # one expert's [N, K], for ``expert_shapes``
+    shared_shape: Optional[list[int]]   # a shared expert's padded [N, K] (DeepSeek under EP)
+
+
+def _notes(t: "Tensor", spec: "ModelSpec", experts: Optional["ExpertParallel"]) -> _Notes:
+    role = t.role
+    assert role is not None
+    expert = spec.rules.naming.expert_kind(t.name, t.module) if role.kind == "mlp" else None
+    # added once, after the row-parallel sum; an expert's own bias under expert parallelism
+    # belongs to the worker holding the expert
+    row_bias = ("bias" in t.suffix and not role.column
+                and not (experts is not None and expert is not None))
+    modules = ("kv" if role.name in ("k", "v") else
+               "stacked" if expert is not None and expert[0] == "stacked" else None)
+    expert_shape = shared_shape = None
+    if expert is not None and expert[0] == "one":
+        (n, _), (k, _) = role.extents(spec, t.mlp)
+        expert_shape = [n, k]
+    if (experts is not None and spec.mla is not None and t.mlp == "shared"
+            and spec.shared_expert_intermediate_size and t.suffix in ("weight", "qweight",
+                                                                      "weight_packed")):
+        # DeepSeek sizes its shared experts from the experts' width (moe_intermediate_size
+        # x n_shared_experts), which expert parallelism keeps whole: their tensor-parallel
+        # share is zero-padded to that width (zero rows of gate/up, columns of down)
+        (n, _), (k, _) = role.extents(spec, t.mlp)
+        shared_shape = [n, k]
+    return _Notes(row_bias, modules, expert_shape, shared_shape)

@@ -209,6 +209,12 @@ class MappedCheckpoint(Checkpoint):
         i, begin, end = self._where(name)
         return i, self._data_starts[i] + begin, self._data_starts[i] + end
 
+    def locate_all(self, names: Iterable[str]) -> list[tuple[int, int]]:
+        table, starts = self._table, self._data_starts
+        where = [table.pos[name] for name in names]   # a KeyError for a name not here
+        files = [table.file[k] for k in where]
+        return list(zip(files, [starts[i] + table.begin[k] for i, k in zip(files, where)]))
+
     def source_bytes(self, index: int) -> torch.Tensor:
         """File ``index`` whole, as a uint8 view of its mapping, after checking that the file is
         still the one that was mapped."""
