@@ -266,6 +266,9 @@ def test_shardload_loads_what_vllms_default_loader_loads(name, tp):
     tokens = ("--tokens", "0") if name in INT4 and int4_kernel_missing() else ()
     report, stats, log = compare_with_default(name, str(models().path(name)), tp, *tokens)
     check_same_as_default(report, stats, log, tp)
+    # one plan per job: rank 0 plans, the other ranks receive its plan (each load and reload)
+    assert [s["plan_from"] for s in stats] == [
+        "planned" if s["rank"] == 0 else "rank 0" for s in stats]
     if name == "llama_bf16":   # an independent count: each rank reads 1/N of what is split
         total, replicated = _header_bytes(str(models().path(name)))
         for s in stats:

@@ -7,7 +7,9 @@ format, object storage) all reach the loader the same way:
    mapping of arrays);
 2. **resolve the plan** by one policy (``plans.resolve_plan``): ``REPLICATE``, else the plan
    given, else ``shard_info.json`` beside the checkpoint, else one made from the model's
-   config; it is validated for N there, once;
+   config; it is validated for N there, once. Under torchrun (and vLLM's ranks) rank 0
+   resolves it and the other ranks receive it, each validating it against its own checkpoint
+   (``shared_plan.plan_once``: one plan per job, not one per rank);
 3. **open a session** by kind (``open_session``: ``thread``, ``process``, ``torch``, or one a
    plugin registered: ``sessions.kinds``);
 4. **load** (``loader.load_validated``, the numbered steps of ``loader.py``).
@@ -27,18 +29,17 @@ from ..errors import PlanError
 from ..gc_pause import gc_paused
 from ..loader import ProgressCallback, ShardedParams, load_validated
 from ..plan import MAX_PLAN_BYTES, ShardInfo
-from ..readers import as_checkpoint
 from ..readplan import ReadPlan
 from ..sessions import Session
 from ..sessions.kinds import open_session, register_session_kind, session_kinds
 from ..staging import Staging
 from .plans import PLAN_FILE, REPLICATE, ResolvedPlan, plan_beside, planned_fits, resolve_plan
+from .shared_plan import JobPlan, plan_once, planning_per_worker
 from .writes import write_atomic
 
 __all__ = ["load_sharded", "resolve_plan", "ResolvedPlan", "REPLICATE", "PLAN_FILE",
-           "plan_beside", "planned_fits", "open_session", "register_session_kind",
-           "session_kinds",
-           "write_plan", "write_atomic"]
+           "plan_beside", "planned_fits", "plan_once", "JobPlan", "open_session",
+           "register_session_kind", "session_kinds", "write_plan", "write_atomic"]
 
 
 def load_sharded(params: Any, shard_info: Any, session: Session, *, experts: str = "tp",
@@ -70,10 +71,15 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *, experts: str
     """
     with gc_paused():  # a checkpoint's headers and plan are many objects, all kept
         with session.collective("preparing the load"):
-            ckpt = as_checkpoint(params)
-            resolved = resolve_plan(ckpt, session.num_workers, shard_info, experts=experts)
-        return load_validated(ckpt, resolved.validated, session, progress=progress,
-                              timeout=timeout, staging=staging, reads=reads)
+            # under torchrun rank 0 plans and the other ranks receive its plan
+            job = plan_once(session, params, shard_info, experts=experts,
+                            what="preparing the load")
+        planning = planning_per_worker(session, job)
+        sharded = load_validated(job.checkpoint, job.resolved.validated, session,
+                                 progress=progress, timeout=timeout, staging=staging,
+                                 reads=reads)
+    sharded.stats.planning_per_worker = planning
+    return sharded
 
 
 def write_plan(info: ShardInfo, path: Optional[str] = None) -> str:

@@ -10,8 +10,10 @@ requantization) itself. ``load_weights`` here, on every tensor-parallel rank:
    a hub model;
 3. **plan** for (N, rank) through the front door (``resolve_plan``: the ``plan`` option, else
    ``shard_info.json`` beside the checkpoint, else one made from its config; expert-parallel
-   when vLLM places whole experts per rank), and checked against the sizes vLLM built the model
-   with (a padded plan needs the padded model: ``padding.py``);
+   when vLLM places whole experts per rank; without the option, made on rank 0 alone and
+   received by the other ranks over vLLM's group, ``frontdoor.plan_once``, each validating it
+   against its own checkpoint), and checked against the sizes vLLM built the model with (a
+   padded plan needs the padded model: ``padding.py``);
 4. **stand-ins**, full-shape tensors of which vLLM narrows this rank's bytes (``standins.py``):
    a tensor stored as vLLM takes it is a view of the mapped file, not read at all (vLLM's
    narrowing copies this rank's bytes out of it, one copy); a zero-padded tensor or a
@@ -48,7 +50,8 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ..errors import ShardloadError
-from ..frontdoor import load_sharded, open_session, resolve_plan
+from ..frontdoor import open_session, plan_once
+from ..loader import load_validated
 from ..readers import Checkpoint, open_checkpoint
 from .options import LoaderOptions
 from .padding import check_built
@@ -145,7 +148,9 @@ class ShardloadModelLoader(BaseModelLoader):
                           group=tp.cpu_group) as sess:
             with sess.collective("planning the load"):                              # 3.
                 planner = {"experts": "ep"} if whole_experts and opts.plan is None else {}
-                resolved = resolve_plan(ckpt, n, opts.plan, **planner)
+                # rank 0 plans; the other ranks receive its plan and validate it
+                job = plan_once(sess, ckpt, opts.plan, what="planning the load", **planner)
+                resolved = job.resolved
                 validated = resolved.validated
                 check_built(validated, model_config.hf_text_config)
             planned = time.perf_counter()
@@ -160,8 +165,8 @@ class ShardloadModelLoader(BaseModelLoader):
                 made[plan.rank] = stand_in_reads(plan, validated, ckpt, view)
                 return made[plan.rank].plan
 
-            sharded = load_sharded(ckpt, validated, sess, progress=False,            # 4.
-                                   staging=opts.staging, reads=reads)
+            sharded = load_validated(ckpt, validated, sess, progress=False,          # 4.
+                                     staging=opts.staging, reads=reads)
         ins = made[rank]
         tensors = {name: ins.views[name] if name in ins.views else sharded.shard(name, rank)
                    for name in ins.order}
@@ -172,7 +177,7 @@ class ShardloadModelLoader(BaseModelLoader):
                 "bytes_read_in_place": ins.viewed,
                 "bytes_kept": ins.kept, "bytes_replicated": ins.replicated,
                 "tensors": len(tensors), "padded_tensors": len(ins.padded),
-                "plan_seconds": round(planned - start, 4),
+                "plan_seconds": round(planned - start, 4), "plan_from": job.plan_from,
                 "read_seconds": round(time.perf_counter() - start, 4),
                 "verified": verify, "experts": "ep" if whole_experts else "tp"}
         if stage is not None:
