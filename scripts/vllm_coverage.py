@@ -652,16 +652,23 @@ def shardload_verdict(folder: str, name: str, config: dict, tp: int) -> dict:
     """What ``vllm_overrides`` says for the checkpoint in ``folder`` at ``tp``: ``kind`` (as is,
     padded or refused), the overrides or the reason, vLLM's checks on the overridden config
     (vLLM builds and checks the padded model), and ``own``, ``plan_decision``'s kind."""
+    from shardload import open_checkpoint
+
+    with open_checkpoint(folder) as ckpt:      # its headers read once for both
+        return _verdict(ckpt, folder, name, config, tp)
+
+
+def _verdict(ckpt, folder: str, name: str, config: dict, tp: int) -> dict:
     from shardload import PlanError, ShardloadError
     from shardload.planners import plan_decision
     from shardload.vllm.padding import vllm_overrides
 
     try:
-        own = plan_decision(folder, tp).kind
+        own = plan_decision(ckpt, tp).kind
     except ShardloadError as exc:  # an error in the checkpoint's metadata, not a refusal
         return {"kind": "refused", "why": _reason(exc, folder, name), "own": "error"}
     try:
-        overrides = vllm_overrides(folder, tp)
+        overrides = vllm_overrides(ckpt, tp)
     except ShardloadError as exc:
         kind = "refused" if isinstance(exc, PlanError) else "error"
         return {"kind": kind, "why": _reason(exc, folder, name), "own": own}
@@ -669,14 +676,22 @@ def shardload_verdict(folder: str, name: str, config: dict, tp: int) -> dict:
             "vllm": vllm_refusal(_apply(config, overrides), tp)}
 
 
-def _one_cell(index: int, tp: int) -> tuple[int, int, int, dict, float]:
-    """(model index, N, tensor count, shardload's verdict, seconds): one checkpoint written
-    into its own temporary folder and asked about one N (a task of the process pool)."""
+def _one_cell(index: int, tp: int, root: str) -> tuple[int, int, int, dict, float]:
+    """(model index, N, tensor count, shardload's verdict, seconds): one checkpoint asked about
+    one N (a task of the process pool). Each worker process writes a checkpoint once, into a
+    folder of its own under ``root``, and asks it about every N it is given."""
     model = MODELS[index]
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="vllm-coverage-") as folder:
+    folder = os.path.join(root, f"{index}-{os.getpid()}")
+    counted = folder + ".count"
+    if not os.path.exists(counted):
+        os.makedirs(folder)
         count = write_checkpoint(model, folder)
-        verdict = shardload_verdict(folder, model["name"], model["config"], tp)
+        with open(counted, "w") as f:
+            f.write(str(count))
+    with open(counted) as f:
+        count = int(f.read())
+    verdict = shardload_verdict(folder, model["name"], model["config"], tp)
     return index, tp, count, verdict, time.perf_counter() - start
 
 
@@ -688,8 +703,9 @@ def evaluate(names: list[str], tps, jobs: int, log=lambda *a: None) -> list[tupl
     indices = [i for i, m in enumerate(MODELS) if m["name"] in names]
     counts: dict[int, int] = {}
     verdicts: dict[int, dict[int, dict]] = {i: {} for i in indices}
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(_one_cell, i, n) for i in indices for n in tps]
+    with tempfile.TemporaryDirectory(prefix="vllm-coverage-") as root, \
+            ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(_one_cell, i, n, root) for i in indices for n in tps]
         for future in futures:
             i, n, count, verdict, seconds = future.result()
             counts[i], verdicts[i][n] = count, verdict

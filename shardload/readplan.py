@@ -326,10 +326,11 @@ def _build(validated: "ValidatedPlan", ckpt: "Checkpoint",
             # the template's runs moved to where this tensor lies, tuples made whole (a read
             # plan of a large MoE holds hundreds of thousands; most pieces are one run)
             if len(runs) == 1:
-                moved: tuple = (new(Run, (source, begin + runs[0][0]) + runs[0][1]),)
+                offset, nbytes, count, stride, dst_offset, dst_stride = runs[0]
+                moved: tuple = (new(Run, (source, begin + offset, nbytes, count, stride,
+                                          dst_offset, dst_stride)),)
             else:
-                moved = tuple([new(Run, (source, begin + offset) + tail)
-                               for offset, tail in runs])
+                moved = tuple([new(Run, (source, begin + run[0], *run[1:])) for run in runs])
             out.append(new(PieceRead, (meta.name, shape, dtype, moved, zeros, fixup, chain,
                                        shared)))
     sources = tuple(ckpt.sources())
@@ -337,11 +338,11 @@ def _build(validated: "ValidatedPlan", ckpt: "Checkpoint",
 
 
 def _moving(template: Optional[tuple]) -> Optional[tuple]:
-    """A template as ``_build`` moves it: its runs as (offset, the fields after it)."""
+    """A template as ``_build`` moves it: each run without its source."""
     if template is None:
         return None
     shape, dtype, runs, *after = template
-    return (shape, dtype, [(r.offset, tuple(r)[2:]) for r in runs], *after)
+    return (shape, dtype, [tuple(r)[1:] for r in runs], *after)
 
 
 def _template(validated: "ValidatedPlan", param: "ParamPlan", rank: int) -> Optional[tuple]:

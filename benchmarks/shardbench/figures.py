@@ -148,7 +148,7 @@ def draw_objects(report: dict, out_dir: str) -> list[str]:
 
 def draw_scale(report: dict, out_dir: str) -> list[str]:
     """``scale_time.png``: each phase against the tensor count, for the checkpoints of one N
-    (the first measured); ``scale_n.png``: open + plan + validate + a rank's read plan against
+    (the first measured); ``scale_n.png``: open + plan (validated) + a rank's read plan against
     N, one line per checkpoint."""
     plt = _pyplot()
     os.makedirs(out_dir, exist_ok=True)
@@ -157,7 +157,7 @@ def draw_scale(report: dict, out_dir: str) -> list[str]:
     first_n = rows[0]["num_shards"]
     at_n = sorted((r for r in rows if r["num_shards"] == first_n), key=lambda r: r["tensors"])
     fig, ax = plt.subplots(figsize=SIZE, dpi=DPI)
-    for phase in [*report["phases"], "total"]:
+    for phase in [*report["phases"], *report.get("beside", ()), "total"]:
         ax.plot([r["tensors"] for r in at_n], [r[f"{phase}_s"] for r in at_n], marker="o",
                 markersize=4, linewidth=1.4 if phase != "total" else 2.2, label=phase)
     ax.set_xscale("log")
@@ -175,7 +175,7 @@ def draw_scale(report: dict, out_dir: str) -> list[str]:
     series = {}
     for r in rows:
         series.setdefault(f"{r['model']} ({r['tensors']:,})", {})[r["num_shards"]] = r["total_s"]
-    paths.append(_plot(series, "bench_scale.py: open + plan + validate + read plan against N",
+    paths.append(_plot(series, "bench_scale.py: open + plan + read plan against N",
                        "seconds", os.path.join(out_dir, "scale_n.png"), _subtitle(report)))
     return paths
 

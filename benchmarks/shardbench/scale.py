@@ -28,9 +28,15 @@ PUBLISHED = ("deepseek-ai/DeepSeek-V3", "Qwen/Qwen3-235B-A22B-FP8", "openai/gpt-
              "RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic")
 #: DeepSeek-V3 scaled: (layers, routed experts) -> about 1k, 5k, 20k, 45k, 92k and 150k tensors
 SERIES = ((4, 32), (8, 96), (16, 192), (32, 224), (61, 256), (61, 416))
-#: the phases one rank pays before its first byte, in the order they run (``read_plans_all``,
-#: every rank's read plan, is what a session of one process builds: measured, not in the total)
-PHASES = ("open", "plan", "validate", "read_plan")
+#: the phases one rank pays before its first byte, in the order they run: ``plan`` is the
+#: plan a load uses (``resolve_plan``: planned, bound and validated)
+PHASES = ("open", "plan", "read_plan")
+#: measured beside them, not in the total: ``validate``, a plan bound and validated alone (what
+#: a rank that receives the plan, or loads a plan file, pays instead of planning; part of
+#: ``plan``), ``read_plans_all`` (every rank's read plan, as a session of one process builds
+#: them) and ``vllm_open`` (what vLLM's default loader does before its first byte: every file's
+#: header, ``safetensors.safe_open`` and its keys, as ``safetensors_weights_iterator`` opens them)
+BESIDE = ("validate", "read_plans_all", "vllm_open")
 
 
 def models(which: str) -> list[dict]:
@@ -69,13 +75,14 @@ def ensure(model: dict, root: str) -> tuple[str, int]:
 
 def measure(folder: str, n: int) -> dict:
     """Each phase's seconds for ``folder`` at ``n`` workers, in this process: ``import``
-    (shardload, torch with it), ``open`` (every header), ``plan`` (``plan_for``), ``validate``
-    (the plan bound and checked against the headers), ``read_plan`` (rank 0's),
-    ``read_plans_all`` (every rank's, as a session of one process builds them); and the peak
-    RSS above the import's up to rank 0's read plan (what one rank holds)."""
+    (shardload, torch with it), ``open`` (every header), ``plan`` (``resolve_plan``: the
+    validated plan a load uses), ``validate`` (that plan bound and validated again, alone),
+    ``read_plan`` (rank 0's), ``read_plans_all`` (every rank's), ``vllm_open`` (every file
+    opened by ``safetensors`` itself, as vLLM's loader does); and the peak RSS above the
+    import's up to rank 0's read plan (what one rank holds)."""
     start = time.perf_counter()
     from shardload import open_checkpoint
-    from shardload.planners import plan_for
+    from shardload.frontdoor import resolve_plan
     from shardload.readplan import build_read_plans
 
     out: dict = {"import": time.perf_counter() - start}
@@ -84,17 +91,33 @@ def measure(folder: str, n: int) -> dict:
     with open_checkpoint(folder) as ckpt:
         metadata = ckpt.metadata()
         out["open"], t = time.perf_counter() - t, time.perf_counter()
-        info = plan_for(ckpt, num_shards=n)
+        resolved = resolve_plan(ckpt, n)
         out["plan"], t = time.perf_counter() - t, time.perf_counter()
-        validated = info.bind(n).validate(metadata)
-        out["validate"], t = time.perf_counter() - t, time.perf_counter()
-        build_read_plans(validated, ckpt, ranks=[0])
+        build_read_plans(resolved.validated, ckpt, ranks=[0])
         out["read_plan"] = time.perf_counter() - t
         out["peak_above_import_bytes"] = max(0, _peak() - base)  # one rank's, to here
+        info = resolved.decision.info if resolved.decision is not None else None
         t = time.perf_counter()
-        build_read_plans(validated, ckpt)
+        if info is not None:
+            info.bind(n).validate(metadata)
+        out["validate"], t = time.perf_counter() - t, time.perf_counter()
+        build_read_plans(resolved.validated, ckpt)
         out["read_plans_all"] = time.perf_counter() - t
+    out["vllm_open"] = _safetensors_open(folder)
     return out
+
+
+def _safetensors_open(folder: str) -> float:
+    """Seconds to open every safetensors file of ``folder`` with ``safetensors`` and list its
+    tensors, as vLLM's ``safetensors_weights_iterator`` does before its first tensor."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    start = time.perf_counter()
+    for name in files:
+        with safe_open(os.path.join(folder, name), framework="pt") as f:
+            f.keys()
+    return time.perf_counter() - start
 
 
 def _rss() -> int:
