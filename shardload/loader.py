@@ -9,7 +9,8 @@ The loader drives every load in the same numbered steps, whatever the session:
 3. **Build each worker's read plan** (``readplan``): which bytes of which file make its piece of
    each parameter, or which chain of shard functions to compute. Workers outside this process
    get files they can map (an in-memory checkpoint is written to a temporary file first) and
-   the plugin modules their chains need. The bytes the workers read of objects in object
+   the plugin modules their chains need, and their read plans as compact JSON
+   (``pieces.wire``). The bytes the workers read of objects in object
    storage are fetched once, here, for all of them, while they read (``pieces.stream``: into
    memory that workers in other processes map, within a bounded window).
 4. **Run** the per-worker load (``pieces.load_pieces``, a session function) on every worker
@@ -25,8 +26,11 @@ Every kept piece owns its memory. Sessions know nothing of any of this: they run
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import math
+import operator
 import os
 import shutil
 import tempfile
@@ -38,10 +42,12 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from . import dtypes
 from .gc_pause import gc_paused
 from .errors import DEVICE_CUDA, PLUGINS, PlanError, SessionClosedError, ShardloadError, mention
 from .pieces import FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, local_load
 from .pieces.chains import cupy_missing
+from .pieces import wire
 from .pieces.stream import ObjectStream, stream_units
 from .plan import ParamPlan, Plan, ShardInfo, ValidatedPlan
 from .readers import Checkpoint, as_checkpoint
@@ -54,6 +60,7 @@ from .modules import importable_module
 __all__ = ["load_validated", "ShardedParams", "LoadStats", "progress_callback"]
 
 ProgressCallback = Callable[[int], None]
+_shape_dtype = operator.itemgetter(1, 2)  # a PieceRead's shape and dtype
 
 
 # ---- the result ----------------------------------------------------------------------------------
@@ -69,6 +76,9 @@ class LoadStats:
     bytes_read_per_worker: list[int]
     #: each worker's staged pipeline (``StagingStats.as_dict()``), or None on the direct path
     staging_per_worker: Optional[list[Optional[dict]]] = None
+    #: under torchrun, each rank's planning (``frontdoor.shared_plan``): ``{"from": "planned" |
+    #: "rank 0", "seconds", "work_seconds"}``; None where one process planned for every worker
+    planning_per_worker: Optional[list[dict]] = None
 
     @property
     def bytes_total(self) -> int:
@@ -84,7 +94,8 @@ class LoadStats:
                 "bytes_total": self.bytes_total, "bytes_per_worker": self.bytes_per_worker,
                 "tensors_per_worker": self.tensors_per_worker,
                 "bytes_read_per_worker": self.bytes_read_per_worker,
-                "staging_per_worker": self.staging_per_worker}
+                "staging_per_worker": self.staging_per_worker,
+                "planning_per_worker": self.planning_per_worker}
 
 
 class ShardedParams:
@@ -156,8 +167,10 @@ def validated_for(shard_info: Any, num_shards: int, ckpt: Checkpoint) -> Validat
             raise PlanError(f"this plan is bound to num_shards={shard_info.num_shards}, but the "
                             f"session has {num_shards} workers", source=shard_info.plan.source)
         metadata = ckpt.metadata()
-        if len(metadata) == len(shard_info.params) and all(
-                metadata.get(name) == p.meta for name, p in shard_info.params.items()):
+        get = metadata.get
+        if len(metadata) == len(shard_info.params) and all(  # mostly the same objects
+                (meta := get(name)) is p.meta or meta == p.meta
+                for name, p in shard_info.params.items()):
             return shard_info
         shard_info = shard_info.plan  # validated against other tensors: validate it here
     return _bind(shard_info, num_shards).validate(ckpt.metadata())
@@ -172,11 +185,22 @@ def _bind(shard_info: Any, num_shards: int) -> Plan:
     return ShardInfo.coerce(shard_info).bind(num_shards)
 
 
-def _check_devices(plan: list[ParamPlan], devices: list[torch.device],
+def _distinct_chains(params) -> list[ParamPlan]:
+    """The first of ``params`` with each chain (steps and their functions): what the checks
+    below look at. Parameters alike share one tuple of each (``ValidatedPlan``): a check per
+    parameter was a Python loop per tensor."""
+    first: dict[tuple[int, int], ParamPlan] = {}
+    for param in params:
+        first.setdefault((id(param.steps), id(param.funcs)), param)
+    return list(first.values())
+
+
+def _check_devices(chains: list[ParamPlan], devices: list[torch.device],
                    source: Optional[str]) -> None:
-    """cupy shard functions need CUDA workers, and cupy; say so before anything is read."""
+    """cupy shard functions need CUDA workers, and cupy; say so before anything is read
+    (``chains``: ``_distinct_chains``)."""
     on_cuda = all(d.type == "cuda" for d in devices)
-    for param in plan:
+    for param in chains:
         for step, func in zip(param.steps, param.funcs):
             if func.array != "cupy":
                 continue
@@ -193,12 +217,12 @@ def _check_devices(plan: list[ParamPlan], devices: list[torch.device],
                 step=step.index), DEVICE_CUDA)
 
 
-def _plugin_modules(validated: ValidatedPlan, remote: bool) -> list[str]:
+def _plugin_modules(chains: list[ParamPlan], remote: bool, source: Optional[str]) -> list[str]:
     """The modules a worker process imports to have every function it will run: those of the
     custom functions in chains and fixups (functions read by ``ranges`` alone run nowhere). A
     function it cannot import (defined in ``__main__`` or in a function) is refused here."""
     modules: dict[str, None] = {}
-    for param in validated:
+    for param in chains:
         for step, func in worker_functions(param):
             module = importable_module(func.func)
             if module is None and remote:
@@ -208,7 +232,7 @@ def _plugin_modules(validated: ValidatedPlan, remote: bool) -> list[str]:
                     f"function {func.name!r} ({origin}) is registered in this process only, so "
                     "worker processes cannot run it: define it at module level in an importable "
                     f"module and pass that module as a plugin ({PLUGINS.python})",
-                    source=validated.plan.source, param=param.name, step=step.index), PLUGINS)
+                    source=source, param=param.name, step=step.index), PLUGINS)
             if module is not None:
                 modules[module] = None
     return list(modules)
@@ -293,6 +317,16 @@ def _raise_fetch_error(streams: list) -> None:
             raise stream.error from None
 
 
+def _kept_bytes(plans) -> int:
+    """The bytes of every piece of ``plans`` (``ReadPlan.nbytes`` summed), counted by kind of
+    piece: a hundred thousand pieces per worker are a few kinds."""
+    kinds = collections.Counter()
+    for plan in plans:
+        kinds.update(map(_shape_dtype, plan.pieces))
+    return sum(math.prod(shape) * dtypes.itemsize(dtype) * count
+               for (shape, dtype), count in kinds.items())
+
+
 def progress_callback(progress: Union[bool, ProgressCallback], total: int):
     """A thread-safe ``advance(nbytes)`` and a ``close()``."""
     if callable(progress):
@@ -374,21 +408,25 @@ def load_validated(params: Any, shard_info: Any, session: Session, *,
         with session.collective("preparing the load"):
             ckpt = as_checkpoint(params)                                            # 1.
             validated = validated_for(shard_info, n, ckpt)                          # 2.
-            _check_devices(list(validated), session.devices, validated.plan.source)
-            modules = _plugin_modules(validated, remote)                            # 3.
+            chains = _distinct_chains(validated)
+            _check_devices(chains, session.devices, validated.plan.source)
+            modules = _plugin_modules(chains, remote, validated.plan.source)        # 3.
             source = stack.enter_context(_readable_elsewhere(ckpt, remote))
             plans: dict[int, ReadPlan] = dict(zip(ranks, build_read_plans(validated, source,
                                                                           ranks)))
             if reads is not None:
                 plans = {i: reads(plan) for i, plan in plans.items()}
             plans, streams, sides = _object_streams(source, plans, set(here), stack)
+            # what travels to each worker process (``pieces.wire``); those here take theirs as is
+            sent = {i: wire.encode(plan) for i, plan in plans.items() if i not in here}
             _release_dropped(session)
         token, local = stack.enter_context(local_load(source, len(here), n))
         local.start({i: plans[i] for i in here},
                     {i: side for i, side in sides.items() if i in here})
-        total = sum(plan.nbytes for plan in plans.values())  # for the progress bar
-        advance, close_bar = progress_callback(
-            progress if session.reports else False, total)
+        shown = progress if session.reports else False
+        # the bar's total: only a bar has one (a sum over every piece of every worker)
+        total = _kept_bytes(plans.values()) if shown is True else 0
+        advance, close_bar = progress_callback(shown, total)
         stack.callback(close_bar)
         if streams:
             _fetch_bar(streams, progress if session.reports else False, stack)
@@ -398,8 +436,7 @@ def load_validated(params: Any, shard_info: Any, session: Session, *,
         try:
             replies = session.run(                                                  # 4.
                 LOAD_PIECES, lambda i: [{"load": token,
-                                         "plan": None if i in local.plans
-                                         else plans[i].to_json(),
+                                         "plan": sent.get(i),
                                          "stream": None if i in local.plans else sides.get(i),
                                          "modules": modules,
                                          "staging": staged and staged.to_json()}],

@@ -464,23 +464,38 @@ class _Recorder:
         self.calls.append((index, begin, end))
 
 
-def test_page_releases_merge_touching_spans_and_wait_for_a_batch():
+def test_page_releases_merge_close_spans_and_wait_for_a_batch():
     from shardload.pieces import PageReleases
+    from shardload.pieces.reads import SPAN_GAP_BYTES
 
     source = _Recorder()
+    far = 10 * SPAN_GAP_BYTES
     releases = PageReleases(source, batch_bytes=100)
     releases.add(0, 0, 40)
     releases.add(0, 40, 70)     # touches the first
     releases.add(1, 0, 10)      # another file
     assert source.calls == []   # 80 bytes pending: below the batch
-    releases.add(0, 90, 110)    # 100 pending: one batch, merged where the spans touch
-    assert source.calls == [(0, 0, 70), (0, 90, 110), (1, 0, 10)]
-    releases.add(0, 200, 210)
+    releases.add(0, 90, 100)    # close to the first two: one span with them
+    releases.add(0, far, far + 10)  # 100 pending: one batch, merged where the spans are close
+    assert source.calls == [(0, 0, 100), (0, far, far + 10), (1, 0, 10)]
+    releases.add(0, far + 200, far + 210)
     releases.add(0, 5, 5)       # empty: nothing
     releases.flush()
-    assert source.calls[3:] == [(0, 200, 210)]
+    assert source.calls[3:] == [(0, far + 200, far + 210)]
     releases.flush()
     assert len(source.calls) == 4 and releases.calls == 4
+
+
+def test_page_releases_add_runs_takes_a_batch_of_runs_at_once():
+    from shardload.pieces import PageReleases
+    from shardload.readplan import Run
+
+    source = _Recorder()
+    releases = PageReleases(source, batch_bytes=100)
+    releases.add_runs([Run(0, 0, 10, 3, 20), Run(1, 5, 0), Run(0, 60, 20)])
+    assert source.calls == []   # 50 + 20 bytes pending; the empty run adds nothing
+    releases.add_runs([Run(1, 0, 40)])
+    assert source.calls == [(0, 0, 80), (1, 0, 40)]
 
 
 def _rss_file_pages() -> int:

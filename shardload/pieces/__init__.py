@@ -33,7 +33,9 @@ The modules, one concern each:
 * ``sharing``: what the workers of one process share (``LocalLoad``, the table of loads under
   way here, ``local_load``; chains computed once through ``shardload.shared_outputs``);
 * ``load``: the session functions (``load_pieces``, ``fetch_piece``, ``release_loads``) and
-  the per-piece work (``read_piece``).
+  the per-piece work (``read_piece``);
+* ``wire``: a read plan as the loader sends it to a worker process (compact JSON: its kinds
+  of piece, then names and offsets in flat lists).
 
 The sizes a module reads when it runs (``reads.RELEASE_BATCH_BYTES``, ``reads.READAHEAD_*``,
 ``sharing.MAX_SHARED``) are also importable from here, as values.

@@ -7,29 +7,37 @@ where the piece is padding; its fixup applied), or computes it (the whole stored
 its chain, ``chains``; shared by the workers of this process, ``sharing``), then places it on
 its device, owning its memory, and reports progress. With ``staging`` the reads go through the
 worker's ``Pipeline`` (``staging.py``) straight into device memory.
+
+A load of a large mixture of experts is hundreds of thousands of pieces per worker, most of
+them one small run each: the loop (``_read_all``) reads those inline and does its bookkeeping
+in batches (``_Books``), so that what a piece costs is little more than making its tensor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
+from .. import dtypes
 from ..errors import annotate
 from ..gc_pause import gc_paused
 from ..readers.base import COPY_CHUNK_BYTES, Checkpoint, copy_progress
-from ..readplan import PieceRead, ReadPlan
+from ..readplan import PieceRead
 from ..registry import get_shard_func, load_plugins
 from ..sessions import Stopped, WorkerContext, register_session_func
 from ..staging import Pipeline, Staging
 from .chains import run_steps
-from .reads import (PageReleases, Readahead, SourceViews, copy_runs, count_read, new_piece,
-                    piece_spans, read_runs, source_bytes_for)
+from .reads import (CHECK_INTERVAL_S, SMALL_RUN_BYTES, PageReleases, Readahead, SourceViews,
+                    copy_runs, count_read, new_piece, piece_spans, read_runs, source_bytes_for)
 from .stream import worker_side
+from . import wire
 from ..shared_outputs import SharedOutputs
 from .sharing import local_for
 
@@ -219,15 +227,16 @@ TURN_POLL_S = 0.05
 class _Books:
     """A worker's bookkeeping around its pieces, done in batches (``BOOKS_BYTES``), and its
     turns (``LocalLoad.turns``): a worker of a CPU device reads a batch of plain pieces while
-    holding one."""
+    holding one. The load loop counts a batch itself; here it is settled (``report``,
+    ``flush``): the batch's pieces are the plan's from the last one settled up to the one the
+    loop is at."""
 
     def __init__(self, ctx: WorkerContext, readahead: Readahead, local, releases: PageReleases,
-                 stopped: Callable[[], bool]):
+                 stopped: Callable[[], bool], pieces: tuple[PieceRead, ...]):
         self._ctx, self._readahead, self._local, self._releases = ctx, readahead, local, releases
         self._stopped = stopped
-        self._done: list[PieceRead] = []
-        self._bytes = 0
-        self._due = True  # the first piece is reported
+        self._pieces = pieces
+        self._first = 0  # the first piece not yet settled
         self._turns = local.turns if local is not None and ctx.device.type == "cpu" else None
         self._turn: Optional[int] = None
 
@@ -249,41 +258,118 @@ class _Books:
             self._turns.put(self._turn)
             self._turn = None
 
-    def starting(self, piece: PieceRead, nbytes: int) -> None:
-        """Before ``piece`` (``nbytes``) is read: reported where a batch starts, or where it
-        is large."""
-        if self._due or nbytes >= BOOKS_BYTES:
-            if self._stopped():
-                raise Stopped()
-            self.flush()
-            self._readahead.reached(piece.name)
-            self._ctx.progress(where=piece.name)
-            self._due = False
+    def report(self, j: int, nbytes: int) -> None:
+        """Before piece ``j`` is read, where a batch starts (or the piece is large): the
+        pieces before it (``nbytes``) settled, and ``j`` named. Stops here if the load is
+        stopping."""
+        if self._stopped():
+            raise Stopped()
+        self.flush(j, nbytes)
+        name = self._pieces[j].name
+        self._readahead.reached(name)
+        self._ctx.progress(where=name)
 
-    def finished(self, piece: PieceRead, nbytes: int) -> None:
-        self._done.append(piece)
-        self._bytes += nbytes
-        if self._bytes >= BOOKS_BYTES or len(self._done) >= BOOKS_PIECES:
-            self._due = True
-
-    def flush(self) -> None:
-        """Settle the pieces finished since the last report; give the turn to the next."""
+    def flush(self, upto: int, nbytes: int) -> None:
+        """Settle the pieces finished before piece ``upto`` (``nbytes``) since the last
+        report; give the turn to the next."""
         self.give_turn()
-        done, nbytes = self._done, self._bytes
-        if not done:
+        first = self._first
+        if upto <= first:
             return
-        self._done, self._bytes = [], 0
+        self._first = upto
+        done = self._pieces[first:upto]
         if self._local is not None:
             self._local.finished(self._ctx.rank, done)
         else:
-            for piece in done:
-                self._releases.add_runs(piece.runs)
+            self._releases.add_runs([run for piece in done for run in piece.runs])
         self._ctx.progress(nbytes=nbytes)
+
+
+def _kind(shape: tuple[int, ...], dtype: str) -> tuple:
+    """What the load loop needs of a piece of ``shape``/``dtype``, worked out once per kind:
+    its bytes (``PieceRead.nbytes``), the numpy dtype it is made as and the torch dtype it is
+    then viewed as (or None; ``dtypes.numpy_carrier``), and its item size."""
+    size = dtypes.itemsize(dtype)
+    carrier, view = dtypes.numpy_carrier(dtype)
+    return math.prod(shape) * size, carrier, dtypes.to_torch(dtype) if view else None, size
+
+
+def _read_all(pieces: tuple[PieceRead, ...], kept: dict, books: _Books, views: SourceViews,
+              general: Callable[[int, PieceRead], tuple[torch.Tensor, int]], plain: bool
+              ) -> tuple[int, int]:
+    """Every piece of ``pieces`` into ``kept``, in order, settled in batches by ``books``;
+    the checkpoint bytes read and the bytes kept.
+
+    Where ``plain`` (the direct path to a CPU device, no stream of object bytes), a piece
+    that is one small run making the whole piece (most of a load's pieces) is read here
+    inline: its bytes, viewed in the mapping as its dtype and shape, copied by numpy into a
+    new array that torch takes. What ``read_host`` would do for it, checked as ``check_run``
+    checks, at about half the cost: a load of 100,000 small tensors on 8 workers is 800,000
+    such pieces, and each Python operation here is paid for every one of them. Any other
+    piece goes by ``general(j, piece)``.
+
+    A batch (``_Books``) ends after ``BOOKS_PIECES`` pieces or ``BOOKS_BYTES`` bytes, and
+    before a piece of ``BOOKS_BYTES`` or more."""
+    kinds: dict[tuple, tuple] = {}
+    entries, refresh = views.entries, views.refresh
+    monotonic, from_numpy, ndarray, uint8 = time.monotonic, torch.from_numpy, np.ndarray, np.uint8
+    kept_bytes = 0
+    unread = 0  # bytes kept but not read (padding, shared pieces) less those read twice
+    limit, batch_bytes, turn_due = 0, 0, True  # a batch is reported before piece ``limit``
+    for j, piece in enumerate(pieces):
+        name, shape, dtype, runs, zeros, fixup, chain, _ = piece  # every field (a test pins them)
+        kind = kinds.get((shape, dtype))
+        if kind is None:
+            kind = kinds[(shape, dtype)] = _kind(shape, dtype)
+        nbytes = kind[0]
+        if j >= limit or batch_bytes >= BOOKS_BYTES or nbytes >= BOOKS_BYTES:
+            books.report(j, batch_bytes)  # and stops here if the load is stopping
+            kept_bytes += batch_bytes
+            limit, batch_bytes, turn_due = j + BOOKS_PIECES, 0, True
+        if plain and chain is None and fixup is None and not zeros and len(runs) == 1 \
+                and nbytes <= SMALL_RUN_BYTES:
+            source, offset, size, count, stride, dst_offset, dst_stride = runs[0]
+            now = monotonic()
+            entry = entries.get(source)
+            if entry is None or now - entry[2] >= CHECK_INTERVAL_S:
+                entry = refresh(source, now)  # checks that the file is unchanged
+            if turn_due:
+                books.take_turn()
+                turn_due = False
+            # only a run that lies inside its source and makes the whole piece (any other
+            # goes by the general path, which reads it or refuses it as check_run does)
+            if offset < 0 or stride < 0 or dst_stride < 0 or dst_offset:
+                pass
+            elif count == 1:
+                if size == nbytes and offset + size <= entry[3]:
+                    tensor = from_numpy(ndarray(shape, kind[1], entry[1], offset).copy())
+                    kept[name] = tensor if kind[2] is None else tensor.view(kind[2])
+                    batch_bytes += nbytes
+                    continue
+            elif count > 1 and stride and dst_stride == size and size * count == nbytes \
+                    and size % kind[3] == 0 and offset + (count - 1) * stride + size <= entry[3]:
+                if len(shape) == 2 and shape[0] == count:  # a column split: rows of it
+                    data = ndarray(shape, kind[1], entry[1], offset, (stride, kind[3])).copy()
+                else:
+                    data = ndarray((count, size), uint8, entry[1], offset, (stride, 1)).copy() \
+                        .view(kind[1]).reshape(shape)
+                tensor = from_numpy(data)
+                kept[name] = tensor if kind[2] is None else tensor.view(kind[2])
+                batch_bytes += nbytes
+                continue
+        kept[name], nread = general(j, piece)
+        unread += nbytes - nread
+        batch_bytes += nbytes
+        turn_due = True  # it may have given the turn
+    books.flush(len(pieces), batch_bytes)
+    kept_bytes += batch_bytes
+    return kept_bytes - unread, kept_bytes
 
 
 @register_session_func(LOAD_PIECES)
 def load_pieces(ctx: WorkerContext, request: dict) -> dict:
-    """Carry out ``request["plan"]`` (a ``ReadPlan`` as JSON) on this worker.
+    """Carry out ``request["plan"]`` (a ``ReadPlan`` as ``wire.encode`` writes it) on this
+    worker.
 
     ``request["load"]`` names the load (``request["plan"]`` is None for a worker in the
     loader's process: its plan is the load's own, ``LocalLoad.plans``); ``request["stream"]``
@@ -297,13 +383,15 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
     start = time.perf_counter()
     local = local_for(request["load"])
     # a worker in the loader's process takes its read plan as the loader made it (no JSON)
-    plan = (local.plans[ctx.rank] if request["plan"] is None and local is not None
-            else ReadPlan.from_json(request["plan"]))
+    if request["plan"] is None and local is not None:
+        plan = local.plans[ctx.rank]
+    else:
+        with gc_paused():  # a tuple per piece and run, all kept
+            plan = wire.decode(request["plan"])
     load_plugins(request.get("modules", ()))
     source = local.ckpt if local is not None else None
     staging = request.get("staging")
     kept: dict[str, torch.Tensor] = {}
-    read = kept_bytes = 0
 
     def stopped() -> bool:
         return ctx.should_stop() or (local is not None and local.stopped.is_set())
@@ -331,7 +419,7 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
         shared = local.shared if local is not None and local.num_local > 1 else None
         worker = _Worker(source, plan.num_shards, plan.rank, ctx.device, pipe, shared, waiting,
                          stopped, SourceViews(source))
-        books = _Books(ctx, readahead, local, releases, stopped)
+        books = _Books(ctx, readahead, local, releases, stopped, plan.pieces)
         stack.callback(books.give_turn)
         direct_cpu = pipe is None and ctx.device.type == "cpu"
         views = worker.views
@@ -348,10 +436,10 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
             current[0] = name
             books.take_turn()
 
-        for j, piece in enumerate(plan.pieces):
+        def general(j: int, piece: PieceRead) -> tuple[torch.Tensor, int]:
+            """Piece ``j`` by the general path: streamed, staged, computed, or read by
+            ``read_host``."""
             current[0] = piece.name
-            nbytes = piece.nbytes
-            books.starting(piece, nbytes)  # and stops here if the load is stopping
             direct = direct_cpu and piece.chain is None
             parts = consumer.parts(j, piece) if consumer is not None and direct else None
             if consumer is not None and parts is None:
@@ -361,22 +449,19 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
                 consumer.at(j, waiting, stopped)
                 current[0] = piece.name
             if direct:
-                # the common piece, read straight into its own new tensor, holding a turn (no
-                # waiting on other workers while holding it)
+                # read straight into its own new tensor, holding a turn (no waiting on other
+                # workers while holding it)
                 books.take_turn()
-                tensor, nread = read_host(piece, views, plan.num_shards, plan.rank, waiting,
-                                          parts, wait_for_unit)
-            else:
-                books.give_turn()
-                ctx.progress(where=piece.name)  # may wait on others or compute long: named
-                # a long copy or computation reports progress too, so it is not taken for a hang
-                with copy_progress(waiting):
-                    tensor, nread = _piece(worker, piece)
-            kept[piece.name] = tensor
-            read += nread
-            kept_bytes += nbytes
-            books.finished(piece, nbytes)
-        books.flush()
+                return read_host(piece, views, plan.num_shards, plan.rank, waiting, parts,
+                                 wait_for_unit)
+            books.give_turn()
+            ctx.progress(where=piece.name)  # may wait on others or compute long: named
+            # a long copy or computation reports progress too, so it is not taken for a hang
+            with copy_progress(waiting):
+                return _piece(worker, piece)
+
+        read, kept_bytes = _read_all(plan.pieces, kept, books, views, general,
+                                     plain=direct_cpu and consumer is None)
         worker.views.check()  # no file changed under the load
         count_read(source, nbytes=read)  # once: a count per piece contended for a lock
         if pipe is not None:

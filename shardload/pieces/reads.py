@@ -25,16 +25,21 @@ from .. import dtypes
 from ..readers.base import Checkpoint
 from ..readplan import ReadPlan, Run, check_run
 
-__all__ = ["RELEASE_BATCH_BYTES", "READAHEAD_WINDOW", "READAHEAD_BYTES", "SMALL_RUN_BYTES",
-           "CHECK_INTERVAL_S", "new_piece", "read_runs", "copy_runs", "SourceViews",
-           "source_bytes_for", "count_read", "PageReleases", "Readahead", "tensor_spans",
-           "piece_spans"]
+__all__ = ["RELEASE_BATCH_BYTES", "READAHEAD_WINDOW", "READAHEAD_BYTES", "SPAN_GAP_BYTES",
+           "SMALL_RUN_BYTES", "CHECK_INTERVAL_S", "new_piece", "read_runs", "copy_runs",
+           "SourceViews", "source_bytes_for", "count_read", "PageReleases", "Readahead",
+           "tensor_spans", "piece_spans"]
 
 #: mapped pages go back to the kernel once this many bytes of them are done with (PageReleases)
 RELEASE_BATCH_BYTES = 256 << 20
 #: the read-ahead asks for the file in windows of this size, this far ahead of the copies
 READAHEAD_WINDOW = 32 << 20
 READAHEAD_BYTES = 256 << 20
+#: spans of one source closer than this are released, or asked for, in one call: a worker
+#: process reads every Nth slice of small tensors, and a call per slice was a system call per
+#: piece (100,000 of them at 100,000 tensors). The bytes between belong to the other workers'
+#: pieces: this process never touched them (release), or they are about to be read (ahead).
+SPAN_GAP_BYTES = 1 << 20
 #: runs of up to this many bytes are copied by numpy, larger ones by torch (see above)
 SMALL_RUN_BYTES = 1 << 20
 #: a load checks that a file is still the one it opened before its first read of the file,
@@ -59,24 +64,33 @@ def _copy_run(dst: torch.Tensor, src: torch.Tensor, run: Run) -> None:
 class SourceViews:
     """The byte sources of one load, each as a 1-D uint8 tensor and a numpy view of the same
     memory, fetched from the checkpoint once (``source_bytes``, which checks that the file is
-    unchanged) and checked again at most every ``CHECK_INTERVAL_S`` while in use."""
+    unchanged) and checked again at most every ``CHECK_INTERVAL_S`` while in use.
+
+    ``entries`` is public for the load loop, which reads it inline (a method call per piece
+    was a tenth of a small piece's cost): ``{index: (tensor, array, checked at, length)}``;
+    an entry checked ``CHECK_INTERVAL_S`` ago or more is ``refresh``ed before it is read."""
 
     def __init__(self, source: Checkpoint):
         self._source = source
-        self._views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
-        self._checked: dict[int, float] = {}
+        self.entries: dict[int, tuple[torch.Tensor, np.ndarray, float, int]] = {}
 
     def get(self, index: int) -> tuple[torch.Tensor, np.ndarray]:
         now = time.monotonic()
-        if now - self._checked.get(index, -1.0) >= CHECK_INTERVAL_S:
-            view = self._source.source_bytes(index)          # checks the file is unchanged
-            self._views[index] = (view, view.numpy())
-            self._checked[index] = now
-        return self._views[index]
+        entry = self.entries.get(index)
+        if entry is None or now - entry[2] >= CHECK_INTERVAL_S:
+            entry = self.refresh(index, now)
+        return entry[0], entry[1]
+
+    def refresh(self, index: int, now: float) -> tuple[torch.Tensor, np.ndarray, float, int]:
+        """Source ``index`` fetched again (checked unchanged), as checked at ``now``."""
+        view = self._source.source_bytes(index)              # checks the file is unchanged
+        array = view.numpy()
+        entry = self.entries[index] = (view, array, now, array.shape[0])
+        return entry
 
     def check(self) -> None:
         """Check again every source used so far (the end of a load)."""
-        for index in self._views:
+        for index in self.entries:
             self._source.source_bytes(index)
 
 
@@ -156,8 +170,9 @@ class PageReleases:
     are closed (the whole checkpoint, per process). Releasing after every tensor costs a
     ``madvise`` per tensor, each a TLB shoot-down across every thread of the process, measured
     at 5 to 10% of a load from the page cache. So spans are gathered and given back once
-    ``batch_bytes`` of them are pending, merged where they touch (tensors lie in storage
-    order): about one call per ``batch_bytes`` of checkpoint, and at most that much more held.
+    ``batch_bytes`` of them are pending, merged where they lie within ``SPAN_GAP_BYTES`` of
+    each other (tensors lie in storage order): about one call per ``batch_bytes`` of
+    checkpoint, and at most that much more held.
     A process hosting ``workers`` of ``num_shards`` workers takes that share of
     ``RELEASE_BATCH_BYTES``, so the whole load holds at most that much more, however many
     processes it spans.
@@ -186,10 +201,20 @@ class PageReleases:
         self._release(spans)
 
     def add_runs(self, runs) -> None:
-        """Every byte span ``runs`` copied from (first to last byte of each run)."""
-        for run in runs:
-            self.add(run.source, run.offset,
-                     run.offset + (run.count - 1) * run.stride + run.nbytes)
+        """Every byte span ``runs`` copied from (first to last byte of each run): a worker's
+        batch of pieces at once, under one taking of the lock."""
+        spans = [(run.source, run.offset, run.offset + (run.count - 1) * run.stride + run.nbytes)
+                 for run in runs]
+        spans = [span for span in spans if span[2] > span[1]]
+        if not spans:
+            return
+        with self._lock:
+            self._spans += spans
+            self._pending += sum(end - begin for _, begin, end in spans)
+            if self._pending < self._batch:
+                return
+            spans, self._spans, self._pending = self._spans, [], 0
+        self._release(spans)
 
     def flush(self) -> None:
         with self._lock:
@@ -199,7 +224,7 @@ class PageReleases:
     def _release(self, spans: list[tuple[int, int, int]]) -> None:
         merged: list[list[int]] = []
         for index, begin, end in sorted(spans):
-            if merged and merged[-1][0] == index and begin <= merged[-1][2]:
+            if merged and merged[-1][0] == index and begin - merged[-1][2] < SPAN_GAP_BYTES:
                 merged[-1][2] = max(merged[-1][2], end)
             else:
                 merged.append([index, begin, end])
@@ -225,16 +250,24 @@ class Readahead:
         self._position: dict[str, int] = {}   # tensor -> where it starts, in bytes of spans
         self._windows: list[tuple[int, int, int, int]] = []  # (position, source, begin, end)
         at = 0
+        position, windows = self._position, self._windows
+        last: Optional[tuple[int, int, int, int]] = None  # windows[-1], as it grows
         for name, index, begin, end in spans:
-            self._position.setdefault(name, at)
+            position.setdefault(name, at)
+            if last is not None and last[1] == index and 0 <= begin - last[3] < SPAN_GAP_BYTES \
+                    and end - last[2] <= READAHEAD_WINDOW:  # most spans: the last window grows
+                last = windows[-1] = (last[0], index, last[2], end)
+                at += end - begin
+                continue
             for start in range(begin, end, READAHEAD_WINDOW):
                 stop = min(end, start + READAHEAD_WINDOW)
-                last = self._windows[-1] if self._windows else None
-                if last and last[1] == index and last[3] == start and \
+                if last is not None and last[1] == index and \
+                        0 <= start - last[3] < SPAN_GAP_BYTES and \
                         stop - last[2] <= READAHEAD_WINDOW:
-                    self._windows[-1] = (last[0], index, last[2], stop)
+                    last = windows[-1] = (last[0], index, last[2], stop)
                 else:
-                    self._windows.append((at + start - begin, index, start, stop))
+                    last = (at + start - begin, index, start, stop)
+                    windows.append(last)
             at += end - begin
         self._reached = 0
         self._cond = threading.Condition()
@@ -284,9 +317,12 @@ def piece_spans(plan: ReadPlan) -> list[tuple[str, int, int, int]]:
     """The extent of each piece's runs in its source: what one worker process reads."""
     spans = []
     for piece in plan.pieces:
-        if piece.runs:
-            run = piece.runs[0]
-            begin = min(r.offset for r in piece.runs)
-            end = max(r.offset + (r.count - 1) * r.stride + r.nbytes for r in piece.runs)
-            spans.append((piece.name, run.source, begin, end))
+        runs = piece.runs
+        if len(runs) == 1:  # most pieces
+            source, offset, nbytes, count, stride = runs[0][:5]
+            spans.append((piece.name, source, offset, offset + (count - 1) * stride + nbytes))
+        elif runs:
+            begin = min(r.offset for r in runs)
+            end = max(r.offset + (r.count - 1) * r.stride + r.nbytes for r in runs)
+            spans.append((piece.name, runs[0].source, begin, end))
     return spans

@@ -52,7 +52,9 @@ class LocalLoad:
         self.shared = SharedOutputs(self.num_local, self.stopped.is_set, most_alive=MAX_SHARED)
         self.releases = PageReleases(self.ckpt, workers=self.num_local,
                                      num_shards=self.num_shards)
-        self._spans = tensor_spans(self.ckpt)
+        # every tensor, for the workers here to read ahead and release; none where there are
+        # none (a load on worker processes only: they read ahead for themselves)
+        self._spans = tensor_spans(self.ckpt) if self.num_local else []
         self.readahead = Readahead(self.ckpt, self._spans)
         self._order = {span[0]: k for k, span in enumerate(self._spans)}
         self._at: dict[int, int] = {}   # each local worker's last finished tensor, in order
