@@ -55,7 +55,7 @@ def bind(info: "ShardInfo", num_shards: int, exprs: "Expressions") -> "Plan":
             f"num_shards={num_shards} was asked for. Re-plan for {num_shards} workers with "
             f"`{replan.python}`.", source=info.source), replan)
     if not info.is_symbolic:
-        written = {steps[-1].out_shape[0] for steps in info.steps.values()
+        written = {steps[-1].out_shape[0] for steps in info.chains()
                    if steps and steps[-1].out_shape}
         if written and written != {num_shards}:
             planned = ", ".join(str(n) for n in sorted(written)[:8])

@@ -221,7 +221,7 @@ class ShardInfo:
             if not isinstance(name, str) or not name:
                 raise PlanError(f"parameter names must be non-empty strings, got {brief(name)}",
                                 source=source)
-            if not strict_json.is_text(name):
+            if not (name.isascii() or strict_json.is_text(name)):
                 raise PlanError(f"the parameter name {quote(name)} is not valid Unicode (it "
                                 "holds a lone surrogate)", source=source)
             parsed_before = shared.get(id(raw_steps))
@@ -304,8 +304,13 @@ class ShardInfo:
     def is_symbolic(self) -> bool:
         """True when some shape or arg is an expression of ``num_shards``."""
         if self._symbolic is None:
-            self._symbolic = any(s.is_symbolic for steps in self.steps.values() for s in steps)
+            self._symbolic = any(s.is_symbolic for steps in self.chains() for s in steps)
         return self._symbolic
+
+    def chains(self) -> list[tuple[RawStep, ...]]:
+        """Each distinct tuple of steps once (parameters with the same steps share one:
+        ``from_dict``), for what is asked of every parameter's steps."""
+        return list({id(steps): steps for steps in self.steps.values()}.values())
 
     @property
     def planned_num_shards(self) -> Optional[int]:
@@ -315,7 +320,7 @@ class ShardInfo:
             return self.placement.num_shards
         if self.is_symbolic:
             return None
-        ns = {steps[-1].out_shape[0] for steps in self.steps.values()
+        ns = {steps[-1].out_shape[0] for steps in self.chains()
               if steps and steps[-1].out_shape}
         return ns.pop() if len(ns) == 1 else None
 

@@ -168,7 +168,8 @@ def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, walked: 
     """
     planned = Planned()
     naming = spec.rules.naming
-    stepped: dict[tuple, Optional[list]] = {}
+    stepped: dict[Any, Optional[list]] = {}
+    decides: dict[int, str] = {}      # by kind: what decides its tensors' steps (_decided_by)
     for meta, kind in walked.rows():
         name, role, axes = meta.name, kind.role, kind.axes
         if role is None or (role.kind == "vocab" and not vocab_parallel):
@@ -187,7 +188,11 @@ def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, walked: 
             planned.unknown.append(name)
             planned.replicated.append(name)
             continue
-        key = _step_key(kind, name, act_order, padding)
+        by = decides.get(id(kind))
+        if by is None:
+            by = decides[id(kind)] = _decided_by(kind, padding)
+        key = (id(kind) if by == "kind" else None if by == "tensor" else
+               _module_key(kind, name, act_order, padding))
         steps = stepped.get(key, _UNSTEPPED) if key is not None else _UNSTEPPED
         if steps is _UNSTEPPED:
             steps = _steps(ckpt, spec, scheme, walked.tensor(meta, kind), act_order, padding,
@@ -204,17 +209,23 @@ def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, walked: 
 _UNSTEPPED: Any = object()
 
 
-def _step_key(kind: Tensor, name: str, act_order: "ActOrder",
-              padding: Optional[Padding]) -> Optional[tuple]:
-    """What decides the steps of tensor ``name`` of ``kind``: the kind, and what its module
-    decides (its rows reordered; a padded row-parallel layer's fill); None where its own data
-    does (compressed-tensors' ``weight_shape``), stepped for each tensor."""
+def _decided_by(kind: Tensor, padding: Optional[Padding]) -> str:
+    """What decides the steps of a tensor of ``kind``: the kind alone (``"kind"``); also its
+    module (``"module"``: its rows reordered, a padded row-parallel layer's fill); or its own
+    data (``"tensor"``: compressed-tensors' ``weight_shape``, stepped for each tensor)."""
     axes = kind.axes
     if axes.special == "shape":
-        return None
+        return "tensor"
     if kind.role.column or not (axes.special == "g_idx" or axes.act_order or
                                 (padding is not None and padding.fills)):
-        return (id(kind),)
+        return "kind"
+    return "module"
+
+
+def _module_key(kind: Tensor, name: str, act_order: "ActOrder",
+                padding: Optional[Padding]) -> tuple:
+    """The key of the steps of tensor ``name`` of a kind its module decides too."""
+    axes = kind.axes
     module = name.rpartition(".")[0]
     reorders = (axes.special == "g_idx" or axes.act_order) and act_order(module)
     fill = padding.fills.get(module) if padding is not None and not axes.special else None
