@@ -3,9 +3,10 @@
 A ``ValidatedPlan`` says what each parameter's steps are; a ``ReadPlan`` says, for one worker,
 which bytes of which file make its piece of each parameter. It is built on the controller before
 any tensor data is read, from the validated plan, each shard function's ``ranges`` rule and the
-checkpoint's byte locations; it is what a worker process receives (as JSON: no pickle, no plan
-to parse or validate there), what ``shardload inspect --reads`` prints, and what a staged GPU
-pipeline or expert parallelism can schedule from.
+checkpoint's byte locations; it is what a worker process receives (as JSON in the compact form
+of ``pieces.wire``: no pickle, no plan to parse or validate there), what ``shardload inspect
+--reads`` prints (``to_json``), and what a staged GPU pipeline or expert parallelism can
+schedule from.
 
 For each parameter, a worker's ``PieceRead`` is one of:
 
@@ -169,7 +170,8 @@ class ReadPlan:
         return sum(p.nbytes for p in self.pieces)
 
     def to_json(self) -> dict:
-        """Plain JSON values: what travels to a worker process."""
+        """Plain JSON values, a piece at a time (``inspect --reads``; a worker process gets
+        ``pieces.wire``'s compact form)."""
         return {"rank": self.rank, "num_shards": self.num_shards,
                 "sources": list(self.sources), "pieces": [p.to_json() for p in self.pieces]}
 
