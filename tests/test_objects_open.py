@@ -29,6 +29,9 @@ from shardload.sources import store as store_module  # noqa: E402
 
 BUCKET = "models"
 FILES = 40
+#: the prefix of its checkpoint: its own (the servers and their bucket are the session's, and
+#: test_sources_store lists "many/")
+MANY = "open-many"
 LATENCY_S = 0.02
 per_scheme = pytest.mark.parametrize("scheme", scheme_params())
 
@@ -111,15 +114,15 @@ def no_open_threads() -> bool:
 @per_scheme
 def test_many_files_open_as_the_local_checkpoint(server, many):
     folder, headers = many
-    url = upload(server, folder, "many")
+    url = upload(server, folder, MANY)
     objectservers.add_latency(server, LATENCY_S)
     server.reset_counts()
     assert opened(url) == opened(folder)
     # each file: one GET of its first HEADER_GUESS bytes (these files are smaller: whole)
     for name in headers:
         size = os.path.getsize(os.path.join(folder, name))
-        assert len(server.requests(f"many/{name}", "GET")) == 1, name
-        assert server.bytes_sent(f"many/{name}") == min(size, st.HEADER_GUESS), name
+        assert len(server.requests(f"{MANY}/{name}", "GET")) == 1, name
+        assert server.bytes_sent(f"{MANY}/{name}") == min(size, st.HEADER_GUESS), name
     assert no_open_threads()
 
 
@@ -128,14 +131,14 @@ def test_a_header_longer_than_the_guess_takes_a_second_get(server, many, monkeyp
     """The rest of the header and nothing more; a file whose header length the rules
     refuse is refused, the bytes of its first GET all that was fetched of it."""
     folder, headers = many
-    url = upload(server, folder, "many")
+    url = upload(server, folder, MANY)
     monkeypatch.setattr(st, "HEADER_GUESS", 64)
     server.reset_counts()
     assert opened(url) == opened(folder)
     for name, n in headers.items():
-        assert [r.range for r in server.requests(f"many/{name}", "GET")] == [
+        assert [r.range for r in server.requests(f"{MANY}/{name}", "GET")] == [
             "bytes=0-63", f"bytes=64-{8 + n - 1}"], name
-        assert server.bytes_sent(f"many/{name}") == 8 + n, name
+        assert server.bytes_sent(f"{MANY}/{name}") == 8 + n, name
 
 
 @on("s3")
@@ -159,7 +162,7 @@ def test_the_headers_are_fetched_together(server, many):
     """Several header GETs are in the proxy at once: the first ``TOGETHER`` wait there for
     each other (a barrier); an open that fetched them in turn would break it."""
     folder, _ = many
-    url = upload(server, folder, "many")
+    url = upload(server, folder, MANY)
     TOGETHER = 8
     barrier = threading.Barrier(TOGETHER, timeout=20)
     met = []
@@ -171,7 +174,7 @@ def test_the_headers_are_fetched_together(server, many):
 
     for name in sorted(os.listdir(folder)):
         if name.endswith(".safetensors"):  # (the side files are fetched before, together)
-            server.inject("delay", seconds=0.0, times=None, key=f"many/{name}", before=meet)
+            server.inject("delay", seconds=0.0, times=None, key=f"{MANY}/{name}", before=meet)
     server.reset_counts()
     try:
         assert len(opened(url)[0]) == 5 * FILES
@@ -183,16 +186,17 @@ def test_the_headers_are_fetched_together(server, many):
 @per_scheme
 def test_a_failing_object_is_named_and_nothing_is_left_running(server, many):
     folder, _ = many
-    url = upload(server, folder, "many")
+    url = upload(server, folder, MANY)
     bad = "model-00017-of-00040.safetensors"
-    server.inject("error", status=403, times=None, key=f"many/{bad}")
+    server.inject("error", status=403, times=None, key=f"{MANY}/{bad}")
     objectservers.add_latency(server, LATENCY_S)
     with pytest.raises(StorageError) as info:
         open_checkpoint(url)
     assert bad in str(info.value)
     assert no_open_threads()
     # the files after it: fetched only as far as they were already on their way
-    later = [r for r in server.requests(method="GET") if r.key > f"many/{bad}"
+    later = [r for r in server.requests(method="GET") if r.key.startswith(f"{MANY}/")
+             and r.key > f"{MANY}/{bad}"
              and r.key.endswith(".safetensors")]
     assert len(later) <= 2 * store_module.OPEN_CONCURRENCY
 
@@ -219,8 +223,8 @@ def test_the_first_failure_in_order_is_the_one_raised(server, tmp_path):
 @on("az")
 def test_side_files_fail_by_name(server, many):
     folder, _ = many
-    url = upload(server, folder, "many")
-    server.inject("error", status=403, times=None, key="many/model.safetensors.index.json")
+    url = upload(server, folder, MANY)
+    server.inject("error", status=403, times=None, key=f"{MANY}/model.safetensors.index.json")
     with pytest.raises(StorageError) as info:
         open_checkpoint(url)
     assert "model.safetensors.index.json" in str(info.value)
