@@ -31,7 +31,6 @@ from helpers.objectservers import SCHEME_PARAMS, SCHEMES, scheme_params  # noqa:
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from shardload import (FormatError, PlanError, ProcessSession, StorageError,  # noqa: E402
                        ThreadedSession, load_sharded, open_checkpoint)
-from shardload.sources import store as store_module  # noqa: E402
 from shardload.sources.urls import SCHEMES as URL_SCHEMES  # noqa: E402
 
 BUCKET = "models"  # a valid bucket (S3, GCS) and container (Azure) name
@@ -74,14 +73,7 @@ def scheme():
 def server(servers, scheme, monkeypatch):
     """The scheme's server; this process (and the workers it starts) pointed at it, and a fresh
     default client (it reads its settings once)."""
-    srv = servers(scheme)
-    objectservers.use_env(monkeypatch, srv.env())
-    monkeypatch.setattr(store_module, "_DEFAULT", None)
-    srv.clear_faults()
-    srv.reset_counts()
-    yield srv
-    srv.clear_faults()
-    store_module._DEFAULT = None
+    yield from objectservers.serving(servers(scheme), monkeypatch)
 
 
 def upload(server, folder: str, prefix: str, once: bool = False) -> str:

@@ -51,14 +51,7 @@ def servers():
 
 @pytest.fixture
 def server(servers, scheme, monkeypatch):
-    srv = servers(scheme)
-    objectservers.use_env(monkeypatch, srv.env())
-    monkeypatch.setattr(store_module, "_DEFAULT", None)
-    srv.clear_faults()
-    srv.reset_counts()
-    yield srv
-    srv.clear_faults()
-    store_module._DEFAULT = None
+    yield from objectservers.serving(servers(scheme), monkeypatch)
 
 
 def write_many(folder, files: int = FILES) -> dict[str, int]:

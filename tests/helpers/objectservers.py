@@ -93,6 +93,26 @@ def use_env(monkeypatch: Any, env: dict) -> None:
         monkeypatch.setenv(name, value)
 
 
+def serving(server: Any, monkeypatch: Any) -> Iterator[Any]:
+    """The body of a per-test fixture: ``server`` with this process (and the workers it
+    starts) pointed at it, a fresh default client (it reads its settings once), no faults and
+    its counts from zero; its faults cleared again after the test::
+
+        @pytest.fixture
+        def server(servers, scheme, monkeypatch):
+            yield from serving(servers(scheme), monkeypatch)
+    """
+    from shardload.sources import store
+
+    use_env(monkeypatch, server.env())
+    monkeypatch.setattr(store, "_DEFAULT", None)
+    server.clear_faults()
+    server.reset_counts()
+    yield server
+    server.clear_faults()
+    store._DEFAULT = None
+
+
 def add_latency(server: Any, seconds: float) -> list:
     """Every request ``server``'s proxy answers from now on (object requests and listings
     alike) waits ``seconds`` first, as one to a distant service does: two ``delay`` rules of
