@@ -265,3 +265,53 @@ def test_cli_commands_know_no_other_command():
         assert not GRAPH[module] & commands, module
     for module in sorted(CLI_PLUMBING):
         assert not _reaches(module) & commands, module
+
+
+# planning, validating and building read plans import no torch (about 1.2 s of every
+# `shardload validate`, `plan` and `inspect`): a module those reach at import time imports
+# torch inside the functions that use it (tests/test_cli.py runs the commands themselves)
+PLANNING = ["shardload.cli.validate", "shardload.cli.plan", "shardload.cli.inspect",
+            "shardload.frontdoor.plans", "shardload.planners.decision", "shardload.readplan",
+            "shardload.readers", "shardload.registry"]
+
+
+def _import_time_graph() -> dict[str, tuple[set[str], bool]]:
+    """Each module's imports run when it is imported (not inside a function or under
+    TYPE_CHECKING), and whether torch is one of them."""
+    out = {}
+    for module, path in MODULES.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        todo, targets, torch = list(tree.body), set(), False
+        while todo:
+            node = todo.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                todo.extend(node.orelse)
+                continue
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                targets.update(_targets(module, node))
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) \
+                    else [node.module or ""]
+                torch |= any(n == "torch" or n.startswith("torch.") for n in names)
+            todo.extend(ast.iter_child_nodes(node))
+        out[module] = (targets, torch)
+    return out
+
+
+def test_planning_imports_no_torch():
+    graph = _import_time_graph()
+    assert graph["shardload.loader"][1]  # a positive control: the loader does import torch
+    seen: set[str] = set()
+    todo = list(PLANNING)
+    while todo:
+        module = todo.pop()
+        # importing a module imports the packages above it first
+        parents = [".".join(module.split(".")[:k]) for k in range(1, module.count(".") + 1)]
+        for nxt in [module, *parents, *graph[module][0]]:
+            if nxt not in seen and nxt in graph:
+                seen.add(nxt)
+                todo.append(nxt)
+    importing = sorted(m for m in seen if graph[m][1])
+    assert not importing, f"modules the planning path imports that import torch: {importing}"

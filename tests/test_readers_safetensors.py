@@ -251,6 +251,25 @@ def test_concurrent_reads_count_every_byte(sample_file: Path) -> None:
 # close
 
 
+def test_read_array_is_the_library_s_tensor_as_numpy(sample_file: Path) -> None:
+    """``read_array`` (what a planner reads without torch) holds the bytes the safetensors
+    library reads, numpy's dtype where it has one, else the same-width integer; after close it
+    refuses as ``read`` does."""
+    expected = load_file(str(sample_file))
+    with open_safetensors(sample_file) as ckpt:
+        for name, want in expected.items():
+            got = ckpt.read_array(name)
+            assert got.shape == tuple(want.shape), name
+            assert got.flags.owndata or got.base is not None and got.base.flags.owndata, name
+            if want.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+                want = want.view({1: torch.uint8, 2: torch.int16}[want.element_size()])
+            assert got.tobytes() == want.contiguous().numpy().tobytes(), name
+            assert got.dtype == want.numpy().dtype, name
+        assert ckpt.bytes_read == sum(t.numel() * t.element_size() for t in expected.values())
+    with pytest.raises(ValueError, match="closed"):
+        ckpt.read_array("i32")
+
+
 def test_tensors_outlive_close_and_reading_after_close_raises(sample_file: Path) -> None:
     expected = load_file(str(sample_file))
     ckpt = open_safetensors(sample_file)

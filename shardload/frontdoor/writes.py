@@ -1,4 +1,4 @@
-"""Writing a file whole or not at all (a plan, a report).
+"""Writing a file whole or not at all (a plan, a report): ``write_atomic``, and ``write_plan``.
 
 A regular file (or a new one) is written through a temporary file in its folder, fsynced, then
 renamed over it (a rename within a folder is atomic), keeping the old file's mode, and the
@@ -14,8 +14,14 @@ import contextlib
 import os
 import stat
 import tempfile
+from typing import TYPE_CHECKING, Optional
 
-__all__ = ["write_atomic"]
+from ..errors import PlanError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..plan import ShardInfo
+
+__all__ = ["write_atomic", "write_plan"]
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -76,3 +82,19 @@ def write_atomic(path: str, text: str) -> None:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def write_plan(info: "ShardInfo", path: Optional[str] = None) -> str:
+    """``info`` as ``shard_info.json`` text, written whole or not at all to ``path`` when given
+    (``OSError`` if it cannot be); a plan too large for shardload to read back is refused."""
+    from ..plan import MAX_PLAN_BYTES
+
+    text = info.dumps()
+    size = len(text.encode())
+    if size > MAX_PLAN_BYTES:
+        raise PlanError(f"the plan is {size} bytes, over the {MAX_PLAN_BYTES}-byte limit a "
+                        "plan file may have; a zero-padded plan lists every unit, so try an N "
+                        "the model divides", source=info.source)
+    if path is not None:
+        write_atomic(path, text)
+    return text

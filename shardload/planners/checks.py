@@ -96,7 +96,7 @@ def _check_tensor(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, t: "Ten
                      f"{t.module.rpartition('.')[2]} weight is one vector over "
                      f"{t.role.vector} {n_out} rows ({n_why}), so it must be [{n_out}]")
     if t.axes.special == "shape":
-        values = [int(v) for v in ckpt.read(t.name).reshape(-1).tolist()]
+        values = [int(v) for v in ckpt.read_array(t.name).reshape(-1).tolist()]
         if values != [n_out, k_in] and n_out and k_in:
             raise refuse(f"holds the weight shape {values}, but the metadata gives "
                          f"[{n_out}, {k_in}]: {n_out} output features ({n_why}) and "

@@ -33,6 +33,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+import numpy as np
+
 from ..errors import PlanError
 from ..formats import Axis, Scheme, TensorAxes
 from ..plan import step_json
@@ -334,17 +336,15 @@ class ActOrder:
 
 def _trivial_g_idx(ckpt: "Checkpoint", name: str, group_size: int) -> bool:
     """GPTQ without act-order stores g_idx = k // G; anything else reorders rows."""
-    import torch
-
-    g_idx = ckpt.read(name).to(torch.int64)
+    g_idx = ckpt.read_array(name).astype(np.int64)
     if group_size <= 0:
         return bool((g_idx == 0).all())
-    return bool((g_idx == torch.arange(len(g_idx)) // group_size).all())
+    return bool((g_idx == np.arange(len(g_idx)) // group_size).all())
 
 
 def _shape_step(ckpt: "Checkpoint", t: Tensor, segments: Segments) -> list:
     """compressed-tensors' ``weight_shape`` [N, K]: each worker's own shape, as expressions."""
-    n_out, k_in = (int(v) for v in ckpt.read(t.name).tolist())
+    n_out, k_in = (int(v) for v in ckpt.read_array(t.name).tolist())
     per_worker = _per_worker(segments)
     values = [per_worker, k_in] if t.role.column else [n_out, per_worker]
     return step_json("shardload.constant", ["num_shards", 2], t.meta.dtype, values)

@@ -179,7 +179,7 @@ def padded_step(t: Tensor, axes: TensorAxes, spec: "ModelSpec", padding: Padding
     n, role, split_n = padding.num_shards, t.role, t.role.column
     if axes.special == "shape":
         unit, units = role.padded_units(spec, padding, t.mlp, t.module, 0)
-        n_out, k_in = (int(v) for v in ckpt.read(t.name).tolist())
+        n_out, k_in = (int(v) for v in ckpt.read_array(t.name).tolist())
         rows = len(units) * unit
         return step_json("shardload.constant", [n, 2], t.meta.dtype,
                          [rows, k_in] if split_n else [n_out, rows])

@@ -23,11 +23,13 @@ import os
 from collections import deque
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Callable, Iterable, Iterator, Optional
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 from .. import dtypes
+
+if TYPE_CHECKING:  # pragma: no cover  (imported where used: planning needs no torch)
+    import numpy as np
+    import torch
 
 #: cap on an index file's size (the shape limits every reader applies are ``limits.MAX_DIM``
 #: and ``limits.MAX_NDIM``, checked by ``dtypes.shape_problem``)
@@ -118,6 +120,21 @@ class Checkpoint(abc.ABC):
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor as a CPU torch tensor that owns its memory."""
 
+    def read_array(self, name: str) -> "np.ndarray":
+        """The whole tensor as a numpy array that owns its memory, a dtype numpy lacks as its
+        same-width integer (``dtypes.numpy_carrier``). For a planner looking at a few small
+        tensors (GPTQ's ``g_idx``, compressed-tensors' ``weight_shape``): file readers copy
+        them with numpy, so planning and validating import no torch.
+
+        >>> ckpt.read_array("model.layers.0.self_attn.q_proj.g_idx")[:4]   # doctest: +SKIP
+        array([0, 0, 0, 0], dtype=int32)
+        """
+        carrier, view = dtypes.numpy_carrier(self.meta(name).dtype)
+        tensor = self.read(name)
+        if view:
+            tensor = tensor.view(dtypes.to_torch(str(carrier)))
+        return tensor.numpy()
+
     def read_narrow(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
         """``read(name).narrow(dim, start, length)`` as an owned tensor.
 
@@ -132,6 +149,8 @@ class Checkpoint(abc.ABC):
     def read_ranges(self, name: str, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
         """Slices ``[start, start + length)`` of ``dim``, concatenated along it, as an owned
         tensor. Readers backed by files override this to copy each byte once."""
+        import torch
+
         parts = [self.read_narrow(name, dim, start, length) for start, length in ranges]
         if len(parts) == 1:
             return parts[0]
@@ -161,6 +180,8 @@ class Checkpoint(abc.ABC):
     def source_bytes(self, index: int) -> torch.Tensor:
         """Source ``index`` as a 1-D uint8 tensor (a view where it can be), checked to be what
         was opened (a changed file is a ``FormatError``)."""
+        import torch
+
         name = self.sources()[index]["tensor"]
         return self.read(name).view(-1).view(torch.uint8)
 

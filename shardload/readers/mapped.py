@@ -35,16 +35,18 @@ import os
 import threading
 from array import array
 from itertools import repeat
-from typing import Iterable, Optional, Union
+from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 import numpy as np
-import torch
 
 from .. import dtypes
 from ..errors import FormatError
 from . import base
 from ..files import data_at
 from .base import Checkpoint, TensorMeta
+
+if TYPE_CHECKING:  # pragma: no cover  (imported where used: planning needs no torch)
+    import torch
 
 #: what identifies a file's contents: (st_dev, st_ino, st_size, st_mtime_ns)
 Identity = tuple[int, int, int, int]
@@ -160,15 +162,11 @@ class MappedCheckpoint(Checkpoint):
         self._idents: list[tuple[str, Optional[Identity]]] = [
             (os.path.abspath(f), None if st is None else identity(st))
             for f, st in zip(self.files, stats or [None] * len(self.files))]
-        # A uint8 view of each file's data. It goes through numpy on purpose: a numpy array
-        # holds a buffer export on the mmap, so mmap.close() refuses (BufferError) while any
-        # view is alive; torch.frombuffer holds none, and closing under it would leave tensors
-        # pointing at unmapped memory.
-        self._files_data: Optional[list[torch.Tensor]] = [
-            torch.from_numpy(np.frombuffer(m, dtype=np.uint8)) if m is not None
-            else torch.empty(0, dtype=torch.uint8) for m in self._maps]
-        self._data: Optional[list[torch.Tensor]] = [
-            whole[start:] for whole, start in zip(self._files_data, self._data_starts)]
+        # each file's data as a uint8 tensor, and its tensor data within it: made at the first
+        # read (``_views``), so an open that only plans and validates needs no torch
+        self._files_data: Optional[list[torch.Tensor]] = None
+        self._data: Optional[list[torch.Tensor]] = None
+        self._closed = False
         if not isinstance(tensors, TensorTable):
             table = TensorTable()
             for meta, index, begin, end in tensors:
@@ -180,6 +178,26 @@ class MappedCheckpoint(Checkpoint):
 
     def metadata(self) -> dict[str, TensorMeta]:
         return self._meta
+
+    def _views(self, what: str) -> tuple[list["torch.Tensor"], list["torch.Tensor"]]:
+        """Each file's data as a uint8 tensor viewing its mapping, and the tensor data within
+        it (after the header), made at the first read; the caller holds the lock. A closed
+        checkpoint is a ``ValueError`` (reading ``what``)."""
+        if self._closed:
+            raise ValueError(f"{self.source}: checkpoint is closed; open it again to read"
+                             f"{what or ' it'}")
+        if self._files_data is None or self._data is None:
+            import torch
+
+            # Through numpy on purpose: a numpy array holds a buffer export on the mmap, so
+            # mmap.close() refuses (BufferError) while any view is alive; torch.frombuffer
+            # holds none, and closing under it would leave tensors pointing at unmapped memory.
+            self._files_data = [
+                torch.from_numpy(np.frombuffer(m, dtype=np.uint8)) if m is not None
+                else torch.empty(0, dtype=torch.uint8) for m in self._maps]
+            self._data = [whole[start:] for whole, start in
+                          zip(self._files_data, self._data_starts)]
+        return self._files_data, self._data
 
     def _where(self, name: str) -> tuple[int, int, int]:
         """``(file index, begin, end)`` of a tensor known to be here."""
@@ -219,9 +237,7 @@ class MappedCheckpoint(Checkpoint):
         """File ``index`` whole, as a uint8 view of its mapping, after checking that the file is
         still the one that was mapped."""
         with self._lock:
-            if self._files_data is None:
-                raise ValueError(f"{self.source}: checkpoint is closed; open it again to read it")
-            data = self._files_data[index]
+            data = self._views("")[0][index]
         self.check_unchanged(index)
         return data
 
@@ -299,12 +315,16 @@ class MappedCheckpoint(Checkpoint):
         meta = self.meta(name)
         i, begin, end = self._where(name)
         with self._lock:
-            if self._data is None:
-                raise ValueError(f"{self.source}: checkpoint is closed; open it again to read "
-                                 f"{name!r}")
-            data = self._data[i]
+            data = self._views(f" {name!r}")[1][i]
+        self._ready(meta, i, begin, end, slices)
+        return meta, data[begin:end]
+
+    def _ready(self, meta: TensorMeta, i: int, begin: int, end: int,
+               slices: Optional[tuple[int, list]] = None) -> None:
+        """Before bytes ``[begin, end)`` of file ``i``'s data are read: the file checked, and
+        an object's bytes fetched (see ``_locate``)."""
         if end > begin:
-            self.check_unchanged(i, name)
+            self.check_unchanged(i, meta.name)
             remote = self._remote[i]
             if remote is not None:
                 base = self._data_starts[i] + begin
@@ -312,7 +332,24 @@ class MappedCheckpoint(Checkpoint):
                     remote.need(base, base + end - begin)
                 else:
                     remote.need_spans(_slice_spans(meta, base, *slices))
-        return meta, data[begin:end]
+
+    def read_array(self, name: str) -> np.ndarray:
+        """The whole tensor as a new numpy array, copied by numpy out of the mapping (no
+        torch: see ``Checkpoint.read_array``)."""
+        meta = self.meta(name)
+        i, begin, end = self._where(name)
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"{self.source}: checkpoint is closed; open it again to read "
+                                 f"{name!r}")
+            mapped = self._maps[i]
+        self._ready(meta, i, begin, end)
+        carrier, _ = dtypes.numpy_carrier(meta.dtype)
+        if end == begin:
+            return np.zeros(meta.shape, carrier)
+        raw = np.frombuffer(mapped, np.uint8, end - begin, self._data_starts[i] + begin)
+        self._count(end - begin)
+        return raw.copy().view(carrier).reshape(meta.shape)
 
     def check_unchanged(self, i: int, tensor: Optional[str] = None) -> None:
         """Refuse to touch file ``i``'s mapping if the file is no longer what was mapped."""
@@ -344,6 +381,8 @@ class MappedCheckpoint(Checkpoint):
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor, copied once out of the mapping into a new contiguous tensor."""
+        import torch
+
         meta, raw = self._locate(name)
         out = torch.empty(meta.shape, dtype=dtypes.to_torch(meta.dtype))
         if raw.numel():
@@ -357,6 +396,8 @@ class MappedCheckpoint(Checkpoint):
         where its offset is not aligned for its dtype (``read`` copies it as bytes), and for
         a tensor of an object in object storage: a view must hold the whole tensor's bytes,
         which would fetch all of it where a read fetches only the bytes it asks for."""
+        import torch
+
         i, _, _ = self._where(name)
         if self._remote[i] is not None:
             return None
@@ -374,6 +415,8 @@ class MappedCheckpoint(Checkpoint):
         ``dim`` and ``start`` may be negative, as for ``torch.narrow``. Raises ``IndexError``
         for a ``dim`` or ``start`` out of range and ``ValueError`` for a bad ``length``.
         """
+        import torch
+
         meta = self.meta(name)
         dim, start, length = self._slice(name, meta, dim, start, length)
         shape = meta.shape
@@ -387,6 +430,8 @@ class MappedCheckpoint(Checkpoint):
                     ranges: list[tuple[int, int]]) -> torch.Tensor:
         """The slices ``[start, start + length)`` of ``dim``, concatenated along it, copied
         once into a new tensor: a worker's piece of a fused tensor, assembled in place."""
+        import torch
+
         meta = self.meta(name)
         checked = [self._slice(name, meta, dim, start, length) for start, length in ranges]
         dim = checked[0][0] if checked else dim % len(meta.shape)
@@ -424,6 +469,8 @@ class MappedCheckpoint(Checkpoint):
         """Copy ``[start, start + length)`` of ``dim`` of the tensor whose bytes are ``raw`` to
         ``[offset, offset + length)`` of the same dim of ``out`` (contiguous, same dtype, same
         other dims)."""
+        import torch
+
         shape = meta.shape
         # In C order the slice is `outer` runs of `length * inner` contiguous bytes, one run per
         # index of the dims before `dim`: strided uint8 views of the mapping and of `out`,
@@ -449,6 +496,7 @@ class MappedCheckpoint(Checkpoint):
         with self._lock:
             # drop our views first: they hold buffer exports on the maps
             self._data = self._files_data = None
+            self._closed = True
             maps, self._maps = self._maps, []
         for m in maps:
             unmap(m)

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
-import torch
 
 from .. import dtypes
 from ..errors import FormatError
 from ..dtypes import shape_problem
 from .base import Checkpoint, TensorMeta
 
+if TYPE_CHECKING:  # pragma: no cover  (imported where used: planning needs no torch)
+    import torch
+
 
 def _to_torch(name: str, value: Any) -> torch.Tensor:
+    import torch
+
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.ndarray):
@@ -63,6 +67,8 @@ class ArrayCheckpoint(Checkpoint):
 
     def source_bytes(self, index: int) -> torch.Tensor:
         """The stored tensor's own bytes (no copy when it is a contiguous CPU tensor)."""
+        import torch
+
         name = self.sources()[index]["tensor"]
         tensor = self._tensors[name].detach()
         if tensor.device.type != "cpu" or not tensor.is_contiguous():

@@ -13,13 +13,14 @@ registers them. This module imports nothing of the registry: the registry import
 from __future__ import annotations
 
 import operator
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from .. import dtypes
 from ..errors import quote
 from ..selection import Selection
+
+if TYPE_CHECKING:  # pragma: no cover  (imported where used: planning needs no torch)
+    import torch
 
 Shape = tuple[int, ...]
 # (start, length) ranges along the split dim that one worker keeps, concatenated in order
@@ -236,6 +237,8 @@ def split_rebase(input: torch.Tensor, dim: int, output: torch.Tensor) -> None:
 def rebase(piece: torch.Tensor) -> torch.Tensor:
     """``piece`` minus its first element, in its own dtype (what each worker of
     ``shardload.split_rebase`` keeps; the loader applies it to a directly read slice)."""
+    import torch
+
     if piece.numel() == 0:
         return piece
     # torch has no arithmetic on uint16/32/64; indices fit int64 either way
@@ -267,6 +270,8 @@ def constant(input: torch.Tensor, *values_and_output) -> None:
     each worker's ``[rows, cols]`` are written as expressions of ``num_shards``. Every value must
     fit the vector's dtype (a bool or float is refused, not converted).
     """
+    import torch
+
     *values, output = values_and_output
     _check_output(_constant_rule, input, tuple(values), output)
     # every value fits the dtype (checked above); uint64 beyond int64 goes in by its bit pattern
@@ -303,6 +308,8 @@ def repeat_segments(input: torch.Tensor, *sizes_and_output) -> None:
     all parts, keeps a scale it can use; a following ``split_segments`` splits it like the
     weight. Nothing is re-quantized.
     """
+    import torch
+
     *sizes, output = sizes_and_output
     _check_output(_repeat_rule, input, tuple(sizes), output)
     values = input.reshape(-1)
@@ -455,6 +462,8 @@ def _renumber(piece: torch.Tensor, units: Sequence[int], unit: int, group: int,
               zero_group: int) -> None:
     """One worker's g_idx after its units were taken (zero units read as zeros): see
     ``take_g_idx``."""
+    import torch
+
     if zero_group < 0:       # groups in storage order, the worker's own
         local = torch.arange(piece.numel(), dtype=torch.int64) // group
         piece.copy_(local.to(piece.dtype))
