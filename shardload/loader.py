@@ -26,11 +26,8 @@ Every kept piece owns its memory. Sessions know nothing of any of this: they run
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import math
-import operator
 import os
 import shutil
 import tempfile
@@ -42,7 +39,6 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import dtypes
 from .gc_pause import gc_paused
 from .errors import DEVICE_CUDA, PLUGINS, PlanError, SessionClosedError, ShardloadError, mention
 from .pieces import FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, local_load
@@ -60,7 +56,6 @@ from .modules import importable_module
 __all__ = ["load_validated", "ShardedParams", "LoadStats", "progress_callback"]
 
 ProgressCallback = Callable[[int], None]
-_shape_dtype = operator.itemgetter(1, 2)  # a PieceRead's shape and dtype
 
 
 # ---- the result ----------------------------------------------------------------------------------
@@ -317,16 +312,6 @@ def _raise_fetch_error(streams: list) -> None:
             raise stream.error from None
 
 
-def _kept_bytes(plans) -> int:
-    """The bytes of every piece of ``plans`` (``ReadPlan.nbytes`` summed), counted by kind of
-    piece: a hundred thousand pieces per worker are a few kinds."""
-    kinds = collections.Counter()
-    for plan in plans:
-        kinds.update(map(_shape_dtype, plan.pieces))
-    return sum(math.prod(shape) * dtypes.itemsize(dtype) * count
-               for (shape, dtype), count in kinds.items())
-
-
 def progress_callback(progress: Union[bool, ProgressCallback], total: int):
     """A thread-safe ``advance(nbytes)`` and a ``close()``."""
     if callable(progress):
@@ -425,7 +410,7 @@ def load_validated(params: Any, shard_info: Any, session: Session, *,
                     {i: side for i, side in sides.items() if i in here})
         shown = progress if session.reports else False
         # the bar's total: only a bar has one (a sum over every piece of every worker)
-        total = _kept_bytes(plans.values()) if shown is True else 0
+        total = sum(plan.nbytes for plan in plans.values()) if shown is True else 0
         advance, close_bar = progress_callback(shown, total)
         stack.callback(close_bar)
         if streams:

@@ -22,6 +22,12 @@ For each parameter, a worker's ``PieceRead`` is one of:
 A ``Run`` is a strided copy: ``count`` blocks of ``nbytes`` bytes, ``stride`` apart in the
 source from ``offset``, ``dst_stride`` apart in the piece from ``dst_offset``.
 
+A worker's pieces are held as columns (``Pieces``): per piece its name, its kind (``Kind``:
+everything else, its runs counted from the tensor's first byte) and where its tensor lies.
+The columns are shared by every worker's plan of one build, a kind is worked out once per
+worker, and a ``PieceRead`` is made only when one is asked for: the read plans of
+DeepSeek-V3's 91,991 tensors for 32 workers take 0.1 s and a few MB, not 5.9 s and 28 MB each.
+
 >>> from shardload import ArrayCheckpoint, ShardInfo
 >>> import numpy as np
 >>> ckpt = ArrayCheckpoint({"w": np.zeros((4, 6), np.float16)})
@@ -34,8 +40,13 @@ source from ``offset``, ``dst_stride`` apart in the piece from ``dst_offset``.
 from __future__ import annotations
 
 import math
+from array import array
+from collections import Counter
+from itertools import compress
+from operator import itemgetter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Optional, Sequence
+from typing import (TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Optional,
+                    Sequence)
 
 from . import dtypes
 from .errors import PlanError, ShardloadError, quote
@@ -46,8 +57,8 @@ if TYPE_CHECKING:  # pragma: no cover  (a worker process carries out read plans 
     from .plan import ParamPlan, ValidatedPlan
     from .readers.base import Checkpoint
 
-__all__ = ["Run", "Chain", "Fixup", "PieceRead", "ReadPlan", "build_read_plans",
-           "read_plan_for", "is_read", "worker_functions", "check_run"]
+__all__ = ["Run", "Chain", "Fixup", "PieceRead", "Kind", "Pieces", "ReadPlan",
+           "build_read_plans", "read_plan_for", "is_read", "worker_functions", "check_run"]
 
 
 class Run(NamedTuple):
@@ -151,6 +162,127 @@ class PieceRead(NamedTuple):
                 int(chain["index"])))
 
 
+class Kind(NamedTuple):
+    """A kind of piece: a ``PieceRead`` but for its name and where its tensor lies. A plan's
+    pieces are few kinds repeated (every layer alike, every expert alike). ``tails`` are its
+    runs, each as ``(offset, (nbytes, count, stride, dst_offset, dst_stride))`` with the offset
+    counted from the tensor's first byte."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    tails: tuple[tuple[int, tuple[int, int, int, int, int]], ...]
+    zeros: bool
+    fixup: Optional[Fixup]
+    chain: Optional[Chain]
+    shared: bool
+
+
+class Pieces(Sequence[PieceRead]):
+    """A worker's pieces, in storage order, as columns: each piece's ``name``, its ``kind``
+    (an index into ``kinds``, a table of ``Kind``), and the ``source`` and ``begin`` of its
+    tensor's bytes (a run lies at ``begin`` plus its tail's offset).
+
+    A read plan of a large MoE holds a hundred thousand pieces per worker. As objects (a
+    ``PieceRead``, a tuple of runs, a ``Run`` each) they took 0.2 s and 28 MB per worker to
+    make, and every worker's plan repeated the same names and places: here the columns are
+    made once for all the workers of a build and shared (a worker's own is its ``kinds``), and
+    a ``PieceRead`` is made when one is asked for (indexing, iterating). The load loop reads
+    the columns themselves (``pieces.load``).
+
+    >>> p = Pieces(["w"], [Kind((2,), "float16", ((4, (4, 1, 0, 0, 0)),), False, None, None,
+    ...            False)], [0], [0], [100])
+    >>> p[0].runs
+    (Run(source=0, offset=104, nbytes=4, count=1, stride=0, dst_offset=0, dst_stride=0),)
+    """
+
+    __slots__ = ("names", "kinds", "kind", "source", "begin")
+
+    def __init__(self, names: Sequence[str], kinds: Sequence[Optional[Kind]],
+                 kind: Sequence[int], source: Sequence[int], begin: Sequence[int]):
+        if not len(names) == len(kind) == len(source) == len(begin):
+            raise ValueError(f"columns of {len(names)} names, {len(kind)} kinds, "
+                             f"{len(source)} sources and {len(begin)} begins")
+        self.names, self.kinds, self.kind = names, kinds, kind
+        self.source, self.begin = source, begin
+
+    @classmethod
+    def of(cls, pieces: Iterable[PieceRead]) -> "Pieces":
+        """``pieces`` as columns. A piece's runs all lie in one source (a tensor's bytes);
+        ``ValueError`` otherwise."""
+        names, kind, source, begin = [], [], [], []
+        kinds: list[Optional[Kind]] = []
+        index: dict[tuple, int] = {}
+        for piece in pieces:
+            runs = piece.runs
+            at, base = (runs[0].source, runs[0].offset) if runs else (0, 0)
+            if any(r.source != at for r in runs):
+                raise ValueError(f"piece {piece.name!r}: its runs lie in more than one source")
+            tails = tuple((r.offset - base, tuple(r[2:])) for r in runs)
+            # a fixup or chain is told apart by identity (a chain's steps hold lists)
+            key = (piece.shape, piece.dtype, tails, piece.zeros, id(piece.fixup),
+                   id(piece.chain), piece.shared)
+            k = index.get(key)
+            if k is None:
+                k = index[key] = len(kinds)
+                kinds.append(Kind(piece.shape, piece.dtype, tails, piece.zeros, piece.fixup,
+                                  piece.chain, piece.shared))
+            names.append(piece.name)
+            kind.append(k)
+            source.append(at)
+            begin.append(base)
+        return cls(names, kinds, kind, source, begin)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def _make(self, name: str, kind: Kind, source: int, begin: int) -> PieceRead:
+        new = tuple.__new__
+        shape, dtype, tails, zeros, fixup, chain, shared = kind
+        if len(tails) == 1:
+            offset, tail = tails[0]
+            runs: tuple = (new(Run, (source, begin + offset) + tail),)
+        else:
+            runs = tuple([new(Run, (source, begin + offset) + tail) for offset, tail in tails])
+        return new(PieceRead, (name, shape, dtype, runs, zeros, fixup, chain, shared))
+
+    def __getitem__(self, j):  # type: ignore[override]
+        if isinstance(j, slice):
+            return tuple(self[k] for k in range(*j.indices(len(self))))
+        return self._make(self.names[j], self.kinds[self.kind[j]],  # type: ignore[arg-type]
+                          self.source[j], self.begin[j])
+
+    def __iter__(self) -> Iterator[PieceRead]:
+        make, kinds = self._make, self.kinds
+        for name, k, source, begin in zip(self.names, self.kind, self.source, self.begin):
+            yield make(name, kinds[k], source, begin)  # type: ignore[arg-type]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (Pieces, tuple, list)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} pieces of {len(self.kinds)} kinds>"
+
+    def counts(self) -> list[tuple[Kind, int]]:
+        """Each kind of piece this worker holds, and how many."""
+        return [(self.kinds[k], n) for k, n in Counter(self.kind).items()]  # type: ignore[misc]
+
+    def spans(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """``(source, first, end)``: the bytes each run of pieces ``[start, stop)`` copies
+        from, first to last byte."""
+        out = []
+        kinds = self.kinds
+        for k, source, begin in zip(self.kind[start:stop], self.source[start:stop],
+                                    self.begin[start:stop]):
+            for offset, (nbytes, count, stride, _, _) in kinds[k].tails:  # type: ignore[union-attr]
+                first = begin + offset
+                out.append((source, first, first + (count - 1) * stride + nbytes))
+        return out
+
+
 @dataclass(frozen=True)
 class ReadPlan:
     """Everything worker ``rank`` of ``num_shards`` reads: the byte sources (files) and, in
@@ -159,15 +291,22 @@ class ReadPlan:
     rank: int
     num_shards: int
     sources: tuple[dict, ...]
-    pieces: tuple[PieceRead, ...]
+    #: a ``Pieces`` (any sequence of ``PieceRead`` given is turned into one)
+    pieces: Pieces
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pieces, Pieces):
+            object.__setattr__(self, "pieces", Pieces.of(self.pieces))
 
     @property
     def bytes_read(self) -> int:
-        return sum(p.bytes_read for p in self.pieces)
+        return sum(sum(tail[0] * tail[1] for _, tail in kind.tails) * n
+                   for kind, n in self.pieces.counts())
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pieces)
+        return sum(math.prod(kind.shape) * dtypes.itemsize(kind.dtype) * n
+                   for kind, n in self.pieces.counts())
 
     def to_json(self) -> dict:
         """Plain JSON values, a piece at a time (``inspect --reads``; a worker process gets
@@ -295,12 +434,13 @@ def build_read_plans(validated: "ValidatedPlan", ckpt: "Checkpoint",
                      ranks: Optional[Iterable[int]] = None) -> list[ReadPlan]:
     """The read plans of workers ``ranks`` (default: all), in that order.
 
-    One pass over the parameters makes every rank's pieces. Every layer repeats the same steps
-    on the same shapes, so what a rank's piece of a parameter is (its selection, and the runs
-    it makes relative to the tensor's first byte) is worked out once per kind of parameter; a
-    tensor's own runs are that template moved to where the tensor lies.
+    One pass over the parameters gives each its kind (its steps, stored shape and dtype, and
+    placement: every layer repeats the same steps on the same shapes) and where its tensor
+    lies; these columns are shared by every worker's plan (``Pieces``). What a worker's piece
+    of a kind is (its selection, and the runs it makes from the tensor's first byte) is worked
+    out once per kind and worker.
     """
-    with gc_paused():  # hundreds of thousands of tuples, all kept
+    with gc_paused():  # a hundred thousand and more small objects, all kept
         return _build(validated, ckpt, ranks)
 
 
@@ -308,48 +448,43 @@ def _build(validated: "ValidatedPlan", ckpt: "Checkpoint",
            ranks: Optional[Iterable[int]]) -> list[ReadPlan]:
     n = validated.num_shards
     ranks = list(range(n) if ranks is None else ranks)
-    pieces: list[list[PieceRead]] = [[] for _ in ranks]
-    templates: dict[tuple, list] = {}
-    new = tuple.__new__
     params = list(validated)
-    where = ckpt.locate_all([param.meta.name for param in params])
-    for param, (source, begin) in zip(params, where):
+    index: dict[tuple, int] = {}
+    firsts: list = []   # the first parameter of each kind
+    kind = array("l")
+    for param in params:
         meta = param.meta
         # parameters with the same steps share one tuple of them (``ShardInfo.from_dict``)
         key = (id(param.steps), meta.shape, meta.dtype, param.workers)
-        per_rank = templates.get(key)
-        if per_rank is None:
-            per_rank = templates[key] = [_moving(_template(validated, param, r))
-                                         for r in ranks]
-        for out, template in zip(pieces, per_rank):
-            if template is None:  # placed on other workers
-                continue
-            shape, dtype, runs, zeros, fixup, chain, shared = template
-            # the template's runs moved to where this tensor lies, tuples made whole (a read
-            # plan of a large MoE holds hundreds of thousands; most pieces are one run)
-            if len(runs) == 1:
-                offset, nbytes, count, stride, dst_offset, dst_stride = runs[0]
-                moved: tuple = (new(Run, (source, begin + offset, nbytes, count, stride,
-                                          dst_offset, dst_stride)),)
-            else:
-                moved = tuple([new(Run, (source, begin + run[0], *run[1:])) for run in runs])
-            out.append(new(PieceRead, (meta.name, shape, dtype, moved, zeros, fixup, chain,
-                                       shared)))
+        k = index.get(key)
+        if k is None:
+            k = index[key] = len(firsts)
+            firsts.append(param)
+        kind.append(k)
+    names = [param.meta.name for param in params]
+    where = ckpt.locate_all(names)
+    source = array("l", map(_first, where))
+    begin = array("q", map(_second, where))
     sources = tuple(ckpt.sources())
-    return [ReadPlan(r, n, sources, tuple(p)) for r, p in zip(ranks, pieces)]
+    plans = []
+    for rank in ranks:
+        kinds = [_template(validated, param, rank) for param in firsts]
+        if None in kinds:  # parameters placed on other workers: this one's alone
+            held = [kinds[k] is not None for k in kind]
+            pieces = Pieces(list(compress(names, held)), kinds, array("l", compress(kind, held)),
+                            array("l", compress(source, held)),
+                            array("q", compress(begin, held)))
+        else:
+            pieces = Pieces(names, kinds, kind, source, begin)
+        plans.append(ReadPlan(rank, n, sources, pieces))
+    return plans
 
 
-def _moving(template: Optional[tuple]) -> Optional[tuple]:
-    """A template as ``_build`` moves it: each run without its source."""
-    if template is None:
-        return None
-    shape, dtype, runs, *after = template
-    return (shape, dtype, [tuple(r)[1:] for r in runs], *after)
+_first, _second = itemgetter(0), itemgetter(1)
 
 
-def _template(validated: "ValidatedPlan", param: "ParamPlan", rank: int) -> Optional[tuple]:
-    """Rank ``rank``'s piece of ``param`` as a ``PieceRead``'s fields after its name, the runs
-    counted from the tensor's first byte of source 0; None where it holds none."""
+def _template(validated: "ValidatedPlan", param: "ParamPlan", rank: int) -> Optional[Kind]:
+    """Rank ``rank``'s piece of ``param`` as a ``Kind``; None where it holds none."""
     if not param.held_by(rank):
         return None
     meta = param.meta
@@ -358,11 +493,18 @@ def _template(validated: "ValidatedPlan", param: "ParamPlan", rank: int) -> Opti
     if sel is None:
         chain = Chain(meta.shape, meta.dtype, tuple(tuple(s.to_json()) for s in param.steps),
                       rank)
-        return (param.piece_shape, param.piece_dtype,
-                _runs(Selection.whole(), meta.shape, itemsize, 0, 0), False, None, chain, False)
+        return Kind(param.piece_shape, param.piece_dtype,
+                    _tails(_runs(Selection.whole(), meta.shape, itemsize, 0, 0)), False, None,
+                    chain, False)
     step = param.steps[0] if param.steps else None
     func = param.funcs[0] if param.funcs else None
     fixup = (Fixup(func.name, tuple(step.extra))
              if func is not None and func.fixup is not None else None)
-    return (param.piece_shape, param.piece_dtype, _runs(sel, meta.shape, itemsize, 0, 0),
-            sel.has_zeros, fixup, None, param.replicated and param.workers is None)
+    return Kind(param.piece_shape, param.piece_dtype,
+                _tails(_runs(sel, meta.shape, itemsize, 0, 0)), sel.has_zeros, fixup, None,
+                param.replicated and param.workers is None)
+
+
+def _tails(runs: tuple[Run, ...]) -> tuple:
+    """Runs from the tensor's first byte as a ``Kind``'s tails."""
+    return tuple((run.offset, tuple(run[2:])) for run in runs)

@@ -20,8 +20,9 @@ from shardload import (ProcessSession, ShardInfo, ShardloadError, ThreadedSessio
 from shardload.pieces import load as loop
 from shardload.pieces import wire
 from shardload.pieces.load import read_host
-from shardload.pieces.reads import SPAN_GAP_BYTES, Readahead, SourceViews
-from shardload.readplan import Chain, Fixup, PieceRead, ReadPlan, Run, build_read_plans
+from shardload.pieces.reads import SPAN_GAP_BYTES, Readahead, SourceViews, piece_spans
+from shardload.readplan import (Chain, Fixup, Kind, PieceRead, Pieces, ReadPlan, Run,
+                                build_read_plans)
 
 # (name, stored tensor, its plan's steps at N): row splits (one run), column splits (strided
 # runs), dtypes numpy lacks (viewed by torch), a scalar, padding and a fixup (the general path)
@@ -55,10 +56,11 @@ def _plan(n: int) -> dict:
 
 
 def test_pieces_record_the_fields_the_load_loop_unpacks():
-    # _read_all unpacks a PieceRead whole, in this order: a field added or moved must be
-    # taken there too
+    # _read_all and Pieces unpack a Kind whole, in this order, and make a PieceRead from it:
+    # a field added or moved must be taken there too
     assert PieceRead._fields == ("name", "shape", "dtype", "runs", "zeros", "fixup", "chain",
                                  "shared")
+    assert Kind._fields == ("shape", "dtype", "tails", "zeros", "fixup", "chain", "shared")
 
 
 class _Books:
@@ -113,7 +115,7 @@ def test_the_inline_read_refuses_what_check_run_refuses(tmp_path):
         for what, run in bad.items():
             piece = PieceRead("x", (4,), "float32", (run,))
             with pytest.raises(ShardloadError, match="parameter 'x'.*(outside|malformed)"):
-                loop._read_all((piece,), {}, _Books(), views,
+                loop._read_all(Pieces.of([piece]), {}, _Books(), views,
                                lambda j, p: read_host(p, views, 1, 0), True)
 
 
@@ -157,9 +159,10 @@ def test_a_load_keeps_what_each_worker_reads_alone(tmp_path, kind):
 
 # ---- read plans on the wire ----------------------------------------------------------------------
 
-_runs = st.lists(st.builds(Run, st.integers(0, 3), st.integers(0, 1 << 40), st.integers(0, 99),
-                           st.integers(1, 9), st.integers(0, 999), st.integers(0, 99),
-                           st.integers(0, 99)), max_size=3).map(tuple)
+# a piece's runs lie in one source (a tensor's bytes): ``Pieces`` keeps one per piece
+_runs = st.integers(0, 3).flatmap(lambda source: st.lists(st.builds(
+    Run, st.just(source), st.integers(0, 1 << 40), st.integers(0, 99), st.integers(1, 9),
+    st.integers(0, 999), st.integers(0, 99), st.integers(0, 99)), max_size=3).map(tuple))
 _fixups = st.sampled_from([None, Fixup("shardload.split_rebase", (0,)),
                            Fixup("my.fixup", (1, "a", [2, 3]))])
 _chains = st.sampled_from([None, Chain((4, 2), "float16",
@@ -188,16 +191,30 @@ def test_a_read_plan_on_the_wire_is_its_kinds_and_flat_lists(tmp_path):
     data = wire.encode(plan)
     assert data["names"] == [p.name for p in plan.pieces]
     assert len(data["kind"]) == len(plan.pieces) and len(data["kinds"]) <= len(plan.pieces)
-    assert data["at"] == [v for p in plan.pieces for r in p.runs for v in r[:2]]
+    # where each piece's tensor lies; its runs at their kind's offsets from there
+    assert data["source"] == [p.runs[0].source for p in plan.pieces if p.runs]
+    for piece, k, begin in zip(plan.pieces, data["kind"], data["begin"]):
+        assert [begin + tail[0] for tail in data["kinds"][k]["tails"]] == \
+            [r.offset for r in piece.runs]
     assert wire.decode(data) == plan
+
+
+def test_a_piece_whose_runs_lie_in_two_sources_is_refused():
+    with pytest.raises(ValueError, match="more than one source"):
+        ReadPlan(0, 1, ({"file": "/a"}, {"file": "/b"}),
+                 (PieceRead("w", (4,), "int32", (Run(0, 0, 8), Run(1, 0, 8))),))
 
 
 @pytest.mark.parametrize("breaks", [
     lambda d: d.update(kind=d["kind"][:-1]),              # a piece without a kind
     lambda d: d.update(kind=[len(d["kinds"])] * len(d["kind"])),  # a kind not there
     lambda d: d.update(kind=[-1] * len(d["kind"])),
-    lambda d: d.update(at=d["at"][:-1]),                  # a run without its offset
-    lambda d: d.update(at=d["at"] + [0, 0]),              # numbers left over
+    lambda d: d.update(begin=d["begin"][:-1]),            # a piece without its place
+    lambda d: d.update(source=d["source"] + [0]),         # numbers left over
+    lambda d: d.update(begin=[0.5] * len(d["begin"])),    # not integers
+    lambda d: d["kinds"].__setitem__(0, None),            # a kind the worker holds none of
+    lambda d: d["kinds"][1]["tails"][0].pop(),            # a run of 5 numbers
+    lambda d: d.update(names=[1] * len(d["names"])),      # a name that is not text
 ])
 def test_a_read_plan_whose_parts_do_not_fit_is_refused(breaks):
     plan = ReadPlan(0, 2, ({"file": "/m.safetensors"},),
@@ -232,3 +249,19 @@ def test_spans_close_together_are_read_ahead_in_one_call():
         time.sleep(0.01)
     ahead.close()
     assert source.calls == [(0, 64, 256 * 999 + 128), (0, far, far + 10), (1, 0, 10)]
+
+
+def test_piece_spans_are_the_extents_of_each_piece_s_runs(tmp_path):
+    with open_checkpoint(_checkpoint(tmp_path)) as ckpt:
+        validated = ShardInfo.from_dict(_plan(4)).bind(4).validate(ckpt.metadata())
+        plans = build_read_plans(validated, ckpt)
+    # and pieces of several runs (a fused tensor's), the first not the lowest, and none
+    plans.append(ReadPlan(0, 2, ({"file": "/m.safetensors"}, {"file": "/n.safetensors"}), (
+        PieceRead("qkv", (6,), "int32", (Run(1, 96, 8), Run(1, 16, 8, 2, 40, 8, 8))),
+        PieceRead("pad", (2,), "int32", (), zeros=True),
+        PieceRead("w", (2,), "int32", (Run(0, 8, 8),)))))
+    for plan in plans:
+        want = [(p.name, p.runs[0].source, min(r.offset for r in p.runs),
+                 max(r.offset + (r.count - 1) * r.stride + r.nbytes for r in p.runs))
+                for p in plan.pieces if p.runs]
+        assert piece_spans(plan) == want

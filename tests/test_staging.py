@@ -486,15 +486,22 @@ def test_page_releases_merge_close_spans_and_wait_for_a_batch():
     assert len(source.calls) == 4 and releases.calls == 4
 
 
-def test_page_releases_add_runs_takes_a_batch_of_runs_at_once():
+def test_page_releases_add_spans_takes_a_batch_of_pieces_runs_at_once():
     from shardload.pieces import PageReleases
-    from shardload.readplan import Run
+    from shardload.readplan import PieceRead, Pieces, Run
+
+    def piece(name, *runs):
+        return PieceRead(name, (1,), "uint8", runs)
 
     source = _Recorder()
     releases = PageReleases(source, batch_bytes=100)
-    releases.add_runs([Run(0, 0, 10, 3, 20), Run(1, 5, 0), Run(0, 60, 20)])
+    pieces = Pieces.of([piece("a", Run(0, 0, 10, 3, 20)), piece("b", Run(1, 5, 0)),
+                        piece("c", Run(0, 60, 20)), piece("d", Run(1, 0, 40))])
+    # each run from its first byte to its last: 3 blocks of 10 bytes, 20 apart, span 50
+    assert pieces.spans(0, 4) == [(0, 0, 50), (1, 5, 5), (0, 60, 80), (1, 0, 40)]
+    releases.add_spans(pieces.spans(0, 3))
     assert source.calls == []   # 50 + 20 bytes pending; the empty run adds nothing
-    releases.add_runs([Run(1, 0, 40)])
+    releases.add_spans(pieces.spans(3, 4))
     assert source.calls == [(0, 0, 80), (1, 0, 40)]
 
 

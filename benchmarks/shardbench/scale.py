@@ -73,10 +73,21 @@ def ensure(model: dict, root: str) -> tuple[str, int]:
         return folder, int(f.read())
 
 
+def warm(folder: str) -> None:
+    """Read every file's header once, so that each measurement opens from the page cache (the
+    first open after the files were written, or after another benchmark, reads the disk)."""
+    for name in sorted(os.listdir(folder)):
+        if name.endswith((".safetensors", ".json")):
+            with open(os.path.join(folder, name), "rb") as f:
+                head = f.read(8)
+                if name.endswith(".safetensors") and len(head) == 8:
+                    f.read(int.from_bytes(head, "little"))
+
+
 def measure(folder: str, n: int) -> dict:
-    """Each phase's seconds for ``folder`` at ``n`` workers, in this process: ``import``
-    (shardload, torch with it), ``open`` (every header), ``plan`` (``resolve_plan``: the
-    validated plan a load uses), ``validate`` (that plan bound and validated again, alone),
+    """Each phase's seconds for ``folder`` at ``n`` workers, in this process: ``import`` (shardload
+    and what planning imports: not torch), ``open`` (every header), ``plan`` (``resolve_plan``:
+    the validated plan a load uses), ``validate`` (that plan bound and validated again, alone),
     ``read_plan`` (rank 0's), ``read_plans_all`` (every rank's), ``vllm_open`` (every file
     opened by ``safetensors`` itself, as vLLM's loader does); and the peak RSS above the
     import's up to rank 0's read plan (what one rank holds)."""
@@ -87,6 +98,7 @@ def measure(folder: str, n: int) -> dict:
 
     out: dict = {"import": time.perf_counter() - start}
     base = _rss()
+    _reset_peak()  # what ran before (the coverage writer's import) may have peaked higher
     t = time.perf_counter()
     with open_checkpoint(folder) as ckpt:
         metadata = ckpt.metadata()
@@ -110,6 +122,7 @@ def measure(folder: str, n: int) -> dict:
 def _safetensors_open(folder: str) -> float:
     """Seconds to open every safetensors file of ``folder`` with ``safetensors`` and list its
     tensors, as vLLM's ``safetensors_weights_iterator`` does before its first tensor."""
+    import torch  # noqa: F401  (vLLM has it; planning does not import it, so it is not yet)
     from safetensors import safe_open
 
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
@@ -125,7 +138,21 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_peak() -> None:
+    """Start the process's peak RSS afresh (Linux 4.0 and later: ``/proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # then the peak is the process's since it started: an upper bound
+
+
 def _peak() -> int:
+    """The process's peak RSS since ``_reset_peak`` (``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -29,7 +29,7 @@ from .. import dtypes
 from ..errors import annotate
 from ..gc_pause import gc_paused
 from ..readers.base import COPY_CHUNK_BYTES, Checkpoint, copy_progress
-from ..readplan import PieceRead
+from ..readplan import Kind, PieceRead, Pieces
 from ..registry import get_shard_func, load_plugins
 from ..sessions import Stopped, WorkerContext, register_session_func
 from ..staging import Pipeline, Staging
@@ -232,7 +232,7 @@ class _Books:
     loop is at."""
 
     def __init__(self, ctx: WorkerContext, readahead: Readahead, local, releases: PageReleases,
-                 stopped: Callable[[], bool], pieces: tuple[PieceRead, ...]):
+                 stopped: Callable[[], bool], pieces: Pieces):
         self._ctx, self._readahead, self._local, self._releases = ctx, readahead, local, releases
         self._stopped = stopped
         self._pieces = pieces
@@ -265,7 +265,7 @@ class _Books:
         if self._stopped():
             raise Stopped()
         self.flush(j, nbytes)
-        name = self._pieces[j].name
+        name = self._pieces.names[j]
         self._readahead.reached(name)
         self._ctx.progress(where=name)
 
@@ -277,24 +277,14 @@ class _Books:
         if upto <= first:
             return
         self._first = upto
-        done = self._pieces[first:upto]
         if self._local is not None:
-            self._local.finished(self._ctx.rank, done)
+            self._local.finished(self._ctx.rank, self._pieces.names[upto - 1])
         else:
-            self._releases.add_runs([run for piece in done for run in piece.runs])
+            self._releases.add_spans(self._pieces.spans(first, upto))
         self._ctx.progress(nbytes=nbytes)
 
 
-def _kind(shape: tuple[int, ...], dtype: str) -> tuple:
-    """What the load loop needs of a piece of ``shape``/``dtype``, worked out once per kind:
-    its bytes (``PieceRead.nbytes``), the numpy dtype it is made as and the torch dtype it is
-    then viewed as (or None; ``dtypes.numpy_carrier``), and its item size."""
-    size = dtypes.itemsize(dtype)
-    carrier, view = dtypes.numpy_carrier(dtype)
-    return math.prod(shape) * size, carrier, dtypes.to_torch(dtype) if view else None, size
-
-
-def _read_all(pieces: tuple[PieceRead, ...], kept: dict, books: _Books, views: SourceViews,
+def _read_all(pieces: Pieces, kept: dict, books: _Books, views: SourceViews,
               general: Callable[[int, PieceRead], tuple[torch.Tensor, int]], plain: bool
               ) -> tuple[int, int]:
     """Every piece of ``pieces`` into ``kept``, in order, settled in batches by ``books``;
@@ -302,33 +292,33 @@ def _read_all(pieces: tuple[PieceRead, ...], kept: dict, books: _Books, views: S
 
     Where ``plain`` (the direct path to a CPU device, no stream of object bytes), a piece
     that is one small run making the whole piece (most of a load's pieces) is read here
-    inline: its bytes, viewed in the mapping as its dtype and shape, copied by numpy into a
-    new array that torch takes. What ``read_host`` would do for it, checked as ``check_run``
-    checks, at about half the cost: a load of 100,000 small tensors on 8 workers is 800,000
-    such pieces, and each Python operation here is paid for every one of them. Any other
-    piece goes by ``general(j, piece)``.
+    inline, from the plan's columns (no ``PieceRead`` is made for it): its bytes, viewed in
+    the mapping as its dtype and shape, copied by numpy into a new array that torch takes.
+    What ``read_host`` would do for it, checked as ``check_run`` checks, at about half the
+    cost: a load of 100,000 small tensors on 8 workers is 800,000 such pieces, and each
+    Python operation here is paid for every one of them. Any other piece goes by
+    ``general(j, piece)``.
 
     A batch (``_Books``) ends after ``BOOKS_PIECES`` pieces or ``BOOKS_BYTES`` bytes, and
     before a piece of ``BOOKS_BYTES`` or more."""
-    kinds: dict[tuple, tuple] = {}
+    # what the loop needs of each kind of piece, worked out once: (nbytes, numpy dtype, torch
+    # view or None, item size, the one run's fields after its offset or None, its offset)
+    inline = [None if kind is None else _inline(kind, plain) for kind in pieces.kinds]
     entries, refresh = views.entries, views.refresh
     monotonic, from_numpy, ndarray, uint8 = time.monotonic, torch.from_numpy, np.ndarray, np.uint8
     kept_bytes = 0
     unread = 0  # bytes kept but not read (padding, shared pieces) less those read twice
     limit, batch_bytes, turn_due = 0, 0, True  # a batch is reported before piece ``limit``
-    for j, piece in enumerate(pieces):
-        name, shape, dtype, runs, zeros, fixup, chain, _ = piece  # every field (a test pins them)
-        kind = kinds.get((shape, dtype))
-        if kind is None:
-            kind = kinds[(shape, dtype)] = _kind(shape, dtype)
-        nbytes = kind[0]
+    for j, (name, k, source, begin) in enumerate(zip(pieces.names, pieces.kind, pieces.source,
+                                                     pieces.begin)):
+        nbytes, carrier, view, itemsize, shape, run = inline[k]
         if j >= limit or batch_bytes >= BOOKS_BYTES or nbytes >= BOOKS_BYTES:
             books.report(j, batch_bytes)  # and stops here if the load is stopping
             kept_bytes += batch_bytes
             limit, batch_bytes, turn_due = j + BOOKS_PIECES, 0, True
-        if plain and chain is None and fixup is None and not zeros and len(runs) == 1 \
-                and nbytes <= SMALL_RUN_BYTES:
-            source, offset, size, count, stride, dst_offset, dst_stride = runs[0]
+        if run is not None:
+            first, size, count, stride, dst_offset, dst_stride = run
+            offset = begin + first
             now = monotonic()
             entry = entries.get(source)
             if entry is None or now - entry[2] >= CHECK_INTERVAL_S:
@@ -342,28 +332,46 @@ def _read_all(pieces: tuple[PieceRead, ...], kept: dict, books: _Books, views: S
                 pass
             elif count == 1:
                 if size == nbytes and offset + size <= entry[3]:
-                    tensor = from_numpy(ndarray(shape, kind[1], entry[1], offset).copy())
-                    kept[name] = tensor if kind[2] is None else tensor.view(kind[2])
+                    tensor = from_numpy(ndarray(shape, carrier, entry[1], offset).copy())
+                    kept[name] = tensor if view is None else tensor.view(view)
                     batch_bytes += nbytes
                     continue
             elif count > 1 and stride and dst_stride == size and size * count == nbytes \
-                    and size % kind[3] == 0 and offset + (count - 1) * stride + size <= entry[3]:
+                    and size % itemsize == 0 and offset + (count - 1) * stride + size <= entry[3]:
                 if len(shape) == 2 and shape[0] == count:  # a column split: rows of it
-                    data = ndarray(shape, kind[1], entry[1], offset, (stride, kind[3])).copy()
+                    data = ndarray(shape, carrier, entry[1], offset, (stride, itemsize)).copy()
                 else:
                     data = ndarray((count, size), uint8, entry[1], offset, (stride, 1)).copy() \
-                        .view(kind[1]).reshape(shape)
+                        .view(carrier).reshape(shape)
                 tensor = from_numpy(data)
-                kept[name] = tensor if kind[2] is None else tensor.view(kind[2])
+                kept[name] = tensor if view is None else tensor.view(view)
                 batch_bytes += nbytes
                 continue
-        kept[name], nread = general(j, piece)
+        kept[name], nread = general(j, pieces[j])
         unread += nbytes - nread
         batch_bytes += nbytes
         turn_due = True  # it may have given the turn
     books.flush(len(pieces), batch_bytes)
     kept_bytes += batch_bytes
     return kept_bytes - unread, kept_bytes
+
+
+def _inline(kind: Kind, plain: bool) -> tuple:
+    """What ``_read_all`` needs of a kind of piece: its bytes, the numpy dtype it is made as
+    and the torch dtype it is then viewed as (or None; ``dtypes.numpy_carrier``), its item
+    size, its shape, and, where the loop may read it inline (``plain``; one small run making
+    the whole piece, no fixup, chain or zeros), the run as ``(offset from the tensor's first
+    byte, nbytes, count, stride, dst_offset, dst_stride)``, else None."""
+    size = dtypes.itemsize(kind.dtype)
+    carrier, view = dtypes.numpy_carrier(kind.dtype)
+    nbytes = math.prod(kind.shape) * size
+    run = None
+    if plain and kind.chain is None and kind.fixup is None and not kind.zeros \
+            and len(kind.tails) == 1 and nbytes <= SMALL_RUN_BYTES:
+        offset, tail = kind.tails[0]
+        run = (offset, *tail)
+    return (nbytes, carrier, dtypes.to_torch(kind.dtype) if view else None, size, kind.shape,
+            run)
 
 
 @register_session_func(LOAD_PIECES)

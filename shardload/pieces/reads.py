@@ -200,11 +200,9 @@ class PageReleases:
             spans, self._spans, self._pending = self._spans, [], 0
         self._release(spans)
 
-    def add_runs(self, runs) -> None:
-        """Every byte span ``runs`` copied from (first to last byte of each run): a worker's
-        batch of pieces at once, under one taking of the lock."""
-        spans = [(run.source, run.offset, run.offset + (run.count - 1) * run.stride + run.nbytes)
-                 for run in runs]
+    def add_spans(self, spans: list[tuple[int, int, int]]) -> None:
+        """Every ``(source, first, end)`` byte span a worker's batch of pieces copied from
+        (``Pieces.spans``), at once, under one taking of the lock."""
         spans = [span for span in spans if span[2] > span[1]]
         if not spans:
             return
@@ -314,15 +312,17 @@ def tensor_spans(ckpt: Checkpoint) -> list[tuple[str, int, int, int]]:
 
 
 def piece_spans(plan: ReadPlan) -> list[tuple[str, int, int, int]]:
-    """The extent of each piece's runs in its source: what one worker process reads."""
+    """The extent of each piece's runs in its source: what one worker process reads (each
+    kind's extent from its tensor's first byte worked out once)."""
+    pieces = plan.pieces
+    extents = [None if kind is None or not kind.tails else
+               (min(offset for offset, _ in kind.tails),
+                max(offset + (count - 1) * stride + nbytes
+                    for offset, (nbytes, count, stride, _, _) in kind.tails))
+               for kind in pieces.kinds]
     spans = []
-    for piece in plan.pieces:
-        runs = piece.runs
-        if len(runs) == 1:  # most pieces
-            source, offset, nbytes, count, stride = runs[0][:5]
-            spans.append((piece.name, source, offset, offset + (count - 1) * stride + nbytes))
-        elif runs:
-            begin = min(r.offset for r in runs)
-            end = max(r.offset + (r.count - 1) * r.stride + r.nbytes for r in runs)
-            spans.append((piece.name, runs[0].source, begin, end))
+    for name, k, source, begin in zip(pieces.names, pieces.kind, pieces.source, pieces.begin):
+        extent = extents[k]
+        if extent is not None:
+            spans.append((name, source, begin + extent[0], begin + extent[1]))
     return spans

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..readers.base import Checkpoint
-from ..readplan import PieceRead, ReadPlan
+from ..readplan import ReadPlan
 from ..shared_outputs import SharedOutputs
 from .reads import PageReleases, Readahead, tensor_spans
 
@@ -76,12 +76,12 @@ class LocalLoad:
         self.consumers.update(consumers or {})
         self._at.update((rank, -1) for rank in plans)
 
-    def finished(self, rank: int, pieces: list[PieceRead]) -> None:
-        """Worker ``rank`` has its pieces up to ``pieces[-1]``. Workers take their pieces in
+    def finished(self, rank: int, name: str) -> None:
+        """Worker ``rank`` has its pieces up to tensor ``name``'s. Workers take their pieces in
         storage order, so every tensor before the one the slowest worker is on is done with:
         its mapped pages go back (in a batch). No lock in the common case: many workers
         finishing small pieces made one lock the load's bottleneck."""
-        last = self._order.get(pieces[-1].name) if pieces else None
+        last = self._order.get(name)
         if last is None or rank not in self._at:
             return
         self._at[rank] = last          # one store: atomic under the GIL
