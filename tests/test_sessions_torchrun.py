@@ -93,6 +93,8 @@ def test_cli_under_torchrun(tmp_path):
     assert len(lines) == 1  # rank 0 speaks for both
     report = json.loads(lines[0])
     assert report["num_shards"] == 2 and len(report["workers"]) == 2
+    # one plan per job: rank 0 resolved it (the plan beside the example), rank 1 received it
+    assert [w["planning"]["from"] for w in report["workers"]] == ["planned", "rank 0"]
     with ThreadedSession(2) as sess:
         reference = load_sharded(EXAMPLE, PLAN, sess, progress=False)
     assert [w["bytes"] for w in report["workers"]] == reference.stats.bytes_per_worker

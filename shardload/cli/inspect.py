@@ -28,7 +28,7 @@ def inspect(num_shards: int, shard_info: Optional[str], replicate: bool,
     copies (FILE[begin:end], or strided: FILE[begin:+bytes xCOUNT every STRIDE]) or the chain it
     computes, and the bytes it reads in all.
     """
-    checkpoint, validated, _ = prepare(ckpt, shard_info, plugins, num_shards, experts,
+    checkpoint, validated, _, _ = prepare(ckpt, shard_info, plugins, num_shards, experts,
                                        replicate, as_json)
     with checkpoint:
         if reads:

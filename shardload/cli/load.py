@@ -61,6 +61,7 @@ def load(num_shards: int, shard_info: Optional[str], replicate: bool, plugins: t
     # imported first, while Ctrl-C still ends the process at once (see interrupts): the
     # loader brings torch, the front door the planners and the sessions
     from .. import frontdoor, sessions  # noqa: F401
+    from ..frontdoor import planning_per_worker
     from ..loader import load_validated
     from ..staging import Staging
 
@@ -74,10 +75,10 @@ def load(num_shards: int, shard_info: Optional[str], replicate: bool, plugins: t
     # first thing to say
     session = open_session(session_kind, num_shards, device, plugins, timeout)
     try:
-        # under torchrun every rank prepares; rank 0 speaks for all
-        checkpoint, validated, plan_file = prepare(
+        # under torchrun rank 0 plans, every rank receives the plan; rank 0 speaks for all
+        checkpoint, validated, plan_file, job = prepare(
             ckpt, shard_info, plugins, num_shards, experts, replicate,
-            quiet or as_json or getattr(session, "rank", 0) != 0)
+            quiet or as_json or getattr(session, "rank", 0) != 0, session=session)
     except BaseException:
         session.close()
         raise
@@ -86,6 +87,8 @@ def load(num_shards: int, shard_info: Optional[str], replicate: bool, plugins: t
     with checkpoint, session:
         result = load_validated(checkpoint, validated, session,
                                 progress=not (quiet or as_json), staging=stage)
+        # each rank's planning, for rank 0's report (an exchange every rank takes part in)
+        planning = planning_per_worker(session, job) if job is not None else None
         interrupts.check()
     if getattr(session, "rank", 0) != 0:
         return  # under torchrun, rank 0 speaks for all
@@ -93,7 +96,8 @@ def load(num_shards: int, shard_info: Optional[str], replicate: bool, plugins: t
     workers = [{"index": i, "device": str(result.devices[i]),
                 "tensors": stats.tensors_per_worker[i], "bytes": stats.bytes_per_worker[i],
                 "bytes_read": stats.bytes_read_per_worker[i],
-                "staging": (stats.staging_per_worker or [None] * num_shards)[i]}
+                "staging": (stats.staging_per_worker or [None] * num_shards)[i],
+                "planning": (planning or [None] * num_shards)[i]}
                for i in range(num_shards)]
     if as_json:
         out(json.dumps({"checkpoint": ckpt, "shard_info": plan_file,

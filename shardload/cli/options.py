@@ -98,12 +98,15 @@ def load_plugins(plugins: tuple[str, ...]) -> None:
 
 
 def prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num_shards: int,
-            experts: str = "tp", replicate: bool = False, quiet: bool = False):
+            experts: str = "tp", replicate: bool = False, quiet: bool = False,
+            session: Any = None):
     """Load plugins, open the checkpoint, resolve its plan by the front door's policy and
     validate it for N (no tensor data read, except the few GPTQ g_idx vectors a planner looks
     at). Returns the checkpoint, the validated plan and what to call the plan. Where the plan
     is not the one beside the checkpoint, because that one does not fit N, one line on stderr
-    says so (unless ``quiet``)."""
+    says so (unless ``quiet``). Under torchrun (``session``'s ranks each run this) rank 0
+    resolves the plan and the other ranks receive it (``frontdoor.plan_once``: the fourth
+    value, None otherwise)."""
     from ..frontdoor import REPLICATE, resolve_plan
     from ..readers import open_checkpoint
 
@@ -112,19 +115,32 @@ def prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num_
                                "one")
     load_plugins(plugins)
     interrupts.work_starts()    # an object checkpoint makes a scratch folder
-    with reading():
-        checkpoint = open_checkpoint(ckpt)
+    given = REPLICATE if replicate else shard_info
+    if session is not None and session.spmd:
+        from ..frontdoor import plan_once  # (torch: a session has it already)
+
+        # the planners read config files: unreadable ones are input
+        with reading(), session.collective("preparing the load"):
+            job = plan_once(session, ckpt, given, experts=experts, what="preparing the load")
+        checkpoint, resolved = job.checkpoint, job.resolved
+    else:
+        job = None
+        with reading():
+            checkpoint = open_checkpoint(ckpt)
+        try:
+            with reading():
+                resolved = resolve_plan(checkpoint, num_shards, given, experts=experts)
+        except BaseException:
+            checkpoint.close()
+            raise
     try:
-        with reading():   # the planners read config files: unreadable ones are input
-            resolved = resolve_plan(checkpoint, num_shards,
-                                    REPLICATE if replicate else shard_info, experts=experts)
         interrupts.check()
     except BaseException:
         checkpoint.close()
         raise
     if resolved.note and not quiet:
         note(resolved.note)
-    return checkpoint, resolved.validated, resolved.source
+    return checkpoint, resolved.validated, resolved.source, job
 
 
 def open_session(kind: str, num_shards: int, device: Optional[str], plugins: tuple[str, ...],

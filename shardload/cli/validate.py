@@ -18,7 +18,7 @@ from .tables import per_worker
 def validate(num_shards: int, shard_info: Optional[str], replicate: bool,
              plugins: tuple[str, ...], experts: str, ckpt: str) -> None:
     """Check that the plan fits CKPT for N workers. Reads no tensor data."""
-    checkpoint, validated, plan_file = prepare(ckpt, shard_info, plugins, num_shards, experts,
+    checkpoint, validated, plan_file, _ = prepare(ckpt, shard_info, plugins, num_shards, experts,
                                                replicate)
     with checkpoint:
         params = list(validated)

@@ -41,6 +41,7 @@ _LAZY = {
     "planned_fits": "plans",
     "plan_once": "shared_plan",
     "JobPlan": "shared_plan",
+    "planning_per_worker": "shared_plan",
     "open_session": "sessions",
     "register_session_kind": "sessions",
     "session_kinds": "sessions",
@@ -56,5 +57,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from .loading import load_sharded
     from .plans import PLAN_FILE, REPLICATE, ResolvedPlan, plan_beside, planned_fits, resolve_plan
     from .sessions import open_session, register_session_kind, session_kinds
-    from .shared_plan import JobPlan, plan_once
+    from .shared_plan import JobPlan, plan_once, planning_per_worker
     from .writes import write_atomic, write_plan
