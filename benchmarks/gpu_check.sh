@@ -4,8 +4,8 @@
 #   bash benchmarks/gpu_check.sh OUTDIR      # from the repository root; about 5 minutes at most
 #
 # First, here (with a network): scripts/gpu-wheels.sh puts the wheels the machine's image lacks
-# (gguf and the peer loaders, 10 MB, for its Python 3.12) in .gpu-wheels/, which the device call
-# carries. Nothing is fetched there: the wheels are installed from that folder alone (pip
+# (gguf, orjson and the peer loaders, 10 MB, for its Python 3.12) in .gpu-wheels/, which the
+# device call carries. Nothing is fetched there: the wheels are installed from that folder alone (pip
 # --isolated --no-index --no-deps --target), never over the machine's torch, and the checkout is
 # used where it is (PYTHONPATH). The steps, the most important first, so that a run cut short
 # has done what matters most; each runs under `timeout`, all of them within GPU_CHECK_BUDGET_S

@@ -69,6 +69,7 @@ class Wheel:
 #: benchmark compares with (each needs only what ``IMAGE`` holds; ``download`` checks it)
 WHEELS = (
     Wheel("gguf", "0.19.0", "shardload's own requirement (GGUF files)"),
+    Wheel("orjson", "3.13.0", "shardload's own requirement (safetensors headers)"),
     Wheel("fastsafetensors", "0.5.0", "a peer loader"),
     Wheel("runai-model-streamer", "0.17.1", "a peer loader (Run:ai Model Streamer)"),
     Wheel("instanttensor", "0.2.2", "a peer loader (CUDA only)"),

@@ -24,8 +24,10 @@ if [ "$(cat "$VENV/ready" 2>/dev/null)" != "$READY" ]; then
         | grep -v "^WARNING: " >&2 || true
     "$VENV/bin/python" -c "import torch, numpy, safetensors, click, tqdm, pytest" 2>/dev/null \
         || { echo "the simulated environment did not install in $VENV" >&2; exit 1; }
-    python -m devtools.gpu_machine download --dest "$VENV/gpu-wheels" \
-        --python-version "$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" >&2
     echo "$READY" > "$VENV/ready"
 fi
+# the carried wheels as devtools/gpu_machine.py's WHEELS name them now (a wheel added there is
+# fetched on the next run; those already there are kept)
+python -m devtools.gpu_machine download --dest "$VENV/gpu-wheels" \
+    --python-version "$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" >&2
 echo "$VENV/bin/python"

@@ -43,6 +43,7 @@ if [ "${1:-}" = "--peers" ]; then
 fi
 # this checkout's metadata (the vllm.general_plugins entry point); the tests also put the
 # checkout first on PYTHONPATH, so its code is the one vLLM runs
-"$VENV/bin/pip" install -q --no-deps -e . >/dev/null 2>&1
+# this checkout, and any requirement it gained since the environment was made (orjson)
+quiet_pip -e .
 say "ready; run vLLM with:"
 echo "$VENV/bin/python"

@@ -2,8 +2,8 @@
 
 Opening DeepSeek-V3 (91,991 tensors in 139 files) once took 0.8 s, most of it Python code run
 for every tensor: a member-by-member parse with a hook per object, then a dozen checks. Here a
-header is parsed by json's C parser with no hook (``strict_json.loads_plain``; a repeated key
-is found by counting members, ``strict_json.members_match``), in pieces of about
+header is parsed by orjson with no hook (``strict_json.loads_plain``; a repeated key is found
+by counting members, ``strict_json.members_match``), in pieces of about
 ``PIECE_CHARS`` (``strict_json.object_pieces``), and each piece's entries are checked together:
 a rule is one pass of builtins over a list (``set(map(type, ...))``, ``map(sub, ends,
 begins)``), not Python statements per entry, and each distinct shape is checked once.
@@ -39,7 +39,7 @@ _DTYPE, _SHAPE, _OFFSETS = itemgetter("dtype"), itemgetter("shape"), itemgetter(
 _ITEMSIZE = {code: dtypes.itemsize(name) for code, name in dtypes.SAFETENSORS.items()}
 _CANONICAL = dict(dtypes.SAFETENSORS)
 _LARGEST_ITEM = max(_ITEMSIZE.values())
-_LIST, _STR = {list}, {str}
+_LIST, _STR, _INT = {list}, {str}, {int}
 #: shapes kept once per distinct shape across a checkpoint's files; a header of more distinct
 #: ones than this empties it now and then rather than let it grow
 SHAPES_KEPT = 4096
@@ -60,7 +60,7 @@ def parse_header(text: str, data_len: int,
     for piece in strict_json.object_pieces(text, PIECE_CHARS):
         if len(piece) > MOST_CHARS:
             return None
-        obj = strict_json.loads_plain(piece, floats=False)
+        obj = strict_json.loads_plain(piece)
         if type(obj) is not dict:
             return None
         members, here = len(obj), None  # here: this piece's __metadata__
@@ -99,7 +99,7 @@ def _entries(obj: dict, data_len: int, shapes: dict) -> "tuple[list, list, array
     """The entries of one piece (``__metadata__`` taken out) checked, each rule a pass over
     them all: ``(shape tuples, canonical dtypes, begins, ends)``; ``None``
     unless every entry keeps every rule of ``safetensors._entry_reader``. (No value in the
-    piece is a float, NaN or a boolean: ``parse_header`` let none through.)"""
+    piece is NaN or a boolean: ``parse_header`` let none through; a float is refused here.)"""
     if not obj:
         return [], [], array("q"), array("q")
     if "" in obj:
@@ -118,7 +118,9 @@ def _entries(obj: dict, data_len: int, shapes: dict) -> "tuple[list, list, array
         if set(map(type, shape_lists)) != _LIST or set(map(len, offsets)) != {2}:
             return None
         begins, ends = zip(*offsets)
-        # begin and end are ints if they subtract: no string, list, object or null does
+        # ints alone: not a float (a number beyond 64 bits is one: strict_json.loads_plain)
+        if set(map(type, begins)) | set(map(type, ends)) != _INT:
+            return None
         sizes = list(map(sub, ends, begins))
         tuples = list(map(tuple, shape_lists))
         # each distinct shape checked once (a shape holding a list is unhashable: TypeError)
