@@ -180,6 +180,8 @@ def test_bench_scale_smoke(tmp_path):
     for r in rows:
         phases = [r[f"{p}_s"] for p in ("open", "plan", "read_plan")]
         assert all(t > 0 for t in phases) and r["total_s"] == pytest.approx(sum(phases))
+        assert r["open_plan_s"] == pytest.approx(phases[0] + phases[1])  # issue 40's goal
+        assert 0 <= r["peak_above_import_bytes"] < 50 << 20  # a small checkpoint's, since import
         assert 0 < r["validate_s"] < r["plan_s"]    # the planned plan validated is in plan
         assert r["vllm_open_s"] > 0 and r["read_plans_all_s"] > 0
         assert r["validate_cli_s"] > r["import_s"] > 0

@@ -19,7 +19,7 @@ import sys
 #: what the check reports on, as (distribution, module); cupy's distribution is whichever
 #: provides ``cupy`` (cupy-cuda12x, cupy-cuda13x, ...)
 PACKAGES = (("safetensors", "safetensors"), ("numpy", "numpy"), ("gguf", "gguf"),
-            (None, "cupy"), ("fastsafetensors", "fastsafetensors"),
+            ("orjson", "orjson"), (None, "cupy"), ("fastsafetensors", "fastsafetensors"),
             ("runai-model-streamer", "runai_model_streamer"), ("instanttensor", "instanttensor"),
             ("transformers", "transformers"))
 
