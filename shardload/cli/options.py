@@ -117,11 +117,10 @@ def prepare(ckpt: str, shard_info: Optional[str], plugins: tuple[str, ...], num_
     interrupts.work_starts()    # an object checkpoint makes a scratch folder
     given = REPLICATE if replicate else shard_info
     if session is not None and session.spmd:
-        from ..frontdoor import plan_once  # (torch: a session has it already)
+        from ..frontdoor import plan_job  # (torch: a session has it already)
 
-        # the planners read config files: unreadable ones are input
-        with reading(), session.collective("preparing the load"):
-            job = plan_once(session, ckpt, given, experts=experts, what="preparing the load")
+        with reading():  # the planners read config files: unreadable ones are input
+            job = plan_job(session, ckpt, given, experts=experts, what="preparing the load")
         checkpoint, resolved = job.checkpoint, job.resolved
     else:
         job = None

@@ -40,6 +40,7 @@ _LAZY = {
     "plan_beside": "plans",
     "planned_fits": "plans",
     "plan_once": "shared_plan",
+    "plan_job": "shared_plan",
     "JobPlan": "shared_plan",
     "planning_per_worker": "shared_plan",
     "open_session": "sessions",
@@ -57,5 +58,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from .loading import load_sharded
     from .plans import PLAN_FILE, REPLICATE, ResolvedPlan, plan_beside, planned_fits, resolve_plan
     from .sessions import open_session, register_session_kind, session_kinds
-    from .shared_plan import JobPlan, plan_once, planning_per_worker
+    from .shared_plan import JobPlan, plan_job, plan_once, planning_per_worker
     from .writes import write_atomic, write_plan

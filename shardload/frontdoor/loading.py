@@ -9,7 +9,7 @@ from ..loader import ProgressCallback, ShardedParams, load_validated
 from ..readplan import ReadPlan
 from ..sessions import Session
 from ..staging import Staging
-from .shared_plan import plan_once, planning_per_worker
+from .shared_plan import plan_job, planning_per_worker
 
 __all__ = ["load_sharded"]
 
@@ -42,10 +42,8 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *, experts: str
     ...     sharded.shard("model.layers.0.mlp.down_proj.qweight", 3)
     """
     with gc_paused():  # a checkpoint's headers and plan are many objects, all kept
-        with session.collective("preparing the load"):
-            # under torchrun rank 0 plans and the other ranks receive its plan
-            job = plan_once(session, params, shard_info, experts=experts,
-                            what="preparing the load")
+        # under torchrun rank 0 plans and the other ranks receive its plan
+        job = plan_job(session, params, shard_info, experts=experts, what="preparing the load")
         planning = planning_per_worker(session, job)
         sharded = load_validated(job.checkpoint, job.resolved.validated, session,
                                  progress=progress, timeout=timeout, staging=staging,

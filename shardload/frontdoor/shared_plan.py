@@ -47,7 +47,7 @@ from ..sessions import Session
 from ..sessions.functions import register_session_func
 from .plans import ResolvedPlan, resolve_plan
 
-__all__ = ["JobPlan", "DecisionSummary", "plan_once", "planning_per_worker", "PLANNED",
+__all__ = ["JobPlan", "DecisionSummary", "plan_once", "plan_job", "planning_per_worker", "PLANNED",
            "FROM_RANK_0"]
 
 #: ``JobPlan.plan_from``: this rank resolved its plan itself, or received rank 0's
@@ -108,7 +108,7 @@ def plan_once(session: Session, params: Any, shard_info: Any = None, *, experts:
     """``params`` opened (``as_checkpoint``) and its plan for the session's workers, by the
     front door's policy: resolved on rank 0 alone and received by the others where the
     session's workers each run this (``Session.spmd``), else resolved here. Call it inside
-    ``session.collective(what)``; every worker must call it (``what`` names the step in a
+    ``session.collective(what)`` (``plan_job`` does); every worker must call it (``what`` names the step in a
     ``WorkerError``)."""
     start = time.perf_counter()
     if not session.spmd or session.num_workers == 1:
@@ -119,6 +119,14 @@ def plan_once(session: Session, params: Any, shard_info: Any = None, *, experts:
     if session.local_workers == [0]:
         return _plan_and_send(session, params, shard_info, experts, what, start)
     return _receive(session, params, shard_info, experts, what, start)
+
+
+def plan_job(session: Session, params: Any, shard_info: Any = None, *, experts: str = "tp",
+             what: str = "planning the load") -> JobPlan:
+    """``plan_once`` inside ``session.collective(what)``: what a caller with nothing else to
+    do in that collective calls (``load_sharded``, the CLI's load, ``load_tp_model``)."""
+    with session.collective(what):
+        return plan_once(session, params, shard_info, experts=experts, what=what)
 
 
 def planning_per_worker(session: Session, job: JobPlan) -> Optional[list[dict]]:

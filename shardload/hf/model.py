@@ -5,7 +5,7 @@ The controller's steps:
 1. open the checkpoint and resolve its plan for the session's N by the front door's policy
    (``frontdoor.resolve_plan``: the plan given, else ``shard_info.json`` beside it, else one
    made from its config, padded where the heads or the MLP do not divide; under torchrun rank 0
-   resolves it and the other ranks receive it, ``frontdoor.plan_once``); for a GGUF, read
+   resolves it and the other ranks receive it, ``frontdoor.plan_job``); for a GGUF, read
    transformers' config and tensor names once (``from_gguf``), before any data moves;
 2. load the shards (``loader.load_validated``): each worker holds only its pieces, still
    quantized;
@@ -32,7 +32,7 @@ import torch
 from .. import dtypes
 from ..errors import EXPERTS_TP, FormatError, ShardloadError, mention
 from ..geometry import WorkerShare, worker_share
-from ..frontdoor import plan_once
+from ..frontdoor import plan_job
 from ..loader import load_validated
 from ..sessions import Session
 from . import build, decode, weights
@@ -250,9 +250,8 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
                              f"got {dtype}")
     n = session.num_workers
     # 1. under torchrun rank 0 plans and the other ranks receive its plan (``plan_once``)
-    with session.collective("planning the model's load"):
-        job = plan_once(session, params, shard_info, experts=experts,
-                        what="planning the model's load")
+    job = plan_job(session, params, shard_info, experts=experts,
+                   what="planning the model's load")
     ckpt, resolved = job.checkpoint, job.resolved
     validated = resolved.validated
     shares = [worker_share(validated, i) for i in range(n)]

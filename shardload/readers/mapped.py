@@ -179,13 +179,17 @@ class MappedCheckpoint(Checkpoint):
     def metadata(self) -> dict[str, TensorMeta]:
         return self._meta
 
+    def _check_open(self, what: str) -> None:
+        """A ``ValueError`` once the checkpoint is closed (reading ``what``, or " it")."""
+        if self._closed:
+            raise ValueError(f"{self.source}: checkpoint is closed; open it again to read"
+                             f"{what or ' it'}")
+
     def _views(self, what: str) -> tuple[list["torch.Tensor"], list["torch.Tensor"]]:
         """Each file's data as a uint8 tensor viewing its mapping, and the tensor data within
         it (after the header), made at the first read; the caller holds the lock. A closed
         checkpoint is a ``ValueError`` (reading ``what``)."""
-        if self._closed:
-            raise ValueError(f"{self.source}: checkpoint is closed; open it again to read"
-                             f"{what or ' it'}")
+        self._check_open(what)
         if self._files_data is None or self._data is None:
             import torch
 
@@ -339,9 +343,7 @@ class MappedCheckpoint(Checkpoint):
         meta = self.meta(name)
         i, begin, end = self._where(name)
         with self._lock:
-            if self._closed:
-                raise ValueError(f"{self.source}: checkpoint is closed; open it again to read "
-                                 f"{name!r}")
+            self._check_open(f" {name!r}")
             mapped = self._maps[i]
         self._ready(meta, i, begin, end)
         carrier, _ = dtypes.numpy_carrier(meta.dtype)
