@@ -689,13 +689,23 @@ def test_planning_commands_do_not_import_torch(tmp_path):
     """``validate``, ``plan`` and ``inspect`` (``--reads`` too) plan, bind and validate
     without torch (about 1.2 s of every such command): a GPTQ act-order checkpoint (the
     planner reads its ``g_idx``), compressed-tensors (its ``weight_shape``), padded for an N
-    that does not divide the heads, and the example."""
+    that does not divide the heads, one compressed-tensors itself wrote, and the example."""
     from helpers.quantized_models import GQA, gptq, pack_quantized, write_model
+
+    import transformers
+
+    from helpers.compressed_tensors_tool import compress_w4a16
 
     gptq_dir = write_model(str(tmp_path / "gptq"), GQA, gptq(4, 32, act_order=True)).folder
     ct_dir = write_model(str(tmp_path / "ct"), GQA, pack_quantized(4, 32, True)).folder
+    # and one compressed-tensors wrote itself (its weight_shape tensors, its config)
+    tool_dir = tmp_path / "ct-tool"
+    compress_w4a16(tool_dir, transformers.LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=96), symmetric=False)
     runs = []
-    for ckpt, n in ((gptq_dir, 2), (ct_dir, 3), (str(REPO / "examples" / "tiny_llama_q4"), 4)):
+    for ckpt, n in ((gptq_dir, 2), (ct_dir, 3), (str(tool_dir), 2),
+                    (str(REPO / "examples" / "tiny_llama_q4"), 4)):
         runs += [f"validate|-n|{n}|{ckpt}", f"inspect|-n|{n}|--reads|{ckpt}",
                  f"plan|-n|{n}|{ckpt}|-o|{tmp_path / 'plan.json'}"]
     proc = subprocess.run([sys.executable, "-c", PLANNING_SCRIPT, *runs], capture_output=True,
