@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -65,32 +64,66 @@ from shardbench.methods import METHODS  # noqa: E402
 from shardbench.runner import run  # noqa: E402
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = harness.parser(__doc__)
-    ap.add_argument("--size-gb", type=float, default=1.5,
-                    help="checkpoint size in GB (1e9 bytes), within about 10%%; below about "
-                         "0.66 GB (one 7B-style layer), smaller dims")
+    ap.add_argument(
+        "--size-gb",
+        type=float,
+        default=1.5,
+        help="checkpoint size in GB (1e9 bytes), within about 10%%; below about "
+        "0.66 GB (one 7B-style layer), smaller dims",
+    )
     ap.add_argument("--shards", default="1,2,4,8", help="comma-separated worker counts")
-    harness.add_common(ap, runs=3, runs_help="repetitions per method and N", dir=True,
-                       json_help="write the results as JSON here", figures=True)
-    ap.add_argument("--cold", action="store_true",
-                    help="also run every method with the page cache dropped before it")
-    ap.add_argument("--cold-drop", choices=("auto", "fadvise"), default="auto",
-                    help="how --cold drops the cache: drop_caches (root, machine-wide) and "
-                         "posix_fadvise on the file (auto), or posix_fadvise only")
-    ap.add_argument("--methods", default=",".join(METHODS),
-                    help="comma-separated subset of: " + ", ".join(METHODS))
-    ap.add_argument("--model", choices=("dense", "moe"), default="dense",
-                    help="dense: a Llama (2,343 tensors at 0.5 GB); moe: a Qwen2-MoE with 60 "
-                         "experts a layer (14,291 tensors at 0.5 GB)")
-    ap.add_argument("--intermediate", type=int, default=None,
-                    help=f"MLP size (default {DEFAULT_INTERMEDIATE}; 3072 for the small dims)")
+    harness.add_common(
+        ap,
+        runs=3,
+        runs_help="repetitions per method and N",
+        dir=True,
+        json_help="write the results as JSON here",
+        figures=True,
+    )
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="also run every method with the page cache dropped before it",
+    )
+    ap.add_argument(
+        "--cold-drop",
+        choices=("auto", "fadvise"),
+        default="auto",
+        help="how --cold drops the cache: drop_caches (root, machine-wide) and "
+        "posix_fadvise on the file (auto), or posix_fadvise only",
+    )
+    ap.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated subset of: " + ", ".join(METHODS),
+    )
+    ap.add_argument(
+        "--model",
+        choices=("dense", "moe"),
+        default="dense",
+        help="dense: a Llama (2,343 tensors at 0.5 GB); moe: a Qwen2-MoE with 60 "
+        "experts a layer (14,291 tensors at 0.5 GB)",
+    )
+    ap.add_argument(
+        "--intermediate",
+        type=int,
+        default=None,
+        help=f"MLP size (default {DEFAULT_INTERMEDIATE}; 3072 for the small dims)",
+    )
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA section")
-    ap.add_argument("--cuda-only", action="store_true",
-                    help="the CUDA section alone (at every N of --shards); exit 4 without CUDA")
-    ap.add_argument("--cuda-stand-in", action="store_true",
-                    help="run the CUDA section with CPU workers and no bandwidth figure: the "
-                         "code path, not a measurement (the GPU check's dry run)")
+    ap.add_argument(
+        "--cuda-only",
+        action="store_true",
+        help="the CUDA section alone (at every N of --shards); exit 4 without CUDA",
+    )
+    ap.add_argument(
+        "--cuda-stand-in",
+        action="store_true",
+        help="run the CUDA section with CPU workers and no bandwidth figure: the "
+        "code path, not a measurement (the GPU check's dry run)",
+    )
     args = ap.parse_args(argv)
     args.shards = harness.int_list(ap, args.shards)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -105,7 +138,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     return run(args, harness.Bench("bench_load", args))
 

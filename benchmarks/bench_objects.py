@@ -64,7 +64,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -72,8 +72,9 @@ REPO = os.path.dirname(HERE)
 # emulators); the loader processes get the checkout on PYTHONPATH too (``loader_env``)
 sys.path[:0] = [HERE, REPO]
 
-from devtools.environments import environment  # noqa: E402 - where vLLM's environment is
 from shardbench import harness  # noqa: E402 - the common flags, medians, the JSON
+
+from devtools.environments import environment  # noqa: E402 - where vLLM's environment is
 
 SCRIPT = os.path.abspath(__file__)
 BUCKET = "bench"
@@ -109,15 +110,23 @@ def log(msg: str) -> None:
 
 # ==== child processes: started, read, ended, none left behind ===================================
 
-def spawn(argv: list[str], env: Optional[dict] = None, group: bool = True) -> subprocess.Popen:
+
+def spawn(argv: list[str], env: dict | None = None, group: bool = True) -> subprocess.Popen:
     """A child, killed by the kernel if this process dies first (``setpriv --pdeathsig``, from
     the main thread: the signal comes when the *thread* that started it ends); with ``group``,
     in a process group of its own (its descendants with it, so that ``end`` can stop them all,
     and a terminal's Ctrl-C reaches only this process, which decides), else in this one's."""
     if SETPRIV and threading.current_thread() is threading.main_thread():
         argv = [SETPRIV, "--pdeathsig", "KILL", "--", *argv]  # it execs argv: the same pid
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                            text=True, bufsize=1, start_new_session=group)
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+        bufsize=1,
+        start_new_session=group,
+    )
 
 
 class Lines:
@@ -147,8 +156,10 @@ class Lines:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 pass
-            raise RuntimeError(f"{self.what} closed its output (exit status "
-                               f"{self.proc.returncode}) before answering")
+            raise RuntimeError(
+                f"{self.what} closed its output (exit status "
+                f"{self.proc.returncode}) before answering"
+            )
         return line.strip()
 
     def json(self, timeout: float) -> dict:
@@ -212,13 +223,16 @@ def say(out, **msg: Any) -> None:
 
 def exit_on_sigterm() -> None:
     """SIGTERM (and SIGHUP) end this process as Ctrl-C does: through its cleanup."""
+
     def handler(signum, frame):
         raise SystemExit(128 + signum)
+
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGHUP, handler)
 
 
 # ==== the emulator, in a process of its own ====================================================
+
 
 class ServerProcess:
     """``objectservers.make_server(scheme)`` (the emulator behind the counting proxy) in a
@@ -261,7 +275,7 @@ class ServerProcess:
             pass
         end(self.proc, 30, f"{self.scheme} server")
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -302,17 +316,29 @@ def server_main(scheme: str) -> int:
                 elif cmd == "latency":
                     # every request, of an object (key) or not (a listing: key ""), waits
                     for rule_key in (None, ""):
-                        srv.inject("delay", seconds=float(args[0]), times=None, method=None,
-                                   key=rule_key)
+                        srv.inject(
+                            "delay", seconds=float(args[0]), times=None, method=None, key=rule_key
+                        )
                     say(out, ok=True)
                 elif cmd == "requests":
-                    say(out, ok={"requests": len(srv.requests()),
-                                 "gets": len(srv.requests(method="GET"))})
+                    say(
+                        out,
+                        ok={
+                            "requests": len(srv.requests()),
+                            "gets": len(srv.requests(method="GET")),
+                        },
+                    )
                 elif cmd == "counts":
                     (key,) = args
                     gets = [r for r in srv.requests(key, "GET") if r.data]
-                    say(out, ok={"sent": srv.bytes_sent(key), "total": srv.bytes_sent(),
-                                 "gets": len(gets)})
+                    say(
+                        out,
+                        ok={
+                            "sent": srv.bytes_sent(key),
+                            "total": srv.bytes_sent(),
+                            "gets": len(gets),
+                        },
+                    )
                 else:
                     say(out, error=f"unknown command {cmd!r}")
             except Exception as exc:  # noqa: BLE001 - answered, the server goes on
@@ -323,6 +349,7 @@ def server_main(scheme: str) -> int:
 
 
 # ==== memory of a process tree ==================================================================
+
 
 def tree(root: int) -> list[int]:
     """``root`` and all its descendants now (``/proc/PID/task/TID/children``: every thread's
@@ -344,7 +371,7 @@ def tree(root: int) -> list[int]:
     return pids
 
 
-def status_bytes(pid: int) -> Optional[tuple[int, int]]:
+def status_bytes(pid: int) -> tuple[int, int] | None:
     """(RssAnon, RssShmem) of ``pid`` in bytes; None for a process that is gone."""
     anon = shmem = 0
     try:
@@ -382,7 +409,7 @@ def cpu_seconds(pids: list[int]) -> float:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])   # utime, stime (fields 14, 15)
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
     return total / os.sysconf("SC_CLK_TCK")
 
 
@@ -390,7 +417,7 @@ def machine_busy() -> float:
     """CPU seconds every core of the machine has been busy, since boot (``/proc/stat``)."""
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)   # idle, iowait
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle, iowait
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
@@ -428,7 +455,7 @@ class TreeSampler:
         self._count = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def _sample(self, force_pss: bool = False) -> tuple[int, int]:
         """One sample: (sum of RssAnon + RssShmem, sum of PSS or -1 when not read)."""
@@ -449,8 +476,9 @@ class TreeSampler:
             self.samples += 1
             if total > self.peak:
                 self.peak = total
-                self.peak_processes = [{"pid": pid, "comm": comm(pid), "anon": a, "shmem": s}
-                                       for pid, (a, s) in per]
+                self.peak_processes = [
+                    {"pid": pid, "comm": comm(pid), "anon": a, "shmem": s} for pid, (a, s) in per
+                ]
             self.pss_peak = max(self.pss_peak, pss)
         return total, pss
 
@@ -513,7 +541,7 @@ def load_main(method: str, n: int, url: str, runai_python: str) -> int:
         if method in OPEN_METHODS:
             return open_only(method, url, out)
         return shardload_load(method, n, url, out)
-    except BaseException as exc:  # noqa: BLE001 - said to the harness, then raised
+    except BaseException as exc:
         say(out, error=f"{type(exc).__name__}: {exc}")
         raise
 
@@ -594,13 +622,17 @@ def write_many_files(folder: str, files: int) -> str:
     weight_map = {}
     for k in range(files):
         name = f"model-{k + 1:05d}-of-{files:05d}.safetensors"
-        tensors = {f"model.layers.{k}.{part}": np.full(shape, k % 7, dtype=np.float16)
-                   for part, shape in (("self_attn.q_proj.weight", (64, 64)),
-                                       ("self_attn.k_proj.weight", (16, 64)),
-                                       ("self_attn.v_proj.weight", (16, 64)),
-                                       ("self_attn.o_proj.weight", (64, 64)),
-                                       ("mlp.down_proj.weight", (64, 128)),
-                                       ("input_layernorm.weight", (64,)))}
+        tensors = {
+            f"model.layers.{k}.{part}": np.full(shape, k % 7, dtype=np.float16)
+            for part, shape in (
+                ("self_attn.q_proj.weight", (64, 64)),
+                ("self_attn.k_proj.weight", (16, 64)),
+                ("self_attn.v_proj.weight", (16, 64)),
+                ("self_attn.o_proj.weight", (64, 64)),
+                ("mlp.down_proj.weight", (64, 128)),
+                ("input_layernorm.weight", (64,)),
+            )
+        }
         save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -617,8 +649,7 @@ def run_open(args: argparse.Namespace) -> int:
     bench = harness.Bench("bench_objects", args)
     schemes = [s for s in args.schemes.split(",") if s]
     latency = 20.0 if args.latency_ms is None else args.latency_ms
-    folder = write_many_files(os.path.abspath(args.dir or harness.default_dir()),
-                              args.open_files)
+    folder = write_many_files(os.path.abspath(args.dir or harness.default_dir()), args.open_files)
     names = sorted(os.listdir(folder))
     log(f"checkpoint: {args.open_files} files, {folder}; latency {latency:g} ms a request")
     records: list[dict] = []
@@ -634,8 +665,10 @@ def run_open(args: argparse.Namespace) -> int:
             server.ask("latency", latency / 1000)
             env = loader_env(server, args)
             for r, method in harness.rounds(OPEN_METHODS, args.runs):
-                proc = spawn([sys.executable, SCRIPT, "--_load", method, "1",
-                              server.url(OPEN_PREFIX)], env=env)
+                proc = spawn(
+                    [sys.executable, SCRIPT, "--_load", method, "1", server.url(OPEN_PREFIX)],
+                    env=env,
+                )
                 lines = Lines(proc, f"{scheme} {method}")
                 try:
                     lines.json(600)
@@ -644,42 +677,73 @@ def run_open(args: argparse.Namespace) -> int:
                     result = lines.json(args.timeout)
                     counts = server.ask("requests")
                     send(proc, "exit")
-                    rec = {"scheme": scheme, "method": method, "run": r + 1,
-                           "seconds": result["seconds"], "cpu_seconds": result["cpu_seconds"],
-                           "tensors": result["tensors"], **counts}
+                    rec = {
+                        "scheme": scheme,
+                        "method": method,
+                        "run": r + 1,
+                        "seconds": result["seconds"],
+                        "cpu_seconds": result["cpu_seconds"],
+                        "tensors": result["tensors"],
+                        **counts,
+                    }
                 except (RuntimeError, TimeoutError, OSError) as exc:
-                    rec = {"scheme": scheme, "method": method, "run": r + 1,
-                           "failed": str(exc)}
+                    rec = {"scheme": scheme, "method": method, "run": r + 1, "failed": str(exc)}
                 finally:
                     end(proc, 10, f"{scheme} {method}")
                 records.append(rec)
-                log(f"  {scheme} run {r + 1} {method:20s} "
-                    + (f"FAILED: {rec['failed']}" if "failed" in rec else
-                       f"{rec['seconds']:6.3f} s  (opener's CPU {rec['cpu_seconds']:.3f} s)  "
-                       f"{rec['requests']} requests"))
-    print(f"open of {args.open_files} files, {latency:g} ms a request; medians of "
-          f"{args.runs} run(s)")
-    print(f"{'scheme':6s} {'method':20s} {'open s':>7s} {'CPU s':>6s} {'requests':>8s} "
-          f"{'tensors':>7s}")
+                log(
+                    f"  {scheme} run {r + 1} {method:20s} "
+                    + (
+                        f"FAILED: {rec['failed']}"
+                        if "failed" in rec
+                        else f"{rec['seconds']:6.3f} s  (opener's CPU {rec['cpu_seconds']:.3f} s)  "
+                        f"{rec['requests']} requests"
+                    )
+                )
+    print(
+        f"open of {args.open_files} files, {latency:g} ms a request; medians of {args.runs} run(s)"
+    )
+    print(
+        f"{'scheme':6s} {'method':20s} {'open s':>7s} {'CPU s':>6s} {'requests':>8s} "
+        f"{'tensors':>7s}"
+    )
     rows = []
     for scheme in schemes:
         for method in OPEN_METHODS:
-            ok = [r for r in records if r["scheme"] == scheme and r["method"] == method
-                  and "failed" not in r]
+            ok = [
+                r
+                for r in records
+                if r["scheme"] == scheme and r["method"] == method and "failed" not in r
+            ]
             if not ok:
                 continue
-            row = {"scheme": scheme, "method": method, "runs": ok,
-                   "seconds": harness.median(r["seconds"] for r in ok),
-                   "cpu_seconds": harness.median(r["cpu_seconds"] for r in ok),
-                   "requests": harness.median(r["requests"] for r in ok),
-                   "tensors": ok[0]["tensors"]}
+            row = {
+                "scheme": scheme,
+                "method": method,
+                "runs": ok,
+                "seconds": harness.median(r["seconds"] for r in ok),
+                "cpu_seconds": harness.median(r["cpu_seconds"] for r in ok),
+                "requests": harness.median(r["requests"] for r in ok),
+                "tensors": ok[0]["tensors"],
+            }
             rows.append(row)
-            print(f"{scheme:6s} {method:20s} {row['seconds']:7.3f} {row['cpu_seconds']:6.3f} "
-                  f"{row['requests']:8.0f} {row['tensors']:7d}")
-    print("(open s: open_checkpoint and its metadata, in a fresh process; CPU s: that "
-          "process's; requests: all the proxy answered)")
-    bench.write({"open_files": args.open_files, "latency_ms": latency, "schemes": schemes,
-                 "runs": args.runs, "results": rows})
+            print(
+                f"{scheme:6s} {method:20s} {row['seconds']:7.3f} {row['cpu_seconds']:6.3f} "
+                f"{row['requests']:8.0f} {row['tensors']:7d}"
+            )
+    print(
+        "(open s: open_checkpoint and its metadata, in a fresh process; CPU s: that "
+        "process's; requests: all the proxy answered)"
+    )
+    bench.write(
+        {
+            "open_files": args.open_files,
+            "latency_ms": latency,
+            "schemes": schemes,
+            "runs": args.runs,
+            "results": rows,
+        }
+    )
     return 0
 
 
@@ -733,35 +797,67 @@ def end_rank(proc: subprocess.Popen, grace: float) -> None:
 
 # ==== the benchmark ===============================================================================
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = harness.parser(__doc__)
-    ap.add_argument("--schemes", default="s3,gs",
-                    help="of s3, gs, az (az: shardload only) (default s3,gs)")
+    ap.add_argument(
+        "--schemes", default="s3,gs", help="of s3, gs, az (az: shardload only) (default s3,gs)"
+    )
     ap.add_argument("--size-gb", type=float, default=1.0)
     ap.add_argument("--shards", default="1,2,4,8")
-    harness.add_common(ap, runs=2, json_help="write everything as JSON here", dir=True,
-                       dir_help="where the checkpoint is cached (default "
-                                "~/.cache/shardload-bench)", figures=True)
+    harness.add_common(
+        ap,
+        runs=2,
+        json_help="write everything as JSON here",
+        dir=True,
+        dir_help="where the checkpoint is cached (default ~/.cache/shardload-bench)",
+        figures=True,
+    )
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--window-mb", type=float, default=None,
-                    help=f"shardload's object window, passed as ${WINDOW_ENV}")
-    ap.add_argument("--overlap", action="store_true",
-                    help="also measure fetch-only and the local load, and read each load's "
-                    "time against them")
-    ap.add_argument("--link-mbps", type=float, default=0.0,
-                    help="the server's answers share one link of this many MB/s (default: "
-                    "as fast as the machine)")
-    ap.add_argument("--runai-python", default=None,
-                    help="the interpreter of Run:ai's ranks (default: the vLLM venv's, "
-                    "scripts/vllm-env.sh, where it exists; else this one)")
-    ap.add_argument("--open-files", type=int, default=0, metavar="F",
-                    help="measure opening a checkpoint of F small files instead (see above)")
-    ap.add_argument("--latency-ms", type=float, default=None,
-                    help="with --open-files: every request the proxy answers waits this "
-                    "long (default 20)")
+    ap.add_argument(
+        "--window-mb",
+        type=float,
+        default=None,
+        help=f"shardload's object window, passed as ${WINDOW_ENV}",
+    )
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="also measure fetch-only and the local load, and read each load's time against them",
+    )
+    ap.add_argument(
+        "--link-mbps",
+        type=float,
+        default=0.0,
+        help="the server's answers share one link of this many MB/s (default: "
+        "as fast as the machine)",
+    )
+    ap.add_argument(
+        "--runai-python",
+        default=None,
+        help="the interpreter of Run:ai's ranks (default: the vLLM venv's, "
+        "scripts/vllm-env.sh, where it exists; else this one)",
+    )
+    ap.add_argument(
+        "--open-files",
+        type=int,
+        default=0,
+        metavar="F",
+        help="measure opening a checkpoint of F small files instead (see above)",
+    )
+    ap.add_argument(
+        "--latency-ms",
+        type=float,
+        default=None,
+        help="with --open-files: every request the proxy answers waits this long (default 20)",
+    )
     ap.add_argument("--sample-ms", type=float, default=SAMPLE_MS)
-    ap.add_argument("--timeout", type=float, default=1800.0,
-                    help="seconds one load may take before it is killed and counted failed")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds one load may take before it is killed and counted failed",
+    )
     # the child processes' entries
     ap.add_argument("--_server", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_load", nargs=3, default=None, help=argparse.SUPPRESS)
@@ -774,14 +870,17 @@ def default_runai_python() -> str:
     return environment("vllm").find() or sys.executable
 
 
-def runai_check(python: str, scheme: str) -> tuple[Optional[str], Optional[str]]:
+def runai_check(python: str, scheme: str) -> tuple[str | None, str | None]:
     """(Run:ai's version, None) when ``python`` has it and its ``scheme`` backend, else (None,
     why not)."""
     backend = RUNAI_BACKENDS.get(scheme)
     if backend is None:
         return None, f"not measured for {scheme}:// here (s3 and gs only)"
-    code = ("import importlib.metadata as m, runai_model_streamer, " + backend +
-            "; print(m.version('runai-model-streamer'))")
+    code = (
+        "import importlib.metadata as m, runai_model_streamer, "
+        + backend
+        + "; print(m.version('runai-model-streamer'))"
+    )
     try:
         done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -813,16 +912,31 @@ def loader_env(server: ServerProcess, args: argparse.Namespace) -> dict:
     return env
 
 
-def measure(server: ServerProcess, env: dict, method: str, n: int, args: argparse.Namespace,
-            runai_python: str, key: str, local: str) -> dict:
+def measure(
+    server: ServerProcess,
+    env: dict,
+    method: str,
+    n: int,
+    args: argparse.Namespace,
+    runai_python: str,
+    key: str,
+    local: str,
+) -> dict:
     """One load in a fresh loader process: its record (``failed`` with the reason if it
     failed)."""
-    url = (server.url(key) if method in ("runai-streamer", "fetch-only") else
-           local if method.startswith("local-") else server.url(PREFIX))
-    proc = spawn([sys.executable, SCRIPT, "--_load", method, str(n), url,
-                  "--runai-python", runai_python], env=env)
+    url = (
+        server.url(key)
+        if method in ("runai-streamer", "fetch-only")
+        else local
+        if method.startswith("local-")
+        else server.url(PREFIX)
+    )
+    proc = spawn(
+        [sys.executable, SCRIPT, "--_load", method, str(n), url, "--runai-python", runai_python],
+        env=env,
+    )
     lines = Lines(proc, f"{method} N={n}")
-    sampler: Optional[TreeSampler] = None
+    sampler: TreeSampler | None = None
     grace = 60.0
     try:
         lines.json(600)  # ready: the session's workers, or the ranks, started
@@ -839,15 +953,26 @@ def measure(server: ServerProcess, env: dict, method: str, n: int, args: argpars
         end_rss, end_pss = sampler.end()
         counts = server.counts(key)
         send(proc, "exit")
-        return {"seconds": result["seconds"], "sent_bytes": counts["sent"],
-                "sent_total_bytes": counts["total"], "gets": counts["gets"],
-                "kept_bytes": result["kept"], "kept_per_worker": result["kept_per_worker"],
-                "base_bytes": base, "peak_bytes": sampler.peak, "end_bytes": end_rss,
-                "base_pss_bytes": base_pss, "peak_pss_bytes": sampler.pss_peak,
-                "end_pss_bytes": end_pss, "processes": len(sampler.pids),
-                "peak_processes": sampler.peak_processes, "samples": sampler.samples,
-                "pss_samples": sampler.pss_samples, "cpu_seconds": cpu,
-                "machine_busy": busy / (wall * (os.cpu_count() or 1))}
+        return {
+            "seconds": result["seconds"],
+            "sent_bytes": counts["sent"],
+            "sent_total_bytes": counts["total"],
+            "gets": counts["gets"],
+            "kept_bytes": result["kept"],
+            "kept_per_worker": result["kept_per_worker"],
+            "base_bytes": base,
+            "peak_bytes": sampler.peak,
+            "end_bytes": end_rss,
+            "base_pss_bytes": base_pss,
+            "peak_pss_bytes": sampler.pss_peak,
+            "end_pss_bytes": end_pss,
+            "processes": len(sampler.pids),
+            "peak_processes": sampler.peak_processes,
+            "samples": sampler.samples,
+            "pss_samples": sampler.pss_samples,
+            "cpu_seconds": cpu,
+            "machine_busy": busy / (wall * (os.cpu_count() or 1)),
+        }
     except (RuntimeError, TimeoutError, OSError) as exc:
         grace = 0.0  # a failed load's processes may still be busy: killed at once
         return {"failed": str(exc)}
@@ -864,25 +989,41 @@ def summarize(records: list[dict]) -> list[dict]:
     """One row per (scheme, method, N): the medians of its runs that did not fail."""
     rows: dict[tuple, dict] = {}
     for rec in records:
-        row = rows.setdefault((rec["scheme"], rec["method"], rec["n"]), {
-            "scheme": rec["scheme"], "method": rec["method"], "n": rec["n"], "runs": []})
+        row = rows.setdefault(
+            (rec["scheme"], rec["method"], rec["n"]),
+            {"scheme": rec["scheme"], "method": rec["method"], "n": rec["n"], "runs": []},
+        )
         row["runs"].append(rec)
     out = []
     for row in rows.values():
         ok = [r for r in row["runs"] if "failed" not in r]
         row["failed_runs"] = len(row["runs"]) - len(ok)
-        for field in ("seconds", "sent_bytes", "sent_total_bytes", "gets", "kept_bytes",
-                      "base_bytes", "peak_bytes", "end_bytes", "base_pss_bytes",
-                      "peak_pss_bytes", "end_pss_bytes", "cpu_seconds", "machine_busy"):
+        for field in (
+            "seconds",
+            "sent_bytes",
+            "sent_total_bytes",
+            "gets",
+            "kept_bytes",
+            "base_bytes",
+            "peak_bytes",
+            "end_bytes",
+            "base_pss_bytes",
+            "peak_pss_bytes",
+            "end_pss_bytes",
+            "cpu_seconds",
+            "machine_busy",
+        ):
             row[field] = harness.median(r.get(field) for r in ok)
         out.append(row)
     return out
 
 
 def print_table(rows: list[dict], file_bytes: int) -> None:
-    print(f"{'scheme':6s} {'method':17s} {'N':>2s} {'time s':>7s} {'sent MB':>8s} "
-          f"{'x file':>6s} {'GETs':>5s} {'kept MB':>8s} {'base MB':>8s} {'peak MB':>8s} "
-          f"{'PSS MB':>8s} {'load MB':>8s} {'load/kept':>9s}")
+    print(
+        f"{'scheme':6s} {'method':17s} {'N':>2s} {'time s':>7s} {'sent MB':>8s} "
+        f"{'x file':>6s} {'GETs':>5s} {'kept MB':>8s} {'base MB':>8s} {'peak MB':>8s} "
+        f"{'PSS MB':>8s} {'load MB':>8s} {'load/kept':>9s}"
+    )
     for r in rows:
         lead = f"{r['scheme']:6s} {r['method']:17s} {r['n']:2d}"
         if r["seconds"] is None:
@@ -890,12 +1031,14 @@ def print_table(rows: list[dict], file_bytes: int) -> None:
             print(f"{lead}   failed every run: {why[:100]}")
             continue
         load = r["peak_pss_bytes"] - r["base_pss_bytes"]
-        print(f"{lead} {r['seconds']:7.2f} {r['sent_bytes'] / MB:8.1f} "
-              f"{r['sent_bytes'] / file_bytes:5.2f}x {r['gets']:5.0f} "
-              f"{r['kept_bytes'] / MB:8.1f} {r['base_pss_bytes'] / MB:8.1f} "
-              f"{r['peak_bytes'] / MB:8.1f} {r['peak_pss_bytes'] / MB:8.1f} {load / MB:8.1f} "
-              f"{load / max(r['kept_bytes'], 1):8.2f}x"
-              + (f"  ({r['failed_runs']} failed)" if r["failed_runs"] else ""))
+        print(
+            f"{lead} {r['seconds']:7.2f} {r['sent_bytes'] / MB:8.1f} "
+            f"{r['sent_bytes'] / file_bytes:5.2f}x {r['gets']:5.0f} "
+            f"{r['kept_bytes'] / MB:8.1f} {r['base_pss_bytes'] / MB:8.1f} "
+            f"{r['peak_bytes'] / MB:8.1f} {r['peak_pss_bytes'] / MB:8.1f} {load / MB:8.1f} "
+            f"{load / max(r['kept_bytes'], 1):8.2f}x"
+            + (f"  ({r['failed_runs']} failed)" if r["failed_runs"] else "")
+        )
 
 
 def print_overlap(rows: list[dict]) -> None:
@@ -903,9 +1046,11 @@ def print_overlap(rows: list[dict]) -> None:
     and copies at once; ``/sum`` near 1 one that does them in turn."""
     by = {(r["scheme"], r["method"], r["n"]): r for r in rows if r["seconds"] is not None}
     cores = os.cpu_count() or 1
-    print(f"{'scheme':6s} {'method':17s} {'N':>2s} {'time s':>7s} {'fetch s':>7s} "
-          f"{'local s':>7s} {'/max':>6s} {'/sum':>6s} {'cpu s':>6s} {'fetch+local cpu s':>17s} "
-          f"{'busy':>5s}")
+    print(
+        f"{'scheme':6s} {'method':17s} {'N':>2s} {'time s':>7s} {'fetch s':>7s} "
+        f"{'local s':>7s} {'/max':>6s} {'/sum':>6s} {'cpu s':>6s} {'fetch+local cpu s':>17s} "
+        f"{'busy':>5s}"
+    )
     for (scheme, method, n), row in by.items():
         if not method.startswith("shardload-"):
             continue
@@ -914,26 +1059,36 @@ def print_overlap(rows: list[dict]) -> None:
         if fetch is None or local is None:
             continue
         t, f, lo = row["seconds"], fetch["seconds"], local["seconds"]
-        print(f"{scheme:6s} {method:17s} {n:2d} {t:7.2f} {f:7.2f} {lo:7.2f} "
-              f"{t / max(f, lo):6.2f} {t / (f + lo):6.2f} {row['cpu_seconds']:6.2f} "
-              f"{fetch['cpu_seconds'] + local['cpu_seconds']:17.2f} "
-              f"{row['machine_busy']:5.0%}")
-    print(f"(cpu s: the loader's and the server's processes, user + system; busy: the share "
-          f"of the machine's {cores} cores busy during the load, whoever used them)")
+        print(
+            f"{scheme:6s} {method:17s} {n:2d} {t:7.2f} {f:7.2f} {lo:7.2f} "
+            f"{t / max(f, lo):6.2f} {t / (f + lo):6.2f} {row['cpu_seconds']:6.2f} "
+            f"{fetch['cpu_seconds'] + local['cpu_seconds']:17.2f} "
+            f"{row['machine_busy']:5.0%}"
+        )
+    print(
+        f"(cpu s: the loader's and the server's processes, user + system; busy: the share "
+        f"of the machine's {cores} cores busy during the load, whoever used them)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """The benchmark for the parsed flags (this process: the harness of the children)."""
-    from shardbench.checkpoints import (MODEL_FILE, PLAN_FILE, choose_geometry, default_dir,
-                                        ensure_checkpoint)
+    from shardbench.checkpoints import (
+        MODEL_FILE,
+        PLAN_FILE,
+        choose_geometry,
+        default_dir,
+        ensure_checkpoint,
+    )
     from shardbench.figures import draw_objects
 
     bench = harness.Bench("bench_objects", args)
 
     schemes = [s for s in args.schemes.split(",") if s]
     methods = [m for m in args.methods.split(",") if m]
-    for bad in [s for s in schemes if s not in SCHEMES] + [m for m in methods
-                                                          if m not in METHODS + HALVES]:
+    for bad in [s for s in schemes if s not in SCHEMES] + [
+        m for m in methods if m not in METHODS + HALVES
+    ]:
         raise SystemExit(f"unknown scheme or method {bad!r}")
     if args.overlap:
         methods += [m for m in HALVES if m not in methods]
@@ -978,27 +1133,36 @@ def run(args: argparse.Namespace) -> int:
             env = loader_env(server, args)
             if args.link_mbps:
                 server.ask("link", args.link_mbps * MB)
-            log(f"{scheme}: server {server.endpoint}"
-                + (f", link {args.link_mbps:g} MB/s" if args.link_mbps else ""))
+            log(
+                f"{scheme}: server {server.endpoint}"
+                + (f", link {args.link_mbps:g} MB/s" if args.link_mbps else "")
+            )
             for n in shards:
                 for r, method in harness.rounds(here, args.runs):
-                    rec = {"scheme": scheme, "method": method, "n": n, "run": r + 1,
-                           **measure(server, env, method, n, args, runai_python, key,
-                                     folder)}
+                    rec = {
+                        "scheme": scheme,
+                        "method": method,
+                        "n": n,
+                        "run": r + 1,
+                        **measure(server, env, method, n, args, runai_python, key, folder),
+                    }
                     records.append(rec)
                     if "failed" in rec:
-                        log(f"  {scheme} N={n} run {r + 1} {method:17s} FAILED: "
-                            f"{rec['failed']}")
+                        log(f"  {scheme} N={n} run {r + 1} {method:17s} FAILED: {rec['failed']}")
                     else:
-                        log(f"  {scheme} N={n} run {r + 1} {method:17s} "
+                        log(
+                            f"  {scheme} N={n} run {r + 1} {method:17s} "
                             f"{rec['seconds']:7.2f} s  sent {rec['sent_bytes'] / MB:8.1f} MB"
                             f"  peak {rec['peak_bytes'] / MB:8.1f} MB  PSS "
                             f"{rec['peak_pss_bytes'] / MB:8.1f} MB  kept "
-                            f"{rec['kept_bytes'] / MB:8.1f} MB")
+                            f"{rec['kept_bytes'] / MB:8.1f} MB"
+                        )
     rows = summarize(records)
-    print(f"file {file_bytes / MB:.1f} MB; medians of {args.runs} run(s); window "
-          f"{'unset' if args.window_mb is None else f'{args.window_mb:g} MiB'}; link "
-          f"{f'{args.link_mbps:g} MB/s' if args.link_mbps else 'unlimited'}")
+    print(
+        f"file {file_bytes / MB:.1f} MB; medians of {args.runs} run(s); window "
+        f"{'unset' if args.window_mb is None else f'{args.window_mb:g} MiB'}; link "
+        f"{f'{args.link_mbps:g} MB/s' if args.link_mbps else 'unlimited'}"
+    )
     print_table(rows, file_bytes)
     if args.overlap:
         print_overlap(rows)
@@ -1006,28 +1170,45 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipped {what}: {why}")
     if args.json or args.figures:
         report = {
-            "size_gb": args.size_gb, "file_bytes": file_bytes, "tensors": geom.tensors,
-            "checkpoint": folder, "schemes": schemes, "methods": methods, "shards": shards,
-            "runs": args.runs, "window_mb": args.window_mb, "link_mbps": args.link_mbps,
-            "object_settings": {k: v for k, v in os.environ.items()
-                                if k.startswith("SHARDLOAD_OBJECT_")} | (
-                {WINDOW_ENV: f"{args.window_mb:g}"} if args.window_mb is not None else {}),
-            "runai_settings": {k: v for k, v in os.environ.items()
-                               if k.startswith("RUNAI_STREAMER_")},
-            "runai_python": runai_python, "runai_version": runai_version,
-            "memory": {"sample_ms": args.sample_ms, "pss_cpu_share": PSS_CPU_SHARE,
-                       "peak": "max over samples of the sum over the tree of RssAnon + "
-                               "RssShmem (/proc/PID/status)",
-                       "pss": "max of the sum of Pss_Anon + Pss_Shmem "
-                              "(/proc/PID/smaps_rollup)"},
-            "machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
-                        "python": platform.python_version()},
-            "skipped": skipped, "results": rows}
+            "size_gb": args.size_gb,
+            "file_bytes": file_bytes,
+            "tensors": geom.tensors,
+            "checkpoint": folder,
+            "schemes": schemes,
+            "methods": methods,
+            "shards": shards,
+            "runs": args.runs,
+            "window_mb": args.window_mb,
+            "link_mbps": args.link_mbps,
+            "object_settings": {
+                k: v for k, v in os.environ.items() if k.startswith("SHARDLOAD_OBJECT_")
+            }
+            | ({WINDOW_ENV: f"{args.window_mb:g}"} if args.window_mb is not None else {}),
+            "runai_settings": {
+                k: v for k, v in os.environ.items() if k.startswith("RUNAI_STREAMER_")
+            },
+            "runai_python": runai_python,
+            "runai_version": runai_version,
+            "memory": {
+                "sample_ms": args.sample_ms,
+                "pss_cpu_share": PSS_CPU_SHARE,
+                "peak": "max over samples of the sum over the tree of RssAnon + "
+                "RssShmem (/proc/PID/status)",
+                "pss": "max of the sum of Pss_Anon + Pss_Shmem (/proc/PID/smaps_rollup)",
+            },
+            "machine": {
+                "cpus": os.cpu_count(),
+                "kernel": platform.release(),
+                "python": platform.python_version(),
+            },
+            "skipped": skipped,
+            "results": rows,
+        }
         bench.finish(report, draw_objects)
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args._server:
         return server_main(args._server)

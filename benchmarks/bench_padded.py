@@ -35,8 +35,8 @@ if HERE not in sys.path:
 
 from shardbench import harness, padded_funcs  # noqa: E402  (registers bench.take_units_computed)
 from shardbench.models import smollm2_gguf  # noqa: E402
-from shardload import (ProcessSession, ShardInfo, ThreadedSession, load_sharded,  # noqa: E402
-                       open_checkpoint)
+
+from shardload import ProcessSession, ShardInfo, ThreadedSession, load_sharded, open_checkpoint  # noqa: E402
 from shardload.planners import plan_for  # noqa: E402
 
 
@@ -66,8 +66,10 @@ def main() -> None:
     padded = sum(1 for p in validated for s in p.steps if s.func == "shardload.take_units")
     sharded = sum(p.meta.nbytes for p in validated if not p.replicated)
     replicated = sum(p.meta.nbytes for p in validated if p.replicated)
-    print(f"{path}\nN={n}: {padded} tensors padded with take_units; sharded tensors "
-          f"{sharded / 2**20:.1f} MiB, replicated {replicated / 2**20:.1f} MiB")
+    print(
+        f"{path}\nN={n}: {padded} tensors padded with take_units; sharded tensors "
+        f"{sharded / 2**20:.1f} MiB, replicated {replicated / 2**20:.1f} MiB"
+    )
     plans = {"read-plan": info, "compute-then-slice": computed_variant(info)}
     results = {}
     for kind in ("process", "thread"):
@@ -85,23 +87,33 @@ def main() -> None:
                 entry["seconds"].append(seconds)
                 entry["bytes_read_per_worker"] = result.stats.bytes_read_per_worker
                 if r == 0:
-                    kept[method] = [[result.shard(p, i) for p in result.names[:40]]
-                                    for i in range(n)]
+                    kept[method] = [
+                        [result.shard(p, i) for p in result.names[:40]] for i in range(n)
+                    ]
                 del result
             for i in range(n):
                 for a, b in zip(kept["read-plan"][i], kept["compute-then-slice"][i]):
                     if not torch.equal(a, b):
                         raise SystemExit(f"{kind}: worker {i} differs between the two ways")
     base = {k: harness.median(v["seconds"]) for k, v in results.items()}
-    print(f"\n{'session/method':<30} {'median s':>9} {'vs compute':>10}  "
-          "bytes read per worker (MiB; sharded part / sharded total)")
+    print(
+        f"\n{'session/method':<30} {'median s':>9} {'vs compute':>10}  "
+        "bytes read per worker (MiB; sharded part / sharded total)"
+    )
     for key, entry in results.items():
         kind = key.split("/")[0]
         ratio = base[key] / base[f"{kind}/compute-then-slice"]
         per = ", ".join(f"{(b - replicated) / 2**20:.1f}" for b in entry["bytes_read_per_worker"])
         print(f"{key:<30} {base[key]:9.3f} {ratio:9.2f}x  [{per}] / {sharded / 2**20:.1f}")
-    bench.finish({"checkpoint": path, "num_shards": n, "sharded_bytes": sharded,
-                  "replicated_bytes": replicated, "results": results})
+    bench.finish(
+        {
+            "checkpoint": path,
+            "num_shards": n,
+            "sharded_bytes": sharded,
+            "replicated_bytes": replicated,
+            "results": results,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import json
 import os
 import sys
 import time
-from typing import Optional
 
 import torch
 
@@ -49,8 +48,9 @@ def ensure_file(root: str, tensors: int) -> str:
         return folder
     os.makedirs(folder, exist_ok=True)
     base = torch.arange(ROWS * ROWS, dtype=torch.int32).reshape(ROWS, ROWS)
-    save_file({f"t{i}": base + i for i in range(tensors)},
-              os.path.join(folder, "model.safetensors"))
+    save_file(
+        {f"t{i}": base + i for i in range(tensors)}, os.path.join(folder, "model.safetensors")
+    )
     step = ["shardload.split", [["num_shards", f"{ROWS} // num_shards", ROWS], "int32"], 0]
     tmp = os.path.join(folder, "shard_info.json.tmp")
     with open(tmp, "w") as f:
@@ -62,8 +62,7 @@ def ensure_file(root: str, tensors: int) -> str:
 def run_shardload(folder: str, session):
     from shardload import load_sharded
 
-    return load_sharded(folder, os.path.join(folder, "shard_info.json"), session,
-                        progress=False)
+    return load_sharded(folder, os.path.join(folder, "shard_info.json"), session, progress=False)
 
 
 def run_load_file(folder: str, n: int) -> list[dict[str, torch.Tensor]]:
@@ -71,8 +70,9 @@ def run_load_file(folder: str, n: int) -> list[dict[str, torch.Tensor]]:
 
     full = load_file(os.path.join(folder, "model.safetensors"))
     rows = ROWS // n
-    return [{name: t[i * rows:(i + 1) * rows].clone() for name, t in full.items()}
-            for i in range(n)]
+    return [
+        {name: t[i * rows : (i + 1) * rows].clone() for name, t in full.items()} for i in range(n)
+    ]
 
 
 def timed(fn) -> tuple[float, float, list]:
@@ -82,7 +82,7 @@ def timed(fn) -> tuple[float, float, list]:
     return time.perf_counter() - wall, time.process_time() - cpu, out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = harness.parser(__doc__)
     ap.add_argument("--tensors", type=int, default=100_000)
     ap.add_argument("--shards", default="1,4,8")
@@ -96,17 +96,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     folder = ensure_file(os.path.abspath(args.dir or default_dir()), args.tensors)
     results = []
     print(f"{args.tensors} tensors of 8x8 int32; medians of {args.runs}; cpu: this process")
-    print(f"{'method':24} {'N':>2} {'wall s':>7} {'cpu s':>7} {'cpu us/piece':>13} "
-          f"{'cpu vs load_file':>17}")
+    print(
+        f"{'method':24} {'N':>2} {'wall s':>7} {'cpu s':>7} {'cpu us/piece':>13} "
+        f"{'cpu vs load_file':>17}"
+    )
     for n in shards:
-        samples: dict[str, list[tuple[float, float]]] = {"shardload-thread": [],
-                                                         "safetensors-load_file": []}
+        samples: dict[str, list[tuple[float, float]]] = {
+            "shardload-thread": [],
+            "safetensors-load_file": [],
+        }
         with ThreadedSession(n) as session:
             for r in range(args.runs):
                 pieces = {}
                 for method in harness.rotated(list(samples), r):
-                    fn = ((lambda: run_shardload(folder, session)) if method.startswith("shard")
-                          else (lambda: run_load_file(folder, n)))
+                    fn = (
+                        (lambda: run_shardload(folder, session))
+                        if method.startswith("shard")
+                        else (lambda: run_load_file(folder, n))
+                    )
                     wall, cpu, pieces[method] = timed(fn)
                     samples[method].append((wall, cpu))
                 sharded = pieces["shardload-thread"]  # its pieces taken outside the timing
@@ -122,8 +129,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             cpu = harness.median(c for _, c in runs)
             per = cpu / (n * args.tensors) * 1e6
             print(f"{method:24} {n:>2} {wall:7.2f} {cpu:7.2f} {per:13.1f} {cpu / base:16.2f}x")
-            results.append({"method": method, "n": n, "wall_s": wall, "cpu_s": cpu,
-                            "cpu_us_per_piece": per, "cpu_vs_load_file": cpu / base})
+            results.append(
+                {
+                    "method": method,
+                    "n": n,
+                    "wall_s": wall,
+                    "cpu_s": cpu,
+                    "cpu_us_per_piece": per,
+                    "cpu_vs_load_file": cpu / base,
+                }
+            )
     bench.finish({"tensors": args.tensors, "results": results})
     return 0
 

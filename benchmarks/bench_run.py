@@ -46,7 +46,7 @@ if HERE not in sys.path:
 from shardbench import harness  # noqa: E402
 from shardbench.models import smollm2_gguf  # noqa: E402
 
-TARGET = 1.2      # shardload-run's median over generate.py's, at most
+TARGET = 1.2  # shardload-run's median over generate.py's, at most
 PROMPT = "What is the capital of France?"
 
 
@@ -57,18 +57,29 @@ def commands(ckpt: str, n: int, prompt: str) -> dict[str, list[str]]:
     with open_checkpoint(ckpt) as opened:
         model_type = config_dict(opened)["model_type"]
     shardload = shutil.which("shardload")
-    run = ([shardload] if shardload else [sys.executable, "-m", "shardload.cli"])
-    hf = ("import torch, transformers\n"
-          "from transformers.tokenization_utils_tokenizers import TokenizersBackend\n"
-          f"config = transformers.AutoConfig.for_model({model_type!r})\n"
-          "transformers.AutoModelForCausalLM._model_mapping[type(config)]\n"
-          "print('imported')")
+    run = [shardload] if shardload else [sys.executable, "-m", "shardload.cli"]
+    hf = (
+        "import torch, transformers\n"
+        "from transformers.tokenization_utils_tokenizers import TokenizersBackend\n"
+        f"config = transformers.AutoConfig.for_model({model_type!r})\n"
+        "transformers.AutoModelForCausalLM._model_mapping[type(config)]\n"
+        "print('imported')"
+    )
     return {
-        "shardload-run": run + ["run", "--shards", str(n), ckpt, "--prompt", prompt,
-                                "--max-new-tokens", "1", "--json"],
-        "generate.py": [sys.executable, os.path.join(REPO, "examples", "generate.py"),
-                        "--shards", str(n), "--model", ckpt, "--prompt", prompt,
-                        "--max-new-tokens", "1"],
+        "shardload-run": run
+        + ["run", "--shards", str(n), ckpt, "--prompt", prompt, "--max-new-tokens", "1", "--json"],
+        "generate.py": [
+            sys.executable,
+            os.path.join(REPO, "examples", "generate.py"),
+            "--shards",
+            str(n),
+            "--model",
+            ckpt,
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "1",
+        ],
         "import-torch": [sys.executable, "-c", "import torch; print('imported')"],
         "import-hf": [sys.executable, "-c", hf],
     }
@@ -77,26 +88,36 @@ def commands(ckpt: str, n: int, prompt: str) -> dict[str, list[str]]:
 def timed(command: list[str]) -> dict:
     """Run ``command`` until its first line on standard output, then end it; its wall time to
     that line, its CPU seconds and peak RSS (``wait4``), and the line."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (REPO, os.path.join(REPO, "examples"), os.environ.get("PYTHONPATH")) if p))
-    with tempfile.TemporaryFile("w+") as stderr:   # a file: a pipe could fill and block it
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            p for p in (REPO, os.path.join(REPO, "examples"), os.environ.get("PYTHONPATH")) if p
+        ),
+    )
+    with tempfile.TemporaryFile("w+") as stderr:  # a file: a pipe could fill and block it
         start = time.perf_counter()
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=stderr, text=True)
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
         line = proc.stdout.readline()
         seconds = time.perf_counter() - start
         if line:
-            proc.terminate()   # generate.py's check follows its text: not part of the start
+            proc.terminate()  # generate.py's check follows its text: not part of the start
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         proc.stdout.close()
         stderr.seek(0)
         err = stderr.read()
     if not line:
-        raise SystemExit(f"{' '.join(command)} printed nothing (exit {proc.returncode}):\n"
-                         f"{err[-2000:]}")
-    return {"seconds": seconds, "cpu_s": usage.ru_utime + usage.ru_stime,
-            "peak_rss_bytes": usage.ru_maxrss * 1024, "line": line.strip()}
+        raise SystemExit(
+            f"{' '.join(command)} printed nothing (exit {proc.returncode}):\n{err[-2000:]}"
+        )
+    return {
+        "seconds": seconds,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_rss_bytes": usage.ru_maxrss * 1024,
+        "line": line.strip(),
+    }
 
 
 def main() -> None:
@@ -112,7 +133,7 @@ def main() -> None:
     cmds = commands(ckpt, args.shards, args.prompt)
     names = list(cmds)
     print(f"{ckpt}\nN={args.shards}, {args.runs} runs, {os.cpu_count()} CPUs", flush=True)
-    for name in names:                                   # warm-up, untimed
+    for name in names:  # warm-up, untimed
         print(f"warm-up {name}: {timed(cmds[name])['line'][:60]}", file=sys.stderr, flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for r, name in harness.rounds(names, args.runs):
@@ -122,29 +143,51 @@ def main() -> None:
     rows = {}
     for name, results in runs.items():
         seconds = [x["seconds"] for x in results]
-        rows[name] = {"median_s": harness.median(seconds), "min_s": min(seconds),
-                      "runs_s": seconds,
-                      "cpu_s": harness.median(x["cpu_s"] for x in results),
-                      "peak_rss_bytes": max(x["peak_rss_bytes"] for x in results),
-                      "first_line": results[0]["line"], "command": cmds[name]}
+        rows[name] = {
+            "median_s": harness.median(seconds),
+            "min_s": min(seconds),
+            "runs_s": seconds,
+            "cpu_s": harness.median(x["cpu_s"] for x in results),
+            "peak_rss_bytes": max(x["peak_rss_bytes"] for x in results),
+            "first_line": results[0]["line"],
+            "command": cmds[name],
+        }
     base = rows["generate.py"]["median_s"]
-    print(f"\n{'method':<14} {'median s':>9} {'min s':>7} {'cpu s':>7} {'peak RSS':>9} "
-          f"{'vs generate.py':>15}")
+    print(
+        f"\n{'method':<14} {'median s':>9} {'min s':>7} {'cpu s':>7} {'peak RSS':>9} "
+        f"{'vs generate.py':>15}"
+    )
     for name, row in rows.items():
-        print(f"{name:<14} {row['median_s']:9.2f} {row['min_s']:7.2f} {row['cpu_s']:7.2f} "
-              f"{row['peak_rss_bytes'] / 2**20:7.0f} M {row['median_s'] / base:14.2f}x")
+        print(
+            f"{name:<14} {row['median_s']:9.2f} {row['min_s']:7.2f} {row['cpu_s']:7.2f} "
+            f"{row['peak_rss_bytes'] / 2**20:7.0f} M {row['median_s'] / base:14.2f}x"
+        )
     ratio = rows["shardload-run"]["median_s"] / base
     verdict = "PASS" if ratio <= TARGET else "MISS"
     # what each does beyond the imports it cannot avoid (medians, so only a rough split)
-    beyond = {"shardload-run": rows["shardload-run"]["median_s"] - rows["import-hf"]["median_s"],
-              "generate.py": base - rows["import-torch"]["median_s"]}
-    print(f"\nbeyond their imports: shardload run {beyond['shardload-run']:.2f} s (after "
-          f"import-hf), generate.py {beyond['generate.py']:.2f} s (after import-torch)")
-    print(f"target: shardload run to its first token at N={args.shards} within {TARGET}x of "
-          f"examples/generate.py: {ratio:.2f}x {verdict}")
-    bench.finish({"checkpoint": ckpt, "num_shards": args.shards, "runs": args.runs,
-                  "cpus": os.cpu_count(), "results": rows, "beyond_imports_s": beyond,
-                  "target": {"value": ratio, "limit": TARGET, "result": verdict}})
+    beyond = {
+        "shardload-run": rows["shardload-run"]["median_s"] - rows["import-hf"]["median_s"],
+        "generate.py": base - rows["import-torch"]["median_s"],
+    }
+    print(
+        f"\nbeyond their imports: shardload run {beyond['shardload-run']:.2f} s (after "
+        f"import-hf), generate.py {beyond['generate.py']:.2f} s (after import-torch)"
+    )
+    print(
+        f"target: shardload run to its first token at N={args.shards} within {TARGET}x of "
+        f"examples/generate.py: {ratio:.2f}x {verdict}"
+    )
+    bench.finish(
+        {
+            "checkpoint": ckpt,
+            "num_shards": args.shards,
+            "runs": args.runs,
+            "cpus": os.cpu_count(),
+            "results": rows,
+            "beyond_imports_s": beyond,
+            "target": {"value": ratio, "limit": TARGET, "result": verdict},
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,12 @@ from shardbench import harness, scale  # noqa: E402
 
 
 def _child(args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (harness.REPO, HERE, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (harness.REPO, HERE, os.environ.get("PYTHONPATH")) if p
+        ),
+    }
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
 
 
@@ -62,10 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = harness.parser(__doc__, 1)
     ap.add_argument("--models", choices=("all", "published", "series"), default="all")
     ap.add_argument("--shards", default="8,16,32", help="comma-separated worker counts")
-    ap.add_argument("--max-tensors", type=int, default=None,
-                    help="only the checkpoints of at most this many tensors (a smoke run)")
-    harness.add_common(ap, runs=1, dir=True, json_help="write the results as JSON here",
-                       figures=True)
+    ap.add_argument(
+        "--max-tensors",
+        type=int,
+        default=None,
+        help="only the checkpoints of at most this many tensors (a smoke run)",
+    )
+    harness.add_common(
+        ap, runs=1, dir=True, json_help="write the results as JSON here", figures=True
+    )
     args = ap.parse_args(argv)
     harness.check_runs(ap, args)
     shards = harness.int_list(ap, args.shards)
@@ -79,32 +88,51 @@ def main(argv: list[str] | None = None) -> int:
         scale.warm(folder)
         files = sum(1 for f in os.listdir(folder) if f.endswith(".safetensors"))
         print(f"\n{model['name']}: {count:,} tensors, {files} files")
-        print(f"{'N':>4} " + " ".join(f"{p:>10}" for p in ("import", *scale.PHASES))
-              + f" {'open+plan':>9} {'total':>8} {'validate':>9} {'all ranks':>9} "
-              f"{'vLLM open':>9} {'CLI':>9} {'peak MiB':>9}")
+        print(
+            f"{'N':>4} "
+            + " ".join(f"{p:>10}" for p in ("import", *scale.PHASES))
+            + f" {'open+plan':>9} {'total':>8} {'validate':>9} {'all ranks':>9} "
+            f"{'vLLM open':>9} {'CLI':>9} {'peak MiB':>9}"
+        )
         for n in shards:
             runs = [one(folder, n) for _ in range(args.runs)]
             med = {k: harness.median(r[k] for r in runs) for k in runs[0]}
             total = sum(med[p] for p in scale.PHASES)
             opened_planned = med["open"] + med["plan"]
-            rows.append({"model": model["name"], "tensors": count, "num_shards": n,
-                         "open_plan_s": opened_planned, "total_s": total, "runs": runs,
-                         **{f"{k}_s" if k != "peak_above_import_bytes" else k: v
-                            for k, v in med.items()}})
-            print(f"{n:>4} " + " ".join(f"{med[p]:10.3f}" for p in ("import", *scale.PHASES))
-                  + f" {opened_planned:9.3f} {total:8.3f} {med['validate']:9.3f} "
-                  f"{med['read_plans_all']:9.3f} "
-                  f"{med['vllm_open']:9.3f} {med['validate_cli']:9.3f} "
-                  f"{med['peak_above_import_bytes'] / 2**20:9.0f}", flush=True)
-    print("\nimport: shardload and what planning imports (not torch); open+plan: the headers "
-          "opened, the plan planned, bound and validated (issue 40's goal 1); total: that and "
-          "rank 0's read plan, after the import: what each rank pays; validate: the plan bound "
-          "and validated alone (what a rank receiving it pays instead of planning); all ranks: "
-          "every rank's read plans, as one process builds them; vLLM open: every file opened "
-          "by safetensors, as vLLM's default loader does before its first tensor; CLI: "
-          "`shardload validate --shards N` whole, its import included")
-    bench.finish({"results": rows, "phases": list(scale.PHASES),
-                  "beside": ["validate", "vllm_open"]})
+            rows.append(
+                {
+                    "model": model["name"],
+                    "tensors": count,
+                    "num_shards": n,
+                    "open_plan_s": opened_planned,
+                    "total_s": total,
+                    "runs": runs,
+                    **{
+                        f"{k}_s" if k != "peak_above_import_bytes" else k: v for k, v in med.items()
+                    },
+                }
+            )
+            print(
+                f"{n:>4} "
+                + " ".join(f"{med[p]:10.3f}" for p in ("import", *scale.PHASES))
+                + f" {opened_planned:9.3f} {total:8.3f} {med['validate']:9.3f} "
+                f"{med['read_plans_all']:9.3f} "
+                f"{med['vllm_open']:9.3f} {med['validate_cli']:9.3f} "
+                f"{med['peak_above_import_bytes'] / 2**20:9.0f}",
+                flush=True,
+            )
+    print(
+        "\nimport: shardload and what planning imports (not torch); open+plan: the headers "
+        "opened, the plan planned, bound and validated (issue 40's goal 1); total: that and "
+        "rank 0's read plan, after the import: what each rank pays; validate: the plan bound "
+        "and validated alone (what a rank receiving it pays instead of planning); all ranks: "
+        "every rank's read plans, as one process builds them; vLLM open: every file opened "
+        "by safetensors, as vLLM's default loader does before its first tensor; CLI: "
+        "`shardload validate --shards N` whole, its import included"
+    )
+    bench.finish(
+        {"results": rows, "phases": list(scale.PHASES), "beside": ["validate", "vllm_open"]}
+    )
     return 0
 
 

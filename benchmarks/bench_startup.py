@@ -65,15 +65,21 @@ def _env() -> dict:
 
 def time_import() -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch, shardload"], check=True, env=_env(),
-                   cwd=REPO)
+    subprocess.run(
+        [sys.executable, "-c", "import torch, shardload"], check=True, env=_env(), cwd=REPO
+    )
     return time.perf_counter() - t0
 
 
 def time_session(n: int, method: str, distributed: bool) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CONTROLLER, str(n), method,
-                           "1" if distributed else "0"], capture_output=True, text=True,
-                          env=_env(), cwd=REPO, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", CONTROLLER, str(n), method, "1" if distributed else "0"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=REPO,
+        timeout=600,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"the {method} controller at N={n} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.splitlines()[-1])
@@ -83,10 +89,16 @@ def main(argv=None) -> int:
     parser = harness.parser(__doc__)
     parser.add_argument("--shards", default="1,2,4,8", help="worker counts N (default 1,2,4,8)")
     harness.add_common(parser, runs=3, json_help="also write the figures as JSON")
-    parser.add_argument("--no-spawn", action="store_true",
-                        help="skip the fresh-interpreter sessions (slow on few cores)")
-    parser.add_argument("--no-distributed", action="store_true",
-                        help="sessions without a process group (distributed=False)")
+    parser.add_argument(
+        "--no-spawn",
+        action="store_true",
+        help="skip the fresh-interpreter sessions (slow on few cores)",
+    )
+    parser.add_argument(
+        "--no-distributed",
+        action="store_true",
+        help="sessions without a process group (distributed=False)",
+    )
     args = parser.parse_args(argv)
     harness.check_runs(parser, args)
     shards = harness.int_list(parser, args.shards)
@@ -112,16 +124,22 @@ def main(argv=None) -> int:
 
     med = {m: {n: harness.median(v) for n, v in d.items() if v} for m, d in times.items()}
     imp = med["import"][0]
-    print(f"\nmachine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
-          f"distributed={distributed}, {args.runs} runs, medians (s)")
+    print(
+        f"\nmachine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
+        f"distributed={distributed}, {args.runs} runs, medians (s)"
+    )
     print(f'python -c "import torch, shardload": {imp:.2f} s')
     header = ["method"] + [f"N={n}" for n in shards] + ["close N=" + str(shards[-1])]
     print("\n" + "  ".join(f"{h:>16}" for h in header))
     for m in methods + ["forkserver-warm"]:
-        close = (harness.median(closes[m][shards[-1]]) if m in closes
-                 and closes[m][shards[-1]] else None)
-        row = [m] + [f"{med[m][n]:.2f}" for n in shards] + [
-            f"{close:.2f}" if close is not None else "-"]
+        close = (
+            harness.median(closes[m][shards[-1]]) if m in closes and closes[m][shards[-1]] else None
+        )
+        row = (
+            [m]
+            + [f"{med[m][n]:.2f}" for n in shards]
+            + [f"{close:.2f}" if close is not None else "-"]
+        )
         print("  ".join(f"{c:>16}" for c in row))
 
     lo, hi = shards[0], shards[-1]
@@ -135,16 +153,23 @@ def main(argv=None) -> int:
         verdict = "PASS" if ratio <= limit else "MISS"
         print(f"  {name}: {ratio:.2f} (<= {limit}) {verdict}")
     if "spawn" in med:
-        print(f"  for comparison, spawn N={hi} / spawn N={lo}: "
-              f"{med['spawn'][hi] / med['spawn'][lo]:.2f}; spawn N={hi} / import: "
-              f"{med['spawn'][hi] / imp:.2f}; spawn / forkserver at N={hi}: "
-              f"{med['spawn'][hi] / fork_hi:.1f}x")
-    bench.finish({
-        "cpus": os.cpu_count(), "python": sys.version.split()[0], "runs": args.runs,
-        "distributed": distributed, "times_s": {m: {str(n): v for n, v in d.items()}
-                                                for m, d in times.items()},
-        "close_s": {m: {str(n): v for n, v in d.items()} for m, d in closes.items()},
-        "targets": {name: {"ratio": r, "limit": lim} for name, r, lim in targets}})
+        print(
+            f"  for comparison, spawn N={hi} / spawn N={lo}: "
+            f"{med['spawn'][hi] / med['spawn'][lo]:.2f}; spawn N={hi} / import: "
+            f"{med['spawn'][hi] / imp:.2f}; spawn / forkserver at N={hi}: "
+            f"{med['spawn'][hi] / fork_hi:.1f}x"
+        )
+    bench.finish(
+        {
+            "cpus": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "runs": args.runs,
+            "distributed": distributed,
+            "times_s": {m: {str(n): v for n, v in d.items()} for m, d in times.items()},
+            "close_s": {m: {str(n): v for n, v in d.items()} for m, d in closes.items()},
+            "targets": {name: {"ratio": r, "limit": lim} for name, r, lim in targets},
+        }
+    )
     return 0
 
 

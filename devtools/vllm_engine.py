@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 PROMPTS = [[1, 5, 9, 13, 200, 7], [3, 100, 42]]
 
@@ -32,19 +31,28 @@ PROMPTS = [[1, 5, 9, 13, 200, 7], [3, 100, 42]]
 STATS_PREFIX = "shardload load: "
 
 
-def launch(python: str, model: str, *args: str, env: dict, cwd: str, timeout: float = 600,
-           out_dir: Optional[str] = None) -> tuple[dict, list, str]:
+def launch(
+    python: str,
+    model: str,
+    *args: str,
+    env: dict,
+    cwd: str,
+    timeout: float = 600,
+    out_dir: str | None = None,
+) -> tuple[dict, list, str]:
     """This script on ``model`` with ``args``, run by vLLM's ``python`` (``env``: the whole
     environment it runs with): its report (``{"returncode": rc}`` where it failed), the
     statistics lines of every rank as dicts, in the order logged, and its whole output."""
     folder = Path(out_dir or os.environ.get("PYTEST_TMP", "/tmp"))
     out = folder / f"vllm-{os.getpid()}-{abs(hash((model, args)))}.json"
     cmd = [python, os.path.abspath(__file__), model, "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
     log = proc.stdout + proc.stderr
-    stats = [json.loads(line.split(STATS_PREFIX, 1)[1]) for line in log.splitlines()
-             if STATS_PREFIX in line]
+    stats = [
+        json.loads(line.split(STATS_PREFIX, 1)[1])
+        for line in log.splitlines()
+        if STATS_PREFIX in line
+    ]
     if proc.returncode != 0:
         return {"returncode": proc.returncode}, stats, log
     report = json.loads(out.read_text())
@@ -66,8 +74,8 @@ def _pipeline_buffers(worker) -> None:
     if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
         return
     runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
-        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype,
-        device=runner.device)
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+    )
 
 
 def main() -> None:
@@ -83,23 +91,36 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--ep", action="store_true", help="enable_expert_parallel")
-    ap.add_argument("--compare-default", action="store_true",
-                    help="then reload the weights with vLLM's default loader in the same engine "
-                         "and generate again (and, for shardload, reload with shardload again)")
-    ap.add_argument("--reload", action="store_true",
-                    help="then reload the weights in place with the engine's own loader and "
-                         "generate again (with --digests: digests again)")
-    ap.add_argument("--digests", action="store_true",
-                    help="a digest of every parameter after loading (and the bytes they hold)")
-    ap.add_argument("--time-loads", action="store_true",
-                    help="each worker prints how long its loader's load_weights took "
-                         "(devtools.vllm_ext.TIMING_PREFIX), whatever the load format")
+    ap.add_argument(
+        "--compare-default",
+        action="store_true",
+        help="then reload the weights with vLLM's default loader in the same engine "
+        "and generate again (and, for shardload, reload with shardload again)",
+    )
+    ap.add_argument(
+        "--reload",
+        action="store_true",
+        help="then reload the weights in place with the engine's own loader and "
+        "generate again (with --digests: digests again)",
+    )
+    ap.add_argument(
+        "--digests",
+        action="store_true",
+        help="a digest of every parameter after loading (and the bytes they hold)",
+    )
+    ap.add_argument(
+        "--time-loads",
+        action="store_true",
+        help="each worker prints how long its loader's load_weights took "
+        "(devtools.vllm_ext.TIMING_PREFIX), whatever the load format",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                          "|".join(str(i % (os.cpu_count() or 1))
-                                   for i in range(args.tp * args.pp)))
+    os.environ.setdefault(
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.tp * args.pp)),
+    )
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -111,12 +132,20 @@ def main() -> None:
     # executor): each process start saved is ~10 s on 2 cores; the loader runs the same, in
     # the workers, over their tensor-parallel group
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    kwargs = dict(model=args.model, tensor_parallel_size=args.tp,
-                  pipeline_parallel_size=args.pp, load_format=args.load_format,
-                  distributed_executor_backend="uni" if args.tp * args.pp == 1 else "mp",
-                  enforce_eager=True, max_model_len=128, max_num_seqs=2, dtype=args.dtype, seed=0,
-                  skip_tokenizer_init=args.text is None,
-                  enable_expert_parallel=args.ep)
+    kwargs = dict(
+        model=args.model,
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
+        load_format=args.load_format,
+        distributed_executor_backend="uni" if args.tp * args.pp == 1 else "mp",
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=2,
+        dtype=args.dtype,
+        seed=0,
+        skip_tokenizer_init=args.text is None,
+        enable_expert_parallel=args.ep,
+    )
     if extra:
         kwargs["model_loader_extra_config"] = extra
     if args.compare_default or args.digests or args.reload or args.time_loads:
@@ -126,22 +155,31 @@ def main() -> None:
     llm = LLM(**kwargs)
     if args.pp > 1:
         llm.collective_rpc(_pipeline_buffers)
-    params = SamplingParams(temperature=0, max_tokens=max(1, args.tokens), logprobs=5,
-                            detokenize=args.text is not None)
-    prompts = ([args.text] if args.text is not None else
-               [TokensPrompt(prompt_token_ids=p) for p in PROMPTS])
+    params = SamplingParams(
+        temperature=0, max_tokens=max(1, args.tokens), logprobs=5, detokenize=args.text is not None
+    )
+    prompts = (
+        [args.text]
+        if args.text is not None
+        else [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    )
 
     def generate() -> list:
-        if args.tokens == 0:   # load only (vLLM's CPU MoE kernels under expert parallelism crash)
+        if args.tokens == 0:  # load only (vLLM's CPU MoE kernels under expert parallelism crash)
             return []
         result = []
         for out in llm.generate(prompts, params, use_tqdm=False):
             gen = out.outputs[0]
-            result.append({
-                "tokens": list(gen.token_ids),
-                "text": gen.text if args.text is not None else None,
-                "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
-                             for step in (gen.logprobs or [])]})
+            result.append(
+                {
+                    "tokens": list(gen.token_ids),
+                    "text": gen.text if args.text is not None else None,
+                    "logprobs": [
+                        {str(t): lp.logprob for t, lp in step.items()}
+                        for step in (gen.logprobs or [])
+                    ],
+                }
+            )
         return result
 
     report = {"outputs": generate()}

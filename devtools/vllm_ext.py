@@ -36,9 +36,14 @@ def _time_every_loaders_load_weights() -> None:
         def timed(model, model_config):
             start = time.perf_counter()
             load_weights(model, model_config)
-            print(TIMING_PREFIX + json.dumps({"loader": type(self).__name__,
-                                              "seconds": time.perf_counter() - start}),
-                  file=sys.stderr, flush=True)
+            print(
+                TIMING_PREFIX
+                + json.dumps(
+                    {"loader": type(self).__name__, "seconds": time.perf_counter() - start}
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
 
         self.load_weights = timed
         try:

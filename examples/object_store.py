@@ -46,8 +46,11 @@ NAMES = {"s3": "moto's S3 server", "gs": "fake-gcs-server", "az": "Azurite"}
 #: how long an emulator has to answer once started
 START_TIMEOUT = 90.0
 #: credentials moto takes (any); the region every S3 client wants
-S3_SETTINGS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_REGION": "us-east-1"}
+S3_SETTINGS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_REGION": "us-east-1",
+}
 
 
 class Refused(Exception):
@@ -55,6 +58,7 @@ class Refused(Exception):
 
 
 # -- where a running server is recorded --------------------------------------------------------
+
 
 def state_root() -> Path:
     """Where the servers started here are recorded: one folder per scheme (its pid file, its
@@ -104,12 +108,12 @@ def stop_one(scheme: str, say: bool = True) -> None:
             if not objectservers.group_members(pid):
                 break
         if say:  # on stderr: a script's output ends with its own, whatever stops after it
-            print(f"stopped {NAMES[scheme]} (pid {pid}, port {record['port']})",
-                  file=sys.stderr)
+            print(f"stopped {NAMES[scheme]} (pid {pid}, port {record['port']})", file=sys.stderr)
     shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- start -------------------------------------------------------------------------------------
+
 
 def _port_taken(port: int) -> bool:
     with socket.socket() as sock:
@@ -133,9 +137,12 @@ def _settings(scheme: str, port: int) -> dict:
     if port == objectservers.AzureObjectServer.DEFAULT_PORT:
         return {"AZURE_STORAGE_CONNECTION_STRING": "UseDevelopmentStorage=true"}
     account = objectservers.AZURITE_ACCOUNT
-    return {"AZURE_STORAGE_CONNECTION_STRING": (
-        f"DefaultEndpointsProtocol=http;AccountName={account};"
-        f"AccountKey={objectservers.AZURITE_KEY};BlobEndpoint={endpoint}/{account};")}
+    return {
+        "AZURE_STORAGE_CONNECTION_STRING": (
+            f"DefaultEndpointsProtocol=http;AccountName={account};"
+            f"AccountKey={objectservers.AZURITE_KEY};BlobEndpoint={endpoint}/{account};"
+        )
+    }
 
 
 def _files(folder: Path) -> list[Path]:
@@ -147,21 +154,23 @@ def _files(folder: Path) -> list[Path]:
     return files
 
 
-def _wait(server: objectservers.ObjectServer, proc: subprocess.Popen, port: int,
-          log: Path) -> None:
+def _wait(server: objectservers.ObjectServer, proc: subprocess.Popen, port: int, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace")[-1500:]
             if "address already in use" in tail.lower():
-                raise Refused(f"port {port} on 127.0.0.1 is taken; stop what listens there, "
-                              "or choose another with --port")
+                raise Refused(
+                    f"port {port} on 127.0.0.1 is taken; stop what listens there, "
+                    "or choose another with --port"
+                )
             raise Refused(f"the emulator exited with {proc.returncode}; its log ends:\n{tail}")
         if server.answers(port) and objectservers._listens(proc.pid, port):
             return
         time.sleep(0.1)
-    raise Refused(f"the emulator did not answer on port {port} in {START_TIMEOUT:g} s (its "
-                  f"log: {log})")
+    raise Refused(
+        f"the emulator did not answer on port {port} in {START_TIMEOUT:g} s (its log: {log})"
+    )
 
 
 def start(scheme: str, folder: Path, port: int) -> None:
@@ -169,12 +178,16 @@ def start(scheme: str, folder: Path, port: int) -> None:
     name = folder.resolve().name
     if _running(_recorded(scheme)):
         record = _recorded(scheme)
-        raise Refused(f"{NAMES[scheme]} started here already runs (pid {record['pid']}, port "
-                      f"{record['port']}); stop it first: python {sys.argv[0]} stop {scheme}")
+        raise Refused(
+            f"{NAMES[scheme]} started here already runs (pid {record['pid']}, port "
+            f"{record['port']}); stop it first: python {sys.argv[0]} stop {scheme}"
+        )
     stop_one(scheme, say=False)  # what is left of one that ended
     if _port_taken(port):
-        raise Refused(f"port {port} on 127.0.0.1 is taken; stop what listens there, or choose "
-                      "another with --port")
+        raise Refused(
+            f"port {port} on 127.0.0.1 is taken; stop what listens there, or choose "
+            "another with --port"
+        )
     server = objectservers.make_server(scheme)
     where = state_root() / scheme
     where.mkdir(parents=True)
@@ -183,11 +196,17 @@ def start(scheme: str, folder: Path, port: int) -> None:
         log = where / "emulator.log"
         with open(log, "wb") as out:
             # a session of its own: it outlives this command, and `stop` ends its whole group
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    cwd=where)
-        (where / "server.json").write_text(json.dumps(
-            {"pid": proc.pid, "start": _start_time(proc.pid), "port": port}))
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=where,
+            )
+        (where / "server.json").write_text(
+            json.dumps({"pid": proc.pid, "start": _start_time(proc.pid), "port": port})
+        )
         _wait(server, proc, port, log)
         server.attach(port)
         server.make_bucket(BUCKET)
@@ -198,13 +217,16 @@ def start(scheme: str, folder: Path, port: int) -> None:
         raise
     url = f"{scheme}://{BUCKET}/{name}/"
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in _settings(scheme, port).items())
-    print(f"# {NAMES[scheme]} on 127.0.0.1:{port} (pid {proc.pid}) holds {url} "
-          f"({len(files)} files); stop it with: python {sys.argv[0]} stop")
+    print(
+        f"# {NAMES[scheme]} on 127.0.0.1:{port} (pid {proc.pid}) holds {url} "
+        f"({len(files)} files); stop it with: python {sys.argv[0]} stop"
+    )
     print(f"export {exports}")
     print(f"# then: shardload load --shards 4 {url}")
 
 
 # -- the command line --------------------------------------------------------------------------
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -212,8 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     begin = commands.add_parser("start", help="start an emulator holding FOLDER")
     begin.add_argument("scheme", choices=SCHEMES)
     begin.add_argument("folder", type=Path)
-    begin.add_argument("--port", type=int, default=None,
-                       help="default: the emulator's own (s3 9000, gs 4443, az 10000)")
+    begin.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="default: the emulator's own (s3 9000, gs 4443, az 10000)",
+    )
     end = commands.add_parser("stop", help="stop the emulators started here")
     end.add_argument("schemes", nargs="*", metavar="SCHEME", help="default: all")
     args = parser.parse_args(argv)

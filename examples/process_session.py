@@ -4,6 +4,6 @@ asks each how many elements it holds."""
 
 from shardload import ProcessSession, load_sharded
 
-with ProcessSession(4, plugins=["session_funcs"]) as sess:   # the workers import it too
+with ProcessSession(4, plugins=["session_funcs"]) as sess:  # the workers import it too
     sharded = load_sharded("examples/tiny_llama_q4", "examples/tiny_llama_q4/shard_info.json", sess)
-    print(sess.call("examples.param_count"))                  # one result per worker
+    print(sess.call("examples.param_count"))  # one result per worker

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from models import smollm2_gguf  # examples/models.py, beside this file
 
-__all__ = ["PRESETS", "GROUP_SIZE", "folder", "make", "quantize"]
+__all__ = ["GROUP_SIZE", "PRESETS", "folder", "make", "quantize"]
 
 #: what ``make`` takes: compressed-tensors' preset names, and ``bf16`` for none
 PRESETS = ("W8A8", "W4A16", "bf16")
@@ -53,7 +53,8 @@ def _bf16_model():
 
     gguf = Path(smollm2_gguf())
     read = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
+    )
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # transformers does not save a model it read from a GGUF: the same weights in a model
     # made from the config without the GGUF's marking
@@ -71,22 +72,26 @@ def quantize(model, preset: str, group_size: int = GROUP_SIZE):
     the quantization config beside a saved model."""
     import torch
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
-                                                 preset_name_to_scheme)
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
     from compressed_tensors.quantization.utils import calculate_qparams
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if scheme.weights.group_size:
         scheme.weights.group_size = group_size
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
-                                                        ignore=["lm_head"]))
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    )
     with torch.no_grad():
         for module in model.modules():
             if not hasattr(module, "weight_scale"):
                 continue
             args = module.quantization_scheme.weights
             weight = module.weight.detach().float()
-            if args.group_size:        # one scale per group of K, else one per row
+            if args.group_size:  # one scale per group of K, else one per row
                 weight = weight.reshape(weight.shape[0], -1, args.group_size)
             scale, zero = calculate_qparams(weight.amin(-1), weight.amax(-1), args)
             module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
@@ -109,7 +114,7 @@ def make(preset: str = "W8A8") -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        tmp.chmod(0o755)                          # mkdtemp's is 0700
+        tmp.chmod(0o755)  # mkdtemp's is 0700
         model.save_pretrained(tmp)
         if compressor is not None:
             compressor.update_config(tmp)
@@ -124,8 +129,7 @@ def make(preset: str = "W8A8") -> Path:
 
 def main(argv: list[str]) -> int:
     if len(argv) > 1 or (argv and argv[0] not in PRESETS):
-        print(f"usage: python examples/quantized_smollm2.py [{'|'.join(PRESETS)}]",
-              file=sys.stderr)
+        print(f"usage: python examples/quantized_smollm2.py [{'|'.join(PRESETS)}]", file=sys.stderr)
         return 2
     print(make(*argv))
     return 0

@@ -7,6 +7,7 @@ the session (``__main__``) cannot be found by a worker.
 
 from shardload import register_session_func
 
+
 @register_session_func("examples.param_count")
-def param_count(ctx):                            # ctx: rank, world_size, device, shards, values
+def param_count(ctx):  # ctx: rank, world_size, device, shards, values
     return sum(t.numel() for t in ctx.shards.values())

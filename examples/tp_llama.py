@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,13 +45,14 @@ from shardload import Session, load_sharded, open_checkpoint, register_session_f
 from shardload.planners import plan_for
 from shardload.tp_layout import head_layout
 
-__all__ = ["TensorParallelLlama", "model_spec", "dequantize", "rope", "rms_norm"]
+__all__ = ["TensorParallelLlama", "dequantize", "model_spec", "rms_norm", "rope"]
 
-STATE = "tp_llama"          # the ctx.values key holding a worker's model
+STATE = "tp_llama"  # the ctx.values key holding a worker's model
 UNQUANTIZED = ("F32", "F16", "BF16")
 
 
 # ---- numerics shared by every worker -----------------------------------------------------------
+
 
 def dequantize(shard: torch.Tensor, ggml_type: str) -> torch.Tensor:
     """A GGUF tensor (or a worker's shard of one) as float32.
@@ -79,7 +81,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
     the first ``2 * len(inv_freq)`` dims rotate, any others pass through.
     """
     n_rot = 2 * inv_freq.numel()
-    angles = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]          # [T, n_rot/2]
+    angles = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]  # [T, n_rot/2]
     cos = angles.cos().to(x.dtype)[:, None, :]
     sin = angles.sin().to(x.dtype)[:, None, :]
     even, odd = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
@@ -87,23 +89,25 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
     return torch.cat((rotated, x[..., n_rot:]), dim=-1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_to_kv: torch.Tensor,
-              start_pos: int) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_to_kv: torch.Tensor, start_pos: int
+) -> torch.Tensor:
     """Causal attention of T new queries over S = start_pos + T cached keys.
 
     ``q`` is ``[T, Hq, D]``, ``k``/``v`` ``[S, Hkv, D]``; query head h reads KV head
     ``q_to_kv[h]`` (GQA, in the worker's local numbering). Returns ``[T, Hq * D]``.
     """
     T, S = q.shape[0], k.shape[0]
-    k, v = k[:, q_to_kv], v[:, q_to_kv]                                        # [S, Hq, D]
+    k, v = k[:, q_to_kv], v[:, q_to_kv]  # [S, Hq, D]
     scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(q.shape[-1])
     query_pos = torch.arange(start_pos, start_pos + T, device=q.device)
-    future = torch.arange(S, device=q.device)[None, :] > query_pos[:, None]     # [T, S]
+    future = torch.arange(S, device=q.device)[None, :] > query_pos[:, None]  # [T, S]
     probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
     return torch.einsum("hts,shd->thd", probs, v).reshape(T, -1)
 
 
 # ---- a worker's model --------------------------------------------------------------------------
+
 
 class WorkerModel:
     """One worker's slice of the model: its dequantized shards, its heads, its KV cache."""
@@ -126,8 +130,9 @@ class WorkerModel:
         self.embed_raw = ctx.shards["token_embd.weight"]
         self.embed_type = types["token_embd.weight"]
         if self.embed_raw.shape[0] != int(spec["vocab_size"]):
-            raise ValueError("tp_llama needs the embedding replicated (a plan without "
-                             "vocab_parallel)")
+            raise ValueError(
+                "tp_llama needs the embedding replicated (a plan without vocab_parallel)"
+            )
         self.lm_head = weight(spec["lm_head"]) if self.rank == 0 else None
         self.output_norm = weight("output_norm.weight")
         self.layers = [self._layer(f"blk.{i}.", weight) for i in range(self.num_layers)]
@@ -136,12 +141,16 @@ class WorkerModel:
         layout = spec["layout"]
         n_q, n_kv = len(layout["q_heads"][self.rank]), len(layout["kv_heads"][self.rank])
         first = self.layers[0]
-        if (first["q"].shape[0], first["k"].shape[0]) != (n_q * self.head_dim,
-                                                          n_kv * self.head_dim):
-            raise ValueError(f"worker {self.rank}: attn_q/attn_k shards have "
-                             f"{first['q'].shape[0]}/{first['k'].shape[0]} rows, but the head "
-                             f"layout gives it {n_q} query and {n_kv} KV heads of "
-                             f"{self.head_dim}")
+        if (first["q"].shape[0], first["k"].shape[0]) != (
+            n_q * self.head_dim,
+            n_kv * self.head_dim,
+        ):
+            raise ValueError(
+                f"worker {self.rank}: attn_q/attn_k shards have "
+                f"{first['q'].shape[0]}/{first['k'].shape[0]} rows, but the head "
+                f"layout gives it {n_q} query and {n_kv} KV heads of "
+                f"{self.head_dim}"
+            )
         self.q_to_kv = torch.tensor(layout["q_to_kv"][self.rank], device=self.device)
         rot = int(spec["rope_dims"])
         exponents = torch.arange(0, rot, 2, dtype=torch.float64) / rot
@@ -149,14 +158,22 @@ class WorkerModel:
         # the session's collectives (threads: a barrier; processes and torchrun: their
         # torch.distributed group); with one worker the partial sums are the sums
         self.group = ctx.group if ctx.world_size > 1 else None
-        self.cache: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = []
+        self.cache: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self.reset()
 
     @staticmethod
     def _layer(prefix: str, weight) -> dict[str, torch.Tensor]:
-        names = {"attn_norm": "attn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v",
-                 "o": "attn_output", "ffn_norm": "ffn_norm", "gate": "ffn_gate",
-                 "up": "ffn_up", "down": "ffn_down"}
+        names = {
+            "attn_norm": "attn_norm",
+            "q": "attn_q",
+            "k": "attn_k",
+            "v": "attn_v",
+            "o": "attn_output",
+            "ffn_norm": "ffn_norm",
+            "gate": "ffn_gate",
+            "up": "ffn_up",
+            "down": "ffn_down",
+        }
         return {key: weight(f"{prefix}{name}.weight") for key, name in names.items()}
 
     def reset(self) -> None:
@@ -176,7 +193,7 @@ class WorkerModel:
         """This worker's heads of layer i's attention; the all-reduce completes o_proj."""
         w, T, D = self.layers[i], x.shape[0], self.head_dim
         h = rms_norm(x, w["attn_norm"], self.eps)
-        q = (h @ w["q"].T).view(T, -1, D)          # column-parallel: only this worker's heads
+        q = (h @ w["q"].T).view(T, -1, D)  # column-parallel: only this worker's heads
         k = (h @ w["k"].T).view(T, -1, D)
         v = (h @ w["v"].T).view(T, -1, D)
         positions = torch.arange(start_pos, start_pos + T, device=x.device)
@@ -186,7 +203,7 @@ class WorkerModel:
             v = torch.cat((self.cache[i][1], v))
         self.cache[i] = (k, v)
         out = attention(q, k, v, self.q_to_kv, start_pos)
-        return self.all_reduce(out @ w["o"].T)     # row-parallel: a partial sum until reduced
+        return self.all_reduce(out @ w["o"].T)  # row-parallel: a partial sum until reduced
 
     def mlp_block(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """This worker's block of layer i's MLP; the all-reduce completes down_proj."""
@@ -194,15 +211,18 @@ class WorkerModel:
         h = rms_norm(x, w["ffn_norm"], self.eps)
         return self.all_reduce((F.silu(h @ w["gate"].T) * (h @ w["up"].T)) @ w["down"].T)
 
-    def hidden(self, token_ids: Sequence[int], start_pos: int,
-               num_layers: Optional[int] = None) -> torch.Tensor:
+    def hidden(
+        self, token_ids: Sequence[int], start_pos: int, num_layers: int | None = None
+    ) -> torch.Tensor:
         """The residual stream ``[T, hidden]`` after ``num_layers`` layers (all by default),
         reading and extending the KV cache."""
         if start_pos == 0:
             self.reset()  # a sequence starting at position 0 is a new sequence
         if start_pos != self.cached:
-            raise ValueError(f"start_pos {start_pos} does not follow the {self.cached} cached "
-                             "positions; call reset, or start at 0")
+            raise ValueError(
+                f"start_pos {start_pos} does not follow the {self.cached} cached "
+                "positions; call reset, or start at 0"
+            )
         x = self.embed(token_ids)
         for i in range(self.num_layers if num_layers is None else num_layers):
             x = x + self.attention_block(i, x, start_pos)
@@ -223,6 +243,7 @@ def _model(ctx) -> WorkerModel:
 
 # ---- session functions -------------------------------------------------------------------------
 
+
 @register_session_func("tp_llama.setup")
 def setup(ctx, spec: dict) -> dict:
     """Dequantize this worker's shards (``ctx.shards``) and start an empty KV cache.
@@ -236,13 +257,15 @@ def setup(ctx, spec: dict) -> dict:
         torch.set_num_threads(int(spec["torch_threads"]))  # worker processes share the CPUs
     model = ctx.values[STATE] = WorkerModel(ctx, spec)
     first = model.layers[0]
-    return {"q_heads": first["q"].shape[0] // model.head_dim,
-            "kv_heads": first["k"].shape[0] // model.head_dim,
-            "ffn_rows": first["gate"].shape[0]}
+    return {
+        "q_heads": first["q"].shape[0] // model.head_dim,
+        "kv_heads": first["k"].shape[0] // model.head_dim,
+        "ffn_rows": first["gate"].shape[0],
+    }
 
 
 @register_session_func("tp_llama.forward")
-def forward(ctx, token_ids: list, start_pos: int) -> Optional[torch.Tensor]:
+def forward(ctx, token_ids: list, start_pos: int) -> torch.Tensor | None:
     """Run the new tokens at positions ``start_pos, ...`` through the model, extending the KV
     cache (``start_pos`` 0 starts a new sequence). Worker 0 returns the float32 logits
     ``[T, vocab]``; the others ``None``."""
@@ -253,7 +276,7 @@ def forward(ctx, token_ids: list, start_pos: int) -> Optional[torch.Tensor]:
 
 
 @register_session_func("tp_llama.hidden")
-def hidden(ctx, token_ids: list, num_layers: int) -> Optional[torch.Tensor]:
+def hidden(ctx, token_ids: list, num_layers: int) -> torch.Tensor | None:
     """The residual stream ``[T, hidden]`` after the first ``num_layers`` layers of a fresh
     sequence, from worker 0 (``None`` from the others); clears the KV cache afterwards."""
     model = _model(ctx)
@@ -277,6 +300,7 @@ def release(ctx) -> None:
 
 # ---- the driver --------------------------------------------------------------------------------
 
+
 def _tp_layout(plan, num_heads: int, num_kv_heads: int, n: int) -> dict:
     """Per worker: query heads, KV heads, local q -> kv map. From the plan when it says (a
     padded plan records its layout), else the layout the planner uses."""
@@ -284,8 +308,9 @@ def _tp_layout(plan, num_heads: int, num_kv_heads: int, n: int) -> dict:
     tp = meta.get("tensor_parallel") if isinstance(meta, dict) else None
     if isinstance(tp, list) and len(tp) == n:  # one {"q_heads", "kv_heads", "q_to_kv"} per worker
         tp = {key: [worker[key] for worker in tp] for key in ("q_heads", "kv_heads", "q_to_kv")}
-    if isinstance(tp, dict) and all(len(tp.get(key, ())) == n
-                                    for key in ("q_heads", "kv_heads", "q_to_kv")):
+    if isinstance(tp, dict) and all(
+        len(tp.get(key, ())) == n for key in ("q_heads", "kv_heads", "q_to_kv")
+    ):
         return {key: tp[key] for key in ("q_heads", "kv_heads", "q_to_kv")}
     return head_layout(num_heads, num_kv_heads, n).as_dict()
 
@@ -308,8 +333,11 @@ def model_spec(ckpt, plan, num_workers: int) -> dict:
     head_dim = get("attention.key_length", hidden // heads)
     names = list(ckpt.metadata())
     return {
-        "num_layers": get("block_count"), "hidden_size": hidden, "num_heads": heads,
-        "num_kv_heads": kv_heads, "head_dim": head_dim,
+        "num_layers": get("block_count"),
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
         "rope_dims": get("rope.dimension_count", head_dim),
         "rope_base": float(get("rope.freq_base", 10000.0)),
         "rms_eps": float(get("attention.layer_norm_rms_epsilon")),
@@ -333,8 +361,9 @@ class TensorParallelLlama:
     ...     new_ids, step_logits = model.generate(prompt_ids, 16)
     """
 
-    def __init__(self, checkpoint_path: str, session: Session, *, plan=None,
-                 progress: bool = False):
+    def __init__(
+        self, checkpoint_path: str, session: Session, *, plan=None, progress: bool = False
+    ):
         self.session = session
         self.ckpt = open_checkpoint(checkpoint_path)
         n = session.num_workers
@@ -365,8 +394,9 @@ class TensorParallelLlama:
         """The residual stream ``[T, hidden]`` after the first ``num_layers`` layers."""
         return self.session.call("tp_llama.hidden", [int(t) for t in token_ids], num_layers)[0]
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
-                 eos_id: Optional[int] = None) -> tuple[list[int], torch.Tensor]:
+    def generate(
+        self, prompt_ids: Sequence[int], max_new_tokens: int, *, eos_id: int | None = None
+    ) -> tuple[list[int], torch.Tensor]:
         """Greedy decoding: prefill the prompt, then one token at a time through the KV cache.
 
         Returns the new token ids (ending with ``eos_id`` if it was generated) and, for each,
@@ -396,7 +426,7 @@ class TensorParallelLlama:
         finally:
             self.ckpt.close()
 
-    def __enter__(self) -> "TensorParallelLlama":
+    def __enter__(self) -> TensorParallelLlama:
         return self
 
     def __exit__(self, *exc) -> None:

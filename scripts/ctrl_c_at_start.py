@@ -17,11 +17,25 @@ rng = random.Random(int(os.environ.get("SEED", "0")))
 codes, odd = {}, []
 for k in range(tries):
     delay = rng.uniform(0.1, 1.2)
-    proc = subprocess.Popen([sys.executable, "-m", "shardload", "load", "--shards", "4",
-                             "--session", "thread", "--quiet", ckpt],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            # a background shell's children start with SIGINT ignored
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shardload",
+            "load",
+            "--shards",
+            "4",
+            "--session",
+            "thread",
+            "--quiet",
+            ckpt,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a background shell's children start with SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)

@@ -35,8 +35,9 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import numpy as np
 
@@ -47,116 +48,316 @@ TP = (2, 3, 4, 6, 8, 16)
 
 # ---- the checkpoints: each its published config.json (the fields that shape its tensors) -----
 
-_AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-        "version": "gemm", "modules_to_not_convert": None}
-_QWEN_GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
-              "sym": True, "damp_percent": 0.01, "static_groups": False,
-              "true_sequential": True}
-_QWEN_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-             "weight_block_size": [128, 128]}
+_AWQ = {
+    "quant_method": "awq",
+    "bits": 4,
+    "group_size": 128,
+    "zero_point": True,
+    "version": "gemm",
+    "modules_to_not_convert": None,
+}
+_QWEN_GPTQ = {
+    "quant_method": "gptq",
+    "bits": 4,
+    "group_size": 128,
+    "desc_act": False,
+    "sym": True,
+    "damp_percent": 0.01,
+    "static_groups": False,
+    "true_sequential": True,
+}
+_QWEN_FP8 = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "weight_block_size": [128, 128],
+}
 
 
-def _ct(weights: dict, fmt: str, input_activations: Optional[dict] = None) -> dict:
+def _ct(weights: dict, fmt: str, input_activations: dict | None = None) -> dict:
     """A compressed-tensors quantization_config with one scheme for every Linear but lm_head."""
-    group = {"targets": ["Linear"], "weights": weights, "input_activations": input_activations,
-             "output_activations": None}
-    return {"quant_method": "compressed-tensors", "format": fmt,
-            "config_groups": {"group_0": group}, "ignore": ["lm_head"],
-            "kv_cache_scheme": None, "quantization_status": "compressed"}
+    group = {
+        "targets": ["Linear"],
+        "weights": weights,
+        "input_activations": input_activations,
+        "output_activations": None,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "quantization_status": "compressed",
+    }
 
 
-_QWEN25_72B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=8192,
-                   intermediate_size=29696,  # Qwen's own quantized 72B: zero-padded from 29568
-                   num_attention_heads=64, num_key_value_heads=8, num_hidden_layers=80,
-                   vocab_size=152064, tie_word_embeddings=False, torch_dtype="float16")
-_LLAMA_70B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8192,
-                  intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
-                  num_hidden_layers=80, vocab_size=128256, tie_word_embeddings=False)
+_QWEN25_72B = dict(
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    hidden_size=8192,
+    intermediate_size=29696,  # Qwen's own quantized 72B: zero-padded from 29568
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    num_hidden_layers=80,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+    torch_dtype="float16",
+)
+_LLAMA_70B = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    num_hidden_layers=80,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
 
 MODELS: list[dict[str, Any]] = [
-    dict(name="Qwen/Qwen2.5-72B-Instruct-AWQ",
-         config=dict(_QWEN25_72B, quantization_config=_AWQ)),
-    dict(name="Qwen/Qwen2.5-72B-Instruct-GPTQ-Int4",
-         config=dict(_QWEN25_72B, quantization_config=_QWEN_GPTQ)),
-    dict(name="Qwen/Qwen2.5-7B-Instruct-AWQ",
-         config=dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584,
-                     intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
-                     num_hidden_layers=28, vocab_size=152064, tie_word_embeddings=False,
-                     torch_dtype="float16", quantization_config=_AWQ)),
-    dict(name="Qwen/Qwen3-32B-AWQ",
-         config=dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=5120,
-                     intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
-                     head_dim=128, num_hidden_layers=64, vocab_size=151936,
-                     tie_word_embeddings=False, torch_dtype="float16",
-                     quantization_config=_AWQ)),
-    dict(name="Qwen/Qwen3-30B-A3B-FP8",
-         config=dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
-                     hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                     num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
-                     mlp_only_layers=[], num_attention_heads=32, num_key_value_heads=4,
-                     head_dim=128, num_hidden_layers=48, vocab_size=151936,
-                     tie_word_embeddings=False, torch_dtype="bfloat16",
-                     quantization_config=_QWEN_FP8)),
-    dict(name="Qwen/Qwen3-235B-A22B-FP8",
-         config=dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
-                     hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
-                     num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
-                     mlp_only_layers=[], num_attention_heads=64, num_key_value_heads=4,
-                     head_dim=128, num_hidden_layers=94, vocab_size=151936,
-                     tie_word_embeddings=False, torch_dtype="bfloat16",
-                     quantization_config=_QWEN_FP8)),
-    dict(name="deepseek-ai/DeepSeek-V3",
-         mtp_layers=1,   # num_nextn_predict_layers: layer 61 (multi-token prediction) is stored too
-         config=dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
-                     hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-                     n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
-                     first_k_dense_replace=3, moe_layer_freq=1, n_group=8, topk_group=4,
-                     num_attention_heads=128, num_key_value_heads=128, num_hidden_layers=61,
-                     num_nextn_predict_layers=1, q_lora_rank=1536, kv_lora_rank=512,
-                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                     vocab_size=129280, tie_word_embeddings=False, torch_dtype="bfloat16",
-                     quantization_config={"quant_method": "fp8", "fmt": "e4m3",
-                                          "activation_scheme": "dynamic",
-                                          "weight_block_size": [128, 128]})),
-    dict(name="RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic",
-         config=dict(_LLAMA_70B, torch_dtype="bfloat16", quantization_config=_ct(
-             {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
-              "dynamic": False, "group_size": None, "block_structure": None, "actorder": None,
-              "observer": "minmax"}, "float-quantized",
-             {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
-              "dynamic": True, "group_size": None, "block_structure": None, "actorder": None,
-              "observer": None}))),
-    dict(name="casperhansen/llama-3.3-70b-instruct-awq",
-         config=dict(_LLAMA_70B, torch_dtype="float16", quantization_config=_AWQ)),
-    dict(name="RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w4a16",
-         config=dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
-                     intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                     num_hidden_layers=32, vocab_size=128256, tie_word_embeddings=False,
-                     torch_dtype="bfloat16", quantization_config=_ct(
-                         {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                          "group_size": 128, "dynamic": False, "actorder": None,
-                          "block_structure": None, "observer": "minmax"}, "pack-quantized"))),
-    dict(name="TheBloke/Mixtral-8x7B-Instruct-v0.1-GPTQ",
-         config=dict(architectures=["MixtralForCausalLM"], model_type="mixtral",
-                     hidden_size=4096, intermediate_size=14336, num_local_experts=8,
-                     num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=8,
-                     num_hidden_layers=32, vocab_size=32000, tie_word_embeddings=False,
-                     torch_dtype="float16",
-                     # its main branch: 4-bit, act-order, no group size
-                     quantization_config={"quant_method": "gptq", "bits": 4, "group_size": -1,
-                                          "desc_act": True, "sym": True, "damp_percent": 0.1,
-                                          "true_sequential": True})),
-    dict(name="openai/gpt-oss-120b",
-         config=dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss",
-                     hidden_size=2880, intermediate_size=2880, num_local_experts=128,
-                     num_experts_per_tok=4, experts_per_token=4, num_attention_heads=64,
-                     num_key_value_heads=8, head_dim=64, num_hidden_layers=36,
-                     vocab_size=201088, tie_word_embeddings=False, torch_dtype="bfloat16",
-                     sliding_window=128, swiglu_limit=7.0,
-                     layer_types=["sliding_attention", "full_attention"] * 18,
-                     quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
-                         "model.layers.*.self_attn", "model.layers.*.mlp.router",
-                         "model.embed_tokens", "lm_head"]})),
+    dict(name="Qwen/Qwen2.5-72B-Instruct-AWQ", config=dict(_QWEN25_72B, quantization_config=_AWQ)),
+    dict(
+        name="Qwen/Qwen2.5-72B-Instruct-GPTQ-Int4",
+        config=dict(_QWEN25_72B, quantization_config=_QWEN_GPTQ),
+    ),
+    dict(
+        name="Qwen/Qwen2.5-7B-Instruct-AWQ",
+        config=dict(
+            architectures=["Qwen2ForCausalLM"],
+            model_type="qwen2",
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            num_hidden_layers=28,
+            vocab_size=152064,
+            tie_word_embeddings=False,
+            torch_dtype="float16",
+            quantization_config=_AWQ,
+        ),
+    ),
+    dict(
+        name="Qwen/Qwen3-32B-AWQ",
+        config=dict(
+            architectures=["Qwen3ForCausalLM"],
+            model_type="qwen3",
+            hidden_size=5120,
+            intermediate_size=25600,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=64,
+            vocab_size=151936,
+            tie_word_embeddings=False,
+            torch_dtype="float16",
+            quantization_config=_AWQ,
+        ),
+    ),
+    dict(
+        name="Qwen/Qwen3-30B-A3B-FP8",
+        config=dict(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_hidden_layers=48,
+            vocab_size=151936,
+            tie_word_embeddings=False,
+            torch_dtype="bfloat16",
+            quantization_config=_QWEN_FP8,
+        ),
+    ),
+    dict(
+        name="Qwen/Qwen3-235B-A22B-FP8",
+        config=dict(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            hidden_size=4096,
+            intermediate_size=12288,
+            moe_intermediate_size=1536,
+            num_experts=128,
+            num_experts_per_tok=8,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            num_attention_heads=64,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_hidden_layers=94,
+            vocab_size=151936,
+            tie_word_embeddings=False,
+            torch_dtype="bfloat16",
+            quantization_config=_QWEN_FP8,
+        ),
+    ),
+    dict(
+        name="deepseek-ai/DeepSeek-V3",
+        mtp_layers=1,  # num_nextn_predict_layers: layer 61 (multi-token prediction) is stored too
+        config=dict(
+            architectures=["DeepseekV3ForCausalLM"],
+            model_type="deepseek_v3",
+            hidden_size=7168,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            n_routed_experts=256,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            first_k_dense_replace=3,
+            moe_layer_freq=1,
+            n_group=8,
+            topk_group=4,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            num_hidden_layers=61,
+            num_nextn_predict_layers=1,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            vocab_size=129280,
+            tie_word_embeddings=False,
+            torch_dtype="bfloat16",
+            quantization_config={
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128],
+            },
+        ),
+    ),
+    dict(
+        name="RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic",
+        config=dict(
+            _LLAMA_70B,
+            torch_dtype="bfloat16",
+            quantization_config=_ct(
+                {
+                    "num_bits": 8,
+                    "type": "float",
+                    "symmetric": True,
+                    "strategy": "channel",
+                    "dynamic": False,
+                    "group_size": None,
+                    "block_structure": None,
+                    "actorder": None,
+                    "observer": "minmax",
+                },
+                "float-quantized",
+                {
+                    "num_bits": 8,
+                    "type": "float",
+                    "symmetric": True,
+                    "strategy": "token",
+                    "dynamic": True,
+                    "group_size": None,
+                    "block_structure": None,
+                    "actorder": None,
+                    "observer": None,
+                },
+            ),
+        ),
+    ),
+    dict(
+        name="casperhansen/llama-3.3-70b-instruct-awq",
+        config=dict(_LLAMA_70B, torch_dtype="float16", quantization_config=_AWQ),
+    ),
+    dict(
+        name="RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w4a16",
+        config=dict(
+            architectures=["LlamaForCausalLM"],
+            model_type="llama",
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_hidden_layers=32,
+            vocab_size=128256,
+            tie_word_embeddings=False,
+            torch_dtype="bfloat16",
+            quantization_config=_ct(
+                {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": 128,
+                    "dynamic": False,
+                    "actorder": None,
+                    "block_structure": None,
+                    "observer": "minmax",
+                },
+                "pack-quantized",
+            ),
+        ),
+    ),
+    dict(
+        name="TheBloke/Mixtral-8x7B-Instruct-v0.1-GPTQ",
+        config=dict(
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_hidden_layers=32,
+            vocab_size=32000,
+            tie_word_embeddings=False,
+            torch_dtype="float16",
+            # its main branch: 4-bit, act-order, no group size
+            quantization_config={
+                "quant_method": "gptq",
+                "bits": 4,
+                "group_size": -1,
+                "desc_act": True,
+                "sym": True,
+                "damp_percent": 0.1,
+                "true_sequential": True,
+            },
+        ),
+    ),
+    dict(
+        name="openai/gpt-oss-120b",
+        config=dict(
+            architectures=["GptOssForCausalLM"],
+            model_type="gpt_oss",
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_local_experts=128,
+            num_experts_per_tok=4,
+            experts_per_token=4,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            num_hidden_layers=36,
+            vocab_size=201088,
+            tie_word_embeddings=False,
+            torch_dtype="bfloat16",
+            sliding_window=128,
+            swiglu_limit=7.0,
+            layer_types=["sliding_attention", "full_attention"] * 18,
+            quantization_config={
+                "quant_method": "mxfp4",
+                "modules_to_not_convert": [
+                    "model.layers.*.self_attn",
+                    "model.layers.*.mlp.router",
+                    "model.embed_tokens",
+                    "lm_head",
+                ],
+            },
+        ),
+    ),
 ]
 
 # ---- the tensors each architecture stores --------------------------------------------------------
@@ -178,8 +379,14 @@ class Linear:
 # (dtype ``"act"``: the model's torch_dtype), in the order the checkpoint stores them.
 
 
-def _attention(c: dict, p: str, qkv_bias: bool = False, o_bias: bool = False,
-               qk_norm: bool = False, quantized: bool = True) -> Iterator:
+def _attention(
+    c: dict,
+    p: str,
+    qkv_bias: bool = False,
+    o_bias: bool = False,
+    qk_norm: bool = False,
+    quantized: bool = True,
+) -> Iterator:
     h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     d = c.get("head_dim") or h // heads
     a = p + ".self_attn"
@@ -313,9 +520,15 @@ def gpt_oss(c: dict) -> Iterator:
             yield (f"{x}.{name}_bias", [e, rows], "act")
 
 
-ARCHITECTURES = {"llama": llama_like, "qwen2": llama_like, "qwen3": llama_like,
-                 "qwen3_moe": qwen3_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3,
-                 "gpt_oss": gpt_oss}
+ARCHITECTURES = {
+    "llama": llama_like,
+    "qwen2": llama_like,
+    "qwen3": llama_like,
+    "qwen3_moe": qwen3_moe,
+    "mixtral": mixtral,
+    "deepseek_v3": deepseek_v3,
+    "gpt_oss": gpt_oss,
+}
 
 # ---- how each format stores one linear layer -----------------------------------------------------
 
@@ -367,8 +580,13 @@ def unquantized(l: Linear, q: dict) -> Iterator:
     yield (l.name + ".weight", [l.n, l.k], "act")
 
 
-FORMATS = {"gptq": gptq, "awq": awq, "fp8": fp8_block, "compressed-tensors": compressed_tensors,
-           "mxfp4": unquantized}   # gpt-oss: its quantized experts are the architecture's own
+FORMATS = {
+    "gptq": gptq,
+    "awq": awq,
+    "fp8": fp8_block,
+    "compressed-tensors": compressed_tensors,
+    "mxfp4": unquantized,
+}  # gpt-oss: its quantized experts are the architecture's own
 DTYPES = {"float16": "F16", "bfloat16": "BF16"}
 BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F8_E4M3": 1, "I32": 4, "I64": 8, "U8": 1}
 
@@ -391,6 +609,7 @@ def stored_tensors(config: dict) -> Iterator[tuple]:
     for t in ARCHITECTURES[config["model_type"]](config):
         for name, shape, dtype, *values in _parts(t, store, q):
             yield (name, shape, act if dtype == "act" else dtype, *values)
+
 
 # ---- writing it: headers, real bytes where the planner reads them, holes elsewhere -----------
 
@@ -443,6 +662,7 @@ def write_checkpoint(model: dict, folder: str) -> int:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     return len(weight_map)
 
+
 # ---- vLLM's own checks, restated (vLLM 0.32, CUDA) -------------------------------------------
 
 
@@ -451,12 +671,12 @@ class Shape:
     """What vLLM's checks read of a config."""
 
     heads: int
-    kv_heads: Optional[int]          # None: latent attention (MLA), no KV heads to split
-    head_dim: int                    # a query head's width (MLA: nope + rope)
-    o_head_dim: int                  # o_proj's K per head (MLA: v_head_dim)
+    kv_heads: int | None  # None: latent attention (MLA), no KV heads to split
+    head_dim: int  # a query head's width (MLA: nope + rope)
+    o_head_dim: int  # o_proj's K per head (MLA: v_head_dim)
     hidden: int
-    dense: tuple[int, ...]           # widths of dense (and shared-expert) MLPs
-    experts: int                     # one routed expert's width (0: none)
+    dense: tuple[int, ...]  # widths of dense (and shared-expert) MLPs
+    experts: int  # one routed expert's width (0: none)
     quant: dict
     method: str
     mla_heads: tuple[int, ...] = ()  # MLA's per-head widths of its column-parallel q_b/kv_b
@@ -468,16 +688,29 @@ def shape_of(c: dict) -> Shape:
     if t == "deepseek_v3":
         nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
         dense = (c["intermediate_size"], c["moe_intermediate_size"] * c["n_shared_experts"])
-        return Shape(heads, None, nope + rope, v, h, dense, c["moe_intermediate_size"], q,
-                     q["quant_method"], (nope + rope, nope + v))
+        return Shape(
+            heads,
+            None,
+            nope + rope,
+            v,
+            h,
+            dense,
+            c["moe_intermediate_size"],
+            q,
+            q["quant_method"],
+            (nope + rope, nope + v),
+        )
     d = c.get("head_dim") or h // heads
-    experts = {"qwen3_moe": c.get("moe_intermediate_size", 0),
-               "mixtral": c["intermediate_size"], "gpt_oss": c["intermediate_size"]}.get(t, 0)
+    experts = {
+        "qwen3_moe": c.get("moe_intermediate_size", 0),
+        "mixtral": c["intermediate_size"],
+        "gpt_oss": c["intermediate_size"],
+    }.get(t, 0)
     dense = () if experts else (c["intermediate_size"],)
     return Shape(heads, c["num_key_value_heads"], d, d, h, dense, experts, q, q["quant_method"])
 
 
-def _wna16(s: Shape) -> Optional[tuple[int, int]]:
+def _wna16(s: Shape) -> tuple[int, int] | None:
     """(group, pack factor) of an int4/int8 weight-only scheme (GPTQ, AWQ, compressed-tensors
     pack-quantized), else None."""
     q = s.quant
@@ -559,8 +792,9 @@ def check_wna16_experts(s: Shape, tp: int):
     while w % group or s.hidden % group:
         group //= 2
         if group < 32:
-            return "groups", (f"an expert's {w} rows on a rank split its {found[0]}-groups "
-                              "below 32")
+            return "groups", (
+                f"an expert's {w} rows on a rank split its {found[0]}-groups below 32"
+            )
 
 
 def check_fp8_block_linear(s: Shape, tp: int):
@@ -577,8 +811,10 @@ def check_fp8_block_linear(s: Shape, tp: int):
             return "blocks", f"{layer}'s K on a rank, {k}, is not a whole number of {bk}-blocks"
     for layer, width in zip(("q_b_proj", "kv_b_proj"), s.mla_heads):
         if s.heads // tp * width % bn:
-            return "blocks", (f"{layer}'s N on a rank, {s.heads // tp * width}, is not a whole "
-                              f"number of {bn}-blocks")
+            return "blocks", (
+                f"{layer}'s N on a rank, {s.heads // tp * width}, is not a whole "
+                f"number of {bn}-blocks"
+            )
 
 
 def check_fp8_block_experts(s: Shape, tp: int):
@@ -594,16 +830,26 @@ def check_fp8_block_experts(s: Shape, tp: int):
         return None
     refined = math.gcd(bn, bk, w, s.hidden)
     if refined < 32:
-        return "blocks", (f"an expert's {w} rows on a rank are not whole {bn}-blocks, and "
-                          f"vLLM refines blocks only down to 32 (gcd {refined})")
+        return "blocks", (
+            f"an expert's {w} rows on a rank are not whole {bn}-blocks, and "
+            f"vLLM refines blocks only down to 32 (gcd {refined})"
+        )
 
 
 #: vLLM's checks that refuse, in the order vLLM meets them
-CHECKS = (check_heads, check_kv_heads, check_dense_mlp, check_gptq_act_order, check_wna16_linear,
-          check_wna16_experts, check_fp8_block_linear, check_fp8_block_experts)
+CHECKS = (
+    check_heads,
+    check_kv_heads,
+    check_dense_mlp,
+    check_gptq_act_order,
+    check_wna16_linear,
+    check_wna16_experts,
+    check_fp8_block_linear,
+    check_fp8_block_experts,
+)
 
 
-def vllm_refusal(config: dict, tp: int) -> Optional[tuple[str, str]]:
+def vllm_refusal(config: dict, tp: int) -> tuple[str, str] | None:
     """(short, why) of the first of vLLM's checks that refuses ``config`` at ``tp``, or None."""
     s = shape_of(config)
     for check in CHECKS:
@@ -613,7 +859,7 @@ def vllm_refusal(config: dict, tp: int) -> Optional[tuple[str, str]]:
     return None
 
 
-def vllm_note(config: dict, tp: int) -> Optional[str]:
+def vllm_note(config: dict, tp: int) -> str | None:
     """What vLLM does itself to run ``config`` at ``tp`` (not a refusal), if anything."""
     s = shape_of(config)
     w = s.experts // tp if s.experts else 0
@@ -624,9 +870,11 @@ def vllm_note(config: dict, tp: int) -> Optional[str]:
     if s.method == "mxfp4" and w % 32:
         # models/gpt_oss.py GptOssModel._load_weights_mxfp4: cdiv(width / 32, tp) blocks a rank
         per = -(-s.experts // 32 // tp) * 32
-        return (f"vLLM pads the MXFP4 experts itself: {per} rows a rank (of {w}), the last "
-                "ranks fewer")
+        return (
+            f"vLLM pads the MXFP4 experts itself: {per} rows a rank (of {w}), the last ranks fewer"
+        )
     return None
+
 
 # ---- shardload's verdict -------------------------------------------------------------------------
 
@@ -654,7 +902,7 @@ def shardload_verdict(folder: str, name: str, config: dict, tp: int) -> dict:
     (vLLM builds and checks the padded model), and ``own``, ``plan_decision``'s kind."""
     from shardload import open_checkpoint
 
-    with open_checkpoint(folder) as ckpt:      # its headers read once for both
+    with open_checkpoint(folder) as ckpt:  # its headers read once for both
         return _verdict(ckpt, folder, name, config, tp)
 
 
@@ -672,8 +920,12 @@ def _verdict(ckpt, folder: str, name: str, config: dict, tp: int) -> dict:
     except ShardloadError as exc:
         kind = "refused" if isinstance(exc, PlanError) else "error"
         return {"kind": kind, "why": _reason(exc, folder, name), "own": own}
-    return {"kind": "padded" if overrides else "as is", "overrides": overrides, "own": own,
-            "vllm": vllm_refusal(_apply(config, overrides), tp)}
+    return {
+        "kind": "padded" if overrides else "as is",
+        "overrides": overrides,
+        "own": own,
+        "vllm": vllm_refusal(_apply(config, overrides), tp),
+    }
 
 
 def _one_cell(index: int, tp: int, root: str) -> tuple[int, int, int, dict, float]:
@@ -703,15 +955,20 @@ def evaluate(names: list[str], tps, jobs: int, log=lambda *a: None) -> list[tupl
     indices = [i for i, m in enumerate(MODELS) if m["name"] in names]
     counts: dict[int, int] = {}
     verdicts: dict[int, dict[int, dict]] = {i: {} for i in indices}
-    with tempfile.TemporaryDirectory(prefix="vllm-coverage-") as root, \
-            ProcessPoolExecutor(max_workers=jobs) as pool:
+    with (
+        tempfile.TemporaryDirectory(prefix="vllm-coverage-") as root,
+        ProcessPoolExecutor(max_workers=jobs) as pool,
+    ):
         futures = [pool.submit(_one_cell, i, n, root) for i in indices for n in tps]
         for future in futures:
             i, n, count, verdict, seconds = future.result()
             counts[i], verdicts[i][n] = count, verdict
-            log(f"{MODELS[i]['name']} ({count:,} tensors) N={n}: {verdict['kind']} "
-                f"({seconds:.1f} s)")
+            log(
+                f"{MODELS[i]['name']} ({count:,} tensors) N={n}: {verdict['kind']} "
+                f"({seconds:.1f} s)"
+            )
     return [(MODELS[i], counts[i], verdicts[i]) for i in indices]
+
 
 # ---- the table -----------------------------------------------------------------------------------
 
@@ -752,22 +1009,28 @@ def shardload_cell(verdict: dict, notes: Notes) -> str:
 
 def render(rows: list[tuple]) -> str:
     notes = Notes()
-    lines = ["| checkpoint | tensors | " + " | ".join(f"TP={n}" for n in TP) + " |",
-             "|---|---:|" + "---|" * len(TP)]
+    lines = [
+        "| checkpoint | tensors | " + " | ".join(f"TP={n}" for n in TP) + " |",
+        "|---|---:|" + "---|" * len(TP),
+    ]
     for model, count, verdicts in rows:
-        cells = [f"{vllm_cell(model['config'], n, notes)} · {shardload_cell(verdicts[n], notes)}"
-                 for n in TP]
+        cells = [
+            f"{vllm_cell(model['config'], n, notes)} · {shardload_cell(verdicts[n], notes)}"
+            for n in TP
+        ]
         lines.append(f"| {model['name']} | {count:,} | " + " | ".join(cells) + " |")
     foot = [f"{i}. {text}" for i, text in enumerate(notes.texts, 1)]
     return "\n".join(lines + ["", LEGEND, ""] + foot)
 
 
-LEGEND = ("vLLM ✓ / ✗: what vLLM's own checks allow with its default loader (in a word why "
-          "not; the footnote gives the sizes). shardload: `as is` (its plan for N pads nothing: "
-          "vLLM runs it unchanged), `padded` (zero-padded exactly: run vLLM with the footnote's "
-          "`--hf-overrides`), ✗ (refused; the footnote is `vllm_overrides`' reason). `vLLM "
-          "still ✗`: vLLM's checks refuse the padded model too. `own planner`: what "
-          "`plan_decision` decides for shardload's own loader, where it differs.")
+LEGEND = (
+    "vLLM ✓ / ✗: what vLLM's own checks allow with its default loader (in a word why "
+    "not; the footnote gives the sizes). shardload: `as is` (its plan for N pads nothing: "
+    "vLLM runs it unchanged), `padded` (zero-padded exactly: run vLLM with the footnote's "
+    "`--hf-overrides`), ✗ (refused; the footnote is `vllm_overrides`' reason). `vLLM "
+    "still ✗`: vLLM's checks refuse the padded model too. `own planner`: what "
+    "`plan_decision` decides for shardload's own loader, where it differs."
+)
 
 
 def section(rows: list[tuple]) -> str:
@@ -779,6 +1042,7 @@ def replace_section(text: str, new: str) -> str:
     if not found or END not in rest:
         raise SystemExit(f"{DOC} has no {BEGIN} ... {END} section")
     return head + new + rest.partition(END)[2]
+
 
 # ---- reading the table back (for the tests' quick checks) ----------------------------------------
 
@@ -810,8 +1074,12 @@ def main(argv=None) -> int:
     mode.add_argument("--check", action="store_true", help="exit 1 if docs/vllm.md is stale")
     parser.add_argument("--model", action="append", help="only this checkpoint (repeatable)")
     parser.add_argument("--tp", type=int, action="append", help="only this N (repeatable)")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                        help="cells computed at once (worker processes; default: CPU count)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="cells computed at once (worker processes; default: CPU count)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = parser.parse_args(argv)
     if (args.model or args.tp) and (args.write or args.check):
@@ -838,9 +1106,14 @@ def main(argv=None) -> int:
         with open(DOC, "w", encoding="utf-8") as f:
             f.write(fresh)
     elif args.check and fresh != text:
-        sys.stdout.writelines(difflib.unified_diff(
-            text.splitlines(True), fresh.splitlines(True), "docs/vllm.md (as it is)",
-            "docs/vllm.md (as generated)"))
+        sys.stdout.writelines(
+            difflib.unified_diff(
+                text.splitlines(True),
+                fresh.splitlines(True),
+                "docs/vllm.md (as it is)",
+                "docs/vllm.md (as generated)",
+            )
+        )
         print("docs/vllm.md is stale: run python scripts/vllm_coverage.py --write")
         return 1
     elif not args.check:

@@ -15,9 +15,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .errors import (FormatError, PlanError, SessionClosedError, SessionError, ShardloadError,
-                     StorageError, UnknownSessionFunctionError, UnknownShardFunctionError, WorkerCrashedError,
-                     WorkerError)
+from .errors import (
+    FormatError,
+    PlanError,
+    SessionClosedError,
+    SessionError,
+    ShardloadError,
+    StorageError,
+    UnknownSessionFunctionError,
+    UnknownShardFunctionError,
+    WorkerCrashedError,
+    WorkerError,
+)
 from .modules import lazy_names
 
 __version__ = "0.1.0"
@@ -52,10 +61,22 @@ _LAZY = {
     "plan_for": "planners",
 }
 
-__all__ = sorted([*_LAZY, "ShardloadError", "PlanError", "UnknownShardFunctionError",
-                  "UnknownSessionFunctionError", "SessionClosedError", "SessionError",
-                  "FormatError", "StorageError",
-                  "WorkerError", "WorkerCrashedError", "__version__"])
+__all__ = sorted(
+    [
+        *_LAZY,
+        "ShardloadError",
+        "PlanError",
+        "UnknownShardFunctionError",
+        "UnknownSessionFunctionError",
+        "SessionClosedError",
+        "SessionError",
+        "FormatError",
+        "StorageError",
+        "WorkerError",
+        "WorkerCrashedError",
+        "__version__",
+    ]
+)
 
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, globals(), __all__)
@@ -64,12 +85,23 @@ __getattr__, __dir__ = lazy_names(__name__, _LAZY, globals(), __all__)
 if TYPE_CHECKING:  # pragma: no cover
     from .frontdoor import REPLICATE, load_sharded, open_session, resolve_plan
     from .loader import LoadStats, ShardedParams
-    from .staging import Staging
     from .plan import Plan, ShardInfo
-    from .readers import ArrayCheckpoint, Checkpoint, TensorMeta, open_checkpoint
-    from .registry import (ShardFunc, get_shard_func, list_shard_funcs, load_plugins,
-                           register_shard_func)
     from .planners import plan_for
+    from .readers import ArrayCheckpoint, Checkpoint, TensorMeta, open_checkpoint
+    from .registry import (
+        ShardFunc,
+        get_shard_func,
+        list_shard_funcs,
+        load_plugins,
+        register_shard_func,
+    )
     from .selection import Selection
-    from .sessions import (ProcessSession, Session, ThreadedSession, TorchDistributedSession,
-                           WorkerContext, register_session_func)
+    from .sessions import (
+        ProcessSession,
+        Session,
+        ThreadedSession,
+        TorchDistributedSession,
+        WorkerContext,
+        register_session_func,
+    )
+    from .staging import Staging

@@ -40,21 +40,29 @@ GGUF keys carry the architecture as a prefix: ``Fields(kv, file=path, prefix="ll
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Union
 
 from .errors import FormatError, quote
 
-__all__ = ["Fields", "MAX_HEADS", "MAX_HEAD_DIM", "MAX_WIDTH", "MAX_LAYERS", "MAX_GROUP",
-           "describe_value"]
+__all__ = [
+    "MAX_GROUP",
+    "MAX_HEADS",
+    "MAX_HEAD_DIM",
+    "MAX_LAYERS",
+    "MAX_WIDTH",
+    "Fields",
+    "describe_value",
+]
 
 #: bounds on what planners read: generous for every real model (the largest have 128 heads,
 #: head_dim 256, under 2**17 MLP rows, a 2**18 vocabulary), small enough that nothing sized by
 #: them (the per-head and per-block lists of a zero-padded plan) can exhaust memory or time
 MAX_HEADS = 1 << 16
 MAX_HEAD_DIM = 1 << 16
-MAX_WIDTH = 1 << 22        # hidden, intermediate and vocabulary sizes
+MAX_WIDTH = 1 << 22  # hidden, intermediate and vocabulary sizes
 MAX_LAYERS = 1 << 16
-MAX_GROUP = 1 << 22        # quantization group / block sizes
+MAX_GROUP = 1 << 22  # quantization group / block sizes
 #: the longest string field a planner compares
 MAX_STRING = 1024
 
@@ -87,8 +95,9 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def _int_rule(min: Optional[int], max: Optional[int], choices: Optional[Sequence[int]],
-              also: Sequence[int]) -> str:
+def _int_rule(
+    min: int | None, max: int | None, choices: Sequence[int] | None, also: Sequence[int]
+) -> str:
     if choices is not None:
         return "one of " + ", ".join(map(str, choices))
     if min is not None and max is not None:
@@ -114,8 +123,10 @@ class Fields:
     def __init__(self, data: Any, *, file: FileLabel, prefix: str = "", path: str = ""):
         if not isinstance(data, Mapping):
             where = f"key {quote(path)}" if path else "the metadata"
-            raise FormatError(f"{where} is {describe_value(data)}; it must be an object",
-                              file=file() if callable(file) else file)
+            raise FormatError(
+                f"{where} is {describe_value(data)}; it must be an object",
+                file=file() if callable(file) else file,
+            )
         self._data = data
         self._file = file
         self.prefix = prefix
@@ -179,9 +190,17 @@ class Fields:
 
     # -- typed getters
 
-    def int(self, key: str, *, min: Optional[int] = None, max: Optional[int] = None,
-            choices: Optional[Sequence[int]] = None, also: Sequence[int] = (),
-            default: Any = _MISSING, nullable: bool = False) -> Any:
+    def int(
+        self,
+        key: str,
+        *,
+        min: int | None = None,
+        max: int | None = None,
+        choices: Sequence[int] | None = None,
+        also: Sequence[int] = (),
+        default: Any = _MISSING,
+        nullable: bool = False,
+    ) -> Any:
         """An integer (``type(v) is int``: no booleans, floats or strings) within ``min`` ..
         ``max``, or one of ``choices``; ``also`` lists single values allowed outside the
         range (``-1`` for "per channel")."""
@@ -200,12 +219,22 @@ class Fields:
             raise self.refuse(key, value, allowed)
         return value
 
-    def str(self, key: str, *, choices: Optional[Iterable[str]] = None,
-            default: Any = _MISSING, nullable: bool = False, max_len: int = MAX_STRING) -> Any:
+    def str(
+        self,
+        key: str,
+        *,
+        choices: Iterable[str] | None = None,
+        default: Any = _MISSING,
+        nullable: bool = False,
+        max_len: int = MAX_STRING,
+    ) -> Any:
         """A string of at most ``max_len`` characters, or one of ``choices``."""
         choices = None if choices is None else tuple(choices)
-        allowed = ("one of " + ", ".join(map(repr, choices)) if choices is not None
-                   else f"a string of at most {max_len} characters")
+        allowed = (
+            "one of " + ", ".join(map(repr, choices))
+            if choices is not None
+            else f"a string of at most {max_len} characters"
+        )
         value = self._get(key, default, nullable, allowed)
         if value is _ABSENT:
             return default
@@ -224,12 +253,14 @@ class Fields:
             raise self.refuse(key, value, "true or false")
         return value
 
-    def one_of(self, key: str, choices: Sequence[Any], *, default: Any = _MISSING,
-               nullable: bool = False) -> Any:
+    def one_of(
+        self, key: str, choices: Sequence[Any], *, default: Any = _MISSING, nullable: bool = False
+    ) -> Any:
         """One of ``choices``, compared by type and value (``True`` is not ``1``)."""
-        allowed = "one of " + ", ".join("null" if c is None else
-                                        "true" if c is True else "false" if c is False
-                                        else repr(c) for c in choices)
+        allowed = "one of " + ", ".join(
+            "null" if c is None else "true" if c is True else "false" if c is False else repr(c)
+            for c in choices
+        )
         value = self._get(key, default, nullable, allowed)
         if value is _ABSENT:
             return default
@@ -237,26 +268,40 @@ class Fields:
             raise self.refuse(key, value, allowed)
         return value
 
-    def int_list(self, key: str, *, length: Optional[int] = None, min: Optional[int] = None,
-                 max: Optional[int] = None, default: Any = _MISSING,
-                 nullable: bool = False) -> Any:
+    def int_list(
+        self,
+        key: str,
+        *,
+        length: int | None = None,
+        min: int | None = None,
+        max: int | None = None,
+        default: Any = _MISSING,
+        nullable: bool = False,
+    ) -> Any:
         """A list of integers (each as ``int`` checks them), of exactly ``length`` items."""
         rule = _int_rule(min, max, None, ())
-        allowed = (f"a list of {length} items, each {rule}" if length is not None
-                   else f"a list of integers, each {rule}")
+        allowed = (
+            f"a list of {length} items, each {rule}"
+            if length is not None
+            else f"a list of integers, each {rule}"
+        )
         value = self._get(key, default, nullable, allowed)
         if value is _ABSENT:
             return default
         if not isinstance(value, (list, tuple)) or (length is not None and len(value) != length):
             raise self.refuse(key, value, allowed)
         for item in value:
-            if (type(item) is not int or (min is not None and item < min)
-                    or (max is not None and item > max)):
+            if (
+                type(item) is not int
+                or (min is not None and item < min)
+                or (max is not None and item > max)
+            ):
                 raise self.refuse(key, value, allowed)
         return list(value)
 
-    def sub(self, key: str, *, optional: bool = False,
-            file: Optional[FileLabel] = None) -> Optional["Fields"]:
+    def sub(
+        self, key: str, *, optional: bool = False, file: FileLabel | None = None
+    ) -> Fields | None:
         """The object under ``key`` as ``Fields`` (its keys named ``key.inner``). With
         ``optional``, an absent or null ``key`` gives ``None``; an int, string or list is
         always refused. ``file`` names the file the object came from when it is not this

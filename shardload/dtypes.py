@@ -7,7 +7,8 @@ when a name is turned into a ``torch.dtype``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .errors import quote
 from .limits import INT64_MAX, MAX_DIM, MAX_NDIM
@@ -17,36 +18,72 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # canonical name -> bytes per element
 ITEMSIZE: dict[str, int] = {
-    "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
-    "int32": 4, "uint32": 4, "float32": 4,
-    "int64": 8, "uint64": 8, "float64": 8,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
 }
 
 #: the range of each integer dtype, for values written into one (``shardload.constant``)
 INTEGER_RANGE: dict[str, tuple[int, int]] = {
-    "int8": (-2**7, 2**7 - 1), "int16": (-2**15, 2**15 - 1), "int32": (-2**31, 2**31 - 1),
-    "int64": (-2**63, 2**63 - 1), "uint8": (0, 2**8 - 1), "uint16": (0, 2**16 - 1),
-    "uint32": (0, 2**32 - 1), "uint64": (0, 2**64 - 1),
+    "int8": (-(2**7), 2**7 - 1),
+    "int16": (-(2**15), 2**15 - 1),
+    "int32": (-(2**31), 2**31 - 1),
+    "int64": (-(2**63), 2**63 - 1),
+    "uint8": (0, 2**8 - 1),
+    "uint16": (0, 2**16 - 1),
+    "uint32": (0, 2**32 - 1),
+    "uint64": (0, 2**64 - 1),
 }
 
 ALIASES: dict[str, str] = {
-    "half": "float16", "float": "float32", "double": "float64",
-    "e4m3_float8": "float8_e4m3fn", "e5m2_float8": "float8_e5m2",
+    "half": "float16",
+    "float": "float32",
+    "double": "float64",
+    "e4m3_float8": "float8_e4m3fn",
+    "e5m2_float8": "float8_e5m2",
 }
 
 # safetensors header dtype -> canonical name
 SAFETENSORS: dict[str, str] = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2", "I16": "int16", "U16": "uint16", "F16": "float16",
-    "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64",
-    "U64": "uint64", "F64": "float64",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F64": "float64",
 }
 
 # Dtypes whose torch support is limited to copies and views: byte-moving code works on a
 # same-width signed integer view of them.
-_MOVABLE_VIEW = {"uint16": "int16", "uint32": "int32", "uint64": "int64",
-                 "float8_e4m3fn": "uint8", "float8_e5m2": "uint8", "bool": "uint8"}
+_MOVABLE_VIEW = {
+    "uint16": "int16",
+    "uint32": "int32",
+    "uint64": "int64",
+    "float8_e4m3fn": "uint8",
+    "float8_e5m2": "uint8",
+    "bool": "uint8",
+}
 
 
 def canonical(name: str) -> str:
@@ -65,7 +102,7 @@ def canonical(name: str) -> str:
     return name
 
 
-def shape_problem(shape: Sequence[int], dtype: "str | int") -> Optional[str]:
+def shape_problem(shape: Sequence[int], dtype: str | int) -> str | None:
     """Why a tensor of ``shape`` (non-negative ints) and ``dtype`` (a name, or an item size in
     bytes) cannot exist, or ``None`` if it can: the one rule every reader and the plan apply.
 
@@ -82,12 +119,16 @@ def shape_problem(shape: Sequence[int], dtype: "str | int") -> Optional[str]:
     span = dtype if isinstance(dtype, int) else itemsize(dtype)
     for k, d in enumerate(shape):
         if d > MAX_DIM:
-            return (f"shape {_short(shape)} has dim {k} = {d}, beyond the {MAX_DIM} (2**53) any "
-                    f"shape may have (a strict reader refuses dims beyond 2**53)")
+            return (
+                f"shape {_short(shape)} has dim {k} = {d}, beyond the {MAX_DIM} (2**53) any "
+                f"shape may have (a strict reader refuses dims beyond 2**53)"
+            )
         span *= max(d, 1)
         if span > INT64_MAX:
-            return (f"shape {_short(shape)} overflows 64-bit sizes: it would span more than "
-                    f"2**63 - 1 bytes (zero dims count as 1, as strides do)")
+            return (
+                f"shape {_short(shape)} overflows 64-bit sizes: it would span more than "
+                f"2**63 - 1 bytes (zero dims count as 1, as strides do)"
+            )
     return None
 
 
@@ -101,7 +142,7 @@ def itemsize(name: str) -> int:
     return size if size is not None else ITEMSIZE[canonical(name)]
 
 
-def to_torch(name: str) -> "torch.dtype":
+def to_torch(name: str) -> torch.dtype:
     dtype = _TORCH.get(name)
     if dtype is None:  # a load asks for every piece's: looked up once per name
         import torch
@@ -110,10 +151,10 @@ def to_torch(name: str) -> "torch.dtype":
     return dtype
 
 
-_TORCH: dict[str, "torch.dtype"] = {}
+_TORCH: dict[str, torch.dtype] = {}
 
 
-def from_torch(dtype: "torch.dtype") -> str:
+def from_torch(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     return canonical(name)
 
@@ -128,7 +169,7 @@ def from_numpy(dtype) -> str:
         raise ValueError(f"numpy dtype {name!r} has no shardload equivalent") from None
 
 
-def numpy_carrier(name: str) -> "tuple[object, bool]":
+def numpy_carrier(name: str) -> tuple[object, bool]:
     """The numpy dtype a tensor of dtype ``name`` is made as, and whether torch must view it as
     ``name`` afterwards: numpy's own dtype where it has one, else a same-width integer
     (bfloat16 as int16, float8 as uint8).
@@ -144,18 +185,34 @@ def numpy_carrier(name: str) -> "tuple[object, bool]":
         if name in _NUMPY_OWN:
             carrier = _NUMPY[name] = (np.dtype(name), False)
         else:
-            carrier = _NUMPY[name] = (np.dtype(f"{'u' if name.startswith('float8') else ''}"
-                                               f"int{8 * ITEMSIZE[name]}"), True)
+            carrier = _NUMPY[name] = (
+                np.dtype(f"{'u' if name.startswith('float8') else ''}int{8 * ITEMSIZE[name]}"),
+                True,
+            )
     return carrier
 
 
 #: dtypes numpy has under the same name (the others are carried by an integer of their width)
-_NUMPY_OWN = frozenset({"bool", "uint8", "int8", "int16", "uint16", "float16", "int32", "uint32",
-                        "float32", "int64", "uint64", "float64"})
-_NUMPY: dict[str, "tuple[object, bool]"] = {}
+_NUMPY_OWN = frozenset(
+    {
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "uint16",
+        "float16",
+        "int32",
+        "uint32",
+        "float32",
+        "int64",
+        "uint64",
+        "float64",
+    }
+)
+_NUMPY: dict[str, tuple[object, bool]] = {}
 
 
-def movable_view(tensor: "torch.Tensor") -> "torch.Tensor":
+def movable_view(tensor: torch.Tensor) -> torch.Tensor:
     """A view of ``tensor`` with a dtype that supports every copy/cat/index op in torch.
 
     Shard functions that only move elements (splits, concatenation, replication) work on this

@@ -9,25 +9,25 @@ This module imports nothing heavy, so ``shardload --help`` stays fast.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 __all__ = [
-    "ShardloadError",
+    "FormatError",
     "PlanError",
-    "UnknownShardFunctionError",
-    "UnknownSessionFunctionError",
     "SessionClosedError",
     "SessionError",
-    "FormatError",
-    "StorageError",
-    "WorkerError",
-    "WorkerCrashedError",
-    "WorkerFailure",
-    "Stopped",
     "Setting",
-    "mention",
+    "ShardloadError",
+    "Stopped",
+    "StorageError",
+    "UnknownSessionFunctionError",
+    "UnknownShardFunctionError",
+    "WorkerCrashedError",
+    "WorkerError",
+    "WorkerFailure",
     "cli_text",
+    "mention",
     "quote",
 ]
 
@@ -113,14 +113,26 @@ class PlanError(ShardloadError):
     ``step`` the 0-based step index the problem is in, where they apply.
     """
 
-    def __init__(self, message: str, *, source: str | None = None, param: str | None = None,
-                 step: int | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        source: str | None = None,
+        param: str | None = None,
+        step: int | None = None,
+    ):
         self.source = source
         self.param = param
         self.step = step
         self.reason = message
-        super().__init__(_located(message, source, param and f"parameter {quote(param)}",
-                                  None if step is None else f"step {step}"))
+        super().__init__(
+            _located(
+                message,
+                source,
+                param and f"parameter {quote(param)}",
+                None if step is None else f"step {step}",
+            )
+        )
 
 
 def _suggest(name: object, known: Iterable[str]) -> list[str]:
@@ -140,15 +152,24 @@ class UnknownShardFunctionError(PlanError, KeyError):
     Also a ``KeyError``, as a failed registry lookup is. ``suggestions`` holds close matches.
     """
 
-    def __init__(self, name: str, known: Iterable[str], *, source: str | None = None,
-                 param: str | None = None, step: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        known: Iterable[str],
+        *,
+        source: str | None = None,
+        param: str | None = None,
+        step: int | None = None,
+    ):
         self.name = name
         self.suggestions = _suggest(name, known)
-        message = (f"unknown shard function {quote(name)}.{_did_you_mean(self.suggestions)} "
-                   "Functions are never imported by name: register it with "
-                   f"@register_shard_func in a module you pass as a plugin ({PLUGINS.python}) "
-                   "or through the 'shardload.shard_functions' entry point group; "
-                   "list_shard_funcs() lists the shard functions.")
+        message = (
+            f"unknown shard function {quote(name)}.{_did_you_mean(self.suggestions)} "
+            "Functions are never imported by name: register it with "
+            f"@register_shard_func in a module you pass as a plugin ({PLUGINS.python}) "
+            "or through the 'shardload.shard_functions' entry point group; "
+            "list_shard_funcs() lists the shard functions."
+        )
         PlanError.__init__(self, message, source=source, param=param, step=step)
         mention(self, PLUGINS, LIST_FUNCS)
 
@@ -163,10 +184,12 @@ class UnknownSessionFunctionError(ShardloadError, KeyError):
     def __init__(self, name: str, known: Iterable[str]):
         self.name = name
         self.suggestions = _suggest(name, known)
-        super().__init__(f"unknown session function {quote(name)}."
-                         f"{_did_you_mean(self.suggestions)} Register it with "
-                         "@register_session_func in a module the workers import (a module of "
-                         f"its own, passed as a plugin: {PLUGINS.python}).")
+        super().__init__(
+            f"unknown session function {quote(name)}."
+            f"{_did_you_mean(self.suggestions)} Register it with "
+            "@register_session_func in a module the workers import (a module of "
+            f"its own, passed as a plugin: {PLUGINS.python})."
+        )
         mention(self, PLUGINS)
 
     __str__ = Exception.__str__
@@ -185,14 +208,18 @@ class SessionClosedError(ShardloadError, RuntimeError):
         self.worker = worker
         self.param = param
         if worker is None:
-            message = (f"this {session} is closed (by close() or its with block ending, or by "
-                       "itself after a crash, Ctrl-C or a timeout), so it runs nothing more; "
-                       "open a new session to go on")
+            message = (
+                f"this {session} is closed (by close() or its with block ending, or by "
+                "itself after a crash, Ctrl-C or a timeout), so it runs nothing more; "
+                "open a new session to go on"
+            )
         else:
-            message = (f"worker {worker}'s piece of {quote(param)} was asked for, but the "
-                       f"{session} is closed: a worker process's pieces live in that process "
-                       "and went with it. Fetch or copy what you need (sharded.shard(name, "
-                       "worker), sharded.worker(worker)) before closing the session.")
+            message = (
+                f"worker {worker}'s piece of {quote(param)} was asked for, but the "
+                f"{session} is closed: a worker process's pieces live in that process "
+                "and went with it. Fetch or copy what you need (sharded.shard(name, "
+                "worker), sharded.worker(worker)) before closing the session."
+            )
         super().__init__(message)
 
 
@@ -240,15 +267,25 @@ class StorageError(ShardloadError):
     built from error codes, never from a server's raw text, so it never carries a credential.
     """
 
-    def __init__(self, message: str, *, url: str, byte_range: tuple[int, int] | None = None,
-                 usage: bool = False):
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str,
+        byte_range: tuple[int, int] | None = None,
+        usage: bool = False,
+    ):
         self.url = url
-        self.byte_range = None if byte_range is None else (int(byte_range[0]),
-                                                           int(byte_range[1]))
+        self.byte_range = None if byte_range is None else (int(byte_range[0]), int(byte_range[1]))
         self.usage = bool(usage)
         self.reason = message
-        super().__init__(_located(message, _url_text(url), self.byte_range and
-                                  f"bytes [{self.byte_range[0]}, {self.byte_range[1]})"))
+        super().__init__(
+            _located(
+                message,
+                _url_text(url),
+                self.byte_range and f"bytes [{self.byte_range[0]}, {self.byte_range[1]})",
+            )
+        )
 
 
 def annotate(exc: BaseException, where: str) -> None:
@@ -287,7 +324,9 @@ class WorkerError(ShardloadError):
         others = len(self.failures) - 1
         more = f" (and {others} more worker{'s' if others > 1 else ''} failed)" if others else ""
         ctx = f" {context}" if context else ""
-        super().__init__(f"worker {first.worker} failed{ctx}: {first.exc_type}: {first.message}{more}")
+        super().__init__(
+            f"worker {first.worker} failed{ctx}: {first.exc_type}: {first.message}{more}"
+        )
 
     @property
     def workers(self) -> tuple[int, ...]:
@@ -308,12 +347,23 @@ class Stopped(ShardloadError):
 class WorkerCrashedError(ShardloadError):
     """A worker process died (exit code or signal) instead of answering."""
 
-    def __init__(self, worker: int, *, exitcode: int | None = None, signal_name: str | None = None,
-                 context: str = ""):
+    def __init__(
+        self,
+        worker: int,
+        *,
+        exitcode: int | None = None,
+        signal_name: str | None = None,
+        context: str = "",
+    ):
         self.worker = worker
         self.exitcode = exitcode
         self.signal_name = signal_name
-        how = (f"was killed by {signal_name}" if signal_name
-               else f"exited with code {exitcode}" if exitcode is not None else "died")
+        how = (
+            f"was killed by {signal_name}"
+            if signal_name
+            else f"exited with code {exitcode}"
+            if exitcode is not None
+            else "died"
+        )
         ctx = f" {context}" if context else ""
         super().__init__(f"worker {worker} {how}{ctx}")

@@ -40,18 +40,33 @@ import errno
 import mmap
 import os
 import stat
-import threading
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Optional, Union
+from typing import Any, BinaryIO, Union
 
 from . import strict_json
 from .errors import FormatError, quote
 
-__all__ = ["MAX_MEMBER_NAME", "MAX_SIDE_FILE_BYTES", "check_member_name", "regular_file",
-           "open_regular", "read_capped", "parse_json", "read_json", "kind_of", "MappedData",
-           "map_data", "Files", "LOCAL_FILES", "reading_from", "data_lexists", "data_names",
-           "data_at"]
+__all__ = [
+    "LOCAL_FILES",
+    "MAX_MEMBER_NAME",
+    "MAX_SIDE_FILE_BYTES",
+    "Files",
+    "MappedData",
+    "check_member_name",
+    "data_at",
+    "data_lexists",
+    "data_names",
+    "kind_of",
+    "map_data",
+    "open_regular",
+    "parse_json",
+    "read_capped",
+    "read_json",
+    "reading_from",
+    "regular_file",
+]
 
 #: longest file name a checkpoint may carry (real ones are under 100 characters)
 MAX_MEMBER_NAME = 1024
@@ -65,9 +80,13 @@ ErrorFactory = Callable[[str], Exception]
 def check_member_name(name: object, *, index: PathLike, what: str = "names file") -> None:
     """Refuse ``name`` (as written in ``index``) unless it is a plain relative path inside the
     index's folder. Nothing is opened or resolved."""
+
     def bad(why: str) -> FormatError:
-        return FormatError(f"{what} {quote(name)}, which {why}; a checkpoint may only name "
-                           f"files by plain relative paths inside its own folder", file=index)
+        return FormatError(
+            f"{what} {quote(name)}, which {why}; a checkpoint may only name "
+            f"files by plain relative paths inside its own folder",
+            file=index,
+        )
 
     if not isinstance(name, str):
         raise bad(f"is a {type(name).__name__}, not a string")
@@ -129,8 +148,9 @@ def _format_error(path: PathLike) -> ErrorFactory:
     return lambda msg: FormatError(msg, file=path)
 
 
-def regular_file(path: PathLike, what: str = "the file",
-                 error: Optional[ErrorFactory] = None) -> os.stat_result:
+def regular_file(
+    path: PathLike, what: str = "the file", error: ErrorFactory | None = None
+) -> os.stat_result:
     """``os.stat(path)`` (symlinks followed), refused unless it is a regular file."""
     error = error or _format_error(path)
     try:
@@ -144,8 +164,9 @@ def regular_file(path: PathLike, what: str = "the file",
     return st
 
 
-def open_regular(path: PathLike, what: str = "the file",
-                 error: Optional[ErrorFactory] = None) -> tuple[BinaryIO, os.stat_result]:
+def open_regular(
+    path: PathLike, what: str = "the file", error: ErrorFactory | None = None
+) -> tuple[BinaryIO, os.stat_result]:
     """Open ``path`` for reading, refused unless it is a regular file.
 
     Checked before opening (``stat``) and after (``fstat`` of the descriptor): a FIFO swapped in
@@ -170,16 +191,19 @@ def open_regular(path: PathLike, what: str = "the file",
         raise
 
 
-def read_capped(path: PathLike, max_bytes: int, what: str = "the file",
-                error: Optional[ErrorFactory] = None) -> bytes:
+def read_capped(
+    path: PathLike, max_bytes: int, what: str = "the file", error: ErrorFactory | None = None
+) -> bytes:
     """The bytes of a small regular file, refused (with the cap in the message) if it is larger
     than ``max_bytes``. Never reads more than ``max_bytes + 1`` bytes."""
     error = error or _format_error(path)
     f, st = open_regular(path, what, error)
     with f:
         if st.st_size > max_bytes:
-            raise error(f"{what} is {st.st_size} bytes, over the {max_bytes}-byte limit for "
-                        f"such a file: it is corrupt or not what it claims to be")
+            raise error(
+                f"{what} is {st.st_size} bytes, over the {max_bytes}-byte limit for "
+                f"such a file: it is corrupt or not what it claims to be"
+            )
         try:
             data = f.read(max_bytes + 1)
         except OSError as exc:
@@ -195,16 +219,20 @@ def parse_json(data: bytes, what: str, error: ErrorFactory, hint: str = "") -> A
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise error(f"{what} is not valid UTF-8 ({exc}); JSON files must be UTF-8{hint}") \
-            from None
+        raise error(f"{what} is not valid UTF-8 ({exc}); JSON files must be UTF-8{hint}") from None
     try:
         return strict_json.loads(text)
     except ValueError as exc:  # includes json.JSONDecodeError
         raise error(f"{what} is not valid JSON: {exc}{hint}") from None
 
 
-def read_json(path: PathLike, max_bytes: int, what: str = "the file",
-              error: Optional[ErrorFactory] = None, hint: str = "") -> Any:
+def read_json(
+    path: PathLike,
+    max_bytes: int,
+    what: str = "the file",
+    error: ErrorFactory | None = None,
+    hint: str = "",
+) -> Any:
     """A small JSON side file (an index, a config): a regular file of at most ``max_bytes``,
     strict UTF-8 JSON; every refusal ``error(message)`` (a ``FormatError`` naming ``path`` by
     default)."""
@@ -213,6 +241,7 @@ def read_json(path: PathLike, max_bytes: int, what: str = "the file",
 
 
 # ---- data files: mapped, whether a file or an object holds them --------------------------------
+
 
 @dataclass
 class MappedData:
@@ -224,9 +253,9 @@ class MappedData:
     (``sources.sparse.ObjectBytes``), or None for a file.
     """
 
-    map: Optional[mmap.mmap]
+    map: mmap.mmap | None
     size: int
-    stat: Optional[os.stat_result]
+    stat: os.stat_result | None
     need: Callable[[int, int], None]
     remote: Any = None
 
@@ -245,8 +274,9 @@ class Files:
         """The names in ``folder`` ending in ``suffix``, sorted (as ``glob("*" + suffix)``:
         hidden names left out)."""
         try:
-            return sorted(n for n in os.listdir(folder)
-                          if n.endswith(suffix) and not n.startswith("."))
+            return sorted(
+                n for n in os.listdir(folder) if n.endswith(suffix) and not n.startswith(".")
+            )
         except OSError:
             return []
 
@@ -255,13 +285,14 @@ class Files:
         (``sources.sparse.ObjectBytes``), or None for a file."""
         return None
 
-    def map_data(self, path: PathLike, what: str, error: Optional[ErrorFactory]) -> "MappedData":
+    def map_data(self, path: PathLike, what: str, error: ErrorFactory | None) -> MappedData:
         return _map_file(path, what, error)
 
 
 LOCAL_FILES = Files()
-_FILES: "contextvars.ContextVar[Files]" = contextvars.ContextVar("shardload_files",
-                                                                default=LOCAL_FILES)
+_FILES: contextvars.ContextVar[Files] = contextvars.ContextVar(
+    "shardload_files", default=LOCAL_FILES
+)
 
 
 @contextlib.contextmanager
@@ -294,8 +325,9 @@ def _nothing_to_fetch(begin: int, end: int) -> None:
     pass
 
 
-def map_data(path: PathLike, what: str = "the file",
-             error: Optional[ErrorFactory] = None) -> MappedData:
+def map_data(
+    path: PathLike, what: str = "the file", error: ErrorFactory | None = None
+) -> MappedData:
     """The bytes of the data file at ``path``, from the files in force (``reading_from``): a
     private copy-on-write mapping of the regular file (``open_regular``; ACCESS_COPY: torch
     sees a writable buffer, and no write through a tensor can reach the file), or an object's
@@ -303,7 +335,7 @@ def map_data(path: PathLike, what: str = "the file",
     return _FILES.get().map_data(path, what, error)
 
 
-def _map_file(path: PathLike, what: str, error: Optional[ErrorFactory]) -> MappedData:
+def _map_file(path: PathLike, what: str, error: ErrorFactory | None) -> MappedData:
     error = error or _format_error(path)
     f, st = open_regular(path, what, error)
     with f:
@@ -311,6 +343,8 @@ def _map_file(path: PathLike, what: str, error: Optional[ErrorFactory]) -> Mappe
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if st.st_size else None
     if mapped is not None and len(mapped) != st.st_size:
         mapped.close()
-        raise error(f"{what} changed size while being opened; do not modify a checkpoint "
-                    f"while it is loading")
+        raise error(
+            f"{what} changed size while being opened; do not modify a checkpoint "
+            f"while it is loading"
+        )
     return MappedData(mapped, st.st_size, st, _nothing_to_fetch)

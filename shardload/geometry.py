@@ -37,7 +37,7 @@ from the planner's internals or the kind of session:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from .errors import PlanError
 from .tp_layout import head_layout
@@ -45,7 +45,7 @@ from .tp_layout import head_layout
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import ValidatedPlan
 
-__all__ = ["WorkerShare", "worker_share", "MODEL_KEY", "MLP_SIZES"]
+__all__ = ["MLP_SIZES", "MODEL_KEY", "WorkerShare", "worker_share"]
 
 #: the key of the model record in a plan's ``__metadata__``
 MODEL_KEY = "model"
@@ -74,9 +74,9 @@ class WorkerShare:
     record: dict
     sizes: dict[str, int]
     config: dict[str, int]
-    kv_map: Optional[list[int]]
+    kv_map: list[int] | None
     projection_norms: dict[str, dict]
-    experts: Optional[dict] = None
+    experts: dict | None = None
     row_parallel_biases: list[str] = field(default_factory=list)
 
     @property
@@ -84,18 +84,22 @@ class WorkerShare:
         return self.record.get("quantization") or {"format": "none"}
 
 
-def _record(validated: "ValidatedPlan") -> dict:
+def _record(validated: ValidatedPlan) -> dict:
     record = validated.plan.metadata.get(MODEL_KEY)
     if not isinstance(record, dict) or "sizes" not in record:
-        raise PlanError("the plan has no record of the model (__metadata__.model), so a model "
-                        "cannot be built from it: use a plan written by shardload's planner "
-                        "(shardload plan, or plan_for), or leave the plan out to have one made "
-                        "from the checkpoint's config", source=validated.plan.source)
+        raise PlanError(
+            "the plan has no record of the model (__metadata__.model), so a model "
+            "cannot be built from it: use a plan written by shardload's planner "
+            "(shardload plan, or plan_for), or leave the plan out to have one made "
+            "from the checkpoint's config",
+            source=validated.plan.source,
+        )
     return record
 
 
-def _local_sizes(record: dict, padding: Optional[dict], n: int, i: int,
-                 whole_experts: bool) -> dict[str, int]:
+def _local_sizes(
+    record: dict, padding: dict | None, n: int, i: int, whole_experts: bool
+) -> dict[str, int]:
     sizes = record["sizes"]
     if padding is not None:
         q, kv = len(padding["q_heads"][i]), len(padding["kv_heads"][i])
@@ -109,8 +113,12 @@ def _local_sizes(record: dict, padding: Optional[dict], n: int, i: int,
 
         def mlp(size: int) -> int:
             return size // n
-    local = {"num_attention_heads": q, "num_key_value_heads": q if record.get("mla") else kv,
-             "head_dim": sizes["head_dim"]}
+
+    local = {
+        "num_attention_heads": q,
+        "num_key_value_heads": q if record.get("mla") else kv,
+        "head_dim": sizes["head_dim"],
+    }
     for attr in MLP_SIZES:
         value = sizes.get(attr, 0)
         if value:
@@ -120,7 +128,7 @@ def _local_sizes(record: dict, padding: Optional[dict], n: int, i: int,
     return local
 
 
-def _kv_map(padding: Optional[dict], i: int) -> Optional[list[int]]:
+def _kv_map(padding: dict | None, i: int) -> list[int] | None:
     if padding is None:
         return None
     q_to_kv = padding["q_to_kv"][i]
@@ -130,23 +138,25 @@ def _kv_map(padding: Optional[dict], i: int) -> Optional[list[int]]:
     return q_to_kv
 
 
-def _head_layout(sizes: dict, padding: Optional[dict], n: int) -> dict:
+def _head_layout(sizes: dict, padding: dict | None, n: int) -> dict:
     if padding is not None:
         return padding
     return head_layout(sizes["num_attention_heads"], sizes["num_key_value_heads"], n).as_dict()
 
 
-def _projection_norms(record: dict, padding: Optional[dict], n: int, i: int,
-                      kv_map: Optional[list[int]]) -> dict[str, dict]:
+def _projection_norms(
+    record: dict, padding: dict | None, n: int, i: int, kv_map: list[int] | None
+) -> dict[str, dict]:
     norms = record.get("projection_norms") or {}
     if not norms:
         return {}
     sizes = record["sizes"]
     heads = _head_layout(sizes, padding, n)
     layout = {"q": heads["q_heads"], "k": heads["kv_heads"]}
-    if kv_map is not None:   # expanded: one (copied) KV head per query head, on every worker
-        layout["k"] = [[kv[m] for m in heads["q_to_kv"][w]]
-                       for w, kv in enumerate(heads["kv_heads"])]
+    if kv_map is not None:  # expanded: one (copied) KV head per query head, on every worker
+        layout["k"] = [
+            [kv[m] for m in heads["q_to_kv"][w]] for w, kv in enumerate(heads["kv_heads"])
+        ]
     out = {}
     for norm, of in norms.items():
         counts: dict[int, int] = {}
@@ -155,29 +165,35 @@ def _projection_norms(record: dict, padding: Optional[dict], n: int, i: int,
                 counts[h] = counts.get(h, 0) + 1
         weights = [0.0 if h < 0 else 1.0 / counts[h] for h in layout[of][i]]
         count = sizes["num_attention_heads"] if of == "q" else sizes["num_key_value_heads"]
-        out[norm] = {"width": count * sizes["head_dim"], "weights": weights,
-                     "head_dim": sizes["head_dim"]}
+        out[norm] = {
+            "width": count * sizes["head_dim"],
+            "weights": weights,
+            "head_dim": sizes["head_dim"],
+        }
     return out
 
 
-def _experts(record: dict, validated: "ValidatedPlan", i: int) -> Optional[dict]:
+def _experts(record: dict, validated: ValidatedPlan, i: int) -> dict | None:
     slots = validated.plan.metadata.get("experts")
     if not slots:
         return None
     shapes = record.get("expert_shapes") or {}
-    missing = {}     # dense name -> shape of an expert weight another worker holds
+    missing = {}  # dense name -> shape of an expert weight another worker holds
     for param in validated:
         if param.workers is not None and i not in param.workers:
             module = param.name.rpartition(".")[0]
             last = module.rpartition(".")[2]
             if last in shapes:
                 missing[f"{module}.weight"] = list(shapes[last])
-    return {"experts_per_worker": {k: v[i] for k, v in slots["experts_per_worker"].items()},
-            "missing": missing, "pad": dict(record.get("shared_expert_shapes") or {}),
-            "stacked": list(record.get("stacked_experts") or ())}
+    return {
+        "experts_per_worker": {k: v[i] for k, v in slots["experts_per_worker"].items()},
+        "missing": missing,
+        "pad": dict(record.get("shared_expert_shapes") or {}),
+        "stacked": list(record.get("stacked_experts") or ()),
+    }
 
 
-def worker_share(validated: "ValidatedPlan", rank: int) -> WorkerShare:
+def worker_share(validated: ValidatedPlan, rank: int) -> WorkerShare:
     """Worker ``rank``'s share of the model a validated plan loads (see the module docstring);
     ``PlanError`` when the plan has no model record (a plan written by hand)."""
     record = _record(validated)
@@ -187,7 +203,14 @@ def worker_share(validated: "ValidatedPlan", rank: int) -> WorkerShare:
     sizes = _local_sizes(record, padding, n, rank, whole_experts=experts is not None)
     keys = record.get("config_keys") or {}
     kv_map = _kv_map(padding, rank)
-    return WorkerShare(rank, n, record, sizes,
-                       {keys[attr]: value for attr, value in sizes.items() if attr in keys},
-                       kv_map, _projection_norms(record, padding, n, rank, kv_map), experts,
-                       list(record.get("row_parallel_biases") or ()))
+    return WorkerShare(
+        rank,
+        n,
+        record,
+        sizes,
+        {keys[attr]: value for attr, value in sizes.items() if attr in keys},
+        kv_map,
+        _projection_norms(record, padding, n, rank, kv_map),
+        experts,
+        list(record.get("row_parallel_biases") or ()),
+    )

@@ -16,7 +16,7 @@ True
 'is 100000, more than the 4096 workers sh'
 """
 
-from typing import Any, Optional
+from typing import Any
 
 #: workers in one session, and the largest ``num_shards`` a plan binds to: beyond any
 #: tensor-parallel group, and each worker is a thread or a process (``--shards 100000`` is a typo)
@@ -30,7 +30,7 @@ MAX_NDIM = 64
 INT64_MAX = 2**63 - 1
 
 
-def num_shards_problem(value: Any) -> Optional[str]:
+def num_shards_problem(value: Any) -> str | None:
     """None when ``value`` is a number of workers shardload runs (an ``int``, not a ``bool``,
     from 1 to ``MAX_NUM_SHARDS``); otherwise one clause saying what is wrong with it and the
     limit, to follow the name of what was given (``f"num_shards {problem}"``)."""
@@ -38,8 +38,10 @@ def num_shards_problem(value: Any) -> Optional[str]:
         return None
     if type(value) is not int or value < 1:
         return f"must be a positive integer, at most {MAX_NUM_SHARDS}, got {_shown(value)}"
-    return (f"is {_shown(value)}, more than the {MAX_NUM_SHARDS} workers shardload runs in one "
-            "session (each is a thread or a process)")
+    return (
+        f"is {_shown(value)}, more than the {MAX_NUM_SHARDS} workers shardload runs in one "
+        "session (each is a thread or a process)"
+    )
 
 
 def _shown(value: Any, limit: int = 40) -> str:
@@ -47,5 +49,5 @@ def _shown(value: Any, limit: int = 40) -> str:
     an integer of more digits than ``str`` converts)."""
     if type(value) is int and value.bit_length() > 128:
         return f"{'a negative' if value < 0 else 'an'} integer of {value.bit_length()} bits"
-    text = repr(value[:limit + 1]) if isinstance(value, str) else repr(value)
+    text = repr(value[: limit + 1]) if isinstance(value, str) else repr(value)
     return text if len(text) <= limit + 2 else text[:limit] + "..."

@@ -34,16 +34,17 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 
-from .gc_pause import gc_paused
 from .errors import DEVICE_CUDA, PLUGINS, PlanError, SessionClosedError, ShardloadError, mention
-from .pieces import FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, local_load
+from .gc_pause import gc_paused
+from .modules import importable_module
+from .pieces import FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, local_load, wire
 from .pieces.chains import cupy_missing
-from .pieces import wire
 from .pieces.stream import ObjectStream, stream_units
 from .plan import ParamPlan, Plan, ShardInfo, ValidatedPlan
 from .readers import Checkpoint, as_checkpoint
@@ -51,14 +52,14 @@ from .readplan import ReadPlan, build_read_plans, worker_functions
 from .sessions import Session
 from .sessions.base import check_timeout
 from .staging import Staging, staging_for
-from .modules import importable_module
 
-__all__ = ["load_validated", "ShardedParams", "LoadStats", "progress_callback"]
+__all__ = ["LoadStats", "ShardedParams", "load_validated", "progress_callback"]
 
 ProgressCallback = Callable[[int], None]
 
 
 # ---- the result ----------------------------------------------------------------------------------
+
 
 @dataclass
 class LoadStats:
@@ -70,10 +71,10 @@ class LoadStats:
     tensors_per_worker: list[int]
     bytes_read_per_worker: list[int]
     #: each worker's staged pipeline (``StagingStats.as_dict()``), or None on the direct path
-    staging_per_worker: Optional[list[Optional[dict]]] = None
+    staging_per_worker: list[dict | None] | None = None
     #: under torchrun, each rank's planning (``frontdoor.shared_plan``): ``{"from": "planned" |
     #: "rank 0", "seconds", "work_seconds"}``; None where one process planned for every worker
-    planning_per_worker: Optional[list[dict]] = None
+    planning_per_worker: list[dict] | None = None
 
     @property
     def bytes_total(self) -> int:
@@ -85,12 +86,16 @@ class LoadStats:
         return self.bytes_total / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
     def as_dict(self) -> dict:
-        return {"seconds": self.seconds, "num_shards": self.num_shards,
-                "bytes_total": self.bytes_total, "bytes_per_worker": self.bytes_per_worker,
-                "tensors_per_worker": self.tensors_per_worker,
-                "bytes_read_per_worker": self.bytes_read_per_worker,
-                "staging_per_worker": self.staging_per_worker,
-                "planning_per_worker": self.planning_per_worker}
+        return {
+            "seconds": self.seconds,
+            "num_shards": self.num_shards,
+            "bytes_total": self.bytes_total,
+            "bytes_per_worker": self.bytes_per_worker,
+            "tensors_per_worker": self.tensors_per_worker,
+            "bytes_read_per_worker": self.bytes_read_per_worker,
+            "staging_per_worker": self.staging_per_worker,
+            "planning_per_worker": self.planning_per_worker,
+        }
 
 
 class ShardedParams:
@@ -105,8 +110,14 @@ class ShardedParams:
     >>> sharded.worker(2)              # {name: tensor} of worker 2        # doctest: +SKIP
     """
 
-    def __init__(self, names: list[str], devices: list[torch.device], stats: LoadStats,
-                 plan: ValidatedPlan, fetch: Callable[[str, int], torch.Tensor]):
+    def __init__(
+        self,
+        names: list[str],
+        devices: list[torch.device],
+        stats: LoadStats,
+        plan: ValidatedPlan,
+        fetch: Callable[[str, int], torch.Tensor],
+    ):
         self.names = list(names)
         self._known = set(names)
         self.devices = devices
@@ -127,9 +138,11 @@ class ShardedParams:
             raise KeyError(f"no parameter named {name!r}")
         param = self.plan.params[name]
         if not param.held_by(worker):
-            raise KeyError(f"worker {worker} holds no piece of {name!r}: the plan places it on "
-                           f"worker(s) {', '.join(map(str, param.workers or ()))} only "
-                           "(__placement__, expert parallelism)")
+            raise KeyError(
+                f"worker {worker} holds no piece of {name!r}: the plan places it on "
+                f"worker(s) {', '.join(map(str, param.workers or ()))} only "
+                "(__placement__, expert parallelism)"
+            )
         return self._fetch(name, worker)
 
     def holds(self, name: str, worker: int) -> bool:
@@ -139,15 +152,21 @@ class ShardedParams:
 
     def worker(self, worker: int) -> dict[str, torch.Tensor]:
         """All of worker ``worker``'s tensors, by name."""
-        return {name: self.shard(name, worker) for name in self.names
-                if self.plan.params[name].held_by(worker)}
+        return {
+            name: self.shard(name, worker)
+            for name in self.names
+            if self.plan.params[name].held_by(worker)
+        }
 
     def __repr__(self) -> str:
-        return (f"ShardedParams({len(self.names)} params on {self.num_shards} workers, "
-                f"{self.stats.bytes_total} bytes)")
+        return (
+            f"ShardedParams({len(self.names)} params on {self.num_shards} workers, "
+            f"{self.stats.bytes_total} bytes)"
+        )
 
 
 # ---- the steps -----------------------------------------------------------------------------------
+
 
 def validated_for(shard_info: Any, num_shards: int, ckpt: Checkpoint) -> ValidatedPlan:
     """The plan bound to N and validated against ``ckpt``: done here, or already done by the
@@ -155,17 +174,22 @@ def validated_for(shard_info: Any, num_shards: int, ckpt: Checkpoint) -> Validat
     passes). ``shard_info`` is explicit: which plan a load uses is the front door's policy
     (``frontdoor.resolve_plan``), not the loader's."""
     if shard_info is None:
-        raise PlanError("the loader runs the plan it is given; shardload.load_sharded (the front "
-                        "door) decides which plan a load uses when it is given none")
+        raise PlanError(
+            "the loader runs the plan it is given; shardload.load_sharded (the front "
+            "door) decides which plan a load uses when it is given none"
+        )
     if isinstance(shard_info, ValidatedPlan):
         if shard_info.num_shards != num_shards:
-            raise PlanError(f"this plan is bound to num_shards={shard_info.num_shards}, but the "
-                            f"session has {num_shards} workers", source=shard_info.plan.source)
+            raise PlanError(
+                f"this plan is bound to num_shards={shard_info.num_shards}, but the "
+                f"session has {num_shards} workers",
+                source=shard_info.plan.source,
+            )
         metadata = ckpt.metadata()
         get = metadata.get
         if len(metadata) == len(shard_info.params) and all(  # mostly the same objects
-                (meta := get(name)) is p.meta or meta == p.meta
-                for name, p in shard_info.params.items()):
+            (meta := get(name)) is p.meta or meta == p.meta for name, p in shard_info.params.items()
+        ):
             return shard_info
         shard_info = shard_info.plan  # validated against other tensors: validate it here
     return _bind(shard_info, num_shards).validate(ckpt.metadata())
@@ -174,8 +198,11 @@ def validated_for(shard_info: Any, num_shards: int, ckpt: Checkpoint) -> Validat
 def _bind(shard_info: Any, num_shards: int) -> Plan:
     if isinstance(shard_info, Plan):
         if shard_info.num_shards != num_shards:
-            raise PlanError(f"this plan is bound to num_shards={shard_info.num_shards}, but the "
-                            f"session has {num_shards} workers", source=shard_info.source)
+            raise PlanError(
+                f"this plan is bound to num_shards={shard_info.num_shards}, but the "
+                f"session has {num_shards} workers",
+                source=shard_info.source,
+            )
         return shard_info
     return ShardInfo.coerce(shard_info).bind(num_shards)
 
@@ -190,8 +217,9 @@ def _distinct_chains(params) -> list[ParamPlan]:
     return list(first.values())
 
 
-def _check_devices(chains: list[ParamPlan], devices: list[torch.device],
-                   source: Optional[str]) -> None:
+def _check_devices(
+    chains: list[ParamPlan], devices: list[torch.device], source: str | None
+) -> None:
     """cupy shard functions need CUDA workers, and cupy; say so before anything is read
     (``chains``: ``_distinct_chains``)."""
     on_cuda = all(d.type == "cuda" for d in devices)
@@ -203,16 +231,26 @@ def _check_devices(chains: list[ParamPlan], devices: list[torch.device],
                 missing = cupy_missing()
                 if missing is None:
                     return
-                raise PlanError(f"{func.name} takes cupy arrays, and {missing}",
-                                source=source, param=param.name, step=step.index)
-            raise mention(PlanError(
-                f"{func.name} takes cupy arrays, which need CUDA devices, but this session's "
-                f"workers are on {', '.join(map(str, devices))}; load with "
-                f"{DEVICE_CUDA.python}", source=source, param=param.name,
-                step=step.index), DEVICE_CUDA)
+                raise PlanError(
+                    f"{func.name} takes cupy arrays, and {missing}",
+                    source=source,
+                    param=param.name,
+                    step=step.index,
+                )
+            raise mention(
+                PlanError(
+                    f"{func.name} takes cupy arrays, which need CUDA devices, but this session's "
+                    f"workers are on {', '.join(map(str, devices))}; load with "
+                    f"{DEVICE_CUDA.python}",
+                    source=source,
+                    param=param.name,
+                    step=step.index,
+                ),
+                DEVICE_CUDA,
+            )
 
 
-def _plugin_modules(chains: list[ParamPlan], remote: bool, source: Optional[str]) -> list[str]:
+def _plugin_modules(chains: list[ParamPlan], remote: bool, source: str | None) -> list[str]:
     """The modules a worker process imports to have every function it will run: those of the
     custom functions in chains and fixups (functions read by ``ranges`` alone run nowhere). A
     function it cannot import (defined in ``__main__`` or in a function) is refused here."""
@@ -221,13 +259,22 @@ def _plugin_modules(chains: list[ParamPlan], remote: bool, source: Optional[str]
         for step, func in worker_functions(param):
             module = importable_module(func.func)
             if module is None and remote:
-                origin = (getattr(func.func, "__module__", "?") + "."
-                          + getattr(func.func, "__qualname__", "?"))
-                raise mention(PlanError(
-                    f"function {func.name!r} ({origin}) is registered in this process only, so "
-                    "worker processes cannot run it: define it at module level in an importable "
-                    f"module and pass that module as a plugin ({PLUGINS.python})",
-                    source=source, param=param.name, step=step.index), PLUGINS)
+                origin = (
+                    getattr(func.func, "__module__", "?")
+                    + "."
+                    + getattr(func.func, "__qualname__", "?")
+                )
+                raise mention(
+                    PlanError(
+                        f"function {func.name!r} ({origin}) is registered in this process only, so "
+                        "worker processes cannot run it: define it at module level in an importable "
+                        f"module and pass that module as a plugin ({PLUGINS.python})",
+                        source=source,
+                        param=param.name,
+                        step=step.index,
+                    ),
+                    PLUGINS,
+                )
             if module is not None:
                 modules[module] = None
     return list(modules)
@@ -256,8 +303,9 @@ def _readable_elsewhere(ckpt: Checkpoint, remote: bool):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _object_streams(source: Checkpoint, plans: dict[int, ReadPlan], here: set,
-                    stack: contextlib.ExitStack) -> tuple[dict[int, ReadPlan], list, dict]:
+def _object_streams(
+    source: Checkpoint, plans: dict[int, ReadPlan], here: set, stack: contextlib.ExitStack
+) -> tuple[dict[int, ReadPlan], list, dict]:
     """The streams that fetch the bytes the workers read of objects in object storage
     (``pieces.stream``): one for the workers in this process, into the checkpoint's own
     mapping of each object, and one for those in other processes, into memory files they map;
@@ -276,30 +324,40 @@ def _object_streams(source: Checkpoint, plans: dict[int, ReadPlan], here: set,
         if shared:
             sources, into = source.with_objects(objects)
             stack.callback(lambda files=into: [f.close() for f in files.values()])
-            plans = {i: dataclasses.replace(plan, sources=tuple(sources)) if i in ranks
-                     else plan for i, plan in plans.items()}
-        stream = ObjectStream(into, stream_units([plans[i] for i in ranks]), len(ranks),
-                              shared=bool(shared))
+            plans = {
+                i: dataclasses.replace(plan, sources=tuple(sources)) if i in ranks else plan
+                for i, plan in plans.items()
+            }
+        stream = ObjectStream(
+            into, stream_units([plans[i] for i in ranks]), len(ranks), shared=bool(shared)
+        )
         stack.callback(stream.close)
         streams.append(stream)
         for slot, i in enumerate(ranks):
-            sides[i] = (stream.spec(slot, plans[i]) if shared
-                        else stream.consumer(slot, plans[i]))
+            sides[i] = stream.spec(slot, plans[i]) if shared else stream.consumer(slot, plans[i])
     return plans, streams, sides
 
 
-def _fetch_bar(streams: list, progress: Union[bool, ProgressCallback],
-               stack: contextlib.ExitStack) -> None:
+def _fetch_bar(
+    streams: list, progress: bool | ProgressCallback, stack: contextlib.ExitStack
+) -> None:
     """A bar over the bytes fetched from object storage, beside the load's own (only where
     the load shows a bar of its own)."""
     if progress is not True:
         return
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=sum(s.total_bytes for s in streams), unit="B", unit_scale=True,
-               unit_divisor=1024, desc="fetching", leave=False, disable=None)
+    bar = tqdm(
+        total=sum(s.total_bytes for s in streams),
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="fetching",
+        leave=False,
+        disable=None,
+    )
     for stream in streams:
-        stream.on_bytes = bar.update   # one fetch thread per stream: its own calls in order
+        stream.on_bytes = bar.update  # one fetch thread per stream: its own calls in order
     stack.callback(bar.close)
 
 
@@ -312,7 +370,7 @@ def _raise_fetch_error(streams: list) -> None:
             raise stream.error from None
 
 
-def progress_callback(progress: Union[bool, ProgressCallback], total: int):
+def progress_callback(progress: bool | ProgressCallback, total: int):
     """A thread-safe ``advance(nbytes)`` and a ``close()``."""
     if callable(progress):
         return progress, lambda: None
@@ -320,8 +378,15 @@ def progress_callback(progress: Union[bool, ProgressCallback], total: int):
         return (lambda n: None), lambda: None
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading",
-               leave=False, disable=None)  # None: no bar when stderr is not a terminal
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="loading",
+        leave=False,
+        disable=None,
+    )  # None: no bar when stderr is not a terminal
     lock = threading.Lock()
 
     def advance(n: int) -> None:
@@ -333,7 +398,7 @@ def progress_callback(progress: Union[bool, ProgressCallback], total: int):
 
 #: loads whose results were dropped, per session: their pieces are released in the workers
 #: at the session's next load (never from a finalizer: that could interleave with a request)
-_dropped: "weakref.WeakKeyDictionary[Session, list[str]]" = weakref.WeakKeyDictionary()
+_dropped: weakref.WeakKeyDictionary[Session, list[str]] = weakref.WeakKeyDictionary()
 
 
 def _release_dropped(session: Session) -> None:
@@ -349,26 +414,35 @@ def _fetcher(session: Session, token: str, local: dict[int, dict[str, torch.Tens
         if pieces is not None:
             return pieces[name]
         if session.spmd:
-            raise ShardloadError(f"this process holds only the shards of worker(s) "
-                                 f"{sorted(local)}; worker {worker}'s are in its own process")
+            raise ShardloadError(
+                f"this process holds only the shards of worker(s) "
+                f"{sorted(local)}; worker {worker}'s are in its own process"
+            )
         if session.closed:  # the piece went with its worker process
             raise SessionClosedError(type(session).__name__, worker=worker, param=name)
         try:
-            return session.run(FETCH_PIECE, [(token, name)], workers=[worker],
-                               context=f"while fetching {name!r}")[0]
+            return session.run(
+                FETCH_PIECE, [(token, name)], workers=[worker], context=f"while fetching {name!r}"
+            )[0]
         except SessionClosedError:  # closed meanwhile
-            raise SessionClosedError(type(session).__name__, worker=worker,
-                                     param=name) from None
+            raise SessionClosedError(type(session).__name__, worker=worker, param=name) from None
+
     return fetch
 
 
 # ---- the entry point ---------------------------------------------------------------------------
 
-def load_validated(params: Any, shard_info: Any, session: Session, *,
-                   progress: Union[bool, ProgressCallback] = True,
-                   timeout: Optional[float] = None,
-                   staging: Union[None, bool, Staging] = None,
-                   reads: Optional[Callable[[ReadPlan], ReadPlan]] = None) -> ShardedParams:
+
+def load_validated(
+    params: Any,
+    shard_info: Any,
+    session: Session,
+    *,
+    progress: bool | ProgressCallback = True,
+    timeout: float | None = None,
+    staging: bool | Staging | None = None,
+    reads: Callable[[ReadPlan], ReadPlan] | None = None,
+) -> ShardedParams:
     """The load itself, with the plan already chosen: the core the front door
     (``shardload.load_sharded``) calls once it has resolved and validated the plan, and that
     the CLI and integrations holding a ``ValidatedPlan`` call directly.
@@ -391,14 +465,15 @@ def load_validated(params: Any, shard_info: Any, session: Session, *,
     with contextlib.ExitStack() as stack:
         stack.enter_context(gc_paused())  # a load's objects are many and all kept
         with session.collective("preparing the load"):
-            ckpt = as_checkpoint(params)                                            # 1.
-            validated = validated_for(shard_info, n, ckpt)                          # 2.
+            ckpt = as_checkpoint(params)  # 1.
+            validated = validated_for(shard_info, n, ckpt)  # 2.
             chains = _distinct_chains(validated)
             _check_devices(chains, session.devices, validated.plan.source)
-            modules = _plugin_modules(chains, remote, validated.plan.source)        # 3.
+            modules = _plugin_modules(chains, remote, validated.plan.source)  # 3.
             source = stack.enter_context(_readable_elsewhere(ckpt, remote))
-            plans: dict[int, ReadPlan] = dict(zip(ranks, build_read_plans(validated, source,
-                                                                          ranks)))
+            plans: dict[int, ReadPlan] = dict(
+                zip(ranks, build_read_plans(validated, source, ranks))
+            )
             if reads is not None:
                 plans = {i: reads(plan) for i, plan in plans.items()}
             plans, streams, sides = _object_streams(source, plans, set(here), stack)
@@ -406,8 +481,9 @@ def load_validated(params: Any, shard_info: Any, session: Session, *,
             sent = {i: wire.encode(plan) for i, plan in plans.items() if i not in here}
             _release_dropped(session)
         token, local = stack.enter_context(local_load(source, len(here), n))
-        local.start({i: plans[i] for i in here},
-                    {i: side for i, side in sides.items() if i in here})
+        local.start(
+            {i: plans[i] for i in here}, {i: side for i, side in sides.items() if i in here}
+        )
         shown = progress if session.reports else False
         # the bar's total: only a bar has one (a sum over every piece of every worker)
         total = sum(plan.nbytes for plan in plans.values()) if shown is True else 0
@@ -419,28 +495,43 @@ def load_validated(params: Any, shard_info: Any, session: Session, *,
         for stream in streams:  # fetching from object storage while the workers read
             stream.start()
         try:
-            replies = session.run(                                                  # 4.
-                LOAD_PIECES, lambda i: [{"load": token,
-                                         "plan": sent.get(i),
-                                         "stream": None if i in local.plans else sides.get(i),
-                                         "modules": modules,
-                                         "staging": staged and staged.to_json()}],
-                context=f"while loading {ckpt.source}", timeout=timeout, on_progress=advance)
+            replies = session.run(  # 4.
+                LOAD_PIECES,
+                lambda i: [
+                    {
+                        "load": token,
+                        "plan": sent.get(i),
+                        "stream": None if i in local.plans else sides.get(i),
+                        "modules": modules,
+                        "staging": staged and staged.to_json(),
+                    }
+                ],
+                context=f"while loading {ckpt.source}",
+                timeout=timeout,
+                on_progress=advance,
+            )
         except BaseException:
             _raise_fetch_error(streams)
             raise
         seconds = time.perf_counter() - start
         if session.spmd:  # each rank timed its own load; the load took the slowest's time
             seconds = max(r["seconds"] for r in replies)
-        stats = LoadStats(seconds=seconds, num_shards=n,                            # 5.
-                          bytes_per_worker=[r["bytes"] for r in replies],
-                          tensors_per_worker=[r["tensors"] for r in replies],
-                          bytes_read_per_worker=[r["bytes_read"] for r in replies],
-                          staging_per_worker=(None if staged is None else
-                                              [r.get("staging") for r in replies]))
+        stats = LoadStats(
+            seconds=seconds,
+            num_shards=n,  # 5.
+            bytes_per_worker=[r["bytes"] for r in replies],
+            tensors_per_worker=[r["tensors"] for r in replies],
+            bytes_read_per_worker=[r["bytes_read"] for r in replies],
+            staging_per_worker=(None if staged is None else [r.get("staging") for r in replies]),
+        )
         pieces = dict(local.shards)
-    result = ShardedParams([p.name for p in validated], list(session.devices), stats,  # 6.
-                           validated, _fetcher(session, token, pieces))
+    result = ShardedParams(
+        [p.name for p in validated],
+        list(session.devices),
+        stats,  # 6.
+        validated,
+        _fetcher(session, token, pieces),
+    )
     if remote:
         # the workers keep this load's pieces for as long as its result is referenced
         weakref.finalize(result, _dropped.setdefault(session, []).append, token)

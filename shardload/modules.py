@@ -8,7 +8,8 @@ controller registered by importing the module it came from (code the controller 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = ["import_modules", "importable_module", "lazy_names"]
 
@@ -30,7 +31,7 @@ def import_modules(modules: Iterable[str], what: str = "plugin module") -> None:
             raise ImportError(f"cannot import {what} {module!r}: {why}") from exc
 
 
-def importable_module(func: Callable[..., Any]) -> Optional[str]:
+def importable_module(func: Callable[..., Any]) -> str | None:
     """The module another process can import to define ``func`` too, or ``None``.
 
     Functions defined in ``__main__`` or inside another function cannot be re-created by
@@ -56,6 +57,7 @@ def lazy_names(package: str, table: dict[str, str], namespace: dict, names: list
     >>> dir_()
     ['Staging']
     """
+
     def __getattr__(name: str):
         module = table.get(name)
         if module is None:

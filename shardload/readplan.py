@@ -42,11 +42,11 @@ from __future__ import annotations
 import math
 from array import array
 from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from itertools import compress
 from operator import itemgetter
-from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Optional,
-                    Sequence)
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import dtypes
 from .errors import PlanError, ShardloadError, quote
@@ -57,8 +57,20 @@ if TYPE_CHECKING:  # pragma: no cover  (a worker process carries out read plans 
     from .plan import ParamPlan, ValidatedPlan
     from .readers.base import Checkpoint
 
-__all__ = ["Run", "Chain", "Fixup", "PieceRead", "Kind", "Pieces", "ReadPlan",
-           "build_read_plans", "read_plan_for", "is_read", "worker_functions", "check_run"]
+__all__ = [
+    "Chain",
+    "Fixup",
+    "Kind",
+    "PieceRead",
+    "Pieces",
+    "ReadPlan",
+    "Run",
+    "build_read_plans",
+    "check_run",
+    "is_read",
+    "read_plan_for",
+    "worker_functions",
+]
 
 
 class Run(NamedTuple):
@@ -116,8 +128,8 @@ class PieceRead(NamedTuple):
     dtype: str
     runs: tuple[Run, ...]
     zeros: bool = False
-    fixup: Optional[Fixup] = None
-    chain: Optional[Chain] = None
+    fixup: Fixup | None = None
+    chain: Chain | None = None
     #: every worker's piece is this same whole tensor (replicated, not placed): workers that
     #: share a process may read it once and copy it between them
     shared: bool = False
@@ -133,8 +145,12 @@ class PieceRead(NamedTuple):
         return sum(r.total for r in self.runs)
 
     def to_json(self) -> dict:
-        out: dict[str, Any] = {"name": self.name, "shape": list(self.shape),
-                               "dtype": self.dtype, "runs": [r.to_json() for r in self.runs]}
+        out: dict[str, Any] = {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "runs": [r.to_json() for r in self.runs],
+        }
         if self.zeros:
             out["zeros"] = True
         if self.shared:
@@ -142,24 +158,35 @@ class PieceRead(NamedTuple):
         if self.fixup is not None:
             out["fixup"] = [self.fixup.func, *self.fixup.extra]
         if self.chain is not None:
-            out["chain"] = {"shape": list(self.chain.shape), "dtype": self.chain.dtype,
-                            "index": self.chain.index,
-                            "steps": [list(s) for s in self.chain.steps]}
+            out["chain"] = {
+                "shape": list(self.chain.shape),
+                "dtype": self.chain.dtype,
+                "index": self.chain.index,
+                "steps": [list(s) for s in self.chain.steps],
+            }
         return out
 
     @classmethod
-    def from_json(cls, data: dict) -> "PieceRead":
+    def from_json(cls, data: dict) -> PieceRead:
         chain = data.get("chain")
         fixup = data.get("fixup")
         return cls(
-            name=data["name"], shape=tuple(data["shape"]), dtype=data["dtype"],
-            runs=tuple(Run(*r) for r in data["runs"]), zeros=bool(data.get("zeros", False)),
+            name=data["name"],
+            shape=tuple(data["shape"]),
+            dtype=data["dtype"],
+            runs=tuple(Run(*r) for r in data["runs"]),
+            zeros=bool(data.get("zeros", False)),
             shared=bool(data.get("shared", False)),
             fixup=None if fixup is None else Fixup(fixup[0], tuple(fixup[1:])),
-            chain=None if chain is None else Chain(
-                tuple(chain["shape"]), chain["dtype"],
+            chain=None
+            if chain is None
+            else Chain(
+                tuple(chain["shape"]),
+                chain["dtype"],
                 tuple((s[0], [list(s[1][0]), s[1][1]], *s[2:]) for s in chain["steps"]),
-                int(chain["index"])))
+                int(chain["index"]),
+            ),
+        )
 
 
 class Kind(NamedTuple):
@@ -172,8 +199,8 @@ class Kind(NamedTuple):
     dtype: str
     tails: tuple[tuple[int, tuple[int, int, int, int, int]], ...]
     zeros: bool
-    fixup: Optional[Fixup]
-    chain: Optional[Chain]
+    fixup: Fixup | None
+    chain: Chain | None
     shared: bool
 
 
@@ -195,22 +222,30 @@ class Pieces(Sequence[PieceRead]):
     (Run(source=0, offset=104, nbytes=4, count=1, stride=0, dst_offset=0, dst_stride=0),)
     """
 
-    __slots__ = ("names", "kinds", "kind", "source", "begin")
+    __slots__ = ("begin", "kind", "kinds", "names", "source")
 
-    def __init__(self, names: Sequence[str], kinds: Sequence[Optional[Kind]],
-                 kind: Sequence[int], source: Sequence[int], begin: Sequence[int]):
+    def __init__(
+        self,
+        names: Sequence[str],
+        kinds: Sequence[Kind | None],
+        kind: Sequence[int],
+        source: Sequence[int],
+        begin: Sequence[int],
+    ):
         if not len(names) == len(kind) == len(source) == len(begin):
-            raise ValueError(f"columns of {len(names)} names, {len(kind)} kinds, "
-                             f"{len(source)} sources and {len(begin)} begins")
+            raise ValueError(
+                f"columns of {len(names)} names, {len(kind)} kinds, "
+                f"{len(source)} sources and {len(begin)} begins"
+            )
         self.names, self.kinds, self.kind = names, kinds, kind
         self.source, self.begin = source, begin
 
     @classmethod
-    def of(cls, pieces: Iterable[PieceRead]) -> "Pieces":
+    def of(cls, pieces: Iterable[PieceRead]) -> Pieces:
         """``pieces`` as columns. A piece's runs all lie in one source (a tensor's bytes);
         ``ValueError`` otherwise."""
         names, kind, source, begin = [], [], [], []
-        kinds: list[Optional[Kind]] = []
+        kinds: list[Kind | None] = []
         index: dict[tuple, int] = {}
         for piece in pieces:
             runs = piece.runs
@@ -219,13 +254,29 @@ class Pieces(Sequence[PieceRead]):
                 raise ValueError(f"piece {piece.name!r}: its runs lie in more than one source")
             tails = tuple((r.offset - base, tuple(r[2:])) for r in runs)
             # a fixup or chain is told apart by identity (a chain's steps hold lists)
-            key = (piece.shape, piece.dtype, tails, piece.zeros, id(piece.fixup),
-                   id(piece.chain), piece.shared)
+            key = (
+                piece.shape,
+                piece.dtype,
+                tails,
+                piece.zeros,
+                id(piece.fixup),
+                id(piece.chain),
+                piece.shared,
+            )
             k = index.get(key)
             if k is None:
                 k = index[key] = len(kinds)
-                kinds.append(Kind(piece.shape, piece.dtype, tails, piece.zeros, piece.fixup,
-                                  piece.chain, piece.shared))
+                kinds.append(
+                    Kind(
+                        piece.shape,
+                        piece.dtype,
+                        tails,
+                        piece.zeros,
+                        piece.fixup,
+                        piece.chain,
+                        piece.shared,
+                    )
+                )
             names.append(piece.name)
             kind.append(k)
             source.append(at)
@@ -248,8 +299,12 @@ class Pieces(Sequence[PieceRead]):
     def __getitem__(self, j):  # type: ignore[override]
         if isinstance(j, slice):
             return tuple(self[k] for k in range(*j.indices(len(self))))
-        return self._make(self.names[j], self.kinds[self.kind[j]],  # type: ignore[arg-type]
-                          self.source[j], self.begin[j])
+        return self._make(
+            self.names[j],
+            self.kinds[self.kind[j]],  # type: ignore[arg-type]
+            self.source[j],
+            self.begin[j],
+        )
 
     def __iter__(self) -> Iterator[PieceRead]:
         make, kinds = self._make, self.kinds
@@ -275,8 +330,9 @@ class Pieces(Sequence[PieceRead]):
         from, first to last byte."""
         out = []
         kinds = self.kinds
-        for k, source, begin in zip(self.kind[start:stop], self.source[start:stop],
-                                    self.begin[start:stop]):
+        for k, source, begin in zip(
+            self.kind[start:stop], self.source[start:stop], self.begin[start:stop]
+        ):
             for offset, (nbytes, count, stride, _, _) in kinds[k].tails:  # type: ignore[union-attr]
                 first = begin + offset
                 out.append((source, first, first + (count - 1) * stride + nbytes))
@@ -300,24 +356,35 @@ class ReadPlan:
 
     @property
     def bytes_read(self) -> int:
-        return sum(sum(tail[0] * tail[1] for _, tail in kind.tails) * n
-                   for kind, n in self.pieces.counts())
+        return sum(
+            sum(tail[0] * tail[1] for _, tail in kind.tails) * n for kind, n in self.pieces.counts()
+        )
 
     @property
     def nbytes(self) -> int:
-        return sum(math.prod(kind.shape) * dtypes.itemsize(kind.dtype) * n
-                   for kind, n in self.pieces.counts())
+        return sum(
+            math.prod(kind.shape) * dtypes.itemsize(kind.dtype) * n
+            for kind, n in self.pieces.counts()
+        )
 
     def to_json(self) -> dict:
         """Plain JSON values, a piece at a time (``inspect --reads``; a worker process gets
         ``pieces.wire``'s compact form)."""
-        return {"rank": self.rank, "num_shards": self.num_shards,
-                "sources": list(self.sources), "pieces": [p.to_json() for p in self.pieces]}
+        return {
+            "rank": self.rank,
+            "num_shards": self.num_shards,
+            "sources": list(self.sources),
+            "pieces": [p.to_json() for p in self.pieces],
+        }
 
     @classmethod
-    def from_json(cls, data: dict) -> "ReadPlan":
-        return cls(int(data["rank"]), int(data["num_shards"]), tuple(data["sources"]),
-                   tuple(PieceRead.from_json(p) for p in data["pieces"]))
+    def from_json(cls, data: dict) -> ReadPlan:
+        return cls(
+            int(data["rank"]),
+            int(data["num_shards"]),
+            tuple(data["sources"]),
+            tuple(PieceRead.from_json(p) for p in data["pieces"]),
+        )
 
     def describe(self) -> list[str]:
         """One line per piece: what it reads (``inspect --reads``)."""
@@ -335,14 +402,20 @@ class ReadPlan:
 
 def check_run(run: Run, source_len: int, dst_len: int, name: str) -> None:
     """Every byte a run touches lies inside its source and its destination."""
-    if min(run.offset, run.nbytes, run.count, run.stride, run.dst_offset,
-           run.dst_stride) < 0 or run.count < 1:
+    if (
+        min(run.offset, run.nbytes, run.count, run.stride, run.dst_offset, run.dst_stride) < 0
+        or run.count < 1
+    ):
         raise ShardloadError(f"parameter {name!r}: malformed read run {run}")
     last = run.count - 1
-    if run.offset + last * run.stride + run.nbytes > source_len or \
-            run.dst_offset + last * run.dst_stride + run.nbytes > dst_len:
-        raise ShardloadError(f"parameter {name!r}: read run {run} lies outside its source "
-                             f"({source_len} bytes) or its piece ({dst_len} bytes)")
+    if (
+        run.offset + last * run.stride + run.nbytes > source_len
+        or run.dst_offset + last * run.dst_stride + run.nbytes > dst_len
+    ):
+        raise ShardloadError(
+            f"parameter {name!r}: read run {run} lies outside its source "
+            f"({source_len} bytes) or its piece ({dst_len} bytes)"
+        )
 
 
 def _describe_run(run: Run, sources: Sequence[dict]) -> str:
@@ -356,14 +429,15 @@ def _describe_run(run: Run, sources: Sequence[dict]) -> str:
 
 # ---- building ----------------------------------------------------------------------------------
 
-def is_read(param: "ParamPlan") -> bool:
+
+def is_read(param: ParamPlan) -> bool:
     """Whether workers read their pieces of ``param`` by byte runs (replicated, or one step whose
     function declares a ``ranges`` rule) rather than computing its chain (no rule, several
     steps): the one place that decides it."""
     return param.replicated or (len(param.steps) == 1 and param.funcs[0].ranges is not None)
 
 
-def worker_functions(param: "ParamPlan") -> list[tuple]:
+def worker_functions(param: ParamPlan) -> list[tuple]:
     """``(step, func)`` of the shard functions a worker itself runs for ``param``: its whole
     chain when computed, else the fixup's function if it has one (a function read by its
     ``ranges`` rule alone runs nowhere)."""
@@ -373,7 +447,7 @@ def worker_functions(param: "ParamPlan") -> list[tuple]:
     return [(s, f) for s, f in steps if f.fixup is not None]
 
 
-def _selection(param: "ParamPlan", n: int, i: int, source: Optional[str]) -> Optional[Selection]:
+def _selection(param: ParamPlan, n: int, i: int, source: str | None) -> Selection | None:
     """Worker ``i``'s selection of ``param``'s stored tensor, or None when it must be computed:
     a replicated parameter is the whole tensor, a step with a ``ranges`` rule what it says."""
     if not is_read(param):
@@ -388,18 +462,27 @@ def _selection(param: "ParamPlan", n: int, i: int, source: Optional[str]) -> Opt
             raise TypeError(f"it returned {type(sel).__name__}, not a Selection")
         sel.check(meta.shape)
     except (ValueError, TypeError, ArithmeticError, LookupError) as exc:
-        raise PlanError(f"the ranges rule of {quote(step.func)} failed for worker {i}: {exc}",
-                        source=source, param=param.name, step=step.index) from None
+        raise PlanError(
+            f"the ranges rule of {quote(step.func)} failed for worker {i}: {exc}",
+            source=source,
+            param=param.name,
+            step=step.index,
+        ) from None
     if sel.piece_shape(meta.shape) != tuple(step.out_shape[1:]):
-        raise PlanError(f"the ranges rule of {quote(step.func)} gives worker {i} a piece of "
-                        f"shape {list(sel.piece_shape(meta.shape))}, but the step declares "
-                        f"{list(step.out_shape[1:])}: the rule disagrees with the function",
-                        source=source, param=param.name, step=step.index)
+        raise PlanError(
+            f"the ranges rule of {quote(step.func)} gives worker {i} a piece of "
+            f"shape {list(sel.piece_shape(meta.shape))}, but the step declares "
+            f"{list(step.out_shape[1:])}: the rule disagrees with the function",
+            source=source,
+            param=param.name,
+            step=step.index,
+        )
     return sel.coalesced()
 
 
-def _runs(sel: Selection, shape: Sequence[int], itemsize: int, source: int,
-          begin: int) -> tuple[Run, ...]:
+def _runs(
+    sel: Selection, shape: Sequence[int], itemsize: int, source: int, begin: int
+) -> tuple[Run, ...]:
     """The strided copies that assemble selection ``sel`` of a C-order tensor at ``begin``."""
     if sel.axis is None:
         nbytes = math.prod(shape) * itemsize
@@ -407,31 +490,42 @@ def _runs(sel: Selection, shape: Sequence[int], itemsize: int, source: int,
     axis = sel.axis
     outer = math.prod(shape[:axis])
     size = shape[axis]
-    inner = math.prod(shape[axis + 1:]) * itemsize
+    inner = math.prod(shape[axis + 1 :]) * itemsize
     piece = sel.length
     runs = []
     offset = 0
     for start, length in sel.ranges:
         if start is not None and length and outer and inner:
             if outer == 1:
-                runs.append(Run(source, begin + start * inner, length * inner, 1, 0,
-                                offset * inner, 0))
+                runs.append(
+                    Run(source, begin + start * inner, length * inner, 1, 0, offset * inner, 0)
+                )
             elif length == size == piece:  # the whole axis: one contiguous block
                 runs.append(Run(source, begin, outer * size * inner))
             else:
-                runs.append(Run(source, begin + start * inner, length * inner, outer,
-                                size * inner, offset * inner, piece * inner))
+                runs.append(
+                    Run(
+                        source,
+                        begin + start * inner,
+                        length * inner,
+                        outer,
+                        size * inner,
+                        offset * inner,
+                        piece * inner,
+                    )
+                )
         offset += length
     return tuple(runs)
 
 
-def read_plan_for(validated: "ValidatedPlan", ckpt: "Checkpoint", rank: int) -> ReadPlan:
+def read_plan_for(validated: ValidatedPlan, ckpt: Checkpoint, rank: int) -> ReadPlan:
     """Worker ``rank``'s read plan (see the module docstring)."""
     return build_read_plans(validated, ckpt, [rank])[0]
 
 
-def build_read_plans(validated: "ValidatedPlan", ckpt: "Checkpoint",
-                     ranks: Optional[Iterable[int]] = None) -> list[ReadPlan]:
+def build_read_plans(
+    validated: ValidatedPlan, ckpt: Checkpoint, ranks: Iterable[int] | None = None
+) -> list[ReadPlan]:
     """The read plans of workers ``ranks`` (default: all), in that order.
 
     One pass over the parameters gives each its kind (its steps, stored shape and dtype, and
@@ -444,13 +538,14 @@ def build_read_plans(validated: "ValidatedPlan", ckpt: "Checkpoint",
         return _build(validated, ckpt, ranks)
 
 
-def _build(validated: "ValidatedPlan", ckpt: "Checkpoint",
-           ranks: Optional[Iterable[int]]) -> list[ReadPlan]:
+def _build(
+    validated: ValidatedPlan, ckpt: Checkpoint, ranks: Iterable[int] | None
+) -> list[ReadPlan]:
     n = validated.num_shards
     ranks = list(range(n) if ranks is None else ranks)
     params = list(validated)
     index: dict[tuple, int] = {}
-    firsts: list = []   # the first parameter of each kind
+    firsts: list = []  # the first parameter of each kind
     kind = array("l")
     for param in params:
         meta = param.meta
@@ -471,9 +566,13 @@ def _build(validated: "ValidatedPlan", ckpt: "Checkpoint",
         kinds = [_template(validated, param, rank) for param in firsts]
         if None in kinds:  # parameters placed on other workers: this one's alone
             held = [kinds[k] is not None for k in kind]
-            pieces = Pieces(list(compress(names, held)), kinds, array("l", compress(kind, held)),
-                            array("l", compress(source, held)),
-                            array("q", compress(begin, held)))
+            pieces = Pieces(
+                list(compress(names, held)),
+                kinds,
+                array("l", compress(kind, held)),
+                array("l", compress(source, held)),
+                array("q", compress(begin, held)),
+            )
         else:
             pieces = Pieces(names, kinds, kind, source, begin)
         plans.append(ReadPlan(rank, n, sources, pieces))
@@ -483,7 +582,7 @@ def _build(validated: "ValidatedPlan", ckpt: "Checkpoint",
 _first, _second = itemgetter(0), itemgetter(1)
 
 
-def _template(validated: "ValidatedPlan", param: "ParamPlan", rank: int) -> Optional[Kind]:
+def _template(validated: ValidatedPlan, param: ParamPlan, rank: int) -> Kind | None:
     """Rank ``rank``'s piece of ``param`` as a ``Kind``; None where it holds none."""
     if not param.held_by(rank):
         return None
@@ -491,18 +590,30 @@ def _template(validated: "ValidatedPlan", param: "ParamPlan", rank: int) -> Opti
     itemsize = dtypes.itemsize(meta.dtype)
     sel = _selection(param, validated.num_shards, rank, validated.plan.source)
     if sel is None:
-        chain = Chain(meta.shape, meta.dtype, tuple(tuple(s.to_json()) for s in param.steps),
-                      rank)
-        return Kind(param.piece_shape, param.piece_dtype,
-                    _tails(_runs(Selection.whole(), meta.shape, itemsize, 0, 0)), False, None,
-                    chain, False)
+        chain = Chain(meta.shape, meta.dtype, tuple(tuple(s.to_json()) for s in param.steps), rank)
+        return Kind(
+            param.piece_shape,
+            param.piece_dtype,
+            _tails(_runs(Selection.whole(), meta.shape, itemsize, 0, 0)),
+            False,
+            None,
+            chain,
+            False,
+        )
     step = param.steps[0] if param.steps else None
     func = param.funcs[0] if param.funcs else None
-    fixup = (Fixup(func.name, tuple(step.extra))
-             if func is not None and func.fixup is not None else None)
-    return Kind(param.piece_shape, param.piece_dtype,
-                _tails(_runs(sel, meta.shape, itemsize, 0, 0)), sel.has_zeros, fixup, None,
-                param.replicated and param.workers is None)
+    fixup = (
+        Fixup(func.name, tuple(step.extra)) if func is not None and func.fixup is not None else None
+    )
+    return Kind(
+        param.piece_shape,
+        param.piece_dtype,
+        _tails(_runs(sel, meta.shape, itemsize, 0, 0)),
+        sel.has_zeros,
+        fixup,
+        None,
+        param.replicated and param.workers is None,
+    )
 
 
 def _tails(runs: tuple[Run, ...]) -> tuple:

@@ -24,16 +24,25 @@ A function without one is computed whole and sliced.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any
 
 from .errors import UnknownShardFunctionError
 from .modules import import_modules
 from .selection import Selection
 from .table import Table
 
-__all__ = ["ShardFunc", "Selection", "register_shard_func", "get_shard_func",
-           "list_shard_funcs", "unregister_shard_func", "load_plugins", "ENTRY_POINT_GROUP"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Selection",
+    "ShardFunc",
+    "get_shard_func",
+    "list_shard_funcs",
+    "load_plugins",
+    "register_shard_func",
+    "unregister_shard_func",
+]
 
 ENTRY_POINT_GROUP = "shardload.shard_functions"
 ARRAY_KINDS = ("torch", "numpy", "cupy")
@@ -50,13 +59,13 @@ class ShardFunc:
     name: str
     func: Callable[..., Any]
     array: str = "torch"
-    shape_rule: Optional[ShapeRule] = None
+    shape_rule: ShapeRule | None = None
     #: which input elements worker i's piece is (see the module docstring), or None
-    ranges: Optional[RangesRule] = None
+    ranges: RangesRule | None = None
     #: the in-place edit a piece read by ``ranges`` still needs, or None
-    fixup: Optional[Fixup] = None
+    fixup: Fixup | None = None
     #: number of extra args, or (minimum, None) for a variadic function
-    nargs: tuple[int, Optional[int]] = (0, 0)
+    nargs: tuple[int, int | None] = (0, 0)
     module: str = ""
 
     @property
@@ -75,35 +84,43 @@ class ShardFunc:
 
 
 #: the registry: a function registered again (a re-imported plugin) is the same one
-_table: Table[ShardFunc] = Table("shard function", UnknownShardFunctionError,
-                                 same=lambda old, new: old.func is new.func)
+_table: Table[ShardFunc] = Table(
+    "shard function", UnknownShardFunctionError, same=lambda old, new: old.func is new.func
+)
 #: held while the built-ins and the entry points are loaded (once), as around each operation
 _lock = _table.lock
 _entry_points_loaded = False
 
 
-def _extra_arity(func: Callable[..., Any]) -> tuple[int, Optional[int]]:
+def _extra_arity(func: Callable[..., Any]) -> tuple[int, int | None]:
     """How many extra args ``func(input, *extra, output)`` takes, from its signature."""
     try:
         params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):  # builtins without a signature: trust the plan
         return (0, None)
-    positional = [p for p in params
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         # func(input, dim, *rest) where rest ends with output
         return (max(len(positional) - 1, 0), None)
     required = [p for p in positional if p.default is p.empty]
     if len(positional) < 2:
-        raise TypeError(f"shard function {getattr(func, '__name__', func)!r} must take "
-                        "(input, *extra_args, output)")
+        raise TypeError(
+            f"shard function {getattr(func, '__name__', func)!r} must take "
+            "(input, *extra_args, output)"
+        )
     return (max(len(required) - 2, 0), len(positional) - 2)
 
 
-def register_shard_func(name: str, func: Callable[..., Any] | None = None, *,
-                        override: bool = False, array: str = "torch",
-                        shape_rule: ShapeRule | None = None, ranges: RangesRule | None = None,
-                        fixup: Fixup | None = None):
+def register_shard_func(
+    name: str,
+    func: Callable[..., Any] | None = None,
+    *,
+    override: bool = False,
+    array: str = "torch",
+    shape_rule: ShapeRule | None = None,
+    ranges: RangesRule | None = None,
+    fixup: Fixup | None = None,
+):
     """Register ``func`` under ``name``; usable as a decorator or a plain call.
 
     Registering a name twice raises ``ValueError`` unless ``override=True``. ``shape_rule``,
@@ -121,17 +138,28 @@ def register_shard_func(name: str, func: Callable[..., Any] | None = None, *,
     if ranges is not None and shape_rule is None:
         raise ValueError(f"shard function {name!r}: a ranges rule needs a shape_rule")
     if fixup is not None and ranges is None:
-        raise ValueError(f"shard function {name!r}: a fixup applies to pieces read by a ranges "
-                         "rule; give one")
+        raise ValueError(
+            f"shard function {name!r}: a fixup applies to pieces read by a ranges rule; give one"
+        )
 
     def register(f: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(f):
             raise TypeError(f"shard function {name!r} must be callable, got {f!r}")
         # a different function under a taken name needs override; registering the same
         # function again, as a re-imported plugin does, is harmless
-        _table.add(ShardFunc(name=name, func=f, array=array, shape_rule=shape_rule,
-                             ranges=ranges, fixup=fixup, nargs=_extra_arity(f),
-                             module=getattr(f, "__module__", "") or ""), override)
+        _table.add(
+            ShardFunc(
+                name=name,
+                func=f,
+                array=array,
+                shape_rule=shape_rule,
+                ranges=ranges,
+                fixup=fixup,
+                nargs=_extra_arity(f),
+                module=getattr(f, "__module__", "") or "",
+            ),
+            override,
+        )
         return f
 
     return register if func is None else register(func)
@@ -195,7 +223,8 @@ def load_entry_points() -> list[str]:
         try:
             ep.load()
         except Exception as exc:
-            raise ImportError(f"shard-function plugin entry point {ep.name!r} ({ep.value}) "
-                              f"failed to load: {exc}") from exc
+            raise ImportError(
+                f"shard-function plugin entry point {ep.name!r} ({ep.value}) failed to load: {exc}"
+            ) from exc
         loaded.append(ep.name)
     return loaded

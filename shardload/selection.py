@@ -14,13 +14,13 @@ Selection(axis=0, ranges=((0, 4), (None, 1)))
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
-__all__ = ["Selection", "Range"]
+__all__ = ["Range", "Selection"]
 
 #: ``(start, length)`` along the axis; ``start`` None: ``length`` units of zeros
-Range = tuple[Optional[int], int]
+Range = tuple[int | None, int]
 
 
 @dataclass(frozen=True)
@@ -28,11 +28,11 @@ class Selection:
     """The ranges along ``axis`` that make one worker's piece; ``axis`` None is the whole
     tensor (what ``replicate`` keeps, and the only selection a 0-d tensor has)."""
 
-    axis: Optional[int]
+    axis: int | None
     ranges: tuple[Range, ...] = ()
 
     @classmethod
-    def whole(cls) -> "Selection":
+    def whole(cls) -> Selection:
         return cls(None)
 
     @property
@@ -44,7 +44,7 @@ class Selection:
     def has_zeros(self) -> bool:
         return any(start is None for start, _ in self.ranges)
 
-    def coalesced(self) -> "Selection":
+    def coalesced(self) -> Selection:
         """The same piece in as few ranges as possible: ranges that touch are merged (a worker's
         consecutive heads or blocks become one read), as are runs of zeros; empty ones go."""
         merged: list[list] = []
@@ -65,7 +65,7 @@ class Selection:
     def piece_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         if self.axis is None:
             return tuple(shape)
-        return (*shape[:self.axis], self.length, *shape[self.axis + 1:])
+        return (*shape[: self.axis], self.length, *shape[self.axis + 1 :])
 
     def check(self, shape: Sequence[int]) -> None:
         """``ValueError`` unless this selection lies within a tensor of ``shape``."""
@@ -79,7 +79,8 @@ class Selection:
         for start, length in self.ranges:
             if type(length) is not int or length < 0:
                 raise ValueError(f"range length {length!r} must be a non-negative integer")
-            if start is not None and (type(start) is not int or start < 0
-                                      or start + length > size):
-                raise ValueError(f"range [{start}, {start} + {length}) lies outside the "
-                                 f"{size} units of axis {self.axis}")
+            if start is not None and (type(start) is not int or start < 0 or start + length > size):
+                raise ValueError(
+                    f"range [{start}, {start} + {length}) lies outside the "
+                    f"{size} units of axis {self.axis}"
+                )

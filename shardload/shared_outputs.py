@@ -15,8 +15,8 @@ True
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -27,7 +27,7 @@ __all__ = ["SharedOutputs"]
 
 @dataclass
 class _Cell:
-    value: Optional[torch.Tensor] = None
+    value: torch.Tensor | None = None
     failed: bool = False
     ready: bool = False
     taken: int = 0
@@ -48,16 +48,18 @@ class SharedOutputs:
     failure.
     """
 
-    def __init__(self, num_workers: int, stop: Callable[[], bool] = lambda: False, *,
-                 most_alive: int = 2):
+    def __init__(
+        self, num_workers: int, stop: Callable[[], bool] = lambda: False, *, most_alive: int = 2
+    ):
         self._n = num_workers
         self._stop = stop
         self._most_alive = most_alive
         self._cond = threading.Condition()
         self._cells: dict[str, _Cell] = {}
 
-    def take(self, name: str, compute: Callable[[], torch.Tensor],
-             waiting: Callable[[], None]) -> tuple[torch.Tensor, bool]:
+    def take(
+        self, name: str, compute: Callable[[], torch.Tensor], waiting: Callable[[], None]
+    ) -> tuple[torch.Tensor, bool]:
         """The value for ``name`` and whether this call computed it. ``waiting()`` is called
         while this worker waits on another (a worker waiting on a stuck one is alive)."""
         with self._cond:

@@ -38,18 +38,18 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from . import dtypes
-from .readers.mapped import copy_blocks
 from .errors import ShardloadError, annotate
+from .readers.mapped import copy_blocks
 from .readplan import Run, check_run
 from .sessions.base import Stopped
 
-__all__ = ["Staging", "Pipeline", "StagingStats", "staging_for"]
+__all__ = ["Pipeline", "Staging", "StagingStats", "staging_for"]
 
 MiB = 1 << 20
 #: items start at multiples of this within a buffer (memcpy and DMA like aligned addresses)
@@ -76,23 +76,33 @@ class Staging:
 
     buffers: int = 4
     buffer_mib: float = 32
-    pinned: Optional[bool] = None
+    pinned: bool | None = None
 
     def __post_init__(self) -> None:
         if type(self.buffers) is not int or not MIN_BUFFERS <= self.buffers <= MAX_BUFFERS:
-            raise ValueError(f"Staging(buffers=...) must be an integer from {MIN_BUFFERS} to "
-                             f"{MAX_BUFFERS}, got {self.buffers!r}")
-        if isinstance(self.buffer_mib, bool) or not isinstance(self.buffer_mib, (int, float)) \
-                or not math.isfinite(self.buffer_mib) or self.buffer_bytes < 1:
-            raise ValueError(f"Staging(buffer_mib=...) must be a positive number of MiB, got "
-                             f"{self.buffer_mib!r}")
+            raise ValueError(
+                f"Staging(buffers=...) must be an integer from {MIN_BUFFERS} to "
+                f"{MAX_BUFFERS}, got {self.buffers!r}"
+            )
+        if (
+            isinstance(self.buffer_mib, bool)
+            or not isinstance(self.buffer_mib, (int, float))
+            or not math.isfinite(self.buffer_mib)
+            or self.buffer_bytes < 1
+        ):
+            raise ValueError(
+                f"Staging(buffer_mib=...) must be a positive number of MiB, got {self.buffer_mib!r}"
+            )
         if self.nbytes > MAX_STAGING_BYTES:
-            raise ValueError(f"Staging: {self.buffers} buffers of {self.buffer_mib} MiB is "
-                             f"{self.nbytes / MiB:g} MiB per worker; at most "
-                             f"{MAX_STAGING_BYTES // MiB} MiB")
+            raise ValueError(
+                f"Staging: {self.buffers} buffers of {self.buffer_mib} MiB is "
+                f"{self.nbytes / MiB:g} MiB per worker; at most "
+                f"{MAX_STAGING_BYTES // MiB} MiB"
+            )
         if self.pinned not in (None, True, False):
-            raise ValueError(f"Staging(pinned=...) must be None, True or False, got "
-                             f"{self.pinned!r}")
+            raise ValueError(
+                f"Staging(pinned=...) must be None, True or False, got {self.pinned!r}"
+            )
 
     @property
     def buffer_bytes(self) -> int:
@@ -110,11 +120,11 @@ class Staging:
         return {"buffers": self.buffers, "buffer_mib": self.buffer_mib, "pinned": self.pinned}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Staging":
+    def from_json(cls, data: dict) -> Staging:
         return cls(int(data["buffers"]), float(data["buffer_mib"]), data.get("pinned"))
 
 
-def staging_for(staging, devices: Sequence[torch.device]) -> Optional[Staging]:
+def staging_for(staging, devices: Sequence[torch.device]) -> Staging | None:
     """The ``Staging`` a load with ``staging=`` (None, True, False or a ``Staging``) uses on
     workers ``devices``, or None for the direct path."""
     if staging is None:
@@ -125,8 +135,9 @@ def staging_for(staging, devices: Sequence[torch.device]) -> Optional[Staging]:
         return None
     if isinstance(staging, Staging):
         return staging
-    raise TypeError(f"staging must be None, True, False or a shardload.Staging, got "
-                    f"{type(staging).__name__}")
+    raise TypeError(
+        f"staging must be None, True, False or a shardload.Staging, got {type(staging).__name__}"
+    )
 
 
 @dataclass
@@ -148,6 +159,7 @@ class StagingStats:
 
 
 # ---- links: the ordered copy engines ---------------------------------------------------------------
+
 
 class _CudaLink:
     """A CUDA stream of the worker's own: work queued on it runs in order, asynchronously."""
@@ -198,10 +210,11 @@ class _HostLink:
     the worker at its next call; work queued after it is skipped."""
 
     def __init__(self, name: str):
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._loop, name=f"shardload-link-{name}",
-                                        daemon=True)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._loop, name=f"shardload-link-{name}", daemon=True
+        )
         self._thread.start()
 
     def _loop(self) -> None:
@@ -257,6 +270,7 @@ class _HostLink:
 
 # ---- the pipeline ------------------------------------------------------------------------------------
 
+
 def _items(run: Run, limit: int) -> Iterator[Run]:
     """``run`` cut into runs of at most ``limit`` bytes each: whole blocks where a block fits,
     else pieces of one block."""
@@ -264,8 +278,15 @@ def _items(run: Run, limit: int) -> Iterator[Run]:
         per = max(1, limit // run.nbytes)
         for k in range(0, run.count, per):
             count = min(per, run.count - k)
-            yield Run(run.source, run.offset + k * run.stride, run.nbytes, count, run.stride,
-                      run.dst_offset + k * run.dst_stride, run.dst_stride)
+            yield Run(
+                run.source,
+                run.offset + k * run.stride,
+                run.nbytes,
+                count,
+                run.stride,
+                run.dst_offset + k * run.dst_stride,
+                run.dst_stride,
+            )
         return
     for k in range(run.count):
         src, dst = run.offset + k * run.stride, run.dst_offset + k * run.dst_stride
@@ -273,12 +294,10 @@ def _items(run: Run, limit: int) -> Iterator[Run]:
             yield Run(run.source, src + at, min(limit, run.nbytes - at), 1, 0, dst + at, 0)
 
 
-def _blocks(data: torch.Tensor, offset: int, nbytes: int, count: int, stride: int
-            ) -> torch.Tensor:
+def _blocks(data: torch.Tensor, offset: int, nbytes: int, count: int, stride: int) -> torch.Tensor:
     """``count`` blocks of ``nbytes`` bytes of the 1-D uint8 ``data``, ``stride`` apart from
     ``offset``, as a ``(count, nbytes)`` view."""
-    return data.as_strided((count, nbytes), (stride or nbytes, 1),
-                           data.storage_offset() + offset)
+    return data.as_strided((count, nbytes), (stride or nbytes, 1), data.storage_offset() + offset)
 
 
 class Pipeline:
@@ -289,22 +308,30 @@ class Pipeline:
     called while the worker waits on a buffer (it is alive, for the watchdog).
     """
 
-    def __init__(self, device: torch.device, staging: Staging,
-                 stop: Callable[[], bool] = lambda: False,
-                 waiting: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        device: torch.device,
+        staging: Staging,
+        stop: Callable[[], bool] = lambda: False,
+        waiting: Callable[[], None] = lambda: None,
+    ):
         self.device = device
         self.staging = staging
         self._stop, self._waiting = stop, waiting
         pinned = staging.pinned_for(device)
         if pinned and not torch.cuda.is_available():
-            raise ShardloadError("Staging(pinned=True) needs CUDA (page-locked memory is "
-                                 "registered with the CUDA driver); this machine has none: use "
-                                 "pinned=None")
+            raise ShardloadError(
+                "Staging(pinned=True) needs CUDA (page-locked memory is "
+                "registered with the CUDA driver); this machine has none: use "
+                "pinned=None"
+            )
         self.stats = StagingStats(staging.buffers, staging.buffer_bytes, pinned)
         self._link = _CudaLink(device) if device.type == "cuda" else _HostLink(str(device))
         try:
-            self._ring = [torch.empty(staging.buffer_bytes, dtype=torch.uint8, pin_memory=pinned)
-                          for _ in range(staging.buffers)]
+            self._ring = [
+                torch.empty(staging.buffer_bytes, dtype=torch.uint8, pin_memory=pinned)
+                for _ in range(staging.buffers)
+            ]
         except BaseException:
             self._link.close()
             raise
@@ -334,21 +361,29 @@ class Pipeline:
             self._link.wait(marker, self._stop)
             self.stats.waits += 1
             self.stats.wait_seconds += time.perf_counter() - start
-        buf = self._ring[self._current][self._used:self._used + nbytes]
+        buf = self._ring[self._current][self._used : self._used + nbytes]
         self._used = min(self.staging.buffer_bytes, -(-(self._used + nbytes) // ALIGN) * ALIGN)
         return buf
 
     # -- pieces
 
-    def piece(self, sources: Sequence[torch.Tensor], runs: Sequence[Run], shape, dtype: str,
-              zeros: bool, name: str,
-              fixup: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+    def piece(
+        self,
+        sources: Sequence[torch.Tensor],
+        runs: Sequence[Run],
+        shape,
+        dtype: str,
+        zeros: bool,
+        name: str,
+        fixup: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """A new tensor of ``shape``/``dtype`` on the device, filled by ``runs`` from
         ``sources`` (1-D uint8 tensors: the mapped files) through the ring, zeros elsewhere if
         ``zeros``; ``fixup(tensor)`` runs on the link after its copies. The copies may still be
         in flight when this returns: ``fence`` or ``finish`` before reading it."""
         out = (torch.zeros if zeros else torch.empty)(
-            tuple(shape), dtype=dtypes.to_torch(dtype), device=self.device)
+            tuple(shape), dtype=dtypes.to_torch(dtype), device=self.device
+        )
         self._link.after_allocation()
         flat = out.view(-1).view(torch.uint8) if out.dim() else out.reshape(1).view(torch.uint8)
         limit = self.staging.buffer_bytes
@@ -361,16 +396,18 @@ class Pipeline:
                 buf = self._room(total)
                 staged = buf.view(item.count, item.nbytes)
                 # the read: out of the mapping into the buffer (a parallel copy in torch)
-                copy_blocks(staged.view(item.count, item.nbytes, 1),
-                            _blocks(src, item.offset, item.nbytes, item.count,
-                                    item.stride).view(item.count, item.nbytes, 1))
-                dst = (flat[item.dst_offset:item.dst_offset + total].view(item.count,
-                                                                          item.nbytes)
-                       if item.count == 1 or item.dst_stride == item.nbytes else
-                       _blocks(flat, item.dst_offset, item.nbytes, item.count,
-                               item.dst_stride))
-                self._link.enqueue(lambda d=dst, s=staged: d.copy_(s, non_blocking=True),
-                                   what)
+                copy_blocks(
+                    staged.view(item.count, item.nbytes, 1),
+                    _blocks(src, item.offset, item.nbytes, item.count, item.stride).view(
+                        item.count, item.nbytes, 1
+                    ),
+                )
+                dst = (
+                    flat[item.dst_offset : item.dst_offset + total].view(item.count, item.nbytes)
+                    if item.count == 1 or item.dst_stride == item.nbytes
+                    else _blocks(flat, item.dst_offset, item.nbytes, item.count, item.dst_stride)
+                )
+                self._link.enqueue(lambda d=dst, s=staged: d.copy_(s, non_blocking=True), what)
                 self.stats.items += 1
                 self.stats.bytes_staged += total
         if fixup is not None:
@@ -396,7 +433,7 @@ class Pipeline:
         self._ring = []
         self._pending = []
 
-    def __enter__(self) -> "Pipeline":
+    def __enter__(self) -> Pipeline:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -30,18 +30,30 @@ import codecs
 import json
 import math
 import re
-from typing import Any, Callable, Iterable, Iterator, Union
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import orjson
 
 from .errors import quote
 from .gc_pause import gc_paused
 
-__all__ = ["loads", "loads_object", "loads_plain", "members_match", "object_pieces",
-           "NotAnObjectError", "is_text"]
+__all__ = [
+    "NotAnObjectError",
+    "is_text",
+    "loads",
+    "loads_object",
+    "loads_plain",
+    "members_match",
+    "object_pieces",
+]
 
-_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
-         (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "UTF-32"),
+    (codecs.BOM_UTF32_BE, "UTF-32"),
+    (codecs.BOM_UTF16_LE, "UTF-16"),
+    (codecs.BOM_UTF16_BE, "UTF-16"),
+)
 # a \u escape of a UTF-16 surrogate: the only way a lone surrogate gets into parsed JSON
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
@@ -72,14 +84,20 @@ def _finite_float(text: str) -> float:
 def _decode(data: bytes) -> str:
     for bom, encoding in _BOMS:
         if data.startswith(bom):
-            raise ValueError(f"not UTF-8: the text starts with a {encoding} byte order mark; "
-                             "JSON must be UTF-8 (re-save it as UTF-8)")
+            raise ValueError(
+                f"not UTF-8: the text starts with a {encoding} byte order mark; "
+                "JSON must be UTF-8 (re-save it as UTF-8)"
+            )
     if data.startswith(codecs.BOM_UTF8):
-        raise ValueError("not UTF-8 as JSON needs it: the text starts with a UTF-8 byte order "
-                         "mark, which JSON forbids (re-save it as UTF-8 without a BOM)")
+        raise ValueError(
+            "not UTF-8 as JSON needs it: the text starts with a UTF-8 byte order "
+            "mark, which JSON forbids (re-save it as UTF-8 without a BOM)"
+        )
     if b"\x00" in data[:4]:
-        raise ValueError("not UTF-8: the text holds NUL bytes, so it looks like UTF-16 or "
-                         "UTF-32; JSON must be UTF-8 (re-save it as UTF-8)")
+        raise ValueError(
+            "not UTF-8: the text holds NUL bytes, so it looks like UTF-16 or "
+            "UTF-32; JSON must be UTF-8 (re-save it as UTF-8)"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -99,7 +117,7 @@ def is_text(s: str) -> bool:
     return True
 
 
-def _lone_surrogate(data: Any) -> "str | None":
+def _lone_surrogate(data: Any) -> str | None:
     """The first string (or key) in ``data`` that holds a lone surrogate, or None."""
     stack = [data]
     while stack:
@@ -115,12 +133,14 @@ def _lone_surrogate(data: Any) -> "str | None":
     return None
 
 
-def _text(text: Union[str, bytes, bytearray, memoryview]) -> str:
+def _text(text: str | bytes | bytearray | memoryview) -> str:
     if isinstance(text, (bytes, bytearray, memoryview)):
         return _decode(bytes(text))
     if text.startswith("\ufeff"):
-        raise ValueError("the text starts with a byte order mark, which JSON forbids (re-save "
-                         "it as UTF-8 without a BOM)")
+        raise ValueError(
+            "the text starts with a byte order mark, which JSON forbids (re-save "
+            "it as UTF-8 without a BOM)"
+        )
     return text
 
 
@@ -128,8 +148,9 @@ def _has_surrogate_escape(text: str) -> bool:
     return "\\u" in text and _SURROGATE_ESCAPE.search(text) is not None
 
 
-def loads(text: Union[str, bytes, bytearray, memoryview], *,
-          allow_lone_surrogates: bool = False) -> Any:
+def loads(
+    text: str | bytes | bytearray | memoryview, *, allow_lone_surrogates: bool = False
+) -> Any:
     """Parse ``text``; ``ValueError`` for text that is not UTF-8, invalid, duplicate-keyed,
     non-finite, not valid Unicode or absurdly nested JSON.
 
@@ -138,8 +159,12 @@ def loads(text: Union[str, bytes, bytearray, memoryview], *,
     text = _text(text)
     try:
         with gc_paused():
-            data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
-                              parse_float=_finite_float)
+            data = json.loads(
+                text,
+                object_pairs_hook=_unique_keys,
+                parse_constant=_no_constant,
+                parse_float=_finite_float,
+            )
     except RecursionError:
         raise ValueError("nested too deeply") from None
     if not allow_lone_surrogates and _has_surrogate_escape(text):
@@ -217,18 +242,21 @@ def object_pieces(text: str, chars: int) -> Iterator[str]:
         cut = search(text, start + chars)
         if cut is None:
             break
-        yield prefix + text[start:cut.start() + 1] + "}"
+        yield prefix + text[start : cut.start() + 1] + "}"
         start, prefix = cut.end() - 1, "{"
     yield prefix + text[start:] if start else text
 
 
 def _surrogate_error(bad: str) -> ValueError:
-    return ValueError(f"the string {quote(bad)} holds a lone UTF-16 surrogate (a \\ud800-"
-                      "\\udfff escape without its pair): it is not valid Unicode text")
+    return ValueError(
+        f"the string {quote(bad)} holds a lone UTF-16 surrogate (a \\ud800-"
+        "\\udfff escape without its pair): it is not valid Unicode text"
+    )
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_no_constant,
-                            parse_float=_finite_float)
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_float=_finite_float
+)
 _SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace, and only it
 # from the end of a member's value to just inside the next key's opening quote
 _NEXT_KEY = re.compile(r'[ \t\n\r]*,[ \t\n\r]*"')
@@ -238,8 +266,15 @@ _scanstring = json.decoder.scanstring
 #: a document that is not an object is parsed whole only up to this size, to say what is wrong
 #: with it (it may not be JSON at all); a larger one is named by its first character
 _NOT_OBJECT_PARSED_CHARS = 1 << 20
-_FIRST_CHAR_TYPES = {"[": "list", '"': "str", "t": "bool", "f": "bool", "n": "NoneType",
-                     "-": "number", **{d: "number" for d in "0123456789"}}
+_FIRST_CHAR_TYPES = {
+    "[": "list",
+    '"': "str",
+    "t": "bool",
+    "f": "bool",
+    "n": "NoneType",
+    "-": "number",
+    **{d: "number" for d in "0123456789"},
+}
 
 
 class NotAnObjectError(TypeError):
@@ -251,8 +286,9 @@ class NotAnObjectError(TypeError):
         self.type_name = type_name
 
 
-def loads_object(text: Union[str, bytes, bytearray, memoryview],
-                 convert: Callable[[str, Any], Any]) -> dict[str, Any]:
+def loads_object(
+    text: str | bytes | bytearray | memoryview, convert: Callable[[str, Any], Any]
+) -> dict[str, Any]:
     """A JSON object parsed one member at a time, each as strictly as ``loads``: every value
     goes to ``convert(key, value)`` as soon as it is parsed, and only what that returns is
     kept, in a dict by key, in the text's order (a key twice is a ``ValueError``).
@@ -270,12 +306,12 @@ def loads_object(text: Union[str, bytes, bytearray, memoryview],
     text = _text(text)
     space = _SPACE.match
     i = space(text).end()
-    if text[i:i + 1] != "{":
+    if text[i : i + 1] != "{":
         raise _not_object(text, i)
     surrogates = _has_surrogate_escape(text)  # a rare escape: checked member by member only then
     out: dict[str, Any] = {}
     i = space(text, i + 1).end()
-    first = text[i:i + 1]
+    first = text[i : i + 1]
     if first == "}":
         return _end(text, i + 1, out)
     if first != '"':
@@ -290,8 +326,9 @@ def loads_object(text: Union[str, bytes, bytearray, memoryview],
                 key, i = scan_key(text, k, True)
                 c = colon(text, i)
                 if c is None:
-                    raise json.JSONDecodeError("Expecting ':' delimiter", text,
-                                               space(text, i).end())
+                    raise json.JSONDecodeError(
+                        "Expecting ':' delimiter", text, space(text, i).end()
+                    )
                 try:
                     value, i = scan(text, c.end())
                 except StopIteration as err:
@@ -311,11 +348,12 @@ def loads_object(text: Union[str, bytes, bytearray, memoryview],
         raise ValueError("nested too deeply") from None
     # after the last member: the object's end, or what is wrong instead
     i = space(text, i).end()
-    if text[i:i + 1] == "}":
+    if text[i : i + 1] == "}":
         return _end(text, i + 1, out)
-    if text[i:i + 1] == ",":
-        raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text,
-                                   space(text, i + 1).end())
+    if text[i : i + 1] == ",":
+        raise json.JSONDecodeError(
+            "Expecting property name enclosed in double quotes", text, space(text, i + 1).end()
+        )
     raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
 
 
@@ -330,7 +368,7 @@ def _not_object(text: str, i: int) -> NotAnObjectError:
     """The error for a document that is not an object (``ValueError`` if it is not JSON)."""
     if len(text) - i <= _NOT_OBJECT_PARSED_CHARS:
         return NotAnObjectError(type(loads(text)).__name__)
-    type_name = _FIRST_CHAR_TYPES.get(text[i:i + 1])
+    type_name = _FIRST_CHAR_TYPES.get(text[i : i + 1])
     if type_name is None:
         raise json.JSONDecodeError("Expecting value", text, i)
     return NotAnObjectError(type_name)

@@ -23,19 +23,24 @@ import ast
 import functools
 import operator
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from .errors import quote
 
-__all__ = ["evaluate", "check_expression", "compile", "ExpressionError", "NAME", "MAX_LENGTH"]
+__all__ = ["MAX_LENGTH", "NAME", "ExpressionError", "check_expression", "compile", "evaluate"]
 
 NAME = "num_shards"
 MAX_LENGTH = 256
 # Results beyond int64 cannot be shapes or arguments of anything we allocate.
 _LIMIT = 2**63 - 1
 
-BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+BINOPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
 FUNCS = {"min": min, "max": max}
 # Cheap pre-filter: anything outside this alphabet is refused before ast sees it.
 ALPHABET = re.compile(r"^[0-9A-Za-z_ +\-*/%(),]*$")
@@ -57,7 +62,7 @@ def evaluate(text: str, num_shards: int) -> int:
     return compile(text)(num_shards)
 
 
-def compile(text: str) -> Evaluator:  # noqa: A001 (shadows the builtin on purpose)
+def compile(text: str) -> Evaluator:
     """``f(num_shards) -> int`` for the expression ``text``; ``ExpressionError`` if malformed.
 
     Cached by text: a plan's thousands of ``"4096 // num_shards"`` are parsed once.
@@ -65,8 +70,9 @@ def compile(text: str) -> Evaluator:  # noqa: A001 (shadows the builtin on purpo
     if not isinstance(text, str):
         raise ExpressionError(f"expression must be a string, got {quote(text)}")
     if len(text) > MAX_LENGTH:
-        raise ExpressionError(f"expression of {len(text)} characters is longer than the "
-                              f"{MAX_LENGTH}-character limit")
+        raise ExpressionError(
+            f"expression of {len(text)} characters is longer than the {MAX_LENGTH}-character limit"
+        )
     return _compile(text)
 
 
@@ -106,11 +112,13 @@ def _build(node: ast.AST, text: str) -> Evaluator:
         op = BINOPS[type(node.op)]
         left, right = _build(node.left, text), _build(node.right, text)
         if isinstance(node.op, (ast.FloorDiv, ast.Mod)):
+
             def divide(n: int) -> int:
                 a, b = left(n), right(n)
                 if b == 0:
                     raise ExpressionError(f"{text!r}: division by zero with {NAME}={n}")
                 return _checked(op(a, b), text, n)
+
             return divide
         return lambda n: _checked(op(left(n), right(n)), text, n)
     if isinstance(node, ast.UnaryOp):
@@ -119,8 +127,12 @@ def _build(node: ast.AST, text: str) -> Evaluator:
         operand = _build(node.operand, text)
         return lambda n: _checked(-operand(n), text, n)
     if isinstance(node, ast.Call):
-        if (not isinstance(node.func, ast.Name) or node.func.id not in FUNCS
-                or node.keywords or len(node.args) < 2):
+        if (
+            not isinstance(node.func, ast.Name)
+            or node.func.id not in FUNCS
+            or node.keywords
+            or len(node.args) < 2
+        ):
             raise ExpressionError(f"{text!r}: the only calls are min(a, b, ...) and max(a, b, ...)")
         func = FUNCS[node.func.id]
         args = [_build(a, text) for a in node.args]

@@ -42,7 +42,8 @@ False
 from __future__ import annotations
 
 import threading
-from typing import Callable, Generic, Iterator, Optional, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 __all__ = ["Table"]
 
@@ -63,8 +64,13 @@ class Table(Generic[E]):
     again (default: the same object).
     """
 
-    def __init__(self, kind: str, missing: Callable[[str, list[str]], BaseException], *,
-                 same: Optional[Callable[[E, E], bool]] = None):
+    def __init__(
+        self,
+        kind: str,
+        missing: Callable[[str, list[str]], BaseException],
+        *,
+        same: Callable[[E, E], bool] | None = None,
+    ):
         self.kind = kind
         self._missing = missing
         self._same = _identical if same is None else same
@@ -80,8 +86,10 @@ class Table(Generic[E]):
             old = self._entries.get(name)
             if old is not None and not override and not self._same(old, entry):
                 by = getattr(old, "module", "") or "unknown module"
-                raise ValueError(f"{self.kind} {name!r} is already registered (by {by}); pass "
-                                 "override=True to replace it")
+                raise ValueError(
+                    f"{self.kind} {name!r} is already registered (by {by}); pass "
+                    "override=True to replace it"
+                )
             self._entries[name] = entry
         return entry
 

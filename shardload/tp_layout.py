@@ -79,15 +79,16 @@ def _regular_sizes(num_heads: int, num_kv_heads: int, num_shards: int) -> tuple[
         d += 1
     best = None
     for kv in sorted(candidates):
-        step = n // math.gcd(kv, n)              # kv * g is a multiple of N iff step divides g
+        step = n // math.gcd(kv, n)  # kv * g is a multiple of N iff step divides g
         g = -(-group // step) * step
         if best is None or kv * g < best[0] * best[1]:
             best = (kv, g)
     return best
 
 
-def head_layout(num_heads: int, num_kv_heads: int, num_shards: int, *,
-                together: int = 1) -> HeadLayout:
+def head_layout(
+    num_heads: int, num_kv_heads: int, num_shards: int, *, together: int = 1
+) -> HeadLayout:
     _count(num_heads, "num_heads")
     _count(num_kv_heads, "num_kv_heads")
     _count(num_shards, "num_shards")
@@ -95,29 +96,32 @@ def head_layout(num_heads: int, num_kv_heads: int, num_shards: int, *,
     if together > 1:
         return _unfolded(num_heads, num_kv_heads, num_shards, together)
     if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads do not group evenly onto {num_kv_heads} KV "
-                         "heads")
+        raise ValueError(
+            f"{num_heads} query heads do not group evenly onto {num_kv_heads} KV heads"
+        )
     group = num_heads // num_kv_heads
     kv_pad, g_pad = _regular_sizes(num_heads, num_kv_heads, num_shards)
     if kv_pad * g_pad > 2 * num_heads:
         return _fewest_heads(num_heads, num_kv_heads, num_shards)
     q_per = kv_pad * g_pad // num_shards
 
-    def real_query(p: int) -> int:     # padded query head p -> the model's, or -1
+    def real_query(p: int) -> int:  # padded query head p -> the model's, or -1
         kv, i = divmod(p, g_pad)
         return kv * group + i if kv < num_kv_heads and i < group else -1
 
-    q_heads = [[real_query(p) for p in range(r * q_per, (r + 1) * q_per)]
-               for r in range(num_shards)]
-    if kv_pad >= num_shards:           # each KV head on one worker
+    q_heads = [
+        [real_query(p) for p in range(r * q_per, (r + 1) * q_per)] for r in range(num_shards)
+    ]
+    if kv_pad >= num_shards:  # each KV head on one worker
         kv_per = kv_pad // num_shards
         first = [r * kv_per for r in range(num_shards)]
-    else:                              # each KV head on N / kv_pad workers in turn
+    else:  # each KV head on N / kv_pad workers in turn
         kv_per = 1
         first = [r // (num_shards // kv_pad) for r in range(num_shards)]
     kv_heads = [[h if h < num_kv_heads else -1 for h in range(f, f + kv_per)] for f in first]
-    q_to_kv = [[p // g_pad - f for p in range(r * q_per, (r + 1) * q_per)]
-               for r, f in enumerate(first)]
+    q_to_kv = [
+        [p // g_pad - f for p in range(r * q_per, (r + 1) * q_per)] for r, f in enumerate(first)
+    ]
     return HeadLayout(q_heads, kv_heads, q_to_kv)
 
 
@@ -126,8 +130,10 @@ def _unfolded(num_heads: int, num_kv_heads: int, num_shards: int, together: int)
     heads (query and KV alike); a real query head keeps the KV head it reads, a zero one reads
     the one an engine's regular layout would give it (local ``i // (queries / KV heads)``)."""
     if num_heads % together or num_kv_heads % together:
-        raise ValueError(f"{num_heads} query and {num_kv_heads} KV heads do not make whole runs "
-                         f"of {together} heads")
+        raise ValueError(
+            f"{num_heads} query and {num_kv_heads} KV heads do not make whole runs "
+            f"of {together} heads"
+        )
     wide = head_layout(num_heads // together, num_kv_heads // together, num_shards)
 
     def unfold(heads: list[int]) -> list[int]:
@@ -140,8 +146,12 @@ def _unfolded(num_heads: int, num_kv_heads: int, num_shards: int, together: int)
     for queries, keys in zip(q_heads, kv_heads):
         local = {h: i for i, h in enumerate(keys) if h >= 0}
         ratio = max(1, len(queries) // len(keys))
-        q_to_kv.append([local[h // group] if h >= 0 else min(p // ratio, len(keys) - 1)
-                        for p, h in enumerate(queries)])
+        q_to_kv.append(
+            [
+                local[h // group] if h >= 0 else min(p // ratio, len(keys) - 1)
+                for p, h in enumerate(queries)
+            ]
+        )
     return HeadLayout(q_heads, kv_heads, q_to_kv)
 
 
@@ -150,15 +160,16 @@ def _fewest_heads(num_heads: int, num_kv_heads: int, num_shards: int) -> HeadLay
     use, zero KV heads filling every worker up to the most any holds."""
     group = num_heads // num_kv_heads
     per_worker = -(-num_heads // num_shards)
-    q_heads = [[h if h < num_heads else -1
-                for h in range(r * per_worker, (r + 1) * per_worker)]
-               for r in range(num_shards)]
+    q_heads = [
+        [h if h < num_heads else -1 for h in range(r * per_worker, (r + 1) * per_worker)]
+        for r in range(num_shards)
+    ]
     needed = [sorted({h // group for h in heads if h >= 0}) for heads in q_heads]
     width = max(1, max(len(kv) for kv in needed))
     kv_heads = [kv + [-1] * (width - len(kv)) for kv in needed]
     q_to_kv = []
     for heads, kv in zip(q_heads, kv_heads):
-        local = {h: i for i, h in enumerate(kv) if h >= 0}   # linear, not kv.index per head
+        local = {h: i for i, h in enumerate(kv) if h >= 0}  # linear, not kv.index per head
         q_to_kv.append([local[h // group] if h >= 0 else 0 for h in heads])
     return HeadLayout(q_heads, kv_heads, q_to_kv)
 
@@ -168,8 +179,10 @@ def unit_layout(num_units: int, num_shards: int) -> list[list[int]]:
     _count(num_units, "num_units")
     _count(num_shards, "num_shards")
     per_worker = -(-num_units // num_shards)
-    return [[u if u < num_units else -1 for u in range(r * per_worker, (r + 1) * per_worker)]
-            for r in range(num_shards)]
+    return [
+        [u if u < num_units else -1 for u in range(r * per_worker, (r + 1) * per_worker)]
+        for r in range(num_shards)
+    ]
 
 
 def expert_layout(num_experts: int, num_shards: int) -> list[list[int]]:

@@ -39,9 +39,15 @@ def _restore_registry():
             registry.unregister_shard_func(name)
     for name, f in shard_before.items():
         if shard_after.get(name) != f:  # removed or replaced: register it again as it was
-            registry.register_shard_func(name, f.func, override=True, array=f.array,
-                                         shape_rule=f.shape_rule, ranges=f.ranges,
-                                         fixup=f.fixup)
+            registry.register_shard_func(
+                name,
+                f.func,
+                override=True,
+                array=f.array,
+                shape_rule=f.shape_rule,
+                ranges=f.ranges,
+                fixup=f.fixup,
+            )
             assert registry.get_shard_func(name) == f, f"{name!r} was not restored as it was"
     session_after = _session_funcs()
     for name in session_after.keys() - session_before.keys():
@@ -68,8 +74,9 @@ def small_ckpt(tmp_path):
 
     folder = tmp_path / "small"
     folder.mkdir()
-    save_file({"a": np.arange(32, dtype=np.float32).reshape(8, 4)},
-              str(folder / "model.safetensors"))
+    save_file(
+        {"a": np.arange(32, dtype=np.float32).reshape(8, 4)}, str(folder / "model.safetensors")
+    )
     return folder
 
 
@@ -80,8 +87,12 @@ REAL_MODEL_FIXTURES = {"smollm2"}
 #: markers naming an optional environment (``devtools/environments.py``): a test carrying one
 #: skips before it starts where that environment is not made, saying which script makes it
 #: (fails instead under CI's ``SHARDLOAD_REQUIRE_*=1``); nothing is installed from here
-ENVIRONMENT_MARKERS = {"vllm": "vllm", "quant_tools": "quant", "azurite": "azurite",
-                       "gpu_sim": "gpu_sim"}
+ENVIRONMENT_MARKERS = {
+    "vllm": "vllm",
+    "quant_tools": "quant",
+    "azurite": "azurite",
+    "gpu_sim": "gpu_sim",
+}
 
 
 def pytest_runtest_setup(item):
@@ -94,7 +105,7 @@ def pytest_runtest_setup(item):
         from helpers.vllm_engine import int4_kernel_missing
 
         why = int4_kernel_missing()
-        if why is not None:     # the machine's, as a missing GPU is: skipped under CI too
+        if why is not None:  # the machine's, as a missing GPU is: skipped under CI too
             pytest.skip(why)
 
 

@@ -23,7 +23,7 @@ def _modules() -> dict[str, str]:
             if f.endswith(".py"):
                 path = os.path.join(folder, f)
                 rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
-                out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
+                out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = path
     return out
 
 
@@ -39,10 +39,9 @@ def _targets(module: str, node: ast.AST) -> list[str]:
         base = node.module or ""
         if node.level:
             parts = package.split(".")
-            parts = parts[:len(parts) - (node.level - 1)]
+            parts = parts[: len(parts) - (node.level - 1)]
             base = ".".join(parts + ([node.module] if node.module else []))
-        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
-                 for a in node.names]
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
     out = []
     for name in names:
         if not name.startswith("shardload"):
@@ -59,12 +58,18 @@ def _graph() -> dict[str, set[str]]:
     for module, path in MODULES.items():
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())
-        typing_only = {id(n) for node in ast.walk(tree)
-                       if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                       for n in ast.walk(node)}
-        graph[module] = {t for node in ast.walk(tree)
-                         if isinstance(node, (ast.Import, ast.ImportFrom))
-                         and id(node) not in typing_only for t in _targets(module, node)}
+        typing_only = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        graph[module] = {
+            t
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only
+            for t in _targets(module, node)
+        }
     return graph
 
 
@@ -102,49 +107,131 @@ def test_no_import_loops():
 FORBIDDEN = {
     # sessions host workers and move messages: nothing of plans, formats, shard functions or
     # loading
-    "shardload.sessions": ["shardload.loader", "shardload.pieces", "shardload.plan",
-                           "shardload.readplan", "shardload.readers", "shardload.registry",
-                           "shardload.shard_functions", "shardload.planners", "shardload.cli",
-                           "shardload.formats", "shardload.geometry", "shardload.frontdoor",
-                           "shardload.hf"],
+    "shardload.sessions": [
+        "shardload.loader",
+        "shardload.pieces",
+        "shardload.plan",
+        "shardload.readplan",
+        "shardload.readers",
+        "shardload.registry",
+        "shardload.shard_functions",
+        "shardload.planners",
+        "shardload.cli",
+        "shardload.formats",
+        "shardload.geometry",
+        "shardload.frontdoor",
+        "shardload.hf",
+    ],
     # sources give bytes by range (object storage): nothing of formats, plans or loading
-    "shardload.sources": ["shardload.readers", "shardload.plan", "shardload.readplan",
-                          "shardload.loader", "shardload.pieces", "shardload.sessions",
-                          "shardload.registry", "shardload.planners", "shardload.formats",
-                          "shardload.frontdoor", "shardload.cli", "shardload.hf",
-                          "shardload.vllm"],
+    "shardload.sources": [
+        "shardload.readers",
+        "shardload.plan",
+        "shardload.readplan",
+        "shardload.loader",
+        "shardload.pieces",
+        "shardload.sessions",
+        "shardload.registry",
+        "shardload.planners",
+        "shardload.formats",
+        "shardload.frontdoor",
+        "shardload.cli",
+        "shardload.hf",
+        "shardload.vllm",
+    ],
     # readers know formats and bytes, nothing of sharding
-    "shardload.readers": ["shardload.plan", "shardload.readplan", "shardload.loader",
-                          "shardload.pieces", "shardload.sessions", "shardload.registry",
-                          "shardload.planners", "shardload.cli"],
-    "shardload.plan": ["shardload.readplan", "shardload.loader", "shardload.pieces",
-                       "shardload.sessions", "shardload.planners", "shardload.cli"],
-    "shardload.readplan": ["shardload.loader", "shardload.pieces", "shardload.sessions",
-                           "shardload.planners", "shardload.cli"],
-    "shardload.pieces": ["shardload.loader", "shardload.plan", "shardload.planners",
-                         "shardload.cli"],
-    "shardload.loader": ["shardload.planners", "shardload.cli", "shardload.frontdoor",
-                         "shardload.hf"],
+    "shardload.readers": [
+        "shardload.plan",
+        "shardload.readplan",
+        "shardload.loader",
+        "shardload.pieces",
+        "shardload.sessions",
+        "shardload.registry",
+        "shardload.planners",
+        "shardload.cli",
+    ],
+    "shardload.plan": [
+        "shardload.readplan",
+        "shardload.loader",
+        "shardload.pieces",
+        "shardload.sessions",
+        "shardload.planners",
+        "shardload.cli",
+    ],
+    "shardload.readplan": [
+        "shardload.loader",
+        "shardload.pieces",
+        "shardload.sessions",
+        "shardload.planners",
+        "shardload.cli",
+    ],
+    "shardload.pieces": [
+        "shardload.loader",
+        "shardload.plan",
+        "shardload.planners",
+        "shardload.cli",
+    ],
+    "shardload.loader": [
+        "shardload.planners",
+        "shardload.cli",
+        "shardload.frontdoor",
+        "shardload.hf",
+    ],
     # the staged pipeline moves byte runs to a device: nothing of plans, functions or loading
-    "shardload.staging": ["shardload.plan", "shardload.pieces", "shardload.loader",
-                          "shardload.registry", "shardload.planners", "shardload.cli",
-                          "shardload.hf"],
+    "shardload.staging": [
+        "shardload.plan",
+        "shardload.pieces",
+        "shardload.loader",
+        "shardload.registry",
+        "shardload.planners",
+        "shardload.cli",
+        "shardload.hf",
+    ],
     # shard functions are pure array code; the registry imports them, never the reverse
-    "shardload.shard_functions": ["shardload.registry", "shardload.plan", "shardload.loader",
-                                  "shardload.sessions", "shardload.cli"],
-    "shardload.registry": ["shardload.plan", "shardload.loader", "shardload.sessions",
-                           "shardload.readers", "shardload.cli"],
-    "shardload.planners": ["shardload.loader", "shardload.pieces", "shardload.sessions",
-                           "shardload.cli", "shardload.hf", "shardload.frontdoor"],
+    "shardload.shard_functions": [
+        "shardload.registry",
+        "shardload.plan",
+        "shardload.loader",
+        "shardload.sessions",
+        "shardload.cli",
+    ],
+    "shardload.registry": [
+        "shardload.plan",
+        "shardload.loader",
+        "shardload.sessions",
+        "shardload.readers",
+        "shardload.cli",
+    ],
+    "shardload.planners": [
+        "shardload.loader",
+        "shardload.pieces",
+        "shardload.sessions",
+        "shardload.cli",
+        "shardload.hf",
+        "shardload.frontdoor",
+    ],
     # a format is its config, its tensors' axes and its dequantization: nothing of plans,
     # planning, loading or sessions
-    "shardload.formats": ["shardload.plan", "shardload.planners", "shardload.loader",
-                          "shardload.pieces", "shardload.readplan", "shardload.sessions",
-                          "shardload.hf", "shardload.cli", "shardload.frontdoor",
-                          "shardload.readers"],
+    "shardload.formats": [
+        "shardload.plan",
+        "shardload.planners",
+        "shardload.loader",
+        "shardload.pieces",
+        "shardload.readplan",
+        "shardload.sessions",
+        "shardload.hf",
+        "shardload.cli",
+        "shardload.frontdoor",
+        "shardload.readers",
+    ],
     # each worker's share of a model, read from a plan's record: never from the planner
-    "shardload.geometry": ["shardload.planners", "shardload.loader", "shardload.sessions",
-                           "shardload.frontdoor", "shardload.hf", "shardload.cli"],
+    "shardload.geometry": [
+        "shardload.planners",
+        "shardload.loader",
+        "shardload.sessions",
+        "shardload.frontdoor",
+        "shardload.hf",
+        "shardload.cli",
+    ],
     # the front door sits under every caller and over everything it calls
     "shardload.frontdoor": ["shardload.cli", "shardload.hf"],
 }
@@ -165,7 +252,7 @@ def test_only_the_integration_imports_transformers_and_only_the_cli_imports_it()
         with open(path, encoding="utf-8") as f:
             source = f.read()
         assert "import transformers" not in source and "from transformers" not in source, module
-        if not _in_cli(module):   # the CLI, on top
+        if not _in_cli(module):  # the CLI, on top
             reached = [t for t in _reaches(module) if t.split(".")[:2] == ["shardload", "hf"]]
             assert not reached, (module, reached)
 
@@ -177,27 +264,51 @@ def test_only_the_integration_imports_transformers_and_only_the_cli_imports_it()
 INTEGRATIONS = ["shardload.hf", "shardload.vllm"]
 # (read plans are data, staging a setting, dtypes names: what an engine's loader places bytes
 # with; shardload.vllm turns each rank's read plan into full-shape stand-ins)
-INTEGRATION_MAY_IMPORT = {"shardload", "shardload.frontdoor", "shardload.geometry",
-                          "shardload.formats", "shardload.loader", "shardload.readers",
-                          "shardload.sessions", "shardload.errors", "shardload.plan",
-                          "shardload.readplan", "shardload.staging", "shardload.dtypes",
-                          # what the workers of a process compute once (hf: replicated pieces)
-                          "shardload.shared_outputs",
-                          # a checkpoint in object storage, opened once for transformers'
-                          # tokenizer (hf.run_setup): the URL test and the fetched bytes
-                          "shardload.sources", "shardload.readers.objects"}
+INTEGRATION_MAY_IMPORT = {
+    "shardload",
+    "shardload.frontdoor",
+    "shardload.geometry",
+    "shardload.formats",
+    "shardload.loader",
+    "shardload.readers",
+    "shardload.sessions",
+    "shardload.errors",
+    "shardload.plan",
+    "shardload.readplan",
+    "shardload.staging",
+    "shardload.dtypes",
+    # what the workers of a process compute once (hf: replicated pieces)
+    "shardload.shared_outputs",
+    # a checkpoint in object storage, opened once for transformers'
+    # tokenizer (hf.run_setup): the URL test and the fetched bytes
+    "shardload.sources",
+    "shardload.readers.objects",
+}
 SESSION_KINDS = ("ThreadedSession", "ProcessSession", "TorchDistributedSession")
 
 
 def _integration_problems(package: str, direct: set, tree: ast.AST) -> list[str]:
     """What an integration module does that it must not: import beyond what it may, ask for
     a kind of session."""
-    problems = [f"imports {t}" for t in sorted(direct)
-                if not t.startswith(package) and t not in INTEGRATION_MAY_IMPORT]
-    problems += sorted({f"names {node.id}" for node in ast.walk(tree)
-                        if isinstance(node, ast.Name) and node.id in SESSION_KINDS})
-    problems += sorted({"asks session.spmd" for node in ast.walk(tree)
-                        if isinstance(node, ast.Attribute) and node.attr == "spmd"})
+    problems = [
+        f"imports {t}"
+        for t in sorted(direct)
+        if not t.startswith(package) and t not in INTEGRATION_MAY_IMPORT
+    ]
+    problems += sorted(
+        {
+            f"names {node.id}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Name) and node.id in SESSION_KINDS
+        }
+    )
+    problems += sorted(
+        {
+            "asks session.spmd"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr == "spmd"
+        }
+    )
     return problems
 
 
@@ -213,27 +324,43 @@ def test_integrations_read_the_plan_not_the_planner(package):
 
 def test_the_integration_rules_catch_what_hf_did_before():
     # shardload.hf before its redesign: the planner's internals, a session's kind
-    old = ast.parse("from ..planners.llama import ROW\n"
-                    "kind = 'threads' if isinstance(s, ThreadedSession) or s.spmd else 'gloo'\n")
+    old = ast.parse(
+        "from ..planners.llama import ROW\n"
+        "kind = 'threads' if isinstance(s, ThreadedSession) or s.spmd else 'gloo'\n"
+    )
     assert _integration_problems("shardload.hf", {"shardload.planners.llama"}, old) == [
-        "imports shardload.planners.llama", "names ThreadedSession", "asks session.spmd"]
+        "imports shardload.planners.llama",
+        "names ThreadedSession",
+        "asks session.spmd",
+    ]
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_no_arrow_from_a_lower_layer_up(layer):
     for module in sorted(m for m in GRAPH if m == layer or m.startswith(layer + ".")):
         reached = _reaches(module)
-        bad = sorted(t for t in reached for f in FORBIDDEN[layer]
-                     if (t == f or t.startswith(f + "."))
-                     and not (t == layer or t.startswith(layer + ".")))
+        bad = sorted(
+            t
+            for t in reached
+            for f in FORBIDDEN[layer]
+            if (t == f or t.startswith(f + ".")) and not (t == layer or t.startswith(layer + "."))
+        )
         assert not bad, f"{module} imports (directly or not) {bad}"
 
 
 # small modules every layer may import (docs/architecture.md, "shared by all"): they import
 # nothing of shardload but one another, so importing them puts no layer above another
-SHARED = ["shardload.errors", "shardload.limits", "shardload.table", "shardload.files",
-          "shardload.strict_json", "shardload.dtypes", "shardload.selection",
-          "shardload.gc_pause", "shardload.shared_outputs"]
+SHARED = [
+    "shardload.errors",
+    "shardload.limits",
+    "shardload.table",
+    "shardload.files",
+    "shardload.strict_json",
+    "shardload.dtypes",
+    "shardload.selection",
+    "shardload.gc_pause",
+    "shardload.shared_outputs",
+]
 
 
 @pytest.mark.parametrize("module", SHARED)
@@ -254,8 +381,13 @@ def test_only_the_cli_reaches_the_terminal_libraries():
 
 # the command line's own layers: the group and what commands share, then one module per
 # command, which knows no other command (adding one touches its module and one registration)
-CLI_PLUMBING = {"shardload.cli.app", "shardload.cli.codes", "shardload.cli.interrupts",
-                "shardload.cli.options", "shardload.cli.tables"}
+CLI_PLUMBING = {
+    "shardload.cli.app",
+    "shardload.cli.codes",
+    "shardload.cli.interrupts",
+    "shardload.cli.options",
+    "shardload.cli.tables",
+}
 
 
 def test_cli_commands_know_no_other_command():
@@ -270,9 +402,16 @@ def test_cli_commands_know_no_other_command():
 # planning, validating and building read plans import no torch (about 1.2 s of every
 # `shardload validate`, `plan` and `inspect`): a module those reach at import time imports
 # torch inside the functions that use it (tests/test_cli.py runs the commands themselves)
-PLANNING = ["shardload.cli.validate", "shardload.cli.plan", "shardload.cli.inspect",
-            "shardload.frontdoor.plans", "shardload.planners.decision", "shardload.readplan",
-            "shardload.readers", "shardload.registry"]
+PLANNING = [
+    "shardload.cli.validate",
+    "shardload.cli.plan",
+    "shardload.cli.inspect",
+    "shardload.frontdoor.plans",
+    "shardload.planners.decision",
+    "shardload.readplan",
+    "shardload.readers",
+    "shardload.registry",
+]
 
 
 def _import_time_graph() -> dict[str, tuple[set[str], bool]]:
@@ -292,8 +431,11 @@ def _import_time_graph() -> dict[str, tuple[set[str], bool]]:
                 continue
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 targets.update(_targets(module, node))
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) \
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
                     else [node.module or ""]
+                )
                 torch |= any(n == "torch" or n.startswith("torch.") for n in names)
             todo.extend(ast.iter_child_nodes(node))
         out[module] = (targets, torch)

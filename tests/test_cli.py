@@ -27,18 +27,22 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.numpy import save_file
-
 from helpers.cli_runs import run_cli
 from helpers.subprocesses import interrupt_once_started, subprocess_env
+from safetensors.numpy import save_file
+
 from shardload.cli import cli
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "tiny_llama_q4"
 PLUGIN = "helpers.cli_plugin_for_tests"  # tests/helpers: tests/ is on sys.path (pyproject.toml)
 PLUGIN_FUNCS = ("tests.cli.boom", "tests.cli.slow")
-BUILTINS = ("shardload.split", "shardload.split_segments", "shardload.replicate",
-            "shardload.split_rebase")
+BUILTINS = (
+    "shardload.split",
+    "shardload.split_segments",
+    "shardload.replicate",
+    "shardload.split_rebase",
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -55,7 +59,8 @@ def error_line(result, exit_code: int) -> str:
     exception escaped (an escaped exception is what prints a traceback outside CliRunner)."""
     assert result.exit_code == exit_code, (result.output, result.exception)
     assert isinstance(result.exception, SystemExit), (
-        f"an exception escaped the CLI: {result.exception!r}")
+        f"an exception escaped the CLI: {result.exception!r}"
+    )
     assert "Traceback" not in result.output
     lines = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert len(lines) == 1, result.output
@@ -67,8 +72,23 @@ def bad_input(result) -> str:
     return error_line(result, 2)
 
 
-ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
-            "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -97,8 +117,10 @@ def piece_shape(shape: tuple, steps: list, n: int) -> tuple:
     elif func == "shardload.split_segments":
         segments = extra[1:]
         # each segment: size/N, or one unit when replicable units (< 0) are fewer than N (GQA)
-        shape[dim] = sum(size // n if n <= abs(units) or units > 0 else size // -units
-                         for size, units in zip(segments[::2], segments[1::2]))
+        shape[dim] = sum(
+            size // n if n <= abs(units) or units > 0 else size // -units
+            for size, units in zip(segments[::2], segments[1::2])
+        )
     else:
         raise AssertionError(f"not modelled: {func}")
     return tuple(shape)
@@ -132,9 +154,14 @@ def small(tmp_path) -> Path:
     """A folder with model.safetensors (3 tensors) and a symbolic shard_info.json."""
     folder = tmp_path / "small"
     folder.mkdir()
-    save_file({"a": np.arange(32, dtype=np.float32).reshape(8, 4),
-               "b": np.arange(6, dtype=np.int32),
-               "c": np.ones((4, 6), dtype=np.float16)}, str(folder / "model.safetensors"))
+    save_file(
+        {
+            "a": np.arange(32, dtype=np.float32).reshape(8, 4),
+            "b": np.arange(6, dtype=np.int32),
+            "c": np.ones((4, 6), dtype=np.float16),
+        },
+        str(folder / "model.safetensors"),
+    )
     write_json(folder / "shard_info.json", SMALL_PLAN)
     return folder
 
@@ -278,8 +305,9 @@ def test_missing_cuda_is_said_in_the_callers_terms(small):
 
 
 def test_unknown_function_names_parameter_and_suggests(small, tmp_path):
-    plan = plan_for(tmp_path, {"a": [["shardload.splt", [["num_shards", "8 // num_shards", 4],
-                                                         "float32"], 0]]})
+    plan = plan_for(
+        tmp_path, {"a": [["shardload.splt", [["num_shards", "8 // num_shards", 4], "float32"], 0]]}
+    )
     for command in ("load", "validate", "inspect"):
         line = bad_input(run_cli(command, "-n", 2, "--shard-info", plan, small))
         assert "parameter 'a'" in line
@@ -303,8 +331,10 @@ def test_plan_not_json(small, tmp_path):
 
 def test_plan_with_duplicate_keys(small, tmp_path):
     plan = tmp_path / "plan.json"
-    plan.write_text('{"a": [["shardload.split", [["num_shards", "8 // num_shards", 4], '
-                    '"float32"], 0]], "a": []}')
+    plan.write_text(
+        '{"a": [["shardload.split", [["num_shards", "8 // num_shards", 4], '
+        '"float32"], 0]], "a": []}'
+    )
     line = bad_input(run_cli("load", "-n", 2, "--shard-info", plan, small))
     assert "duplicate key 'a'" in line
 
@@ -341,8 +371,9 @@ def _too_short(path: Path) -> None:
     path.write_bytes(b"\x01\x02\x03")
 
 
-@pytest.mark.parametrize("corrupt", [_truncate_data, _cut_inside_header, _garbage_header,
-                                     _too_short])
+@pytest.mark.parametrize(
+    "corrupt", [_truncate_data, _cut_inside_header, _garbage_header, _too_short]
+)
 def test_corrupt_safetensors_names_the_file(small, corrupt):
     target = small / "model.safetensors"
     corrupt(target)
@@ -399,17 +430,21 @@ def _plugin_module(tmp_path: Path, monkeypatch, name: str, body: str) -> str:
     return name
 
 
-@pytest.mark.parametrize("body", [
-    "raise RuntimeError('plugin exploded')\n",
-    "def f(:\n",
-    """
+@pytest.mark.parametrize(
+    "body",
+    [
+        "raise RuntimeError('plugin exploded')\n",
+        "def f(:\n",
+        """
     from shardload.registry import register_shard_func
 
     @register_shard_func("shardload.split")
     def split(input, dim, output):
         '''A second shardload.split.'''
     """,
-], ids=["raises", "syntax-error", "duplicate-name"])
+    ],
+    ids=["raises", "syntax-error", "duplicate-name"],
+)
 def test_plugin_that_fails_to_import(small, tmp_path, monkeypatch, body):
     name = _plugin_module(tmp_path, monkeypatch, "shardload_cli_broken_plugin", body)
     line = bad_input(run_cli("validate", "-n", 2, "--plugin", name, small))
@@ -417,7 +452,7 @@ def test_plugin_that_fails_to_import(small, tmp_path, monkeypatch, body):
 
 
 def test_example_with_three_shards(tmp_path):
-    plan = str(EXAMPLE / "shard_info.json")     # the plan given is used as it is: 1, 2, 4, 8
+    plan = str(EXAMPLE / "shard_info.json")  # the plan given is used as it is: 1, 2, 4, 8
     for command in ("load", "validate", "inspect"):
         line = bad_input(run_cli(command, "-n", 3, "--shard-info", plan, EXAMPLE))
         assert "3" in line and "does not divide" in line
@@ -425,8 +460,10 @@ def test_example_with_three_shards(tmp_path):
         assert run_cli(command, "-n", 3, EXAMPLE).exit_code == 0
 
 
-PLAN_INSTEAD = (f"{EXAMPLE / 'shard_info.json'} does not fit 3 workers (N that work (up to 64): "
-                "1, 2, 4, 8): using the planner's zero-padded plan for 3 instead")
+PLAN_INSTEAD = (
+    f"{EXAMPLE / 'shard_info.json'} does not fit 3 workers (N that work (up to 64): "
+    "1, 2, 4, 8): using the planner's zero-padded plan for 3 instead"
+)
 
 
 @pytest.mark.parametrize("command", ["load", "validate", "inspect"])
@@ -435,7 +472,7 @@ def test_the_plan_used_instead_of_the_one_beside_is_said_in_one_line(command):
     assert_ok(said)
     assert said.stderr.splitlines() == [PLAN_INSTEAD]
     assert PLAN_INSTEAD not in said.stdout
-    fits = run_cli(command, "-n", 4, EXAMPLE)        # the plan beside fits 4: nothing to say
+    fits = run_cli(command, "-n", 4, EXAMPLE)  # the plan beside fits 4: nothing to say
     assert_ok(fits)
     assert fits.stderr == ""
 
@@ -453,14 +490,16 @@ def test_quiet_and_json_say_nothing_of_the_plan_on_stderr(args):
 
 
 def _boom_plan(tmp_path: Path) -> Path:
-    return plan_for(tmp_path, {"a": [["tests.cli.boom", [["num_shards", "8 // num_shards", 4],
-                                                         "float32"], 0]]})
+    return plan_for(
+        tmp_path, {"a": [["tests.cli.boom", [["num_shards", "8 // num_shards", 4], "float32"], 0]]}
+    )
 
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_shard_function_that_raises_is_a_load_failure(small, tmp_path, plugin, n):
-    result = run_cli("load", "-n", n, "--plugin", plugin, "--shard-info", _boom_plan(tmp_path),
-                     small)
+    result = run_cli(
+        "load", "-n", n, "--plugin", plugin, "--shard-info", _boom_plan(tmp_path), small
+    )
     line = error_line(result, 1)
     assert re.search(r"worker \d+ failed", line), line
     assert "parameter 'a'" in line
@@ -469,10 +508,11 @@ def test_shard_function_that_raises_is_a_load_failure(small, tmp_path, plugin, n
 
 
 def test_load_failure_with_json_keeps_stdout_empty(small, tmp_path, plugin):
-    result = run_cli("load", "-n", 2, "--json", "--plugin", plugin, "--shard-info",
-                 _boom_plan(tmp_path), small)
+    result = run_cli(
+        "load", "-n", 2, "--json", "--plugin", plugin, "--shard-info", _boom_plan(tmp_path), small
+    )
     assert result.exit_code == 1 and result.stdout == ""
-    error = json.loads(result.stderr)["error"]         # under --json, the error is JSON too
+    error = json.loads(result.stderr)["error"]  # under --json, the error is JSON too
     assert error["type"] == "WorkerError" and "boom at load" in error["message"]
 
 
@@ -480,8 +520,9 @@ def test_plugin_function_loads_correctly(small, tmp_path, plugin, monkeypatch):
     import importlib
 
     monkeypatch.setattr(importlib.import_module(plugin), "SLOW_SECONDS", 0.0)
-    plan = plan_for(tmp_path, {"a": [["tests.cli.slow", [["num_shards", "8 // num_shards", 4],
-                                                         "float32"], 0]]})
+    plan = plan_for(
+        tmp_path, {"a": [["tests.cli.slow", [["num_shards", "8 // num_shards", 4], "float32"], 0]]}
+    )
     result = run_cli("load", "-n", 4, "--json", "--plugin", plugin, "--shard-info", plan, small)
     assert_ok(result)
     # a: 128 B / 4, b and c replicated: 24 + 48
@@ -533,8 +574,9 @@ def test_validate_reads_no_tensor_data(small, monkeypatch):
 
 
 def test_validate_does_not_run_shard_functions(small, tmp_path, plugin):
-    result = run_cli("validate", "-n", 2, "--plugin", plugin, "--shard-info", _boom_plan(tmp_path),
-                 small)
+    result = run_cli(
+        "validate", "-n", 2, "--plugin", plugin, "--shard-info", _boom_plan(tmp_path), small
+    )
     assert_ok(result)
     assert result.stdout.startswith("ok: ")
 
@@ -547,8 +589,11 @@ def test_inspect_table_shows_per_worker_shapes():
     result = run_cli("inspect", "-n", 2, EXAMPLE)
     assert_ok(result)
     names = set(read_header(EXAMPLE / "model.safetensors")[0])
-    rows = {line.split()[0]: line for line in result.stdout.splitlines()
-            if line.split() and line.split()[0] in names}
+    rows = {
+        line.split()[0]: line
+        for line in result.stdout.splitlines()
+        if line.split() and line.split()[0] in names
+    }
     assert len(rows) == 63
     o_proj = rows["model.layers.0.self_attn.o_proj.qweight"]
     assert "[32, 256] int32" in o_proj and "[16, 256] int32" in o_proj  # split on dim 0
@@ -614,8 +659,11 @@ def _doc_line(func) -> str:
 
 def _func_rows(stdout: str) -> dict[str, str]:
     """funcs' table rows by function name, markup dropped."""
-    return {line.split()[0]: line.replace("``", "").rstrip() for line in stdout.splitlines()
-            if line.split() and "." in line.split()[0]}
+    return {
+        line.split()[0]: line.replace("``", "").rstrip()
+        for line in stdout.splitlines()
+        if line.split() and "." in line.split()[0]
+    }
 
 
 def test_funcs_lists_builtins_with_their_docs():
@@ -663,8 +711,14 @@ print("TORCH", "torch" in sys.modules)
 
 
 def test_help_does_not_import_torch():
-    proc = subprocess.run([sys.executable, "-c", HELP_SCRIPT], capture_output=True, text=True,
-                          cwd=REPO, env=subprocess_env(), timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", HELP_SCRIPT],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=subprocess_env(),
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "CODES [0, 0, 0, 0, 0, 0, 0]" in proc.stdout
     assert "TORCH False" in proc.stdout
@@ -690,26 +744,46 @@ def test_planning_commands_do_not_import_torch(tmp_path):
     without torch (about 1.2 s of every such command): a GPTQ act-order checkpoint (the
     planner reads its ``g_idx``), compressed-tensors (its ``weight_shape``), padded for an N
     that does not divide the heads, one compressed-tensors itself wrote, and the example."""
-    from helpers.quantized_models import GQA, gptq, pack_quantized, write_model
-
     import transformers
-
     from helpers.compressed_tensors_tool import compress_w4a16
+    from helpers.quantized_models import GQA, gptq, pack_quantized, write_model
 
     gptq_dir = write_model(str(tmp_path / "gptq"), GQA, gptq(4, 32, act_order=True)).folder
     ct_dir = write_model(str(tmp_path / "ct"), GQA, pack_quantized(4, 32, True)).folder
     # and one compressed-tensors wrote itself (its weight_shape tensors, its config)
     tool_dir = tmp_path / "ct-tool"
-    compress_w4a16(tool_dir, transformers.LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=96), symmetric=False)
+    compress_w4a16(
+        tool_dir,
+        transformers.LlamaConfig(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=96,
+        ),
+        symmetric=False,
+    )
     runs = []
-    for ckpt, n in ((gptq_dir, 2), (ct_dir, 3), (str(tool_dir), 2),
-                    (str(REPO / "examples" / "tiny_llama_q4"), 4)):
-        runs += [f"validate|-n|{n}|{ckpt}", f"inspect|-n|{n}|--reads|{ckpt}",
-                 f"plan|-n|{n}|{ckpt}|-o|{tmp_path / 'plan.json'}"]
-    proc = subprocess.run([sys.executable, "-c", PLANNING_SCRIPT, *runs], capture_output=True,
-                          text=True, cwd=REPO, env=subprocess_env(), timeout=120)
+    for ckpt, n in (
+        (gptq_dir, 2),
+        (ct_dir, 3),
+        (str(tool_dir), 2),
+        (str(REPO / "examples" / "tiny_llama_q4"), 4),
+    ):
+        runs += [
+            f"validate|-n|{n}|{ckpt}",
+            f"inspect|-n|{n}|--reads|{ckpt}",
+            f"plan|-n|{n}|{ckpt}|-o|{tmp_path / 'plan.json'}",
+        ]
+    proc = subprocess.run(
+        [sys.executable, "-c", PLANNING_SCRIPT, *runs],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=subprocess_env(),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"CODES {[0] * len(runs)}" in proc.stdout, proc.stdout[-3000:] + proc.stderr
     assert "TORCH False" in proc.stdout
@@ -728,11 +802,17 @@ def test_console_script_help():
 def _slow_checkpoint(tmp_path: Path, count: int = 50) -> tuple[Path, Path]:
     ckpt = tmp_path / "slow"
     ckpt.mkdir()
-    save_file({f"t{k:02d}": np.full((4, 4), k, dtype=np.float32) for k in range(count)},
-              str(ckpt / "model.safetensors"))
-    plan = write_json(tmp_path / "slow_plan.json",
-                      {f"t{k:02d}": [["tests.cli.slow", [["num_shards", "4 // num_shards", 4],
-                                                        "float32"], 0]] for k in range(count)})
+    save_file(
+        {f"t{k:02d}": np.full((4, 4), k, dtype=np.float32) for k in range(count)},
+        str(ckpt / "model.safetensors"),
+    )
+    plan = write_json(
+        tmp_path / "slow_plan.json",
+        {
+            f"t{k:02d}": [["tests.cli.slow", [["num_shards", "4 // num_shards", 4], "float32"], 0]]
+            for k in range(count)
+        },
+    )
     return ckpt, plan
 
 
@@ -741,9 +821,22 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
     ckpt, plan = _slow_checkpoint(tmp_path)  # 50 x 0.2 s: about 10 s if left alone
     started = tmp_path / "started"
     code, stdout, stderr, elapsed = interrupt_once_started(
-        [sys.executable, "-m", "shardload", "load", "--shards", "2", "--plugin", PLUGIN,
-         "--shard-info", str(plan), str(ckpt)], started,
-        subprocess_env(SHARDLOAD_TEST_STARTED=str(started)))
+        [
+            sys.executable,
+            "-m",
+            "shardload",
+            "load",
+            "--shards",
+            "2",
+            "--plugin",
+            PLUGIN,
+            "--shard-info",
+            str(plan),
+            str(ckpt),
+        ],
+        started,
+        subprocess_env(SHARDLOAD_TEST_STARTED=str(started)),
+    )
     assert code == 130, (stdout, stderr)
     # wall time from the signal to the exit: measured 0.01 s here (0.05 s with both cores
     # busy). The bound was 10 s, the subprocess's own hang timeout and about the whole load's
@@ -755,12 +848,29 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
 
 
 def test_under_json_an_error_is_one_json_object_on_stderr(tmp_path):
-    for args, kind in ((["load", "--shards", "3", "--json", "--shard-info",
-                         str(EXAMPLE / "shard_info.json"), str(EXAMPLE)], "PlanError"),
-                       (["inspect", "--shards", "2", "--json", "--bogus", str(EXAMPLE)],
-                        "NoSuchOption")):
-        proc = subprocess.run([sys.executable, "-m", "shardload", *args], capture_output=True,
-                              text=True, cwd=REPO, env=subprocess_env(), timeout=120)
+    for args, kind in (
+        (
+            [
+                "load",
+                "--shards",
+                "3",
+                "--json",
+                "--shard-info",
+                str(EXAMPLE / "shard_info.json"),
+                str(EXAMPLE),
+            ],
+            "PlanError",
+        ),
+        (["inspect", "--shards", "2", "--json", "--bogus", str(EXAMPLE)], "NoSuchOption"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "shardload", *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=subprocess_env(),
+            timeout=120,
+        )
         assert proc.returncode == 2 and proc.stdout == ""
         error = json.loads(proc.stderr)["error"]
         assert error["type"] == kind and error["exit_code"] == 2 and error["message"]
@@ -773,12 +883,12 @@ def test_help_is_made_from_the_tables():
     top = CliRunner().invoke(cli, ["--help"]).output
     assert "shardload run" in top and "  run " in top
     plan = " ".join(CliRunner().invoke(cli, ["plan", "--help"]).output.split())
-    for arch in GGUF_ARCHITECTURES:             # gpt-oss too, which the hand-written list lacked
+    for arch in GGUF_ARCHITECTURES:  # gpt-oss too, which the hand-written list lacked
         assert arch in plan
     for fmt in list_formats():
         assert fmt.name in plan
     load = " ".join(CliRunner().invoke(cli, ["load", "--help"]).output.split())
-    assert "The \"read\" column is the checkpoint bytes each worker read" in load
+    assert 'The "read" column is the checkpoint bytes each worker read' in load
     assert "thread: threads of this process" in load
 
 
@@ -792,22 +902,39 @@ def test_run_without_a_tokenizer_says_so_in_one_line():
 @pytest.mark.parametrize("given", ["abc", "0", "-3", "1.5", "99999"])
 def test_shards_that_is_not_a_number_of_workers_says_what_shards_takes(given):
     line = error_line(run_cli("load", "--shards", given, EXAMPLE), 2)
-    assert line == (f"Error: --shards: '{given}' is not a number of workers; give a whole "
-                    "number from 1 to 4096 (e.g. --shards 4) (see 'shardload load --help')")
+    assert line == (
+        f"Error: --shards: '{given}' is not a number of workers; give a whole "
+        "number from 1 to 4096 (e.g. --shards 4) (see 'shardload load --help')"
+    )
 
 
-@pytest.mark.parametrize("args, says", [
-    (["load", "--bogus", EXAMPLE], "Error: no such option '--bogus' (see 'shardload load --help')"),
-    (["load", "--shards", 2], "Error: missing argument 'CKPT' (see 'shardload load --help')"),
-    (["load", EXAMPLE], "Error: missing option '--shards' / '-n' (see 'shardload load --help')"),
-    (["nosuch"], "Error: no such command 'nosuch' (see 'shardload --help')"),
-    (["load", "--shards", 2, "no/such/folder"],
-     "Error: CKPT: Path 'no/such/folder' does not exist (see 'shardload load --help')"),
-    (["plan", "--shards", 2, "--experts", "xx", EXAMPLE],
-     "Error: --experts: 'xx' is not one of 'tp', 'ep' (see 'shardload plan --help')"),
-    (["load", "--shards", 2, "--staging-buffers", 1, EXAMPLE],
-     "Error: --staging-buffers: 1 is not in the range 2<=x<=64 (see 'shardload load --help')"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            ["load", "--bogus", EXAMPLE],
+            "Error: no such option '--bogus' (see 'shardload load --help')",
+        ),
+        (["load", "--shards", 2], "Error: missing argument 'CKPT' (see 'shardload load --help')"),
+        (
+            ["load", EXAMPLE],
+            "Error: missing option '--shards' / '-n' (see 'shardload load --help')",
+        ),
+        (["nosuch"], "Error: no such command 'nosuch' (see 'shardload --help')"),
+        (
+            ["load", "--shards", 2, "no/such/folder"],
+            "Error: CKPT: Path 'no/such/folder' does not exist (see 'shardload load --help')",
+        ),
+        (
+            ["plan", "--shards", 2, "--experts", "xx", EXAMPLE],
+            "Error: --experts: 'xx' is not one of 'tp', 'ep' (see 'shardload plan --help')",
+        ),
+        (
+            ["load", "--shards", 2, "--staging-buffers", 1, EXAMPLE],
+            "Error: --staging-buffers: 1 is not in the range 2<=x<=64 (see 'shardload load --help')",
+        ),
+    ],
+)
 def test_a_usage_error_is_one_line_in_the_voice_of_the_others(args, says):
     """click's usage banner (``Usage: ...``, ``Try ...``, a blank line) is not printed: the
     error is one line, naming the option and where every option is listed."""
@@ -817,7 +944,7 @@ def test_a_usage_error_is_one_line_in_the_voice_of_the_others(args, says):
     as_json = run_cli(*args[:1], "--json", *args[1:]) if args[0] != "nosuch" else None
     if as_json is not None and args[0] == "load":
         error = json.loads(as_json.stderr)["error"]
-        assert error["message"] == says[len("Error: "):] and error["exit_code"] == 2
+        assert error["message"] == says[len("Error: ") :] and error["exit_code"] == 2
 
 
 def test_plan_result_on_stdout_commentary_on_stderr(tmp_path):
@@ -845,10 +972,15 @@ def test_json_anywhere_among_the_options_makes_a_usage_error_json():
 @pytest.mark.skipif(os.name != "posix", reason="SIGINT to a child process needs POSIX")
 def test_ctrl_c_while_importing_ends_at_once_with_130():
     # 0.3 s in, the command is importing torch and the loader: nothing to clean up yet
-    proc = subprocess.Popen([sys.executable, "-m", "shardload", "load", "--shards", "2",
-                             "--quiet", str(EXAMPLE)], cwd=REPO, env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardload", "load", "--shards", "2", "--quiet", str(EXAMPLE)],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
@@ -859,7 +991,7 @@ def test_ctrl_c_while_importing_ends_at_once_with_130():
 def test_an_interrupt_swallowed_after_work_started_is_raised_at_the_next_phase(monkeypatch):
     from shardload.cli import interrupts
 
-    interrupts.check()                                      # nothing recorded: nothing raised
-    monkeypatch.setattr(interrupts, "_interrupted", True)   # as CPython's "Exception ignored"
+    interrupts.check()  # nothing recorded: nothing raised
+    monkeypatch.setattr(interrupts, "_interrupted", True)  # as CPython's "Exception ignored"
     with pytest.raises(KeyboardInterrupt):
         interrupts.check()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from helpers import hello_command
+
 from shardload.cli import cli
 
 CLI_INIT = Path(__file__).resolve().parent.parent / "shardload" / "cli" / "__init__.py"
@@ -21,7 +21,7 @@ CLI_INIT = Path(__file__).resolve().parent.parent / "shardload" / "cli" / "__ini
 def registered(monkeypatch):
     # the group's table of commands is restored afterwards: other tests see the real CLI
     monkeypatch.setattr(cli, "commands", dict(cli.commands))
-    cli.add_command(hello_command.hello)                  # the one registration
+    cli.add_command(hello_command.hello)  # the one registration
 
 
 def test_a_new_command_is_one_module_and_one_registration(registered):
@@ -38,10 +38,18 @@ def test_a_new_command_is_one_module_and_one_registration(registered):
 def test_the_real_commands_are_registered_the_same_way():
     # each command in cli/__init__.py: imported from its own module, added by one call
     tree = ast.parse(CLI_INIT.read_text())
-    added = [node.value.args[0].id for node in tree.body
-             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
-             and ast.unparse(node.value.func) == "cli.add_command"]
+    added = [
+        node.value.args[0].id
+        for node in tree.body
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Call)
+        and ast.unparse(node.value.func) == "cli.add_command"
+    ]
     assert sorted(added) == sorted(name.replace("-", "_") for name in cli.commands)
-    sources = {alias.name: node.module for node in tree.body
-               if isinstance(node, ast.ImportFrom) for alias in node.names}
+    sources = {
+        alias.name: node.module
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
     assert all(sources[name] == name for name in added), sources

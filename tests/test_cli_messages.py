@@ -77,5 +77,4 @@ def test_a_problem_of_n_lists_the_n_that_work_and_keeps_the_settings(small_ckpt,
     plan = {"a": [["shardload.split", [["num_shards", "8 // num_shards", 4], "float32"], 0]]}
     path = write_plan(tmp_path, plan)
     line = error_line(["validate", "-n", 3, "--shard-info", path, small_ckpt])
-    assert "cannot be split over 3 workers" in line and "N that work (up to 64): 1, 2, 4, 8" \
-        in line
+    assert "cannot be split over 3 workers" in line and "N that work (up to 64): 1, 2, 4, 8" in line

@@ -10,15 +10,16 @@ import stat
 from pathlib import Path
 
 import pytest
-
-from devtools import objectservers
-from devtools.environments import ENVIRONMENTS, cache_root, environment
 from helpers.environments import require
 from helpers.paths import REPO
 
+from devtools import objectservers
+from devtools.environments import ENVIRONMENTS, cache_root, environment
+
 ALL = list(ENVIRONMENTS)
-_SETTINGS = [v for e in ENVIRONMENTS.values() for v in (e.program_env, e.folder_env,
-                                                       e.require_env)] + ["SHARDLOAD_CACHE"]
+_SETTINGS = [
+    v for e in ENVIRONMENTS.values() for v in (e.program_env, e.folder_env, e.require_env)
+] + ["SHARDLOAD_CACHE"]
 
 
 @pytest.fixture(autouse=True)
@@ -48,8 +49,10 @@ def test_each_script_makes_its_environment_where_the_rule_looks(name):
     for constant, value in re.findall(r"^([A-Z_]+)=([^\s\"$]+)$", script, re.M):
         script = script.replace(f"${constant}", value)
     assert env.ready in script, f"{env.script} does not write {env.ready!r} to ready"
-    assert f"${{{env.folder_env}:-${{SHARDLOAD_CACHE:-$HOME/.cache/shardload}}/{env.folder}}}" \
-        in script, f"{env.script} does not make it where {env.folder_env} and the cache say"
+    assert (
+        f"${{{env.folder_env}:-${{SHARDLOAD_CACHE:-$HOME/.cache/shardload}}/{env.folder}}}"
+        in script
+    ), f"{env.script} does not make it where {env.folder_env} and the cache say"
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -57,18 +60,17 @@ def test_the_cache_holds_it_once_it_is_whole(name, tmp_path):
     env = environment(name)
     home = cache_root() / env.folder
     assert home == tmp_path / "cache" / env.folder
-    assert env.find() is None                                  # not made
+    assert env.find() is None  # not made
     exe = _make(home, env.program, None)
-    assert env.find() is None                                  # half made: no ready yet
+    assert env.find() is None  # half made: no ready yet
     (home / "ready").write_text("an older version\n")
-    assert env.find() is None                                  # made by another script
+    assert env.find() is None  # made by another script
     (home / "ready").write_text(env.ready + "\n")
     assert env.find() == str(exe)
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_the_program_named_wins_over_the_folder_named_over_the_cache(name, tmp_path,
-                                                                     monkeypatch):
+def test_the_program_named_wins_over_the_folder_named_over_the_cache(name, tmp_path, monkeypatch):
     env = environment(name)
     _make(cache_root() / env.folder, env.program, env.ready)
     in_folder = _make(tmp_path / "folder", env.program, env.ready)
@@ -77,7 +79,7 @@ def test_the_program_named_wins_over_the_folder_named_over_the_cache(name, tmp_p
     named = _make(tmp_path / "named", env.program, env.ready)
     monkeypatch.setenv(env.program_env, str(named))
     assert env.find() == str(named)
-    (tmp_path / "named" / "ready").unlink()                    # named, but not whole
+    (tmp_path / "named" / "ready").unlink()  # named, but not whole
     assert env.find() is None
 
 
@@ -94,7 +96,9 @@ def test_a_test_needing_it_skips_naming_the_script_or_fails_under_ci(name, monke
 
 
 def test_an_unknown_environment_is_named_with_the_known_ones():
-    with pytest.raises(KeyError, match="no environment 'nope'; they are vllm, quant, azurite, gpu_sim"):
+    with pytest.raises(
+        KeyError, match="no environment 'nope'; they are vllm, quant, azurite, gpu_sim"
+    ):
         environment("nope")
 
 

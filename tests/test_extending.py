@@ -13,24 +13,40 @@ import pytest
 import torch
 import transformers
 from click.testing import CliRunner
+from helpers.paths import EXAMPLE
 from safetensors.torch import save_file
 
-from helpers.paths import EXAMPLE
-from shardload import (Selection, ThreadedSession, load_sharded, open_checkpoint,
-                       register_shard_func)
+from shardload import Selection, ThreadedSession, load_sharded, open_checkpoint, register_shard_func
 from shardload.cli import cli
-from shardload.formats import (Axis, QuantFormat, Scheme, TensorAxes, dequantize_module,
-                               register_format, unregister_format)
+from shardload.formats import (
+    Axis,
+    QuantFormat,
+    Scheme,
+    TensorAxes,
+    dequantize_module,
+    register_format,
+    unregister_format,
+)
 from shardload.planners import plan_decision, plan_for
-from shardload.planners.architectures import (Architecture, register_architecture,
-                                              unregister_architecture)
+from shardload.planners.architectures import (
+    Architecture,
+    register_architecture,
+    unregister_architecture,
+)
 
-SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=96)
+SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 # ---- a quantization format: one class ----------------------------------------------------------
+
 
 class RowInt8(QuantFormat):
     """A toy format: ``codes`` int8 [N, K] and one float scale per output row, ``row_scale``
@@ -46,7 +62,7 @@ class RowInt8(QuantFormat):
         if suffix == "codes":
             return TensorAxes(Axis(0), Axis(1))
         if suffix == "row_scale":
-            return TensorAxes(Axis(0), None)    # rows split with the codes; whole on a K split
+            return TensorAxes(Axis(0), None)  # rows split with the codes; whole on a K split
         return None
 
     def dense(self, parts, scheme, ggml_types):
@@ -75,7 +91,7 @@ def _toy_checkpoint(folder) -> transformers.PreTrainedModel:
                 codes = torch.round(param / scale[:, None]).to(torch.int8)
                 tensors[f"{module}.codes"] = codes
                 tensors[f"{module}.row_scale"] = scale
-                param.copy_(codes.float() * scale[:, None])   # the reference holds the same
+                param.copy_(codes.float() * scale[:, None])  # the reference holds the same
             else:
                 tensors[name] = param.detach().clone()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -91,20 +107,28 @@ def test_a_format_is_one_class_planned_loaded_dequantized_and_run(toy_format, tm
     steps = decision.shard_info().steps
     assert decision.summary.scheme.method == "toy-row-int8"
     layer = "model.layers.0."
-    assert layer + "self_attn.q_proj.codes" in steps and layer + "self_attn.q_proj.row_scale" \
-        in steps                                        # column split: rows with their scales
-    assert layer + "self_attn.o_proj.row_scale" not in steps   # row split: scales whole
+    assert (
+        layer + "self_attn.q_proj.codes" in steps and layer + "self_attn.q_proj.row_scale" in steps
+    )  # column split: rows with their scales
+    assert layer + "self_attn.o_proj.row_scale" not in steps  # row split: scales whole
     with open_checkpoint(str(tmp_path)) as ckpt, ThreadedSession(2) as sess:
         sharded = load_sharded(ckpt, None, sess, progress=False)
         for module in ("self_attn.q_proj", "mlp.down_proj"):
-            whole = dequantize_module("toy-row-int8", {
-                p: ckpt.read(f"{layer}{module}.{p}") for p in ("codes", "row_scale")})["weight"]
+            whole = dequantize_module(
+                "toy-row-int8",
+                {p: ckpt.read(f"{layer}{module}.{p}") for p in ("codes", "row_scale")},
+            )["weight"]
             for worker in (0, 1):
-                piece = dequantize_module("toy-row-int8", {
-                    p: sharded.shard(f"{layer}{module}.{p}", worker)
-                    for p in ("codes", "row_scale")})["weight"]
-                want = (whole.chunk(2, dim=0) if module.endswith("q_proj")
-                        else whole.chunk(2, dim=1))[worker]
+                piece = dequantize_module(
+                    "toy-row-int8",
+                    {
+                        p: sharded.shard(f"{layer}{module}.{p}", worker)
+                        for p in ("codes", "row_scale")
+                    },
+                )["weight"]
+                want = (
+                    whole.chunk(2, dim=0) if module.endswith("q_proj") else whole.chunk(2, dim=1)
+                )[worker]
                 assert torch.equal(piece, want)
     # and transformers' own model runs on it, split over the workers
     from shardload.hf import load_tp_model
@@ -118,24 +142,37 @@ def test_a_format_is_one_class_planned_loaded_dequantized_and_run(toy_format, tm
 
 
 def test_an_unknown_format_is_refused_naming_the_known_ones(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "llama", **SIZES, "quantization_config": {"quant_method": "toy-row-int8"}}))
-    save_file({"model.embed_tokens.weight": torch.zeros(96, 64)},
-              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                **SIZES,
+                "quantization_config": {"quant_method": "toy-row-int8"},
+            }
+        )
+    )
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(96, 64)}, str(tmp_path / "model.safetensors")
+    )
     from shardload import PlanError
 
-    with pytest.raises(PlanError, match=r"'toy-row-int8': that quantization method is not "
-                                        r"supported by the planner \(awq, compressed-tensors"):
+    with pytest.raises(
+        PlanError,
+        match=r"'toy-row-int8': that quantization method is not "
+        r"supported by the planner \(awq, compressed-tensors",
+    ):
         plan_for(str(tmp_path), 2)
 
 
 # ---- an architecture: one table row ------------------------------------------------------------
 
+
 def test_a_llama_like_architecture_is_one_row(tmp_path):
     folder = tmp_path / "mine"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({**json.loads(
-        open(f"{EXAMPLE}/config.json").read()), "model_type": "my_llama"}))
+    (folder / "config.json").write_text(
+        json.dumps({**json.loads(open(f"{EXAMPLE}/config.json").read()), "model_type": "my_llama"})
+    )
     (folder / "model.safetensors").symlink_to(f"{EXAMPLE}/model.safetensors")
     from shardload import PlanError
 
@@ -147,13 +184,16 @@ def test_a_llama_like_architecture_is_one_row(tmp_path):
         assert mine.steps == llama.steps and mine.metadata["model"]["architecture"] == "my_llama"
         from shardload.frontdoor.tables import architectures_markdown, planner_help
 
-        assert "my_llama" in planner_help() and "| `my_llama` | Llama under" in \
-            architectures_markdown()
+        assert (
+            "my_llama" in planner_help()
+            and "| `my_llama` | Llama under" in architectures_markdown()
+        )
     finally:
         unregister_architecture("my_llama")
 
 
 # ---- a kind of session: one registered opener ----------------------------------------------------
+
 
 def test_a_session_kind_is_one_registered_opener(tmp_path):
     (tmp_path / "kind_plugin.py").write_text(
@@ -163,13 +203,26 @@ def test_a_session_kind_is_one_registered_opener(tmp_path):
         "@register_session_kind('counted', 'threads, counted (a test plugin)', override=True)\n"
         "def open_counted(num_workers, *, device, plugins, timeout):\n"
         "    opened.append(num_workers)\n"
-        "    return ThreadedSession(num_workers, device=device or 'cpu', timeout=timeout)\n")
+        "    return ThreadedSession(num_workers, device=device or 'cpu', timeout=timeout)\n"
+    )
     import sys
 
     sys.path.insert(0, str(tmp_path))
     try:
-        result = CliRunner().invoke(cli, ["load", "--shards", "2", "--session", "counted",
-                                          "--plugin", "kind_plugin", "--json", EXAMPLE])
+        result = CliRunner().invoke(
+            cli,
+            [
+                "load",
+                "--shards",
+                "2",
+                "--session",
+                "counted",
+                "--plugin",
+                "kind_plugin",
+                "--json",
+                EXAMPLE,
+            ],
+        )
         assert result.exit_code == 0, result.output
         assert json.loads(result.output)["num_shards"] == 2
         assert sys.modules["kind_plugin"].opened == [2]
@@ -182,6 +235,7 @@ def test_a_session_kind_is_one_registered_opener(tmp_path):
 
 
 # ---- a shard function: one registration --------------------------------------------------------
+
 
 def test_a_shard_function_is_one_registration():
     def rule(in_shape, in_dtype, *, num_shards):
@@ -200,5 +254,5 @@ def test_a_shard_function_is_one_registration():
     with ThreadedSession(3) as sess:
         sharded = load_sharded({"x": x}, plan, sess, progress=False)
     for worker in range(3):
-        assert np.array_equal(sharded.shard("x", worker).numpy(), x[2 * worker:2 * worker + 2])
-    assert sharded.stats.bytes_read_per_worker == [32, 32, 32]   # each read only its rows
+        assert np.array_equal(sharded.shard("x", worker).numpy(), x[2 * worker : 2 * worker + 2])
+    assert sharded.stats.bytes_read_per_worker == [32, 32, 32]  # each read only its rows

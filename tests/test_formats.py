@@ -30,13 +30,13 @@ from compressed_tensors.quantization.lifecycle.forward import dequantize, quanti
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
-from safetensors.torch import load_file
-
 from helpers import deepseek_fp8_tool, gpt_oss_tool, modelopt_tool
 from helpers.gguf_blocks import blocks as gguf_k_blocks
 from helpers.mlc_reference import dequantize_q4f16_1, quantize_q4f16_1
 from helpers.quant_refs import awq as awq_ref
 from helpers.quant_refs import gptq as gptq_ref
+from safetensors.torch import load_file
+
 from shardload import formats
 from shardload.formats import dequantize_module
 
@@ -56,19 +56,26 @@ def spread_weight(n: int = N, k: int = K, seed: int = 0) -> torch.Tensor:
 
 
 def as_torch(parts: dict) -> dict[str, torch.Tensor]:
-    return {name: torch.as_tensor(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
-            for name, t in parts.items()}
+    return {
+        name: torch.as_tensor(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
+        for name, t in parts.items()
+    }
 
 
 def assert_equal(got: torch.Tensor, want: torch.Tensor) -> None:
     """Same dtype, shape and values (``torch.equal``: -0.0 == 0.0, the one difference allowed,
     as tools differ in the sign of a zero product)."""
-    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape,
-                                                                  want.dtype, want.shape)
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        got.dtype,
+        got.shape,
+        want.dtype,
+        want.shape,
+    )
     assert torch.equal(got, want), f"max |diff| {(got.double() - want.double()).abs().max()}"
 
 
 # ---- GPTQ and AWQ: the project's numpy references (AutoGPTQ / AutoAWQ are not installed) ----
+
 
 def gptq_case(bits: int, version: int, sym: bool, act_order: bool, group: int = 32) -> dict:
     w = weight().numpy()
@@ -84,8 +91,9 @@ def gptq_case(bits: int, version: int, sym: bool, act_order: bool, group: int = 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_gptq_matches_the_reference(bits, version, sym, act_order):
     stored = gptq_case(bits, version, sym, act_order)
-    got = dequantize_module("gptq", as_torch(stored), bits=bits, group_size=32,
-                            gptq_version=version)["weight"]
+    got = dequantize_module(
+        "gptq", as_torch(stored), bits=bits, group_size=32, gptq_version=version
+    )["weight"]
     want = torch.from_numpy(gptq_ref.dequantize_gptq(stored, bits, version))
     assert_equal(got, want)
     if not sym and version == 1:  # the wrap-around case is really exercised
@@ -98,8 +106,9 @@ def test_gptq_without_g_idx_uses_k_over_group(group):
     stored = gptq_case(4, 1, False, False, group)
     want = torch.from_numpy(gptq_ref.dequantize_gptq(stored, 4, 1))
     del stored["g_idx"]
-    assert_equal(dequantize_module("gptq", as_torch(stored), bits=4, group_size=group)["weight"],
-                 want)
+    assert_equal(
+        dequantize_module("gptq", as_torch(stored), bits=4, group_size=group)["weight"], want
+    )
     # group_size -1 with several groups: K / groups, from the shapes
     assert_equal(dequantize_module("gptq", as_torch(stored), bits=4)["weight"], want)
 
@@ -114,6 +123,7 @@ def test_awq_matches_the_reference(group):
 
 
 # ---- compressed-tensors: its own compressors are both the writer and the oracle --------------
+
 
 def ct_compress(fmt: str, scheme, w: torch.Tensor, scale_dtype=None) -> tuple[dict, torch.Tensor]:
     """``w`` calibrated with compressed-tensors' ``calculate_qparams`` (min/max, per its
@@ -152,13 +162,13 @@ def ct_scheme(preset: str, **weights):
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_pack_quantized_matches_compressed_tensors(bits, sym, strategy, scale_dtype):
     group = 32 if strategy == "group" else None
-    scheme = ct_scheme("W4A16", num_bits=bits, symmetric=sym, strategy=strategy,
-                       group_size=group)
+    scheme = ct_scheme("W4A16", num_bits=bits, symmetric=sym, strategy=strategy, group_size=group)
     stored, want = ct_compress("pack-quantized", scheme, weight(), scale_dtype)
     assert ("weight_zero_point" in stored) == (not sym)
     # the library computes in the scale's dtype: one rounding of the exact product
-    got = dequantize_module("pack-quantized", stored, bits=bits, group_size=group or -1,
-                            dtype=scale_dtype)["weight"]
+    got = dequantize_module(
+        "pack-quantized", stored, bits=bits, group_size=group or -1, dtype=scale_dtype
+    )["weight"]
     assert_equal(got, want)
     exact = dequantize_module("pack-quantized", stored, bits=bits)["weight"]
     assert_equal(exact.to(scale_dtype), want)
@@ -172,7 +182,8 @@ def test_pack_quantized_act_order_g_idx(sym):
     w, bits, group = weight(), 4, 32
     g_idx = torch.empty(K, dtype=torch.int32)
     g_idx[torch.randperm(K, generator=torch.Generator().manual_seed(2))] = (
-        torch.arange(K, dtype=torch.int32) // group)
+        torch.arange(K, dtype=torch.int32) // group
+    )
     args = QuantizationArgs(num_bits=bits, symmetric=sym, strategy="group", group_size=group)
     per_column = QuantizationArgs(num_bits=bits, symmetric=sym, strategy="group", group_size=1)
     lo = torch.stack([w[:, g_idx == j].amin(1) for j in range(K // group)], 1)
@@ -181,8 +192,12 @@ def test_pack_quantized_act_order_g_idx(sym):
     cols = g_idx.long()
     zero_cols = None if sym else zero[:, cols]
     codes = quantize(w, scale[:, cols], zero_cols, per_column, dtype=torch.int8)
-    stored = {"weight_packed": pack_to_int32(codes, bits), "weight_scale": scale,
-              "weight_g_idx": g_idx, "weight_shape": torch.tensor([N, K])}
+    stored = {
+        "weight_packed": pack_to_int32(codes, bits),
+        "weight_scale": scale,
+        "weight_g_idx": g_idx,
+        "weight_shape": torch.tensor([N, K]),
+    }
     if not sym:
         stored["weight_zero_point"] = pack_to_int32(zero, bits, packed_dim=0)
     unpacked = unpack_from_int32(stored["weight_packed"], bits, torch.Size([N, K]))
@@ -191,8 +206,10 @@ def test_pack_quantized_act_order_g_idx(sym):
     assert_equal(got, want)
 
 
-@pytest.mark.parametrize("strategy,sym", [("channel", True), ("channel", False),
-                                          ("group", True), ("group", False), ("tensor", True)])
+@pytest.mark.parametrize(
+    "strategy,sym",
+    [("channel", True), ("channel", False), ("group", True), ("group", False), ("tensor", True)],
+)
 def test_int_quantized_matches_compressed_tensors(strategy, sym):
     group = 64 if strategy == "group" else None
     scheme = ct_scheme("W8A8", symmetric=sym, strategy=strategy, group_size=group)
@@ -212,8 +229,13 @@ def test_nvfp4_matches_compressed_tensors():
     # in float32: the library's own unpacking and dequantize, asked for float32
     codes = unpack_fp4_from_uint8(stored["weight_packed"], N, K, dtype=torch.float32)
     scale, global_scale = stored["weight_scale"].float(), stored["weight_global_scale"]
-    exact = dequantize(codes, scale, args=ct_scheme("NVFP4A16").weights,
-                       global_scale=global_scale, dtype=torch.float32)
+    exact = dequantize(
+        codes,
+        scale,
+        args=ct_scheme("NVFP4A16").weights,
+        global_scale=global_scale,
+        dtype=torch.float32,
+    )
     assert_equal(dequantize_module("nvfp4", stored)["weight"], exact)
     # the order matters in float32 (the library's bf16 output hides it): codes times the
     # scale, then divided, or times the global scale's reciprocal, round otherwise here
@@ -231,6 +253,7 @@ def test_mxfp4_matches_compressed_tensors():
 
 # ---- gpt-oss's MXFP4 experts: transformers' own converter is the oracle ---------------------
 
+
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory) -> dict[str, torch.Tensor]:
     folder = tmp_path_factory.mktemp("gpt_oss")
@@ -240,9 +263,15 @@ def gpt_oss(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 def test_gpt_oss_experts_match_transformers(gpt_oss):
     prefix = "model.layers.1.mlp.experts."
-    parts = {k[len(prefix):]: v for k, v in gpt_oss.items() if k.startswith(prefix)}
-    assert set(parts) == {"gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
-                          "down_proj_blocks", "down_proj_scales", "down_proj_bias"}
+    parts = {k[len(prefix) :]: v for k, v in gpt_oss.items() if k.startswith(prefix)}
+    assert set(parts) == {
+        "gate_up_proj_blocks",
+        "gate_up_proj_scales",
+        "gate_up_proj_bias",
+        "down_proj_blocks",
+        "down_proj_scales",
+        "down_proj_bias",
+    }
     got = dequantize_module("mxfp4", parts)
     for p in ("gate_up_proj", "down_proj"):
         want = gpt_oss_tool.dequantize(parts[f"{p}_blocks"], parts[f"{p}_scales"])
@@ -254,8 +283,11 @@ def test_gpt_oss_experts_match_transformers(gpt_oss):
 
 
 def test_bf16_gpt_oss_experts_pass_through():
-    parts = {"gate_up_proj": torch.randn(2, 8, 12).bfloat16(), "down_proj": torch.randn(2, 6, 8)
-             .bfloat16(), "gate_up_proj_bias": torch.randn(2, 12).bfloat16()}
+    parts = {
+        "gate_up_proj": torch.randn(2, 8, 12).bfloat16(),
+        "down_proj": torch.randn(2, 6, 8).bfloat16(),
+        "gate_up_proj_bias": torch.randn(2, 12).bfloat16(),
+    }
     got = dequantize_module("none", parts, dtype=torch.bfloat16)
     assert got.keys() == parts.keys()
     for name, t in parts.items():
@@ -264,12 +296,17 @@ def test_bf16_gpt_oss_experts_pass_through():
 
 # ---- ModelOpt NVFP4: its own quantizer and dequantizer ------------------------------------
 
+
 @pytest.mark.slow
 def test_modelopt_nvfp4_matches_modelopt():
     _, _, NVFP4QTensor = modelopt_tool._import_quiet()
     packed, scale, scale_2 = NVFP4QTensor.quantize(spread_weight(), modelopt_tool.NVFP4_GROUP)
-    parts = {"weight": packed._quantized_data, "weight_scale": scale, "weight_scale_2": scale_2,
-             "input_scale": torch.tensor(0.01)}
+    parts = {
+        "weight": packed._quantized_data,
+        "weight_scale": scale,
+        "weight_scale_2": scale_2,
+        "input_scale": torch.tensor(0.01),
+    }
     want = modelopt_tool.dequantize(parts["weight"], scale, scale_2)
     assert_equal(dequantize_module("modelopt-nvfp4", parts)["weight"], want)
     # the order matters: codes times weight_scale, then times weight_scale_2, rounds otherwise
@@ -286,6 +323,7 @@ def test_an_unquantized_module_passes_through():
 
 
 # ---- FP8 --------------------------------------------------------------------------------------
+
 
 def fp8_weight(n: int, k: int) -> torch.Tensor:
     return (weight(n, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -330,8 +368,9 @@ def gguf_weight(name: str, shape=(N, K)) -> np.ndarray:
 @pytest.mark.parametrize("name", GGUF_TYPES)
 def test_gguf_matches_gguf_py(name):
     raw = gguf_weight(name)
-    got = dequantize_module("gguf", {"weight": torch.from_numpy(raw)},
-                            ggml_types={"weight": name})["weight"]
+    got = dequantize_module("gguf", {"weight": torch.from_numpy(raw)}, ggml_types={"weight": name})[
+        "weight"
+    ]
     want = torch.from_numpy(gguf_quants.dequantize(raw, GGMLQuantizationType[name]))
     assert got.shape == (N, K)
     assert_equal(got, want)
@@ -344,25 +383,29 @@ def test_gguf_q8_0_by_hand():
     d = blocks[..., :2].copy().view(np.float16).astype(np.float32)
     q = blocks[..., 2:].view(np.int8).astype(np.float32)
     want = torch.from_numpy((d * q).reshape(N, K))
-    got = dequantize_module("gguf", {"weight": torch.from_numpy(raw)},
-                            ggml_types={"weight": "Q8_0"})["weight"]
+    got = dequantize_module(
+        "gguf", {"weight": torch.from_numpy(raw)}, ggml_types={"weight": "Q8_0"}
+    )["weight"]
     assert_equal(got, want)
 
 
 def test_gguf_stacked_experts_and_float_tensors():
     raw = gguf_weight("Q4_K", (3, N, K))  # ffn_*_exps: [E, rows, row bytes]
-    got = dequantize_module("gguf", {"weight": torch.from_numpy(raw)},
-                            ggml_types={"weight": GGMLQuantizationType.Q4_K})["weight"]
+    got = dequantize_module(
+        "gguf", {"weight": torch.from_numpy(raw)}, ggml_types={"weight": GGMLQuantizationType.Q4_K}
+    )["weight"]
     want = gguf_quants.dequantize(raw.reshape(3 * N, -1), GGMLQuantizationType.Q4_K)
     assert_equal(got, torch.from_numpy(want).reshape(3, N, K))
     f32 = torch.randn(N, K)  # F32 / F16 tensors come back from the reader as floats
-    out = dequantize_module("gguf", {"weight": f32, "bias": torch.ones(N)},
-                            ggml_types={"weight": "F32", "bias": "F32"})
+    out = dequantize_module(
+        "gguf", {"weight": f32, "bias": torch.ones(N)}, ggml_types={"weight": "F32", "bias": "F32"}
+    )
     assert_equal(out["weight"], f32)
     assert_equal(out["bias"], torch.ones(N))
 
 
 # ---- MLC q4f16_1 --------------------------------------------------------------------------
+
 
 def test_mlc_matches_the_reference():
     q_weight, q_scale = quantize_q4f16_1(weight().numpy())
@@ -376,6 +419,7 @@ def test_mlc_matches_the_reference():
 
 # ---- a worker's piece is the slice of the whole -------------------------------------------
 
+
 @pytest.mark.parametrize("bits", [3, 4])
 @pytest.mark.parametrize("act_order", [False, True], ids=["ordered", "act-order"])
 def test_gptq_row_split_piece_is_the_slice(bits, act_order):
@@ -386,16 +430,20 @@ def test_gptq_row_split_piece_is_the_slice(bits, act_order):
     whole = dequantize_module("gptq", stored, bits=bits, group_size=32)["weight"]
     half, words, groups = K // 2, K // 2 * bits // 32, K // 2 // 32
     for i in range(2):
-        piece = {"qweight": stored["qweight"][i * words:(i + 1) * words],
-                 "g_idx": stored["g_idx"][i * half:(i + 1) * half]}
+        piece = {
+            "qweight": stored["qweight"][i * words : (i + 1) * words],
+            "g_idx": stored["g_idx"][i * half : (i + 1) * half],
+        }
         if act_order:
             piece.update(scales=stored["scales"], qzeros=stored["qzeros"])
         else:
-            piece.update(scales=stored["scales"][i * groups:(i + 1) * groups],
-                         qzeros=stored["qzeros"][i * groups:(i + 1) * groups],
-                         g_idx=piece["g_idx"] - i * groups)
+            piece.update(
+                scales=stored["scales"][i * groups : (i + 1) * groups],
+                qzeros=stored["qzeros"][i * groups : (i + 1) * groups],
+                g_idx=piece["g_idx"] - i * groups,
+            )
         got = dequantize_module("gptq", piece, bits=bits, group_size=32)["weight"]
-        assert_equal(got, whole[:, i * half:(i + 1) * half])
+        assert_equal(got, whole[:, i * half : (i + 1) * half])
 
 
 def test_gptq_column_split_piece_is_the_slice():
@@ -403,8 +451,12 @@ def test_gptq_column_split_piece_is_the_slice():
     whole = dequantize_module("gptq", stored, bits=4, group_size=32, gptq_version=2)["weight"]
     for i in range(4):  # 16 columns each: 2 whole qzeros words
         cols = slice(i * 16, (i + 1) * 16)
-        piece = {"qweight": stored["qweight"][:, cols], "scales": stored["scales"][:, cols],
-                 "qzeros": stored["qzeros"][:, i * 2:(i + 1) * 2], "g_idx": stored["g_idx"]}
+        piece = {
+            "qweight": stored["qweight"][:, cols],
+            "scales": stored["scales"][:, cols],
+            "qzeros": stored["qzeros"][:, i * 2 : (i + 1) * 2],
+            "g_idx": stored["g_idx"],
+        }
         got = dequantize_module("gptq", piece, bits=4, group_size=32, gptq_version=2)["weight"]
         assert_equal(got, whole[cols])
 
@@ -418,17 +470,23 @@ def test_nvfp4_pieces_are_the_slices():
     gs = stored["weight_global_scale"]
     for i in range(3):
         cols = slice(i * 32, (i + 1) * 32)
-        piece = {"weight_packed": stored["weight_packed"][:, i * 16:(i + 1) * 16],
-                 "weight_scale": stored["weight_scale"][:, i * 2:(i + 1) * 2],
-                 "weight_global_scale": gs}
+        piece = {
+            "weight_packed": stored["weight_packed"][:, i * 16 : (i + 1) * 16],
+            "weight_scale": stored["weight_scale"][:, i * 2 : (i + 1) * 2],
+            "weight_global_scale": gs,
+        }
         assert_equal(dequantize_module("nvfp4", piece)["weight"], whole[:, cols])
         rows = slice(i * 16, (i + 1) * 16)
-        piece = {"weight_packed": stored["weight_packed"][rows],
-                 "weight_scale": stored["weight_scale"][rows], "weight_global_scale": gs}
+        piece = {
+            "weight_packed": stored["weight_packed"][rows],
+            "weight_scale": stored["weight_scale"][rows],
+            "weight_global_scale": gs,
+        }
         assert_equal(dequantize_module("nvfp4", piece)["weight"], whole[rows])
 
 
 # ---- zero padding -------------------------------------------------------------------------
+
 
 def z(*shape, dtype=torch.int32) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype)
@@ -438,38 +496,105 @@ def z(*shape, dtype=torch.int32) -> torch.Tensor:
 #: scalars, which are replicated, keep real values), and the scheme's keyword arguments
 ZERO_PIECES = {
     "none": ({"weight": z(N, K, dtype=torch.bfloat16)}, {}),
-    "gptq v1": ({"qweight": z(K // 8, N), "qzeros": z(K // 32, N // 8), "g_idx": z(K),
-                 "scales": z(K // 32, N, dtype=torch.float16)}, {"group_size": 32}),
-    "gptq 3-bit v2": ({"qweight": z(K * 3 // 32, N), "qzeros": z(K // 32, N * 3 // 32),
-                      "scales": z(K // 32, N, dtype=torch.float16)},
-                     {"bits": 3, "group_size": 32, "gptq_version": 2}),
-    "awq": ({"qweight": z(K, N // 8), "qzeros": z(K // 32, N // 8),
-             "scales": z(K // 32, N, dtype=torch.float16)}, {"group_size": 32}),
-    "pack-quantized": ({"weight_packed": z(N, K // 8), "weight_zero_point": z(N // 8, K // 32),
-                        "weight_scale": z(N, K // 32, dtype=torch.bfloat16),
-                        "weight_shape": torch.tensor([N, K])}, {"group_size": 32}),
-    "int-quantized": ({"weight": z(N, K, dtype=torch.int8),
-                       "weight_scale": z(N, 1, dtype=torch.float32)}, {}),
-    "nvfp4": ({"weight_packed": z(N, K // 2, dtype=torch.uint8),
-               "weight_scale": z(N, K // 16, dtype=torch.float8_e4m3fn),
-               "weight_global_scale": torch.tensor([1000.0])}, {}),
-    "mxfp4": ({"weight_packed": z(N, K // 2, dtype=torch.uint8),
-               "weight_scale": z(N, K // 32, dtype=torch.uint8)}, {}),
-    "mxfp4 gpt-oss": ({"gate_up_proj_blocks": z(2, N, K // 32, 16, dtype=torch.uint8),
-                       "gate_up_proj_scales": z(2, N, K // 32, dtype=torch.uint8),
-                       "down_proj_blocks": z(2, K, N // 32, 16, dtype=torch.uint8),
-                       "down_proj_scales": z(2, K, N // 32, dtype=torch.uint8)}, {}),
-    "modelopt-nvfp4": ({"weight": z(N, K // 2, dtype=torch.uint8),
-                        "weight_scale": z(N, K // 16, dtype=torch.float8_e4m3fn),
-                        "weight_scale_2": torch.tensor(0.01)}, {}),
-    "fp8": ({"weight": z(256, K, dtype=torch.float8_e4m3fn),
-             "weight_scale_inv": z(2, 2, dtype=torch.float32)}, {}),
-    "mlc": ({"q_weight": z(N, K // 8, dtype=torch.uint32),
-             "q_scale": z(N, K // 32, dtype=torch.float16)}, {}),
-    **{f"gguf {t}": ({"weight": z(N, K // GGML_QUANT_SIZES[GGMLQuantizationType[t]][0]
-                                  * GGML_QUANT_SIZES[GGMLQuantizationType[t]][1],
-                                  dtype=torch.uint8)}, {"ggml_types": {"weight": t}})
-       for t in GGUF_TYPES},
+    "gptq v1": (
+        {
+            "qweight": z(K // 8, N),
+            "qzeros": z(K // 32, N // 8),
+            "g_idx": z(K),
+            "scales": z(K // 32, N, dtype=torch.float16),
+        },
+        {"group_size": 32},
+    ),
+    "gptq 3-bit v2": (
+        {
+            "qweight": z(K * 3 // 32, N),
+            "qzeros": z(K // 32, N * 3 // 32),
+            "scales": z(K // 32, N, dtype=torch.float16),
+        },
+        {"bits": 3, "group_size": 32, "gptq_version": 2},
+    ),
+    "awq": (
+        {
+            "qweight": z(K, N // 8),
+            "qzeros": z(K // 32, N // 8),
+            "scales": z(K // 32, N, dtype=torch.float16),
+        },
+        {"group_size": 32},
+    ),
+    "pack-quantized": (
+        {
+            "weight_packed": z(N, K // 8),
+            "weight_zero_point": z(N // 8, K // 32),
+            "weight_scale": z(N, K // 32, dtype=torch.bfloat16),
+            "weight_shape": torch.tensor([N, K]),
+        },
+        {"group_size": 32},
+    ),
+    "int-quantized": (
+        {"weight": z(N, K, dtype=torch.int8), "weight_scale": z(N, 1, dtype=torch.float32)},
+        {},
+    ),
+    "nvfp4": (
+        {
+            "weight_packed": z(N, K // 2, dtype=torch.uint8),
+            "weight_scale": z(N, K // 16, dtype=torch.float8_e4m3fn),
+            "weight_global_scale": torch.tensor([1000.0]),
+        },
+        {},
+    ),
+    "mxfp4": (
+        {
+            "weight_packed": z(N, K // 2, dtype=torch.uint8),
+            "weight_scale": z(N, K // 32, dtype=torch.uint8),
+        },
+        {},
+    ),
+    "mxfp4 gpt-oss": (
+        {
+            "gate_up_proj_blocks": z(2, N, K // 32, 16, dtype=torch.uint8),
+            "gate_up_proj_scales": z(2, N, K // 32, dtype=torch.uint8),
+            "down_proj_blocks": z(2, K, N // 32, 16, dtype=torch.uint8),
+            "down_proj_scales": z(2, K, N // 32, dtype=torch.uint8),
+        },
+        {},
+    ),
+    "modelopt-nvfp4": (
+        {
+            "weight": z(N, K // 2, dtype=torch.uint8),
+            "weight_scale": z(N, K // 16, dtype=torch.float8_e4m3fn),
+            "weight_scale_2": torch.tensor(0.01),
+        },
+        {},
+    ),
+    "fp8": (
+        {
+            "weight": z(256, K, dtype=torch.float8_e4m3fn),
+            "weight_scale_inv": z(2, 2, dtype=torch.float32),
+        },
+        {},
+    ),
+    "mlc": (
+        {
+            "q_weight": z(N, K // 8, dtype=torch.uint32),
+            "q_scale": z(N, K // 32, dtype=torch.float16),
+        },
+        {},
+    ),
+    **{
+        f"gguf {t}": (
+            {
+                "weight": z(
+                    N,
+                    K
+                    // GGML_QUANT_SIZES[GGMLQuantizationType[t]][0]
+                    * GGML_QUANT_SIZES[GGMLQuantizationType[t]][1],
+                    dtype=torch.uint8,
+                )
+            },
+            {"ggml_types": {"weight": t}},
+        )
+        for t in GGUF_TYPES
+    },
 }
 
 
@@ -483,6 +608,7 @@ def test_zero_pieces_dequantize_to_zeros(case):
 
 
 # ---- refusals, bias, and what the module imports -------------------------------------------
+
 
 def test_bias_is_passed_through_cast():
     stored = as_torch(gptq_case(4, 1, True, False))
@@ -519,8 +645,11 @@ def test_formats_import_nothing_heavy_until_they_dequantize():
         top, inner = set(), set()
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                         else ["" if node.level else node.module])
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else ["" if node.level else node.module]
+                )
                 (top if node in tree.body else inner).update(n.split(".")[0] for n in names)
         allowed = light | ({"torch"} if path.name == "packing.py" else set())
         assert top <= allowed, (path.name, top - allowed)

@@ -22,26 +22,33 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
-
-from devtools.environments import ENVIRONMENTS
 from helpers.paths import REPO
 from helpers.real_models import cache_dir, smollm2_gguf
+
+from devtools.environments import ENVIRONMENTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 #: what CI sets, and the tests' own settings: a newcomer has none of them
-_CI_ONLY = ("SHARDLOAD_", "PYTEST_", "VLLM_", "PYTHONPATH", "XDG_CACHE_HOME", "HF_HOME",
-            "npm_config_")
+_CI_ONLY = (
+    "SHARDLOAD_",
+    "PYTEST_",
+    "VLLM_",
+    "PYTHONPATH",
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+    "npm_config_",
+)
 
 
 @pytest.fixture(scope="module")
 def newcomer(tmp_path_factory) -> Iterator[dict]:
     """A newcomer's environment: this one without CI's settings, an empty ``HOME`` (removed
     afterwards: the README's vLLM example makes 160 MB there)."""
-    smollm2_gguf()      # in the shared download cache first (see the module's docstring)
+    smollm2_gguf()  # in the shared download cache first (see the module's docstring)
     home = tmp_path_factory.mktemp("home")
     env = {k: v for k, v in os.environ.items() if not k.startswith(_CI_ONLY)}
     env.update(HOME=str(home), SHARDLOAD_MODEL_CACHE=str(cache_dir()))
@@ -50,9 +57,14 @@ def newcomer(tmp_path_factory) -> Iterator[dict]:
 
 
 def _pytest(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=1800)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
 
 
 def _summary(done: subprocess.CompletedProcess) -> str:
@@ -61,8 +73,11 @@ def _summary(done: subprocess.CompletedProcess) -> str:
 
 def _nothing_installed(env: dict) -> None:
     home = env["HOME"]
-    made = [e.name for e in ENVIRONMENTS.values()
-            if os.path.exists(os.path.join(home, ".cache", "shardload", e.folder))]
+    made = [
+        e.name
+        for e in ENVIRONMENTS.values()
+        if os.path.exists(os.path.join(home, ".cache", "shardload", e.folder))
+    ]
     assert not made, f"the suite made environments by itself: {made}"
     assert not os.path.exists(os.path.join(home, ".npm")), "the suite ran npm"
 

@@ -15,12 +15,19 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import save_file
-
 from helpers.loads import load_on_threads
 from helpers.paths import EXAMPLE
-from shardload import (REPLICATE, PlanError, SessionError, ShardInfo, open_checkpoint, open_session,
-                       resolve_plan)
+from safetensors.numpy import save_file
+
+from shardload import (
+    REPLICATE,
+    PlanError,
+    SessionError,
+    ShardInfo,
+    open_checkpoint,
+    open_session,
+    resolve_plan,
+)
 from shardload.frontdoor import plan_beside, write_plan
 from shardload.planners import plan_for
 
@@ -52,15 +59,18 @@ def test_none_takes_the_plan_beside_the_checkpoint(stored, tmp_path):
 
 
 def test_replicate_is_an_explicit_choice(stored, tmp_path):
-    (tmp_path / "shard_info.json").write_text(json.dumps(SPLIT))    # REPLICATE wins over it
+    (tmp_path / "shard_info.json").write_text(json.dumps(SPLIT))  # REPLICATE wins over it
     sharded = load_on_threads(str(stored), REPLICATE)
     for worker in (0, 1):
         assert torch.equal(sharded.shard("w", worker), torch.arange(8.0))
 
 
 def test_none_without_a_plan_or_a_config_says_what_to_pass(stored):
-    with pytest.raises(PlanError, match=r"no model config next to the checkpoint.*"
-                                        r"shard_info=shardload.REPLICATE"):
+    with pytest.raises(
+        PlanError,
+        match=r"no model config next to the checkpoint.*"
+        r"shard_info=shardload.REPLICATE",
+    ):
         load_on_threads(str(stored), None)
     with pytest.raises(PlanError, match=r"shard_info=shardload.REPLICATE"):
         load_on_threads({"w": np.zeros(4, np.float32)}, None)
@@ -78,8 +88,10 @@ def test_none_with_a_config_and_no_plan_is_the_planners_plan(tmp_path):
     sharded = load_on_threads(str(folder), None, 4)
     with open_checkpoint(str(folder)) as ckpt:
         q = ckpt.read("model.layers.0.self_attn.q_proj.qweight")
-    assert torch.equal(sharded.shard("model.layers.0.self_attn.q_proj.qweight", 3),
-                       torch.as_tensor(q)[:, 3 * 64:4 * 64])
+    assert torch.equal(
+        sharded.shard("model.layers.0.self_attn.q_proj.qweight", 3),
+        torch.as_tensor(q)[:, 3 * 64 : 4 * 64],
+    )
 
 
 def test_the_planners_plan_beside_gives_way_for_an_n_it_does_not_fit_and_says_so():
@@ -89,18 +101,23 @@ def test_the_planners_plan_beside_gives_way_for_an_n_it_does_not_fit_and_says_so
         padded = resolve_plan(ckpt, 3)
     assert padded.origin == "planned" and padded.decision.kind == "padded"
     beside = os.path.join(EXAMPLE, "shard_info.json")
-    assert padded.note == (f"{beside} does not fit 3 workers (N that work (up to 64): 1, 2, 4, "
-                           "8): using the planner's zero-padded plan for 3 instead")
+    assert padded.note == (
+        f"{beside} does not fit 3 workers (N that work (up to 64): 1, 2, 4, "
+        "8): using the planner's zero-padded plan for 3 instead"
+    )
 
 
 def test_the_planners_options_are_refused_with_a_plan_of_ones_own(stored, tmp_path):
     (tmp_path / "shard_info.json").write_text(json.dumps(SPLIT))
     with open_checkpoint(str(stored)) as ckpt:
         for given in (None, SPLIT):
-            with pytest.raises(PlanError, match=r"experts='ep' chooses how shardload plans, "
-                                                r"but the plan .* is used as it is: write a "
-                                                r"plan with `plan_for\(checkpoint, num_shards, "
-                                                r"experts='ep'\)`"):
+            with pytest.raises(
+                PlanError,
+                match=r"experts='ep' chooses how shardload plans, "
+                r"but the plan .* is used as it is: write a "
+                r"plan with `plan_for\(checkpoint, num_shards, "
+                r"experts='ep'\)`",
+            ):
                 resolve_plan(ckpt, 2, given, experts="ep")
         with pytest.raises(PlanError, match="vocab_parallel and pad choose how"):
             resolve_plan(ckpt, 2, SPLIT, vocab_parallel=True)
@@ -125,22 +142,31 @@ def test_write_plan_is_whole_or_nothing(tmp_path):
     assert target.read_text() == text and ShardInfo.load(str(target)).to_dict() == info.to_dict()
     with pytest.raises(OSError):
         write_plan(info, str(tmp_path / "no-such-folder" / "plan.json"))
-    assert sorted(os.listdir(tmp_path)) == ["plan.json"]      # no temporary file left
+    assert sorted(os.listdir(tmp_path)) == ["plan.json"]  # no temporary file left
 
 
 def test_sessions_open_by_kind():
     with open_session("thread", 3) as sess:
         assert sess.num_workers == 3 and sess.local_workers == [0, 1, 2]
-    with pytest.raises(SessionError, match=r"unknown session kind 'fiber'; the kinds are "
-                                           r"process, thread, torch"):
+    with pytest.raises(
+        SessionError,
+        match=r"unknown session kind 'fiber'; the kinds are "
+        r"process, thread, torch",
+    ):
         open_session("fiber", 2)
     with pytest.raises(SessionError, match=r"'gpu' is not a device: use 'cpu', 'cuda'"):
         open_session("thread", 2, device="gpu")
-    env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-           if k in os.environ}
+    env = {
+        k: os.environ.pop(k)
+        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        if k in os.environ
+    }
     try:
-        with pytest.raises(SessionError, match=r"a torch session runs under torchrun, and "
-                                               r"RANK, WORLD_SIZE, .* are not set"):
+        with pytest.raises(
+            SessionError,
+            match=r"a torch session runs under torchrun, and "
+            r"RANK, WORLD_SIZE, .* are not set",
+        ):
             open_session("torch", 2)
     finally:
         os.environ.update(env)

@@ -14,18 +14,20 @@ import subprocess
 import sys
 import textwrap
 
+import helpers.group_plugins  # noqa: F401  (tests.groups.rounds, here and in the workers)
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers.paths import EXAMPLE, REPO
 from safetensors.numpy import load_file
 
-import helpers.group_plugins  # noqa: F401  (tests.groups.rounds, here and in the workers)
-from helpers.paths import EXAMPLE, REPO
 from shardload import ProcessSession, Staging, ThreadedSession, load_sharded
 
-CUDA = [pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+CUDA = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 #: the example's query heads (8), KV heads (2) and MLP blocks (16) are not divisible by 3: the
@@ -63,9 +65,12 @@ def _numpy_reference(plan, n: int) -> dict[tuple[str, int], np.ndarray]:
         dim, unit, *indices = step.extra
         axis, per = dim % a.ndim, len(indices) // n
         for i in range(n):
-            parts = [np.take(a, range(u * unit, (u + 1) * unit), axis=axis) if u >= 0 else
-                     np.zeros_like(np.take(a, range(unit), axis=axis))
-                     for u in indices[i * per:(i + 1) * per]]
+            parts = [
+                np.take(a, range(u * unit, (u + 1) * unit), axis=axis)
+                if u >= 0
+                else np.zeros_like(np.take(a, range(unit), axis=axis))
+                for u in indices[i * per : (i + 1) * per]
+            ]
             want[name, i] = np.concatenate(parts, axis=axis)
     return want
 
@@ -83,8 +88,7 @@ def _cpu_load(n: int):
         return load_sharded(EXAMPLE, None, sess, progress=False, staging=False)
 
 
-def _check_staging(rings: list, bytes_read: list[int], cuda: bool, threads: bool,
-                   cpu) -> None:
+def _check_staging(rings: list, bytes_read: list[int], cuda: bool, threads: bool, cpu) -> None:
     """Every worker staged exactly what it read, through pinned buffers on CUDA; the threads of
     one process read every stored byte once between them, worker processes each their own."""
     assert len(rings) == len(bytes_read)
@@ -102,8 +106,12 @@ def _check_padded_example(sharded, devices: list[str], threads: bool) -> None:
     reference; the plan is the padded one; the pieces were staged."""
     n = len(devices)
     assert sharded.devices == [torch.device(d) for d in devices]
-    padded = [name for name, p in sharded.plan.params.items() for s in p.steps
-              if s.func == "shardload.take_units" and -1 in s.extra[2:]]
+    padded = [
+        name
+        for name, p in sharded.plan.params.items()
+        for s in p.steps
+        if s.func == "shardload.take_units" and -1 in s.extra[2:]
+    ]
     assert len(padded) >= 8, "the load did not use the zero-padded plan"
     want, cpu = _numpy_reference(sharded.plan, n), _cpu_load(n)
     for i in range(n):
@@ -120,11 +128,17 @@ def _check_padded_example(sharded, devices: list[str], threads: bool) -> None:
     q = sharded.shard("model.layers.0.self_attn.q_proj.qweight", 2)
     assert q.shape == (32, 128) and not q.cpu().any()
     assert sharded.stats.bytes_per_worker == cpu.stats.bytes_per_worker
-    _check_staging(sharded.stats.staging_per_worker, sharded.stats.bytes_read_per_worker,
-                   devices[0] != "cpu", threads=threads, cpu=cpu)
+    _check_staging(
+        sharded.stats.staging_per_worker,
+        sharded.stats.bytes_read_per_worker,
+        devices[0] != "cpu",
+        threads=threads,
+        cpu=cpu,
+    )
 
 
 # ---- 1. the example at a padded N, on threads ----------------------------------------------------
+
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_example_at_a_padded_n_on_threads(device):
@@ -135,6 +149,7 @@ def test_the_example_at_a_padded_n_on_threads(device):
 
 
 # ---- 2. the same on worker processes -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_example_at_a_padded_n_on_worker_processes(device):
@@ -148,6 +163,7 @@ def test_the_example_at_a_padded_n_on_worker_processes(device):
 
 # ---- 3. the command line -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_cli_load_onto_the_device_reports_what_each_worker_holds(device):
     from shardload.cli import cli
@@ -155,8 +171,10 @@ def test_cli_load_onto_the_device_reports_what_each_worker_holds(device):
     n = 2
     devices = _devices(device, n)  # a list: `--device cuda` is cuda:i, refused past the GPUs
     staging = ["--staging", "on"] if device == "cpu" else []  # CUDA: auto stages (see _staging)
-    result = CliRunner().invoke(cli, ["load", "--shards", str(n), "--device", ",".join(devices),
-                                      *staging, "--json", EXAMPLE])
+    result = CliRunner().invoke(
+        cli,
+        ["load", "--shards", str(n), "--device", ",".join(devices), *staging, "--json", EXAMPLE],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     cpu = _cpu_load(n)
@@ -168,8 +186,13 @@ def test_cli_load_onto_the_device_reports_what_each_worker_holds(device):
     assert [w["device"] for w in workers] == devices
     assert [w["tensors"] for w in workers] == cpu.stats.tensors_per_worker == [63] * n
     assert [w["bytes"] for w in workers] == cpu.stats.bytes_per_worker
-    _check_staging([w["staging"] for w in workers], [w["bytes_read"] for w in workers],
-                   device == "cuda", threads=True, cpu=cpu)
+    _check_staging(
+        [w["staging"] for w in workers],
+        [w["bytes_read"] for w in workers],
+        device == "cuda",
+        threads=True,
+        cpu=cpu,
+    )
 
 
 # ---- 4. a cupy shard function --------------------------------------------------------------------
@@ -242,10 +265,19 @@ def test_a_cupy_shard_function_runs_on_cuda_workers(device):
 
         if importlib.util.find_spec("cupy") is None:  # not imported here: see CUPY_SCRIPT
             pytest.skip("needs cupy (pip install -e '.[cuda]', or cupy-cuda13x)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
-    run = subprocess.run([sys.executable, "-c", CUPY_SCRIPT, device], check=False,
-                         capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", CUPY_SCRIPT, device],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=env,
+    )
     if run.returncode == 3:
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stdout + run.stderr
@@ -253,6 +285,7 @@ def test_a_cupy_shard_function_runs_on_cuda_workers(device):
 
 
 # ---- 5. collectives among worker processes that share the GPU ------------------------------------
+
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_worker_processes_sharing_a_device_reduce_over_their_group(device):

@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers.subprocesses import subprocess_env
+
 from shardload import open_checkpoint, strict_json
 
 #: peak memory to open a checkpoint, as a multiple of its header's bytes (measured: 4.5x)
@@ -107,8 +107,13 @@ def _growth(tmp_path: Path, action: str, big: Path) -> int:
     if not small.exists():
         write_zero_size_tensors(small, 1)
     out = tmp_path / f"{action.replace(',', '_')}.json"
-    proc = subprocess.run([sys.executable, "-c", _CHILD, action, str(small), str(big), str(out)],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, action, str(small), str(big), str(out)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     measured = json.loads(out.read_text())
     return max(measured["rss"], measured["anon"])
@@ -126,17 +131,20 @@ def tensors_1m(tmp_path_factory) -> tuple[Path, int]:
     return path, write_zero_size_tensors(path, 1_000_000)
 
 
-_ACTIONS = [("open", OPEN_FACTOR),
-            ("validate,--replicate,--shards,2", INSPECT_FACTOR),
-            ("inspect,--replicate,--shards,2", INSPECT_FACTOR),
-            ("inspect,--replicate,--shards,2,--json", INSPECT_FACTOR)]
+_ACTIONS = [
+    ("open", OPEN_FACTOR),
+    ("validate,--replicate,--shards,2", INSPECT_FACTOR),
+    ("inspect,--replicate,--shards,2", INSPECT_FACTOR),
+    ("inspect,--replicate,--shards,2,--json", INSPECT_FACTOR),
+]
 
 
 def _check(tmp_path: Path, action: str, factor: int, path: Path, header: int) -> None:
     growth = _growth(tmp_path, action, path)
     assert growth <= factor * header, (
         f"{action}: peak memory grew {growth / 1e6:.0f} MB for a {header / 1e6:.0f} MB header "
-        f"({growth / header:.1f}x); the stated bound is {factor}x")
+        f"({growth / header:.1f}x); the stated bound is {factor}x"
+    )
 
 
 def test_the_file_is_valid_safetensors(tmp_path):
@@ -152,18 +160,21 @@ def test_the_file_is_valid_safetensors(tmp_path):
         assert ckpt.meta("t.999").shape == (0,)
 
 
-@pytest.mark.parametrize("action, factor", _ACTIONS[:1] + _ACTIONS[2:3],
-                         ids=["open", "inspect"])
+@pytest.mark.parametrize("action, factor", _ACTIONS[:1] + _ACTIONS[2:3], ids=["open", "inspect"])
 def test_100k_tensors(tmp_path, tensors_100k, action, factor):
     _check(tmp_path, action, factor, *tensors_100k)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("action, factor", [
-    pytest.param(*_ACTIONS[0], id="open"),
-    # the 100k file checks inspect's bound by default; the issue's million under -m extended
-    pytest.param(*_ACTIONS[2], id="inspect", marks=pytest.mark.extended),
-    pytest.param(*_ACTIONS[3], id="inspect-json", marks=pytest.mark.extended)])
+@pytest.mark.parametrize(
+    "action, factor",
+    [
+        pytest.param(*_ACTIONS[0], id="open"),
+        # the 100k file checks inspect's bound by default; the issue's million under -m extended
+        pytest.param(*_ACTIONS[2], id="inspect", marks=pytest.mark.extended),
+        pytest.param(*_ACTIONS[3], id="inspect-json", marks=pytest.mark.extended),
+    ],
+)
 def test_1m_tensors(tmp_path, tensors_1m, action, factor):
     """The issue's file: a million empty tensors, a 60 MB header (``validate`` is the part
     of ``inspect`` before its rows)."""
@@ -172,9 +183,22 @@ def test_1m_tensors(tmp_path, tensors_1m, action, factor):
 
 # -- what the bound rests on: a parse member by member, as strict as the whole one ---------------
 
-_MALFORMED = ['{"a" 1}', '{"a":1 "b":2}', '{"a":1,}', '{"a":1} x', "{", '{"a":', '{ x',
-              '{"a":1,"b"', '{"a', '{"a":1,,}', '{"a": [1, }', '{"a": tru}', '{"a": "\x01"}',
-              '{"a": 1 , }']
+_MALFORMED = [
+    '{"a" 1}',
+    '{"a":1 "b":2}',
+    '{"a":1,}',
+    '{"a":1} x',
+    "{",
+    '{"a":',
+    "{ x",
+    '{"a":1,"b"',
+    '{"a',
+    '{"a":1,,}',
+    '{"a": [1, }',
+    '{"a": tru}',
+    '{"a": "\x01"}',
+    '{"a": 1 , }',
+]
 
 
 @pytest.mark.parametrize("text", _MALFORMED)
@@ -187,16 +211,19 @@ def test_loads_object_refuses_as_json_does(text):
     assert str(ours.value) == str(theirs.value)
 
 
-@pytest.mark.parametrize("text, phrase", [
-    ('{"a": 1, "a": 2}', "duplicate key 'a'"),
-    ('{"a": {"b": 1, "b": 2}}', "duplicate key 'b'"),
-    ('{"a": NaN}', "NaN is not valid JSON"),
-    ('{"a": [1e400]}', "out of the float64 range"),
-    ('{"\\ud800": 1}', "lone UTF-16 surrogate"),
-    ('{"a": ["\\udc00"]}', "lone UTF-16 surrogate"),
-    ('{"a": ' + "[" * 100_000 + "}", "nested too deeply"),
-    ("\ufeff{}", "byte order mark"),
-])
+@pytest.mark.parametrize(
+    "text, phrase",
+    [
+        ('{"a": 1, "a": 2}', "duplicate key 'a'"),
+        ('{"a": {"b": 1, "b": 2}}', "duplicate key 'b'"),
+        ('{"a": NaN}', "NaN is not valid JSON"),
+        ('{"a": [1e400]}', "out of the float64 range"),
+        ('{"\\ud800": 1}', "lone UTF-16 surrogate"),
+        ('{"a": ["\\udc00"]}', "lone UTF-16 surrogate"),
+        ('{"a": ' + "[" * 100_000 + "}", "nested too deeply"),
+        ("\ufeff{}", "byte order mark"),
+    ],
+)
 def test_loads_object_is_as_strict_as_loads(text, phrase):
     for parse in (strict_json.loads, lambda t: strict_json.loads_object(t, lambda k, v: v)):
         with pytest.raises(ValueError, match=phrase):
@@ -206,13 +233,23 @@ def test_loads_object_is_as_strict_as_loads(text, phrase):
 def test_loads_object_keeps_what_convert_returns_in_order():
     text = ' { "b" : [1, 2] ,\n"a": {"x": "\\u00e9"}, "c": [] } '
     assert list(strict_json.loads_object(text, lambda k, v: (k, v)).items()) == [
-        ("b", ("b", [1, 2])), ("a", ("a", {"x": "é"})), ("c", ("c", []))]
+        ("b", ("b", [1, 2])),
+        ("a", ("a", {"x": "é"})),
+        ("c", ("c", [])),
+    ]
     assert strict_json.loads_object("{}", lambda k, v: v) == {}
 
 
-@pytest.mark.parametrize("text, type_name", [("[1, 2]", "list"), ("7", "int"), ('"s"', "str"),
-                                             ("null", "NoneType"),
-                                             ("[" + "[]," * 500_000 + "[]]", "list")])
+@pytest.mark.parametrize(
+    "text, type_name",
+    [
+        ("[1, 2]", "list"),
+        ("7", "int"),
+        ('"s"', "str"),
+        ("null", "NoneType"),
+        ("[" + "[]," * 500_000 + "[]]", "list"),
+    ],
+)
 def test_loads_object_names_what_is_not_an_object(text, type_name):
     """Past 1 MiB, by its first character, without building it (a list of half a million
     lists would take 40 MB)."""
@@ -227,8 +264,10 @@ def test_storage_order_from_any_header_order(tmp_path):
     entries = [(f"e{i}", [0], i, i) for i in range(0, 600, 3)]  # empty ones, tied with...
     entries += [(f"b{i}", [1], i, i + 1) for i in range(600)]  # ...one-byte ones
     random.Random(5).shuffle(entries)
-    header = {name: {"dtype": "U8", "shape": shape, "data_offsets": [begin, end]}
-              for name, shape, begin, end in entries}
+    header = {
+        name: {"dtype": "U8", "shape": shape, "data_offsets": [begin, end]}
+        for name, shape, begin, end in entries
+    }
     raw = json.dumps(header).encode()
     path = tmp_path / "shuffled.safetensors"
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(range(256)) * 2 + bytes(88))

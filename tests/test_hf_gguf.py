@@ -31,10 +31,10 @@ import time
 import pytest
 import torch
 import transformers
-
 from helpers.paths import REPO
-from helpers.subprocesses import subprocess_env
 from helpers.real_models import smollm2_gguf
+from helpers.subprocesses import subprocess_env
+
 from shardload import ThreadedSession, open_checkpoint
 from shardload.hf import load_tp_model
 
@@ -50,12 +50,14 @@ def transformers_answers():
     tokens)."""
     path = smollm2_gguf()
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
         logits = model(ids).logits
-        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                                do_sample=False)
+        tokens = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False
+        )
     return path, logits, tokens
 
 
@@ -113,15 +115,17 @@ def test_tokenizer_is_transformers_own():
 
     path = smollm2_gguf()
     ours = tokenizer(path)
-    theirs = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                        gguf_file=os.path.basename(path))
+    theirs = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path)
+    )
     assert type(ours) is type(theirs)
     assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
     assert ours.chat_template == theirs.chat_template
     assert ours.eos_token_id == theirs.eos_token_id == 2
     for chat in (True, False):
-        assert (prompt_ids(ours, "What is the capital of France?", chat)
-                == prompt_ids(theirs, "What is the capital of France?", chat))
+        assert prompt_ids(ours, "What is the capital of France?", chat) == prompt_ids(
+            theirs, "What is the capital of France?", chat
+        )
 
 
 def _run_on_terminal(*args: str, timeout: float = 300) -> tuple[int, str, str]:
@@ -129,9 +133,13 @@ def _run_on_terminal(*args: str, timeout: float = 300) -> tuple[int, str, str]:
     user sees it; its exit code, standard output and everything written to the terminal."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "shardload", "run", *args], cwd=REPO,
-                            env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=slave)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardload", "run", *args],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=slave,
+    )
     os.close(slave)
     screen, deadline = b"", time.monotonic() + timeout
     try:
@@ -139,7 +147,7 @@ def _run_on_terminal(*args: str, timeout: float = 300) -> tuple[int, str, str]:
             if select.select([master], [], [], 0.5)[0]:
                 try:
                     chunk = os.read(master, 1 << 16)
-                except OSError:       # the terminal closed: the command has ended
+                except OSError:  # the terminal closed: the command has ended
                     break
                 if not chunk:
                     break
@@ -159,19 +167,27 @@ def test_cli_run_shows_one_bar_and_none_with_json():
     with none of transformers' own; ``--json`` prints its object and nothing on the terminal.
     N = 2: a zero-padded N, whose model the workers build as at N = 3."""
     path = smollm2_gguf()
-    code, out, screen = _run_on_terminal("--shards", "2", path, "--prompt",
-                                         "What is the capital of France?")
+    code, out, screen = _run_on_terminal(
+        "--shards", "2", path, "--prompt", "What is the capital of France?"
+    )
     assert code == 0, screen[-2000:]
     assert out == "The capital of France is Paris.\n"
     for stage in ("importing:", "tokenizer:", "loading:", "building:", "first token:"):
         assert stage in screen, screen[-2000:]
     assert "Loading weights" not in screen and "de-quantizing" not in screen, screen[-2000:]
     lines = [line for line in screen.replace("\r", "\n").splitlines() if line.strip()]
-    assert lines[-1].startswith("8 tokens in "), lines[-3:]   # the bar was cleared
+    assert lines[-1].startswith("8 tokens in "), lines[-3:]  # the bar was cleared
 
-    code, out, screen = _run_on_terminal("--shards", "2", path, "--prompt",
-                                         "What is the capital of France?", "--json",
-                                         "--max-new-tokens", "1")
+    code, out, screen = _run_on_terminal(
+        "--shards",
+        "2",
+        path,
+        "--prompt",
+        "What is the capital of France?",
+        "--json",
+        "--max-new-tokens",
+        "1",
+    )
     assert code == 0, screen[-2000:]
     assert json.loads(out)["text"] == "The"
     assert screen.strip() == "", screen[-2000:]

@@ -64,8 +64,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import gguf
 import numpy as np
@@ -75,43 +75,58 @@ import transformers
 from gguf import GGMLQuantizationType as T
 from gguf.constants import MODEL_ARCH_NAMES
 from gguf.quants import quantize
-
 from helpers.hf_parity import randomise, relative
+
 from shardload import ThreadedSession
 from shardload.hf import load_tp_model
 from shardload.planners.architectures import GGUF_ARCHITECTURES
 
-PROMPT = [[3, 17, 42, 5, 33, 11, 60, 29]]      # token ids < VOCAB
+PROMPT = [[3, 17, 42, 5, 33, 11, 60, 29]]  # token ids < VOCAB
 NEW_TOKENS = 16
 SHARDS = (1, 2, 3, 4)
-PADDED = 3            # 4 query heads over 3 workers: zero-padded
-TOLERANCE = 1e-3      # max |TP - reference| / max |reference|, float32
+PADDED = 3  # 4 query heads over 3 workers: zero-padded
+TOLERANCE = 1e-3  # max |TP - reference| / max |reference|, float32
 VOCAB = 64
-SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+SIZES = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
 
 
 @dataclass(frozen=True)
 class Case:
     config: Callable[[], transformers.PretrainedConfig]
-    qtype: T                       # the linear layers' (and experts') GGUF type
+    qtype: T  # the linear layers' (and experts') GGUF type
 
 
 CASES = {
-    "llama": Case(lambda: transformers.LlamaConfig(**SIZES), T.Q4_0),   # permuted q/k rows
-    "qwen2": Case(lambda: transformers.Qwen2Config(**SIZES), T.Q8_0),   # q/k/v biases
+    "llama": Case(lambda: transformers.LlamaConfig(**SIZES), T.Q4_0),  # permuted q/k rows
+    "qwen2": Case(lambda: transformers.Qwen2Config(**SIZES), T.Q8_0),  # q/k/v biases
     # per-head q/k norms; head_dim 128: transformers reads no key_length for qwen3
     "qwen3": Case(lambda: transformers.Qwen3Config(head_dim=128, **SIZES), T.Q8_0),
     # shared expert and its sigmoid gate; transformers reads no expert widths: its defaults
-    "qwen2moe": Case(lambda: transformers.Qwen2MoeConfig(
-        moe_intermediate_size=1408, shared_expert_intermediate_size=5632, **EXPERTS, **SIZES),
-        T.Q8_0),
+    "qwen2moe": Case(
+        lambda: transformers.Qwen2MoeConfig(
+            moe_intermediate_size=1408, shared_expert_intermediate_size=5632, **EXPERTS, **SIZES
+        ),
+        T.Q8_0,
+    ),
     # transformers sets norm_topk_prob for a GGUF qwen3moe (llama.cpp's routing)
-    "qwen3moe": Case(lambda: transformers.Qwen3MoeConfig(
-        head_dim=32, moe_intermediate_size=768, norm_topk_prob=True, **EXPERTS, **SIZES), T.Q8_0),
-    "phi3": Case(lambda: transformers.Phi3Config(**SIZES), T.Q8_0),     # fused qkv, gate_up
+    "qwen3moe": Case(
+        lambda: transformers.Qwen3MoeConfig(
+            head_dim=32, moe_intermediate_size=768, norm_topk_prob=True, **EXPERTS, **SIZES
+        ),
+        T.Q8_0,
+    ),
+    "phi3": Case(lambda: transformers.Phi3Config(**SIZES), T.Q8_0),  # fused qkv, gate_up
     # w + 1 norms, explicit head_dim, tied embeddings; gemma3: per-head q/k norms too
     "gemma2": Case(lambda: transformers.Gemma2Config(head_dim=32, **SIZES), T.Q4_0),
     "gemma3": Case(lambda: transformers.Gemma3TextConfig(head_dim=32, **SIZES), T.Q8_0),
@@ -134,6 +149,7 @@ LOST_SIZES = {
 
 # ---- the converter: an HF model to the GGUF llama.cpp would write ------------------------------
 
+
 def hf_model(case: str):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(CASES[case].config())
@@ -144,16 +160,20 @@ def hf_model(case: str):
 def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's ``LlamaModel.permute`` of q (``heads`` query heads) or k (KV heads) rows:
     within each head, the two rotary halves interleaved."""
-    return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def _arch_enum(arch: str) -> gguf.MODEL_ARCH:
     return next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch)
 
 
-def write_gguf(model, arch: str, path: str, qtype: T, name: str = "",
-               tensor_names: str = "") -> None:
+def write_gguf(
+    model, arch: str, path: str, qtype: T, name: str = "", tensor_names: str = ""
+) -> None:
     """``model`` as llama.cpp's converter writes it for ``arch`` (the module docstring lists
     what that means here); linear weights in ``qtype`` (F32: unquantized); tensors named as
     gguf-py names them for ``tensor_names`` (default: ``arch``)."""
@@ -171,7 +191,7 @@ def write_gguf(model, arch: str, path: str, qtype: T, name: str = "",
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
-    rope = rope.get("full_attention", rope)           # Gemma 3: per layer type
+    rope = rope.get("full_attention", rope)  # Gemma 3: per layer type
     writer.add_rope_freq_base(rope["rope_theta"])
     if arch in ("llama", "granite"):
         writer.add_rope_dimension_count(head_dim)
@@ -196,14 +216,14 @@ def write_gguf(model, arch: str, path: str, qtype: T, name: str = "",
     tied = cfg.tie_word_embeddings
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
-            continue                                  # llama.cpp: no output tensor
+            continue  # llama.cpp: no output tensor
         values = tensor.detach().float().numpy()
         module, _, suffix = hf_name.rpartition(".")
-        if suffix not in ("weight", "bias"):          # fused experts: parameters, no .weight
+        if suffix not in ("weight", "bias"):  # fused experts: parameters, no .weight
             module, suffix = hf_name, "weight"
         parts = [(module, values)]
         if module.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
-            stem = module[:-len("gate_up_proj")]
+            stem = module[: -len("gate_up_proj")]
             gate, up = np.split(values, 2, axis=1)
             parts = [(stem + "gate_proj", gate), (stem + "up_proj", up)]
         for hf_module, array in parts:
@@ -217,9 +237,13 @@ def write_gguf(model, arch: str, path: str, qtype: T, name: str = "",
                 array = array + 1
             array = np.ascontiguousarray(array.squeeze(), dtype=np.float32)
             gguf_name = f"{base}.{suffix}"
-            kind = (T.F32 if array.ndim == 1 or base.endswith("ffn_gate_inp")
-                    else T.Q8_0 if base in ("token_embd", "output") and qtype != T.F32
-                    else qtype)
+            kind = (
+                T.F32
+                if array.ndim == 1 or base.endswith("ffn_gate_inp")
+                else T.Q8_0
+                if base in ("token_embd", "output") and qtype != T.F32
+                else qtype
+            )
             if kind == T.F32:
                 writer.add_tensor(gguf_name, array)
             else:
@@ -232,8 +256,9 @@ def write_gguf(model, arch: str, path: str, qtype: T, name: str = "",
 
 def read_with_transformers(path: str):
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    model.generation_config.eos_token_id = None      # all 16 tokens, as TPModel.generate
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    model.generation_config.eos_token_id = None  # all 16 tokens, as TPModel.generate
     return model.eval()
 
 
@@ -241,8 +266,9 @@ def answers(model) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
         logits = model(ids).logits.float()
-        tokens = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                max_new_tokens=NEW_TOKENS, do_sample=False)
+        tokens = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
+        )
     return logits, tokens
 
 
@@ -273,6 +299,7 @@ def gguf_reference(tmp_path_factory):
 
 # ---- the parity ----------------------------------------------------------------------------------
 
+
 def _params():
     for case in CASES:
         for n in SHARDS:
@@ -290,9 +317,11 @@ def test_sharded_gguf_matches_transformers(gguf_reference, case, n):
         tokens = model.generate(PROMPT, max_new_tokens=NEW_TOKENS)
     diff = relative(logits, ref.logits)
     same = torch.equal(tokens, ref.tokens)
-    print(f"\nPARITY {case:9} {CASES[case].qtype.name} N={n} {model.decision.kind:8} "
-          f"rel={diff:.2e} tokens_equal={same} ({time.perf_counter() - started:.2f} s; "
-          f"reference {ref.seconds:.2f} s)")
+    print(
+        f"\nPARITY {case:9} {CASES[case].qtype.name} N={n} {model.decision.kind:8} "
+        f"rel={diff:.2e} tokens_equal={same} ({time.perf_counter() - started:.2f} s; "
+        f"reference {ref.seconds:.2f} s)"
+    )
     assert logits.dtype == torch.float32 and logits.shape == ref.logits.shape
     assert diff < TOLERANCE, f"{case} at N={n}: logits differ by {diff:.2e} (relative)"
     assert tokens.tolist() == ref.tokens.tolist(), f"{case} at N={n}: greedy tokens differ"
@@ -313,14 +342,17 @@ def test_config_and_tokenizer_are_transformers_own(gguf_reference, case):
     with open_checkpoint(path) as ckpt:
         assert config_dict(ckpt) == load_gguf_checkpoint(path, return_tensors=False)["config"]
     ours = tokenizer(path)
-    theirs = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                        gguf_file=os.path.basename(path))
+    theirs = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path)
+    )
     assert type(ours) is type(theirs)
     assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
 
 
-@pytest.mark.parametrize("arch, name", [("mistral", ""), ("mistral", "mistral"), ("olmo2", ""),
-                                        ("granite", ""), ("gpt-oss", "")])
+@pytest.mark.parametrize(
+    "arch, name",
+    [("mistral", ""), ("mistral", "mistral"), ("olmo2", ""), ("granite", ""), ("gpt-oss", "")],
+)
 def test_unreadable_architectures_are_refused_before_loading(tmp_path, monkeypatch, arch, name):
     """A GGUF the planner plans but transformers cannot read (``UNREADABLE``) is refused with
     a ``FormatError`` naming the file, before any piece is loaded."""
@@ -339,6 +371,7 @@ def test_unreadable_architectures_are_refused_before_loading(tmp_path, monkeypat
 
 # ---- what the cases rest on ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_f32_conversion_reads_back_exactly(tmp_path, case):
     """The converter is what transformers' GGUF loader undoes (names, llama's q/k permutation,
@@ -354,7 +387,7 @@ def test_f32_conversion_reads_back_exactly(tmp_path, case):
     assert want.keys() == got.keys()
     for name, tensor in want.items():
         # Gemma's norms went through w + 1 - 1 in float32: within an ulp of 1
-        ulp = 2 ** -23 if case.startswith("gemma") and "norm" in name else 0.0
+        ulp = 2**-23 if case.startswith("gemma") and "norm" in name else 0.0
         assert torch.allclose(got[name], tensor, rtol=0, atol=ulp), f"{case}: {name} differs"
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
@@ -400,29 +433,37 @@ def _unreadable_file(folder, arch: str, name: str = "") -> str:
 
         write_gpt_oss(path)
         return path
-    config = {"mistral": transformers.MistralConfig, "olmo2": transformers.Olmo2Config,
-              "granite": transformers.GraniteConfig}[arch](**SIZES)
+    config = {
+        "mistral": transformers.MistralConfig,
+        "olmo2": transformers.Olmo2Config,
+        "granite": transformers.GraniteConfig,
+    }[arch](**SIZES)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     if arch == "mistral":
-        write_gguf(model, "llama" if name else "mistral", path, T.Q8_0, name=name,
-                   tensor_names="llama")
+        write_gguf(
+            model, "llama" if name else "mistral", path, T.Q8_0, name=name, tensor_names="llama"
+        )
     else:
         write_gguf(model, arch, path, T.Q8_0)
     return path
 
 
-@pytest.mark.parametrize("arch, name", [("mistral", ""), ("mistral", "mistral"), ("olmo2", ""),
-                                        ("granite", ""), ("gpt-oss", "")])
+@pytest.mark.parametrize(
+    "arch, name",
+    [("mistral", ""), ("mistral", "mistral"), ("olmo2", ""), ("granite", ""), ("gpt-oss", "")],
+)
 def test_transformers_cannot_read(tmp_path, arch, name):
     """Why the planner's other GGUF architectures are not cases: transformers refuses them (if
     one starts to load, it becomes a case)."""
     path = _unreadable_file(tmp_path, arch, name)
-    errors = {"mistral": (NotImplementedError, "Unknown gguf model_type: mistral"),
-              "olmo2": (ValueError, "architecture olmo2 is not supported"),
-              "granite": (ValueError, "architecture granite is not supported"),
-              # the rope.scaling key-values (TypeError); without them, the experts are missing
-              "gpt-oss": ((TypeError, RuntimeError), None)}
+    errors = {
+        "mistral": (NotImplementedError, "Unknown gguf model_type: mistral"),
+        "olmo2": (ValueError, "architecture olmo2 is not supported"),
+        "granite": (ValueError, "architecture granite is not supported"),
+        # the rope.scaling key-values (TypeError); without them, the experts are missing
+        "gpt-oss": ((TypeError, RuntimeError), None),
+    }
     kind, match = errors[arch]
     with pytest.raises(kind, match=match):
         read_with_transformers(path)
@@ -438,6 +479,7 @@ def test_llama_cpp_mistral_is_the_llama_case(tmp_path):
 
 # ---- the bug, minimal ------------------------------------------------------------------------
 
+
 def _transformers_sizes(case: str) -> set[str]:
     """The config attributes transformers takes from a GGUF key, for ``case``."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
@@ -448,8 +490,8 @@ def _transformers_sizes(case: str) -> set[str]:
 
 def test_transformers_reads_no_key_for_the_lost_sizes():
     """Why ``LOST_SIZES``: the sizes a worker changes and transformers reads from no key."""
-    assert "head_dim" in _transformers_sizes("llama")           # rope.dimension_count
-    assert "head_dim" in _transformers_sizes("gemma2")          # attention.key_length
+    assert "head_dim" in _transformers_sizes("llama")  # rope.dimension_count
+    assert "head_dim" in _transformers_sizes("gemma2")  # attention.key_length
     assert "head_dim" in _transformers_sizes("qwen3moe")
     for case in ("qwen2", "phi3", "qwen2moe"):
         assert "head_dim" not in _transformers_sizes(case), case

@@ -12,14 +12,14 @@ import json
 import pytest
 import torch
 import transformers
-
-from helpers.subprocesses import torchrun
 from helpers.gpt_oss_tool import tiny_config
 from helpers.hf_dist_job import PROMPT
+from helpers.subprocesses import torchrun
+
 from shardload import ThreadedSession
 from shardload.hf import load_tp_model
 
-pytestmark = pytest.mark.slow      # a torchrun job: two processes importing transformers
+pytestmark = pytest.mark.slow  # a torchrun job: two processes importing transformers
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,9 @@ def test_two_ranks_match_transformers_and_each_other(checkpoint, tmp_path):
     # rank 0 chose every sampled token and broadcast it: both ranks decoded the same
     assert ranks[0]["sampled"] == ranks[1]["sampled"]
     with ThreadedSession(2) as session, load_tp_model(str(checkpoint), session) as model:
-        threads = model.generate(PROMPT, max_new_tokens=16, do_sample=True, seed=7,
-                                 temperature=0.8, top_k=20)
+        threads = model.generate(
+            PROMPT, max_new_tokens=16, do_sample=True, seed=7, temperature=0.8, top_k=20
+        )
     assert ranks[0]["sampled"] == threads.tolist()
 
 
@@ -60,12 +61,27 @@ def test_cli_run_under_torchrun(checkpoint, tmp_path):
     from helpers.tokenizer import char_tokenizer
 
     char_tokenizer().save_pretrained(checkpoint)
-    job = torchrun("-m", "shardload", "run", "--session", "torch", "--shards", "2", "--json",
-                   "--no-chat", "--prompt", "Hello", "--max-new-tokens", "8", "--check",
-                   str(checkpoint), timeout=300)
+    job = torchrun(
+        "-m",
+        "shardload",
+        "run",
+        "--session",
+        "torch",
+        "--shards",
+        "2",
+        "--json",
+        "--no-chat",
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        "8",
+        "--check",
+        str(checkpoint),
+        timeout=300,
+    )
     assert job.returncode == 0, job.stderr[-3000:]
     lines = [line for line in job.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 1, job.stdout          # rank 0 reports, once
+    assert len(lines) == 1, job.stdout  # rank 0 reports, once
     record = json.loads(lines[0])
     assert record["num_shards"] == 2 and len(record["tokens"]) == 8
     assert record["max_abs_logit_diff"] < 1e-4

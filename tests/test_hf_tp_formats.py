@@ -48,7 +48,6 @@ table.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import time
 from pathlib import Path
@@ -57,23 +56,33 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
-
 from helpers.deepseek_configs import fp8_config
-from helpers.deepseek_fp8_tool import DEEPSEEK_QUANT_CONFIG, dequantize as fp8_dequantize
-from helpers.deepseek_fp8_tool import write_deepseek_fp8
-from helpers.hf_parity import (NEW_TOKENS, PROMPT, QUANT_SIZES, TOLERANCE, Reference, answers,
-                               randomise, relative)
+from helpers.deepseek_fp8_tool import DEEPSEEK_QUANT_CONFIG, write_deepseek_fp8
+from helpers.deepseek_fp8_tool import dequantize as fp8_dequantize
+from helpers.hf_parity import (
+    NEW_TOKENS,
+    PROMPT,
+    QUANT_SIZES,
+    TOLERANCE,
+    Reference,
+    answers,
+    randomise,
+    relative,
+)
 from helpers.modelopt_configs import CONFIGS as MODELOPT_CONFIGS
-from helpers.modelopt_tool import cached_modelopt_nvfp4, dequantize as nvfp4_dequantize
+from helpers.modelopt_tool import cached_modelopt_nvfp4
+from helpers.modelopt_tool import dequantize as nvfp4_dequantize
 from helpers.quant_refs.awq import dequantize_awq, quantize_awq
 from helpers.quant_refs.gptq import dequantize_gptq, quantize_gptq
-from shardload import PlanError, ProcessSession, ThreadedSession
+from safetensors.torch import load_file, save_file
+
+from shardload import ProcessSession, ThreadedSession
 from shardload.hf import TPModel, load_tp_model
 from shardload.planners import plan_decision
 
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:You passed `quantization_config`:UserWarning")   # dequantize=True over the config's
+    "ignore:You passed `quantization_config`:UserWarning"
+)  # dequantize=True over the config's
 
 U, P = "unpadded", "padded"
 #: case -> the plan kind at N = 1, 2, 3, 4
@@ -83,8 +92,8 @@ KINDS = {
     "deepseek_fp8": (U, U, P, U),
     "deepseek_fp8_ds_config": (U, U, P, U),
     "modelopt_nvfp4_llama": (U, U, P, U),
-    "modelopt_nvfp4_phi3": (U, U, P, U),        # fused qkv_proj and gate_up_proj
-    "modelopt_nvfp4_qwen3_moe": (U, U, P, P),   # 32-row experts: 2 groups of 16 over 4
+    "modelopt_nvfp4_phi3": (U, U, P, U),  # fused qkv_proj and gate_up_proj
+    "modelopt_nvfp4_qwen3_moe": (U, U, P, P),  # 32-row experts: 2 groups of 16 over 4
     # zero rows of down_proj in zero-scaled groups of their own, act-order or not
     "gptq_g32": (U, U, P, U),
     "gptq_g32_act_order": (U, U, P, U),
@@ -104,11 +113,16 @@ KINDS = {
 GROUP = 32
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: one N per format for ProcessSession (slow)
-PROCESS_CASES = [("deepseek_fp8", 2), ("modelopt_nvfp4_qwen3_moe", 3), ("gptq_g32_act_order", 2),
-                 ("awq_g32", 3)]
+PROCESS_CASES = [
+    ("deepseek_fp8", 2),
+    ("modelopt_nvfp4_qwen3_moe", 3),
+    ("gptq_g32_act_order", 2),
+    ("awq_g32", 3),
+]
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
+
 
 def _rewrite(folder: Path, change) -> None:
     """``change(tensors)`` applied to ``folder/model.safetensors`` in place (metadata kept)."""
@@ -140,8 +154,9 @@ def _set_quant_config(folder: Path, quant: dict) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _dense_reference(folder: Path, dense_folder: Path, dequantize_module,
-                     part: str = "weight_scale") -> tuple:
+def _dense_reference(
+    folder: Path, dense_folder: Path, dequantize_module, part: str = "weight_scale"
+) -> tuple:
     """transformers' model of ``folder``'s config (its ``quantization_config`` dropped) holding
     ``dequantize_module(tensors, module)`` for every quantized module (the one whose parts
     include ``part``) and every other stored tensor as it is: a dense checkpoint written to
@@ -168,10 +183,14 @@ def transformers_fp8_load(folder: Path):
     """transformers' own float32 load of a block-FP8 folder. Without a GPU it dequantizes the
     weights itself (FP8 kernels need one); with one it is asked to (``dequantize=True``, the same
     weights: both pinned by ``test_transformers_fp8_load_is_the_exact_dequantization``)."""
-    extra = ({"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)}
-             if torch.cuda.is_available() else {})
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                             **extra).eval()
+    extra = (
+        {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)}
+        if torch.cuda.is_available()
+        else {}
+    )
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, **extra
+    ).eval()
 
 
 def make_deepseek_fp8(folder: Path, tmp: Path, ds_config: bool = False):
@@ -195,8 +214,11 @@ def make_modelopt(folder: Path, tmp: Path, arch: str):
     _rewrite(folder, lambda t: _randomise_stored(t, seed=4))
 
     def module_weight(stored, module):
-        return nvfp4_dequantize(stored[f"{module}.weight"], stored[f"{module}.weight_scale"],
-                                stored[f"{module}.weight_scale_2"])
+        return nvfp4_dequantize(
+            stored[f"{module}.weight"],
+            stored[f"{module}.weight_scale"],
+            stored[f"{module}.weight_scale_2"],
+        )
 
     model, count = _dense_reference(folder, tmp / "dense", module_weight)
     assert count == {"llama": 7, "phi3": 4, "qwen3_moe": 2 * (4 + 3 * 4)}[arch]
@@ -204,12 +226,22 @@ def make_modelopt(folder: Path, tmp: Path, arch: str):
 
 
 def _as_torch(x) -> torch.Tensor:
-    return x.detach().clone() if isinstance(x, torch.Tensor) else torch.from_numpy(
-        np.ascontiguousarray(x))
+    return (
+        x.detach().clone()
+        if isinstance(x, torch.Tensor)
+        else torch.from_numpy(np.ascontiguousarray(x))
+    )
 
 
-def make_int4(folder: Path, tmp: Path, method: str, *, act_order: bool = False,
-              sym: bool = True, biases: bool = False):
+def make_int4(
+    folder: Path,
+    tmp: Path,
+    method: str,
+    *,
+    act_order: bool = False,
+    sym: bool = True,
+    biases: bool = False,
+):
     """A random Llama of the quantized sizes ``QUANT_SIZES`` (norms and biases randomised, every
     float tensor rounded to fp16 and stored so), its 7 linears per layer quantized by
     ``quant_refs`` (GPTQ v1 group 32, with a random ``perm`` per linear for act-order; or AWQ
@@ -223,7 +255,7 @@ def make_int4(folder: Path, tmp: Path, method: str, *, act_order: bool = False,
     stored = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(param.half().float())               # an fp16 checkpoint
+            param.copy_(param.half().float())  # an fp16 checkpoint
             module, _, suffix = name.rpartition(".")
             if suffix != "weight" or module.rpartition(".")[2] not in LINEARS:
                 stored[name] = param.detach().half().clone()
@@ -242,11 +274,22 @@ def make_int4(folder: Path, tmp: Path, method: str, *, act_order: bool = False,
     save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(folder)
     if method == "gptq":
-        quant = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": act_order,
-                 "sym": sym, "checkpoint_format": "gptq"}
+        quant = {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": GROUP,
+            "desc_act": act_order,
+            "sym": sym,
+            "checkpoint_format": "gptq",
+        }
     else:
-        quant = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm",
-                 "zero_point": True}
+        quant = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": GROUP,
+            "version": "gemm",
+            "zero_point": True,
+        }
     _set_quant_config(folder, quant)
     return model.eval()
 
@@ -265,8 +308,9 @@ def make_gptqmodel(folder: Path, tmp: Path, *, act_order: bool, group: int = GRO
     quantize(tmp / "source", folder, bits=4, group=group, desc_act=act_order)
 
     def module_weight(stored, module):
-        parts = {p: stored[f"{module}.{p}"].numpy() for p in ("qweight", "qzeros", "scales",
-                                                             "g_idx")}
+        parts = {
+            p: stored[f"{module}.{p}"].numpy() for p in ("qweight", "qzeros", "scales", "g_idx")
+        }
         return torch.from_numpy(dequantize_gptq(parts, 4, 1))
 
     model, count = _dense_reference(folder, tmp / "dense", module_weight, part="qweight")
@@ -313,6 +357,7 @@ def format_reference(tmp_path_factory):
 
 # ---- parity ------------------------------------------------------------------------------------
 
+
 def check_parity(case: str, ref: Reference, n: int, session_class) -> None:
     kind = KINDS[case][n - 1]
     started = time.perf_counter()
@@ -322,14 +367,17 @@ def check_parity(case: str, ref: Reference, n: int, session_class) -> None:
             assert isinstance(model, TPModel) and model.num_shards == n
             assert model.decision.kind == kind, (case, n, model.decision.kind)
             logits = model(torch.tensor(PROMPT))
-            tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS,
-                                    eos_token_id=None)   # as the reference: all 16 tokens
+            tokens = model.generate(
+                torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, eos_token_id=None
+            )  # as the reference: all 16 tokens
         finally:
             model.close()
     diff = relative(logits, ref.logits)
     same = torch.equal(tokens, ref.tokens)
-    print(f"\nPARITY {case:26} {session_class.__name__:15} N={n} {kind:8} "
-          f"rel={diff:.2e} tokens_equal={same} ({time.perf_counter() - started:.2f} s)")
+    print(
+        f"\nPARITY {case:26} {session_class.__name__:15} N={n} {kind:8} "
+        f"rel={diff:.2e} tokens_equal={same} ({time.perf_counter() - started:.2f} s)"
+    )
     assert logits.dtype == torch.float32 and logits.shape == ref.logits.shape
     assert diff < TOLERANCE, f"{case} at N={n}: logits differ by {diff:.2e} (relative)"
     assert tokens.tolist() == ref.tokens.tolist(), f"{case} at N={n}: greedy tokens differ"
@@ -338,8 +386,10 @@ def check_parity(case: str, ref: Reference, n: int, session_class) -> None:
 def _cases(names) -> list:
     """``names`` as parameters, those GPTQModel writes marked ``quant_tools`` (its environment
     is made by a script: without it they skip before anything is made)."""
-    return [pytest.param(c, marks=pytest.mark.quant_tools) if c.startswith("gptqmodel") else c
-            for c in names]
+    return [
+        pytest.param(c, marks=pytest.mark.quant_tools) if c.startswith("gptqmodel") else c
+        for c in names
+    ]
 
 
 @pytest.mark.parametrize("n", (1, 2, 3, 4))
@@ -356,6 +406,7 @@ def test_process_session_equals_reference(format_reference, case, n):
 
 # ---- what the cases rest on --------------------------------------------------------------------
 
+
 def test_transformers_fp8_load_is_the_exact_dequantization(format_reference):
     """The FP8 reference, transformers' load of the block-FP8 folder (on CPU, plain; and with
     ``FineGrainedFP8Config(dequantize=True)``), holds exactly the float32 block dequantization
@@ -364,39 +415,62 @@ def test_transformers_fp8_load_is_the_exact_dequantization(format_reference):
     and DeepSeek's own four-field config loads to the same model."""
     ref = format_reference("deepseek_fp8")
     stored = load_file(str(ref.folder / "model.safetensors"))
-    quantized = [k[:-len("_scale_inv")] for k in stored if k.endswith(".weight_scale_inv")]
+    quantized = [k[: -len("_scale_inv")] for k in stored if k.endswith(".weight_scale_inv")]
     experts = "model.layers.1.mlp.experts."
     plain = [k for k in quantized if not k.startswith(experts)]
-    assert len(plain) == 2 * 5 + 3 + 3          # attention x2, the dense MLP, the shared expert
+    assert len(plain) == 2 * 5 + 3 + 3  # attention x2, the dense MLP, the shared expert
 
     def stacked(proj):
-        return torch.stack([fp8_dequantize(stored[f"{experts}{e}.{proj}.weight"],
-                                           stored[f"{experts}{e}.{proj}.weight_scale_inv"])
-                            for e in range(4)])
+        return torch.stack(
+            [
+                fp8_dequantize(
+                    stored[f"{experts}{e}.{proj}.weight"],
+                    stored[f"{experts}{e}.{proj}.weight_scale_inv"],
+                )
+                for e in range(4)
+            ]
+        )
 
     loads = [{"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)}]
     if not torch.cuda.is_available():
         loads.append({})
     for extra in loads:
-        model = transformers.AutoModelForCausalLM.from_pretrained(ref.folder, dtype=torch.float32,
-                                                                  **extra)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            ref.folder, dtype=torch.float32, **extra
+        )
         state = model.state_dict()
         for name in plain:
-            assert torch.equal(state[name],
-                               fp8_dequantize(stored[name], stored[name + "_scale_inv"])), name
-        assert torch.equal(state[experts + "gate_up_proj"],
-                           torch.cat([stacked("gate_proj"), stacked("up_proj")], dim=1))
+            assert torch.equal(
+                state[name], fp8_dequantize(stored[name], stored[name + "_scale_inv"])
+            ), name
+        assert torch.equal(
+            state[experts + "gate_up_proj"],
+            torch.cat([stacked("gate_proj"), stacked("up_proj")], dim=1),
+        )
         assert torch.equal(state[experts + "down_proj"], stacked("down_proj"))
         assert not torch.equal(state[plain[0]], state[plain[0]].bfloat16().float())
     ds = format_reference("deepseek_fp8_ds_config")
-    assert json.loads((ds.folder / "config.json").read_text())["quantization_config"] == \
-        DEEPSEEK_QUANT_CONFIG
+    assert (
+        json.loads((ds.folder / "config.json").read_text())["quantization_config"]
+        == DEEPSEEK_QUANT_CONFIG
+    )
     assert torch.equal(ds.logits, ref.logits)
     assert torch.equal(answers(transformers_fp8_load(ds.folder))[0], ref.logits)
 
 
-@pytest.mark.parametrize("case", _cases(["gptq_g32", "gptq_g32_act_order", "gptq_g32_asym_bias",
-                                          "awq_g32", "gptqmodel_g32", "gptqmodel_g32_act_order"]))
+@pytest.mark.parametrize(
+    "case",
+    _cases(
+        [
+            "gptq_g32",
+            "gptq_g32_act_order",
+            "gptq_g32_asym_bias",
+            "awq_g32",
+            "gptqmodel_g32",
+            "gptqmodel_g32_act_order",
+        ]
+    ),
+)
 def test_int4_checkpoints_are_what_the_tools_write(format_reference, case):
     """The premise of the GPTQ / AWQ cases: AutoGPTQ's v1 and AutoAWQ's GEMM tensors, int32
     packed, fp16 scales; act-order ``g_idx`` really reorders rows; asymmetric zero points vary;
@@ -424,8 +498,9 @@ def test_int4_checkpoints_are_what_the_tools_write(format_reference, case):
         assert f"{q}.g_idx" not in stored
     assert stored[f"{q}.qweight"].dtype == torch.int32
     assert stored[f"{q}.scales"].dtype == torch.float16
-    assert stored["model.norm.weight"].dtype == (torch.bfloat16 if "gptqmodel" in case
-                                                 else torch.float16)
+    assert stored["model.norm.weight"].dtype == (
+        torch.bfloat16 if "gptqmodel" in case else torch.float16
+    )
     assert stored["model.norm.weight"].float().std() > 0
     summary = str(plan_decision(str(ref.folder), 2).summary)
     method = "awq" if case.startswith("awq") else "gptq"

@@ -34,25 +34,34 @@ import time
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
-
 from helpers.architecture_configs import CONFIGS as ARCH_CONFIGS
 from helpers.architecture_configs import SMALL
 from helpers.compressed_tensors_tool import compress_preset, compress_w4a16
 from helpers.deepseek_configs import tiny_config as deepseek_config
 from helpers.gpt_oss_tool import load_with_transformers, write_gpt_oss_mxfp4
 from helpers.gpt_oss_tool import tiny_config as gpt_oss_config
-from helpers.hf_parity import (NEW_TOKENS, PROMPT, QUANT_SIZES, TOLERANCE, Reference, answers,
-                               randomise, relative)
+from helpers.hf_parity import (
+    NEW_TOKENS,
+    PROMPT,
+    QUANT_SIZES,
+    TOLERANCE,
+    Reference,
+    answers,
+    randomise,
+    relative,
+)
 from helpers.moe_configs import CONFIGS as MOE_CONFIGS
+from safetensors.torch import load_file
+
 from shardload import ProcessSession, ShardloadError, ThreadedSession, WorkerError
 from shardload.hf import TPModel, load_tp_model
 
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:You passed `quantization_config`:UserWarning")   # dequantize=True over the config's
+    "ignore:You passed `quantization_config`:UserWarning"
+)  # dequantize=True over the config's
 
 SHARDS = (1, 2, 3, 4)
-PADDED = 3            # 4 query heads (and the MLPs) over 3 workers: zero-padded
+PADDED = 3  # 4 query heads (and the MLPs) over 3 workers: zero-padded
 #: cases zero-padded at more N than PADDED: gpt-oss MXFP4's experts hold 64 rows, two 32-groups
 #: of down_proj's inputs, which 4 workers cannot share evenly
 ALSO_PADDED = {"gpt_oss_mxfp4": {4}, "ct_fp8_block_llama": {2, 4}}
@@ -61,14 +70,13 @@ ALSO_PADDED = {"gpt_oss_mxfp4": {4}, "ct_fp8_block_llama": {2, 4}}
 FLOAT = {
     "llama": lambda: transformers.LlamaConfig(**SMALL),
     # o_proj / down_proj biases: row-parallel, added once after the sum, not once per worker
-    "llama_biases": lambda: transformers.LlamaConfig(attention_bias=True, mlp_bias=True,
-                                                     **SMALL),
+    "llama_biases": lambda: transformers.LlamaConfig(attention_bias=True, mlp_bias=True, **SMALL),
     "mistral": lambda: transformers.MistralConfig(**SMALL),
-    "qwen2": lambda: transformers.Qwen2Config(**SMALL),                # q/k/v biases
-    "qwen3": lambda: transformers.Qwen3Config(head_dim=24, **SMALL),   # per-head q/k norms
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL),  # q/k/v biases
+    "qwen3": lambda: transformers.Qwen3Config(head_dim=24, **SMALL),  # per-head q/k norms
     "gemma2": ARCH_CONFIGS["gemma2"],
     "gemma3_text": ARCH_CONFIGS["gemma3_text"],
-    "gemma3": ARCH_CONFIGS["gemma3"],      # multimodal: the language model under text_config
+    "gemma3": ARCH_CONFIGS["gemma3"],  # multimodal: the language model under text_config
     "phi3": ARCH_CONFIGS["phi3"],
     "granite": ARCH_CONFIGS["granite"],
     # q/k norms over the whole projection: a sum of squares reduced over the workers
@@ -76,9 +84,9 @@ FLOAT = {
     "mixtral": MOE_CONFIGS["mixtral"],
     "qwen2_moe": MOE_CONFIGS["qwen2_moe"],
     "qwen3_moe": MOE_CONFIGS["qwen3_moe"],
-    "gpt_oss": gpt_oss_config,                                          # sinks, biases, MoE
-    "deepseek_v2": lambda: deepseek_config("v2"),                       # MLA, no q_lora
-    "deepseek_v3": lambda: deepseek_config("v3"),                       # MLA, q_lora, router bias
+    "gpt_oss": gpt_oss_config,  # sinks, biases, MoE
+    "deepseek_v2": lambda: deepseek_config("v2"),  # MLA, no q_lora
+    "deepseek_v3": lambda: deepseek_config("v3"),  # MLA, q_lora, router bias
     # 8 heads of 32 in a hidden size of 256: at N = 3 each worker holds 3 query heads (one of
     # them zero-padded), which the hidden size does not divide; transformers' config checks
     # refuse such sizes, so the worker's are set on the config after it is built
@@ -101,24 +109,36 @@ def _quant_phi3():
 QUANTIZED = {
     "ct_w4a16_llama": lambda d: compress_w4a16(d, _quant_llama(), symmetric=True, group=32),
     "ct_w4a16_phi3": lambda d: compress_w4a16(d, _quant_phi3(), symmetric=True, group=32),
-    "ct_w4a16_llama_8_heads": lambda d: compress_w4a16(d, transformers.LlamaConfig(**EIGHT_HEADS),
-                                                       symmetric=True, group=32),
+    "ct_w4a16_llama_8_heads": lambda d: compress_w4a16(
+        d, transformers.LlamaConfig(**EIGHT_HEADS), symmetric=True, group=32
+    ),
     "ct_w8a8_llama": lambda d: compress_preset(d, _quant_llama(), "W8A8"),
     "ct_nvfp4a16_llama": lambda d: compress_preset(d, _quant_llama(), "NVFP4A16"),
     "ct_mxfp4a16_llama": lambda d: compress_preset(d, _quant_llama(), "MXFP4A16"),
     # 128x128 blocks: heads of 128 rows, an MLP of 3 blocks (padded at 2, 3 and 4)
-    "ct_fp8_block_llama": lambda d: compress_preset(d, transformers.LlamaConfig(
-        **{**QUANT_SIZES, "hidden_size": 512, "intermediate_size": 384}), "FP8_BLOCK"),
+    "ct_fp8_block_llama": lambda d: compress_preset(
+        d,
+        transformers.LlamaConfig(**{**QUANT_SIZES, "hidden_size": 512, "intermediate_size": 384}),
+        "FP8_BLOCK",
+    ),
     "gpt_oss_mxfp4": lambda d: write_gpt_oss_mxfp4(d, gpt_oss_config()),
 }
 
 #: one N per family for ProcessSession (slow); the dense one is OLMo-2, whose q/k norms add a
 #: reduction of their own over the gloo group
-PROCESS_CASES = [("olmo2", 3), ("qwen2_moe", 2), ("gpt_oss", 2), ("deepseek_v3", 3),
-                 ("ct_w4a16_llama", 2), ("gpt_oss_mxfp4", 3), ("ct_w4a16_llama_8_heads", 3)]
+PROCESS_CASES = [
+    ("olmo2", 3),
+    ("qwen2_moe", 2),
+    ("gpt_oss", 2),
+    ("deepseek_v3", 3),
+    ("ct_w4a16_llama", 2),
+    ("gpt_oss_mxfp4", 3),
+    ("ct_w4a16_llama_8_heads", 3),
+]
 
 
 # ---- the checkpoints and transformers' answers -------------------------------------------------
+
 
 def write_float(folder, case: str) -> None:
     torch.manual_seed(0)
@@ -143,15 +163,20 @@ def nvfp4_float32_reference(folder):
         for name, packed in stored.items():
             if not name.endswith(".weight_packed"):
                 continue
-            prefix = name[:-len(".weight_packed")]
-            codes = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2,
-                                          dtype=torch.float32)
-            weight = dequantize(x_q=codes, scale=stored[f"{prefix}.weight_scale"].float(),
-                                args=args, global_scale=stored[f"{prefix}.weight_global_scale"],
-                                dtype=torch.float32)
+            prefix = name[: -len(".weight_packed")]
+            codes = unpack_fp4_from_uint8(
+                packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32
+            )
+            weight = dequantize(
+                x_q=codes,
+                scale=stored[f"{prefix}.weight_scale"].float(),
+                args=args,
+                global_scale=stored[f"{prefix}.weight_global_scale"],
+                dtype=torch.float32,
+            )
             model.get_parameter(f"{prefix}.weight").copy_(weight)
             replaced += 1
-    assert replaced == 14          # 2 layers x (q, k, v, o, gate, up, down); lm_head ignored
+    assert replaced == 14  # 2 layers x (q, k, v, o, gate, up, down); lm_head ignored
     return model
 
 
@@ -161,8 +186,10 @@ def reference_model(folder, case: str):
         model = load_with_transformers(folder)
     elif case.startswith("ct_"):
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32,
-            quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+            folder,
+            dtype=torch.float32,
+            quantization_config=transformers.CompressedTensorsConfig(dequantize=True),
+        )
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return model.eval()
@@ -181,8 +208,11 @@ def transformers_reference(tmp_path_factory):
                 write_float(folder, case)
             else:
                 QUANTIZED[case](folder)
-            model = (nvfp4_float32_reference(folder) if case == "ct_nvfp4a16_llama"
-                     else reference_model(folder, case))
+            model = (
+                nvfp4_float32_reference(folder)
+                if case == "ct_nvfp4a16_llama"
+                else reference_model(folder, case)
+            )
             made[case] = Reference(folder, model)
         return made[case]
 
@@ -198,20 +228,24 @@ def check_parity(case: str, ref: Reference, n: int, session_class) -> None:
             padded = n == PADDED or n in ALSO_PADDED.get(case, ())
             assert model.decision.kind == ("padded" if padded else "unpadded")
             logits = model(torch.tensor(PROMPT))
-            tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS,
-                                    eos_token_id=None)   # as the reference: all 16 tokens
+            tokens = model.generate(
+                torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, eos_token_id=None
+            )  # as the reference: all 16 tokens
         finally:
             model.close()
     diff = relative(logits, ref.logits)
     same = torch.equal(tokens, ref.tokens)
-    print(f"\nPARITY {case:18} {session_class.__name__:15} N={n} {model.decision.kind:8} "
-          f"rel={diff:.2e} tokens_equal={same} ({time.perf_counter() - started:.2f} s)")
+    print(
+        f"\nPARITY {case:18} {session_class.__name__:15} N={n} {model.decision.kind:8} "
+        f"rel={diff:.2e} tokens_equal={same} ({time.perf_counter() - started:.2f} s)"
+    )
     assert logits.dtype == torch.float32 and logits.shape == ref.logits.shape
     assert diff < TOLERANCE, f"{case} at N={n}: logits differ by {diff:.2e} (relative)"
     assert tokens.tolist() == ref.tokens.tolist(), f"{case} at N={n}: greedy tokens differ"
 
 
 # ---- the parity: every case, every N, threads --------------------------------------------------
+
 
 @pytest.mark.parametrize("n", SHARDS)
 @pytest.mark.parametrize("case", sorted(FLOAT))
@@ -233,12 +267,14 @@ def test_process_session_equals_transformers(transformers_reference, case, n):
 
 # ---- what the cases rest on ----------------------------------------------------------------------
 
+
 def test_randomised_checkpoints_have_no_constant_bias_or_norm(transformers_reference):
     """The checkpoints really hold random biases and norms (row-parallel biases included)."""
     for case in ("llama_biases", "qwen2", "gpt_oss", "gemma2", "olmo2", "deepseek_v3"):
         stored = load_file(str(transformers_reference(case).folder / "model.safetensors"))
-        picked = {name: t for name, t in stored.items()
-                  if name.endswith(("bias", "norm.weight", "sinks"))}
+        picked = {
+            name: t for name, t in stored.items() if name.endswith(("bias", "norm.weight", "sinks"))
+        }
         assert picked, case
         for name, t in picked.items():
             assert t.numel() == 1 or t.float().std() > 0, f"{case}: {name} is constant"
@@ -260,9 +296,10 @@ def test_nvfp4_transformers_rounds_to_bfloat16(transformers_reference):
     for n in (1, 2):
         with ThreadedSession(n) as session, load_tp_model(str(ref.folder), session) as model:
             diffs.append(relative(model(PROMPT), want))
-            assert model.generate(PROMPT, max_new_tokens=NEW_TOKENS,
-                                  eos_token_id=None).tolist() == \
-                want_tokens.tolist()
+            assert (
+                model.generate(PROMPT, max_new_tokens=NEW_TOKENS, eos_token_id=None).tolist()
+                == want_tokens.tolist()
+            )
     print(f"\nNVFP4 against transformers' bf16 decompression: rel={diffs}")
     assert all(d < 1e-2 for d in diffs)
     assert abs(diffs[0] - diffs[1]) < 1e-4
@@ -275,10 +312,18 @@ def test_sampling_is_the_same_at_every_n(transformers_reference):
     sampled = {}
     for n in (1, 3):
         with ThreadedSession(n) as session, load_tp_model(str(ref.folder), session) as model:
-            sampled[n] = [model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True,
-                                         seed=seed, temperature=0.8, top_k=20,
-                                         eos_token_id=None).tolist()
-                          for seed in (7, 7, 8)]
+            sampled[n] = [
+                model.generate(
+                    PROMPT,
+                    max_new_tokens=NEW_TOKENS,
+                    do_sample=True,
+                    seed=seed,
+                    temperature=0.8,
+                    top_k=20,
+                    eos_token_id=None,
+                ).tolist()
+                for seed in (7, 7, 8)
+            ]
     assert sampled[1] == sampled[3]
     first, again, other = sampled[1]
     assert first == again and first != other
@@ -296,12 +341,14 @@ def test_batch_and_closed_model(transformers_reference):
     with ThreadedSession(3) as session:
         model = load_tp_model(str(ref.folder), session)
         assert relative(model(prompts), want) < TOLERANCE
-        assert model.generate(prompts, max_new_tokens=4, eos_token_id=None)[0].tolist() == \
-            ref.tokens[0, :12].tolist()
+        assert (
+            model.generate(prompts, max_new_tokens=4, eos_token_id=None)[0].tolist()
+            == ref.tokens[0, :12].tolist()
+        )
         model.close()
         with pytest.raises(WorkerError, match="no model"):
             model(PROMPT)
-        model.close()                                   # twice: nothing more to free
+        model.close()  # twice: nothing more to free
 
 
 def test_unsupported_dtype_is_refused(transformers_reference):
@@ -329,7 +376,8 @@ def test_expert_parallel_equals_transformers(transformers_reference, case, n):
             held = model.decision.shard_info().metadata["experts"]["experts_per_worker"]
             assert all(len(slots) == n for slots in held.values())
             logits = model(torch.tensor(PROMPT))
-            tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS,
-                                    eos_token_id=None)
+            tokens = model.generate(
+                torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, eos_token_id=None
+            )
     assert relative(logits, ref.logits) < TOLERANCE
     assert tokens.tolist() == ref.tokens.tolist()

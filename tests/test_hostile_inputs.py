@@ -26,10 +26,16 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from helpers.hostile_corpus import CASES, Case, Target
-from shardload import FormatError, PlanError, ShardInfo, ThreadedSession, load_sharded
-from shardload import open_checkpoint
+
+from shardload import (
+    FormatError,
+    PlanError,
+    ShardInfo,
+    ThreadedSession,
+    load_sharded,
+    open_checkpoint,
+)
 from shardload.cli import cli
 from shardload.planners import plan_for
 
@@ -72,12 +78,14 @@ def _bounded(case: Case, command: str):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     cpu = time.process_time() - start
-    assert cpu < case.time_s, (f"{case.id}: {command} took {cpu:.1f} s of CPU (bound "
-                               f"{case.time_s} s)")
+    assert cpu < case.time_s, (
+        f"{case.id}: {command} took {cpu:.1f} s of CPU (bound {case.time_s} s)"
+    )
     if measure_mem:
         grown_mb = (_kib("VmHWM") - before) / 1024
-        assert grown_mb < case.mem_mb, (f"{case.id}: {command} grew peak memory by "
-                                        f"{grown_mb:.0f} MB (bound {case.mem_mb} MB)")
+        assert grown_mb < case.mem_mb, (
+            f"{case.id}: {command} grew peak memory by {grown_mb:.0f} MB (bound {case.mem_mb} MB)"
+        )
 
 
 def _cli_args(command: str, target: Target) -> list[str]:
@@ -114,10 +122,11 @@ def _check_api(case: Case, target: Target) -> None:
             if target.plan:
                 info = ShardInfo.load(target.plan)
             else:
-                beside = Path(ckpt.path if os.path.isdir(ckpt.path)
-                              else os.path.dirname(ckpt.path)) / "shard_info.json"
-                info = ShardInfo.load(beside) if beside.exists() else plan_for(ckpt,
-                                                                               target.shards)
+                beside = (
+                    Path(ckpt.path if os.path.isdir(ckpt.path) else os.path.dirname(ckpt.path))
+                    / "shard_info.json"
+                )
+                info = ShardInfo.load(beside) if beside.exists() else plan_for(ckpt, target.shards)
             validated = info.bind(target.shards).validate(ckpt.metadata())
             with ThreadedSession(target.shards) as session:
                 sharded = load_sharded(ckpt, validated.plan, session, progress=False)
@@ -134,8 +143,9 @@ def _check_api(case: Case, target: Target) -> None:
         assert fragment in message, f"{case.id}: api: expected {fragment!r} in {message!r}"
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] * c.slow)
-                                  for c in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] * c.slow) for c in CASES]
+)
 def test_hostile_input_gets_the_documented_answer(case: Case, tmp_path: Path) -> None:
     folder = tmp_path / "case"
     folder.mkdir()
@@ -151,7 +161,15 @@ def test_corpus_covers_every_class_and_both_answers() -> None:
     """The corpus is not one-sided: legitimate inputs must load, or a harness that refuses
     everything would pass."""
     kinds = {c.klass for c in CASES}
-    assert {"legitimate", "file-system layout", "config fields", "metadata vs tensors",
-            "resource bombs", "plan contents", "GGUF header", "MLC index"} <= kinds
+    assert {
+        "legitimate",
+        "file-system layout",
+        "config fields",
+        "metadata vs tensors",
+        "resource bombs",
+        "plan contents",
+        "GGUF header",
+        "MLC index",
+    } <= kinds
     assert sum(c.expect == "ok" for c in CASES) >= 10
     assert len(CASES) >= 200

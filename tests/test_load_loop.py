@@ -12,36 +12,71 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from shardload import (ProcessSession, ShardInfo, ShardloadError, ThreadedSession,
-                       load_sharded, open_checkpoint, strict_json)
+from shardload import (
+    ProcessSession,
+    ShardInfo,
+    ShardloadError,
+    ThreadedSession,
+    load_sharded,
+    open_checkpoint,
+    strict_json,
+)
 from shardload.pieces import load as loop
 from shardload.pieces import wire
 from shardload.pieces.load import read_host
 from shardload.pieces.reads import SPAN_GAP_BYTES, Readahead, SourceViews, piece_spans
-from shardload.readplan import (Chain, Fixup, Kind, PieceRead, Pieces, ReadPlan, Run,
-                                build_read_plans)
+from shardload.readplan import (
+    Chain,
+    Fixup,
+    Kind,
+    PieceRead,
+    Pieces,
+    ReadPlan,
+    Run,
+    build_read_plans,
+)
 
 # (name, stored tensor, its plan's steps at N): row splits (one run), column splits (strided
 # runs), dtypes numpy lacks (viewed by torch), a scalar, padding and a fixup (the general path)
 CASES = {
-    "rows": (torch.arange(8 * 6, dtype=torch.float16).reshape(8, 6),
-             lambda n: [["shardload.split", [[n, 8 // n, 6], "float16"], 0]]),
-    "cols": (torch.arange(3 * 8, dtype=torch.int32).reshape(3, 8),
-             lambda n: [["shardload.split", [[n, 3, 8 // n], "int32"], 1]]),
-    "mid": (torch.arange(2 * 8 * 3, dtype=torch.float32).reshape(2, 8, 3).to(torch.bfloat16),
-            lambda n: [["shardload.split", [[n, 2, 8 // n, 3], "bfloat16"], 1]]),
-    "fp8": ((torch.arange(8 * 4) % 100).to(torch.uint8).view(torch.float8_e4m3fn).reshape(8, 4),
-            lambda n: [["shardload.split", [[n, 8 // n, 4], "float8_e4m3fn"], 0]]),
+    "rows": (
+        torch.arange(8 * 6, dtype=torch.float16).reshape(8, 6),
+        lambda n: [["shardload.split", [[n, 8 // n, 6], "float16"], 0]],
+    ),
+    "cols": (
+        torch.arange(3 * 8, dtype=torch.int32).reshape(3, 8),
+        lambda n: [["shardload.split", [[n, 3, 8 // n], "int32"], 1]],
+    ),
+    "mid": (
+        torch.arange(2 * 8 * 3, dtype=torch.float32).reshape(2, 8, 3).to(torch.bfloat16),
+        lambda n: [["shardload.split", [[n, 2, 8 // n, 3], "bfloat16"], 1]],
+    ),
+    "fp8": (
+        (torch.arange(8 * 4) % 100).to(torch.uint8).view(torch.float8_e4m3fn).reshape(8, 4),
+        lambda n: [["shardload.split", [[n, 8 // n, 4], "float8_e4m3fn"], 0]],
+    ),
     "whole": (torch.arange(5, dtype=torch.int64), lambda n: []),
     "scalar": (torch.tensor(3.5, dtype=torch.float64), lambda n: []),
-    "rebase": (torch.arange(8, dtype=torch.int32) // 2,
-               lambda n: [["shardload.split_rebase", [[n, 8 // n], "int32"], 0]]),
-    "padded": (torch.arange(3 * 4, dtype=torch.float16).reshape(3, 4),
-               lambda n: [["shardload.take_units", [[n, 2, 4], "float16"], 0, 1,
-                           *[u if u < 3 else -1 for i in range(n) for u in (i, i + n)]]]),
+    "rebase": (
+        torch.arange(8, dtype=torch.int32) // 2,
+        lambda n: [["shardload.split_rebase", [[n, 8 // n], "int32"], 0]],
+    ),
+    "padded": (
+        torch.arange(3 * 4, dtype=torch.float16).reshape(3, 4),
+        lambda n: [
+            [
+                "shardload.take_units",
+                [[n, 2, 4], "float16"],
+                0,
+                1,
+                *[u if u < 3 else -1 for i in range(n) for u in (i, i + n)],
+            ]
+        ],
+    ),
 }
 
 
@@ -58,8 +93,16 @@ def _plan(n: int) -> dict:
 def test_pieces_record_the_fields_the_load_loop_unpacks():
     # _read_all and Pieces unpack a Kind whole, in this order, and make a PieceRead from it:
     # a field added or moved must be taken there too
-    assert PieceRead._fields == ("name", "shape", "dtype", "runs", "zeros", "fixup", "chain",
-                                 "shared")
+    assert PieceRead._fields == (
+        "name",
+        "shape",
+        "dtype",
+        "runs",
+        "zeros",
+        "fixup",
+        "chain",
+        "shared",
+    )
     assert Kind._fields == ("shape", "dtype", "tails", "zeros", "fixup", "chain", "shared")
 
 
@@ -100,8 +143,10 @@ def test_the_inline_read_gives_what_the_general_read_gives(tmp_path, n):
                 want, _ = read_host(piece, SourceViews(ckpt), n, plan.rank)
                 got = kept[piece.name]
                 assert got.dtype == want.dtype and got.shape == want.shape, piece.name
-                assert torch.equal(got.view(torch.uint8) if got.dim() else got,
-                                   want.view(torch.uint8) if want.dim() else want), piece.name
+                assert torch.equal(
+                    got.view(torch.uint8) if got.dim() else got,
+                    want.view(torch.uint8) if want.dim() else want,
+                ), piece.name
                 # a new tensor of its own: contiguous, its storage just its bytes
                 assert got.is_contiguous() and got.untyped_storage().nbytes() == piece.nbytes
 
@@ -110,13 +155,22 @@ def test_the_inline_read_refuses_what_check_run_refuses(tmp_path):
     with open_checkpoint(_checkpoint(tmp_path)) as ckpt:
         views = SourceViews(ckpt)
         size = ckpt.source_bytes(0).numel()
-        bad = {"outside": Run(0, size - 8, 16), "negative": Run(0, -16, 16),
-               "strided outside": Run(0, size - 40, 8, 2, 40, 0, 8)}
+        bad = {
+            "outside": Run(0, size - 8, 16),
+            "negative": Run(0, -16, 16),
+            "strided outside": Run(0, size - 40, 8, 2, 40, 0, 8),
+        }
         for what, run in bad.items():
             piece = PieceRead("x", (4,), "float32", (run,))
             with pytest.raises(ShardloadError, match="parameter 'x'.*(outside|malformed)"):
-                loop._read_all(Pieces.of([piece]), {}, _Books(), views,
-                               lambda j, p: read_host(p, views, 1, 0), True)
+                loop._read_all(
+                    Pieces.of([piece]),
+                    {},
+                    _Books(),
+                    views,
+                    lambda j, p: read_host(p, views, 1, 0),
+                    True,
+                )
 
 
 def test_batches_are_reported_as_the_books_define_them(tmp_path):
@@ -130,8 +184,9 @@ def test_batches_are_reported_as_the_books_define_them(tmp_path):
         plan = build_read_plans(validated, ckpt)[0]
         books, views = _Books(), SourceViews(ckpt)
         kept: dict = {}
-        loop._read_all(plan.pieces, kept, books, views,
-                       lambda j, p: read_host(p, views, 1, 0), True)
+        loop._read_all(
+            plan.pieces, kept, books, views, lambda j, p: read_host(p, views, 1, 0), True
+        )
     starts = [j for j, _ in books.reports]
     at = [p.name for p in plan.pieces].index("t100")
     assert starts[0] == 0 and at in starts
@@ -154,32 +209,66 @@ def test_a_load_keeps_what_each_worker_reads_alone(tmp_path, kind):
                 got = result.shard(piece.name, plan.rank)
                 assert got.dtype == want.dtype and torch.equal(
                     got.view(torch.uint8) if got.dim() else got,
-                    want.view(torch.uint8) if want.dim() else want), (piece.name, plan.rank)
+                    want.view(torch.uint8) if want.dim() else want,
+                ), (piece.name, plan.rank)
 
 
 # ---- read plans on the wire ----------------------------------------------------------------------
 
 # a piece's runs lie in one source (a tensor's bytes): ``Pieces`` keeps one per piece
-_runs = st.integers(0, 3).flatmap(lambda source: st.lists(st.builds(
-    Run, st.just(source), st.integers(0, 1 << 40), st.integers(0, 99), st.integers(1, 9),
-    st.integers(0, 999), st.integers(0, 99), st.integers(0, 99)), max_size=3).map(tuple))
-_fixups = st.sampled_from([None, Fixup("shardload.split_rebase", (0,)),
-                           Fixup("my.fixup", (1, "a", [2, 3]))])
-_chains = st.sampled_from([None, Chain((4, 2), "float16",
-                                       (("shardload.split", [[2, 2, 2], "float16"], 0),), 1)])
-_pieces = st.builds(PieceRead, st.text(max_size=12),
-                    st.lists(st.integers(0, 9), max_size=3).map(tuple),
-                    st.sampled_from(["float16", "int32", "bfloat16", "float8_e4m3fn"]), _runs,
-                    st.booleans(), _fixups, _chains, st.booleans())
+_runs = st.integers(0, 3).flatmap(
+    lambda source: st.lists(
+        st.builds(
+            Run,
+            st.just(source),
+            st.integers(0, 1 << 40),
+            st.integers(0, 99),
+            st.integers(1, 9),
+            st.integers(0, 999),
+            st.integers(0, 99),
+            st.integers(0, 99),
+        ),
+        max_size=3,
+    ).map(tuple)
+)
+_fixups = st.sampled_from(
+    [None, Fixup("shardload.split_rebase", (0,)), Fixup("my.fixup", (1, "a", [2, 3]))]
+)
+_chains = st.sampled_from(
+    [None, Chain((4, 2), "float16", (("shardload.split", [[2, 2, 2], "float16"], 0),), 1)]
+)
+_pieces = st.builds(
+    PieceRead,
+    st.text(max_size=12),
+    st.lists(st.integers(0, 9), max_size=3).map(tuple),
+    st.sampled_from(["float16", "int32", "bfloat16", "float8_e4m3fn"]),
+    _runs,
+    st.booleans(),
+    _fixups,
+    _chains,
+    st.booleans(),
+)
 
 
 @settings(max_examples=100, deadline=None)
-@given(pieces=st.lists(st.one_of(_pieces, st.sampled_from([
-    PieceRead("w", (2, 3), "float16", (Run(0, 64, 12),)),
-    PieceRead("w", (2, 3), "float16", (Run(1, 80, 12),))])), max_size=12))
+@given(
+    pieces=st.lists(
+        st.one_of(
+            _pieces,
+            st.sampled_from(
+                [
+                    PieceRead("w", (2, 3), "float16", (Run(0, 64, 12),)),
+                    PieceRead("w", (2, 3), "float16", (Run(1, 80, 12),)),
+                ]
+            ),
+        ),
+        max_size=12,
+    )
+)
 def test_read_plans_cross_the_wire_unchanged(pieces):
-    plan = ReadPlan(1, 4, ({"file": "/m-1.safetensors"}, {"file": "/m-2.safetensors"}),
-                    tuple(pieces))
+    plan = ReadPlan(
+        1, 4, ({"file": "/m-1.safetensors"}, {"file": "/m-2.safetensors"}), tuple(pieces)
+    )
     data = strict_json.loads(json.dumps(wire.encode(plan), allow_nan=False))
     assert wire.decode(data) == plan
 
@@ -194,32 +283,46 @@ def test_a_read_plan_on_the_wire_is_its_kinds_and_flat_lists(tmp_path):
     # where each piece's tensor lies; its runs at their kind's offsets from there
     assert data["source"] == [p.runs[0].source for p in plan.pieces if p.runs]
     for piece, k, begin in zip(plan.pieces, data["kind"], data["begin"]):
-        assert [begin + tail[0] for tail in data["kinds"][k]["tails"]] == \
-            [r.offset for r in piece.runs]
+        assert [begin + tail[0] for tail in data["kinds"][k]["tails"]] == [
+            r.offset for r in piece.runs
+        ]
     assert wire.decode(data) == plan
 
 
 def test_a_piece_whose_runs_lie_in_two_sources_is_refused():
     with pytest.raises(ValueError, match="more than one source"):
-        ReadPlan(0, 1, ({"file": "/a"}, {"file": "/b"}),
-                 (PieceRead("w", (4,), "int32", (Run(0, 0, 8), Run(1, 0, 8))),))
+        ReadPlan(
+            0,
+            1,
+            ({"file": "/a"}, {"file": "/b"}),
+            (PieceRead("w", (4,), "int32", (Run(0, 0, 8), Run(1, 0, 8))),),
+        )
 
 
-@pytest.mark.parametrize("breaks", [
-    lambda d: d.update(kind=d["kind"][:-1]),              # a piece without a kind
-    lambda d: d.update(kind=[len(d["kinds"])] * len(d["kind"])),  # a kind not there
-    lambda d: d.update(kind=[-1] * len(d["kind"])),
-    lambda d: d.update(begin=d["begin"][:-1]),            # a piece without its place
-    lambda d: d.update(source=d["source"] + [0]),         # numbers left over
-    lambda d: d.update(begin=[0.5] * len(d["begin"])),    # not integers
-    lambda d: d["kinds"].__setitem__(0, None),            # a kind the worker holds none of
-    lambda d: d["kinds"][1]["tails"][0].pop(),            # a run of 5 numbers
-    lambda d: d.update(names=[1] * len(d["names"])),      # a name that is not text
-])
+@pytest.mark.parametrize(
+    "breaks",
+    [
+        lambda d: d.update(kind=d["kind"][:-1]),  # a piece without a kind
+        lambda d: d.update(kind=[len(d["kinds"])] * len(d["kind"])),  # a kind not there
+        lambda d: d.update(kind=[-1] * len(d["kind"])),
+        lambda d: d.update(begin=d["begin"][:-1]),  # a piece without its place
+        lambda d: d.update(source=d["source"] + [0]),  # numbers left over
+        lambda d: d.update(begin=[0.5] * len(d["begin"])),  # not integers
+        lambda d: d["kinds"].__setitem__(0, None),  # a kind the worker holds none of
+        lambda d: d["kinds"][1]["tails"][0].pop(),  # a run of 5 numbers
+        lambda d: d.update(names=[1] * len(d["names"])),  # a name that is not text
+    ],
+)
 def test_a_read_plan_whose_parts_do_not_fit_is_refused(breaks):
-    plan = ReadPlan(0, 2, ({"file": "/m.safetensors"},),
-                    (PieceRead("a", (2,), "int32", (Run(0, 0, 8),)),
-                     PieceRead("b", (2,), "int32", (Run(0, 8, 4), Run(0, 16, 4)))))
+    plan = ReadPlan(
+        0,
+        2,
+        ({"file": "/m.safetensors"},),
+        (
+            PieceRead("a", (2,), "int32", (Run(0, 0, 8),)),
+            PieceRead("b", (2,), "int32", (Run(0, 8, 4), Run(0, 16, 4))),
+        ),
+    )
     data = wire.encode(plan)
     breaks(data)
     with pytest.raises(ValueError):
@@ -227,6 +330,7 @@ def test_a_read_plan_whose_parts_do_not_fit_is_refused(breaks):
 
 
 # ---- spans close together ------------------------------------------------------------------------
+
 
 class _Prefetches:
     def __init__(self):
@@ -256,12 +360,27 @@ def test_piece_spans_are_the_extents_of_each_piece_s_runs(tmp_path):
         validated = ShardInfo.from_dict(_plan(4)).bind(4).validate(ckpt.metadata())
         plans = build_read_plans(validated, ckpt)
     # and pieces of several runs (a fused tensor's), the first not the lowest, and none
-    plans.append(ReadPlan(0, 2, ({"file": "/m.safetensors"}, {"file": "/n.safetensors"}), (
-        PieceRead("qkv", (6,), "int32", (Run(1, 96, 8), Run(1, 16, 8, 2, 40, 8, 8))),
-        PieceRead("pad", (2,), "int32", (), zeros=True),
-        PieceRead("w", (2,), "int32", (Run(0, 8, 8),)))))
+    plans.append(
+        ReadPlan(
+            0,
+            2,
+            ({"file": "/m.safetensors"}, {"file": "/n.safetensors"}),
+            (
+                PieceRead("qkv", (6,), "int32", (Run(1, 96, 8), Run(1, 16, 8, 2, 40, 8, 8))),
+                PieceRead("pad", (2,), "int32", (), zeros=True),
+                PieceRead("w", (2,), "int32", (Run(0, 8, 8),)),
+            ),
+        )
+    )
     for plan in plans:
-        want = [(p.name, p.runs[0].source, min(r.offset for r in p.runs),
-                 max(r.offset + (r.count - 1) * r.stride + r.nbytes for r in p.runs))
-                for p in plan.pieces if p.runs]
+        want = [
+            (
+                p.name,
+                p.runs[0].source,
+                min(r.offset for r in p.runs),
+                max(r.offset + (r.count - 1) * r.stride + r.nbytes for r in p.runs),
+            )
+            for p in plan.pieces
+            if p.runs
+        ]
         assert piece_spans(plan) == want

@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import threading
 
+import helpers.session_plugins  # noqa: F401  (registers test shard functions, here and in workers)
 import numpy as np
 import pytest
 import torch
-
-import helpers.session_plugins  # noqa: F401  (registers test shard functions, here and in workers)
 from helpers.loads import load_on_threads
-from shardload import (REPLICATE, ArrayCheckpoint, PlanError, ProcessSession, SessionClosedError,
-                       ShardInfo, ThreadedSession, WorkerError, load_sharded,
-                       register_shard_func)
-from shardload import get_shard_func, pieces
+
+from shardload import (
+    REPLICATE,
+    ArrayCheckpoint,
+    PlanError,
+    ProcessSession,
+    SessionClosedError,
+    ShardInfo,
+    ThreadedSession,
+    WorkerError,
+    get_shard_func,
+    load_sharded,
+    pieces,
+    register_shard_func,
+)
 from shardload.shared_outputs import SharedOutputs
 
 NS = [1, 2, 3, 4, 8]
@@ -58,12 +68,19 @@ def run(session_kind):
 
 # ---- the TVM Disco example ---------------------------------------------------------------------
 
+
 # every N on threads; on worker processes (a session of N processes started for each N, a few
 # seconds apiece) N = 1 and 2 in the fast subset, the rest marked slow
 @pytest.mark.parametrize("func", ["tests.disco.shard_dim_1", "tests.disco.shard_dim_1.torch"])
-@pytest.mark.parametrize("session_kind, n", [("thread", n) for n in NS] + [
-    ("process", 1), ("process", 2),
-    *[pytest.param("process", n, marks=pytest.mark.slow) for n in (3, 4, 8)]])
+@pytest.mark.parametrize(
+    "session_kind, n",
+    [("thread", n) for n in NS]
+    + [
+        ("process", 1),
+        ("process", 2),
+        *[pytest.param("process", n, marks=pytest.mark.slow) for n in (3, 4, 8)],
+    ],
+)
 def test_tvm_shard_dim_1(run, func, n):
     x = np.random.default_rng(n).standard_normal((64, 64 * n)).astype(np.float16)
     # exactly the plan TVM's test writes: concrete shapes, num_shards as an extra arg
@@ -78,46 +95,77 @@ def test_tvm_shard_dim_1(run, func, n):
 
 # ---- built-ins through the loader ----------------------------------------------------------------
 
-@pytest.mark.parametrize("n, kv_heads", [(1, 2), (2, 2), (3, 3), (4, 2), (8, 2), (8, 4),
-                                         (4, 8), (3, 1), (8, 1)])
+
+@pytest.mark.parametrize(
+    "n, kv_heads", [(1, 2), (2, 2), (3, 3), (4, 2), (8, 2), (8, 4), (4, 8), (3, 1), (8, 1)]
+)
 def test_split_segments_with_gqa_matches_numpy(run, n, kv_heads):
     # fused qkv rows: 24 q heads and kv_heads KV heads of 4 rows each, 8 columns; MQA included
     q_heads, hd, cols = 24, 4, 8
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((h * hd, cols)).astype(np.float32)
-               for h in (q_heads, kv_heads, kv_heads))
+    q, k, v = (
+        rng.standard_normal((h * hd, cols)).astype(np.float32)
+        for h in (q_heads, kv_heads, kv_heads)
+    )
     qkv = np.concatenate([q, k, v])
     kv_rows = hd * kv_heads // min(n, kv_heads)
     rows = q_heads * hd // n + 2 * kv_rows
-    plan = {"qkv": [["shardload.split_segments", [["num_shards", rows, cols], "float32"], 0,
-                     q_heads * hd, q_heads, kv_heads * hd, -kv_heads, kv_heads * hd, -kv_heads]]}
+    plan = {
+        "qkv": [
+            [
+                "shardload.split_segments",
+                [["num_shards", rows, cols], "float32"],
+                0,
+                q_heads * hd,
+                q_heads,
+                kv_heads * hd,
+                -kv_heads,
+                kv_heads * hd,
+                -kv_heads,
+            ]
+        ]
+    }
     result = run({"qkv": qkv}, plan, n)
     for i in range(n):
         kv_head = i // (n // kv_heads) if n > kv_heads else None
         if kv_head is None:
             ks, vs = np.split(k, n)[i], np.split(v, n)[i]
         else:
-            ks, vs = k[kv_head * hd:(kv_head + 1) * hd], v[kv_head * hd:(kv_head + 1) * hd]
+            ks, vs = k[kv_head * hd : (kv_head + 1) * hd], v[kv_head * hd : (kv_head + 1) * hd]
         expected = np.concatenate([np.split(q, n)[i], ks, vs])
         np.testing.assert_array_equal(result.shard("qkv", i).numpy(), expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.uint32,
-                                   torch.bool, torch.int8])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.uint32, torch.bool, torch.int8]
+)
 def test_dtypes_numpy_lacks_move_exactly(run, dtype):
     high = 2 if dtype == torch.bool else 256  # a bool byte other than 0/1 is undefined
-    x = torch.randint(0, high, (6, 8 * torch.empty((), dtype=dtype).element_size()),
-                      dtype=torch.uint8).view(dtype)
-    plan = {"x": [["shardload.split", [["num_shards", 6, f"{x.shape[1]} // num_shards"],
-                                       str(x.dtype).removeprefix("torch.")], 1]],
-            "y": [["shardload.replicate", [["num_shards", *x.shape],
-                                           str(x.dtype).removeprefix("torch.")]]]}
+    x = torch.randint(
+        0, high, (6, 8 * torch.empty((), dtype=dtype).element_size()), dtype=torch.uint8
+    ).view(dtype)
+    plan = {
+        "x": [
+            [
+                "shardload.split",
+                [
+                    ["num_shards", 6, f"{x.shape[1]} // num_shards"],
+                    str(x.dtype).removeprefix("torch."),
+                ],
+                1,
+            ]
+        ],
+        "y": [
+            ["shardload.replicate", [["num_shards", *x.shape], str(x.dtype).removeprefix("torch.")]]
+        ],
+    }
     result = run({"x": x, "y": x}, plan, 2)
     for i in range(2):
         got = result.shard("x", i)
         assert got.dtype == dtype
-        assert torch.equal(got.view(torch.uint8),
-                           x.chunk(2, dim=1)[i].contiguous().view(torch.uint8))
+        assert torch.equal(
+            got.view(torch.uint8), x.chunk(2, dim=1)[i].contiguous().view(torch.uint8)
+        )
         assert torch.equal(result.shard("y", i).view(torch.uint8), x.view(torch.uint8))
 
 
@@ -125,9 +173,21 @@ def test_direct_reads_equal_the_full_computation(run):
     # split and split_segments read only their own ranges; the answer must be what running the
     # function on the whole tensor gives.
     x = torch.arange(2 * 24 * 3, dtype=torch.int32).reshape(2, 24, 3)
-    plan = ShardInfo.from_dict({"x": [["shardload.split_segments",
-                                       [["num_shards", 2, "16 // num_shards + 8 // min(num_shards, 2)", 3],
-                                        "int32"], 1, 16, 4, 8, -2]]}).bind(4)
+    plan = ShardInfo.from_dict(
+        {
+            "x": [
+                [
+                    "shardload.split_segments",
+                    [["num_shards", 2, "16 // num_shards + 8 // min(num_shards, 2)", 3], "int32"],
+                    1,
+                    16,
+                    4,
+                    8,
+                    -2,
+                ]
+            ]
+        }
+    ).bind(4)
     validated = plan.validate(ArrayCheckpoint({"x": x}).metadata())
     step = validated.params["x"].steps[0]
     full = torch.empty(step.out_shape, dtype=torch.int32)
@@ -139,11 +199,16 @@ def test_direct_reads_equal_the_full_computation(run):
 
 # ---- chains, replication, ownership --------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_two_step_chain(run, n):
     x = np.arange(8 * 16, dtype=np.int32).reshape(8, 16)
-    plan = {"x": [["tests.loader.transpose", [[16, 8], "int32"]],
-                  ["shardload.split", [["num_shards", "16 // num_shards", 8], "int32"], 0]]}
+    plan = {
+        "x": [
+            ["tests.loader.transpose", [[16, 8], "int32"]],
+            ["shardload.split", [["num_shards", "16 // num_shards", 8], "int32"], 0],
+        ]
+    }
     result = run({"x": x}, plan, n)
     for i in range(n):
         np.testing.assert_array_equal(result.shard("x", i).numpy(), np.split(x.T, n)[i])
@@ -181,13 +246,15 @@ def test_worker_mapping_and_names(run):
 
 
 def test_plan_bound_to_another_n_is_refused(run):
-    plan = ShardInfo.from_dict({"w": [["shardload.split", [["num_shards", "8 // num_shards"],
-                                                            "float32"], 0]]}).bind(4)
+    plan = ShardInfo.from_dict(
+        {"w": [["shardload.split", [["num_shards", "8 // num_shards"], "float32"], 0]]}
+    ).bind(4)
     with pytest.raises(PlanError, match="bound to num_shards=4, but the session has 2"):
         run({"w": np.zeros(8, np.float32)}, plan, 2)
 
 
 # ---- statistics and progress -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_each_worker_reads_only_its_share(run, session_kind, tmp_path, n):
@@ -199,15 +266,22 @@ def test_each_worker_reads_only_its_share(run, session_kind, tmp_path, n):
     tensors = {f"w{k}": rng.standard_normal((64, 32)).astype(np.float32) for k in range(6)}
     tensors["norm"] = np.ones(32, np.float32)
     save_file(tensors, str(tmp_path / "m.safetensors"))
-    plan = {f"w{k}": [["shardload.split", [["num_shards", "64 // num_shards", 32], "float32"],
-                       0]] for k in range(3)}
-    plan.update({f"w{k}": [["shardload.split", [["num_shards", 64, "32 // num_shards"],
-                                                "float32"], 1]] for k in range(3, 6)})
+    plan = {
+        f"w{k}": [["shardload.split", [["num_shards", "64 // num_shards", 32], "float32"], 0]]
+        for k in range(3)
+    }
+    plan.update(
+        {
+            f"w{k}": [["shardload.split", [["num_shards", 64, "32 // num_shards"], "float32"], 1]]
+            for k in range(3, 6)
+        }
+    )
     with open_checkpoint(tmp_path / "m.safetensors") as ckpt:
         result = run(ckpt, plan, n)
         # threads read through this checkpoint; worker processes open the file themselves
-        assert ckpt.bytes_read == (sum(result.stats.bytes_read_per_worker)
-                                   if session_kind == "thread" else 0)
+        assert ckpt.bytes_read == (
+            sum(result.stats.bytes_read_per_worker) if session_kind == "thread" else 0
+        )
     sharded = 6 * 64 * 32 * 4
     for i in range(n):
         assert result.stats.bytes_read_per_worker[i] == sharded // n + 32 * 4
@@ -225,8 +299,12 @@ def test_progress_callback_sees_every_byte(run):
             seen.append(nbytes)
 
     x = np.zeros((8, 8), np.float32)
-    result = run({"a": x, "b": x}, {"a": [["shardload.split", [[4, 2, 8], "float32"], 0]]}, 4,
-                 progress=progress)
+    result = run(
+        {"a": x, "b": x},
+        {"a": [["shardload.split", [[4, 2, 8], "float32"], 0]]},
+        4,
+        progress=progress,
+    )
     # a: 8 of 64 floats per worker; b: replicated, all 64 floats per worker
     assert sum(seen) == result.stats.bytes_total == 4 * (16 + 64) * 4
 
@@ -254,10 +332,15 @@ def test_staging_is_bounded_for_opaque_chains(monkeypatch):
 
 # ---- failures ------------------------------------------------------------------------------------
 
+
 def test_a_raising_function_is_a_worker_error_naming_param_and_step(run, session_kind):
-    plan = {"ok": [["shardload.split", [[2, 4], "float32"], 0]],
-            "bad": [["shardload.replicate", [[2, 8], "float32"]],
-                    ["tests.loader.boom", [[2, 8], "float32"]]]}
+    plan = {
+        "ok": [["shardload.split", [[2, 4], "float32"], 0]],
+        "bad": [
+            ["shardload.replicate", [[2, 8], "float32"]],
+            ["tests.loader.boom", [[2, 8], "float32"]],
+        ],
+    }
     params = {"ok": np.zeros(8, np.float32), "bad": np.zeros(8, np.float32)}
     with pytest.raises(WorkerError) as info:
         run(params, plan, 2)
@@ -266,8 +349,9 @@ def test_a_raising_function_is_a_worker_error_naming_param_and_step(run, session
         assert len(err.failures) == 1  # the worker that computed it; the other stops quietly
     failure = err.failures[0]
     assert failure.worker in (0, 1) and failure.exc_type == "RuntimeError"
-    assert "parameter 'bad', step 1 (tests.loader.boom): boom in a shard function" \
-        in failure.message
+    assert (
+        "parameter 'bad', step 1 (tests.loader.boom): boom in a shard function" in failure.message
+    )
     assert "in boom" in failure.traceback  # the remote traceback reaches the user
     assert f"worker {failure.worker} failed" in str(err)
     # the session survives a failed load
@@ -304,10 +388,14 @@ def test_closed_session_refuses_work():
         load_sharded({"a": np.zeros(2)}, REPLICATE, sess, progress=False)
     with pytest.raises(SessionClosedError) as info:
         load_sharded({"a": np.zeros(2)}, REPLICATE, sess, progress=False)
-    assert (info.value.session, info.value.worker, info.value.param) == \
-        ("ThreadedSession", None, None)
-    assert str(info.value).startswith("this ThreadedSession is closed (by close() or its with "
-                                      "block ending, ")
+    assert (info.value.session, info.value.worker, info.value.param) == (
+        "ThreadedSession",
+        None,
+        None,
+    )
+    assert str(info.value).startswith(
+        "this ThreadedSession is closed (by close() or its with block ending, "
+    )
     assert str(info.value).endswith("; open a new session to go on")
 
 
@@ -337,8 +425,10 @@ def test_cupy_functions_need_cuda_and_cupy_is_imported_lazily():
     assert "need CUDA devices" in str(info.value) and info.value.param == "w"
 
 
-@pytest.mark.parametrize("cuda, wheel", [("13.0", "cupy-cuda13x"), ("12.8", "cupy-cuda12x"),
-                                         (None, "cupy-cuda12x, cupy-cuda13x")])
+@pytest.mark.parametrize(
+    "cuda, wheel",
+    [("13.0", "cupy-cuda13x"), ("12.8", "cupy-cuda12x"), (None, "cupy-cuda12x, cupy-cuda13x")],
+)
 def test_cuda_workers_without_cupy_are_told_the_wheel_of_their_cuda(monkeypatch, cuda, wheel):
     """On CUDA workers a cupy function needs ``import cupy``; which wheel gives it depends on
     the CUDA torch is built for (the GPU machine's is 13: cupy-cuda13x), said before a read."""
@@ -354,10 +444,12 @@ def test_cuda_workers_without_cupy_are_told_the_wheel_of_their_cuda(monkeypatch,
 
     monkeypatch.setattr(torch.version, "cuda", cuda)
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "cupy" else real(name, *a))
-    plan = ShardInfo.coerce({"w": [["tests.loader.cupy_copy",
-                                    [["num_shards", "8 // num_shards"], "float32"]]]}).bind(2)
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "cupy" else real(name, *a)
+    )
+    plan = ShardInfo.coerce(
+        {"w": [["tests.loader.cupy_copy", [["num_shards", "8 // num_shards"], "float32"]]]}
+    ).bind(2)
     validated = plan.validate({"w": TensorMeta("w", (8,), "float32")})
     with pytest.raises(PlanError, match=f"cupy is not installed: pip install .*{wheel}") as info:
         loader._check_devices(list(validated), [torch.device("cuda:0")] * 2, "plan.json")
@@ -373,9 +465,13 @@ def test_cuda_workers_get_the_same_shards_as_cpu_workers():
     n = 4
     devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(n)]  # workers may share
     x = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float16)
-    plan = {"x": [["shardload.split", [["num_shards", "64 // num_shards", 32], "float16"], 0]],
-            "y": [["shardload.replicate", [["num_shards", 64, 32], "float16"]],
-                  ["shardload.split", [["num_shards", 1, 64, 32], "float16"], 0]]}
+    plan = {
+        "x": [["shardload.split", [["num_shards", "64 // num_shards", 32], "float16"], 0]],
+        "y": [
+            ["shardload.replicate", [["num_shards", 64, 32], "float16"]],
+            ["shardload.split", [["num_shards", 1, 64, 32], "float16"], 0],
+        ],
+    }
     cpu = load_on_threads({"x": x, "y": x}, plan, n)
     with ThreadedSession(n, device=devices) as sess:
         gpu = load_sharded({"x": x, "y": x}, plan, sess, progress=False)

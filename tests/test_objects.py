@@ -24,14 +24,22 @@ import torch
 
 pytest.importorskip("obstore")
 
-from helpers.paths import EXAMPLE, REPO  # noqa: E402
-from helpers.subprocesses import subprocess_env  # noqa: E402
-from helpers import objectservers  # noqa: E402
-from helpers.objectservers import SCHEME_PARAMS, SCHEMES, scheme_params  # noqa: E402
-from safetensors.numpy import load_file, save_file  # noqa: E402
-from shardload import (FormatError, PlanError, ProcessSession, StorageError,  # noqa: E402
-                       ThreadedSession, load_sharded, open_checkpoint)
-from shardload.sources.urls import SCHEMES as URL_SCHEMES  # noqa: E402
+from helpers import objectservers
+from helpers.objectservers import SCHEME_PARAMS, SCHEMES, scheme_params
+from helpers.paths import EXAMPLE, REPO
+from helpers.subprocesses import subprocess_env
+from safetensors.numpy import load_file, save_file
+
+from shardload import (
+    FormatError,
+    PlanError,
+    ProcessSession,
+    StorageError,
+    ThreadedSession,
+    load_sharded,
+    open_checkpoint,
+)
+from shardload.sources.urls import SCHEMES as URL_SCHEMES
 
 BUCKET = "models"  # a valid bucket (S3, GCS) and container (Azure) name
 per_scheme = pytest.mark.parametrize("scheme", SCHEME_PARAMS)
@@ -44,18 +52,24 @@ def on(scheme: str):
 
 #: what each service calls a bucket, and the variable its credentials hint names
 WORD = {"s3": "bucket", "gs": "bucket", "az": "container"}
-CREDENTIAL_VARIABLE = {"s3": "AWS_ACCESS_KEY_ID", "gs": "GOOGLE_APPLICATION_CREDENTIALS",
-                       "az": "AZURE_STORAGE_ACCOUNT_KEY"}
+CREDENTIAL_VARIABLE = {
+    "s3": "AWS_ACCESS_KEY_ID",
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS",
+    "az": "AZURE_STORAGE_ACCOUNT_KEY",
+}
 #: the secrets the tests sign with, per scheme (GCS: none, OAuth is off)
-SECRETS = {"s3": (objectservers.ACCESS_KEY_ID, objectservers.SECRET_ACCESS_KEY),
-           "gs": (),
-           "az": (objectservers.AZURITE_KEY, objectservers.AZURITE_KEY[:16])}
+SECRETS = {
+    "s3": (objectservers.ACCESS_KEY_ID, objectservers.SECRET_ACCESS_KEY),
+    "gs": (),
+    "az": (objectservers.AZURITE_KEY, objectservers.AZURITE_KEY[:16]),
+}
 
 
 @pytest.fixture(scope="module")
 def servers():
     """The module's servers, one per scheme, each started (its bucket made) when a test first
     asks for it and stopped when the module ends."""
+
     def setup(server: objectservers.ObjectServer) -> None:
         server.make_bucket(BUCKET)
         server.uploaded = set()
@@ -97,8 +111,9 @@ def same_pieces(local, remote, n: int) -> int:
         assert a.keys() == b.keys()
         for name in a:
             assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-            assert torch.equal(a[name].view(-1).view(torch.uint8),
-                               b[name].view(-1).view(torch.uint8)), (i, name)
+            assert torch.equal(
+                a[name].view(-1).view(torch.uint8), b[name].view(-1).view(torch.uint8)
+            ), (i, name)
             kept += b[name].numel() * b[name].element_size()
     return kept
 
@@ -116,6 +131,7 @@ def tiny(server):
 
 # -- loads equal the local load's ----------------------------------------------------------------
 
+
 @per_scheme
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_a_folder_loads_as_the_local_checkpoint_on_threads(server, tiny, n):
@@ -127,7 +143,8 @@ def test_a_folder_loads_as_the_local_checkpoint_on_threads(server, tiny, n):
         same_pieces(local, remote, n)
     # the workers of one process fetch together: no byte of the file twice
     assert server.bytes_sent("tiny/model.safetensors") <= os.path.getsize(
-        os.path.join(EXAMPLE, "model.safetensors"))
+        os.path.join(EXAMPLE, "model.safetensors")
+    )
 
 
 @per_scheme
@@ -178,12 +195,17 @@ def test_an_indexed_set_at_n8(server, tmp_path):
     half = len(names) // 2
     folder = tmp_path / "indexed"
     folder.mkdir()
-    files = {"model-00001-of-00002.safetensors": names[:half],
-             "model-00002-of-00002.safetensors": names[half:]}
+    files = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     for file, part in files.items():
         save_file({k: tensors[k] for k in part}, str(folder / file))
-    (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {k: f for f, part in files.items() for k in part}}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {}, "weight_map": {k: f for f, part in files.items() for k in part}}
+        )
+    )
     for side in ("config.json", "quantize_config.json"):
         (folder / side).write_bytes(open(os.path.join(EXAMPLE, side), "rb").read())
     url = upload(server, str(folder), "indexed")
@@ -225,19 +247,18 @@ def test_a_real_gguf_at_a_padded_n(server, tmp_path):
 @on("az")
 def test_gguf_and_mlc(server, tmp_path):
     from gguf import GGMLQuantizationType as T
-
     from helpers.gguf_mlc_models import GGUF_LINEARS, write_gguf, write_mlc_model
 
     gguf_dir = tmp_path / "gguf"
     gguf_dir.mkdir()
-    write_gguf(str(gguf_dir / "m.gguf"), dict.fromkeys(GGUF_LINEARS, T.Q4_1), hidden=512,
-               inter=1024)
+    write_gguf(
+        str(gguf_dir / "m.gguf"), dict.fromkeys(GGUF_LINEARS, T.Q4_1), hidden=512, inter=1024
+    )
     mlc_dir = tmp_path / "mlc"
     write_mlc_model(str(mlc_dir))
     gguf_url = upload(server, str(gguf_dir), "gguf") + "m.gguf"
     mlc_url = upload(server, str(mlc_dir), "mlc")
-    for local_path, url, n in [(str(gguf_dir / "m.gguf"), gguf_url, 2),
-                               (str(mlc_dir), mlc_url, 4)]:
+    for local_path, url, n in [(str(gguf_dir / "m.gguf"), gguf_url, 2), (str(mlc_dir), mlc_url, 4)]:
         with ProcessSession(n) as sess:
             local = load_sharded(local_path, None, sess, progress=False)
             remote = load_sharded(url, None, sess, progress=False)
@@ -245,6 +266,7 @@ def test_gguf_and_mlc(server, tmp_path):
 
 
 # -- the CLI -------------------------------------------------------------------------------------
+
 
 def _cli(server, *args: str, env: dict | None = None, home: str | None = None):
     """``python -m shardload ARGS`` with the server's settings (``env``: others instead; no
@@ -254,8 +276,14 @@ def _cli(server, *args: str, env: dict | None = None, home: str | None = None):
     if home is not None:  # no gcloud application default credentials, no ~/.aws
         whole["HOME"] = home
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "shardload", *args], capture_output=True,
-                         text=True, timeout=120, env=subprocess_env(whole), cwd=REPO)
+    run = subprocess.run(
+        [sys.executable, "-m", "shardload", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(whole),
+        cwd=REPO,
+    )
     return run, time.monotonic() - start
 
 
@@ -273,6 +301,7 @@ def test_the_cli_loads_and_inspects_an_object_folder(server, tiny):
 
 # -- what goes wrong ---------------------------------------------------------------------------
 
+
 def one_line(run) -> str:
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1, run.stderr
@@ -287,9 +316,10 @@ def test_a_wrong_url_is_one_line_exit_2(server, tiny, scheme, what):
         "missing object": (tiny + "missing.safetensors", "no such object"),
         # "no such S3 bucket", "no such Google Cloud Storage bucket", "no such Azure Blob
         # Storage container", and its name
-        "missing bucket": (server.url("no-such-bucket-here", "tiny/"),
-                           (f"no such {URL_SCHEMES[scheme].service} {WORD[scheme]} "
-                            "'no-such-bucket-here'")),
+        "missing bucket": (
+            server.url("no-such-bucket-here", "tiny/"),
+            (f"no such {URL_SCHEMES[scheme].service} {WORD[scheme]} 'no-such-bucket-here'"),
+        ),
     }[what]
     run, _ = _cli(server, "load", "--shards", "2", url)
     assert run.returncode == 2, run.stderr
@@ -302,8 +332,15 @@ def test_no_credentials_is_one_line_exit_2(server, tiny, scheme, tmp_path):
     # the variables unset (set empty, obstore signs with an empty key, which moto takes), and
     # a HOME without gcloud's application default credentials: the client asks the instance
     # metadata service, which is not there (or refuses), and says so in one line, at once
-    run, seconds = _cli(server, "load", "--shards", "2", tiny,
-                        env=server.env_without_credentials(), home=str(tmp_path))
+    run, seconds = _cli(
+        server,
+        "load",
+        "--shards",
+        "2",
+        tiny,
+        env=server.env_without_credentials(),
+        home=str(tmp_path),
+    )
     assert run.returncode == 2, run.stderr
     line = one_line(run)
     assert "credentials" in line.lower() and CREDENTIAL_VARIABLE[scheme] in line, line
@@ -315,8 +352,14 @@ def test_a_dead_endpoint_is_one_line_exit_1(server, tiny):
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        run, seconds = _cli(server, "load", "--shards", "2", tiny, env={
-            **server.env_at(f"http://127.0.0.1:{port}"), "SHARDLOAD_OBJECT_RETRIES": "1"})
+        run, seconds = _cli(
+            server,
+            "load",
+            "--shards",
+            "2",
+            tiny,
+            env={**server.env_at(f"http://127.0.0.1:{port}"), "SHARDLOAD_OBJECT_RETRIES": "1"},
+        )
     assert run.returncode == 1, run.stderr
     line = one_line(run)
     assert f"127.0.0.1:{port}" in line and tiny in line, line
@@ -366,8 +409,13 @@ def test_a_hostile_header_is_refused_before_it_is_fetched(server, scheme, tmp_pa
     assert server.bytes_sent("hostile/model.safetensors") <= 8
     # and a GGUF whose first string claims 50 GB
     os.remove(folder / "model.safetensors")
-    header = (b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little")
-              + (1).to_bytes(8, "little") + (50 << 30).to_bytes(8, "little"))
+    header = (
+        b"GGUF"
+        + (3).to_bytes(4, "little")
+        + (0).to_bytes(8, "little")
+        + (1).to_bytes(8, "little")
+        + (50 << 30).to_bytes(8, "little")
+    )
     (folder / "m.gguf").write_bytes(header + bytes(4096))
     url = upload(server, str(folder), "hostile-gguf") + "m.gguf"
     server.reset_counts()
@@ -402,9 +450,14 @@ def tiny_hf(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tiny-hf")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2,
-                                      vocab_size=96)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+    )
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     char_tokenizer().save_pretrained(folder)
     return str(folder)
@@ -451,10 +504,22 @@ def test_the_walk_throughs_server_refuses_a_taken_port(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        run = subprocess.run([sys.executable, os.path.join(REPO, "examples", "object_store.py"),
-                              "start", "s3", EXAMPLE, "--port", str(port)],
-                             capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
-                             env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        run = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(REPO, "examples", "object_store.py"),
+                "start",
+                "s3",
+                EXAMPLE,
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=str(tmp_path),
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        )
     assert run.returncode == 2 and run.stdout == "", run.stderr
     line = one_line(run)
     assert f"port {port}" in line and "--port" in line, line
@@ -470,11 +535,9 @@ def test_run_a_real_gguf_from_object_storage(server):
 
     path = smollm2_gguf()
     url = put_file(server, path, "run-gguf/model.gguf")
-    local = _run_json(server, "--shards", "3", "--prompt", "What is the capital of France?",
-                      path)
+    local = _run_json(server, "--shards", "3", "--prompt", "What is the capital of France?", path)
     server.reset_counts()
-    remote = _run_json(server, "--shards", "3", "--prompt", "What is the capital of France?",
-                       url)
+    remote = _run_json(server, "--shards", "3", "--prompt", "What is the capital of France?", url)
     assert remote["tokens"] == local["tokens"] and "Paris" in remote["text"]
     # three threads share what they fetch: about the file once (its header is read twice:
     # by the readers, then by transformers' tokenizer from the sparse copy, not the server)
@@ -490,8 +553,9 @@ def test_a_plan_from_object_storage(server, tiny, monkeypatch):
     run, _ = _cli(server, "load", "--shards", "2", "--json", "--shard-info", plan, EXAMPLE)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["shard_info"] == plan
-    assert ShardInfo.load(plan).steps == ShardInfo.load(
-        os.path.join(EXAMPLE, "shard_info.json")).steps
+    assert (
+        ShardInfo.load(plan).steps == ShardInfo.load(os.path.join(EXAMPLE, "shard_info.json")).steps
+    )
     # its size is checked before a byte of it is fetched
     monkeypatch.setattr(limits, "MAX_PLAN_BYTES", 100)
     server.reset_counts()
@@ -519,9 +583,18 @@ def test_an_objects_tensors_are_read_not_viewed(server, tiny):
 
 #: the corpus' classes about what a checkpoint's files hold (the rest are about local file
 #: system layouts, configs and plans, which object storage does not change)
-CORPUS_CLASSES = {"safetensors header", "GGUF header", "GGUF metadata", "MLC index",
-                  "index file", "index file names", "truncated file", "pathological sizes",
-                  "legitimate", "metadata vs tensors"}
+CORPUS_CLASSES = {
+    "safetensors header",
+    "GGUF header",
+    "GGUF metadata",
+    "MLC index",
+    "index file",
+    "index file names",
+    "truncated file",
+    "pathological sizes",
+    "legitimate",
+    "metadata vs tensors",
+}
 
 
 #: by default, the headers; the other classes under -m extended
@@ -534,12 +607,21 @@ def _corpus():
 
     params = []
     for default in (True, False):  # the turns counted apart, so that each run takes all three
-        cases = [c for c in CASES if c.klass in CORPUS_CLASSES and not c.slow
-                 and (c.klass in HEADER_CLASSES) == default]
+        cases = [
+            c
+            for c in CASES
+            if c.klass in CORPUS_CLASSES and not c.slow and (c.klass in HEADER_CLASSES) == default
+        ]
         for i, c in enumerate(cases):
             scheme = SCHEMES[i % len(SCHEMES)]
-            params.append(pytest.param(c, scheme, id=f"{c.id}-{scheme}",
-                                       marks=[] if default else [pytest.mark.extended]))
+            params.append(
+                pytest.param(
+                    c,
+                    scheme,
+                    id=f"{c.id}-{scheme}",
+                    marks=[] if default else [pytest.mark.extended],
+                )
+            )
     return params
 
 
@@ -550,10 +632,16 @@ def _outcome(ckpt_path: str, shards: int):
 
     try:
         with open_checkpoint(ckpt_path) as ckpt:
-            plan = None if any(os.path.basename(f) == "shard_info.json"
-                               for f in os.listdir(ckpt.path if os.path.isdir(ckpt.path)
-                                                   else os.path.dirname(ckpt.path))) \
+            plan = (
+                None
+                if any(
+                    os.path.basename(f) == "shard_info.json"
+                    for f in os.listdir(
+                        ckpt.path if os.path.isdir(ckpt.path) else os.path.dirname(ckpt.path)
+                    )
+                )
                 else plan_for(ckpt, shards)
+            )
             with ThreadedSession(shards) as sess:
                 load_sharded(ckpt, plan, sess, progress=False)
         return None
@@ -562,14 +650,17 @@ def _outcome(ckpt_path: str, shards: int):
 
 
 @pytest.mark.parametrize("case, scheme", _corpus())
-def test_the_corpus_from_object_storage_gets_the_answers_it_gets_from_files(server, scheme,
-                                                                            case, tmp_path):
+def test_the_corpus_from_object_storage_gets_the_answers_it_gets_from_files(
+    server, scheme, case, tmp_path
+):
     folder = tmp_path / "case"
     folder.mkdir()
     target = case.build(folder)
-    if target.plan is not None or any(p.is_symlink() or not (p.is_file() or p.is_dir())
-                                      for p in folder.rglob("*")) \
-            or any(p.is_dir() for p in folder.iterdir()):
+    if (
+        target.plan is not None
+        or any(p.is_symlink() or not (p.is_file() or p.is_dir()) for p in folder.rglob("*"))
+        or any(p.is_dir() for p in folder.iterdir())
+    ):
         pytest.skip("a layout object storage has no counterpart of (links, FIFOs, folders)")
     local = _outcome(target.ckpt, target.shards)
     prefix = f"corpus/{case.id}"

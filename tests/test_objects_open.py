@@ -20,12 +20,13 @@ import pytest
 
 pytest.importorskip("obstore")
 
-from helpers import objectservers  # noqa: E402
-from helpers.objectservers import scheme_params  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
-from shardload import FormatError, StorageError, open_checkpoint  # noqa: E402
-from shardload.readers import safetensors as st  # noqa: E402
-from shardload.sources import store as store_module  # noqa: E402
+from helpers import objectservers
+from helpers.objectservers import scheme_params
+from safetensors.numpy import save_file
+
+from shardload import FormatError, StorageError, open_checkpoint
+from shardload.readers import safetensors as st
+from shardload.sources import store as store_module
 
 BUCKET = "models"
 FILES = 40
@@ -62,9 +63,10 @@ def write_many(folder, files: int = FILES) -> dict[str, int]:
     weight_map, headers = {}, {}
     for k in range(files):
         name = f"model-{k + 1:05d}-of-{files:05d}.safetensors"
-        tensors = {f"layers.{k}.{j}.weight": rng.standard_normal((k % 3 + 1, 4),
-                                                                 dtype=np.float32)
-                   for j in range(5)}
+        tensors = {
+            f"layers.{k}.{j}.weight": rng.standard_normal((k % 3 + 1, 4), dtype=np.float32)
+            for j in range(5)
+        }
         save_file(tensors, os.path.join(folder, name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
         with open(os.path.join(folder, name), "rb") as f:
@@ -93,11 +95,13 @@ def upload(server, folder: str, prefix: str) -> str:
 
 def opened(path: str):
     with open_checkpoint(path) as ckpt:
-        return (list(ckpt.metadata().items()),
-                [ckpt.byte_range(name)[1:] for name in ckpt.metadata()],
-                sorted(os.path.basename(f) for f in ckpt.file_metadata),
-                [ckpt.file_metadata[f] for f in sorted(ckpt.file_metadata)],
-                ckpt.index_metadata)
+        return (
+            list(ckpt.metadata().items()),
+            [ckpt.byte_range(name)[1:] for name in ckpt.metadata()],
+            sorted(os.path.basename(f) for f in ckpt.file_metadata),
+            [ckpt.file_metadata[f] for f in sorted(ckpt.file_metadata)],
+            ckpt.index_metadata,
+        )
 
 
 def no_open_threads() -> bool:
@@ -130,7 +134,9 @@ def test_a_header_longer_than_the_guess_takes_a_second_get(server, many, monkeyp
     assert opened(url) == opened(folder)
     for name, n in headers.items():
         assert [r.range for r in server.requests(f"{MANY}/{name}", "GET")] == [
-            "bytes=0-63", f"bytes=64-{8 + n - 1}"], name
+            "bytes=0-63",
+            f"bytes=64-{8 + n - 1}",
+        ], name
         assert server.bytes_sent(f"{MANY}/{name}") == 8 + n, name
 
 
@@ -188,9 +194,13 @@ def test_a_failing_object_is_named_and_nothing_is_left_running(server, many):
     assert bad in str(info.value)
     assert no_open_threads()
     # the files after it: fetched only as far as they were already on their way
-    later = [r for r in server.requests(method="GET") if r.key.startswith(f"{MANY}/")
-             and r.key > f"{MANY}/{bad}"
-             and r.key.endswith(".safetensors")]
+    later = [
+        r
+        for r in server.requests(method="GET")
+        if r.key.startswith(f"{MANY}/")
+        and r.key > f"{MANY}/{bad}"
+        and r.key.endswith(".safetensors")
+    ]
     assert len(later) <= 2 * store_module.OPEN_CONCURRENCY
 
 

@@ -28,21 +28,25 @@ import torch
 
 pytest.importorskip("obstore")
 
-from helpers import objectservers  # noqa: E402
-from helpers.objectservers import AZURITE_ACCOUNT, AZURITE_KEY  # noqa: E402
-from helpers.paths import EXAMPLE, REPO  # noqa: E402
-from helpers.subprocesses import subprocess_env  # noqa: E402
-from shardload import StorageError, ThreadedSession, load_sharded  # noqa: E402
-from shardload.sources import settings as settingsmod  # noqa: E402
-from shardload.sources import store as store_module  # noqa: E402
-from shardload.sources.store import ObjectClient  # noqa: E402
-from shardload.sources.urls import ObjectUrl  # noqa: E402
+from helpers import objectservers
+from helpers.objectservers import AZURITE_ACCOUNT, AZURITE_KEY
+from helpers.paths import EXAMPLE, REPO
+from helpers.subprocesses import subprocess_env
+
+from shardload import StorageError, ThreadedSession, load_sharded
+from shardload.sources import settings as settingsmod
+from shardload.sources import store as store_module
+from shardload.sources.store import ObjectClient
+from shardload.sources.urls import ObjectUrl
 
 BUCKET = "models"
-NAME = os.path.basename(EXAMPLE)          # tiny_llama_q4, as the docs upload it
+NAME = os.path.basename(EXAMPLE)  # tiny_llama_q4, as the docs upload it
 #: what moto takes, as its documentation writes it
-S3_KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_REGION": "us-east-1"}
+S3_KEYS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_REGION": "us-east-1",
+}
 #: a retry would wait this long first: a refusal quicker than it was not retried
 SLOW_BACKOFF = 1.0
 #: a refusal that needs no request comes within this many seconds
@@ -50,6 +54,7 @@ AT_ONCE_S = 0.9
 
 
 # -- servers ----------------------------------------------------------------------------------
+
 
 def _upload(server: objectservers.ObjectServer) -> None:
     server.make_bucket(BUCKET)
@@ -110,8 +115,9 @@ def loads_as_local(scheme: str, n: int = 2) -> None:
             assert a.keys() == b.keys()
             for name in a:
                 assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape
-                assert torch.equal(a[name].view(-1).view(torch.uint8),
-                                   b[name].view(-1).view(torch.uint8)), (i, name)
+                assert torch.equal(
+                    a[name].view(-1).view(torch.uint8), b[name].view(-1).view(torch.uint8)
+                ), (i, name)
 
 
 def dead_port() -> socket.socket:
@@ -148,17 +154,23 @@ def head(scheme: str):
 
 def connection_string(endpoint: str, key: str = AZURITE_KEY) -> str:
     """The full form, as Azurite's documentation writes it."""
-    return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={key};"
-            f"BlobEndpoint={endpoint}/{AZURITE_ACCOUNT};")
+    return (
+        f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={key};"
+        f"BlobEndpoint={endpoint}/{AZURITE_ACCOUNT};"
+    )
 
 
 def sas(permission: str = "rl") -> str:
     """A read and list shared access signature for the container, signed with Azurite's key."""
     from azure.storage.blob import ContainerSasPermissions, generate_container_sas
 
-    return generate_container_sas(AZURITE_ACCOUNT, BUCKET, account_key=AZURITE_KEY,
-                                  permission=ContainerSasPermissions.from_string(permission),
-                                  expiry=datetime.now(timezone.utc) + timedelta(hours=1))
+    return generate_container_sas(
+        AZURITE_ACCOUNT,
+        BUCKET,
+        account_key=AZURITE_KEY,
+        permission=ContainerSasPermissions.from_string(permission),
+        expiry=datetime.now(timezone.utc) + timedelta(hours=1),
+    )
 
 
 # -- each cloud's own settings load -----------------------------------------------------------
@@ -199,8 +211,12 @@ def test_a_connection_string_loads(at, setenv):
 @azurite
 def test_a_connection_string_with_a_shared_access_signature_loads(at, setenv):
     server = at("az")
-    setenv({CONNECTION_STRING: f"BlobEndpoint={server.endpoint}/{AZURITE_ACCOUNT};"
-                               f"SharedAccessSignature={sas()}"})
+    setenv(
+        {
+            CONNECTION_STRING: f"BlobEndpoint={server.endpoint}/{AZURITE_ACCOUNT};"
+            f"SharedAccessSignature={sas()}"
+        }
+    )
     loads_as_local("az")
     # signed by the SAS (in the query), not by a key (the Authorization header)
     assert all("sig=" in r.query for r in server.requests()) and _no_authorization(server)
@@ -231,19 +247,26 @@ def test_use_development_storage_loads(azurite_at_10000, setenv):
 
 # -- where a cloud's own setting and the library's both say a thing --------------------------
 
+
 def test_aws_endpoint_url_s3_wins_over_aws_endpoint_url(at, setenv):
     server = at("s3")
     with dead_port() as dead:
-        setenv({"AWS_ENDPOINT_URL_S3": server.endpoint,
-                "AWS_ENDPOINT_URL": f"http://127.0.0.1:{dead.getsockname()[1]}", **S3_KEYS})
+        setenv(
+            {
+                "AWS_ENDPOINT_URL_S3": server.endpoint,
+                "AWS_ENDPOINT_URL": f"http://127.0.0.1:{dead.getsockname()[1]}",
+                **S3_KEYS,
+            }
+        )
         loads_as_local("s3")
 
 
 def test_a_service_accounts_endpoint_wins_over_storage_emulator_host(at, setenv):
     server = at("gs")
     with dead_port() as dead:
-        setenv({**server.env(), "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:"
-                                                         f"{dead.getsockname()[1]}"})
+        setenv(
+            {**server.env(), "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{dead.getsockname()[1]}"}
+        )
         loads_as_local("gs")
 
 
@@ -253,10 +276,15 @@ def test_azure_storage_variables_win_over_the_connection_strings_fields(at, sete
     server = at("az")
     wrong = "d3Jvbmcga2V5IG9mIHRoZSBhY2NvdW50IGZvciB0aGlzIHRlc3Q="
     with dead_port() as dead:
-        setenv({CONNECTION_STRING: connection_string(f"http://127.0.0.1:"
-                                                     f"{dead.getsockname()[1]}", key=wrong),
+        setenv(
+            {
+                CONNECTION_STRING: connection_string(
+                    f"http://127.0.0.1:{dead.getsockname()[1]}", key=wrong
+                ),
                 "AZURE_STORAGE_ENDPOINT": f"{server.endpoint}/{AZURITE_ACCOUNT}",
-                "AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY})
+                "AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY,
+            }
+        )
         loads_as_local("az")
 
 
@@ -267,27 +295,35 @@ def test_the_environments_client_settings_still_apply(at, setenv):
     setenv({"AWS_ENDPOINT_URL": server.endpoint, "AWS_TIMEOUT": "300ms", **S3_KEYS})
     server.inject("delay", seconds=2, method="HEAD", times=None)
     client = ObjectClient(retries=0)
-    exc = refused(lambda: client.head(url("s3") + "model.safetensors"), "AWS_TIMEOUT",
-                  bound=1.8)
+    exc = refused(lambda: client.head(url("s3") + "model.safetensors"), "AWS_TIMEOUT", bound=1.8)
     assert "timed out" in str(exc) and not exc.usage
 
 
 # -- a wrong or missing setting: one line, its variable, at once ------------------------------
+
 
 def _dead_env(variable: str, endpoint: str) -> dict:
     return {
         "AWS_ENDPOINT_URL": {"AWS_ENDPOINT_URL": endpoint, **S3_KEYS},
         "STORAGE_EMULATOR_HOST": {"STORAGE_EMULATOR_HOST": endpoint},
         CONNECTION_STRING: {CONNECTION_STRING: connection_string(endpoint)},
-        "AZURE_STORAGE_ENDPOINT": {"AZURE_STORAGE_ACCOUNT_NAME": AZURITE_ACCOUNT,
-                                   "AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY,
-                                   "AZURE_STORAGE_ENDPOINT": f"{endpoint}/{AZURITE_ACCOUNT}"},
+        "AZURE_STORAGE_ENDPOINT": {
+            "AZURE_STORAGE_ACCOUNT_NAME": AZURITE_ACCOUNT,
+            "AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY,
+            "AZURE_STORAGE_ENDPOINT": f"{endpoint}/{AZURITE_ACCOUNT}",
+        },
     }[variable]
 
 
-@pytest.mark.parametrize("scheme, variable", [
-    ("s3", "AWS_ENDPOINT_URL"), ("gs", "STORAGE_EMULATOR_HOST"), ("az", CONNECTION_STRING),
-    ("az", "AZURE_STORAGE_ENDPOINT")])
+@pytest.mark.parametrize(
+    "scheme, variable",
+    [
+        ("s3", "AWS_ENDPOINT_URL"),
+        ("gs", "STORAGE_EMULATOR_HOST"),
+        ("az", CONNECTION_STRING),
+        ("az", "AZURE_STORAGE_ENDPOINT"),
+    ],
+)
 def test_a_dead_port_is_refused_at_once_naming_its_variable(setenv, scheme, variable):
     # the library would retry a refused connection for seconds; no retry cures a setting
     with dead_port() as dead:
@@ -302,8 +338,13 @@ def test_use_development_storage_with_no_azurite_names_the_connection_string(set
         if probe.connect_ex(("127.0.0.1", 10000)) == 0:
             pytest.skip("something listens on 127.0.0.1:10000 here")
     setenv({CONNECTION_STRING: "UseDevelopmentStorage=true"})
-    refused(head("az"), CONNECTION_STRING, "UseDevelopmentStorage", "127.0.0.1:10000",
-            secrets=(AZURITE_KEY,))
+    refused(
+        head("az"),
+        CONNECTION_STRING,
+        "UseDevelopmentStorage",
+        "127.0.0.1:10000",
+        secrets=(AZURITE_KEY,),
+    )
 
 
 def test_a_connection_refused_mid_load_names_its_variable(setenv):
@@ -317,8 +358,13 @@ def test_a_connection_refused_mid_load_names_its_variable(setenv):
     client = ObjectClient(retries=1, backoff=0.01)
     client._store(ObjectUrl.parse(url("s3")))
     listener.close()
-    exc = refused(lambda: client.head(url("s3") + "model.safetensors"),
-                  "check AWS_ENDPOINT_URL", endpoint, "2 attempts", bound=10)
+    exc = refused(
+        lambda: client.head(url("s3") + "model.safetensors"),
+        "check AWS_ENDPOINT_URL",
+        endpoint,
+        "2 attempts",
+        bound=10,
+    )
     assert exc.usage is False
 
 
@@ -329,8 +375,7 @@ def test_an_http_endpoint_that_allow_http_forbids_is_refused(at, setenv):
     assert exc.usage and server.requests() == []
 
 
-@pytest.mark.parametrize("variable, value", [("AWS_TIMEOUT", "soon"),
-                                             ("AWS_ALLOW_HTTP", "maybe")])
+@pytest.mark.parametrize("variable, value", [("AWS_TIMEOUT", "soon"), ("AWS_ALLOW_HTTP", "maybe")])
 def test_a_client_setting_the_client_cannot_take_is_refused(at, setenv, variable, value):
     server = at("s3")
     setenv({"AWS_ENDPOINT_URL": server.endpoint, variable: value, **S3_KEYS})
@@ -349,15 +394,23 @@ def test_storage_emulator_host_without_a_scheme_is_refused(at, setenv):
 #: connection strings that cannot work: what each must say, and what it must not repeat
 SECRET_PART = AZURITE_KEY[:24]
 BAD_STRINGS = {
-    "malformed": (lambda ep: f"AccountName={AZURITE_ACCOUNT};{SECRET_PART}",
-                  "is not KEY=VALUE pairs"),
+    "malformed": (
+        lambda ep: f"AccountName={AZURITE_ACCOUNT};{SECRET_PART}",
+        "is not KEY=VALUE pairs",
+    ),
     "empty": (lambda ep: " ; ", "is empty"),
-    "missing its key": (lambda ep: f"AccountName={AZURITE_ACCOUNT};"
-                                   f"BlobEndpoint={ep}/{AZURITE_ACCOUNT}", "holds no key"),
-    "a key not base64": (lambda ep: connection_string(ep, key=f"{SECRET_PART}!not-base64"),
-                         "the AccountKey in"),
-    "an endpoint not a URL": (lambda ep: connection_string(ep.removeprefix("http://")),
-                              "the BlobEndpoint in"),
+    "missing its key": (
+        lambda ep: f"AccountName={AZURITE_ACCOUNT};BlobEndpoint={ep}/{AZURITE_ACCOUNT}",
+        "holds no key",
+    ),
+    "a key not base64": (
+        lambda ep: connection_string(ep, key=f"{SECRET_PART}!not-base64"),
+        "the AccountKey in",
+    ),
+    "an endpoint not a URL": (
+        lambda ep: connection_string(ep.removeprefix("http://")),
+        "the BlobEndpoint in",
+    ),
     "no account": (lambda ep: f"AccountKey={AZURITE_KEY};BlobEndpoint={ep}", "names no account"),
 }
 
@@ -368,8 +421,9 @@ def test_a_connection_string_that_cannot_work_is_refused_before_any_request(at, 
     server = at("az")
     make, says = BAD_STRINGS[what]
     setenv({CONNECTION_STRING: make(server.endpoint)})
-    exc = refused(head("az"), CONNECTION_STRING, says,
-                  secrets=(AZURITE_KEY, SECRET_PART, server.endpoint[7:]))
+    exc = refused(
+        head("az"), CONNECTION_STRING, says, secrets=(AZURITE_KEY, SECRET_PART, server.endpoint[7:])
+    )
     assert exc.usage and server.requests() == []
 
 
@@ -385,8 +439,10 @@ def test_a_wrong_credential_in_the_connection_string_is_one_request(at, setenv, 
     else:
         good = sas()
         secret = good.split("sig=")[1]
-        text = (f"BlobEndpoint={server.endpoint}/{AZURITE_ACCOUNT};"
-                f"SharedAccessSignature={good.replace('sig=', 'sig=AAAA')}")
+        text = (
+            f"BlobEndpoint={server.endpoint}/{AZURITE_ACCOUNT};"
+            f"SharedAccessSignature={good.replace('sig=', 'sig=AAAA')}"
+        )
     setenv({CONNECTION_STRING: text})
     exc = refused(head("az"), CONNECTION_STRING, secrets=(secret, secret[:12]))
     assert exc.usage and len(server.requests()) == 1
@@ -401,9 +457,14 @@ def test_no_azure_account_at_all_names_the_connection_string(setenv):
 def test_the_cli_refuses_a_malformed_connection_string_in_one_line_exit_2():
     env = {k: v for k, v in os.environ.items() if not objectservers.is_cloud_setting(k)}
     env[CONNECTION_STRING] = f"AccountName={AZURITE_ACCOUNT};{SECRET_PART}"
-    run = subprocess.run([sys.executable, "-m", "shardload", "load", "--shards", "2", url("az")],
-                         capture_output=True, text=True, timeout=120, env=subprocess_env(env),
-                         cwd=REPO)
+    run = subprocess.run(
+        [sys.executable, "-m", "shardload", "load", "--shards", "2", url("az")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(env),
+        cwd=REPO,
+    )
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and CONNECTION_STRING in lines[0], run.stderr
@@ -412,18 +473,28 @@ def test_the_cli_refuses_a_malformed_connection_string_in_one_line_exit_2():
 
 # -- the parsing, alone -------------------------------------------------------------------------
 
+
 def test_doctests():
     import doctest
 
     assert doctest.testmod(settingsmod).failed == 0
 
+
 def test_parse_connection_string():
     parse = settingsmod.parse_connection_string
     assert parse(" accountname=a; AccountKey=a2V5==;BlobEndpoint=http://h:1/a; ") == {
-        "ACCOUNTNAME": "a", "ACCOUNTKEY": "a2V5==", "BLOBENDPOINT": "http://h:1/a"}
+        "ACCOUNTNAME": "a",
+        "ACCOUNTKEY": "a2V5==",
+        "BLOBENDPOINT": "http://h:1/a",
+    }
     assert parse("UseDevelopmentStorage=true;") == {"USEDEVELOPMENTSTORAGE": "true"}
-    for text, says in [("", "is empty"), (";", "is empty"), ("a=1;;b=2", "part 2 of 3"),
-                       ("a=1;s3cr3tK3y", "part 2 of 2"), ("=x", "part 1 of 1")]:
+    for text, says in [
+        ("", "is empty"),
+        (";", "is empty"),
+        ("a=1;;b=2", "part 2 of 3"),
+        ("a=1;s3cr3tK3y", "part 2 of 2"),
+        ("=x", "part 1 of 1"),
+    ]:
         with pytest.raises(ValueError) as info:
             parse(text)
         assert says in str(info.value) and "s3cr3t" not in str(info.value)
@@ -433,47 +504,74 @@ def test_connection_string_settings():
     of = settingsmod.connection_string_settings
     dev = of({"USEDEVELOPMENTSTORAGE": "True"})
     assert (dev.account, dev.key, dev.endpoint) == (
-        AZURITE_ACCOUNT, AZURITE_KEY, "http://127.0.0.1:10000/devstoreaccount1")
+        AZURITE_ACCOUNT,
+        AZURITE_KEY,
+        "http://127.0.0.1:10000/devstoreaccount1",
+    )
     # the account where the endpoint shows it: an emulator's path, a service's host
     assert of({"BLOBENDPOINT": "http://127.0.0.1:1/acct", "ACCOUNTKEY": "k"}).account == "acct"
-    assert of({"BLOBENDPOINT": "https://acct2.blob.core.windows.net",
-               "SHAREDACCESSSIGNATURE": "?sv=1&sig=x"}).sas == "sv=1&sig=x"
+    assert (
+        of(
+            {
+                "BLOBENDPOINT": "https://acct2.blob.core.windows.net",
+                "SHAREDACCESSSIGNATURE": "?sv=1&sig=x",
+            }
+        ).sas
+        == "sv=1&sig=x"
+    )
     assert of({"BLOBENDPOINT": "https://acct2.blob.core.windows.net"}).account == "acct2"
     assert of({"BLOBENDPOINT": "http://127.0.0.1:1"}).account is None
     # no BlobEndpoint: the Azure SDKs' rule (the protocol only with an EndpointSuffix)
-    assert of({"ACCOUNTNAME": "a", "DEFAULTENDPOINTSPROTOCOL": "http",
-               "ENDPOINTSUFFIX": "example.net"}).endpoint == "http://a.blob.example.net"
-    assert of({"ACCOUNTNAME": "a", "DEFAULTENDPOINTSPROTOCOL": "http"}).endpoint == \
-        "https://a.blob.core.windows.net"
-    assert of({"ACCOUNTNAME": "a", "ENDPOINTSUFFIX": "core.chinacloudapi.cn"}).endpoint == \
-        "https://a.blob.core.chinacloudapi.cn"
-    for fields, says in [({"ACCOUNTKEY": "k"}, "neither an account"),
-                         ({"ACCOUNTNAME": "a", "BLOBSECONDARYENDPOINT": "http://h"},
-                          "only a secondary"),
-                         ({"ACCOUNTNAME": "a", "DEFAULTENDPOINTSPROTOCOL": "ftp",
-                           "ENDPOINTSUFFIX": "x"}, "neither http nor https")]:
+    assert (
+        of(
+            {
+                "ACCOUNTNAME": "a",
+                "DEFAULTENDPOINTSPROTOCOL": "http",
+                "ENDPOINTSUFFIX": "example.net",
+            }
+        ).endpoint
+        == "http://a.blob.example.net"
+    )
+    assert (
+        of({"ACCOUNTNAME": "a", "DEFAULTENDPOINTSPROTOCOL": "http"}).endpoint
+        == "https://a.blob.core.windows.net"
+    )
+    assert (
+        of({"ACCOUNTNAME": "a", "ENDPOINTSUFFIX": "core.chinacloudapi.cn"}).endpoint
+        == "https://a.blob.core.chinacloudapi.cn"
+    )
+    for fields, says in [
+        ({"ACCOUNTKEY": "k"}, "neither an account"),
+        ({"ACCOUNTNAME": "a", "BLOBSECONDARYENDPOINT": "http://h"}, "only a secondary"),
+        (
+            {"ACCOUNTNAME": "a", "DEFAULTENDPOINTSPROTOCOL": "ftp", "ENDPOINTSUFFIX": "x"},
+            "neither http nor https",
+        ),
+    ]:
         with pytest.raises(ValueError, match=says):
             of(fields)
 
 
 def _settings(scheme: str, env: dict) -> settingsmod.StoreSettings:
-    return settingsmod.store_settings(ObjectUrl.parse(f"{scheme}://models/x"), env,
-                                      client_defaults={"timeout": "30s"})
+    return settingsmod.store_settings(
+        ObjectUrl.parse(f"{scheme}://models/x"), env, client_defaults={"timeout": "30s"}
+    )
 
 
 def test_s3_settings():
     s = _settings("s3", {"AWS_ENDPOINT_URL": "http://h:9000", "AWS_PROXY_URL": "http://p:3"})
     assert s.config == {"endpoint": "http://h:9000"}
-    assert s.client_options == {"timeout": "30s", "proxy_url": "http://p:3",
-                                "allow_http": "true"}
+    assert s.client_options == {"timeout": "30s", "proxy_url": "http://p:3", "allow_http": "true"}
     assert s.carried == {"proxy_url": "AWS_PROXY_URL"}
     assert s.where == "http://h:9000 (AWS_ENDPOINT_URL)" and "AWS_ENDPOINT_URL" in s.check
     # the library itself prefers AWS_ENDPOINT_URL_S3: nothing to give it
     s = _settings("s3", {"AWS_ENDPOINT_URL_S3": "https://h", "AWS_ENDPOINT_URL": "http://o"})
     assert s.config == {} and s.endpoint.variable == "AWS_ENDPOINT_URL_S3"
     assert "allow_http" not in s.client_options
-    assert _settings("s3", {"AWS_ENDPOINT": "http://h", "AWS_TIMEOUT": "1s"}).client_options \
-        == {"timeout": "1s", "allow_http": "true"}   # the environment's over ours
+    assert _settings("s3", {"AWS_ENDPOINT": "http://h", "AWS_TIMEOUT": "1s"}).client_options == {
+        "timeout": "1s",
+        "allow_http": "true",
+    }  # the environment's over ours
     s = _settings("s3", {})
     assert s.endpoint is None and s.where == "the default AWS endpoint"
 
@@ -482,13 +580,13 @@ def test_gcs_settings(tmp_path):
     s = _settings("gs", {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:4443/"})
     assert s.config == {"base_url": "http://127.0.0.1:4443", "skip_signature": True}
     assert s.client_options["allow_http"] == "true" and "STORAGE_EMULATOR_HOST" in s.credentials
-    s = _settings("gs", {"STORAGE_EMULATOR_HOST": "http://h:1",
-                         "GOOGLE_SKIP_SIGNATURE": "false"})
-    assert s.config == {"base_url": "http://h:1"}       # the library's own setting says
+    s = _settings("gs", {"STORAGE_EMULATOR_HOST": "http://h:1", "GOOGLE_SKIP_SIGNATURE": "false"})
+    assert s.config == {"base_url": "http://h:1"}  # the library's own setting says
     account = tmp_path / "sa.json"
     account.write_text('{"gcs_base_url": "http://h:2", "disable_oauth": true}')
-    s = _settings("gs", {"GOOGLE_SERVICE_ACCOUNT": str(account),
-                         "STORAGE_EMULATOR_HOST": "http://e:1"})
+    s = _settings(
+        "gs", {"GOOGLE_SERVICE_ACCOUNT": str(account), "STORAGE_EMULATOR_HOST": "http://e:1"}
+    )
     assert s.config == {} and s.endpoint.url == "http://h:2"
     assert s.endpoint.source == "the gcs_base_url in the file GOOGLE_SERVICE_ACCOUNT names"
     s = _settings("gs", {"GOOGLE_BASE_URL": "https://g", "STORAGE_EMULATOR_HOST": "http://e:1"})
@@ -498,32 +596,54 @@ def test_gcs_settings(tmp_path):
 def test_azure_settings_field_by_field():
     text = f"AccountName=a;AccountKey={AZURITE_KEY};BlobEndpoint=http://h:1/a"
     s = _settings("az", {CONNECTION_STRING: text})
-    assert s.config == {"endpoint": "http://h:1/a", "account_name": "a",
-                        "account_key": AZURITE_KEY}
+    assert s.config == {"endpoint": "http://h:1/a", "account_name": "a", "account_key": AZURITE_KEY}
     assert s.client_options["allow_http"] == "true" and CONNECTION_STRING in s.credentials
-    s = _settings("az", {CONNECTION_STRING: text, "AZURE_STORAGE_ACCOUNT_NAME": "b",
-                         "AZURE_STORAGE_SAS_KEY": "sv=1&sig=x",
-                         "AZURE_STORAGE_ENDPOINT": "https://b.blob.core.windows.net"})
+    s = _settings(
+        "az",
+        {
+            CONNECTION_STRING: text,
+            "AZURE_STORAGE_ACCOUNT_NAME": "b",
+            "AZURE_STORAGE_SAS_KEY": "sv=1&sig=x",
+            "AZURE_STORAGE_ENDPOINT": "https://b.blob.core.windows.net",
+        },
+    )
     assert s.config == {} and s.endpoint.variable == "AZURE_STORAGE_ENDPOINT"
-    s = _settings("az", {CONNECTION_STRING: "BlobEndpoint=https://c.blob.core.windows.net;"
-                                            "SharedAccessSignature=sv=1&sig=x"})
-    assert s.config == {"endpoint": "https://c.blob.core.windows.net", "account_name": "c",
-                        "sas_key": "sv=1&sig=x"}
+    s = _settings(
+        "az",
+        {
+            CONNECTION_STRING: "BlobEndpoint=https://c.blob.core.windows.net;"
+            "SharedAccessSignature=sv=1&sig=x"
+        },
+    )
+    assert s.config == {
+        "endpoint": "https://c.blob.core.windows.net",
+        "account_name": "c",
+        "sas_key": "sv=1&sig=x",
+    }
     assert "allow_http" not in s.client_options
 
 
-@pytest.mark.parametrize("scheme, env, names", [
-    ("s3", {"AWS_ENDPOINT_URL": "s3cr3t-host:9000"}, "AWS_ENDPOINT_URL"),
-    ("s3", {"AWS_ENDPOINT_URL": "http://h", "AWS_ALLOW_HTTP": "no"}, "AWS_ALLOW_HTTP"),
-    ("s3", {"AWS_ALLOW_INVALID_CERTIFICATES": "s3cr3t"}, "AWS_ALLOW_INVALID_CERTIFICATES"),
-    ("gs", {"STORAGE_EMULATOR_HOST": "s3cr3t:4443"}, "STORAGE_EMULATOR_HOST"),
-    ("az", {CONNECTION_STRING: "AccountName=a;AccountKey=s3cr3t!;BlobEndpoint=http://h/a"},
-     CONNECTION_STRING),
-    ("az", {"AZURE_STORAGE_ACCOUNT_NAME": "a", "AZURE_STORAGE_ACCOUNT_KEY": "s3cr3t!"},
-     "AZURE_STORAGE_ACCOUNT_KEY"),
-    ("az", {"AZURE_STORAGE_USE_EMULATOR": "s3cr3t"}, "AZURE_STORAGE_USE_EMULATOR"),
-    ("az", {}, CONNECTION_STRING),
-])
+@pytest.mark.parametrize(
+    "scheme, env, names",
+    [
+        ("s3", {"AWS_ENDPOINT_URL": "s3cr3t-host:9000"}, "AWS_ENDPOINT_URL"),
+        ("s3", {"AWS_ENDPOINT_URL": "http://h", "AWS_ALLOW_HTTP": "no"}, "AWS_ALLOW_HTTP"),
+        ("s3", {"AWS_ALLOW_INVALID_CERTIFICATES": "s3cr3t"}, "AWS_ALLOW_INVALID_CERTIFICATES"),
+        ("gs", {"STORAGE_EMULATOR_HOST": "s3cr3t:4443"}, "STORAGE_EMULATOR_HOST"),
+        (
+            "az",
+            {CONNECTION_STRING: "AccountName=a;AccountKey=s3cr3t!;BlobEndpoint=http://h/a"},
+            CONNECTION_STRING,
+        ),
+        (
+            "az",
+            {"AZURE_STORAGE_ACCOUNT_NAME": "a", "AZURE_STORAGE_ACCOUNT_KEY": "s3cr3t!"},
+            "AZURE_STORAGE_ACCOUNT_KEY",
+        ),
+        ("az", {"AZURE_STORAGE_USE_EMULATOR": "s3cr3t"}, "AZURE_STORAGE_USE_EMULATOR"),
+        ("az", {}, CONNECTION_STRING),
+    ],
+)
 def test_a_setting_that_cannot_work_is_named_never_repeated(scheme, env, names):
     with pytest.raises(StorageError) as info:
         _settings(scheme, env)
@@ -535,12 +655,21 @@ def test_the_client_options_are_the_librarys():
     # every option carried over is one the library takes from client_options
     from obstore.store import from_url
 
-    sample = {"allow_http": "true", "allow_invalid_certificates": "false", "http1_only": "true",
-              "http2_only": "false", "http2_keep_alive_while_idle": "true",
-              "randomize_addresses": "true", "http2_max_frame_size": "16384",
-              "pool_max_idle_per_host": "3", "proxy_url": "http://p:1",
-              "proxy_ca_certificate": "x", "proxy_excludes": "a", "user_agent": "x",
-              "default_content_type": "a/b"}
+    sample = {
+        "allow_http": "true",
+        "allow_invalid_certificates": "false",
+        "http1_only": "true",
+        "http2_only": "false",
+        "http2_keep_alive_while_idle": "true",
+        "randomize_addresses": "true",
+        "http2_max_frame_size": "16384",
+        "pool_max_idle_per_host": "3",
+        "proxy_url": "http://p:1",
+        "proxy_ca_certificate": "x",
+        "proxy_excludes": "a",
+        "user_agent": "x",
+        "default_content_type": "a/b",
+    }
     for option in settingsmod.CLIENT_OPTIONS:
         from_url("s3://models", client_options={option: sample.get(option, "5s")})
 
@@ -573,8 +702,9 @@ def test_behind_a_proxy_the_endpoint_is_not_tried_directly(monkeypatch):
         for name, value in proxy.items():
             monkeypatch.setenv(name, value)
         store_module._check_answers(settingsmod.store_settings(loc, env), loc, 1.0)
-    store_module._check_answers(settingsmod.store_settings(
-        loc, {**env, "AWS_PROXY_URL": "http://p:3128"}), loc, 1.0)
+    store_module._check_answers(
+        settingsmod.store_settings(loc, {**env, "AWS_PROXY_URL": "http://p:3128"}), loc, 1.0
+    )
     assert tried == []
     _clean(monkeypatch, {})
     store_module._check_answers(settingsmod.store_settings(loc, env), loc, 1.0)

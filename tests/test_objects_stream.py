@@ -24,10 +24,11 @@ import torch
 
 pytest.importorskip("obstore")
 
-from helpers import objectservers  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
-from shardload import ProcessSession, ThreadedSession, load_sharded, open_checkpoint  # noqa: E402
-from shardload.sources import store  # noqa: E402
+from helpers import objectservers
+from safetensors.numpy import save_file
+
+from shardload import ProcessSession, ThreadedSession, load_sharded, open_checkpoint
+from shardload.sources import store
 
 BUCKET = "memory"
 MIB = 1 << 20
@@ -35,7 +36,7 @@ WINDOW_MB = 16
 #: the client's own memory besides the window: its GET buffers (chunk x concurrency) and slack
 #: for the allocator
 SLACK = 24 * MIB
-ROWS, COLS = 512, 1024   # float32: 2 MiB a tensor
+ROWS, COLS = 512, 1024  # float32: 2 MiB a tensor
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +60,13 @@ def _checkpoint(server, tmp_path_factory, tensors: int) -> tuple[str, int]:
     its URL and its data bytes."""
     folder = tmp_path_factory.mktemp(f"ckpt{tensors}")
     rng = np.random.default_rng(tensors)
-    data = {f"w.{k:03d}": rng.standard_normal((ROWS, COLS), dtype=np.float32)
-            for k in range(tensors)}
-    plan = {name: [["shardload.split", [["num_shards", f"{ROWS} // num_shards", COLS],
-                                        "float32"], 0]] for name in data}
+    data = {
+        f"w.{k:03d}": rng.standard_normal((ROWS, COLS), dtype=np.float32) for k in range(tensors)
+    }
+    plan = {
+        name: [["shardload.split", [["num_shards", f"{ROWS} // num_shards", COLS], "float32"], 0]]
+        for name in data
+    }
     return _upload(server, folder, data, plan, f"c{tensors}"), tensors * ROWS * COLS * 4
 
 
@@ -84,12 +88,12 @@ def _upload(server, folder, data: dict, plan: dict, prefix: str) -> str:
 
 @pytest.fixture(scope="module")
 def small(server, tmp_path_factory):
-    return _checkpoint(server, tmp_path_factory, 12)     # 24 MiB: 1.5 windows
+    return _checkpoint(server, tmp_path_factory, 12)  # 24 MiB: 1.5 windows
 
 
 @pytest.fixture(scope="module")
 def large(server, tmp_path_factory):
-    return _checkpoint(server, tmp_path_factory, 48)     # 96 MiB: 6 windows
+    return _checkpoint(server, tmp_path_factory, 48)  # 96 MiB: 6 windows
 
 
 def _pss(pid: int) -> int:
@@ -133,7 +137,7 @@ class _Peak:
     def _now(self) -> int:
         return sum(map(_pss, _tree(os.getpid(), self.leave_out)))
 
-    def __enter__(self) -> "_Peak":
+    def __enter__(self) -> _Peak:
         self.base = self._now()
         self.peak = self.base
         self._stop = threading.Event()
@@ -167,18 +171,21 @@ def test_peak_memory_is_kept_plus_the_window(env, request, size, kind):
         kept = sharded.stats.bytes_total
         bound = 1.1 * (kept + WINDOW_MB * MIB) + SLACK
         assert kept == data_bytes  # split by rows: the workers keep every byte once
-        assert peak.grew <= bound, (f"{kind.__name__}, {size}: the load's processes grew by "
-                                    f"{peak.grew / MIB:.1f} MiB, over kept "
-                                    f"{kept / MIB:.1f} MiB + the window")
+        assert peak.grew <= bound, (
+            f"{kind.__name__}, {size}: the load's processes grew by "
+            f"{peak.grew / MIB:.1f} MiB, over kept "
+            f"{kept / MIB:.1f} MiB + the window"
+        )
         # a worker's piece is what the file holds (the load is right, not only small)
         with open_checkpoint(url) as again:
             whole = again.read("w.000")
-        assert torch.equal(sharded.shard("w.000", 1), whole[ROWS // 2:])
+        assert torch.equal(sharded.shard("w.000", 1), whole[ROWS // 2 :])
     # every byte once, even through a window a sixth of the checkpoint
     assert data_bytes <= sent <= data_bytes * 1.01
 
 
 # ---- seen while it happens: the watchdog, a failed fetch, the bar ------------------------------
+
 
 def test_each_torchrun_rank_streams_within_the_window(env, large, tmp_path, monkeypatch):
     # a torchrun rank is a loader of its own: it streams its own spans through its own window,
@@ -199,21 +206,42 @@ def test_each_torchrun_rank_streams_within_the_window(env, large, tmp_path, monk
         key = url.split(f"{BUCKET}/", 1)[1] + name
         (folder / name).write_bytes(_get(env, key))
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run_env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    run_env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     run_env["PYTHONPATH"] = os.pathsep.join([repo, os.path.join(repo, "tests")])
-    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", "-m", "helpers.object_rank_job", url,
-                          str(folder), str(tmp_path)], capture_output=True, text=True,
-                         timeout=300, cwd=repo, env=run_env)
+    job = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "helpers.object_rank_job",
+            url,
+            str(folder),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=repo,
+        env=run_env,
+    )
     assert job.returncode == 0, job.stderr[-3000:]
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["equal"], rank
         bound = 1.1 * (result["kept"] + window_mb * MIB) + SLACK
         assert result["grew"] <= bound, (rank, result["grew"] / MIB, bound / MIB)
-        print(f"rank {rank}: kept {result['kept'] / MIB:.0f} MiB, grew "
-              f"{result['grew'] / MIB:.0f} MiB (bound {bound / MIB:.0f})")
+        print(
+            f"rank {rank}: kept {result['kept'] / MIB:.0f} MiB, grew "
+            f"{result['grew'] / MIB:.0f} MiB (bound {bound / MIB:.0f})"
+        )
 
 
 def _get(server, key: str) -> bytes:
@@ -230,7 +258,7 @@ def test_a_fetch_that_stops_is_a_stall_the_watchdog_names(env, small, kind):
     url, _ = small
     key = f"{url.split('/', 3)[3]}model.safetensors"
     with kind(2) as sess, open_checkpoint(url) as ckpt:
-        env.inject("delay", key=key, seconds=20, times=None)   # the GETs stop answering
+        env.inject("delay", key=key, seconds=20, times=None)  # the GETs stop answering
         start = time.monotonic()
         with pytest.raises(WorkerError) as info:
             load_sharded(ckpt, None, sess, progress=False, timeout=2)
@@ -287,6 +315,7 @@ def test_the_fetch_has_a_bar_of_its_own(env, small, monkeypatch):
 
 # ---- the order of the stream ---------------------------------------------------------------------
 
+
 def test_the_stream_takes_every_workers_order():
     # a worker holding some parameters only (expert parallelism) takes a subsequence of the
     # load's order; merged by first sight, [a, c] and [a, b, c] would put b after c, and the
@@ -296,8 +325,12 @@ def test_the_stream_takes_every_workers_order():
 
     def plan(rank, names):
         run = (Run(0, 0, 1, 1, 1, 0, 1),)
-        return ReadPlan(rank, 2, ({"object": {}},), tuple(
-            PieceRead(n, (1,), "uint8", run, False, None, None, False) for n in names))
+        return ReadPlan(
+            rank,
+            2,
+            ({"object": {}},),
+            tuple(PieceRead(n, (1,), "uint8", run, False, None, None, False) for n in names),
+        )
 
     plans = [plan(0, ["a", "c", "e"]), plan(1, ["a", "b", "c", "d", "e"])]
     names = stream_units(plans).names
@@ -313,16 +346,18 @@ def test_the_stream_takes_every_workers_order():
 
 
 @pytest.mark.parametrize("kind", [ThreadedSession, ProcessSession])
-def test_experts_placed_on_some_workers_stream_through_a_small_window(env, kind, tmp_path,
-                                                                      monkeypatch):
+def test_experts_placed_on_some_workers_stream_through_a_small_window(
+    env, kind, tmp_path, monkeypatch
+):
 
-    monkeypatch.setenv("SHARDLOAD_OBJECT_WINDOW_MB", "4")   # two tensors: releases all along
+    monkeypatch.setenv("SHARDLOAD_OBJECT_WINDOW_MB", "4")  # two tensors: releases all along
     rng = np.random.default_rng(7)
     data, placement, plan = {}, {}, {}
     for layer in range(4):
         data[f"l{layer}.attn"] = rng.standard_normal((ROWS, COLS), dtype=np.float32)
-        plan[f"l{layer}.attn"] = [["shardload.split", [["num_shards", f"{ROWS} // num_shards",
-                                                         COLS], "float32"], 0]]
+        plan[f"l{layer}.attn"] = [
+            ["shardload.split", [["num_shards", f"{ROWS} // num_shards", COLS], "float32"], 0]
+        ]
         for e in range(4):
             data[f"l{layer}.e{e}"] = rng.standard_normal((ROWS, COLS), dtype=np.float32)
             placement[f"l{layer}.e{e}"] = [e % 2]
@@ -354,7 +389,7 @@ def test_split_runs_keeps_every_byte_and_waits_for_whole_blocks():
             for k in range(r.count):
                 s = r.offset + k * (r.stride or r.nbytes)
                 d = r.dst_offset + k * (r.dst_stride or r.nbytes)
-                out[d:d + r.nbytes] = src[s:s + r.nbytes]
+                out[d : d + r.nbytes] = src[s : s + r.nbytes]
         return out
 
     for trial in range(300):
@@ -363,15 +398,15 @@ def test_split_runs_keeps_every_byte_and_waits_for_whole_blocks():
         stride = nbytes + int(rng.integers(0, 300)) if rng.random() < 0.7 else 0
         offset = int(rng.integers(0, 2000))
         run = Run(0, offset, nbytes, count, stride, int(rng.integers(0, 50)), 0)
-        other = Run(1, 5, 7, 1, 0, 0, 0)   # another source: with the first part
+        other = Run(1, 5, 7, 1, 0, 0, 0)  # another source: with the first part
         end = offset + (count - 1) * (stride or nbytes) + nbytes
-        cuts = sorted({int(c) for c in rng.integers(offset + 1, end + 1,
-                                                    int(rng.integers(1, 8)))})
+        cuts = sorted({int(c) for c in rng.integers(offset + 1, end + 1, int(rng.integers(1, 8)))})
         parts = split_runs([run, other], 0, cuts)
         assert len(parts) == len(cuts) + 1 and other in parts[0]
         size = run.dst_offset + count * nbytes
-        assert np.array_equal(copy([r for p in parts for r in p if r.source == 0], size),
-                              copy([run], size)), trial
+        assert np.array_equal(
+            copy([r for p in parts for r in p if r.source == 0], size), copy([run], size)
+        ), trial
         for k, part in enumerate(parts):
             for r in part:
                 if r.source != 0:
@@ -398,18 +433,31 @@ def test_a_large_tensor_streams_in_parts(env, kind, axis, tmp_path, monkeypatch)
     monkeypatch.setenv("SHARDLOAD_OBJECT_WINDOW_MB", "1")
     made, reached = [], []
     init, reach = stream.ObjectStream.__init__, stream.Consumer.reach
-    monkeypatch.setattr(stream.ObjectStream, "__init__",
-                        lambda self, *a, **k: (made.append(self), init(self, *a, **k))[1])
-    monkeypatch.setattr(stream.Consumer, "reach",
-                        lambda self, unit, *a: (reached.append(unit), reach(self, unit, *a))[1])
+    monkeypatch.setattr(
+        stream.ObjectStream,
+        "__init__",
+        lambda self, *a, **k: (made.append(self), init(self, *a, **k))[1],
+    )
+    monkeypatch.setattr(
+        stream.Consumer,
+        "reach",
+        lambda self, unit, *a: (reached.append(unit), reach(self, unit, *a))[1],
+    )
     rng = np.random.default_rng(11)
-    big = rng.standard_normal((2048, 1024), dtype=np.float32)        # 8 MiB: 32 parts
-    data = {"a.small": rng.standard_normal((64, 64), dtype=np.float32), "b.big": big,
-            "c.small": rng.standard_normal((64, 64), dtype=np.float32)}
-    shape = {0: [["num_shards", "2048 // num_shards", 1024], "float32"],
-             1: [["num_shards", 2048, "1024 // num_shards"], "float32"]}[axis]
-    plan = {name: [["shardload.split", [["num_shards", "64 // num_shards", 64], "float32"],
-                    0]] for name in ("a.small", "c.small")}
+    big = rng.standard_normal((2048, 1024), dtype=np.float32)  # 8 MiB: 32 parts
+    data = {
+        "a.small": rng.standard_normal((64, 64), dtype=np.float32),
+        "b.big": big,
+        "c.small": rng.standard_normal((64, 64), dtype=np.float32),
+    }
+    shape = {
+        0: [["num_shards", "2048 // num_shards", 1024], "float32"],
+        1: [["num_shards", 2048, "1024 // num_shards"], "float32"],
+    }[axis]
+    plan = {
+        name: [["shardload.split", [["num_shards", "64 // num_shards", 64], "float32"], 0]]
+        for name in ("a.small", "c.small")
+    }
     plan["b.big"] = [["shardload.split", shape, axis]]
     prefix = f"parts{axis}{kind.__name__}"
     url = _upload(env, tmp_path, data, plan, prefix)
@@ -423,8 +471,9 @@ def test_a_large_tensor_streams_in_parts(env, kind, axis, tmp_path, monkeypatch)
                 assert torch.equal(a[name], b[name]), (i, name)
     (stream_,) = made
     assert len(stream_.layout.names) == 2 + 32
-    assert stream_.peak_held <= (1 << 20) + (256 << 10)   # the window, not the 8 MiB tensor
-    if kind is ThreadedSession:   # the workers' own calls are seen in this process only
+    assert stream_.peak_held <= (1 << 20) + (256 << 10)  # the window, not the 8 MiB tensor
+    if kind is ThreadedSession:  # the workers' own calls are seen in this process only
         assert len(set(reached)) >= 30
     assert env.bytes_sent(f"{prefix}/model.safetensors") <= os.path.getsize(
-        tmp_path / "model.safetensors")
+        tmp_path / "model.safetensors"
+    )

@@ -32,13 +32,11 @@ import pytest
 
 obstore = pytest.importorskip("obstore")
 
-from obstore.exceptions import (GenericError, PermissionDeniedError,  # noqa: E402
-                                PreconditionError)
-from obstore.store import from_url  # noqa: E402
-
-from helpers.subprocesses import subprocess_env  # noqa: E402
 from helpers import objectservers  # noqa: E402
 from helpers.objectservers import SCHEME_PARAMS  # noqa: E402
+from helpers.subprocesses import subprocess_env  # noqa: E402
+from obstore.exceptions import GenericError, PermissionDeniedError, PreconditionError  # noqa: E402
+from obstore.store import from_url  # noqa: E402
 
 BUCKET = "shardload-objects"  # a valid name for all three: 3-63 characters, lower case
 BIG = "ckpt/model-00001-of-00002.bin"
@@ -50,8 +48,12 @@ OBJECTS = {
     "other/x.bin": b"x",
 }
 #: retries that give up fast
-FAST = {"max_retries": 2, "init_backoff": timedelta(milliseconds=10),
-        "max_backoff": timedelta(milliseconds=50), "retry_timeout": timedelta(seconds=10)}
+FAST = {
+    "max_retries": 2,
+    "init_backoff": timedelta(milliseconds=10),
+    "max_backoff": timedelta(milliseconds=50),
+    "retry_timeout": timedelta(seconds=10),
+}
 
 
 @pytest.fixture(scope="session", params=SCHEME_PARAMS)
@@ -81,6 +83,7 @@ def get(store, key: str, **options) -> bytes:
 
 # -- the environment --------------------------------------------------------------------------
 
+
 def test_env_points_at_the_proxy(server, store):
     env = server.env()
     if server.scheme == "gs":  # the endpoint is in the service-account file
@@ -90,13 +93,20 @@ def test_env_points_at_the_proxy(server, store):
         assert any(value.startswith(server.endpoint) for value in env.values())
     assert all(objectservers.is_cloud_setting(name) for name in env)
     assert server.url(BUCKET, "a/b") == f"{server.scheme}://{BUCKET}/a/b"
-    whole = server.subprocess_env({"AWS_PROFILE": "someone", "GOOGLE_CLOUD_PROJECT": "p",
-                                   "AZURE_STORAGE_CONNECTION_STRING": "x", "PATH": "/bin"})
+    whole = server.subprocess_env(
+        {
+            "AWS_PROFILE": "someone",
+            "GOOGLE_CLOUD_PROJECT": "p",
+            "AZURE_STORAGE_CONNECTION_STRING": "x",
+            "PATH": "/bin",
+        }
+    )
     assert whole == {"PATH": "/bin", **env}
     # the store reaches the emulator through the proxy, and only through it
     assert obstore.head(store, "other/x.bin")["size"] == 1
-    assert [(r.method, r.bucket, r.key) for r in server.requests()] == \
-        [("HEAD", BUCKET, "other/x.bin")]
+    assert [(r.method, r.bucket, r.key) for r in server.requests()] == [
+        ("HEAD", BUCKET, "other/x.bin")
+    ]
 
 
 def test_setup_is_not_counted(server, store):
@@ -106,12 +116,15 @@ def test_setup_is_not_counted(server, store):
     server.delete(BUCKET, "tmp/setup.bin")
     with pytest.raises(FileNotFoundError):
         obstore.head(store, "tmp/setup.bin")
-    assert [(r.method, r.key, r.status) for r in server.requests()] == \
-        [("GET", "tmp/setup.bin", 200), ("HEAD", "tmp/setup.bin", 404)]
+    assert [(r.method, r.key, r.status) for r in server.requests()] == [
+        ("GET", "tmp/setup.bin", 200),
+        ("HEAD", "tmp/setup.bin", 404),
+    ]
     assert server.bytes_sent() == 3
 
 
 # -- what a reader relies on ------------------------------------------------------------------
+
 
 def test_head(server, store):
     for key, data in OBJECTS.items():
@@ -121,7 +134,7 @@ def test_head(server, store):
         if server.scheme == "gs":
             assert meta["version"].isdigit()  # the object's generation
         else:
-            assert meta["version"] is None    # no versioning on the bucket
+            assert meta["version"] is None  # no versioning on the bucket
     heads = server.requests(method="HEAD")
     assert [r.key for r in heads] == list(OBJECTS) and all(r.status == 200 for r in heads)
     assert server.bytes_sent() == 0
@@ -131,8 +144,9 @@ def test_list_with_prefix(server, store):
     listed = {m["path"]: m["size"] for m in obstore.list(store, prefix="ckpt/").collect()}
     assert listed == {k: len(v) for k, v in OBJECTS.items() if k.startswith("ckpt/")}
     listing = server.requests()
-    assert listing and all(r.key == "" and r.bucket == BUCKET and r.method == "GET"
-                           for r in listing)
+    assert listing and all(
+        r.key == "" and r.bucket == BUCKET and r.method == "GET" for r in listing
+    )
     assert server.bytes_sent() == 0  # a listing is not object data
     with_delimiter = obstore.list_with_delimiter(store, prefix="ckpt")
     assert with_delimiter["common_prefixes"] == ["ckpt/sub dir"]
@@ -178,6 +192,7 @@ def test_if_match(server, store):
 
 # -- faults -----------------------------------------------------------------------------------
 
+
 def test_503_is_retried(server, store):
     fault = server.inject("slowdown", times=2, key=BIG)
     assert get(store, BIG, range=(0, 4096)) == OBJECTS[BIG][:4096]
@@ -204,8 +219,10 @@ def test_dropped_body_is_resumed(server, store):
     assert get(store, BIG) == data
     gets = server.requests(method="GET")
     # the rest asked for with a Range from where the body broke: no byte sent twice
-    assert [(r.range, r.status, r.fault) for r in gets] == \
-        [(None, 200, "drop"), (f"bytes=1000-{len(data) - 1}", 206, None)]
+    assert [(r.range, r.status, r.fault) for r in gets] == [
+        (None, 200, "drop"),
+        (f"bytes=1000-{len(data) - 1}", 206, None),
+    ]
     assert server.bytes_sent(BIG) == len(data)
     # and within a range
     server.reset_counts()
@@ -247,8 +264,11 @@ def test_endless_drops_give_up(server, monkeypatch):
 def test_error_bodies_are_the_services_own(server, store):
     """What a client sees of an injected error, raw: status, content type, body."""
     key = "ckpt/config.json"
-    path = {"s3": f"/{BUCKET}/{key}", "gs": f"/{BUCKET}/{quote(key)}",
-            "az": f"/devstoreaccount1/{BUCKET}/{key}"}[server.scheme]
+    path = {
+        "s3": f"/{BUCKET}/{key}",
+        "gs": f"/{BUCKET}/{quote(key)}",
+        "az": f"/devstoreaccount1/{BUCKET}/{key}",
+    }[server.scheme]
     server.inject("slowdown", key=key)
     status, headers, body = _raw(server, "GET", path)
     assert status == 503
@@ -274,8 +294,9 @@ def test_gcs_json_api_paths(server, store):
     name = quote(key, safe="")
     status, _, body = _raw(server, "GET", f"/storage/v1/b/{BUCKET}/o?prefix=ckpt/")
     assert status == 200
-    assert {i["name"] for i in json.loads(body)["items"]} == \
-        {k for k in OBJECTS if k.startswith("ckpt/")}
+    assert {i["name"] for i in json.loads(body)["items"]} == {
+        k for k in OBJECTS if k.startswith("ckpt/")
+    }
     status, _, body = _raw(server, "GET", f"/storage/v1/b/{BUCKET}/o/{name}")
     assert status == 200 and json.loads(body)["size"] == str(len(OBJECTS[key]))
     assert server.bytes_sent() == 0  # a listing and metadata: not object data
@@ -283,8 +304,13 @@ def test_gcs_json_api_paths(server, store):
     assert _raw(server, "GET", f"/download/storage/v1/b/{BUCKET}/o/{name}")[2] == OBJECTS[key]
     assert server.bytes_sent(key) == 2 * len(OBJECTS[key])
     assert _raw(server, "GET", "/storage/v1/b")[0] == 200  # the buckets: no bucket's
-    assert [(r.bucket, r.key) for r in server.requests()] == \
-        [(BUCKET, ""), (BUCKET, key), (BUCKET, key), (BUCKET, key), ("", "")]
+    assert [(r.bucket, r.key) for r in server.requests()] == [
+        (BUCKET, ""),
+        (BUCKET, key),
+        (BUCKET, key),
+        (BUCKET, key),
+        ("", ""),
+    ]
     # an error on the JSON API is JSON
     server.inject("slowdown", key=key)
     status, headers, body = _raw(server, "GET", f"/storage/v1/b/{BUCKET}/o/{name}?alt=media")
@@ -294,6 +320,7 @@ def test_gcs_json_api_paths(server, store):
 
 
 # -- the processes ----------------------------------------------------------------------------
+
 
 def test_free_port():
     port = objectservers.free_port()
@@ -338,11 +365,14 @@ def test_emulator_dies_with_its_parent():
     the parent-death signal ends it."""
     if objectservers._SETPRIV is None:
         pytest.skip("no setpriv here")
-    code = ("import sys, time; from helpers import objectservers as o\n"
-            "s = o.make_server('gs').start()\n"
-            "print(s._child.proc.pid, s.upstream_port, s._tmp, flush=True); time.sleep(60)\n")
-    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              env=subprocess_env())
+    code = (
+        "import sys, time; from helpers import objectservers as o\n"
+        "s = o.make_server('gs').start()\n"
+        "print(s._child.proc.pid, s.upstream_port, s._tmp, flush=True); time.sleep(60)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=subprocess_env()
+    )
     tmp = None
     try:
         pid, port, tmp = parent.stdout.readline().split()
@@ -352,8 +382,9 @@ def test_emulator_dies_with_its_parent():
         assert _wait_for(lambda: not _alive(pid), timeout=10), f"emulator {pid} outlived"
         # and every process of its group (it runs in a group of its own): a probe of its port
         # could meet another emulator that took the freed port, as tests run side by side
-        assert _wait_for(lambda: not objectservers.group_members(pid), timeout=10), \
+        assert _wait_for(lambda: not objectservers.group_members(pid), timeout=10), (
             objectservers.group_members(pid)
+        )
     finally:
         parent.kill()
         parent.wait()
@@ -363,10 +394,12 @@ def test_emulator_dies_with_its_parent():
 
 # -- helpers ----------------------------------------------------------------------------------
 
+
 def _raw(server, method: str, path: str) -> tuple:
     """One request to the proxy, unsigned: (status, lower-case headers, body)."""
-    conn = http.client.HTTPConnection("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1]),
-                                      timeout=30)
+    conn = http.client.HTTPConnection(
+        "127.0.0.1", int(server.endpoint.rsplit(":", 1)[1]), timeout=30
+    )
     try:
         conn.request(method, path)
         resp = conn.getresponse()

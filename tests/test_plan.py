@@ -7,9 +7,9 @@ import json
 import jsonschema
 import numpy as np
 import pytest
-
 from helpers.plan_corpus import INVALID, SPLIT_W, VALID
-from shardload import (PlanError, ShardInfo, UnknownShardFunctionError, register_shard_func)
+
+from shardload import PlanError, ShardInfo, UnknownShardFunctionError, register_shard_func
 from shardload.errors import cli_text
 from shardload.plan import json_schema
 from shardload.readers import ArrayCheckpoint, TensorMeta
@@ -31,10 +31,12 @@ def write(tmp_path, text, name="shard_info.json"):
 
 # ---- parse ---------------------------------------------------------------------------------------
 
+
 def test_tvm_format_round_trips(tmp_path):
-    plan = {"x_0": [["tests.disco.shard_dim_1", [[4, 64, 64], "float16"], 4]],
-            "model.layers.0.mlp.down_proj.qweight": [
-                ["shardload.split", [[4, 344, 4096], "int32"], 0]]}
+    plan = {
+        "x_0": [["tests.disco.shard_dim_1", [[4, 64, 64], "float16"], 4]],
+        "model.layers.0.mlp.down_proj.qweight": [["shardload.split", [[4, 344, 4096], "int32"], 0]],
+    }
     path = write(tmp_path, json.dumps(plan))
     info = ShardInfo.load(path)
     assert info.source == path
@@ -43,16 +45,19 @@ def test_tvm_format_round_trips(tmp_path):
     assert not info.is_symbolic and info.planned_num_shards == 4
 
 
-@pytest.mark.parametrize("text, phrase", [
-    ('{"w": [], "w": []}', "duplicate key 'w'"),
-    ('{"w": [["shardload.split", [[NaN, 2], "float16"], 0]]}', "NaN"),
-    ('{"w": [["shardload.split", [[Infinity, 2], "float16"], 0]]}', "Infinity"),
-    ('{"w": [["shardload.split", [[2, 2], "float16"], -Infinity]]}', "-Infinity"),
-    ('{"w": ', "not valid JSON"),
-    ('[1, 2]', "must be a JSON object"),
-    ("[" * 100000 + "]" * 100000, "nested too deeply"),
-    (b'{"w": "\xff"}', "not UTF-8"),
-])
+@pytest.mark.parametrize(
+    "text, phrase",
+    [
+        ('{"w": [], "w": []}', "duplicate key 'w'"),
+        ('{"w": [["shardload.split", [[NaN, 2], "float16"], 0]]}', "NaN"),
+        ('{"w": [["shardload.split", [[Infinity, 2], "float16"], 0]]}', "Infinity"),
+        ('{"w": [["shardload.split", [[2, 2], "float16"], -Infinity]]}', "-Infinity"),
+        ('{"w": ', "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ("[" * 100000 + "]" * 100000, "nested too deeply"),
+        (b'{"w": "\xff"}', "not UTF-8"),
+    ],
+)
 def test_json_level_errors_name_the_file(tmp_path, text, phrase):
     path = write(tmp_path, text)
     with pytest.raises(PlanError) as info:
@@ -61,21 +66,24 @@ def test_json_level_errors_name_the_file(tmp_path, text, phrase):
     assert phrase in str(info.value) and path in str(info.value)
 
 
-@pytest.mark.parametrize("step, phrase", [
-    ("shardload.split", "a step must be a list"),
-    (["shardload.split"], "a step must be a list"),
-    ([7, [[2], "int32"]], "function name must be a non-empty string"),
-    (["f", [[2], "int32", 1]], "output spec must be [out_shape, dtype]"),
-    (["f", [[2.0], "int32"]], "out_shape[0] is 2.0"),
-    (["f", [[True], "int32"]], "out_shape[0] is True"),
-    (["f", [[-1], "int32"]], "out_shape[0] is -1"),
-    (["f", [["num_shards ** 2"], "int32"]], "out_shape[0]"),
-    (["f", [["shards"], "int32"]], "unknown name 'shards'"),
-    (["f", [[2], "int33"]], "unknown dtype 'int33'"),
-    (["f", [[2], "int32"], [1, 2]], "extra arg 0"),
-    (["f", [[2], "int32"], {"dim": 0}], "extra arg 0"),
-    (["f", [[2], "int32"], 0, "qkv"], "extra arg 1"),
-])
+@pytest.mark.parametrize(
+    "step, phrase",
+    [
+        ("shardload.split", "a step must be a list"),
+        (["shardload.split"], "a step must be a list"),
+        ([7, [[2], "int32"]], "function name must be a non-empty string"),
+        (["f", [[2], "int32", 1]], "output spec must be [out_shape, dtype]"),
+        (["f", [[2.0], "int32"]], "out_shape[0] is 2.0"),
+        (["f", [[True], "int32"]], "out_shape[0] is True"),
+        (["f", [[-1], "int32"]], "out_shape[0] is -1"),
+        (["f", [["num_shards ** 2"], "int32"]], "out_shape[0]"),
+        (["f", [["shards"], "int32"]], "unknown name 'shards'"),
+        (["f", [[2], "int33"]], "unknown dtype 'int33'"),
+        (["f", [[2], "int32"], [1, 2]], "extra arg 0"),
+        (["f", [[2], "int32"], {"dim": 0}], "extra arg 0"),
+        (["f", [[2], "int32"], 0, "qkv"], "extra arg 1"),
+    ],
+)
 def test_step_structure_errors_name_param_and_step(step, phrase):
     with pytest.raises(PlanError) as info:
         ShardInfo.from_dict({"ok": [], "w": [["shardload.replicate", [[2], "int32"]], step]})
@@ -110,6 +118,7 @@ def test_missing_plan_file_is_a_plan_error(tmp_path):
 
 # ---- bind ----------------------------------------------------------------------------------------
 
+
 # the two ends of what the 8-row tensor allows (8 // num_shards is 8, then 1); 2 and 4 evaluate
 # the same expressions the same way
 @pytest.mark.parametrize("n", [1, 8])
@@ -121,15 +130,26 @@ def test_symbolic_plan_binds_for_every_n(n):
 
 
 def test_symbolic_extra_args_are_evaluated():
-    info = ShardInfo.from_dict({"w": [["shardload.split_segments",
-                                       [["num_shards", "8 // num_shards", 4], "float16"],
-                                       "num_shards - num_shards", 8, "min(num_shards, 8)"]]})
+    info = ShardInfo.from_dict(
+        {
+            "w": [
+                [
+                    "shardload.split_segments",
+                    [["num_shards", "8 // num_shards", 4], "float16"],
+                    "num_shards - num_shards",
+                    8,
+                    "min(num_shards, 8)",
+                ]
+            ]
+        }
+    )
     assert info.bind(2).params["w"][0].extra == (0, 8, 2)
 
 
 def test_concrete_plan_with_another_n_says_how_to_replan():
-    info = ShardInfo.from_dict({"w": [["shardload.split", [[4, 2, 4], "float16"], 0]]},
-                               source="plan.json")
+    info = ShardInfo.from_dict(
+        {"w": [["shardload.split", [[4, 2, 4], "float16"], 0]]}, source="plan.json"
+    )
     assert info.bind(4).num_shards == 4
     with pytest.raises(PlanError) as err:
         info.bind(2)
@@ -154,8 +174,9 @@ def test_bind_needs_a_positive_int(n):
 
 
 def test_expression_going_negative_for_this_n():
-    info = ShardInfo.from_dict({"w": [["shardload.split", [["num_shards", "4 - num_shards", 4],
-                                                            "float16"], 0]]})
+    info = ShardInfo.from_dict(
+        {"w": [["shardload.split", [["num_shards", "4 - num_shards", 4], "float16"], 0]]}
+    )
     with pytest.raises(PlanError, match=r"out_shape\[1\] = '4 - num_shards' is -4"):
         info.bind(8)
 
@@ -169,6 +190,7 @@ def test_plan_is_immutable():
 
 
 # ---- validate ------------------------------------------------------------------------------------
+
 
 def validate(plan: dict, n: int, metadata=W_META, source="p.json"):
     return ShardInfo.from_dict(plan, source=source).bind(n).validate(metadata)
@@ -187,8 +209,15 @@ def test_unknown_function_suggests_close_matches():
 
 def test_unknown_function_in_a_later_step_names_that_step():
     with pytest.raises(UnknownShardFunctionError) as info:
-        validate({"w": [["shardload.replicate", [[2, 8, 4], "float16"]],
-                        ["no.such.func", [[2, 8, 4], "float16"]]]}, 2)
+        validate(
+            {
+                "w": [
+                    ["shardload.replicate", [[2, 8, 4], "float16"]],
+                    ["no.such.func", [[2, 8, 4], "float16"]],
+                ]
+            },
+            2,
+        )
     assert info.value.step == 1
 
 
@@ -254,8 +283,11 @@ def test_numpy_function_on_bfloat16_is_refused():
         output[...] = np.stack(np.split(input, output.shape[0]))
 
     with pytest.raises(PlanError, match="numpy has no bfloat16"):
-        validate({"w": [["tests.plan.np_split", [[2, 4, 4], "bfloat16"]]]}, 2,
-                 metadata=meta(w=((8, 4), "bfloat16")))
+        validate(
+            {"w": [["tests.plan.np_split", [[2, 4, 4], "bfloat16"]]]},
+            2,
+            metadata=meta(w=((8, 4), "bfloat16")),
+        )
 
 
 def test_validation_reads_no_tensor_data():
@@ -265,6 +297,7 @@ def test_validation_reads_no_tensor_data():
 
 
 # ---- the JSON Schema agrees with the parser (the plans: helpers.plan_corpus) ---------------------
+
 
 @pytest.mark.parametrize("plan", VALID)
 def test_schema_and_parser_accept(plan):
@@ -292,11 +325,15 @@ def test_example_plan_matches_the_schema():
 
 
 def test_metadata_is_kept_and_is_not_a_parameter():
-    info = ShardInfo.from_dict({"__metadata__": {"tensor_parallel": {"num_shards": 2}},
-                                "w": [["shardload.split", [[2, 4, 4], "float16"], 0]]})
+    info = ShardInfo.from_dict(
+        {
+            "__metadata__": {"tensor_parallel": {"num_shards": 2}},
+            "w": [["shardload.split", [[2, 4, 4], "float16"], 0]],
+        }
+    )
     assert list(info.steps) == ["w"]
     plan = info.bind(2)
     assert plan.metadata == {"tensor_parallel": {"num_shards": 2}}
     assert ShardInfo.loads(info.dumps()).metadata == info.metadata
     assert plan.to_dict()["__metadata__"] == info.metadata
-    plan.validate(W_META)   # the metadata key matches no tensor, and needs not
+    plan.validate(W_META)  # the metadata key matches no tensor, and needs not

@@ -13,15 +13,16 @@ import copy
 import dataclasses
 
 import pytest
-
 from helpers import plan_digests
 from helpers.paths import EXAMPLE
 
-DEFAULT = {"Qwen/Qwen2.5-7B-Instruct-AWQ": (3, 8),
-           "RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w4a16": (3, 8),
-           "TheBloke/Mixtral-8x7B-Instruct-v0.1-GPTQ": (3, 8),
-           "openai/gpt-oss-120b": (3, 8),
-           "Qwen/Qwen3-30B-A3B-FP8": (3,)}
+DEFAULT = {
+    "Qwen/Qwen2.5-7B-Instruct-AWQ": (3, 8),
+    "RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w4a16": (3, 8),
+    "TheBloke/Mixtral-8x7B-Instruct-v0.1-GPTQ": (3, 8),
+    "openai/gpt-oss-120b": (3, 8),
+    "Qwen/Qwen3-30B-A3B-FP8": (3,),
+}
 RECORDED = plan_digests.recorded()
 
 
@@ -30,8 +31,9 @@ def _cases():
         if name in DEFAULT:
             yield pytest.param(name, DEFAULT[name], id=f"{name}-default")
         rest = tuple(n for n in plan_digests.N_ALL if n not in DEFAULT.get(name, ()))
-        yield pytest.param(name, rest, id=f"{name}-rest", marks=[pytest.mark.extended,
-                                                                  pytest.mark.slow])
+        yield pytest.param(
+            name, rest, id=f"{name}-rest", marks=[pytest.mark.extended, pytest.mark.slow]
+        )
 
 
 @pytest.mark.parametrize("name, ns", list(_cases()))
@@ -58,8 +60,9 @@ def test_one_byte_range_or_one_step_changes_the_digest():
         reads = build_read_plans(validated, ckpt)
     base = plan_digests._reads_digest(reads)
     piece = reads[1].pieces[5]
-    moved = piece._replace(runs=(piece.runs[0]._replace(offset=piece.runs[0].offset + 1),
-                                 *piece.runs[1:]))
+    moved = piece._replace(
+        runs=(piece.runs[0]._replace(offset=piece.runs[0].offset + 1), *piece.runs[1:])
+    )
     pieces = list(reads[1].pieces)
     pieces[5] = moved
     changed = [reads[0], dataclasses.replace(reads[1], pieces=tuple(pieces)), *reads[2:]]

@@ -20,13 +20,25 @@ import os
 
 import jsonschema
 import pytest
+from helpers.plan_corpus import INVALID as PLAN_INVALID
+from helpers.plan_corpus import VALID as PLAN_VALID
 
-from helpers.plan_corpus import INVALID as PLAN_INVALID, VALID as PLAN_VALID
 from shardload import PlanError, ShardInfo
 from shardload import plan as plan_module
-from shardload.plan import limits as plan_limits, steps as plan_steps
-from shardload.plan import (MAX_DIM, MAX_DIMS, MAX_EXTRA_ARGS, MAX_PARAMS, MAX_PLAN_BYTES,
-                            MAX_STEPS, json_schema, schema_text, step_json, write_schema)
+from shardload.plan import (
+    MAX_DIM,
+    MAX_DIMS,
+    MAX_EXTRA_ARGS,
+    MAX_PARAMS,
+    MAX_PLAN_BYTES,
+    MAX_STEPS,
+    json_schema,
+    schema_text,
+    step_json,
+    write_schema,
+)
+from shardload.plan import limits as plan_limits
+from shardload.plan import steps as plan_steps
 
 
 def shipped_path() -> str:
@@ -49,6 +61,7 @@ def parser_accepts(plan) -> bool:
 
 # ---- the shipped file is json_schema() ---------------------------------------------------------
 
+
 def test_shipped_schema_is_built_from_the_parser_limits():
     if os.environ.get("SHARDLOAD_WRITE_SCHEMA"):
         write_schema()
@@ -56,7 +69,8 @@ def test_shipped_schema_is_built_from_the_parser_limits():
         text = f.read()
     assert text == schema_text(), (
         "shardload/schemas/shard_info.schema.json is out of date: regenerate it with "
-        "SHARDLOAD_WRITE_SCHEMA=1 python -m pytest tests/test_plan_schema.py")
+        "SHARDLOAD_WRITE_SCHEMA=1 python -m pytest tests/test_plan_schema.py"
+    )
     assert json.loads(text) == json_schema()
 
 
@@ -67,7 +81,7 @@ def test_schema_is_valid_draft_2020_12():
 def test_schema_states_the_limits_the_parser_applies():
     schema = json_schema()
     defs = schema["$defs"]
-    counts = schema["allOf"][0]       # __metadata__ and __placement__ are no params
+    counts = schema["allOf"][0]  # __metadata__ and __placement__ are no params
     assert counts["then"]["maxProperties"] == MAX_PARAMS + 2
     assert counts["else"]["then"]["maxProperties"] == MAX_PARAMS + 1
     assert counts["else"]["else"]["maxProperties"] == MAX_PARAMS
@@ -109,44 +123,44 @@ CORPUS_VALID = [
     {"__metadata__": {}, "w": [STEP]},
     {"w": [["f", [["min(num_shards, 2)", "max(1, num_shards) % 3"], "half"], "-num_shards"]]},
     {"w": [["f", [[], "e5m2_float8"], 0.5, -1, False]]},
-    {"\U0001F600": [["f", [[1], "uint64"]]]},                 # any non-empty name, any Unicode
-    {"w": [["f" * 100_000, [[2], "int32"]]]},                 # a long name parses (validate refuses)
-    {"w": [["f", [["9" * 256], "int32"]]]},                   # 256 characters: the longest
-    {"w": [["f", [[MAX_DIM], "int8"]]]},                      # refused only at bind
+    {"\U0001f600": [["f", [[1], "uint64"]]]},  # any non-empty name, any Unicode
+    {"w": [["f" * 100_000, [[2], "int32"]]]},  # a long name parses (validate refuses)
+    {"w": [["f", [["9" * 256], "int32"]]]},  # 256 characters: the longest
+    {"w": [["f", [[MAX_DIM], "int8"]]]},  # refused only at bind
     {"__placement__": {"num_shards": 2, "params": {"e0": [0], "e1": [1, 0]}}, "w": [STEP]},
     {"__metadata__": {}, "__placement__": {"num_shards": 1, "params": {}}},
 ]
 
 CORPUS_INVALID = [
     *PLAN_INVALID,
-    {"w": "shardload.split"},                                 # steps not a list
-    {"w": [STEP, None]},                                      # a step not a list
-    {"w": [["f", None]]},                                     # no output spec
-    {"w": [["f", [[2]]]]},                                    # spec of 1
-    {"w": [["f", [None, "int32"]]]},                          # shape null
-    {"w": [["f", [[2], None]]]},                              # dtype null
-    {"w": [["f", [[2], "Float16"]]]},                         # dtype names are case-sensitive
-    {"w": [["f", [[None], "int32"]]]},                        # null dim
-    {"w": [["f", [[""], "int32"]]]},                          # empty expression
-    {"w": [["f", [["n" * 257], "int32"]]]},                   # 257 characters
-    {"w": [["f", [[2], "int32"], ""]]},                       # empty expression arg
-    {"w": [["f", [[2], "int32"], "num_shards; 1"]]},          # outside the alphabet
-    {"w": [["f", [[2], "int32"], [1, 2]]]},                   # list arg
-    {"w": [[["x"] * 1000, [[2], "int32"]]]},                  # from test_plan_hostile
+    {"w": "shardload.split"},  # steps not a list
+    {"w": [STEP, None]},  # a step not a list
+    {"w": [["f", None]]},  # no output spec
+    {"w": [["f", [[2]]]]},  # spec of 1
+    {"w": [["f", [None, "int32"]]]},  # shape null
+    {"w": [["f", [[2], None]]]},  # dtype null
+    {"w": [["f", [[2], "Float16"]]]},  # dtype names are case-sensitive
+    {"w": [["f", [[None], "int32"]]]},  # null dim
+    {"w": [["f", [[""], "int32"]]]},  # empty expression
+    {"w": [["f", [["n" * 257], "int32"]]]},  # 257 characters
+    {"w": [["f", [[2], "int32"], ""]]},  # empty expression arg
+    {"w": [["f", [[2], "int32"], "num_shards; 1"]]},  # outside the alphabet
+    {"w": [["f", [[2], "int32"], [1, 2]]]},  # list arg
+    {"w": [[["x"] * 1000, [[2], "int32"]]]},  # from test_plan_hostile
     {"w": [["f", [[2], "int32", "x" * 100_000]]]},
     {"w": [["f", [[2], "d" * 100_000]]]},
     {"w": [["f", [[[1] * 1000], "int32"]]]},
     {"w": [["f", [[2], "int32"], {"k" * 1000: 1}]]},
     {"w": [STEP] * (MAX_STEPS + 1)},
     {"w": [["f", [[1] * (MAX_DIMS + 1), "int32"]]]},
-    "a plan",                                                 # not an object
+    "a plan",  # not an object
     None,
-    {"__placement__": [0]},                                   # placement not an object
-    {"__placement__": {"params": {"e": [0]}}},                # no num_shards
-    {"__placement__": {"num_shards": 0, "params": {}}},       # num_shards < 1
-    {"__placement__": {"num_shards": 2, "params": {"e": []}}},        # held by nobody
-    {"__placement__": {"num_shards": 2, "params": {"e": [0, 0]}}},    # a worker twice
-    {"__placement__": {"num_shards": 2, "params": {"e": ["0"]}}},     # not an integer
+    {"__placement__": [0]},  # placement not an object
+    {"__placement__": {"params": {"e": [0]}}},  # no num_shards
+    {"__placement__": {"num_shards": 0, "params": {}}},  # num_shards < 1
+    {"__placement__": {"num_shards": 2, "params": {"e": []}}},  # held by nobody
+    {"__placement__": {"num_shards": 2, "params": {"e": [0, 0]}}},  # a worker twice
+    {"__placement__": {"num_shards": 2, "params": {"e": ["0"]}}},  # not an integer
     {"__placement__": {"num_shards": 2, "params": {"e": [0]}, "x": 1}},  # unknown key
 ]
 
@@ -169,8 +183,10 @@ SCHEMA_CANNOT_SAY = [
     # a worker beyond the placement's own num_shards, and a placed parameter with steps: the
     # schema sees each value alone
     ({"__placement__": {"num_shards": 2, "params": {"e": [2]}}}, "worker < num_shards"),
-    ({"__placement__": {"num_shards": 2, "params": {"w": [0]}}, "w": [STEP]},
-     "a placed parameter takes no steps"),
+    (
+        {"__placement__": {"num_shards": 2, "params": {"w": [0]}}, "w": [STEP]},
+        "a placed parameter takes no steps",
+    ),
 ]
 
 
@@ -199,18 +215,32 @@ def test_distinct_expression_count_is_the_parsers_alone(monkeypatch):
     assert schema_accepts(plan) and not parser_accepts(plan)
 
 
-@pytest.mark.parametrize("limit, value, at, over", [
-    ("MAX_PARAMS", 3,
-     {"a": [], "b": [], "c": []}, {"a": [], "b": [], "c": [], "d": []}),
-    ("MAX_PARAMS", 3,                                          # __metadata__ is no parameter
-     {"__metadata__": {}, "a": [], "b": [], "c": []},
-     {"__metadata__": {}, "a": [], "b": [], "c": [], "d": []}),
-    ("MAX_STEPS", 2, {"w": [STEP] * 2}, {"w": [STEP] * 3}),
-    ("MAX_DIMS", 3, {"w": [["f", [[1, 2, 3], "int8"]]]}, {"w": [["f", [[1, 2, 3, 4], "int8"]]]}),
-    ("MAX_EXTRA_ARGS", 4, {"w": [["f", [[1], "int8"], 1, 2, 3, 4]]},
-     {"w": [["f", [[1], "int8"], 1, 2, 3, 4, 5]]}),
-    ("MAX_DIM", 100, {"w": [["f", [[100], "int8"]]]}, {"w": [["f", [[101], "int8"]]]}),
-])
+@pytest.mark.parametrize(
+    "limit, value, at, over",
+    [
+        ("MAX_PARAMS", 3, {"a": [], "b": [], "c": []}, {"a": [], "b": [], "c": [], "d": []}),
+        (
+            "MAX_PARAMS",
+            3,  # __metadata__ is no parameter
+            {"__metadata__": {}, "a": [], "b": [], "c": []},
+            {"__metadata__": {}, "a": [], "b": [], "c": [], "d": []},
+        ),
+        ("MAX_STEPS", 2, {"w": [STEP] * 2}, {"w": [STEP] * 3}),
+        (
+            "MAX_DIMS",
+            3,
+            {"w": [["f", [[1, 2, 3], "int8"]]]},
+            {"w": [["f", [[1, 2, 3, 4], "int8"]]]},
+        ),
+        (
+            "MAX_EXTRA_ARGS",
+            4,
+            {"w": [["f", [[1], "int8"], 1, 2, 3, 4]]},
+            {"w": [["f", [[1], "int8"], 1, 2, 3, 4, 5]]},
+        ),
+        ("MAX_DIM", 100, {"w": [["f", [[100], "int8"]]]}, {"w": [["f", [[101], "int8"]]]}),
+    ],
+)
 def test_both_apply_the_same_limits(monkeypatch, limit, value, at, over):
     """Each limit at its value and one over, with the limit made small: the schema is built
     from the limit the parser reads, so both move together."""
@@ -220,8 +250,14 @@ def test_both_apply_the_same_limits(monkeypatch, limit, value, at, over):
 
 
 def test_int64_edges_agree():
-    for arg, ok in ((2**63 - 1, True), (-2**63, True), (2**63, False), (-2**63 - 1, False),
-                    (9.3e18, False), (-9.2e18, True)):
+    for arg, ok in (
+        (2**63 - 1, True),
+        (-(2**63), True),
+        (2**63, False),
+        (-(2**63) - 1, False),
+        (9.3e18, False),
+        (-9.2e18, True),
+    ):
         plan = {"w": [["f", [[2], "int32"], arg]]}
         assert schema_accepts(plan) is ok and parser_accepts(plan) is ok, arg
 
@@ -241,11 +277,11 @@ def test_planner_plans_and_their_serialisations_match_the_schema(tmp_path):
 
 # ---- one serialisation of a step -------------------------------------------------------------
 
+
 def test_every_plan_form_writes_its_steps_through_step_json(monkeypatch):
     calls = []
     real = plan_steps.step_json
-    monkeypatch.setattr(plan_steps, "step_json",
-                        lambda *args: calls.append(args[0]) or real(*args))
+    monkeypatch.setattr(plan_steps, "step_json", lambda *args: calls.append(args[0]) or real(*args))
     info = ShardInfo.from_dict({"__metadata__": {"k": 1}, "w": [STEP], "v": []})
     expected = {"__metadata__": {"k": 1}, "w": [STEP], "v": []}
     assert info.to_dict() == expected and len(calls) == 1
@@ -259,6 +295,10 @@ def test_every_plan_form_writes_its_steps_through_step_json(monkeypatch):
 
 
 def test_step_json():
-    assert step_json("f", (1, "num_shards"), "int8", (0, None)) == ["f", [[1, "num_shards"],
-                                                                       "int8"], 0, None]
+    assert step_json("f", (1, "num_shards"), "int8", (0, None)) == [
+        "f",
+        [[1, "num_shards"], "int8"],
+        0,
+        None,
+    ]
     assert step_json("f", [], "bool") == ["f", [[], "bool"]]

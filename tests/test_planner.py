@@ -16,13 +16,28 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers.quant_refs.compressed_tensors import dequantize_fp8, quantize_fp8
+from helpers.quantized_models import (
+    GPTQ,
+    GQA,
+    MQA,
+    OTHERS,
+    PLAIN,
+    THREE,
+    WIDE,
+    Geometry,
+    Model,
+    awq,
+    ct_act_order,
+    fp8,
+    gptq,
+    pack_quantized,
+    write_model,
+)
+from helpers.tp_reference import padded_head_runs, padded_units, rows_of, take
 from safetensors.torch import save_file
 
-from helpers.quant_refs.compressed_tensors import dequantize_fp8, quantize_fp8
-from helpers.quantized_models import (GPTQ, GQA, MQA, OTHERS, PLAIN, THREE, WIDE, Geometry, Model,
-                                      awq, ct_act_order, fp8, gptq, pack_quantized, write_model)
 from shardload import PlanError, ThreadedSession, load_sharded, open_checkpoint
-from helpers.tp_reference import padded_head_runs, padded_units, rows_of, take
 from shardload.planners import plan_decision, plan_for, valid_num_shards
 
 NS = (1, 2, 3, 4, 8)
@@ -49,7 +64,7 @@ def expected_piece(model: Model, module: str, n: int, i: int) -> np.ndarray:
     pieces, start = [], 0
     for size, units, replicable in segments:
         rows = rows_of(n, i, size, units, replicable)
-        pieces.append(w[start:start + size][rows])
+        pieces.append(w[start : start + size][rows])
         start += size
     return np.concatenate(pieces)
 
@@ -90,8 +105,11 @@ def check_shards(model: Model, shards: list[dict], n: int) -> None:
     for module in model.shapes:
         prefix = f"model.layers.0.{module}."
         for i in range(n):
-            stored = {name[len(prefix):]: _as_numpy(t) for name, t in shards[i].items()
-                      if name.startswith(prefix)}
+            stored = {
+                name[len(prefix) :]: _as_numpy(t)
+                for name, t in shards[i].items()
+                if name.startswith(prefix)
+            }
             got = model.fmt.dequantize(stored)
             want = expected_piece(model, module, n, i)
             assert got.shape == want.shape, (module, i, n)
@@ -108,6 +126,7 @@ def _as_numpy(t: torch.Tensor):
 
 # ---- the proofs ------------------------------------------------------------------------------------
 
+
 def _format_geometry_cases():
     """Every format on both geometries (GQA: N 1, 2, 4, 8 with KV heads replicated at 4 and 8;
     THREE: N 1 and 3, odd sizes): which N each format allows depends on its alignments
@@ -117,9 +136,9 @@ def _format_geometry_cases():
     same_as_another = {"bf16", "gptq4-g32-v2", "gptq8-g32-v2"}
     fmts = PLAIN + GPTQ + OTHERS
     assert same_as_another <= {f.name for f in fmts}
-    return ([pytest.param(f, GQA, id=f"8q2kv-{f.name}") for f in fmts]
-            + [pytest.param(f, THREE, id=f"12q3kv-{f.name}") for f in fmts
-               if f.name not in same_as_another])
+    return [pytest.param(f, GQA, id=f"8q2kv-{f.name}") for f in fmts] + [
+        pytest.param(f, THREE, id=f"12q3kv-{f.name}") for f in fmts if f.name not in same_as_another
+    ]
 
 
 @pytest.mark.parametrize("fmt, geometry", _format_geometry_cases())
@@ -129,23 +148,25 @@ def test_every_shard_dequantizes_to_its_slice(tmp_path, fmt, geometry):
     assert valid, "every format must allow some N > 0"
 
 
-@pytest.mark.parametrize("fmt", [PLAIN[0], gptq(4, 32), awq(32), pack_quantized(4, 32, False)],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "fmt", [PLAIN[0], gptq(4, 32), awq(32), pack_quantized(4, 32, False)], ids=lambda f: f.name
+)
 def test_mqa_replicates_the_one_kv_head(tmp_path, fmt):
     model = write_model(str(tmp_path), MQA, fmt)
     assert check_model(model) == [1, 2, 4, 8]
 
 
-@pytest.mark.parametrize("fmt", [fp8("block"), fp8("channel"), gptq(4, 128)],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [fp8("block"), fp8("channel"), gptq(4, 128)], ids=lambda f: f.name)
 def test_wide_heads(tmp_path, fmt):
     model = write_model(str(tmp_path), WIDE, fmt)
     check_model(model)
 
 
-@pytest.mark.parametrize("fmt", [PLAIN[0], gptq(4, 32), gptq(3, 32), awq(32),
-                                 pack_quantized(4, 32, False), fp8("channel")],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "fmt",
+    [PLAIN[0], gptq(4, 32), gptq(3, 32), awq(32), pack_quantized(4, 32, False), fp8("channel")],
+    ids=lambda f: f.name,
+)
 def test_fused_qkv_and_gate_up(tmp_path, fmt):
     model = write_model(str(tmp_path), GQA, fmt, fused=True)
     assert check_model(model) == expected_valid(model)
@@ -157,7 +178,7 @@ def test_mixtral_experts(tmp_path, fmt):
     check_model(model)
     with open_checkpoint(model.folder) as ckpt:
         plan = plan_for(ckpt).to_dict()
-    assert "model.layers.0.block_sparse_moe.gate.weight" not in plan   # the router: replicated
+    assert "model.layers.0.block_sparse_moe.gate.weight" not in plan  # the router: replicated
     assert "model.layers.0.block_sparse_moe.experts.1.w2.qweight" in plan or fmt.name == "fp16"
 
 
@@ -176,13 +197,14 @@ def test_process_session_gives_the_same_shards(tmp_path):
 
 # ---- plans and refusals ----------------------------------------------------------------------------
 
+
 def test_plan_is_symbolic_and_names_the_valid_n(tmp_path):
     model = write_model(str(tmp_path), THREE, gptq(4, 32))
     with open_checkpoint(model.folder) as ckpt:
         info = plan_for(ckpt, num_shards=3)
         assert info.is_symbolic
         with pytest.raises(PlanError) as err:
-            plan_for(ckpt, num_shards=2, pad=False)      # padded, 2 works too
+            plan_for(ckpt, num_shards=2, pad=False)  # padded, 2 works too
     message = str(err.value)
     assert "cannot be split over 2 workers" in message and "N that work" in message
     assert "1, 3" in message and "k_proj" in message
@@ -193,10 +215,10 @@ def test_act_order_replicates_scales_on_row_parallel_layers(tmp_path):
     with open_checkpoint(model.folder) as ckpt:
         plan = plan_for(ckpt).to_dict()
     layer = "model.layers.0."
-    assert layer + "self_attn.o_proj.scales" not in plan       # replicated
+    assert layer + "self_attn.o_proj.scales" not in plan  # replicated
     assert layer + "self_attn.o_proj.qzeros" not in plan
-    assert plan[layer + "self_attn.o_proj.g_idx"][0][0] == "shardload.split"   # not rebased
-    assert layer + "self_attn.q_proj.g_idx" not in plan         # column: whole g_idx
+    assert plan[layer + "self_attn.o_proj.g_idx"][0][0] == "shardload.split"  # not rebased
+    assert layer + "self_attn.q_proj.g_idx" not in plan  # column: whole g_idx
 
 
 def test_trivial_g_idx_is_rebased(tmp_path):
@@ -228,12 +250,17 @@ def test_bitsandbytes_is_refused(tmp_path):
         plan_for(model.folder)
 
 
-@pytest.mark.parametrize("quant, phrase", [
-    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"},
-     "tile-permuted"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "GEMM"),
-    ({"quant_method": "hqq"}, "not supported"),
-])
+@pytest.mark.parametrize(
+    "quant, phrase",
+    [
+        (
+            {"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"},
+            "tile-permuted",
+        ),
+        ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "GEMM"),
+        ({"quant_method": "hqq"}, "not supported"),
+    ],
+)
 def test_layouts_that_cannot_be_sliced_are_refused(tmp_path, quant, phrase):
     model = write_model(str(tmp_path), GQA, PLAIN[0])
     config = json.load(open(os.path.join(model.folder, "config.json")))
@@ -246,8 +273,11 @@ def test_layouts_that_cannot_be_sliced_are_refused(tmp_path, quant, phrase):
 def test_fp8_blocks_straddling_kv_heads_go_in_pairs(tmp_path):
     # 64-row KV heads inside 128-row scale blocks: a KV head cannot be split off exactly, a
     # pair can: N = 1 as it is (it was refused, N = 1 too), other N zero-padded in pairs
-    model = write_model(str(tmp_path), Geometry(hidden=512, heads=8, kv_heads=2, head_dim=64,
-                                                inter=1024), fp8("block"))
+    model = write_model(
+        str(tmp_path),
+        Geometry(hidden=512, heads=8, kv_heads=2, head_dim=64, inter=1024),
+        fp8("block"),
+    )
     decision = plan_decision(model.folder)
     assert list(decision.valid) == [1]
     assert "KV heads" in str(plan_decision(model.folder, 2, pad=False).error)
@@ -268,11 +298,13 @@ def test_partial_fp8_blocks_load_whole_at_one_worker(tmp_path):
             shards = load_sharded(ckpt, decision.shard_info(), sess, progress=False).worker(0)
     for module, w in model.full.items():
         prefix = f"model.layers.0.{module}."
-        stored = {k[len(prefix):]: _as_numpy(t) for k, t in shards.items() if k.startswith(prefix)}
+        stored = {k[len(prefix) :]: _as_numpy(t) for k, t in shards.items() if k.startswith(prefix)}
         assert np.array_equal(model.fmt.dequantize(stored), w), module
     err = str(plan_decision(model.folder, 2, pad=False).error)
-    assert ("the 3 KV heads ('num_key_value_heads' = 3), whose 192 elements end in a partial "
-            "128-element block") in err and "N that work (up to 64): 1" in err
+    assert (
+        "the 3 KV heads ('num_key_value_heads' = 3), whose 192 elements end in a partial "
+        "128-element block"
+    ) in err and "N that work (up to 64): 1" in err
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
@@ -290,8 +322,10 @@ def test_fp8_fused_qkv_with_a_scale_per_part_becomes_per_channel(tmp_path):
     # to one per row (exact) and splits them like the weight.
     g = GQA
     rng = np.random.default_rng(3)
-    parts = [quantize_fp8((rng.standard_normal((rows, g.hidden)) * 0.05).astype(np.float32),
-                          "tensor") for rows in (g.q, g.kv, g.kv)]
+    parts = [
+        quantize_fp8((rng.standard_normal((rows, g.hidden)) * 0.05).astype(np.float32), "tensor")
+        for rows in (g.q, g.kv, g.kv)
+    ]
     weight = torch.cat([p["weight"] for p in parts])
     scales = np.concatenate([np.asarray(p["weight_scale"]).reshape(1) for p in parts])
     full = np.concatenate([dequantize_fp8(p, "tensor") for p in parts])
@@ -315,9 +349,12 @@ def test_fp8_fused_qkv_with_a_scale_per_part_becomes_per_channel(tmp_path):
             with ThreadedSession(n) as sess:
                 result = load_sharded(ckpt, info, sess, progress=False)
             for i in range(n):
-                piece = {"weight": result.shard("model.layers.0.self_attn.qkv_proj.weight", i),
-                         "weight_scale": result.shard(
-                             "model.layers.0.self_attn.qkv_proj.weight_scale", i).numpy()}
+                piece = {
+                    "weight": result.shard("model.layers.0.self_attn.qkv_proj.weight", i),
+                    "weight_scale": result.shard(
+                        "model.layers.0.self_attn.qkv_proj.weight_scale", i
+                    ).numpy(),
+                }
                 got = dequantize_fp8(piece, "channel")
                 assert np.array_equal(got, expected_piece(model, "self_attn.qkv_proj", n, i))
 
@@ -332,7 +369,8 @@ def test_qwen_biases_and_per_head_norms(tmp_path):
     rng = np.random.default_rng(5)
     for proj, rows in (("q_proj", GQA.q), ("k_proj", GQA.kv), ("v_proj", GQA.kv)):
         stored[f"model.layers.0.self_attn.{proj}.bias"] = torch.from_numpy(
-            rng.standard_normal(rows).astype(np.float16))
+            rng.standard_normal(rows).astype(np.float16)
+        )
     stored["model.layers.0.self_attn.q_norm.weight"] = torch.ones(GQA.head_dim)
     save_file(stored, os.path.join(model.folder, "model.safetensors"))
     config = json.load(open(os.path.join(model.folder, "config.json")))
@@ -346,7 +384,7 @@ def test_qwen_biases_and_per_head_norms(tmp_path):
         for proj in ("q_proj", "k_proj"):
             name = f"model.layers.0.self_attn.{proj}.bias"
             full = ckpt.read(name).numpy()[:, None]
-            model.full[f"self_attn.{proj}"] = full      # rows are what matters here
+            model.full[f"self_attn.{proj}"] = full  # rows are what matters here
             for i in range(4):
                 want = expected_piece(model, f"self_attn.{proj}", 4, i)[:, 0]
                 assert np.array_equal(result.shard(name, i).numpy(), want)
@@ -354,7 +392,8 @@ def test_qwen_biases_and_per_head_norms(tmp_path):
 
 # ---- random geometries ---------------------------------------------------------------------------
 
-from hypothesis import HealthCheck, assume, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 
 @st.composite
@@ -366,13 +405,22 @@ def gptq_models(draw):
     bits = draw(st.sampled_from([2, 3, 4, 8]))
     group = draw(st.sampled_from([32, -1]))
     act = draw(st.booleans()) and group != -1
-    return Geometry(hidden=heads * head_dim, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                    inter=inter, vocab=32), gptq(bits, group, act_order=act)
+    return Geometry(
+        hidden=heads * head_dim,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        inter=inter,
+        vocab=32,
+    ), gptq(bits, group, act_order=act)
 
 
 @pytest.mark.slow
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(case=gptq_models())
 def test_random_gptq_models(tmp_path_factory, case):
     geometry, fmt = case
@@ -384,9 +432,18 @@ def test_random_gptq_models(tmp_path_factory, case):
 # ---- zero padding --------------------------------------------------------------------------------
 
 #: which units of a layer each padded layout entry moves: (layout key, head or block, axis)
-_PADDED_UNITS = {"q_proj": ("q_heads", 0), "k_proj": ("kv_heads", 0), "v_proj": ("kv_heads", 0),
-                 "o_proj": ("q_heads", 1), "gate_proj": ("mlp", 0), "up_proj": ("mlp", 0),
-                 "down_proj": ("mlp", 1), "w1": ("mlp", 0), "w3": ("mlp", 0), "w2": ("mlp", 1)}
+_PADDED_UNITS = {
+    "q_proj": ("q_heads", 0),
+    "k_proj": ("kv_heads", 0),
+    "v_proj": ("kv_heads", 0),
+    "o_proj": ("q_heads", 1),
+    "gate_proj": ("mlp", 0),
+    "up_proj": ("mlp", 0),
+    "down_proj": ("mlp", 1),
+    "w1": ("mlp", 0),
+    "w3": ("mlp", 0),
+    "w2": ("mlp", 1),
+}
 
 
 def check_padded(model: Model, n: int, run: int = 1) -> dict:
@@ -402,21 +459,25 @@ def check_padded(model: Model, n: int, run: int = 1) -> dict:
             result = load_sharded(ckpt, info, sess, progress=False)
             shards = [result.worker(i) for i in range(n)]
     hd, block = layout["head_dim"], layout["mlp_block"]
-    assert (layout["q_heads"], layout["kv_heads"]) == padded_head_runs(g.heads, g.kv_heads, n,
-                                                                        run)
+    assert (layout["q_heads"], layout["kv_heads"]) == padded_head_runs(g.heads, g.kv_heads, n, run)
     mlp = layout["mlp_blocks"][str(g.inter)]
     assert mlp == padded_units(g.inter // block, n)
-    units = {"q_heads": (layout["q_heads"], hd), "kv_heads": (layout["kv_heads"], hd),
-             "mlp": (mlp, block)}
+    units = {
+        "q_heads": (layout["q_heads"], hd),
+        "kv_heads": (layout["kv_heads"], hd),
+        "mlp": (mlp, block),
+    }
     for module, w in model.full.items():
         key, axis = _PADDED_UNITS[module.rsplit(".", 1)[1]]
         worker_units, size = units[key]
         prefix = f"model.layers.0.{module}."
         for i in range(n):
-            stored = {k[len(prefix):]: _as_numpy(t) for k, t in shards[i].items()
-                      if k.startswith(prefix)}
-            assert np.array_equal(fmt.dequantize(stored), take(w, worker_units[i], size, axis)), \
+            stored = {
+                k[len(prefix) :]: _as_numpy(t) for k, t in shards[i].items() if k.startswith(prefix)
+            }
+            assert np.array_equal(fmt.dequantize(stored), take(w, worker_units[i], size, axis)), (
                 f"{fmt.name} {module} worker {i} of {n}"
+            )
     return layout
 
 
@@ -428,20 +489,35 @@ def narrow_head_models(draw):
     heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
     head_dim = draw(st.sampled_from([16, 32, 64]))
     inter = draw(st.sampled_from([256, 384, 640]))
-    fmt = draw(st.sampled_from([gptq(4, 64), gptq(4, 128), gptq(3, 32), awq(64), awq(128),
-                                gptq(4, 64, act_order=True), ct_act_order(),
-                                gptq(8, 128, version=2, act_order=True),
-                                pack_quantized(4, 128, True)]))
+    fmt = draw(
+        st.sampled_from(
+            [
+                gptq(4, 64),
+                gptq(4, 128),
+                gptq(3, 32),
+                awq(64),
+                awq(128),
+                gptq(4, 64, act_order=True),
+                ct_act_order(),
+                gptq(8, 128, version=2, act_order=True),
+                pack_quantized(4, 128, True),
+            ]
+        )
+    )
     config = fmt.quant_config
     group = config.get("group_size") or config["config_groups"]["group_0"]["weights"]["group_size"]
-    assume(heads * head_dim % group == 0)     # quantizers (ours, GPTQ's) need whole groups
-    return Geometry(hidden=512, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter,
-                    vocab=32), fmt
+    assume(heads * head_dim % group == 0)  # quantizers (ours, GPTQ's) need whole groups
+    return Geometry(
+        hidden=512, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, vocab=32
+    ), fmt
 
 
 @pytest.mark.slow
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(case=narrow_head_models())
 def test_random_narrow_heads_pad_exactly_or_are_refused(tmp_path_factory, case):
     """Every N is decided, never raised: unpadded, refused with its reason, or padded such that
@@ -461,36 +537,54 @@ def test_random_narrow_heads_pad_exactly_or_are_refused(tmp_path_factory, case):
                 shards = [result.worker(i) for i in range(n)]
             layout = info.metadata.get("tensor_parallel")
             if layout is None:
-                continue     # unpadded: the exact splits are test_random_gptq_models' concern
+                continue  # unpadded: the exact splits are test_random_gptq_models' concern
             q = sorted(h for worker in layout["q_heads"] for h in worker if h >= 0)
             assert q == list(range(geometry.heads))
             assert {h for w in layout["kv_heads"] for h in w if h >= 0} == set(
-                range(geometry.kv_heads))
-            units = {"q_heads": (layout["q_heads"], layout["head_dim"]),
-                     "kv_heads": (layout["kv_heads"], layout["head_dim"]),
-                     "mlp": (layout["mlp_blocks"][str(geometry.inter)], layout["mlp_block"])}
+                range(geometry.kv_heads)
+            )
+            units = {
+                "q_heads": (layout["q_heads"], layout["head_dim"]),
+                "kv_heads": (layout["kv_heads"], layout["head_dim"]),
+                "mlp": (layout["mlp_blocks"][str(geometry.inter)], layout["mlp_block"]),
+            }
             for module, w in model.full.items():
                 key, axis = _PADDED_UNITS[module.rsplit(".", 1)[1]]
                 prefix = f"model.layers.0.{module}."
                 for i in range(n):
-                    stored = {k[len(prefix):]: _as_numpy(t) for k, t in shards[i].items()
-                              if k.startswith(prefix)}
+                    stored = {
+                        k[len(prefix) :]: _as_numpy(t)
+                        for k, t in shards[i].items()
+                        if k.startswith(prefix)
+                    }
                     want = take(w, units[key][0][i], units[key][1], axis)
                     assert np.array_equal(fmt.dequantize(stored), want), (module, n, i)
 
 
-@pytest.mark.parametrize("fmt", [PLAIN[0], awq(32), pack_quantized(4, 32, False), fp8("channel"),
-                                 gptq(4, 32), gptq(3, 32, version=2, act_order=True),
-                                 gptq(4, 32, act_order=True), ct_act_order()],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        PLAIN[0],
+        awq(32),
+        pack_quantized(4, 32, False),
+        fp8("channel"),
+        gptq(4, 32),
+        gptq(3, 32, version=2, act_order=True),
+        gptq(4, 32, act_order=True),
+        ct_act_order(),
+    ],
+    ids=lambda f: f.name,
+)
 @pytest.mark.parametrize("n", [2, 5, 8])
 def test_zero_padding_for_n_the_heads_do_not_divide(tmp_path, fmt, n):
-    check_padded(write_model(str(tmp_path), THREE, fmt), n)   # 12 query, 3 KV heads, 768
+    check_padded(write_model(str(tmp_path), THREE, fmt), n)  # 12 query, 3 KV heads, 768
 
 
-@pytest.mark.parametrize("fmt, experts", [(fp8("block"), 0), (fp8("block"), 4),
-                                         (gptq(4, 32, act_order=True), 4), (awq(32), 4)],
-                         ids=["fp8-block", "fp8-block-experts", "gptq-act-experts", "awq-experts"])
+@pytest.mark.parametrize(
+    "fmt, experts",
+    [(fp8("block"), 0), (fp8("block"), 4), (gptq(4, 32, act_order=True), 4), (awq(32), 4)],
+    ids=["fp8-block", "fp8-block-experts", "gptq-act-experts", "awq-experts"],
+)
 def test_zero_padding_keeps_blocks_and_experts_whole(tmp_path, fmt, experts):
     """FP8's 128x128 scale blocks and every expert's MLP: padded in whole blocks (and groups),
     zero blocks and zero-scaled groups dequantizing to exact zeros, at N=3 (4 heads over 2 KV
@@ -499,8 +593,11 @@ def test_zero_padding_keeps_blocks_and_experts_whole(tmp_path, fmt, experts):
     assert layout["mlp_block"] == (128 if fmt.name.startswith("fp8") else 32)
 
 
-@pytest.mark.parametrize("fmt", [gptq(4, 64), gptq(4, 64, act_order=True),
-                                 gptq(8, 64, version=2, act_order=True)], ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "fmt",
+    [gptq(4, 64), gptq(4, 64, act_order=True), gptq(8, 64, version=2, act_order=True)],
+    ids=lambda f: f.name,
+)
 @pytest.mark.parametrize("n", [3, 5])
 def test_zero_padding_heads_narrower_than_a_group(tmp_path, fmt, n):
     """Heads of 16 rows in groups of 64 rows (as 32-dim heads in GPTQ's usual 128): o_proj's
@@ -508,7 +605,7 @@ def test_zero_padding_heads_narrower_than_a_group(tmp_path, fmt, n):
     would cut a group: the planner once wrote a plan its own validation refused)."""
     narrow = Geometry(hidden=256, heads=8, kv_heads=4, head_dim=16, inter=512)
     model = write_model(str(tmp_path), narrow, fmt)
-    if n == 5 and fmt.name.endswith("act"):   # 2 runs of heads over 5 workers: 2.5x the heads
+    if n == 5 and fmt.name.endswith("act"):  # 2 runs of heads over 5 workers: 2.5x the heads
         assert "would more than double" in str(plan_decision(model.folder, n).error)
         return
     check_padded(model, n, run=4)
@@ -539,14 +636,19 @@ def test_act_order_padding_past_twice_the_heads_is_refused(tmp_path):
     act = write_model(str(tmp_path / "act"), two_heads, gptq(4, 32, act_order=True))
     decision = plan_decision(act.folder, 8)
     assert decision.kind == "refused"
-    assert ("act-order keeps every group's scales on every worker, and 2 query heads "
-            "zero-padded to 8 over 8 workers") in str(decision.error)
-    assert plan_decision(act.folder, 3).kind == "padded"      # 2 heads to 3: within twice
+    assert (
+        "act-order keeps every group's scales on every worker, and 2 query heads "
+        "zero-padded to 8 over 8 workers"
+    ) in str(decision.error)
+    assert plan_decision(act.folder, 3).kind == "padded"  # 2 heads to 3: within twice
     check_padded(write_model(str(tmp_path / "plain"), two_heads, gptq(4, 32)), 8)
 
 
-@pytest.mark.parametrize("fmt", [gptq(4, -1), gptq(3, -1, sym=True),
-                                 pack_quantized(4, None, False)], ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "fmt",
+    [gptq(4, -1), gptq(3, -1, sym=True), pack_quantized(4, None, False)],
+    ids=lambda f: f.name,
+)
 def test_zero_padding_is_refused_for_a_per_channel_layer_without_one_zero_code(tmp_path, fmt):
     # asymmetric: each column's zero point is its own, so no one code pads every column with
     # zeros, and there is no group to zero; 3-bit codes straddle words (no one word repeats)
@@ -557,10 +659,18 @@ def test_zero_padding_is_refused_for_a_per_channel_layer_without_one_zero_code(t
     assert "N that work (up to 64): 1, 3" in str(err.value)
 
 
-@pytest.mark.parametrize("fmt", [gptq(4, -1, sym=True), gptq(4, -1, act_order=True, sym=True),
-                                 gptq(8, -1, version=2, sym=True), gptq(2, -1, sym=True),
-                                 pack_quantized(4, None, True), pack_quantized(8, None, True)],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        gptq(4, -1, sym=True),
+        gptq(4, -1, act_order=True, sym=True),
+        gptq(8, -1, version=2, sym=True),
+        gptq(2, -1, sym=True),
+        pack_quantized(4, None, True),
+        pack_quantized(8, None, True),
+    ],
+    ids=lambda f: f.name,
+)
 @pytest.mark.parametrize("n", [2, 5])
 def test_per_channel_symmetric_rows_pad_with_the_zero_code(tmp_path, fmt, n):
     """A per-channel row-parallel layer whose columns share one zero code (symmetric GPTQ, as
@@ -574,16 +684,16 @@ def test_padded_gptq_rows_are_zero_groups_of_their_own(tmp_path, act_order):
     """Row-parallel zero rows point at groups whose scales are 0: the worker's own (no
     act-order) or ones appended after every real group (act-order, scales replicated)."""
     model = write_model(str(tmp_path), THREE, gptq(4, 32, act_order=act_order))
-    n, groups = 5, THREE.inter // 32                     # 24 groups: 5 per worker, 1 padded
+    n, groups = 5, THREE.inter // 32  # 24 groups: 5 per worker, 1 padded
     with open_checkpoint(model.folder) as ckpt, ThreadedSession(n) as sess:
         info = plan_for(ckpt, num_shards=n)
         shards = [load_sharded(ckpt, info, sess, progress=False).worker(i) for i in range(n)]
     last = shards[-1]
     prefix = "model.layers.0.mlp.down_proj."
     g_idx, scales = last[prefix + "g_idx"].numpy(), last[prefix + "scales"].numpy()
-    padded_rows = slice(4 * 32, 5 * 32)                 # worker 4 holds groups 20..23, then 0s
+    padded_rows = slice(4 * 32, 5 * 32)  # worker 4 holds groups 20..23, then 0s
     if act_order:
-        assert scales.shape[0] == n * 5                 # every real group, then zero groups
+        assert scales.shape[0] == n * 5  # every real group, then zero groups
         assert (g_idx[padded_rows] == groups).all()
         assert not scales[groups:].any()
     else:

@@ -53,26 +53,51 @@ import shutil
 import pytest
 import torch
 import transformers
+from helpers.cli_runs import invoke_ok
+from helpers.deepseek_configs import (
+    EXPERTS,
+    FP8_HEADS,
+    FP8_HIDDEN,
+    FP8_INTER,
+    FP8_MOE_INTER,
+    FP8_NOPE,
+    FP8_ROPE,
+    FP8_V,
+    HEADS,
+    HIDDEN,
+    INTER,
+    KV_LORA,
+    MOE_INTER,
+    NOPE,
+    Q_LORA,
+    ROPE,
+    SHARED,
+    V_DIM,
+    fp8_config,
+    tiny_config,
+)
+from helpers.deepseek_fp8_tool import DEEPSEEK_QUANT_CONFIG, dequantize, write_deepseek_fp8
+from helpers.loads import decided_load
+from helpers.tp_reference import (
+    expert_slots,
+    layer_piece,
+    padded_head_runs,
+    padded_heads,
+    padded_units,
+    rows_of,
+    take,
+)
 from safetensors.torch import load_file
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2_modeling
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3_modeling
 
-from helpers.cli_runs import invoke_ok
-from helpers.deepseek_configs import (EXPERTS, FP8_HEADS, FP8_HIDDEN, FP8_INTER, FP8_MOE_INTER,
-                                      FP8_NOPE, FP8_ROPE, FP8_V, HEADS, HIDDEN, INTER, KV_LORA,
-                                      MOE_INTER, NOPE, Q_LORA, ROPE, SHARED, V_DIM, fp8_config,
-                                      tiny_config)
-from helpers.deepseek_fp8_tool import DEEPSEEK_QUANT_CONFIG, dequantize, write_deepseek_fp8
-from helpers.loads import decided_load
-from helpers.tp_reference import (expert_slots, layer_piece, padded_head_runs, padded_heads,
-                                  padded_units, rows_of, take)
 from shardload import ProcessSession, ThreadedSession
 from shardload.planners import plan_decision
 
-QK, KV_B = NOPE + ROPE, NOPE + V_DIM          # a query head's rows (24), a kv_b head's rows (32)
-TP_SHARDS = (1, 2, 4, 3)                      # 3: 4 heads and 32/96-row MLPs zero-padded
+QK, KV_B = NOPE + ROPE, NOPE + V_DIM  # a query head's rows (24), a kv_b head's rows (32)
+TP_SHARDS = (1, 2, 4, 3)  # 3: 4 heads and 32/96-row MLPs zero-padded
 EP_SHARDS = (1, 2, 3, 4, 8)
-BLOCK = 128                                   # block FP8: 128 x 128 scale blocks
+BLOCK = 128  # block FP8: 128 x 128 scale blocks
 
 
 def write_tiny(folder, version: str):
@@ -113,20 +138,26 @@ def v2(tmp_path_factory):
 
 # ---- the reference: worker i's piece, from the rules ---------------------------------------------
 
+
 def split_of(name: str):
     """(axis, rows, units, rows per unit, kind) of a tensor's split, or None: replicated."""
     module = name.rsplit(".", 2)[-2]
     if module in ("q_proj", "q_b_proj"):
         return 0, HEADS * QK, HEADS, QK, "q"
-    if module == "kv_b_proj":         # one key-and-value head per query head: the query heads'
+    if module == "kv_b_proj":  # one key-and-value head per query head: the query heads'
         return 0, HEADS * KV_B, HEADS, KV_B, "q"
     if module == "o_proj":
         return 1, HEADS * V_DIM, HEADS, V_DIM, "q"
     if module in ("gate_proj", "up_proj", "down_proj"):
-        rows = (MOE_INTER * SHARED if ".shared_experts." in name else
-                MOE_INTER if ".experts." in name else INTER)
+        rows = (
+            MOE_INTER * SHARED
+            if ".shared_experts." in name
+            else MOE_INTER
+            if ".experts." in name
+            else INTER
+        )
         return (1 if module == "down_proj" else 0), rows, rows, 1, "mlp"
-    return None       # q_a_proj, kv_a_proj_with_mqa, their norms, routers, norms, embeddings
+    return None  # q_a_proj, kv_a_proj_with_mqa, their norms, routers, norms, embeddings
 
 
 def is_routed(name: str) -> bool:
@@ -161,11 +192,13 @@ def check_padded_layout(decision, n: int) -> None:
     assert layout["num_shards"] == n
     assert (layout["q_heads"], layout["kv_heads"]) == padded_heads(HEADS, HEADS, n)
     assert layout["mlp_block"] == 1
-    assert layout["mlp_blocks"] == {str(size): padded_units(size, n)
-                                    for size in (INTER, MOE_INTER * SHARED)}
+    assert layout["mlp_blocks"] == {
+        str(size): padded_units(size, n) for size in (INTER, MOE_INTER * SHARED)
+    }
 
 
 # ---- the checkpoints are what the rules above assume ---------------------------------------------
+
 
 @pytest.mark.parametrize("version", ["v3", "v2"])
 def test_transformers_writes_mla_as_assumed(request, version):
@@ -189,14 +222,17 @@ def test_transformers_writes_mla_as_assumed(request, version):
     assert shapes["model.layers.0.mlp.gate_proj.weight"] == (INTER, HIDDEN)
     for e in range(EXPERTS):
         assert shapes[f"model.layers.1.mlp.experts.{e}.down_proj.weight"] == (HIDDEN, MOE_INTER)
-    assert shapes["model.layers.1.mlp.shared_experts.up_proj.weight"] == (MOE_INTER * SHARED,
-                                                                           HIDDEN)
-    assert not any(len(s) == 3 for s in shapes.values())        # no fused experts
+    assert shapes["model.layers.1.mlp.shared_experts.up_proj.weight"] == (
+        MOE_INTER * SHARED,
+        HIDDEN,
+    )
+    assert not any(len(s) == 3 for s in shapes.values())  # no fused experts
     norms = [v for k, v in stored.items() if k.endswith("norm.weight")]
     assert norms and all(not torch.equal(v, torch.ones_like(v)) for v in norms)
 
 
 # ---- A. tensor parallel: every worker, every tensor ----------------------------------------------
+
 
 def check_tensor_parallel(folder, stored, n: int, session_class=ThreadedSession) -> None:
     with decided_load(folder, n, session_class=session_class) as (decision, sharded):
@@ -219,10 +255,12 @@ def check_tensor_parallel(folder, stored, n: int, session_class=ThreadedSession)
                 assert torch.equal(got, want), (name, i, n)
                 split += want.shape != w.shape
             assert sharded.stats.bytes_per_worker[i] == sum(
-                expected(k, w, n, i, padded).nbytes for k, w in stored.items()), (i, n)
+                expected(k, w, n, i, padded).nbytes for k, w in stored.items()
+            ), (i, n)
             assert sharded.stats.bytes_read_per_worker[i] == sum(
-                read_bytes(k, w, n, i, padded) for k, w in stored.items()), (i, n)
-        if n > 1:       # every projection of attention, dense MLP, experts, shared experts
+                read_bytes(k, w, n, i, padded) for k, w in stored.items()
+            ), (i, n)
+        if n > 1:  # every projection of attention, dense MLP, experts, shared experts
             assert split == n * sum(split_of(k) is not None for k in stored)
 
 
@@ -246,12 +284,30 @@ def test_tensor_parallel_process_session(v3):
 
 # ---- B. forward: transformers' own MLA attention and MoE block on each worker's pieces -----------
 
-MODELING = {"v3": (v3_modeling.DeepseekV3Attention, v3_modeling.DeepseekV3RotaryEmbedding,
-                   v3_modeling.DeepseekV3MoE, v3_modeling.DeepseekV3MLP),
-            "v2": (v2_modeling.DeepseekV2Attention, v2_modeling.DeepseekV2RotaryEmbedding,
-                   v2_modeling.DeepseekV2Moe, v2_modeling.DeepseekV2MLP)}
-ATTENTION = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
-             "kv_a_layernorm", "kv_b_proj", "o_proj")
+MODELING = {
+    "v3": (
+        v3_modeling.DeepseekV3Attention,
+        v3_modeling.DeepseekV3RotaryEmbedding,
+        v3_modeling.DeepseekV3MoE,
+        v3_modeling.DeepseekV3MLP,
+    ),
+    "v2": (
+        v2_modeling.DeepseekV2Attention,
+        v2_modeling.DeepseekV2RotaryEmbedding,
+        v2_modeling.DeepseekV2Moe,
+        v2_modeling.DeepseekV2MLP,
+    ),
+}
+ATTENTION = (
+    "q_proj",
+    "q_a_proj",
+    "q_a_layernorm",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_a_layernorm",
+    "kv_b_proj",
+    "o_proj",
+)
 
 
 def attention_module(version: str, config, heads: int, get):
@@ -261,8 +317,9 @@ def attention_module(version: str, config, heads: int, get):
     config.num_attention_heads = config.num_key_value_heads = heads
     config._attn_implementation = "eager"
     module = MODELING[version][0](config, layer_idx=0).eval()
-    state = {f"{m}.weight": get(m).float() for m in ATTENTION
-             if getattr(module, m, None) is not None}
+    state = {
+        f"{m}.weight": get(m).float() for m in ATTENTION if getattr(module, m, None) is not None
+    }
     module.load_state_dict(state, strict=True)
     return module
 
@@ -303,11 +360,16 @@ def test_mla_attention_forward_sums_to_whole(request, version, n):
         for i in range(n):
             piece = sharded.worker(i)
             heads = piece[prefix + "o_proj.weight"].shape[1] // V_DIM
-            part = run_attention(version, attention_module(
-                version, config, heads, lambda m: piece[f"{prefix}{m}.weight"]),
-                x, position_embeddings, mask)
+            part = run_attention(
+                version,
+                attention_module(version, config, heads, lambda m: piece[f"{prefix}{m}.weight"]),
+                x,
+                position_embeddings,
+                mask,
+            )
             if decision.kind == "padded" and all(
-                    h == -1 for h in decision.shard_info().metadata["tensor_parallel"]["q_heads"][i]):
+                h == -1 for h in decision.shard_info().metadata["tensor_parallel"]["q_heads"][i]
+            ):
                 assert torch.equal(part, torch.zeros_like(part)), (version, n, i)
                 zero_workers += 1
             got += part
@@ -326,13 +388,17 @@ def moe_module(version: str, config, experts: dict, shared: dict, router: dict):
     module = moe_cls(config).eval()
     module.shared_experts = mlp_cls(config=config, intermediate_size=shared["gate"].shape[0])
     zero = torch.zeros(width, HIDDEN)
-    gate_up = [torch.cat(experts[e][:2]) if e in experts else torch.cat([zero, zero])
-               for e in range(EXPERTS)]
+    gate_up = [
+        torch.cat(experts[e][:2]) if e in experts else torch.cat([zero, zero])
+        for e in range(EXPERTS)
+    ]
     down = [experts[e][2] if e in experts else zero.T for e in range(EXPERTS)]
-    state = {"experts.gate_up_proj": torch.stack(gate_up),
-             "experts.down_proj": torch.stack(down),
-             **{f"shared_experts.{p}_proj.weight": shared[p] for p in ("gate", "up", "down")},
-             **{f"gate.{k}": v for k, v in router.items()}}
+    state = {
+        "experts.gate_up_proj": torch.stack(gate_up),
+        "experts.down_proj": torch.stack(down),
+        **{f"shared_experts.{p}_proj.weight": shared[p] for p in ("gate", "up", "down")},
+        **{f"gate.{k}": v for k, v in router.items()},
+    }
     module.load_state_dict(state, strict=True)
     return module
 
@@ -344,8 +410,9 @@ def moe_weights(get, held):
     """(routed experts, shared experts) of layer 1 from ``get(stored name)``, for the routed
     experts ``held``."""
     projections = ("gate", "up", "down")
-    experts = {e: tuple(get(f"{MOE}experts.{e}.{p}_proj.weight") for p in projections)
-               for e in held}
+    experts = {
+        e: tuple(get(f"{MOE}experts.{e}.{p}_proj.weight") for p in projections) for e in held
+    }
     shared = {p: get(f"{MOE}shared_experts.{p}_proj.weight") for p in projections}
     return experts, shared
 
@@ -362,14 +429,15 @@ def test_moe_block_forward_sums_to_whole_at_2_workers(request, version, experts)
     torch.manual_seed(2)
     x = torch.randn(3, 5, HIDDEN)
     routed, shared = moe_weights(stored.__getitem__, range(EXPERTS))
-    router = {k[len(MOE + "gate."):]: v for k, v in stored.items() if k.startswith(MOE + "gate.")}
-    assert sorted(router) == (["e_score_correction_bias", "weight"] if version == "v3"
-                              else ["weight"])
+    router = {k[len(MOE + "gate.") :]: v for k, v in stored.items() if k.startswith(MOE + "gate.")}
+    assert sorted(router) == (
+        ["e_score_correction_bias", "weight"] if version == "v3" else ["weight"]
+    )
     whole = moe_module(version, config, routed, shared, router)
     with torch.no_grad():
         want = whole(x)
         _, _, indices = whole.gate(x)
-    assert indices.unique().numel() == EXPERTS      # every expert is used, on both workers
+    assert indices.unique().numel() == EXPERTS  # every expert is used, on both workers
     with decided_load(folder, n, experts=experts) as (decision, sharded):
         slots = expert_slots(EXPERTS, n) if experts == "ep" else [range(EXPERTS)] * n
         got = torch.zeros_like(want)
@@ -384,7 +452,7 @@ def test_moe_block_forward_sums_to_whole_at_2_workers(request, version, experts)
 
 # ---- C. block FP8, written by transformers' own quantizer ----------------------------------------
 
-FP8_QK, FP8_KV_B = FP8_NOPE + FP8_ROPE, FP8_NOPE + FP8_V     # 192 and 192 rows a head
+FP8_QK, FP8_KV_B = FP8_NOPE + FP8_ROPE, FP8_NOPE + FP8_V  # 192 and 192 rows a head
 FP8_SHARDS, FP8_PADDED = (1, 2, 4), (3, 8)
 
 
@@ -473,8 +541,8 @@ def test_fp8_every_piece_and_dequantized(fp8):
     worker's weight and scales is that worker's slice of the whole dequantized weight, for every
     quantized tensor of every worker."""
     folder, _, stored = fp8
-    quantized = [k[:-len("_scale_inv")] for k in stored if k.endswith(".weight_scale_inv")]
-    assert len(quantized) == 2 * 5 + 3 + 3 * (EXPERTS + 1)   # attention x2, dense, experts, shared
+    quantized = [k[: -len("_scale_inv")] for k in stored if k.endswith(".weight_scale_inv")]
+    assert len(quantized) == 2 * 5 + 3 + 3 * (EXPERTS + 1)  # attention x2, dense, experts, shared
     whole = {k: dequantize(stored[k], stored[k + "_scale_inv"]) for k in quantized}
     for n in FP8_SHARDS:
         with decided_load(folder, n) as (decision, sharded):
@@ -505,20 +573,29 @@ def test_fp8_attention_forward_sums_to_whole_at_4_workers(fp8):
         def weight(m):
             name = f"{prefix}{m}.weight"
             w = get(name)
-            return dequantize(w, get(name + "_scale_inv")) if w.dtype == torch.float8_e4m3fn \
+            return (
+                dequantize(w, get(name + "_scale_inv"))
+                if w.dtype == torch.float8_e4m3fn
                 else w.float()
+            )
+
         return weight
 
     x, position_embeddings, mask = attention_inputs("v3", config, FP8_HIDDEN)
-    want = run_attention("v3", attention_module("v3", config, FP8_HEADS,
-                                                weights(stored.__getitem__)),
-                         x, position_embeddings, mask)
+    want = run_attention(
+        "v3",
+        attention_module("v3", config, FP8_HEADS, weights(stored.__getitem__)),
+        x,
+        position_embeddings,
+        mask,
+    )
     n = 4
     with decided_load(folder, n) as (_, sharded):
         got = torch.zeros_like(want)
         for i in range(n):
-            module = attention_module("v3", config, FP8_HEADS // n,
-                                      weights(lambda k: sharded.shard(k, i)))
+            module = attention_module(
+                "v3", config, FP8_HEADS // n, weights(lambda k: sharded.shard(k, i))
+            )
             got += run_attention("v3", module, x, position_embeddings, mask)
     assert want.abs().max() > 1e-3
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
@@ -533,7 +610,7 @@ def test_fp8_heads_straddling_blocks_pad_in_pairs_at_3_and_8(fp8, experts):
     every quantized tensor is its padded piece of the whole dequantized weight: its real
     heads' rows, zeros for zero heads and blocks."""
     folder, _, stored = fp8
-    quantized = [k[:-len("_scale_inv")] for k in stored if k.endswith(".weight_scale_inv")]
+    quantized = [k[: -len("_scale_inv")] for k in stored if k.endswith(".weight_scale_inv")]
     whole = {k: dequantize(stored[k], stored[k + "_scale_inv"]) for k in quantized}
     for n in FP8_PADDED:
         q_heads, _ = padded_head_runs(FP8_HEADS, FP8_HEADS, n, 2)
@@ -557,7 +634,7 @@ def test_fp8_heads_straddling_blocks_pad_in_pairs_at_3_and_8(fp8, experts):
                     got = dequantize(worker[name], worker[name + "_scale_inv"])
                     assert torch.equal(got, want), (name, i, n)
                     checked += 1
-            assert checked >= n * 2 * 3, n        # q_b, kv_b and o_proj of 2 layers at least
+            assert checked >= n * 2 * 3, n  # q_b, kv_b and o_proj of 2 layers at least
 
 
 def test_fp8_expert_parallel(fp8):
@@ -571,14 +648,17 @@ def test_fp8_expert_parallel(fp8):
         with decided_load(folder, n, experts="ep") as (decision, sharded):
             assert decision.kind == "unpadded"
             assert decision.shard_info().metadata["experts"]["experts_per_worker"] == {
-                str(EXPERTS): slots}
+                str(EXPERTS): slots
+            }
             for i in range(n):
                 worker = sharded.worker(i)
                 assert sorted(worker) == sorted(
-                    k for k in stored if not is_routed(k) or owner[expert_of(k)] == i)
+                    k for k in stored if not is_routed(k) or owner[expert_of(k)] == i
+                )
                 for name, piece in worker.items():
-                    want = stored[name] if is_routed(name) else fp8_expected(name, stored[name],
-                                                                             n, i)
+                    want = (
+                        stored[name] if is_routed(name) else fp8_expected(name, stored[name], n, i)
+                    )
                     assert same(piece, want), (name, i, n)
 
 
@@ -588,18 +668,19 @@ def test_fp8_one_block_of_k_columns(tmp_path_factory):
     other block-FP8 layer."""
     folder = tmp_path_factory.mktemp("deepseek_v3_fp8_k128")
     config = fp8_config()
-    config.kv_lora_rank = 128        # kv_a_proj_with_mqa: 128 + 128 rows; kv_b_proj K = 128
+    config.kv_lora_rank = 128  # kv_a_proj_with_mqa: 128 + 128 rows; kv_b_proj K = 128
     write_deepseek_fp8(folder, config)
     stored = load_file(str(folder / "model.safetensors"))
     name = "model.layers.0.self_attn.kv_b_proj.weight_scale_inv"
     assert stored[name].shape == (12, 1)
     assert plan_decision(str(folder), 2).kind == "unpadded"
-    with decided_load(folder, 2) as (_, sharded):      # whole heads: the grid's rows, halved
+    with decided_load(folder, 2) as (_, sharded):  # whole heads: the grid's rows, halved
         for i in range(2):
-            assert same(sharded.shard(name, i), stored[name][6 * i:6 * (i + 1)])
+            assert same(sharded.shard(name, i), stored[name][6 * i : 6 * (i + 1)])
 
 
 # ---- D. expert parallel --------------------------------------------------------------------------
+
 
 def check_expert_parallel(folder, stored, n: int, session_class=ThreadedSession) -> dict:
     """Every piece under EP at N; returns the bytes read per worker."""
@@ -608,9 +689,12 @@ def check_expert_parallel(folder, stored, n: int, session_class=ThreadedSession)
     owner = {e: w for w, held in enumerate(slots) for e in held if e >= 0}
     with decided_load(folder, n, experts="ep", session_class=session_class) as (decision, sharded):
         info = decision.shard_info()
-        assert info.metadata["experts"] == {"mode": "ep", "num_shards": n,
-                                            "experts_per_worker": {str(EXPERTS): slots}}
-        padded = HEADS % n != 0        # 4 heads over 3 or 8: attention and MLPs padded as in TP
+        assert info.metadata["experts"] == {
+            "mode": "ep",
+            "num_shards": n,
+            "experts_per_worker": {str(EXPERTS): slots},
+        }
+        padded = HEADS % n != 0  # 4 heads over 3 or 8: attention and MLPs padded as in TP
         assert decision.kind == ("padded" if padded else "unpadded"), n
         if padded:
             check_padded_layout(decision, n)
@@ -618,7 +702,8 @@ def check_expert_parallel(folder, stored, n: int, session_class=ThreadedSession)
         assert len(routed) == 3 * EXPERTS
         assert info.placement is not None and info.placement.num_shards == n
         assert {k: tuple(v) for k, v in info.placement.params.items()} == {
-            k: (owner[expert_of(k)],) for k in routed}
+            k: (owner[expert_of(k)],) for k in routed
+        }
         for i in range(n):
             held = sorted(k for k in stored if not is_routed(k) or owner[expert_of(k)] == i)
             assert sorted(sharded.worker(i)) == held
@@ -634,13 +719,20 @@ def check_expert_parallel(folder, stored, n: int, session_class=ThreadedSession)
                     continue
                 assert sharded.holds(name, i)
                 assert torch.equal(sharded.shard(name, i), expected(name, w, n, i, padded)), (
-                    name, i, n)
+                    name,
+                    i,
+                    n,
+                )
             assert sharded.stats.bytes_per_worker[i] == sum(
                 w.nbytes if is_routed(k) else expected(k, w, n, i, padded).nbytes
-                for k, w in stored.items() if k in held), (i, n)
+                for k, w in stored.items()
+                if k in held
+            ), (i, n)
             assert sharded.stats.bytes_read_per_worker[i] == sum(
                 w.nbytes if is_routed(k) else read_bytes(k, w, n, i, padded)
-                for k, w in stored.items() if k in held), (i, n)
+                for k, w in stored.items()
+                if k in held
+            ), (i, n)
         return list(sharded.stats.bytes_read_per_worker)
 
 
@@ -657,7 +749,7 @@ def test_planner_experts(v3):
         with decided_load(folder, n) as (_, sharded):
             tp = list(sharded.stats.bytes_read_per_worker)
         assert sum(ep) == sum(tp), (n, ep, tp)
-        if EXPERTS % n == 0:            # whole experts or slices: the same bytes per worker
+        if EXPERTS % n == 0:  # whole experts or slices: the same bytes per worker
             assert ep == tp, (n, ep, tp)
 
 
@@ -670,6 +762,7 @@ def test_expert_parallel_process_session(v3):
 
 
 # ---- E. command line -----------------------------------------------------------------------------
+
 
 def test_cli_plan_and_load(v3):
     """``shardload plan --shards 2`` prints the TP plan (MLA heads split in their own widths)
@@ -687,13 +780,15 @@ def test_cli_plan_and_load(v3):
     result = invoke_ok("plan", "--shards", 2, "--experts", "ep", folder)
     plan = json.loads(result.stdout)
     assert plan["__metadata__"]["experts"]["experts_per_worker"] == {
-        str(EXPERTS): expert_slots(EXPERTS, 2)}
+        str(EXPERTS): expert_slots(EXPERTS, 2)
+    }
     assert "placed whole on one worker" in result.stderr and "MLA" in result.stderr
     for name in stored:
         assert (name in plan) == (split_of(name) is not None and not is_routed(name)), name
 
-    report = json.loads(invoke_ok("load", "--shards", 3, "--experts", "ep", folder,
-                               "--json").stdout)
+    report = json.loads(
+        invoke_ok("load", "--shards", 3, "--experts", "ep", folder, "--json").stdout
+    )
     assert report["num_shards"] == 3 and len(report["workers"]) == 3
     others = len(stored) - 3 * EXPERTS
     assert [w["tensors"] for w in report["workers"]] == [others + 6, others + 3, others + 3]

@@ -65,20 +65,25 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
-from safetensors.torch import load_file, save_file
-
 from helpers.cli_runs import run_cli
-from helpers.moe_configs import (COMMON, CONFIGS, EXPERTS, HEADS, HIDDEN,  # noqa: F401
-                                 KV_HEADS, VOCAB, mlp_sizes)
+from helpers.moe_configs import COMMON, CONFIGS, EXPERTS, HEADS, HIDDEN, KV_HEADS, VOCAB, mlp_sizes  # noqa: F401
 from helpers.paths import EXAMPLE
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
-from shardload import (ArrayCheckpoint, PlanError, ProcessSession, ShardInfo, ThreadedSession,
-                       load_sharded, open_checkpoint)
+from safetensors.torch import load_file, save_file
+
+from shardload import (
+    ArrayCheckpoint,
+    PlanError,
+    ProcessSession,
+    ShardInfo,
+    ThreadedSession,
+    load_sharded,
+    open_checkpoint,
+)
 from shardload.errors import cli_text
 from shardload.plan import check_plan_fits
 from shardload.planners import plan_decision, plan_for, valid_num_shards
 from shardload.readplan import read_plan_for
-
 
 # ----------------------------------------------------------------------------------------------
 # the expert assignment, from the rule
@@ -112,8 +117,10 @@ def test_the_reference_assignment():
     assert assignment(4, 3) == [[0, 1], [2], [3]]
     assert slots(6, 4) == [[0, 1], [2, 3], [4, -1], [5, -1]]
     assert slots(4, 8) == [[0], [1], [2], [3], [-1], [-1], [-1], [-1]]
-    assert assignment(60, 8) == [list(range(s, s + c)) for s, c in
-                                 zip((0, 8, 16, 24, 32, 39, 46, 53), (8, 8, 8, 8, 7, 7, 7, 7))]
+    assert assignment(60, 8) == [
+        list(range(s, s + c))
+        for s, c in zip((0, 8, 16, 24, 32, 39, 46, 53), (8, 8, 8, 8, 7, 7, 7, 7))
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,15 +130,17 @@ N = 3
 _rng = torch.Generator().manual_seed(0)
 #: name -> tensor: a split parameter, a replicated one, and three placed ones of other dtypes
 TENSORS = {
-    "embed.weight": torch.randn(6, 4, generator=_rng),       # split along 0: [2, 4] each
-    "norm.weight": torch.randn(5, generator=_rng),           # replicated
-    "experts.0.w": torch.randn(3, 4, generator=_rng),        # whole on worker 0
+    "embed.weight": torch.randn(6, 4, generator=_rng),  # split along 0: [2, 4] each
+    "norm.weight": torch.randn(5, generator=_rng),  # replicated
+    "experts.0.w": torch.randn(3, 4, generator=_rng),  # whole on worker 0
     "experts.1.w": torch.randn(2, 4, generator=_rng, dtype=torch.float64),  # whole on 2
-    "shared.w": torch.arange(7, dtype=torch.int32),          # whole on workers 0 and 2
+    "shared.w": torch.arange(7, dtype=torch.int32),  # whole on workers 0 and 2
 }
 HOLDERS = {"experts.0.w": [0], "experts.1.w": [2], "shared.w": [0, 2]}
-PLAN = {"__placement__": {"num_shards": N, "params": HOLDERS},
-        "embed.weight": [["shardload.split", [[N, 2, 4], "float32"], 0]]}
+PLAN = {
+    "__placement__": {"num_shards": N, "params": HOLDERS},
+    "embed.weight": [["shardload.split", [[N, 2, 4], "float32"], 0]],
+}
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -145,8 +154,8 @@ def held(worker: int) -> set[str]:
 
 def want_piece(name: str, worker: int) -> torch.Tensor:
     if name == "embed.weight":
-        return TENSORS[name][2 * worker:2 * worker + 2]
-    return TENSORS[name]       # replicated, or placed: whole
+        return TENSORS[name][2 * worker : 2 * worker + 2]
+    return TENSORS[name]  # replicated, or placed: whole
 
 
 #: by hand: every worker 32 B of embed (2 x 4 float32) and 20 B of norm (5 float32); worker 0
@@ -158,23 +167,28 @@ BYTES = [32 + 20 + 48 + 28, 32 + 20, 32 + 20 + 64 + 28]
 def test_placement_parses_and_round_trips():
     info = ShardInfo.from_dict(PLAN)
     assert info.placement is not None and info.placement.num_shards == N
-    assert dict(info.placement.params) == {"experts.0.w": (0,), "experts.1.w": (2,),
-                                           "shared.w": (0, 2)}
-    assert info.planned_num_shards == N and len(info) == 1   # placed names take no steps
+    assert dict(info.placement.params) == {
+        "experts.0.w": (0,),
+        "experts.1.w": (2,),
+        "shared.w": (0, 2),
+    }
+    assert info.planned_num_shards == N and len(info) == 1  # placed names take no steps
     assert info.to_dict() == PLAN
     again = ShardInfo.loads(info.dumps())
     assert again.to_dict() == PLAN and again.placement == info.placement
     assert ShardInfo.from_dict(json.loads(json.dumps(PLAN))).to_dict() == PLAN
     plan = info.bind(N)
     assert plan.placement == info.placement
-    assert plan.to_dict() == PLAN     # plain integers: binding changes nothing
+    assert plan.to_dict() == PLAN  # plain integers: binding changes nothing
     assert ShardInfo.from_dict(plan.to_dict()).bind(N).to_dict() == PLAN
     # a worker set written in another order is the same set, kept sorted
     shuffled = {**PLAN, "__placement__": {"num_shards": N, "params": {"shared.w": [2, 0]}}}
     assert ShardInfo.from_dict(shuffled).placement.params["shared.w"] == (0, 2)
     # a symbolic plan with a placement is still for the placement's N alone
-    symbolic = {"__placement__": {"num_shards": 2, "params": {"a": [1]}},
-                "b": [["shardload.split", [["num_shards", "6 // num_shards"], "float32"], 0]]}
+    symbolic = {
+        "__placement__": {"num_shards": 2, "params": {"a": [1]}},
+        "b": [["shardload.split", [["num_shards", "6 // num_shards"], "float32"], 0]],
+    }
     info = ShardInfo.from_dict(symbolic)
     assert info.is_symbolic and info.planned_num_shards == 2
     assert info.bind(2).params["b"][0].out_shape == (2, 3)
@@ -198,8 +212,7 @@ def test_validated_plan_says_who_holds_what():
     assert valid_num_shards(ShardInfo.from_dict(PLAN), ArrayCheckpoint(TENSORS)) == [N]
 
 
-@pytest.mark.parametrize("workers", [[3], [-1], [0, 0], [], [True], [1.0], 0, None, "0"],
-                         ids=repr)
+@pytest.mark.parametrize("workers", [[3], [-1], [0, 0], [], [True], [1.0], 0, None, "0"], ids=repr)
 def test_bad_worker_lists_are_refused(workers):
     plan = {"__placement__": {"num_shards": N, "params": {"experts.0.w": workers}}}
     with pytest.raises(PlanError, match=r"non-empty list of distinct workers 0\.\.2") as exc:
@@ -207,11 +220,20 @@ def test_bad_worker_lists_are_refused(workers):
     assert exc.value.param == "experts.0.w"
 
 
-@pytest.mark.parametrize("placement", [
-    [], {"num_shards": N}, {"params": {}}, {"num_shards": N, "params": {}, "extra": 1},
-    {"num_shards": 0, "params": {}}, {"num_shards": True, "params": {}},
-    {"num_shards": 4097, "params": {}}, {"num_shards": N, "params": []},
-], ids=repr)
+@pytest.mark.parametrize(
+    "placement",
+    [
+        [],
+        {"num_shards": N},
+        {"params": {}},
+        {"num_shards": N, "params": {}, "extra": 1},
+        {"num_shards": 0, "params": {}},
+        {"num_shards": True, "params": {}},
+        {"num_shards": 4097, "params": {}},
+        {"num_shards": N, "params": []},
+    ],
+    ids=repr,
+)
 def test_bad_placements_are_refused(placement):
     with pytest.raises(PlanError, match="__placement__"):
         ShardInfo.from_dict({"__placement__": placement})
@@ -219,7 +241,7 @@ def test_bad_placements_are_refused(placement):
 
 def test_placed_name_missing_from_the_checkpoint_is_refused_at_validate():
     plan = {"__placement__": {"num_shards": N, "params": {"experts.7.w": [1]}}}
-    bound = ShardInfo.from_dict(plan).bind(N)             # parses and binds: names come later
+    bound = ShardInfo.from_dict(plan).bind(N)  # parses and binds: names come later
     with pytest.raises(PlanError, match=r"no tensor named 'experts\.7\.w'") as exc:
         bound.validate(ArrayCheckpoint(TENSORS).metadata())
     assert exc.value.param == "experts.7.w"
@@ -233,7 +255,8 @@ def test_placed_name_with_steps_is_refused():
     # no steps at all (an empty list, as a replicated parameter may be written) is fine
     info = ShardInfo.from_dict({**PLAN, "experts.0.w": []})
     assert info.bind(N).validate(ArrayCheckpoint(TENSORS).metadata()).params[
-        "experts.0.w"].workers == (0,)
+        "experts.0.w"
+    ].workers == (0,)
 
 
 @pytest.mark.parametrize("other", [1, 2, 4])
@@ -246,8 +269,10 @@ def test_binding_to_another_n_says_how_to_replan(other):
     assert f"shardload plan --shards {other} --experts ep" in cli_text(exc.value)
     # through the plan's check, which also lists the N that work: for a plan in expressions
     # of num_shards, just the placement's
-    symbolic = {**PLAN, "embed.weight": [
-        ["shardload.split", [["num_shards", "6 // num_shards", 4], "float32"], 0]]}
+    symbolic = {
+        **PLAN,
+        "embed.weight": [["shardload.split", [["num_shards", "6 // num_shards", 4], "float32"], 0]],
+    }
     with pytest.raises(PlanError, match=rf"N that work \(up to 64\): {N}$") as exc:
         check_plan_fits(ShardInfo.from_dict(symbolic), ArrayCheckpoint(TENSORS), other)
     assert f"num_shards={N} (__placement__)" in str(exc.value)
@@ -269,9 +294,11 @@ def test_check_num_shards_names_the_n_a_placed_plan_works_for():
     assert str(exc.value).endswith(f"N that work (up to 64): {N}"), str(exc.value)
 
 
-@pytest.mark.parametrize("session_class", [ThreadedSession,
-                                           pytest.param(ProcessSession, marks=pytest.mark.slow)],
-                         ids=["thread", "process"])
+@pytest.mark.parametrize(
+    "session_class",
+    [ThreadedSession, pytest.param(ProcessSession, marks=pytest.mark.slow)],
+    ids=["thread", "process"],
+)
 def test_placed_parameters_load_on_their_workers_only(session_class):
     with session_class(N) as session:
         sharded = load_sharded(TENSORS, PLAN, session, progress=False)
@@ -287,13 +314,16 @@ def test_placed_parameters_load_on_their_workers_only(session_class):
                     assert torch.equal(mine[name], want), (name, w)
                     assert torch.equal(sharded.shard(name, w), want)
                 else:
-                    with pytest.raises(KeyError, match=rf"worker {w} holds no piece of "
-                                                       rf"'{name}'"):
+                    with pytest.raises(
+                        KeyError,
+                        match=rf"worker {w} holds no piece of "
+                        rf"'{name}'",
+                    ):
                         sharded.shard(name, w)
         assert not sharded.holds("no.such", 0)
         stats = sharded.stats
         assert stats.bytes_per_worker == BYTES
-        assert stats.bytes_read_per_worker == BYTES     # nothing padded: read = kept
+        assert stats.bytes_read_per_worker == BYTES  # nothing padded: read = kept
         assert stats.tensors_per_worker == [len(held(w)) for w in range(N)]
 
 
@@ -309,6 +339,7 @@ def test_a_worker_may_hold_nothing():
 
 
 # ---- the command line, on a safetensors file -------------------------------------------------
+
 
 def ok(result) -> str:
     assert result.exit_code == 0, (result.output, result.exception)
@@ -329,8 +360,10 @@ def data_ranges(path: Path) -> dict[str, tuple[int, int]]:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
     header.pop("__metadata__", None)
-    return {k: (8 + size + v["data_offsets"][0], 8 + size + v["data_offsets"][1])
-            for k, v in header.items()}
+    return {
+        k: (8 + size + v["data_offsets"][0], 8 + size + v["data_offsets"][1])
+        for k, v in header.items()
+    }
 
 
 @pytest.fixture()
@@ -345,13 +378,15 @@ def placed_files(tmp_path):
 def test_cli_shows_placement(placed_files):
     ckpt, plan = placed_files
     lines = ok(run_cli("inspect", "--shards", N, "--shard-info", plan, ckpt)).splitlines()
-    rows = {line.split()[0]: line for line in lines[2:2 + len(TENSORS)]}
+    rows = {line.split()[0]: line for line in lines[2 : 2 + len(TENSORS)]}
     assert "(whole on worker 0)" in rows["experts.0.w"]
     assert "(whole on worker 2)" in rows["experts.1.w"]
     assert "(whole on workers 0, 2)" in rows["shared.w"]
     assert "(replicated)" in rows["norm.weight"] and "shardload.split" in rows["embed.weight"]
-    assert lines[-1] == (f"{len(TENSORS)} tensors, at most {max(BYTES)} B per worker "
-                         f"(3 tensors placed on some workers only)")
+    assert lines[-1] == (
+        f"{len(TENSORS)} tensors, at most {max(BYTES)} B per worker "
+        f"(3 tensors placed on some workers only)"
+    )
 
     report = json.loads(ok(run_cli("inspect", "--shards", N, "--json", "--shard-info", plan, ckpt)))
     workers = {row["name"]: row["workers"] for row in report["params"]}
@@ -359,8 +394,9 @@ def test_cli_shows_placement(placed_files):
 
     checked = ok(run_cli("validate", "--shards", N, "--shard-info", plan, ckpt))
     assert checked.startswith("ok:")
-    assert checked.rstrip().endswith(f"at most {max(BYTES)} B per worker (3 tensors placed on "
-                                     "some workers only)")
+    assert checked.rstrip().endswith(
+        f"at most {max(BYTES)} B per worker (3 tensors placed on some workers only)"
+    )
 
     loaded = json.loads(ok(run_cli("load", "--shards", N, "--json", "--shard-info", plan, ckpt)))
     assert [w["bytes_read"] for w in loaded["workers"]] == BYTES
@@ -386,8 +422,9 @@ def test_cli_reads_list_each_workers_own_tensors(placed_files):
         for w in HOLDERS[name]:
             assert listed[w][name] == f"read {end - begin} B: {ckpt.name}[{begin}:{end}]"
 
-    report = json.loads(ok(run_cli("inspect", "--shards", N, "--reads", "--json", "--shard-info",
-                               plan, ckpt)))
+    report = json.loads(
+        ok(run_cli("inspect", "--shards", N, "--reads", "--json", "--shard-info", plan, ckpt))
+    )
     assert [w["bytes_read"] for w in report["workers"]] == BYTES
     for w in report["workers"]:
         assert {p["name"] for p in w["pieces"]} == held(w["rank"])
@@ -406,9 +443,11 @@ def test_cli_refuses_a_placed_plan_for_another_n(placed_files):
 
 # the tiny MoE configs (HEADS, ..., COMMON, CONFIGS): helpers.moe_configs
 #: where a layer's experts live, and their projections
-EXPERT_MODULES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-                  "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-                  "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+EXPERT_MODULES = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
 SHARDS = (1, 2, 3, 4, 8)
 #: 4 query heads over 3 or 8 workers need zero heads (query heads are never replicated); the
 #: dense MLPs (128, and Qwen2-MoE's 48-wide shared expert) divide by 1, 2 and 4
@@ -432,13 +471,14 @@ def moe_model(tmp_path_factory):
             _save(folder, config)
             saved[arch] = folder, config, load_file(str(folder / "model.safetensors"))
         return saved[arch]
+
     return get
 
 
 def expert_of(name: str, arch: str):
     """(layer, expert) of a routed expert's tensor, or None."""
     block, projections = EXPERT_MODULES[arch]
-    parts = name.split(".")    # model.layers.L.<block>.experts.E.<proj>.weight
+    parts = name.split(".")  # model.layers.L.<block>.experts.E.<proj>.weight
     if len(parts) == 8 and parts[3] == block and parts[4] == "experts":
         assert parts[6] in projections, name
         return int(parts[2]), int(parts[5])
@@ -468,7 +508,7 @@ def tp_piece(name, w, n, i, config, padded) -> tuple[torch.Tensor, int]:
     if split is None:
         return w, nbytes(w)
     axis, rows, units, replicable, kind = split
-    line = nbytes(w) // w.shape[axis]           # bytes of one row (axis 0) or column (axis 1)
+    line = nbytes(w) // w.shape[axis]  # bytes of one row (axis 0) or column (axis 1)
     if not padded:
         index = rows_of(n, i, rows, units, replicable)
         piece = w[index] if axis == 0 else w[:, index]
@@ -487,7 +527,7 @@ def test_ep_places_whole_experts_on_their_workers(moe_model, arch):
     folder, config, dense = moe_model(arch)
     experts = {name: e for name in dense if (e := expert_of(name, arch)) is not None}
     layers = {layer for layer, _ in experts.values()}
-    assert len(experts) == 3 * EXPERTS * len(layers) and experts      # 3 projections each
+    assert len(experts) == 3 * EXPERTS * len(layers) and experts  # 3 projections each
     for n in SHARDS:
         decision = plan_decision(str(folder), n, experts="ep")
         info, padded = decision.shard_info(), n in PADDED
@@ -495,25 +535,29 @@ def test_ep_places_whole_experts_on_their_workers(moe_model, arch):
         # the placement: every expert tensor on its expert's worker, nothing else placed
         owners = owner(EXPERTS, n)
         assert info.placement is not None and info.placement.num_shards == n
-        assert dict(info.placement.params) == {name: (owners[e],)
-                                               for name, (_, e) in experts.items()}
+        assert dict(info.placement.params) == {
+            name: (owners[e],) for name, (_, e) in experts.items()
+        }
         assert not set(experts) & set(info.steps)
-        assert info.metadata["experts"] == {"mode": "ep", "num_shards": n,
-                                            "experts_per_worker": {str(EXPERTS):
-                                                                   slots(EXPERTS, n)}}
+        assert info.metadata["experts"] == {
+            "mode": "ep",
+            "num_shards": n,
+            "experts_per_worker": {str(EXPERTS): slots(EXPERTS, n)},
+        }
         # everything else as the TP plan for this N has it
         tp = plan_for(str(folder), n, experts="tp")
-        assert {k: v for k, v in tp.to_dict().items() if k not in experts
-                and not k.startswith("__")} == {k: v for k, v in info.to_dict().items()
-                                                if not k.startswith("__")}, (arch, n)
+        assert {
+            k: v for k, v in tp.to_dict().items() if k not in experts and not k.startswith("__")
+        } == {k: v for k, v in info.to_dict().items() if not k.startswith("__")}, (arch, n)
         if padded:
             layout = info.metadata["tensor_parallel"]
             assert (layout["q_heads"], layout["kv_heads"]) == padded_heads(HEADS, KV_HEADS, n)
             dense_sizes = {s for kind, s in mlp_sizes(config).items() if kind != "experts"}
             assert layout["mlp_blocks"] == {str(s): padded_units(s, n) for s in dense_sizes}
             tp_layout = dict(tp.metadata["tensor_parallel"])
-            tp_layout["mlp_blocks"] = {k: v for k, v in tp_layout["mlp_blocks"].items()
-                                       if int(k) in dense_sizes}
+            tp_layout["mlp_blocks"] = {
+                k: v for k, v in tp_layout["mlp_blocks"].items() if int(k) in dense_sizes
+            }
             assert layout == tp_layout
         else:
             assert "tensor_parallel" not in info.metadata
@@ -563,9 +607,15 @@ def test_ep_plan_is_for_its_n_alone(moe_model):
 def test_ep_needs_no_padding_for_an_n_only_the_experts_break(tmp_path):
     # 30-row experts do not split over 4 workers: TP zero-pads for N=4, EP keeps them whole and
     # so has nothing to pad: its other tensors are those of the symbolic TP plan
-    config = transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=30,
-                                         head_dim=24, num_experts=6, decoder_sparse_step=1,
-                                         mlp_only_layers=[1], **COMMON)
+    config = transformers.Qwen3MoeConfig(
+        intermediate_size=128,
+        moe_intermediate_size=30,
+        head_dim=24,
+        num_experts=6,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        **COMMON,
+    )
     _save(tmp_path, config)
     assert plan_decision(str(tmp_path), 4, experts="tp").kind == "padded"
     decision = plan_decision(str(tmp_path), 4, experts="ep")
@@ -574,9 +624,11 @@ def test_ep_needs_no_padding_for_an_n_only_the_experts_break(tmp_path):
     assert "tensor_parallel" not in info.metadata
     assert info.metadata["experts"]["experts_per_worker"] == {"6": slots(6, 4)}
     symbolic = plan_for(str(tmp_path)).to_dict()
-    assert {k: v for k, v in symbolic.items()
-            if not k.startswith("__") and expert_of(k, "qwen3_moe") is None} == \
-        {k: v for k, v in info.to_dict().items() if not k.startswith("__")}
+    assert {
+        k: v
+        for k, v in symbolic.items()
+        if not k.startswith("__") and expert_of(k, "qwen3_moe") is None
+    } == {k: v for k, v in info.to_dict().items() if not k.startswith("__")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -609,13 +661,25 @@ def write_qwen3moe(path: str, num_experts: int, qtype: T) -> None:
     writer.add_expert_used_count(2)
     writer.add_expert_feed_forward_length(GG_MOE)
     q, kv, e = GG_HEADS * GG_HEAD_DIM, GG_KV * GG_HEAD_DIM, num_experts
-    matrices = {"TOKEN_EMBD": (GG_VOCAB, GG_HIDDEN), "OUTPUT": (GG_VOCAB, GG_HIDDEN),
-                "ATTN_Q": (q, GG_HIDDEN), "ATTN_K": (kv, GG_HIDDEN), "ATTN_V": (kv, GG_HIDDEN),
-                "ATTN_OUT": (GG_HIDDEN, q), "FFN_GATE_EXP": (e, GG_MOE, GG_HIDDEN),
-                "FFN_UP_EXP": (e, GG_MOE, GG_HIDDEN), "FFN_DOWN_EXP": (e, GG_HIDDEN, GG_MOE)}
-    vectors = {"OUTPUT_NORM": (GG_HIDDEN,), "ATTN_NORM": (GG_HIDDEN,), "FFN_NORM": (GG_HIDDEN,),
-               "ATTN_Q_NORM": (GG_HEAD_DIM,), "ATTN_K_NORM": (GG_HEAD_DIM,),
-               "FFN_GATE_INP": (e, GG_HIDDEN)}
+    matrices = {
+        "TOKEN_EMBD": (GG_VOCAB, GG_HIDDEN),
+        "OUTPUT": (GG_VOCAB, GG_HIDDEN),
+        "ATTN_Q": (q, GG_HIDDEN),
+        "ATTN_K": (kv, GG_HIDDEN),
+        "ATTN_V": (kv, GG_HIDDEN),
+        "ATTN_OUT": (GG_HIDDEN, q),
+        "FFN_GATE_EXP": (e, GG_MOE, GG_HIDDEN),
+        "FFN_UP_EXP": (e, GG_MOE, GG_HIDDEN),
+        "FFN_DOWN_EXP": (e, GG_HIDDEN, GG_MOE),
+    }
+    vectors = {
+        "OUTPUT_NORM": (GG_HIDDEN,),
+        "ATTN_NORM": (GG_HIDDEN,),
+        "FFN_NORM": (GG_HIDDEN,),
+        "ATTN_Q_NORM": (GG_HEAD_DIM,),
+        "ATTN_K_NORM": (GG_HEAD_DIM,),
+        "FFN_GATE_INP": (e, GG_HIDDEN),
+    }
     for kind, shape in matrices.items():
         name = gguf_tensor(kind)
         x = rng.standard_normal(shape).astype(np.float32)
@@ -653,13 +717,14 @@ def test_gguf_stacked_experts_split_in_whole_experts(tmp_path, qtype, num_expert
         info = decision.shard_info()
         layout = slots(num_experts, n)
         assert info.metadata["experts"]["experts_per_worker"] == {str(num_experts): layout}
-        assert dict(info.placement.params) == {}       # stacked: split, not placed
+        assert dict(info.placement.params) == {}  # stacked: split, not placed
         # the other tensors as the TP plan for this N has them (128-row experts in 32-element
         # blocks divide by 2 and 4 and are padded at 3, as the 4 heads are)
         tp = plan_for(ckpt, n, experts="tp").to_dict()
         ep = info.to_dict()
-        assert {k: v for k, v in tp.items() if k not in exps and not k.startswith("__")} == \
-            {k: v for k, v in ep.items() if k not in exps and not k.startswith("__")}
+        assert {k: v for k, v in tp.items() if k not in exps and not k.startswith("__")} == {
+            k: v for k, v in ep.items() if k not in exps and not k.startswith("__")
+        }
         with ThreadedSession(n) as session:
             sharded = load_sharded(ckpt, decision.validated, session, progress=False)
         reads = [read_plan_for(decision.validated, ckpt, i) for i in range(n)]
@@ -674,11 +739,10 @@ def test_gguf_stacked_experts_split_in_whole_experts(tmp_path, qtype, num_expert
             assert real == assignment(num_experts, n)[i]
             for k, e in enumerate(layout[i]):
                 want = whole[e] if e >= 0 else np.zeros_like(whole[0])
-                assert np.array_equal(piece[k].view(np.uint8), want.view(np.uint8)), \
-                    (name, i, k, e)
+                assert np.array_equal(piece[k].view(np.uint8), want.view(np.uint8)), (name, i, k, e)
             got = _deq(piece, qtype)
-            assert np.array_equal(got[:len(real)], _deq(whole[real[0]:real[-1] + 1], qtype))
-            assert not got[len(real):].any()          # a zero slot dequantizes to zeros
+            assert np.array_equal(got[: len(real)], _deq(whole[real[0] : real[-1] + 1], qtype))
+            assert not got[len(real) :].any()  # a zero slot dequantizes to zeros
             piece_read = next(p for p in reads[i].pieces if p.name == name)
             assert piece_read.bytes_read == len(real) * per_expert
             assert piece_read.nbytes == len(layout[i]) * per_expert
@@ -697,9 +761,12 @@ def test_ep_needs_a_number_of_workers(moe_model):
 
 
 def test_ep_of_a_dense_model_is_refused():
-    with pytest.raises(PlanError, match=r"has no routed experts \(llama\): expert parallelism "
-                                        r"needs a mixture-of-experts model; plan with "
-                                        r"experts='tp'"):
+    with pytest.raises(
+        PlanError,
+        match=r"has no routed experts \(llama\): expert parallelism "
+        r"needs a mixture-of-experts model; plan with "
+        r"experts='tp'",
+    ):
         plan_decision(EXAMPLE, 2, experts="ep")
 
 
@@ -723,24 +790,33 @@ def test_cli_plan_ep_then_load_and_validate_with_it(moe_model, tmp_path):
     written = json.loads(ok(result))
     owners = owner(EXPERTS, n)
     experts = {name: ex[1] for name in dense if (ex := expert_of(name, "mixtral")) is not None}
-    assert written["__placement__"] == {"num_shards": n, "params": {
-        name: [owners[e]] for name, e in experts.items()}}
+    assert written["__placement__"] == {
+        "num_shards": n,
+        "params": {name: [owners[e]] for name, e in experts.items()},
+    }
     assert written["__metadata__"]["experts"]["experts_per_worker"] == {
-        str(EXPERTS): slots(EXPERTS, n)}
+        str(EXPERTS): slots(EXPERTS, n)
+    }
     assert f"for N={n} only (whole experts are placed on its workers)" in result.stderr
     plan = tmp_path / "ep.json"
     plan.write_text(result.stdout)
 
     # by hand: each worker reads its experts whole, attention as TP in zero-padded heads (4
     # heads over 3 workers), routers, norms and embeddings whole
-    want_read = [sum((nbytes(w) * (owners[experts[name]] == i)) if name in experts
-                     else tp_piece(name, w, n, i, config, padded=True)[1]
-                     for name, w in dense.items()) for i in range(n)]
+    want_read = [
+        sum(
+            (nbytes(w) * (owners[experts[name]] == i))
+            if name in experts
+            else tp_piece(name, w, n, i, config, padded=True)[1]
+            for name, w in dense.items()
+        )
+        for i in range(n)
+    ]
     report = json.loads(ok(run_cli("load", "--shards", n, "--json", "--shard-info", plan, folder)))
     assert [w["bytes_read"] for w in report["workers"]] == want_read
     assert [w["tensors"] for w in report["workers"]] == [
-        len(dense) - len(experts) + sum(owners[e] == i for e in experts.values())
-        for i in range(n)]
+        len(dense) - len(experts) + sum(owners[e] == i for e in experts.values()) for i in range(n)
+    ]
     # planning on the fly (--experts ep, no plan file) loads the same
     direct = json.loads(ok(run_cli("load", "--shards", n, "--json", "--experts", "ep", folder)))
     assert direct["workers"] == report["workers"]
@@ -753,8 +829,9 @@ def test_cli_plan_ep_then_load_and_validate_with_it(moe_model, tmp_path):
 def test_cli_experts_applies_only_when_shardload_plans(moe_model, tmp_path, placed_files):
     folder, _, _ = moe_model("mixtral")
     ckpt, plan = placed_files
-    line = usage_error(run_cli("load", "--shards", N, "--experts", "ep", "--shard-info", plan,
-                               ckpt))
+    line = usage_error(
+        run_cli("load", "--shards", N, "--experts", "ep", "--shard-info", plan, ckpt)
+    )
     assert "--experts ep chooses how shardload plans" in line
     assert "is used as it is" in line and "shardload plan --experts ep" in line
     # a plan beside the checkpoint is a plan file too

@@ -24,10 +24,9 @@ import pytest
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType as T
 from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
-
-from helpers.gguf_blocks import blocks
-from helpers.gguf_blocks import dequantized
+from helpers.gguf_blocks import blocks, dequantized
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
+
 from shardload import ThreadedSession, load_sharded, open_checkpoint
 from shardload.cli import cli
 from shardload.planners import plan_for
@@ -35,36 +34,68 @@ from shardload.planners.architectures import GGUF_ARCHITECTURES
 from shardload.planners.spec import spec_from_gguf
 
 HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 4, 2, 32, 256, 64
-UNPADDED = (1, 2, 4)     # 4 workers: each of the 2 KV heads replicated to 2 of them
-PADDED = 3               # 4 query heads over 3 workers: zero-padded
+UNPADDED = (1, 2, 4)  # 4 workers: each of the 2 KV heads replicated to 2 of them
+PADDED = 3  # 4 query heads over 3 workers: zero-padded
 Q, KV = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
 
 # HF module (under model.layers.0. unless it starts with "model." or is lm_head) -> how it
 # splits: q / kv rows in whole heads, qkv ([q, k, v]), o (columns in whole query heads), mlp
 # rows, gate_up ([gate, up]), down (columns), q_norm / k_norm (a vector split like the q / k
 # rows: OLMo-2), rep (replicated)
-LLAMA = {"self_attn.q_proj": "q", "self_attn.k_proj": "kv", "self_attn.v_proj": "kv",
-         "self_attn.o_proj": "o", "mlp.gate_proj": "mlp", "mlp.up_proj": "mlp",
-         "mlp.down_proj": "down", "input_layernorm": "rep", "post_attention_layernorm": "rep",
-         "model.embed_tokens": "rep", "model.norm": "rep", "lm_head": "rep"}
-GEMMA2 = {**{k: v for k, v in LLAMA.items() if k != "lm_head"},   # tied embeddings
-          "pre_feedforward_layernorm": "rep", "post_feedforward_layernorm": "rep"}
+LLAMA = {
+    "self_attn.q_proj": "q",
+    "self_attn.k_proj": "kv",
+    "self_attn.v_proj": "kv",
+    "self_attn.o_proj": "o",
+    "mlp.gate_proj": "mlp",
+    "mlp.up_proj": "mlp",
+    "mlp.down_proj": "down",
+    "input_layernorm": "rep",
+    "post_attention_layernorm": "rep",
+    "model.embed_tokens": "rep",
+    "model.norm": "rep",
+    "lm_head": "rep",
+}
+GEMMA2 = {
+    **{k: v for k, v in LLAMA.items() if k != "lm_head"},  # tied embeddings
+    "pre_feedforward_layernorm": "rep",
+    "post_feedforward_layernorm": "rep",
+}
 ARCHS = {
     # gemma: head_dim explicit (key_length), not hidden / heads
     "gemma2": dict(hidden=96, key_length=True, modules=GEMMA2),
     # per-head q/k norms (head_dim wide): replicated
-    "gemma3": dict(hidden=96, key_length=True,
-                   modules={**GEMMA2, "self_attn.q_norm": "rep", "self_attn.k_norm": "rep"}),
-    "phi3": dict(hidden=128, key_length=False,
-                 modules={"self_attn.qkv_proj": "qkv", "self_attn.o_proj": "o",
-                          "mlp.gate_up_proj": "gate_up", "mlp.down_proj": "down",
-                          "input_layernorm": "rep", "post_attention_layernorm": "rep",
-                          "model.embed_tokens": "rep", "model.norm": "rep", "lm_head": "rep"}),
+    "gemma3": dict(
+        hidden=96,
+        key_length=True,
+        modules={**GEMMA2, "self_attn.q_norm": "rep", "self_attn.k_norm": "rep"},
+    ),
+    "phi3": dict(
+        hidden=128,
+        key_length=False,
+        modules={
+            "self_attn.qkv_proj": "qkv",
+            "self_attn.o_proj": "o",
+            "mlp.gate_up_proj": "gate_up",
+            "mlp.down_proj": "down",
+            "input_layernorm": "rep",
+            "post_attention_layernorm": "rep",
+            "model.embed_tokens": "rep",
+            "model.norm": "rep",
+            "lm_head": "rep",
+        },
+    ),
     # OLMo-2: norms after attention and MLP only; q/k norms over the whole projection
-    "olmo2": dict(hidden=128, key_length=False,
-                  modules={**{k: v for k, v in LLAMA.items() if k != "input_layernorm"},
-                           "post_feedforward_layernorm": "rep", "self_attn.q_norm": "q_norm",
-                           "self_attn.k_norm": "k_norm"}),
+    "olmo2": dict(
+        hidden=128,
+        key_length=False,
+        modules={
+            **{k: v for k, v in LLAMA.items() if k != "input_layernorm"},
+            "post_feedforward_layernorm": "rep",
+            "self_attn.q_norm": "q_norm",
+            "self_attn.k_norm": "k_norm",
+        },
+    ),
     "granite": dict(hidden=128, key_length=False, modules=LLAMA),
 }
 
@@ -75,8 +106,7 @@ def _arch(name: str) -> gguf.MODEL_ARCH:
 
 def gguf_name(arch: str, hf_module: str) -> str:
     """gguf-py's name for an HF module of this architecture, checked to be one it lists."""
-    hf = hf_module if hf_module.startswith(("model.", "lm_head")) else \
-        f"model.layers.0.{hf_module}"
+    hf = hf_module if hf_module.startswith(("model.", "lm_head")) else f"model.layers.0.{hf_module}"
     mapping = gguf.TensorNameMap(_arch(arch), 1)
     found = mapping.get_type_and_name(hf)
     assert found is not None, f"gguf-py has no {arch} name for {hf}"
@@ -90,9 +120,17 @@ def _shape(split: str, hidden: int, hf_module: str) -> tuple[int, ...]:
         if hf_module in ("model.embed_tokens", "lm_head"):
             return (VOCAB, hidden)
         return (HEAD_DIM,) if hf_module.endswith(("q_norm", "k_norm")) else (hidden,)
-    return {"q": (Q, hidden), "kv": (KV, hidden), "qkv": (Q + 2 * KV, hidden),
-            "o": (hidden, Q), "mlp": (INTER, hidden), "gate_up": (2 * INTER, hidden),
-            "down": (hidden, INTER), "q_norm": (Q,), "k_norm": (KV,)}[split]
+    return {
+        "q": (Q, hidden),
+        "kv": (KV, hidden),
+        "qkv": (Q + 2 * KV, hidden),
+        "o": (hidden, Q),
+        "mlp": (INTER, hidden),
+        "gate_up": (2 * INTER, hidden),
+        "down": (hidden, INTER),
+        "q_norm": (Q,),
+        "k_norm": (KV,),
+    }[split]
 
 
 def write_model(path: str, arch: str, qtype: T) -> dict[str, str]:
@@ -117,7 +155,7 @@ def write_model(path: str, arch: str, qtype: T) -> dict[str, str]:
         kinds[name] = split
         if len(shape) == 1:
             writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
-        elif split == "rep":      # embeddings, lm_head
+        elif split == "rep":  # embeddings, lm_head
             writer.add_tensor(name, blocks(rng, T.Q8_0, *shape), raw_dtype=T.Q8_0)
         elif qtype == T.F16:
             writer.add_tensor(name, rng.standard_normal(shape).astype(np.float16))
@@ -140,19 +178,24 @@ def _want(whole: np.ndarray, split: str, n: int, i: int) -> np.ndarray:
         return whole[rows_of(n, i, KV, KV_HEADS, True)]
     if split == "qkv":
         q, k, v = np.split(whole, [Q, Q + KV])
-        return np.concatenate([q[rows_of(n, i, Q, HEADS, False)],
-                               k[rows_of(n, i, KV, KV_HEADS, True)],
-                               v[rows_of(n, i, KV, KV_HEADS, True)]])
+        return np.concatenate(
+            [
+                q[rows_of(n, i, Q, HEADS, False)],
+                k[rows_of(n, i, KV, KV_HEADS, True)],
+                v[rows_of(n, i, KV, KV_HEADS, True)],
+            ]
+        )
     if split == "mlp":
         return np.split(whole, n)[i]
     if split == "gate_up":
         gate, up = np.split(whole, 2)
         return np.concatenate([np.split(gate, n)[i], np.split(up, n)[i]])
-    return np.split(whole, n, axis=1)[i]          # o, down
+    return np.split(whole, n, axis=1)[i]  # o, down
 
 
-def _want_padded(whole: np.ndarray, split: str, q_heads: list, kv_heads: list, mlp: list,
-                 block: int) -> np.ndarray:
+def _want_padded(
+    whole: np.ndarray, split: str, q_heads: list, kv_heads: list, mlp: list, block: int
+) -> np.ndarray:
     """A worker's part of ``whole`` in a zero-padded plan (-1: a zero head or block)."""
     if split == "rep":
         return whole
@@ -162,8 +205,13 @@ def _want_padded(whole: np.ndarray, split: str, q_heads: list, kv_heads: list, m
         return take(whole, kv_heads, HEAD_DIM, 0)
     if split == "qkv":
         q, k, v = np.split(whole, [Q, Q + KV])
-        return np.concatenate([take(q, q_heads, HEAD_DIM, 0), take(k, kv_heads, HEAD_DIM, 0),
-                               take(v, kv_heads, HEAD_DIM, 0)])
+        return np.concatenate(
+            [
+                take(q, q_heads, HEAD_DIM, 0),
+                take(k, kv_heads, HEAD_DIM, 0),
+                take(v, kv_heads, HEAD_DIM, 0),
+            ]
+        )
     if split == "o":
         return take(whole, q_heads, HEAD_DIM, 1)
     if split == "mlp":
@@ -171,7 +219,7 @@ def _want_padded(whole: np.ndarray, split: str, q_heads: list, kv_heads: list, m
     if split == "gate_up":
         gate, up = np.split(whole, 2)
         return np.concatenate([take(gate, mlp, block, 0), take(up, mlp, block, 0)])
-    return take(whole, mlp, block, 1)               # down
+    return take(whole, mlp, block, 1)  # down
 
 
 def _load(path: str, n: int):
@@ -196,7 +244,7 @@ def test_every_worker_dequantizes_to_its_slice(tmp_path, arch, qtype):
             whole = dequantized(raw, stored)
             for i in range(n):
                 piece = shards[i][name].numpy()
-                if kinds[name] == "rep":     # replicated, bytes and all
+                if kinds[name] == "rep":  # replicated, bytes and all
                     assert np.array_equal(piece, raw), name
                 want = _want(whole, kinds[name], n, i)
                 assert np.array_equal(dequantized(piece, stored), want), f"{name} worker {i} of {n}"
@@ -208,7 +256,7 @@ def test_every_worker_dequantizes_to_its_slice(tmp_path, arch, qtype):
     mlp = padded_units(INTER // block, PADDED)
     assert (layout["q_heads"], layout["kv_heads"]) == (q_heads, kv_heads)
     assert (layout["mlp_block"], layout["mlp_blocks"]) == (block, {str(INTER): mlp})
-    if arch == "olmo2":   # the norms' mean runs over the real projection width
+    if arch == "olmo2":  # the norms' mean runs over the real projection width
         assert layout["projection_norms"] == {"attn_q_norm": Q, "attn_k_norm": KV}
     else:
         assert "projection_norms" not in layout
@@ -222,20 +270,46 @@ def test_every_worker_dequantizes_to_its_slice(tmp_path, arch, qtype):
 
 # what the planner does with every tensor gguf-py lists for the architecture, beyond those the
 # test models hold: other forms of the same layers, and tensors that are never split
-OTHER_FORMS = {"attn_q": "q", "attn_k": "kv", "attn_v": "kv", "output": "rep",
-               "rope_freqs": "rep", "rope_factors_long": "rep", "rope_factors_short": "rep"}
-ROLE_SPLITS = {"q": "q", "k": "kv", "v": "kv", "qkv": "qkv", "o": "o", "gate": "mlp",
-               "up": "mlp", "gate_up": "gate_up", "down": "down", "q_norm": "q_norm",
-               "k_norm": "k_norm", "embed": "rep", "lm_head": "rep", None: "rep"}
+OTHER_FORMS = {
+    "attn_q": "q",
+    "attn_k": "kv",
+    "attn_v": "kv",
+    "output": "rep",
+    "rope_freqs": "rep",
+    "rope_factors_long": "rep",
+    "rope_factors_short": "rep",
+}
+ROLE_SPLITS = {
+    "q": "q",
+    "k": "kv",
+    "v": "kv",
+    "qkv": "qkv",
+    "o": "o",
+    "gate": "mlp",
+    "up": "mlp",
+    "gate_up": "gate_up",
+    "down": "down",
+    "q_norm": "q_norm",
+    "k_norm": "k_norm",
+    "embed": "rep",
+    "lm_head": "rep",
+    None: "rep",
+}
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_every_tensor_gguf_py_lists_has_its_role(arch):
     """The planner's roles (by GGUF name) against the HF modules gguf-py maps to each name."""
-    spec = spec_from_gguf({"general.architecture": arch, f"{arch}.attention.head_count": HEADS,
-                           f"{arch}.embedding_length": ARCHS[arch]["hidden"],
-                           f"{arch}.attention.key_length": HEAD_DIM,
-                           f"{arch}.block_count": 1}, "m.gguf")
+    spec = spec_from_gguf(
+        {
+            "general.architecture": arch,
+            f"{arch}.attention.head_count": HEADS,
+            f"{arch}.embedding_length": ARCHS[arch]["hidden"],
+            f"{arch}.attention.key_length": HEAD_DIM,
+            f"{arch}.block_count": 1,
+        },
+        "m.gguf",
+    )
     assert spec.rules is GGUF_ARCHITECTURES[arch]
     expected = {gguf_name(arch, m): split for m, split in ARCHS[arch]["modules"].items()}
     for kind in MODEL_TENSORS[_arch(arch)]:
@@ -253,9 +327,13 @@ def test_phi3_separate_gate_and_up_are_refused_by_shape(tmp_path):
 
     path = str(tmp_path / "phi3.gguf")
     writer = gguf.GGUFWriter(path, "phi3")
-    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 128),
-                       (writer.add_feed_forward_length, INTER), (writer.add_head_count, HEADS),
-                       (writer.add_head_count_kv, KV_HEADS)):
+    for add, value in (
+        (writer.add_block_count, 1),
+        (writer.add_embedding_length, 128),
+        (writer.add_feed_forward_length, INTER),
+        (writer.add_head_count, HEADS),
+        (writer.add_head_count_kv, KV_HEADS),
+    ):
         add(value)
     writer.add_tensor("blk.0.ffn_up.weight", np.zeros((INTER, 128), np.float16))
     writer.write_header_to_file()
@@ -278,6 +356,7 @@ def test_cli_plan(tmp_path):
     assert steps["blk.0.ffn_up.weight"][0][0] == "shardload.split_segments"
     assert steps["blk.0.ffn_up.weight"][0][2:] == [0, INTER, INTER, INTER, INTER]
     assert steps["blk.0.attn_qkv.weight"][0][2:] == [0, Q, HEADS, KV, -KV_HEADS, KV, -KV_HEADS]
-    checked = CliRunner().invoke(cli, ["validate", "--shards", "4", "--shard-info", str(plan),
-                                       path])
+    checked = CliRunner().invoke(
+        cli, ["validate", "--shards", "4", "--shard-info", str(plan), path]
+    )
     assert checked.exit_code == 0 and checked.output.startswith("ok:"), checked.output

@@ -40,13 +40,27 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
 from gguf.quants import dequantize
-
 from helpers.gguf_blocks import dequantized
-from helpers.gpt_oss_gguf import (ARCH, BLOCK, BLOCK_BYTES, EXPERTS, EXP_KINDS, GROUPS, HEADS,
-                                  HEAD_DIM, HIDDEN, INTER, KV_HEADS, LAYERS, gguf_name, tensors,
-                                  write_gpt_oss)
+from helpers.gpt_oss_gguf import (
+    ARCH,
+    BLOCK,
+    BLOCK_BYTES,
+    EXP_KINDS,
+    EXPERTS,
+    GROUPS,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    INTER,
+    KV_HEADS,
+    LAYERS,
+    gguf_name,
+    tensors,
+    write_gpt_oss,
+)
 from helpers.loads import load_decision
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
+
 from shardload.planners import plan_decision
 from shardload.planners.architectures import GGUF_ARCHITECTURES
 from shardload.planners.spec import spec_from_gguf
@@ -73,8 +87,8 @@ def test_the_model_is_laid_out_as_llama_cpp_writes_it(model):
     for name, (shape, qtype, _) in want.items():
         raw, stored_type = stored[name]
         assert stored_type == qtype, name
-        assert shapes[name] == list(reversed(shape)), name          # ne: innermost first
-        if qtype == T.MXFP4:     # [..., K / 32 * 17] bytes, K / 32 blocks of 17 per row
+        assert shapes[name] == list(reversed(shape)), name  # ne: innermost first
+        if qtype == T.MXFP4:  # [..., K / 32 * 17] bytes, K / 32 blocks of 17 per row
             assert raw.dtype == np.uint8
             assert raw.shape == (*shape[:-1], shape[-1] // BLOCK * BLOCK_BYTES), name
     # llama.cpp's ne for the experts: ffn_gate_exps {n_embd, n_ff_exp, n_expert}, their biases
@@ -85,8 +99,10 @@ def test_the_model_is_laid_out_as_llama_cpp_writes_it(model):
     assert shapes["blk.0.ffn_down_exps.bias"] == [HIDDEN, EXPERTS]
     # gguf-py's MXFP4 dequantizer works block by block along K (what the split relies on)
     raw = stored["blk.0.ffn_down_exps.weight"][0]
-    assert np.array_equal(dequantize(raw[..., BLOCK_BYTES:2 * BLOCK_BYTES], T.MXFP4),
-                          dequantize(raw, T.MXFP4)[..., BLOCK:2 * BLOCK])
+    assert np.array_equal(
+        dequantize(raw[..., BLOCK_BYTES : 2 * BLOCK_BYTES], T.MXFP4),
+        dequantize(raw, T.MXFP4)[..., BLOCK : 2 * BLOCK],
+    )
     # and a zero block (a padded one) is zeros
     assert not dequantize(np.zeros((1, BLOCK_BYTES), np.uint8), T.MXFP4).any()
 
@@ -101,10 +117,8 @@ def _layout(n: int) -> tuple[list, list, list]:
     if HEADS % n == 0 and (KV_HEADS % n == 0 or n % KV_HEADS == 0):
         # where the heads divide, the padded layout is the plain one (vLLM's rule, rows_of)
         for i in range(n):
-            assert q[i] == list(range(*rows_of(n, i, HEADS, HEADS, False)
-                                                   .indices(HEADS)))
-            assert kv[i] == list(range(*rows_of(n, i, KV_HEADS, KV_HEADS, True)
-                                       .indices(KV_HEADS)))
+            assert q[i] == list(range(*rows_of(n, i, HEADS, HEADS, False).indices(HEADS)))
+            assert kv[i] == list(range(*rows_of(n, i, KV_HEADS, KV_HEADS, True).indices(KV_HEADS)))
     return q, kv, mlp
 
 
@@ -153,17 +167,20 @@ def test_tp_every_worker_dequantizes_to_its_slice(model, n):
         for i in range(n):
             piece = sharded.shard(name, i).numpy()
             where = f"{name} worker {i} of {n}"
-            if split == "rep":          # replicated, bytes and all
+            if split == "rep":  # replicated, bytes and all
                 assert piece.dtype == raw.dtype and np.array_equal(piece, raw), where
-            elif qtype == T.MXFP4:      # whole stored rows, or whole 17-byte blocks of K
-                by = (take(raw, mlp[i], BLOCK, 1) if split == "exp_rows"
-                      else take(raw, mlp[i], BLOCK_BYTES, 2))
+            elif qtype == T.MXFP4:  # whole stored rows, or whole 17-byte blocks of K
+                by = (
+                    take(raw, mlp[i], BLOCK, 1)
+                    if split == "exp_rows"
+                    else take(raw, mlp[i], BLOCK_BYTES, 2)
+                )
                 assert piece.shape == by.shape and np.array_equal(piece, by), where
             want = _want(whole, split, q[i], kv[i], mlp[i])
             got = dequantized(piece, qtype)
             assert got.shape == want.shape, where
             assert np.array_equal(got, want), where
-            if qtype == T.MXFP4 and mlp[i][-1] == -1:    # a padded block is zeros, exactly
+            if qtype == T.MXFP4 and mlp[i][-1] == -1:  # a padded block is zeros, exactly
                 padded = got[..., -BLOCK:] if split == "exp_k" else got[:, -BLOCK:]
                 assert not padded.any(), where
 
@@ -197,18 +214,22 @@ def test_ep_every_exps_tensor_splits_in_whole_experts(model, n):
         assert info.metadata["tensor_parallel"]["mlp_blocks"] == {}
     q, kv, _ = _layout(n)
     sharded = load_decision(path, d)
-    exps = {f"{gguf_name(k, b)}.{s}" for k in EXP_KINDS for b in range(LAYERS)
-            for s in ("weight", "bias")}
+    exps = {
+        f"{gguf_name(k, b)}.{s}"
+        for k in EXP_KINDS
+        for b in range(LAYERS)
+        for s in ("weight", "bias")
+    }
     for name, (raw, qtype) in stored.items():
         whole = dequantized(raw, qtype)
         for i in range(n):
             piece = sharded.shard(name, i).numpy()
             where = f"{name} worker {i} of {n} (EP)"
-            if name in exps:            # its experts' bytes, in order; zeros in a zero slot
+            if name in exps:  # its experts' bytes, in order; zeros in a zero slot
                 by = take(raw, slots[i], 1, 0)
                 assert piece.shape == by.shape and np.array_equal(piece, by), where
                 want = take(whole, slots[i], 1, 0)
-            else:                       # attention as tensor parallelism splits it
+            else:  # attention as tensor parallelism splits it
                 split = splits[name]
                 assert not split.startswith("exp_"), name
                 want = _want(whole, split, q[i], kv[i], [])
@@ -220,19 +241,37 @@ def test_ep_every_exps_tensor_splits_in_whole_experts(model, n):
 # ---- roles ---------------------------------------------------------------------------------
 
 # the role the planner must give each tensor gguf-py lists for gpt-oss (None: replicated)
-ROLES = {"token_embd": "embed", "output": "lm_head", "output_norm": None, "attn_norm": None,
-         "post_attention_norm": None, "attn_q": "q", "attn_k": "k", "attn_v": "v",
-         "attn_output": "o", "attn_sinks": "sinks", "ffn_gate_inp": None,
-         "ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+ROLES = {
+    "token_embd": "embed",
+    "output": "lm_head",
+    "output_norm": None,
+    "attn_norm": None,
+    "post_attention_norm": None,
+    "attn_q": "q",
+    "attn_k": "k",
+    "attn_v": "v",
+    "attn_output": "o",
+    "attn_sinks": "sinks",
+    "ffn_gate_inp": None,
+    "ffn_gate_exps": "gate",
+    "ffn_up_exps": "up",
+    "ffn_down_exps": "down",
+}
 
 
 def test_every_tensor_gguf_py_lists_has_its_role():
-    spec = spec_from_gguf({"general.architecture": ARCH, f"{ARCH}.attention.head_count": HEADS,
-                           f"{ARCH}.attention.head_count_kv": KV_HEADS,
-                           f"{ARCH}.embedding_length": HIDDEN,
-                           f"{ARCH}.attention.key_length": HEAD_DIM,
-                           f"{ARCH}.expert_feed_forward_length": INTER,
-                           f"{ARCH}.block_count": 1}, "m.gguf")
+    spec = spec_from_gguf(
+        {
+            "general.architecture": ARCH,
+            f"{ARCH}.attention.head_count": HEADS,
+            f"{ARCH}.attention.head_count_kv": KV_HEADS,
+            f"{ARCH}.embedding_length": HIDDEN,
+            f"{ARCH}.attention.key_length": HEAD_DIM,
+            f"{ARCH}.expert_feed_forward_length": INTER,
+            f"{ARCH}.block_count": 1,
+        },
+        "m.gguf",
+    )
     assert spec.rules is GGUF_ARCHITECTURES[ARCH]
     assert spec.moe_intermediate_size == INTER
     for kind in MODEL_TENSORS[MODEL_ARCH.GPT_OSS]:

@@ -7,22 +7,22 @@ SmolLM2-135M-Instruct in Q4_1 (9 query heads, 3 KV heads), from the PyPI package
 
 from __future__ import annotations
 
-
 import gguf
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType as T
-
 from helpers.gguf_blocks import dequantized
 from helpers.gguf_mlc_models import GGUF_LINEARS, HEADS, KV_HEADS, write_gguf, write_mlc_model
 from helpers.mlc_reference import dequantize_q4f16_1
 from helpers.tp_reference import rows_of, take
+
 from shardload import ProcessSession, ThreadedSession, load_sharded, open_checkpoint
 from shardload.cli import cli
 from shardload.planners import plan_for, valid_num_shards
 
 # ---- GGUF ------------------------------------------------------------------------------------------
+
 
 def check_gguf_shards(path: str, n: int, session=ThreadedSession) -> int:
     """Every GGUF tensor's shards against gguf's dequantizer; the number of tensors checked."""
@@ -60,8 +60,9 @@ def check_gguf_shards(path: str, n: int, session=ThreadedSession) -> int:
     return checked
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.F16],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.F16], ids=lambda t: t.name
+)
 def test_gguf_32_element_blocks(tmp_path, qtype):
     path = str(tmp_path / "m.gguf")
     write_gguf(path, dict.fromkeys(GGUF_LINEARS, qtype), hidden=512, inter=1024)
@@ -69,7 +70,7 @@ def test_gguf_32_element_blocks(tmp_path, qtype):
         valid = valid_num_shards(plan_for(ckpt), ckpt, limit=8)
     assert valid == [1, 2, 4, 8]
     for n in valid:
-        assert check_gguf_shards(path, n) == 10   # 7 linear layers, 2 norms, embeddings
+        assert check_gguf_shards(path, n) == 10  # 7 linear layers, 2 norms, embeddings
 
 
 @pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
@@ -79,7 +80,7 @@ def test_gguf_k_quants_split_only_at_256_element_blocks(tmp_path, qtype):
     write_gguf(path, dict.fromkeys(GGUF_LINEARS, qtype), hidden=512, inter=1024)
     with open_checkpoint(path) as ckpt:
         valid = valid_num_shards(plan_for(ckpt), ckpt, limit=8)
-    assert valid == [1, 2]   # 512 / 4 = 128 would cut a 256-element block of attn_output
+    assert valid == [1, 2]  # 512 / 4 = 128 would cut a 256-element block of attn_output
     for n in valid:
         check_gguf_shards(path, n)
 
@@ -87,9 +88,20 @@ def test_gguf_k_quants_split_only_at_256_element_blocks(tmp_path, qtype):
 def test_gguf_mixed_types_per_tensor(tmp_path):
     # as Q4_K_M mixes them: each tensor is split in its own block size
     path = str(tmp_path / "m.gguf")
-    write_gguf(path, {"attn_q": T.Q4_K, "attn_k": T.Q5_0, "attn_v": T.Q6_K,
-                      "attn_output": T.Q4_K, "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K,
-                      "ffn_down": T.Q6_K}, hidden=512, inter=1024)
+    write_gguf(
+        path,
+        {
+            "attn_q": T.Q4_K,
+            "attn_k": T.Q5_0,
+            "attn_v": T.Q6_K,
+            "attn_output": T.Q4_K,
+            "ffn_gate": T.Q4_K,
+            "ffn_up": T.Q4_K,
+            "ffn_down": T.Q6_K,
+        },
+        hidden=512,
+        inter=1024,
+    )
     for n in (1, 2):
         check_gguf_shards(path, n)
 
@@ -102,6 +114,7 @@ def test_gguf_on_processes(tmp_path):
 
 
 # ---- the real model --------------------------------------------------------------------------------
+
 
 def test_real_model_valid_n(smollm2):
     with open_checkpoint(smollm2) as ckpt:
@@ -121,11 +134,11 @@ def test_real_model_plan_passes_shardload_validate(smollm2, tmp_path, n):
     runner = CliRunner()
     made = runner.invoke(cli, ["plan", "--shards", str(n), "-o", str(plan), smollm2])
     assert made.exit_code == 0, made.output
-    checked = runner.invoke(cli, ["validate", "--shards", str(n), "--shard-info", str(plan),
-                                  smollm2])
+    checked = runner.invoke(
+        cli, ["validate", "--shards", str(n), "--shard-info", str(plan), smollm2]
+    )
     assert checked.exit_code == 0 and checked.output.startswith("ok:"), checked.output
-    refused = runner.invoke(cli, ["validate", "--shards", "2", "--shard-info", str(plan),
-                                  smollm2])
+    refused = runner.invoke(cli, ["validate", "--shards", "2", "--shard-info", str(plan), smollm2])
     assert refused.exit_code == 2 and "N that work (up to 64): 1, 3" in refused.output
 
 
@@ -139,6 +152,7 @@ def test_embedded_example_plan_passes_shardload_validate():
 
 # ---- MLC -------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_mlc_q4f16_1_fused_layers(tmp_path, n):
     full = write_mlc_model(tmp_path)
@@ -148,15 +162,22 @@ def test_mlc_q4f16_1_fused_layers(tmp_path, n):
         with ThreadedSession(n) as sess:
             result = load_sharded(ckpt, info, sess, progress=False)
     for i in range(n):
+
         def deq(module):
             prefix = f"model.layers.0.{module}."
-            return dequantize_q4f16_1(result.shard(prefix + "q_weight", i).numpy(),
-                                      result.shard(prefix + "q_scale", i).numpy())
+            return dequantize_q4f16_1(
+                result.shard(prefix + "q_weight", i).numpy(),
+                result.shard(prefix + "q_scale", i).numpy(),
+            )
 
         w = full["self_attn.qkv_proj"]
-        want = np.concatenate([w[:q][rows_of(n, i, q, HEADS, False)],
-                               w[q:q + kv][rows_of(n, i, kv, KV_HEADS, True)],
-                               w[q + kv:][rows_of(n, i, kv, KV_HEADS, True)]])
+        want = np.concatenate(
+            [
+                w[:q][rows_of(n, i, q, HEADS, False)],
+                w[q : q + kv][rows_of(n, i, kv, KV_HEADS, True)],
+                w[q + kv :][rows_of(n, i, kv, KV_HEADS, True)],
+            ]
+        )
         assert np.array_equal(deq("self_attn.qkv_proj"), want)
         w = full["mlp.gate_up_proj"]
         want = np.concatenate([np.split(w[:inter], n)[i], np.split(w[inter:], n)[i]])
@@ -174,6 +195,7 @@ def test_mlc_kn_layout_is_refused(tmp_path):
 
 
 # ---- zero padding: any N ---------------------------------------------------------------------------
+
 
 def check_padded_gguf(path: str, n: int) -> dict:
     """Every GGUF tensor of a zero-padded plan against gguf's dequantizer and the layout the
@@ -210,15 +232,22 @@ def check_padded_gguf(path: str, n: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 9, pytest.param(4, marks=pytest.mark.extended),
-                               pytest.param(5, marks=pytest.mark.extended)])
+@pytest.mark.parametrize(
+    "n",
+    [
+        2,
+        9,
+        pytest.param(4, marks=pytest.mark.extended),
+        pytest.param(5, marks=pytest.mark.extended),
+    ],
+)
 def test_real_model_any_n_with_zero_padding(smollm2, n):
     layout = check_padded_gguf(smollm2, n)
     assert layout["num_shards"] == n
     real = sorted(h for heads in layout["q_heads"] for h in heads if h >= 0)
-    assert real == list(range(9))              # every query head exactly once
+    assert real == list(range(9))  # every query head exactly once
     for q, kv, q_to_kv in zip(layout["q_heads"], layout["kv_heads"], layout["q_to_kv"]):
-        for head, local in zip(q, q_to_kv):     # each query head attends with its own KV head
+        for head, local in zip(q, q_to_kv):  # each query head attends with its own KV head
             assert head < 0 or kv[local] == head // 3
 
 

@@ -39,14 +39,18 @@ import json
 import pytest
 import torch
 import transformers
+from helpers.cli_runs import invoke_ok
+from helpers.gpt_oss_tool import (
+    dequantize,
+    load_with_transformers,
+    tiny_config,
+    write_gpt_oss_mxfp4,
+)
+from helpers.loads import decided_load
+from helpers.tp_reference import expert_slots, padded_heads, padded_units, rows_of, take
 from safetensors.torch import load_file
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
 
-from helpers.cli_runs import invoke_ok
-from helpers.gpt_oss_tool import (dequantize, load_with_transformers, tiny_config,
-                                  write_gpt_oss_mxfp4)
-from helpers.loads import decided_load
-from helpers.tp_reference import expert_slots, padded_heads, padded_units, rows_of, take
 from shardload import ProcessSession, ThreadedSession
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, EXPERTS, LAYERS = 4, 2, 16, 64, 4, 2
@@ -56,6 +60,7 @@ EP_SHARDS = (1, 2, 3, 4, 8)
 
 
 # ---- the checkpoints -----------------------------------------------------------------------------
+
 
 def write_bf16(folder, config) -> None:
     """transformers' ``save_pretrained`` of a random ``from_config`` gpt-oss in bf16, biases and
@@ -91,6 +96,7 @@ def mxfp4(tmp_path_factory):
 
 # ---- the reference: worker i's piece, from the rules ---------------------------------------------
 
+
 def pick(w: torch.Tensor, units: list[int], size: int, dim: int) -> torch.Tensor:
     """``tp_reference.take`` on a torch tensor: the ``size``-wide units along ``dim`` a worker
     holds, -1 a zero unit (bf16, which numpy lacks, goes through its int16 bits: +0.0 is 0)."""
@@ -117,26 +123,26 @@ def expected(name: str, w: torch.Tensor, units, slots=None) -> torch.Tensor:
     q, kv, mlp, rows = units
     module, leaf = name.split(".")[-2:]
     if module in ("q_proj", "k_proj", "v_proj"):
-        return pick(w, q if module == "q_proj" else kv, HEAD_DIM, 0)     # weight and bias
+        return pick(w, q if module == "q_proj" else kv, HEAD_DIM, 0)  # weight and bias
     if module == "o_proj":
-        return pick(w, q, HEAD_DIM, 1) if leaf == "weight" else w         # bias added once
+        return pick(w, q, HEAD_DIM, 1) if leaf == "weight" else w  # bias added once
     if leaf == "sinks":
         return pick(w, q, 1, 0)
     if module != "experts":
-        return w                                  # router, norms, embeddings, lm_head
+        return w  # router, norms, embeddings, lm_head
     if slots is not None:
-        return pick(w, slots, 1, 0)               # whole experts along dim 0
-    if leaf == "gate_up_proj":                    # [E, H, 2I]: MLP row j = columns 2j, 2j+1
+        return pick(w, slots, 1, 0)  # whole experts along dim 0
+    if leaf == "gate_up_proj":  # [E, H, 2I]: MLP row j = columns 2j, 2j+1
         return pick(w, mlp, 2 * rows, 2)
-    if leaf.startswith("gate_up_proj_"):          # bias [E, 2I], blocks/scales [E, 2I, ...]
+    if leaf.startswith("gate_up_proj_"):  # bias [E, 2I], blocks/scales [E, 2I, ...]
         return pick(w, mlp, 2 * rows, 1)
-    if leaf == "down_proj":                       # [E, I, H]
+    if leaf == "down_proj":  # [E, I, H]
         return pick(w, mlp, rows, 1)
-    if leaf in ("down_proj_blocks", "down_proj_scales"):   # [E, H, I/32, ...]: whole groups
+    if leaf in ("down_proj_blocks", "down_proj_scales"):  # [E, H, I/32, ...]: whole groups
         assert rows % GROUP == 0
         return pick(w, mlp, rows // GROUP, 2)
     assert leaf == "down_proj_bias"
-    return w                                      # added once, after the row-parallel sum
+    return w  # added once, after the row-parallel sum
 
 
 def check_every_piece(sharded, stored: dict, n: int, unit_of, slots=None) -> int:
@@ -170,13 +176,17 @@ def expert_names(stored: dict) -> list[str]:
 
 # ---- tensor parallel -----------------------------------------------------------------------------
 
+
 def test_bf16_tensor_parallel_every_piece(bf16):
     """bf16 at N = 1, 2, 4 (unpadded: 4 workers replicate each KV head to 2) and 3 (heads
     zero-padded; 64 one-row MLP blocks as ``padded_units(64, 3)``): every worker's every tensor
     is exactly its slice by the rules, gate_up in whole interleaved (gate, up) pairs."""
     folder, _, stored = bf16
     assert stored["model.layers.0.mlp.experts.gate_up_proj"].shape == (
-        EXPERTS, HIDDEN, 2 * BF16_INTER)
+        EXPERTS,
+        HIDDEN,
+        2 * BF16_INTER,
+    )
     assert stored["model.layers.0.mlp.experts.down_proj"].shape == (EXPERTS, BF16_INTER, HIDDEN)
     assert stored["model.layers.0.self_attn.sinks"].shape == (HEADS,)
     assert all(w.dtype == torch.bfloat16 for w in stored.values())
@@ -188,8 +198,9 @@ def test_bf16_tensor_parallel_every_piece(bf16):
                 check_padded_layout(decision, n, BF16_INTER, 1)
             else:
                 assert "tensor_parallel" not in decision.shard_info().metadata
-            changed = check_every_piece(sharded, stored, n,
-                                        lambda i: units_of(n, i, BF16_INTER, padded, 1))
+            changed = check_every_piece(
+                sharded, stored, n, lambda i: units_of(n, i, BF16_INTER, padded, 1)
+            )
             if n > 1:  # per layer: q/k/v weight+bias, o weight, sinks, gate_up w+bias, down
                 assert changed >= n * LAYERS * 10
 
@@ -202,13 +213,23 @@ def test_mxfp4_tensor_parallel_bytes_and_dequantized(mxfp4):
     dequantized weight (zero where padded)."""
     folder, _, stored = mxfp4
     assert stored["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape == (
-        EXPERTS, 2 * MXFP4_INTER, HIDDEN // GROUP, 16)
+        EXPERTS,
+        2 * MXFP4_INTER,
+        HIDDEN // GROUP,
+        16,
+    )
     assert stored["model.layers.0.mlp.experts.down_proj_scales"].shape == (
-        EXPERTS, HIDDEN, MXFP4_INTER // GROUP)
-    full = {f"{layer}.{proj}": dequantize(stored[f"{layer}.{proj}_blocks"],
-                                          stored[f"{layer}.{proj}_scales"])
-            for layer in (f"model.layers.{k}.mlp.experts" for k in range(LAYERS))
-            for proj in ("gate_up_proj", "down_proj")}
+        EXPERTS,
+        HIDDEN,
+        MXFP4_INTER // GROUP,
+    )
+    full = {
+        f"{layer}.{proj}": dequantize(
+            stored[f"{layer}.{proj}_blocks"], stored[f"{layer}.{proj}_scales"]
+        )
+        for layer in (f"model.layers.{k}.mlp.experts" for k in range(LAYERS))
+        for proj in ("gate_up_proj", "down_proj")
+    }
     for n in TP_SHARDS:
         with decided_load(folder, n) as (decision, sharded):
             padded = n != 1
@@ -220,30 +241,39 @@ def test_mxfp4_tensor_parallel_bytes_and_dequantized(mxfp4):
             for i in range(n):
                 _, _, mlp, rows = unit_of(i)
                 for name, whole in full.items():
-                    got = dequantize(sharded.shard(name + "_blocks", i),
-                                     sharded.shard(name + "_scales", i))
+                    got = dequantize(
+                        sharded.shard(name + "_blocks", i), sharded.shard(name + "_scales", i)
+                    )
                     # [E, K, rows]: gate_up's rows (2 per MLP row) last, down's K in dim 1
-                    want = (pick(whole, mlp, 2 * rows, 2) if name.endswith("gate_up_proj")
-                            else pick(whole, mlp, rows, 1))
-                    assert torch.equal(got, want), (name, i, n)   # zero blocks: zeros
+                    want = (
+                        pick(whole, mlp, 2 * rows, 2)
+                        if name.endswith("gate_up_proj")
+                        else pick(whole, mlp, rows, 1)
+                    )
+                    assert torch.equal(got, want), (name, i, n)  # zero blocks: zeros
 
 
 # ---- expert parallel -----------------------------------------------------------------------------
+
 
 def check_expert_parallel(folder, stored, n, session_class=ThreadedSession) -> None:
     with decided_load(folder, n, experts="ep", session_class=session_class) as (decision, sharded):
         slots = expert_slots(EXPERTS, n)
         assert sorted(e for held in slots for e in held if e >= 0) == list(range(EXPERTS))
         metadata = decision.shard_info().metadata
-        assert metadata["experts"] == {"mode": "ep", "num_shards": n,
-                                       "experts_per_worker": {str(EXPERTS): slots}}
-        padded = HEADS % n != 0     # attention as in TP: 4 query heads over 3 or 8 padded
+        assert metadata["experts"] == {
+            "mode": "ep",
+            "num_shards": n,
+            "experts_per_worker": {str(EXPERTS): slots},
+        }
+        padded = HEADS % n != 0  # attention as in TP: 4 query heads over 3 or 8 padded
         assert decision.kind == ("padded" if padded else "unpadded"), n
         if padded:
             layout = metadata["tensor_parallel"]
             assert (layout["q_heads"], layout["kv_heads"]) == padded_heads(HEADS, KV_HEADS, n)
-        check_every_piece(sharded, stored, n,
-                          lambda i: units_of(n, i, MXFP4_INTER, padded, GROUP), slots=slots)
+        check_every_piece(
+            sharded, stored, n, lambda i: units_of(n, i, MXFP4_INTER, padded, GROUP), slots=slots
+        )
         for i in range(n):  # spelled out: whole experts byte for byte, zero slots all zero
             for name in expert_names(stored):
                 piece = sharded.shard(name, i)
@@ -273,11 +303,16 @@ def test_mxfp4_expert_parallel_process_session(mxfp4):
 
 # ---- forward: transformers' GptOssExperts on each worker's pieces --------------------------------
 
+
 def experts_module(config, inter: int, weights: dict) -> GptOssExperts:
     """transformers' ``GptOssExperts`` of MLP width ``inter``, float32, with ``weights``."""
-    module = GptOssExperts(tiny_config(intermediate_size=inter,
-                                       swiglu_limit=config.swiglu_limit,
-                                       swiglu_alpha=config.swiglu_alpha)).eval()
+    module = GptOssExperts(
+        tiny_config(
+            intermediate_size=inter,
+            swiglu_limit=config.swiglu_limit,
+            swiglu_alpha=config.swiglu_alpha,
+        )
+    ).eval()
     with torch.no_grad():
         for key, value in weights.items():
             getattr(module, key).copy_(value)
@@ -288,12 +323,17 @@ def expert_weights(get, mxfp4: bool) -> dict:
     """Layer 0's expert parameters in transformers' in-memory orientation, float32; ``get``
     maps a stored leaf name to its tensor."""
     if mxfp4:
-        w = {proj: dequantize(get(proj + "_blocks"), get(proj + "_scales"))
-             for proj in ("gate_up_proj", "down_proj")}
+        w = {
+            proj: dequantize(get(proj + "_blocks"), get(proj + "_scales"))
+            for proj in ("gate_up_proj", "down_proj")
+        }
     else:
         w = {proj: get(proj).float() for proj in ("gate_up_proj", "down_proj")}
-    return {**w, "gate_up_proj_bias": get("gate_up_proj_bias").float(),
-            "down_proj_bias": get("down_proj_bias").float()}
+    return {
+        **w,
+        "gate_up_proj_bias": get("gate_up_proj_bias").float(),
+        "down_proj_bias": get("down_proj_bias").float(),
+    }
 
 
 @pytest.mark.parametrize("which,n", [("bf16", 2), ("mxfp4", 2), ("mxfp4", 4)])
@@ -314,13 +354,17 @@ def test_experts_forward_sums_to_whole(request, which, n):
             router.bias.copy_(sharded.shard(prefix + "router.bias", 0).float())
             _, scores, indices = router(x)
             assert indices.unique().numel() > 1
-            whole = experts_module(config, config.intermediate_size, expert_weights(
-                lambda leaf: stored[prefix + "experts." + leaf], which == "mxfp4"))
+            whole = experts_module(
+                config,
+                config.intermediate_size,
+                expert_weights(lambda leaf: stored[prefix + "experts." + leaf], which == "mxfp4"),
+            )
             want = whole(x, indices, scores)
             got = torch.zeros_like(want)
             for i in range(n):
-                weights = expert_weights(lambda leaf: sharded.shard(prefix + "experts." + leaf, i),
-                                         which == "mxfp4")
+                weights = expert_weights(
+                    lambda leaf: sharded.shard(prefix + "experts." + leaf, i), which == "mxfp4"
+                )
                 if i:
                     weights["down_proj_bias"] = torch.zeros_like(weights["down_proj_bias"])
                 inter = weights["down_proj"].shape[1]
@@ -336,6 +380,7 @@ def test_experts_forward_sums_to_whole(request, which, n):
 
 # ---- the checkpoint is what transformers reads ---------------------------------------------------
 
+
 def test_transformers_reads_the_mxfp4_checkpoint(mxfp4):
     """transformers loads the MXFP4 folder (``Mxfp4Config(dequantize=True)``) to experts equal
     to ``dequantize`` of the stored blocks/scales (``[E, rows, K/32, 16]`` -> in-memory
@@ -348,19 +393,25 @@ def test_transformers_reads_the_mxfp4_checkpoint(mxfp4):
         layer = model.model.layers[k]
         experts, prefix = layer.mlp.experts, f"model.layers.{k}."
         for proj in ("gate_up_proj", "down_proj"):
-            want = dequantize(stored[f"{prefix}mlp.experts.{proj}_blocks"],
-                              stored[f"{prefix}mlp.experts.{proj}_scales"])
+            want = dequantize(
+                stored[f"{prefix}mlp.experts.{proj}_blocks"],
+                stored[f"{prefix}mlp.experts.{proj}_scales"],
+            )
             got = getattr(experts, proj).detach()
-            assert got.shape == (want.shape[0], *(
-                (HIDDEN, 2 * MXFP4_INTER) if proj == "gate_up_proj" else (MXFP4_INTER, HIDDEN)))
+            assert got.shape == (
+                want.shape[0],
+                *((HIDDEN, 2 * MXFP4_INTER) if proj == "gate_up_proj" else (MXFP4_INTER, HIDDEN)),
+            )
             assert torch.equal(got, want), (k, proj)
             bias = getattr(experts, proj + "_bias").detach()
             assert torch.equal(bias, stored[f"{prefix}mlp.experts.{proj}_bias"].float())
-        assert torch.equal(layer.self_attn.sinks.detach(),
-                           stored[f"{prefix}self_attn.sinks"].float())
+        assert torch.equal(
+            layer.self_attn.sinks.detach(), stored[f"{prefix}self_attn.sinks"].float()
+        )
 
 
 # ---- command line --------------------------------------------------------------------------------
+
 
 def test_cli_plan_and_load(mxfp4):
     """``shardload plan --shards 4`` prints the padded TP plan (take_units of 32-row blocks for
@@ -371,22 +422,25 @@ def test_cli_plan_and_load(mxfp4):
 
     plan = json.loads(invoke_ok("plan", "--shards", 4, folder).stdout)
     assert plan["__metadata__"]["tensor_parallel"]["mlp_blocks"] == {
-        str(MXFP4_INTER): padded_units(MXFP4_INTER // GROUP, 4)}
+        str(MXFP4_INTER): padded_units(MXFP4_INTER // GROUP, 4)
+    }
     for name in experts:
         if name.endswith("down_proj_bias"):
-            assert name not in plan          # replicated
+            assert name not in plan  # replicated
         else:
             assert [step[0] for step in plan[name]] == ["shardload.take_units"], name
     assert plan["model.layers.0.self_attn.sinks"][0][0] == "shardload.take_units"
 
     plan = json.loads(invoke_ok("plan", "--shards", 4, "--experts", "ep", folder).stdout)
     assert plan["__metadata__"]["experts"]["experts_per_worker"] == {
-        str(EXPERTS): expert_slots(EXPERTS, 4)}
+        str(EXPERTS): expert_slots(EXPERTS, 4)
+    }
     for name in experts:
         assert [step[0] for step in plan[name]] == ["shardload.split"], name
     assert plan["model.layers.0.self_attn.q_proj.weight"][0][0] == "shardload.split_segments"
 
-    report = json.loads(invoke_ok("load", "--shards", 3, "--experts", "ep", folder,
-                               "--json").stdout)
+    report = json.loads(
+        invoke_ok("load", "--shards", 3, "--experts", "ep", folder, "--json").stdout
+    )
     assert report["num_shards"] == 3 and len(report["workers"]) == 3
     assert all(w["tensors"] == len(stored) for w in report["workers"])

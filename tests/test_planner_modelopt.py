@@ -33,21 +33,20 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file
-
 from helpers.loads import load_decision
 from helpers.modelopt_configs import CONFIGS, EXPERTS, HEADS, HIDDEN, INTER, MOE_INTER, VOCAB
 from helpers.modelopt_tool import cached_modelopt_nvfp4, dequantize_module
-from helpers.tp_reference import (expert_slots, layer_piece, padded_head_runs, padded_units,
-                                  rows_of)
+from helpers.tp_reference import expert_slots, layer_piece, padded_head_runs, padded_units, rows_of
+from safetensors.torch import load_file
+
 from shardload import ProcessSession, load_sharded
 from shardload.cli import cli
 from shardload.planners import plan_decision
 
-GROUP = 16          # NVFP4: one E4M3 scale per 16 weights along K
+GROUP = 16  # NVFP4: one E4M3 scale per 16 weights along K
 #: the tensors ModelOpt writes per quantized linear
 NVFP4_TENSORS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
-PADDED = 3          # 4 query heads and 8 MLP blocks over 3 workers: zero-padded
+PADDED = 3  # 4 query heads and 8 MLP blocks over 3 workers: zero-padded
 
 
 def head_dim(config) -> int:
@@ -61,6 +60,7 @@ def export(name: str):
 
 # ---- the reference: which rows or columns of a module worker i holds -----------------------------
 
+
 def segments(module: str, config) -> list:
     """[(rows, units, replicable, kind)] along the axis the module splits; each segment of a
     fused module (Phi-3's qkv_proj, gate_up_proj) on its own."""
@@ -69,17 +69,26 @@ def segments(module: str, config) -> list:
     kv = (config.num_key_value_heads * d, config.num_key_value_heads, True, "kv")
     inter = config.moe_intermediate_size if ".experts." in module else config.intermediate_size
     mlp = (inter, inter, False, "mlp")
-    return {"q_proj": [q], "o_proj": [q], "k_proj": [kv], "v_proj": [kv],
-            "qkv_proj": [q, kv, kv], "gate_proj": [mlp], "up_proj": [mlp], "down_proj": [mlp],
-            "gate_up_proj": [mlp, mlp]}[module.rsplit(".", 1)[1]]
+    return {
+        "q_proj": [q],
+        "o_proj": [q],
+        "k_proj": [kv],
+        "v_proj": [kv],
+        "qkv_proj": [q, kv, kv],
+        "gate_proj": [mlp],
+        "up_proj": [mlp],
+        "down_proj": [mlp],
+        "gate_up_proj": [mlp, mlp],
+    }[module.rsplit(".", 1)[1]]
 
 
 def mlp_rows(inter: int, n: int) -> list[list[int]]:
     """Each worker's MLP rows for a zero-padded N (-1 a zero row): whole blocks of ``GROUP``
     rows, so that down_proj's K splits in whole scale groups."""
-    return [[r for b in blocks for r in (range(b * GROUP, (b + 1) * GROUP) if b >= 0
-                                         else [-1] * GROUP)]
-            for blocks in padded_units(inter // GROUP, n)]
+    return [
+        [r for b in blocks for r in (range(b * GROUP, (b + 1) * GROUP) if b >= 0 else [-1] * GROUP)]
+        for blocks in padded_units(inter // GROUP, n)
+    ]
 
 
 def heads_per_run(config) -> int:
@@ -88,15 +97,15 @@ def heads_per_run(config) -> int:
     return math.lcm(head_dim(config), GROUP) // head_dim(config)
 
 
-def expected(module: str, full: torch.Tensor, n: int, i: int, config,
-             padded: bool) -> torch.Tensor:
+def expected(module: str, full: torch.Tensor, n: int, i: int, config, padded: bool) -> torch.Tensor:
     """Worker i's piece of a module's dequantized weight ``full``."""
     axis = 1 if module.endswith(("o_proj", "down_proj")) else 0
     segs = segments(module, config)
     layout = None
     if padded:
-        q, kv = padded_head_runs(config.num_attention_heads, config.num_key_value_heads, n,
-                                 heads_per_run(config))
+        q, kv = padded_head_runs(
+            config.num_attention_heads, config.num_key_value_heads, n, heads_per_run(config)
+        )
         mlp = [s for s in segs if s[3] == "mlp"]
         layout = q, kv, mlp_rows(mlp[0][0], n) if mlp else None
     return layer_piece(full, axis, segs, n, i, head_dim(config), layout)
@@ -112,8 +121,7 @@ def expert_of(module: str):
     return int(parts[parts.index("experts") + 1]) if "experts" in parts else None
 
 
-def check_every_worker(folder, config, decision, sharded, owners=None,
-                       vocab_parallel=False) -> int:
+def check_every_worker(folder, config, decision, sharded, owners=None, vocab_parallel=False) -> int:
     """Every worker's every tensor against ModelOpt's dequantization and the rules; ``owners``
     (expert -> worker) for expert parallelism. Returns the quantized modules checked."""
     n = decision.num_shards
@@ -125,17 +133,18 @@ def check_every_worker(folder, config, decision, sharded, owners=None,
         full = dequantize_module(stored, module)
         expert = expert_of(module)
         for i in range(n):
-            if owners is not None and expert is not None:     # whole, on its worker alone
+            if owners is not None and expert is not None:  # whole, on its worker alone
                 for name in (f"{module}.{s}" for s in NVFP4_TENSORS):
                     assert sharded.holds(name, i) == (i == owners[expert]), (name, i, n)
                     if i == owners[expert]:
                         assert torch.equal(sharded.shard(name, i), stored[name]), (name, i)
                 continue
-            shards = {f"{module}.{s}": sharded.shard(f"{module}.{s}", i)
-                      for s in ("weight", "weight_scale", "weight_scale_2")}
+            shards = {
+                f"{module}.{s}": sharded.shard(f"{module}.{s}", i)
+                for s in ("weight", "weight_scale", "weight_scale_2")
+            }
             got = dequantize_module(shards, module)
-            assert torch.equal(got, expected(module, full, n, i, config, padded)), \
-                (module, i, n)
+            assert torch.equal(got, expected(module, full, n, i, config, padded)), (module, i, n)
             for name in (f"{module}.weight_scale_2", f"{module}.input_scale"):
                 assert torch.equal(sharded.shard(name, i), stored[name]), (name, i)  # 0-d
     vocab = ("lm_head.weight", "model.embed_tokens.weight") if vocab_parallel else ()
@@ -143,8 +152,9 @@ def check_every_worker(folder, config, decision, sharded, owners=None,
         if name.rsplit(".", 1)[0] in modules:
             continue
         for i in range(n):
-            want = stored[name][rows_of(n, i, VOCAB, VOCAB, False)] if name in vocab \
-                else stored[name]
+            want = (
+                stored[name][rows_of(n, i, VOCAB, VOCAB, False)] if name in vocab else stored[name]
+            )
             assert torch.equal(sharded.shard(name, i), want), (name, i, n)
     return len(modules)
 
@@ -154,7 +164,8 @@ def check_padded_layout(decision, config, mlp_sizes) -> None:
     n = decision.num_shards
     layout = decision.shard_info().metadata["tensor_parallel"]
     assert (layout["q_heads"], layout["kv_heads"]) == padded_head_runs(
-        config.num_attention_heads, config.num_key_value_heads, n, heads_per_run(config))
+        config.num_attention_heads, config.num_key_value_heads, n, heads_per_run(config)
+    )
     if mlp_sizes:
         assert layout["mlp_block"] == GROUP
     assert layout["mlp_blocks"] == {str(s): padded_units(s // GROUP, n) for s in mlp_sizes}
@@ -162,17 +173,27 @@ def check_padded_layout(decision, config, mlp_sizes) -> None:
 
 def dense_shape(module: str, config) -> tuple[int, int]:
     """[N, K] of a module's dense weight."""
-    q, kv = (config.num_attention_heads * head_dim(config),
-             config.num_key_value_heads * head_dim(config))
+    q, kv = (
+        config.num_attention_heads * head_dim(config),
+        config.num_key_value_heads * head_dim(config),
+    )
     hidden = config.hidden_size
     inter = config.moe_intermediate_size if ".experts." in module else config.intermediate_size
-    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
-            "o_proj": (hidden, q), "qkv_proj": (q + 2 * kv, hidden), "gate_proj": (inter, hidden),
-            "up_proj": (inter, hidden), "down_proj": (hidden, inter),
-            "gate_up_proj": (2 * inter, hidden)}[module.rsplit(".", 1)[1]]
+    return {
+        "q_proj": (q, hidden),
+        "k_proj": (kv, hidden),
+        "v_proj": (kv, hidden),
+        "o_proj": (hidden, q),
+        "qkv_proj": (q + 2 * kv, hidden),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+        "gate_up_proj": (2 * inter, hidden),
+    }[module.rsplit(".", 1)[1]]
 
 
 # ---- what ModelOpt writes ------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_what_modelopt_writes(name):
@@ -184,8 +205,7 @@ def test_what_modelopt_writes(name):
     side = json.loads((folder / "hf_quant_config.json").read_text())["quantization"]
     assert (side["quant_algo"], side["group_size"]) == ("NVFP4", GROUP)
     modules = sorted({k.rsplit(".", 1)[0] for k in stored if k.endswith(".weight_scale")})
-    per_layer = {"llama": 7, "llama_narrow_heads": 7, "phi3": 4,
-                 "qwen3_moe": 4 + 3 * EXPERTS}[name]
+    per_layer = {"llama": 7, "llama_narrow_heads": 7, "phi3": 4, "qwen3_moe": 4 + 3 * EXPERTS}[name]
     assert len(modules) == per_layer * config.num_hidden_layers
     for module in modules:
         rows, k = dense_shape(module, config)
@@ -198,19 +218,26 @@ def test_what_modelopt_writes(name):
             assert stored[f"{module}.{scalar}"].dtype == torch.float32, (module, scalar)
     # unquantized: float weights, no scales
     floats = ["lm_head", "model.embed_tokens"]
-    if name == "qwen3_moe":      # and the routers; the experts one tensor each, gate and up apart
+    if name == "qwen3_moe":  # and the routers; the experts one tensor each, gate and up apart
         floats += [f"model.layers.{layer}.mlp.gate" for layer in range(2)]
         assert not any(t.dim() > 2 for t in stored.values())
-        assert {(m.split(".")[2], expert_of(m), m.rsplit(".", 1)[1]) for m in modules
-                if ".experts." in m} == {(str(layer), e, p) for layer in range(2)
-                                         for e in range(EXPERTS)
-                                         for p in ("gate_proj", "up_proj", "down_proj")}
+        assert {
+            (m.split(".")[2], expert_of(m), m.rsplit(".", 1)[1])
+            for m in modules
+            if ".experts." in m
+        } == {
+            (str(layer), e, p)
+            for layer in range(2)
+            for e in range(EXPERTS)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        }
     for module in floats:
         assert stored[f"{module}.weight"].dtype == torch.float32
         assert f"{module}.weight_scale" not in stored
 
 
 # ---- tensor parallel: every worker, every quantized module ---------------------------------------
+
 
 @pytest.mark.parametrize("arch", ["llama", "phi3"])
 def test_every_worker_dequantizes_to_its_slice(arch):
@@ -224,8 +251,7 @@ def test_every_worker_dequantizes_to_its_slice(arch):
         else:
             assert "tensor_parallel" not in decision.shard_info().metadata
         sharded = load_decision(folder, decision)
-        assert check_every_worker(folder, config, decision, sharded) == (4 if arch == "phi3"
-                                                                         else 7)
+        assert check_every_worker(folder, config, decision, sharded) == (4 if arch == "phi3" else 7)
         if kind == "padded":
             check_last_worker_is_padded_with_zeros(sharded, arch)
 
@@ -240,9 +266,9 @@ def check_last_worker_is_padded_with_zeros(sharded, arch: str) -> None:
         assert not last[f"{module}.weight_scale"].view(torch.uint8).any(), module
     down = "model.layers.0.mlp.down_proj"
     assert last[f"{down}.weight"].shape == (HIDDEN, 3 * GROUP // 2)
-    assert not last[f"{down}.weight"][:, -GROUP // 2:].any()
+    assert not last[f"{down}.weight"][:, -GROUP // 2 :].any()
     assert not last[f"{down}.weight_scale"][:, -1].view(torch.uint8).any()
-    assert last[f"{down}.weight"][:, :-GROUP // 2].any()
+    assert last[f"{down}.weight"][:, : -GROUP // 2].any()
 
 
 def test_qwen3_moe_experts_split_like_an_mlp_of_32_rows():
@@ -256,7 +282,8 @@ def test_qwen3_moe_experts_split_like_an_mlp_of_32_rows():
         if kind == "padded":
             check_padded_layout(decision, config, [MOE_INTER])
             assert decision.shard_info().metadata["tensor_parallel"]["mlp_blocks"] == {
-                "32": [[0], [1], [-1], [-1]]}
+                "32": [[0], [1], [-1], [-1]]
+            }
         sharded = load_decision(folder, decision)
         assert check_every_worker(folder, config, decision, sharded) == 2 * (4 + 3 * EXPERTS)
     expert = "model.layers.1.mlp.experts.2"
@@ -268,40 +295,48 @@ def test_qwen3_moe_experts_split_like_an_mlp_of_32_rows():
 
 # ---- expert parallel: each expert whole on one worker --------------------------------------------
 
-@pytest.mark.parametrize("n, processes", [(2, False), (3, False), (4, False),
-                                          pytest.param(3, True, marks=pytest.mark.slow)],
-                         ids=["2", "3", "4", "3-processes"])
+
+@pytest.mark.parametrize(
+    "n, processes",
+    [(2, False), (3, False), (4, False), pytest.param(3, True, marks=pytest.mark.slow)],
+    ids=["2", "3", "4", "3-processes"],
+)
 def test_qwen3_moe_expert_parallel_places_whole_experts(n, processes):
     folder, config = export("qwen3_moe"), CONFIGS["qwen3_moe"]()
     decision = plan_decision(str(folder), n, experts="ep")
-    assert decision.kind == ("padded" if HEADS % n else "unpadded")   # the heads, not experts
+    assert decision.kind == ("padded" if HEADS % n else "unpadded")  # the heads, not experts
     plan = decision.shard_info()
     workers = balanced(EXPERTS, n)
     width = max(map(len, workers))
     assert plan.metadata["experts"]["experts_per_worker"] == {
-        str(EXPERTS): [w + [-1] * (width - len(w)) for w in workers]}
+        str(EXPERTS): [w + [-1] * (width - len(w)) for w in workers]
+    }
     owners = {e: w for w, held in enumerate(workers) for e in held}
     stored = load_file(str(folder / "model.safetensors"))
-    assert plan.placement.params == {name: (owners[expert_of(name.rsplit(".", 1)[0])],)
-                                     for name in stored if ".experts." in name}
+    assert plan.placement.params == {
+        name: (owners[expert_of(name.rsplit(".", 1)[0])],) for name in stored if ".experts." in name
+    }
     assert len(plan.placement.params) == 2 * EXPERTS * 3 * len(NVFP4_TENSORS)
-    if decision.kind == "padded":         # the attention's heads; no MLP is split
+    if decision.kind == "padded":  # the attention's heads; no MLP is split
         check_padded_layout(decision, config, [])
     if not processes:
         sharded = load_decision(folder, decision)
         assert check_every_worker(folder, config, decision, sharded, owners) == 2 * (
-            4 + 3 * EXPERTS)
+            4 + 3 * EXPERTS
+        )
         return
-    with ProcessSession(n) as session:     # shards stay in the workers: check them there
+    with ProcessSession(n) as session:  # shards stay in the workers: check them there
         sharded = load_sharded(str(folder), decision.validated, session, progress=False)
         assert check_every_worker(folder, config, decision, sharded, owners) == 2 * (
-            4 + 3 * EXPERTS)
+            4 + 3 * EXPERTS
+        )
         name = "model.layers.0.mlp.experts.0.down_proj.weight_scale"
         with pytest.raises(KeyError, match="places it on"):
             sharded.shard(name, n - 1)
 
 
 # ---- refusals ------------------------------------------------------------------------------------
+
 
 def test_heads_narrower_than_a_group_pad_in_pairs():
     # 4 heads of 8 elements: o_proj's K is 2 groups of 16, two heads each. 3 and 4 workers
@@ -339,14 +374,21 @@ def test_vocab_parallel_splits_the_float_lm_head_and_never_pads_it():
     message = str(refused.error)
     assert "the 96 vocabulary rows ('vocab_size' = 96) do not divide among 5 workers" in message
     assert "the vocabulary is split evenly, never padded" in message
-    assert plan_decision(str(folder), 5).kind == "padded"     # replicated: heads padded
+    assert plan_decision(str(folder), 5).kind == "padded"  # replicated: heads padded
 
 
 # ---- older exports: hf_quant_config.json only ----------------------------------------------------
 
-@pytest.mark.parametrize("arch, cases", [
-    ("llama", [(2, "tp"), (PADDED, "tp")]), ("phi3", [(PADDED, "tp")]),
-    ("qwen3_moe", [(4, "tp"), (3, "ep")]), ("llama_narrow_heads", [(4, "tp")])])
+
+@pytest.mark.parametrize(
+    "arch, cases",
+    [
+        ("llama", [(2, "tp"), (PADDED, "tp")]),
+        ("phi3", [(PADDED, "tp")]),
+        ("qwen3_moe", [(4, "tp"), (3, "ep")]),
+        ("llama_narrow_heads", [(4, "tp")]),
+    ],
+)
 def test_hf_quant_config_alone_gives_the_same_plan(tmp_path, arch, cases):
     folder = export(arch)
     old = tmp_path / arch
@@ -362,16 +404,18 @@ def test_hf_quant_config_alone_gives_the_same_plan(tmp_path, arch, cases):
         assert new.summary.scheme.source == str(folder / "config.json")
         if new.kind == "refused":
             # the same refusal; only hf_quant_config.json has a group_size key to name
-            assert ("('quantization_config.group_size' = 16)" in str(was.error)
-                    and "group_size'" not in str(new.error))
+            assert "('quantization_config.group_size' = 16)" in str(
+                was.error
+            ) and "group_size'" not in str(new.error)
             assert str(was.error).replace(str(old), "F").replace(
-                " ('quantization_config.group_size' = 16)", "") == str(new.error).replace(
-                    str(folder), "F")
+                " ('quantization_config.group_size' = 16)", ""
+            ) == str(new.error).replace(str(folder), "F")
         else:
             assert was.shard_info().to_dict() == new.shard_info().to_dict(), (n, experts)
 
 
 # ---- the command line ----------------------------------------------------------------------------
+
 
 def test_cli_plan_names_the_format():
     folder = export("phi3")
@@ -381,7 +425,8 @@ def test_cli_plan_names_the_format():
     assert "valid for N in 1, 2, 4" in result.stderr
     steps = json.loads(result.stdout)
     assert "model.layers.0.self_attn.qkv_proj.weight_scale" in steps
-    assert "model.layers.0.self_attn.qkv_proj.weight_scale_2" not in steps    # replicated
-    result = CliRunner().invoke(cli, ["plan", "--shards", "4", "--no-pad",
-                                      str(export("llama_narrow_heads"))])
+    assert "model.layers.0.self_attn.qkv_proj.weight_scale_2" not in steps  # replicated
+    result = CliRunner().invoke(
+        cli, ["plan", "--shards", "4", "--no-pad", str(export("llama_narrow_heads"))]
+    )
     assert result.exit_code == 2 and "N that work (up to 64): 1, 2" in result.output

@@ -25,21 +25,23 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
-
 from helpers.loads import plan_and_load
 from helpers.moe_configs import CONFIGS, EXPERTS, HEADS, HIDDEN, KV_HEADS, mlp_sizes
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
+from safetensors.torch import load_file, save_file
+
 from shardload import FormatError
 from shardload.planners import plan_for
 
 UNPADDED = (1, 2, 4)
-PADDED = 3          # 4 heads, 96/32/48/128-row MLPs over 3 workers: zero-padded
+PADDED = 3  # 4 heads, 96/32/48/128-row MLPs over 3 workers: zero-padded
 
 #: where each model keeps a layer's MoE block in the checkpoint, and its expert names
-MOE = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-       "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-       "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+MOE = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
 
 
 def save_model(folder: Path, arch: str):
@@ -58,9 +60,14 @@ def split_of(name: str, config):
     if module in ("k_proj", "v_proj"):
         return 0, KV_HEADS * head_dim, KV_HEADS, True, "kv"
     if module not in ("gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"):
-        return None      # norms (q/k norms per head), routers, shared_expert_gate, embeddings
-    kind = ("experts" if ".experts." in name else
-            "shared_expert" if ".shared_expert." in name else "dense")
+        return None  # norms (q/k norms per head), routers, shared_expert_gate, embeddings
+    kind = (
+        "experts"
+        if ".experts." in name
+        else "shared_expert"
+        if ".shared_expert." in name
+        else "dense"
+    )
     size = mlp_sizes(config)[kind]
     return (1 if module in ("down_proj", "w2") else 0), size, size, False, kind
 
@@ -75,17 +82,21 @@ def expected(name, w, n, i, config, padded=None):
         return w[index] if axis == 0 else w[:, index]
     q_heads, kv_heads = padded_heads(HEADS, KV_HEADS, n)
     head_dim = rows // units
-    worker_units = {"q": q_heads, "kv": kv_heads}[kind][i] if kind in ("q", "kv") \
-        else padded_units(rows, n)[i]
-    return torch.from_numpy(take(w.numpy(), worker_units, 1 if kind not in ("q", "kv")
-                                 else head_dim, axis))
+    worker_units = (
+        {"q": q_heads, "kv": kv_heads}[kind][i] if kind in ("q", "kv") else padded_units(rows, n)[i]
+    )
+    return torch.from_numpy(
+        take(w.numpy(), worker_units, 1 if kind not in ("q", "kv") else head_dim, axis)
+    )
 
 
 def test_transformers_saves_experts_per_expert(tmp_path):
     for arch, (block, (gate, up, down)) in MOE.items():
         config = save_model(tmp_path / arch, arch)
-        shapes = {k: list(v.shape) for k, v in
-                  load_file(str(tmp_path / arch / "model.safetensors")).items()}
+        shapes = {
+            k: list(v.shape)
+            for k, v in load_file(str(tmp_path / arch / "model.safetensors")).items()
+        }
         inter = mlp_sizes(config)["experts"]
         for e in range(EXPERTS):
             prefix = f"model.layers.0.{block}.experts.{e}."
@@ -93,11 +104,11 @@ def test_transformers_saves_experts_per_expert(tmp_path):
             assert shapes[prefix + up + ".weight"] == [inter, HIDDEN], arch
             assert shapes[prefix + down + ".weight"] == [HIDDEN, inter], arch
         assert shapes[f"model.layers.0.{block}.gate.weight"] == [EXPERTS, HIDDEN]
-        assert not any(len(s) == 3 for s in shapes.values()), arch   # nothing fused
+        assert not any(len(s) == 3 for s in shapes.values()), arch  # nothing fused
         if arch == "qwen2_moe":
             assert shapes["model.layers.0.mlp.shared_expert_gate.weight"] == [1, HIDDEN]
             assert shapes["model.layers.0.mlp.shared_expert.gate_proj.weight"] == [48, HIDDEN]
-        if arch != "mixtral":     # mlp_only_layers=[1]: a dense MLP, no router
+        if arch != "mixtral":  # mlp_only_layers=[1]: a dense MLP, no router
             assert shapes["model.layers.1.mlp.gate_proj.weight"] == [128, HIDDEN]
             assert "model.layers.1.mlp.gate.weight" not in shapes
 
@@ -115,8 +126,9 @@ def test_every_shard_is_its_slice(tmp_path, arch):
             layout = info.metadata["tensor_parallel"]
             assert (layout["q_heads"], layout["kv_heads"]) == padded_heads(HEADS, KV_HEADS, n)
             assert layout["mlp_block"] == 1
-            assert layout["mlp_blocks"] == {str(size): padded_units(size, n)
-                                            for size in mlp_sizes(config).values()}
+            assert layout["mlp_blocks"] == {
+                str(size): padded_units(size, n) for size in mlp_sizes(config).values()
+            }
             padded = True
         assert sorted(sharded.names) == sorted(dense)
         split = 0
@@ -128,7 +140,7 @@ def test_every_shard_is_its_slice(tmp_path, arch):
                 split += want.shape != w.shape
         for name in routers:
             assert all(torch.equal(sharded.shard(name, i), dense[name]) for i in range(n))
-        if n > 1:   # every projection of every expert was split
+        if n > 1:  # every projection of every expert was split
             assert split >= sum(split_of(k, config) is not None for k in dense)
 
 
@@ -153,14 +165,19 @@ def test_moe_block_forward_equal_at_2_workers(tmp_path, arch):
             folder = tmp_path / f"worker{i}"
             folder.mkdir()
             config_json = json.loads((tmp_path / "full" / "config.json").read_text())
-            for key in ("intermediate_size", "moe_intermediate_size",
-                        "shared_expert_intermediate_size"):
+            for key in (
+                "intermediate_size",
+                "moe_intermediate_size",
+                "shared_expert_intermediate_size",
+            ):
                 if config_json.get(key):
                     config_json[key] //= n
             (folder / "config.json").write_text(json.dumps(config_json))
             # attention is not under test: keep it whole so that the worker model loads
-            weights = {k: (full[k] if ".self_attn." in k else v.contiguous())
-                       for k, v in sharded.worker(i).items()}
+            weights = {
+                k: (full[k] if ".self_attn." in k else v.contiguous())
+                for k, v in sharded.worker(i).items()
+            }
             save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
             part = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
             got += part.model.layers[0].mlp(x)
@@ -172,6 +189,9 @@ def test_moe_sizes_the_experts_contradict_are_refused(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["shared_expert_intermediate_size"] = 64
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(FormatError, match=r"shared_expert\.(gate|up|down)_proj\.weight.*"
-                                          r"'shared_expert_intermediate_size' = 64"):
+    with pytest.raises(
+        FormatError,
+        match=r"shared_expert\.(gate|up|down)_proj\.weight.*"
+        r"'shared_expert_intermediate_size' = 64",
+    ):
         plan_for(str(tmp_path))

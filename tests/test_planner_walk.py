@@ -9,18 +9,20 @@ from __future__ import annotations
 import tempfile
 
 import pytest
-
 from helpers.paths import EXAMPLE
-from devtools.coverage import coverage_script
 
+from devtools.coverage import coverage_script
 from shardload import open_checkpoint
 from shardload.planners.kinds import detect
 from shardload.planners.tensors import tensors, walk
 
 #: coverage-table checkpoints of a few thousand tensors at most, each a different layout
-CHECKPOINTS = ("TheBloke/Mixtral-8x7B-Instruct-v0.1-GPTQ", "openai/gpt-oss-120b",
-               "Qwen/Qwen2.5-7B-Instruct-AWQ",
-               "RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w4a16")
+CHECKPOINTS = (
+    "TheBloke/Mixtral-8x7B-Instruct-v0.1-GPTQ",
+    "openai/gpt-oss-120b",
+    "Qwen/Qwen2.5-7B-Instruct-AWQ",
+    "RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w4a16",
+)
 
 
 def _kinds_agree(ckpt) -> tuple[int, int]:
@@ -42,7 +44,7 @@ def test_every_tensor_is_classified_as_its_kind(name):
         cov.write_checkpoint(model, folder)
         with open_checkpoint(folder) as ckpt:
             count, kinds = _kinds_agree(ckpt)
-    assert kinds < count / 4    # the layers repeat: each kind planned once
+    assert kinds < count / 4  # the layers repeat: each kind planned once
 
 
 def test_the_example_is_classified_as_its_kinds():
@@ -60,7 +62,9 @@ def test_digits_inside_a_name_component_are_not_an_index():
         with open_checkpoint(folder) as ckpt:
             _, spec, scheme = detect(ckpt)
             walked = walk(ckpt, spec, scheme)
-            roles = {meta.name.rsplit(".", 2)[-2]: kind.role.name
-                     for meta, kind in walked.rows() if ".experts." in meta.name
-                     and meta.name.endswith(".qweight")}
+            roles = {
+                meta.name.rsplit(".", 2)[-2]: kind.role.name
+                for meta, kind in walked.rows()
+                if ".experts." in meta.name and meta.name.endswith(".qweight")
+            }
     assert roles == {"w1": "gate", "w2": "down", "w3": "up"}

@@ -15,12 +15,11 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from helpers.quant_refs import awq, gptq
 from helpers.quant_refs import compressed_tensors as ct
 from helpers.quant_refs._bits import pack_bits, unpack_bits
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 
 def u32(words) -> np.ndarray:
@@ -88,7 +87,9 @@ def test_pack_bits_lsb_first_and_straddling():
 # ---------------------------------------------------------------------------------------------
 # GPTQ: hand-worked layouts
 
-S8 = np.array([0.5, 0.25, 1, 0.125, 2, 0.0625, 0.5, 4], dtype=np.float32)  # powers of two: exact in fp16/bf16
+S8 = np.array(
+    [0.5, 0.25, 1, 0.125, 2, 0.0625, 0.5, 4], dtype=np.float32
+)  # powers of two: exact in fp16/bf16
 
 
 def _gptq4_hand():
@@ -116,9 +117,16 @@ def test_gptq_4bit_hand_words():
         t = gptq.quantize_gptq(w, bits=4, group_size=-1, sym=False, version=v)
         assert np.array_equal(t["qweight"], qweight)
         assert np.array_equal(t["qzeros"], qzeros[v])
-        assert t["scales"].dtype == np.float16 and np.array_equal(t["scales"], S8[None].astype(np.float16))
+        assert t["scales"].dtype == np.float16 and np.array_equal(
+            t["scales"], S8[None].astype(np.float16)
+        )
         assert t["g_idx"].dtype == np.int32 and np.array_equal(t["g_idx"], np.zeros(8))
-        hand = {"qweight": qweight, "qzeros": qzeros[v], "scales": S8[None].astype(np.float16), "g_idx": np.zeros(8, np.int32)}
+        hand = {
+            "qweight": qweight,
+            "qzeros": qzeros[v],
+            "scales": S8[None].astype(np.float16),
+            "g_idx": np.zeros(8, np.int32),
+        }
         assert np.array_equal(gptq.dequantize_gptq(hand, 4, v), w)
         assert np.array_equal(gptq.unpack_qweight(qweight, 4), q)
         assert np.array_equal(gptq.unpack_qzeros(qzeros[v], 4, v), z[None])
@@ -148,11 +156,19 @@ def test_gptq_3bit_hand_words():
         assert t["qweight"].shape == (3, 32) and t["qzeros"].shape == (1, 3)
         assert np.array_equal(t["qweight"], qweight)
         assert np.array_equal(t["qzeros"], qzeros[v])
-        hand = {"qweight": qweight, "qzeros": qzeros[v], "scales": s[None].astype(np.float16), "g_idx": np.zeros(32, np.int32)}
+        hand = {
+            "qweight": qweight,
+            "qzeros": qzeros[v],
+            "scales": s[None].astype(np.float16),
+            "g_idx": np.zeros(32, np.int32),
+        }
         assert np.array_equal(gptq.dequantize_gptq(hand, 3, v), w)
 
 
-@pytest.mark.parametrize("bits,v1_word,v2_word", [(4, 0x77777777, 0x88888888), (8, 0x7F7F7F7F, 0x80808080), (2, 0x55555555, 0xAAAAAAAA)])
+@pytest.mark.parametrize(
+    "bits,v1_word,v2_word",
+    [(4, 0x77777777, 0x88888888), (8, 0x7F7F7F7F, 0x80808080), (2, 0x55555555, 0xAAAAAAAA)],
+)
 def test_gptq_symmetric_zero_words(bits, v1_word, v2_word):
     w = rand_w(32, 64, seed=bits)
     for v, word in ((1, v1_word), (2, v2_word)):
@@ -169,7 +185,9 @@ def test_gptq_v1_zero_point_zero_wraps_per_field():
     assert z[0, 1] == 0xF
     assert np.array_equal(gptq.unpack_qzeros(t["qzeros"], 4, 1)[0, 1], 0)
     t2 = gptq.quantize_gptq(w, bits=4, group_size=-1, sym=False, version=2)
-    assert np.array_equal((gptq.unpack_qzeros(t2["qzeros"], 4, 2) - 1) % 16, z)  # v1 = v2 - 1, field by field
+    assert np.array_equal(
+        (gptq.unpack_qzeros(t2["qzeros"], 4, 2) - 1) % 16, z
+    )  # v1 = v2 - 1, field by field
     assert np.array_equal(gptq.dequantize_gptq(t, 4, 1), gptq.dequantize_gptq(t2, 4, 2))
 
 
@@ -181,7 +199,10 @@ def test_gptq_agrees_with_the_older_4bit_reference():
     w[3] = np.abs(w[3]) + 0.1  # z = 0 in column 3
     for perm in (None, np.random.default_rng(9).permutation(64)):
         t = gptq.quantize_gptq(w, 4, 16, sym=False, version=1, perm=perm)
-        assert np.array_equal(old_dequantize(t["qweight"], t["qzeros"], t["scales"], t["g_idx"]), gptq.dequantize_gptq(t, 4, 1))
+        assert np.array_equal(
+            old_dequantize(t["qweight"], t["qzeros"], t["scales"], t["g_idx"]),
+            gptq.dequantize_gptq(t, 4, 1),
+        )
 
 
 def test_gptq_act_order_g_idx():
@@ -205,10 +226,20 @@ GPTQ_N, GPTQ_K = 64, 288  # K = 288: with G = 128 the last group is partial (32 
 # the same tensors as without it), and the other (G, act-order, version) triples: the version
 # only changes how each zero point is stored ((z - 1) mod 2**b per field), which neither the
 # group size nor act-order touches. 96 configs before, 48 now.
-GPTQ_GROUP_ACT_VERSION = [(32, False, 1), (32, True, 2), (128, False, 2), (128, True, 1),
-                          (-1, False, 1), (-1, False, 2)]
-GPTQ_CONFIGS = [(bits, g, sym, v, act) for bits in (2, 3, 4, 8) for sym in (True, False)
-                for g, act, v in GPTQ_GROUP_ACT_VERSION]
+GPTQ_GROUP_ACT_VERSION = [
+    (32, False, 1),
+    (32, True, 2),
+    (128, False, 2),
+    (128, True, 1),
+    (-1, False, 1),
+    (-1, False, 2),
+]
+GPTQ_CONFIGS = [
+    (bits, g, sym, v, act)
+    for bits in (2, 3, 4, 8)
+    for sym in (True, False)
+    for g, act, v in GPTQ_GROUP_ACT_VERSION
+]
 
 
 def _gptq_id(c):
@@ -216,7 +247,7 @@ def _gptq_id(c):
     return f"b{bits}-g{g}-{'sym' if sym else 'asym'}-v{v}{'-act' if act else ''}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gptq_case(bits, g, sym, v, act):
     seed = zlib.crc32(repr((bits, g, sym, v, act)).encode())
     w = rand_w(GPTQ_N, GPTQ_K, seed)
@@ -268,7 +299,12 @@ def gptq_shard_rows(t, bits, g, k0, k1):
 
 def gptq_shard_rows_replicated(t, bits, k0, k1):
     """Act-order (or G = -1): scales/qzeros whole, g_idx sliced and not rebased."""
-    return {"qweight": t["qweight"][k0 * bits // 32 : k1 * bits // 32], "qzeros": t["qzeros"], "scales": t["scales"], "g_idx": t["g_idx"][k0:k1]}
+    return {
+        "qweight": t["qweight"][k0 * bits // 32 : k1 * bits // 32],
+        "qzeros": t["qzeros"],
+        "scales": t["scales"],
+        "g_idx": t["g_idx"][k0:k1],
+    }
 
 
 def _pack_unit(bits):
@@ -282,7 +318,9 @@ def test_gptq_sharding_is_exact(cfg):
     full = gptq.dequantize_gptq(t, bits, v)
     # column-parallel: N on packing units (pf; 32 for 3 bit); g_idx replicated
     for split in splits(GPTQ_N, _pack_unit(bits)):
-        parts = [gptq.dequantize_gptq(gptq_shard_cols(t, bits, n0, n1), bits, v) for n0, n1 in split]
+        parts = [
+            gptq.dequantize_gptq(gptq_shard_cols(t, bits, n0, n1), bits, v) for n0, n1 in split
+        ]
         for (n0, n1), part in zip(split, parts):
             assert np.array_equal(part, full[n0:n1])
         assert np.array_equal(np.concatenate(parts, axis=0), full)
@@ -331,12 +369,25 @@ def test_gptq_sharding_property_fuzz(bits, n_units, k_units, g_mult, act, tp, se
     g = -1 if g_mult == -1 else pu * g_mult
     rng = np.random.default_rng(seed)
     v = 1 + seed % 2
-    t = gptq.quantize_gptq(rand_w(n, k, seed), bits, g, sym=bool(seed // 2 % 2), version=v, perm=rng.permutation(k) if act else None)
+    t = gptq.quantize_gptq(
+        rand_w(n, k, seed),
+        bits,
+        g,
+        sym=bool(seed // 2 % 2),
+        version=v,
+        perm=rng.permutation(k) if act else None,
+    )
     full = gptq.dequantize_gptq(t, bits, v)
     for n0, n1 in bounds(n, pu, tp):
-        assert np.array_equal(gptq.dequantize_gptq(gptq_shard_cols(t, bits, n0, n1), bits, v), full[n0:n1])
+        assert np.array_equal(
+            gptq.dequantize_gptq(gptq_shard_cols(t, bits, n0, n1), bits, v), full[n0:n1]
+        )
     for k0, k1 in bounds(k, pu if (act or g == -1) else g, tp):
-        s = gptq_shard_rows_replicated(t, bits, k0, k1) if (act or g == -1) else gptq_shard_rows(t, bits, g, k0, k1)
+        s = (
+            gptq_shard_rows_replicated(t, bits, k0, k1)
+            if (act or g == -1)
+            else gptq_shard_rows(t, bits, g, k0, k1)
+        )
         assert np.array_equal(gptq.dequantize_gptq(s, bits, v), full[:, k0:k1])
 
 
@@ -361,7 +412,11 @@ def test_awq_hand_words():
     z = np.array([3, 0, 5, 8, 1, 15, 7, 2])
     w = (S8[:, None] * (q.T - z[:, None])).astype(np.float32)
     t = awq.quantize_awq(w, group_size=16)
-    assert t["qweight"].shape == (16, 1) and t["qzeros"].shape == (1, 1) and t["scales"].shape == (1, 8)
+    assert (
+        t["qweight"].shape == (16, 1)
+        and t["qzeros"].shape == (1, 1)
+        and t["scales"].shape == (1, 8)
+    )
     for k, word in ((0, 0x75316420), (1, 0x86427531), (9, 0x0ECAFDB9), (15, 0x6420531F)):
         assert t["qweight"][k, 0] == u32(word), hex(k)
     assert np.array_equal(t["qzeros"], u32([[0x2F807153]]))
@@ -375,7 +430,7 @@ def test_awq_hand_words():
 AWQ_N, AWQ_K = 64, 256
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _awq_case(g):
     w = rand_w(AWQ_N, AWQ_K, seed=100 + g)
     return w, awq.quantize_awq(w, g)
@@ -395,7 +450,11 @@ def test_awq_quantizer_and_sharding(g):
     # column-parallel on word boundaries
     for split in splits(AWQ_N, 8):
         for n0, n1 in split:
-            s = {"qweight": t["qweight"][:, n0 // 8 : n1 // 8], "qzeros": t["qzeros"][:, n0 // 8 : n1 // 8], "scales": t["scales"][:, n0:n1]}
+            s = {
+                "qweight": t["qweight"][:, n0 // 8 : n1 // 8],
+                "qzeros": t["qzeros"][:, n0 // 8 : n1 // 8],
+                "scales": t["scales"][:, n0:n1],
+            }
             assert np.array_equal(awq.dequantize_awq(s), full[n0:n1])
     # row-parallel on group boundaries (G = -1: the one group is replicated)
     for split in splits(AWQ_K, gg if g != -1 else 8):
@@ -403,7 +462,11 @@ def test_awq_quantizer_and_sharding(g):
             if g == -1:
                 s = {"qweight": t["qweight"][k0:k1], "qzeros": t["qzeros"], "scales": t["scales"]}
             else:
-                s = {"qweight": t["qweight"][k0:k1], "qzeros": t["qzeros"][k0 // g : k1 // g], "scales": t["scales"][k0 // g : k1 // g]}
+                s = {
+                    "qweight": t["qweight"][k0:k1],
+                    "qzeros": t["qzeros"][k0 // g : k1 // g],
+                    "scales": t["scales"][k0 // g : k1 // g],
+                }
             assert np.array_equal(awq.dequantize_awq(s), full[:, k0:k1])
 
 
@@ -423,7 +486,9 @@ def test_ct_pack_quantized_hand_words():
     zp = np.array([-8, -1, 0, 7, 3, -3, 5, -5])
     w = (S8[:, None] * (q - zp[:, None])).astype(np.float32)
     for strategy, sdt in (("group", "bfloat16"), ("channel", "float16")):
-        t = ct.quantize_pack_quantized(w, 4, strategy=strategy, group_size=16, symmetric=False, scale_dtype=sdt)
+        t = ct.quantize_pack_quantized(
+            w, 4, strategy=strategy, group_size=16, symmetric=False, scale_dtype=sdt
+        )
         assert t["weight_packed"].shape == (8, 2) and t["weight_packed"].dtype == np.int32
         assert np.array_equal(t["weight_packed"][0], u32([0x76543210, 0xFEDCBA98]))
         assert np.array_equal(t["weight_packed"][1], u32([0x87654321, 0x0FEDCBA9]))
@@ -443,20 +508,29 @@ def test_ct_pack_quantized_hand_words():
 
 def test_ct_int8_zero_point_hand_word():
     # zp [-128, -1, 0, 127] + 128 = bytes 00, 7F, 80, FF along N -> 0xFF807F00
-    assert np.array_equal(ct.pack_int32(np.array([[-128], [-1], [0], [127]]), 8, axis=0), u32([[0xFF807F00]]))
+    assert np.array_equal(
+        ct.pack_int32(np.array([[-128], [-1], [0], [127]]), 8, axis=0), u32([[0xFF807F00]])
+    )
     # and along K for the weights: [1, -2, 3, -128] + 128 -> 81, 7E, 83, 00 -> 0x00837E81
-    assert np.array_equal(ct.pack_int32(np.array([[1, -2, 3, -128]]), 8, axis=1), u32([[0x00837E81]]))
+    assert np.array_equal(
+        ct.pack_int32(np.array([[1, -2, 3, -128]]), 8, axis=1), u32([[0x00837E81]])
+    )
 
 
 def test_ct_symmetric_has_no_zero_point_and_ragged_k_pads():
     w = rand_w(16, 250, seed=7)  # 250 = 31 words of 8 + 2 codes
-    t = ct.quantize_pack_quantized(w, 4, strategy="group", group_size=50, symmetric=True, scale_dtype="float16")
+    t = ct.quantize_pack_quantized(
+        w, 4, strategy="group", group_size=50, symmetric=True, scale_dtype="float16"
+    )
     assert set(t) == {"weight_packed", "weight_scale", "weight_shape"}
     assert t["weight_packed"].shape == (16, 32) and t["weight_scale"].shape == (16, 5)
     # padding codes are zero *after* the +8 offset: the top 24 bits of the last word are 0
     assert np.all(t["weight_packed"][:, -1].view(np.uint32) >> 8 == 0)
     deq = ct.dequantize_pack_quantized(t, 4)
-    assert np.all(np.abs(deq - w) <= 0.5 * np.repeat(t["weight_scale"].astype(np.float64), 50, axis=1) * (1 + 1e-4))
+    assert np.all(
+        np.abs(deq - w)
+        <= 0.5 * np.repeat(t["weight_scale"].astype(np.float64), 50, axis=1) * (1 + 1e-4)
+    )
 
 
 def test_ct_unpacked_zero_point_of_old_checkpoints():
@@ -474,9 +548,12 @@ CT_N, CT_K = 64, 256
 # scale dtype meets every bits, strategy and sym value: the scale dtype only changes how the
 # scales are rounded, which the packing and the slicing never see. 24 configs before, 12 now.
 CT_STRATEGIES = (("group", 32), ("group", 128), ("channel", None))
-CT_CONFIGS = [(nb, strategy, sym, ("bfloat16", "float16")[(b + k + (not sym)) % 2])
-              for b, nb in enumerate((4, 8)) for k, strategy in enumerate(CT_STRATEGIES)
-              for sym in (True, False)]
+CT_CONFIGS = [
+    (nb, strategy, sym, ("bfloat16", "float16")[(b + k + (not sym)) % 2])
+    for b, nb in enumerate((4, 8))
+    for k, strategy in enumerate(CT_STRATEGIES)
+    for sym in (True, False)
+]
 
 
 def _ct_id(c):
@@ -504,12 +581,17 @@ def test_ct_pack_quantized(cfg):
     nb, (strategy, g), sym, sdt = cfg
     pf = 32 // nb
     w = rand_w(CT_N, CT_K, seed=zlib.crc32(repr(cfg).encode()))
-    t = ct.quantize_pack_quantized(w, nb, strategy=strategy, group_size=g, symmetric=sym, scale_dtype=sdt)
+    t = ct.quantize_pack_quantized(
+        w, nb, strategy=strategy, group_size=g, symmetric=sym, scale_dtype=sdt
+    )
     ng = 1 if g is None else CT_K // g
     assert t["weight_packed"].shape == (CT_N, CT_K // pf) and t["weight_packed"].dtype == np.int32
     assert tuple(t["weight_scale"].shape) == (CT_N, ng)
     if not sym:
-        assert t["weight_zero_point"].shape == (CT_N // pf, ng) and t["weight_zero_point"].dtype == np.int32
+        assert (
+            t["weight_zero_point"].shape == (CT_N // pf, ng)
+            and t["weight_zero_point"].dtype == np.int32
+        )
     full = ct.dequantize_pack_quantized(t, nb)
     step = np.repeat(torch.as_tensor(t["weight_scale"]).double().numpy(), CT_K // ng, axis=1)
     assert np.all(np.abs(full - w) <= 0.5 * step * (1 + 1e-4))
@@ -542,7 +624,10 @@ def test_fp8_hand_bytes():
     assert t["weight_scale"].shape == (1,) and t["weight_scale"].dtype == np.float32
     assert np.allclose(ct.dequantize_fp8(t), w, rtol=1e-6)
     # older checkpoints store the per-tensor scale as a 0-d tensor: same result
-    assert np.array_equal(ct.dequantize_fp8({**t, "weight_scale": t["weight_scale"].reshape(())}), ct.dequantize_fp8(t))
+    assert np.array_equal(
+        ct.dequantize_fp8({**t, "weight_scale": t["weight_scale"].reshape(())}),
+        ct.dequantize_fp8(t),
+    )
 
 
 FP8_N, FP8_K = 320, 400  # neither a multiple of 128: partial edge blocks
@@ -579,11 +664,19 @@ def test_fp8(strategy, sdt):
                 sc = sc[n0:n1]
             elif strategy == "block":
                 sc = sc[n0 // 128 : math.ceil(n1 / 128)]
-            assert np.array_equal(deq({"weight": t["weight"][n0:n1], "weight_scale": sc}), full[n0:n1])
+            assert np.array_equal(
+                deq({"weight": t["weight"][n0:n1], "weight_scale": sc}), full[n0:n1]
+            )
     for split in splits(FP8_K, unit) + ([[(0, 7), (7, FP8_K)]] if unit == 1 else []):
         for k0, k1 in split:
-            sc = t["weight_scale"][:, k0 // 128 : math.ceil(k1 / 128)] if strategy == "block" else t["weight_scale"]
-            assert np.array_equal(deq({"weight": t["weight"][:, k0:k1], "weight_scale": sc}), full[:, k0:k1])
+            sc = (
+                t["weight_scale"][:, k0 // 128 : math.ceil(k1 / 128)]
+                if strategy == "block"
+                else t["weight_scale"]
+            )
+            assert np.array_equal(
+                deq({"weight": t["weight"][:, k0:k1], "weight_scale": sc}), full[:, k0:k1]
+            )
 
 
 def test_fp8_block_scale_must_fit():

@@ -12,17 +12,18 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
-from helpers.gguf_blocks import K_TYPES, blocks
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFValueType as V
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType as V
 from gguf.quants import dequantize, quantize
-from hypothesis import given, settings, strategies as st
+from helpers.gguf_blocks import K_TYPES, blocks
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardload import dtypes
 from shardload.errors import FormatError
 from shardload.readers import open_checkpoint
 from shardload.readers.gguf import CONFIG_MAX_ARRAY, GGUFCheckpoint, open_gguf
-
 
 BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 BIG = 2000  # items in the big key-value arrays (over CONFIG_MAX_ARRAY)
@@ -36,19 +37,24 @@ def _tensors(rng: np.random.Generator) -> dict[str, tuple[T, np.ndarray, tuple[i
     out["token_embd.weight"] = (T.F32, x, (6, 128))
     out["blk.0.attn_norm.weight"] = (T.F16, rng.standard_normal(128).astype(np.float16), (128,))
     out["blk.0.ffn_norm.weight"] = (T.BF16, quantize(x, T.BF16), (6, 128))
-    out["blk.0.cube.weight"] = (T.F32, rng.standard_normal((2, 3, 8)).astype(np.float32),
-                                (2, 3, 8))
+    out["blk.0.cube.weight"] = (T.F32, rng.standard_normal((2, 3, 8)).astype(np.float32), (2, 3, 8))
     out["blk.0.ids"] = (T.I32, rng.integers(-100, 100, (5, 4), dtype=np.int32), (5, 4))
     out["blk.0.bytes"] = (T.I8, rng.integers(-100, 100, (3, 4), dtype=np.int8), (3, 4))
     out["blk.0.f64"] = (T.F64, rng.standard_normal(7), (7,))
     for qtype in BLOCK_TYPES:
         rows, cols = (4, 768) if qtype in K_TYPES else (6, 128)
-        out[f"blk.1.{qtype.name.lower()}.weight"] = (qtype, blocks(rng, qtype, rows, cols),
-                                                     (rows, cols))
+        out[f"blk.1.{qtype.name.lower()}.weight"] = (
+            qtype,
+            blocks(rng, qtype, rows, cols),
+            (rows, cols),
+        )
     q = quantize(rng.standard_normal((2, 3, 64)).astype(np.float32), T.Q8_0)
     out["blk.2.q8_0_3d.weight"] = (T.Q8_0, q, (2, 3, 64))
-    out["blk.2.tq2_0.weight"] = (T.TQ2_0, quantize(
-        rng.standard_normal((2, 256)).astype(np.float32), T.TQ2_0), (2, 256))
+    out["blk.2.tq2_0.weight"] = (
+        T.TQ2_0,
+        quantize(rng.standard_normal((2, 256)).astype(np.float32), T.TQ2_0),
+        (2, 256),
+    )
     return out
 
 
@@ -117,18 +123,30 @@ def test_names_shapes_dtypes_and_formats(ckpt, written):
     _, tensors, reader = written
     assert ckpt.names() == [t.name for t in reader.tensors]  # GGUF names, storage order
     assert len(ckpt) == len(tensors)
-    element_dtypes = {T.F32: "float32", T.F16: "float16", T.BF16: "bfloat16", T.I32: "int32",
-              T.I8: "int8", T.F64: "float64"}
+    element_dtypes = {
+        T.F32: "float32",
+        T.F16: "float16",
+        T.BF16: "bfloat16",
+        T.I32: "int32",
+        T.I8: "int8",
+        T.F64: "float64",
+    }
     for name, (qtype, arr, shape) in tensors.items():
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         meta = ckpt.meta(name)
         fmt = ckpt.tensor_format(name)
-        assert fmt == {"ggml_type": qtype.name, "block_size": block_size,
-                       "type_size": type_size, "ne": list(reversed(shape))}, name
+        assert fmt == {
+            "ggml_type": qtype.name,
+            "block_size": block_size,
+            "type_size": type_size,
+            "ne": list(reversed(shape)),
+        }, name
         if qtype in element_dtypes:
             assert (meta.shape, meta.dtype) == (shape, element_dtypes[qtype]), name
-            assert block_size == 1 and type_size == np.dtype(meta.dtype.replace(
-                "bfloat16", "float16")).itemsize
+            assert (
+                block_size == 1
+                and type_size == np.dtype(meta.dtype.replace("bfloat16", "float16")).itemsize
+            )
         else:
             row_bytes = shape[-1] // block_size * type_size
             assert (meta.shape, meta.dtype) == (shape[:-1] + (row_bytes,), "uint8"), name
@@ -187,8 +205,12 @@ def _narrow_cases(ckpt, name):
     meta, fmt = ckpt.meta(name), ckpt.tensor_format(name)
     unit = fmt["type_size"] if meta.dtype == "uint8" else 1  # one block, in the last dim
     last = meta.shape[-1] // unit
-    cases = [(-1, unit, (last - 1) * unit), (-1, 0, unit), (-1, (last - 1) * unit, unit),
-             (len(meta.shape) - 1, 0, 0)]
+    cases = [
+        (-1, unit, (last - 1) * unit),
+        (-1, 0, unit),
+        (-1, (last - 1) * unit, unit),
+        (len(meta.shape) - 1, 0, 0),
+    ]
     if len(meta.shape) > 1:
         rows = meta.shape[0]
         cases += [(0, 1, rows - 1), (0, 0, 1), (0, rows - 1, 1), (0, -2, 2), (0, 0, 0)]
@@ -206,8 +228,10 @@ def test_read_narrow_is_slicing_and_reads_only_the_slice(ckpt, written):
             got = ckpt.read_narrow(name, dim, start, length)
             want = full.narrow(dim, start, length)
             assert got.is_contiguous() and got.dtype == full.dtype
-            assert torch.equal(got.view(torch.uint8) if got.dtype == torch.bfloat16 else got,
-                               want.view(torch.uint8) if want.dtype == torch.bfloat16 else want)
+            assert torch.equal(
+                got.view(torch.uint8) if got.dtype == torch.bfloat16 else got,
+                want.view(torch.uint8) if want.dtype == torch.bfloat16 else want,
+            )
             assert ckpt.bytes_read - before == got.numel() * got.element_size(), (name, dim)
 
 
@@ -222,12 +246,14 @@ def test_byte_slice_at_block_boundaries_dequantizes_to_column_slice(ckpt, writte
     for b0 in range(n_blocks):
         for b1 in range(b0 + 1, n_blocks + 1):
             piece = ckpt.read_narrow(name, -1, b0 * type_size, (b1 - b0) * type_size)
-            np.testing.assert_array_equal(dequantize(piece.numpy(), qtype),
-                                          full[:, b0 * block_size:b1 * block_size])
+            np.testing.assert_array_equal(
+                dequantize(piece.numpy(), qtype), full[:, b0 * block_size : b1 * block_size]
+            )
     # and a tensor-parallel split of both: rows of a column split
-    piece = ckpt.read_narrow(name, 0, 1, 2).numpy()[:, type_size:2 * type_size]
-    np.testing.assert_array_equal(dequantize(np.ascontiguousarray(piece), qtype),
-                                  full[1:3, block_size:2 * block_size])
+    piece = ckpt.read_narrow(name, 0, 1, 2).numpy()[:, type_size : 2 * type_size]
+    np.testing.assert_array_equal(
+        dequantize(np.ascontiguousarray(piece), qtype), full[1:3, block_size : 2 * block_size]
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -246,8 +272,10 @@ def test_read_narrow_any_slice(written, data):
         got = c.read_narrow(name, dim, start, length)
         full = c.read(name)
         want = full.narrow(dim, start, length)
-        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.bfloat16 else got,
-                           want.view(torch.uint8) if want.dtype == torch.bfloat16 else want)
+        assert torch.equal(
+            got.view(torch.uint8) if got.dtype == torch.bfloat16 else got,
+            want.view(torch.uint8) if want.dtype == torch.bfloat16 else want,
+        )
 
 
 def test_read_narrow_refuses_bad_arguments(ckpt):
@@ -377,16 +405,32 @@ def _kv_str(key: str, value: str) -> bytes:
 
 
 def _info(name: str | bytes, ne: list[int], code: int, offset: int) -> bytes:
-    return (_str(name) + struct.pack("<I", len(ne)) + struct.pack(f"<{len(ne)}Q", *ne)
-            + struct.pack("<IQ", code, offset))
+    return (
+        _str(name)
+        + struct.pack("<I", len(ne))
+        + struct.pack(f"<{len(ne)}Q", *ne)
+        + struct.pack("<IQ", code, offset)
+    )
 
 
-def _file(kvs: list[bytes], infos: list[bytes], data: bytes, *, version: int = 3,
-          n_kv: int | None = None, n_tensors: int | None = None, alignment: int = 32,
-          magic: bytes = b"GGUF", endian: str = "<") -> bytes:
-    head = magic + struct.pack(f"{endian}IQQ", version,
-                               len(infos) if n_tensors is None else n_tensors,
-                               len(kvs) if n_kv is None else n_kv)
+def _file(
+    kvs: list[bytes],
+    infos: list[bytes],
+    data: bytes,
+    *,
+    version: int = 3,
+    n_kv: int | None = None,
+    n_tensors: int | None = None,
+    alignment: int = 32,
+    magic: bytes = b"GGUF",
+    endian: str = "<",
+) -> bytes:
+    head = magic + struct.pack(
+        f"{endian}IQQ",
+        version,
+        len(infos) if n_tensors is None else n_tensors,
+        len(kvs) if n_kv is None else n_kv,
+    )
     body = head + b"".join(kvs) + b"".join(infos)
     body += bytes(-len(body) % alignment)
     return body + data
@@ -419,63 +463,153 @@ REFUSED = {
     "version 1": (_file([ARCH], [A, B], DATA, version=1), None, "version 1 is not supported"),
     "version 4": (_file([ARCH], [A, B], DATA, version=4), None, "version 4 is not supported"),
     "big-endian": (_file([ARCH], [A, B], DATA, endian=">"), None, "big-endian"),
-    "kv section cut": (_file([ARCH, _kv_str("general.name", "x" * 40)], [], b"")[:70], None,
-                       "runs past the end"),
+    "kv section cut": (
+        _file([ARCH, _kv_str("general.name", "x" * 40)], [], b"")[:70],
+        None,
+        "runs past the end",
+    ),
     "tensor info cut": (_file([ARCH], [A, B], b"")[:-40], "b", "runs past the end"),
     "huge kv count": (_file([ARCH], [A, B], DATA, n_kv=2**62), None, "more than the"),
     "huge tensor count": (_file([ARCH], [A, B], DATA, n_tensors=2**40), None, "more than the"),
-    "huge string length": (_file([_kv("general.name", V.STRING, struct.pack("<Q", 2**62))],
-                                 [A, B], DATA), None, "runs past the end"),
-    "huge string array": (_file([_kv("tokenizer.ggml.tokens", V.ARRAY,
-                                     struct.pack("<IQ", V.STRING, 2**60))], [A, B], DATA),
-                          None, "runs past the end"),
-    "huge int array": (_file([_kv("tokenizer.ggml.token_type", V.ARRAY,
-                                  struct.pack("<IQ", V.INT32, 2**61))], [A, B], DATA),
-                       None, "runs past the end"),
-    "nested array": (_file([_kv("x", V.ARRAY, struct.pack("<IQ", V.ARRAY, 1)
-                                + struct.pack("<IQ", V.INT32, 1) + struct.pack("<i", 5))],
-                           [A, B], DATA), None, "nested arrays"),
-    "unknown value type": (_file([_kv("x", 13, b"\0" * 8)], [A, B], DATA), None,
-                           "unknown value type 13"),
-    "unknown array type": (_file([_kv("x", V.ARRAY, struct.pack("<IQ", 77, 1))], [A, B], DATA),
-                           None, "unknown value type 77"),
+    "huge string length": (
+        _file([_kv("general.name", V.STRING, struct.pack("<Q", 2**62))], [A, B], DATA),
+        None,
+        "runs past the end",
+    ),
+    "huge string array": (
+        _file(
+            [_kv("tokenizer.ggml.tokens", V.ARRAY, struct.pack("<IQ", V.STRING, 2**60))],
+            [A, B],
+            DATA,
+        ),
+        None,
+        "runs past the end",
+    ),
+    "huge int array": (
+        _file(
+            [_kv("tokenizer.ggml.token_type", V.ARRAY, struct.pack("<IQ", V.INT32, 2**61))],
+            [A, B],
+            DATA,
+        ),
+        None,
+        "runs past the end",
+    ),
+    "nested array": (
+        _file(
+            [
+                _kv(
+                    "x",
+                    V.ARRAY,
+                    struct.pack("<IQ", V.ARRAY, 1)
+                    + struct.pack("<IQ", V.INT32, 1)
+                    + struct.pack("<i", 5),
+                )
+            ],
+            [A, B],
+            DATA,
+        ),
+        None,
+        "nested arrays",
+    ),
+    "unknown value type": (
+        _file([_kv("x", 13, b"\0" * 8)], [A, B], DATA),
+        None,
+        "unknown value type 13",
+    ),
+    "unknown array type": (
+        _file([_kv("x", V.ARRAY, struct.pack("<IQ", 77, 1))], [A, B], DATA),
+        None,
+        "unknown value type 77",
+    ),
     "bool not 0 or 1": (_file([_kv("x", V.BOOL, b"\x02")], [A, B], DATA), None, "0 or 1"),
-    "bool array not 0 or 1": (_file([_kv("x", V.ARRAY, struct.pack("<IQ", V.BOOL, 3)
-                                         + b"\x01\x00\x09")], [A, B], DATA), None, "0 or 1"),
-    "key not utf-8": (_file([_kv(b"\xff\xfe", V.UINT8, b"\x01")], [A, B], DATA), None,
-                      "not valid UTF-8"),
-    "string not utf-8": (_file([_kv("general.name", V.STRING, _str(b"\xc3\x28"))], [A, B], DATA),
-                         None, "not valid UTF-8"),
+    "bool array not 0 or 1": (
+        _file([_kv("x", V.ARRAY, struct.pack("<IQ", V.BOOL, 3) + b"\x01\x00\x09")], [A, B], DATA),
+        None,
+        "0 or 1",
+    ),
+    "key not utf-8": (
+        _file([_kv(b"\xff\xfe", V.UINT8, b"\x01")], [A, B], DATA),
+        None,
+        "not valid UTF-8",
+    ),
+    "string not utf-8": (
+        _file([_kv("general.name", V.STRING, _str(b"\xc3\x28"))], [A, B], DATA),
+        None,
+        "not valid UTF-8",
+    ),
     "duplicate key": (_file([ARCH, ARCH], [A, B], DATA), None, "appears twice"),
-    "alignment not u32": (_file([_kv("general.alignment", V.UINT64, struct.pack("<Q", 32))],
-                                [A, B], DATA), None, "must be a UINT32"),
+    "alignment not u32": (
+        _file([_kv("general.alignment", V.UINT64, struct.pack("<Q", 32))], [A, B], DATA),
+        None,
+        "must be a UINT32",
+    ),
     "alignment not a power of two": (
-        _file([_kv("general.alignment", V.UINT32, struct.pack("<I", 24))], [A, B], DATA,
-              alignment=24), None, "power of two"),
-    "tensor name not utf-8": (_file([ARCH], [A, _info(b"b\xff", [32, 2], T.Q8_0, 64)], DATA),
-                              None, "not valid UTF-8"),
-    "empty tensor name": (_file([ARCH], [A, _info("", [32, 2], T.Q8_0, 64)], DATA), None,
-                          "empty name"),
-    "duplicate tensor": (_file([ARCH], [A, _info("a", [32, 2], T.Q8_0, 64)], DATA), "a",
-                         "two tensors have this name"),
-    "five dims": (_file([ARCH], [A, _info("b", [32, 1, 1, 1, 2], T.Q8_0, 64)], DATA), "b",
-                  "5 dimensions"),
-    "unknown type code": (_file([ARCH], [A, _info("b", [32, 2], 99, 64)], DATA), "b",
-                          "unknown ggml tensor type 99"),
-    "removed type code (Q4_2)": (_file([ARCH], [A, _info("b", [32, 2], 4, 64)], DATA), "b",
-                                 "unknown ggml tensor type 4"),
-    "row not whole blocks": (_file([ARCH], [A, _info("b", [48, 2], T.Q8_0, 64)], DATA), "b",
-                             "not a multiple of the Q8_0 block size 32"),
-    "dims overflow": (_file([ARCH], [A, _info("b", [32, 2**40, 2**40], T.Q8_0, 64)], DATA), "b",
-                      "overflow"),
-    "offset past the end": (_file([ARCH], [A, _info("b", [32, 2], T.Q8_0, 2**40)], DATA), "b",
-                            "runs past the end"),
-    "offset not aligned": (_file([ARCH], [A, _info("b", [32, 2], T.Q8_0, 40)], DATA), "b",
-                           "not a multiple of the file's alignment 32"),
-    "overlap": (_file([ARCH], [A, _info("b", [32, 2], T.Q8_0, 32)], DATA), "b",
-                "overlaps tensor 'a'"),
-    "overlap, listed first": (_file([ARCH], [_info("b", [32, 2], T.Q8_0, 32), A], DATA), "b",
-                              "overlaps tensor 'a'"),
+        _file(
+            [_kv("general.alignment", V.UINT32, struct.pack("<I", 24))], [A, B], DATA, alignment=24
+        ),
+        None,
+        "power of two",
+    ),
+    "tensor name not utf-8": (
+        _file([ARCH], [A, _info(b"b\xff", [32, 2], T.Q8_0, 64)], DATA),
+        None,
+        "not valid UTF-8",
+    ),
+    "empty tensor name": (
+        _file([ARCH], [A, _info("", [32, 2], T.Q8_0, 64)], DATA),
+        None,
+        "empty name",
+    ),
+    "duplicate tensor": (
+        _file([ARCH], [A, _info("a", [32, 2], T.Q8_0, 64)], DATA),
+        "a",
+        "two tensors have this name",
+    ),
+    "five dims": (
+        _file([ARCH], [A, _info("b", [32, 1, 1, 1, 2], T.Q8_0, 64)], DATA),
+        "b",
+        "5 dimensions",
+    ),
+    "unknown type code": (
+        _file([ARCH], [A, _info("b", [32, 2], 99, 64)], DATA),
+        "b",
+        "unknown ggml tensor type 99",
+    ),
+    "removed type code (Q4_2)": (
+        _file([ARCH], [A, _info("b", [32, 2], 4, 64)], DATA),
+        "b",
+        "unknown ggml tensor type 4",
+    ),
+    "row not whole blocks": (
+        _file([ARCH], [A, _info("b", [48, 2], T.Q8_0, 64)], DATA),
+        "b",
+        "not a multiple of the Q8_0 block size 32",
+    ),
+    "dims overflow": (
+        _file([ARCH], [A, _info("b", [32, 2**40, 2**40], T.Q8_0, 64)], DATA),
+        "b",
+        "overflow",
+    ),
+    "offset past the end": (
+        _file([ARCH], [A, _info("b", [32, 2], T.Q8_0, 2**40)], DATA),
+        "b",
+        "runs past the end",
+    ),
+    "offset not aligned": (
+        _file([ARCH], [A, _info("b", [32, 2], T.Q8_0, 40)], DATA),
+        "b",
+        "not a multiple of the file's alignment 32",
+    ),
+    "overlap": (
+        _file([ARCH], [A, _info("b", [32, 2], T.Q8_0, 32)], DATA),
+        "b",
+        "overlaps tensor 'a'",
+    ),
+    "overlap, listed first": (
+        _file([ARCH], [_info("b", [32, 2], T.Q8_0, 32), A], DATA),
+        "b",
+        "overlaps tensor 'a'",
+    ),
     "tensor data cut": (_file([ARCH], [A, B], DATA)[:-40], "b", "runs past the end"),
 }
 
@@ -507,9 +641,15 @@ def _info_position(reader: gguf.GGUFReader, name: str, part: int) -> int:
     return t.field.offset + sum(int(p.nbytes) for p in t.field.parts[:part])
 
 
-@pytest.mark.parametrize("patch, fragment", [
-    ("offset", "runs past the end"), ("type", "unknown ggml tensor type 123"),
-    ("overlap", "overlaps tensor"), ("truncate", "runs past the end")])
+@pytest.mark.parametrize(
+    "patch, fragment",
+    [
+        ("offset", "runs past the end"),
+        ("type", "unknown ggml tensor type 123"),
+        ("overlap", "overlaps tensor"),
+        ("truncate", "runs past the end"),
+    ],
+)
 def test_refused_written_by_gguf_py(tmp_path, written, patch, fragment):
     """A real GGUFWriter file, patched where gguf-py's own reader says the bytes are."""
     src, _, reader = written
@@ -518,16 +658,16 @@ def test_refused_written_by_gguf_py(tmp_path, written, patch, fragment):
     last = reader.tensors[-1]
     if patch == "offset":
         at = _info_position(reader, last.name, 5)
-        blob[at:at + 8] = struct.pack("<Q", len(blob) + 64 * 1024)
+        blob[at : at + 8] = struct.pack("<Q", len(blob) + 64 * 1024)
     elif patch == "type":
         at = _info_position(reader, last.name, 4)
-        blob[at:at + 4] = struct.pack("<I", 123)
+        blob[at : at + 4] = struct.pack("<I", 123)
     elif patch == "overlap":
         at = _info_position(reader, last.name, 5)
         prev = reader.tensors[-2]
-        blob[at:at + 8] = struct.pack("<Q", prev.data_offset - reader.data_offset)
+        blob[at : at + 8] = struct.pack("<Q", prev.data_offset - reader.data_offset)
     else:
-        del blob[last.data_offset + 8:]
+        del blob[last.data_offset + 8 :]
     path = tmp_path / "patched.gguf"
     path.write_bytes(bytes(blob))
     with pytest.raises(FormatError, match=fragment) as info:
@@ -565,8 +705,12 @@ def test_real_model_smollm2_q4_1(smollm2_reader):
 
         name = "blk.0.attn_q.weight"
         assert c.meta(name).shape == (576, 360) and c.meta(name).dtype == "uint8"
-        assert c.tensor_format(name) == {"ggml_type": "Q4_1", "block_size": 32, "type_size": 20,
-                                         "ne": [576, 576]}
+        assert c.tensor_format(name) == {
+            "ggml_type": "Q4_1",
+            "block_size": 32,
+            "type_size": 20,
+            "ne": [576, 576],
+        }
         ref = _ref(reader, name)
         raw = c.read(name).numpy()
         ours = dequantize(raw, T.Q4_1)
@@ -594,16 +738,27 @@ def fuzz_dir(tmp_path_factory):
 @given(data=st.data())
 def test_corrupt_headers_are_refused_or_read_safely(fuzz_dir, data):
     """Any damage to the header is a FormatError, or a file whose every tensor reads in full."""
-    blob = bytearray(_file([ARCH, _kv("general.languages", V.ARRAY, struct.pack("<IQ", V.STRING, 2)
-                                      + _str("en") + _str("fr")),
-                            _kv("x", V.ARRAY, struct.pack("<IQ", V.BOOL, 2) + b"\x01\x00")],
-                           [A, B], DATA))
+    blob = bytearray(
+        _file(
+            [
+                ARCH,
+                _kv(
+                    "general.languages",
+                    V.ARRAY,
+                    struct.pack("<IQ", V.STRING, 2) + _str("en") + _str("fr"),
+                ),
+                _kv("x", V.ARRAY, struct.pack("<IQ", V.BOOL, 2) + b"\x01\x00"),
+            ],
+            [A, B],
+            DATA,
+        )
+    )
     header_end = len(blob) - len(DATA)
     for _ in range(data.draw(st.integers(1, 4))):
         at = data.draw(st.integers(0, header_end - 1))
         blob[at] = data.draw(st.integers(0, 255))
     if data.draw(st.booleans()):
-        del blob[data.draw(st.integers(0, len(blob))):]
+        del blob[data.draw(st.integers(0, len(blob))) :]
     path = fuzz_dir / "f.gguf"
     path.write_bytes(bytes(blob))
     try:

@@ -23,10 +23,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T, GGUFValueType as V
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType as V
+from helpers.mlc_reference import write_mlc_folder
 from safetensors.numpy import save_file
 
-from helpers.mlc_reference import write_mlc_folder
 from shardload.errors import FormatError
 from shardload.files import MAX_SIDE_FILE_BYTES
 from shardload.readers import open_checkpoint
@@ -34,7 +35,6 @@ from shardload.readers.base import MAX_INDEX_BYTES
 from shardload.readers.gguf import open_gguf
 from shardload.readers.mlc import open_mlc
 from shardload.readers.safetensors import INDEX_NAME
-
 
 #: a wall-clock watchdog on every test, for hangs only: the slowest test here (a million-tensor
 #: header: writing it and opening it) takes 7.5 s on 2 shared cores
@@ -44,6 +44,7 @@ HANG_S = 60
 @pytest.fixture(autouse=True)
 def _no_hang():
     """A reader that blocks (on a FIFO, say) fails the test instead of hanging the suite."""
+
     def stop(signum, frame):
         raise TimeoutError(f"the reader blocked for {HANG_S} s")
 
@@ -73,14 +74,21 @@ def sharded(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     save_file({"a": np.arange(6, dtype=np.float32)}, str(folder / "model-1.safetensors"))
     save_file({"b": np.ones((2, 2), np.int16)}, str(folder / "model-2.safetensors"))
-    (folder / INDEX_NAME).write_text(json.dumps(
-        {"metadata": {}, "weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}))
+    (folder / INDEX_NAME).write_text(
+        json.dumps(
+            {"metadata": {}, "weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}
+        )
+    )
     return folder
 
 
 def mlc(folder: Path) -> Path:
-    write_mlc_folder(folder, {"a": np.ones((4, 8), np.float16), "c": np.ones(3, np.float32)},
-                     shard_bytes=64, config={"model_type": "llama"})
+    write_mlc_folder(
+        folder,
+        {"a": np.ones((4, 8), np.float16), "c": np.ones(3, np.float32)},
+        shard_bytes=64,
+        config={"model_type": "llama"},
+    )
     return folder
 
 
@@ -90,8 +98,10 @@ KINDS = {
     "/dev/zero": (lambda p: os.symlink("/dev/zero", p), "is a character device, not a regular"),
     "directory": (lambda p: p.mkdir(), "is a directory, not a regular file"),
     "symlink loop": (lambda p: os.symlink(p.name, p), "is a symlink loop"),
-    "dangling link": (lambda p: os.symlink("nowhere-at-all", p),
-                      "does not exist (a missing file, or a symlink to one)"),
+    "dangling link": (
+        lambda p: os.symlink("nowhere-at-all", p),
+        "does not exist (a missing file, or a symlink to one)",
+    ),
 }
 NOT_A_DIRECTORY = [k for k in KINDS if k != "directory"]
 # Every kind is told apart by one helper (shardload.files: regular_file/open_regular), so each
@@ -124,8 +134,11 @@ def assert_refused(exc_info, path: Path, fragment: str, tensor: str | None = Non
 
 # each kind through the safetensors reader; the gguf reader and a name with no suffix (its own
 # branch of open_safetensors) with a kind of each class
-@pytest.mark.parametrize("name,kind", [("ckpt.safetensors", k) for k in NOT_A_DIRECTORY]
-                         + [(name, k) for name in ("ckpt.gguf", "ckpt") for k in BY_NAME])
+@pytest.mark.parametrize(
+    "name,kind",
+    [("ckpt.safetensors", k) for k in NOT_A_DIRECTORY]
+    + [(name, k) for name in ("ckpt.gguf", "ckpt") for k in BY_NAME],
+)
 def test_checkpoint_path_that_is_not_a_regular_file(tmp_path, name, kind):
     path = tmp_path / name
     replace_with(path, kind)
@@ -255,8 +268,9 @@ def test_unreadable_config_json(tmp_path, deny):
     deny(folder / "config.json")
     with open_checkpoint(folder) as ckpt, pytest.raises(FormatError) as info:
         ckpt.config
-    assert_refused(info, folder / "config.json",
-                   "cannot read the config file config.json: permission denied")
+    assert_refused(
+        info, folder / "config.json", "cannot read the config file config.json: permission denied"
+    )
 
 
 def test_unreadable_gguf_and_mlc_shard(tmp_path, deny):
@@ -314,13 +328,21 @@ def test_mlc_json_must_be_a_utf8_object(tmp_path, name, case):
     assert_refused(info, folder / name, fragment)
 
 
-@pytest.mark.parametrize("name, cap", [(INDEX_NAME, MAX_INDEX_BYTES),
-                                       ("config.json", MAX_SIDE_FILE_BYTES),
-                                       ("tensor-cache.json", MAX_INDEX_BYTES),
-                                       ("mlc-chat-config.json", MAX_SIDE_FILE_BYTES)])
+@pytest.mark.parametrize(
+    "name, cap",
+    [
+        (INDEX_NAME, MAX_INDEX_BYTES),
+        ("config.json", MAX_SIDE_FILE_BYTES),
+        ("tensor-cache.json", MAX_INDEX_BYTES),
+        ("mlc-chat-config.json", MAX_SIDE_FILE_BYTES),
+    ],
+)
 def test_oversized_json_is_refused_unread(tmp_path, name, cap):
-    folder = (mlc(tmp_path / "m") if name in ("tensor-cache.json", "mlc-chat-config.json")
-              else sharded(tmp_path / "m"))
+    folder = (
+        mlc(tmp_path / "m")
+        if name in ("tensor-cache.json", "mlc-chat-config.json")
+        else sharded(tmp_path / "m")
+    )
     with open(folder / name, "wb") as f:
         f.truncate(cap + 1)  # sparse: costs nothing to make, would cost RAM to read
     with pytest.raises(FormatError) as info:
@@ -333,25 +355,30 @@ def test_oversized_json_is_refused_unread(tmp_path, name, cap):
 # names in an index, refused by name before anything is opened
 
 
-@pytest.mark.parametrize("file_name, fragment", [
-    ("m" * 6000 + ".safetensors", "is 6012 characters long (at most 1024)"),
-    ("model\x00.safetensors", "holds a NUL character"),
-    ("../model-1.safetensors", "has a '..' component"),
-    ("/etc/passwd", "is an absolute path"),
-    ("C:model-1.safetensors", "starts with a drive letter"),
-    ("sub\\model-1.safetensors", "holds a backslash"),
-    (".//.", "names the folder itself"),
-    ("model\x1b[31m.safetensors", "holds a control character"),
-    ("", "is empty"),
-])
+@pytest.mark.parametrize(
+    "file_name, fragment",
+    [
+        ("m" * 6000 + ".safetensors", "is 6012 characters long (at most 1024)"),
+        ("model\x00.safetensors", "holds a NUL character"),
+        ("../model-1.safetensors", "has a '..' component"),
+        ("/etc/passwd", "is an absolute path"),
+        ("C:model-1.safetensors", "starts with a drive letter"),
+        ("sub\\model-1.safetensors", "holds a backslash"),
+        (".//.", "names the folder itself"),
+        ("model\x1b[31m.safetensors", "holds a control character"),
+        ("", "is empty"),
+    ],
+)
 def test_index_file_names_are_checked_by_name(tmp_path, file_name, fragment, monkeypatch):
     folder = sharded(tmp_path / "m")
-    (folder / INDEX_NAME).write_text(json.dumps(
-        {"weight_map": {"a": "model-1.safetensors", "b": file_name}}))
+    (folder / INDEX_NAME).write_text(
+        json.dumps({"weight_map": {"a": "model-1.safetensors", "b": file_name}})
+    )
     opened: list[str] = []
     real_open = os.open
-    monkeypatch.setattr(os, "open", lambda p, *a, **k: (opened.append(os.fspath(p)),
-                                                        real_open(p, *a, **k))[1])
+    monkeypatch.setattr(
+        os, "open", lambda p, *a, **k: (opened.append(os.fspath(p)), real_open(p, *a, **k))[1]
+    )
     with pytest.raises(FormatError) as info:
         open_checkpoint(folder)
     assert_refused(info, folder / INDEX_NAME, fragment, tensor="b")
@@ -363,27 +390,40 @@ def test_index_file_names_are_checked_by_name(tmp_path, file_name, fragment, mon
 # shapes beyond 2**53, names that are not text
 
 
-@pytest.mark.parametrize("shape, fragment", [
-    ([0, 2**63], "a strict reader refuses dims beyond 2**53"),
-    ([2**64, 0], "a strict reader refuses dims beyond 2**53"),
-    ([0, 10**30], "a strict reader refuses dims beyond 2**53"),
-    ([0, 2**53 + 1], "a strict reader refuses dims beyond 2**53"),
-    ([0, 2**53, 2**53], "overflows 64-bit sizes"),
-    ([1] * 65, "shape has 65 dimensions; at most 64"),
-])
+@pytest.mark.parametrize(
+    "shape, fragment",
+    [
+        ([0, 2**63], "a strict reader refuses dims beyond 2**53"),
+        ([2**64, 0], "a strict reader refuses dims beyond 2**53"),
+        ([0, 10**30], "a strict reader refuses dims beyond 2**53"),
+        ([0, 2**53 + 1], "a strict reader refuses dims beyond 2**53"),
+        ([0, 2**53, 2**53], "overflows 64-bit sizes"),
+        ([1] * 65, "shape has 65 dimensions; at most 64"),
+    ],
+)
 def test_safetensors_huge_dims(tmp_path, shape, fragment):
-    path = st_file(tmp_path / "m.safetensors", {
-        "ok": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-        "huge": {"dtype": "F32", "shape": shape, "data_offsets": [8, 8]}}, bytes(8))
+    path = st_file(
+        tmp_path / "m.safetensors",
+        {
+            "ok": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "huge": {"dtype": "F32", "shape": shape, "data_offsets": [8, 8]},
+        },
+        bytes(8),
+    )
     with pytest.raises(FormatError) as info:
         open_checkpoint(path)
     assert_refused(info, path, fragment, tensor="huge")
 
 
 def test_safetensors_largest_allowed_dims_open(tmp_path):
-    path = st_file(tmp_path / "m.safetensors", {
-        "big": {"dtype": "F32", "shape": [0, 2**53], "data_offsets": [0, 0]},
-        "ones": {"dtype": "U8", "shape": [1] * 64, "data_offsets": [0, 1]}}, b"\x07")
+    path = st_file(
+        tmp_path / "m.safetensors",
+        {
+            "big": {"dtype": "F32", "shape": [0, 2**53], "data_offsets": [0, 0]},
+            "ones": {"dtype": "U8", "shape": [1] * 64, "data_offsets": [0, 1]},
+        },
+        b"\x07",
+    )
     with open_checkpoint(path) as ckpt:
         assert ckpt.read("big").shape == (0, 2**53)
         assert ckpt.read("ones").reshape(-1).tolist() == [7]
@@ -397,8 +437,9 @@ def test_mlc_huge_dims(tmp_path, shape):
     (folder / "tensor-cache.json").write_text(json.dumps(doc))
     with pytest.raises(FormatError) as info:
         open_checkpoint(folder)
-    assert_refused(info, folder / "tensor-cache.json",
-                   "a strict reader refuses dims beyond 2**53", tensor="a")
+    assert_refused(
+        info, folder / "tensor-cache.json", "a strict reader refuses dims beyond 2**53", tensor="a"
+    )
 
 
 def test_gguf_huge_dims(tmp_path):
@@ -409,11 +450,15 @@ def test_gguf_huge_dims(tmp_path):
     assert_refused(info_, path, "a strict reader refuses dims beyond 2**53", tensor="a")
 
 
-@pytest.mark.parametrize("name, fragment", [("\ud800", "lone"), ("a\udfffb", "lone"),
-                                            ("", "empty name")])
+@pytest.mark.parametrize(
+    "name, fragment", [("\ud800", "lone"), ("a\udfffb", "lone"), ("", "empty name")]
+)
 def test_safetensors_names_that_are_not_text(tmp_path, name, fragment):
-    path = st_file(tmp_path / "m.safetensors",
-                   {name: {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, b"\0")
+    path = st_file(
+        tmp_path / "m.safetensors",
+        {name: {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}},
+        b"\0",
+    )
     with pytest.raises(FormatError) as info:
         open_checkpoint(path)
     err = info.value
@@ -422,17 +467,22 @@ def test_safetensors_names_that_are_not_text(tmp_path, name, fragment):
 
 
 def test_safetensors_surrogate_pair_is_a_fine_name(tmp_path):
-    path = st_file(tmp_path / "m.safetensors",
-                   '{"\\ud83d\\ude00": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}',
-                   b"\x05")
+    path = st_file(
+        tmp_path / "m.safetensors",
+        '{"\\ud83d\\ude00": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}',
+        b"\x05",
+    )
     with open_checkpoint(path) as ckpt:
-        assert ckpt.read("\U0001F600").tolist() == [5]
+        assert ckpt.read("\U0001f600").tolist() == [5]
 
 
 def test_long_tensor_names_are_cut_in_messages(tmp_path):
     name = "w" * 50_000
-    path = st_file(tmp_path / "m.safetensors",
-                   {name: {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, bytes(4))
+    path = st_file(
+        tmp_path / "m.safetensors",
+        {name: {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}},
+        bytes(4),
+    )
     with pytest.raises(FormatError) as info:
         open_checkpoint(path)
     assert "the header lies about the size" in str(info.value)
@@ -444,8 +494,9 @@ def test_long_tensor_names_are_cut_in_messages(tmp_path):
 
 
 def _many_empty_tensors(path: Path, n: int) -> Path:
-    parts = ",".join('"t%07d":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}' % i
-                     for i in range(n))
+    parts = ",".join(
+        '"t%07d":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}' % i for i in range(n)
+    )
     return st_file(path, "{" + parts + "}")
 
 
@@ -485,14 +536,25 @@ def arch_kv() -> bytes:
 
 
 def info(name: str, ne: list[int], code: int, offset: int) -> bytes:
-    return (_gguf_str(name) + struct.pack("<I", len(ne)) + struct.pack(f"<{len(ne)}Q", *ne)
-            + struct.pack("<IQ", code, offset))
+    return (
+        _gguf_str(name)
+        + struct.pack("<I", len(ne))
+        + struct.pack(f"<{len(ne)}Q", *ne)
+        + struct.pack("<IQ", code, offset)
+    )
 
 
-def gguf_file(kvs: list[bytes], infos: list[bytes], data: bytes, *, n_tensors: int | None = None,
-              pad_byte: int = 0) -> bytes:
-    head = b"GGUF" + struct.pack("<IQQ", 3, len(infos) if n_tensors is None else n_tensors,
-                                 len(kvs))
+def gguf_file(
+    kvs: list[bytes],
+    infos: list[bytes],
+    data: bytes,
+    *,
+    n_tensors: int | None = None,
+    pad_byte: int = 0,
+) -> bytes:
+    head = b"GGUF" + struct.pack(
+        "<IQQ", 3, len(infos) if n_tensors is None else n_tensors, len(kvs)
+    )
     body = head + b"".join(kvs) + b"".join(infos)
     return body + bytes([pad_byte]) * (-len(body) % 32) + data
 
@@ -501,8 +563,12 @@ def _written_by_gguf_py(path: Path) -> Path:
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_uint32("llama.block_count", 1)
     rng = np.random.default_rng(0)
-    for name, shape in (("token_embd.weight", (8, 32)), ("blk.0.attn_q.weight", (32, 32)),
-                        ("output_norm.weight", (32,)), ("output.weight", (8, 32))):
+    for name, shape in (
+        ("token_embd.weight", (8, 32)),
+        ("blk.0.attn_q.weight", (32, 32)),
+        ("output_norm.weight", (32,)),
+        ("output.weight", (8, 32)),
+    ):
         w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -543,13 +609,16 @@ def test_gguf_hand_written_file_opens(tmp_path):
         assert ckpt.read("a").numpy().tobytes() == bytes(range(64))
 
 
-@pytest.mark.parametrize("case, fragment, tensor", [
-    ("padding not zero", "holds a non-zero byte", None),
-    ("count one too few, zero padding", "belong to no tensor", None),
-    ("gap between tensors", "leaving them unclaimed", "b"),
-    ("gap at the start", "after the data start", "a"),
-    ("trailing bytes", "belong to no tensor", None),
-])
+@pytest.mark.parametrize(
+    "case, fragment, tensor",
+    [
+        ("padding not zero", "holds a non-zero byte", None),
+        ("count one too few, zero padding", "belong to no tensor", None),
+        ("gap between tensors", "leaving them unclaimed", "b"),
+        ("gap at the start", "after the data start", "a"),
+        ("trailing bytes", "belong to no tensor", None),
+    ],
+)
 def test_gguf_unclaimed_bytes(tmp_path, case, fragment, tensor):
     if case == "padding not zero":
         blob = gguf_file([arch_kv()], [A, B], DATA, pad_byte=0xAA)
@@ -560,8 +629,9 @@ def test_gguf_unclaimed_bytes(tmp_path, case, fragment, tensor):
         blob = gguf_file([arch_kv(), filler], [A, B], DATA, n_tensors=1)
         assert (24 + len(arch_kv()) + len(filler) + len(A)) % 32 == 0
     elif case == "gap between tensors":
-        blob = gguf_file([arch_kv()], [A, info("b", [32, 2], T.Q8_0, 128)],
-                         bytes(128) + bytes(68) + bytes(28))
+        blob = gguf_file(
+            [arch_kv()], [A, info("b", [32, 2], T.Q8_0, 128)], bytes(128) + bytes(68) + bytes(28)
+        )
     elif case == "gap at the start":
         blob = gguf_file([arch_kv()], [info("a", [8, 2], T.F32, 32)], bytes(96))
     else:
@@ -585,8 +655,10 @@ def test_gguf_padding_under_the_alignment_is_fine(tmp_path):
 
 
 def _safetensors(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
-    tensors = {"a": np.arange(4096, dtype=np.float32).reshape(64, 64),
-               "b": np.arange(4096, dtype=np.int32).reshape(64, 64)}
+    tensors = {
+        "a": np.arange(4096, dtype=np.float32).reshape(64, 64),
+        "b": np.arange(4096, dtype=np.int32).reshape(64, 64),
+    }
     path = tmp_path / "model.safetensors"
     save_file(tensors, str(path))
     return path, tensors
@@ -617,8 +689,13 @@ def test_truncated_while_open(tmp_path, how):
         os.truncate(path, size // 2)  # reading b's pages now would be SIGBUS
         with pytest.raises(FormatError) as info_:
             READS[how](ckpt, "b")
-    assert_refused(info_, path, f"the file changed while loading (size {size // 2}, was {size}); "
-                                "do not modify a checkpoint while it is loading", tensor="b")
+    assert_refused(
+        info_,
+        path,
+        f"the file changed while loading (size {size // 2}, was {size}); "
+        "do not modify a checkpoint while it is loading",
+        tensor="b",
+    )
 
 
 def test_replaced_while_open(tmp_path):
@@ -629,8 +706,9 @@ def test_replaced_while_open(tmp_path):
         os.replace(other, path)  # a new inode under the same name
         with pytest.raises(FormatError) as info_:
             ckpt.read("a")
-    assert_refused(info_, path, "the file changed while loading (replaced by another file",
-                   tensor="a")
+    assert_refused(
+        info_, path, "the file changed while loading (replaced by another file", tensor="a"
+    )
 
 
 def test_rewritten_in_place_while_open(tmp_path):
@@ -675,14 +753,20 @@ def test_mlc_shard_truncated_while_open(tmp_path):
 
 
 def test_empty_tensors_need_no_check(tmp_path, monkeypatch):
-    path = st_file(tmp_path / "m.safetensors",
-                   {"e": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]},
-                    "x": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}, b"\1\2")
+    path = st_file(
+        tmp_path / "m.safetensors",
+        {
+            "e": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]},
+            "x": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+        },
+        b"\1\2",
+    )
     with open_checkpoint(path) as ckpt:
         calls: list = []
         real_stat = os.stat
-        monkeypatch.setattr(os, "stat", lambda p, *a, **k: (calls.append(p),
-                                                            real_stat(p, *a, **k))[1])
+        monkeypatch.setattr(
+            os, "stat", lambda p, *a, **k: (calls.append(p), real_stat(p, *a, **k))[1]
+        )
         assert ckpt.read("e").shape == (0, 3)
         assert calls == []
         assert ckpt.read("x").tolist() == [1, 2]
@@ -695,5 +779,4 @@ def test_in_memory_checkpoint_keeps_the_same_limits():
     assert ArrayCheckpoint({"ok": torch.empty((0, 2**53))}).meta("ok").shape == (0, 2**53)
     with pytest.raises(FormatError) as info_:
         ArrayCheckpoint({"z": torch.empty((0, 2**60))})
-    assert_refused(info_, Path("<memory>"), "a strict reader refuses dims beyond 2**53",
-                   tensor="z")
+    assert_refused(info_, Path("<memory>"), "a strict reader refuses dims beyond 2**53", tensor="z")

@@ -43,12 +43,12 @@ def _write_plain(folder: Path) -> Path:
     half = len(names) // 2
     weight_map = {}
     for file_name, part in zip(SHARDS, (names[:half], names[half:])):
-        save_file({n: tensors[n] for n in part}, str(folder / file_name),
-                  metadata={"format": "pt"})
+        save_file({n: tensors[n] for n in part}, str(folder / file_name), metadata={"format": "pt"})
         weight_map.update({n: file_name for n in part})
     total = sum(t.nbytes for t in tensors.values())
     (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
     for name in SIDE_FILES:
         shutil.copyfile(EXAMPLE / name, folder / name)
     return folder
@@ -62,8 +62,9 @@ def _etag(path: Path) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def _write_hub_cache(cache: Path, plain: Path, repo: str = "models--test-org--tiny-llama-q4"
-                     ) -> Path:
+def _write_hub_cache(
+    cache: Path, plain: Path, repo: str = "models--test-org--tiny-llama-q4"
+) -> Path:
     """``plain``'s files laid out as huggingface_hub's cache; returns the repository folder."""
     repo_dir = cache / repo
     blobs, snapshot = repo_dir / "blobs", repo_dir / "snapshots" / COMMIT
@@ -105,6 +106,7 @@ def test_the_layout_is_what_huggingface_hub_writes(layout):
 def test_huggingface_hub_itself_reads_the_layout_as_its_cache(layout):
     # not only our idea of the layout: huggingface_hub's own cache scanner accepts it
     import huggingface_hub as hub  # installed with tokenizers and transformers (test extra)
+
     plain, repo, snapshot = layout
     scan = hub.scan_cache_dir(repo.parent)
     assert scan.warnings == []
@@ -136,8 +138,9 @@ def test_every_tensor_equals_the_plain_folder(layout, which):
 
 def test_a_snapshot_path_as_a_string_with_a_trailing_slash(layout):
     _, repo, snapshot = layout
-    assert resolve_snapshot(str(repo) + os.sep) == os.path.join(str(repo) + os.sep, "snapshots",
-                                                                COMMIT)
+    assert resolve_snapshot(str(repo) + os.sep) == os.path.join(
+        str(repo) + os.sep, "snapshots", COMMIT
+    )
     assert resolve_snapshot(snapshot) == str(snapshot)  # anything else is left alone
 
 
@@ -147,8 +150,9 @@ def test_load_sharded_equals_the_plain_folder(layout, which):
     path = snapshot if which == "snapshot" else repo
     plan = str(snapshot / "shard_info.json")  # a link to a blob, read like any plan
     with ThreadedSession(num_workers=2) as sess:
-        want = load_sharded(open_checkpoint(plain), str(plain / "shard_info.json"), sess,
-                            progress=False)
+        want = load_sharded(
+            open_checkpoint(plain), str(plain / "shard_info.json"), sess, progress=False
+        )
         got = load_sharded(open_checkpoint(path), plan, sess, progress=False)
         with open_checkpoint(plain) as ckpt:
             names = ckpt.names()
@@ -169,7 +173,8 @@ def test_cli_load(layout, which):
     assert reference.exit_code == 0, reference.output
     want = json.loads(reference.stdout)["workers"]
     assert [(w["tensors"], w["bytes"]) for w in report["workers"]] == [
-        (w["tensors"], w["bytes"]) for w in want]
+        (w["tensors"], w["bytes"]) for w in want
+    ]
     assert all(w["tensors"] == 63 for w in report["workers"])
 
 
@@ -185,13 +190,16 @@ def _bare_repo(tmp_path: Path) -> Path:
     return repo
 
 
-@pytest.mark.parametrize("ref, fragment", [
-    ("../../../etc", "holds a path separator"),
-    ("..", "is '.' or '..'"),
-    ("", "is empty"),
-    ("a\x00b", "holds a NUL or control character"),
-    ("f" * 40, "refs/main names revision 'ffffffffffffffffffffffffffffffffffffffff', but"),
-])
+@pytest.mark.parametrize(
+    "ref, fragment",
+    [
+        ("../../../etc", "holds a path separator"),
+        ("..", "is '.' or '..'"),
+        ("", "is empty"),
+        ("a\x00b", "holds a NUL or control character"),
+        ("f" * 40, "refs/main names revision 'ffffffffffffffffffffffffffffffffffffffff', but"),
+    ],
+)
 def test_a_bad_ref_is_refused(tmp_path, ref, fragment):
     repo = _bare_repo(tmp_path)
     (repo / "refs" / "main").write_text(ref)
@@ -226,8 +234,12 @@ def test_refs_main_must_be_a_small_text_file(tmp_path, kind):
         ref.write_text("a" * 5000)
     else:
         ref.write_bytes(b"\xff\xfe" + COMMIT.encode("utf-16-le"))
-    fragment = {"fifo": "is a FIFO", "folder": "is a directory", "huge": "over the 1024-byte",
-                "not utf-8": "not UTF-8 text"}[kind]
+    fragment = {
+        "fifo": "is a FIFO",
+        "folder": "is a directory",
+        "huge": "over the 1024-byte",
+        "not utf-8": "not UTF-8 text",
+    }[kind]
     with pytest.raises(FormatError, match=fragment) as e:
         open_checkpoint(repo)
     assert e.value.file == str(ref)

@@ -12,18 +12,24 @@ import json
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
 import torch
+from helpers.mlc_reference import (
+    dequantize_q4f16_1,
+    f32_to_bf16_bits,
+    pack_int4,
+    quantize_q4f16_1,
+    unpack_int4,
+    write_mlc_folder,
+)
+from helpers.reader_checks import check_close_while_a_read_is_in_flight, narrow_cases, same
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers.mlc_reference import (dequantize_q4f16_1, f32_to_bf16_bits, pack_int4,
-                                   quantize_q4f16_1, unpack_int4, write_mlc_folder)
-from helpers.reader_checks import check_close_while_a_read_is_in_flight, narrow_cases, same
 from shardload.errors import FormatError
 from shardload.readers import open_checkpoint
 from shardload.readers.base import TensorMeta
@@ -62,9 +68,9 @@ def sample_tensors() -> dict:
         "u8": rng.integers(0, 256, (2, 9), dtype=np.uint8),
         "i16": rng.integers(-1000, 1000, 3, dtype=np.int16),
         "u16": rng.integers(0, 2**16, (2, 2), dtype=np.uint16),
-        "i32": rng.integers(-2**31, 2**31 - 1, (4, 4), dtype=np.int32),
+        "i32": rng.integers(-(2**31), 2**31 - 1, (4, 4), dtype=np.int32),
         "u32": rng.integers(0, 2**32, (6, 4), dtype=np.uint32),
-        "i64": rng.integers(-2**62, 2**62, (3, 1, 2), dtype=np.int64),
+        "i64": rng.integers(-(2**62), 2**62, (3, 1, 2), dtype=np.int64),
         "u64": rng.integers(0, 2**63, 3, dtype=np.uint64),
         "fp8": torch.randn(6, 2, generator=g).to(torch.float8_e4m3fn),
         "fp8_e5m2": torch.randn(3, generator=g).to(torch.float8_e5m2),
@@ -77,9 +83,14 @@ def sample_tensors() -> dict:
 @pytest.fixture
 def sample_folder(tmp_path: Path) -> Path:
     folder = tmp_path / "model-q4f16_1-MLC"
-    write_mlc_folder(folder, sample_tensors(), shard_bytes=128, align=16, pad_byte=0xEE,
-                     config={"model_type": "llama", "quantization": "q4f16_1",
-                             "tensor_parallel_shards": 1})
+    write_mlc_folder(
+        folder,
+        sample_tensors(),
+        shard_bytes=128,
+        align=16,
+        pad_byte=0xEE,
+        config={"model_type": "llama", "quantization": "q4f16_1", "tensor_parallel_shards": 1},
+    )
     return folder
 
 
@@ -104,11 +115,13 @@ def test_round_trip_many_dtypes(sample_folder: Path) -> None:
                 got = ckpt.read(name)
                 assert same(got, want), name
                 assert got.is_contiguous() and got.device.type == "cpu"
-                assert ckpt.meta(name) == TensorMeta(name, tuple(want.shape),
-                                                     str(want.dtype).removeprefix("torch."))
+                assert ckpt.meta(name) == TensorMeta(
+                    name, tuple(want.shape), str(want.dtype).removeprefix("torch.")
+                )
                 assert ckpt.tensor_format(name) == {"mlc_format": "raw"}
-            assert ckpt.bytes_read == sum(to_torch(v).numel() * to_torch(v).element_size()
-                                          for v in tensors.values())
+            assert ckpt.bytes_read == sum(
+                to_torch(v).numel() * to_torch(v).element_size() for v in tensors.values()
+            )
             config = ckpt.config
             assert config["quantization"] == "q4f16_1"
             assert config["tensor_cache_metadata"] == doc["metadata"]
@@ -187,8 +200,9 @@ def test_f32_to_bf16_records(tmp_path: Path) -> None:
     w[0, :4] = [1e-40, np.float32(3.3895314e38), -np.inf, 0.0]  # subnormal, near the top, inf
     q = rng.integers(0, 2**32, (8, 2), dtype=np.uint32)
     s = rng.standard_normal((8, 1)).astype(np.float16)
-    write_mlc_folder(tmp_path, {"norm": w, "q_weight": q, "q_scale": s},
-                     encode_format="f32-to-bf16", align=4)
+    write_mlc_folder(
+        tmp_path, {"norm": w, "q_weight": q, "q_scale": s}, encode_format="f32-to-bf16", align=4
+    )
     rec = load_index(tmp_path)["records"][0]["records"][0]
     assert (rec["dtype"], rec["format"], rec["nbytes"]) == ("float32", "f32-to-bf16", 8 * 16 * 2)
     with open_mlc(tmp_path) as ckpt:
@@ -245,8 +259,9 @@ def test_shard_may_be_a_symlink_to_anywhere(tmp_path: Path) -> None:
 
 
 def test_shard_in_a_subfolder_and_symlinks_inside_the_folder(tmp_path: Path) -> None:
-    write_mlc_folder(tmp_path, {"a": np.arange(4, dtype=np.int16), "b": np.ones(3, np.float32)},
-                     shard_bytes=8)
+    write_mlc_folder(
+        tmp_path, {"a": np.arange(4, dtype=np.int16), "b": np.ones(3, np.float32)}, shard_bytes=8
+    )
     (tmp_path / "sub").mkdir()
     (tmp_path / "params_shard_0.bin").rename(tmp_path / "sub" / "s0.bin")
     (tmp_path / "link.bin").symlink_to(tmp_path / "params_shard_1.bin")
@@ -260,8 +275,11 @@ def test_shard_in_a_subfolder_and_symlinks_inside_the_folder(tmp_path: Path) -> 
 
 
 def test_unaligned_offsets(tmp_path: Path) -> None:
-    tensors = {"pad": np.zeros(3, np.uint8), "f64": np.linspace(0, 1, 7),
-               "u32": np.arange(5, dtype=np.uint32)}
+    tensors = {
+        "pad": np.zeros(3, np.uint8),
+        "f64": np.linspace(0, 1, 7),
+        "u32": np.arange(5, dtype=np.uint32),
+    }
     write_mlc_folder(tmp_path, tensors)
     with open_mlc(tmp_path) as ckpt:
         assert ckpt.byte_range("f64")[1] == 3
@@ -274,8 +292,16 @@ def test_unaligned_offsets(tmp_path: Path) -> None:
 # read_narrow
 
 
-_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int64, torch.uint8, torch.bool,
-           torch.float8_e4m3fn, torch.uint32]
+_DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.uint32,
+]
 _counter = itertools.count()
 
 
@@ -288,8 +314,9 @@ def test_read_narrow_property(tmp_path_factory, case, pad, align) -> None:
     t = torch.randint(0, high, (*shape, itemsize), dtype=torch.uint8).view(dtype).reshape(shape)
     folder = tmp_path_factory.getbasetemp() / f"narrow{next(_counter)}"
     # a tensor in front (and the alignment) moves t to offsets that need not be aligned
-    write_mlc_folder(folder, {"pad": torch.zeros(pad, dtype=torch.uint8), "t": t},
-                     align=align, pad_byte=0xA5)
+    write_mlc_folder(
+        folder, {"pad": torch.zeros(pad, dtype=torch.uint8), "t": t}, align=align, pad_byte=0xA5
+    )
     with open_mlc(folder) as ckpt:
         piece = ckpt.read_narrow("t", dim, start, length)
         want = t.narrow(dim, start, length)
@@ -303,8 +330,12 @@ def test_read_narrow_every_dim(sample_folder: Path) -> None:
         for name, meta in ckpt.metadata().items():
             full = ckpt.read(name)
             for dim, size in enumerate(meta.shape):
-                for start, length in [(0, size), (size, 0), (size // 2, size - size // 2),
-                                      (1, max(size - 2, 0))]:
+                for start, length in [
+                    (0, size),
+                    (size, 0),
+                    (size // 2, size - size // 2),
+                    (1, max(size - 2, 0)),
+                ]:
                     if start + length > size:
                         continue
                     before = ckpt.bytes_read
@@ -336,6 +367,7 @@ def test_concurrent_reads_count_every_byte(sample_folder: Path) -> None:
     expected = {k: to_torch(v) for k, v in sample_tensors().items()}
     errors: list[BaseException] = []
     with open_mlc(sample_folder) as ckpt:
+
         def work() -> None:
             try:
                 for _ in range(10):
@@ -374,7 +406,9 @@ def test_tensors_outlive_close_and_reading_after_close_raises(sample_folder: Pat
 
 def test_close_while_a_read_is_in_flight(sample_folder: Path, monkeypatch) -> None:
     expected = to_torch(sample_tensors()["f32_3d"])  # 96 bytes
-    check_close_while_a_read_is_in_flight(open_mlc(sample_folder), "f32_3d", expected, same, monkeypatch)
+    check_close_while_a_read_is_in_flight(
+        open_mlc(sample_folder), "f32_3d", expected, same, monkeypatch
+    )
 
 
 def test_writes_to_a_read_tensor_do_not_reach_the_file(sample_folder: Path) -> None:
@@ -383,8 +417,11 @@ def test_writes_to_a_read_tensor_do_not_reach_the_file(sample_folder: Path) -> N
     with open_mlc(sample_folder) as ckpt:
         # whatever a read returns owns its memory: writing to it changes neither the mapping
         # (the next read sees the stored bytes) nor the file
-        for t in (ckpt.read("u8"), ckpt.read_narrow("u8", 1, 2, 5),
-                  ckpt.read_ranges("u8", 1, [(0, 2), (6, 3)])):
+        for t in (
+            ckpt.read("u8"),
+            ckpt.read_narrow("u8", 1, 2, 5),
+            ckpt.read_ranges("u8", 1, [(0, 2), (6, 3)]),
+        ):
             t.fill_(7)
         assert same(ckpt.read("u8"), expected)
         assert same(ckpt.read_narrow("u8", 1, 2, 5), expected[:, 2:7])
@@ -452,13 +489,19 @@ def test_q4f16_1_through_the_reader(tmp_path: Path) -> None:
     assert q_weight.shape == (n, k // 8) and q_weight.dtype == np.uint32
     assert q_scale.shape == (n, k // 32) and q_scale.dtype == np.float16
     prefix = "model.layers.0.self_attn.qkv_proj"
-    write_mlc_folder(tmp_path, {f"{prefix}.q_weight": q_weight, f"{prefix}.q_scale": q_scale},
-                     shard_bytes=4096, align=64, encode_format="f32-to-bf16",
-                     config={"quantization": "q4f16_1"})
+    write_mlc_folder(
+        tmp_path,
+        {f"{prefix}.q_weight": q_weight, f"{prefix}.q_scale": q_scale},
+        shard_bytes=4096,
+        align=64,
+        encode_format="f32-to-bf16",
+        config={"quantization": "q4f16_1"},
+    )
     reference = dequantize_q4f16_1(q_weight, q_scale)
     with open_mlc(tmp_path) as ckpt:
-        assert ckpt.meta(f"{prefix}.q_weight") == TensorMeta(f"{prefix}.q_weight", (n, k // 8),
-                                                             "uint32")
+        assert ckpt.meta(f"{prefix}.q_weight") == TensorMeta(
+            f"{prefix}.q_weight", (n, k // 8), "uint32"
+        )
         qw = ckpt.read(f"{prefix}.q_weight")
         qs = ckpt.read(f"{prefix}.q_scale")
         assert np.array_equal(dequantize_q4f16_1(qw.numpy(), qs.numpy()), reference)
@@ -468,14 +511,16 @@ def test_q4f16_1_through_the_reader(tmp_path: Path) -> None:
             qw_part = ckpt.read_narrow(f"{prefix}.q_weight", 1, a, b - a)
             qs_part = ckpt.read_narrow(f"{prefix}.q_scale", 1, a // 4, (b - a) // 4)
             assert ckpt.bytes_read - before == n * (b - a) * 4 + n * (b - a) // 4 * 2
-            assert np.array_equal(dequantize_q4f16_1(qw_part.numpy(), qs_part.numpy()),
-                                  reference[:, 8 * a:8 * b])
+            assert np.array_equal(
+                dequantize_q4f16_1(qw_part.numpy(), qs_part.numpy()), reference[:, 8 * a : 8 * b]
+            )
         # N splits (rows) are exact at any row
         for r0, r1 in [(0, 16), (16, 48), (5, 6)]:
             qw_rows = ckpt.read_narrow(f"{prefix}.q_weight", 0, r0, r1 - r0)
             qs_rows = ckpt.read_narrow(f"{prefix}.q_scale", 0, r0, r1 - r0)
-            assert np.array_equal(dequantize_q4f16_1(qw_rows.numpy(), qs_rows.numpy()),
-                                  reference[r0:r1])
+            assert np.array_equal(
+                dequantize_q4f16_1(qw_rows.numpy(), qs_rows.numpy()), reference[r0:r1]
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -485,37 +530,50 @@ def test_q4f16_1_through_the_reader(tmp_path: Path) -> None:
 def base_folder(folder: Path) -> Path:
     """shard 0: a (f16 [4, 8], 64 B) at 0, b (u32 [4, 2], 32 B) at 64; shard 1: c (f32 [3]) at 0,
     d (i8 [5]) at 16."""
-    write_mlc_folder(folder, {"a": np.ones((4, 8), np.float16),
-                              "b": np.arange(8, dtype=np.uint32).reshape(4, 2),
-                              "c": np.ones(3, np.float32), "d": np.ones(5, np.int8)},
-                     shard_bytes=100, align=16, config={"model_type": "llama"})
+    write_mlc_folder(
+        folder,
+        {
+            "a": np.ones((4, 8), np.float16),
+            "b": np.arange(8, dtype=np.uint32).reshape(4, 2),
+            "c": np.ones(3, np.float32),
+            "d": np.ones(5, np.int8),
+        },
+        shard_bytes=100,
+        align=16,
+        config={"model_type": "llama"},
+    )
     return folder
 
 
 def edit(fn: Callable[[dict], None]) -> Callable[[Path], None]:
     """A defect made by editing the parsed index."""
+
     def apply(folder: Path) -> None:
         doc = load_index(folder)
         fn(doc)
         save_index(folder, doc)
+
     return apply
 
 
 def text(s: str, name: str = INDEX) -> Callable[[Path], None]:
     def apply(folder: Path) -> None:
         (folder / name).write_text(s)
+
     return apply
 
 
 def shard(i: int, **changes) -> Callable[[dict], None]:
     def fn(doc: dict) -> None:
         doc["records"][i].update(changes)
+
     return fn
 
 
 def tensor(i: int, j: int, **changes) -> Callable[[dict], None]:
     def fn(doc: dict) -> None:
         doc["records"][i]["records"][j].update(changes)
+
     return fn
 
 
@@ -523,13 +581,17 @@ def drop(i: int, j: int | None, key: str) -> Callable[[dict], None]:
     def fn(doc: dict) -> None:
         rec = doc["records"][i] if j is None else doc["records"][i]["records"][j]
         del rec[key]
+
     return fn
 
 
 def resize(name: str, delta: int) -> Callable[[Path], None]:
     def apply(folder: Path) -> None:
         data = (folder / name).read_bytes()
-        (folder / name).write_bytes(data[:len(data) + delta] if delta < 0 else data + b"\0" * delta)
+        (folder / name).write_bytes(
+            data[: len(data) + delta] if delta < 0 else data + b"\0" * delta
+        )
+
     return apply
 
 
@@ -539,6 +601,7 @@ def _set(path: list, value) -> Callable[[dict], None]:
         for p in path[:-1]:
             obj = obj[p]
         obj[path[-1]] = value
+
     return fn
 
 
@@ -547,30 +610,52 @@ BAD = {
     "not json": (text("{"), "index", None, "not valid JSON"),
     "duplicate key": (text('{"records": [], "records": []}'), "index", None, "duplicate key"),
     "nan": (text('{"metadata": {"x": NaN}, "records": []}'), "index", None, "NaN"),
-    "not utf-8": (lambda f: (f / INDEX).write_bytes(b'{"records": [], "metadata": {"\xff": 1}}'),
-                  "index", None, "UTF-8"),
+    "not utf-8": (
+        lambda f: (f / INDEX).write_bytes(b'{"records": [], "metadata": {"\xff": 1}}'),
+        "index",
+        None,
+        "UTF-8",
+    ),
     "top is a list": (text("[]"), "index", None, "must be a JSON object"),
     "no records": (text('{"metadata": {}}'), "index", None, "missing ['records']"),
     "unknown top key": (edit(_set(["extra"], 1)), "index", None, "unexpected ['extra']"),
     "metadata not object": (edit(_set(["metadata"], [1])), "index", None, '"metadata" must be'),
     "records not list": (edit(_set(["records"], {})), "index", None, '"records" must be a list'),
     "shard not object": (edit(_set(["records", 1], "x")), "index", None, "must be an object"),
-    "shard no dataPath": (edit(drop(1, None, "dataPath")), "index", None,
-                          "missing ['dataPath']"),
-    "shard unknown key": (edit(shard(0, compression="zstd")), "index", None,
-                          "unexpected ['compression']"),
-    "shard format": (edit(shard(0, format="zip-shard")), "index", None,
-                     "unknown shard format 'zip-shard'"),
+    "shard no dataPath": (edit(drop(1, None, "dataPath")), "index", None, "missing ['dataPath']"),
+    "shard unknown key": (
+        edit(shard(0, compression="zstd")),
+        "index",
+        None,
+        "unexpected ['compression']",
+    ),
+    "shard format": (
+        edit(shard(0, format="zip-shard")),
+        "index",
+        None,
+        "unknown shard format 'zip-shard'",
+    ),
     "shard nbytes bool": (edit(shard(0, nbytes=True)), "index", None, "nbytes must be"),
     "shard md5 not str": (edit(shard(0, md5sum=5)), "index", None, "md5sum must be a string"),
-    "shard records not list": (edit(shard(0, records={})), "index", None,
-                               '"records" must be a list of tensor records'),
-    "tensor not object": (edit(_set(["records", 0, "records", 1], [])), "index", None,
-                          "tensor record must be an object"),
-    "tensor no byteOffset": (edit(drop(0, 1, "byteOffset")), "index", "b",
-                             "missing ['byteOffset']"),
-    "tensor unknown key": (edit(tensor(0, 1, strides=[1])), "index", "b",
-                           "unexpected ['strides']"),
+    "shard records not list": (
+        edit(shard(0, records={})),
+        "index",
+        None,
+        '"records" must be a list of tensor records',
+    ),
+    "tensor not object": (
+        edit(_set(["records", 0, "records", 1], [])),
+        "index",
+        None,
+        "tensor record must be an object",
+    ),
+    "tensor no byteOffset": (
+        edit(drop(0, 1, "byteOffset")),
+        "index",
+        "b",
+        "missing ['byteOffset']",
+    ),
+    "tensor unknown key": (edit(tensor(0, 1, strides=[1])), "index", "b", "unexpected ['strides']"),
     "tensor name empty": (edit(tensor(0, 0, name="")), "index", "", "non-empty string"),
     "tensor name int": (edit(tensor(0, 0, name=3)), "index", None, "non-empty string"),
     "shape negative": (edit(tensor(0, 1, shape=[-4, 2])), "index", "b", "shape must be"),
@@ -578,46 +663,82 @@ BAD = {
     "shape not list": (edit(tensor(0, 1, shape=8)), "index", "b", "shape must be"),
     "dtype unknown": (edit(tensor(0, 1, dtype="int4")), "index", "b", "unknown dtype 'int4'"),
     "dtype alias": (edit(tensor(0, 0, dtype="half")), "index", "a", "unknown dtype 'half'"),
-    "format unknown": (edit(tensor(0, 1, format="zstd")), "index", "b",
-                       "unknown format 'zstd'"),
+    "format unknown": (edit(tensor(0, 1, format="zstd")), "index", "b", "unknown format 'zstd'"),
     "nbytes lies": (edit(tensor(0, 1, nbytes=31)), "index", "b", "lies about the size"),
     "nbytes vs shape": (edit(tensor(0, 1, shape=[4, 3])), "index", "b", "lies about the size"),
-    "f32-to-bf16 nbytes": (edit(tensor(1, 0, format="f32-to-bf16")), "index", "c",
-                           "stored as bfloat16"),
+    "f32-to-bf16 nbytes": (
+        edit(tensor(1, 0, format="f32-to-bf16")),
+        "index",
+        "c",
+        "stored as bfloat16",
+    ),
     "offset negative": (edit(tensor(0, 1, byteOffset=-1)), "index", "b", "byteOffset must be"),
     "past the end": (edit(tensor(1, 1, byteOffset=30)), "index", "d", "runs past the end"),
     "overlap": (edit(tensor(0, 1, byteOffset=48)), "index", "b", "overlap tensor 'a'"),
     "duplicate in shard": (edit(tensor(0, 1, name="a")), "index", "a", "listed twice"),
     "duplicate across shards": (edit(tensor(1, 1, name="a")), "index", "a", "listed twice"),
     "absolute path": (edit(shard(1, dataPath="/etc/passwd")), "index", None, "absolute path"),
-    "dotdot": (edit(shard(1, dataPath="../params_shard_1.bin")), "index", None,
-               "has a '..' component"),
-    "dotdot inside": (edit(shard(1, dataPath="sub/../params_shard_1.bin")), "index", None,
-                      "has a '..' component"),
-    "drive letter": (edit(shard(1, dataPath="C:params_shard_1.bin")), "index", None,
-                     "drive letter"),
-    "backslash": (edit(shard(1, dataPath="sub\\params_shard_1.bin")), "index", None,
-                  "backslash"),
+    "dotdot": (
+        edit(shard(1, dataPath="../params_shard_1.bin")),
+        "index",
+        None,
+        "has a '..' component",
+    ),
+    "dotdot inside": (
+        edit(shard(1, dataPath="sub/../params_shard_1.bin")),
+        "index",
+        None,
+        "has a '..' component",
+    ),
+    "drive letter": (
+        edit(shard(1, dataPath="C:params_shard_1.bin")),
+        "index",
+        None,
+        "drive letter",
+    ),
+    "backslash": (edit(shard(1, dataPath="sub\\params_shard_1.bin")), "index", None, "backslash"),
     "empty path": (edit(shard(1, dataPath="")), "index", None, "is empty"),
     "nul in path": (edit(shard(1, dataPath="params\x00.bin")), "index", None, "NUL"),
-    "path is folder": (edit(shard(1, dataPath=".")), "index", None,
-                       "names the folder itself"),
-    "path is a subfolder": (lambda f: ((f / "sub").mkdir(), edit(shard(1, dataPath="sub"))(f)),
-                            "sub", None, "is a directory, not a regular file"),
+    "path is folder": (edit(shard(1, dataPath=".")), "index", None, "names the folder itself"),
+    "path is a subfolder": (
+        lambda f: ((f / "sub").mkdir(), edit(shard(1, dataPath="sub"))(f)),
+        "sub",
+        None,
+        "is a directory, not a regular file",
+    ),
     "path not str": (edit(shard(1, dataPath=["x"])), "index", None, "dataPath must be a string"),
-    "name too long": (edit(shard(1, dataPath="a" * 6000)), "index", None,
-                      "is 6000 characters long (at most 1024)"),
-    "file listed twice": (edit(shard(1, dataPath="params_shard_0.bin")), "index", None,
-                          "names the same file as shard record 0"),
-    "missing shard": (lambda f: (f / "params_shard_1.bin").unlink(), "params_shard_1.bin",
-                      None, "shard file is missing"),
-    "truncated shard": (resize("params_shard_1.bin", -1), "params_shard_1.bin", None,
-                        "truncated"),
-    "appended shard": (resize("params_shard_0.bin", 3), "params_shard_0.bin", None,
-                       "longer than listed"),
+    "name too long": (
+        edit(shard(1, dataPath="a" * 6000)),
+        "index",
+        None,
+        "is 6000 characters long (at most 1024)",
+    ),
+    "file listed twice": (
+        edit(shard(1, dataPath="params_shard_0.bin")),
+        "index",
+        None,
+        "names the same file as shard record 0",
+    ),
+    "missing shard": (
+        lambda f: (f / "params_shard_1.bin").unlink(),
+        "params_shard_1.bin",
+        None,
+        "shard file is missing",
+    ),
+    "truncated shard": (resize("params_shard_1.bin", -1), "params_shard_1.bin", None, "truncated"),
+    "appended shard": (
+        resize("params_shard_0.bin", 3),
+        "params_shard_0.bin",
+        None,
+        "longer than listed",
+    ),
     "config not json": (text("{", "mlc-chat-config.json"), "config", None, "not valid JSON"),
-    "config not object": (text("[1]", "mlc-chat-config.json"), "config", None,
-                          "must be a JSON object"),
+    "config not object": (
+        text("[1]", "mlc-chat-config.json"),
+        "config",
+        None,
+        "must be a JSON object",
+    ),
 }
 
 
@@ -631,7 +752,8 @@ def test_bad_folder(tmp_path: Path, defect: str) -> None:
     err = info.value
     assert phrase in str(err), str(err)
     want_file = {"index": folder / INDEX, "config": folder / "mlc-chat-config.json"}.get(
-        blame, folder / blame)
+        blame, folder / blame
+    )
     assert err.file == str(want_file), str(err)
     assert err.tensor == tensor_name, str(err)
     if tensor_name:
@@ -642,7 +764,9 @@ def test_the_base_folder_is_good(tmp_path: Path) -> None:
     folder = base_folder(tmp_path / "m")
     doc = load_index(folder)
     assert [[(r["name"], r["byteOffset"]) for r in s["records"]] for s in doc["records"]] == [
-        [("a", 0), ("b", 64)], [("c", 0), ("d", 16)]]
+        [("a", 0), ("b", 64)],
+        [("c", 0), ("d", 16)],
+    ]
     with open_mlc(folder) as ckpt:
         assert ckpt.names() == ["a", "b", "c", "d"]
 

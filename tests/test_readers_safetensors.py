@@ -17,23 +17,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.reader_checks import check_close_while_a_read_is_in_flight, narrow_cases, same
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from helpers.reader_checks import check_close_while_a_read_is_in_flight, narrow_cases, same
 from shardload.errors import FormatError
 from shardload.readers.base import TensorMeta
-from shardload.readers.safetensors import (INDEX_NAME, SafetensorsCheckpoint,
-                                           open_safetensors)
-
+from shardload.readers.safetensors import INDEX_NAME, SafetensorsCheckpoint, open_safetensors
 
 # ----------------------------------------------------------------------------------------------
 # helpers
 
 
-def raw_file(path: Path, header: dict | None = None, data: bytes = b"", *,
-             header_bytes: bytes | None = None, length: int | None = None) -> Path:
+def raw_file(
+    path: Path,
+    header: dict | None = None,
+    data: bytes = b"",
+    *,
+    header_bytes: bytes | None = None,
+    length: int | None = None,
+) -> Path:
     """A safetensors file made by hand: the u64 length, the header JSON, the data buffer.
 
     ``header_bytes`` replaces the JSON text, ``length`` the length field (to make it lie).
@@ -69,9 +73,9 @@ def sample_tensors() -> dict[str, torch.Tensor]:
         "i8": torch.randint(-128, 128, (7,), dtype=torch.int8, generator=g),
         "u8": torch.randint(0, 256, (2, 9), dtype=torch.uint8, generator=g),
         "i16": torch.randint(-1000, 1000, (3,), dtype=torch.int16, generator=g),
-        "i32": torch.randint(-2**31, 2**31 - 1, (4, 4), dtype=torch.int32, generator=g),
-        "i64_scalar": torch.tensor(-2**40, dtype=torch.int64),
-        "i64": torch.randint(-2**62, 2**62, (3, 1, 2), dtype=torch.int64, generator=g),
+        "i32": torch.randint(-(2**31), 2**31 - 1, (4, 4), dtype=torch.int32, generator=g),
+        "i64_scalar": torch.tensor(-(2**40), dtype=torch.int64),
+        "i64": torch.randint(-(2**62), 2**62, (3, 1, 2), dtype=torch.int64, generator=g),
         "u32": torch.randint(0, 2**31, (5,), dtype=torch.int64, generator=g).to(torch.uint32),
         "fp8": r(6, 2).to(torch.float8_e4m3fn),
         "fp8_e5m2": r(3).to(torch.float8_e5m2),
@@ -103,8 +107,9 @@ def test_round_trip_against_library(sample_file: Path) -> None:
                 got = ckpt.read(name)
                 assert same(got, want), name
                 assert got.is_contiguous() and got.device.type == "cpu"
-                assert ckpt.meta(name) == TensorMeta(name, tuple(want.shape),
-                                                     str(want.dtype).removeprefix("torch."))
+                assert ckpt.meta(name) == TensorMeta(
+                    name, tuple(want.shape), str(want.dtype).removeprefix("torch.")
+                )
             assert ckpt.bytes_read == sum(t.numel() * t.element_size() for t in expected.values())
             assert ckpt.file_metadata == {str(sample_file): {"format": "pt", "quant": "q4f16_1"}}
             assert ckpt.index_metadata == {}
@@ -112,8 +117,11 @@ def test_round_trip_against_library(sample_file: Path) -> None:
 
 def test_metadata_in_storage_order_and_byte_range(tmp_path: Path) -> None:
     # header order b, a; storage order a, b
-    path = raw_file(tmp_path / "m.safetensors", {"b": f32([1], 8, 12), "a": f32([2], 0, 8)},
-                    struct.pack("<3f", 1, 2, 3))
+    path = raw_file(
+        tmp_path / "m.safetensors",
+        {"b": f32([1], 8, 12), "a": f32([2], 0, 8)},
+        struct.pack("<3f", 1, 2, 3),
+    )
     with open_safetensors(path) as ckpt:
         assert list(ckpt.metadata()) == ["a", "b"]
         _, start, end = ckpt.byte_range("b")
@@ -125,8 +133,11 @@ def test_metadata_in_storage_order_and_byte_range(tmp_path: Path) -> None:
 def test_unaligned_offsets(tmp_path: Path) -> None:
     # a 3-byte tensor first puts the float32 and int64 ones at odd offsets
     data = bytes([1, 2, 3]) + struct.pack("<2f", 0.5, -2.0) + struct.pack("<q", -7)
-    header = {"u": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
-              "f": f32([2], 3, 11), "i": {"dtype": "I64", "shape": [], "data_offsets": [11, 19]}}
+    header = {
+        "u": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+        "f": f32([2], 3, 11),
+        "i": {"dtype": "I64", "shape": [], "data_offsets": [11, 19]},
+    }
     path = raw_file(tmp_path / "odd.safetensors", header, data)
     expected = load_file(str(path))
     with open_safetensors(path) as ckpt:
@@ -137,8 +148,12 @@ def test_unaligned_offsets(tmp_path: Path) -> None:
 
 
 def test_zero_size_tensors_share_offsets(tmp_path: Path) -> None:
-    header = {"e1": f32([0], 0, 0), "e2": f32([0, 5], 0, 0), "x": f32([1], 0, 4),
-              "e3": f32([3, 0], 4, 4)}
+    header = {
+        "e1": f32([0], 0, 0),
+        "e2": f32([0, 5], 0, 0),
+        "x": f32([1], 0, 4),
+        "e3": f32([3, 0], 4, 4),
+    }
     path = raw_file(tmp_path / "z.safetensors", header, struct.pack("<f", 9))
     assert library_loads(path)
     with open_safetensors(path) as ckpt:
@@ -170,8 +185,13 @@ def test_read_narrow_every_dim(sample_file: Path) -> None:
         for name, meta in ckpt.metadata().items():
             full = ckpt.read(name)
             for dim, size in enumerate(meta.shape):
-                for start, length in [(0, size), (0, 0), (size, 0), (size // 2, size - size // 2),
-                                      (1, max(size - 2, 0))]:
+                for start, length in [
+                    (0, size),
+                    (0, 0),
+                    (size, 0),
+                    (size // 2, size - size // 2),
+                    (1, max(size - 2, 0)),
+                ]:
                     if start + length > size:
                         continue
                     before = ckpt.bytes_read
@@ -181,8 +201,15 @@ def test_read_narrow_every_dim(sample_file: Path) -> None:
                     assert ckpt.bytes_read - before == piece.numel() * piece.element_size()
 
 
-_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int64, torch.uint8, torch.bool,
-           torch.float8_e4m3fn]
+_DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+]
 _counter = itertools.count()
 
 
@@ -228,6 +255,7 @@ def test_concurrent_reads_count_every_byte(sample_file: Path) -> None:
     expected = load_file(str(sample_file))
     errors: list[BaseException] = []
     with open_safetensors(sample_file) as ckpt:
+
         def work() -> None:
             try:
                 for _ in range(20):
@@ -260,7 +288,7 @@ def test_read_array_is_the_library_s_tensor_as_numpy(sample_file: Path) -> None:
         for name, want in expected.items():
             got = ckpt.read_array(name)
             assert got.shape == tuple(want.shape), name
-            assert got.flags.owndata or got.base is not None and got.base.flags.owndata, name
+            assert got.flags.owndata or (got.base is not None and got.base.flags.owndata), name
             if want.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
                 want = want.view({1: torch.uint8, 2: torch.int16}[want.element_size()])
             assert got.tobytes() == want.contiguous().numpy().tobytes(), name
@@ -287,22 +315,21 @@ def test_tensors_outlive_close_and_reading_after_close_raises(sample_file: Path)
     assert "f16" in ckpt  # metadata stays available
 
 
-def test_view_is_the_tensor_in_place_in_the_mapping_and_outlives_close(sample_file: Path
-                                                                        ) -> None:
+def test_view_is_the_tensor_in_place_in_the_mapping_and_outlives_close(sample_file: Path) -> None:
     expected = load_file(str(sample_file))
     ckpt = open_safetensors(sample_file)
     mapping = ckpt.source_bytes(0)
     views = {name: ckpt.view(name) for name in ckpt.names()}
     for name, view in views.items():
         assert view is not None and same(view, expected[name]), name
-        if view.numel():   # a view of the file's mapping, not a copy
+        if view.numel():  # a view of the file's mapping, not a copy
             assert view.untyped_storage().data_ptr() == mapping.untyped_storage().data_ptr()
-    assert ckpt.bytes_read == 0       # nothing was copied
-    views["f32_3d"][0, 0, 0] = 7.0   # a private mapping: the write stays in this process
+    assert ckpt.bytes_read == 0  # nothing was copied
+    views["f32_3d"][0, 0, 0] = 7.0  # a private mapping: the write stays in this process
     assert load_file(str(sample_file))["f32_3d"][0, 0, 0] != 7.0
     ckpt.close()
     del mapping
-    assert same(views["i64"], expected["i64"])   # the pages stay mapped while a view lives
+    assert same(views["i64"], expected["i64"])  # the pages stay mapped while a view lives
     with pytest.raises(ValueError, match="closed"):
         ckpt.view("f16")
 
@@ -314,7 +341,7 @@ def test_view_of_a_tensor_not_aligned_for_its_dtype_is_none(tmp_path: Path) -> N
     with open_safetensors(path) as ckpt:
         assert ckpt.view("u").tolist() == [1, 2, 3]
         _, begin, _ = ckpt.byte_range("f")
-        assert begin % 4 and ckpt.view("f") is None       # read() copies it as bytes instead
+        assert begin % 4 and ckpt.view("f") is None  # read() copies it as bytes instead
 
 
 def test_view_refuses_a_file_changed_since_it_was_opened(sample_file: Path) -> None:
@@ -326,11 +353,14 @@ def test_view_refuses_a_file_changed_since_it_was_opened(sample_file: Path) -> N
 
 def test_close_while_a_read_is_in_flight(sample_file: Path, monkeypatch) -> None:
     expected = load_file(str(sample_file))["f32_3d"]  # 96 bytes
-    check_close_while_a_read_is_in_flight(open_safetensors(sample_file), "f32_3d", expected, same, monkeypatch)
+    check_close_while_a_read_is_in_flight(
+        open_safetensors(sample_file), "f32_3d", expected, same, monkeypatch
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # bad files: (id, build(tmp_path) -> path, tensor named, phrase, does the library load it?)
+
 
 def _truncated(tmp: Path) -> Path:
     path = tmp / "cut.safetensors"
@@ -344,6 +374,7 @@ def _bytes(content: bytes):
         path = tmp / "bad.safetensors"
         path.write_bytes(content)
         return path
+
     return build
 
 
@@ -362,53 +393,120 @@ BAD_FILES = [
     ("header past end of file", _raw(_ONE, _Z4, length=200), None, "runs past the end", False),
     ("trailing bytes", _raw(_ONE, _Z8), None, "4 trailing bytes", False),
     ("overlap", _raw({"a": f32([2], 0, 8), "b": f32([1], 4, 8)}, _Z8), "b", "overlap", False),
-    ("zero-size inside another", _raw({"a": f32([2], 0, 8), "b": f32([0], 4, 4)}, _Z8), "b",
-     "overlap", False),
-    ("out of bounds", _raw({"a": f32([1], 0, 4), "b": f32([2], 4, 12)}, _Z8), "b",
-     "run past the end", False),
+    (
+        "zero-size inside another",
+        _raw({"a": f32([2], 0, 8), "b": f32([0], 4, 4)}, _Z8),
+        "b",
+        "overlap",
+        False,
+    ),
+    (
+        "out of bounds",
+        _raw({"a": f32([1], 0, 4), "b": f32([2], 4, 12)}, _Z8),
+        "b",
+        "run past the end",
+        False,
+    ),
     ("gap", _raw({"a": f32([1], 0, 4), "b": f32([1], 8, 12)}, b"\0" * 12), "b", "gap of 4", False),
     ("gap at start", _raw({"a": f32([1], 4, 8)}, _Z8), "a", "start of the buffer", False),
     ("size mismatch", _raw({"a": f32([3], 0, 8)}, _Z8), "a", "lies about the size", False),
-    ("unknown dtype", _raw({"a": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}, _Z4),
-     "a", "unknown dtype 'F99'", False),
+    (
+        "unknown dtype",
+        _raw({"a": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}, _Z4),
+        "a",
+        "unknown dtype 'F99'",
+        False,
+    ),
     ("negative shape", _raw({"a": f32([-1], 0, 4)}, _Z4), "a", "non-negative integers", False),
     ("float shape", _raw({"a": f32([1.0], 0, 4)}, _Z4), "a", "non-negative integers", False),
     ("bool shape", _raw({"a": f32([True], 0, 4)}, _Z4), "a", "non-negative integers", False),
     ("shape not a list", _raw({"a": f32(1, 0, 4)}, _Z4), "a", "non-negative integers", False),
-    ("three offsets", _raw({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 4]}}, _Z4),
-     "a", "[begin, end]", False),
+    (
+        "three offsets",
+        _raw({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 4]}}, _Z4),
+        "a",
+        "[begin, end]",
+        False,
+    ),
     ("begin after end", _raw({"a": f32([0], 4, 0)}, _Z4), "a", "end before they begin", False),
     ("entry not an object", _raw({"a": 5}), "a", "must be an object", False),
-    ("duplicate field in entry", _raw(header_bytes=b'{"a": {"dtype": "F32", "dtype": "F32", '
-                                      b'"shape": [1], "data_offsets": [0, 4]}}', data=_Z4),
-     None, "duplicate key 'dtype'", False),
-    ("NaN", _raw(header_bytes=b'{"a": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 4]}}',
-                 data=_Z4), None, "NaN", False),
-    ("Infinity", _raw(header_bytes=b'{"__metadata__": {}, "x": Infinity}'), None, "Infinity",
-     False),
+    (
+        "duplicate field in entry",
+        _raw(
+            header_bytes=b'{"a": {"dtype": "F32", "dtype": "F32", '
+            b'"shape": [1], "data_offsets": [0, 4]}}',
+            data=_Z4,
+        ),
+        None,
+        "duplicate key 'dtype'",
+        False,
+    ),
+    (
+        "NaN",
+        _raw(
+            header_bytes=b'{"a": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 4]}}',
+            data=_Z4,
+        ),
+        None,
+        "NaN",
+        False,
+    ),
+    (
+        "Infinity",
+        _raw(header_bytes=b'{"__metadata__": {}, "x": Infinity}'),
+        None,
+        "Infinity",
+        False,
+    ),
     ("not an object", _raw([1, 2]), None, "must be a JSON object", False),
     ("not JSON", _raw(header_bytes=b'{"a": '), None, "not valid JSON", False),
     ("not UTF-8", _raw(header_bytes=b'{"\xff": 1}'), None, "not valid UTF-8", False),
     ("nested too deeply", _raw(header_bytes=b"[" * 100_000), None, "nested too deeply", False),
-    ("metadata not str->str", _raw({"__metadata__": {"x": 1}, **_ONE}, _Z4), None,
-     "__metadata__ must be", False),
+    (
+        "metadata not str->str",
+        _raw({"__metadata__": {"x": 1}, **_ONE}, _Z4),
+        None,
+        "__metadata__ must be",
+        False,
+    ),
     # -- stricter than the library, which loads these --
     # two entries with one name: the library keeps the last one, silently
-    ("duplicate tensor name", _raw(header_bytes=b'{"a": {"dtype": "F32", "shape": [1], '
-                                   b'"data_offsets": [0, 4]}, "a": {"dtype": "F32", "shape": [1], '
-                                   b'"data_offsets": [0, 4]}}', data=_Z4),
-     None, "duplicate key 'a'", True),
+    (
+        "duplicate tensor name",
+        _raw(
+            header_bytes=b'{"a": {"dtype": "F32", "shape": [1], '
+            b'"data_offsets": [0, 4]}, "a": {"dtype": "F32", "shape": [1], '
+            b'"data_offsets": [0, 4]}}',
+            data=_Z4,
+        ),
+        None,
+        "duplicate key 'a'",
+        True,
+    ),
     # an unknown key in an entry: the library ignores it
-    ("extra key in entry", _raw({"a": {**f32([1], 0, 4), "strides": [1]}}, _Z4), "a",
-     "exactly dtype, shape and data_offsets", True),
+    (
+        "extra key in entry",
+        _raw({"a": {**f32([1], 0, 4), "strides": [1]}}, _Z4),
+        "a",
+        "exactly dtype, shape and data_offsets",
+        True,
+    ),
     # "__metadata__": null: the library takes it as no metadata
-    ("metadata null", _raw({"__metadata__": None, **_ONE}, _Z4), None, "__metadata__ must be",
-     True),
+    (
+        "metadata null",
+        _raw({"__metadata__": None, **_ONE}, _Z4),
+        None,
+        "__metadata__ must be",
+        True,
+    ),
 ]
 
 
-@pytest.mark.parametrize("build, tensor, phrase, library_accepts",
-                         [case[1:] for case in BAD_FILES], ids=[case[0] for case in BAD_FILES])
+@pytest.mark.parametrize(
+    "build, tensor, phrase, library_accepts",
+    [case[1:] for case in BAD_FILES],
+    ids=[case[0] for case in BAD_FILES],
+)
 def test_bad_file(tmp_path: Path, build, tensor, phrase, library_accepts) -> None:
     path = build(tmp_path)
     with pytest.raises(FormatError) as info:
@@ -423,23 +521,31 @@ def test_bad_file(tmp_path: Path, build, tensor, phrase, library_accepts) -> Non
 # HF-sharded folders
 
 
-def write_sharded(folder: Path, files: dict[str, dict[str, torch.Tensor]],
-                  weight_map: dict[str, str] | None = None) -> Path:
+def write_sharded(
+    folder: Path,
+    files: dict[str, dict[str, torch.Tensor]],
+    weight_map: dict[str, str] | None = None,
+) -> Path:
     folder.mkdir(exist_ok=True)
     for name, tensors in files.items():
         save_file(tensors, str(folder / name), metadata={"shard": name})
     if weight_map is None:
         weight_map = {t: name for name, tensors in files.items() for t in tensors}
-    (folder / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": 123},
-                                                 "weight_map": weight_map}))
+    (folder / INDEX_NAME).write_text(
+        json.dumps({"metadata": {"total_size": 123}, "weight_map": weight_map})
+    )
     return folder
 
 
 SHARDS = {
-    "model-00001-of-00002.safetensors": {"embed": torch.arange(12.0).reshape(3, 4),
-                                         "layer0.w": torch.arange(6, dtype=torch.int32)},
-    "model-00002-of-00002.safetensors": {"layer1.w": torch.ones(2, 2).half(),
-                                         "lm_head": torch.zeros(4, 3).bfloat16()},
+    "model-00001-of-00002.safetensors": {
+        "embed": torch.arange(12.0).reshape(3, 4),
+        "layer0.w": torch.arange(6, dtype=torch.int32),
+    },
+    "model-00002-of-00002.safetensors": {
+        "layer1.w": torch.ones(2, 2).half(),
+        "lm_head": torch.zeros(4, 3).bfloat16(),
+    },
 }
 
 
@@ -451,7 +557,8 @@ def test_sharded_folder(tmp_path: Path) -> None:
             assert ckpt.index_metadata == {"total_size": 123}
             assert ckpt.files == [str(folder / name) for name in SHARDS]
             assert ckpt.file_metadata[str(folder / "model-00002-of-00002.safetensors")] == {
-                "shard": "model-00002-of-00002.safetensors"}
+                "shard": "model-00002-of-00002.safetensors"
+            }
             everything = {n: t for tensors in SHARDS.values() for n, t in tensors.items()}
             assert set(ckpt.metadata()) == set(everything)
             for name, want in everything.items():
@@ -481,16 +588,20 @@ def test_index_naming_a_missing_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", ["dotdot", "absolute"])
 def test_index_naming_a_file_outside_the_folder(tmp_path: Path, kind: str) -> None:
     outside = tmp_path / "evil.safetensors"
-    save_file({"lm_head": torch.zeros(4, 3).bfloat16(), "layer1.w": torch.ones(2, 2).half()},
-              str(outside))
+    save_file(
+        {"lm_head": torch.zeros(4, 3).bfloat16(), "layer1.w": torch.ones(2, 2).half()}, str(outside)
+    )
     folder = write_sharded(tmp_path / "ckpt", SHARDS)
     name = {"dotdot": "../evil.safetensors", "absolute": str(outside)}[kind]
     weight_map = {t: f for f, ts in SHARDS.items() for t in ts}
     weight_map["lm_head"] = weight_map["layer1.w"] = name
     (folder / INDEX_NAME).write_text(json.dumps({"weight_map": weight_map}))
     why = {"dotdot": "has a '..' component", "absolute": "is an absolute path"}[kind]
-    with pytest.raises(FormatError, match=f"{why}; a checkpoint may only name files by plain "
-                                          f"relative paths inside its own folder") as info:
+    with pytest.raises(
+        FormatError,
+        match=f"{why}; a checkpoint may only name files by plain "
+        f"relative paths inside its own folder",
+    ) as info:
         open_safetensors(folder)
     assert info.value.file == str(folder / INDEX_NAME)
     assert info.value.tensor in {"lm_head", "layer1.w"}
@@ -540,14 +651,17 @@ def test_tensor_in_two_files(tmp_path: Path) -> None:
     assert info.value.tensor == "embed"
 
 
-@pytest.mark.parametrize("index, phrase", [
-    ("[]", "must be a JSON object"),
-    ("{}", "weight_map"),
-    ('{"weight_map": {"a": 1}}', "weight_map"),
-    ('{"weight_map": {"a": "x.safetensors", "a": "y.safetensors"}}', "duplicate key 'a'"),
-    ('{"weight_map": {}, "metadata": 3}', '"metadata" must be an object'),
-    ("{", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "index, phrase",
+    [
+        ("[]", "must be a JSON object"),
+        ("{}", "weight_map"),
+        ('{"weight_map": {"a": 1}}', "weight_map"),
+        ('{"weight_map": {"a": "x.safetensors", "a": "y.safetensors"}}', "duplicate key 'a'"),
+        ('{"weight_map": {}, "metadata": 3}', '"metadata" must be an object'),
+        ("{", "not valid JSON"),
+    ],
+)
 def test_bad_index(tmp_path: Path, index: str, phrase: str) -> None:
     folder = write_sharded(tmp_path / "ckpt", SHARDS)
     (folder / INDEX_NAME).write_text(index)
@@ -608,8 +722,12 @@ def test_read_ranges_concatenates_slices_with_one_copy(tmp_path):
     x = torch.arange(4 * 12 * 3, dtype=torch.int32).reshape(4, 12, 3)
     save_file({"x": x}, str(tmp_path / "m.safetensors"))
     with open_checkpoint(tmp_path / "m.safetensors") as ckpt:
-        for dim, ranges in ((1, [(0, 4), (8, 2), (10, 2)]), (0, [(3, 1), (0, 2)]),
-                            (2, [(2, 1), (0, 1)]), (1, [(5, 0)])):
+        for dim, ranges in (
+            (1, [(0, 4), (8, 2), (10, 2)]),
+            (0, [(3, 1), (0, 2)]),
+            (2, [(2, 1), (0, 1)]),
+            (1, [(5, 0)]),
+        ):
             before = ckpt.bytes_read
             got = ckpt.read_ranges("x", dim, ranges)
             want = torch.cat([x.narrow(dim, s, n) for s, n in ranges], dim=dim)

@@ -34,13 +34,12 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Optional
 
 import pytest
-
-from devtools.environments import ENVIRONMENTS, environment
 from helpers.environments import require
 from helpers.paths import REPO
+
+from devtools.environments import ENVIRONMENTS, environment
 
 DIRECTIVE = re.compile(r"<!-- test: ([a-z_ ]+) -->")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -48,12 +47,12 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 
 @dataclass
 class Block:
-    file: str                      # relative to the repository
+    file: str  # relative to the repository
     line: int
     lang: str
     code: str
-    directive: Optional[str]
-    output: Optional[str] = None
+    directive: str | None
+    output: str | None = None
 
     @property
     def words(self) -> list[str]:
@@ -65,10 +64,15 @@ def _blocks(file: str) -> list[Block]:
         text = f.read()
     blocks: list[Block] = []
     for match in FENCE.finditer(text):
-        before = text[:match.start()].rstrip().rsplit("\n", 1)[-1]
+        before = text[: match.start()].rstrip().rsplit("\n", 1)[-1]
         directive = DIRECTIVE.fullmatch(before.strip())
-        block = Block(file, text[:match.start()].count("\n") + 1, match.group(1), match.group(2),
-                      directive.group(1).strip() if directive else None)
+        block = Block(
+            file,
+            text[: match.start()].count("\n") + 1,
+            match.group(1),
+            match.group(2),
+            directive.group(1).strip() if directive else None,
+        )
         if block.words == ["output"]:
             assert blocks, "an output block with no block before it"
             blocks[-1].output = block.code
@@ -78,8 +82,12 @@ def _blocks(file: str) -> list[Block]:
 
 
 BLOCKS = _blocks("README.md")
-DOC_BLOCKS = [block for page in sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
-              for block in _blocks(os.path.relpath(page, REPO)) if block.directive is not None]
+DOC_BLOCKS = [
+    block
+    for page in sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+    for block in _blocks(os.path.relpath(page, REPO))
+    if block.directive is not None
+]
 
 
 def _param(block: Block):
@@ -91,8 +99,15 @@ def _param(block: Block):
 
 #: what the tests' own environment holds that a reader's does not: the tests' import path and
 #: their settings (the README states every variable a block needs, in the block)
-_NOT_A_READERS = ("PYTHONPATH", "PYTEST_", "SHARDLOAD_REQUIRE_", "SHARDLOAD_VLLM_PYTHON",
-                  "SHARDLOAD_QUANT_PYTHON", "SHARDLOAD_AZURITE", "VLLM_")
+_NOT_A_READERS = (
+    "PYTHONPATH",
+    "PYTEST_",
+    "SHARDLOAD_REQUIRE_",
+    "SHARDLOAD_VLLM_PYTHON",
+    "SHARDLOAD_QUANT_PYTHON",
+    "SHARDLOAD_AZURITE",
+    "VLLM_",
+)
 
 
 def reader_env() -> dict:
@@ -101,25 +116,24 @@ def reader_env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith(_NOT_A_READERS)}
 
 
-def _run(lang: str, code: str, timeout: float, needs: tuple = ()
-         ) -> subprocess.CompletedProcess:
+def _run(lang: str, code: str, timeout: float, needs: tuple = ()) -> subprocess.CompletedProcess:
     env = reader_env()
-    for name in needs:   # where the environments it names are, as a reader who made them knows
+    for name in needs:  # where the environments it names are, as a reader who made them knows
         env[environment(name).program_env] = require(name)
     python = sys.executable
     if "vllm" in needs:  # vLLM's own environment first on PATH: its python, its `vllm`
         python = require("vllm")
         env["PATH"] = os.pathsep.join([os.path.dirname(python), env.get("PATH", "")])
-    else:     # the python the README's install went into, first on PATH
+    else:  # the python the README's install went into, first on PATH
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     with tempfile.TemporaryDirectory(prefix="shardload-readme-") as folder:
         script = os.path.join(folder, "block.sh" if lang == "bash" else "block.py")
         with open(script, "w", encoding="utf-8") as f:
             f.write(code)
-        command = (["bash", "-e", "-o", "pipefail", script] if lang == "bash"
-                   else [python, script])
-        return subprocess.run(command, cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        command = ["bash", "-e", "-o", "pipefail", script] if lang == "bash" else [python, script]
+        return subprocess.run(
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        )
 
 
 def _matches(expected: str, got: str, whole: bool = True) -> bool:
@@ -160,8 +174,9 @@ def test_the_first_command_loads_the_example_as_shown():
     assert _matches(install.output, done.stdout), done.stdout
 
 
-@pytest.mark.parametrize("block", [_param(b) for b in BLOCKS + DOC_BLOCKS
-                                   if b.words[:1] == ["run"]])
+@pytest.mark.parametrize(
+    "block", [_param(b) for b in BLOCKS + DOC_BLOCKS if b.words[:1] == ["run"]]
+)
 def test_the_block_runs_as_written(block: Block):
     done = _run(block.lang, block.code, 900, tuple(w for w in block.words if w in ENVIRONMENTS))
     where = f"{block.file} line {block.line}"
@@ -169,4 +184,5 @@ def test_the_block_runs_as_written(block: Block):
     if block.output is not None:
         commands = [line for line in block.code.splitlines() if line.strip()]
         assert _matches(block.output, done.stdout, whole=len(commands) == 1), (
-            f"{where} prints\n{done.stdout}\nnot\n{block.output}")
+            f"{where} prints\n{done.stdout}\nnot\n{block.output}"
+        )

@@ -14,14 +14,23 @@ from __future__ import annotations
 import math
 import os
 
+import helpers.readplan_plugins  # noqa: F401  (registers tests.readplan.*, here and in workers)
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-import helpers.readplan_plugins  # noqa: F401  (registers tests.readplan.*, here and in workers)
-from shardload import (ArrayCheckpoint, ProcessSession, ShardInfo, ThreadedSession,
-                       WorkerError, get_shard_func, load_sharded, open_checkpoint)
+from shardload import (
+    ArrayCheckpoint,
+    ProcessSession,
+    ShardInfo,
+    ThreadedSession,
+    WorkerError,
+    get_shard_func,
+    load_sharded,
+    open_checkpoint,
+)
 from shardload.pieces import read_piece, run_steps
 from shardload.readplan import ReadPlan, build_read_plans, read_plan_for
 
@@ -30,8 +39,7 @@ NS = (1, 2, 3, 4, 8)
 
 def compute_then_slice(param, x: torch.Tensor) -> torch.Tensor:
     """The full output of ``param``'s steps on the whole tensor ``x`` (the reference)."""
-    return run_steps([(s.func, s.out_shape, s.dtype, s.extra) for s in param.steps], x,
-                     param.name)
+    return run_steps([(s.func, s.out_shape, s.dtype, s.extra) for s in param.steps], x, param.name)
 
 
 def check_reads_equal_compute(ckpt, plan, tensors: dict[str, torch.Tensor]) -> None:
@@ -43,8 +51,11 @@ def check_reads_equal_compute(ckpt, plan, tensors: dict[str, torch.Tensor]) -> N
             param = validated.params[piece.name]
             assert piece.chain is None, f"{piece.name} is computed, not read"
             got = read_piece(ckpt, piece, n, i)
-            want = (tensors[piece.name] if param.replicated
-                    else compute_then_slice(param, tensors[piece.name])[i])
+            want = (
+                tensors[piece.name]
+                if param.replicated
+                else compute_then_slice(param, tensors[piece.name])[i]
+            )
             assert got.dtype == want.dtype and torch.equal(got, want), (piece.name, n, i)
             # only its own bytes: a piece is exactly the bytes it keeps, minus zero padding
             assert piece.bytes_read <= piece.nbytes
@@ -58,27 +69,66 @@ def segments(n_q: int, n_kv: int, head: int) -> list:
 BUILTIN_CASES = [
     ("split_rows", (24, 6), torch.float16, "shardload.split", lambda n: [0], (1, 2, 3, 4, 8)),
     ("split_cols", (5, 24), torch.int32, "shardload.split", lambda n: [1], (1, 2, 3, 4, 8)),
-    ("split_mid", (2, 24, 3), torch.bfloat16, "shardload.split", lambda n: [1],
-     (1, 2, 3, 4, 8)),
+    ("split_mid", (2, 24, 3), torch.bfloat16, "shardload.split", lambda n: [1], (1, 2, 3, 4, 8)),
     ("split_last_neg", (3, 16), torch.uint8, "shardload.split", lambda n: [-1], (1, 2, 4, 8)),
     ("rebase", (32,), torch.int32, "shardload.split_rebase", lambda n: [0], (1, 2, 4, 8)),
-    ("qkv_gqa", (8 * 4 + 2 * 2 * 4, 5), torch.float32, "shardload.split_segments",
-     lambda n: [0, *segments(8, 2, 4)], (1, 2, 4, 8)),
-    ("qkv_cols", (3, 8 * 4 + 2 * 2 * 4), torch.int32, "shardload.split_segments",
-     lambda n: [1, *segments(8, 2, 4)], (1, 2, 4, 8)),
+    (
+        "qkv_gqa",
+        (8 * 4 + 2 * 2 * 4, 5),
+        torch.float32,
+        "shardload.split_segments",
+        lambda n: [0, *segments(8, 2, 4)],
+        (1, 2, 4, 8),
+    ),
+    (
+        "qkv_cols",
+        (3, 8 * 4 + 2 * 2 * 4),
+        torch.int32,
+        "shardload.split_segments",
+        lambda n: [1, *segments(8, 2, 4)],
+        (1, 2, 4, 8),
+    ),
     ("replicate", (6, 4), torch.float16, "shardload.replicate", lambda n: [], NS),
     ("replicate_0d", (), torch.float32, "shardload.replicate", lambda n: [], NS),
     # worker i takes heads i, i + n, ... and a zero head where the 5 run out
-    ("take_padded", (5 * 3, 4), torch.float16, "shardload.take_units",
-     lambda n: [0, 3, *[h if h < 5 else -1 for i in range(n)
-                        for h in range(i, math.ceil(5 / n) * n, n)]], NS),
-    ("take_cols", (4, 5 * 2), torch.int32, "shardload.take_units",
-     lambda n: [1, 2, *[(i * 2 + j) % 5 if (i + j) % 3 else -1 for i in range(n)
-                        for j in range(2)]], NS),
+    (
+        "take_padded",
+        (5 * 3, 4),
+        torch.float16,
+        "shardload.take_units",
+        lambda n: [
+            0,
+            3,
+            *[h if h < 5 else -1 for i in range(n) for h in range(i, math.ceil(5 / n) * n, n)],
+        ],
+        NS,
+    ),
+    (
+        "take_cols",
+        (4, 5 * 2),
+        torch.int32,
+        "shardload.take_units",
+        lambda n: [
+            1,
+            2,
+            *[(i * 2 + j) % 5 if (i + j) % 3 else -1 for i in range(n) for j in range(2)],
+        ],
+        NS,
+    ),
     # packed 4-bit codes whose zero weight is code 8: zero units are 0x88888888 words
-    ("take_fill", (5 * 3, 4), torch.int32, "shardload.take_units_fill",
-     lambda n: [0, 3, -0x77777778, *[h if h < 5 else -1 for i in range(n)
-                                    for h in range(i, math.ceil(5 / n) * n, n)]], NS),
+    (
+        "take_fill",
+        (5 * 3, 4),
+        torch.int32,
+        "shardload.take_units_fill",
+        lambda n: [
+            0,
+            3,
+            -0x77777778,
+            *[h if h < 5 else -1 for i in range(n) for h in range(i, math.ceil(5 / n) * n, n)],
+        ],
+        NS,
+    ),
 ]
 
 
@@ -106,14 +156,27 @@ def test_every_builtin_reads_what_compute_then_slice_keeps(case, stored, tmp_pat
         ckpt = ArrayCheckpoint({"x": x})
     else:
         # other tensors around it: offsets are not 0, and the file's data has its header before it
-        save_file({"a": torch.ones(3, dtype=torch.int8), "x": x,
-                   "z": torch.zeros(5, dtype=torch.float64)}, str(tmp_path / "m.safetensors"))
+        save_file(
+            {
+                "a": torch.ones(3, dtype=torch.int8),
+                "x": x,
+                "z": torch.zeros(5, dtype=torch.float64),
+            },
+            str(tmp_path / "m.safetensors"),
+        )
         ckpt = open_checkpoint(str(tmp_path / "m.safetensors"))
     with ckpt:
         for n in ns:
             plan, _ = _plan(func, shape, dtype, extra(n), n)
-            check_reads_equal_compute(ckpt, plan, {"x": x, "a": torch.ones(3, dtype=torch.int8),
-                                                   "z": torch.zeros(5, dtype=torch.float64)})
+            check_reads_equal_compute(
+                ckpt,
+                plan,
+                {
+                    "x": x,
+                    "a": torch.ones(3, dtype=torch.int8),
+                    "z": torch.zeros(5, dtype=torch.float64),
+                },
+            )
 
 
 @settings(max_examples=60, deadline=None)
@@ -143,14 +206,16 @@ def test_read_plans_travel_as_json_unchanged(tmp_path):
     x = _tensor((5 * 3, 4), torch.float16)
     save_file({"x": x}, str(tmp_path / "m.safetensors"))
     with open_checkpoint(str(tmp_path / "m.safetensors")) as ckpt:
-        plan, _ = _plan("shardload.take_units", (15, 4), torch.float16,
-                        [0, 3, 0, 2, 4, 1, 3, -1], 2)
+        plan, _ = _plan(
+            "shardload.take_units", (15, 4), torch.float16, [0, 3, 0, 2, 4, 1, 3, -1], 2
+        )
         for rp in build_read_plans(plan.validate(ckpt.metadata()), ckpt):
             assert ReadPlan.from_json(rp.to_json()) == rp
             assert rp.sources[0]["file"].endswith("m.safetensors")
 
 
 # ---- the planner's zero-padded plans -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("n", [2, 5, 8])
 def test_padded_plans_read_only_their_units(tmp_path, n):
@@ -178,12 +243,15 @@ def test_padded_plans_read_only_their_units(tmp_path, n):
 
 # ---- a plugin that declares its own ranges ------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def plugin_file(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("plugin") / "model.safetensors")
-    tensors = {"before": torch.arange(10, dtype=torch.float32),
-               "w": torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3),
-               "w2": torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3) + 1000}
+    tensors = {
+        "before": torch.arange(10, dtype=torch.float32),
+        "w": torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3),
+        "w2": torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3) + 1000,
+    }
     save_file(tensors, path)
     return path, tensors
 
@@ -193,13 +261,14 @@ def plugin_file(tmp_path_factory):
 # processes change is where the plugin's rules run and that the computed step's bytes are read
 # once per process, which N does not change (processes at N = 1 and 4 took 1.3 and 4.6 s for the
 # same paths)
-@pytest.mark.parametrize("kind,n", [("thread", 1), ("thread", 2), ("thread", 4),
-                                    ("process", 2)])
+@pytest.mark.parametrize("kind,n", [("thread", 1), ("thread", 2), ("thread", 4), ("process", 2)])
 def test_a_plugin_with_a_ranges_rule_reads_only_its_bytes(plugin_file, kind, n):
     path, tensors = plugin_file
     out = [[n, 16 // n, 3], "float32"]
-    info = {"w": [["tests.readplan.blocks_reversed", out]],
-            "w2": [["tests.readplan.blocks_reversed_computed", out]]}
+    info = {
+        "w": [["tests.readplan.blocks_reversed", out]],
+        "w2": [["tests.readplan.blocks_reversed_computed", out]],
+    }
     plan = ShardInfo.from_dict(info).bind(n)
     Session = ThreadedSession if kind == "thread" else ProcessSession
     kwargs = {} if kind == "thread" else {"plugins": ["helpers.readplan_plugins"]}
@@ -235,12 +304,20 @@ def test_a_worker_process_gets_a_read_plan_and_parses_nothing(plugin_file):
         assert torch.equal(result.shard("w", 1), tensors["w"][8:])
         # the worker carried out its read plan (byte runs of a file it mapped) without the
         # plan parser, the planners, the loader or the safetensors header reader
-        never = ["shardload.plan", "shardload.planners", "shardload.loader",
-                 "shardload.readers.safetensors", "shardload.readers.gguf",
-                 "shardload.readers.mlc", "shardload.cli"]
+        never = [
+            "shardload.plan",
+            "shardload.planners",
+            "shardload.loader",
+            "shardload.readers.safetensors",
+            "shardload.readers.gguf",
+            "shardload.readers.mlc",
+            "shardload.cli",
+        ]
         assert sess.call("tests.readplan.imported", never) == [[], []]
         assert sess.call("tests.readplan.sum_of", "w") == [
-            float(tensors["w"][:8].sum()), float(tensors["w"][8:].sum())]
+            float(tensors["w"][:8].sum()),
+            float(tensors["w"][8:].sum()),
+        ]
 
 
 @pytest.mark.slow
@@ -250,8 +327,9 @@ def test_a_file_changed_before_the_workers_map_it_is_refused(tmp_path):
     with open_checkpoint(path) as ckpt, ProcessSession(2) as sess:
         os.utime(path, ns=(1, 1))  # the controller has it open; the file is then touched
         with pytest.raises(WorkerError) as err:
-            load_sharded(ckpt, {"w": [["shardload.split", [[2, 4, 4], "float32"], 0]]}, sess,
-                         progress=False)
+            load_sharded(
+                ckpt, {"w": [["shardload.split", [[2, 4, 4], "float32"], 0]]}, sess, progress=False
+            )
         assert "the file changed" in str(err.value) and sorted(err.value.workers) == [0, 1]
 
 
@@ -282,8 +360,9 @@ def test_a_ranges_rule_that_disagrees_with_its_function_is_a_plan_error():
         rows = in_shape[0] // num_shards
         return Selection(0, ((index * rows, rows + 1),))
 
-    register_shard_func("tests.readplan.wrong_ranges", lambda x, out: None, shape_rule=rule,
-                        ranges=one_row_too_many)
+    register_shard_func(
+        "tests.readplan.wrong_ranges", lambda x, out: None, shape_rule=rule, ranges=one_row_too_many
+    )
     plan = {"x": [["tests.readplan.wrong_ranges", [[2, 4, 3], "float32"]]]}
     with ThreadedSession(2) as sess, pytest.raises(PlanError) as err:
         load_sharded({"x": torch.zeros(8, 3)}, plan, sess, progress=False)
@@ -292,6 +371,7 @@ def test_a_ranges_rule_that_disagrees_with_its_function_is_a_plan_error():
 
 
 # ---- checkpoints the real tools wrote -------------------------------------------------------------
+
 
 def test_the_published_smollm2_gguf_padded_at_4_reads_its_own_units(smollm2):
     # a real llama.cpp-quantized file (Q4_1 blocks, mixed types) and the planner's padded plan:
@@ -318,9 +398,14 @@ def test_a_transformers_checkpoint_reads_equal_compute(tmp_path, n):
 
     from shardload.planners import plan_for
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2,
-                                      vocab_size=96)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+    )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     with open_checkpoint(str(tmp_path)) as ckpt:

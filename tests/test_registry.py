@@ -9,12 +9,19 @@ import textwrap
 
 import numpy as np
 import pytest
-
-from shardload import (ArrayCheckpoint, ThreadedSession, UnknownShardFunctionError,
-                       get_shard_func, list_shard_funcs, load_plugins, load_sharded,
-                       register_shard_func)
 from helpers.subprocesses import subprocess_env
-from shardload import registry
+
+from shardload import (
+    ArrayCheckpoint,
+    ThreadedSession,
+    UnknownShardFunctionError,
+    get_shard_func,
+    list_shard_funcs,
+    load_plugins,
+    load_sharded,
+    register_shard_func,
+    registry,
+)
 
 
 def test_decorator_and_call_forms():
@@ -73,10 +80,15 @@ def test_unknown_name_without_close_match_lists_how_to_register():
     assert "--" not in str(info.value)
 
 
-@pytest.mark.parametrize("kwargs, exc", [
-    (dict(name=""), ValueError), (dict(name=" x"), ValueError), (dict(name=3), ValueError),
-    (dict(name="tests.reg.a", array="jax"), ValueError),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc",
+    [
+        (dict(name=""), ValueError),
+        (dict(name=" x"), ValueError),
+        (dict(name=3), ValueError),
+        (dict(name="tests.reg.a", array="jax"), ValueError),
+    ],
+)
 def test_bad_registrations(kwargs, exc):
     name = kwargs.pop("name")
     with pytest.raises(exc):
@@ -106,19 +118,25 @@ def test_arity_with_defaults_and_varargs():
 def test_list_is_sorted_and_has_the_builtins():
     names = [f.name for f in list_shard_funcs()]
     assert names == sorted(names)
-    assert {"shardload.split", "shardload.split_segments", "shardload.replicate",
-            "shardload.split_rebase"} <= set(names)
+    assert {
+        "shardload.split",
+        "shardload.split_segments",
+        "shardload.replicate",
+        "shardload.split_rebase",
+    } <= set(names)
 
 
 def test_plugin_module_named_by_the_user(tmp_path, monkeypatch):
-    (tmp_path / "my_shard_plugin.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_shard_plugin.py").write_text(
+        textwrap.dedent("""
         from shardload import register_shard_func
 
         @register_shard_func("my_org.halves", array="numpy")
         def halves(input, output):
             '''Two halves of axis 0.'''
             output[...] = input.reshape(output.shape)
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "my_shard_plugin", raising=False)
     load_plugins(["my_shard_plugin"])
@@ -132,19 +150,22 @@ def test_plugin_that_does_not_import():
 
 def test_entry_point_plugins_are_loaded(tmp_path, monkeypatch):
     # A real installed distribution, as pip would lay it out, advertising the entry point.
-    (tmp_path / "ep_plugin_mod.py").write_text(textwrap.dedent("""
+    (tmp_path / "ep_plugin_mod.py").write_text(
+        textwrap.dedent("""
         from shardload import register_shard_func
 
         @register_shard_func("ep_org.split0")
         def split0(input, output):
             '''Split axis 0 (from an entry point).'''
             output.copy_(input.reshape(output.shape))
-    """))
+    """)
+    )
     dist = tmp_path / "ep_plugin-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-plugin\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text(
-        "[shardload.shard_functions]\nep_plugin = ep_plugin_mod\n")
+        "[shardload.shard_functions]\nep_plugin = ep_plugin_mod\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "ep_plugin_mod", raising=False)
     assert "ep_plugin" in registry.load_entry_points()
@@ -156,20 +177,24 @@ def test_entry_points_load_on_first_lookup(tmp_path):
     # whose first use of the registry is this lookup.
     (tmp_path / "ep_lazy_mod.py").write_text(
         "from shardload import register_shard_func\n"
-        "register_shard_func('ep_org.lazy', lambda input, output: None)\n")
+        "register_shard_func('ep_org.lazy', lambda input, output: None)\n"
+    )
     dist = tmp_path / "ep_lazy-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-lazy\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[shardload.shard_functions]\nlazy = ep_lazy_mod\n")
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
-    script = ("import sys\n"
-              "from shardload import get_shard_func\n"
-              "assert 'ep_lazy_mod' not in sys.modules\n"
-              "print(get_shard_func('ep_org.lazy').name)\n")
+    script = (
+        "import sys\n"
+        "from shardload import get_shard_func\n"
+        "assert 'ep_lazy_mod' not in sys.modules\n"
+        "print(get_shard_func('ep_org.lazy').name)\n"
+    )
     # a hang guard: a fresh interpreter importing shardload, 1.2-1.9 s (measured on 2 shared cores)
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["ep_org.lazy"]
 
@@ -179,7 +204,8 @@ def test_broken_entry_point_is_named(tmp_path, monkeypatch):
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-broken\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text(
-        "[shardload.shard_functions]\nbroken = no_such_module_for_ep\n")
+        "[shardload.shard_functions]\nbroken = no_such_module_for_ep\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ImportError, match="entry point 'broken'"):
         registry.load_entry_points()
@@ -189,17 +215,17 @@ def test_a_plan_never_imports_what_it_names(tmp_path, monkeypatch):
     # A module that would register the function if imported: naming it in a plan must not.
     (tmp_path / "sneaky_mod.py").write_text(
         "import shardload\nshardload.register_shard_func('sneaky_mod.f', "
-        "lambda input, output: None)\nIMPORTED = True\n")
+        "lambda input, output: None)\nIMPORTED = True\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     plan = {"w": [["sneaky_mod.f", [[2, 2], "float32"]]]}
     with ThreadedSession(2) as sess, pytest.raises(UnknownShardFunctionError):
-        load_sharded(ArrayCheckpoint({"w": np.zeros(4, np.float32)}), plan, sess,
-                     progress=False)
+        load_sharded(ArrayCheckpoint({"w": np.zeros(4, np.float32)}), plan, sess, progress=False)
     assert "sneaky_mod" not in sys.modules
 
 
-
 # ---- the one table both registries are built on (shardload.table) --------------------------------
+
 
 def test_both_registries_keep_their_messages():
     from shardload.errors import UnknownSessionFunctionError
@@ -211,15 +237,19 @@ def test_both_registries_keep_their_messages():
     def second(input, output):
         pass
 
-    for register, kind in ((register_shard_func, "shard function"),
-                           (session_functions.register_session_func, "session function")):
+    for register, kind in (
+        (register_shard_func, "shard function"),
+        (session_functions.register_session_func, "session function"),
+    ):
         register("tests.reg.table", first)
         register("tests.reg.table", first)  # the same function again: harmless
         with pytest.raises(ValueError) as info:
             register("tests.reg.table", second)
         assert type(info.value) is ValueError
-        assert str(info.value) == (f"{kind} 'tests.reg.table' is already registered (by "
-                                   f"{first.__module__}); pass override=True to replace it")
+        assert str(info.value) == (
+            f"{kind} 'tests.reg.table' is already registered (by "
+            f"{first.__module__}); pass override=True to replace it"
+        )
         register("tests.reg.table", second, override=True)
     assert get_shard_func("tests.reg.table").func is second
     assert session_functions.get_session_func("tests.reg.table").func is second
@@ -248,16 +278,21 @@ def test_a_table_of_any_entries():
         size: int
         module: str = ""
 
-    table = Table("session kind", lambda name, known: LookupError(name, sorted(known)),
-                  same=lambda old, new: old.size == new.size)
+    table = Table(
+        "session kind",
+        lambda name, known: LookupError(name, sorted(known)),
+        same=lambda old, new: old.size == new.size,
+    )
     assert table.add(Kind("thread", 1, "mine")) == Kind("thread", 1, "mine")
     table.add(Kind("process", 2))
     table.add(Kind("thread", 1, "theirs"))  # the same by its judgement: it replaces the old
     assert table.get("thread").module == "theirs"
     with pytest.raises(ValueError) as info:
         table.add(Kind("process", 3))
-    assert str(info.value) == ("session kind 'process' is already registered (by unknown "
-                               "module); pass override=True to replace it")
+    assert str(info.value) == (
+        "session kind 'process' is already registered (by unknown "
+        "module); pass override=True to replace it"
+    )
     assert table.add(Kind("process", 3), override=True).size == 3
     assert table.names() == ["process", "thread"] == list(table)
     assert [k.name for k in table.entries()] == ["process", "thread"]

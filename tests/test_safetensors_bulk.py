@@ -27,8 +27,9 @@ from shardload.readers.base import TensorMeta
 _ITEM = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1, "I64": 8, "F8_E4M3": 1, "BOOL": 1}
 
 
-def _header(specs: list[tuple[str, str, list[int]]], metadata=None, *, order=None,
-            compact: bool = True) -> tuple[str, int]:
+def _header(
+    specs: list[tuple[str, str, list[int]]], metadata=None, *, order=None, compact: bool = True
+) -> tuple[str, int]:
     """A header text for ``(name, dtype, shape)`` specs laid out back to back, and its data
     length."""
     entries, offset = {}, 0
@@ -51,7 +52,8 @@ def _exact(text: str, data_len: int):
     begins, ends = st.array("q"), st.array("q")
     try:
         tensors = strict_json.loads_object(
-            text, st._entry_reader(Path("h.safetensors"), data_len, begins, ends, {}))
+            text, st._entry_reader(Path("h.safetensors"), data_len, begins, ends, {})
+        )
     except strict_json.NotAnObjectError:
         return FormatError("not an object")
     except (ValueError, FormatError) as exc:
@@ -76,23 +78,31 @@ def _agree(text: str, data_len: int) -> bool:
     return True
 
 
-SPECS = [("model.embed.weight", "BF16", [16, 8]), ("layers.0.w", "F8_E4M3", [8, 16]),
-         ("layers.0.w_scale", "F32", [1]), ("layers.0.empty", "F16", [0, 4]),
-         ("scalar", "I64", []), ("mask", "BOOL", [3, 1, 2]), ("layers.1.w", "U8", [5])]
+SPECS = [
+    ("model.embed.weight", "BF16", [16, 8]),
+    ("layers.0.w", "F8_E4M3", [8, 16]),
+    ("layers.0.w_scale", "F32", [1]),
+    ("layers.0.empty", "F16", [0, 4]),
+    ("scalar", "I64", []),
+    ("mask", "BOOL", [3, 1, 2]),
+    ("layers.1.w", "U8", [5]),
+]
 VALID = {
     "compact": _header(SPECS),
     "spaced": _header(SPECS, compact=False),
     "metadata": _header(SPECS, {"format": "pt", "note": "a: b, c"}),
     "metadata last": (lambda t: (t[0][:-1] + ',"__metadata__":{"format":"pt"}}', t[1]))(
-        _header(SPECS)),
+        _header(SPECS)
+    ),
     "empty metadata": _header(SPECS, {}),
     "no tensors": ('{"__metadata__":{"format":"pt"}}', 0),
     "empty object": ("{}", 0),
     "padded": (_header(SPECS)[0] + "    ", _header(SPECS)[1]),
     "colon in a name": _header([("a:b", "F32", [2]), ("c::d", "U8", [1])]),
     # a name ending in '},' looks like where a member ends: '"a},":...'
-    "cut trap in a name": _header([("a},", "F32", [2]), ("b}, ", "U8", [3]),
-                                   ("x" * 40, "F16", [1]), ("c},", "F32", [1])]),
+    "cut trap in a name": _header(
+        [("a},", "F32", [2]), ("b}, ", "U8", [3]), ("x" * 40, "F16", [1]), ("c},", "F32", [1])]
+    ),
     "not ASCII": _header([("gewicht.ä", "F32", [1]), ("权重", "U8", [2])]),
     "zero dims": _header([("z", "F32", [0]), ("zz", "U8", [0, 0, 7])]),
     "many": _header([(f"t.{i}", "F16", [i % 7, 3]) for i in range(3000)]),
@@ -126,28 +136,33 @@ E = _entry_text()
 REFUSED = {
     "duplicate name": '{"a":%s,"a":%s}' % (E, E),
     # (416 bytes of data: in pieces of 30 characters, the two are in different pieces)
-    "duplicate name, far apart": ("{" + ",".join(
-        [f'"a":{_entry_text(offsets="[0,8]")}']
-        + [f'"t{i}":{_entry_text(offsets=f"[{8 + 8 * i},{16 + 8 * i}]")}' for i in range(50)]
-        + [f'"a":{_entry_text(offsets="[408,416]")}']) + "}", 416),
+    "duplicate name, far apart": (
+        "{"
+        + ",".join(
+            [f'"a":{_entry_text(offsets="[0,8]")}']
+            + [f'"t{i}":{_entry_text(offsets=f"[{8 + 8 * i},{16 + 8 * i}]")}' for i in range(50)]
+            + [f'"a":{_entry_text(offsets="[408,416]")}']
+        )
+        + "}",
+        416,
+    ),
     "duplicate field": '{"a":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
     "duplicate metadata key": '{"__metadata__":{"k":"v","k":"w"},"a":%s}' % E,
     "duplicate metadata": '{"__metadata__":{},"a":%s,"__metadata__":{}}' % E,
     "duplicate and a colon": '{"__metadata__":{"k:":"v:"},"a":%s,"a":%s}' % (E, E),
     "float dim": '{"a":%s}' % _entry_text(shape="[2.0]"),
     "exponent dim": '{"a":%s}' % _entry_text(shape="[2e0]"),
-    "bool dim": '{"a":%s,"b":%s}' % (_entry_text(shape="[1]", offsets="[0,4]"),
-                                     _entry_text(shape="[true]", offsets="[4,8]")),
+    "bool dim": '{"a":%s,"b":%s}'
+    % (_entry_text(shape="[1]", offsets="[0,4]"), _entry_text(shape="[true]", offsets="[4,8]")),
     "bool offset": '{"a":%s}' % _entry_text(shape="[1]", offsets="[false,4]"),
     "null dim": '{"a":%s}' % _entry_text(shape="[null]"),
     "string dim": '{"a":%s}' % _entry_text(shape='["2"]'),
     "nested dim": '{"a":%s}' % _entry_text(shape="[[2]]"),
     "negative dim": '{"a":%s}' % _entry_text(shape="[-2]"),
     "dim past 2**53": '{"a":%s}' % _entry_text(shape=f"[{2**53 + 1}]", offsets="[0,0]"),
-    "65 dims": '{"a":%s}' % _entry_text(shape="[" + ",".join(["1"] * 65) + "]",
-                                        offsets="[0,4]"),
-    "empty but overflowing": '{"a":%s}' % _entry_text(shape=f"[0,{2**40},{2**30}]",
-                                                      offsets="[0,0]"),
+    "65 dims": '{"a":%s}' % _entry_text(shape="[" + ",".join(["1"] * 65) + "]", offsets="[0,4]"),
+    "empty but overflowing": '{"a":%s}'
+    % _entry_text(shape=f"[0,{2**40},{2**30}]", offsets="[0,0]"),
     "shape a string": '{"a":%s}' % _entry_text(shape='""', offsets="[0,4]"),
     "shape an object": '{"a":%s}' % _entry_text(shape="{}", offsets="[0,4]"),
     "offsets a string": '{"a":%s}' % _entry_text(offsets='"08"'),
@@ -202,11 +217,11 @@ def _mutate(text: str, rng: random.Random) -> str:
                 continue
         i = rng.randrange(len(text) + 1)
         if kind < 0.6:
-            text = text[:i] + rng.choice(_ALPHABET) + text[i + 1:]
+            text = text[:i] + rng.choice(_ALPHABET) + text[i + 1 :]
         elif kind < 0.8:
             text = text[:i] + rng.choice(_ALPHABET) + text[i:]
         else:
-            text = text[:i] + text[i + rng.randint(1, 4):]
+            text = text[:i] + text[i + rng.randint(1, 4) :]
     return text
 
 
@@ -216,8 +231,17 @@ def test_fuzzed_headers_agree(monkeypatch, seed):
     member repeated), in pieces large and small: the bulk check never accepts what the reader
     refuses, and what it accepts it reads the same."""
     rng = random.Random(seed)
-    bases = [VALID[k] for k in ("compact", "spaced", "metadata", "colon in a name",
-                                "cut trap in a name", "zero dims")]
+    bases = [
+        VALID[k]
+        for k in (
+            "compact",
+            "spaced",
+            "metadata",
+            "colon in a name",
+            "cut trap in a name",
+            "zero dims",
+        )
+    ]
     accepted = 0
     for _ in range(600):
         text, data_len = rng.choice(bases)
@@ -233,20 +257,27 @@ def test_a_checkpoint_opens_the_same_either_way(tmp_path, monkeypatch):
     weight_map = {}
     for k in range(4):
         specs = [(f"layers.{k}.{j}.w", "F16", [k + 1, j + 2]) for j in range(30)]
-        text, data_len = _header(specs, {"format": "pt", "shard": str(k)},
-                                 order=[s[0] for s in reversed(specs)] if k == 2 else None)
+        text, data_len = _header(
+            specs,
+            {"format": "pt", "shard": str(k)},
+            order=[s[0] for s in reversed(specs)] if k == 2 else None,
+        )
         raw = text.encode()
         name = f"model-{k:05d}-of-00004.safetensors"
         (tmp_path / name).write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data_len))
         weight_map.update((s[0], name) for s in specs)
-    (tmp_path / st.INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": 1},
-                                                      "weight_map": weight_map}))
+    (tmp_path / st.INDEX_NAME).write_text(
+        json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map})
+    )
 
     def opened():
         with open_checkpoint(tmp_path) as ckpt:
-            return (list(ckpt.metadata().items()),
-                    [ckpt.byte_range(n) for n in ckpt.metadata()],
-                    ckpt.file_metadata, ckpt.index_metadata)
+            return (
+                list(ckpt.metadata().items()),
+                [ckpt.byte_range(n) for n in ckpt.metadata()],
+                ckpt.file_metadata,
+                ckpt.index_metadata,
+            )
 
     fast = opened()
     monkeypatch.setattr(st, "parse_header", lambda *args: None)
@@ -260,8 +291,9 @@ def test_an_index_that_lies_is_still_named(tmp_path):
     text, data_len = _header([("a", "F32", [1]), ("b", "F32", [1])])
     raw = text.encode()
     (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data_len))
-    (tmp_path / st.INDEX_NAME).write_text(json.dumps(
-        {"weight_map": {"a": "m.safetensors", "c": "m.safetensors"}}))
+    (tmp_path / st.INDEX_NAME).write_text(
+        json.dumps({"weight_map": {"a": "m.safetensors", "c": "m.safetensors"}})
+    )
     with pytest.raises(FormatError, match="puts this tensor in 'm.safetensors'") as info:
         open_checkpoint(tmp_path)
     assert info.value.tensor == "c"

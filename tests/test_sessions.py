@@ -3,20 +3,29 @@ get_value, errors, and what session functions see of the shards."""
 
 from __future__ import annotations
 
+import helpers.process_plugins
 import numpy as np
 import pytest
 import torch
 
-import helpers.process_plugins  # noqa: F401  (session functions, registered here and in workers)
-from shardload import (REPLICATE, ProcessSession, SessionClosedError, ShardloadError,
-                       ThreadedSession, UnknownSessionFunctionError, WorkerError, load_sharded)
+from shardload import (
+    REPLICATE,
+    ProcessSession,
+    SessionClosedError,
+    ShardloadError,
+    ThreadedSession,
+    UnknownSessionFunctionError,
+    WorkerError,
+    load_sharded,
+)
 from shardload.sessions import resolve_devices
 
 
 @pytest.fixture(scope="module", params=["thread", "process"])
 def sess(request):
-    session = (ThreadedSession(2) if request.param == "thread"
-               else ProcessSession(2, distributed=False))
+    session = (
+        ThreadedSession(2) if request.param == "thread" else ProcessSession(2, distributed=False)
+    )
     yield session
     session.close()
 
@@ -41,8 +50,9 @@ def test_values_round_trip(sess):
     assert sess.call("tests.process.read_value", "j") == [{"k": [1, 2.5, None, "s"]}, None]
 
 
-@pytest.mark.parametrize("bad, exc", [(object(), TypeError), (float("nan"), ValueError),
-                                      ({1, 2}, TypeError)])
+@pytest.mark.parametrize(
+    "bad, exc", [(object(), TypeError), (float("nan"), ValueError), ({1, 2}, TypeError)]
+)
 def test_values_json_cannot_carry_are_refused_here(sess, bad, exc):
     with pytest.raises(exc):
         sess.set_value(0, "x", bad)
@@ -64,37 +74,50 @@ def test_a_closed_session_raises_its_own_error(kind):
     """Every operation of a closed session is one ``SessionClosedError`` (a ``ShardloadError``,
     and a ``RuntimeError`` as before it had a class), naming the kind of session and what to
     do."""
-    session = (ThreadedSession(2) if kind == "thread"
-               else ProcessSession(2, distributed=False))
+    session = ThreadedSession(2) if kind == "thread" else ProcessSession(2, distributed=False)
     session.close()
     name = type(session).__name__
-    for use in (lambda: session.call("tests.process.rank"),
-                lambda: session.run("tests.process.rank", [(), ()]),
-                lambda: session.set_value(0, "x", 1), lambda: session.get_value(1, "x"),
-                lambda: load_sharded({"a": np.zeros(2)}, REPLICATE, session, progress=False)):
+    for use in (
+        lambda: session.call("tests.process.rank"),
+        lambda: session.run("tests.process.rank", [(), ()]),
+        lambda: session.set_value(0, "x", 1),
+        lambda: session.get_value(1, "x"),
+        lambda: load_sharded({"a": np.zeros(2)}, REPLICATE, session, progress=False),
+    ):
         with pytest.raises(SessionClosedError) as info:
             use()
         err = info.value
         assert type(err) is SessionClosedError
         assert isinstance(err, ShardloadError) and isinstance(err, RuntimeError)
         assert (err.session, err.worker, err.param) == (name, None, None)
-        assert str(err) == (f"this {name} is closed (by close() or its with block ending, or "
-                            "by itself after a crash, Ctrl-C or a timeout), so it runs nothing "
-                            "more; open a new session to go on")
+        assert str(err) == (
+            f"this {name} is closed (by close() or its with block ending, or "
+            "by itself after a crash, Ctrl-C or a timeout), so it runs nothing "
+            "more; open a new session to go on"
+        )
     session.close()  # still fine
 
 
-@pytest.mark.parametrize("n, message", [
-    (0, "num_workers must be a positive integer, at most 4096, got 0"),
-    (True, "num_workers must be a positive integer, at most 4096, got True"),
-    ("2", "num_workers must be a positive integer, at most 4096, got '2'"),
-    (4097, "num_workers is 4097, more than the 4096 workers shardload runs in one session "
-           "(each is a thread or a process)"),
-])
+@pytest.mark.parametrize(
+    "n, message",
+    [
+        (0, "num_workers must be a positive integer, at most 4096, got 0"),
+        (True, "num_workers must be a positive integer, at most 4096, got True"),
+        ("2", "num_workers must be a positive integer, at most 4096, got '2'"),
+        (
+            4097,
+            "num_workers is 4097, more than the 4096 workers shardload runs in one session "
+            "(each is a thread or a process)",
+        ),
+    ],
+)
 def test_the_number_of_workers_is_checked_once_for_every_session(n, message):
     # limits.num_shards_problem: the same clause a plan bound to that N gets
-    for make in (lambda: resolve_devices("cpu", n), lambda: ThreadedSession(n),
-                 lambda: ProcessSession(n)):
+    for make in (
+        lambda: resolve_devices("cpu", n),
+        lambda: ThreadedSession(n),
+        lambda: ProcessSession(n),
+    ):
         with pytest.raises(ValueError) as info:
             make()
         assert type(info.value) is ValueError and str(info.value) == message
@@ -109,7 +132,7 @@ import helpers.group_plugins  # noqa: E402,F401  (session functions using ctx.gr
 def test_threads_reduce_and_broadcast_the_same_bits_on_every_worker(n):
     with ThreadedSession(n) as session:
         results = session.call("tests.groups.rounds", 3)
-    want = [[sum(10.0 ** w for w in range(n)) + n * r, 100.0 * (r % n) + r] for r in range(3)]
+    want = [[sum(10.0**w for w in range(n)) + n * r, 100.0 * (r % n) + r] for r in range(3)]
     assert results == [want] * n
 
 
@@ -120,9 +143,12 @@ def test_process_workers_reduce_over_their_own_group():
 
 def test_process_workers_without_a_group_say_so():
     with ProcessSession(2, distributed=False) as session:
-        with pytest.raises(WorkerError, match=r"ShardloadError: worker [01] has no collectives: "
-                                              r"its ProcessSession was opened with "
-                                              r"distributed=False"):
+        with pytest.raises(
+            WorkerError,
+            match=r"ShardloadError: worker [01] has no collectives: "
+            r"its ProcessSession was opened with "
+            r"distributed=False",
+        ):
             session.call("tests.groups.rounds", 1)
 
 
@@ -136,7 +162,7 @@ def test_a_failing_thread_stops_the_others_waiting_in_a_collective():
         # the failure is the one reported, alone: the waiting workers stopped, quietly
         assert err.value.workers == (1,)
         assert "ValueError: worker 1 fails on purpose" in str(err.value)
-        assert time.monotonic() - start < 10      # measured: 0.2 s; without the abort, never
+        assert time.monotonic() - start < 10  # measured: 0.2 s; without the abort, never
         # the broken barrier is mended: the next run's collectives work
         assert session.call("tests.groups.rounds", 1) == [[[111.0, 0.0]]] * 3
 
@@ -148,5 +174,5 @@ def test_the_workers_group_is_nccl_only_where_each_has_a_gpu_of_its_own():
         return group_backend([torch.device(n) for n in names])
 
     assert backend("cuda:0", "cuda:1", "cuda:2") == "nccl"
-    assert backend("cuda:0", "cuda:1", "cuda:0") == "gloo"   # more workers than GPUs
+    assert backend("cuda:0", "cuda:1", "cuda:0") == "gloo"  # more workers than GPUs
     assert backend("cpu", "cpu") == "gloo" and backend("cuda:0", "cpu") == "gloo"

@@ -21,17 +21,27 @@ import textwrap
 import time
 
 import pytest
-
 from helpers import process_plugins, startup_plugins  # noqa: F401 - the workers' functions
-from helpers.process_sessions import (WORKER_MODULE, describe, is_server, kill_all, own_session,
-                                      proc_cmdline, proc_stat, still_works, wait_gone)
+from helpers.process_sessions import (
+    WORKER_MODULE,
+    describe,
+    is_server,
+    kill_all,
+    own_session,
+    proc_cmdline,
+    proc_stat,
+    still_works,
+    wait_gone,
+)
+
 from shardload.errors import WorkerCrashedError
 from shardload.sessions import ProcessSession, forkserver
 from shardload.sessions.functions import unregister_session_func
 from shardload.sessions.process import START_ENV, default_start_method
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="forks workers; checks them through /proc")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="forks workers; checks them through /proc"
+)
 
 PLUGIN = startup_plugins.__name__
 
@@ -114,13 +124,15 @@ def test_a_forked_worker_starts_as_a_fresh_interpreter_would(tmp_path, monkeypat
     plugin_dir = tmp_path / "plugins"
     plugin_dir.mkdir()
     name = f"startup_tmp_plugin_{os.getpid()}"
-    (plugin_dir / f"{name}.py").write_text(textwrap.dedent(f"""
+    (plugin_dir / f"{name}.py").write_text(
+        textwrap.dedent("""
         from shardload import register_session_func
 
         @register_session_func("tests.startup.tmp_plugin")
         def here(ctx):
             return __file__
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(plugin_dir))
     monkeypatch.setenv("SHARDLOAD_TEST_STARTUP", "set after the server started")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -187,9 +199,14 @@ print(server, forkserver.server_pid(), *second.pids, flush=True)
 def test_shutdown_then_a_new_server_and_nothing_left_at_exit(tmp_path):
     from helpers.subprocesses import subprocess_env
 
-    proc = subprocess.run([sys.executable, "-c", "import helpers.process_plugins\n"
-                           + SHUTDOWN_AND_EXIT], cwd=tmp_path, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import helpers.process_plugins\n" + SHUTDOWN_AND_EXIT],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = proc.stdout.splitlines()
     pids = [int(p) for p in lines[-1].split()] if lines else []
     try:

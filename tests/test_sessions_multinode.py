@@ -13,10 +13,10 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from helpers.paths import EXAMPLE
 from helpers.subprocesses import torchrun_nodes
+from safetensors.torch import load_file
+
 from shardload import ThreadedSession, load_sharded, open_checkpoint
 from shardload.frontdoor import resolve_plan
 from shardload.readplan import read_plan_for
@@ -30,8 +30,11 @@ ANSWER_S = 90
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +70,12 @@ def check_job(jobs, out, reference, planned) -> None:
     ranks = reports(out)
     assert sorted(ranks) == list(range(WORLD))
     # two launchers, two ranks each: ranks of one job from two nodes
-    assert sorted((r["launcher"], r["local_rank"]) for r in ranks.values()) == \
-        [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert sorted((r["launcher"], r["local_rank"]) for r in ranks.values()) == [
+        ("0", "0"),
+        ("0", "1"),
+        ("1", "0"),
+        ("1", "1"),
+    ]
     assert {r["group_rank"] for r in ranks.values()} == {"0", "1"}
     whole = os.path.getsize(os.path.join(EXAMPLE, "model.safetensors"))
     for rank, report in ranks.items():
@@ -96,8 +103,9 @@ def s3():
 
 
 @pytest.mark.slow  # a job of two launchers
-def test_two_launchers_load_each_ranks_own_pieces_from_object_storage(tmp_path, s3, reference,
-                                                                       planned):
+def test_two_launchers_load_each_ranks_own_pieces_from_object_storage(
+    tmp_path, s3, reference, planned
+):
     s3.make_bucket(BUCKET)
     for name in ("model.safetensors", "shard_info.json", "config.json"):
         with open(os.path.join(EXAMPLE, name), "rb") as f:
@@ -107,8 +115,9 @@ def test_two_launchers_load_each_ranks_own_pieces_from_object_storage(tmp_path, 
     # with no over-read (the tiny checkpoint's gaps are all under the 1 MiB a rank reads
     # through by default), a rank fetches exactly its spans
     env = {**s3.subprocess_env(), "SHARDLOAD_OBJECT_MAX_GAP_KB": "0"}
-    jobs = torchrun_nodes(*JOB, "load", str(tmp_path), s3.url(BUCKET, "tiny/"), env=env,
-                          timeout=ANSWER_S)
+    jobs = torchrun_nodes(
+        *JOB, "load", str(tmp_path), s3.url(BUCKET, "tiny/"), env=env, timeout=ANSWER_S
+    )
     check_job(jobs, tmp_path, reference, planned)
     # the store's own count: each rank's header and its planned spans, nothing else
     with open(os.path.join(EXAMPLE, "model.safetensors"), "rb") as f:
@@ -142,8 +151,9 @@ def test_a_rank_that_dies_fails_the_other_node_naming_it(tmp_path):
     for report in ranks.values():
         assert report["raised"] == "WorkerCrashedError", report
         assert report["worker"] == failing, report
-        assert report["message"].startswith(f"worker {failing} died while loading <memory>: "
-                                            "its process ended"), report
+        assert report["message"].startswith(
+            f"worker {failing} died while loading <memory>: its process ended"
+        ), report
     # and both launchers exit, failed (within ANSWER_S: not a hang)
     assert [job.returncode != 0 for job in jobs] == [True, True]
 
@@ -171,19 +181,33 @@ def test_a_rank_that_freezes_ends_the_other_ranks_naming_it(tmp_path):
     failing = failing_rank(tmp_path)
     assert reports(tmp_path) == {}  # nobody finished the load
     for job in jobs:
-        said = re.findall(r"shardload: rank (\d) failed while loading <memory>: (.*); ending "
-                          r"this rank \(exit 1\)", job.stderr)
+        said = re.findall(
+            r"shardload: rank (\d) failed while loading <memory>: (.*); ending "
+            r"this rank \(exit 1\)",
+            job.stderr,
+        )
         assert said, job.stderr[-3000:]
         for rank, why in said:
             assert int(rank) != failing and why.startswith(
-                f"rank {failing} stopped answering: no heartbeat for 5 s"), why
+                f"rank {failing} stopped answering: no heartbeat for 5 s"
+            ), why
         assert job.returncode != 0
 
 
 @pytest.mark.slow  # a job of two launchers
 def test_cli_under_two_launchers_reports_once(reference):
-    jobs = torchrun_nodes("-m", "shardload", "load", "--session", "torch", "--shards",
-                          str(WORLD), "--json", EXAMPLE, timeout=ANSWER_S)
+    jobs = torchrun_nodes(
+        "-m",
+        "shardload",
+        "load",
+        "--session",
+        "torch",
+        "--shards",
+        str(WORLD),
+        "--json",
+        EXAMPLE,
+        timeout=ANSWER_S,
+    )
     for job in jobs:
         assert job.returncode == 0, job.stderr[-3000:]
     lines = [line for job in jobs for line in job.stdout.splitlines() if line.startswith("{")]
@@ -226,8 +250,13 @@ def test_a_rank_takes_the_gpu_of_its_local_rank_not_of_its_rank(monkeypatch):
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+    for key, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }.items():
         monkeypatch.setenv(key, value)
     with TorchDistributedSession(backend="gloo") as sess:
         assert sess.device == torch.device("cuda", 1) and chosen == [sess.device]

@@ -34,26 +34,46 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import process_plugins
+from helpers.process_sessions import (
+    MIXED_PLAN,
+    assert_shards,
+    describe,
+    expected_shards,
+    is_server,
+    is_worker,
+    kill_all,
+    own_session,
+    proc_cmdline,
+    proc_stat,
+    sample_arrays,
+    servers_of,
+    split_entry,
+    still_works,
+    wait_gone,
+    worker_children,
+)
+from helpers.subprocesses import default_sigint, subprocess_env
 from safetensors.numpy import save_file
 
-from helpers.subprocesses import default_sigint, subprocess_env
-from helpers import process_plugins
-from helpers.process_sessions import (MIXED_PLAN, assert_shards, describe, expected_shards,
-                                      is_server, is_worker, kill_all, own_session, proc_cmdline,
-                                      proc_stat, sample_arrays, servers_of, split_entry,
-                                      still_works, wait_gone, worker_children)
 from shardload import load_sharded, register_session_func
 from shardload.cli import cli
-from shardload.errors import (PlanError, SessionClosedError, ShardloadError,
-                              UnknownSessionFunctionError, WorkerCrashedError, WorkerError)
+from shardload.errors import (
+    PlanError,
+    SessionClosedError,
+    ShardloadError,
+    UnknownSessionFunctionError,
+    WorkerCrashedError,
+    WorkerError,
+)
 from shardload.registry import register_shard_func
-from shardload.sessions import ProcessSession
-from shardload.sessions import forkserver
+from shardload.sessions import ProcessSession, forkserver
 from shardload.sessions import process as process_module
 from shardload.sessions.functions import unregister_session_func
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="checks worker processes through /proc")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="checks worker processes through /proc"
+)
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "tiny_llama_q4"
@@ -65,6 +85,7 @@ GONE_S = process_module.GRACE_S / 2
 
 
 # ---- processes (reading /proc, waiting, killing: helpers.process_sessions) ----------------------
+
 
 def _kill_popen(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
@@ -92,6 +113,7 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
 
 # ---- the shared session --------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def sess():
     """One two-worker session for the tests that leave it usable."""
@@ -105,6 +127,7 @@ def sess():
 
 
 # ---- 1. basics -----------------------------------------------------------------------------------
+
 
 def test_workers_are_live_processes_forked_by_this_process_s_server(sess):
     pids = sess.pids
@@ -120,8 +143,10 @@ def test_workers_are_live_processes_forked_by_this_process_s_server(sess):
         assert is_worker(pid), proc_cmdline(pid)
     assert worker_children(os.getpid()) == sorted(pids)
     envs = sess.call("tests.process.env")
-    assert envs == [{"pid": pids[0], "rank": "0", "world_size": "2"},
-                    {"pid": pids[1], "rank": "1", "world_size": "2"}]
+    assert envs == [
+        {"pid": pids[0], "rank": "0", "world_size": "2"},
+        {"pid": pids[1], "rank": "1", "world_size": "2"},
+    ]
     assert repr(sess) == f"ProcessSession(num_workers=2, pids={pids})"
 
 
@@ -174,8 +199,10 @@ def test_call_session_functions(sess):
     for rank, got in enumerate(tensors):
         assert isinstance(got, torch.Tensor) and got.device.type == "cpu"
         assert torch.equal(got, torch.arange(6, dtype=torch.float32).reshape(2, 3) * (rank + 1))
-    assert sess.call("tests.process.all_reduce") == [
-        {"sum": 3, "backend": "gloo", "world_size": 2}] * 2
+    assert (
+        sess.call("tests.process.all_reduce")
+        == [{"sum": 3, "backend": "gloo", "world_size": 2}] * 2
+    )
 
 
 def test_set_value_then_get_value_and_ctx_values(sess):
@@ -243,17 +270,21 @@ def test_non_json_argument_is_refused_in_this_process(sess):
 
 # ---- 2. a function only this process has ---------------------------------------------------------
 
+
 def test_closure_shard_function_is_plan_error_before_loading(sess):
     calls = []
 
-    @register_shard_func("tests.process.closure", array="numpy",
-                         shape_rule=process_plugins.SPLIT_RULE)
+    @register_shard_func(
+        "tests.process.closure", array="numpy", shape_rule=process_plugins.SPLIT_RULE
+    )
     def closure(input, dim, output):  # defined here: no worker process can import it
         calls.append(dim)
         output[...] = np.stack(np.split(input, output.shape[0], axis=dim))
 
-    arrays = {"closure_replicated": np.ones(4, dtype=np.float32),
-              "closure_w": np.arange(16, dtype=np.float32).reshape(4, 4)}
+    arrays = {
+        "closure_replicated": np.ones(4, dtype=np.float32),
+        "closure_w": np.arange(16, dtype=np.float32).reshape(4, 4),
+    }
     plan = {"closure_w": split_entry("tests.process.closure", 4, 4, "float32")}
     start = time.monotonic()
     with pytest.raises(PlanError) as info:
@@ -298,11 +329,16 @@ def test_closure_session_function_is_refused_before_any_work(sess):
 
 # ---- 3. a failure on one worker ------------------------------------------------------------------
 
+
 def test_shard_function_raising_on_one_worker(sess):
-    arrays = {"ok": np.arange(8, dtype=np.float32).reshape(4, 2),
-              "bad": np.arange(16, dtype=np.float32).reshape(4, 4)}
-    plan = {"ok": split_entry("tests.process.split", 4, 2, "float32"),
-            "bad": split_entry("tests.process.fail_on_1", 4, 4, "float32")}
+    arrays = {
+        "ok": np.arange(8, dtype=np.float32).reshape(4, 2),
+        "bad": np.arange(16, dtype=np.float32).reshape(4, 4),
+    }
+    plan = {
+        "ok": split_entry("tests.process.split", 4, 2, "float32"),
+        "bad": split_entry("tests.process.fail_on_1", 4, 4, "float32"),
+    }
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
         load_sharded(arrays, plan, sess, progress=False)
@@ -315,8 +351,9 @@ def test_shard_function_raising_on_one_worker(sess):
     failure = err.failures[0]
     assert failure.worker == 1
     assert failure.exc_type == "ValueError"
-    assert failure.message == ("parameter 'bad', step 0 (tests.process.fail_on_1): "
-                               "fail_on_1 refuses to run on worker 1")
+    assert failure.message == (
+        "parameter 'bad', step 0 (tests.process.fail_on_1): fail_on_1 refuses to run on worker 1"
+    )
     assert "in fail_on_1" in failure.traceback
     assert err.traceback == failure.traceback
     assert str(err).startswith("worker 1 failed while loading ")
@@ -325,6 +362,7 @@ def test_shard_function_raising_on_one_worker(sess):
 
 
 # ---- 4. a worker killed mid-load -----------------------------------------------------------------
+
 
 def test_worker_killed_mid_load_is_crash_and_closes_session():
     arrays = {f"t{k}": np.full((4, 4), k, dtype=np.float32) for k in range(4)}
@@ -348,11 +386,13 @@ def test_worker_killed_mid_load_is_crash_and_closes_session():
         left = wait_gone(pids, 5)
         assert not left, f"still there: {describe(left)}"
         assert "closed" in repr(sess)
-        for use in (lambda: sess.call("tests.process.rank"),
-                    lambda: sess.set_value(0, "x", 1),
-                    lambda: sess.get_value(0, "x"),
-                    lambda: earlier.shard("w", 0),
-                    lambda: load_sharded(sample_arrays(), MIXED_PLAN, sess, progress=False)):
+        for use in (
+            lambda: sess.call("tests.process.rank"),
+            lambda: sess.set_value(0, "x", 1),
+            lambda: sess.get_value(0, "x"),
+            lambda: earlier.shard("w", 0),
+            lambda: load_sharded(sample_arrays(), MIXED_PLAN, sess, progress=False),
+        ):
             with pytest.raises(RuntimeError, match="closed"):
                 use()
         sess.close()  # still fine
@@ -391,6 +431,7 @@ def test_exception_in_controller_mid_load_closes_session_promptly():
 
 # ---- 5. close ------------------------------------------------------------------------------------
 
+
 def test_close_is_idempotent_and_stops_every_worker():
     with own_session(2) as sess:
         pids = list(sess.pids)
@@ -422,7 +463,7 @@ def test_a_piece_asked_for_after_close_says_it_went_with_its_worker_process():
     arrays = sample_arrays()
     with own_session(2, distributed=False) as sess:
         result = load_sharded(arrays, MIXED_PLAN, sess, progress=False)
-        fetched = result.shard("w", 1)              # a copy, in this process
+        fetched = result.shard("w", 1)  # a copy, in this process
         everything = result.worker(0)
     for ask in (lambda: result.shard("w", 1), lambda: result.worker(1)):
         with pytest.raises(SessionClosedError) as info:
@@ -435,7 +476,8 @@ def test_a_piece_asked_for_after_close_says_it_went_with_its_worker_process():
             "worker 1's piece of 'w' was asked for, but the ProcessSession is closed: a worker "
             "process's pieces live in that process and went with it. Fetch or copy what you "
             "need (sharded.shard(name, worker), sharded.worker(worker)) before closing the "
-            "session.")
+            "session."
+        )
     np.testing.assert_array_equal(fetched.numpy(), expected_shards(arrays, 1, 2)["w"])
     for name, want in expected_shards(arrays, 0, 2).items():
         np.testing.assert_array_equal(everything[name].numpy(), want)
@@ -444,17 +486,22 @@ def test_a_piece_asked_for_after_close_says_it_went_with_its_worker_process():
 def test_a_closed_session_refuses_requests_with_its_own_error():
     with own_session(2, distributed=False) as sess:
         pass
-    for use in (lambda: sess.call("tests.process.rank"), lambda: sess.set_value(0, "x", 1),
-                lambda: sess.get_value(1, "x"),
-                lambda: load_sharded(sample_arrays(), MIXED_PLAN, sess, progress=False)):
+    for use in (
+        lambda: sess.call("tests.process.rank"),
+        lambda: sess.set_value(0, "x", 1),
+        lambda: sess.get_value(1, "x"),
+        lambda: load_sharded(sample_arrays(), MIXED_PLAN, sess, progress=False),
+    ):
         with pytest.raises(SessionClosedError) as info:
             use()
         err = info.value
         assert type(err) is SessionClosedError and isinstance(err, RuntimeError)
         assert (err.session, err.worker, err.param) == ("ProcessSession", None, None)
-        assert str(err) == ("this ProcessSession is closed (by close() or its with block "
-                            "ending, or by itself after a crash, Ctrl-C or a timeout), so it "
-                            "runs nothing more; open a new session to go on")
+        assert str(err) == (
+            "this ProcessSession is closed (by close() or its with block "
+            "ending, or by itself after a crash, Ctrl-C or a timeout), so it "
+            "runs nothing more; open a new session to go on"
+        )
 
 
 def test_leaving_with_block_stops_every_worker():
@@ -500,9 +547,14 @@ print(forkserver.server_pid(), *session.pids, flush=True)
 
 @pytest.mark.slow
 def test_interpreter_exit_with_open_session_stops_workers(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", OPEN_AND_EXIT], cwd=tmp_path,
-                            env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", OPEN_AND_EXIT],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pids = []
     try:
         stdout, stderr = proc.communicate(timeout=60)
@@ -511,8 +563,7 @@ def test_interpreter_exit_with_open_session_stops_workers(tmp_path):
         assert stderr == ""
         assert len(pids) == 3  # the fork server and two workers
         left = wait_gone(pids, 5)
-        assert not left, f"workers or their fork server outlived the interpreter: " \
-                         f"{describe(left)}"
+        assert not left, f"workers or their fork server outlived the interpreter: {describe(left)}"
     finally:
         _kill_popen(proc)
         kill_all(pids)
@@ -547,9 +598,13 @@ time.sleep(120)
 
 @pytest.mark.slow
 def test_workers_exit_when_controller_is_killed(tmp_path):
-    wrapper = subprocess.Popen([sys.executable, "-c", SUBREAPER, OPEN_AND_SLEEP], cwd=tmp_path,
-                               env=subprocess_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
+    wrapper = subprocess.Popen(
+        [sys.executable, "-c", SUBREAPER, OPEN_AND_SLEEP],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     pids = []
     try:
         line = _read_line(wrapper, 60)
@@ -562,8 +617,7 @@ def test_workers_exit_when_controller_is_killed(tmp_path):
         os.kill(controller, signal.SIGKILL)
         killed = time.monotonic()
         left = wait_gone([server, *workers], 5)
-        assert not left, f"the fork server or workers outlived their controller: " \
-                         f"{describe(left)}"
+        assert not left, f"the fork server or workers outlived their controller: {describe(left)}"
         # measured 0.05 s here (idle, both cores busy); a hang check with a wide margin
         assert time.monotonic() - killed < 5
         wrapper.wait(timeout=5)
@@ -575,23 +629,46 @@ def test_workers_exit_when_controller_is_killed(tmp_path):
 
 # ---- 8. Ctrl-C in the CLI ------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_ctrl_c_in_cli_exits_130_and_stops_workers(tmp_path):
     count = 40  # 40 x 0.2 s: about 8 s if left alone
     ckpt = tmp_path / "slow"
     ckpt.mkdir()
-    save_file({f"t{k:02d}": np.full((4, 4), k, dtype=np.float32) for k in range(count)},
-              str(ckpt / "model.safetensors"))
+    save_file(
+        {f"t{k:02d}": np.full((4, 4), k, dtype=np.float32) for k in range(count)},
+        str(ckpt / "model.safetensors"),
+    )
     plan = tmp_path / "slow_plan.json"
-    plan.write_text(json.dumps({f"t{k:02d}": split_entry("tests.process.slow", 4, 4, "float32")
-                                for k in range(count)}))
+    plan.write_text(
+        json.dumps(
+            {f"t{k:02d}": split_entry("tests.process.slow", 4, 4, "float32") for k in range(count)}
+        )
+    )
     started = tmp_path / "started"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shardload", "load", "--session", "process", "--shards", "2",
-         "--plugin", process_plugins.__name__, "--shard-info", str(plan), str(ckpt)],
-        cwd=tmp_path, env=subprocess_env(**{process_plugins.STARTED_ENV: str(started)}),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=default_sigint)
+        [
+            sys.executable,
+            "-m",
+            "shardload",
+            "load",
+            "--session",
+            "process",
+            "--shards",
+            "2",
+            "--plugin",
+            process_plugins.__name__,
+            "--shard-info",
+            str(plan),
+            str(ckpt),
+        ],
+        cwd=tmp_path,
+        env=subprocess_env(**{process_plugins.STARTED_ENV: str(started)}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
+    )
     workers = []
     try:
         deadline = time.monotonic() + 60
@@ -627,14 +704,16 @@ def test_ctrl_c_in_cli_exits_130_and_stops_workers(tmp_path):
 
 # ---- 9. the CLI with --session process -----------------------------------------------------------
 
+
 def test_cli_load_with_process_session_matches_threads():
     runner = CliRunner()
     before = set(worker_children(os.getpid()))
     try:
         results = {}
         for kind in ("process", "thread"):
-            out = runner.invoke(cli, ["load", "--session", kind, "--shards", "2", str(EXAMPLE),
-                                      "--json"])
+            out = runner.invoke(
+                cli, ["load", "--session", kind, "--shards", "2", str(EXAMPLE), "--json"]
+            )
             assert out.exit_code == 0, (out.output, out.exception)
             results[kind] = json.loads(out.stdout)
         left = set(worker_children(os.getpid())) - before
@@ -650,6 +729,7 @@ def test_cli_load_with_process_session_matches_threads():
 
 
 # ---- values JSON cannot carry --------------------------------------------------------------
+
 
 def test_session_function_returning_nan_is_worker_error():
     with own_session(1, distributed=False) as sess:

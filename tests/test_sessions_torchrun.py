@@ -8,20 +8,28 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from helpers.paths import EXAMPLE
 from helpers.subprocesses import torchrun
-from shardload import (ProcessSession, ShardloadError, ThreadedSession, TorchDistributedSession,
-                       load_sharded)
+from safetensors.torch import load_file
+
+from shardload import (
+    ProcessSession,
+    ShardloadError,
+    ThreadedSession,
+    TorchDistributedSession,
+    load_sharded,
+)
 
 PLAN = os.path.join(EXAMPLE, "shard_info.json")
 DIST_JOB = ("-m", "helpers.dist_job")  # tests/helpers/dist_job.py, found on PYTHONPATH
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +37,9 @@ def rank_shards(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     job = torchrun(*DIST_JOB, "example", str(out))
     assert job.returncode == 0, job.stderr[-3000:]
-    return [load_file(str(out / f"rank{r}.safetensors")) for r in range(2)], \
-        [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return [load_file(str(out / f"rank{r}.safetensors")) for r in range(2)], [
+        json.loads((out / f"rank{r}.json").read_text()) for r in range(2)
+    ]
 
 
 def test_two_rank_job_gets_each_ranks_own_shards(rank_shards):
@@ -86,8 +95,9 @@ def test_a_failure_on_one_rank_is_reported_on_every_rank(tmp_path):
 
 @pytest.mark.slow
 def test_cli_under_torchrun(tmp_path):
-    job = torchrun("-m", "shardload", "load", "--session", "torch", "--shards", "2", "--json",
-                   EXAMPLE)
+    job = torchrun(
+        "-m", "shardload", "load", "--session", "torch", "--shards", "2", "--json", EXAMPLE
+    )
     assert job.returncode == 0, job.stderr[-3000:]
     lines = [line for line in job.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1  # rank 0 speaks for both
@@ -104,8 +114,10 @@ def test_cli_under_torchrun(tmp_path):
 def test_cli_refuses_shards_other_than_the_world_size():
     job = torchrun("-m", "shardload", "load", "--session", "torch", "--shards", "4", EXAMPLE)
     assert job.returncode != 0
-    assert "--shards 4 but this torch session has 2 workers (a torchrun job has one per rank)" \
+    assert (
+        "--shards 4 but this torch session has 2 workers (a torchrun job has one per rank)"
         in job.stderr
+    )
 
 
 def test_outside_a_job_says_how_to_start_one(monkeypatch):

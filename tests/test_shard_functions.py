@@ -33,8 +33,12 @@ from hypothesis import strategies as st
 
 import shardload
 
-NAMES = ("shardload.split", "shardload.split_segments", "shardload.replicate",
-         "shardload.split_rebase")
+NAMES = (
+    "shardload.split",
+    "shardload.split_segments",
+    "shardload.replicate",
+    "shardload.split_rebase",
+)
 # Worker counts of the example-based grids below, each for a path it takes: 1 = no split (every
 # worker's piece is the whole axis), 3 = an odd prime (a middle piece; sizes no power of two
 # divides), 4 = a power of two above 2 (the usual TP sizes; with 4 the segment layouts also have
@@ -58,8 +62,19 @@ DTYPES: dict[str, tuple[torch.dtype, type]] = {
 }
 # Every dtype the element-moving functions must move bit for bit (the hypothesis tests draw
 # from all of them).
-MOVE_DTYPES = ("float16", "bfloat16", "float32", "int32", "int8", "uint8", "uint32",
-               "float8_e4m3fn", "bool", "int16", "int64")
+MOVE_DTYPES = (
+    "float16",
+    "bfloat16",
+    "float32",
+    "int32",
+    "int8",
+    "uint8",
+    "uint32",
+    "float8_e4m3fn",
+    "bool",
+    "int16",
+    "int64",
+)
 # The dtypes the example grids run (each at one shape and N: the functions' shape handling does
 # not depend on the dtype, and dtypes.movable_view is applied to the whole tensor before any
 # shape work). One per itemsize class, plus each dtype that takes its own path:
@@ -68,16 +83,31 @@ MOVE_DTYPES = ("float16", "bfloat16", "float32", "int32", "int8", "uint8", "uint
 #   torch handles apart from float16), float8_e4m3fn and bool (moved through a uint8 view,
 #   dtypes.movable_view), uint32 (moved through an int32 view: MLC's packed words).
 # int8, int16 and int32 move like uint8, float16 and float32: the same width, no view.
-GRID_DTYPES = ("uint8", "float16", "float32", "int64", "bfloat16", "float8_e4m3fn", "bool",
-               "uint32")
+GRID_DTYPES = (
+    "uint8",
+    "float16",
+    "float32",
+    "int64",
+    "bfloat16",
+    "float8_e4m3fn",
+    "bool",
+    "uint32",
+)
 # integer dtypes whose subtraction torch supports everywhere; uint32 has its own test below
 REBASE_DTYPES = ("int8", "uint8", "int16", "int32", "int64")
-_BITS_TORCH = {np.int8: torch.int8, np.uint8: torch.uint8, np.int16: torch.int16,
-               np.int32: torch.int32, np.int64: torch.int64}
+_BITS_TORCH = {
+    np.int8: torch.int8,
+    np.uint8: torch.uint8,
+    np.int16: torch.int16,
+    np.int32: torch.int32,
+    np.int64: torch.int64,
+}
 
-HYPOTHESIS = settings(max_examples=80, deadline=None,
-                      suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                             HealthCheck.too_slow])
+HYPOTHESIS = settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,9 +163,11 @@ def assert_bits_equal(out: torch.Tensor, expected: np.ndarray) -> None:
     assert got.dtype == expected.dtype
     if not np.array_equal(got, expected):
         bad = np.argwhere(got != expected)
-        raise AssertionError(f"{len(bad)} of {got.size} elements differ; first at "
-                             f"{tuple(bad[0])}: got {got[tuple(bad[0])]!r}, expected "
-                             f"{expected[tuple(bad[0])]!r}")
+        raise AssertionError(
+            f"{len(bad)} of {got.size} elements differ; first at "
+            f"{tuple(bad[0])}: got {got[tuple(bad[0])]!r}, expected "
+            f"{expected[tuple(bad[0])]!r}"
+        )
 
 
 def assert_value_error(call, *patterns: str) -> str:
@@ -231,8 +263,9 @@ def check_split_round_trip(out_bits: np.ndarray, x_bits: np.ndarray, dim: int) -
     assert np.array_equal(back, x_bits)
 
 
-def check_segments_round_trip(out_bits: np.ndarray, x_bits: np.ndarray, dim: int, segs,
-                              n: int) -> None:
+def check_segments_round_trip(
+    out_bits: np.ndarray, x_bits: np.ndarray, dim: int, segs, n: int
+) -> None:
     """Re-assemble every segment from the workers' pieces.
 
     Without replication the N pieces of a segment concatenate back to it; with GQA replication
@@ -241,16 +274,17 @@ def check_segments_round_trip(out_bits: np.ndarray, x_bits: np.ndarray, dim: int
     """
     axis = dim % x_bits.ndim
     offset = 0  # where this segment's piece starts in each worker's output
-    start = 0   # where this segment starts in the input
+    start = 0  # where this segment starts in the input
     for size, units in segs:
         if n <= abs(units):
             length, replicas = size // n, 1
         else:
             assert units < 0, "positive units are never replicated"
             length, replicas = size // -units, n // -units
-        worker_pieces = [out_bits[i][sl(x_bits.ndim, axis, offset, offset + length)]
-                         for i in range(n)]
-        groups = [worker_pieces[g * replicas:(g + 1) * replicas] for g in range(n // replicas)]
+        worker_pieces = [
+            out_bits[i][sl(x_bits.ndim, axis, offset, offset + length)] for i in range(n)
+        ]
+        groups = [worker_pieces[g * replicas : (g + 1) * replicas] for g in range(n // replicas)]
         for group in groups:
             for piece in group[1:]:
                 assert np.array_equal(piece, group[0]), "replicas differ"
@@ -328,8 +362,7 @@ def test_split_empty_slices(n):
     out = alloc(expected.shape, "float16")
     func("shardload.split")(x, 0, out)
     assert tuple(out.shape) == expected.shape
-    assert tuple(rule("shardload.split")((0, 4), "float16", 0, num_shards=n)[0]) == \
-        expected.shape
+    assert tuple(rule("shardload.split")((0, 4), "float16", 0, num_shards=n)[0]) == expected.shape
 
 
 # (10, 4): N and the size share a factor but N does not divide it; (10, 3): coprime; (7, 16):
@@ -337,8 +370,12 @@ def test_split_empty_slices(n):
 @pytest.mark.parametrize("size,n", [(10, 3), (10, 4), (7, 16)])
 def test_split_indivisible_is_an_error(size, n):
     shape = (4, size)
-    assert_value_error(lambda: rule("shardload.split")(shape, "float16", 1, num_shards=n),
-                       r"(?i)divi|equal", num(size), num(n))
+    assert_value_error(
+        lambda: rule("shardload.split")(shape, "float16", 1, num_shards=n),
+        r"(?i)divi|equal",
+        num(size),
+        num(n),
+    )
     x, _ = make_input(shape, "float16")
     # the function checks its arguments itself (a direct caller has no validated plan): the
     # dim, its size and N, not an IndexError from the copy
@@ -350,8 +387,11 @@ def test_split_indivisible_is_an_error(size, n):
 # range check fails one of them); 3 and -4 took the same two comparisons
 @pytest.mark.parametrize("dim", [2, -3])
 def test_split_dim_out_of_range_is_an_error(dim):
-    assert_value_error(lambda: rule("shardload.split")((4, 6), "int32", dim, num_shards=2),
-                       r"(?i)dim|axis|range", num(abs(dim)))
+    assert_value_error(
+        lambda: rule("shardload.split")((4, 6), "int32", dim, num_shards=2),
+        r"(?i)dim|axis|range",
+        num(abs(dim)),
+    )
     x, _ = make_input((4, 6), "int32")
     with pytest.raises(ValueError, match=rf"dim {dim} is out of range for a 2-D input"):
         func("shardload.split")(x, dim, alloc((2, 2, 6), "int32"))
@@ -366,16 +406,16 @@ def segment_layouts(n: int) -> list[list[tuple[int, int]]]:
     replicated (GQA) segments; unit sizes vary between segments. Query/gate/up units are
     positive (split only), KV units negative (replicable)."""
     layouts = [
-        [(2 * n * 3, 2 * n)],                              # one segment
-        [(2 * n * 2, 2 * n), (n * 3, -n), (n * 3, -n)],    # q, k, v with kv units == n
-        [(n * 4, n), (n * 4, 4 * n)],                      # gate, up with different units
-        [(n * 2, -n), (n * 6, -2 * n)],                    # replicable units that still split
+        [(2 * n * 3, 2 * n)],  # one segment
+        [(2 * n * 2, 2 * n), (n * 3, -n), (n * 3, -n)],  # q, k, v with kv units == n
+        [(n * 4, n), (n * 4, 4 * n)],  # gate, up with different units
+        [(n * 2, -n), (n * 6, -2 * n)],  # replicable units that still split
     ]
     proper = [d for d in range(1, n) if n % d == 0]
     for d in proper:  # kv heads fewer than workers: each replicated n // d times
         layouts.append([(2 * n * 2, 2 * n), (d * 3, -d), (d * 3, -d)])
     if n > 1:
-        layouts.append([(n * 2, n), (0, -1), (2, -1)])     # an empty and an MQA segment
+        layouts.append([(n * 2, n), (0, -1), (2, -1)])  # an empty and an MQA segment
     return layouts
 
 
@@ -391,16 +431,19 @@ REPLICATED_TO_PAIRS = (4, 5)  # (n, k): segment_layouts(4)[5] is q, k, v with 2 
 
 def _layout_cases():
     cases = [(n, k, *LAYOUT_AXIS) for n in NS for k in range(len(segment_layouts(n)))]
-    cases += [(*REPLICATED_TO_PAIRS, ndim, dim) for ndim, dim in [(1, 0), (2, 0), (2, -1),
-                                                                  (4, -2)]]
+    cases += [(*REPLICATED_TO_PAIRS, ndim, dim) for ndim, dim in [(1, 0), (2, 0), (2, -1), (4, -2)]]
     return cases
 
 
 def test_the_layout_grid_has_the_cases_its_comment_names():
     n, k = REPLICATED_TO_PAIRS
     assert segment_layouts(n)[k] == [(4 * n, 2 * n), (2 * 3, -2), (2 * 3, -2)]
-    assert any(d < -1 and n % -d == 0 and n > -d for n in NS for layout in segment_layouts(n)
-               for _, d in layout), "no N replicates KV heads to groups of workers"
+    assert any(
+        d < -1 and n % -d == 0 and n > -d
+        for n in NS
+        for layout in segment_layouts(n)
+        for _, d in layout
+    ), "no N replicates KV heads to groups of workers"
 
 
 @pytest.mark.parametrize("n,k,ndim,dim", _layout_cases())
@@ -416,7 +459,8 @@ def test_split_segments_layouts_match_reference(n, k, ndim, dim):
     assert np.array_equal(to_bits(x), xb), "input was modified"
     check_segments_round_trip(to_bits(out), xb, dim, segs, n)
     out_shape, out_dtype = rule("shardload.split_segments")(
-        tuple(shape), "int32", dim, *segment_args(segs), num_shards=n)
+        tuple(shape), "int32", dim, *segment_args(segs), num_shards=n
+    )
     assert tuple(out_shape) == expected.shape
     assert out_dtype == "int32"
 
@@ -436,7 +480,8 @@ def test_split_segments_dtypes_match_reference(dtype):
     assert_bits_equal(out, expected)
     check_segments_round_trip(to_bits(out), xb, -2, segs, n)
     out_shape, out_dtype = rule("shardload.split_segments")(
-        shape, dtype, -2, *segment_args(segs), num_shards=n)
+        shape, dtype, -2, *segment_args(segs), num_shards=n
+    )
     assert tuple(out_shape) == expected.shape
     assert out_dtype == dtype
 
@@ -446,31 +491,103 @@ def _segments_error_cases():
     return [
         ("odd number of args", (12, 2), 0, [8, 2, 4], 2, [r"(?i)pair|odd|even"]),
         ("single arg", (12, 2), 0, [12], 2, [r"(?i)pair|odd|even"]),
-        ("size not a multiple of units", (12, 2), 0, [7, 2, 5, 1], 1,
-         [r"(?i)unit", num(7), num(2)]),
-        ("size not a multiple of units, second segment", (12, 2), 0, [4, 2, 8, 3], 2,
-         [r"(?i)unit", num(8), num(3)]),
-        ("sizes sum short", (12, 2), 0, [4, 2, 4, 2], 2,
-         [r"(?i)add up|sum|total", num(8), num(12)]),
-        ("sizes sum long", (2, 12), 1, [8, 2, 8, 2], 2,
-         [r"(?i)add up|sum|total", num(16), num(12)]),
-        ("units not divisible by n", (12, 2), 0, [6, 6, 6, 2], 4,
-         [r"(?i)divi|multiple", num(6), num(4)]),
-        ("n not a multiple of units", (12, 2), 0, [8, -4, 4, -2], 3,
-         [r"(?i)divi|multiple", num(3)]),
-        ("n not a multiple of units (gqa)", (25, 2), 0, [16, 8, 9, -3], 4,
-         [r"(?i)divi|multiple", num(3), num(4)]),
-        ("replicable units not divisible by n", (12, 2), 0, [6, -6, 6, -2], 4,
-         [r"(?i)divi|multiple", num(6), num(4)]),
-        ("positive units fewer than n", (12, 2), 0, [4, 4, 8, 2], 4,
-         [r"(?i)divi|multiple|replic", num(2), num(4)]),
-        ("positive single unit (mqa without the sign)", (10, 2), 0, [8, 8, 1, 1, 1, 1], 2,
-         [r"(?i)divi|multiple|replic", num(1), num(2)]),
+        (
+            "size not a multiple of units",
+            (12, 2),
+            0,
+            [7, 2, 5, 1],
+            1,
+            [r"(?i)unit", num(7), num(2)],
+        ),
+        (
+            "size not a multiple of units, second segment",
+            (12, 2),
+            0,
+            [4, 2, 8, 3],
+            2,
+            [r"(?i)unit", num(8), num(3)],
+        ),
+        (
+            "sizes sum short",
+            (12, 2),
+            0,
+            [4, 2, 4, 2],
+            2,
+            [r"(?i)add up|sum|total", num(8), num(12)],
+        ),
+        (
+            "sizes sum long",
+            (2, 12),
+            1,
+            [8, 2, 8, 2],
+            2,
+            [r"(?i)add up|sum|total", num(16), num(12)],
+        ),
+        (
+            "units not divisible by n",
+            (12, 2),
+            0,
+            [6, 6, 6, 2],
+            4,
+            [r"(?i)divi|multiple", num(6), num(4)],
+        ),
+        (
+            "n not a multiple of units",
+            (12, 2),
+            0,
+            [8, -4, 4, -2],
+            3,
+            [r"(?i)divi|multiple", num(3)],
+        ),
+        (
+            "n not a multiple of units (gqa)",
+            (25, 2),
+            0,
+            [16, 8, 9, -3],
+            4,
+            [r"(?i)divi|multiple", num(3), num(4)],
+        ),
+        (
+            "replicable units not divisible by n",
+            (12, 2),
+            0,
+            [6, -6, 6, -2],
+            4,
+            [r"(?i)divi|multiple", num(6), num(4)],
+        ),
+        (
+            "positive units fewer than n",
+            (12, 2),
+            0,
+            [4, 4, 8, 2],
+            4,
+            [r"(?i)divi|multiple|replic", num(2), num(4)],
+        ),
+        (
+            "positive single unit (mqa without the sign)",
+            (10, 2),
+            0,
+            [8, 8, 1, 1, 1, 1],
+            2,
+            [r"(?i)divi|multiple|replic", num(1), num(2)],
+        ),
         ("units zero", (12, 2), 0, [12, 0], 2, [r"(?i)unit", num(0)]),
-        ("units zero, replicable neighbours", (12, 2), 0, [4, -1, 4, 0, 4, -2], 2,
-         [r"(?i)unit", num(0)]),
-        ("units negative, size not a multiple", (12, 2), 0, [12, -5], 1,
-         [r"(?i)unit", num(12), num(5)]),
+        (
+            "units zero, replicable neighbours",
+            (12, 2),
+            0,
+            [4, -1, 4, 0, 4, -2],
+            2,
+            [r"(?i)unit", num(0)],
+        ),
+        (
+            "units negative, size not a multiple",
+            (12, 2),
+            0,
+            [12, -5],
+            1,
+            [r"(?i)unit", num(12), num(5)],
+        ),
         ("dim out of range", (12, 2), 2, [12, 2], 2, [r"(?i)dim|axis|range"]),
     ]
 
@@ -480,7 +597,8 @@ def test_split_segments_errors(case):
     _, shape, dim, args, n, patterns = case
     msg = assert_value_error(
         lambda: rule("shardload.split_segments")(shape, "int32", dim, *args, num_shards=n),
-        *patterns)
+        *patterns,
+    )
     x, _ = make_input(shape, "int32")
     out_shape = list(shape)
     out_shape[dim % len(shape) if -len(shape) <= dim < len(shape) else 0] //= n
@@ -584,13 +702,20 @@ def test_split_rebase_uint32():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float8_e4m3fn", "bool"])
 def test_split_rebase_rejects_non_integer(dtype):
-    assert_value_error(lambda: rule("shardload.split_rebase")((8,), dtype, 0, num_shards=2),
-                       r"(?i)integer|int", re.escape(dtype))
+    assert_value_error(
+        lambda: rule("shardload.split_rebase")((8,), dtype, 0, num_shards=2),
+        r"(?i)integer|int",
+        re.escape(dtype),
+    )
 
 
 def test_split_rebase_indivisible_is_an_error():
-    assert_value_error(lambda: rule("shardload.split_rebase")((10,), "int32", 0, num_shards=4),
-                       r"(?i)divi|equal", num(10), num(4))
+    assert_value_error(
+        lambda: rule("shardload.split_rebase")((10,), "int32", 0, num_shards=4),
+        r"(?i)divi|equal",
+        num(10),
+        num(4),
+    )
     x, _ = make_input((10,), "int32")
     with pytest.raises(ValueError, match=r"dim 0 has size 10\b.* 4 equal shards"):
         func("shardload.split_rebase")(x, 0, alloc((4, 2), "int32"))
@@ -600,10 +725,15 @@ def test_split_rebase_indivisible_is_an_error():
 # shape rules given a worker count that is not one
 
 
-@pytest.mark.parametrize("name,extra", [("shardload.split", (0,)),
-                                        ("shardload.split_segments", (0, 8, 2)),
-                                        ("shardload.replicate", ()),
-                                        ("shardload.split_rebase", (0,))])
+@pytest.mark.parametrize(
+    "name,extra",
+    [
+        ("shardload.split", (0,)),
+        ("shardload.split_segments", (0, 8, 2)),
+        ("shardload.replicate", ()),
+        ("shardload.split_rebase", (0,)),
+    ],
+)
 def test_shape_rules_reject_nonpositive_num_shards(name, extra):
     """Not in the written spec, but the registry's contract: arguments that don't fit raise
     ValueError. Zero or negative workers never fit."""
@@ -617,39 +747,58 @@ def test_shape_rules_reject_nonpositive_num_shards(name, extra):
 
 # input (8, 1, 3) int32 split on dim 0 into 2: the right output is (2, 4, 1, 3)
 MIS_SIZED = {
-    "shardload.split": ((0,), (2, 4, 1, 3), [
-        ("split dim too long", (2, 5, 1, 3)),
-        ("split dim too short", (2, 3, 1, 3)),
-        ("size-1 dim too long", (2, 4, 2, 3)),
-        ("last dim too long", (2, 4, 1, 4)),
-        ("extra dim", (2, 1, 4, 1, 3)),
-        ("missing dim", (2, 4, 3)),
-    ]),
-    "shardload.split_rebase": ((0,), (2, 4, 1, 3), [
-        ("split dim too long", (2, 5, 1, 3)),
-        ("split dim too short", (2, 3, 1, 3)),
-        ("size-1 dim too long", (2, 4, 2, 3)),
-        ("missing dim", (2, 4, 3)),
-    ]),
-    "shardload.split_segments": ((0, 4, 2, 4, 2), (2, 4, 1, 3), [
-        ("split dim too long", (2, 5, 1, 3)),
-        ("split dim too short", (2, 3, 1, 3)),
-        ("size-1 dim too long", (2, 4, 2, 3)),
-        ("last dim too long", (2, 4, 1, 4)),
-        ("missing dim", (2, 4, 3)),
-    ]),
-    "shardload.replicate": ((), (2, 8, 1, 3), [
-        ("first dim too long", (2, 9, 1, 3)),
-        ("size-1 dim too long", (2, 8, 2, 3)),
-        ("extra dim", (2, 2, 8, 1, 3)),
-        ("missing dim", (2, 8, 3)),
-    ]),
+    "shardload.split": (
+        (0,),
+        (2, 4, 1, 3),
+        [
+            ("split dim too long", (2, 5, 1, 3)),
+            ("split dim too short", (2, 3, 1, 3)),
+            ("size-1 dim too long", (2, 4, 2, 3)),
+            ("last dim too long", (2, 4, 1, 4)),
+            ("extra dim", (2, 1, 4, 1, 3)),
+            ("missing dim", (2, 4, 3)),
+        ],
+    ),
+    "shardload.split_rebase": (
+        (0,),
+        (2, 4, 1, 3),
+        [
+            ("split dim too long", (2, 5, 1, 3)),
+            ("split dim too short", (2, 3, 1, 3)),
+            ("size-1 dim too long", (2, 4, 2, 3)),
+            ("missing dim", (2, 4, 3)),
+        ],
+    ),
+    "shardload.split_segments": (
+        (0, 4, 2, 4, 2),
+        (2, 4, 1, 3),
+        [
+            ("split dim too long", (2, 5, 1, 3)),
+            ("split dim too short", (2, 3, 1, 3)),
+            ("size-1 dim too long", (2, 4, 2, 3)),
+            ("last dim too long", (2, 4, 1, 4)),
+            ("missing dim", (2, 4, 3)),
+        ],
+    ),
+    "shardload.replicate": (
+        (),
+        (2, 8, 1, 3),
+        [
+            ("first dim too long", (2, 9, 1, 3)),
+            ("size-1 dim too long", (2, 8, 2, 3)),
+            ("extra dim", (2, 2, 8, 1, 3)),
+            ("missing dim", (2, 8, 3)),
+        ],
+    ),
 }
 
 
 def _mis_sized_cases():
-    return [pytest.param(name, extra, bad, good, id=f"{name}-{label}")
-            for name, (extra, good, cases) in MIS_SIZED.items() for label, bad in cases]
+    return [
+        pytest.param(name, extra, bad, good, id=f"{name}-{label}")
+        for name, (extra, good, cases) in MIS_SIZED.items()
+        for label, bad in cases
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(MIS_SIZED))
@@ -663,8 +812,9 @@ def test_right_sized_output_is_accepted(name):
 def test_mis_sized_output_raises(name, extra, bad, good):
     x, _ = make_input((8, 1, 3), "int32")
     # the shape it got and the shape it needs, not an error from inside the copy
-    with pytest.raises(ValueError, match=re.escape(f"output is {list(bad)} int32, expected "
-                                                   f"{list(good)} int32")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"output is {list(bad)} int32, expected {list(good)} int32")
+    ):
         func(name)(x, *extra, alloc(bad, "int32"))
 
 
@@ -674,8 +824,7 @@ def test_mis_sized_output_raises(name, extra, bad, good):
 HEAD = 128
 Q_HEADS, KV_HEADS = 32, 8
 # query heads split only (positive units), KV heads replicable (negative units)
-QKV_SEGS = [(Q_HEADS * HEAD, Q_HEADS), (KV_HEADS * HEAD, -KV_HEADS),
-            (KV_HEADS * HEAD, -KV_HEADS)]
+QKV_SEGS = [(Q_HEADS * HEAD, Q_HEADS), (KV_HEADS * HEAD, -KV_HEADS), (KV_HEADS * HEAD, -KV_HEADS)]
 
 
 def heads_of(worker: int, n: int, units: int) -> list[int]:
@@ -755,20 +904,21 @@ def test_fused_qkv_packed_units(n, dim):
 
     seg = func("shardload.split_segments")
     shape_rule = rule("shardload.split_segments")
-    out_shape, out_dtype = shape_rule(packed.shape, "int32", dim, *segment_args(packed_segs),
-                                      num_shards=n)
+    out_shape, out_dtype = shape_rule(
+        packed.shape, "int32", dim, *segment_args(packed_segs), num_shards=n
+    )
     assert out_dtype == "int32"
     out_packed = alloc(out_shape, "int32")
     seg(torch.from_numpy(packed.copy()), dim, *segment_args(packed_segs), out_packed)
     assert_bits_equal(out_packed, ref_segments(packed, dim, packed_segs, n))
 
-    unpacked_shape, _ = shape_rule(zeros.shape, "int32", dim, *segment_args(QKV_SEGS),
-                                   num_shards=n)
+    unpacked_shape, _ = shape_rule(zeros.shape, "int32", dim, *segment_args(QKV_SEGS), num_shards=n)
     out_zeros = alloc(unpacked_shape, "int32")
     seg(torch.from_numpy(zeros.copy()), dim, *segment_args(QKV_SEGS), out_zeros)
     for i in range(n):
-        assert np.array_equal(unpack_int4(to_bits(out_packed[i])), to_bits(out_zeros[i])), \
+        assert np.array_equal(unpack_int4(to_bits(out_packed[i])), to_bits(out_zeros[i])), (
             f"worker {i} holds different heads in packed and unpacked units"
+        )
         cols = expected_qkv_rows(i, n, Q_HEADS, -KV_HEADS, HEAD)
         assert np.array_equal(to_bits(out_zeros[i]), zeros[:, cols])
 
@@ -782,23 +932,29 @@ def test_fused_gate_up(n):
     inter, hidden = 11008, 2
     segs = [(inter, inter), (inter, inter)]
     x = torch.arange(2 * inter, dtype=torch.int32)[:, None].repeat(1, hidden)
-    out_shape, _ = rule("shardload.split_segments")((2 * inter, hidden), "int32", 0,
-                                                    *segment_args(segs), num_shards=n)
+    out_shape, _ = rule("shardload.split_segments")(
+        (2 * inter, hidden), "int32", 0, *segment_args(segs), num_shards=n
+    )
     assert tuple(out_shape) == (n, 2 * inter // n, hidden)
     out = alloc(out_shape, "int32")
     func("shardload.split_segments")(x, 0, *segment_args(segs), out)
     piece = inter // n
     for i in range(n):
-        want = [*range(i * piece, (i + 1) * piece),
-                *range(inter + i * piece, inter + (i + 1) * piece)]
+        want = [
+            *range(i * piece, (i + 1) * piece),
+            *range(inter + i * piece, inter + (i + 1) * piece),
+        ]
         assert out[i][:, 0].tolist() == want, f"worker {i}"
     check_segments_round_trip(to_bits(out), to_bits(x), 0, segs, n)
 
 
 def test_fused_gate_up_indivisible():
     segs = [11008, 11008, 11008, 11008]
-    assert_value_error(lambda: rule("shardload.split_segments")(
-        (2 * 11008, 2), "float16", 0, *segs, num_shards=3), r"(?i)divi|multiple", num(3))
+    assert_value_error(
+        lambda: rule("shardload.split_segments")((2 * 11008, 2), "float16", 0, *segs, num_shards=3),
+        r"(?i)divi|multiple",
+        num(3),
+    )
 
 
 # N = 1: the one KV head is not replicated; N = 4: it goes to every worker (2 and 8 the same)
@@ -810,19 +966,20 @@ def test_mqa_kv_replicated_to_all(n):
     segs = [(q_heads * head, q_heads), (head, -1), (head, -1)]
     rows = sum(s for s, _ in segs)
     x, xb = make_input((rows, 3), "bfloat16", seed=n)
-    out_shape, _ = rule("shardload.split_segments")((rows, 3), "bfloat16", 0,
-                                                    *segment_args(segs), num_shards=n)
+    out_shape, _ = rule("shardload.split_segments")(
+        (rows, 3), "bfloat16", 0, *segment_args(segs), num_shards=n
+    )
     assert tuple(out_shape) == (n, q_heads * head // n + 2 * head, 3)
     out = alloc(out_shape, "bfloat16")
     func("shardload.split_segments")(x, 0, *segment_args(segs), out)
     ob = to_bits(out)
     q_rows = q_heads * head // n
-    k = xb[q_heads * head:q_heads * head + head]
-    v = xb[q_heads * head + head:]
+    k = xb[q_heads * head : q_heads * head + head]
+    v = xb[q_heads * head + head :]
     for i in range(n):
-        assert np.array_equal(ob[i][:q_rows], xb[i * q_rows:(i + 1) * q_rows])
-        assert np.array_equal(ob[i][q_rows:q_rows + head], k)
-        assert np.array_equal(ob[i][q_rows + head:], v)
+        assert np.array_equal(ob[i][:q_rows], xb[i * q_rows : (i + 1) * q_rows])
+        assert np.array_equal(ob[i][q_rows : q_rows + head], k)
+        assert np.array_equal(ob[i][q_rows + head :], v)
     assert_bits_equal(out, ref_segments(xb, 0, segs, n))
 
 
@@ -840,19 +997,26 @@ def test_positive_units_fewer_than_n_is_an_error(units, n):
     head = 4
     segs = [(units * head, units)]
     shape = (units * head, 3)
-    assert_value_error(lambda: rule("shardload.split_segments")(
-        shape, "float16", 0, *segment_args(segs), num_shards=n),
-        r"(?i)divi|multiple|replic", num(units), num(n))
+    assert_value_error(
+        lambda: rule("shardload.split_segments")(
+            shape, "float16", 0, *segment_args(segs), num_shards=n
+        ),
+        r"(?i)divi|multiple|replic",
+        num(units),
+        num(n),
+    )
     with pytest.raises(ValueError):
         ref_segments(np.zeros(shape, np.int16), 0, segs, n)
     x, _ = make_input(shape, "float16")
     for rows in (head, max(units * head // n, 1)):  # neither a replicated nor a split output
         with pytest.raises(ValueError, match=rf"segment 0 has {units} units\b.* {n} workers"):
-            func("shardload.split_segments")(x, 0, *segment_args(segs),
-                                             alloc((n, rows, 3), "float16"))
+            func("shardload.split_segments")(
+                x, 0, *segment_args(segs), alloc((n, rows, 3), "float16")
+            )
     if n % units == 0:  # the same segment, marked replicable, is fine
-        out_shape, _ = rule("shardload.split_segments")(shape, "float16", 0,
-                                                        units * head, -units, num_shards=n)
+        out_shape, _ = rule("shardload.split_segments")(
+            shape, "float16", 0, units * head, -units, num_shards=n
+        )
         assert tuple(out_shape) == (n, head, 3)
 
 
@@ -868,8 +1032,9 @@ def test_positive_units_dividing_n_split_evenly(units, n, dim):
     size = units * unit
     shape = (size, 2) if dim == 0 else (2, size)
     x, xb = make_input(shape, "bfloat16", seed=units * 31 + n)
-    out_shape, _ = rule("shardload.split_segments")(shape, "bfloat16", dim, size, units,
-                                                    num_shards=n)
+    out_shape, _ = rule("shardload.split_segments")(
+        shape, "bfloat16", dim, size, units, num_shards=n
+    )
     expected = ref_split(xb, dim, n)
     assert tuple(out_shape) == expected.shape
     out = alloc(out_shape, "bfloat16")
@@ -883,16 +1048,16 @@ def test_positive_units_dividing_n_split_evenly(units, n, dim):
 
 # (N, q heads, kv heads): what each case puts q and k/v through
 STRICT_QKV = [
-    (1, 8, 8),     # one worker: nothing split
-    (4, 8, 8),     # q and kv split
-    (8, 8, 8),     # one q and one kv head each: N at the bound of both (n <= units splits)
-    (16, 8, 8),    # more workers than q heads: refused
-    (4, 8, 2),     # q split, each kv head replicated to 2 workers
-    (8, 8, 2),     # N equal to the q heads, each kv head replicated to 4 workers
-    (16, 8, 2),    # refused, although the kv heads alone could be replicated
-    (16, 32, 8),   # 2 q heads each, each kv head replicated to 2 workers
-    (2, 16, 1),    # MQA: the one kv head replicated to every worker
-    (16, 16, 1),   # MQA with one q head each
+    (1, 8, 8),  # one worker: nothing split
+    (4, 8, 8),  # q and kv split
+    (8, 8, 8),  # one q and one kv head each: N at the bound of both (n <= units splits)
+    (16, 8, 8),  # more workers than q heads: refused
+    (4, 8, 2),  # q split, each kv head replicated to 2 workers
+    (8, 8, 2),  # N equal to the q heads, each kv head replicated to 4 workers
+    (16, 8, 2),  # refused, although the kv heads alone could be replicated
+    (16, 32, 8),  # 2 q heads each, each kv head replicated to 2 workers
+    (2, 16, 1),  # MQA: the one kv head replicated to every worker
+    (16, 16, 1),  # MQA with one q head each
 ]
 
 
@@ -901,20 +1066,25 @@ def test_fused_qkv_strict(n, q_heads, kv_heads):
     """Fused QKV with positive q units and negative k/v units: q is only ever split, k/v are
     replicated once workers outnumber them; N above the q heads is an error."""
     head = 4
-    segs = [(q_heads * head, q_heads), (kv_heads * head, -kv_heads),
-            (kv_heads * head, -kv_heads)]
+    segs = [(q_heads * head, q_heads), (kv_heads * head, -kv_heads), (kv_heads * head, -kv_heads)]
     rows = sum(s for s, _ in segs)
     shape_rule = rule("shardload.split_segments")
     x = torch.arange(rows, dtype=torch.int32)[:, None].repeat(1, 2)
     if n > q_heads:
-        assert_value_error(lambda: shape_rule((rows, 2), "int32", 0, *segment_args(segs),
-                                              num_shards=n), num(q_heads), num(n))
+        assert_value_error(
+            lambda: shape_rule((rows, 2), "int32", 0, *segment_args(segs), num_shards=n),
+            num(q_heads),
+            num(n),
+        )
         with pytest.raises(ValueError):
             ref_segments(to_bits(x), 0, segs, n)
         with pytest.raises(ValueError, match=rf"segment 0 has {q_heads} units\b.* {n} workers"):
             func("shardload.split_segments")(
-                x, 0, *segment_args(segs),
-                alloc((n, head + 2 * max(kv_heads // n, 1) * head, 2), "int32"))
+                x,
+                0,
+                *segment_args(segs),
+                alloc((n, head + 2 * max(kv_heads // n, 1) * head, 2), "int32"),
+            )
         return
     out_shape, _ = shape_rule((rows, 2), "int32", 0, *segment_args(segs), num_shards=n)
     q_rows, kv_rows = q_heads * head // n, max(kv_heads // n, 1) * head
@@ -928,7 +1098,7 @@ def test_fused_qkv_strict(n, q_heads, kv_heads):
     assert sum(q_parts, []) == list(range(q_heads * head))
     for i in range(n):
         assert out[i][:, 0].tolist() == expected_qkv_rows(i, n, q_heads, -kv_heads, head)
-        k_part = out[i][q_rows:q_rows + kv_rows, 0].tolist()
+        k_part = out[i][q_rows : q_rows + kv_rows, 0].tolist()
         if n > kv_heads:  # replicated: worker i holds kv head i // (n // kv_heads)
             h = i // (n // kv_heads)
             base = q_heads * head
@@ -942,38 +1112,50 @@ def test_fused_qkv_strict_replicates_kv_only():
     segs = [(32 * head, 32), (8 * head, -8), (8 * head, -8)]
     rows = sum(s for s, _ in segs)
     x, xb = make_input((rows, 3), "float16", seed=16)
-    out_shape, _ = rule("shardload.split_segments")((rows, 3), "float16", 0,
-                                                    *segment_args(segs), num_shards=n)
+    out_shape, _ = rule("shardload.split_segments")(
+        (rows, 3), "float16", 0, *segment_args(segs), num_shards=n
+    )
     assert tuple(out_shape) == (n, 2 * head + 2 * head, 3)
     out = alloc(out_shape, "float16")
     func("shardload.split_segments")(x, 0, *segment_args(segs), out)
     ob = to_bits(out)
     assert_bits_equal(out, ref_segments(xb, 0, segs, n))
     for i in range(n):
-        assert np.array_equal(ob[i][:2 * head], xb[i * 2 * head:(i + 1) * 2 * head])
+        assert np.array_equal(ob[i][: 2 * head], xb[i * 2 * head : (i + 1) * 2 * head])
         h = i // 2
-        assert np.array_equal(ob[i][2 * head:3 * head],
-                              xb[32 * head + h * head:32 * head + (h + 1) * head])
-        assert np.array_equal(ob[i][3 * head:],
-                              xb[40 * head + h * head:40 * head + (h + 1) * head])
+        assert np.array_equal(
+            ob[i][2 * head : 3 * head], xb[32 * head + h * head : 32 * head + (h + 1) * head]
+        )
+        assert np.array_equal(
+            ob[i][3 * head :], xb[40 * head + h * head : 40 * head + (h + 1) * head]
+        )
     for i in range(0, n, 2):  # kv equal within a pair, q never
-        assert np.array_equal(ob[i][2 * head:], ob[i + 1][2 * head:])
-        assert not np.array_equal(ob[i][:2 * head], ob[i + 1][:2 * head])
+        assert np.array_equal(ob[i][2 * head :], ob[i + 1][2 * head :])
+        assert not np.array_equal(ob[i][: 2 * head], ob[i + 1][: 2 * head])
     # the same layout with positive kv units is refused rather than silently replicated
     positive = [(size, abs(units)) for size, units in segs]
-    assert_value_error(lambda: rule("shardload.split_segments")(
-        (rows, 3), "float16", 0, *segment_args(positive), num_shards=n), num(8), num(16))
+    assert_value_error(
+        lambda: rule("shardload.split_segments")(
+            (rows, 3), "float16", 0, *segment_args(positive), num_shards=n
+        ),
+        num(8),
+        num(16),
+    )
 
 
 # where the zero is (alone, after a valid segment, before one, with a zero size, between
 # replicable ones); on 2 workers only: the units are checked before anything depends on N
-@pytest.mark.parametrize("args", [[8, 0], [4, 2, 4, 0], [4, 0, 4, -2], [0, 0], [4, -2, 4, 0, 0, 1]],
-                         ids=str)
+@pytest.mark.parametrize(
+    "args", [[8, 0], [4, 2, 4, 0], [4, 0, 4, -2], [0, 0], [4, -2, 4, 0, 0, 1]], ids=str
+)
 def test_units_zero_is_an_error(args):
     n = 2
     size = sum(args[::2])
-    assert_value_error(lambda: rule("shardload.split_segments")(
-        (size, 2), "int32", 0, *args, num_shards=n), r"(?i)unit", num(0))
+    assert_value_error(
+        lambda: rule("shardload.split_segments")((size, 2), "int32", 0, *args, num_shards=n),
+        r"(?i)unit",
+        num(0),
+    )
     with pytest.raises(ValueError):
         ref_segments(np.zeros((size, 2), np.int32), 0, list(zip(args[::2], args[1::2])), n)
     x, _ = make_input((size, 2), "int32")
@@ -1035,8 +1217,12 @@ def test_split_rebase_property(case, dtype, seed):
     assert_bits_equal(out, expected)
 
 
-@given(n=st.integers(1, 16), shape=st.lists(OTHER_DIM, min_size=1, max_size=4).map(tuple),
-       dtype=ANY_DTYPE, seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 16),
+    shape=st.lists(OTHER_DIM, min_size=1, max_size=4).map(tuple),
+    dtype=ANY_DTYPE,
+    seed=st.integers(0, 2**16),
+)
 @HYPOTHESIS
 def test_replicate_property(n, shape, dtype, seed):
     x, xb = make_input(shape, dtype, seed)
@@ -1079,8 +1265,9 @@ def test_split_segments_property(case, dtype, seed):
     n, segs, shape, dim = case
     x, xb = make_input(shape, dtype, seed)
     expected = ref_segments(xb, dim, segs, n)
-    out_shape, out_dtype = rule("shardload.split_segments")(shape, dtype, dim,
-                                                            *segment_args(segs), num_shards=n)
+    out_shape, out_dtype = rule("shardload.split_segments")(
+        shape, dtype, dim, *segment_args(segs), num_shards=n
+    )
     assert tuple(out_shape) == expected.shape and out_dtype == dtype
     out = alloc(expected.shape, dtype)
     func("shardload.split_segments")(x, dim, *segment_args(segs), out)
@@ -1091,16 +1278,26 @@ def test_split_segments_property(case, dtype, seed):
 @st.composite
 def invalid_segment_cases(draw):
     """A valid layout with exactly one thing broken."""
-    kind = draw(st.sampled_from(["odd", "not_multiple", "sum", "units_vs_n", "units_zero",
-                                 "negative_size", "positive_replicated"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "odd",
+                "not_multiple",
+                "sum",
+                "units_vs_n",
+                "units_zero",
+                "negative_size",
+                "positive_replicated",
+            ]
+        )
+    )
     n = draw(st.integers(2 if kind in ("units_vs_n", "positive_replicated") else 1, 16))
     segs = draw(segment_layout(n))
     k = draw(st.integers(0, len(segs) - 1))
     sign = draw(st.sampled_from([1, -1]))
     if kind == "not_multiple":
         units = draw(st.integers(2, 3)) * n  # fits n, so only the size is wrong
-        segs[k] = (units * draw(st.integers(0, 3)) + draw(st.integers(1, units - 1)),
-                   sign * units)
+        segs[k] = (units * draw(st.integers(0, 3)) + draw(st.integers(1, units - 1)), sign * units)
     elif kind == "units_vs_n":  # neither divides the other: wrong with either sign
         units = draw(st.integers(2, 3 * n).filter(lambda u: u % n and n % u))
         segs[k] = (units * draw(st.integers(1, 3)), sign * units)
@@ -1181,13 +1378,19 @@ def test_positive_units_are_never_replicated_property(n, data):
     q = n * data.draw(st.integers(1, 2))
     segs = [(q * 2, q), (units * unit, units)]
     shape = (sum(s for s, _ in segs), 2)
-    assert_value_error(lambda: rule("shardload.split_segments")(
-        shape, "int32", 0, *segment_args(segs), num_shards=n), num(units), num(n))
+    assert_value_error(
+        lambda: rule("shardload.split_segments")(
+            shape, "int32", 0, *segment_args(segs), num_shards=n
+        ),
+        num(units),
+        num(n),
+    )
     with pytest.raises(ValueError):
         ref_segments(np.zeros(shape, np.int32), 0, segs, n)
     replicable = [segs[0], (units * unit, -units)]
-    out_shape, _ = rule("shardload.split_segments")(shape, "int32", 0,
-                                                    *segment_args(replicable), num_shards=n)
+    out_shape, _ = rule("shardload.split_segments")(
+        shape, "int32", 0, *segment_args(replicable), num_shards=n
+    )
     assert tuple(out_shape) == (n, 2 * q // n + unit, 2)
 
 
@@ -1201,8 +1404,9 @@ def invalid_split_cases(draw):
     return n, shape, dim
 
 
-@given(case=invalid_split_cases(), name=st.sampled_from(["shardload.split",
-                                                          "shardload.split_rebase"]))
+@given(
+    case=invalid_split_cases(), name=st.sampled_from(["shardload.split", "shardload.split_rebase"])
+)
 @HYPOTHESIS
 def test_split_invalid_property(case, name):
     n, shape, dim = case

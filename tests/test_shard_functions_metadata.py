@@ -10,8 +10,9 @@ from shardload import get_shard_func
 
 def run(name, x, *extra, n):
     func = get_shard_func(name)
-    shape, dtype = func.shape_rule(tuple(x.shape), str(x.dtype).removeprefix("torch."), *extra,
-                                   num_shards=n)
+    shape, dtype = func.shape_rule(
+        tuple(x.shape), str(x.dtype).removeprefix("torch."), *extra, num_shards=n
+    )
     out = torch.empty(shape, dtype=getattr(torch, dtype))
     func.func(x, *extra, out)
     return out
@@ -24,9 +25,10 @@ def test_constant_gives_every_worker_the_values(n):
     assert np.array_equal(out.numpy(), np.tile([4096 // n, 11008], (n, 1)))
 
 
-@pytest.mark.parametrize("shape, dtype, values", [((3,), torch.int64, (1, 2)),
-                                                  ((2,), torch.float32, (1, 2)),
-                                                  ((2, 1), torch.int64, (1, 2))])
+@pytest.mark.parametrize(
+    "shape, dtype, values",
+    [((3,), torch.int64, (1, 2)), ((2,), torch.float32, (1, 2)), ((2, 1), torch.int64, (1, 2))],
+)
 def test_constant_refuses_what_does_not_fit(shape, dtype, values):
     with pytest.raises(ValueError):
         run("shardload.constant", torch.zeros(shape, dtype=dtype), *values, n=2)
@@ -34,8 +36,16 @@ def test_constant_refuses_what_does_not_fit(shape, dtype, values):
 
 # the sizes on a flat input (several segments, equal ones, one segment, an empty segment); the
 # column input ([S, 1]) is reshaped to the same values first, so once is enough
-@pytest.mark.parametrize("sizes, shape", [((4, 2, 2), "flat"), ((8, 8), "flat"), ((1,), "flat"),
-                                          ((0, 3), "flat"), ((4, 2, 2), "column")])
+@pytest.mark.parametrize(
+    "sizes, shape",
+    [
+        ((4, 2, 2), "flat"),
+        ((8, 8), "flat"),
+        ((1,), "flat"),
+        ((0, 3), "flat"),
+        ((4, 2, 2), "column"),
+    ],
+)
 def test_repeat_segments_matches_numpy(sizes, shape):
     values = torch.arange(1, len(sizes) + 1, dtype=torch.float32) / 8
     x = values if shape == "flat" else values.reshape(-1, 1)
@@ -48,8 +58,10 @@ def test_repeat_segments_keeps_bits_of_every_dtype():
     x = torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
     out = run("shardload.repeat_segments", x, 2, 3, n=1)
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out.view(torch.int16).reshape(-1),
-                       x.view(torch.int16).repeat_interleave(torch.tensor([2, 3])))
+    assert torch.equal(
+        out.view(torch.int16).reshape(-1),
+        x.view(torch.int16).repeat_interleave(torch.tensor([2, 3])),
+    )
 
 
 @pytest.mark.parametrize("shape, sizes", [((3,), (1, 2)), ((2, 2), (1, 1)), ((2,), (1, -1))])

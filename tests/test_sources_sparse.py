@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("obstore")
 
-from shardload.sources.store import ObjectInfo  # noqa: E402
-from shardload.sources.sparse import ObjectBytes, Spans, merged  # noqa: E402
+from shardload.sources.sparse import ObjectBytes, Spans, merged
+from shardload.sources.store import ObjectInfo
 
 
 def _positions(spans) -> set[int]:
@@ -99,9 +99,10 @@ def test_threads_asking_for_the_same_bytes_fetch_them_once():
     client = _FakeClient(data, delay=0.2)
     obj = ObjectBytes(info, client)
     waits = []
-    threads = [threading.Thread(target=obj.need_spans,
-                                args=([(0, 40000)], lambda: waits.append(1)))
-               for _ in range(4)]
+    threads = [
+        threading.Thread(target=obj.need_spans, args=([(0, 40000)], lambda: waits.append(1)))
+        for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -19,20 +19,19 @@ import pytest
 pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 
-import numpy as np  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
+import numpy as np
+from helpers import s3server
+from helpers.s3server import ACCESS_KEY_ID, SECRET_ACCESS_KEY
+from helpers.subprocesses import subprocess_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from helpers import s3server  # noqa: E402
-from helpers.s3server import ACCESS_KEY_ID, SECRET_ACCESS_KEY  # noqa: E402
-from shardload import sources  # noqa: E402
-from shardload.errors import FormatError, StorageError  # noqa: E402
-from shardload.sources import store as storemod  # noqa: E402
-from shardload.sources import urls as urlsmod  # noqa: E402
-from shardload.sources.store import (MAX_GAP, ObjectClient, ObjectInfo,  # noqa: E402
-                                     coalesce)
-from shardload.sources.urls import ObjectUrl  # noqa: E402
-
-from helpers.subprocesses import subprocess_env  # noqa: E402
+from shardload import sources
+from shardload.errors import FormatError, StorageError
+from shardload.sources import store as storemod
+from shardload.sources import urls as urlsmod
+from shardload.sources.store import MAX_GAP, ObjectClient, ObjectInfo, coalesce
+from shardload.sources.urls import ObjectUrl
 
 BUCKET = "models"
 #: retry settings that fail fast
@@ -60,7 +59,7 @@ def aws_env(request, monkeypatch):
         return
     server = request.getfixturevalue("s3")
     s3server.use_env(monkeypatch, server.aws_env())
-    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")          # the emulator speaks plain HTTP
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")  # the emulator speaks plain HTTP
     server.clear_faults()
     server.reset_counts()
     yield server
@@ -96,27 +95,41 @@ def raises_within(exc_type, fn, bound: float = BOUND_S):
 
 # ------------------------------------------------------------------------------ URLs, offline
 
+
 def test_is_object_url():
     assert sources.is_object_url("s3://models/x")
     assert sources.is_object_url("s3://models")
     assert sources.is_object_url("gs://models/x") and sources.is_object_url("az://ckpt/x")
-    for path in ("models/x", "/s3://x", "S3://models/x", "gcs://b/k", "https://x/y", "", None,
-                 b"s3://models/x"):
+    for path in (
+        "models/x",
+        "/s3://x",
+        "S3://models/x",
+        "gcs://b/k",
+        "https://x/y",
+        "",
+        None,
+        b"s3://models/x",
+    ):
         assert not sources.is_object_url(path)
     import pathlib
+
     assert not sources.is_object_url(pathlib.Path("s3:/models"))
 
 
-@pytest.mark.parametrize("url, bucket, key", [
-    ("s3://models/llama/model.safetensors", "models", "llama/model.safetensors"),
-    ("s3://models", "models", ""),
-    ("s3://models/", "models", ""),
-    ("s3://my.bucket-1/dir/", "my.bucket-1", "dir/"),
-    ("s3://abc/" + "é" * 512, "abc", "é" * 512),              # 1024 UTF-8 bytes: the limit
-    ("s3://b12/a b/ü?x=1#y", "b12", "a b/ü?x=1#y"),          # any other character is a key's
-    ("gs://my_bucket.v2/dir/", "my_bucket.v2", "dir/"),      # GCS allows '_'
-    ("az://ckpt-01/dir/x", "ckpt-01", "dir/x"),
-], ids=lambda v: repr(v)[:40])
+@pytest.mark.parametrize(
+    "url, bucket, key",
+    [
+        ("s3://models/llama/model.safetensors", "models", "llama/model.safetensors"),
+        ("s3://models", "models", ""),
+        ("s3://models/", "models", ""),
+        ("s3://my.bucket-1/dir/", "my.bucket-1", "dir/"),
+        ("s3://abc/" + "é" * 512, "abc", "é" * 512),  # 1024 UTF-8 bytes: the limit
+        ("s3://b12/a b/ü?x=1#y", "b12", "a b/ü?x=1#y"),  # any other character is a key's
+        ("gs://my_bucket.v2/dir/", "my_bucket.v2", "dir/"),  # GCS allows '_'
+        ("az://ckpt-01/dir/x", "ckpt-01", "dir/x"),
+    ],
+    ids=lambda v: repr(v)[:40],
+)
 def test_parse_good(url, bucket, key):
     u = ObjectUrl.parse(url)
     assert (u.bucket, u.key) == (bucket, key)
@@ -124,32 +137,36 @@ def test_parse_good(url, bucket, key):
     assert ObjectUrl.parse(str(u)) == u
 
 
-@pytest.mark.parametrize("url, says", [
-    ("S3://models/k", "does not start with one of s3://, gs://, az://"),
-    ("s3:/models/k", "does not start with one of"),
-    ("models/k", "does not start with one of"),
-    ("gcs://models/k", "does not start with one of"),
-    ("gs://goog-models/k", "reserved prefix 'goog'"),
-    ("az://ab/k", "container name 'ab' is 2 characters long (3 to 63)"),
-    ("az://ck_pt/k", "holds '_'"),
-    ("az://ck--pt/k", "two adjacent dashes"),
-    ("s3:///k", "bucket name is empty"),
-    ("s3://ab/k", "2 characters long (3 to 63)"),
-    ("s3://" + "a" * 64 + "/k", "64 characters long (3 to 63)"),
-    ("s3://Models/k", "holds 'M'"),
-    ("s3://my_bucket/k", "holds '_'"),
-    ("s3://-models/k", "begin and end with a letter or a digit"),
-    ("s3://models./k", "begin and end with a letter or a digit"),
-    ("s3://mo..dels/k", "two adjacent periods"),
-    ("s3://192.168.1.10/k", "formatted as an IP address"),
-    ("s3://xn--models/k", "reserved prefix 'xn--'"),
-    ("s3://models-s3alias/k", "reserved suffix '-s3alias'"),
-    ("s3://models/" + "k" * 1025, "1025 bytes long in UTF-8"),
-    ("s3://models/" + "é" * 513, "1026 bytes long in UTF-8"),
-    ("s3://models/a\nb", "control character (U+000A)"),
-    ("s3://models/a\x00b", "control character (U+0000)"),
-    ("s3://models/a\ud800", "lone surrogate"),
-], ids=lambda v: repr(v)[:40])
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("S3://models/k", "does not start with one of s3://, gs://, az://"),
+        ("s3:/models/k", "does not start with one of"),
+        ("models/k", "does not start with one of"),
+        ("gcs://models/k", "does not start with one of"),
+        ("gs://goog-models/k", "reserved prefix 'goog'"),
+        ("az://ab/k", "container name 'ab' is 2 characters long (3 to 63)"),
+        ("az://ck_pt/k", "holds '_'"),
+        ("az://ck--pt/k", "two adjacent dashes"),
+        ("s3:///k", "bucket name is empty"),
+        ("s3://ab/k", "2 characters long (3 to 63)"),
+        ("s3://" + "a" * 64 + "/k", "64 characters long (3 to 63)"),
+        ("s3://Models/k", "holds 'M'"),
+        ("s3://my_bucket/k", "holds '_'"),
+        ("s3://-models/k", "begin and end with a letter or a digit"),
+        ("s3://models./k", "begin and end with a letter or a digit"),
+        ("s3://mo..dels/k", "two adjacent periods"),
+        ("s3://192.168.1.10/k", "formatted as an IP address"),
+        ("s3://xn--models/k", "reserved prefix 'xn--'"),
+        ("s3://models-s3alias/k", "reserved suffix '-s3alias'"),
+        ("s3://models/" + "k" * 1025, "1025 bytes long in UTF-8"),
+        ("s3://models/" + "é" * 513, "1026 bytes long in UTF-8"),
+        ("s3://models/a\nb", "control character (U+000A)"),
+        ("s3://models/a\x00b", "control character (U+0000)"),
+        ("s3://models/a\ud800", "lone surrogate"),
+    ],
+    ids=lambda v: repr(v)[:40],
+)
 def test_parse_bad(url, says):
     with pytest.raises(StorageError) as info:
         ObjectUrl.parse(url)
@@ -170,8 +187,9 @@ def test_parse_not_a_string():
 
 def test_join_and_folders():
     folder = ObjectUrl.parse("s3://models/llama/")
-    assert str(folder.join("model-00001.safetensors")) == \
-        "s3://models/llama/model-00001.safetensors"
+    assert (
+        str(folder.join("model-00001.safetensors")) == "s3://models/llama/model-00001.safetensors"
+    )
     assert str(folder.join("./sub//x.bin")) == "s3://models/llama/sub/x.bin"
     assert str(ObjectUrl.parse("s3://models/llama").join("a")) == "s3://models/llama/a"
     assert str(ObjectUrl.parse("s3://models").join("a")) == "s3://models/a"
@@ -198,6 +216,7 @@ def test_doctests():
 
 # ---------------------------------------------------------------------------------- coalesce
 
+
 def reference_coalesce(spans, gap):
     """Brute force: the set of wanted bytes, its maximal runs, runs closer than ``gap`` joined."""
     wanted = sorted({i for b, e in spans for i in range(b, e)})
@@ -213,28 +232,32 @@ def reference_coalesce(spans, gap):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 40)), max_size=25),
-       st.integers(0, 25))
+@given(
+    st.lists(st.tuples(st.integers(0, 300), st.integers(0, 40)), max_size=25), st.integers(0, 25)
+)
 def test_coalesce_against_brute_force(raw, gap):
     spans = [(b, b + n) for b, n in raw]
     merged = coalesce(spans, gap, small_gap=gap)  # every gap up to `gap` read through
     reference, wanted = reference_coalesce(spans, gap)
     assert merged == reference
     covered = {i for b, e in merged for i in range(b, e)}
-    assert wanted <= covered                                  # every wanted byte is read
+    assert wanted <= covered  # every wanted byte is read
     for (b0, e0), (b1, e1) in zip(merged, merged[1:]):
-        assert b1 - e0 > gap                                  # sorted, kept apart by > gap
-    for b, e in merged:                                       # the bounded over-read rule:
-        assert b in wanted and e - 1 in wanted                # no span grows at its ends,
-        hole = 0                                              # and no gap read through is
-        for i in range(b, e):                                 # longer than max_gap
+        assert b1 - e0 > gap  # sorted, kept apart by > gap
+    for b, e in merged:  # the bounded over-read rule:
+        assert b in wanted and e - 1 in wanted  # no span grows at its ends,
+        hole = 0  # and no gap read through is
+        for i in range(b, e):  # longer than max_gap
             hole = 0 if i in wanted else hole + 1
             assert hole <= gap
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 400)), max_size=25),
-       st.integers(0, 100), st.integers(0, 1000))
+@given(
+    st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 400)), max_size=25),
+    st.integers(0, 100),
+    st.integers(0, 1000),
+)
 def test_coalesce_reads_at_most_a_small_gap_or_a_quarter_more(raw, small, gap):
     spans = [(b, b + n) for b, n in raw]
     merged = coalesce(spans, gap, small_gap=small)
@@ -245,7 +268,7 @@ def test_coalesce_reads_at_most_a_small_gap_or_a_quarter_more(raw, small, gap):
     for (_, e0), (b1, e1) in zip(runs, runs[1:]):
         read_through = e0 in covered
         ok = b1 - e0 <= min(small, gap) or (b1 - e0 <= gap and 4 * (b1 - e0) <= e1 - b1)
-        assert read_through == ok                              # exactly the rule's gaps
+        assert read_through == ok  # exactly the rule's gaps
         if read_through:
             holes.append(b1 - e0)
     assert len(covered) - len(wanted) == sum(holes)
@@ -255,18 +278,24 @@ def test_coalesce_reads_at_most_a_small_gap_or_a_quarter_more(raw, small, gap):
 def test_coalesce_edges():
     assert coalesce([]) == []
     assert coalesce([(5, 5), (7, 7)]) == []
-    assert coalesce([(0, 10), (10, 20)], max_gap=0) == [(0, 20)]           # adjacent
+    assert coalesce([(0, 10), (10, 20)], max_gap=0) == [(0, 20)]  # adjacent
     assert coalesce([(0, 10), (11, 20)], max_gap=0) == [(0, 10), (11, 20)]
-    assert coalesce([(0, 100), (10, 20)], max_gap=0) == [(0, 100)]          # contained
+    assert coalesce([(0, 100), (10, 20)], max_gap=0) == [(0, 100)]  # contained
     # a gap up to MAX_GAP is read through where it is at most a quarter of the run it joins
     assert coalesce([(0, 1), (1 + MAX_GAP, 1 + 5 * MAX_GAP)]) == [(0, 1 + 5 * MAX_GAP)]
-    assert coalesce([(0, 1), (2 + MAX_GAP, 2 + 5 * MAX_GAP)]) == [(0, 1), (2 + MAX_GAP,
-                                                                        2 + 5 * MAX_GAP)]
-    assert coalesce([(0, 1), (1 + MAX_GAP, 2 + MAX_GAP)]) == [(0, 1), (1 + MAX_GAP,
-                                                                        2 + MAX_GAP)]
+    assert coalesce([(0, 1), (2 + MAX_GAP, 2 + 5 * MAX_GAP)]) == [
+        (0, 1),
+        (2 + MAX_GAP, 2 + 5 * MAX_GAP),
+    ]
+    assert coalesce([(0, 1), (1 + MAX_GAP, 2 + MAX_GAP)]) == [(0, 1), (1 + MAX_GAP, 2 + MAX_GAP)]
     assert coalesce([(np.int64(3), np.int64(9))]) == [(3, 9)]
-    for bad, exc in [([(5, 4)], ValueError), ([(-1, 4)], ValueError), ([(1.0, 4)], TypeError),
-                     ([(1, 2, 3)], TypeError), ([None], TypeError)]:
+    for bad, exc in [
+        ([(5, 4)], ValueError),
+        ([(-1, 4)], ValueError),
+        ([(1.0, 4)], TypeError),
+        ([(1, 2, 3)], TypeError),
+        ([None], TypeError),
+    ]:
         with pytest.raises(exc):
             coalesce(bad)
     with pytest.raises(ValueError):
@@ -274,13 +303,21 @@ def test_coalesce_edges():
 
 
 def test_client_arguments_checked():
-    for kwargs in ({"concurrency": 0}, {"chunk_bytes": 0}, {"retries": -1}, {"retries": 99},
-                   {"concurrency": True}, {"backoff": -1}, {"max_gap": 1.5}):
+    for kwargs in (
+        {"concurrency": 0},
+        {"chunk_bytes": 0},
+        {"retries": -1},
+        {"retries": 99},
+        {"concurrency": True},
+        {"backoff": -1},
+        {"max_gap": 1.5},
+    ):
         with pytest.raises(ValueError):
             ObjectClient(**kwargs)
 
 
 # ------------------------------------------------------------------------- against the server
+
 
 def test_head_list_and_identity(s3, bucket):
     a = put(s3, "fold/a.bin", 1000)
@@ -305,10 +342,12 @@ def test_list_and_cap(s3, bucket):
     for i in range(5):
         put(s3, f"many/{i}.bin", 3)
     client = ObjectClient(**FAST)
-    assert [i.url for i in client.list_folder("s3://models/many/")] == \
-        [f"s3://models/many/{i}.bin" for i in range(5)]
-    exc = raises_within(StorageError,
-                        lambda: ObjectClient(max_folder_objects=4).list_folder("s3://models/many"))
+    assert [i.url for i in client.list_folder("s3://models/many/")] == [
+        f"s3://models/many/{i}.bin" for i in range(5)
+    ]
+    exc = raises_within(
+        StorageError, lambda: ObjectClient(max_folder_objects=4).list_folder("s3://models/many")
+    )
     assert exc.usage and "more than 4 entries" in str(exc)
 
 
@@ -327,7 +366,7 @@ def test_get_bytes_and_get_into(s3, bucket):
     buf = bytearray(50_000)
     client.get_into(info, 1234, buf)
     assert bytes(buf) == data[1234:51234]
-    arr = np.zeros((100, 25), dtype=np.float32)                  # 10,000 bytes, 2-D
+    arr = np.zeros((100, 25), dtype=np.float32)  # 10,000 bytes, 2-D
     client.get_into(info, 8, arr)
     assert arr.tobytes() == data[8:10_008]
     client.get_into(info, 3, memoryview(bytearray(10))[2:7])
@@ -342,20 +381,25 @@ def test_get_bytes_and_get_into(s3, bucket):
         client.get_into(info, 0, np.zeros((10, 10), dtype=np.uint8)[:, ::2])
 
 
-@pytest.mark.parametrize("concurrency, chunk_bytes, max_gap", [
-    (1, 8 << 20, MAX_GAP),
-    (4, 4096, 0),
-    (8, 1000, 100),
-    (3, 65_536, 2000),
-])
+@pytest.mark.parametrize(
+    "concurrency, chunk_bytes, max_gap",
+    [
+        (1, 8 << 20, MAX_GAP),
+        (4, 4096, 0),
+        (8, 1000, 100),
+        (3, 65_536, 2000),
+    ],
+)
 def test_fetch(s3, bucket, concurrency, chunk_bytes, max_gap):
     key = f"fetch/{concurrency}-{chunk_bytes}.bin"
     data = put(s3, key, 300_000)
     client = ObjectClient(concurrency=concurrency, chunk_bytes=chunk_bytes, max_gap=max_gap)
     info = client.head(f"s3://models/{key}")
     rng = random.Random(chunk_bytes)
-    spans = [(b, min(b + rng.randrange(1, 6000), len(data)))
-             for b in (rng.randrange(len(data)) for _ in range(40))]
+    spans = [
+        (b, min(b + rng.randrange(1, 6000), len(data)))
+        for b in (rng.randrange(len(data)) for _ in range(40))
+    ]
     spans += [(0, 1), (len(data) - 1, len(data))]
     s3.reset_counts()
 
@@ -366,12 +410,12 @@ def test_fetch(s3, bucket, concurrency, chunk_bytes, max_gap):
 
     def write(offset, view):
         assert isinstance(view, memoryview) and 0 < len(view) <= chunk_bytes
-        assert bytes(view) == data[offset:offset + len(view)]       # over-read included
+        assert bytes(view) == data[offset : offset + len(view)]  # over-read included
         with lock:
             buffers.add(id(view.obj))
-            got[offset:offset + len(view)] = view
-            assert not seen[offset:offset + len(view)].any()         # each byte once
-            seen[offset:offset + len(view)] = True
+            got[offset : offset + len(view)] = view
+            assert not seen[offset : offset + len(view)].any()  # each byte once
+            seen[offset : offset + len(view)] = True
 
     n = client.fetch(info, spans, write)
     merged = coalesce(spans, max_gap)
@@ -379,10 +423,10 @@ def test_fetch(s3, bucket, concurrency, chunk_bytes, max_gap):
     for b, e in spans:
         assert got[b:e] == data[b:e]
     assert seen.sum() == n
-    assert s3.bytes_sent(key) == n                                   # the server sent no more
+    assert s3.bytes_sent(key) == n  # the server sent no more
     gets = s3.requests(key=key, method="GET")
     assert len(gets) == len(storemod._pieces(merged, chunk_bytes))
-    assert len(buffers) <= concurrency                               # bounded memory
+    assert len(buffers) <= concurrency  # bounded memory
     # straight into the object's bytes: the same GETs, each landing in place
     s3.reset_counts()
     whole = bytearray(len(data))
@@ -421,11 +465,12 @@ def test_fetch_write_failure_stops_the_rest(s3, bucket):
 
     with pytest.raises(RuntimeError, match="disk full"):
         client.fetch(info, [(0, len(data))], write)
-    assert len(s3.requests(method="GET")) <= 2 * 4                  # 200 pieces: most never asked
+    assert len(s3.requests(method="GET")) <= 2 * 4  # 200 pieces: most never asked
     assert len(calls) <= 4
 
 
 # ------------------------------------------------------------------------------------ retries
+
 
 def test_slowdown_twice_then_success(s3, bucket):
     data = put(s3, "retry/slow.bin", 20_000)
@@ -447,9 +492,11 @@ def test_dropped_connection_resumes(s3, bucket):
     s3.reset_counts()
     assert client.get_bytes(info, 0, 50_000) == data
     gets = s3.requests(method="GET")
-    assert [(r.range, r.sent) for r in gets] == [("bytes=0-49999", 12_345),
-                                                 ("bytes=12345-49999", 37_655)]
-    assert s3.bytes_sent() == 50_000                                 # the resume asked the rest
+    assert [(r.range, r.sent) for r in gets] == [
+        ("bytes=0-49999", 12_345),
+        ("bytes=12345-49999", 37_655),
+    ]
+    assert s3.bytes_sent() == 50_000  # the resume asked the rest
 
 
 def test_dropped_connections_in_fetch_resume(s3, bucket):
@@ -491,14 +538,19 @@ def test_not_retried_4xx(s3, bucket):
 
 # ------------------------------------------------------------------------------------- errors
 
+
 def test_missing_key_and_bucket(s3, bucket):
     client = ObjectClient(**FAST)
     exc = raises_within(StorageError, lambda: client.head("s3://models/nope/model.bin"))
-    assert exc.usage and str(exc) == ("s3://models/nope/model.bin: no such object; check the "
-                                      "path, or list the folder it should be in "
-                                      "(s3://models/nope/)")
-    for call in (lambda: client.head("s3://no-such-bucket/k"),
-                 lambda: client.list_folder("s3://no-such-bucket/dir/")):
+    assert exc.usage and str(exc) == (
+        "s3://models/nope/model.bin: no such object; check the "
+        "path, or list the folder it should be in "
+        "(s3://models/nope/)"
+    )
+    for call in (
+        lambda: client.head("s3://no-such-bucket/k"),
+        lambda: client.list_folder("s3://no-such-bucket/dir/"),
+    ):
         exc = raises_within(StorageError, call)
         assert exc.usage and "no such S3 bucket 'no-such-bucket'" in str(exc)
         assert s3.endpoint in str(exc)
@@ -525,13 +577,16 @@ def test_no_credentials(s3, bucket, monkeypatch):
 
 def test_dead_endpoint(s3, monkeypatch):
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))                                  # bound, never listening
+        sock.bind(("127.0.0.1", 0))  # bound, never listening
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
         s3server.use_env(monkeypatch, s3.aws_env(endpoint=dead))
         # a retry would wait a second first: the refusal comes at once, not retried (no
         # retry cures a wrong setting), naming the variable that set the endpoint
-        exc = raises_within(StorageError, lambda: ObjectClient(retries=2, backoff=1.0).head(
-            "s3://models/k"), bound=0.9)
+        exc = raises_within(
+            StorageError,
+            lambda: ObjectClient(retries=2, backoff=1.0).head("s3://models/k"),
+            bound=0.9,
+        )
     assert exc.usage is False
     assert dead in str(exc) and "could not connect" in str(exc), exc
     assert "AWS_ENDPOINT_URL" in str(exc) and "refused" in str(exc), exc
@@ -547,14 +602,24 @@ def test_refused_credentials_never_echoed(s3, bucket):
     """A real S3 echoes the access key id (and the string to sign) in a SignatureDoesNotMatch
     body; botocore's own message repeats the body's message. Ours repeats neither."""
     put(s3, "secret/a.bin", 10)
-    echo = (f"<AWSAccessKeyId>{ACCESS_KEY_ID}</AWSAccessKeyId><StringToSign>AWS4-HMAC-SHA256 "
-            f"{SECRET_ACCESS_KEY}</StringToSign><SignatureProvided>00ff</SignatureProvided>")
+    echo = (
+        f"<AWSAccessKeyId>{ACCESS_KEY_ID}</AWSAccessKeyId><StringToSign>AWS4-HMAC-SHA256 "
+        f"{SECRET_ACCESS_KEY}</StringToSign><SignatureProvided>00ff</SignatureProvided>"
+    )
     said = f"The request signature we calculated does not match. Key {ACCESS_KEY_ID}"
-    for key in (None, ""):                                           # objects, and listings
-        s3.inject("error", status=403, code="SignatureDoesNotMatch", message=said, extra=echo,
-                  times=None, key=key)
+    for key in (None, ""):  # objects, and listings
+        s3.inject(
+            "error",
+            status=403,
+            code="SignatureDoesNotMatch",
+            message=said,
+            extra=echo,
+            times=None,
+            key=key,
+        )
     import botocore.exceptions  # a plain botocore call through the proxy shows the danger
     import botocore.session
+
     plain = botocore.session.Session().create_client("s3", endpoint_url=s3.endpoint)
     with pytest.raises(botocore.exceptions.ClientError) as leaked:
         plain.get_object(Bucket=BUCKET, Key="secret/a.bin")
@@ -562,9 +627,11 @@ def test_refused_credentials_never_echoed(s3, bucket):
 
     client = ObjectClient(**FAST)
     info = ObjectInfo("s3://models/secret/a.bin", 10, '"x"', "")
-    for call in (lambda: client.get_bytes(info, 0, 10),
-                 lambda: client.fetch(info, [(0, 10)], lambda o, v: None),
-                 lambda: client.list_folder("s3://models/secret/")):
+    for call in (
+        lambda: client.get_bytes(info, 0, 10),
+        lambda: client.fetch(info, [(0, 10)], lambda o, v: None),
+        lambda: client.list_folder("s3://models/secret/"),
+    ):
         exc = raises_within(StorageError, call)
         assert exc.usage and "the S3 credentials in use were refused" in str(exc), exc
 
@@ -580,36 +647,47 @@ def test_obstore_is_imported_lazily(s3, bucket):
     """``import shardload`` (and the CLI's module) never import obstore; the first read of a
     URL does, in a subprocess configured only by ``s3.env()``."""
     data = put(s3, "lazy/a.bin", 100)
-    code = ("import sys, shardload, shardload.sources, shardload.sources.store as s\n"
-            "s.ObjectClient(); s.ObjectUrl.parse('s3://models/k'); s.coalesce([(0, 1)])\n"
-            "import shardload.cli\n"
-            "assert 'obstore' not in sys.modules, 'obstore imported'\n"
-            "c = s.default_client(); info = c.head('s3://models/lazy/a.bin')\n"
-            "sys.stdout.write(c.get_bytes(info, 0, info.size).hex())\n"
-            "assert 'obstore' in sys.modules\n")
-    done = subprocess.run([sys.executable, "-c", code],
-                          env=subprocess_env({**s3.env(), "AWS_ALLOW_HTTP": "true"}),
-                          capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys, shardload, shardload.sources, shardload.sources.store as s\n"
+        "s.ObjectClient(); s.ObjectUrl.parse('s3://models/k'); s.coalesce([(0, 1)])\n"
+        "import shardload.cli\n"
+        "assert 'obstore' not in sys.modules, 'obstore imported'\n"
+        "c = s.default_client(); info = c.head('s3://models/lazy/a.bin')\n"
+        "sys.stdout.write(c.get_bytes(info, 0, info.size).hex())\n"
+        "assert 'obstore' in sys.modules\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env({**s3.env(), "AWS_ALLOW_HTTP": "true"}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert bytes.fromhex(done.stdout) == data
 
 
 # ---------------------------------------------------------------------------------- identity
 
+
 def test_object_replaced_between_head_and_get(s3, bucket):
     put(s3, "changed/a.bin", 5000, seed=1)
     client = ObjectClient(**FAST)
     info = client.head("s3://models/changed/a.bin")
-    put(s3, "changed/a.bin", 5000, seed=2)                           # same size, new bytes
+    put(s3, "changed/a.bin", 5000, seed=2)  # same size, new bytes
     now = client.head("s3://models/changed/a.bin")
-    for call in (lambda: client.get_bytes(info, 0, 100),
-                 lambda: client.fetch(info, [(0, 100), (4000, 5000)], lambda o, v: None),
-                 lambda: client.check_unchanged(info)):
+    for call in (
+        lambda: client.get_bytes(info, 0, 100),
+        lambda: client.fetch(info, [(0, 100), (4000, 5000)], lambda o, v: None),
+        lambda: client.check_unchanged(info),
+    ):
         exc = raises_within(FormatError, call)
         assert exc.file == "s3://models/changed/a.bin"
-        assert str(exc) == (f"s3://models/changed/a.bin: the object changed while loading "
-                            f"(ETag now {now.etag}, was {info.etag}); do not replace a "
-                            "checkpoint while it is loading")
+        assert str(exc) == (
+            f"s3://models/changed/a.bin: the object changed while loading "
+            f"(ETag now {now.etag}, was {info.etag}); do not replace a "
+            "checkpoint while it is loading"
+        )
 
 
 def test_object_deleted_between_head_and_get(s3, bucket):
@@ -622,6 +700,7 @@ def test_object_deleted_between_head_and_get(s3, bucket):
 
 
 # ------------------------------------------------------------------ processes and settings
+
 
 @pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # threads: moto's, the proxy's
 def test_a_child_forked_after_reading_objects_is_refused_at_once(s3, bucket):
@@ -655,8 +734,9 @@ def test_a_child_forked_after_reading_objects_is_refused_at_once(s3, bucket):
         time.sleep(0.02)
     said = os.read(read, 1000).decode()
     os.close(read)
-    assert said.startswith("s3://models/fork/a.bin: this process was forked from one that "
-                           "had read object storage"), said
+    assert said.startswith(
+        "s3://models/fork/a.bin: this process was forked from one that had read object storage"
+    ), said
     assert "'spawn'" in said and "\n" not in said
     assert client.get_bytes(info, 0, 10) == data[:10]  # the parent reads on
 
@@ -665,17 +745,27 @@ def test_default_client_settings(monkeypatch):
     monkeypatch.setattr(storemod, "_DEFAULT", None)
     monkeypatch.setenv("SHARDLOAD_OBJECT_CONCURRENCY", "3")
     monkeypatch.setenv("SHARDLOAD_OBJECT_CHUNK_MB", "0.25")
-    monkeypatch.setenv("SHARDLOAD_OBJECT_RETRIES", "")                   # empty: the default
+    monkeypatch.setenv("SHARDLOAD_OBJECT_RETRIES", "")  # empty: the default
     client = storemod.default_client()
     assert storemod.default_client() is client
     assert (client.concurrency, client.chunk_bytes, client.retries) == (3, 256 << 10, 5)
-    assert storemod.settings_from_env({}) == {"concurrency": 8, "chunk_bytes": 8 << 20,
-                                           "retries": 5, "max_gap": 1 << 20}
+    assert storemod.settings_from_env({}) == {
+        "concurrency": 8,
+        "chunk_bytes": 8 << 20,
+        "retries": 5,
+        "max_gap": 1 << 20,
+    }
     assert storemod.settings_from_env({"SHARDLOAD_OBJECT_MAX_GAP_KB": "0"})["max_gap"] == 0
-    for name, value in [("SHARDLOAD_OBJECT_CONCURRENCY", "0"), ("SHARDLOAD_OBJECT_CONCURRENCY", "x"),
-                        ("SHARDLOAD_OBJECT_CONCURRENCY", "2.5"), ("SHARDLOAD_OBJECT_CHUNK_MB", "-1"),
-                        ("SHARDLOAD_OBJECT_CHUNK_MB", "nan"), ("SHARDLOAD_OBJECT_RETRIES", "21"),
-                        ("SHARDLOAD_OBJECT_RETRIES", "-1"), ("SHARDLOAD_OBJECT_MAX_GAP_KB", "-1")]:
+    for name, value in [
+        ("SHARDLOAD_OBJECT_CONCURRENCY", "0"),
+        ("SHARDLOAD_OBJECT_CONCURRENCY", "x"),
+        ("SHARDLOAD_OBJECT_CONCURRENCY", "2.5"),
+        ("SHARDLOAD_OBJECT_CHUNK_MB", "-1"),
+        ("SHARDLOAD_OBJECT_CHUNK_MB", "nan"),
+        ("SHARDLOAD_OBJECT_RETRIES", "21"),
+        ("SHARDLOAD_OBJECT_RETRIES", "-1"),
+        ("SHARDLOAD_OBJECT_MAX_GAP_KB", "-1"),
+    ]:
         with pytest.raises(ValueError) as info:
             storemod.settings_from_env({name: value})
         assert str(info.value).startswith(f"{name}={value!r} ")
@@ -693,7 +783,7 @@ def test_proxy_stops_its_threads(monkeypatch):
         server.client().put_object(Bucket="other", Key="k", Body=b"abc")
         monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
         client = ObjectClient()
-        info = client.head("s3://other/k")                          # keep-alive connections
+        info = client.head("s3://other/k")  # keep-alive connections
         assert client.get_bytes(info, 0, 3) == b"abc"
         assert server.bytes_sent("k") == 3
     deadline = time.monotonic() + 5

@@ -19,15 +19,23 @@ import signal
 import threading
 import time
 
+import helpers.staging_plugins as plugins
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-import helpers.staging_plugins as plugins
-from shardload import (REPLICATE, ProcessSession, Staging, ThreadedSession, WorkerError,
-                       load_sharded, open_checkpoint)
+from shardload import (
+    REPLICATE,
+    ProcessSession,
+    Staging,
+    ThreadedSession,
+    WorkerError,
+    load_sharded,
+    open_checkpoint,
+)
 from shardload.errors import ShardloadError, describe
 from shardload.readplan import Run
 from shardload.staging import Pipeline
@@ -58,15 +66,19 @@ def _plugin_state():
 
 # ---- the options ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"buffers": 1}, "buffers=...) must be an integer from 2 to 64"),
-    ({"buffers": 2.0}, "buffers=...) must be an integer"),
-    ({"buffer_mib": 0}, "buffer_mib=...) must be a positive number"),
-    ({"buffer_mib": float("nan")}, "buffer_mib=...) must be a positive number"),
-    ({"buffer_mib": True}, "buffer_mib=...) must be a positive number"),
-    ({"buffers": 64, "buffer_mib": 1024}, "at most 4096 MiB"),
-    ({"pinned": "yes"}, "pinned=...) must be None, True or False"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"buffers": 1}, "buffers=...) must be an integer from 2 to 64"),
+        ({"buffers": 2.0}, "buffers=...) must be an integer"),
+        ({"buffer_mib": 0}, "buffer_mib=...) must be a positive number"),
+        ({"buffer_mib": float("nan")}, "buffer_mib=...) must be a positive number"),
+        ({"buffer_mib": True}, "buffer_mib=...) must be a positive number"),
+        ({"buffers": 64, "buffer_mib": 1024}, "at most 4096 MiB"),
+        ({"pinned": "yes"}, "pinned=...) must be None, True or False"),
+    ],
+)
 def test_bad_staging_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Staging(**kwargs)
@@ -80,18 +92,23 @@ def test_staging_round_trips_as_json():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_pinned_staging_without_cuda_says_what_to_do():
-    with pytest.raises(ShardloadError, match=r"^Staging\(pinned=True\) needs CUDA .* use "
-                                             r"pinned=None$"):
+    with pytest.raises(
+        ShardloadError,
+        match=r"^Staging\(pinned=True\) needs CUDA .* use "
+        r"pinned=None$",
+    ):
         Pipeline(torch.device("cpu"), Staging(pinned=True))
 
 
 def test_load_refuses_a_staging_of_the_wrong_type():
     with ThreadedSession(1) as sess, pytest.raises(TypeError, match="shardload.Staging"):
-        load_sharded({"w": np.zeros(4, np.float32)}, REPLICATE, sess, progress=False,
-                     staging="4x32")
+        load_sharded(
+            {"w": np.zeros(4, np.float32)}, REPLICATE, sess, progress=False, staging="4x32"
+        )
 
 
 # ---- the pipeline alone: runs against their definition -------------------------------------------
+
 
 def expected_bytes(src: np.ndarray, runs: list[Run], size: int) -> np.ndarray:
     """The destination bytes ``runs`` define, written out block by block (the reference)."""
@@ -99,7 +116,7 @@ def expected_bytes(src: np.ndarray, runs: list[Run], size: int) -> np.ndarray:
     for r in runs:
         for k in range(r.count):
             s, d = r.offset + k * r.stride, r.dst_offset + k * r.dst_stride
-            out[d:d + r.nbytes] = src[s:s + r.nbytes]
+            out[d : d + r.nbytes] = src[s : s + r.nbytes]
     return out
 
 
@@ -124,8 +141,12 @@ def strided_runs(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(case=strided_runs(), buffer_bytes=st.integers(1, 300), buffers=st.integers(2, 4),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    case=strided_runs(),
+    buffer_bytes=st.integers(1, 300),
+    buffers=st.integers(2, 4),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_pipeline_copies_exactly_what_the_runs_say(case, buffer_bytes, buffers, seed):
     src_size, runs, size = case
     src = np.random.default_rng(seed).integers(0, 256, src_size, dtype=np.uint8)
@@ -140,10 +161,14 @@ def test_pipeline_copies_exactly_what_the_runs_say(case, buffer_bytes, buffers, 
 
 def test_pipeline_refuses_a_run_outside_its_source():
     with Pipeline(torch.device("cpu"), Staging(2, 1)) as pipe:
-        with pytest.raises(ShardloadError, match=r"^parameter 'w': read run .* lies outside its "
-                                                 r"source \(10 bytes\)"):
-            pipe.piece([torch.zeros(10, dtype=torch.uint8)], [Run(0, 8, 4)], (4,), "uint8",
-                       False, "w")
+        with pytest.raises(
+            ShardloadError,
+            match=r"^parameter 'w': read run .* lies outside its "
+            r"source \(10 bytes\)",
+        ):
+            pipe.piece(
+                [torch.zeros(10, dtype=torch.uint8)], [Run(0, 8, 4)], (4,), "uint8", False, "w"
+            )
 
 
 def test_buffers_are_reused_only_after_their_copies_and_reads_overlap_copies():
@@ -160,10 +185,12 @@ def test_buffers_are_reused_only_after_their_copies_and_reads_overlap_copies():
         plugins.GATE.wait()
 
     with Pipeline(torch.device("cpu"), Staging(buffers=2, buffer_mib=32 * TINY)) as pipe:
+
         def work():
             try:
-                first = pipe.piece(sources, [Run(0, 0, 32)], (32,), "uint8", False, "a",
-                                   fixup=hold_link)
+                first = pipe.piece(
+                    sources, [Run(0, 0, 32)], (32,), "uint8", False, "a", fixup=hold_link
+                )
                 # the copier is stuck behind the fixup; this fills the second buffer...
                 second = pipe.piece(sources, [Run(0, 32, 32)], (32,), "uint8", False, "b")
                 result["read_ahead"] = True
@@ -209,10 +236,11 @@ def test_a_failure_on_the_link_surfaces_on_the_worker_and_stops_the_link():
 
 # ---- loads: every session, every N, against numpy -------------------------------------------------
 
+
 def _checkpoint(tmp_path, rng=np.random.default_rng(0)):
     arrays = {
         "rows": rng.standard_normal((24, 10)).astype(np.float16),
-        "cols": rng.integers(-2**31, 2**31, (6, 48), dtype=np.int64).astype(np.int32),
+        "cols": rng.integers(-(2**31), 2**31, (6, 48), dtype=np.int64).astype(np.int32),
         "norm": rng.standard_normal(40).astype(np.float32),
         "chain": rng.standard_normal((24, 3)).astype(np.float32),
         "fixed": rng.standard_normal((48, 2)).astype(np.float32),
@@ -223,8 +251,10 @@ def _checkpoint(tmp_path, rng=np.random.default_rng(0)):
     plan = {
         "rows": [["shardload.split", [["num_shards", "24 // num_shards", 10], "float16"], 0]],
         "cols": [["shardload.split", [["num_shards", 6, "48 // num_shards"], "int32"], 1]],
-        "chain": [["tests.staging.twice", [[24, 3], "float32"]],
-                  ["shardload.split", [["num_shards", "24 // num_shards", 3], "float32"], 0]],
+        "chain": [
+            ["tests.staging.twice", [[24, 3], "float32"]],
+            ["shardload.split", [["num_shards", "24 // num_shards", 3], "float32"], 0],
+        ],
         "fixed": [["tests.staging.rows", [["num_shards", "48 // num_shards", 2], "float32"]]],
         "g_idx": [["shardload.split_rebase", [["num_shards", "48 // num_shards"], "int32"], 0]],
     }
@@ -236,9 +266,14 @@ def _reference(arrays: dict, n: int, i: int) -> dict[str, np.ndarray]:
         return np.split(x, n, axis=axis)[i]
 
     g = block(arrays["g_idx"], 0)
-    return {"rows": block(arrays["rows"], 0), "cols": block(arrays["cols"], 1),
-            "norm": arrays["norm"], "chain": block(arrays["chain"] * 2, 0),
-            "fixed": block(arrays["fixed"], 0) + 1, "g_idx": g - g[0]}
+    return {
+        "rows": block(arrays["rows"], 0),
+        "cols": block(arrays["cols"], 1),
+        "norm": arrays["norm"],
+        "chain": block(arrays["chain"] * 2, 0),
+        "fixed": block(arrays["fixed"], 0) + 1,
+        "g_idx": g - g[0],
+    }
 
 
 # buffers of 7 bytes (every piece crosses many buffers, runs split mid-element), 100 (some
@@ -249,8 +284,9 @@ def _reference(arrays: dict, n: int, i: int) -> dict[str, np.ndarray]:
 def test_staged_threads_give_every_worker_exactly_its_piece(tmp_path, n, buffer_bytes):
     arrays, path, plan = _checkpoint(tmp_path)
     with ThreadedSession(n) as sess:
-        sharded = load_sharded(path, plan, sess, progress=False,
-                               staging=Staging(2, buffer_bytes * TINY))
+        sharded = load_sharded(
+            path, plan, sess, progress=False, staging=Staging(2, buffer_bytes * TINY)
+        )
     for i in range(n):
         want = _reference(arrays, n, i)
         for name in plan.keys() | {"norm"}:
@@ -292,8 +328,7 @@ def test_a_replicated_tensor_is_read_once_per_process_and_each_worker_owns_a_cop
 @pytest.mark.parametrize("session", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_the_planners_real_plan_loads_the_same_staged_and_direct(session):
     n = 4
-    make = (lambda: ThreadedSession(n)) if session == "thread" else \
-        (lambda: ProcessSession(n))
+    make = (lambda: ThreadedSession(n)) if session == "thread" else (lambda: ProcessSession(n))
     with make() as sess:
         direct = load_sharded(EXAMPLE, None, sess, progress=False, staging=False)
         staged = load_sharded(EXAMPLE, None, sess, progress=False, staging=Staging(2, 0.01))
@@ -307,9 +342,9 @@ def test_the_planners_real_plan_loads_the_same_staged_and_direct(session):
 
 # ---- failures and Ctrl-C ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", [1, 3])
-def test_a_failure_in_the_middle_of_a_staged_load_is_reported_and_leaves_no_thread(tmp_path,
-                                                                                    n):
+def test_a_failure_in_the_middle_of_a_staged_load_is_reported_and_leaves_no_thread(tmp_path, n):
     arrays, path, plan = _checkpoint(tmp_path)
     plan = {"fixed": plan["fixed"]}
     plugins.FAIL_AFTER[0] = 0
@@ -338,8 +373,10 @@ def test_ctrl_c_stops_a_staged_load_and_its_links(tmp_path, sigint_raises):
     rng = np.random.default_rng(1)
     arrays = {f"w{k}": rng.standard_normal((8, 4)).astype(np.float32) for k in range(40)}
     save_file(arrays, str(tmp_path / "m.safetensors"))
-    plan = {name: [["tests.staging.rows", [["num_shards", "8 // num_shards", 4], "float32"]]]
-            for name in arrays}
+    plan = {
+        name: [["tests.staging.rows", [["num_shards", "8 // num_shards", 4], "float32"]]]
+        for name in arrays
+    }
     # 40 parameters, a fixup of 0.25 s each on each worker: the load would take 10 s (sleeping,
     # so however busy the machine), and is interrupted after 0.4 s. The interrupt surfaces
     # 0.41 s after the start (measured on 2 shared cores); the 4 s bound is almost 10 times
@@ -350,8 +387,13 @@ def test_ctrl_c_stops_a_staged_load_and_its_links(tmp_path, sigint_raises):
         timer.start()
         start = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
-            load_sharded(str(tmp_path / "m.safetensors"), plan, sess, progress=False,
-                         staging=Staging(2, 16 * TINY))
+            load_sharded(
+                str(tmp_path / "m.safetensors"),
+                plan,
+                sess,
+                progress=False,
+                staging=Staging(2, 16 * TINY),
+            )
         assert time.monotonic() - start < 4
         assert sess.closed
     timer.cancel()
@@ -371,8 +413,7 @@ def test_cuda_staged_load_is_exact_on_threads(tmp_path, n):
     count = torch.cuda.device_count()
     devices = [f"cuda:{i % count}" for i in range(n)]
     with ThreadedSession(n, device=devices) as sess:
-        sharded = load_sharded(path, plan, sess, progress=False,
-                               staging=Staging(2, 100 * TINY))
+        sharded = load_sharded(path, plan, sess, progress=False, staging=Staging(2, 100 * TINY))
     for i in range(n):
         want = _reference(arrays, n, i)
         for name in plan.keys() | {"norm"}:
@@ -417,8 +458,9 @@ def test_cuda_a_large_tensor_goes_through_a_small_ring():
     """A tensor many times the ring's size: host memory stays at the ring, the bytes exact."""
     x = torch.randint(0, 2**31 - 1, (64, 1 << 16), dtype=torch.int32)  # 16 MiB
     with ThreadedSession(1, device="cuda:0") as sess:
-        sharded = load_sharded({"x": x.numpy()}, REPLICATE, sess, progress=False,
-                               staging=Staging(2, 1))
+        sharded = load_sharded(
+            {"x": x.numpy()}, REPLICATE, sess, progress=False, staging=Staging(2, 1)
+        )
     assert torch.equal(sharded.shard("x", 0).cpu(), x)
     stats = sharded.stats.staging_per_worker[0]
     assert stats["seals"] >= 16 and stats["waits"] >= 14
@@ -426,14 +468,28 @@ def test_cuda_a_large_tensor_goes_through_a_small_ring():
 
 # ---- the command line -------------------------------------------------------------------------------
 
+
 def test_cli_load_stages_when_asked_and_reports_each_ring():
     from click.testing import CliRunner
 
     from shardload.cli import cli
 
-    result = CliRunner().invoke(cli, ["load", "--shards", "2", "--json", "--staging", "on",
-                                      "--staging-buffers", "3", "--staging-mib", "0.01",
-                                      EXAMPLE])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "load",
+            "--shards",
+            "2",
+            "--json",
+            "--staging",
+            "on",
+            "--staging-buffers",
+            "3",
+            "--staging-mib",
+            "0.01",
+            EXAMPLE,
+        ],
+    )
     assert result.exit_code == 0, result.output
     workers = json.loads(result.output)["workers"]
     assert [w["staging"]["buffers"] for w in workers] == [3, 3]
@@ -447,14 +503,16 @@ def test_cli_refuses_a_ring_too_large():
 
     from shardload.cli import cli
 
-    result = CliRunner().invoke(cli, ["load", "--shards", "2", "--staging", "on",
-                                      "--staging-mib", "4000", EXAMPLE])
+    result = CliRunner().invoke(
+        cli, ["load", "--shards", "2", "--staging", "on", "--staging-mib", "4000", EXAMPLE]
+    )
     assert result.exit_code == 2
     assert result.output.startswith("Error: --staging-mib: ")
     assert "at most 4096 MiB" in result.output
 
 
 # ---- mapped pages go back in batches ----------------------------------------------------------------
+
 
 class _Recorder:
     def __init__(self):
@@ -472,14 +530,14 @@ def test_page_releases_merge_close_spans_and_wait_for_a_batch():
     far = 10 * SPAN_GAP_BYTES
     releases = PageReleases(source, batch_bytes=100)
     releases.add(0, 0, 40)
-    releases.add(0, 40, 70)     # touches the first
-    releases.add(1, 0, 10)      # another file
-    assert source.calls == []   # 80 bytes pending: below the batch
-    releases.add(0, 90, 100)    # close to the first two: one span with them
+    releases.add(0, 40, 70)  # touches the first
+    releases.add(1, 0, 10)  # another file
+    assert source.calls == []  # 80 bytes pending: below the batch
+    releases.add(0, 90, 100)  # close to the first two: one span with them
     releases.add(0, far, far + 10)  # 100 pending: one batch, merged where the spans are close
     assert source.calls == [(0, 0, 100), (0, far, far + 10), (1, 0, 10)]
     releases.add(0, far + 200, far + 210)
-    releases.add(0, 5, 5)       # empty: nothing
+    releases.add(0, 5, 5)  # empty: nothing
     releases.flush()
     assert source.calls[3:] == [(0, far + 200, far + 210)]
     releases.flush()
@@ -495,12 +553,18 @@ def test_page_releases_add_spans_takes_a_batch_of_pieces_runs_at_once():
 
     source = _Recorder()
     releases = PageReleases(source, batch_bytes=100)
-    pieces = Pieces.of([piece("a", Run(0, 0, 10, 3, 20)), piece("b", Run(1, 5, 0)),
-                        piece("c", Run(0, 60, 20)), piece("d", Run(1, 0, 40))])
+    pieces = Pieces.of(
+        [
+            piece("a", Run(0, 0, 10, 3, 20)),
+            piece("b", Run(1, 5, 0)),
+            piece("c", Run(0, 60, 20)),
+            piece("d", Run(1, 0, 40)),
+        ]
+    )
     # each run from its first byte to its last: 3 blocks of 10 bytes, 20 apart, span 50
     assert pieces.spans(0, 4) == [(0, 0, 50), (1, 5, 5), (0, 60, 80), (1, 0, 40)]
     releases.add_spans(pieces.spans(0, 3))
-    assert source.calls == []   # 50 + 20 bytes pending; the empty run adds nothing
+    assert source.calls == []  # 50 + 20 bytes pending; the empty run adds nothing
     releases.add_spans(pieces.spans(3, 4))
     assert source.calls == [(0, 0, 80), (1, 0, 40)]
 
@@ -521,8 +585,7 @@ def test_a_threaded_load_gives_the_checkpoints_pages_back(tmp_path):
 
     x = np.random.default_rng(0).integers(0, 255, (64, 1 << 20), dtype=np.uint8)  # 64 MiB
     save_file({"x": x}, str(tmp_path / "m.safetensors"))
-    plan = {"x": [["shardload.split", [["num_shards", "64 // num_shards", 1 << 20], "uint8"],
-                   0]]}
+    plan = {"x": [["shardload.split", [["num_shards", "64 // num_shards", 1 << 20], "uint8"], 0]]}
     with open_checkpoint(str(tmp_path / "m.safetensors")) as ckpt, ThreadedSession(2) as sess:
         before = _rss_file_pages()
         kept = load_sharded(ckpt, plan, sess, progress=False, staging=False)
@@ -539,6 +602,7 @@ def test_a_threaded_load_gives_the_checkpoints_pages_back(tmp_path):
 
 
 # ---- the file is asked for ahead of the copies -----------------------------------------------------
+
 
 class _Prefetches:
     def __init__(self):
@@ -593,8 +657,11 @@ def test_a_threaded_load_asks_for_its_file_ahead(tmp_path, monkeypatch):
     arrays, path, plan = _checkpoint(tmp_path)
     asked = []
     real = MappedCheckpoint.prefetch_bytes
-    monkeypatch.setattr(MappedCheckpoint, "prefetch_bytes",
-                        lambda self, i, b, e: (asked.append((i, b, e)), real(self, i, b, e)))
+    monkeypatch.setattr(
+        MappedCheckpoint,
+        "prefetch_bytes",
+        lambda self, i, b, e: (asked.append((i, b, e)), real(self, i, b, e)),
+    )
     with ThreadedSession(3) as sess:
         load_sharded(path, plan, sess, progress=False)
     with open_checkpoint(path) as ckpt:
@@ -604,6 +671,7 @@ def test_a_threaded_load_asks_for_its_file_ahead(tmp_path, monkeypatch):
 
 
 # ---- a file the real tools wrote --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("n", [3, 4])
 def test_the_published_gguf_loads_padded_the_same_staged_and_direct(smollm2, n):
@@ -615,8 +683,9 @@ def test_the_published_gguf_loads_padded_the_same_staged_and_direct(smollm2, n):
     with open_checkpoint(smollm2) as ckpt, ThreadedSession(n) as sess:
         plan = plan_for(ckpt, num_shards=n)
         direct = load_sharded(ckpt, plan, sess, progress=False, staging=False)
-        staged = load_sharded(ckpt, plan, sess, progress=False,
-                              staging=Staging(buffers=2, buffer_mib=1 / 16))
+        staged = load_sharded(
+            ckpt, plan, sess, progress=False, staging=Staging(buffers=2, buffer_mib=1 / 16)
+        )
     for i in range(n):
         a, b = direct.worker(i), staged.worker(i)
         assert a.keys() == b.keys()

@@ -36,19 +36,40 @@ def _strings(value):
 def plain(text: str):
     """``loads_plain`` and the member count together: the value, or None."""
     value = strict_json.loads_plain(text)
-    if value is None or not strict_json.members_match(text, _members(value),
-                                                      lambda: _strings(value)):
+    if value is None or not strict_json.members_match(
+        text, _members(value), lambda: _strings(value)
+    ):
         return None
     return value
 
 
-@pytest.mark.parametrize("text", [
-    '{"a": 1, "a": 2}', '{"a": {"b": 1, "b": 2}}', '[{"x": 1}, {"x": 2, "x": 3}]',
-    '{"k:": "v:", "k:": 1}', '{"a:b": 1}', '{"w": {"a": "x:", "b": "y"}, "m": [1, {"z": 2}]}',
-    '5', '"x:"', '[]', '{"a": NaN}', '{"a": -Infinity}', '{"a": 1e400}', '{"a": 1.5}',
-    '{"\\u0041": 1}', '{"a": "\\n"}', '{"a": 1} x', '{"a": [1, 2,]}', '\ufeff{}',
-    '{"a": "b:c", "d": {"e:f": ["g:", {"h": "i"}]}}', '{"::": {"::": 1, "a": 2}, "b": ":"}',
-    '{"a": "\x01"}', "[" * 5000 + "]" * 5000])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a": 1, "a": 2}',
+        '{"a": {"b": 1, "b": 2}}',
+        '[{"x": 1}, {"x": 2, "x": 3}]',
+        '{"k:": "v:", "k:": 1}',
+        '{"a:b": 1}',
+        '{"w": {"a": "x:", "b": "y"}, "m": [1, {"z": 2}]}',
+        "5",
+        '"x:"',
+        "[]",
+        '{"a": NaN}',
+        '{"a": -Infinity}',
+        '{"a": 1e400}',
+        '{"a": 1.5}',
+        '{"\\u0041": 1}',
+        '{"a": "\\n"}',
+        '{"a": 1} x',
+        '{"a": [1, 2,]}',
+        "\ufeff{}",
+        '{"a": "b:c", "d": {"e:f": ["g:", {"h": "i"}]}}',
+        '{"::": {"::": 1, "a": 2}, "b": ":"}',
+        '{"a": "\x01"}',
+        "[" * 5000 + "]" * 5000,
+    ],
+)
 def test_plain_is_loads_or_declines(text):
     try:
         want = strict_json.loads(text)
@@ -56,7 +77,7 @@ def test_plain_is_loads_or_declines(text):
         assert plain(text) is None
         return
     got = plain(text)
-    assert got is None or got == want and type(got) is type(want)
+    assert got is None or (got == want and type(got) is type(want))
 
 
 @pytest.mark.parametrize("depth", [1025, 500_000])
@@ -74,8 +95,9 @@ def test_a_repeated_key_is_found_wherever_colons_hide_it():
     assert plain('{"x": "::", "y": {"z": 1, "z": 2}}') is None
 
 
-@pytest.mark.parametrize("number", ["18446744073709551617", "-9223372036854775809",
-                                    "99999999999999999999999999"])
+@pytest.mark.parametrize(
+    "number", ["18446744073709551617", "-9223372036854775809", "99999999999999999999999999"]
+)
 def test_an_integer_beyond_64_bits_is_a_float_which_a_header_refuses(number):
     """orjson reads such an integer as a float (``loads_plain``'s one difference from the
     precise parse): a header's reader takes ints alone, so the precise reader words the
@@ -93,8 +115,10 @@ def _object(rng: random.Random, n: int) -> dict:
     """Members whose names end as a member does ('a},"...'), values nested and holding
     the same."""
     names = ["a},", "b}, ", "c", "e:f", "{}", "g]},", "h"]
-    return {f"{i}{rng.choice(names)}": ({"v": [i, {"w": "},x"}]} if i % 3 else {"z": i})
-            for i in range(n)}
+    return {
+        f"{i}{rng.choice(names)}": ({"v": [i, {"w": "},x"}]} if i % 3 else {"z": i})
+        for i in range(n)
+    }
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -108,8 +132,7 @@ def test_pieces_hold_the_members_in_order(seed):
         assert "\\" not in text
         whole = 0
         for chars in (1, 13, 50, 400, len(text) // 2, len(text)):
-            parsed = [strict_json.loads_plain(p)
-                      for p in strict_json.object_pieces(text, chars)]
+            parsed = [strict_json.loads_plain(p) for p in strict_json.object_pieces(text, chars)]
             if all(isinstance(p, dict) for p in parsed):
                 assert [kv for p in parsed for kv in p.items()] == list(value.items())
                 whole += len(parsed) > 1

@@ -1,36 +1,57 @@
 """The num_shards expression evaluator: what it computes and what it refuses."""
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from shardload.symbolic import ExpressionError, check_expression, evaluate
 
 
-@pytest.mark.parametrize("text, n, expected", [
-    ("num_shards", 4, 4),
-    ("4096 // num_shards", 8, 512),
-    ("3 * (128 // num_shards)", 4, 96),
-    ("64 // min(num_shards, 2)", 1, 64),
-    ("64 // min(num_shards, 2)", 8, 32),
-    ("max(num_shards, 3) - 1", 2, 2),
-    ("-(-9 // num_shards)", 4, 3),          # ceil division, for padded shapes
-    ("num_shards % 3 + 7", 5, 9),
-    ("  12  ", 1, 12),
-])
+@pytest.mark.parametrize(
+    "text, n, expected",
+    [
+        ("num_shards", 4, 4),
+        ("4096 // num_shards", 8, 512),
+        ("3 * (128 // num_shards)", 4, 96),
+        ("64 // min(num_shards, 2)", 1, 64),
+        ("64 // min(num_shards, 2)", 8, 32),
+        ("max(num_shards, 3) - 1", 2, 2),
+        ("-(-9 // num_shards)", 4, 3),  # ceil division, for padded shapes
+        ("num_shards % 3 + 7", 5, 9),
+        ("  12  ", 1, 12),
+    ],
+)
 def test_evaluates(text, n, expected):
     assert evaluate(text, n) == expected
 
 
-@pytest.mark.parametrize("text", [
-    "__import__('os').system('true')",      # calls, attributes, strings
-    "num_shards ** 64",                     # power: a cheap way to a huge number
-    "num_shards / 2",                       # true division gives floats
-    "1.5", "True", "None", "x", "num_shards.bit_length()", "[1, 2]", "lambda: 1",
-    "min(num_shards)", "min(a=1, b=2)", "abs(-1)", "", "   ", "1 +", "(1",
-    "9" * 300,                              # longer than the limit
-    "99999999999999999999 * 99999999999999999999",   # out of int64
-    "1 << 70", "num_shards if 1 else 2", "1 < 2",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "__import__('os').system('true')",  # calls, attributes, strings
+        "num_shards ** 64",  # power: a cheap way to a huge number
+        "num_shards / 2",  # true division gives floats
+        "1.5",
+        "True",
+        "None",
+        "x",
+        "num_shards.bit_length()",
+        "[1, 2]",
+        "lambda: 1",
+        "min(num_shards)",
+        "min(a=1, b=2)",
+        "abs(-1)",
+        "",
+        "   ",
+        "1 +",
+        "(1",
+        "9" * 300,  # longer than the limit
+        "99999999999999999999 * 99999999999999999999",  # out of int64
+        "1 << 70",
+        "num_shards if 1 else 2",
+        "1 < 2",
+    ],
+)
 def test_refuses(text):
     with pytest.raises(ExpressionError):
         evaluate(text, 4)

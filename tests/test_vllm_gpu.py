@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.vllm_checks import check_same_as_default, run_engine
 
-pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 PRESETS = ["FP8", "FP8_BLOCK", "NVFP4", "MXFP4"]
 
 
 def _checkpoint(tmp_path_factory, preset: str) -> str:
     import transformers
-
     from helpers.compressed_tensors_tool import compress_preset
     from helpers.vllm_models import path
 
@@ -33,8 +35,9 @@ def _checkpoint(tmp_path_factory, preset: str) -> str:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_shardload_loads_what_vllms_default_loader_loads_on_the_gpu(tmp_path_factory, preset):
     model = _checkpoint(tmp_path_factory, preset)
-    report, stats, log = run_engine(model, 1, "--load-format", "shardload", "--verify",
-                                    "--compare-default")
+    report, stats, log = run_engine(
+        model, 1, "--load-format", "shardload", "--verify", "--compare-default"
+    )
     check_same_as_default(report, stats, log, 1)
 
 
@@ -46,9 +49,9 @@ def test_padded_blocks_give_tp1s_tokens_on_two_gpus(tmp_path_factory, preset):
     import json
 
     import transformers
-
     from helpers.compressed_tensors_tool import compress_preset
     from helpers.vllm_models import path
+
     from shardload.vllm import vllm_overrides
 
     config = transformers.AutoConfig.from_pretrained(str(path("llama_bf16")))
@@ -58,8 +61,13 @@ def test_padded_blocks_give_tp1s_tokens_on_two_gpus(tmp_path_factory, preset):
     one, _, log1 = run_engine(str(folder), 1)
     assert "outputs" in one, log1[-6000:]
     overrides = vllm_overrides(str(folder), 2)
-    padded, stats, log = run_engine(str(folder), 2, "--load-format", "shardload", "--verify",
-                                    *(("--hf-overrides", json.dumps(overrides))
-                                      if overrides else ()))
+    padded, stats, log = run_engine(
+        str(folder),
+        2,
+        "--load-format",
+        "shardload",
+        "--verify",
+        *(("--hf-overrides", json.dumps(overrides)) if overrides else ()),
+    )
     assert "outputs" in padded, log[-6000:]
     assert [o["tokens"] for o in padded["outputs"]] == [o["tokens"] for o in one["outputs"]]

@@ -12,12 +12,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import vllm_models
 from safetensors.torch import load_file
 
-from helpers import vllm_models
-
-LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEAR = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def _make_all(cache: Path) -> dict[str, Path]:
@@ -41,8 +47,10 @@ def _tensors(folder: Path) -> dict[str, np.ndarray]:
     """Every tensor as numpy, bf16 as float32 (numpy has no bf16)."""
     import torch
 
-    return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy()
-            for k, v in load_file(str(folder / "model.safetensors")).items()}
+    return {
+        k: (v.float() if v.dtype == torch.bfloat16 else v).numpy()
+        for k, v in load_file(str(folder / "model.safetensors")).items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +59,15 @@ def bf16(models) -> dict[str, np.ndarray]:
 
 
 def _linear_names(bf16: dict) -> list[str]:
-    return [k[:-len(".weight")] for k in bf16 if k.endswith(".weight") and
-            k[:-len(".weight")].endswith(LINEAR)]
+    return [
+        k[: -len(".weight")]
+        for k in bf16
+        if k.endswith(".weight") and k[: -len(".weight")].endswith(LINEAR)
+    ]
 
 
 # ---- references, from the formats' definitions ---------------------------------------------------
+
 
 def _nibbles(words: np.ndarray) -> np.ndarray:
     """int32 words [..., W] -> their 8 nibbles [..., W, 8], least significant first."""
@@ -66,13 +78,13 @@ def _nibbles(words: np.ndarray) -> np.ndarray:
 def gptq_v1_dequantize(qweight, qzeros, scales, g_idx) -> np.ndarray:
     """GPTQ v1: W[n, k] = scales[g, n] * (q[k, n] - (qzeros[g, n] + 1)), g = g_idx[k]; qweight
     [K/8, N] packs 8 rows k per word (row 8w + i at bits 4i), qzeros [K/G, N/8] 8 columns."""
-    q = np.moveaxis(_nibbles(qweight), -1, 1).reshape(-1, qweight.shape[1])   # [K, N]
-    z = (_nibbles(qzeros).reshape(qzeros.shape[0], -1) + 1) & 0xF              # [K/G, N]
+    q = np.moveaxis(_nibbles(qweight), -1, 1).reshape(-1, qweight.shape[1])  # [K, N]
+    z = (_nibbles(qzeros).reshape(qzeros.shape[0], -1) + 1) & 0xF  # [K/G, N]
     g = g_idx.astype(np.int64)
     return (scales.astype(np.float32)[g] * (q - z[g])).T
 
 
-AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]   # AutoAWQ's: column j of a word is nibble REV[j]
+AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # AutoAWQ's: column j of a word is nibble REV[j]
 
 
 def awq_unpack(words: np.ndarray) -> np.ndarray:
@@ -103,23 +115,35 @@ def _steps(scales_kn: np.ndarray, group: int, k: int) -> np.ndarray:
 
 # ---- the bf16 models -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, arch, hidden, heads, kv, head_dim, inter", [
-    ("llama_bf16", "LlamaForCausalLM", 256, 8, 2, 32, 512),
-    ("llama9_bf16", "LlamaForCausalLM", 576, 9, 3, 64, 1536),
-    ("qwen2_moe_bf16", "Qwen2MoeForCausalLM", 256, 8, 2, 32, 512),
-])
-def test_bf16_models_have_the_asked_shapes(models, name, arch, hidden, heads, kv, head_dim,
-                                           inter):
+
+@pytest.mark.parametrize(
+    "name, arch, hidden, heads, kv, head_dim, inter",
+    [
+        ("llama_bf16", "LlamaForCausalLM", 256, 8, 2, 32, 512),
+        ("llama9_bf16", "LlamaForCausalLM", 576, 9, 3, 64, 1536),
+        ("qwen2_moe_bf16", "Qwen2MoeForCausalLM", 256, 8, 2, 32, 512),
+    ],
+)
+def test_bf16_models_have_the_asked_shapes(models, name, arch, hidden, heads, kv, head_dim, inter):
     import torch
 
     folder = models[name]
     c = _config(folder)
     assert c["architectures"] == [arch] and "quantization_config" not in c
-    assert (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],
-            c["intermediate_size"]) == (hidden, heads, kv, inter)
+    assert (
+        c["hidden_size"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["intermediate_size"],
+    ) == (hidden, heads, kv, inter)
     assert c.get("head_dim", hidden // heads) == head_dim
-    assert (c["vocab_size"], c["num_hidden_layers"], c["max_position_embeddings"],
-            c["tie_word_embeddings"], c["dtype"]) == (512, 2, 256, False, "bfloat16")
+    assert (
+        c["vocab_size"],
+        c["num_hidden_layers"],
+        c["max_position_embeddings"],
+        c["tie_word_embeddings"],
+        c["dtype"],
+    ) == (512, 2, 256, False, "bfloat16")
     t = load_file(str(folder / "model.safetensors"))
     assert {v.dtype for v in t.values()} == {torch.bfloat16}
     assert t["lm_head.weight"].shape == t["model.embed_tokens.weight"].shape == (512, hidden)
@@ -129,10 +153,14 @@ def test_bf16_models_have_the_asked_shapes(models, name, arch, hidden, heads, kv
     assert t[p + "self_attn.k_proj.weight"].shape == (kv * head_dim, hidden)
     assert t[p + "self_attn.o_proj.weight"].shape == (hidden, heads * head_dim)
     if arch == "Qwen2MoeForCausalLM":
-        assert (c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"],
-                c["shared_expert_intermediate_size"]) == (8, 2, 128, 256)
+        assert (
+            c["num_experts"],
+            c["num_experts_per_tok"],
+            c["moe_intermediate_size"],
+            c["shared_expert_intermediate_size"],
+        ) == (8, 2, 128, 256)
         assert t[p + "mlp.gate.weight"].shape == (8, hidden)
-        for e in range(8):      # per-expert tensors, as vLLM's loader names them
+        for e in range(8):  # per-expert tensors, as vLLM's loader names them
             assert t[p + f"mlp.experts.{e}.gate_proj.weight"].shape == (128, hidden)
             assert t[p + f"mlp.experts.{e}.down_proj.weight"].shape == (hidden, 128)
         assert t[p + "mlp.shared_expert.up_proj.weight"].shape == (256, hidden)
@@ -143,9 +171,10 @@ def test_bf16_models_have_the_asked_shapes(models, name, arch, hidden, heads, kv
 
 # ---- GPTQ and AWQ --------------------------------------------------------------------------------
 
+
 def _unquantized_are_fp16_copies(q: dict, bf16: dict) -> None:
     for name, w in bf16.items():
-        if not name[:-len(".weight")].endswith(LINEAR):
+        if not name[: -len(".weight")].endswith(LINEAR):
             assert q[name].dtype == np.float16, name
             np.testing.assert_array_equal(q[name], w.astype(np.float16))
 
@@ -153,9 +182,14 @@ def _unquantized_are_fp16_copies(q: dict, bf16: dict) -> None:
 def test_gptq_is_llama_bf16_in_v1_layout_symmetric(models, bf16):
     folder = models["llama_gptq"]
     c = _config(folder)
-    assert c["quantization_config"] == {"quant_method": "gptq", "bits": 4, "group_size": 32,
-                                        "desc_act": False, "sym": True,
-                                        "checkpoint_format": "gptq"}
+    assert c["quantization_config"] == {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 32,
+        "desc_act": False,
+        "sym": True,
+        "checkpoint_format": "gptq",
+    }
     assert c["dtype"] == "float16"
     q = _tensors(folder)
     _unquantized_are_fp16_copies(q, bf16)
@@ -165,15 +199,18 @@ def test_gptq_is_llama_bf16_in_v1_layout_symmetric(models, bf16):
         w = bf16[p + ".weight"]
         n, k = w.shape
         qw, qz, s, g = (q[f"{p}.{x}"] for x in ("qweight", "qzeros", "scales", "g_idx"))
-        assert (qw.dtype, qz.dtype, s.dtype, g.dtype) == (np.int32, np.int32, np.float16,
-                                                         np.int32)
-        assert (qw.shape, qz.shape, s.shape, g.shape) == ((k // 8, n), (k // 32, n // 8),
-                                                         (k // 32, n), (k,))
+        assert (qw.dtype, qz.dtype, s.dtype, g.dtype) == (np.int32, np.int32, np.float16, np.int32)
+        assert (qw.shape, qz.shape, s.shape, g.shape) == (
+            (k // 8, n),
+            (k // 32, n // 8),
+            (k // 32, n),
+            (k,),
+        )
         np.testing.assert_array_equal(g, np.arange(k) // 32)
-        assert (qz.view(np.uint32) == 0x77777777).all()       # zero 8, stored minus one
+        assert (qz.view(np.uint32) == 0x77777777).all()  # zero 8, stored minus one
         err = np.abs(gptq_v1_dequantize(qw, qz, s, g) - w)
         step = _steps(s, 32, k)
-        assert (err <= 0.51 * step).all(), (p, (err / step).max())   # round to nearest
+        assert (err <= 0.51 * step).all(), (p, (err / step).max())  # round to nearest
         # symmetric: the step is 2 max|w| / 15 of its group
         amax = np.abs(w.T.reshape(k // 32, 32, n)).max(axis=1)
         np.testing.assert_allclose(s.astype(np.float32), 2 * amax / 15, rtol=1e-3)
@@ -183,9 +220,13 @@ def test_awq_is_llama_bf16_in_gemm_layout(models, bf16):
     folder = models["llama_awq"]
     c = _config(folder)
     qc = c["quantization_config"]
-    assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "zero_point", "version")} \
-        == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
-            "version": "gemm"}
+    assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "zero_point", "version")} == {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 32,
+        "zero_point": True,
+        "version": "gemm",
+    }
     assert c["dtype"] == "float16"
     q = _tensors(folder)
     _unquantized_are_fp16_copies(q, bf16)
@@ -195,8 +236,9 @@ def test_awq_is_llama_bf16_in_gemm_layout(models, bf16):
         qw, qz, s = q[p + ".qweight"], q[p + ".qzeros"], q[p + ".scales"]
         assert (qw.dtype, qz.dtype, s.dtype) == (np.int32, np.int32, np.float16)
         assert (qw.shape, qz.shape, s.shape) == ((k, n // 8), (k // 32, n // 8), (k // 32, n))
-        assert set(f"{p}.{x}" for x in ("qweight", "qzeros", "scales")) == \
-            {key for key in q if key.startswith(p + ".")}
+        assert set(f"{p}.{x}" for x in ("qweight", "qzeros", "scales")) == {
+            key for key in q if key.startswith(p + ".")
+        }
         err = np.abs(awq_dequantize(qw, qz, s, 32) - w)
         step = _steps(s, 32, k)
         assert (err <= 0.51 * step).all(), (p, (err / step).max())
@@ -205,11 +247,13 @@ def test_awq_is_llama_bf16_in_gemm_layout(models, bf16):
         assert not np.array_equal(plain, awq_unpack(qw))
         # asymmetric: the step spans its group's range in 15
         groups = w.T.reshape(k // 32, 32, n)
-        np.testing.assert_allclose(s.astype(np.float32),
-                                   (groups.max(axis=1) - groups.min(axis=1)) / 15, rtol=1e-3)
+        np.testing.assert_allclose(
+            s.astype(np.float32), (groups.max(axis=1) - groups.min(axis=1)) / 15, rtol=1e-3
+        )
 
 
 # ---- compressed-tensors --------------------------------------------------------------------------
+
 
 def _ct_config(folder: Path) -> dict:
     qc = _config(folder)["quantization_config"]
@@ -226,10 +270,19 @@ def test_w8a8_is_llama_bf16_int8_per_channel_dynamic_per_token(models, bf16):
     (group,) = qc["config_groups"].values()
     assert qc["format"] == "int-quantized"
     w_args, a_args = group["weights"], group["input_activations"]
-    assert (w_args["num_bits"], w_args["type"], w_args["strategy"], w_args["symmetric"]) == \
-        (8, "int", "channel", True)
-    assert (a_args["num_bits"], a_args["type"], a_args["strategy"], a_args["dynamic"],
-            a_args["symmetric"]) == (8, "int", "token", True, True)
+    assert (w_args["num_bits"], w_args["type"], w_args["strategy"], w_args["symmetric"]) == (
+        8,
+        "int",
+        "channel",
+        True,
+    )
+    assert (
+        a_args["num_bits"],
+        a_args["type"],
+        a_args["strategy"],
+        a_args["dynamic"],
+        a_args["symmetric"],
+    ) == (8, "int", "token", True, True)
     q = _tensors(folder)
     np.testing.assert_array_equal(q["lm_head.weight"], bf16["lm_head.weight"])
     for p in _linear_names(bf16):
@@ -247,15 +300,21 @@ def test_w4a16_is_llama_bf16_pack_quantized_int4_groups_of_32(models, bf16):
     (group,) = qc["config_groups"].values()
     assert qc["format"] == "pack-quantized" and group["input_activations"] is None
     w_args = group["weights"]
-    assert (w_args["num_bits"], w_args["type"], w_args["strategy"], w_args["group_size"],
-            w_args["symmetric"]) == (4, "int", "group", 32, True)
+    assert (
+        w_args["num_bits"],
+        w_args["type"],
+        w_args["strategy"],
+        w_args["group_size"],
+        w_args["symmetric"],
+    ) == (4, "int", "group", 32, True)
     q = _tensors(folder)
     np.testing.assert_array_equal(q["lm_head.weight"], bf16["lm_head.weight"])
     for p in _linear_names(bf16):
         w = bf16[p + ".weight"]
         n, k = w.shape
-        packed, scale, shape = (q[f"{p}.{x}"] for x in ("weight_packed", "weight_scale",
-                                                        "weight_shape"))
+        packed, scale, shape = (
+            q[f"{p}.{x}"] for x in ("weight_packed", "weight_scale", "weight_shape")
+        )
         assert packed.dtype == np.int32 and packed.shape == (n, k // 8)
         assert scale.shape == (n, k // 32) and list(shape) == [n, k]
         step = scale[:, np.arange(k) // 32]
@@ -264,6 +323,7 @@ def test_w4a16_is_llama_bf16_pack_quantized_int4_groups_of_32(models, bf16):
 
 
 # ---- the cache -----------------------------------------------------------------------------------
+
 
 def _config(folder):
     """config.json, less the scratch folder GPTQModel records it quantized in (a fresh temporary
@@ -278,11 +338,13 @@ def test_making_is_deterministic_atomic_and_made_once(models, tmp_path, monkeypa
     for name, folder in models.items():
         assert (folder / ".complete").exists()
         assert folder.parent.name == "vllm-models" and folder.name == name
-        assert (folder / "model.safetensors").read_bytes() == \
-            (again[name] / "model.safetensors").read_bytes(), name
+        assert (folder / "model.safetensors").read_bytes() == (
+            again[name] / "model.safetensors"
+        ).read_bytes(), name
         assert _config(folder) == _config(again[name]), name
-    assert not [p for p in tmp_path.joinpath("vllm-models").iterdir()
-                if p.name.startswith(".")]                      # no temporary folders left
+    assert not [
+        p for p in tmp_path.joinpath("vllm-models").iterdir() if p.name.startswith(".")
+    ]  # no temporary folders left
     monkeypatch.setattr(vllm_models, "root", lambda: tmp_path / "vllm-models")
     mtime = (again["llama_gptq"] / "model.safetensors").stat().st_mtime_ns
     assert vllm_models.path("llama_gptq") == again["llama_gptq"]
@@ -291,7 +353,8 @@ def test_making_is_deterministic_atomic_and_made_once(models, tmp_path, monkeypa
     (again["llama_awq"] / ".complete").unlink()
     (again["llama_awq"] / "model.safetensors").write_bytes(b"partial")
     assert vllm_models.path("llama_awq") == again["llama_awq"]
-    assert (again["llama_awq"] / "model.safetensors").read_bytes() == \
-        (models["llama_awq"] / "model.safetensors").read_bytes()
+    assert (again["llama_awq"] / "model.safetensors").read_bytes() == (
+        models["llama_awq"] / "model.safetensors"
+    ).read_bytes()
     with pytest.raises(KeyError, match="no test model 'nope'; the models are llama_bf16"):
         vllm_models.path("nope")

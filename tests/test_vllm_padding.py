@@ -20,21 +20,21 @@ import json
 from types import SimpleNamespace
 
 import pytest
-
+from helpers import vllm_models
 from helpers.paths import EXAMPLE, REPO
 from helpers.subprocesses import subprocess_env
-from helpers import vllm_models
 from helpers.vllm_engine import int4_kernel_missing, launch
 
 PADDED = {"intermediate_size": 192}
 
 
 def engine(model: str, tp: int, *args: str) -> tuple[dict, list, str]:
-    return launch(model, "--tp", str(tp), *args, cwd=REPO,
-                  env=subprocess_env(VLLM_CPU_KVCACHE_SPACE="1"))
+    return launch(
+        model, "--tp", str(tp), *args, cwd=REPO, env=subprocess_env(VLLM_CPU_KVCACHE_SPACE="1")
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tp1_tokens(name: str) -> list:
     """vLLM's default loader at TP=1: the tokens every padded N must give."""
     report, _, log = engine(str(vllm_models.path(name)), 1)
@@ -45,7 +45,7 @@ def tp1_tokens(name: str) -> list:
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.quant_tools
-@pytest.mark.extended    # vLLM's own refusal, the premise of the tests below
+@pytest.mark.extended  # vLLM's own refusal, the premise of the tests below
 def test_vllms_default_loader_refuses_tp2_for_groups_that_do_not_divide():
     report, _, log = engine(str(vllm_models.path("llama160_gptqmodel")), 2)
     assert report.get("returncode", 0) != 0
@@ -54,22 +54,33 @@ def test_vllms_default_loader_refuses_tp2_for_groups_that_do_not_divide():
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", [
-    pytest.param("llama160_gptqmodel", marks=pytest.mark.quant_tools),
-    pytest.param("llama160_gptq", marks=pytest.mark.extended),
-    pytest.param("llama160_w4a16", marks=pytest.mark.extended)])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("llama160_gptqmodel", marks=pytest.mark.quant_tools),
+        pytest.param("llama160_gptq", marks=pytest.mark.extended),
+        pytest.param("llama160_w4a16", marks=pytest.mark.extended),
+    ],
+)
 def test_padded_groups_give_tp1s_tokens(name):
     from shardload.vllm import vllm_overrides
 
     model = str(vllm_models.path(name))
     overrides = vllm_overrides(model, 2)
-    assert overrides["intermediate_size"] == 192                 # 5 groups -> 6, 3 per rank
+    assert overrides["intermediate_size"] == 192  # 5 groups -> 6, 3 per rank
     # where vLLM's CPU build has no int4 kernel (no AVX-512), the padded model is loaded and
     # verified but cannot generate, with vLLM's own loader neither: the tokens are not compared
     generates = int4_kernel_missing() is None
-    report, stats, log = engine(model, 2, "--load-format", "shardload", "--verify",
-                                "--hf-overrides", json.dumps(overrides),
-                                *(() if generates else ("--tokens", "0")))
+    report, stats, log = engine(
+        model,
+        2,
+        "--load-format",
+        "shardload",
+        "--verify",
+        "--hf-overrides",
+        json.dumps(overrides),
+        *(() if generates else ("--tokens", "0")),
+    )
     assert "outputs" in report, log[-6000:]
     if generates:
         assert [o["tokens"] for o in report["outputs"]] == tp1_tokens(name)
@@ -88,10 +99,16 @@ def test_padded_experts_and_shared_expert_give_tp1s_tokens_in_vllms_fused_moe():
 
     model = str(vllm_models.path("qwen2_moe576_bf16"))
     overrides = vllm_overrides(model, 3)
-    assert overrides == {"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 32,
-                         "moe_intermediate_size": 129, "shared_expert_intermediate_size": 258}
-    report, stats, log = engine(model, 3, "--load-format", "shardload", "--verify",
-                                "--hf-overrides", json.dumps(overrides))
+    assert overrides == {
+        "num_attention_heads": 12,
+        "num_key_value_heads": 3,
+        "head_dim": 32,
+        "moe_intermediate_size": 129,
+        "shared_expert_intermediate_size": 258,
+    }
+    report, stats, log = engine(
+        model, 3, "--load-format", "shardload", "--verify", "--hf-overrides", json.dumps(overrides)
+    )
     assert "outputs" in report, log[-6000:]
     assert [o["tokens"] for o in report["outputs"]] == tp1_tokens("qwen2_moe576_bf16")
     first = sorted((s for s in stats if not s["reload"]), key=lambda s: s["rank"])
@@ -115,15 +132,29 @@ def test_under_expert_parallelism_only_the_shared_expert_pads():
 
     model = str(vllm_models.path("qwen2_moe576_bf16"))
     overrides = vllm_overrides(model, 3, experts="ep")
-    assert overrides == {"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 32,
-                         "shared_expert_intermediate_size": 258}
-    report, stats, log = engine(model, 3, "--ep", "--tokens", "0", "--load-format", "shardload",
-                                "--verify", "--hf-overrides", json.dumps(overrides))
+    assert overrides == {
+        "num_attention_heads": 12,
+        "num_key_value_heads": 3,
+        "head_dim": 32,
+        "shared_expert_intermediate_size": 258,
+    }
+    report, stats, log = engine(
+        model,
+        3,
+        "--ep",
+        "--tokens",
+        "0",
+        "--load-format",
+        "shardload",
+        "--verify",
+        "--hf-overrides",
+        json.dumps(overrides),
+    )
     assert "outputs" in report, log[-6000:]
     first = sorted((s for s in stats if not s["reload"]), key=lambda s: s["rank"])
     assert [s["rank"] for s in first] == [0, 1, 2]
     assert all(s["verified"] and s["experts"] == "ep" for s in first)
-    assert [s["padded_tensors"] for s in first] == [2 * 3] * 3    # the shared expert's, 2 layers
+    assert [s["padded_tensors"] for s in first] == [2 * 3] * 3  # the shared expert's, 2 layers
     names = list(open_checkpoint(model).metadata())
     expert = [int(m.group(1)) for n in names if (m := re.search(r"\.experts\.(\d+)\.", n))]
     held = [range(0, 3), range(3, 6), range(6, 8)]
@@ -145,9 +176,13 @@ def test_without_the_overrides_vllm_is_told_the_one_flag_to_add():
     assert report.get("returncode", 0) != 0 and not stats
     line = next(l for l in reversed(log.splitlines()) if "PlanError" in l)
     flag = line.split("add --hf-overrides ", 1)[1]
-    assert json.loads(flag.strip("'")) == {"num_attention_heads": 8, "num_key_value_heads": 2,
-                                           "head_dim": 32, **PADDED}
-    assert "Input size (80)" not in log             # vLLM's own refusal never came
+    assert json.loads(flag.strip("'")) == {
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        **PADDED,
+    }
+    assert "Input size (80)" not in log  # vLLM's own refusal never came
 
 
 def _vllm_config(model: str, n: int, built: dict, load_format: str = "shardload"):
@@ -155,24 +190,33 @@ def _vllm_config(model: str, n: int, built: dict, load_format: str = "shardload"
     return SimpleNamespace(
         load_config=SimpleNamespace(load_format=load_format, model_loader_extra_config=None),
         model_config=SimpleNamespace(model=model, hf_text_config=SimpleNamespace(**built)),
-        parallel_config=SimpleNamespace(tensor_parallel_size=n, enable_expert_parallel=False))
+        parallel_config=SimpleNamespace(tensor_parallel_size=n, enable_expert_parallel=False),
+    )
 
 
 def test_preflight_names_the_flag_or_the_n_that_work():
     from shardload import PlanError
     from shardload.vllm.preflight import preflight
 
-    as_stored = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
-                 "intermediate_size": 512}
-    preflight(_vllm_config(str(EXAMPLE), 4, as_stored))         # N divides: vLLM goes on
+    as_stored = {
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 512,
+    }
+    preflight(_vllm_config(str(EXAMPLE), 4, as_stored))  # N divides: vLLM goes on
     preflight(_vllm_config(str(EXAMPLE), 3, as_stored, "auto"))  # not shardload's to judge
-    with pytest.raises(PlanError) as err:                        # 8 heads, 16 groups over 3
+    with pytest.raises(PlanError) as err:  # 8 heads, 16 groups over 3
         preflight(_vllm_config(str(EXAMPLE), 3, as_stored))
     (line,) = str(err.value).splitlines()
-    wanted = {"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 32,
-              "intermediate_size": 576}
+    wanted = {
+        "num_attention_heads": 12,
+        "num_key_value_heads": 3,
+        "head_dim": 32,
+        "intermediate_size": 576,
+    }
     assert line.endswith(f"add --hf-overrides '{json.dumps(wanted)}'")
-    preflight(_vllm_config(str(EXAMPLE), 3, wanted))             # with them: vLLM goes on
+    preflight(_vllm_config(str(EXAMPLE), 3, wanted))  # with them: vLLM goes on
 
 
 def test_the_command_line_gives_the_overrides_under_expert_parallelism():
@@ -184,6 +228,10 @@ def test_the_command_line_gives_the_overrides_under_expert_parallelism():
     tp = CliRunner().invoke(cli, ["vllm-overrides", "--shards", "3", model])
     ep = CliRunner().invoke(cli, ["vllm-overrides", "--shards", "3", "--experts", "ep", model])
     assert tp.exit_code == 0 and ep.exit_code == 0, (tp.output, ep.output)
-    assert json.loads(tp.stdout)["moe_intermediate_size"] == 129     # experts split, padded
-    assert json.loads(ep.stdout) == {"num_attention_heads": 12, "num_key_value_heads": 3,
-                                     "head_dim": 32, "shared_expert_intermediate_size": 258}
+    assert json.loads(tp.stdout)["moe_intermediate_size"] == 129  # experts split, padded
+    assert json.loads(ep.stdout) == {
+        "num_attention_heads": 12,
+        "num_key_value_heads": 3,
+        "head_dim": 32,
+        "shared_expert_intermediate_size": 258,
+    }

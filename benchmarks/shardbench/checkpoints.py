@@ -15,7 +15,6 @@ import struct
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -59,30 +58,40 @@ class Geometry:
     def linears(self) -> dict[str, tuple[int, int]]:
         """Quantized projection -> (out_features, in_features), as in the HF model."""
         h, i, hd = self.hidden, self.intermediate, self.head_dim
-        out = {"self_attn.q_proj": (self.heads * hd, h),
-               "self_attn.k_proj": (self.kv_heads * hd, h),
-               "self_attn.v_proj": (self.kv_heads * hd, h),
-               "self_attn.o_proj": (h, self.heads * hd)}
-        mlps = ["mlp"] if not self.experts else (
-            [f"mlp.experts.{e}" for e in range(self.experts)] + ["mlp.shared_expert"])
+        out = {
+            "self_attn.q_proj": (self.heads * hd, h),
+            "self_attn.k_proj": (self.kv_heads * hd, h),
+            "self_attn.v_proj": (self.kv_heads * hd, h),
+            "self_attn.o_proj": (h, self.heads * hd),
+        }
+        mlps = (
+            ["mlp"]
+            if not self.experts
+            else ([f"mlp.experts.{e}" for e in range(self.experts)] + ["mlp.shared_expert"])
+        )
         for mlp in mlps:
-            out.update({f"{mlp}.gate_proj": (i, h), f"{mlp}.up_proj": (i, h),
-                        f"{mlp}.down_proj": (h, i)})
+            out.update(
+                {f"{mlp}.gate_proj": (i, h), f"{mlp}.up_proj": (i, h), f"{mlp}.down_proj": (h, i)}
+            )
         return out
 
     def router_shapes(self) -> dict[str, tuple[int, ...]]:
         """An MoE layer's unquantized fp16 router and shared-expert gate."""
         if not self.experts:
             return {}
-        return {"mlp.gate.weight": (self.experts, self.hidden),
-                "mlp.shared_expert_gate.weight": (1, self.hidden)}
+        return {
+            "mlp.gate.weight": (self.experts, self.hidden),
+            "mlp.shared_expert_gate.weight": (1, self.hidden),
+        }
 
     def gptq_shapes(self, n_out: int, k_in: int) -> dict[str, tuple[tuple[int, ...], str]]:
         pack = 32 // self.bits
-        return {"qweight": ((k_in // pack, n_out), "int32"),
-                "qzeros": ((k_in // self.group, n_out // pack), "int32"),
-                "scales": ((k_in // self.group, n_out), "float16"),
-                "g_idx": ((k_in,), "int32")}
+        return {
+            "qweight": ((k_in // pack, n_out), "int32"),
+            "qzeros": ((k_in // self.group, n_out // pack), "int32"),
+            "scales": ((k_in // self.group, n_out), "float16"),
+            "g_idx": ((k_in,), "int32"),
+        }
 
     def fixed_bytes(self) -> int:
         """Embeddings, lm_head and the final norm (fp16)."""
@@ -107,9 +116,11 @@ class Geometry:
 
     def key(self) -> str:
         kind = f"qwen2moe-e{self.experts}" if self.experts else "llama"
-        return (f"{kind}-gptq{self.bits}-g{self.group}-h{self.hidden}-i{self.intermediate}"
-                f"-a{self.heads}-kv{self.kv_heads}-v{self.vocab}-l{self.layers}"
-                f"-s{SEED}-v{CHECKPOINT_VERSION}")
+        return (
+            f"{kind}-gptq{self.bits}-g{self.group}-h{self.hidden}-i{self.intermediate}"
+            f"-a{self.heads}-kv{self.kv_heads}-v{self.vocab}-l{self.layers}"
+            f"-s{SEED}-v{CHECKPOINT_VERSION}"
+        )
 
 
 #: The issue asks for intermediate 11008 (Llama-2-7B). With group 128 that is 86 groups, which
@@ -120,14 +131,21 @@ class Geometry:
 DEFAULT_INTERMEDIATE = 11264
 
 
-def choose_geometry(size_gb: float, intermediate: Optional[int] = None) -> Geometry:
+def choose_geometry(size_gb: float, intermediate: int | None = None) -> Geometry:
     """About ``size_gb`` GB: Llama-7B-style dims and as many layers as fit. Where even one such
     layer with its 32k-vocabulary embeddings would overshoot the size (about 0.66 GB), smaller
     dims and vocabulary, so that the size means the size (and a smoke run takes seconds)."""
-    big = Geometry(hidden=4096, intermediate=intermediate or DEFAULT_INTERMEDIATE,
-                   heads=32, kv_heads=8, vocab=32000, layers=1)
-    small = Geometry(hidden=1024, intermediate=intermediate or 3072, heads=32, kv_heads=8,
-                     vocab=2048, layers=1)
+    big = Geometry(
+        hidden=4096,
+        intermediate=intermediate or DEFAULT_INTERMEDIATE,
+        heads=32,
+        kv_heads=8,
+        vocab=32000,
+        layers=1,
+    )
+    small = Geometry(
+        hidden=1024, intermediate=intermediate or 3072, heads=32, kv_heads=8, vocab=2048, layers=1
+    )
     base = big if big.total_bytes() <= size_gb * GB * 1.1 else small
     layers = max(1, round((size_gb * GB - base.fixed_bytes()) / base.layer_bytes()))
     return Geometry(**{**asdict(base), "layers": layers})
@@ -136,8 +154,9 @@ def choose_geometry(size_gb: float, intermediate: Optional[int] = None) -> Geome
 #: The MoE checkpoint (``--model moe``): Qwen1.5-MoE-A2.7B's 60 routed experts and its shared
 #: expert per layer, at small widths so that its tens of thousands of tensors fit in well under
 #: a gigabyte; GPTQ groups of 64, so 512 is 8 groups and every N up to 8 splits whole groups.
-MOE = Geometry(hidden=512, intermediate=512, heads=8, kv_heads=4, vocab=2048, layers=1,
-               group=64, experts=60)
+MOE = Geometry(
+    hidden=512, intermediate=512, heads=8, kv_heads=4, vocab=2048, layers=1, group=64, experts=60
+)
 
 
 def choose_moe_geometry(size_gb: float) -> Geometry:
@@ -149,28 +168,57 @@ def choose_moe_geometry(size_gb: float) -> Geometry:
 def make_config(g: Geometry) -> dict:
     if g.experts:
         return {
-            "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
-            "hidden_size": g.hidden, "intermediate_size": g.intermediate,
+            "architectures": ["Qwen2MoeForCausalLM"],
+            "model_type": "qwen2_moe",
+            "hidden_size": g.hidden,
+            "intermediate_size": g.intermediate,
             "moe_intermediate_size": g.intermediate,
             "shared_expert_intermediate_size": g.intermediate,
-            "num_experts": g.experts, "num_experts_per_tok": 4, "decoder_sparse_step": 1,
-            "mlp_only_layers": [], "num_hidden_layers": g.layers,
-            "num_attention_heads": g.heads, "num_key_value_heads": g.kv_heads,
-            "vocab_size": g.vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-            "rope_theta": 1000000.0, "torch_dtype": "float16", "tie_word_embeddings": False,
-            "quantization_config": {"quant_method": "gptq", "bits": g.bits,
-                                    "group_size": g.group, "desc_act": False, "sym": True,
-                                    "checkpoint_format": "gptq"},
+            "num_experts": g.experts,
+            "num_experts_per_tok": 4,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "num_hidden_layers": g.layers,
+            "num_attention_heads": g.heads,
+            "num_key_value_heads": g.kv_heads,
+            "vocab_size": g.vocab,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "torch_dtype": "float16",
+            "tie_word_embeddings": False,
+            "quantization_config": {
+                "quant_method": "gptq",
+                "bits": g.bits,
+                "group_size": g.group,
+                "desc_act": False,
+                "sym": True,
+                "checkpoint_format": "gptq",
+            },
         }
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": g.hidden, "intermediate_size": g.intermediate,
-        "num_hidden_layers": g.layers, "num_attention_heads": g.heads,
-        "num_key_value_heads": g.kv_heads, "head_dim": g.head_dim, "vocab_size": g.vocab,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "torch_dtype": "float16", "tie_word_embeddings": False,
-        "quantization_config": {"quant_method": "gptq", "bits": g.bits, "group_size": g.group,
-                                "desc_act": False, "sym": True, "checkpoint_format": "gptq"},
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": g.hidden,
+        "intermediate_size": g.intermediate,
+        "num_hidden_layers": g.layers,
+        "num_attention_heads": g.heads,
+        "num_key_value_heads": g.kv_heads,
+        "head_dim": g.head_dim,
+        "vocab_size": g.vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "torch_dtype": "float16",
+        "tie_word_embeddings": False,
+        "quantization_config": {
+            "quant_method": "gptq",
+            "bits": g.bits,
+            "group_size": g.group,
+            "desc_act": False,
+            "sym": True,
+            "checkpoint_format": "gptq",
+        },
     }
 
 
@@ -180,7 +228,7 @@ def make_tensors(g: Geometry, seed: int = SEED) -> dict[str, torch.Tensor]:
     rng = np.random.default_rng(seed)
 
     def words(shape):
-        return torch.from_numpy(rng.integers(-2**31, 2**31, size=shape, dtype=np.int32))
+        return torch.from_numpy(rng.integers(-(2**31), 2**31, size=shape, dtype=np.int32))
 
     def fp16(shape, scale, offset=0.0):
         x = rng.standard_normal(size=shape, dtype=np.float32) * scale + offset

@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import torch
 
@@ -48,9 +49,17 @@ def pinned_h2d_gb_per_s(nbytes: int = 256 * MiB, reps: int = 5) -> float:
     return nbytes / statistics.median(times) / GB
 
 
-def bench_cuda(ckpt_dir: str, plans: Mapping[int, ShardInfo], shards: list[int], runs: int,
-               sampler: RssSampler, zero_copy: bool, log, dry_run_on_cpu: bool = False,
-               after_each_n: Optional[Callable[[dict], None]] = None) -> dict:
+def bench_cuda(
+    ckpt_dir: str,
+    plans: Mapping[int, ShardInfo],
+    shards: list[int],
+    runs: int,
+    sampler: RssSampler,
+    zero_copy: bool,
+    log,
+    dry_run_on_cpu: bool = False,
+    after_each_n: Callable[[dict], None] | None = None,
+) -> dict:
     """shardload-thread and the CUDA peers with worker i on cuda:(i mod device count), at
     every N of ``shards`` (with ``plans[n]``); every piece checked against shardload's (on the
     device, all of them), shardload's own checked against a CPU load of the same plan. ``after_each_n`` gets
@@ -65,11 +74,18 @@ def bench_cuda(ckpt_dir: str, plans: Mapping[int, ShardInfo], shards: list[int],
     staging = Staging(**CUDA_STAGING)
     pinned = pinned_h2d_gb_per_s() if cuda else None
     names = [torch.cuda.get_device_name(d) for d in range(count)] if cuda else ["cpu (dry run)"]
-    log(f"cuda: {count} device(s), {names[0]}; pinned host-to-device "
-        f"{fmt_num(pinned)} GB/s; staging {staging}")
-    out: dict[str, Any] = {"devices": names, "pinned_h2d_gb_per_s": pinned,
-                           "staging": asdict(staging), "staging_bytes_per_worker": staging.nbytes,
-                           "results": [], "skipped": {}}
+    log(
+        f"cuda: {count} device(s), {names[0]}; pinned host-to-device "
+        f"{fmt_num(pinned)} GB/s; staging {staging}"
+    )
+    out: dict[str, Any] = {
+        "devices": names,
+        "pinned_h2d_gb_per_s": pinned,
+        "staging": asdict(staging),
+        "staging_bytes_per_worker": staging.nbytes,
+        "results": [],
+        "skipped": {},
+    }
 
     def sync() -> None:
         for d in range(count if cuda else 0):
@@ -102,7 +118,7 @@ def bench_cuda(ckpt_dir: str, plans: Mapping[int, ShardInfo], shards: list[int],
                 out["skipped"][name] = why
                 log(f"  cuda N={n} {name}: skipped, {why}")
             else:
-                methods[name] = (lambda run=peer.run, job=job: run(job))
+                methods[name] = lambda run=peer.run, job=job: run(job)
         try:
             # the reference: shardload's pieces on the devices (this is also its warm-up:
             # CUDA contexts, the allocator), checked in full against a CPU load
@@ -116,8 +132,10 @@ def bench_cuda(ckpt_dir: str, plans: Mapping[int, ShardInfo], shards: list[int],
             vs_cpu = check_pieces(cpu, Outcome([], [], workers=on_cpu), n)
             del cpu, on_cpu
             out.setdefault("shardload_vs_cpu", {})[str(n)] = asdict(vs_cpu)
-            log(f"  cuda N={n} shardload's pieces vs a CPU load: "
-                f"{'equal' if vs_cpu.verified else 'WRONG: ' + vs_cpu.detail}")
+            log(
+                f"  cuda N={n} shardload's pieces vs a CPU load: "
+                f"{'equal' if vs_cpu.verified else 'WRONG: ' + vs_cpu.detail}"
+            )
             free_memory(session, cuda=cuda)
             times: dict[str, list[tuple[float, tuple, tuple, int]]] = {m: [] for m in methods}
             checks: dict[str, Check] = {}
@@ -137,34 +155,50 @@ def bench_cuda(ckpt_dir: str, plans: Mapping[int, ShardInfo], shards: list[int],
                         times.pop(name)
                         free_memory(session, cuda=cuda)
                         continue
-                    got = Outcome([], [], sharded=holder) if name == "shardload-thread" \
+                    got = (
+                        Outcome([], [], sharded=holder)
+                        if name == "shardload-thread"
                         else Outcome([], [], workers=holder)
+                    )
                     c = check_pieces(reference, got, n)
                     if name not in checks or not c.verified:
                         checks[name] = c
-                    kept = sum(holder.stats.bytes_per_worker) if name == "shardload-thread" \
+                    kept = (
+                        sum(holder.stats.bytes_per_worker)
+                        if name == "shardload-thread"
                         else sum(kept_bytes(holder))
+                    )
                     del holder, got
                     free_memory(session, cuda=cuda)
                     if r >= 0:
                         times[name].append((seconds, base, peak, kept))
-                        log(f"  cuda N={n} run {r + 1}/{runs} {name:<22} {seconds:8.3f} s"
-                            + ("" if c.verified else f"  WRONG: {c.detail}"))
+                        log(
+                            f"  cuda N={n} run {r + 1}/{runs} {name:<22} {seconds:8.3f} s"
+                            + ("" if c.verified else f"  WRONG: {c.detail}")
+                        )
             thread_median = statistics.median(t[0] for t in times["shardload-thread"])
             for name, ts in times.items():
                 med = statistics.median(t[0] for t in ts)
                 moved = ts[0][3]
-                row = {"method": name, "num_shards": n, "devices": [str(d) for d in devices],
-                       "median_s": med, "min_s": min(t[0] for t in ts),
-                       "runs_s": [t[0] for t in ts], "bytes_moved": moved,
-                       "gb_per_s": moved / med / GB if med > 0 else None,
-                       "fraction_of_pinned": (moved / med / GB / pinned
-                                              if med > 0 and pinned else None),
-                       "ratio_to_shardload_thread": med / thread_median,
-                       "peak_rss_bytes": max(t[2][0] - t[1][0] for t in ts),
-                       "peak_anon_bytes": max(t[2][1] - t[1][1] for t in ts),
-                       "verified": checks[name].verified, "owns_memory": checks[name].owns,
-                       "verify_detail": checks[name].detail + ", on the device"}
+                row = {
+                    "method": name,
+                    "num_shards": n,
+                    "devices": [str(d) for d in devices],
+                    "median_s": med,
+                    "min_s": min(t[0] for t in ts),
+                    "runs_s": [t[0] for t in ts],
+                    "bytes_moved": moved,
+                    "gb_per_s": moved / med / GB if med > 0 else None,
+                    "fraction_of_pinned": (
+                        moved / med / GB / pinned if med > 0 and pinned else None
+                    ),
+                    "ratio_to_shardload_thread": med / thread_median,
+                    "peak_rss_bytes": max(t[2][0] - t[1][0] for t in ts),
+                    "peak_anon_bytes": max(t[2][1] - t[1][1] for t in ts),
+                    "verified": checks[name].verified,
+                    "owns_memory": checks[name].owns,
+                    "verify_detail": checks[name].detail + ", on the device",
+                }
                 if name == "shardload-thread":
                     row["staging_per_worker"] = staging_stats
                 out["results"].append(row)

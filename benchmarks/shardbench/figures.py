@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import textwrap
-from typing import Optional, Union
 
 MiB = 1 << 20
 #: the figures' size (inches) and resolution: about 40 KB a PNG
@@ -40,14 +39,23 @@ def _subtitle(report: dict) -> str:
     if not env:
         return ""
     mem = env.get("memory_bytes")
-    return (f"{env.get('cpus')} CPUs" + (f", {mem / 2**30:.0f} GiB" if mem else "")
-            + f"; shardload {env.get('shardload')}"
-            + (f" ({env['commit']})" if env.get("commit") else ""))
+    return (
+        f"{env.get('cpus')} CPUs"
+        + (f", {mem / 2**30:.0f} GiB" if mem else "")
+        + f"; shardload {env.get('shardload')}"
+        + (f" ({env['commit']})" if env.get("commit") else "")
+    )
 
 
-def _plot(series: dict[str, dict[int, float]], title: str, ylabel: str, path: str,
-          subtitle: str = "", reference: Optional[dict[int, float]] = None,
-          reference_label: str = "") -> str:
+def _plot(
+    series: dict[str, dict[int, float]],
+    title: str,
+    ylabel: str,
+    path: str,
+    subtitle: str = "",
+    reference: dict[int, float] | None = None,
+    reference_label: str = "",
+) -> str:
     """One line per series ({label: {N: value}}), N on a log2 axis; ``reference`` dotted."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=SIZE, dpi=DPI)
@@ -56,8 +64,15 @@ def _plot(series: dict[str, dict[int, float]], title: str, ylabel: str, path: st
     for k, (label, points) in enumerate(series.items()):
         xs = sorted(points)
         dashed = label.endswith("(cold)")
-        ax.plot(xs, [points[n] for n in xs], marker=markers[k % len(markers)],
-                linestyle="--" if dashed else "-", label=label, markersize=4, linewidth=1.4)
+        ax.plot(
+            xs,
+            [points[n] for n in xs],
+            marker=markers[k % len(markers)],
+            linestyle="--" if dashed else "-",
+            label=label,
+            markersize=4,
+            linewidth=1.4,
+        )
     if reference:
         xs = sorted(reference)
         ax.plot(xs, [reference[n] for n in xs], ":", color="black", label=reference_label)
@@ -81,6 +96,7 @@ def _plot(series: dict[str, dict[int, float]], title: str, ylabel: str, path: st
 
 # ==== bench_load.py =============================================================================
 
+
 def draw_load(report: dict, out_dir: str) -> list[str]:
     """``load_time.png`` (median seconds) and ``load_memory.png`` (peak RSS of the process
     tree over its level before the load, MiB; dotted: the bytes the workers keep) against N,
@@ -98,21 +114,36 @@ def draw_load(report: dict, out_dir: str) -> list[str]:
         if r["method"].startswith("shardload") and r.get("kept_bytes_per_worker"):
             kept[r["num_shards"]] = sum(r["kept_bytes_per_worker"]) / MiB
     ckpt = report.get("checkpoint") or {}
-    size = (f"{ckpt['tensor_bytes'] / 1e9:.2f} GB, {ckpt['num_tensors']} tensors; "
-            if "tensor_bytes" in ckpt else "")
+    size = (
+        f"{ckpt['tensor_bytes'] / 1e9:.2f} GB, {ckpt['num_tensors']} tensors; "
+        if "tensor_bytes" in ckpt
+        else ""
+    )
     runs = report.get("runs")
     what = f"{size}median of {runs} run(s)" if runs else size.rstrip("; ")
     sub = "; ".join(s for s in (what, _subtitle(report)) if s)
     return [
-        _plot(times, "bench_load.py: load time against N", "median seconds",
-              os.path.join(out_dir, "load_time.png"), sub),
-        _plot(memory, "bench_load.py: peak memory against N (warm)",
-              "peak RSS above the start (MiB)", os.path.join(out_dir, "load_memory.png"), sub,
-              kept, "kept by the workers"),
+        _plot(
+            times,
+            "bench_load.py: load time against N",
+            "median seconds",
+            os.path.join(out_dir, "load_time.png"),
+            sub,
+        ),
+        _plot(
+            memory,
+            "bench_load.py: peak memory against N (warm)",
+            "peak RSS above the start (MiB)",
+            os.path.join(out_dir, "load_memory.png"),
+            sub,
+            kept,
+            "kept by the workers",
+        ),
     ]
 
 
 # ==== bench_objects.py ==========================================================================
+
 
 def draw_objects(report: dict, out_dir: str) -> list[str]:
     """``objects_time.png`` (median seconds) and ``objects_memory.png`` (the loader tree's
@@ -126,25 +157,37 @@ def draw_objects(report: dict, out_dir: str) -> list[str]:
         label = f"{r['scheme']}://  {r['method']}"
         times.setdefault(label, {})[r["n"]] = r["seconds"]
         if r.get("peak_pss_bytes") is not None and r.get("base_pss_bytes") is not None:
-            memory.setdefault(label, {})[r["n"]] = (r["peak_pss_bytes"]
-                                                     - r["base_pss_bytes"]) / MiB
+            memory.setdefault(label, {})[r["n"]] = (r["peak_pss_bytes"] - r["base_pss_bytes"]) / MiB
         if r.get("kept_bytes") is not None:
             kept[r["n"]] = r["kept_bytes"] / MiB
     fb = report.get("file_bytes")
     runs = report.get("runs")
-    what = ((f"{fb / 1e6:.0f} MB file; " if fb else "")
-            + (f"median of {runs} run(s)" if runs else "")).strip("; ")
+    what = (
+        (f"{fb / 1e6:.0f} MB file; " if fb else "") + (f"median of {runs} run(s)" if runs else "")
+    ).strip("; ")
     sub = "; ".join(s for s in (what, _subtitle(report)) if s)
     return [
-        _plot(times, "bench_objects.py: object storage load time against N", "median seconds",
-              os.path.join(out_dir, "objects_time.png"), sub),
-        _plot(memory, "bench_objects.py: peak memory against N",
-              "peak PSS above the start (MiB)", os.path.join(out_dir, "objects_memory.png"),
-              sub, kept, "kept by the workers"),
+        _plot(
+            times,
+            "bench_objects.py: object storage load time against N",
+            "median seconds",
+            os.path.join(out_dir, "objects_time.png"),
+            sub,
+        ),
+        _plot(
+            memory,
+            "bench_objects.py: peak memory against N",
+            "peak PSS above the start (MiB)",
+            os.path.join(out_dir, "objects_memory.png"),
+            sub,
+            kept,
+            "kept by the workers",
+        ),
     ]
 
 
 # ==== bench_scale.py ============================================================================
+
 
 def draw_scale(report: dict, out_dir: str) -> list[str]:
     """``scale_time.png``: each phase against the tensor count, for the checkpoints of one N
@@ -158,14 +201,21 @@ def draw_scale(report: dict, out_dir: str) -> list[str]:
     at_n = sorted((r for r in rows if r["num_shards"] == first_n), key=lambda r: r["tensors"])
     fig, ax = plt.subplots(figsize=SIZE, dpi=DPI)
     for phase in [*report["phases"], *report.get("beside", ()), "total"]:
-        ax.plot([r["tensors"] for r in at_n], [r[f"{phase}_s"] for r in at_n], marker="o",
-                markersize=4, linewidth=1.4 if phase != "total" else 2.2, label=phase)
+        ax.plot(
+            [r["tensors"] for r in at_n],
+            [r[f"{phase}_s"] for r in at_n],
+            marker="o",
+            markersize=4,
+            linewidth=1.4 if phase != "total" else 2.2,
+            label=phase,
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("tensors in the checkpoint")
     ax.set_ylabel("seconds")
-    ax.set_title(f"bench_scale.py: before the first byte, N = {first_n}\n{_subtitle(report)}",
-                 fontsize=9)
+    ax.set_title(
+        f"bench_scale.py: before the first byte, N = {first_n}\n{_subtitle(report)}", fontsize=9
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     paths.append(os.path.join(out_dir, "scale_time.png"))
@@ -175,8 +225,15 @@ def draw_scale(report: dict, out_dir: str) -> list[str]:
     series = {}
     for r in rows:
         series.setdefault(f"{r['model']} ({r['tensors']:,})", {})[r["num_shards"]] = r["total_s"]
-    paths.append(_plot(series, "bench_scale.py: open + plan + read plan against N",
-                       "seconds", os.path.join(out_dir, "scale_n.png"), _subtitle(report)))
+    paths.append(
+        _plot(
+            series,
+            "bench_scale.py: open + plan + read plan against N",
+            "seconds",
+            os.path.join(out_dir, "scale_n.png"),
+            _subtitle(report),
+        )
+    )
     return paths
 
 
@@ -196,11 +253,12 @@ def kind(report: dict) -> str:
             return "bench_load"
         if "scheme" in rows[0] and "n" in rows[0]:
             return "bench_objects"
-    raise ValueError(f"no figures for this report (benchmark {name!r}); figures exist for "
-                     f"{', '.join(DRAW)}")
+    raise ValueError(
+        f"no figures for this report (benchmark {name!r}); figures exist for {', '.join(DRAW)}"
+    )
 
 
-def draw(report_json: Union[str, os.PathLike, dict], out_dir: str) -> list[str]:
+def draw(report_json: str | os.PathLike | dict, out_dir: str) -> list[str]:
     """The figures of a report (its JSON file's path, or the object) in ``out_dir``."""
     if isinstance(report_json, dict):
         report = report_json
@@ -210,12 +268,14 @@ def draw(report_json: Union[str, os.PathLike, dict], out_dir: str) -> list[str]:
     return DRAW[kind(report)](report, out_dir)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m shardbench.figures",
-                                 description="Redraw a benchmark's figures from its saved "
-                                             "JSON (bench_load.py, bench_objects.py).")
+    ap = argparse.ArgumentParser(
+        prog="python -m shardbench.figures",
+        description="Redraw a benchmark's figures from its saved "
+        "JSON (bench_load.py, bench_objects.py).",
+    )
     ap.add_argument("report", help="the JSON a benchmark wrote with --json")
     ap.add_argument("out_dir", help="where the PNG files go")
     args = ap.parse_args(argv)

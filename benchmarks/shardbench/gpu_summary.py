@@ -18,14 +18,24 @@ import sys
 
 #: what the check reports on, as (distribution, module); cupy's distribution is whichever
 #: provides ``cupy`` (cupy-cuda12x, cupy-cuda13x, ...)
-PACKAGES = (("safetensors", "safetensors"), ("numpy", "numpy"), ("gguf", "gguf"),
-            ("orjson", "orjson"), (None, "cupy"), ("fastsafetensors", "fastsafetensors"),
-            ("runai-model-streamer", "runai_model_streamer"), ("instanttensor", "instanttensor"),
-            ("transformers", "transformers"))
+PACKAGES = (
+    ("safetensors", "safetensors"),
+    ("numpy", "numpy"),
+    ("gguf", "gguf"),
+    ("orjson", "orjson"),
+    (None, "cupy"),
+    ("fastsafetensors", "fastsafetensors"),
+    ("runai-model-streamer", "runai_model_streamer"),
+    ("instanttensor", "instanttensor"),
+    ("transformers", "transformers"),
+)
 
 #: the benchmark steps, in the order they ran, and what each measured
-STEPS = (("load.json", "GPTQ Llama"), ("moe.json", "GPTQ Qwen2-MoE"),
-         ("padded.json", "GPTQ Llama, padded"))
+STEPS = (
+    ("load.json", "GPTQ Llama"),
+    ("moe.json", "GPTQ Qwen2-MoE"),
+    ("padded.json", "GPTQ Llama, padded"),
+)
 
 
 def distribution(module: str) -> str | None:
@@ -38,13 +48,17 @@ def machine() -> None:
     print("python", sys.version.split()[0], sys.executable, platform.platform())
     import torch
 
-    print(f"torch {torch.__version__} at {os.path.dirname(torch.__file__)}; built for CUDA "
-          f"{torch.version.cuda}; available {torch.cuda.is_available()}; devices "
-          f"{torch.cuda.device_count()}")
+    print(
+        f"torch {torch.__version__} at {os.path.dirname(torch.__file__)}; built for CUDA "
+        f"{torch.version.cuda}; available {torch.cuda.is_available()}; devices "
+        f"{torch.cuda.device_count()}"
+    )
     for d in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(d)
-        print(f"  cuda:{d} {p.name}, {p.total_memory / 2**30:.0f} GiB, capability "
-              f"{p.major}.{p.minor}, {p.multi_processor_count} SMs")
+        print(
+            f"  cuda:{d} {p.name}, {p.total_memory / 2**30:.0f} GiB, capability "
+            f"{p.major}.{p.minor}, {p.multi_processor_count} SMs"
+        )
     import shardload
 
     print(f"shardload {shardload.__version__} from {os.path.dirname(shardload.__file__)}")
@@ -78,22 +92,28 @@ def tables(out: str) -> None:
         ckpt = r.get("checkpoint", {})
         cuda = r.get("cuda") or {}
         what = f"{ckpt.get('tensor_bytes', 0) / 1e9:.1f} GB {what}"
-        print(f"{name}: {what}, {ckpt.get('num_tensors', '?')} tensors; "
-              f"{', '.join(cuda.get('devices', []))}; pinned host-to-device "
-              f"{_f(cuda.get('pinned_h2d_gb_per_s'), '.1f')} GB/s")
+        print(
+            f"{name}: {what}, {ckpt.get('num_tensors', '?')} tensors; "
+            f"{', '.join(cuda.get('devices', []))}; pinned host-to-device "
+            f"{_f(cuda.get('pinned_h2d_gb_per_s'), '.1f')} GB/s"
+        )
         if r.get("cuda_error"):
             print(f"  CUDA section failed: {r['cuda_error']}")
         for row in r.get("cuda_results", []):
-            print(f"  {row['method']:<22} N={row['num_shards']}  {_f(row['median_s'], '.3f')} s"
-                  f"  {_f(row['gb_per_s'], '.1f')} GB/s  {_f(row['fraction_of_pinned'], '.2f')}"
-                  f" of pinned  {_f(row['ratio_to_shardload_thread'], '.2f')}x shardload  host "
-                  f"+{row['peak_anon_bytes'] / 2**20:.0f} MiB anon  "
-                  f"{'equal' if row['verified'] else 'WRONG'}")
-            rows_md.append(f"| {what} | {row['num_shards']} | {row['method']} | "
-                           f"{_f(row['median_s'], '.3f')} | {_f(row['gb_per_s'], '.1f')} | "
-                           f"{_f(row['fraction_of_pinned'], '.2f')} | "
-                           f"{_f(row['ratio_to_shardload_thread'], '.2f')} | "
-                           f"{'equal' if row['verified'] else 'WRONG'} |")
+            print(
+                f"  {row['method']:<22} N={row['num_shards']}  {_f(row['median_s'], '.3f')} s"
+                f"  {_f(row['gb_per_s'], '.1f')} GB/s  {_f(row['fraction_of_pinned'], '.2f')}"
+                f" of pinned  {_f(row['ratio_to_shardload_thread'], '.2f')}x shardload  host "
+                f"+{row['peak_anon_bytes'] / 2**20:.0f} MiB anon  "
+                f"{'equal' if row['verified'] else 'WRONG'}"
+            )
+            rows_md.append(
+                f"| {what} | {row['num_shards']} | {row['method']} | "
+                f"{_f(row['median_s'], '.3f')} | {_f(row['gb_per_s'], '.1f')} | "
+                f"{_f(row['fraction_of_pinned'], '.2f')} | "
+                f"{_f(row['ratio_to_shardload_thread'], '.2f')} | "
+                f"{'equal' if row['verified'] else 'WRONG'} |"
+            )
         for method, why in cuda.get("skipped", {}).items():
             print(f"  skipped: {method}: {why}")
         for t in r.get("targets", []):

@@ -23,7 +23,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 #: the repository (benchmarks/..)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,11 +32,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # ==== flags =====================================================================================
 
-def parser(doc: Optional[str], paragraph: int = 0) -> argparse.ArgumentParser:
+
+def parser(doc: str | None, paragraph: int = 0) -> argparse.ArgumentParser:
     """The script's parser, described by paragraph ``paragraph`` of its docstring."""
     return argparse.ArgumentParser(
         description=(doc or "").split("\n\n")[paragraph],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def default_dir() -> str:
@@ -45,11 +48,16 @@ def default_dir() -> str:
     return os.path.join(base, "shardload-bench")
 
 
-def add_common(ap: argparse.ArgumentParser, *, runs: Optional[int] = None,
-               runs_help: str = "repetitions; medians reported",
-               json_help: str = "write the results as JSON here",
-               dir: bool = False, dir_help: Optional[str] = None,
-               figures: bool = False) -> argparse.ArgumentParser:
+def add_common(
+    ap: argparse.ArgumentParser,
+    *,
+    runs: int | None = None,
+    runs_help: str = "repetitions; medians reported",
+    json_help: str = "write the results as JSON here",
+    dir: bool = False,
+    dir_help: str | None = None,
+    figures: bool = False,
+) -> argparse.ArgumentParser:
     """The common flags: ``--runs`` (where ``runs`` gives its default), ``--json FILE``,
     ``--dir DIR`` (with ``dir``: where checkpoints are cached; None is ``default_dir()``) and
     ``--figures DIR`` (with ``figures``: the script draws PNGs there)."""
@@ -57,12 +65,19 @@ def add_common(ap: argparse.ArgumentParser, *, runs: Optional[int] = None,
         ap.add_argument("--runs", type=int, default=runs, help=runs_help)
     ap.add_argument("--json", metavar="FILE", default=None, help=json_help)
     if dir:
-        ap.add_argument("--dir", metavar="DIR", default=None,
-                        help=dir_help or f"where the checkpoint is cached (default "
-                                         f"{default_dir()})")
+        ap.add_argument(
+            "--dir",
+            metavar="DIR",
+            default=None,
+            help=dir_help or f"where the checkpoint is cached (default {default_dir()})",
+        )
     if figures:
-        ap.add_argument("--figures", metavar="DIR", default=None,
-                        help="also draw the results as PNG files in DIR (matplotlib)")
+        ap.add_argument(
+            "--figures",
+            metavar="DIR",
+            default=None,
+            help="also draw the results as PNG files in DIR (matplotlib)",
+        )
     return ap
 
 
@@ -84,6 +99,7 @@ def int_list(ap: argparse.ArgumentParser, text: str, flag: str = "--shards") -> 
 
 # ==== repetitions, medians ======================================================================
 
+
 def rotated(methods: Sequence[str], r: int) -> list[str]:
     """``methods`` rotated by ``r``: repetition ``r``'s order, so that no method always runs
     first or right after the same neighbour."""
@@ -101,7 +117,7 @@ def rounds(methods: Sequence[str], runs: int) -> Iterable[tuple[int, str]]:
             yield r, method
 
 
-def median(values: Iterable[Optional[float]]) -> Optional[float]:
+def median(values: Iterable[float | None]) -> float | None:
     """The median of the values that are not None; None if there are none."""
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -109,10 +125,12 @@ def median(values: Iterable[Optional[float]]) -> Optional[float]:
 
 # ==== the environment ===========================================================================
 
-def _git(*args: str) -> Optional[str]:
+
+def _git(*args: str) -> str | None:
     try:
-        done = subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True,
-                              timeout=10)
+        done = subprocess.run(
+            ["git", "-C", REPO, *args], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
@@ -128,36 +146,54 @@ def environment() -> dict:
         pass
     try:
         import torch
-        torch_version: Optional[str] = torch.__version__
+
+        torch_version: str | None = torch.__version__
     except ImportError:
         torch_version = None
     try:
         import shardload
-        shardload_version, shardload_path = shardload.__version__, \
-            os.path.dirname(os.path.abspath(shardload.__file__))
+
+        shardload_version, shardload_path = (
+            shardload.__version__,
+            os.path.dirname(os.path.abspath(shardload.__file__)),
+        )
     except ImportError:
         shardload_version = shardload_path = None
     commit = _git("rev-parse", "--short=12", "HEAD")
     dirty = None if commit is None else bool(_git("status", "--porcelain", "--untracked-files=no"))
-    return {"cpus": os.cpu_count(), "memory_bytes": mem, "machine": platform.machine(),
-            "kernel": platform.release(), "python": platform.python_version(),
-            "torch": torch_version, "shardload": shardload_version,
-            "shardload_path": shardload_path, "commit": commit, "dirty": dirty}
+    return {
+        "cpus": os.cpu_count(),
+        "memory_bytes": mem,
+        "machine": platform.machine(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "shardload": shardload_version,
+        "shardload_path": shardload_path,
+        "commit": commit,
+        "dirty": dirty,
+    }
 
 
 def environment_line(env: dict) -> str:
     """``env`` in one line."""
     mem = "?" if env["memory_bytes"] is None else f"{env['memory_bytes'] / 2**30:.1f} GiB"
-    commit = "no commit" if env["commit"] is None else \
-        env["commit"] + ("+changes" if env["dirty"] else "")
-    return (f"environment: {env['cpus']} CPUs, {mem} memory, {env['machine']}, Linux "
-            f"{env['kernel']}, python {env['python']}, torch {env['torch']}, shardload "
-            f"{env['shardload']} ({commit})")
+    commit = (
+        "no commit"
+        if env["commit"] is None
+        else env["commit"] + ("+changes" if env["dirty"] else "")
+    )
+    return (
+        f"environment: {env['cpus']} CPUs, {mem} memory, {env['machine']}, Linux "
+        f"{env['kernel']}, python {env['python']}, torch {env['torch']}, shardload "
+        f"{env['shardload']} ({commit})"
+    )
 
 
 # ==== the JSON ==================================================================================
 
-def write_json(path: Optional[str], report: dict, header: Optional[dict] = None) -> None:
+
+def write_json(path: str | None, report: dict, header: dict | None = None) -> None:
     """``report`` to ``path`` (nothing without one), whole or not at all; ``header`` first."""
     if not path:
         return
@@ -173,8 +209,7 @@ class Bench:
     """One run of an entry script: its name, its parsed flags, its environment (printed as one
     line at the start: ``file``, default stdout), and its end (``finish``)."""
 
-    def __init__(self, name: str, args: argparse.Namespace, file: Any = None,
-                 quiet: bool = False):
+    def __init__(self, name: str, args: argparse.Namespace, file: Any = None, quiet: bool = False):
         self.name, self.args = name, args
         self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self.environment = environment()
@@ -182,16 +217,18 @@ class Bench:
             print(environment_line(self.environment), file=file or sys.stdout, flush=True)
 
     def header(self) -> dict:
-        return {"benchmark": self.name, "command": [os.path.basename(sys.argv[0]),
-                                                    *sys.argv[1:]],
-                "started": self.started, "environment": self.environment}
+        return {
+            "benchmark": self.name,
+            "command": [os.path.basename(sys.argv[0]), *sys.argv[1:]],
+            "started": self.started,
+            "environment": self.environment,
+        }
 
     def write(self, report: dict) -> None:
         """``report`` to ``--json``, if given, with the header."""
         write_json(getattr(self.args, "json", None), report, self.header())
 
-    def draw(self, report: dict, draw: Optional[Callable[[dict, str], list[str]]] = None
-             ) -> list[str]:
+    def draw(self, report: dict, draw: Callable[[dict, str], list[str]] | None = None) -> list[str]:
         """The figures of ``report`` in ``--figures``, if given: the PNGs' paths."""
         out = getattr(self.args, "figures", None)
         if not out:
@@ -203,8 +240,7 @@ class Bench:
             print(f"drew {p}", file=sys.stderr, flush=True)
         return paths
 
-    def finish(self, report: dict, draw: Optional[Callable[[dict, str], list[str]]] = None
-               ) -> None:
+    def finish(self, report: dict, draw: Callable[[dict, str], list[str]] | None = None) -> None:
         """The end of a run: the JSON (``--json``), then the figures (``--figures``)."""
         self.write(report)
         self.draw(report, draw)

@@ -19,27 +19,42 @@ import math
 import os
 import sys
 import time
-from typing import Optional
 
 from .harness import REPO
 
 if REPO not in sys.path:  # devtools: the checkout's development code
     sys.path.append(REPO)
-from devtools.coverage import coverage_script as coverage  # noqa: E402
+from devtools.coverage import coverage_script as coverage
 
 #: the coverage table's model this benchmark shrinks
 MODEL = "deepseek-ai/DeepSeek-V3"
 #: the config's widths (divided by the factor); counts (layers, experts, heads) stay
-WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank",
-          "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "vocab_size")
+WIDTHS = (
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "vocab_size",
+)
 #: bump when what is written changes, so that a cached copy is written again
 VERSION = 1
 #: the torch dtype of each safetensors dtype the writer stores
-_TORCH = {"F8_E4M3": "float8_e4m3fn", "F32": "float32", "BF16": "bfloat16", "F16": "float16",
-          "I32": "int32", "I64": "int64", "U8": "uint8"}
+_TORCH = {
+    "F8_E4M3": "float8_e4m3fn",
+    "F32": "float32",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "I32": "int32",
+    "I64": "int64",
+    "U8": "uint8",
+}
 
 
-def model(factor: int, layers: Optional[int] = None, experts: Optional[int] = None) -> dict:
+def model(factor: int, layers: int | None = None, experts: int | None = None) -> dict:
     """The coverage table's DeepSeek-V3 with its widths and FP8 blocks divided by ``factor``
     (and, where given, ``layers`` layers of ``experts`` routed experts: a smaller model of
     the same shape, for a smoke run); ``ValueError`` where one does not divide."""
@@ -62,8 +77,10 @@ def model(factor: int, layers: Optional[int] = None, experts: Optional[int] = No
     # transformers' DeepSeek configs do (its rope part; MLA's heads are sized by nope + rope)
     config["head_dim"] = config["qk_rope_head_dim"]
     small["name"] = f"{MODEL}, widths / {factor}" + (
-        "" if layers is None and experts is None else
-        f", {config['num_hidden_layers']} layers of {config['n_routed_experts']} experts")
+        ""
+        if layers is None and experts is None
+        else f", {config['num_hidden_layers']} layers of {config['n_routed_experts']} experts"
+    )
     return small
 
 
@@ -93,26 +110,37 @@ def _data(shape: list[int], dtype: str, values, rng):
         return torch.from_numpy(np.ascontiguousarray(values)).reshape(shape)
     n = math.prod(shape)
     if dtype == "F8_E4M3":
-        return torch.from_numpy(rng.integers(0, 0x78, n, dtype=np.uint8)).view(
-            torch.float8_e4m3fn).reshape(shape)
+        return (
+            torch.from_numpy(rng.integers(0, 0x78, n, dtype=np.uint8))
+            .view(torch.float8_e4m3fn)
+            .reshape(shape)
+        )
     if dtype in ("F32", "BF16", "F16"):
-        return torch.from_numpy(rng.standard_normal(n, dtype=np.float32)).to(
-            getattr(torch, _TORCH[dtype])).reshape(shape)
+        return (
+            torch.from_numpy(rng.standard_normal(n, dtype=np.float32))
+            .to(getattr(torch, _TORCH[dtype]))
+            .reshape(shape)
+        )
     info = np.iinfo(_TORCH[dtype])
-    return torch.from_numpy(rng.integers(0, min(info.max, 1 << 15), n,
-                                         dtype=_TORCH[dtype])).reshape(shape)
+    return torch.from_numpy(
+        rng.integers(0, min(info.max, 1 << 15), n, dtype=_TORCH[dtype])
+    ).reshape(shape)
 
 
-def ensure(root: str, factor: int = 64, layers: Optional[int] = None,
-           experts: Optional[int] = None, log=print) -> tuple[str, int]:
+def ensure(
+    root: str, factor: int = 64, layers: int | None = None, experts: int | None = None, log=print
+) -> tuple[str, int]:
     """The checkpoint ``model(factor, layers, experts)`` under ``root`` (written once), and
     its tensor count."""
     import numpy as np
     from safetensors.torch import save_file
 
     small = model(factor, layers, experts)
-    shape = "" if layers is None and experts is None else \
-        f"-l{small['config']['num_hidden_layers']}-e{small['config']['n_routed_experts']}"
+    shape = (
+        ""
+        if layers is None and experts is None
+        else f"-l{small['config']['num_hidden_layers']}-e{small['config']['n_routed_experts']}"
+    )
     folder = os.path.join(root, f"deepseek-v3-w{factor}{shape}-v{VERSION}")
     done = os.path.join(folder, "tensors.txt")
     if os.path.isfile(done):
@@ -120,8 +148,10 @@ def ensure(root: str, factor: int = 64, layers: Optional[int] = None,
             return folder, int(f.read())
     full = model(1, layers, experts)  # the same tensors at full size: its files
     files = _files(full)
-    tensors = {name: (shape, dtype, values[0] if values else None)
-               for name, shape, dtype, *values in coverage().stored_tensors(small["config"])}
+    tensors = {
+        name: (shape, dtype, values[0] if values else None)
+        for name, shape, dtype, *values in coverage().stored_tensors(small["config"])
+    }
     if sum(map(len, files)) != len(tensors):
         raise AssertionError("the full-size and the scaled model store different tensors")
     log(f"writing {small['name']} ({len(tensors)} tensors, {len(files)} files) to {folder}")
@@ -149,7 +179,7 @@ def ensure(root: str, factor: int = 64, layers: Optional[int] = None,
 PHASES = ("session_start", "open", "plan", "read_plans", "load")
 
 
-def _cpu_seconds(pids: list[int]) -> Optional[float]:
+def _cpu_seconds(pids: list[int]) -> float | None:
     """User and system CPU seconds of processes ``pids`` so far (Linux ``/proc``), or None."""
     try:
         tick = os.sysconf("SC_CLK_TCK")
@@ -178,8 +208,11 @@ def measure(folder: str, workers: int, session_kind: str = "process") -> dict:
 
     out: dict = {}
     t = time.perf_counter()
-    session = (ProcessSession(workers, device="cpu") if session_kind == "process"
-               else ThreadedSession(workers))
+    session = (
+        ProcessSession(workers, device="cpu")
+        if session_kind == "process"
+        else ThreadedSession(workers)
+    )
     try:
         out["session_start"] = time.perf_counter() - t
         pids = list(getattr(session, "pids", []))
@@ -196,8 +229,9 @@ def measure(folder: str, workers: int, session_kind: str = "process") -> dict:
         out["read_plans"] = whole - sharded.stats.seconds
         out["cpu_s"] = time.process_time() - cpu
         after = _cpu_seconds(pids)
-        out["workers_cpu_s"] = (after - workers_cpu if pids and None not in (after, workers_cpu)
-                                else None)
+        out["workers_cpu_s"] = (
+            after - workers_cpu if pids and None not in (after, workers_cpu) else None
+        )
         out["pieces"] = sum(sharded.stats.tensors_per_worker)
         out["bytes"] = sharded.stats.bytes_total
         del sharded

@@ -13,7 +13,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -29,6 +28,7 @@ COLD_RESIDENT_MAX = 0.05
 
 
 # ==== memory: peak RSS of the process tree =====================================================
+
 
 def _proc_rss(pid: int) -> tuple[int, int]:
     """(VmRSS, RssAnon) of ``pid`` in bytes; zeros for a process that is gone."""
@@ -95,6 +95,7 @@ class RssSampler:
 
 # ==== CPU time ==================================================================================
 
+
 def _busy_cpu_s() -> float:
     """CPU seconds the whole machine has spent busy (all CPUs, steal included) since boot."""
     try:
@@ -130,7 +131,7 @@ class Window:
     def __init__(self, sampler: RssSampler, pids: list[int]):
         self.sampler, self.pids = sampler, pids
 
-    def __enter__(self) -> "Window":
+    def __enter__(self) -> Window:
         self.base = self.sampler.begin()
         self._busy, self._own = _busy_cpu_s(), _own_cpu_s(self.pids)
         self._start = time.perf_counter()
@@ -146,6 +147,7 @@ class Window:
 
 # ==== the page cache: warming it, dropping it, and checking that it was dropped ===============
 
+
 def warm_page_cache(path: str) -> float:
     """Read ``path`` once, so that it is in the page cache; the seconds that took."""
     start = time.perf_counter()
@@ -153,7 +155,7 @@ def warm_page_cache(path: str) -> float:
     return time.perf_counter() - start
 
 
-def _meminfo_cached() -> Optional[int]:
+def _meminfo_cached() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -164,7 +166,7 @@ def _meminfo_cached() -> Optional[int]:
     return None
 
 
-def resident_fraction(path: str) -> Optional[float]:
+def resident_fraction(path: str) -> float | None:
     """The share of ``path``'s pages in the page cache (``mincore`` on a fresh shared mapping,
     which touches nothing), or None where that cannot be asked."""
     try:
@@ -173,8 +175,14 @@ def resident_fraction(path: str) -> Optional[float]:
     except (OSError, AttributeError):
         return None
     c_mmap.restype = ctypes.c_void_p
-    c_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
+    c_mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
     c_mincore.restype = ctypes.c_int
     c_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
     c_munmap.restype = ctypes.c_int
@@ -232,18 +240,25 @@ class PageCache:
             errors.append(f"posix_fadvise: {exc}")
         after, cached1 = resident_fraction(self.file), _meminfo_cached()
         if after is not None:
-            dropped: Optional[bool] = after <= COLD_RESIDENT_MAX
+            dropped: bool | None = after <= COLD_RESIDENT_MAX
             evidence = f"{100 * after:.1f}% of the file resident after the drop (mincore)"
         elif cached1 is not None and cached1 < 0.2 * self.size:
             dropped, evidence = True, f"Cached {cached1 / MiB:.0f} MiB < a fifth of the file"
         else:
             dropped, evidence = None, "cannot tell (no mincore; Cached did not say)"
-        return {"how": "+".join(how) or None, "errors": errors, "resident_before": before,
-                "resident_after": after, "cached_before": cached0, "cached_after": cached1,
-                "dropped": dropped, "evidence": evidence}
+        return {
+            "how": "+".join(how) or None,
+            "errors": errors,
+            "resident_before": before,
+            "resident_after": after,
+            "cached_before": cached0,
+            "cached_after": cached1,
+            "dropped": dropped,
+            "evidence": evidence,
+        }
 
 
-def cold_mode_check(file: str, how: str, log) -> tuple[Optional[PageCache], Optional[str], dict]:
+def cold_mode_check(file: str, how: str, log) -> tuple[PageCache | None, str | None, dict]:
     """A trial drop: (the cache dropper, None, the trial) where cold runs make sense, else
     (None, why, the trial)."""
     cache = PageCache(file, drop_caches=how == "auto")
@@ -253,14 +268,21 @@ def cold_mode_check(file: str, how: str, log) -> tuple[Optional[PageCache], Opti
     if trial["how"] is None:
         return None, "; ".join(trial["errors"]) or "no way to drop the page cache", trial
     if trial["dropped"] is False:
-        return None, (f"{trial['evidence']} after {trial['how']} (a tmpfs or an overlay that "
-                      f"keeps its pages?)"
-                      + (f"; {'; '.join(trial['errors'])}" if trial["errors"] else "")), trial
+        return (
+            None,
+            (
+                f"{trial['evidence']} after {trial['how']} (a tmpfs or an overlay that "
+                f"keeps its pages?)"
+                + (f"; {'; '.join(trial['errors'])}" if trial["errors"] else "")
+            ),
+            trial,
+        )
     log(f"cold mode: {trial['how']}; {trial['evidence']}")
     return cache, None, trial
 
 
 # ==== one measured run of a method ==============================================================
+
 
 def free_memory(*sessions, cuda: bool = False) -> None:
     """Drop the shards ``sessions`` still hold and hand freed memory back to the OS (and
@@ -282,17 +304,18 @@ class Run:
     peak: tuple[int, int]
     kept: list[int]
     read: list[int]
-    loader_seconds: Optional[float]
-    cpu_s: float = 0.0      # CPU time of this process tree during the method
+    loader_seconds: float | None
+    cpu_s: float = 0.0  # CPU time of this process tree during the method
     other_cpu_s: float = 0.0  # CPU time of everything else on the machine meanwhile
-    moved: Optional[int] = None
-    check: Optional[Check] = None
-    drop: Optional[dict] = None  # cold runs: what the drop before it did
-    error: Optional[str] = None  # a peer that failed: why
+    moved: int | None = None
+    check: Check | None = None
+    drop: dict | None = None  # cold runs: what the drop before it did
+    error: str | None = None  # a peer that failed: why
 
 
-def measure(case: Case, method: str, sampler: RssSampler, cache: Optional[PageCache],
-            check: bool) -> Run:
+def measure(
+    case: Case, method: str, sampler: RssSampler, cache: PageCache | None, check: bool
+) -> Run:
     """One run of ``method`` on ``case``: the cache dropped first where ``cache`` is given, its
     pieces checked afterwards where ``check``; everything freed before and after."""
     sessions = (case.thread_session, case.process_session)
@@ -310,14 +333,23 @@ def measure(case: Case, method: str, sampler: RssSampler, cache: Optional[PageCa
         error = f"{type(exc).__name__}: {exc}"
     if error is not None:  # freed here, where the traceback no longer holds the peer's tensors
         free_memory(*sessions)
-        return Run(window.seconds, window.base, window.peak, [], [], None, error=error,
-                   drop=drop)
+        return Run(window.seconds, window.base, window.peak, [], [], None, error=error, drop=drop)
     result = None
     if check:  # outside the timing and the memory window
         result = check_pieces(case.reference, outcome, case.n)
-    run = Run(window.seconds, window.base, window.peak, outcome.kept_per_worker,
-              outcome.read_per_worker, outcome.loader_seconds, window.cpu_s,
-              window.other_cpu_s, outcome.moved, result, drop)
+    run = Run(
+        window.seconds,
+        window.base,
+        window.peak,
+        outcome.kept_per_worker,
+        outcome.read_per_worker,
+        outcome.loader_seconds,
+        window.cpu_s,
+        window.other_cpu_s,
+        outcome.moved,
+        result,
+        drop,
+    )
     del outcome  # the shards: freed before the next method starts
     free_memory(*sessions)
     return run

@@ -27,15 +27,22 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
-from shardload import ProcessSession, ShardInfo, ThreadedSession, dtypes, load_sharded
-from shardload import open_checkpoint
+from shardload import (
+    ProcessSession,
+    ShardInfo,
+    ThreadedSession,
+    dtypes,
+    load_sharded,
+    open_checkpoint,
+)
 from shardload.plan import ParamPlan, ValidatedPlan
 
 from . import peers
@@ -50,11 +57,11 @@ class Outcome:
 
     kept_per_worker: list[int]
     read_per_worker: list[int]
-    workers: Optional[list[dict[str, torch.Tensor]]] = None  # the pieces, where in this process
-    sharded: Any = None            # a ShardedParams (shardload), checked through it
-    loader_seconds: Optional[float] = None
-    moved: Optional[int] = None    # bytes the GB/s figure counts, when not the kept bytes
-    remote: bool = False           # the pieces are in worker processes (fetched to check)
+    workers: list[dict[str, torch.Tensor]] | None = None  # the pieces, where in this process
+    sharded: Any = None  # a ShardedParams (shardload), checked through it
+    loader_seconds: float | None = None
+    moved: int | None = None  # bytes the GB/s figure counts, when not the kept bytes
+    remote: bool = False  # the pieces are in worker processes (fetched to check)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -87,12 +94,12 @@ class Case:
     info: ShardInfo
     plan: ValidatedPlan
     n: int
-    direct: dict[str, Any]          # name -> (axis, ranges per worker) or None
-    floor_bins: list[list["_Copy"]]  # one list of copies per floor thread
+    direct: dict[str, Any]  # name -> (axis, ranges per worker) or None
+    floor_bins: list[list[_Copy]]  # one list of copies per floor thread
     floor_pool: ThreadPoolExecutor
     worker_pool: ThreadPoolExecutor  # N threads: the peers' and disco-emulated's workers
     thread_session: ThreadedSession  # shardload-thread's, and the reference's
-    process_session: Optional[ProcessSession]
+    process_session: ProcessSession | None
     zero_copy_get_tensor: bool
     file_tensor_bytes: int
     job: peers.Job
@@ -104,8 +111,9 @@ class Case:
         return list(self.plan)
 
     @classmethod
-    def open(cls, ckpt_dir: str, info: ShardInfo, n: int, zero_copy: bool,
-             process_session: bool) -> tuple["Case", dict[str, float]]:
+    def open(
+        cls, ckpt_dir: str, info: ShardInfo, n: int, zero_copy: bool, process_session: bool
+    ) -> tuple[Case, dict[str, float]]:
         """The case at ``n`` with its sessions started (a ``ProcessSession`` only where
         ``process_session``), and each session's start-up seconds."""
         file = os.path.join(ckpt_dir, MODEL_FILE)
@@ -126,11 +134,23 @@ class Case:
         worker_pool = ThreadPoolExecutor(n, "worker")
         read_buffer = bytearray(READ_BUFFER)
         np.frombuffer(read_buffer, dtype=np.uint8)[::4096] = 1  # its pages faulted in now
-        case = cls(ckpt_dir, file, info, plan, n, direct, balance(copies, threads),
-                   single_threaded_pool(threads), worker_pool, thread_session, process,
-                   zero_copy, sum(p.meta.nbytes for p in plan),
-                   peers.Job(file, list(plan), n, direct, worker_pool, None, zero_copy),
-                   read_buffer)
+        case = cls(
+            ckpt_dir,
+            file,
+            info,
+            plan,
+            n,
+            direct,
+            balance(copies, threads),
+            single_threaded_pool(threads),
+            worker_pool,
+            thread_session,
+            process,
+            zero_copy,
+            sum(p.meta.nbytes for p in plan),
+            peers.Job(file, list(plan), n, direct, worker_pool, None, zero_copy),
+            read_buffer,
+        )
         return case, startup
 
     def close(self) -> None:
@@ -144,46 +164,60 @@ class Case:
 
 # ==== floor: one copy per kept byte, all cores =================================================
 
+
 @dataclass
 class _Copy:
     worker: int
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    begin: int                      # the tensor's bytes in the file
+    begin: int  # the tensor's bytes in the file
     end: int
-    nbytes: int                     # bytes this worker keeps
-    view: Optional[tuple]           # (outer, size, inner, ranges) for split tensors
-    offset: int = 0                 # opaque chains: where to take the bytes from
-    param: Optional[ParamPlan] = None  # its fixup (split_rebase) runs on the copy
+    nbytes: int  # bytes this worker keeps
+    view: tuple | None  # (outer, size, inner, ranges) for split tensors
+    offset: int = 0  # opaque chains: where to take the bytes from
+    param: ParamPlan | None = None  # its fixup (split_rebase) runs on the copy
     n: int = 1
 
 
-def floor_copies(plan: ValidatedPlan, n: int, data_start: int, header: dict,
-                 direct: dict[str, Any]) -> list[_Copy]:
+def floor_copies(
+    plan: ValidatedPlan, n: int, data_start: int, header: dict, direct: dict[str, Any]
+) -> list[_Copy]:
     copies = []
     for p in plan:
         begin, end = (data_start + o for o in header[p.name]["data_offsets"])
         itemsize = dtypes.itemsize(p.meta.dtype)
         for i in range(n):
             if p.replicated:
-                copies.append(_Copy(i, p.name, p.meta.shape, dtypes.to_torch(p.meta.dtype),
-                                    begin, end, end - begin, None))
+                copies.append(
+                    _Copy(
+                        i,
+                        p.name,
+                        p.meta.shape,
+                        dtypes.to_torch(p.meta.dtype),
+                        begin,
+                        end,
+                        end - begin,
+                        None,
+                    )
+                )
                 continue
             d = direct[p.name]
             shape, dtype = tuple(p.piece_shape), dtypes.to_torch(p.piece_dtype)
             if d is not None:
                 axis, ranges = d
                 outer = math.prod(p.meta.shape[:axis])
-                inner = math.prod(p.meta.shape[axis + 1:]) * itemsize
+                inner = math.prod(p.meta.shape[axis + 1 :]) * itemsize
                 view = (outer, p.meta.shape[axis], inner, ranges[i])
-                copies.append(_Copy(i, p.name, shape, dtype, begin, end, p.piece_nbytes, view,
-                                    param=p, n=n))
+                copies.append(
+                    _Copy(i, p.name, shape, dtype, begin, end, p.piece_nbytes, view, param=p, n=n)
+                )
             else:  # an opaque chain: as many bytes as the piece, from the tensor's bytes
                 size = end - begin
                 offset = (i * p.piece_nbytes) % size if size else 0
-                copies.append(_Copy(i, p.name, shape, dtype, begin, end, p.piece_nbytes,
-                                    None, offset))
+                copies.append(
+                    _Copy(i, p.name, shape, dtype, begin, end, p.piece_nbytes, None, offset)
+                )
     return copies
 
 
@@ -201,7 +235,7 @@ def balance(copies: list[_Copy], bins: int) -> list[list[_Copy]]:
 def _do_copy(data: torch.Tensor, c: _Copy) -> torch.Tensor:
     out = torch.empty(c.shape, dtype=c.dtype)
     dst = out.view(-1).view(torch.uint8)
-    src = data[c.begin:c.end]
+    src = data[c.begin : c.end]
     if c.view is None and c.nbytes == c.end - c.begin and c.offset == 0:
         dst.copy_(src)
     elif c.view is not None:
@@ -210,7 +244,7 @@ def _do_copy(data: torch.Tensor, c: _Copy) -> torch.Tensor:
         dst3, src3 = dst.view(outer, kept, inner), src.view(outer, size, inner)
         at = 0
         for start, length in ranges:
-            dst3[:, at:at + length].copy_(src3[:, start:start + length])
+            dst3[:, at : at + length].copy_(src3[:, start : start + length])
             at += length
         if c.param is not None:
             fixup(c.param, out, c.worker, c.n)
@@ -218,7 +252,7 @@ def _do_copy(data: torch.Tensor, c: _Copy) -> torch.Tensor:
         at, start, size = 0, c.offset, c.end - c.begin
         while at < c.nbytes:
             take = min(c.nbytes - at, size - start)
-            dst[at:at + take].copy_(src[start:start + take])
+            dst[at : at + take].copy_(src[start : start + take])
             at, start = at + take, 0
     return out
 
@@ -270,12 +304,14 @@ def run_floor(case: Case) -> Outcome:
 
 # ==== read-file: the file's bytes, read in order ===============================================
 
+
 def run_read_file(case: Case) -> Outcome:
     total = read_whole(case.file, case.read_buffer)
     return Outcome([0] * case.n, [total] + [0] * (case.n - 1), moved=total)
 
 
 # ==== the real peers (peers.py) ================================================================
+
 
 def _peer_runner(name: str) -> Callable[[Case], Outcome]:
     peer = peers.PEERS[name]
@@ -365,11 +401,17 @@ def run_disco(case: Case) -> Outcome:
 
 # ==== shardload ================================================================================
 
+
 def _run_shardload(case: Case, session) -> Outcome:
     result = shardload_load(case.ckpt_dir, case.info, session)
     s = result.stats
-    return Outcome(list(s.bytes_per_worker), list(s.bytes_read_per_worker), sharded=result,
-                   loader_seconds=s.seconds, remote=session is case.process_session)
+    return Outcome(
+        list(s.bytes_per_worker),
+        list(s.bytes_read_per_worker),
+        sharded=result,
+        loader_seconds=s.seconds,
+        remote=session is case.process_session,
+    )
 
 
 def run_shardload_thread(case: Case) -> Outcome:
@@ -382,7 +424,8 @@ def run_shardload_process(case: Case) -> Outcome:
 
 # ==== the table ================================================================================
 
-def _always_available(file: str) -> Optional[str]:
+
+def _always_available(file: str) -> str | None:
     return None
 
 
@@ -394,7 +437,7 @@ class Method:
     kind: str
     run: Callable[[Case], Outcome]
     #: why it cannot run on the CPU with this file (not installed, refuses), or None
-    unavailable: Callable[[str], Optional[str]] = _always_available
+    unavailable: Callable[[str], str | None] = _always_available
 
     @property
     def may_fail(self) -> bool:
@@ -404,29 +447,36 @@ class Method:
 
 
 #: the methods, in table order
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("floor", "bound", run_floor),
-    Method("read-file", "bound", run_read_file),
-    *(Method(name, "peer", _peer_runner(name), functools.partial(peers.unavailable, name, "cpu"))
-      for name in peers.PEERS),
-    Method("disco-emulated", "emulation", run_disco),
-    Method("shardload-thread", "shardload", run_shardload_thread),
-    Method("shardload-process", "shardload", run_shardload_process),
-)}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("floor", "bound", run_floor),
+        Method("read-file", "bound", run_read_file),
+        *(
+            Method(
+                name, "peer", _peer_runner(name), functools.partial(peers.unavailable, name, "cpu")
+            )
+            for name in peers.PEERS
+        ),
+        Method("disco-emulated", "emulation", run_disco),
+        Method("shardload-thread", "shardload", run_shardload_thread),
+        Method("shardload-process", "shardload", run_shardload_process),
+    )
+}
 SHARDLOAD = tuple(name for name, m in METHODS.items() if m.kind == "shardload")
 
 
 # ==== the check: every piece equal to shardload's ==============================================
 
+
 @dataclass
 class Check:
-    verified: Optional[bool]       # None: not checked (read-file)
-    owns: Optional[bool]           # None: not known (pieces in other processes)
+    verified: bool | None  # None: not checked (read-file)
+    owns: bool | None  # None: not known (pieces in other processes)
     detail: str
 
 
-def check_pieces(reference: list[dict[str, torch.Tensor]], out: Outcome,
-                 n: int) -> Check:
+def check_pieces(reference: list[dict[str, torch.Tensor]], out: Outcome, n: int) -> Check:
     """``torch.equal`` of every piece against the reference, and whether each worker's tensors
     own their memory: no storage shared with another worker, none larger than the worker's
     kept bytes (a view of the file mapping or of a library's whole buffer would be)."""
@@ -441,14 +491,22 @@ def check_pieces(reference: list[dict[str, torch.Tensor]], out: Outcome,
         want = reference[i]
         if workers is not None and set(workers[i]) != set(want):
             extra, missing = set(workers[i]) - set(want), set(want) - set(workers[i])
-            return Check(False, None, f"worker {i}: {len(missing)} piece(s) missing, "
-                                      f"{len(extra)} extra (e.g. {sorted(missing | extra)[0]})")
+            return Check(
+                False,
+                None,
+                f"worker {i}: {len(missing)} piece(s) missing, "
+                f"{len(extra)} extra (e.g. {sorted(missing | extra)[0]})",
+            )
         limit = sum(_nbytes(t) for t in want.values())
         for name, ref in want.items():
             got = workers[i][name] if workers is not None else out.sharded.shard(name, i)
             if got.dtype != ref.dtype or tuple(got.shape) != tuple(ref.shape):
-                return Check(False, None, f"worker {i} {name}: {got.dtype} {list(got.shape)}, "
-                                          f"shardload's {ref.dtype} {list(ref.shape)}")
+                return Check(
+                    False,
+                    None,
+                    f"worker {i} {name}: {got.dtype} {list(got.shape)}, "
+                    f"shardload's {ref.dtype} {list(ref.shape)}",
+                )
             if got.device != ref.device:
                 got = got.to(ref.device)
             if not torch.equal(got, ref):
@@ -457,6 +515,9 @@ def check_pieces(reference: list[dict[str, torch.Tensor]], out: Outcome,
                 st = got.untyped_storage()
                 if owners.setdefault(st.data_ptr(), i) != i or st.nbytes() > limit:
                     owns = False
-    return Check(True, None if workers is None else owns,
-                 "torch.equal, every piece" + (" (fetched from the worker processes)"
-                                               if workers is None else ""))
+    return Check(
+        True,
+        None if workers is None else owns,
+        "torch.equal, every piece"
+        + (" (fetched from the worker processes)" if workers is None else ""),
+    )

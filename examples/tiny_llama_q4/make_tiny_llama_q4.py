@@ -45,8 +45,14 @@ CONFIG = {
     "rope_theta": 10000.0,
     "torch_dtype": "float16",
     "tie_word_embeddings": False,
-    "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32,
-                            "desc_act": False, "sym": False, "checkpoint_format": "gptq"},
+    "quantization_config": {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 32,
+        "desc_act": False,
+        "sym": False,
+        "checkpoint_format": "gptq",
+    },
 }
 BITS, GROUP = 4, 32
 PACK = 32 // BITS
@@ -72,7 +78,7 @@ def pack_cols(q: np.ndarray) -> np.ndarray:
 
 def quantize_gptq(w: np.ndarray) -> dict[str, np.ndarray]:
     """HF weight [N, K] -> GPTQ v1 tensors, round-to-nearest per group of GROUP input rows."""
-    wt = w.T.astype(np.float32)                      # [K, N]: GPTQ stores K first
+    wt = w.T.astype(np.float32)  # [K, N]: GPTQ stores K first
     k, n = wt.shape
     groups = wt.reshape(k // GROUP, GROUP, n)
     lo, hi = groups.min(axis=1), groups.max(axis=1)  # [K/G, N]
@@ -104,10 +110,15 @@ def make_tensors(rng: np.random.Generator) -> dict[str, np.ndarray]:
         p = f"model.layers.{layer}."
         out[p + "input_layernorm.weight"] = (1 + dense(h)).astype(np.float16)
         out[p + "post_attention_layernorm.weight"] = (1 + dense(h)).astype(np.float16)
-        shapes = {"self_attn.q_proj": (nq * hd, h), "self_attn.k_proj": (nkv * hd, h),
-                  "self_attn.v_proj": (nkv * hd, h), "self_attn.o_proj": (h, nq * hd),
-                  "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
-                  "mlp.down_proj": (h, inter)}
+        shapes = {
+            "self_attn.q_proj": (nq * hd, h),
+            "self_attn.k_proj": (nkv * hd, h),
+            "self_attn.v_proj": (nkv * hd, h),
+            "self_attn.o_proj": (h, nq * hd),
+            "mlp.gate_proj": (inter, h),
+            "mlp.up_proj": (inter, h),
+            "mlp.down_proj": (h, inter),
+        }
         for proj, shape in shapes.items():
             for suffix, tensor in quantize_gptq(dense(*shape)).items():
                 out[f"{p}{proj}.{suffix}"] = tensor
@@ -126,8 +137,17 @@ def main(out_dir: str) -> None:
         json.dump({**config, "quantization_config": quant}, f, indent=2)
         f.write("\n")
     with open(os.path.join(out_dir, "quantize_config.json"), "w") as f:
-        json.dump({"bits": BITS, "group_size": GROUP, "desc_act": False, "sym": False,
-                   "checkpoint_format": "gptq"}, f, indent=2)
+        json.dump(
+            {
+                "bits": BITS,
+                "group_size": GROUP,
+                "desc_act": False,
+                "sym": False,
+                "checkpoint_format": "gptq",
+            },
+            f,
+            indent=2,
+        )
         f.write("\n")
     # The plan is what `shardload plan` writes for this folder, from config.json alone.
     with open_checkpoint(out_dir) as ckpt:

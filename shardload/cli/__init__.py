@@ -11,8 +11,7 @@ and one ``cli.add_command`` line below.
 """
 
 from .app import cli, main
-from .codes import (EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_LOAD_FAILED,
-                    EXIT_OK)
+from .codes import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_LOAD_FAILED, EXIT_OK
 from .funcs import funcs
 from .inspect import inspect
 from .load import load
@@ -29,5 +28,12 @@ cli.add_command(run)
 cli.add_command(vllm_overrides)
 cli.add_command(funcs)
 
-__all__ = ["cli", "main", "EXIT_OK", "EXIT_LOAD_FAILED", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED",
-           "EXIT_BROKEN_PIPE"]
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_BROKEN_PIPE",
+    "EXIT_INTERRUPTED",
+    "EXIT_LOAD_FAILED",
+    "EXIT_OK",
+    "cli",
+    "main",
+]

@@ -16,15 +16,22 @@ import itertools
 import json
 import os
 import sys
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import click
 
-from ..errors import (FormatError, PlanError, SessionError, ShardloadError, StorageError,
-                      cli_text, quote)
+from ..errors import (
+    FormatError,
+    PlanError,
+    SessionError,
+    ShardloadError,
+    StorageError,
+    cli_text,
+    quote,
+)
 from . import interrupts
-from .codes import (EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_LOAD_FAILED,
-                    EXIT_OK)
+from .codes import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_LOAD_FAILED, EXIT_OK
 
 #: ``ctx.meta`` key: the command's ``--json`` was given (errors are then one JSON object)
 JSON_KEY = "shardload.json"
@@ -78,10 +85,10 @@ def _usage_line(exc: click.UsageError) -> str:
             where = exc.param_hint.strip("'\"")
     message = f"{where}: {exc.message}" if where else exc.format_message()
     message = message.strip().rstrip(".")
-    if message[:1].isupper() and message[1:2].islower():   # "No such option" -> "no such option"
+    if message[:1].isupper() and message[1:2].islower():  # "No such option" -> "no such option"
         message = message[0].lower() + message[1:]
     names, ctx = [], exc.ctx
-    while ctx is not None and ctx.parent is not None:   # the command's, under any program name
+    while ctx is not None and ctx.parent is not None:  # the command's, under any program name
         names.append(ctx.info_name)
         ctx = ctx.parent
     return f"{message} (see '{' '.join(['shardload', *reversed(names)])} --help')"
@@ -96,8 +103,10 @@ def _show(exc: click.ClickException, as_json: bool) -> None:
             click.echo(f"Error: {message}", err=True)
             return
         kind = getattr(exc, "kind", None) or type(exc).__name__
-        click.echo(json.dumps({"error": {"type": kind, "message": message,
-                                         "exit_code": exc.exit_code}}), err=True)
+        click.echo(
+            json.dumps({"error": {"type": kind, "message": message, "exit_code": exc.exit_code}}),
+            err=True,
+        )
 
 
 def _os_message(exc: OSError) -> str:
@@ -107,8 +116,16 @@ def _os_message(exc: OSError) -> str:
 
 
 #: errors opening an input that are the input's fault (exit 2); any other is a failure (exit 1)
-_BAD_INPUT_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR,
-                     errno.ELOOP, errno.ENAMETOOLONG, errno.ENXIO}
+_BAD_INPUT_ERRNOS = {
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOENT,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ELOOP,
+    errno.ENAMETOOLONG,
+    errno.ENXIO,
+}
 
 
 @contextlib.contextmanager
@@ -176,6 +193,7 @@ def _exit(code: int) -> None:
 
 # ---- --json -------------------------------------------------------------------------------------
 
+
 def _remember_json(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
     # ctx.meta is shared by the whole chain of contexts: the group reads it back
     ctx.meta[JSON_KEY] = bool(value)
@@ -185,8 +203,9 @@ def _remember_json(ctx: click.Context, param: click.Parameter, value: bool) -> b
 def json_option(help: str):
     """``--json``: the command prints JSON, and its errors are one JSON object on stderr.
     Eager, so it is recorded before any other option's check can fail."""
-    return click.option("--json", "as_json", is_flag=True, is_eager=True,
-                        callback=_remember_json, help=help)
+    return click.option(
+        "--json", "as_json", is_flag=True, is_eager=True, callback=_remember_json, help=help
+    )
 
 
 class Command(click.Command):
@@ -194,7 +213,7 @@ class Command(click.Command):
     value) is reported as JSON."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        given = list(args)      # the parser consumes the list it is given
+        given = list(args)  # the parser consumes the list it is given
         try:
             return super().parse_args(ctx, args)
         except click.UsageError:
@@ -208,13 +227,19 @@ class Command(click.Command):
         if not any(p.name == "as_json" for p in self.params):
             return False
         with contextlib.suppress(Exception):
-            again = self.make_context(ctx.info_name, args, parent=ctx.parent,
-                                      resilient_parsing=True, ignore_unknown_options=True)
+            again = self.make_context(
+                ctx.info_name,
+                args,
+                parent=ctx.parent,
+                resilient_parsing=True,
+                ignore_unknown_options=True,
+            )
             return bool(again.params.get("as_json"))
         return False
 
 
 # ---- the group ----------------------------------------------------------------------------------
+
 
 class Group(click.Group):
     """Maps shardload's exception tree to exit codes; Ctrl-C is one line and exit 130.
@@ -227,7 +252,7 @@ class Group(click.Group):
         try:
             return self._invoke_mapped(ctx)
         except click.ClickException as exc:
-            exc.as_json = bool(ctx.meta.get(JSON_KEY))   # read by main(), which shows it
+            exc.as_json = bool(ctx.meta.get(JSON_KEY))  # read by main(), which shows it
             raise
 
     def _invoke_mapped(self, ctx: click.Context) -> Any:
@@ -245,8 +270,7 @@ class Group(click.Group):
             where = f"{quote(os.fsdecode(exc.filename))}: " if exc.filename is not None else ""
             raise LoadFailed(f"{where}{exc.strerror or exc}", type(exc).__name__) from None
 
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
-             **extra):
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             if standalone_mode:
@@ -303,7 +327,7 @@ def main() -> None:
 
     global _OWN_PROCESS
     _OWN_PROCESS = True
-    interrupts.exit_at_once()   # until a command starts work: see interrupts
+    interrupts.exit_at_once()  # until a command starts work: see interrupts
     # A shard function that segfaults a thread session takes the process with it; this at least
     # prints the Python stack of the crashing thread (the shard function's file, line and name).
     with contextlib.suppress(Exception):

@@ -47,8 +47,10 @@ def exit_at_once() -> None:
     """Install the exit-at-once handler: called by ``main()`` before anything is parsed."""
     global _installed
     # only over Python's own handler: SIGINT ignored (a background job) stays ignored
-    if (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
         signal.signal(signal.SIGINT, _exit_at_once)
         _installed = True
 

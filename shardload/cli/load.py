@@ -3,50 +3,89 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import click
 
 from . import interrupts
 from .app import Command, json_option, out
-from .options import (ckpt_argument, load_plugins, open_session, plan_options, prepare,
-                      session_option, shards_option)
+from .options import (
+    ckpt_argument,
+    load_plugins,
+    open_session,
+    plan_options,
+    prepare,
+    session_option,
+    shards_option,
+)
 from .tables import human, table
 
 
 @click.command(cls=Command)
 @shards_option
 @plan_options
-@click.option("--device", default=None,
-              help="'cpu' (the default), 'cuda' (worker i on cuda:i), or a comma-separated "
-                   "list, one per worker. With --session torch: this rank's device (default "
-                   "cuda:LOCAL_RANK where CUDA is available).")
+@click.option(
+    "--device",
+    default=None,
+    help="'cpu' (the default), 'cuda' (worker i on cuda:i), or a comma-separated "
+    "list, one per worker. With --session torch: this rank's device (default "
+    "cuda:LOCAL_RANK where CUDA is available).",
+)
 @session_option
-@click.option("--timeout", type=click.FloatRange(min=0), default=None,
-              metavar="SECONDS",
-              help="Give up on a worker that makes no progress for SECONDS (a shard function "
-                   "that never returns, a stopped process): exit 1 naming the worker and the "
-                   "parameter it was on, the other workers stopped. Progress is each "
-                   "parameter (or 1 MiB of small ones) and every 64 MiB read; a custom shard "
-                   "function's computation counts as one step. Default: 600 (or "
-                   "$SHARDLOAD_TIMEOUT); 0: no limit.")
-@click.option("--staging", type=click.Choice(["auto", "on", "off"]), default="auto",
-              show_default=True,
-              help="How pieces travel to the devices: 'auto' stages CUDA workers' pieces "
-                   "through a small ring of pinned host buffers, copied asynchronously, and "
-                   "copies CPU workers' straight into place; 'on' stages for every worker "
-                   "(the CPU too); 'off' never stages.")
-@click.option("--staging-buffers", type=click.IntRange(2, 64), default=4, show_default=True,
-              help="Host buffers in each worker's staging ring.")
-@click.option("--staging-mib", type=click.FloatRange(min=0, min_open=True), default=32.0,
-              show_default=True, help="The size of each staging buffer, in MiB.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help="Give up on a worker that makes no progress for SECONDS (a shard function "
+    "that never returns, a stopped process): exit 1 naming the worker and the "
+    "parameter it was on, the other workers stopped. Progress is each "
+    "parameter (or 1 MiB of small ones) and every 64 MiB read; a custom shard "
+    "function's computation counts as one step. Default: 600 (or "
+    "$SHARDLOAD_TIMEOUT); 0: no limit.",
+)
+@click.option(
+    "--staging",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="How pieces travel to the devices: 'auto' stages CUDA workers' pieces "
+    "through a small ring of pinned host buffers, copied asynchronously, and "
+    "copies CPU workers' straight into place; 'on' stages for every worker "
+    "(the CPU too); 'off' never stages.",
+)
+@click.option(
+    "--staging-buffers",
+    type=click.IntRange(2, 64),
+    default=4,
+    show_default=True,
+    help="Host buffers in each worker's staging ring.",
+)
+@click.option(
+    "--staging-mib",
+    type=click.FloatRange(min=0, min_open=True),
+    default=32.0,
+    show_default=True,
+    help="The size of each staging buffer, in MiB.",
+)
 @json_option("Print one JSON object, nothing else.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table.")
 @ckpt_argument
-def load(num_shards: int, shard_info: Optional[str], replicate: bool, plugins: tuple[str, ...],
-         experts: str, device: Optional[str], session_kind: str, timeout: Optional[float],
-         staging: str, staging_buffers: int, staging_mib: float, as_json: bool, quiet: bool,
-         ckpt: str) -> None:
+def load(
+    num_shards: int,
+    shard_info: str | None,
+    replicate: bool,
+    plugins: tuple[str, ...],
+    experts: str,
+    device: str | None,
+    session_kind: str,
+    timeout: float | None,
+    staging: str,
+    staging_buffers: int,
+    staging_mib: float,
+    as_json: bool,
+    quiet: bool,
+    ckpt: str,
+) -> None:
     """Load CKPT sharded over N workers and report what each worker holds.
 
     The plan: --shard-info FILE, else CKPT/shard_info.json, else one made from the model's
@@ -70,45 +109,77 @@ def load(num_shards: int, shard_info: Optional[str], replicate: bool, plugins: t
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="'--staging-mib'") from None
     stage = {"auto": None, "off": False, "on": ring}[staging]
-    load_plugins(plugins)   # they may register shard functions and session kinds
+    load_plugins(plugins)  # they may register shard functions and session kinds
     # the session first: one that cannot be opened (torchrun's variables missing) is the
     # first thing to say
     session = open_session(session_kind, num_shards, device, plugins, timeout)
     try:
         # under torchrun rank 0 plans, every rank receives the plan; rank 0 speaks for all
         checkpoint, validated, plan_file, job = prepare(
-            ckpt, shard_info, plugins, num_shards, experts, replicate,
-            quiet or as_json or getattr(session, "rank", 0) != 0, session=session)
+            ckpt,
+            shard_info,
+            plugins,
+            num_shards,
+            experts,
+            replicate,
+            quiet or as_json or getattr(session, "rank", 0) != 0,
+            session=session,
+        )
     except BaseException:
         session.close()
         raise
     if stage is None and any(d.type == "cuda" for d in session.devices):
         stage = ring  # auto: the ring as sized, where it applies
     with checkpoint, session:
-        result = load_validated(checkpoint, validated, session,
-                                progress=not (quiet or as_json), staging=stage)
+        result = load_validated(
+            checkpoint, validated, session, progress=not (quiet or as_json), staging=stage
+        )
         # each rank's planning, for rank 0's report (an exchange every rank takes part in)
         planning = planning_per_worker(session, job) if job is not None else None
         interrupts.check()
     if getattr(session, "rank", 0) != 0:
         return  # under torchrun, rank 0 speaks for all
     stats = result.stats
-    workers = [{"index": i, "device": str(result.devices[i]),
-                "tensors": stats.tensors_per_worker[i], "bytes": stats.bytes_per_worker[i],
-                "bytes_read": stats.bytes_read_per_worker[i],
-                "staging": (stats.staging_per_worker or [None] * num_shards)[i],
-                "planning": (planning or [None] * num_shards)[i]}
-               for i in range(num_shards)]
+    workers = [
+        {
+            "index": i,
+            "device": str(result.devices[i]),
+            "tensors": stats.tensors_per_worker[i],
+            "bytes": stats.bytes_per_worker[i],
+            "bytes_read": stats.bytes_read_per_worker[i],
+            "staging": (stats.staging_per_worker or [None] * num_shards)[i],
+            "planning": (planning or [None] * num_shards)[i],
+        }
+        for i in range(num_shards)
+    ]
     if as_json:
-        out(json.dumps({"checkpoint": ckpt, "shard_info": plan_file,
-                        "num_shards": num_shards, "seconds": stats.seconds,
-                        "bytes_total": stats.bytes_total, "gb_per_s": stats.gb_per_s,
-                        "workers": workers}))
+        out(
+            json.dumps(
+                {
+                    "checkpoint": ckpt,
+                    "shard_info": plan_file,
+                    "num_shards": num_shards,
+                    "seconds": stats.seconds,
+                    "bytes_total": stats.bytes_total,
+                    "gb_per_s": stats.gb_per_s,
+                    "workers": workers,
+                }
+            )
+        )
         return
     if quiet:
         return
-    out(table(["worker", "device", "tensors", "bytes", "read"],
-              [[w["index"], w["device"], w["tensors"], human(w["bytes"]),
-                human(w["bytes_read"])] for w in workers], right=(0, 2, 3, 4)))
-    out(f"loaded {human(stats.bytes_total)} onto {num_shards} worker(s) in "
-        f"{stats.seconds:.3f} s ({stats.gb_per_s:.2f} GB/s)")
+    out(
+        table(
+            ["worker", "device", "tensors", "bytes", "read"],
+            [
+                [w["index"], w["device"], w["tensors"], human(w["bytes"]), human(w["bytes_read"])]
+                for w in workers
+            ],
+            right=(0, 2, 3, 4),
+        )
+    )
+    out(
+        f"loaded {human(stats.bytes_total)} onto {num_shards} worker(s) in "
+        f"{stats.seconds:.3f} s ({stats.gb_per_s:.2f} GB/s)"
+    )

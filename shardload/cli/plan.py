@@ -7,7 +7,7 @@ be piped.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import click
 
@@ -42,16 +42,27 @@ def _planner_help() -> str:
 
 @click.command(cls=_TablesHelp, tables=_planner_help)
 @shards_option
-@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True),
-              help="Write the plan here (default: standard output).")
-@click.option("--vocab-parallel", is_flag=True,
-              help="Split embeddings and lm_head by vocabulary rows instead of replicating.")
-@click.option("--no-pad", is_flag=True,
-              help="Refuse an N the heads or MLP do not divide, instead of zero-padding.")
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False, writable=True),
+    help="Write the plan here (default: standard output).",
+)
+@click.option(
+    "--vocab-parallel",
+    is_flag=True,
+    help="Split embeddings and lm_head by vocabulary rows instead of replicating.",
+)
+@click.option(
+    "--no-pad",
+    is_flag=True,
+    help="Refuse an N the heads or MLP do not divide, instead of zero-padding.",
+)
 @experts_option
 @ckpt_argument
-def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: bool,
-         experts: str, ckpt: str) -> None:
+def plan(
+    num_shards: int, output: str | None, vocab_parallel: bool, no_pad: bool, experts: str, ckpt: str
+) -> None:
     """Write the plan (shard_info.json) for CKPT, checked for N workers.
 
     The model and its quantization are read from config.json (+ quantization_config or
@@ -69,15 +80,15 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
     from ..planners import decision as planner_decision
     from ..readers import open_checkpoint
 
-    interrupts.work_starts()    # an object checkpoint makes a scratch folder
+    interrupts.work_starts()  # an object checkpoint makes a scratch folder
     with reading():
         checkpoint = open_checkpoint(ckpt)
     with checkpoint, reading():  # the planners read config files: unreadable ones are input
         # one pass: the plan that fits N, padded for N, or the refusal naming the constraint
         # N breaks and the N that work (raised here, printed by the group)
-        decision = planner_decision.plan_decision(checkpoint, num_shards,
-                                                  vocab_parallel=vocab_parallel,
-                                                  pad=not no_pad, experts=experts)
+        decision = planner_decision.plan_decision(
+            checkpoint, num_shards, vocab_parallel=vocab_parallel, pad=not no_pad, experts=experts
+        )
         info, summary, valid = decision.shard_info(), decision.summary, decision.valid
     interrupts.check()
     try:
@@ -89,11 +100,14 @@ def plan(num_shards: int, output: Optional[str], vocab_parallel: bool, no_pad: b
     fits = ", ".join(map(str, valid)) or "none"
     if not valid.complete:  # a plan too large to try every N: say how far the list goes
         fits += f" (tried N up to {valid.tried} only)"
-    scope = (f"for N={num_shards} only; unpadded plans fit N in {fits}"
-             if decision.kind == "padded" else f"valid for N in {fits}")
+    scope = (
+        f"for N={num_shards} only; unpadded plans fit N in {fits}"
+        if decision.kind == "padded"
+        else f"valid for N in {fits}"
+    )
     if experts == "ep":
         scope = f"for N={num_shards} only (whole experts are placed on its workers)"
     if output:
-        out(f"{summary}; {scope} (written to {output})")     # the result shown
+        out(f"{summary}; {scope} (written to {output})")  # the result shown
     else:
-        note(f"{summary}; {scope}")     # the plan is the result: stdout stays pipeable
+        note(f"{summary}; {scope}")  # the plan is the result: stdout stays pipeable

@@ -9,7 +9,8 @@ worker    bytes
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 
 def human(n: float) -> str:
@@ -26,8 +27,9 @@ def table(headers: list[str], rows: list[list[Any]], right: tuple[int, ...] = ()
     return "\n".join(table_lines(headers, lambda: rows, right))
 
 
-def table_lines(headers: list[str], rows: Callable[[], Iterable[list[Any]]],
-                right: tuple[int, ...] = ()) -> Iterator[str]:
+def table_lines(
+    headers: list[str], rows: Callable[[], Iterable[list[Any]]], right: tuple[int, ...] = ()
+) -> Iterator[str]:
     """``table``'s lines one at a time, from ``rows()`` made twice (the first time for the
     widths): a table of a million rows is never held whole."""
     widths = [len(h) for h in headers]
@@ -35,8 +37,10 @@ def table_lines(headers: list[str], rows: Callable[[], Iterable[list[Any]]],
         widths = [max(w, len(str(c))) for w, c in zip(widths, row)]
 
     def line(row: list[Any]) -> str:
-        padded = [str(c).rjust(w) if k in right else str(c).ljust(w)
-                  for k, (c, w) in enumerate(zip(row, widths))]
+        padded = [
+            str(c).rjust(w) if k in right else str(c).ljust(w)
+            for k, (c, w) in enumerate(zip(row, widths))
+        ]
         return "  ".join(padded).rstrip()
 
     yield line(headers)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import click
 
 from .app import Command, out
@@ -15,16 +13,25 @@ from .tables import per_worker
 @shards_option
 @plan_options
 @ckpt_argument
-def validate(num_shards: int, shard_info: Optional[str], replicate: bool,
-             plugins: tuple[str, ...], experts: str, ckpt: str) -> None:
+def validate(
+    num_shards: int,
+    shard_info: str | None,
+    replicate: bool,
+    plugins: tuple[str, ...],
+    experts: str,
+    ckpt: str,
+) -> None:
     """Check that the plan fits CKPT for N workers. Reads no tensor data."""
-    checkpoint, validated, plan_file, _ = prepare(ckpt, shard_info, plugins, num_shards, experts,
-                                               replicate)
+    checkpoint, validated, plan_file, _ = prepare(
+        ckpt, shard_info, plugins, num_shards, experts, replicate
+    )
     with checkpoint:
         params = list(validated)
         sharded = sum(1 for p in params if not p.replicated)
         placed = sum(1 for p in params if p.workers is not None)
         kinds = f"{sharded} sharded, " + (f"{placed} placed, " if placed else "")
-        out(f"ok: {plan_file} fits {ckpt} for {num_shards} worker(s): {len(params)} "
+        out(
+            f"ok: {plan_file} fits {ckpt} for {num_shards} worker(s): {len(params)} "
             f"tensors ({kinds}{len(params) - sharded - placed} replicated), "
-            f"{per_worker(validated)}")
+            f"{per_worker(validated)}"
+        )

@@ -33,21 +33,35 @@ A format of your own is a module with a ``QuantFormat`` subclass, registered onc
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any, Optional, Union
 
 from ..config_fields import Fields
 from .base import ACTIVATION_PARTS, Axis, QuantFormat, TensorAxes
 from .scheme import Scheme
-from .table import (config_readers, get_format, list_formats, register_format,
-                    unregister_format)
+from .table import config_readers, get_format, list_formats, register_format, unregister_format
 
-__all__ = ["QuantFormat", "Scheme", "Axis", "TensorAxes", "register_format",
-           "unregister_format", "get_format", "list_formats", "scheme_from_hf", "tensor_axes",
-           "dequantize_module", "is_quantized", "unpack_int32", "ACTIVATION_PARTS"]
+__all__ = [
+    "ACTIVATION_PARTS",
+    "Axis",
+    "QuantFormat",
+    "Scheme",
+    "TensorAxes",
+    "dequantize_module",
+    "get_format",
+    "is_quantized",
+    "list_formats",
+    "register_format",
+    "scheme_from_hf",
+    "tensor_axes",
+    "unpack_int32",
+    "unregister_format",
+]
 
 
-def scheme_from_hf(config: Union[Fields, Mapping[str, Any]], source: Optional[str] = None, *,
-                   quant_file: Optional[Any] = None) -> Scheme:
+def scheme_from_hf(
+    config: Fields | Mapping[str, Any], source: str | None = None, *, quant_file: Any | None = None
+) -> Scheme:
     """The scheme an HF config's ``quantization_config`` describes (``formats/config.py``).
 
     ``quant_file`` names the file ``quantization_config`` came from when it is not the config's
@@ -62,8 +76,9 @@ def scheme_from_hf(config: Union[Fields, Mapping[str, Any]], source: Optional[st
     return read(config, source, quant_file=quant_file, readers=config_readers())
 
 
-def tensor_axes(scheme: Scheme, suffix: str, meta, fmt: Optional[Mapping[str, Any]] = None
-                ) -> Optional[TensorAxes]:
+def tensor_axes(
+    scheme: Scheme, suffix: str, meta, fmt: Mapping[str, Any] | None = None
+) -> TensorAxes | None:
     """Where N and K lie in the tensor ``<module>.<suffix>`` of a checkpoint in ``scheme``;
     ``None`` if it is not part of a linear layer the format knows (it is then replicated)."""
     return get_format(scheme.method).axes(scheme, suffix, meta, fmt)
@@ -74,9 +89,11 @@ def _is_dense(parts) -> bool:
     import torch
 
     w = parts.get("weight")
-    return (w is not None and w.dtype in (torch.float16, torch.bfloat16, torch.float32,
-                                          torch.float64)
-            and set(parts) <= {"weight", "bias"})
+    return (
+        w is not None
+        and w.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        and set(parts) <= {"weight", "bias"}
+    )
 
 
 def is_quantized(method: str, parts: Mapping[str, Any]) -> bool:
@@ -85,11 +102,17 @@ def is_quantized(method: str, parts: Mapping[str, Any]) -> bool:
     return method != "none" and get_format(method).is_quantized(parts)
 
 
-def dequantize_module(method: str, parts: Mapping[str, Any], *, bits: int = 4,
-                      group_size: int = -1, gptq_version: int = 1,
-                      block: tuple[int, int] = (128, 128),
-                      ggml_types: Optional[Mapping[str, str]] = None, dtype=None
-                      ) -> dict[str, Any]:
+def dequantize_module(
+    method: str,
+    parts: Mapping[str, Any],
+    *,
+    bits: int = 4,
+    group_size: int = -1,
+    gptq_version: int = 1,
+    block: tuple[int, int] = (128, 128),
+    ggml_types: Mapping[str, str] | None = None,
+    dtype=None,
+) -> dict[str, Any]:
     """The dense parameters of one module from its stored ``parts`` (suffix -> tensor; numpy
     arrays are taken too), whole or one worker's pieces: the layouts are the same, only
     smaller.
@@ -121,7 +144,7 @@ def dequantize_module(method: str, parts: Mapping[str, Any], *, bits: int = 4,
     return fmt.dequantize(parts, scheme, dtype, ggml_types)
 
 
-def unpack_int32(words, bits: int, dim: int, count: Optional[int] = None):
+def unpack_int32(words, bits: int, dim: int, count: int | None = None):
     """``packing.unpack_int32``: unsigned ``bits``-bit codes packed LSB first along ``dim``."""
     from .packing import unpack_int32 as unpack
 
@@ -129,13 +152,35 @@ def unpack_int32(words, bits: int, dim: int, count: Optional[int] = None):
 
 
 def _register_builtins() -> None:
-    from . import (awq, dense, fp8, gguf, gptq, int_quantized, mlc, modelopt_nvfp4, mxfp4,
-                   nvfp4, pack_quantized)
+    from . import (
+        awq,
+        dense,
+        fp8,
+        gguf,
+        gptq,
+        int_quantized,
+        mlc,
+        modelopt_nvfp4,
+        mxfp4,
+        nvfp4,
+        pack_quantized,
+    )
 
     # the order messages list them in (compressed-tensors: pack, int, float, nvfp4, mxfp4;
     # ModelOpt: NVFP4, FP8)
-    for module in (dense, gptq, awq, pack_quantized, int_quantized, modelopt_nvfp4, fp8, nvfp4,
-                   mxfp4, gguf, mlc):
+    for module in (
+        dense,
+        gptq,
+        awq,
+        pack_quantized,
+        int_quantized,
+        modelopt_nvfp4,
+        fp8,
+        nvfp4,
+        mxfp4,
+        gguf,
+        mlc,
+    ):
         register_format(module.FORMAT)
 
 

@@ -20,15 +20,22 @@ AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 def read_config(quant) -> Scheme:
     version = quant.str("version", default="gemm", nullable=True).lower()
     if version != "gemm":
-        raise PlanError(f"key {quant.name('version')!r} is {version!r}: that AWQ version "
-                        "stores a permuted layout; only GEMM checkpoints can be sliced",
-                        source=quant.file)
+        raise PlanError(
+            f"key {quant.name('version')!r} is {version!r}: that AWQ version "
+            "stores a permuted layout; only GEMM checkpoints can be sliced",
+            source=quant.file,
+        )
     bits_key = "w_bit" if "w_bit" in quant and "bits" not in quant else "bits"
-    group_key = ("q_group_size" if "q_group_size" in quant and "group_size" not in quant
-                 else "group_size")
-    return Scheme("awq", quant.int(bits_key, choices=(4,), default=4),
-                  quant.int(group_key, min=1, max=MAX_GROUP, also=(-1,), default=128),
-                  file=quant.file_label, keys=keys_of(quant, bits=bits_key, group_size=group_key))
+    group_key = (
+        "q_group_size" if "q_group_size" in quant and "group_size" not in quant else "group_size"
+    )
+    return Scheme(
+        "awq",
+        quant.int(bits_key, choices=(4,), default=4),
+        quant.int(group_key, min=1, max=MAX_GROUP, also=(-1,), default=128),
+        file=quant.file_label,
+        keys=keys_of(quant, bits=bits_key, group_size=group_key),
+    )
 
 
 class AWQ(QuantFormat):

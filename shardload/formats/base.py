@@ -25,8 +25,9 @@ shardload branches on a format's name.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..readers.base import TensorMeta
     from .scheme import Scheme
 
-__all__ = ["Axis", "TensorAxes", "QuantFormat", "ConfigReader", "ACTIVATION_PARTS"]
+__all__ = ["ACTIVATION_PARTS", "Axis", "ConfigReader", "QuantFormat", "TensorAxes"]
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,8 @@ class TensorAxes:
       3 scales) has them expanded to one per output row, exactly, and split like the rows.
     """
 
-    n: Optional[Axis]
-    k: Optional[Axis]
+    n: Axis | None
+    k: Axis | None
     special: str = ""
     grouped: bool = False
     act_order: bool = False
@@ -70,8 +71,14 @@ class TensorAxes:
 
 
 #: tensors of activation (or KV-cache) quantization stored beside a weight: not the weight's
-ACTIVATION_PARTS = ("input_scale", "input_zero_point", "input_global_scale", "output_scale",
-                    "k_scale", "v_scale")
+ACTIVATION_PARTS = (
+    "input_scale",
+    "input_zero_point",
+    "input_global_scale",
+    "output_scale",
+    "k_scale",
+    "v_scale",
+)
 
 
 #: reads one config (a ``quantization_config``, or the part of it a family hands on) into a
@@ -107,31 +114,34 @@ class QuantFormat:
     configs: Mapping[str, ConfigReader] = {}
     hf_style: bool = True
     #: the tensor holding a row's group (``g_idx``), if the format stores one
-    g_idx_part: Optional[str] = None
+    g_idx_part: str | None = None
     #: how a checkpoint is known to be in this format when no config names it (for people)
     recognised_by: str = ""
 
     # -- 2. the tensors of a module, and their axes
 
-    def axes(self, scheme: "Scheme", suffix: str, meta: "TensorMeta",
-             fmt: Optional[Mapping[str, Any]] = None) -> Optional[TensorAxes]:
+    def axes(
+        self, scheme: Scheme, suffix: str, meta: TensorMeta, fmt: Mapping[str, Any] | None = None
+    ) -> TensorAxes | None:
         """Where N and K lie in the tensor ``<module>.<suffix>``; ``None`` if it is not part of
         a linear layer this format knows (it is then replicated). ``fmt`` is the reader's
         per-tensor format record (GGUF: its block type)."""
-        if suffix == "bias":      # [rows], or [E, rows] for stacked experts (GGUF's *_exps.bias)
+        if suffix == "bias":  # [rows], or [E, rows] for stacked experts (GGUF's *_exps.bias)
             return TensorAxes(Axis(len(meta.shape) - 1), None)
         found = self.tensor_axes(scheme, suffix, meta, fmt)
         if found is not None or not self.hf_style:
             return found
         return _common_axes(suffix, meta)
 
-    def tensor_axes(self, scheme: "Scheme", suffix: str, meta: "TensorMeta",
-                    fmt: Optional[Mapping[str, Any]]) -> Optional[TensorAxes]:
+    def tensor_axes(
+        self, scheme: Scheme, suffix: str, meta: TensorMeta, fmt: Mapping[str, Any] | None
+    ) -> TensorAxes | None:
         """The format's own tensors' axes (``axes`` adds ``bias`` and the common ones)."""
         return None
 
-    def zero_weight_fill(self, scheme: "Scheme", parts: "set[str]",
-                         read: "Callable[[str], torch.Tensor]") -> Optional[int]:
+    def zero_weight_fill(
+        self, scheme: Scheme, parts: set[str], read: Callable[[str], torch.Tensor]
+    ) -> int | None:
         """The stored element (a code, or a word of packed codes) that dequantizes to 0 in
         every column of a module storing ``parts`` (suffixes; ``read(suffix)`` reads one), or
         ``None`` where no one element does (zero points that differ by column).
@@ -142,14 +152,19 @@ class QuantFormat:
         point or an offset (GPTQ, AWQ, compressed-tensors' packed ints) say theirs."""
         return 0
 
-    def stored_as(self, fmt: Optional[Mapping[str, Any]]) -> Optional[str]:
+    def stored_as(self, fmt: Mapping[str, Any] | None) -> str | None:
         """How the tensor stores its blocks when the tensor itself says (GGUF: ``Q4_K
         blocks``); ``None``: the scheme's settings say (bits, group size, block)."""
         return None
 
-    def describe(self, scheme: "Scheme") -> str:
-        group = ("per-tensor" if scheme.strategy == "tensor" else "per-channel"
-                 if scheme.group_size == -1 else f"group {scheme.group_size}")
+    def describe(self, scheme: Scheme) -> str:
+        group = (
+            "per-tensor"
+            if scheme.strategy == "tensor"
+            else "per-channel"
+            if scheme.group_size == -1
+            else f"group {scheme.group_size}"
+        )
         act = ", act-order" if scheme.act_order else ""
         return f"{scheme.method} {scheme.bits}-bit {group}{act}"
 
@@ -162,8 +177,13 @@ class QuantFormat:
         weight = parts.get("weight")
         return weight is not None and not weight.is_floating_point()
 
-    def dequantize(self, parts: Mapping[str, Any], scheme: "Scheme", dtype: Any,
-                   ggml_types: Optional[Mapping[str, Any]] = None) -> dict:
+    def dequantize(
+        self,
+        parts: Mapping[str, Any],
+        scheme: Scheme,
+        dtype: Any,
+        ggml_types: Mapping[str, Any] | None = None,
+    ) -> dict:
         """The dense parameters of one module: ``{"weight": [N, K]}`` (and ``"bias"``), cast to
         ``dtype``. An unknown part is refused, never silently dropped."""
         check_parts(self.name, parts, self.parts)
@@ -173,8 +193,7 @@ class QuantFormat:
             out["bias"] = parts["bias"].to(dtype)
         return out
 
-    def dense(self, parts: Mapping[str, Any], scheme: "Scheme",
-              ggml_types: Mapping[str, Any]) -> Any:
+    def dense(self, parts: Mapping[str, Any], scheme: Scheme, ggml_types: Mapping[str, Any]) -> Any:
         """The float32 weight ``[N, K]`` of one module's stored ``parts``."""
         raise NotImplementedError(f"{self.name} cannot be dequantized")
 
@@ -187,9 +206,9 @@ class QuantFormat:
         return f"<quantization format {self.name!r}>"
 
 
-def _common_axes(suffix: str, meta: "TensorMeta") -> Optional[TensorAxes]:
+def _common_axes(suffix: str, meta: TensorMeta) -> TensorAxes | None:
     """Tensors every HF-style checkpoint stores the same way, whatever its format."""
-    if suffix in ("input_scale", "k_scale", "v_scale"):   # per tensor: an FP8 KV cache's too
+    if suffix in ("input_scale", "k_scale", "v_scale"):  # per tensor: an FP8 KV cache's too
         return TensorAxes(None, None)
     if suffix == "weight":
         return TensorAxes(Axis(0), Axis(1))
@@ -200,8 +219,9 @@ def check_parts(name: str, parts: Mapping[str, Any], known) -> None:
     """A part nobody reads would be silently lost: refuse it (activation scales excepted)."""
     unknown = sorted(set(parts) - set(known) - set(ACTIVATION_PARTS) - {"bias"})
     if unknown:
-        raise ValueError(f"{name}: unknown parts {unknown} (this format stores "
-                         f"{', '.join(known)}, bias)")
+        raise ValueError(
+            f"{name}: unknown parts {unknown} (this format stores {', '.join(known)}, bias)"
+        )
 
 
 def need(parts: Mapping[str, Any], name: str) -> Any:
@@ -210,6 +230,6 @@ def need(parts: Mapping[str, Any], name: str) -> Any:
     return parts[name]
 
 
-def keys_of(fields: "Fields", **keys: str) -> dict[str, str]:
+def keys_of(fields: Fields, **keys: str) -> dict[str, str]:
     """``{attr: "'quantization_config.bits'"}``: the key each setting came from, for messages."""
     return {attr: repr(fields.name(key)) for attr, key in keys.items()}

@@ -10,13 +10,13 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ..errors import PlanError
 from .base import ConfigReader
 from .scheme import Scheme
 
-Lookup = Callable[[str], Optional[ConfigReader]]
+Lookup = Callable[[str], ConfigReader | None]
 
 
 def read_compressed_tensors_family(quant, lookup: Lookup, known: list[str]) -> Scheme:
@@ -28,12 +28,18 @@ def read_compressed_tensors_family(quant, lookup: Lookup, known: list[str]) -> S
     weights = [groups.sub(name).sub("weights") for name in names]
     first = weights[0]
     if any(w.raw != first.raw for w in weights[1:]):
-        raise PlanError("compressed-tensors configs with several different weight schemes are "
-                        "not supported yet", source=quant.file)
+        raise PlanError(
+            "compressed-tensors configs with several different weight schemes are "
+            "not supported yet",
+            source=quant.file,
+        )
     reader = lookup(f"compressed-tensors/{fmt}")
     if reader is None:
-        raise PlanError(f"key {quant.name('format')!r} is {fmt!r}: that compressed-tensors "
-                        f"format is not supported ({', '.join(known)} are)", source=quant.file)
+        raise PlanError(
+            f"key {quant.name('format')!r} is {fmt!r}: that compressed-tensors "
+            f"format is not supported ({', '.join(known)} are)",
+            source=quant.file,
+        )
     return reader(quant, weights=first)
 
 
@@ -43,11 +49,13 @@ def read_modelopt_family(quant, lookup: Lookup, known: list[str]) -> Scheme:
     algo = quant.str("quant_algo")
     reader = lookup(f"modelopt/{algo}")
     if reader is None:
-        raise PlanError(f"key {quant.name('quant_algo')!r} is {algo!r}: ModelOpt checkpoints in "
-                        f"{' and '.join(known)} are supported by the planner", source=quant.file)
+        raise PlanError(
+            f"key {quant.name('quant_algo')!r} is {algo!r}: ModelOpt checkpoints in "
+            f"{' and '.join(known)} are supported by the planner",
+            source=quant.file,
+        )
     return reader(quant)
 
 
 #: quant_method -> the family reader
-FAMILIES = {"compressed-tensors": read_compressed_tensors_family,
-            "modelopt": read_modelopt_family}
+FAMILIES = {"compressed-tensors": read_compressed_tensors_family, "modelopt": read_modelopt_family}

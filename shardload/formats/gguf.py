@@ -23,13 +23,12 @@ class GGUF(QuantFormat):
         return "gguf"
 
     def tensor_axes(self, scheme, suffix, meta, fmt):
-        lead = len(meta.shape) - 2           # 3-D expert tensors carry the experts first
+        lead = len(meta.shape) - 2  # 3-D expert tensors carry the experts first
         if lead < 0:
             return None
         block, size = (fmt or {}).get("block_size", 1), (fmt or {}).get("type_size", 1)
         quantized = block > 1
-        return TensorAxes(Axis(lead), Axis(lead + 1, block, size) if quantized
-                          else Axis(lead + 1))
+        return TensorAxes(Axis(lead), Axis(lead + 1, block, size) if quantized else Axis(lead + 1))
 
     def stored_as(self, fmt):
         return f"{(fmt or {}).get('ggml_type', 'quantized')} blocks"
@@ -45,10 +44,14 @@ class GGUF(QuantFormat):
 
         weight, ggml_type = need(parts, "weight"), ggml_types.get("weight")
         if ggml_type is None:
-            raise ValueError("a GGUF weight of raw blocks needs its ggml type: "
-                             "ggml_types={'weight': 'Q4_K'}")
-        qtype = (GGMLQuantizationType[ggml_type] if isinstance(ggml_type, str)
-                 else GGMLQuantizationType(ggml_type))
+            raise ValueError(
+                "a GGUF weight of raw blocks needs its ggml type: ggml_types={'weight': 'Q4_K'}"
+            )
+        qtype = (
+            GGMLQuantizationType[ggml_type]
+            if isinstance(ggml_type, str)
+            else GGMLQuantizationType(ggml_type)
+        )
         values = dequantize(weight.cpu().numpy(), qtype)  # ggml rows are HF rows: [.., N, K]
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(weight.device)
 

@@ -34,14 +34,21 @@ PACK = {2: (16, 1), 3: (32, 3), 4: (8, 1), 8: (4, 1)}
 def read_config(quant) -> Scheme:
     fmt = quant.str("checkpoint_format", default="gptq", nullable=True).lower()
     if fmt not in ("gptq", "gptq_v2"):
-        raise PlanError(f"key {quant.name('checkpoint_format')!r} is {fmt!r}: that GPTQ "
-                        "format keeps weights in a tile-permuted layout that cannot be "
-                        "sliced; repack it to plain GPTQ first", source=quant.file)
-    return Scheme("gptq", quant.int("bits", choices=(2, 3, 4, 8), default=4),
-                  quant.int("group_size", min=1, max=MAX_GROUP, also=(-1,), default=-1),
-                  quant.bool("desc_act", default=False, nullable=True),
-                  gptq_version=2 if fmt == "gptq_v2" else 1, file=quant.file_label,
-                  keys=keys_of(quant, bits="bits", group_size="group_size"))
+        raise PlanError(
+            f"key {quant.name('checkpoint_format')!r} is {fmt!r}: that GPTQ "
+            "format keeps weights in a tile-permuted layout that cannot be "
+            "sliced; repack it to plain GPTQ first",
+            source=quant.file,
+        )
+    return Scheme(
+        "gptq",
+        quant.int("bits", choices=(2, 3, 4, 8), default=4),
+        quant.int("group_size", min=1, max=MAX_GROUP, also=(-1,), default=-1),
+        quant.bool("desc_act", default=False, nullable=True),
+        gptq_version=2 if fmt == "gptq_v2" else 1,
+        file=quant.file_label,
+        keys=keys_of(quant, bits="bits", group_size="group_size"),
+    )
 
 
 class GPTQ(QuantFormat):
@@ -84,17 +91,20 @@ class GPTQ(QuantFormat):
         if bits not in PACK:
             raise ValueError(f"GPTQ has 2, 3, 4 or 8 bits, not {bits}")
         if version not in (1, 2):
-            raise ValueError(f"gptq_version is 1 (AutoGPTQ, zeros stored minus one) or 2, not "
-                             f"{version}")
-        s = need(parts, "scales").float().t()                               # [N, groups]
-        q = unpack_int32(need(parts, "qweight"), bits, dim=0).t()           # [N, K]
+            raise ValueError(
+                f"gptq_version is 1 (AutoGPTQ, zeros stored minus one) or 2, not {version}"
+            )
+        s = need(parts, "scales").float().t()  # [N, groups]
+        q = unpack_int32(need(parts, "qweight"), bits, dim=0).t()  # [N, K]
         z = unpack_int32(need(parts, "qzeros"), bits, dim=1, count=s.shape[0]).t()
         if version == 1:
             # v1 stores z - 1, wrapped to b bits: an all-ones field is z = 0 (GPTQModel's reading)
             z = (z + 1) & ((1 << bits) - 1)
         if q.shape[0] != s.shape[0] or z.shape != s.shape:
-            raise ValueError(f"qweight, qzeros and scales disagree: N={q.shape[0]}, zeros "
-                             f"{list(z.shape)}, scales {list(s.shape)} (as [N, groups])")
+            raise ValueError(
+                f"qweight, qzeros and scales disagree: N={q.shape[0]}, zeros "
+                f"{list(z.shape)}, scales {list(s.shape)} (as [N, groups])"
+            )
         k, g_idx, group = q.shape[1], parts.get("g_idx"), scheme.group_size
         return (q - columns(z, k, group, g_idx)).float() * columns(s, k, group, g_idx)
 

@@ -11,35 +11,47 @@ from __future__ import annotations
 from ..config_fields import MAX_GROUP
 from ..errors import PlanError
 from .base import Axis, QuantFormat, TensorAxes, keys_of, need
-from .scheme import Scheme
 from .pack_quantized import ACT_ORDER_CHOICES, ACT_ORDERS
+from .scheme import Scheme
 
 
 def read_config(quant, weights) -> Scheme:
     bits = weights.int("num_bits", min=1, max=64, default=8)
     kind = weights.str("type", default="int", nullable=True)
-    group = weights.int("group_size", min=1, max=MAX_GROUP, also=(-1,), default=None,
-                        nullable=True)
+    group = weights.int("group_size", min=1, max=MAX_GROUP, also=(-1,), default=None, nullable=True)
     implied = "tensor" if group is None else "channel" if group == -1 else "group"
     strategy = weights.str("strategy", default=implied, nullable=True)
     act = weights.one_of("actorder", ACT_ORDER_CHOICES, default=None, nullable=True)
     if kind != "int" or bits > 8:
-        raise PlanError(f"key {weights.name('num_bits')!r} is {bits} and "
-                        f"{weights.name('type')!r} is {kind!r}: int-quantized weights of at "
-                        "most 8 bits (one int8 element per code) are supported",
-                        source=quant.file)
+        raise PlanError(
+            f"key {weights.name('num_bits')!r} is {bits} and "
+            f"{weights.name('type')!r} is {kind!r}: int-quantized weights of at "
+            "most 8 bits (one int8 element per code) are supported",
+            source=quant.file,
+        )
     if strategy not in ("tensor", "channel", "group"):
-        raise PlanError(f"key {weights.name('strategy')!r} is {strategy!r}: int-quantized "
-                        "weights with one scale per tensor, per channel or per group are "
-                        "supported (tensor, channel, group)", source=quant.file)
+        raise PlanError(
+            f"key {weights.name('strategy')!r} is {strategy!r}: int-quantized "
+            "weights with one scale per tensor, per channel or per group are "
+            "supported (tensor, channel, group)",
+            source=quant.file,
+        )
     if strategy == "group" and group in (None, -1):
         raise weights.refuse("group_size", group, "a positive group size for strategy 'group'")
     if act in ACT_ORDERS:
-        raise PlanError(f"key {weights.name('actorder')!r} is {act!r}: act-order int-quantized "
-                        "weights are not supported by the planner", source=quant.file)
-    return Scheme("int-quantized", bits, group if strategy == "group" else -1,
-                  strategy=strategy, file=quant.file_label,
-                  keys=keys_of(weights, bits="num_bits", group_size="group_size"))
+        raise PlanError(
+            f"key {weights.name('actorder')!r} is {act!r}: act-order int-quantized "
+            "weights are not supported by the planner",
+            source=quant.file,
+        )
+    return Scheme(
+        "int-quantized",
+        bits,
+        group if strategy == "group" else -1,
+        strategy=strategy,
+        file=quant.file_label,
+        keys=keys_of(weights, bits="num_bits", group_size="group_size"),
+    )
 
 
 class IntQuantized(QuantFormat):
@@ -52,7 +64,7 @@ class IntQuantized(QuantFormat):
     def tensor_axes(self, scheme, suffix, meta, fmt):
         if suffix not in ("weight_scale", "weight_zero_point"):
             return None
-        if scheme.strategy == "tensor":          # replicated (per tensor)
+        if scheme.strategy == "tensor":  # replicated (per tensor)
             return TensorAxes(None, None, per_part=suffix == "weight_scale")
         group = Axis(1, scheme.group_size) if scheme.group_size != -1 else None
         return TensorAxes(Axis(0), group, grouped=True)

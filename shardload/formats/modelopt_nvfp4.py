@@ -18,10 +18,17 @@ from .scheme import Scheme
 def read_config(quant) -> Scheme:
     group = quant.int("group_size", min=1, max=MAX_GROUP, default=16, nullable=True)
     if group != 16:
-        raise PlanError(f"key {quant.name('group_size')!r} is {group}: NVFP4 stores one scale per "
-                        "16 weights", source=quant.file)
-    return Scheme("modelopt-nvfp4", 4, group, file=quant.file_label,
-                  keys=keys_of(quant, group_size="group_size") if quant.has("group_size") else {})
+        raise PlanError(
+            f"key {quant.name('group_size')!r} is {group}: NVFP4 stores one scale per 16 weights",
+            source=quant.file,
+        )
+    return Scheme(
+        "modelopt-nvfp4",
+        4,
+        group,
+        file=quant.file_label,
+        keys=keys_of(quant, group_size="group_size") if quant.has("group_size") else {},
+    )
 
 
 class ModelOptNVFP4(QuantFormat):
@@ -32,12 +39,12 @@ class ModelOptNVFP4(QuantFormat):
     configs = {"modelopt/NVFP4": read_config}
 
     def tensor_axes(self, scheme, suffix, meta, fmt):
-        if suffix == "weight" and meta.dtype == "uint8":    # (lm_head, embeddings: unquantized)
-            return TensorAxes(Axis(0), Axis(1, 2))          # two FP4 codes per byte along K
+        if suffix == "weight" and meta.dtype == "uint8":  # (lm_head, embeddings: unquantized)
+            return TensorAxes(Axis(0), Axis(1, 2))  # two FP4 codes per byte along K
         if suffix == "weight_scale":
             return TensorAxes(Axis(0), Axis(1, scheme.group_size), grouped=True)
         if suffix in ("weight_scale_2", "input_scale"):
-            return TensorAxes(None, None)                   # per module: replicated
+            return TensorAxes(None, None)  # per module: replicated
         return None
 
     def dense(self, parts, scheme, ggml_types):

@@ -15,8 +15,8 @@ is +0, whatever the scale).
 from __future__ import annotations
 
 from .base import QuantFormat, check_parts, need
-from .scheme import Scheme
 from .nvfp4 import fp4_reader, packed_fp4_axes
+from .scheme import Scheme
 
 #: gpt-oss's fused experts (``mlp.experts.<name>_blocks`` ...)
 GPT_OSS_EXPERTS = ("gate_up_proj", "down_proj")
@@ -30,14 +30,16 @@ def read_gpt_oss(quant) -> Scheme:
 
 class MXFP4(QuantFormat):
     name = "mxfp4"
-    description = ("compressed-tensors mxfp4-pack-quantized (MXFP4, MXFP4A16); gpt-oss MXFP4 "
-                   "(quant_method: mxfp4)")
+    description = (
+        "compressed-tensors mxfp4-pack-quantized (MXFP4, MXFP4A16); gpt-oss MXFP4 "
+        "(quant_method: mxfp4)"
+    )
     parts = ("weight_packed", "weight_scale")
-    quantized_parts = ("weight_packed", "weight_scale", "gate_up_proj_blocks",
-                       "down_proj_blocks")
-    configs = {"compressed-tensors/mxfp4-pack-quantized":
-               fp4_reader("mxfp4", "mxfp4-pack-quantized", 32),
-               "mxfp4": read_gpt_oss}
+    quantized_parts = ("weight_packed", "weight_scale", "gate_up_proj_blocks", "down_proj_blocks")
+    configs = {
+        "compressed-tensors/mxfp4-pack-quantized": fp4_reader("mxfp4", "mxfp4-pack-quantized", 32),
+        "mxfp4": read_gpt_oss,
+    }
 
     def tensor_axes(self, scheme, suffix, meta, fmt):
         return packed_fp4_axes(scheme, suffix)
@@ -59,18 +61,23 @@ def _gpt_oss_experts(parts, dtype) -> dict:
     ``[E, I, H]``; biases (``[E, rows]``) pass through."""
     from .packing import mxfp4
 
-    check_parts("mxfp4", parts, [p + s for p in GPT_OSS_EXPERTS
-                                 for s in ("", "_blocks", "_scales", "_bias")])
+    check_parts(
+        "mxfp4",
+        parts,
+        [p + s for p in GPT_OSS_EXPERTS for s in ("", "_blocks", "_scales", "_bias")],
+    )
     out = {}
     for p in GPT_OSS_EXPERTS:
         if f"{p}_blocks" in parts:
             blocks, scales = parts[f"{p}_blocks"], need(parts, f"{p}_scales")
             if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-                raise ValueError(f"{p}_blocks {list(blocks.shape)} and {p}_scales "
-                                 f"{list(scales.shape)} are not [E, rows, K/32, 16] and "
-                                 "[E, rows, K/32]")
-            w = mxfp4(blocks.flatten(-2), scales)                   # [E, rows, K]
-            out[p] = w.transpose(-1, -2).to(dtype).contiguous()     # [E, K, rows]
+                raise ValueError(
+                    f"{p}_blocks {list(blocks.shape)} and {p}_scales "
+                    f"{list(scales.shape)} are not [E, rows, K/32, 16] and "
+                    "[E, rows, K/32]"
+                )
+            w = mxfp4(blocks.flatten(-2), scales)  # [E, rows, K]
+            out[p] = w.transpose(-1, -2).to(dtype).contiguous()  # [E, K, rows]
         elif p in parts:  # the bf16 experts of an unquantized gpt-oss
             out[p] = parts[p].to(dtype)
         if f"{p}_bias" in parts:

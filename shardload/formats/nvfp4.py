@@ -9,8 +9,8 @@ compressed-tensors computes it. K splits only at 16-element scale groups.
 
 from __future__ import annotations
 
-from ..errors import PlanError
 from ..config_fields import MAX_GROUP
+from ..errors import PlanError
 from .base import Axis, QuantFormat, TensorAxes, keys_of, need
 from .scheme import Scheme
 
@@ -25,19 +25,33 @@ def fp4_reader(method: str, fmt: str, want: int):
         group = weights.int("group_size", min=1, max=MAX_GROUP)
         symmetric = weights.bool("symmetric", default=True, nullable=True)
         if bits != 4 or kind != "float":
-            raise PlanError(f"key {weights.name('num_bits')!r} is {bits} and "
-                            f"{weights.name('type')!r} is {kind!r}: {fmt} holds 4-bit float "
-                            "(E2M1) weights", source=quant.file)
+            raise PlanError(
+                f"key {weights.name('num_bits')!r} is {bits} and "
+                f"{weights.name('type')!r} is {kind!r}: {fmt} holds 4-bit float "
+                "(E2M1) weights",
+                source=quant.file,
+            )
         if group != want:
-            raise PlanError(f"key {weights.name('group_size')!r} is {group}: {fmt} stores one "
-                            f"scale per {want} weights (compressed-tensors packs no other group "
-                            "size in this format)", source=quant.file)
+            raise PlanError(
+                f"key {weights.name('group_size')!r} is {group}: {fmt} stores one "
+                f"scale per {want} weights (compressed-tensors packs no other group "
+                "size in this format)",
+                source=quant.file,
+            )
         if not symmetric:
-            raise PlanError(f"key {weights.name('symmetric')!r} is false: asymmetric FP4 "
-                            "weights are not supported (compressed-tensors does not produce "
-                            "them)", source=quant.file)
-        return Scheme(method, 4, group, file=quant.file_label,
-                      keys=keys_of(weights, bits="num_bits", group_size="group_size"))
+            raise PlanError(
+                f"key {weights.name('symmetric')!r} is false: asymmetric FP4 "
+                "weights are not supported (compressed-tensors does not produce "
+                "them)",
+                source=quant.file,
+            )
+        return Scheme(
+            method,
+            4,
+            group,
+            file=quant.file_label,
+            keys=keys_of(weights, bits="num_bits", group_size="group_size"),
+        )
 
     return read_config
 
@@ -45,11 +59,11 @@ def fp4_reader(method: str, fmt: str, want: int):
 def packed_fp4_axes(scheme, suffix) -> TensorAxes | None:
     """compressed-tensors' packed FP4 tensors (NVFP4 and MXFP4 store them alike)."""
     if suffix == "weight_packed":
-        return TensorAxes(Axis(0), Axis(1, 2))          # two FP4 codes per byte along K
+        return TensorAxes(Axis(0), Axis(1, 2))  # two FP4 codes per byte along K
     if suffix == "weight_scale":
         return TensorAxes(Axis(0), Axis(1, scheme.group_size), grouped=True)
     if suffix in ("weight_global_scale", "input_global_scale"):
-        return TensorAxes(None, None)                   # per tensor (per module): replicated
+        return TensorAxes(None, None)  # per tensor (per module): replicated
     return None
 
 
@@ -58,8 +72,9 @@ class NVFP4(QuantFormat):
     description = "compressed-tensors nvfp4-pack-quantized (NVFP4, NVFP4A16)"
     parts = ("weight_packed", "weight_scale", "weight_global_scale")
     quantized_parts = ("weight_packed", "weight_scale")
-    configs = {"compressed-tensors/nvfp4-pack-quantized":
-               fp4_reader("nvfp4", "nvfp4-pack-quantized", 16)}
+    configs = {
+        "compressed-tensors/nvfp4-pack-quantized": fp4_reader("nvfp4", "nvfp4-pack-quantized", 16)
+    }
 
     def tensor_axes(self, scheme, suffix, meta, fmt):
         return packed_fp4_axes(scheme, suffix)
@@ -71,8 +86,9 @@ class NVFP4(QuantFormat):
         # float32 first, then the codes times that; so results match it bit for bit
         global_scale = need(parts, "weight_global_scale").float()
         if global_scale.numel() != 1:
-            raise ValueError(f"weight_global_scale has {global_scale.numel()} values; one per "
-                             "module is stored")
+            raise ValueError(
+                f"weight_global_scale has {global_scale.numel()} values; one per module is stored"
+            )
         scale = need(parts, "weight_scale").float() / global_scale.reshape(())
         return scale_groups(fp4_values(need(parts, "weight_packed")), scale, 16)
 

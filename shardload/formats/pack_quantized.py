@@ -26,21 +26,27 @@ def read_config(quant, weights) -> Scheme:
     bits = weights.int("num_bits", min=1, max=8)
     strategy = weights.str("strategy", default="", nullable=True)
     group = weights.int("group_size", min=1, max=MAX_GROUP) if strategy == "group" else -1
-    act = weights.one_of("actorder", ACT_ORDER_CHOICES, default=None,
-                         nullable=True) in ACT_ORDERS
+    act = weights.one_of("actorder", ACT_ORDER_CHOICES, default=None, nullable=True) in ACT_ORDERS
     if bits not in (2, 4, 8):
-        raise PlanError(f"key {weights.name('num_bits')!r} is {bits}: pack-quantized weights "
-                        "of 2, 4 or 8 bits are supported (they fill 32-bit words exactly)",
-                        source=quant.file)
-    return Scheme("pack-quantized", bits, group, act, file=quant.file_label,
-                  keys=keys_of(weights, bits="num_bits", group_size="group_size"))
+        raise PlanError(
+            f"key {weights.name('num_bits')!r} is {bits}: pack-quantized weights "
+            "of 2, 4 or 8 bits are supported (they fill 32-bit words exactly)",
+            source=quant.file,
+        )
+    return Scheme(
+        "pack-quantized",
+        bits,
+        group,
+        act,
+        file=quant.file_label,
+        keys=keys_of(weights, bits="num_bits", group_size="group_size"),
+    )
 
 
 class PackQuantized(QuantFormat):
     name = "pack-quantized"
     description = "compressed-tensors pack-quantized (W4A16, W8A16)"
-    parts = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx",
-             "weight_shape")
+    parts = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
     quantized_parts = ("weight_packed", "weight_scale")
     configs = {"compressed-tensors/pack-quantized": read_config}
     g_idx_part = "weight_g_idx"
@@ -65,9 +71,15 @@ class PackQuantized(QuantFormat):
         from .packing import fill_word, one_code, unpack_int32
 
         code = 1 << (scheme.bits - 1)
-        if "weight_zero_point" in parts:     # asymmetric: stored with the same offset
-            code = one_code(unpack_int32(read("weight_zero_point"), scheme.bits, dim=0,
-                                         count=read("weight_scale").shape[0]))
+        if "weight_zero_point" in parts:  # asymmetric: stored with the same offset
+            code = one_code(
+                unpack_int32(
+                    read("weight_zero_point"),
+                    scheme.bits,
+                    dim=0,
+                    count=read("weight_scale").shape[0],
+                )
+            )
         return None if code is None else fill_word(code, scheme.bits)
 
     def dense(self, parts, scheme, ggml_types):
@@ -80,8 +92,9 @@ class PackQuantized(QuantFormat):
         if "weight_shape" in parts:  # the true K: the last word may be part padding
             shape = [int(v) for v in parts["weight_shape"].tolist()]
             if len(shape) != 2 or shape[0] != n:
-                raise ValueError(f"weight_shape {shape} does not fit weight_packed "
-                                 f"{list(packed.shape)}")
+                raise ValueError(
+                    f"weight_shape {shape} does not fit weight_packed {list(packed.shape)}"
+                )
             k = shape[1]
         g_idx = parts.get("weight_g_idx")
         q = unpack_int32(packed, bits, dim=1, count=k) - offset

@@ -10,18 +10,41 @@ makes.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-__all__ = ["unpack_int32", "fill_word", "one_code", "columns", "fp4_values", "scale_groups", "mxfp4", "FP4_VALUES"]
+__all__ = [
+    "FP4_VALUES",
+    "columns",
+    "fill_word",
+    "fp4_values",
+    "mxfp4",
+    "one_code",
+    "scale_groups",
+    "unpack_int32",
+]
 
 #: E2M1 code -> value; bit 3 is the sign (OCP Microscaling spec v1.0)
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 
 
-def fill_word(code: int, bits: int) -> Optional[int]:
+def fill_word(code: int, bits: int) -> int | None:
     """The int32 word whose every ``bits``-bit field holds ``code`` (as a signed value), or
     ``None`` for 3-bit codes, which straddle words (no one word repeats).
 
@@ -34,14 +57,15 @@ def fill_word(code: int, bits: int) -> Optional[int]:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
-def one_code(codes: torch.Tensor) -> Optional[int]:
+def one_code(codes: torch.Tensor) -> int | None:
     """The one value every code holds, or ``None`` where they differ (or there are none)."""
     values = torch.unique(codes)
     return int(values[0]) if values.numel() == 1 else None
 
 
-def unpack_int32(words: torch.Tensor, bits: int, dim: int,
-                 count: Optional[int] = None) -> torch.Tensor:
+def unpack_int32(
+    words: torch.Tensor, bits: int, dim: int, count: int | None = None
+) -> torch.Tensor:
     """The unsigned ``bits``-bit codes packed LSB first along ``dim`` of int32 (or uint32)
     ``words``, as int32: ``count`` of them along ``dim`` (default: all the words hold).
 
@@ -69,8 +93,9 @@ def unpack_int32(words: torch.Tensor, bits: int, dim: int,
     return codes.movedim(-1, dim)
 
 
-def columns(t: torch.Tensor, k: int, group_size: int,
-            g_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+def columns(
+    t: torch.Tensor, k: int, group_size: int, g_idx: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-group values ``[..., groups]`` -> one per input column ``[..., k]``: column ``k``
     takes group ``g_idx[k]`` (act-order), or ``k // G``."""
     groups = t.shape[-1]
@@ -82,8 +107,9 @@ def columns(t: torch.Tensor, k: int, group_size: int,
         else:
             raise ValueError(f"{groups} scale groups do not divide K={k}: pass group_size")
         if -(-k // g) != groups:
-            raise ValueError(f"K={k} in groups of {g} is {-(-k // g)} groups, the scales "
-                             f"have {groups}")
+            raise ValueError(
+                f"K={k} in groups of {g} is {-(-k // g)} groups, the scales have {groups}"
+            )
         g_idx = torch.arange(k, device=t.device) // g
     elif g_idx.shape != (k,):
         raise ValueError(f"g_idx has shape {list(g_idx.shape)}, the weight K={k}")
@@ -102,8 +128,10 @@ def fp4_values(packed: torch.Tensor) -> torch.Tensor:
 def scale_groups(values: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """``values [..., K] * scale [..., K/group]``, each scale on its ``group`` elements."""
     if values.shape[-1] != scale.shape[-1] * group or values.shape[:-1] != scale.shape[:-1]:
-        raise ValueError(f"a scale per {group} elements: {list(scale.shape)} scales do not fit "
-                         f"{list(values.shape)} elements")
+        raise ValueError(
+            f"a scale per {group} elements: {list(scale.shape)} scales do not fit "
+            f"{list(values.shape)} elements"
+        )
     return (values.unflatten(-1, (-1, group)) * scale.unsqueeze(-1)).flatten(-2)
 
 
@@ -113,7 +141,9 @@ def mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     not 0: padded blocks are zero through their codes (FP4 code 0 is +0)."""
     values = fp4_values(packed)
     if values.shape[-1] != scale.shape[-1] * 32:
-        raise ValueError(f"MXFP4 has a scale per 32 elements: {list(scale.shape)} scales do not "
-                         f"fit {list(values.shape)} elements")
+        raise ValueError(
+            f"MXFP4 has a scale per 32 elements: {list(scale.shape)} scales do not "
+            f"fit {list(values.shape)} elements"
+        )
     exponent = scale.to(torch.int32) - 127
     return torch.ldexp(values.unflatten(-1, (-1, 32)), exponent.unsqueeze(-1)).flatten(-2)

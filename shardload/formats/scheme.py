@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .table import get_format
 
@@ -38,7 +39,7 @@ class Scheme:
     keys: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
-    def format(self) -> "QuantFormat":
+    def format(self) -> QuantFormat:
         return get_format(self.method)
 
     @property
@@ -55,11 +56,20 @@ class Scheme:
 
     def to_json(self) -> dict:
         """What dequantizing needs of it (for a plan's record and for workers)."""
-        return {"format": self.method, "bits": self.bits, "group_size": self.group_size,
-                "gptq_version": self.gptq_version, "block": list(self.block)}
+        return {
+            "format": self.method,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "gptq_version": self.gptq_version,
+            "block": list(self.block),
+        }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Scheme":
-        return cls(str(data["format"]), int(data.get("bits", 16)),
-                   int(data.get("group_size", -1)), block=tuple(data.get("block", (128, 128))),
-                   gptq_version=int(data.get("gptq_version", 1)))
+    def from_json(cls, data: Mapping[str, Any]) -> Scheme:
+        return cls(
+            str(data["format"]),
+            int(data.get("bits", 16)),
+            int(data.get("group_size", -1)),
+            block=tuple(data.get("block", (128, 128))),
+            gptq_version=int(data.get("gptq_version", 1)),
+        )

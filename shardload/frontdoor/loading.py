@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 from ..gc_pause import gc_paused
 from ..loader import ProgressCallback, ShardedParams, load_validated
@@ -14,11 +15,17 @@ from .shared_plan import plan_job, planning_per_worker
 __all__ = ["load_sharded"]
 
 
-def load_sharded(params: Any, shard_info: Any, session: Session, *, experts: str = "tp",
-                 progress: Union[bool, ProgressCallback] = True,
-                 timeout: Optional[float] = None,
-                 staging: Union[None, bool, Staging] = None,
-                 reads: Optional[Callable[[ReadPlan], ReadPlan]] = None) -> ShardedParams:
+def load_sharded(
+    params: Any,
+    shard_info: Any,
+    session: Session,
+    *,
+    experts: str = "tp",
+    progress: bool | ProgressCallback = True,
+    timeout: float | None = None,
+    staging: bool | Staging | None = None,
+    reads: Callable[[ReadPlan], ReadPlan] | None = None,
+) -> ShardedParams:
     """Shard ``params`` onto the workers of ``session``.
 
     ``params``: a ``Checkpoint`` (``open_checkpoint(path)``), a path, or a mapping of name ->
@@ -45,8 +52,14 @@ def load_sharded(params: Any, shard_info: Any, session: Session, *, experts: str
         # under torchrun rank 0 plans and the other ranks receive its plan
         job = plan_job(session, params, shard_info, experts=experts, what="preparing the load")
         planning = planning_per_worker(session, job)
-        sharded = load_validated(job.checkpoint, job.resolved.validated, session,
-                                 progress=progress, timeout=timeout, staging=staging,
-                                 reads=reads)
+        sharded = load_validated(
+            job.checkpoint,
+            job.resolved.validated,
+            session,
+            progress=progress,
+            timeout=timeout,
+            staging=staging,
+            reads=reads,
+        )
     sharded.stats.planning_per_worker = planning
     return sharded

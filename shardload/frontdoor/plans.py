@@ -28,14 +28,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from ..errors import EXPERTS_EP, PlanError, Setting, mention, quote
 from ..plan import Plan, ShardInfo, ValidatedPlan, check_plan_fits, valid_num_shards
 from ..readers import Checkpoint
 
-__all__ = ["REPLICATE", "ResolvedPlan", "resolve_plan", "plan_beside", "planned_fits",
-           "PLAN_FILE"]
+__all__ = [
+    "PLAN_FILE",
+    "REPLICATE",
+    "ResolvedPlan",
+    "plan_beside",
+    "planned_fits",
+    "resolve_plan",
+]
 
 #: the name of a plan beside its checkpoint
 PLAN_FILE = "shard_info.json"
@@ -73,7 +79,7 @@ class ResolvedPlan:
         return self.validated.plan
 
 
-def plan_beside(checkpoint: Checkpoint) -> Optional[str]:
+def plan_beside(checkpoint: Checkpoint) -> str | None:
     """The ``shard_info.json`` beside the checkpoint, if there is one. "Beside" is the folder
     the reader resolved (``checkpoint.path``: a Hugging Face cache folder resolves to its
     snapshot), or a file checkpoint's folder. Anything there by that name is taken as the plan,
@@ -95,7 +101,7 @@ def _for_n(info: ShardInfo, checkpoint: Checkpoint, num_shards: int) -> Validate
 
 
 def _given(shard_info: Any, checkpoint: Checkpoint, num_shards: int) -> ValidatedPlan:
-    if isinstance(shard_info, (ValidatedPlan, Plan)):     # already bound to an N
+    if isinstance(shard_info, (ValidatedPlan, Plan)):  # already bound to an N
         from ..loader import validated_for
 
         return validated_for(shard_info, num_shards, checkpoint)
@@ -106,13 +112,20 @@ def _label(shard_info: Any) -> str:
     if isinstance(shard_info, (str, os.PathLike)):
         return os.fspath(shard_info)
     source = getattr(shard_info, "source", None) or getattr(
-        getattr(shard_info, "plan", None), "source", None)
+        getattr(shard_info, "plan", None), "source", None
+    )
     return source or "<plan given>"
 
 
-def resolve_plan(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None, *,
-                 experts: str = "tp", vocab_parallel: bool = False,
-                 pad: bool = True) -> ResolvedPlan:
+def resolve_plan(
+    checkpoint: Checkpoint,
+    num_shards: int,
+    shard_info: Any = None,
+    *,
+    experts: str = "tp",
+    vocab_parallel: bool = False,
+    pad: bool = True,
+) -> ResolvedPlan:
     """The plan for loading ``checkpoint`` onto ``num_shards`` workers, by the policy above.
 
     >>> resolved = resolve_plan(open_checkpoint("examples/tiny_llama_q4"), 4)  # doctest: +SKIP
@@ -122,8 +135,9 @@ def resolve_plan(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None
     if shard_info is REPLICATE:
         _no_planner_options(experts, vocab_parallel, pad, "REPLICATE")
         plan = ShardInfo.from_dict({}, source="<every tensor replicated>")
-        return ResolvedPlan(plan.bind(num_shards).validate(checkpoint.metadata()), "replicate",
-                            plan.source)
+        return ResolvedPlan(
+            plan.bind(num_shards).validate(checkpoint.metadata()), "replicate", plan.source
+        )
     origin = "given"
     if shard_info is None:
         shard_info = plan_beside(checkpoint)
@@ -135,22 +149,25 @@ def resolve_plan(checkpoint: Checkpoint, num_shards: int, shard_info: Any = None
         try:
             validated = _given(shard_info, checkpoint, num_shards)
         except PlanError:
-            padded = _padded_instead(shard_info, checkpoint, num_shards) \
-                if origin == "beside" else None
+            padded = (
+                _padded_instead(shard_info, checkpoint, num_shards) if origin == "beside" else None
+            )
             if padded is None:
                 raise
             return padded
         return ResolvedPlan(validated, origin, _label(shard_info))
     from ..planners.decision import plan_decision
 
-    decision = plan_decision(checkpoint, num_shards, vocab_parallel=vocab_parallel, pad=pad,
-                             experts=experts)
+    decision = plan_decision(
+        checkpoint, num_shards, vocab_parallel=vocab_parallel, pad=pad, experts=experts
+    )
     info = decision.shard_info()
     return ResolvedPlan(decision.validated, "planned", info.source, decision)
 
 
-def _padded_instead(beside: ShardInfo, checkpoint: Checkpoint,
-                    num_shards: int) -> Optional[ResolvedPlan]:
+def _padded_instead(
+    beside: ShardInfo, checkpoint: Checkpoint, num_shards: int
+) -> ResolvedPlan | None:
     """The planner's zero-padded plan for N, where the plan beside the checkpoint is the
     planner's own symbolic plan (it records the model) and does not fit N; else None (the
     refusal of the plan beside stands)."""
@@ -166,10 +183,11 @@ def _padded_instead(beside: ShardInfo, checkpoint: Checkpoint,
     if decision.kind != "padded":
         return None
     fits = valid_num_shards(beside, checkpoint).describe()
-    note = (f"{beside.source} does not fit {num_shards} workers ({fits}): using the planner's "
-            f"zero-padded plan for {num_shards} instead")
-    return ResolvedPlan(decision.validated, "planned", decision.shard_info().source, decision,
-                        note)
+    note = (
+        f"{beside.source} does not fit {num_shards} workers ({fits}): using the planner's "
+        f"zero-padded plan for {num_shards} instead"
+    )
+    return ResolvedPlan(decision.validated, "planned", decision.shard_info().source, decision, note)
 
 
 def planned_fits(checkpoint: Checkpoint) -> list[int]:
@@ -193,15 +211,24 @@ def planned_fits(checkpoint: Checkpoint) -> list[int]:
 
 def _no_planner_options(experts: str, vocab_parallel: bool, pad: bool, plan: str) -> None:
     if experts != "tp":
-        setting = EXPERTS_EP if experts == "ep" else Setting(f"experts={experts!r}",
-                                                             f"--experts {experts}")
-        replan = Setting(f"plan_for(checkpoint, num_shards, experts={experts!r})",
-                         f"shardload plan --experts {experts}")
-        error = PlanError(f"{setting.python} chooses how shardload plans, but the plan {plan} "
-                          f"is used as it is: write a plan with `{replan.python}`, or leave "
-                          f"{setting.python} out")
-        raise mention(error, replan, setting)   # the longer first: it holds the shorter
+        setting = (
+            EXPERTS_EP
+            if experts == "ep"
+            else Setting(f"experts={experts!r}", f"--experts {experts}")
+        )
+        replan = Setting(
+            f"plan_for(checkpoint, num_shards, experts={experts!r})",
+            f"shardload plan --experts {experts}",
+        )
+        error = PlanError(
+            f"{setting.python} chooses how shardload plans, but the plan {plan} "
+            f"is used as it is: write a plan with `{replan.python}`, or leave "
+            f"{setting.python} out"
+        )
+        raise mention(error, replan, setting)  # the longer first: it holds the shorter
     if vocab_parallel or not pad:
-        raise PlanError(f"vocab_parallel and pad choose how shardload plans, but the plan {plan} "
-                        "is used as it is: write the plan you want with plan_for, or leave "
-                        "them out")
+        raise PlanError(
+            f"vocab_parallel and pad choose how shardload plans, but the plan {plan} "
+            "is used as it is: write the plan you want with plan_for, or leave "
+            "them out"
+        )

@@ -33,13 +33,24 @@ import json
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from .. import strict_json
-from ..errors import (FormatError, PlanError, SessionError, Setting, ShardloadError,
-                      StorageError, WorkerError, WorkerFailure, describe, mention, quote)
+from ..errors import (
+    FormatError,
+    PlanError,
+    SessionError,
+    Setting,
+    ShardloadError,
+    StorageError,
+    WorkerError,
+    WorkerFailure,
+    describe,
+    mention,
+    quote,
+)
 from ..gc_pause import gc_paused
 from ..plan import MAX_PLAN_BYTES, Placement, ShardInfo, ValidatedPlan, ValidNumShards
 from ..readers import Checkpoint, as_checkpoint
@@ -47,8 +58,15 @@ from ..sessions import Session
 from ..sessions.functions import register_session_func
 from .plans import ResolvedPlan, resolve_plan
 
-__all__ = ["JobPlan", "DecisionSummary", "plan_once", "plan_job", "planning_per_worker", "PLANNED",
-           "FROM_RANK_0"]
+__all__ = [
+    "FROM_RANK_0",
+    "PLANNED",
+    "DecisionSummary",
+    "JobPlan",
+    "plan_job",
+    "plan_once",
+    "planning_per_worker",
+]
 
 #: ``JobPlan.plan_from``: this rank resolved its plan itself, or received rank 0's
 PLANNED, FROM_RANK_0 = "planned", "rank 0"
@@ -64,11 +82,14 @@ def _status(ctx, value: Any) -> Any:
 
 
 @register_session_func(_SHARE)
-def _share(ctx, data: Optional[torch.Tensor], size: int) -> torch.Tensor:
+def _share(ctx, data: torch.Tensor | None, size: int) -> torch.Tensor:
     """Rank 0's ``data`` (``size`` bytes, uint8) on every rank, in one broadcast over the
     session's group; on the worker's device, as NCCL needs."""
-    buf = (data.to(ctx.device) if ctx.rank == 0
-           else torch.empty(size, dtype=torch.uint8, device=ctx.device))
+    buf = (
+        data.to(ctx.device)
+        if ctx.rank == 0
+        else torch.empty(size, dtype=torch.uint8, device=ctx.device)
+    )
     ctx.group.broadcast(buf, src=0)
     ctx.progress()
     return buf.cpu()
@@ -80,7 +101,7 @@ class DecisionSummary:
     ``PlanDecision`` says for people, not the planner's objects (``summary`` is its text)."""
 
     kind: str
-    num_shards: Optional[int]
+    num_shards: int | None
     summary: str
     valid: ValidNumShards
 
@@ -99,12 +120,21 @@ class JobPlan:
     work_seconds: float
 
     def timing(self) -> dict:
-        return {"from": self.plan_from, "seconds": round(self.seconds, 4),
-                "work_seconds": round(self.work_seconds, 4)}
+        return {
+            "from": self.plan_from,
+            "seconds": round(self.seconds, 4),
+            "work_seconds": round(self.work_seconds, 4),
+        }
 
 
-def plan_once(session: Session, params: Any, shard_info: Any = None, *, experts: str = "tp",
-              what: str = "planning the load") -> JobPlan:
+def plan_once(
+    session: Session,
+    params: Any,
+    shard_info: Any = None,
+    *,
+    experts: str = "tp",
+    what: str = "planning the load",
+) -> JobPlan:
     """``params`` opened (``as_checkpoint``) and its plan for the session's workers, by the
     front door's policy: resolved on rank 0 alone and received by the others where the
     session's workers each run this (``Session.spmd``), else resolved here. Call it inside
@@ -121,15 +151,21 @@ def plan_once(session: Session, params: Any, shard_info: Any = None, *, experts:
     return _receive(session, params, shard_info, experts, what, start)
 
 
-def plan_job(session: Session, params: Any, shard_info: Any = None, *, experts: str = "tp",
-             what: str = "planning the load") -> JobPlan:
+def plan_job(
+    session: Session,
+    params: Any,
+    shard_info: Any = None,
+    *,
+    experts: str = "tp",
+    what: str = "planning the load",
+) -> JobPlan:
     """``plan_once`` inside ``session.collective(what)``: what a caller with nothing else to
     do in that collective calls (``load_sharded``, the CLI's load, ``load_tp_model``)."""
     with session.collective(what):
         return plan_once(session, params, shard_info, experts=experts, what=what)
 
 
-def planning_per_worker(session: Session, job: JobPlan) -> Optional[list[dict]]:
+def planning_per_worker(session: Session, job: JobPlan) -> list[dict] | None:
     """Every rank's ``JobPlan.timing()``, in rank order, for the load's statistics (one more
     exchange: after the collective, where every rank holds its plan); None where one process
     planned for every worker."""
@@ -140,8 +176,10 @@ def planning_per_worker(session: Session, job: JobPlan) -> Optional[list[dict]]:
 
 # ---- rank 0 ------------------------------------------------------------------------------------
 
-def _plan_and_send(session: Session, params: Any, shard_info: Any, experts: str, what: str,
-                   start: float) -> JobPlan:
+
+def _plan_and_send(
+    session: Session, params: Any, shard_info: Any, experts: str, what: str, start: float
+) -> JobPlan:
     ckpt = resolved = failed = None
     planning, data = False, b""
     try:
@@ -166,7 +204,7 @@ def _plan_and_send(session: Session, params: Any, shard_info: Any, experts: str,
             buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             session.run(_SHARE, lambda w: [buf, len(data)], context=what)
     except BaseException:
-        if failed is not None:   # its own failure is rank 0's answer; the exchange's is context
+        if failed is not None:  # its own failure is rank 0's answer; the exchange's is context
             raise failed
         raise
     if failed is not None:
@@ -184,7 +222,7 @@ def _plan_bytes(validated: ValidatedPlan) -> bytes:
         rest[ShardInfo.METADATA_KEY] = plan.metadata
     if plan.placement is not None:
         rest[Placement.KEY] = plan.placement.to_json()
-    by_id: dict[int, int] = {}      # the planner's parameters share tuples of steps
+    by_id: dict[int, int] = {}  # the planner's parameters share tuples of steps
     by_text: dict[str, int] = {}
     chains: list[list] = []
     params: dict[str, int] = {}
@@ -197,12 +235,15 @@ def _plan_bytes(validated: ValidatedPlan) -> bytes:
                 chains.append(chain)
             by_id[id(steps)] = index
         params[name] = index
-    data = json.dumps({"plan": rest, "chains": chains, "params": params},
-                      separators=(",", ":"), allow_nan=False).encode()
+    data = json.dumps(
+        {"plan": rest, "chains": chains, "params": params}, separators=(",", ":"), allow_nan=False
+    ).encode()
     if len(data) > MAX_PLAN_BYTES:
-        raise PlanError(f"the plan is {len(data)} bytes, over the {MAX_PLAN_BYTES}-byte limit "
-                        "of a plan, so it cannot be shared with the other ranks",
-                        source=plan.source)
+        raise PlanError(
+            f"the plan is {len(data)} bytes, over the {MAX_PLAN_BYTES}-byte limit "
+            "of a plan, so it cannot be shared with the other ranks",
+            source=plan.source,
+        )
     return data
 
 
@@ -210,7 +251,7 @@ def _plan_bytes(validated: ValidatedPlan) -> bytes:
 _NOT_PARAMS = (ShardInfo.METADATA_KEY, Placement.KEY)
 
 
-def _plan_from_bytes(data: bytes, source: Optional[str]) -> ShardInfo:
+def _plan_from_bytes(data: bytes, source: str | None) -> ShardInfo:
     """The plan ``_plan_bytes`` wrote, parsed as strictly as a plan file: strict JSON, its
     shape checked here, then ``ShardInfo.from_dict`` (every name and step, with the limits of
     a plan) of the plan it stands for, in which parameters of one list share it (so the
@@ -222,8 +263,12 @@ def _plan_from_bytes(data: bytes, source: Optional[str]) -> ShardInfo:
     if not isinstance(wire, dict) or set(wire) != {"plan", "chains", "params"}:
         raise _malformed("other keys", "plan")
     rest, chains, params = wire["plan"], wire["chains"], wire["params"]
-    if not (isinstance(rest, dict) and set(rest) <= set(_NOT_PARAMS)
-            and isinstance(chains, list) and isinstance(params, dict)):
+    if not (
+        isinstance(rest, dict)
+        and set(rest) <= set(_NOT_PARAMS)
+        and isinstance(chains, list)
+        and isinstance(params, dict)
+    ):
         raise _malformed("not a plan", "plan")
     plan = dict(rest)
     for name, index in params.items():
@@ -235,36 +280,59 @@ def _plan_from_bytes(data: bytes, source: Optional[str]) -> ShardInfo:
 
 def _resolved_json(resolved: ResolvedPlan, data: bytes) -> dict:
     decision = resolved.decision
-    summary = None if decision is None else {
-        "kind": decision.kind, "num_shards": decision.num_shards,
-        "summary": str(decision.summary), "valid": list(decision.valid),
-        "tried": decision.valid.tried, "limit": decision.valid.limit}
-    return {"origin": resolved.origin, "source": resolved.source, "note": resolved.note,
-            "plan_source": resolved.plan.source, "plan_bytes": len(data), "decision": summary}
+    summary = (
+        None
+        if decision is None
+        else {
+            "kind": decision.kind,
+            "num_shards": decision.num_shards,
+            "summary": str(decision.summary),
+            "valid": list(decision.valid),
+            "tried": decision.valid.tried,
+            "limit": decision.valid.limit,
+        }
+    )
+    return {
+        "origin": resolved.origin,
+        "source": resolved.source,
+        "note": resolved.note,
+        "plan_source": resolved.plan.source,
+        "plan_bytes": len(data),
+        "decision": summary,
+    }
 
 
 #: the errors rank 0 sends field by field, so each rank raises the same one (message included);
 #: any other ``ShardloadError`` is rebuilt from its message as a ``ShardloadError``
-_FIELDS = {PlanError: ("reason", "source", "param", "step"),
-           FormatError: ("reason", "file", "tensor"),
-           StorageError: ("reason", "url", "byte_range", "usage"),
-           SessionError: ()}
+_FIELDS = {
+    PlanError: ("reason", "source", "param", "step"),
+    FormatError: ("reason", "file", "tensor"),
+    StorageError: ("reason", "url", "byte_range", "usage"),
+    SessionError: (),
+}
 
 
 def _error_json(exc: BaseException) -> dict:
-    kind = next((k for k in _FIELDS if isinstance(exc, k)),
-                ShardloadError if isinstance(exc, ShardloadError) else None)
-    return {"type": type(exc).__name__, "message": describe(exc),
-            "traceback": "".join(traceback.format_exception(exc)),
-            "kind": kind and kind.__name__,
-            "fields": {f: getattr(exc, f) for f in _FIELDS.get(kind, ())},
-            "settings": [[s.python, s.cli] for s in getattr(exc, "settings", ())]}
+    kind = next(
+        (k for k in _FIELDS if isinstance(exc, k)),
+        ShardloadError if isinstance(exc, ShardloadError) else None,
+    )
+    return {
+        "type": type(exc).__name__,
+        "message": describe(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+        "kind": kind and kind.__name__,
+        "fields": {f: getattr(exc, f) for f in _FIELDS.get(kind, ())},
+        "settings": [[s.python, s.cli] for s in getattr(exc, "settings", ())],
+    }
 
 
 # ---- the other ranks ---------------------------------------------------------------------------
 
-def _receive(session: Session, params: Any, shard_info: Any, experts: str, what: str,
-             start: float) -> JobPlan:
+
+def _receive(
+    session: Session, params: Any, shard_info: Any, experts: str, what: str, start: float
+) -> JobPlan:
     rank, ckpt, own = session.local_workers[0], None, None
     try:
         ckpt = as_checkpoint(params)
@@ -273,8 +341,11 @@ def _receive(session: Session, params: Any, shard_info: Any, experts: str, what:
     status = _read_status(session.run(_VALUES, lambda w: [None], context=what)[0])
     data = None
     if status["ok"] and status["shared"]:
-        data = session.run(_SHARE, lambda w: [None, status["plan_bytes"]],
-                           context=what)[rank].numpy().tobytes()
+        data = (
+            session.run(_SHARE, lambda w: [None, status["plan_bytes"]], context=what)[rank]
+            .numpy()
+            .tobytes()
+        )
     if own is not None:
         raise own
     received = time.perf_counter()
@@ -284,10 +355,15 @@ def _receive(session: Session, params: Any, shard_info: Any, experts: str, what:
         with gc_paused():  # a plan is many objects, all kept
             info = _plan_from_bytes(data, status["plan_source"])
             validated = info.bind(session.num_workers).validate(ckpt.metadata())
-        resolved = ResolvedPlan(validated, status["origin"], status["source"],
-                                _decision(status["decision"]), status["note"])
+        resolved = ResolvedPlan(
+            validated,
+            status["origin"],
+            status["source"],
+            _decision(status["decision"]),
+            status["note"],
+        )
         plan_from = FROM_RANK_0
-    else:   # a plan of its own (or rank 0 had one): resolved here, as without sharing
+    else:  # a plan of its own (or rank 0 had one): resolved here, as without sharing
         resolved = resolve_plan(ckpt, session.num_workers, shard_info, experts=experts)
         plan_from = PLANNED
     done = time.perf_counter()
@@ -295,13 +371,17 @@ def _receive(session: Session, params: Any, shard_info: Any, experts: str, what:
 
 
 def _malformed(why: str, part: str = "plan status") -> ShardloadError:
-    return ShardloadError(f"rank 0's {part} is malformed ({why}): do all ranks run the same "
-                          "shardload?")
+    return ShardloadError(
+        f"rank 0's {part} is malformed ({why}): do all ranks run the same shardload?"
+    )
 
 
 def _check(value: dict, key: str, *types: type) -> Any:
-    if key not in value or not isinstance(value[key], types) or (
-            isinstance(value[key], bool) and bool not in types):
+    if (
+        key not in value
+        or not isinstance(value[key], types)
+        or (isinstance(value[key], bool) and bool not in types)
+    ):
         raise _malformed(f"{key}: {type(value.get(key)).__name__}")
     return value[key]
 
@@ -317,8 +397,10 @@ def _read_status(status: Any) -> dict:
             _check(error, key, str)
         _check(error, "kind", str, type(None))
         _check(error, "fields", dict)
-        if not all(isinstance(s, list) and len(s) == 2 and all(isinstance(x, str) for x in s)
-                   for s in _check(error, "settings", list)):
+        if not all(
+            isinstance(s, list) and len(s) == 2 and all(isinstance(x, str) for x in s)
+            for s in _check(error, "settings", list)
+        ):
             raise _malformed("settings")
         return status
     if _check(status, "shared", bool):
@@ -332,17 +414,20 @@ def _read_status(status: Any) -> dict:
     return status
 
 
-def _decision(summary: Optional[dict]) -> Optional[DecisionSummary]:
+def _decision(summary: dict | None) -> DecisionSummary | None:
     if summary is None:
         return None
     valid = _check(summary, "valid", list)
     if not all(type(n) is int for n in valid):
         raise _malformed("valid")
-    return DecisionSummary(_check(summary, "kind", str),
-                           _check(summary, "num_shards", int, type(None)),
-                           _check(summary, "summary", str),
-                           ValidNumShards(valid, tried=_check(summary, "tried", int),
-                                          limit=_check(summary, "limit", int)))
+    return DecisionSummary(
+        _check(summary, "kind", str),
+        _check(summary, "num_shards", int, type(None)),
+        _check(summary, "summary", str),
+        ValidNumShards(
+            valid, tried=_check(summary, "tried", int), limit=_check(summary, "limit", int)
+        ),
+    )
 
 
 def _rebuilt(status: dict, what: str) -> BaseException:
@@ -355,13 +440,21 @@ def _rebuilt(status: dict, what: str) -> BaseException:
         return WorkerError([WorkerFailure(0, error["type"], message, error["traceback"])], what)
     try:
         if kind == "PlanError":
-            exc: ShardloadError = PlanError(fields["reason"], source=fields["source"],
-                                            param=fields["param"], step=fields["step"])
+            exc: ShardloadError = PlanError(
+                fields["reason"],
+                source=fields["source"],
+                param=fields["param"],
+                step=fields["step"],
+            )
         elif kind == "FormatError":
             exc = FormatError(fields["reason"], file=fields["file"], tensor=fields["tensor"])
         elif kind == "StorageError":
-            exc = StorageError(fields["reason"], url=fields["url"],
-                               byte_range=fields["byte_range"], usage=fields["usage"])
+            exc = StorageError(
+                fields["reason"],
+                url=fields["url"],
+                byte_range=fields["byte_range"],
+                usage=fields["usage"],
+            )
         elif kind == "SessionError":
             exc = SessionError(message)
         else:

@@ -16,10 +16,18 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Callable
+from collections.abc import Callable
 
-__all__ = ["planner_help", "architectures_markdown", "formats_markdown", "sessions_markdown",
-           "shard_functions_markdown", "TABLES", "render", "write_docs"]
+__all__ = [
+    "TABLES",
+    "architectures_markdown",
+    "formats_markdown",
+    "planner_help",
+    "render",
+    "sessions_markdown",
+    "shard_functions_markdown",
+    "write_docs",
+]
 
 
 def _names(table: dict) -> str:
@@ -33,10 +41,12 @@ def planner_help() -> str:
 
     tables = architecture_tables()
     formats = "; ".join(f"{f.name}: {f.description}" for f in list_formats() if f.description)
-    return (f"Architectures known (HF model_type): {_names(tables['hf'])}. "
-            f"GGUF (general.architecture): {_names(tables['gguf'])}. "
-            f"MLC (model_type): {_names(tables['mlc'])}.\n\n"
-            f"Formats: {formats}.")
+    return (
+        f"Architectures known (HF model_type): {_names(tables['hf'])}. "
+        f"GGUF (general.architecture): {_names(tables['gguf'])}. "
+        f"MLC (model_type): {_names(tables['mlc'])}.\n\n"
+        f"Formats: {formats}."
+    )
 
 
 def _cell(text: str) -> str:
@@ -54,11 +64,18 @@ def architectures_markdown() -> str:
     from ..planners.architectures import architecture_tables
 
     out = []
-    titles = {"hf": "Hugging Face (`model_type`)", "gguf": "GGUF (`general.architecture`)",
-              "mlc": "MLC (`model_type`)"}
+    titles = {
+        "hf": "Hugging Face (`model_type`)",
+        "gguf": "GGUF (`general.architecture`)",
+        "mlc": "MLC (`model_type`)",
+    }
     for kind, table in architecture_tables().items():
-        out += [f"**{titles[kind]}**", "", "| architecture | what differs from Llama |",
-                "|---|---|"]
+        out += [
+            f"**{titles[kind]}**",
+            "",
+            "| architecture | what differs from Llama |",
+            "|---|---|",
+        ]
         out += [f"| `{name}` | {_cell(_note(kind, arch))} |" for name, arch in table.items()]
         out.append("")
     return "\n".join(out).rstrip() + "\n"
@@ -68,8 +85,7 @@ def formats_markdown() -> str:
     """The quantization formats, with the configs each reads."""
     from ..formats import list_formats
 
-    rows = ["| format | what | recognised by (`quant_method`, or family/format) |",
-            "|---|---|---|"]
+    rows = ["| format | what | recognised by (`quant_method`, or family/format) |", "|---|---|---|"]
     for fmt in list_formats():
         configs = ", ".join(f"`{key}`" for key in fmt.configs) or fmt.recognised_by
         rows.append(f"| `{fmt.name}` | {_cell(fmt.description)} | {configs} |")
@@ -90,8 +106,11 @@ def shard_functions_markdown() -> str:
     from ..registry import list_shard_funcs
 
     rows = ["| function | args | what it does |", "|---|---|---|"]
-    rows += [f"| `{f.name}` | {f.arity_text()} | {_cell(f.doc.replace('``', '`'))} |"
-             for f in list_shard_funcs() if f.module.startswith("shardload.")]
+    rows += [
+        f"| `{f.name}` | {f.arity_text()} | {_cell(f.doc.replace('``', '`'))} |"
+        for f in list_shard_funcs()
+        if f.module.startswith("shardload.")
+    ]
     return "\n".join(rows) + "\n"
 
 
@@ -103,17 +122,18 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "shard-functions": ("plans.md", shard_functions_markdown),
 }
 
-_BLOCK = re.compile(r"(<!-- table: (?P<name>[a-z-]+) -->\n)(?P<body>.*?)(<!-- end of table -->)",
-                    re.S)
+_BLOCK = re.compile(
+    r"(<!-- table: (?P<name>[a-z-]+) -->\n)(?P<body>.*?)(<!-- end of table -->)", re.S
+)
 
 
 def render(text: str) -> str:
     """``text`` with every generated table it holds written anew."""
+
     def fill(match: re.Match) -> str:
         name = match.group("name")
         if name not in TABLES:
-            raise KeyError(f"unknown generated table {name!r}; the tables are "
-                           f"{', '.join(TABLES)}")
+            raise KeyError(f"unknown generated table {name!r}; the tables are {', '.join(TABLES)}")
         return f"{match.group(1)}{TABLES[name][1]()}{match.group(4)}"
 
     return _BLOCK.sub(fill, text)

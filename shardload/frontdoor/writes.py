@@ -14,7 +14,7 @@ import contextlib
 import os
 import stat
 import tempfile
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from ..errors import PlanError
 
@@ -28,7 +28,7 @@ def _write_all(fd: int, data: bytes) -> None:
     """``os.write`` until all of ``data`` is written (a write may take only part)."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _umask() -> int:
@@ -84,7 +84,7 @@ def write_atomic(path: str, text: str) -> None:
                 os.unlink(tmp)
 
 
-def write_plan(info: "ShardInfo", path: Optional[str] = None) -> str:
+def write_plan(info: ShardInfo, path: str | None = None) -> str:
     """``info`` as ``shard_info.json`` text, written whole or not at all to ``path`` when given
     (``OSError`` if it cannot be); a plan too large for shardload to read back is refused."""
     from ..plan import MAX_PLAN_BYTES
@@ -92,9 +92,12 @@ def write_plan(info: "ShardInfo", path: Optional[str] = None) -> str:
     text = info.dumps()
     size = len(text.encode())
     if size > MAX_PLAN_BYTES:
-        raise PlanError(f"the plan is {size} bytes, over the {MAX_PLAN_BYTES}-byte limit a "
-                        "plan file may have; a zero-padded plan lists every unit, so try an N "
-                        "the model divides", source=info.source)
+        raise PlanError(
+            f"the plan is {size} bytes, over the {MAX_PLAN_BYTES}-byte limit a "
+            "plan file may have; a zero-padded plan lists every unit, so try an N "
+            "the model divides",
+            source=info.source,
+        )
     if path is not None:
         write_atomic(path, text)
     return text

@@ -15,4 +15,4 @@ are held dense: keeping them packed for quantized kernels is a later step.
 
 from .model import TPModel, load_tp_model
 
-__all__ = ["load_tp_model", "TPModel"]
+__all__ = ["TPModel", "load_tp_model"]

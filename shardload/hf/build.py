@@ -73,8 +73,9 @@ def build(ctx, spec: dict) -> dict:
     extra = _experts_implementation(spec)
     with _LOADING, _quiet(transformers):
         config = _gguf_config(transformers, spec) if gguf else _hf_config(spec)
-        model = model_class(config).from_pretrained(None, config=config, state_dict=state,
-                                                    dtype=dtype, **extra)
+        model = model_class(config).from_pretrained(
+            None, config=config, state_dict=state, dtype=dtype, **extra
+        )
     del state
     model.eval()
     group = ctx.group if ctx.world_size > 1 else None
@@ -93,7 +94,7 @@ def _hf_config(spec: dict):
 
     config = dict(spec["config"])
     if config.get("model_type") == "mistral" and "layer_types" in config:
-        config["model_type"] = "ministral"   # AutoConfig.from_pretrained's reading of it
+        config["model_type"] = "ministral"  # AutoConfig.from_pretrained's reading of it
     hf = CONFIG_MAPPING[config["model_type"]].from_dict(config)
     _set_sizes(hf, spec["sizes"])
     return hf
@@ -179,6 +180,7 @@ def _split_norms(model, norms: dict, group) -> None:
 
 def _reduce_outputs(model, group) -> None:
     """Sum every decoder layer's attention and MLP outputs over the workers."""
+
     def hook(module, args, output):
         if isinstance(output, tuple):
             group.all_reduce(output[0])

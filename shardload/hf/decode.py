@@ -4,7 +4,7 @@ cache, worker 0 choosing each token and every worker feeding the same one."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -19,7 +19,7 @@ RELEASE = "shardload.hf.release"
 
 
 @register_session_func(FORWARD)
-def forward(ctx, token: str, input_ids: list, answer: int = 0) -> Optional[torch.Tensor]:
+def forward(ctx, token: str, input_ids: list, answer: int = 0) -> torch.Tensor | None:
     """Logits of the whole model for ``input_ids`` (every worker runs its share; worker
     ``answer`` returns them, the others None)."""
     model = build.built(ctx, token).model
@@ -50,8 +50,15 @@ def _choose(logits: torch.Tensor, sampling: dict, generator: torch.Generator) ->
 
 
 @register_session_func(GENERATE)
-def generate(ctx, token: str, input_ids: list, max_new_tokens: int, sampling: dict,
-             eos_token_ids: list, answer: int = 0) -> Optional[list]:
+def generate(
+    ctx,
+    token: str,
+    input_ids: list,
+    max_new_tokens: int,
+    sampling: dict,
+    eos_token_ids: list,
+    answer: int = 0,
+) -> list | None:
     """Decode ``max_new_tokens`` after ``input_ids`` with a KV cache. Worker 0 chooses each
     token and broadcasts it, so every worker feeds the same one (sampling included)."""
     held = build.built(ctx, token)
@@ -64,15 +71,14 @@ def generate(ctx, token: str, input_ids: list, max_new_tokens: int, sampling: di
     done = torch.zeros(ids.shape[0], dtype=torch.bool)
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            result = held.model(input_ids=step, use_cache=True,
-                                 **_cache_kwargs(held.model, past))
+            result = held.model(input_ids=step, use_cache=True, **_cache_kwargs(held.model, past))
             past = result.cache if hasattr(result, "cache") else result.past_key_values
             chosen = _choose(result.logits[:, -1].float(), sampling, generator)
             if held.group is not None:
                 chosen = held.group.broadcast(chosen.contiguous())
             out = torch.cat([out, chosen[:, None]], dim=1)
             if ctx.rank == answer:
-                ctx.progress(nbytes=1)    # one more token chosen (``on_token``)
+                ctx.progress(nbytes=1)  # one more token chosen (``on_token``)
             done |= torch.tensor([int(t) in eos for t in chosen.tolist()])
             if bool(done.all()):
                 break

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["config_dict", "weights_map", "state_dict", "model_class"]
+__all__ = ["config_dict", "model_class", "state_dict", "weights_map"]
 
 #: transformers' names of GGUF architectures whose model type differs (``load_gguf_checkpoint``)
 _MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
@@ -51,7 +51,7 @@ def config_dict(ckpt) -> dict[str, Any]:
     that they are equal)."""
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
-    fields = ckpt.config                 # every key-value but the vocabulary-sized arrays
+    fields = ckpt.config  # every key-value but the vocabulary-sized arrays
     arch = fields["general.architecture"]
     if any(part in arch for part in _OWN_CODE):
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -59,25 +59,27 @@ def config_dict(ckpt) -> dict[str, Any]:
         return load_gguf_checkpoint(ckpt.path, return_tensors=False)["config"]
     model_type = _MODEL_TYPES.get(arch, arch)
     if "llama" in arch and fields.get("general.name") == "mistral":
-        model_type = "mistral"            # transformers' reading of llama.cpp's Mistral
+        model_type = "mistral"  # transformers' reading of llama.cpp's Mistral
     if arch not in GGUF_CONFIG_MAPPING and model_type not in GGUF_CONFIG_MAPPING:
         raise ValueError(f"GGUF model with architecture {arch} is not supported yet.")
     config: dict[str, Any] = {
-        "tie_word_embeddings": "output.weight" not in ckpt.metadata() or arch in _ALWAYS_TIED}
-    for key, value in (GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type)
-                       or GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
+        "tie_word_embeddings": "output.weight" not in ckpt.metadata() or arch in _ALWAYS_TIED
+    }
+    for key, value in (
+        GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type) or GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}
+    ).items():
         config.setdefault(key, value)
     for key, value in fields.items():
         prefix, _, rest = key.replace(arch, model_type).partition(".")
         if isinstance(value, list) and len(value) == 1:
-            value = value[0]              # transformers reads a one-item array as its item
+            value = value[0]  # transformers reads a one-item array as its item
         if isinstance(value, str) and arch in value:
             value = value.replace(arch, model_type)
         renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest, -1)
         if renamed is not None and renamed != -1:
             config[renamed] = value
     if config["model_type"] == "gemma3":
-        config["model_type"] = "gemma3_text"   # a GGUF holds Gemma 3's text model only
+        config["model_type"] = "gemma3_text"  # a GGUF holds Gemma 3's text model only
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in ckpt.field_names():
         config["vocab_size"] = len(ckpt.field("tokenizer.ggml.tokens"))
     return config
@@ -117,8 +119,11 @@ def weights_map(config: dict[str, Any], arch: str) -> dict[str, str]:
     the meta device (no memory, no initialisation). The names do not depend on a worker's
     sizes, so the controller works them out once."""
     import transformers
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                          get_gguf_hf_weights_map)
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
 
     hf_config = transformers.AutoConfig.for_model(**config)
     with torch.device("meta"):
@@ -128,8 +133,13 @@ def weights_map(config: dict[str, Any], arch: str) -> dict[str, str]:
         return get_gguf_hf_weights_map(skeleton, processor)
 
 
-def state_dict(arrays: dict[str, np.ndarray], arch: str, config: dict[str, Any],
-               mapping: dict[str, str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def state_dict(
+    arrays: dict[str, np.ndarray],
+    arch: str,
+    config: dict[str, Any],
+    mapping: dict[str, str],
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
     """transformers' parameters from dequantized GGUF tensors (float32, under GGUF names), as
     ``load_gguf_checkpoint`` makes them: each through the architecture's tensor processor
     (``config`` holds this worker's head counts: llama's q/k permutation is reversed within
@@ -139,10 +149,14 @@ def state_dict(arrays: dict[str, np.ndarray], arch: str, config: dict[str, Any],
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
-    parsed: dict[str, dict] = {"tensors": {}}   # MoE processors fuse experts into it
+    parsed: dict[str, dict] = {"tensors": {}}  # MoE processors fuse experts into it
     for name in list(arrays):
-        result = processor.process(weights=arrays.pop(name), name=name,
-                                   tensor_key_mapping=mapping, parsed_parameters=parsed)
+        result = processor.process(
+            weights=arrays.pop(name),
+            name=name,
+            tensor_key_mapping=mapping,
+            parsed_parameters=parsed,
+        )
         if result.name in mapping:
             tensor = torch.from_numpy(np.ascontiguousarray(result.weights))
             parsed["tensors"][mapping[result.name]] = tensor.to(dtype)

@@ -25,14 +25,15 @@ from __future__ import annotations
 import copy
 import threading
 import uuid
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from .. import dtypes
 from ..errors import EXPERTS_TP, FormatError, ShardloadError, mention
-from ..geometry import WorkerShare, worker_share
 from ..frontdoor import plan_job
+from ..geometry import WorkerShare, worker_share
 from ..loader import load_validated
 from ..sessions import Session
 from . import build, decode, weights
@@ -56,7 +57,7 @@ class TPModel:
         self.config = config
         #: the plan it was loaded with, and where it came from (``frontdoor.ResolvedPlan``)
         self.resolved = resolved
-        self._sharded = sharded       # keeps worker processes' pieces alive while in use
+        self._sharded = sharded  # keeps worker processes' pieces alive while in use
         self._closed = False
 
     @property
@@ -79,16 +80,24 @@ class TPModel:
     def _first(self, results: list) -> Any:
         return next(r for r in results if r is not None)
 
-    def __call__(self, input_ids: Union[torch.Tensor, Sequence[Sequence[int]]]) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
         """The logits ``[batch, tokens, vocab]`` (float32) for ``input_ids`` ``[batch, tokens]``."""
         ids = _as_lists(input_ids)
         results = self.session.call(decode.FORWARD, self.token, ids, self._answer)
         return self._first(results)
 
-    def generate(self, input_ids, max_new_tokens: int = 32, *, do_sample: bool = False,
-                 temperature: float = 1.0, top_k: int = 0, seed: int = 0,
-                 eos_token_id: Union[int, Sequence[int], None, str] = "config",
-                 on_token: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+    def generate(
+        self,
+        input_ids,
+        max_new_tokens: int = 32,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        eos_token_id: int | Sequence[int] | str | None = "config",
+        on_token: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """``input_ids`` followed by up to ``max_new_tokens`` tokens (greedy, or sampled with
         ``temperature`` and ``top_k`` from ``seed``), stopping early when every row has
         produced an ``eos_token_id``: by default the checkpoint's own (its config's
@@ -100,15 +109,26 @@ class TPModel:
         """
         if eos_token_id == "config":
             eos_token_id = _config_eos(self.config)
-        eos = ([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int)
-               else list(eos_token_id))
-        sampling = {"do_sample": bool(do_sample), "temperature": float(temperature),
-                    "top_k": int(top_k), "seed": int(seed)}
-        args = [self.token, _as_lists(input_ids), int(max_new_tokens), sampling, eos,
-                self._answer]
-        results = self.session.run(decode.GENERATE, lambda i: args,
-                                   context=f"in {decode.GENERATE}",
-                                   on_progress=on_token and _counter(on_token))
+        eos = (
+            []
+            if eos_token_id is None
+            else [eos_token_id]
+            if isinstance(eos_token_id, int)
+            else list(eos_token_id)
+        )
+        sampling = {
+            "do_sample": bool(do_sample),
+            "temperature": float(temperature),
+            "top_k": int(top_k),
+            "seed": int(seed),
+        }
+        args = [self.token, _as_lists(input_ids), int(max_new_tokens), sampling, eos, self._answer]
+        results = self.session.run(
+            decode.GENERATE,
+            lambda i: args,
+            context=f"in {decode.GENERATE}",
+            on_progress=on_token and _counter(on_token),
+        )
         return torch.tensor(self._first(results), dtype=torch.long)
 
     def close(self) -> None:
@@ -117,7 +137,7 @@ class TPModel:
             self._closed = True
             self.session.call(decode.RELEASE, self.token)
 
-    def __enter__(self) -> "TPModel":
+    def __enter__(self) -> TPModel:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -136,7 +156,7 @@ def _counter(report: Callable[[int], None]) -> Callable[[int], None]:
     return advance
 
 
-def _config_eos(config: dict) -> Union[int, list, None]:
+def _config_eos(config: dict) -> int | list | None:
     """The end-of-sequence token(s) a checkpoint's config names, if any."""
     for key in ("eos_token_id", "tokenizer.ggml.eos_token_id"):
         value = config.get(key)
@@ -155,8 +175,11 @@ def _as_lists(input_ids) -> list:
             input_ids = input_ids[None]
         return input_ids.tolist()
     rows = list(input_ids)
-    return [list(map(int, r)) for r in rows] if rows and not isinstance(rows[0], int) else [
-        list(map(int, rows))]
+    return (
+        [list(map(int, r)) for r in rows]
+        if rows and not isinstance(rows[0], int)
+        else [list(map(int, rows))]
+    )
 
 
 def _dense_config(config: dict) -> dict:
@@ -166,29 +189,42 @@ def _dense_config(config: dict) -> dict:
     return local
 
 
-def _build_spec(share: WorkerShare, dtype: torch.dtype, token: str, config: dict,
-                gguf: Optional[dict]) -> dict:
+def _build_spec(
+    share: WorkerShare, dtype: torch.dtype, token: str, config: dict, gguf: dict | None
+) -> dict:
     """What worker ``share.rank``'s build needs (``build.build``)."""
     record = share.record
-    common = {"dtype": dtypes.from_torch(dtype), "quant": share.quantization, "token": token,
-              "split_norms": share.projection_norms,
-              "zero_on_others": share.row_parallel_biases, "kv_map": share.kv_map,
-              "kv_projections": record.get("kv_projections", []),
-              "head_dim": share.sizes["head_dim"]}
+    common = {
+        "dtype": dtypes.from_torch(dtype),
+        "quant": share.quantization,
+        "token": token,
+        "split_norms": share.projection_norms,
+        "zero_on_others": share.row_parallel_biases,
+        "kv_map": share.kv_map,
+        "kv_projections": record.get("kv_projections", []),
+        "head_dim": share.sizes["head_dim"],
+    }
     itemsize = torch.empty((), dtype=dtype).element_size()
-    eager = any(share.sizes.get(k, 0) * itemsize % 16 for k in
-                ("moe_intermediate_size", "intermediate_size"))
+    eager = any(
+        share.sizes.get(k, 0) * itemsize % 16
+        for k in ("moe_intermediate_size", "intermediate_size")
+    )
     if gguf is not None:
         sizes = dict(share.sizes)
-        if share.kv_map is not None:   # expanded: one (copied) KV head per query head
+        if share.kv_map is not None:  # expanded: one (copied) KV head per query head
             sizes["num_key_value_heads"] = sizes["num_attention_heads"]
         return {**common, "eager_experts": eager, "gguf": gguf, "sizes": sizes}
     sizes = dict(share.config)
-    if share.kv_map is not None:   # expanded: one (copied) KV head per query head
+    if share.kv_map is not None:  # expanded: one (copied) KV head per query head
         key = record["config_keys"]["num_key_value_heads"]
         sizes[key] = share.sizes["num_attention_heads"]
-    return {**common, "eager_experts": eager, "experts": share.experts, "config": config,
-            "sizes": sizes}
+    return {
+        **common,
+        "eager_experts": eager,
+        "experts": share.experts,
+        "config": config,
+        "sizes": sizes,
+    }
 
 
 def _gguf_spec(ckpt, validated, architecture: str) -> dict:
@@ -201,13 +237,19 @@ def _gguf_spec(ckpt, validated, architecture: str) -> dict:
         config = from_gguf.config_dict(ckpt)
         mapping = from_gguf.weights_map(config, architecture)
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises, it cannot read it
-        raise FormatError(f"transformers cannot build a model of this GGUF "
-                          f"({type(exc).__name__}: {exc}); load_tp_model builds transformers' "
-                          "own model, so it needs an architecture transformers reads from GGUF",
-                          file=ckpt.source) from None
-    return {"arch": architecture, "config": config, "mapping": mapping,
-            "types": {name: ckpt.tensor_format(name)["ggml_type"] for name in ckpt.metadata()},
-            "replicated": [param.name for param in validated if param.replicated]}
+        raise FormatError(
+            f"transformers cannot build a model of this GGUF "
+            f"({type(exc).__name__}: {exc}); load_tp_model builds transformers' "
+            "own model, so it needs an architecture transformers reads from GGUF",
+            file=ckpt.source,
+        ) from None
+    return {
+        "arch": architecture,
+        "config": config,
+        "mapping": mapping,
+        "types": {name: ckpt.tensor_format(name)["ggml_type"] for name in ckpt.metadata()},
+        "replicated": [param.name for param in validated if param.replicated],
+    }
 
 
 #: ``progress(stage, done, total)``: ``stage`` "load" (bytes of pieces loaded) or "build" (bytes
@@ -215,8 +257,7 @@ def _gguf_spec(ckpt, validated, architecture: str) -> dict:
 StartProgress = Callable[[str, int, int], None]
 
 
-def _stage(progress: Optional[StartProgress], stage: str, total: int
-           ) -> Optional[Callable[[int], None]]:
+def _stage(progress: StartProgress | None, stage: str, total: int) -> Callable[[int], None] | None:
     """An ``advance(nbytes)`` that reports ``stage``'s bytes so far to ``progress``."""
     if progress is None:
         return None
@@ -224,9 +265,15 @@ def _stage(progress: Optional[StartProgress], stage: str, total: int
     return _counter(lambda done: progress(stage, done, total))
 
 
-def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, *,
-                  shard_info: Any = None, experts: str = "tp",
-                  progress: Union[bool, StartProgress] = False) -> TPModel:
+def load_tp_model(
+    params,
+    session: Session,
+    dtype: torch.dtype = torch.float32,
+    *,
+    shard_info: Any = None,
+    experts: str = "tp",
+    progress: bool | StartProgress = False,
+) -> TPModel:
     """transformers' model of the checkpoint ``params`` (a folder, or an open checkpoint),
     split over the workers of ``session``, its weights dequantized to ``dtype``.
 
@@ -246,39 +293,45 @@ def load_tp_model(params, session: Session, dtype: torch.dtype = torch.float32, 
     ...     text = model.generate(input_ids, max_new_tokens=32)
     """
     if dtype not in _DTYPES:
-        raise ShardloadError(f"dtype must be one of {', '.join(map(str, _DTYPES))}, "
-                             f"got {dtype}")
+        raise ShardloadError(f"dtype must be one of {', '.join(map(str, _DTYPES))}, got {dtype}")
     n = session.num_workers
     # 1. under torchrun rank 0 plans and the other ranks receive its plan (``plan_once``)
-    job = plan_job(session, params, shard_info, experts=experts,
-                   what="planning the model's load")
+    job = plan_job(session, params, shard_info, experts=experts, what="planning the model's load")
     ckpt, resolved = job.checkpoint, job.resolved
     validated = resolved.validated
     shares = [worker_share(validated, i) for i in range(n)]
     kind = shares[0].record["checkpoint"]
     if kind not in ("hf", "gguf"):
-        raise FormatError("load_tp_model builds transformers' model from an HF checkpoint "
-                          "(a folder with config.json and safetensors) or a GGUF file; this "
-                          f"is a {kind} checkpoint (MLC checkpoints are not supported)",
-                          file=ckpt.source)
+        raise FormatError(
+            "load_tp_model builds transformers' model from an HF checkpoint "
+            "(a folder with config.json and safetensors) or a GGUF file; this "
+            f"is a {kind} checkpoint (MLC checkpoints are not supported)",
+            file=ckpt.source,
+        )
     if experts == "ep" and kind == "gguf":
-        raise mention(ShardloadError("expert-parallel plans of GGUF checkpoints are not built "
-                                     f"into a model yet: load with {EXPERTS_TP.python}"),
-                      EXPERTS_TP)
-    gguf = (_gguf_spec(ckpt, validated, shares[0].record["architecture"]) if kind == "gguf"
-            else None)
+        raise mention(
+            ShardloadError(
+                "expert-parallel plans of GGUF checkpoints are not built "
+                f"into a model yet: load with {EXPERTS_TP.python}"
+            ),
+            EXPERTS_TP,
+        )
+    gguf = _gguf_spec(ckpt, validated, shares[0].record["architecture"]) if kind == "gguf" else None
     # under torchrun each rank reports its own worker only, and rank 0 speaks for all
     report = progress if callable(progress) and session.reports else None
     total = sum(validated.bytes_per_worker(i) for i in session.workers_in_view)
     loading = _stage(report, "load", total) or bool(progress is True)
-    sharded = load_validated(ckpt, validated, session, progress=loading)          # 2.
-    config = _dense_config(ckpt.config) if kind == "hf" else {}                    # 3.
+    sharded = load_validated(ckpt, validated, session, progress=loading)  # 2.
+    config = _dense_config(ckpt.config) if kind == "hf" else {}  # 3.
     token = uuid.uuid4().hex
-    with weights.sharing_replicated(token, len(session.local_workers)):             # 4.
-        session.run(build.BUILD, lambda i: [_build_spec(shares[i], dtype, token, config, gguf)],
-                    context=f"while building the model of {ckpt.source}",
-                    on_progress=_stage(report, "build", total))
+    with weights.sharing_replicated(token, len(session.local_workers)):  # 4.
+        session.run(
+            build.BUILD,
+            lambda i: [_build_spec(shares[i], dtype, token, config, gguf)],
+            context=f"while building the model of {ckpt.source}",
+            on_progress=_stage(report, "build", total),
+        )
     return TPModel(session, token, ckpt.config, sharded, resolved)
 
 
-__all__ = ["load_tp_model", "TPModel"]
+__all__ = ["TPModel", "load_tp_model"]

@@ -10,7 +10,7 @@ weighted by the time it takes.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from ..readers import open_checkpoint
 from ..readers.objects import write_fetched_bytes
@@ -19,8 +19,13 @@ from . import text
 
 #: the start of a run, stage -> its span of 0..100, sized by where SmolLM2's start at N=3
 #: spends its time (importing transformers is most of "tokenizer" and "load")
-START_STAGES = {"importing": (0, 15), "tokenizer": (15, 40), "load": (40, 55),
-                "build": (55, 92), "first token": (92, 100)}
+START_STAGES = {
+    "importing": (0, 15),
+    "tokenizer": (15, 40),
+    "load": (40, 55),
+    "build": (55, 92),
+    "first token": (92, 100),
+}
 
 
 def start_percent(stage: str, done: int = 0, total: int = 1) -> int:
@@ -33,12 +38,14 @@ def start_percent(stage: str, done: int = 0, total: int = 1) -> int:
     return low + (high - low) * min(done, total) // max(total, 1)
 
 
-def unsharded_check_problem(ckpt: str) -> Optional[str]:
+def unsharded_check_problem(ckpt: str) -> str | None:
     """Why transformers' own (unsharded) model cannot run on ``ckpt``, or None."""
     if is_object_url(ckpt):
-        return ("--check runs transformers' own model, which reads the whole checkpoint from "
-                f"a local file: copy {ckpt} to a folder first (aws s3 sync {ckpt} DIR), or "
-                "leave out --check")
+        return (
+            "--check runs transformers' own model, which reads the whole checkpoint from "
+            f"a local file: copy {ckpt} to a folder first (aws s3 sync {ckpt} DIR), or "
+            "leave out --check"
+        )
     return None
 
 
@@ -55,7 +62,7 @@ class TextCheckpoint:
         if opened is not None:
             opened.close()
 
-    def __enter__(self) -> "TextCheckpoint":
+    def __enter__(self) -> TextCheckpoint:
         return self
 
     def __exit__(self, *exc: Any) -> None:

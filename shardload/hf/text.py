@@ -25,10 +25,12 @@ def tokenizer(ckpt: str):
             return chosen.from_pretrained(folder, **kwargs)
         return transformers.AutoTokenizer.from_pretrained(folder, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any failure means: no usable tokenizer there
-        raise ValueError(f"{ckpt} has no tokenizer transformers can read ({type(exc).__name__}: "
-                         f"{_first_line(str(exc))}); shardload run needs the checkpoint's "
-                         "tokenizer (tokenizer.json and tokenizer_config.json, or a GGUF "
-                         "file's vocabulary)") from None
+        raise ValueError(
+            f"{ckpt} has no tokenizer transformers can read ({type(exc).__name__}: "
+            f"{_first_line(str(exc))}); shardload run needs the checkpoint's "
+            "tokenizer (tokenizer.json and tokenizer_config.json, or a GGUF "
+            "file's vocabulary)"
+        ) from None
 
 
 def _gguf_tokenizer_class(path: str):
@@ -40,8 +42,7 @@ def _gguf_tokenizer_class(path: str):
     vocabulary and merges key by key (4 s for SmolLM2's 49k tokens) only to learn the model
     type; ``from_gguf.config_dict`` reads the same config from shardload's reader."""
     import transformers
-    from transformers.models.auto.tokenization_auto import (TOKENIZER_MAPPING,
-                                                            get_tokenizer_config)
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING, get_tokenizer_config
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     from ..readers import open_checkpoint
@@ -68,8 +69,9 @@ def _first_line(text: str, limit: int = 160) -> str:
 def prompt_ids(tok, prompt: str, chat: bool) -> list[int]:
     """``prompt`` as token ids, wrapped in the chat template when asked and there is one."""
     if chat and getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                      add_generation_prompt=True, tokenize=True)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
@@ -87,7 +89,8 @@ def unsharded_difference(ckpt: str, model, tokens: torch.Tensor, dtype: torch.dt
     kwargs = {"gguf_file": os.path.basename(ckpt)} if ckpt.endswith(".gguf") else {}
     try:
         reference = transformers.AutoModelForCausalLM.from_pretrained(
-            _folder(ckpt), dtype=dtype, **kwargs).eval()
+            _folder(ckpt), dtype=dtype, **kwargs
+        ).eval()
     finally:
         if bars:
             logging.enable_progress_bar()

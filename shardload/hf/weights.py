@@ -22,11 +22,12 @@ import torch
 from ..errors import Stopped
 from ..shared_outputs import SharedOutputs
 
-__all__ = ["hf_state", "gguf_state", "dense_weights", "sharing_replicated"]
+__all__ = ["dense_weights", "gguf_state", "hf_state", "sharing_replicated"]
 
 
-def dense_weights(shards: dict[str, torch.Tensor], quant: dict,
-                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def dense_weights(
+    shards: dict[str, torch.Tensor], quant: dict, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """The worker's shards as dense tensors under the checkpoint's names: quantized modules
     dequantized (``shardload.formats``, by the plan's record of the quantization), float tensors
     cast, everything else (scales of replicated layers that are not weights, index tensors)
@@ -43,8 +44,14 @@ def dense_weights(shards: dict[str, torch.Tensor], quant: dict,
         prefix = f"{module}." if module else ""
         if formats.is_quantized(scheme.method, parts):
             dense = formats.dequantize_module(
-                scheme.method, parts, bits=scheme.bits, group_size=scheme.group_size,
-                gptq_version=scheme.gptq_version, block=scheme.block, dtype=dtype)
+                scheme.method,
+                parts,
+                bits=scheme.bits,
+                group_size=scheme.group_size,
+                gptq_version=scheme.gptq_version,
+                block=scheme.block,
+                dtype=dtype,
+            )
         else:
             dense = {k: t for k, t in parts.items() if t.is_floating_point()}
         for key, tensor in dense.items():
@@ -78,8 +85,9 @@ def gguf_state(ctx, spec: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     # the tensor processors read the worker's head counts (llama's q/k permutation is undone
     # within each of its heads)
     local = {**gguf["config"], **spec["sizes"]}
-    return from_gguf.state_dict({k: v.numpy() for k, v in arrays.items()}, gguf["arch"],
-                                local, gguf["mapping"], dtype)
+    return from_gguf.state_dict(
+        {k: v.numpy() for k, v in arrays.items()}, gguf["arch"], local, gguf["mapping"], dtype
+    )
 
 
 def _zero_on_others(ctx, spec: dict, state: dict[str, torch.Tensor]) -> None:
@@ -113,12 +121,13 @@ def _fill_in_experts(dense: dict[str, torch.Tensor], ep: dict, dtype: torch.dtyp
         if name in dense:
             piece = dense[name]
             whole = piece.new_zeros(shape)
-            whole[:piece.shape[0], :piece.shape[1]] = piece
+            whole[: piece.shape[0], : piece.shape[1]] = piece
             dense[name] = whole
 
 
-def _expand_kv(dense: dict[str, torch.Tensor], kv_map: list[int], head_dim: int,
-               kv_modules: list[str]) -> None:
+def _expand_kv(
+    dense: dict[str, torch.Tensor], kv_map: list[int], head_dim: int, kv_modules: list[str]
+) -> None:
     """Give each local query head its own copy of the KV head it uses (``kv_map[h]``, a local
     KV index), where zero-padding made the pattern irregular for transformers' repeat_kv."""
     rows = torch.cat([torch.arange(k * head_dim, (k + 1) * head_dim) for k in kv_map])
@@ -161,14 +170,16 @@ def _gguf_arrays(ctx, spec: dict) -> dict[str, torch.Tensor]:
     types, replicated = gguf["types"], set(gguf["replicated"])
     out = {}
     for name, piece in ctx.shards.items():
+
         def make(piece=piece, name=name) -> torch.Tensor:
-            return formats.dequantize_module("gguf", {"weight": piece},
-                                             ggml_types={"weight": types[name]})["weight"]
+            return formats.dequantize_module(
+                "gguf", {"weight": piece}, ggml_types={"weight": types[name]}
+            )["weight"]
 
         shared = _replicated.get(spec["token"]) if name in replicated else None
         if shared is None:
             out[name] = make()
-        else:   # every local worker holds every replicated piece, in the same order
+        else:  # every local worker holds every replicated piece, in the same order
             out[name], _ = shared.take(name, make, lambda: _alive(ctx))
             shared.release(name)
         ctx.progress(nbytes=piece.nbytes)

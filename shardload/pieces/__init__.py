@@ -44,12 +44,36 @@ The sizes a module reads when it runs (``reads.RELEASE_BATCH_BYTES``, ``reads.RE
 from __future__ import annotations
 
 from .chains import run_steps
-from .load import (FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, fetch_piece, load_pieces,
-                   read_piece, release_loads)
-from .reads import (READAHEAD_BYTES, READAHEAD_WINDOW, RELEASE_BATCH_BYTES, PageReleases,
-                    Readahead, read_runs, source_bytes_for)
+from .load import (
+    FETCH_PIECE,
+    LOAD_PIECES,
+    RELEASE_LOADS,
+    fetch_piece,
+    load_pieces,
+    read_piece,
+    release_loads,
+)
+from .reads import (
+    READAHEAD_BYTES,
+    READAHEAD_WINDOW,
+    RELEASE_BATCH_BYTES,
+    PageReleases,
+    Readahead,
+    read_runs,
+    source_bytes_for,
+)
 from .sharing import MAX_SHARED, LocalLoad, local_load
 
-__all__ = ["LOAD_PIECES", "FETCH_PIECE", "RELEASE_LOADS", "MAX_SHARED", "LocalLoad",
-           "PageReleases", "run_steps", "read_runs", "read_piece",
-           "source_bytes_for", "load_pieces"]
+__all__ = [
+    "FETCH_PIECE",
+    "LOAD_PIECES",
+    "MAX_SHARED",
+    "RELEASE_LOADS",
+    "LocalLoad",
+    "PageReleases",
+    "load_pieces",
+    "read_piece",
+    "read_runs",
+    "run_steps",
+    "source_bytes_for",
+]

@@ -9,7 +9,6 @@ in, each step's output is allocated with its declared shape and dtype, and the f
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional
 
 import torch
 
@@ -17,10 +16,10 @@ from .. import dtypes
 from ..errors import ShardloadError, annotate
 from ..registry import ShardFunc, get_shard_func
 
-__all__ = ["run_steps", "cupy_missing"]
+__all__ = ["cupy_missing", "run_steps"]
 
 
-def cupy_missing() -> Optional[str]:
+def cupy_missing() -> str | None:
     """Why ``import cupy`` fails here, with what to install; None where it works. CuPy's wheel
     is named for the CUDA it is built for (``cupy-cuda12x``, ``cupy-cuda13x``): any of them
     gives the module ``cupy``, which is all shardload asks for.
@@ -31,8 +30,11 @@ def cupy_missing() -> Optional[str]:
     if importlib.util.find_spec("cupy") is not None:
         return None
     major = (torch.version.cuda or "").split(".")[0]
-    wheel = (f"cupy-cuda{major}x (this torch is built for CUDA {torch.version.cuda})" if major
-             else "the cupy-cuda wheel of your CUDA (cupy-cuda12x, cupy-cuda13x)")
+    wheel = (
+        f"cupy-cuda{major}x (this torch is built for CUDA {torch.version.cuda})"
+        if major
+        else "the cupy-cuda wheel of your CUDA (cupy-cuda12x, cupy-cuda13x)"
+    )
     return f"cupy is not installed: pip install {wheel}"
 
 
@@ -55,8 +57,10 @@ def _call(func: ShardFunc, x: torch.Tensor, extra: tuple, out: torch.Tensor) -> 
         out.copy_(host)
         return
     if func.array == "cupy" and (x.device.type != "cuda" or out.device.type != "cuda"):
-        raise ShardloadError(f"{func.name} takes cupy arrays, which need a CUDA device; "
-                             f"this worker's device is {out.device}")
+        raise ShardloadError(
+            f"{func.name} takes cupy arrays, which need a CUDA device; "
+            f"this worker's device is {out.device}"
+        )
     func.func(_as_array(x, func.array), *extra, _as_array(out, func.array))
 
 

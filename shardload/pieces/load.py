@@ -19,8 +19,8 @@ import contextlib
 import math
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -32,17 +32,35 @@ from ..readers.base import COPY_CHUNK_BYTES, Checkpoint, copy_progress
 from ..readplan import Kind, PieceRead, Pieces
 from ..registry import get_shard_func, load_plugins
 from ..sessions import Stopped, WorkerContext, register_session_func
-from ..staging import Pipeline, Staging
-from .chains import run_steps
-from .reads import (CHECK_INTERVAL_S, SMALL_RUN_BYTES, PageReleases, Readahead, SourceViews,
-                    copy_runs, count_read, new_piece, piece_spans, read_runs, source_bytes_for)
-from .stream import worker_side
-from . import wire
 from ..shared_outputs import SharedOutputs
+from ..staging import Pipeline, Staging
+from . import wire
+from .chains import run_steps
+from .reads import (
+    CHECK_INTERVAL_S,
+    SMALL_RUN_BYTES,
+    PageReleases,
+    Readahead,
+    SourceViews,
+    copy_runs,
+    count_read,
+    new_piece,
+    piece_spans,
+    read_runs,
+    source_bytes_for,
+)
 from .sharing import local_for
+from .stream import worker_side
 
-__all__ = ["LOAD_PIECES", "FETCH_PIECE", "RELEASE_LOADS", "read_piece", "load_pieces",
-           "fetch_piece", "release_loads"]
+__all__ = [
+    "FETCH_PIECE",
+    "LOAD_PIECES",
+    "RELEASE_LOADS",
+    "fetch_piece",
+    "load_pieces",
+    "read_piece",
+    "release_loads",
+]
 
 LOAD_PIECES = "shardload.load_pieces"
 FETCH_PIECE = "shardload.fetch_piece"
@@ -58,8 +76,7 @@ def _place(tensor: torch.Tensor, device: torch.device, owned: bool) -> torch.Ten
     return tensor.to(device, copy=True).contiguous()
 
 
-def _fixup(piece: PieceRead, num_shards: int, rank: int
-           ) -> Optional[Callable[[torch.Tensor], None]]:
+def _fixup(piece: PieceRead, num_shards: int, rank: int) -> Callable[[torch.Tensor], None] | None:
     """The piece's fixup as ``fix(tensor)``, or None."""
     if piece.fixup is None:
         return None
@@ -76,8 +93,7 @@ def _fixup(piece: PieceRead, num_shards: int, rank: int
     return apply
 
 
-def read_piece(source: Checkpoint, piece: PieceRead, num_shards: int, rank: int
-               ) -> torch.Tensor:
+def read_piece(source: Checkpoint, piece: PieceRead, num_shards: int, rank: int) -> torch.Tensor:
     """Worker ``rank``'s piece, read by its byte runs (a piece without a chain), fixed up, as
     a new CPU tensor."""
     views = SourceViews(source)
@@ -90,9 +106,15 @@ def read_piece(source: Checkpoint, piece: PieceRead, num_shards: int, rank: int
 WaitForUnit = Callable[[int, str], None]
 
 
-def read_host(piece: PieceRead, views: SourceViews, num_shards: int, rank: int,
-              waiting: Optional[Callable[[], None]] = None, parts=None,
-              wait: Optional[WaitForUnit] = None) -> tuple[torch.Tensor, int]:
+def read_host(
+    piece: PieceRead,
+    views: SourceViews,
+    num_shards: int,
+    rank: int,
+    waiting: Callable[[], None] | None = None,
+    parts=None,
+    wait: WaitForUnit | None = None,
+) -> tuple[torch.Tensor, int]:
     """The one read of a piece without a chain into host memory: a new tensor that owns its
     memory, filled by the piece's runs and fixed up; and the checkpoint bytes copied. A load
     reads most pieces this way, so it is kept to the fewest calls.
@@ -127,14 +149,21 @@ class _Worker:
     num_shards: int
     rank: int
     device: torch.device
-    pipe: Optional[Pipeline]
-    shared: Optional[SharedOutputs]
+    pipe: Pipeline | None
+    shared: SharedOutputs | None
     waiting: Callable[[], None]
     stopped: Callable[[], bool]
-    views: Optional[SourceViews] = None
+    views: SourceViews | None = None
 
-    def fill(self, runs, shape, dtype: str, zeros: bool, name: str,
-             fixup: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+    def fill(
+        self,
+        runs,
+        shape,
+        dtype: str,
+        zeros: bool,
+        name: str,
+        fixup: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """A new tensor on the device (staged) or on the host (direct), filled by ``runs``: a
         chain's input, or a replicated piece staged once for the workers of a process; the
         load counts the bytes read (``count_read``) once it is done."""
@@ -143,11 +172,11 @@ class _Worker:
             if fixup is not None:
                 fixup(tensor)
             return tensor
-        return self.pipe.piece(source_bytes_for(self.source, runs), runs, shape, dtype, zeros,
-                               name, fixup)
+        return self.pipe.piece(
+            source_bytes_for(self.source, runs), runs, shape, dtype, zeros, name, fixup
+        )
 
-    def share(self, name: str, make: Callable[[], torch.Tensor]
-              ) -> tuple[torch.Tensor, bool]:
+    def share(self, name: str, make: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, bool]:
         """``make()``'s tensor, made once by the first worker of this process to ask and
         shared with the others; whether this worker made it."""
         if self.shared is None:
@@ -180,12 +209,19 @@ def _piece(w: _Worker, piece: PieceRead) -> tuple[torch.Tensor, int]:
             return tensor, nread  # read_host made it: new, owned, contiguous
         return _place(tensor, w.device, owned=True), nread
     if chain is None and not (piece.shared and w.shared is not None):
-        tensor = w.pipe.piece(source_bytes_for(w.source, piece.runs), piece.runs, piece.shape,
-                              piece.dtype, piece.zeros, piece.name,
-                              _fixup(piece, w.num_shards, w.rank))
+        tensor = w.pipe.piece(
+            source_bytes_for(w.source, piece.runs),
+            piece.runs,
+            piece.shape,
+            piece.dtype,
+            piece.zeros,
+            piece.name,
+            _fixup(piece, w.num_shards, w.rank),
+        )
         return _place(tensor, w.device, owned=True), piece.bytes_read
 
     if chain is None:  # staged, replicated, shared by several workers of this process
+
         def stage() -> torch.Tensor:
             tensor = w.fill(piece.runs, piece.shape, piece.dtype, False, piece.name)
             # the others copy from it next, from their own threads onto their own devices:
@@ -194,8 +230,9 @@ def _piece(w: _Worker, piece: PieceRead) -> tuple[torch.Tensor, int]:
             return tensor
 
         whole, made = w.share(piece.name, stage)
-        return (whole if made else _place(whole, w.device, owned=False)), \
-            piece.bytes_read if made else 0
+        return (
+            whole if made else _place(whole, w.device, owned=False)
+        ), piece.bytes_read if made else 0
 
     def compute() -> torch.Tensor:
         x = w.fill(piece.runs, chain.shape, chain.dtype, False, piece.name)
@@ -209,8 +246,7 @@ def _piece(w: _Worker, piece: PieceRead) -> tuple[torch.Tensor, int]:
         return out
 
     full, computed = w.share(piece.name, compute)
-    return _place(full[chain.index], w.device, owned=False), \
-        piece.bytes_read if computed else 0
+    return _place(full[chain.index], w.device, owned=False), piece.bytes_read if computed else 0
 
 
 #: a worker reports its progress (bytes for the bar, the parameter it is on for the watchdog),
@@ -231,14 +267,21 @@ class _Books:
     ``flush``): the batch's pieces are the plan's from the last one settled up to the one the
     loop is at."""
 
-    def __init__(self, ctx: WorkerContext, readahead: Readahead, local, releases: PageReleases,
-                 stopped: Callable[[], bool], pieces: Pieces):
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        readahead: Readahead,
+        local,
+        releases: PageReleases,
+        stopped: Callable[[], bool],
+        pieces: Pieces,
+    ):
         self._ctx, self._readahead, self._local, self._releases = ctx, readahead, local, releases
         self._stopped = stopped
         self._pieces = pieces
         self._first = 0  # the first piece not yet settled
         self._turns = local.turns if local is not None and ctx.device.type == "cpu" else None
-        self._turn: Optional[int] = None
+        self._turn: int | None = None
 
     def take_turn(self) -> None:
         """Wait for a turn (reporting progress meanwhile, so waiting is not a stall)."""
@@ -284,9 +327,14 @@ class _Books:
         self._ctx.progress(nbytes=nbytes)
 
 
-def _read_all(pieces: Pieces, kept: dict, books: _Books, views: SourceViews,
-              general: Callable[[int, PieceRead], tuple[torch.Tensor, int]], plain: bool
-              ) -> tuple[int, int]:
+def _read_all(
+    pieces: Pieces,
+    kept: dict,
+    books: _Books,
+    views: SourceViews,
+    general: Callable[[int, PieceRead], tuple[torch.Tensor, int]],
+    plain: bool,
+) -> tuple[int, int]:
     """Every piece of ``pieces`` into ``kept``, in order, settled in batches by ``books``;
     the checkpoint bytes read and the bytes kept.
 
@@ -309,8 +357,9 @@ def _read_all(pieces: Pieces, kept: dict, books: _Books, views: SourceViews,
     kept_bytes = 0
     unread = 0  # bytes kept but not read (padding, shared pieces) less those read twice
     limit, batch_bytes, turn_due = 0, 0, True  # a batch is reported before piece ``limit``
-    for j, (name, k, source, begin) in enumerate(zip(pieces.names, pieces.kind, pieces.source,
-                                                     pieces.begin)):
+    for j, (name, k, source, begin) in enumerate(
+        zip(pieces.names, pieces.kind, pieces.source, pieces.begin)
+    ):
         nbytes, carrier, view, itemsize, shape, run = inline[k]
         if j >= limit or batch_bytes >= BOOKS_BYTES or nbytes >= BOOKS_BYTES:
             books.report(j, batch_bytes)  # and stops here if the load is stopping
@@ -336,13 +385,23 @@ def _read_all(pieces: Pieces, kept: dict, books: _Books, views: SourceViews,
                     kept[name] = tensor if view is None else tensor.view(view)
                     batch_bytes += nbytes
                     continue
-            elif count > 1 and stride and dst_stride == size and size * count == nbytes \
-                    and size % itemsize == 0 and offset + (count - 1) * stride + size <= entry[3]:
+            elif (
+                count > 1
+                and stride
+                and dst_stride == size
+                and size * count == nbytes
+                and size % itemsize == 0
+                and offset + (count - 1) * stride + size <= entry[3]
+            ):
                 if len(shape) == 2 and shape[0] == count:  # a column split: rows of it
                     data = ndarray(shape, carrier, entry[1], offset, (stride, itemsize)).copy()
                 else:
-                    data = ndarray((count, size), uint8, entry[1], offset, (stride, 1)).copy() \
-                        .view(carrier).reshape(shape)
+                    data = (
+                        ndarray((count, size), uint8, entry[1], offset, (stride, 1))
+                        .copy()
+                        .view(carrier)
+                        .reshape(shape)
+                    )
                 tensor = from_numpy(data)
                 kept[name] = tensor if view is None else tensor.view(view)
                 batch_bytes += nbytes
@@ -366,12 +425,17 @@ def _inline(kind: Kind, plain: bool) -> tuple:
     carrier, view = dtypes.numpy_carrier(kind.dtype)
     nbytes = math.prod(kind.shape) * size
     run = None
-    if plain and kind.chain is None and kind.fixup is None and not kind.zeros \
-            and len(kind.tails) == 1 and nbytes <= SMALL_RUN_BYTES:
+    if (
+        plain
+        and kind.chain is None
+        and kind.fixup is None
+        and not kind.zeros
+        and len(kind.tails) == 1
+        and nbytes <= SMALL_RUN_BYTES
+    ):
         offset, tail = kind.tails[0]
         run = (offset, *tail)
-    return (nbytes, carrier, dtypes.to_torch(kind.dtype) if view else None, size, kind.shape,
-            run)
+    return (nbytes, carrier, dtypes.to_torch(kind.dtype) if view else None, size, kind.shape, run)
 
 
 @register_session_func(LOAD_PIECES)
@@ -422,11 +486,21 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
         waiting = lambda: ctx.progress(where=current[0])  # noqa: E731
         pipe = None
         if staging is not None:
-            pipe = stack.enter_context(Pipeline(ctx.device, Staging.from_json(staging),
-                                                stopped, waiting))
+            pipe = stack.enter_context(
+                Pipeline(ctx.device, Staging.from_json(staging), stopped, waiting)
+            )
         shared = local.shared if local is not None and local.num_local > 1 else None
-        worker = _Worker(source, plan.num_shards, plan.rank, ctx.device, pipe, shared, waiting,
-                         stopped, SourceViews(source))
+        worker = _Worker(
+            source,
+            plan.num_shards,
+            plan.rank,
+            ctx.device,
+            pipe,
+            shared,
+            waiting,
+            stopped,
+            SourceViews(source),
+        )
         books = _Books(ctx, readahead, local, releases, stopped, plan.pieces)
         stack.callback(books.give_turn)
         direct_cpu = pipe is None and ctx.device.type == "cpu"
@@ -460,16 +534,18 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
                 # read straight into its own new tensor, holding a turn (no waiting on other
                 # workers while holding it)
                 books.take_turn()
-                return read_host(piece, views, plan.num_shards, plan.rank, waiting, parts,
-                                 wait_for_unit)
+                return read_host(
+                    piece, views, plan.num_shards, plan.rank, waiting, parts, wait_for_unit
+                )
             books.give_turn()
             ctx.progress(where=piece.name)  # may wait on others or compute long: named
             # a long copy or computation reports progress too, so it is not taken for a hang
             with copy_progress(waiting):
                 return _piece(worker, piece)
 
-        read, kept_bytes = _read_all(plan.pieces, kept, books, views, general,
-                                     plain=direct_cpu and consumer is None)
+        read, kept_bytes = _read_all(
+            plan.pieces, kept, books, views, general, plain=direct_cpu and consumer is None
+        )
         worker.views.check()  # no file changed under the load
         count_read(source, nbytes=read)  # once: a count per piece contended for a lock
         if pipe is not None:
@@ -481,8 +557,12 @@ def load_pieces(ctx: WorkerContext, request: dict) -> dict:
         local.shards[plan.rank] = kept  # the loader returns them itself
     else:  # kept here until the loader says its result was dropped (release_loads)
         ctx.values.setdefault(LOAD_PIECES, {})[request["load"]] = kept
-    reply = {"bytes": kept_bytes, "tensors": len(kept), "bytes_read": read,
-             "seconds": time.perf_counter() - start}
+    reply = {
+        "bytes": kept_bytes,
+        "tensors": len(kept),
+        "bytes_read": read,
+        "seconds": time.perf_counter() - start,
+    }
     if consumer is not None:
         reply["seconds_waiting_for_objects"] = consumer.waited
     if pipe is not None:

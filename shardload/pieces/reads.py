@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
 
 import numpy as np
 import torch
@@ -25,10 +24,24 @@ from .. import dtypes
 from ..readers.base import Checkpoint
 from ..readplan import ReadPlan, Run, check_run
 
-__all__ = ["RELEASE_BATCH_BYTES", "READAHEAD_WINDOW", "READAHEAD_BYTES", "SPAN_GAP_BYTES",
-           "SMALL_RUN_BYTES", "CHECK_INTERVAL_S", "new_piece", "read_runs", "copy_runs",
-           "SourceViews", "source_bytes_for", "count_read", "PageReleases", "Readahead",
-           "tensor_spans", "piece_spans"]
+__all__ = [
+    "CHECK_INTERVAL_S",
+    "READAHEAD_BYTES",
+    "READAHEAD_WINDOW",
+    "RELEASE_BATCH_BYTES",
+    "SMALL_RUN_BYTES",
+    "SPAN_GAP_BYTES",
+    "PageReleases",
+    "Readahead",
+    "SourceViews",
+    "copy_runs",
+    "count_read",
+    "new_piece",
+    "piece_spans",
+    "read_runs",
+    "source_bytes_for",
+    "tensor_spans",
+]
 
 #: mapped pages go back to the kernel once this many bytes of them are done with (PageReleases)
 RELEASE_BATCH_BYTES = 256 << 20
@@ -54,10 +67,16 @@ def _copy_run(dst: torch.Tensor, src: torch.Tensor, run: Run) -> None:
     from ..readers.mapped import copy_blocks
 
     # as_strided counts offsets from the start of the storage, not of the view
-    s = src.as_strided((run.count, run.nbytes, 1), (run.stride or run.nbytes, 1, 1),
-                       src.storage_offset() + run.offset)
-    d = dst.as_strided((run.count, run.nbytes, 1), (run.dst_stride or run.nbytes, 1, 1),
-                       dst.storage_offset() + run.dst_offset)
+    s = src.as_strided(
+        (run.count, run.nbytes, 1),
+        (run.stride or run.nbytes, 1, 1),
+        src.storage_offset() + run.offset,
+    )
+    d = dst.as_strided(
+        (run.count, run.nbytes, 1),
+        (run.dst_stride or run.nbytes, 1, 1),
+        dst.storage_offset() + run.dst_offset,
+    )
     copy_blocks(d, s)
 
 
@@ -83,7 +102,7 @@ class SourceViews:
 
     def refresh(self, index: int, now: float) -> tuple[torch.Tensor, np.ndarray, float, int]:
         """Source ``index`` fetched again (checked unchanged), as checked at ``now``."""
-        view = self._source.source_bytes(index)              # checks the file is unchanged
+        view = self._source.source_bytes(index)  # checks the file is unchanged
         array = view.numpy()
         entry = self.entries[index] = (view, array, now, array.shape[0])
         return entry
@@ -121,18 +140,31 @@ def copy_runs(dst: np.ndarray, runs, views: SourceViews, name: str) -> int:
         if run.total > SMALL_RUN_BYTES:
             _copy_run(torch.from_numpy(dst), src_t, run)
         elif run.count == 1:
-            dst[run.dst_offset:run.dst_offset + run.nbytes] = \
-                src[run.offset:run.offset + run.nbytes]
+            dst[run.dst_offset : run.dst_offset + run.nbytes] = src[
+                run.offset : run.offset + run.nbytes
+            ]
         else:
-            np.ndarray((run.count, run.nbytes), np.uint8, dst, run.dst_offset,
-                       (run.dst_stride or run.nbytes, 1))[...] = \
-                np.ndarray((run.count, run.nbytes), np.uint8, src, run.offset,
-                           (run.stride or run.nbytes, 1))
+            np.ndarray(
+                (run.count, run.nbytes),
+                np.uint8,
+                dst,
+                run.dst_offset,
+                (run.dst_stride or run.nbytes, 1),
+            )[...] = np.ndarray(
+                (run.count, run.nbytes), np.uint8, src, run.offset, (run.stride or run.nbytes, 1)
+            )
     return total
 
 
-def read_runs(source: Checkpoint, runs, shape, dtype: str, zeros: bool, name: str,
-              views: Optional[SourceViews] = None) -> torch.Tensor:
+def read_runs(
+    source: Checkpoint,
+    runs,
+    shape,
+    dtype: str,
+    zeros: bool,
+    name: str,
+    views: SourceViews | None = None,
+) -> torch.Tensor:
     """A new CPU tensor of ``shape``/``dtype`` filled by ``runs`` from ``source``'s bytes.
     Through ``views``, a load's ``SourceViews``, where given: then the load counts the bytes
     read (``count_read``) itself, once, rather than per piece."""
@@ -178,11 +210,20 @@ class PageReleases:
     processes it spans.
     """
 
-    def __init__(self, source: Checkpoint, batch_bytes: Optional[int] = None, *,
-                 workers: int = 1, num_shards: int = 1):
+    def __init__(
+        self,
+        source: Checkpoint,
+        batch_bytes: int | None = None,
+        *,
+        workers: int = 1,
+        num_shards: int = 1,
+    ):
         self._source = source
-        self._batch = (RELEASE_BATCH_BYTES * workers // max(1, num_shards)
-                       if batch_bytes is None else batch_bytes)
+        self._batch = (
+            RELEASE_BATCH_BYTES * workers // max(1, num_shards)
+            if batch_bytes is None
+            else batch_bytes
+        )
         self._spans: list[tuple[int, int, int]] = []
         self._pending = 0
         self._lock = threading.Lock()
@@ -245,23 +286,30 @@ class Readahead:
 
     def __init__(self, source: Checkpoint, spans: list[tuple[str, int, int, int]]):
         self._source = source
-        self._position: dict[str, int] = {}   # tensor -> where it starts, in bytes of spans
+        self._position: dict[str, int] = {}  # tensor -> where it starts, in bytes of spans
         self._windows: list[tuple[int, int, int, int]] = []  # (position, source, begin, end)
         at = 0
         position, windows = self._position, self._windows
-        last: Optional[tuple[int, int, int, int]] = None  # windows[-1], as it grows
+        last: tuple[int, int, int, int] | None = None  # windows[-1], as it grows
         for name, index, begin, end in spans:
             position.setdefault(name, at)
-            if last is not None and last[1] == index and 0 <= begin - last[3] < SPAN_GAP_BYTES \
-                    and end - last[2] <= READAHEAD_WINDOW:  # most spans: the last window grows
+            if (
+                last is not None
+                and last[1] == index
+                and 0 <= begin - last[3] < SPAN_GAP_BYTES
+                and end - last[2] <= READAHEAD_WINDOW
+            ):  # most spans: the last window grows
                 last = windows[-1] = (last[0], index, last[2], end)
                 at += end - begin
                 continue
             for start in range(begin, end, READAHEAD_WINDOW):
                 stop = min(end, start + READAHEAD_WINDOW)
-                if last is not None and last[1] == index and \
-                        0 <= start - last[3] < SPAN_GAP_BYTES and \
-                        stop - last[2] <= READAHEAD_WINDOW:
+                if (
+                    last is not None
+                    and last[1] == index
+                    and 0 <= start - last[3] < SPAN_GAP_BYTES
+                    and stop - last[2] <= READAHEAD_WINDOW
+                ):
                     last = windows[-1] = (last[0], index, last[2], stop)
                 else:
                     last = (at + start - begin, index, start, stop)
@@ -270,12 +318,13 @@ class Readahead:
         self._reached = 0
         self._cond = threading.Condition()
         self._closed = False
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
-    def start(self) -> "Readahead":
+    def start(self) -> Readahead:
         if self._windows and self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="shardload-readahead",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, name="shardload-readahead", daemon=True
+            )
             self._thread.start()
         return self
 
@@ -315,11 +364,18 @@ def piece_spans(plan: ReadPlan) -> list[tuple[str, int, int, int]]:
     """The extent of each piece's runs in its source: what one worker process reads (each
     kind's extent from its tensor's first byte worked out once)."""
     pieces = plan.pieces
-    extents = [None if kind is None or not kind.tails else
-               (min(offset for offset, _ in kind.tails),
-                max(offset + (count - 1) * stride + nbytes
-                    for offset, (nbytes, count, stride, _, _) in kind.tails))
-               for kind in pieces.kinds]
+    extents = [
+        None
+        if kind is None or not kind.tails
+        else (
+            min(offset for offset, _ in kind.tails),
+            max(
+                offset + (count - 1) * stride + nbytes
+                for offset, (nbytes, count, stride, _, _) in kind.tails
+            ),
+        )
+        for kind in pieces.kinds
+    ]
     spans = []
     for name, k, source, begin in zip(pieces.names, pieces.kind, pieces.source, pieces.begin):
         extent = extents[k]

@@ -14,7 +14,6 @@ import os
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -23,13 +22,14 @@ from ..readplan import ReadPlan
 from ..shared_outputs import SharedOutputs
 from .reads import PageReleases, Readahead, tensor_spans
 
-__all__ = ["MAX_SHARED", "LocalLoad", "local_load", "local_for"]
+__all__ = ["MAX_SHARED", "LocalLoad", "local_for", "local_load"]
 
 #: chains whose full output may be alive at once in one process (the staging bound)
 MAX_SHARED = 2
 
 
 # ---- loads the loader runs in its own process ----------------------------------------------------
+
 
 @dataclass
 class LocalLoad:
@@ -50,26 +50,25 @@ class LocalLoad:
 
     def __post_init__(self) -> None:
         self.shared = SharedOutputs(self.num_local, self.stopped.is_set, most_alive=MAX_SHARED)
-        self.releases = PageReleases(self.ckpt, workers=self.num_local,
-                                     num_shards=self.num_shards)
+        self.releases = PageReleases(self.ckpt, workers=self.num_local, num_shards=self.num_shards)
         # every tensor, for the workers here to read ahead and release; none where there are
         # none (a load on worker processes only: they read ahead for themselves)
         self._spans = tensor_spans(self.ckpt) if self.num_local else []
         self.readahead = Readahead(self.ckpt, self._spans)
         self._order = {span[0]: k for k, span in enumerate(self._spans)}
-        self._at: dict[int, int] = {}   # each local worker's last finished tensor, in order
+        self._at: dict[int, int] = {}  # each local worker's last finished tensor, in order
         # Workers of CPU devices take turns to read batches of pieces, as many at once as
         # there are cores: each copy is memory-bound, and more threads than cores running
         # per-piece Python only hand the GIL back and forth (a third of the CPU time of eight
         # workers on two cores went to that).
         # (a queue of tokens, not threading.Semaphore: that is Python code around a Condition,
         # itself a GIL hand-off at every turn)
-        self.turns: "queue.SimpleQueue[int]" = queue.SimpleQueue()
+        self.turns: queue.SimpleQueue[int] = queue.SimpleQueue()
         for token in range(max(1, min(self.num_local, os.cpu_count() or 1))):
             self.turns.put(token)
-        self._released = -1             # the tensors up to this one went back
+        self._released = -1  # the tensors up to this one went back
 
-    def start(self, plans: dict[int, ReadPlan], consumers: Optional[dict] = None) -> None:
+    def start(self, plans: dict[int, ReadPlan], consumers: dict | None = None) -> None:
         """The read plans of the workers in this process, before they run, and their sides of
         the load's stream of object bytes (``stream.Consumer``), where it has one."""
         self.plans.update(plans)
@@ -84,14 +83,14 @@ class LocalLoad:
         last = self._order.get(name)
         if last is None or rank not in self._at:
             return
-        self._at[rank] = last          # one store: atomic under the GIL
+        self._at[rank] = last  # one store: atomic under the GIL
         low = min(self._at.values())
         if low <= self._released:
             return
         with self._lock:  # whichever worker gets here first releases the span
             begin, self._released = self._released + 1, max(low, self._released)
-        run: Optional[list] = None  # tensors lie in storage order: one span per file
-        for _, index, first, end in self._spans[begin:low + 1]:
+        run: list | None = None  # tensors lie in storage order: one span per file
+        for _, index, first, end in self._spans[begin : low + 1]:
             if run is not None and run[0] == index and first >= run[2]:
                 run[2] = end
                 continue
@@ -131,6 +130,6 @@ def local_load(ckpt: Checkpoint, num_local: int, num_shards: int):
         load.releases.flush()
 
 
-def local_for(token: str) -> Optional[LocalLoad]:
+def local_for(token: str) -> LocalLoad | None:
     """The load ``token`` names if it runs in this process (``local_load``), else None."""
     return _local.get(token)

@@ -41,16 +41,29 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from ..errors import ShardloadError
 from ..readplan import PieceRead, ReadPlan, Run
 from ..sessions import Stopped
 
-__all__ = ["ObjectStream", "Consumer", "Control", "StreamFailed", "Units", "stream_units",
-           "piece_units", "split_runs", "worker_side", "attach_consumer", "DEFAULT_WINDOW_BYTES",
-           "PART_BYTES", "window_from_env", "WINDOW_ENV"]
+__all__ = [
+    "DEFAULT_WINDOW_BYTES",
+    "PART_BYTES",
+    "WINDOW_ENV",
+    "Consumer",
+    "Control",
+    "ObjectStream",
+    "StreamFailed",
+    "Units",
+    "attach_consumer",
+    "piece_units",
+    "split_runs",
+    "stream_units",
+    "window_from_env",
+    "worker_side",
+]
 
 #: the window's default: bytes of objects held at once by a load's process, besides what the
 #: workers keep (``$SHARDLOAD_OBJECT_WINDOW_MB``)
@@ -92,12 +105,15 @@ def window_from_env(environ=None) -> int:
     except ValueError:
         value = float("nan")
     if not (value > 0 and value < (1 << 30)):
-        raise ValueError(f"{WINDOW_ENV}={text!r} must be a positive number of MiB (default "
-                         f"{DEFAULT_WINDOW_BYTES >> 20})")
+        raise ValueError(
+            f"{WINDOW_ENV}={text!r} must be a positive number of MiB (default "
+            f"{DEFAULT_WINDOW_BYTES >> 20})"
+        )
     return max(1, int(value * (1 << 20)))
 
 
 # ---- units --------------------------------------------------------------------------------------
+
 
 def _object_sources(plan: ReadPlan) -> set[int]:
     return {k for k, spec in enumerate(plan.sources) if spec.get("object") is not None}
@@ -107,8 +123,7 @@ def _run_spans(run) -> list[tuple[int, int]]:
     stride = run.stride or run.nbytes
     if run.count == 1 or stride == run.nbytes:
         return [(run.offset, run.offset + run.count * run.nbytes)]
-    return [(a, a + run.nbytes) for a in range(run.offset, run.offset + run.count * stride,
-                                               stride)]
+    return [(a, a + run.nbytes) for a in range(run.offset, run.offset + run.count * stride, stride)]
 
 
 def _merged_order(plans: list[ReadPlan]) -> list[str]:
@@ -141,8 +156,10 @@ def _merged_order(plans: list[ReadPlan]) -> list[str]:
             if not waiting[nxt]:
                 heapq.heappush(ready, (first[nxt], nxt))
     if len(order) != len(first):
-        raise ValueError("the workers' read plans take the parameters in orders that "
-                         "contradict each other; they cannot share one stream")
+        raise ValueError(
+            "the workers' read plans take the parameters in orders that "
+            "contradict each other; they cannot share one stream"
+        )
     return order
 
 
@@ -177,7 +194,7 @@ def _cuts(plans: list[ReadPlan], part_bytes: int) -> dict[str, tuple[int, tuple[
     cuts = {}
     for name, by_source in bounds.items():
         if len(by_source) == 1:
-            (source, (lo, hi)), = by_source.items()
+            ((source, (lo, hi)),) = by_source.items()
             if hi - lo > part_bytes:
                 cuts[name] = (source, tuple(range(lo + part_bytes, hi, part_bytes)))
     return cuts
@@ -198,8 +215,9 @@ def split_runs(runs, source: int, cuts) -> list[list[Run]]:
             k = bisect.bisect_right(cuts, begin)
             while begin < end:
                 stop = min(end, cuts[k]) if k < len(cuts) else end
-                parts[k].append(Run(source, begin, stop - begin, 1, 0,
-                                    run.dst_offset + begin - run.offset, 0))
+                parts[k].append(
+                    Run(source, begin, stop - begin, 1, 0, run.dst_offset + begin - run.offset, 0)
+                )
                 begin, k = stop, k + 1
         else:
             stride = run.stride or run.nbytes
@@ -207,12 +225,25 @@ def split_runs(runs, source: int, cuts) -> list[list[Run]]:
             first = 0
             for k in range(len(cuts) + 1):
                 # the blocks whose last byte lies before the cut: offset + r*stride + nbytes <= cut
-                last = run.count if k == len(cuts) else min(run.count, max(
-                    first, -(-(cuts[k] - run.offset - run.nbytes + 1) // stride)))
+                last = (
+                    run.count
+                    if k == len(cuts)
+                    else min(
+                        run.count, max(first, -(-(cuts[k] - run.offset - run.nbytes + 1) // stride))
+                    )
+                )
                 if last > first:
-                    parts[k].append(Run(source, run.offset + first * stride, run.nbytes,
-                                        last - first, run.stride,
-                                        run.dst_offset + first * dst_stride, run.dst_stride))
+                    parts[k].append(
+                        Run(
+                            source,
+                            run.offset + first * stride,
+                            run.nbytes,
+                            last - first,
+                            run.stride,
+                            run.dst_offset + first * dst_stride,
+                            run.dst_stride,
+                        )
+                    )
                 first = last
     return parts
 
@@ -221,7 +252,7 @@ def _piece_parts(piece: PieceRead, cut) -> list:
     return [piece.runs] if cut is None else split_runs(piece.runs, cut[0], cut[1])
 
 
-def stream_units(plans: list[ReadPlan], part_bytes: Optional[int] = None) -> Units:
+def stream_units(plans: list[ReadPlan], part_bytes: int | None = None) -> Units:
     """The load's units (``Units``) for the workers of ``plans``, parameters cut in parts of
     ``part_bytes`` (default ``PART_BYTES``)."""
     order = _merged_order(plans)
@@ -270,6 +301,7 @@ def piece_units(plan: ReadPlan, units: Units) -> tuple[list[int], list[int], dic
 
 # ---- the counters -------------------------------------------------------------------------------
 
+
 class Control:
     """The stream's counters, as 64-bit words in memory this process and worker processes map:
     ``[state, units fetched, bytes fetched, moves, position of worker 0, 1, ...]``. Each word
@@ -279,15 +311,16 @@ class Control:
         from ..sources.sparse import memory_file
 
         size = 8 * (_HEADER + consumers)
-        self._fd, self._map = memory_file("shardload-stream", size) if shared \
-            else (-1, mmap.mmap(-1, size))
+        self._fd, self._map = (
+            memory_file("shardload-stream", size) if shared else (-1, mmap.mmap(-1, size))
+        )
         self.consumers = consumers
         self.words = memoryview(self._map).cast("q")
         for k in range(consumers):
             self.words[_HEADER + k] = NOT_ATTACHED
 
     @classmethod
-    def attach(cls, path: str, consumers: int) -> Optional["Control"]:
+    def attach(cls, path: str, consumers: int) -> Control | None:
         """The loader's counters, mapped here; None where they cannot be."""
         from ..sources.sparse import map_memory_file
 
@@ -302,7 +335,7 @@ class Control:
         return self
 
     @property
-    def path(self) -> Optional[str]:
+    def path(self) -> str | None:
         from ..sources.sparse import memory_file_path
 
         return None if self._fd < 0 else memory_file_path(self._fd)
@@ -333,35 +366,43 @@ class Control:
 
 # ---- the fetch ----------------------------------------------------------------------------------
 
+
 class ObjectStream:
     """The fetch of a load's object bytes (module docstring). ``objects``: ``{source index:
     ObjectBytes}`` it fetches into; ``units``: ``stream_units``; ``consumers``: the workers
     that read them; ``shared``: whether worker processes map the counters; ``on_bytes(n)``:
     called with each batch's bytes (a progress bar)."""
 
-    def __init__(self, objects: dict, units: Units, consumers: int, *,
-                 window: Optional[int] = None, shared: bool = False,
-                 on_bytes: Optional[Callable[[int], None]] = None):
+    def __init__(
+        self,
+        objects: dict,
+        units: Units,
+        consumers: int,
+        *,
+        window: int | None = None,
+        shared: bool = False,
+        on_bytes: Callable[[int], None] | None = None,
+    ):
         from ..sources.sparse import merged
 
         self.objects = objects
         self.layout = units
-        self.units = [{k: merged(v) for k, v in unit.items() if k in objects}
-                      for unit in units.spans]
-        self.unit_bytes = [sum(e - b for v in unit.values() for b, e in v)
-                           for unit in self.units]
+        self.units = [
+            {k: merged(v) for k, v in unit.items() if k in objects} for unit in units.spans
+        ]
+        self.unit_bytes = [sum(e - b for v in unit.values() for b, e in v) for unit in self.units]
         self.window = window_from_env() if window is None else int(window)
         self.batch_bytes = max(1, min(BATCH_BYTES, self.window // 4))
         self.control = Control(consumers, shared)
         self.on_bytes = on_bytes
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         #: the most bytes held at once (fetched, not yet released), for statistics and tests
         self.peak_held = 0
         self.fetched = 0
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._held: list[tuple[int, int, int]] = []   # batches held: (first unit, end, bytes)
+        self._held: list[tuple[int, int, int]] = []  # batches held: (first unit, end, bytes)
         self._held_bytes = 0
         self._fetched_to = 0
 
@@ -369,23 +410,27 @@ class ObjectStream:
     def total_bytes(self) -> int:
         return sum(self.unit_bytes)
 
-    def start(self) -> "ObjectStream":
+    def start(self) -> ObjectStream:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="shardload-stream",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._run, name="shardload-stream", daemon=True)
             self._thread.start()
         return self
 
-    def consumer(self, slot: int, plan: ReadPlan) -> "Consumer":
+    def consumer(self, slot: int, plan: ReadPlan) -> Consumer:
         """Worker ``slot``'s side, in this process."""
         return Consumer(self.control, slot, *piece_units(plan, self.layout), stream=self)
 
     def spec(self, slot: int, plan: ReadPlan) -> dict:
         """Worker ``slot``'s side, for a worker process (JSON; ``attach_consumer``)."""
         firsts, lasts, cuts = piece_units(plan, self.layout)
-        return {"control": self.control.path, "consumers": self.control.consumers,
-                "slot": slot, "units": firsts, "last": lasts,
-                "cuts": {str(j): cut for j, cut in cuts.items()}}
+        return {
+            "control": self.control.path,
+            "consumers": self.control.consumers,
+            "slot": slot,
+            "units": firsts,
+            "last": lasts,
+            "cuts": {str(j): cut for j, cut in cuts.items()},
+        }
 
     def close(self) -> None:
         """Stop fetching and release every byte still held. A GET in flight is not waited
@@ -400,7 +445,7 @@ class ObjectStream:
             words[_STATE] = CLOSED
         if not self.fetching:
             self._release(DONE)
-            self.control.close()   # else the thread still writes them: they go with it
+            self.control.close()  # else the thread still writes them: they go with it
 
     @property
     def fetching(self) -> bool:
@@ -427,7 +472,7 @@ class ObjectStream:
         pause = POLL_S
         while not self._stop.is_set():
             moved = False
-            while pending and pending[0].done.is_set():   # settled in order: F only grows
+            while pending and pending[0].done.is_set():  # settled in order: F only grows
                 batch = pending.popleft()
                 if batch.error is not None:
                     raise batch.error
@@ -440,7 +485,7 @@ class ObjectStream:
                     self.on_bytes(batch.nbytes)
                 moved = True
             low = self.control.slowest()
-            if self._held and self._held[0][1] <= low:   # batches every worker is past
+            if self._held and self._held[0][1] <= low:  # batches every worker is past
                 self._release(low)
                 words[_MOVES] += 1
                 moved = True
@@ -448,8 +493,9 @@ class ObjectStream:
                 return
             if k < count and len(pending) < IN_FLIGHT:
                 end, nbytes = k, 0
-                while end < count and (end == k or
-                                       nbytes + self.unit_bytes[end] <= self.batch_bytes):
+                while end < count and (
+                    end == k or nbytes + self.unit_bytes[end] <= self.batch_bytes
+                ):
                     nbytes += self.unit_bytes[end]
                     end += 1
                 # the unit the slowest worker needs is fetched whatever the window holds
@@ -459,8 +505,12 @@ class ObjectStream:
                         self._held_bytes += nbytes
                         self._fetched_to = end
                     self.peak_held = max(self.peak_held, self._held_bytes)
-                    threading.Thread(target=self._fetch_batch, args=(batch,), daemon=True,
-                                     name="shardload-stream-batch").start()
+                    threading.Thread(
+                        target=self._fetch_batch,
+                        args=(batch,),
+                        daemon=True,
+                        name="shardload-stream-batch",
+                    ).start()
                     pending.append(batch)
                     k = end
                     pause = POLL_S
@@ -470,11 +520,11 @@ class ObjectStream:
             elif pending:
                 pending[0].done.wait(pause)
                 pause = min(POLL_MAX_S, pause * 2)
-            else:   # no room: wait for the slowest worker to move on
+            else:  # no room: wait for the slowest worker to move on
                 time.sleep(pause)
                 pause = min(POLL_MAX_S, pause * 2)
 
-    def _fetch_batch(self, batch: "_Batch") -> None:
+    def _fetch_batch(self, batch: _Batch) -> None:
         try:
             for index, obj in self.objects.items():
                 wanted = self._spans(batch.first, batch.end, index)
@@ -501,7 +551,7 @@ class ObjectStream:
             while self._held and self._held[0][1] <= low:
                 done.append(self._held.pop(0))
             self._held_bytes -= sum(nbytes for _, _, nbytes in done)
-            still = self.units[min(low, self._fetched_to):self._fetched_to]
+            still = self.units[min(low, self._fetched_to) : self._fetched_to]
         if not done:
             return
         keep: dict[int, Spans] = {}
@@ -517,34 +567,42 @@ class ObjectStream:
                     continue
                 # the gaps the client read through go with the spans around them
                 spans = coalesce(wanted, obj.client.max_gap)
-                for b, e in (keep[index].missing(spans) if index in keep else spans):
+                for b, e in keep[index].missing(spans) if index in keep else spans:
                     obj.release(b, e)
 
 
 class _Batch:
     """Units ``[first, end)`` being fetched (``nbytes`` wanted), by a thread of their own."""
 
-    __slots__ = ("first", "end", "nbytes", "fetched", "error", "done")
+    __slots__ = ("done", "end", "error", "fetched", "first", "nbytes")
 
     def __init__(self, first: int, end: int, nbytes: int):
         self.first, self.end, self.nbytes = first, end, nbytes
         self.fetched = 0
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self.done = threading.Event()
 
 
 # ---- the workers' side --------------------------------------------------------------------------
+
 
 class Consumer:
     """One worker's side of a stream: ``at(j)`` before piece ``j`` (waits until its bytes are
     fetched), or, for a piece streamed in parts, ``parts(j, piece)`` and ``reach(unit)``
     before each part; ``finish()`` when done (or failed)."""
 
-    def __init__(self, control: Control, slot: int, units: list[int], last: list[int],
-                 cuts: dict, stream: Optional[ObjectStream] = None):
+    def __init__(
+        self,
+        control: Control,
+        slot: int,
+        units: list[int],
+        last: list[int],
+        cuts: dict,
+        stream: ObjectStream | None = None,
+    ):
         self.control, self.slot = control, slot
         self.units, self.last, self.cuts = units, last, cuts
-        self._stream = stream   # in this process: its error is raised as it is
+        self._stream = stream  # in this process: its error is raised as it is
         self.waited = 0.0
         control.set_position(slot, next((u for u in units if u >= 0), DONE))
 
@@ -555,15 +613,14 @@ class Consumer:
     def fetched(self, unit: int) -> bool:
         return self.control.words[_FETCHED] > unit
 
-    def parts(self, j: int, piece: PieceRead) -> Optional[list[tuple[int, list[Run]]]]:
+    def parts(self, j: int, piece: PieceRead) -> list[tuple[int, list[Run]]] | None:
         """Piece ``j``'s runs by unit, ``[(unit, runs), ...]`` in order, for a piece streamed in
         parts; None for a piece in one unit (or none)."""
         cut = self.cuts.get(j)
         if cut is None:
             return None
         first = self.units[j]
-        return [(first + k, runs) for k, runs in enumerate(split_runs(piece.runs, *cut))
-                if runs]
+        return [(first + k, runs) for k, runs in enumerate(split_runs(piece.runs, *cut)) if runs]
 
     def at(self, j: int, alive: Callable[[], None], stopped: Callable[[], bool]) -> None:
         """Piece ``j`` is next: this worker is done with the units before its first; wait
@@ -575,8 +632,9 @@ class Consumer:
         """This worker is done with the units before ``unit``; wait until it is fetched."""
         self._wait(unit, unit, alive, stopped)
 
-    def _wait(self, at: int, until: int, alive: Callable[[], None],
-              stopped: Callable[[], bool]) -> None:
+    def _wait(
+        self, at: int, until: int, alive: Callable[[], None], stopped: Callable[[], bool]
+    ) -> None:
         words = self.control.words
         if words[_HEADER + self.slot] != at:
             words[_HEADER + self.slot] = at
@@ -590,12 +648,16 @@ class Consumer:
             if state == FAILED:
                 if self._stream is not None and self._stream.error is not None:
                     raise self._stream.error
-                raise StreamFailed("the loader's fetch from object storage failed (the load "
-                                   "reports its error)")
+                raise StreamFailed(
+                    "the loader's fetch from object storage failed (the load reports its error)"
+                )
             if state == CLOSED or stopped():
                 raise Stopped()
-            moved = (words[_BYTES], words[_MOVES],
-                     sum(words[_HEADER + k] for k in range(self.control.consumers)))
+            moved = (
+                words[_BYTES],
+                words[_MOVES],
+                sum(words[_HEADER + k] for k in range(self.control.consumers)),
+            )
             if moved != seen:
                 seen = moved
                 alive()
@@ -609,8 +671,7 @@ class Consumer:
             self.control.set_position(self.slot, DONE)
 
 
-def worker_side(plan: ReadPlan, spec: Optional[dict], source, stack
-                ) -> tuple[object, Optional[Consumer]]:
+def worker_side(plan: ReadPlan, spec: dict | None, source, stack) -> tuple[object, Consumer | None]:
     """A worker's source and its side of the stream of the object bytes it reads, where the
     loader did not hand it one in its own process: the loader's stream (``spec``: a worker
     process maps its memory files and counters), or, where it cannot map them, or is a rank
@@ -649,7 +710,7 @@ def _unshared(spec: dict) -> dict:
     return spec
 
 
-def attach_consumer(spec: dict, plan: ReadPlan, source) -> Optional[Consumer]:
+def attach_consumer(spec: dict, plan: ReadPlan, source) -> Consumer | None:
     """A worker process's side of the loader's stream (``ObjectStream.spec``), where it can map
     the counters and every object's memory file; None where it cannot (it then streams for
     itself, and is marked done in the loader's counters where it could map those)."""
@@ -660,11 +721,19 @@ def attach_consumer(spec: dict, plan: ReadPlan, source) -> Optional[Consumer]:
     cuts = _spec_cuts(spec.get("cuts"), len(plan.pieces))
 
     def ints(values) -> bool:
-        return (isinstance(values, list) and len(values) == len(plan.pieces)
-                and all(type(u) is int for u in values))
+        return (
+            isinstance(values, list)
+            and len(values) == len(plan.pieces)
+            and all(type(u) is int for u in values)
+        )
 
-    ok = (type(slot) is int and 0 <= slot < control.consumers and ints(units) and ints(last)
-          and cuts is not None)
+    ok = (
+        type(slot) is int
+        and 0 <= slot < control.consumers
+        and ints(units)
+        and ints(last)
+        and cuts is not None
+    )
     borrowed = all(obj.borrowed for obj in source.object_bytes().values())
     if not ok or not borrowed:
         if type(slot) is int and 0 <= slot < control.consumers:
@@ -674,16 +743,23 @@ def attach_consumer(spec: dict, plan: ReadPlan, source) -> Optional[Consumer]:
     return Consumer(control, slot, units, last, cuts)
 
 
-def _spec_cuts(cuts, pieces: int) -> Optional[dict]:
+def _spec_cuts(cuts, pieces: int) -> dict | None:
     """A spec's ``{"j": [source, offsets]}`` as ``{j: (source, offsets)}``; None if it is not
     that."""
     if not isinstance(cuts, dict):
         return None
     out = {}
     for key, cut in cuts.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < pieces
-                and isinstance(cut, list) and len(cut) == 2 and type(cut[0]) is int
-                and isinstance(cut[1], list) and all(type(c) is int for c in cut[1])):
+        if not (
+            isinstance(key, str)
+            and key.isdigit()
+            and int(key) < pieces
+            and isinstance(cut, list)
+            and len(cut) == 2
+            and type(cut[0]) is int
+            and isinstance(cut[1], list)
+            and all(type(c) is int for c in cut[1])
+        ):
             return None
         out[int(key)] = (cut[0], tuple(cut[1]))
     return out

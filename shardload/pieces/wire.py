@@ -19,27 +19,34 @@ where its tensor lies:
 from __future__ import annotations
 
 from array import array
-from typing import Any, Optional
+from typing import Any
 
 from ..readplan import Kind, PieceRead, Pieces, ReadPlan
 
-__all__ = ["encode", "decode"]
+__all__ = ["decode", "encode"]
 
 
 def encode(plan: ReadPlan) -> dict:
     """``plan`` as compact JSON values (see the module docstring): its columns as lists."""
     pieces = plan.pieces
-    return {"rank": plan.rank, "num_shards": plan.num_shards, "sources": list(plan.sources),
-            "kinds": [_kind_json(kind) for kind in pieces.kinds], "names": list(pieces.names),
-            "kind": list(pieces.kind), "source": list(pieces.source),
-            "begin": list(pieces.begin)}
+    return {
+        "rank": plan.rank,
+        "num_shards": plan.num_shards,
+        "sources": list(plan.sources),
+        "kinds": [_kind_json(kind) for kind in pieces.kinds],
+        "names": list(pieces.names),
+        "kind": list(pieces.kind),
+        "source": list(pieces.source),
+        "begin": list(pieces.begin),
+    }
 
 
-def _kind_json(kind: Optional[Kind]) -> Optional[dict]:
+def _kind_json(kind: Kind | None) -> dict | None:
     if kind is None:
         return None
-    fields = PieceRead("", kind.shape, kind.dtype, (), kind.zeros, kind.fixup, kind.chain,
-                       kind.shared).to_json()
+    fields = PieceRead(
+        "", kind.shape, kind.dtype, (), kind.zeros, kind.fixup, kind.chain, kind.shared
+    ).to_json()
     del fields["name"], fields["runs"]
     fields["tails"] = [[offset, *tail] for offset, tail in kind.tails]
     return fields
@@ -47,7 +54,7 @@ def _kind_json(kind: Optional[Kind]) -> Optional[dict]:
 
 def decode(data: dict[str, Any]) -> ReadPlan:
     """The ``ReadPlan`` ``encode`` wrote; ``ValueError`` where its parts do not fit together."""
-    kinds: list[Optional[Kind]] = []
+    kinds: list[Kind | None] = []
     for fields in data["kinds"]:
         if fields is None:
             kinds.append(None)
@@ -57,16 +64,21 @@ def decode(data: dict[str, Any]) -> ReadPlan:
             raise ValueError("a read plan's run is not 6 numbers")
         # the kind's fields read as PieceRead.from_json reads a piece's
         piece = PieceRead.from_json({**fields, "name": "", "runs": []})
-        kinds.append(Kind(piece.shape, piece.dtype, tails, piece.zeros, piece.fixup,
-                          piece.chain, piece.shared))
+        kinds.append(
+            Kind(
+                piece.shape, piece.dtype, tails, piece.zeros, piece.fixup, piece.chain, piece.shared
+            )
+        )
     names, kind = data["names"], data["kind"]
     try:
-        pieces = Pieces(names, kinds, array("l", kind), array("l", data["source"]),
-                        array("q", data["begin"]))
+        pieces = Pieces(
+            names, kinds, array("l", kind), array("l", data["source"]), array("q", data["begin"])
+        )
     except (TypeError, OverflowError) as exc:
         raise ValueError(f"a read plan whose columns are not integers: {exc}") from None
     held = {k for k, known in enumerate(kinds) if known is not None}
     if not set(pieces.kind) <= held or not set(map(type, names)) <= {str}:
-        raise ValueError(f"a read plan of {len(names)} names whose kinds are not among its "
-                         f"{len(held)}")
+        raise ValueError(
+            f"a read plan of {len(names)} names whose kinds are not among its {len(held)}"
+        )
     return ReadPlan(int(data["rank"]), int(data["num_shards"]), tuple(data["sources"]), pieces)

@@ -58,18 +58,54 @@ The modules import one another in one direction: ``shards`` → ``parse`` → ``
 from __future__ import annotations
 
 from .bound import Plan
-from .limits import (MAX_DIM, MAX_DIMS, MAX_EXPRESSIONS, MAX_EXTRA_ARGS, MAX_GROWTH,
-                     MAX_NUM_SHARDS, MAX_PARAMS, MAX_PLAN_BYTES, MAX_STEPS)
+from .limits import (
+    MAX_DIM,
+    MAX_DIMS,
+    MAX_EXPRESSIONS,
+    MAX_EXTRA_ARGS,
+    MAX_GROWTH,
+    MAX_NUM_SHARDS,
+    MAX_PARAMS,
+    MAX_PLAN_BYTES,
+    MAX_STEPS,
+)
 from .parse import ShardInfo
 from .placement import Placement
 from .schema import SCHEMA_FILE, json_schema, schema_text, write_schema
-from .shards import (MAX_SHARDS_TRIED, MAX_VALIDATION_WORK, ValidNumShards, check_plan_fits,
-                     valid_num_shards)
+from .shards import (
+    MAX_SHARDS_TRIED,
+    MAX_VALIDATION_WORK,
+    ValidNumShards,
+    check_plan_fits,
+    valid_num_shards,
+)
 from .steps import Step, step_json
 from .validated import ParamPlan, ValidatedPlan
 
-__all__ = ["ShardInfo", "Plan", "Step", "ValidatedPlan", "ParamPlan", "MAX_PLAN_BYTES",
-           "MAX_GROWTH", "MAX_NUM_SHARDS", "MAX_PARAMS", "MAX_STEPS", "MAX_DIMS",
-           "MAX_EXTRA_ARGS", "MAX_EXPRESSIONS", "MAX_DIM", "json_schema", "write_schema",
-           "schema_text", "step_json", "SCHEMA_FILE", "Placement", "valid_num_shards",
-           "check_plan_fits", "ValidNumShards", "MAX_SHARDS_TRIED", "MAX_VALIDATION_WORK"]
+__all__ = [
+    "MAX_DIM",
+    "MAX_DIMS",
+    "MAX_EXPRESSIONS",
+    "MAX_EXTRA_ARGS",
+    "MAX_GROWTH",
+    "MAX_NUM_SHARDS",
+    "MAX_PARAMS",
+    "MAX_PLAN_BYTES",
+    "MAX_SHARDS_TRIED",
+    "MAX_STEPS",
+    "MAX_VALIDATION_WORK",
+    "SCHEMA_FILE",
+    "ParamPlan",
+    "Placement",
+    "Plan",
+    "ShardInfo",
+    "Step",
+    "ValidNumShards",
+    "ValidatedPlan",
+    "check_plan_fits",
+    "json_schema",
+    "schema_text",
+    "step_json",
+    "valid_num_shards",
+    "write_schema",
+]

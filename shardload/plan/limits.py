@@ -11,9 +11,19 @@ from __future__ import annotations
 from .. import dtypes
 from ..limits import MAX_NUM_SHARDS
 
-__all__ = ["MAX_PLAN_BYTES", "MAX_PARAMS", "MAX_STEPS", "MAX_DIMS", "MAX_EXTRA_ARGS",
-           "MAX_EXPRESSIONS", "MAX_DIM", "MAX_GROWTH", "MAX_NUM_SHARDS", "GROWTH_SLACK_BYTES",
-           "INT64_RANGE"]
+__all__ = [
+    "GROWTH_SLACK_BYTES",
+    "INT64_RANGE",
+    "MAX_DIM",
+    "MAX_DIMS",
+    "MAX_EXPRESSIONS",
+    "MAX_EXTRA_ARGS",
+    "MAX_GROWTH",
+    "MAX_NUM_SHARDS",
+    "MAX_PARAMS",
+    "MAX_PLAN_BYTES",
+    "MAX_STEPS",
+]
 
 #: the plan file's size: a symbolic plan for a 671B-parameter MoE model (about 100k tensors) is
 #: a few MB, but a zero-padded plan lists every unit a worker takes (for bf16 one unit is one
@@ -44,4 +54,4 @@ MAX_GROWTH = 2
 #: still refused within a few steps.
 GROWTH_SLACK_BYTES = 64 << 10
 #: numbers in a plan (extra args) lie within int64
-INT64_RANGE = (-2**63, 2**63 - 1)
+INT64_RANGE = (-(2**63), 2**63 - 1)

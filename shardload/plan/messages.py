@@ -9,11 +9,12 @@ mean" hints, each bounded in time and length however large the plan or the check
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..errors import quote
 
-__all__ = ["brief", "cut", "close_match", "known_names", "REASON_LIMIT"]
+__all__ = ["REASON_LIMIT", "brief", "close_match", "cut", "known_names"]
 
 #: longest shape-rule message repeated in a PlanError
 REASON_LIMIT = 400
@@ -59,8 +60,9 @@ def close_match(name: str, metadata: Mapping[str, Any]) -> str:
     candidates = [k for k in metadata if isinstance(k, str) and lo <= len(k) <= hi]
     if len(candidates) > _MATCH_CANDIDATES:
         parts = set(name.split("."))
-        candidates = heapq.nlargest(_MATCH_CANDIDATES, candidates,
-                                    key=lambda k: len(parts.intersection(k.split("."))))
+        candidates = heapq.nlargest(
+            _MATCH_CANDIDATES, candidates, key=lambda k: len(parts.intersection(k.split(".")))
+        )
     close = difflib.get_close_matches(name, candidates, n=1)
     return f" (did you mean {quote(close[0])}?)" if close else ""
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
-from ..gc_pause import gc_paused
 from .. import dtypes, files, strict_json, symbolic
 from ..errors import PlanError, quote
+from ..gc_pause import gc_paused
 from . import bound, limits
 from .messages import brief, cut
 from .placement import Placement, check_placed
@@ -39,9 +40,11 @@ def _expression(text: str, what: str, exprs: Expressions, where: dict, hint: str
     if text in exprs:
         return
     if len(exprs) >= limits.MAX_EXPRESSIONS:
-        raise PlanError(f"{what}: the plan holds more than {limits.MAX_EXPRESSIONS} distinct "
-                        "num_shards expressions; real plans repeat a few per tensor shape",
-                        **where)
+        raise PlanError(
+            f"{what}: the plan holds more than {limits.MAX_EXPRESSIONS} distinct "
+            "num_shards expressions; real plans repeat a few per tensor shape",
+            **where,
+        )
     try:
         exprs[text] = symbolic.compile(text)
     except symbolic.ExpressionError as exc:
@@ -50,38 +53,50 @@ def _expression(text: str, what: str, exprs: Expressions, where: dict, hint: str
 
 def _parse_step(raw: Any, where: dict, exprs: Expressions) -> RawStep:
     if not isinstance(raw, list) or len(raw) < 2:
-        raise PlanError("a step must be a list [func_name, [out_shape, dtype], *extra_args]",
-                        **where)
+        raise PlanError(
+            "a step must be a list [func_name, [out_shape, dtype], *extra_args]", **where
+        )
     if len(raw) - 2 > limits.MAX_EXTRA_ARGS:
-        raise PlanError(f"the step has {len(raw) - 2} extra args, more than the "
-                        f"{limits.MAX_EXTRA_ARGS} a step may have", **where)
+        raise PlanError(
+            f"the step has {len(raw) - 2} extra args, more than the "
+            f"{limits.MAX_EXTRA_ARGS} a step may have",
+            **where,
+        )
     func, out, extra = raw[0], raw[1], raw[2:]
     if not isinstance(func, str) or not func:
-        raise PlanError(f"the function name must be a non-empty string, got {brief(func)}",
-                        **where)
+        raise PlanError(f"the function name must be a non-empty string, got {brief(func)}", **where)
     if not strict_json.is_text(func):
-        raise PlanError(f"the function name {quote(func)} is not valid Unicode (it holds a "
-                        "lone surrogate)", **where)
+        raise PlanError(
+            f"the function name {quote(func)} is not valid Unicode (it holds a lone surrogate)",
+            **where,
+        )
     if not isinstance(out, list) or len(out) != 2 or not isinstance(out[0], list):
-        raise PlanError(f"the output spec must be [out_shape, dtype], got {brief(out)}",
-                        **where)
+        raise PlanError(f"the output spec must be [out_shape, dtype], got {brief(out)}", **where)
     shape, dtype = out
     if len(shape) > limits.MAX_DIMS:
-        raise PlanError(f"out_shape has {len(shape)} dims, more than the {limits.MAX_DIMS} a "
-                        "tensor may have", **where)
-    dims: list[Union[int, str]] = []
+        raise PlanError(
+            f"out_shape has {len(shape)} dims, more than the {limits.MAX_DIMS} a tensor may have",
+            **where,
+        )
+    dims: list[int | str] = []
     for k, d in enumerate(shape):
         if isinstance(d, str):
             d = str(d)
             _expression(d, f"out_shape[{k}]", exprs, where)
         elif type(d) is not int:
-            raise PlanError(f"out_shape[{k}] is {brief(d)}: dims must be non-negative integers "
-                            f"or integer expressions of num_shards", **where)
+            raise PlanError(
+                f"out_shape[{k}] is {brief(d)}: dims must be non-negative integers "
+                f"or integer expressions of num_shards",
+                **where,
+            )
         elif d < 0:
             raise PlanError(f"out_shape[{k}] is {d}: dims must be non-negative", **where)
         elif d > limits.MAX_DIM:
-            raise PlanError(f"out_shape[{k}] is {quote(d)}, beyond the {limits.MAX_DIM} (2**53) "
-                            "any dim may have", **where)
+            raise PlanError(
+                f"out_shape[{k}] is {quote(d)}, beyond the {limits.MAX_DIM} (2**53) "
+                "any dim may have",
+                **where,
+            )
         dims.append(d)
     try:
         dtype = dtypes.canonical(dtype)
@@ -92,21 +107,30 @@ def _parse_step(raw: Any, where: dict, exprs: Expressions) -> RawStep:
         if isinstance(arg, str):
             if type(arg) is not str:
                 extra[k] = arg = str(arg)
-            _expression(arg, f"extra arg {k}", exprs, where,
-                        " (string args are integer expressions of num_shards)")
+            _expression(
+                arg,
+                f"extra arg {k}",
+                exprs,
+                where,
+                " (string args are integer expressions of num_shards)",
+            )
         elif arg is None or isinstance(arg, bool):
             pass
         elif isinstance(arg, (int, float)):
             if not lo <= arg <= hi:  # false for NaN too
-                raise PlanError(f"extra arg {k} is {quote(arg, 40)}: numbers in a plan lie "
-                                "within the int64 range", **where)
+                raise PlanError(
+                    f"extra arg {k} is {quote(arg, 40)}: numbers in a plan lie "
+                    "within the int64 range",
+                    **where,
+                )
         else:
-            raise PlanError(f"extra arg {k} is {brief(arg)}: extra args must be JSON scalars",
-                            **where)
+            raise PlanError(
+                f"extra arg {k} is {brief(arg)}: extra args must be JSON scalars", **where
+            )
     return RawStep(func, tuple(dims), dtype, tuple(extra))
 
 
-def _step_key(raw: Any) -> Optional[tuple]:
+def _step_key(raw: Any) -> tuple | None:
     """A hashable key that determines a step's JSON exactly (value *and* type of every item, as
     ``1``, ``1.0`` and ``true`` are equal in Python), or None where there is none cheaply."""
     if type(raw) is not list or len(raw) < 2:
@@ -126,7 +150,7 @@ def _step_key(raw: Any) -> Optional[tuple]:
     return key
 
 
-def _check_metadata(metadata: Mapping, source: Optional[str]) -> None:
+def _check_metadata(metadata: Mapping, source: str | None) -> None:
     """``__metadata__`` travels to worker processes as JSON: only JSON values, finite numbers,
     string keys and valid Unicode (a plan from ``strict_json`` already is; a Python dict may not
     be)."""
@@ -146,8 +170,9 @@ def _check_metadata(metadata: Mapping, source: Optional[str]) -> None:
                     break
                 stack.append((item, path if len(path) > 200 else f"{path}.{key}"))
         elif isinstance(value, (list, tuple)):
-            stack.extend((item, path if len(path) > 200 else f"{path}[{k}]")
-                         for k, item in enumerate(value))
+            stack.extend(
+                (item, path if len(path) > 200 else f"{path}[{k}]") for k, item in enumerate(value)
+            )
         elif isinstance(value, str):
             if not strict_json.is_text(value):
                 bad = f"the string {quote(value)}, which is not valid Unicode (a lone surrogate)"
@@ -171,9 +196,13 @@ class ShardInfo:
     #: the reserved key for information about the plan itself (not a parameter)
     METADATA_KEY = METADATA_KEY
 
-    def __init__(self, steps: Mapping[str, tuple[RawStep, ...]], source: Optional[str] = None,
-                 metadata: Optional[Mapping[str, Any]] = None,
-                 placement: Optional[Placement] = None):
+    def __init__(
+        self,
+        steps: Mapping[str, tuple[RawStep, ...]],
+        source: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        placement: Placement | None = None,
+    ):
         self.steps: Mapping[str, tuple[RawStep, ...]] = MappingProxyType(dict(steps))
         self.source = source
         #: what the planner recorded for engines (e.g. ``tensor_parallel``: heads per worker)
@@ -184,28 +213,38 @@ class ShardInfo:
             check_placed(placement, self.steps, source)
         # the plan's expressions, each compiled once (filled by from_dict, or on first bind)
         self._exprs: Expressions = {}
-        self._symbolic: Optional[bool] = None
+        self._symbolic: bool | None = None
 
     # -- constructors
     @classmethod
-    def from_dict(cls, data: Any, source: Optional[str] = None, *,
-                  _strict_json: bool = False) -> "ShardInfo":
+    def from_dict(
+        cls, data: Any, source: str | None = None, *, _strict_json: bool = False
+    ) -> ShardInfo:
         if not isinstance(data, Mapping):
-            raise PlanError("a plan must be a JSON object {parameter: [steps...]}, got "
-                            f"{type(data).__name__}", source=source)
+            raise PlanError(
+                "a plan must be a JSON object {parameter: [steps...]}, got "
+                f"{type(data).__name__}",
+                source=source,
+            )
         count = len(data) - (cls.METADATA_KEY in data) - (Placement.KEY in data)
         if count > limits.MAX_PARAMS:
-            raise PlanError(f"the plan names {count} parameters, more than the "
-                            f"{limits.MAX_PARAMS} a plan may have", source=source)
+            raise PlanError(
+                f"the plan names {count} parameters, more than the "
+                f"{limits.MAX_PARAMS} a plan may have",
+                source=source,
+            )
         steps: dict[str, tuple[RawStep, ...]] = {}
         metadata = data.get(cls.METADATA_KEY, {})
         if not isinstance(metadata, Mapping):
-            raise PlanError(f"{cls.METADATA_KEY} must be a JSON object, got "
-                            f"{type(metadata).__name__}", source=source)
+            raise PlanError(
+                f"{cls.METADATA_KEY} must be a JSON object, got {type(metadata).__name__}",
+                source=source,
+            )
         if not _strict_json:
             _check_metadata(metadata, source)
-        placement = (Placement.from_json(data[Placement.KEY], source)
-                     if Placement.KEY in data else None)
+        placement = (
+            Placement.from_json(data[Placement.KEY], source) if Placement.KEY in data else None
+        )
         exprs: Expressions = {}
         # real plans repeat each step for every layer: a step already parsed is reused, and
         # a list of steps a planner shares among its parameters is parsed once (``data``
@@ -219,11 +258,15 @@ class ShardInfo:
             if name == cls.METADATA_KEY or name == Placement.KEY:
                 continue
             if not isinstance(name, str) or not name:
-                raise PlanError(f"parameter names must be non-empty strings, got {brief(name)}",
-                                source=source)
+                raise PlanError(
+                    f"parameter names must be non-empty strings, got {brief(name)}", source=source
+                )
             if not (name.isascii() or strict_json.is_text(name)):
-                raise PlanError(f"the parameter name {quote(name)} is not valid Unicode (it "
-                                "holds a lone surrogate)", source=source)
+                raise PlanError(
+                    f"the parameter name {quote(name)} is not valid Unicode (it "
+                    "holds a lone surrogate)",
+                    source=source,
+                )
             parsed_before = shared.get(id(raw_steps))
             if parsed_before is not None:
                 steps[name] = parsed_before
@@ -231,8 +274,12 @@ class ShardInfo:
             if not isinstance(raw_steps, list):
                 raise PlanError("the value must be a list of steps", source=source, param=name)
             if len(raw_steps) > limits.MAX_STEPS:
-                raise PlanError(f"{len(raw_steps)} steps, more than the {limits.MAX_STEPS} a "
-                                "parameter may have", source=source, param=name)
+                raise PlanError(
+                    f"{len(raw_steps)} steps, more than the {limits.MAX_STEPS} a "
+                    "parameter may have",
+                    source=source,
+                    param=name,
+                )
             parsed = []
             for k, raw in enumerate(raw_steps):
                 key = _step_key(raw)
@@ -250,11 +297,14 @@ class ShardInfo:
         return info
 
     @classmethod
-    def loads(cls, text: Union[str, bytes], source: Optional[str] = None) -> "ShardInfo":
+    def loads(cls, text: str | bytes, source: str | None = None) -> ShardInfo:
         """Parse plan text: UTF-8 JSON (bytes are decoded as UTF-8 and nothing else)."""
         if len(text) > limits.MAX_PLAN_BYTES:
-            raise PlanError(f"the plan is {len(text)} bytes, over the "
-                            f"{limits.MAX_PLAN_BYTES}-byte limit for a plan", source=source)
+            raise PlanError(
+                f"the plan is {len(text)} bytes, over the "
+                f"{limits.MAX_PLAN_BYTES}-byte limit for a plan",
+                source=source,
+            )
         try:
             data = strict_json.loads(text)
         except ValueError as exc:
@@ -263,7 +313,7 @@ class ShardInfo:
             return cls.from_dict(data, source, _strict_json=True)
 
     @classmethod
-    def load(cls, path: Union[str, os.PathLike], source: Optional[str] = None) -> "ShardInfo":
+    def load(cls, path: str | os.PathLike, source: str | None = None) -> ShardInfo:
         """Read and parse a plan file. It must be a regular file (a FIFO, a device, a directory
         or a symlink loop is a ``PlanError``) of at most ``MAX_PLAN_BYTES``, or an object in
         object storage (``s3://...``) of at most that size, checked before it is fetched.
@@ -274,19 +324,23 @@ class ShardInfo:
             from ..sources.store import default_client
 
             def too_big(size: int) -> PlanError:
-                return PlanError(f"the plan is {size} bytes, over the {limits.MAX_PLAN_BYTES}"
-                                 f"-byte limit for a plan", source=source or path)
+                return PlanError(
+                    f"the plan is {size} bytes, over the {limits.MAX_PLAN_BYTES}"
+                    f"-byte limit for a plan",
+                    source=source or path,
+                )
 
             text = default_client().read_capped(path, limits.MAX_PLAN_BYTES, too_big)
             return cls.loads(text, source=source or path)
         path = os.fsdecode(path)
         source = path if source is None else source
-        text = files.read_capped(path, limits.MAX_PLAN_BYTES, "the plan",
-                                 error=lambda m: PlanError(m, source=source))
+        text = files.read_capped(
+            path, limits.MAX_PLAN_BYTES, "the plan", error=lambda m: PlanError(m, source=source)
+        )
         return cls.loads(text, source=source)
 
     @classmethod
-    def coerce(cls, obj: Any) -> "ShardInfo":
+    def coerce(cls, obj: Any) -> ShardInfo:
         """A ``ShardInfo`` from a ShardInfo, a dict, a path, or ``None`` (replicate all)."""
         if isinstance(obj, ShardInfo):
             return obj
@@ -296,8 +350,9 @@ class ShardInfo:
             return cls.load(obj)
         if isinstance(obj, Mapping):
             return cls.from_dict(obj)
-        raise TypeError(f"shard_info must be a ShardInfo, a dict, a path or None, not "
-                        f"{type(obj).__name__}")
+        raise TypeError(
+            f"shard_info must be a ShardInfo, a dict, a path or None, not {type(obj).__name__}"
+        )
 
     # -- inspection
     @property
@@ -313,15 +368,14 @@ class ShardInfo:
         return list({id(steps): steps for steps in self.steps.values()}.values())
 
     @property
-    def planned_num_shards(self) -> Optional[int]:
+    def planned_num_shards(self) -> int | None:
         """For a plan of plain integers, the N it was written for (axis 0 of last outputs);
         for a plan with a placement, its N."""
         if self.placement is not None:
             return self.placement.num_shards
         if self.is_symbolic:
             return None
-        ns = {steps[-1].out_shape[0] for steps in self.chains()
-              if steps and steps[-1].out_shape}
+        ns = {steps[-1].out_shape[0] for steps in self.chains() if steps and steps[-1].out_shape}
         return ns.pop() if len(ns) == 1 else None
 
     def to_dict(self) -> dict:
@@ -330,11 +384,12 @@ class ShardInfo:
 
     def dumps(self) -> str:
         """JSON text with one parameter per line: diffable and still small."""
-        lines = [f" {json.dumps(name)}: {json.dumps(steps)}"
-                 for name, steps in self.to_dict().items()]
+        lines = [
+            f" {json.dumps(name)}: {json.dumps(steps)}" for name, steps in self.to_dict().items()
+        ]
         return "{\n" + ",\n".join(lines) + "\n}\n" if lines else "{}\n"
 
-    def dump(self, path: Union[str, os.PathLike]) -> None:
+    def dump(self, path: str | os.PathLike) -> None:
         with open(path, "w") as f:
             f.write(self.dumps())
 
@@ -348,6 +403,6 @@ class ShardInfo:
     # -- 2. bind
 
     # -- 2. bind
-    def bind(self, num_shards: int) -> "bound.Plan":
+    def bind(self, num_shards: int) -> bound.Plan:
         """Evaluate every expression for ``num_shards``; refuse a plan written for another N."""
         return bound.bind(self, num_shards, self._exprs)

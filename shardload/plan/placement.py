@@ -9,9 +9,10 @@ another is refused with the way to re-plan), and a worker not named neither read
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from .. import strict_json
 from ..errors import PlanError, quote
@@ -36,43 +37,61 @@ class Placement:
     KEY = "__placement__"
 
     @classmethod
-    def from_json(cls, data: Any, source: Optional[str] = None) -> "Placement":
+    def from_json(cls, data: Any, source: str | None = None) -> Placement:
         def refuse(what: str) -> PlanError:
             return PlanError(f"{cls.KEY} {what}", source=source)
 
         if not isinstance(data, Mapping) or set(data) != {"num_shards", "params"}:
-            raise refuse('must be an object {"num_shards": N, "params": {name: [worker, ...]}}'
-                         f", got {brief(data)}")
+            raise refuse(
+                'must be an object {"num_shards": N, "params": {name: [worker, ...]}}'
+                f", got {brief(data)}"
+            )
         n, params = data["num_shards"], data["params"]
         if type(n) is not int or not 1 <= n <= limits.MAX_NUM_SHARDS:
-            raise refuse(f"num_shards is {quote(n, 40)}: an integer from 1 to "
-                         f"{limits.MAX_NUM_SHARDS}")
+            raise refuse(
+                f"num_shards is {quote(n, 40)}: an integer from 1 to {limits.MAX_NUM_SHARDS}"
+            )
         if not isinstance(params, Mapping) or len(params) > limits.MAX_PARAMS:
-            raise refuse(f"params must be an object of at most {limits.MAX_PARAMS} names, got "
-                         f"{brief(params)}")
+            raise refuse(
+                f"params must be an object of at most {limits.MAX_PARAMS} names, got "
+                f"{brief(params)}"
+            )
         out: dict[str, tuple[int, ...]] = {}
         for name, workers in params.items():
             if not isinstance(name, str) or not name or not strict_json.is_text(name):
                 raise refuse(f"names a parameter {brief(name)}: names are non-empty strings")
-            if (not isinstance(workers, list) or not workers
-                    or any(type(w) is not int or not 0 <= w < n for w in workers)
-                    or len(set(workers)) != len(workers)):
-                raise PlanError(f"{cls.KEY}: the workers holding it must be a non-empty list "
-                                f"of distinct workers 0..{n - 1} (num_shards={n}), got "
-                                f"{brief(workers)}", source=source, param=name)
+            if (
+                not isinstance(workers, list)
+                or not workers
+                or any(type(w) is not int or not 0 <= w < n for w in workers)
+                or len(set(workers)) != len(workers)
+            ):
+                raise PlanError(
+                    f"{cls.KEY}: the workers holding it must be a non-empty list "
+                    f"of distinct workers 0..{n - 1} (num_shards={n}), got "
+                    f"{brief(workers)}",
+                    source=source,
+                    param=name,
+                )
             held = tuple(sorted(workers))
             out[name] = held
         return cls(n, MappingProxyType(out))
 
     def to_json(self) -> dict:
-        return {"num_shards": self.num_shards,
-                "params": {name: list(workers) for name, workers in self.params.items()}}
+        return {
+            "num_shards": self.num_shards,
+            "params": {name: list(workers) for name, workers in self.params.items()},
+        }
 
 
-def check_placed(placement: Placement, steps: Mapping[str, tuple], source: Optional[str]):
+def check_placed(placement: Placement, steps: Mapping[str, tuple], source: str | None):
     """A placed parameter is held whole by its workers: it takes no steps."""
     for name in placement.params:
         if steps.get(name):
-            raise PlanError(f"is placed on workers {list(placement.params[name])} "
-                            f"({Placement.KEY}) and has steps: a placed parameter is held "
-                            "whole by its workers, so it takes none", source=source, param=name)
+            raise PlanError(
+                f"is placed on workers {list(placement.params[name])} "
+                f"({Placement.KEY}) and has steps: a placed parameter is held "
+                "whole by its workers, so it takes none",
+                source=source,
+                param=name,
+            )

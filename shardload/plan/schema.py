@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Union
 
 from .. import dtypes, symbolic
 from . import limits
@@ -36,8 +35,10 @@ def _expression_grammar() -> str:
     """The grammar of ``num_shards`` expressions in words, from ``symbolic``'s own tables."""
     ops = " ".join(_OPERATOR_TEXT[op.__name__] for op in symbolic.BINOPS)
     calls = " and ".join(f"{name}(...)" for name in symbolic.FUNCS)
-    return (f"An integer expression of {symbolic.NAME}: integer literals, {symbolic.NAME}, "
-            f"{ops}, unary minus, parentheses, {calls}.")
+    return (
+        f"An integer expression of {symbolic.NAME}: integer literals, {symbolic.NAME}, "
+        f"{ops}, unary minus, parentheses, {calls}."
+    )
 
 
 def _power(value: int) -> str:
@@ -77,7 +78,8 @@ def json_schema() -> dict:
         "duplicate keys, "
         "NaN/Infinity, numbers overflowing a float64, or strings holding lone surrogates; dims "
         "are integer literals (2, not 2.0); expressions follow the grammar (not only the "
-        f"alphabet), and a plan holds at most {limits.MAX_EXPRESSIONS} distinct ones.")
+        f"alphabet), and a plan holds at most {limits.MAX_EXPRESSIONS} distinct ones."
+    )
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "https://shardload.invalid/schemas/shard_info.schema.json",
@@ -87,37 +89,51 @@ def json_schema() -> dict:
         "propertyNames": {"minLength": 1},
         # the reserved keys are no parameters: one more key is allowed for each that is there
         "maxProperties": limits.MAX_PARAMS + 2,
-        "allOf": [{"if": {"required": [METADATA_KEY, Placement.KEY]},
-                   "then": {"maxProperties": limits.MAX_PARAMS + 2},
-                   "else": {"if": {"anyOf": [{"required": [METADATA_KEY]},
-                                             {"required": [Placement.KEY]}]},
-                            "then": {"maxProperties": limits.MAX_PARAMS + 1},
-                            "else": {"maxProperties": limits.MAX_PARAMS}}}],
+        "allOf": [
+            {
+                "if": {"required": [METADATA_KEY, Placement.KEY]},
+                "then": {"maxProperties": limits.MAX_PARAMS + 2},
+                "else": {
+                    "if": {"anyOf": [{"required": [METADATA_KEY]}, {"required": [Placement.KEY]}]},
+                    "then": {"maxProperties": limits.MAX_PARAMS + 1},
+                    "else": {"maxProperties": limits.MAX_PARAMS},
+                },
+            }
+        ],
         "properties": {
             METADATA_KEY: {
                 "description": "Not a parameter: what the planner recorded for engines, e.g. "
-                               "tensor_parallel (each worker's heads when padding), experts "
-                               "(each worker's experts under expert parallelism).",
+                "tensor_parallel (each worker's heads when padding), experts "
+                "(each worker's experts under expert parallelism).",
                 "type": "object",
             },
             Placement.KEY: {
                 "description": "Not a parameter: whole parameters held by some workers only "
-                               "(expert parallelism), for the one num_shards the plan was "
-                               "written for. A placed parameter takes no steps.",
+                "(expert parallelism), for the one num_shards the plan was "
+                "written for. A placed parameter takes no steps.",
                 "type": "object",
                 "required": ["num_shards", "params"],
                 "additionalProperties": False,
                 "properties": {
-                    "num_shards": {"type": "integer", "minimum": 1,
-                                   "maximum": limits.MAX_NUM_SHARDS},
+                    "num_shards": {
+                        "type": "integer",
+                        "minimum": 1,
+                        "maximum": limits.MAX_NUM_SHARDS,
+                    },
                     "params": {
                         "type": "object",
                         "maxProperties": limits.MAX_PARAMS,
                         "propertyNames": {"minLength": 1},
                         "additionalProperties": {
-                            "type": "array", "minItems": 1, "uniqueItems": True,
-                            "items": {"type": "integer", "minimum": 0,
-                                      "maximum": limits.MAX_NUM_SHARDS - 1}},
+                            "type": "array",
+                            "minItems": 1,
+                            "uniqueItems": True,
+                            "items": {
+                                "type": "integer",
+                                "minimum": 0,
+                                "maximum": limits.MAX_NUM_SHARDS - 1,
+                            },
+                        },
                     },
                 },
             },
@@ -141,8 +157,11 @@ def json_schema() -> dict:
                 "minItems": 2,
                 "maxItems": 2,
                 "prefixItems": [
-                    {"type": "array", "maxItems": limits.MAX_DIMS,
-                     "items": {"$ref": "#/$defs/dim"}},
+                    {
+                        "type": "array",
+                        "maxItems": limits.MAX_DIMS,
+                        "items": {"$ref": "#/$defs/dim"},
+                    },
                     {"$ref": "#/$defs/dtype"},
                 ],
             },
@@ -177,7 +196,7 @@ def schema_text() -> str:
     return json.dumps(json_schema(), indent=2, ensure_ascii=False) + "\n"
 
 
-def write_schema(path: Union[str, os.PathLike, None] = None) -> str:
+def write_schema(path: str | os.PathLike | None = None) -> str:
     """Write ``schema_text()`` to ``path`` (default: the package's own ``SCHEMA_FILE``, in a
     source checkout); returns the path written."""
     if path is None:

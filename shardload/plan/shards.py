@@ -13,15 +13,18 @@ them: ``planners.fit``.)
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 from ..errors import PlanError, mention
 from ..readers import Checkpoint, as_checkpoint
 from .parse import ShardInfo
 from .validated import ValidatedPlan
 
-__all__ = ["valid_num_shards", "check_plan_fits", "ValidNumShards", "MAX_SHARDS_TRIED",
-           "MAX_VALIDATION_WORK"]
+__all__ = [
+    "MAX_SHARDS_TRIED",
+    "MAX_VALIDATION_WORK",
+    "ValidNumShards",
+    "check_plan_fits",
+    "valid_num_shards",
+]
 
 #: ``valid_num_shards`` tries every N up to this
 MAX_SHARDS_TRIED = 64
@@ -51,14 +54,17 @@ class ValidNumShards(list):
         if self.complete:
             return f"N that work (up to {self.limit}): {shown}"
         if self.tried == 0:
-            return ("the N that work were not computed: the plan is too large to validate "
-                    f"for each N (over {MAX_VALIDATION_WORK} shape dims and step args)")
-        return (f"N that work (up to {self.tried}; the plan is too large to try every N up to "
-                f"{self.limit}): {shown}")
+            return (
+                "the N that work were not computed: the plan is too large to validate "
+                f"for each N (over {MAX_VALIDATION_WORK} shape dims and step args)"
+            )
+        return (
+            f"N that work (up to {self.tried}; the plan is too large to try every N up to "
+            f"{self.limit}): {shown}"
+        )
 
 
-def check_plan_fits(info: ShardInfo, params: Union[Checkpoint, str],
-                    num_shards: int) -> ValidatedPlan:
+def check_plan_fits(info: ShardInfo, params: Checkpoint | str, num_shards: int) -> ValidatedPlan:
     """The plan bound to ``num_shards`` and validated against the checkpoint; where it does not
     fit, ``PlanError`` naming the constraint and the N that work.
 
@@ -76,14 +82,17 @@ def check_plan_fits(info: ShardInfo, params: Union[Checkpoint, str],
 def _refuse(info: ShardInfo, ckpt: Checkpoint, num_shards: int, exc: PlanError):
     valid = valid_num_shards(info, ckpt)
     if not valid and valid.complete:
-        raise exc       # no N fits: the problem is not the number of workers
-    error = PlanError(f"{ckpt.source} cannot be split over {num_shards} workers: "
-                      f"{exc.reason.rstrip('.')}. {valid.describe()}", source=info.source,
-                      param=exc.param)
+        raise exc  # no N fits: the problem is not the number of workers
+    error = PlanError(
+        f"{ckpt.source} cannot be split over {num_shards} workers: "
+        f"{exc.reason.rstrip('.')}. {valid.describe()}",
+        source=info.source,
+        param=exc.param,
+    )
     raise mention(error, *getattr(exc, "settings", ())) from None
 
 
-def _distinct_params(info: ShardInfo, metadata) -> Optional[tuple[ShardInfo, dict, int]]:
+def _distinct_params(info: ShardInfo, metadata) -> tuple[ShardInfo, dict, int] | None:
     """The plan reduced to one parameter per distinct (stored shape, dtype, steps), with the
     metadata of those, and the work one bind+validate of it costs; ``None`` if the plan names
     a tensor the checkpoint lacks (then no N works).
@@ -101,9 +110,13 @@ def _distinct_params(info: ShardInfo, metadata) -> Optional[tuple[ShardInfo, dic
         if not raw:
             continue
         # typed: an arg True must not stand in for an arg 1, nor 1.0 for 1
-        key = (meta.shape, meta.dtype,
-               tuple((s.func, s.out_shape, s.dtype, tuple((type(a), a) for a in s.extra))
-                     for s in raw))
+        key = (
+            meta.shape,
+            meta.dtype,
+            tuple(
+                (s.func, s.out_shape, s.dtype, tuple((type(a), a) for a in s.extra)) for s in raw
+            ),
+        )
         if key in seen:
             continue
         seen.add(key)
@@ -112,8 +125,9 @@ def _distinct_params(info: ShardInfo, metadata) -> Optional[tuple[ShardInfo, dic
     return ShardInfo(steps, info.source, info.metadata), metas, max(work, 1)
 
 
-def valid_num_shards(info: ShardInfo, params: Union[Checkpoint, str],
-                     limit: int = MAX_SHARDS_TRIED) -> ValidNumShards:
+def valid_num_shards(
+    info: ShardInfo, params: Checkpoint | str, limit: int = MAX_SHARDS_TRIED
+) -> ValidNumShards:
     """Every N up to ``limit`` for which the plan binds and validates on this checkpoint.
 
     Cheap even for a large plan: each distinct parameter (shape, dtype and steps) is validated
@@ -122,7 +136,7 @@ def valid_num_shards(info: ShardInfo, params: Union[Checkpoint, str],
     """
     metadata = as_checkpoint(params).metadata()
     planned = info.planned_num_shards
-    if planned is not None:    # plain integers, or a placement: that one N, if it validates
+    if planned is not None:  # plain integers, or a placement: that one N, if it validates
         n = planned
         try:
             info.bind(n).validate(metadata)

@@ -8,13 +8,14 @@ through them.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Union
 
 from .. import dtypes
 from .placement import Placement
 
-__all__ = ["Scalar", "METADATA_KEY", "step_json", "plan_json", "RawStep", "Step"]
+__all__ = ["METADATA_KEY", "RawStep", "Scalar", "Step", "plan_json", "step_json"]
 
 Scalar = Union[int, float, bool, None, str]
 
@@ -34,8 +35,9 @@ def step_json(func: str, out_shape: Any, dtype: str, extra: Any = ()) -> list:
     return [func, [list(out_shape), dtype], *extra]
 
 
-def plan_json(metadata: Mapping[str, Any], params: Mapping[str, tuple],
-              placement: Optional[Placement] = None) -> dict:
+def plan_json(
+    metadata: Mapping[str, Any], params: Mapping[str, tuple], placement: Placement | None = None
+) -> dict:
     """``{"__metadata__": ..., "__placement__": ..., name: [step, ...]}``: a plan's steps
     (``RawStep`` or ``Step``, each written by ``step_json``) as ``shard_info.json`` holds them."""
     out: dict[str, Any] = {METADATA_KEY: metadata} if metadata else {}
@@ -50,7 +52,7 @@ class RawStep:
     """One step as written: shapes and args may still be ``num_shards`` expressions."""
 
     func: str
-    out_shape: tuple[Union[int, str], ...]
+    out_shape: tuple[int | str, ...]
     dtype: str
     extra: tuple[Scalar, ...]
 

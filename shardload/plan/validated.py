@@ -20,13 +20,14 @@ is checked once for each input it meets.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..gc_pause import gc_paused
 from .. import dtypes
 from ..errors import PlanError, UnknownShardFunctionError, quote
+from ..gc_pause import gc_paused
 from ..readers.base import TensorMeta
 from . import limits
 from .messages import brief, close_match, cut, known_names
@@ -38,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ParamPlan", "ValidatedPlan", "validate"]
 
 
-def validate(plan: "Plan", metadata: Mapping[str, TensorMeta]) -> "ValidatedPlan":
+def validate(plan: Plan, metadata: Mapping[str, TensorMeta]) -> ValidatedPlan:
     """``plan`` checked against a checkpoint's metadata (``Plan.validate``); no tensor data is
     read."""
     placed = plan.placement.params if plan.placement is not None else {}
@@ -48,13 +49,17 @@ def validate(plan: "Plan", metadata: Mapping[str, TensorMeta]) -> "ValidatedPlan
         first = missing[0]
         hint = close_match(first, metadata)
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise PlanError(f"the checkpoint has no tensor named {quote(first)}{hint}{more}; the "
-                        "plan does not match this checkpoint", source=plan.source, param=first)
+        raise PlanError(
+            f"the checkpoint has no tensor named {quote(first)}{hint}{more}; the "
+            "plan does not match this checkpoint",
+            source=plan.source,
+            param=first,
+        )
     with gc_paused():
         return ValidatedPlan(plan, MappingProxyType(_validate(plan, metadata)))
 
 
-def _validate(plan: "Plan", metadata: Mapping[str, TensorMeta]) -> dict[str, "ParamPlan"]:
+def _validate(plan: Plan, metadata: Mapping[str, TensorMeta]) -> dict[str, ParamPlan]:
     from ..registry import get_shard_func
 
     n = plan.num_shards
@@ -67,7 +72,7 @@ def _validate(plan: "Plan", metadata: Mapping[str, TensorMeta]) -> dict[str, "Pa
     # again, passes again: its functions are found once
     chains: dict[tuple, tuple] = {}
     out = {}
-    get, new = plan.params.get, tuple.__new__   # ParamPlan's own __new__ is Python's
+    get, new = plan.params.get, tuple.__new__  # ParamPlan's own __new__ is Python's
     for name, meta in metadata.items():
         steps = get(name, ())
         if not steps:
@@ -79,8 +84,11 @@ def _validate(plan: "Plan", metadata: Mapping[str, TensorMeta]) -> dict[str, "Pa
             out[name] = new(ParamPlan, (meta, steps, funcs_before, None))
             continue
         if len(steps) > limits.MAX_STEPS:
-            raise PlanError(f"{len(steps)} steps, more than the {limits.MAX_STEPS} a parameter "
-                            "may have", source=plan.source, param=name)
+            raise PlanError(
+                f"{len(steps)} steps, more than the {limits.MAX_STEPS} a parameter may have",
+                source=plan.source,
+                param=name,
+            )
         funcs = []
         shape, dtype, stored = meta.shape, meta.dtype, meta.nbytes
         # every intermediate, not only each step against its own input: chains stay bounded
@@ -89,22 +97,36 @@ def _validate(plan: "Plan", metadata: Mapping[str, TensorMeta]) -> dict[str, "Pa
             func = found.get(step.func)
             key = (id(step), shape, dtype, stored)
             if func is None or key not in passed:
-                func = _check_step(plan, name, step, shape, dtype, stored, limit, found,
-                                   get_shard_func)
+                func = _check_step(
+                    plan, name, step, shape, dtype, stored, limit, found, get_shard_func
+                )
                 passed.add(key)
             funcs.append(func)
             shape, dtype = step.out_shape, step.dtype
         if not shape or shape[0] != n:
             got = shape[0] if shape else "a 0-d output"
-            raise PlanError(f"the last step's output must have num_shards={n} on axis 0, "
-                            f"got {got} (shape {brief(shape)})",
-                            source=plan.source, param=name, step=steps[-1].index)
+            raise PlanError(
+                f"the last step's output must have num_shards={n} on axis 0, "
+                f"got {got} (shape {brief(shape)})",
+                source=plan.source,
+                param=name,
+                step=steps[-1].index,
+            )
         out[name] = ParamPlan(meta, steps, chains.setdefault(chain_key, tuple(funcs)))
     return out
 
 
-def _check_step(plan: "Plan", name: str, step: Step, shape: tuple, dtype: str, stored: int,
-                limit: int, found: dict, get_shard_func) -> Any:
+def _check_step(
+    plan: Plan,
+    name: str,
+    step: Step,
+    shape: tuple,
+    dtype: str,
+    stored: int,
+    limit: int,
+    found: dict,
+    get_shard_func,
+) -> Any:
     """One step against its input: the function exists, takes the args, and its shape rule
     agrees with the declared output, which stays within the growth limit."""
     n = plan.num_shards
@@ -116,8 +138,11 @@ def _check_step(plan: "Plan", name: str, step: Step, shape: tuple, dtype: str, s
         except UnknownShardFunctionError:
             raise UnknownShardFunctionError(step.func, known_names(), **where) from None
     if not func.accepts(len(step.extra)):
-        raise PlanError(f"{quote(step.func)} takes {func.arity_text()} extra arg(s), the "
-                        f"step gives {len(step.extra)}: {brief(step.extra)}", **where)
+        raise PlanError(
+            f"{quote(step.func)} takes {func.arity_text()} extra arg(s), the "
+            f"step gives {len(step.extra)}: {brief(step.extra)}",
+            **where,
+        )
     _check_array_dtypes(func, dtype, step.dtype, where)
     if func.shape_rule is not None:
         rule_shape, rule_dtype = _apply_rule(func, shape, dtype, step, n, where)
@@ -125,25 +150,32 @@ def _check_step(plan: "Plan", name: str, step: Step, shape: tuple, dtype: str, s
             raise PlanError(
                 f"declared output {brief(step.out_shape)} {step.dtype} disagrees with "
                 f"{quote(step.func)}, which makes {brief(rule_shape)} {rule_dtype} from "
-                f"input {brief(shape)} {dtype} with num_shards={n}", **where)
+                f"input {brief(shape)} {dtype} with num_shards={n}",
+                **where,
+            )
     if step.nbytes > limit:
         raise PlanError(
             f"declared output {brief(step.out_shape)} {step.dtype} is {step.nbytes} bytes "
             f"from a {stored}-byte stored tensor, more than {limits.MAX_GROWTH} x num_shards "
             f"times larger (+ {limits.GROWTH_SLACK_BYTES} bytes); refusing to allocate it",
-            **where)
+            **where,
+        )
     return func
 
 
-def _apply_rule(func, shape: tuple, dtype: str, step: "Step", n: int,
-                where: dict) -> tuple[tuple[int, ...], str]:
+def _apply_rule(
+    func, shape: tuple, dtype: str, step: Step, n: int, where: dict
+) -> tuple[tuple[int, ...], str]:
     """``func``'s shape rule applied to the step; its refusal as a ``PlanError``."""
     try:
         rule_shape, rule_dtype = func.shape_rule(shape, dtype, *step.extra, num_shards=n)
         return tuple(rule_shape), dtypes.canonical(rule_dtype)
     except (ValueError, TypeError, ArithmeticError, LookupError) as exc:
-        raise PlanError(f"{quote(step.func)} cannot apply to input {brief(shape)} {dtype} with "
-                        f"args {brief(step.extra)}: {cut(str(exc))}", **where) from None
+        raise PlanError(
+            f"{quote(step.func)} cannot apply to input {brief(shape)} {dtype} with "
+            f"args {brief(step.extra)}: {cut(str(exc))}",
+            **where,
+        ) from None
 
 
 _NOT_NUMPY = {"bfloat16", "float8_e4m3fn", "float8_e5m2"}
@@ -151,9 +183,12 @@ _NOT_NUMPY = {"bfloat16", "float8_e4m3fn", "float8_e5m2"}
 
 def _check_array_dtypes(func, in_dtype: str, out_dtype: str, where: dict) -> None:
     if func.array == "numpy" and (in_dtype in _NOT_NUMPY or out_dtype in _NOT_NUMPY):
-        raise PlanError(f"{func.name} takes numpy arrays, and numpy has no "
-                        f"{in_dtype if in_dtype in _NOT_NUMPY else out_dtype}; register it "
-                        "with array='torch'", **where)
+        raise PlanError(
+            f"{func.name} takes numpy arrays, and numpy has no "
+            f"{in_dtype if in_dtype in _NOT_NUMPY else out_dtype}; register it "
+            "with array='torch'",
+            **where,
+        )
 
 
 #: the steps that take whole units of a tensor, ``-1`` a zero unit (``shard_functions.builtin``)
@@ -168,7 +203,7 @@ class ParamPlan(NamedTuple):
     steps: tuple[Step, ...]
     funcs: tuple  # ShardFunc per step
     #: the workers holding it whole (``__placement__``); None: every worker holds its piece
-    workers: Optional[tuple[int, ...]] = None
+    workers: tuple[int, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -213,7 +248,7 @@ class ParamPlan(NamedTuple):
             if step.func in _TAKE_UNITS:
                 dim, unit, *indices = step.extra
                 if step.func == "shardload.take_units_fill":
-                    indices = indices[1:]                  # after the fill
+                    indices = indices[1:]  # after the fill
                 per_unit = self.meta.nbytes // max(self.meta.shape[dim], 1) * unit
                 total += indices.count(-1) * per_unit
         return total
@@ -242,7 +277,7 @@ class ValidatedPlan:
         """Bytes of zero units the plan adds, over all parameters and workers."""
         return sum(p.padding_bytes for p in self)
 
-    def bytes_per_worker(self, worker: Optional[int] = None) -> int:
+    def bytes_per_worker(self, worker: int | None = None) -> int:
         """The bytes of the pieces one worker keeps: worker ``worker``'s, or (``None``) the
         most any worker keeps."""
         if worker is not None:

@@ -24,5 +24,13 @@ from __future__ import annotations
 from ..plan import MAX_SHARDS_TRIED, MAX_VALIDATION_WORK, ValidNumShards, valid_num_shards
 from .decision import PlanDecision, PlanSummary, plan_decision, plan_for
 
-__all__ = ["plan_for", "plan_decision", "valid_num_shards", "PlanDecision", "PlanSummary",
-           "ValidNumShards", "MAX_SHARDS_TRIED", "MAX_VALIDATION_WORK"]
+__all__ = [
+    "MAX_SHARDS_TRIED",
+    "MAX_VALIDATION_WORK",
+    "PlanDecision",
+    "PlanSummary",
+    "ValidNumShards",
+    "plan_decision",
+    "plan_for",
+    "valid_num_shards",
+]

@@ -16,7 +16,6 @@ validated once, as a safety check, and kept for the load.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from ..errors import EXPERTS_TP, PlanError, mention
 from ..formats import Scheme
@@ -35,7 +34,7 @@ from .record import model_record
 from .spec import ModelSpec
 from .tensors import Walk, walk
 
-__all__ = ["plan_for", "plan_decision", "PlanDecision", "PlanSummary"]
+__all__ = ["PlanDecision", "PlanSummary", "plan_decision", "plan_for"]
 
 
 @dataclass(frozen=True)
@@ -54,12 +53,16 @@ class PlanSummary:
 
     def __str__(self) -> str:
         s = self.spec
-        attention = (f"{s.num_heads} MLA heads of {s.head_dim} (values {s.v_head_dim})"
-                     if s.mla else
-                     f"{s.num_heads} query / {s.num_kv_heads} KV heads of {s.head_dim}")
-        text = (f"{s.architecture}, {s.num_layers} layers, {attention}, "
-                f"{self.scheme.describe()}: {self.sharded} tensors sharded, "
-                f"{self.replicated} replicated")
+        attention = (
+            f"{s.num_heads} MLA heads of {s.head_dim} (values {s.v_head_dim})"
+            if s.mla
+            else f"{s.num_heads} query / {s.num_kv_heads} KV heads of {s.head_dim}"
+        )
+        text = (
+            f"{s.architecture}, {s.num_layers} layers, {attention}, "
+            f"{self.scheme.describe()}: {self.sharded} tensors sharded, "
+            f"{self.replicated} replicated"
+        )
         if self.experts == "ep":
             text += f", {self.placed} placed whole on one worker (expert parallel)"
         if self.unknown:
@@ -80,14 +83,14 @@ class PlanDecision:
     unpadded plan fits, from the same constraints.
     """
 
-    num_shards: Optional[int]
+    num_shards: int | None
     kind: str
     summary: PlanSummary
     valid: ValidNumShards
-    info: Optional[ShardInfo] = None
-    error: Optional[PlanError] = None
+    info: ShardInfo | None = None
+    error: PlanError | None = None
     #: the plan bound to N and validated against the checkpoint (None when refused or no N)
-    validated: Optional[ValidatedPlan] = None
+    validated: ValidatedPlan | None = None
 
     def shard_info(self) -> ShardInfo:
         """The plan as a plan file holds it (symbolic, or for this N alone when padded), or the
@@ -98,8 +101,14 @@ class PlanDecision:
         return self.info
 
 
-def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: bool = False,
-                  pad: bool = True, experts: str = "tp") -> PlanDecision:
+def plan_decision(
+    params,
+    num_shards: int | None = None,
+    *,
+    vocab_parallel: bool = False,
+    pad: bool = True,
+    experts: str = "tp",
+) -> PlanDecision:
     """Plan ``params`` (a checkpoint or path) and decide, once, what to do for ``num_shards``.
 
     The plan is symbolic in ``num_shards``; planning it records which N each tensor group
@@ -119,77 +128,117 @@ def plan_decision(params, num_shards: Optional[int] = None, *, vocab_parallel: b
     'unpadded'
     """
     if experts not in MODES:
-        raise PlanError(f"experts must be one of {', '.join(map(repr, MODES))}, got "
-                        f"{experts!r}")
+        raise PlanError(f"experts must be one of {', '.join(map(repr, MODES))}, got {experts!r}")
     if experts == "ep" and num_shards is None:
-        raise PlanError("expert parallelism assigns whole experts to workers, so its plan is "
-                        "for one number of workers: give num_shards")
+        raise PlanError(
+            "expert parallelism assigns whole experts to workers, so its plan is "
+            "for one number of workers: give num_shards"
+        )
     problem = None if num_shards is None else num_shards_problem(num_shards)
     if problem is not None:
         raise PlanError(f"num_shards {problem}")
     ckpt = as_checkpoint(params)
-    with gc_paused():   # each pass makes a list or a dict of every tensor, all kept
+    with gc_paused():  # each pass makes a list or a dict of every tensor, all kept
         return _decide(ckpt, num_shards, vocab_parallel, pad, experts)
 
 
-def _decide(ckpt: Checkpoint, num_shards: Optional[int], vocab_parallel: bool, pad: bool,
-            experts: str) -> PlanDecision:
+def _decide(
+    ckpt: Checkpoint, num_shards: int | None, vocab_parallel: bool, pad: bool, experts: str
+) -> PlanDecision:
     """``plan_decision``'s work, its arguments checked."""
     kind, spec, scheme = detect(ckpt)
     spec = vocab_from_tensors(ckpt, spec)
-    walked = walk(ckpt, spec, scheme)     # every pass below reads this one walk
+    walked = walk(ckpt, spec, scheme)  # every pass below reads this one walk
     act_order = ActOrder(ckpt, scheme)
     check_shapes(ckpt, spec, scheme, walked)
     # the assignment of experts depends on N alone, so a padded plan for N reuses it
-    ep = None if experts == "tp" else ExpertParallel(
-        num_shards, spec.rules.naming.count_experts(ckpt.metadata()))
-    planned = plan_decoder(ckpt, spec, scheme, walked, act_order,
-                           vocab_parallel=vocab_parallel, experts=ep)
+    ep = (
+        None
+        if experts == "tp"
+        else ExpertParallel(num_shards, spec.rules.naming.count_experts(ckpt.metadata()))
+    )
+    planned = plan_decoder(
+        ckpt, spec, scheme, walked, act_order, vocab_parallel=vocab_parallel, experts=ep
+    )
     if ep is not None and not ep.layouts:
-        error = PlanError(f"{ckpt.source} has no routed experts ({spec.architecture}): expert "
-                          "parallelism needs a mixture-of-experts model; plan with "
-                          f"{EXPERTS_TP.python}", source=ckpt.source)
+        error = PlanError(
+            f"{ckpt.source} has no routed experts ({spec.architecture}): expert "
+            "parallelism needs a mixture-of-experts model; plan with "
+            f"{EXPERTS_TP.python}",
+            source=ckpt.source,
+        )
         raise mention(error, EXPERTS_TP)
     constraints = planned.constraints
     # with expert parallelism, the N an EP plan can be made for (its experts put no constraint)
-    valid = ValidNumShards([n for n in range(1, MAX_SHARDS_TRIED + 1) if constraints.allows(n)],
-                           tried=MAX_SHARDS_TRIED)
+    valid = ValidNumShards(
+        [n for n in range(1, MAX_SHARDS_TRIED + 1) if constraints.allows(n)], tried=MAX_SHARDS_TRIED
+    )
     record = {MODEL_KEY: model_record(ckpt, spec, scheme, kind, walked, ep)}
     source = f"<plan for {ckpt.source}>"
     if num_shards is None:
-        return PlanDecision(None, "symbolic", _summary(planned, spec, scheme, experts), valid,
-                            _plan_info(planned.steps, record, ep, source))
+        return PlanDecision(
+            None,
+            "symbolic",
+            _summary(planned, spec, scheme, experts),
+            valid,
+            _plan_info(planned.steps, record, ep, source),
+        )
     broken = constraints.broken(num_shards)
     if not broken:
         decided = "unpadded"
     else:
-        padding = _padding(ckpt, spec, scheme, walked, act_order, num_shards, broken, pad,
-                           ep is not None)
+        padding = _padding(
+            ckpt, spec, scheme, walked, act_order, num_shards, broken, pad, ep is not None
+        )
         if not isinstance(padding, Padding):
             first, why = padding
             reason = first.why_not(num_shards)
             if why:
                 reason += f"; and zero-padding cannot help: {why}"
-            error = PlanError(f"{ckpt.source} cannot be split over {num_shards} workers: "
-                              f"{reason}. {valid.describe()}", source=source, param=first.tensor)
-            return PlanDecision(num_shards, "refused", _summary(planned, spec, scheme, experts),
-                                valid, error=error)
+            error = PlanError(
+                f"{ckpt.source} cannot be split over {num_shards} workers: "
+                f"{reason}. {valid.describe()}",
+                source=source,
+                param=first.tensor,
+            )
+            return PlanDecision(
+                num_shards, "refused", _summary(planned, spec, scheme, experts), valid, error=error
+            )
         decided = "padded"
-        planned = plan_decoder(ckpt, spec, scheme, walked, act_order,
-                               vocab_parallel=vocab_parallel, padding=padding, experts=ep)
+        planned = plan_decoder(
+            ckpt,
+            spec,
+            scheme,
+            walked,
+            act_order,
+            vocab_parallel=vocab_parallel,
+            padding=padding,
+            experts=ep,
+        )
         record = {**record, "tensor_parallel": padding.metadata(spec)}
         source = f"<padded plan for {ckpt.source}>"
     info = _plan_info(planned.steps, record, ep, source)
     # decided from the constraints alone; the plan for N is validated once, as a safety check,
     # and kept: the caller loads with it rather than validating it again
     validated = info.bind(num_shards).validate(ckpt.metadata())
-    return PlanDecision(num_shards, decided,
-                        _summary(planned, spec, scheme, experts, padded=decided == "padded"),
-                        valid, info, validated=validated)
+    return PlanDecision(
+        num_shards,
+        decided,
+        _summary(planned, spec, scheme, experts, padded=decided == "padded"),
+        valid,
+        info,
+        validated=validated,
+    )
 
 
-def plan_for(params, num_shards: Optional[int] = None, *, vocab_parallel: bool = False,
-             pad: bool = True, experts: str = "tp") -> ShardInfo:
+def plan_for(
+    params,
+    num_shards: int | None = None,
+    *,
+    vocab_parallel: bool = False,
+    pad: bool = True,
+    experts: str = "tp",
+) -> ShardInfo:
     """A plan for ``params`` (a checkpoint or path), symbolic in ``num_shards``.
 
     With ``num_shards``, also check that this N works: if the model's heads or MLP do not
@@ -203,19 +252,27 @@ def plan_for(params, num_shards: Optional[int] = None, *, vocab_parallel: bool =
     >>> info.is_symbolic
     True
     """
-    return plan_decision(params, num_shards, vocab_parallel=vocab_parallel, pad=pad,
-                         experts=experts).shard_info()
+    return plan_decision(
+        params, num_shards, vocab_parallel=vocab_parallel, pad=pad, experts=experts
+    ).shard_info()
 
 
-def _summary(planned: Planned, spec: ModelSpec, scheme: Scheme, experts: str, *,
-             padded: bool = False) -> PlanSummary:
-    return PlanSummary(spec, scheme, len(planned.steps), len(planned.replicated),
-                       tuple(planned.unknown), padded=padded, placed=len(planned.placed),
-                       experts=experts)
+def _summary(
+    planned: Planned, spec: ModelSpec, scheme: Scheme, experts: str, *, padded: bool = False
+) -> PlanSummary:
+    return PlanSummary(
+        spec,
+        scheme,
+        len(planned.steps),
+        len(planned.replicated),
+        tuple(planned.unknown),
+        padded=padded,
+        placed=len(planned.placed),
+        experts=experts,
+    )
 
 
-def _plan_info(steps: dict, metadata: dict, ep: Optional[ExpertParallel],
-               source: str) -> ShardInfo:
+def _plan_info(steps: dict, metadata: dict, ep: ExpertParallel | None, source: str) -> ShardInfo:
     """The plan: its steps, what it records for engines, and, for expert parallelism, the
     assignment of experts (``__metadata__.experts``) and the placement of experts stored one
     per tensor (for its one N)."""
@@ -228,9 +285,17 @@ def _plan_info(steps: dict, metadata: dict, ep: Optional[ExpertParallel],
     return ShardInfo.from_dict(data, source=source)
 
 
-def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, walked: Walk,
-             act_order: ActOrder, num_shards: int, broken: list[Constraint], pad: bool,
-             whole_experts: bool = False) -> Union[Padding, tuple[Constraint, str]]:
+def _padding(
+    ckpt: Checkpoint,
+    spec: ModelSpec,
+    scheme: Scheme,
+    walked: Walk,
+    act_order: ActOrder,
+    num_shards: int,
+    broken: list[Constraint],
+    pad: bool,
+    whole_experts: bool = False,
+) -> Padding | tuple[Constraint, str]:
     """For an N that breaks the ``broken`` constraints: the zero-padded layout that lifts them,
     or the constraint to name in the refusal and why padding cannot help ("" when ``pad`` is
     off)."""
@@ -238,8 +303,11 @@ def _padding(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, walked: Walk,
         return broken[0], ""
     unpaddable = [c for c in broken if not c.paddable]
     if unpaddable:
-        return unpaddable[0], ("the vocabulary is split evenly, never padded (split embeddings "
-                               "and lm_head only for an N that divides it)")
-    padding = padding_layout(ckpt, spec, scheme, num_shards, walked, act_order,
-                             whole_experts=whole_experts)
+        return unpaddable[0], (
+            "the vocabulary is split evenly, never padded (split embeddings "
+            "and lm_head only for an N that divides it)"
+        )
+    padding = padding_layout(
+        ckpt, spec, scheme, num_shards, walked, act_order, whole_experts=whole_experts
+    )
     return (broken[0], padding.reason) if isinstance(padding, PlanError) else padding

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..readers.base import Checkpoint
     from .spec import ModelSpec
 
-__all__ = ["plan_decoder", "Planned", "split_step", "ActOrder"]
+__all__ = ["ActOrder", "Planned", "plan_decoder", "split_step"]
 
 
 @dataclass
@@ -73,7 +73,7 @@ class _TensorGroup:
     name: str
     labels: list[str]
     paddable: bool
-    held: str                       # " ('quantization_config.bits' = 4, ...)", " (Q4_K blocks)"
+    held: str  # " ('quantization_config.bits' = 4, ...)", " (Q4_K blocks)"
     constraints: Constraints
 
     def note(self, segments: Segments, in_units: Segments, axis: Axis) -> None:
@@ -83,28 +83,40 @@ class _TensorGroup:
             if units == logical:
                 stored = ""
             elif abs(units) == blocks:
-                per_block = abs(logical) // abs(units)   # heads that share one block
-                stored = (f"stored in {blocks} blocks of {axis.elems}{self.held}"
-                          + (f", {per_block} to a block" if 1 < per_block < axis.elems else ""))
-            else:   # units grouped until they fill whole blocks (_in_units)
-                stored = (f"stored in {blocks} blocks of {axis.elems}{self.held}, so split in "
-                          f"{abs(units)} groups of {abs(logical) // abs(units)} that fill "
-                          f"{blocks // abs(units)} whole blocks each")
-            self.constraints.add(Constraint(abs(units), units < 0, label, self.name,
-                                            self.paddable, stored))
+                per_block = abs(logical) // abs(units)  # heads that share one block
+                stored = f"stored in {blocks} blocks of {axis.elems}{self.held}" + (
+                    f", {per_block} to a block" if 1 < per_block < axis.elems else ""
+                )
+            else:  # units grouped until they fill whole blocks (_in_units)
+                stored = (
+                    f"stored in {blocks} blocks of {axis.elems}{self.held}, so split in "
+                    f"{abs(units)} groups of {abs(logical) // abs(units)} that fill "
+                    f"{blocks // abs(units)} whole blocks each"
+                )
+            self.constraints.add(
+                Constraint(abs(units), units < 0, label, self.name, self.paddable, stored)
+            )
 
     def note_partial(self, segments: Segments, axis: Axis, units: int) -> None:
         """A tensor held whole (``_partial_blocks``): N = 1, or any N for one KV head."""
-        size, label = next((size, label) for (size, _), label in zip(segments, self.labels)
-                           if size % axis.elems)
-        self.constraints.add(Constraint(
-            1, units < 0, label, self.name, self.paddable,
-            f"whose {size} elements end in a partial {axis.elems}-element block{self.held}, so "
-            "they are never split"))
+        size, label = next(
+            (size, label) for (size, _), label in zip(segments, self.labels) if size % axis.elems
+        )
+        self.constraints.add(
+            Constraint(
+                1,
+                units < 0,
+                label,
+                self.name,
+                self.paddable,
+                f"whose {size} elements end in a partial {axis.elems}-element block{self.held}, so "
+                "they are never split",
+            )
+        )
 
     def note_rows(self, rows: int, segments: Segments) -> None:
         """A tensor split in whole rows of the layer's input (GPTQ's g_idx)."""
-        in_rows = len(segments) == 1 and tuple(segments[0]) == (rows, rows)   # MLP rows
+        in_rows = len(segments) == 1 and tuple(segments[0]) == (rows, rows)  # MLP rows
         label = self.labels[0] if in_rows else f"the {rows} input rows of the layer"
         self.constraints.add(Constraint(rows, False, label, self.name, self.paddable))
 
@@ -117,10 +129,10 @@ def _in_units(segments: Segments, axis: Axis, tensor: str) -> Segments:
     unit that straddles blocks cannot be split exactly and is refused.
     """
     out = []
-    for size, units in segments:   # whole blocks: _partial_blocks takes the rest
+    for size, units in segments:  # whole blocks: _partial_blocks takes the rest
         stored = size // axis.elems * axis.width
         per_unit = size // abs(units)
-        together = math.lcm(per_unit, axis.elems)     # the fewest whole units in whole blocks
+        together = math.lcm(per_unit, axis.elems)  # the fewest whole units in whole blocks
         if per_unit % axis.elems == 0:
             out.append((stored, units))
         elif size % together == 0:
@@ -130,16 +142,20 @@ def _in_units(segments: Segments, axis: Axis, tensor: str) -> Segments:
             # N must divide the runs
             out.append((stored, size // together))
         else:
-            raise PlanError(f"{tensor}: its {abs(units)} units of {per_unit} elements straddle "
-                            f"the {axis.elems}-element blocks it is stored in (e.g. FP8 128-row "
-                            "scale blocks across KV heads); it cannot be split exactly")
+            raise PlanError(
+                f"{tensor}: its {abs(units)} units of {per_unit} elements straddle "
+                f"the {axis.elems}-element blocks it is stored in (e.g. FP8 128-row "
+                "scale blocks across KV heads); it cannot be split exactly"
+            )
     return out
 
 
 def _per_worker(segments: Segments) -> str:
     """An expression of num_shards: what one worker keeps of these segments."""
-    parts = [f"{size} // num_shards" if units > 0 else f"{size} // min(num_shards, {-units})"
-             for size, units in segments]
+    parts = [
+        f"{size} // num_shards" if units > 0 else f"{size} // min(num_shards, {-units})"
+        for size, units in segments
+    ]
     return " + ".join(parts)
 
 
@@ -149,14 +165,22 @@ def split_step(shape: tuple[int, ...], dtype: str, dim: int, segments: Segments)
     out[dim + 1] = _per_worker(segments)
     if len(segments) == 1 and segments[0][0] == segments[0][1]:
         return step_json("shardload.split", out, dtype, (dim,))
-    return step_json("shardload.split_segments", out, dtype,
-                     (dim, *[v for pair in segments for v in pair]))
+    return step_json(
+        "shardload.split_segments", out, dtype, (dim, *[v for pair in segments for v in pair])
+    )
 
 
-def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, walked: Walk,
-                 act_order: "ActOrder", *, vocab_parallel: bool = False,
-                 padding: Optional[Padding] = None,
-                 experts: Optional[ExpertParallel] = None) -> Planned:
+def plan_decoder(
+    ckpt: Checkpoint,
+    spec: ModelSpec,
+    scheme: Scheme,
+    walked: Walk,
+    act_order: ActOrder,
+    *,
+    vocab_parallel: bool = False,
+    padding: Padding | None = None,
+    experts: ExpertParallel | None = None,
+) -> Planned:
     """The steps for every tensor of a decoder checkpoint (``walked``: ``tensors.walk``):
     symbolic in num_shards, with the constraints they put on N (``Planned.constraints``), or,
     with ``padding``, for its one N with zero heads and blocks where N does not divide. With
@@ -170,8 +194,8 @@ def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, walked: 
     """
     planned = Planned()
     naming = spec.rules.naming
-    stepped: dict[Any, Optional[list]] = {}
-    decides: dict[int, str] = {}      # by kind: what decides its tensors' steps (_decided_by)
+    stepped: dict[Any, list | None] = {}
+    decides: dict[int, str] = {}  # by kind: what decides its tensors' steps (_decided_by)
     for meta, kind in walked.rows():
         name, role, axes = meta.name, kind.role, kind.axes
         if role is None or (role.kind == "vocab" and not vocab_parallel):
@@ -193,12 +217,24 @@ def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, walked: 
         by = decides.get(id(kind))
         if by is None:
             by = decides[id(kind)] = _decided_by(kind, padding)
-        key = (id(kind) if by == "kind" else None if by == "tensor" else
-               _module_key(kind, name, act_order, padding))
+        key = (
+            id(kind)
+            if by == "kind"
+            else None
+            if by == "tensor"
+            else _module_key(kind, name, act_order, padding)
+        )
         steps = stepped.get(key, _UNSTEPPED) if key is not None else _UNSTEPPED
         if steps is _UNSTEPPED:
-            steps = _steps(ckpt, spec, scheme, walked.tensor(meta, kind), act_order, padding,
-                           planned.constraints)
+            steps = _steps(
+                ckpt,
+                spec,
+                scheme,
+                walked.tensor(meta, kind),
+                act_order,
+                padding,
+                planned.constraints,
+            )
             if key is not None:
                 stepped[key] = steps
         if steps is None:
@@ -211,21 +247,21 @@ def plan_decoder(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, walked: 
 _UNSTEPPED: Any = object()
 
 
-def _decided_by(kind: Tensor, padding: Optional[Padding]) -> str:
+def _decided_by(kind: Tensor, padding: Padding | None) -> str:
     """What decides the steps of a tensor of ``kind``: the kind alone (``"kind"``); also its
     module (``"module"``: its rows reordered, a padded row-parallel layer's fill); or its own
     data (``"tensor"``: compressed-tensors' ``weight_shape``, stepped for each tensor)."""
     axes = kind.axes
     if axes.special == "shape":
         return "tensor"
-    if kind.role.column or not (axes.special == "g_idx" or axes.act_order or
-                                (padding is not None and padding.fills)):
+    if kind.role.column or not (
+        axes.special == "g_idx" or axes.act_order or (padding is not None and padding.fills)
+    ):
         return "kind"
     return "module"
 
 
-def _module_key(kind: Tensor, name: str, act_order: "ActOrder",
-                padding: Optional[Padding]) -> tuple:
+def _module_key(kind: Tensor, name: str, act_order: ActOrder, padding: Padding | None) -> tuple:
     """The key of the steps of tensor ``name`` of a kind its module decides too."""
     axes = kind.axes
     module = name.rpartition(".")[0]
@@ -234,32 +270,53 @@ def _module_key(kind: Tensor, name: str, act_order: "ActOrder",
     return id(kind), reorders, fill
 
 
-def _steps(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, t: Tensor,
-           act_order: "ActOrder", padding: Optional[Padding],
-           constraints: Constraints) -> Optional[list]:
+def _steps(
+    ckpt: Checkpoint,
+    spec: ModelSpec,
+    scheme: Scheme,
+    t: Tensor,
+    act_order: ActOrder,
+    padding: Padding | None,
+    constraints: Constraints,
+) -> list | None:
     """The steps of one tensor (None: replicated); the split it makes noted in
     ``constraints``."""
     if padding is not None and t.role.paddable:
-        reorders = (not t.role.column and (t.axes.special == "g_idx" or t.axes.act_order)
-                    and act_order(t.module))
-        step = padded_step(t, t.axes, spec, padding, ckpt, group_size=scheme.group_size,
-                           act_order=reorders)
+        reorders = (
+            not t.role.column
+            and (t.axes.special == "g_idx" or t.axes.act_order)
+            and act_order(t.module)
+        )
+        step = padded_step(
+            t, t.axes, spec, padding, ckpt, group_size=scheme.group_size, act_order=reorders
+        )
     else:
         segments = t.role.segments(spec, t.mlp, t.module)
-        group = _TensorGroup(t.name, t.role.labels(spec, t.mlp, t.module), t.role.paddable,
-                             held(scheme, t.fmt), constraints)
+        group = _TensorGroup(
+            t.name,
+            t.role.labels(spec, t.mlp, t.module),
+            t.role.paddable,
+            held(scheme, t.fmt),
+            constraints,
+        )
         step = _tensor_step(ckpt, t, t.axes, segments, act_order, group)
     if step is None:
         return None
     return step if isinstance(step[0], list) else [step]
 
 
-def _tensor_step(ckpt: "Checkpoint", t: Tensor, axes: TensorAxes, segments: Segments,
-                 act_order: "ActOrder", group: _TensorGroup) -> Optional[list]:
+def _tensor_step(
+    ckpt: Checkpoint,
+    t: Tensor,
+    axes: TensorAxes,
+    segments: Segments,
+    act_order: ActOrder,
+    group: _TensorGroup,
+) -> list | None:
     """The step for one tensor; the split it makes is noted in ``group``'s constraints."""
     split_n, meta = t.role.column, t.meta
     if axes.special == "shape":
-        return _shape_step(ckpt, t, segments)   # a constant: any N
+        return _shape_step(ckpt, t, segments)  # a constant: any N
     if axes.special == "g_idx":
         if split_n:
             return None  # every output column needs the whole K ordering
@@ -268,8 +325,13 @@ def _tensor_step(ckpt: "Checkpoint", t: Tensor, axes: TensorAxes, segments: Segm
         func = "shardload.split" if act_order(t.module) else "shardload.split_rebase"
         return step_json(func, ["num_shards", f"{rows} // num_shards"], meta.dtype, (0,))
     axis = axes.n if split_n else axes.k
-    if (axis is None and split_n and axes.per_part and len(segments) > 1
-            and meta.numel == len(segments)):
+    if (
+        axis is None
+        and split_n
+        and axes.per_part
+        and len(segments) > 1
+        and meta.numel == len(segments)
+    ):
         group.note(segments, segments, Axis(0))
         return _per_part_scales(meta, segments)
     if axis is None:
@@ -298,16 +360,18 @@ def _per_part_scales(meta, segments: Segments) -> list:
     per-channel scales, one per row, then split those rows like the weight. Exact: every row
     keeps the scale it was quantized with; nothing is re-quantized."""
     rows = sum(size for size, _ in segments)
-    expand = step_json("shardload.repeat_segments", [rows, 1], meta.dtype,
-                       [size for size, _ in segments])
+    expand = step_json(
+        "shardload.repeat_segments", [rows, 1], meta.dtype, [size for size, _ in segments]
+    )
     return [expand, split_step((rows, 1), meta.dtype, 0, segments)]
 
 
 #: what each open checkpoint's ``g_idx`` tensors said, by (tensor, group size): a checkpoint's
 #: tensors do not change while it is open (readers check), and deciding for several N (or
 #: for vLLM's N and the planner's) reads each once
-_G_IDX_SEEN: "weakref.WeakKeyDictionary[Checkpoint, dict[tuple[str, int], bool]]" = \
+_G_IDX_SEEN: weakref.WeakKeyDictionary[Checkpoint, dict[tuple[str, int], bool]] = (
     weakref.WeakKeyDictionary()
+)
 
 
 class ActOrder:
@@ -315,7 +379,7 @@ class ActOrder:
     trivial ``k // G`` (read once per module and open checkpoint), or, without one, the config
     says so."""
 
-    def __init__(self, ckpt: "Checkpoint", scheme: Scheme):
+    def __init__(self, ckpt: Checkpoint, scheme: Scheme):
         self.ckpt, self.scheme = ckpt, scheme
         self.part = scheme.format.g_idx_part
         self.cache: dict[str, bool] = {}
@@ -334,7 +398,7 @@ class ActOrder:
         return self.cache[module]
 
 
-def _trivial_g_idx(ckpt: "Checkpoint", name: str, group_size: int) -> bool:
+def _trivial_g_idx(ckpt: Checkpoint, name: str, group_size: int) -> bool:
     """GPTQ without act-order stores g_idx = k // G; anything else reorders rows."""
     g_idx = ckpt.read_array(name).astype(np.int64)
     if group_size <= 0:
@@ -342,7 +406,7 @@ def _trivial_g_idx(ckpt: "Checkpoint", name: str, group_size: int) -> bool:
     return bool((g_idx == np.arange(len(g_idx)) // group_size).all())
 
 
-def _shape_step(ckpt: "Checkpoint", t: Tensor, segments: Segments) -> list:
+def _shape_step(ckpt: Checkpoint, t: Tensor, segments: Segments) -> list:
     """compressed-tensors' ``weight_shape`` [N, K]: each worker's own shape, as expressions."""
     n_out, k_in = (int(v) for v in ckpt.read_array(t.name).tolist())
     per_worker = _per_worker(segments)

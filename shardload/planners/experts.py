@@ -60,13 +60,17 @@ class ExpertParallel:
         out = [self.num_shards, len(slots[0]), *shape[1:]]
         if all(e >= 0 for held in slots for e in held):
             return step_json("shardload.split", out, dtype, (0,))
-        return step_json("shardload.take_units", out, dtype,
-                         (0, 1, *[e for held in slots for e in held]))
+        return step_json(
+            "shardload.take_units", out, dtype, (0, 1, *[e for held in slots for e in held])
+        )
 
     def metadata(self) -> dict:
         """What an engine needs: each worker's experts, per expert count."""
-        return {"mode": "ep", "num_shards": self.num_shards,
-                "experts_per_worker": {str(n): slots for n, slots in self.layouts.items()}}
+        return {
+            "mode": "ep",
+            "num_shards": self.num_shards,
+            "experts_per_worker": {str(n): slots for n, slots in self.layouts.items()},
+        }
 
 
-__all__ = ["ExpertParallel", "MODES"]
+__all__ = ["MODES", "ExpertParallel"]

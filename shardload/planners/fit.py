@@ -51,8 +51,10 @@ class Constraint:
         """Why N breaks this constraint, as one clause."""
         subject = f"{self.what}, {self.stored}," if self.stored else self.what
         if self.replicable and num_shards > self.units:
-            return (f"{subject} can be replicated only to a multiple of {self.units} workers, "
-                    f"not {num_shards}")
+            return (
+                f"{subject} can be replicated only to a multiple of {self.units} workers, "
+                f"not {num_shards}"
+            )
         return f"{subject} do not divide among {num_shards} workers"
 
 
@@ -63,8 +65,13 @@ class Constraints:
     _seen: dict = field(default_factory=dict)
 
     def add(self, constraint: Constraint) -> None:
-        key = (constraint.units, constraint.replicable, constraint.what, constraint.stored,
-               constraint.paddable)
+        key = (
+            constraint.units,
+            constraint.replicable,
+            constraint.what,
+            constraint.stored,
+            constraint.paddable,
+        )
         self._seen.setdefault(key, constraint)
 
     def __iter__(self):

@@ -9,14 +9,14 @@ else (a checkpoint in memory, a user's reader) by its config's own marks.
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Union
+from collections.abc import Callable
 
 from ..config_fields import Fields
 from ..errors import REPLICATE, SHARD_INFO, PlanError, mention
 from ..formats import Scheme, scheme_from_hf
 from .spec import ModelSpec, spec_from_gguf, spec_from_hf, spec_from_mlc
 
-__all__ = ["detect", "checkpoint_kind", "KINDS"]
+__all__ = ["KINDS", "checkpoint_kind", "detect"]
 
 #: MLC quantizations the planner splits (q0: unquantized)
 MLC_QUANTIZATIONS = ("q4f16_1", "q0f16", "q0f32")
@@ -34,10 +34,13 @@ def _local_path(ckpt) -> str:
 
 
 def _no_config(source: str, what: str) -> PlanError:
-    error = PlanError(f"no plan, and no model config next to the checkpoint ({what}) to write "
-                      f"one from: pass a plan ({SHARD_INFO.python}, or a shard_info.json beside "
-                      f"the checkpoint), add the model's config, or choose to replicate every "
-                      f"tensor ({REPLICATE.python})", source=source)
+    error = PlanError(
+        f"no plan, and no model config next to the checkpoint ({what}) to write "
+        f"one from: pass a plan ({SHARD_INFO.python}, or a shard_info.json beside "
+        f"the checkpoint), add the model's config, or choose to replicate every "
+        f"tensor ({REPLICATE.python})",
+        source=source,
+    )
     mention(error, SHARD_INFO, REPLICATE)
     return error
 
@@ -53,7 +56,7 @@ class _QuantizationFile:
 
         self.config = os.path.join(folder, "config.json")
         self.sides = [os.path.join(folder, side) for side in QUANT_SIDE_FILES]
-        self._label: Optional[str] = None
+        self._label: str | None = None
         self._name_of = name_of  # what messages call a local file (a URL, for an object's)
 
     def __call__(self) -> str:
@@ -73,15 +76,14 @@ class _QuantizationFile:
 
             own = read_json(self.config, MAX_SIDE_FILE_BYTES)
         except Exception:  # noqa: BLE001 - only a label: say both
-            return (f"{self.config} (or {sides[0]}, merged in as quantization_config)")
+            return f"{self.config} (or {sides[0]}, merged in as quantization_config)"
         if isinstance(own, dict) and "quantization_config" in own:
             return self.config
         return sides[0]
 
 
 def _read_gguf(ckpt) -> tuple[ModelSpec, Scheme]:
-    return (spec_from_gguf(Fields(ckpt.config, file=ckpt.source)),
-            Scheme("gguf", file=ckpt.source))
+    return (spec_from_gguf(Fields(ckpt.config, file=ckpt.source)), Scheme("gguf", file=ckpt.source))
 
 
 def _read_mlc(ckpt) -> tuple[ModelSpec, Scheme]:
@@ -89,15 +91,20 @@ def _read_mlc(ckpt) -> tuple[ModelSpec, Scheme]:
     if not set(config) - {"tensor_cache_metadata"}:
         raise _no_config(source, "mlc-chat-config.json")
     local = _local_path(ckpt)
-    label = (ckpt.name_of(os.path.join(local, "mlc-chat-config.json")) if os.path.isdir(local)
-             else source)
+    label = (
+        ckpt.name_of(os.path.join(local, "mlc-chat-config.json"))
+        if os.path.isdir(local)
+        else source
+    )
     cfg = Fields(config, file=label)
     quant = cfg.str("quantization")
     if quant not in MLC_QUANTIZATIONS:
-        raise PlanError(f"key 'quantization' is {quant!r}: that MLC quantization is not "
-                        "supported: q4f16_1 is (its weights are stored NK, out-features "
-                        "first); KN layouts such as q4f16_0 would need a transpose",
-                        source=label)
+        raise PlanError(
+            f"key 'quantization' is {quant!r}: that MLC quantization is not "
+            "supported: q4f16_1 is (its weights are stored NK, out-features "
+            "first); KN layouts such as q4f16_0 would need a transpose",
+            source=label,
+        )
     return spec_from_mlc(cfg), Scheme("mlc", file=label)
 
 
@@ -105,7 +112,7 @@ def _read_hf(ckpt) -> tuple[ModelSpec, Scheme]:
     config, source = ckpt.config, ckpt.source
     if not config:
         raise _no_config(source, "config.json, GGUF metadata or mlc-chat-config.json")
-    quant_file: Union[str, Callable[[], str]]
+    quant_file: str | Callable[[], str]
     local = _local_path(ckpt)
     if isinstance(local, str) and os.path.exists(local):
         folder = _folder(local)

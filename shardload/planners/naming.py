@@ -16,11 +16,11 @@ MLC checkpoints use Hugging Face's names.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from ..errors import PlanError
 
-__all__ = ["NamingScheme", "HF", "GGUF", "ExpertKind"]
+__all__ = ["GGUF", "HF", "ExpertKind", "NamingScheme"]
 
 #: ``("one", layer, e)`` for a tensor of routed expert ``e`` stored on its own, ``("stacked",
 #: layer, 0)`` for routed experts stacked along dim 0; ``layer`` is the name up to the experts
@@ -39,7 +39,7 @@ class NamingScheme:
     shared_marks: tuple[str, ...] = ()
     expert_marks: tuple[str, ...] = ()
 
-    def base_role(self, last: str) -> Optional[str]:
+    def base_role(self, last: str) -> str | None:
         return self.roles.get(last)
 
     def is_shared(self, module: str) -> bool:
@@ -55,7 +55,7 @@ class NamingScheme:
             return "experts"
         return "dense"
 
-    def expert_kind(self, name: str, module: str) -> Optional[ExpertKind]:
+    def expert_kind(self, name: str, module: str) -> ExpertKind | None:
         raise NotImplementedError
 
     def count_experts(self, names: Iterable[str]) -> dict[str, int]:
@@ -71,9 +71,11 @@ class NamingScheme:
             count = max(indices) + 1
             if len(indices) != count:
                 missing = min(set(range(count)) - indices)
-                raise PlanError(f"{layer}: the checkpoint has experts up to {count - 1} but "
-                                f"none numbered {missing}; every expert must be there to assign "
-                                "them")
+                raise PlanError(
+                    f"{layer}: the checkpoint has experts up to {count - 1} but "
+                    f"none numbered {missing}; every expert must be there to assign "
+                    "them"
+                )
             counts[layer] = count
         return counts
 
@@ -85,10 +87,22 @@ class HFNames(NamingScheme):
     """Hugging Face's (and MLC's): ``model.layers.0.self_attn.q_proj.weight``."""
 
     name = "hf"
-    roles = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "qkv_proj": "qkv", "o_proj": "o",
-             "gate_proj": "gate", "up_proj": "up", "gate_up_proj": "gate_up",
-             "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down",
-             "embed_tokens": "embed", "lm_head": "lm_head"}
+    roles = {
+        "q_proj": "q",
+        "k_proj": "k",
+        "v_proj": "v",
+        "qkv_proj": "qkv",
+        "o_proj": "o",
+        "gate_proj": "gate",
+        "up_proj": "up",
+        "gate_up_proj": "gate_up",
+        "down_proj": "down",
+        "w1": "gate",
+        "w3": "up",
+        "w2": "down",
+        "embed_tokens": "embed",
+        "lm_head": "lm_head",
+    }
     shared_marks = ("shared_expert",)
     expert_marks = ("experts",)
 
@@ -97,8 +111,8 @@ class HFNames(NamingScheme):
             return None
         found = _EXPERT_INDEX.search(name)
         if found is not None:
-            return "one", name[:found.start()], int(found.group(1))
-        if module.rpartition(".")[2] == "experts":   # fused: gpt-oss's experts.gate_up_proj
+            return "one", name[: found.start()], int(found.group(1))
+        if module.rpartition(".")[2] == "experts":  # fused: gpt-oss's experts.gate_up_proj
             return "stacked", module.rpartition(".")[0], 0
         return None
 
@@ -107,11 +121,25 @@ class GGUFNames(NamingScheme):
     """llama.cpp's (gguf-py's ``MODEL_TENSORS``): ``blk.0.attn_q.weight``."""
 
     name = "gguf"
-    roles = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_qkv": "qkv",
-             "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
-             "ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down",
-             "ffn_gate_up_exps": "gate_up", "ffn_gate_shexp": "gate", "ffn_up_shexp": "up",
-             "ffn_down_shexp": "down", "token_embd": "embed", "output": "lm_head"}
+    roles = {
+        "attn_q": "q",
+        "attn_k": "k",
+        "attn_v": "v",
+        "attn_qkv": "qkv",
+        "attn_output": "o",
+        "ffn_gate": "gate",
+        "ffn_up": "up",
+        "ffn_down": "down",
+        "ffn_gate_exps": "gate",
+        "ffn_up_exps": "up",
+        "ffn_down_exps": "down",
+        "ffn_gate_up_exps": "gate_up",
+        "ffn_gate_shexp": "gate",
+        "ffn_up_shexp": "up",
+        "ffn_down_shexp": "down",
+        "token_embd": "embed",
+        "output": "lm_head",
+    }
     shared_marks = ("shexp",)
     expert_marks = ("_exps",)
 

@@ -10,45 +10,52 @@ shares follow from it and the padded layout (``__metadata__.tensor_parallel``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..formats import Scheme
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .tensors import Tensor, Walk
     from ..readers.base import Checkpoint
     from .experts import ExpertParallel
     from .spec import ModelSpec
+    from .tensors import Tensor, Walk
 
 __all__ = ["model_record"]
 
 #: the spec's sizes, under transformers' names (the record's vocabulary)
-_SIZES = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
-          "head_dim": "head_dim", "hidden_size": "hidden_size",
-          "intermediate_size": "intermediate_size",
-          "moe_intermediate_size": "moe_intermediate_size",
-          "shared_expert_intermediate_size": "shared_expert_intermediate_size"}
+_SIZES = {
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "moe_intermediate_size": "moe_intermediate_size",
+    "shared_expert_intermediate_size": "shared_expert_intermediate_size",
+}
 #: where GGUF keeps them (``{arch}.<key>``)
-_GGUF_KEYS = {"num_attention_heads": "attention.head_count",
-              "num_key_value_heads": "attention.head_count_kv",
-              "intermediate_size": "feed_forward_length",
-              "moe_intermediate_size": "expert_feed_forward_length",
-              "shared_expert_intermediate_size": "expert_shared_feed_forward_length"}
+_GGUF_KEYS = {
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "intermediate_size": "feed_forward_length",
+    "moe_intermediate_size": "expert_feed_forward_length",
+    "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
+}
 
 
-def _config_keys(spec: "ModelSpec", kind: str, config: dict) -> dict[str, str]:
+def _config_keys(spec: ModelSpec, kind: str, config: dict) -> dict[str, str]:
     """Where each per-worker size goes in the checkpoint's own metadata."""
     if kind == "gguf":
         return {attr: f"{spec.architecture}.{key}" for attr, key in _GGUF_KEYS.items()}
     under = spec.rules.sizes_under or ("model_config" if kind == "mlc" else "")
     target = config.get(under, {}) if under else config
     target = target if isinstance(target, dict) else {}
-    keys = {"num_attention_heads": "num_attention_heads",
-            "num_key_value_heads": "num_key_value_heads"}
+    keys = {
+        "num_attention_heads": "num_attention_heads",
+        "num_key_value_heads": "num_key_value_heads",
+    }
     if spec.mla is None:
-        keys["head_dim"] = "head_dim"      # no longer hidden / heads on a worker
-    for attr in ("intermediate_size", "moe_intermediate_size",
-                 "shared_expert_intermediate_size"):
+        keys["head_dim"] = "head_dim"  # no longer hidden / heads on a worker
+    for attr in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if attr in target:
             keys[attr] = attr
     if spec.rules.experts_size == "intermediate_size":
@@ -60,18 +67,24 @@ def _config_keys(spec: "ModelSpec", kind: str, config: dict) -> dict[str, str]:
     return {attr: prefix + key for attr, key in keys.items()}
 
 
-def model_record(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, kind: str,
-                 walked: "Walk", experts: Optional["ExpertParallel"] = None) -> dict:
+def model_record(
+    ckpt: Checkpoint,
+    spec: ModelSpec,
+    scheme: Scheme,
+    kind: str,
+    walked: Walk,
+    experts: ExpertParallel | None = None,
+) -> dict:
     """The record of ``spec`` for the plan's ``__metadata__.model`` (``walked``: its tensors,
     ``tensors.walk``)."""
     sizes = {name: getattr(spec, attr) for name, attr in _SIZES.items()}
     sizes = {name: value for name, value in sizes.items() if value}
     row_biases: list[str] = []
-    kv: dict[str, None] = {}            # modules, in storage order
+    kv: dict[str, None] = {}  # modules, in storage order
     stacked: dict[str, None] = {}
     expert_shapes: dict[str, list[int]] = {}
     shared_shapes: dict[str, list[int]] = {}
-    noted: dict[int, _Notes] = {}       # by kind: what its tensors add to the record
+    noted: dict[int, _Notes] = {}  # by kind: what its tensors add to the record
     for meta, each in walked.rows():
         if each.role is None:
             continue
@@ -90,12 +103,17 @@ def model_record(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, kind: st
                 stacked.setdefault(module)
             if notes.shared_shape is not None:
                 shared_shapes[f"{module}.weight"] = notes.shared_shape
-    record = {"architecture": spec.architecture, "checkpoint": kind, "sizes": sizes,
-              "config_keys": _config_keys(spec, kind, ckpt.config),
-              "mla": spec.mla is not None,
-              "projection_norms": dict(spec.rules.split_norms),
-              "row_parallel_biases": row_biases, "kv_projections": list(kv),
-              "quantization": scheme.to_json()}
+    record = {
+        "architecture": spec.architecture,
+        "checkpoint": kind,
+        "sizes": sizes,
+        "config_keys": _config_keys(spec, kind, ckpt.config),
+        "mla": spec.mla is not None,
+        "projection_norms": dict(spec.rules.split_norms),
+        "row_parallel_biases": row_biases,
+        "kv_projections": list(kv),
+        "quantization": scheme.to_json(),
+    }
     if stacked:
         record["stacked_experts"] = list(stacked)
     if expert_shapes:
@@ -108,29 +126,39 @@ def model_record(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme, kind: st
 class _Notes(NamedTuple):
     """What every tensor of one kind adds to the record."""
 
-    row_bias: bool                      # its name goes in ``row_parallel_biases``
-    modules: Optional[str]              # its module goes in ``kv`` or ``stacked`` (experts)
-    expert_shape: Optional[list[int]]   # one expert's [N, K], for ``expert_shapes``
-    shared_shape: Optional[list[int]]   # a shared expert's padded [N, K] (DeepSeek under EP)
+    row_bias: bool  # its name goes in ``row_parallel_biases``
+    modules: str | None  # its module goes in ``kv`` or ``stacked`` (experts)
+    expert_shape: list[int] | None  # one expert's [N, K], for ``expert_shapes``
+    shared_shape: list[int] | None  # a shared expert's padded [N, K] (DeepSeek under EP)
 
 
-def _notes(t: "Tensor", spec: "ModelSpec", experts: Optional["ExpertParallel"]) -> _Notes:
+def _notes(t: Tensor, spec: ModelSpec, experts: ExpertParallel | None) -> _Notes:
     role = t.role
     assert role is not None
     expert = spec.rules.naming.expert_kind(t.name, t.module) if role.kind == "mlp" else None
     # added once, after the row-parallel sum; an expert's own bias under expert parallelism
     # belongs to the worker holding the expert
-    row_bias = ("bias" in t.suffix and not role.column
-                and not (experts is not None and expert is not None))
-    modules = ("kv" if role.name in ("k", "v") else
-               "stacked" if expert is not None and expert[0] == "stacked" else None)
+    row_bias = (
+        "bias" in t.suffix and not role.column and not (experts is not None and expert is not None)
+    )
+    modules = (
+        "kv"
+        if role.name in ("k", "v")
+        else "stacked"
+        if expert is not None and expert[0] == "stacked"
+        else None
+    )
     expert_shape = shared_shape = None
     if expert is not None and expert[0] == "one":
         (n, _), (k, _) = role.extents(spec, t.mlp)
         expert_shape = [n, k]
-    if (experts is not None and spec.mla is not None and t.mlp == "shared"
-            and spec.shared_expert_intermediate_size and t.suffix in ("weight", "qweight",
-                                                                      "weight_packed")):
+    if (
+        experts is not None
+        and spec.mla is not None
+        and t.mlp == "shared"
+        and spec.shared_expert_intermediate_size
+        and t.suffix in ("weight", "qweight", "weight_packed")
+    ):
         # DeepSeek sizes its shared experts from the experts' width (moe_intermediate_size
         # x n_shared_experts), which expert parallelism keeps whole: their tensor-parallel
         # share is zero-padded to that width (zero rows of gate/up, columns of down)

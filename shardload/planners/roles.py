@@ -21,8 +21,9 @@ roles in its table row (``architectures.py``), never in code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 from ..errors import PlanError
 
@@ -30,16 +31,27 @@ if TYPE_CHECKING:  # pragma: no cover
     from .padding import Padding
     from .spec import ModelSpec
 
-Segments = list[tuple[int, int]]   # (logical size, units); units < 0: replicable (KV heads)
-Extent = tuple[int, str]           # a logical size along one axis, and where it came from
+Segments = list[tuple[int, int]]  # (logical size, units); units < 0: replicable (KV heads)
+Extent = tuple[int, str]  # a logical size along one axis, and where it came from
 
-__all__ = ["Role", "HeadRole", "FusedHeads", "MlpRole", "VocabRole", "ROLES", "Segments",
-           "Extent", "mlp_attr", "mlp_size"]
+__all__ = [
+    "ROLES",
+    "Extent",
+    "FusedHeads",
+    "HeadRole",
+    "MlpRole",
+    "Role",
+    "Segments",
+    "VocabRole",
+    "mlp_attr",
+    "mlp_size",
+]
 
 
 # ---- the sizes roles are made of ---------------------------------------------------------------
 
-def mlp_attr(spec: "ModelSpec", kind: str) -> str:
+
+def mlp_attr(spec: ModelSpec, kind: str) -> str:
     """Which of the spec's MLP sizes an MLP of ``kind`` (``naming.mlp_kind``: dense, experts,
     shared) has."""
     if kind == "shared":
@@ -49,12 +61,15 @@ def mlp_attr(spec: "ModelSpec", kind: str) -> str:
     return "intermediate_size"
 
 
-def mlp_size(spec: "ModelSpec", kind: str, module: str) -> int:
+def mlp_size(spec: ModelSpec, kind: str, module: str) -> int:
     attr = mlp_attr(spec, kind)
     size = getattr(spec, attr)
     if not size:
-        raise PlanError(f"{module}: the model config gives no intermediate size for it "
-                        f"({spec.keys.get(attr, attr)} is absent)", source=spec.file or None)
+        raise PlanError(
+            f"{module}: the model config gives no intermediate size for it "
+            f"({spec.keys.get(attr, attr)} is absent)",
+            source=spec.file or None,
+        )
     return size
 
 
@@ -62,17 +77,17 @@ def mlp_size(spec: "ModelSpec", kind: str, module: str) -> int:
 class Width:
     """How many elements one head takes along the split axis, and how to say so."""
 
-    value: Callable[["ModelSpec"], int]
-    text: Callable[["ModelSpec"], str]
+    value: Callable[[ModelSpec], int]
+    text: Callable[[ModelSpec], str]
     #: the extent reads "<heads> heads of <width>" (False: the head count alone, width 1)
     per_head: bool = True
 
 
-def _value_attr(spec: "ModelSpec") -> str:
+def _value_attr(spec: ModelSpec) -> str:
     return "value_head_dim" if spec.value_head_dim else "head_dim"
 
 
-def _kv_b(spec: "ModelSpec") -> int:
+def _kv_b(spec: ModelSpec) -> int:
     """MLA: one head of ``kv_b_proj``'s output, its key part and its value."""
     assert spec.mla is not None, "kv_b is an MLA role"
     return spec.mla.qk_nope_head_dim + spec.v_head_dim
@@ -87,25 +102,26 @@ ONE = Width(lambda s: 1, lambda s: "1", per_head=False)
 Other = Callable[["ModelSpec"], Extent]
 
 
-def _hidden(spec: "ModelSpec") -> Extent:
+def _hidden(spec: ModelSpec) -> Extent:
     return spec.hidden_size, spec.explain("hidden_size")
 
 
-def _q_latent(spec: "ModelSpec") -> Extent:
+def _q_latent(spec: ModelSpec) -> Extent:
     assert spec.mla is not None, "q_b is an MLA role"
     return spec.mla.q_lora_rank, repr("q_lora_rank")
 
 
-def _kv_latent(spec: "ModelSpec") -> Extent:
+def _kv_latent(spec: ModelSpec) -> Extent:
     assert spec.mla is not None, "kv_b is an MLA role"
     return spec.mla.kv_lora_rank, repr("kv_lora_rank")
 
 
-def _no_input(spec: "ModelSpec") -> Extent:
+def _no_input(spec: ModelSpec) -> Extent:
     return 0, ""
 
 
 # ---- the roles ---------------------------------------------------------------------------------
+
 
 class Role:
     """One role. ``column``: it splits N (else K); ``kind``: what its units are (``heads``,
@@ -122,24 +138,25 @@ class Role:
     def paddable(self) -> bool:
         return self.kind != "vocab"
 
-    def extents(self, spec: "ModelSpec", mlp: str) -> tuple[Extent, Extent]:
+    def extents(self, spec: ModelSpec, mlp: str) -> tuple[Extent, Extent]:
         """(output features N, input features K) of the layer, each with its provenance."""
         raise NotImplementedError
 
-    def segments(self, spec: "ModelSpec", mlp: str, module: str = "") -> Segments:
+    def segments(self, spec: ModelSpec, mlp: str, module: str = "") -> Segments:
         """The logical split along the axis the role splits."""
         raise NotImplementedError
 
-    def labels(self, spec: "ModelSpec", mlp: str, module: str = "") -> list[str]:
+    def labels(self, spec: ModelSpec, mlp: str, module: str = "") -> list[str]:
         """What the units of each segment are, with the keys saying so."""
         raise NotImplementedError
 
-    def head_width(self, spec: "ModelSpec") -> int:
+    def head_width(self, spec: ModelSpec) -> int:
         """Elements one unit takes (heads: the head's width)."""
         raise NotImplementedError
 
-    def padded_units(self, spec: "ModelSpec", padding: "Padding", mlp: str, module: str,
-                     worker: int) -> tuple[int, list[int]]:
+    def padded_units(
+        self, spec: ModelSpec, padding: Padding, mlp: str, module: str, worker: int
+    ) -> tuple[int, list[int]]:
         """(logical elements per unit, the units worker ``worker`` takes) for a padded plan."""
         raise NotImplementedError
 
@@ -155,19 +172,28 @@ class HeadRole(Role):
     """A tensor split in attention heads: query heads (``query``: they split, never replicate)
     or KV heads (replicable when the workers outnumber them), each ``width`` wide."""
 
-    def __init__(self, name: str, *, query: bool, width: Width = HEAD, column: bool = True,
-                 other: Other = _hidden, vector: str = ""):
+    def __init__(
+        self,
+        name: str,
+        *,
+        query: bool,
+        width: Width = HEAD,
+        column: bool = True,
+        other: Other = _hidden,
+        vector: str = "",
+    ):
         self.name, self.query, self.width, self.column = name, query, width, column
         self.other, self.vector = other, vector
 
-    def _count(self, spec: "ModelSpec") -> tuple[int, str]:
+    def _count(self, spec: ModelSpec) -> tuple[int, str]:
         attr = "num_heads" if self.query else "num_kv_heads"
         return getattr(spec, attr), spec.explain(attr)
 
     def extents(self, spec, mlp):
         count, count_text = self._count(spec)
-        text = (f"{count_text} heads of {self.width.text(spec)}" if self.width.per_head
-                else count_text)
+        text = (
+            f"{count_text} heads of {self.width.text(spec)}" if self.width.per_head else count_text
+        )
         split = (count * self.width.value(spec), text)
         other = self.other(spec)
         return (split, other) if self.column else (other, split)
@@ -198,8 +224,10 @@ class FusedHeads(Role):
 
     def extents(self, spec, mlp):
         splits = [part.extents(spec, mlp)[0] for part in self.parts]
-        return ((sum(size for size, _ in splits), ", plus ".join(text for _, text in splits)),
-                _hidden(spec))
+        return (
+            (sum(size for size, _ in splits), ", plus ".join(text for _, text in splits)),
+            _hidden(spec),
+        )
 
     def segments(self, spec, mlp, module=""):
         return [s for part in self.parts for s in part.segments(spec, mlp, module)]
@@ -286,28 +314,33 @@ _K = HeadRole("k", query=False)
 _V = HeadRole("v", query=False, width=VALUE_HEAD)
 
 #: every role, by name
-ROLES: dict[str, Role] = {role.name: role for role in (
-    _Q, _K, _V,
-    FusedHeads("qkv", (_Q, _K, _V)),
-    HeadRole("o", query=True, width=VALUE_HEAD, column=False),
-    MlpRole("gate", column=True),
-    MlpRole("up", column=True),
-    MlpRole("gate_up", column=True, parts=2),
-    MlpRole("down", column=False),
-    VocabRole("embed"),
-    VocabRole("lm_head"),
-    # norms over a whole projection (OLMo-2's q_norm, k_norm): one weight per projection row,
-    # split like the rows of the projection they normalise
-    HeadRole("q_norm", query=True, other=_no_input, vector="the projection's"),
-    HeadRole("k_norm", query=False, other=_no_input, vector="the projection's"),
-    # DeepSeek's MLA: query heads from the q latent, key-and-value heads from the kv latent
-    HeadRole("q_b", query=True, other=_q_latent),
-    HeadRole("kv_b", query=True, width=KV_B_HEAD, other=_kv_latent),
-    # gpt-oss: one attention sink (a learned logit) per query head
-    HeadRole("sinks", query=True, width=ONE, other=_no_input, vector="the query heads'"),
-)}
+ROLES: dict[str, Role] = {
+    role.name: role
+    for role in (
+        _Q,
+        _K,
+        _V,
+        FusedHeads("qkv", (_Q, _K, _V)),
+        HeadRole("o", query=True, width=VALUE_HEAD, column=False),
+        MlpRole("gate", column=True),
+        MlpRole("up", column=True),
+        MlpRole("gate_up", column=True, parts=2),
+        MlpRole("down", column=False),
+        VocabRole("embed"),
+        VocabRole("lm_head"),
+        # norms over a whole projection (OLMo-2's q_norm, k_norm): one weight per projection row,
+        # split like the rows of the projection they normalise
+        HeadRole("q_norm", query=True, other=_no_input, vector="the projection's"),
+        HeadRole("k_norm", query=False, other=_no_input, vector="the projection's"),
+        # DeepSeek's MLA: query heads from the q latent, key-and-value heads from the kv latent
+        HeadRole("q_b", query=True, other=_q_latent),
+        HeadRole("kv_b", query=True, width=KV_B_HEAD, other=_kv_latent),
+        # gpt-oss: one attention sink (a learned logit) per query head
+        HeadRole("sinks", query=True, width=ONE, other=_no_input, vector="the query heads'"),
+    )
+}
 
 
-def role(name: Optional[str]) -> Optional[Role]:
+def role(name: str | None) -> Role | None:
     """The role named ``name`` (``None`` for ``None``: replicated)."""
     return None if name is None else ROLES[name]

@@ -9,13 +9,19 @@ size came from, so that a disagreement names it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
 from ..config_fields import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, Fields
 from ..errors import PlanError
-from .architectures import (ARCHITECTURES, GGUF_ARCHITECTURES, LLAMA_RULES, MLC_ARCHITECTURES,
-                            Architecture)
+from .architectures import (
+    ARCHITECTURES,
+    GGUF_ARCHITECTURES,
+    LLAMA_RULES,
+    MLC_ARCHITECTURES,
+    Architecture,
+)
 
 
 @dataclass(frozen=True)
@@ -38,8 +44,8 @@ class ModelSpec:
     vocab_size: int
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
-    value_head_dim: int = 0          # GGUF's value_length, MLA's v_head_dim: 0 = head_dim
-    mla: Optional["MLA"] = None
+    value_head_dim: int = 0  # GGUF's value_length, MLA's v_head_dim: 0 = head_dim
+    mla: MLA | None = None
     rules: Architecture = field(default=LLAMA_RULES, compare=False)
     file: str = field(default="", compare=False)
     keys: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
@@ -75,46 +81,67 @@ class MLA:
     qk_rope_head_dim: int
 
 
-def _mla(cfg: Fields, spec: "ModelSpec") -> "ModelSpec":
+def _mla(cfg: Fields, spec: ModelSpec) -> ModelSpec:
     """``spec`` with MLA's sizes: heads of ``qk_nope + qk_rope`` (transformers' ``head_dim``
     for DeepSeek is the rope part alone), value heads of ``v_head_dim``, as many KV heads as
     query heads after ``kv_b_proj``, and the shared experts ``n_shared_experts`` experts wide."""
     nope = cfg.int("qk_nope_head_dim", min=1, max=MAX_HEAD_DIM)
     rope = cfg.int("qk_rope_head_dim", min=1, max=MAX_HEAD_DIM)
     v = cfg.int("v_head_dim", min=1, max=MAX_HEAD_DIM)
-    mla = MLA(cfg.int("q_lora_rank", min=1, max=MAX_WIDTH, default=0, nullable=True),
-              cfg.int("kv_lora_rank", min=1, max=MAX_WIDTH), nope, rope)
+    mla = MLA(
+        cfg.int("q_lora_rank", min=1, max=MAX_WIDTH, default=0, nullable=True),
+        cfg.int("kv_lora_rank", min=1, max=MAX_WIDTH),
+        nope,
+        rope,
+    )
     shared = cfg.int("n_shared_experts", min=1, max=MAX_HEADS, default=0, nullable=True)
     keys = dict(spec.keys)
     keys["head_dim"] = f"{cfg.name('qk_nope_head_dim')!r} + {cfg.name('qk_rope_head_dim')!r}"
     keys["value_head_dim"] = repr(cfg.name("v_head_dim"))
     keys["num_kv_heads"] = f"{keys['num_heads']} (MLA: one key and value head per query head)"
-    keys["shared_expert_intermediate_size"] = (f"{keys['moe_intermediate_size']} x "
-                                               f"{cfg.name('n_shared_experts')!r}")
+    keys["shared_expert_intermediate_size"] = (
+        f"{keys['moe_intermediate_size']} x {cfg.name('n_shared_experts')!r}"
+    )
     return dataclasses.replace(
-        spec, head_dim=nope + rope, value_head_dim=v, num_kv_heads=spec.num_heads,
-        shared_expert_intermediate_size=spec.moe_intermediate_size * shared, mla=mla,
-        keys=keys)
+        spec,
+        head_dim=nope + rope,
+        value_head_dim=v,
+        num_kv_heads=spec.num_heads,
+        shared_expert_intermediate_size=spec.moe_intermediate_size * shared,
+        mla=mla,
+        keys=keys,
+    )
 
 
-def _as_fields(config: Union[Fields, Mapping[str, Any]], source: Optional[str]) -> Fields:
+def _as_fields(config: Fields | Mapping[str, Any], source: str | None) -> Fields:
     return config if isinstance(config, Fields) else Fields(config, file=source or "<config>")
 
 
-def _kv_heads(cfg: Fields, key: str, heads_key: str, heads: int,
-              default: Optional[int] = None) -> int:
+def _kv_heads(cfg: Fields, key: str, heads_key: str, heads: int, default: int | None = None) -> int:
     """The KV head count: an integer dividing the query heads (so at most as many)."""
-    kv = cfg.int(key, min=1, max=MAX_HEADS, default=heads if default is None else default,
-                 nullable=True)
+    kv = cfg.int(
+        key, min=1, max=MAX_HEADS, default=heads if default is None else default, nullable=True
+    )
     if heads % kv:
-        raise cfg.error(key, f"is {kv}, which does not divide {cfg.name(heads_key)!r} = "
-                             f"{heads}: each KV head serves a whole group of query heads, so it "
-                             f"must be a divisor of {heads}")
+        raise cfg.error(
+            key,
+            f"is {kv}, which does not divide {cfg.name(heads_key)!r} = "
+            f"{heads}: each KV head serves a whole group of query heads, so it "
+            f"must be a divisor of {heads}",
+        )
     return kv
 
 
-def _head_dim(cfg: Fields, key: str, hidden_key: str, hidden: int, heads_key: str,
-              heads: int, nullable: bool, default: Optional[int] = None) -> tuple[int, str]:
+def _head_dim(
+    cfg: Fields,
+    key: str,
+    hidden_key: str,
+    hidden: int,
+    heads_key: str,
+    heads: int,
+    nullable: bool,
+    default: int | None = None,
+) -> tuple[int, str]:
     """``(head_dim, how it was found)``: the key, or hidden / heads when it is absent (or the
     architecture's ``default``)."""
     if cfg.has(key, nullable=nullable):
@@ -122,16 +149,21 @@ def _head_dim(cfg: Fields, key: str, hidden_key: str, hidden: int, heads_key: st
     if default is not None:
         return default, f"{cfg.name(key)!r} (absent, so its default {default})"
     if hidden % heads:
-        raise cfg.error(hidden_key, f"is {hidden}, which {cfg.name(heads_key)!r} = {heads} does "
-                                    f"not divide; with no {cfg.name(key)!r} the head size is "
-                                    f"{cfg.name(hidden_key)} / {cfg.name(heads_key)}, so give "
-                                    f"{cfg.name(key)!r}")
-    return hidden // heads, (f"{cfg.name(key)!r} (absent, so {cfg.name(hidden_key)!r} / "
-                             f"{cfg.name(heads_key)!r})")
+        raise cfg.error(
+            hidden_key,
+            f"is {hidden}, which {cfg.name(heads_key)!r} = {heads} does "
+            f"not divide; with no {cfg.name(key)!r} the head size is "
+            f"{cfg.name(hidden_key)} / {cfg.name(heads_key)}, so give "
+            f"{cfg.name(key)!r}",
+        )
+    return hidden // heads, (
+        f"{cfg.name(key)!r} (absent, so {cfg.name(hidden_key)!r} / {cfg.name(heads_key)!r})"
+    )
 
 
-def _hf_spec(cfg: Fields, model_type: str, layers_key: str,
-             rules: Architecture = LLAMA_RULES) -> ModelSpec:
+def _hf_spec(
+    cfg: Fields, model_type: str, layers_key: str, rules: Architecture = LLAMA_RULES
+) -> ModelSpec:
     """The sizes of an HF-style config (``config.json``, or MLC's ``model_config``)."""
     given = rules.defaults
 
@@ -142,63 +174,94 @@ def _hf_spec(cfg: Fields, model_type: str, layers_key: str,
 
     heads = size("num_attention_heads", MAX_HEADS)
     hidden = size("hidden_size", MAX_WIDTH)
-    kv = _kv_heads(cfg, "num_key_value_heads", "num_attention_heads", heads,
-                   given.get("num_key_value_heads"))
-    head_dim, head_dim_key = _head_dim(cfg, "head_dim", "hidden_size", hidden,
-                                       "num_attention_heads", heads, nullable=True,
-                                       default=given.get("head_dim"))
+    kv = _kv_heads(
+        cfg, "num_key_value_heads", "num_attention_heads", heads, given.get("num_key_value_heads")
+    )
+    head_dim, head_dim_key = _head_dim(
+        cfg,
+        "head_dim",
+        "hidden_size",
+        hidden,
+        "num_attention_heads",
+        heads,
+        nullable=True,
+        default=given.get("head_dim"),
+    )
     layers = size(layers_key, MAX_LAYERS)
     vocab = size("vocab_size", MAX_WIDTH)
-    inter = size("intermediate_size", MAX_WIDTH, **({} if "intermediate_size" in given
-                                                    else dict(default=0, nullable=True)))
-    keys = {"hidden_size": "hidden_size", "num_heads": "num_attention_heads",
-            "num_kv_heads": "num_key_value_heads", "num_layers": layers_key,
-            "intermediate_size": "intermediate_size", "vocab_size": "vocab_size",
-            "moe_intermediate_size": "moe_intermediate_size",
-            "shared_expert_intermediate_size": "shared_expert_intermediate_size"}
-    absent = {attr: given[key] for attr, key in keys.items()
-              if key in given and not cfg.has(key, nullable=True)}
+    inter = size(
+        "intermediate_size",
+        MAX_WIDTH,
+        **({} if "intermediate_size" in given else dict(default=0, nullable=True)),
+    )
+    keys = {
+        "hidden_size": "hidden_size",
+        "num_heads": "num_attention_heads",
+        "num_kv_heads": "num_key_value_heads",
+        "num_layers": layers_key,
+        "intermediate_size": "intermediate_size",
+        "vocab_size": "vocab_size",
+        "moe_intermediate_size": "moe_intermediate_size",
+        "shared_expert_intermediate_size": "shared_expert_intermediate_size",
+    }
+    absent = {
+        attr: given[key]
+        for attr, key in keys.items()
+        if key in given and not cfg.has(key, nullable=True)
+    }
     keys = {attr: repr(cfg.name(key)) for attr, key in keys.items()}
     for attr, value in absent.items():
         keys[attr] += f" (absent, so its default {value})"
     keys["head_dim"] = head_dim_key
     if not cfg.has("num_key_value_heads", nullable=True) and "num_kv_heads" not in absent:
-        keys["num_kv_heads"] = (f"{keys['num_kv_heads']} (absent, so "
-                                f"{keys['num_heads']})")
+        keys["num_kv_heads"] = f"{keys['num_kv_heads']} (absent, so {keys['num_heads']})"
     moe = cfg.int("moe_intermediate_size", min=1, max=MAX_WIDTH, default=0, nullable=True)
     if rules.experts_size == "intermediate_size":
         # Mixtral's and gpt-oss's intermediate_size is the experts'
         moe, keys["moe_intermediate_size"] = inter, keys["intermediate_size"]
-    shared = cfg.int("shared_expert_intermediate_size", min=1, max=MAX_WIDTH, default=0,
-                     nullable=True)
-    spec = ModelSpec(architecture=model_type, num_layers=layers, hidden_size=hidden,
-                     num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
-                     intermediate_size=inter, vocab_size=vocab, moe_intermediate_size=moe,
-                     shared_expert_intermediate_size=shared, rules=rules, file=cfg.file,
-                     keys=keys)
+    shared = cfg.int(
+        "shared_expert_intermediate_size", min=1, max=MAX_WIDTH, default=0, nullable=True
+    )
+    spec = ModelSpec(
+        architecture=model_type,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        moe_intermediate_size=moe,
+        shared_expert_intermediate_size=shared,
+        rules=rules,
+        file=cfg.file,
+        keys=keys,
+    )
     return _mla(cfg, spec) if rules.mla else spec
 
 
-def spec_from_hf(config: Union[Fields, Mapping[str, Any]],
-                 source: Optional[str] = None) -> ModelSpec:
+def spec_from_hf(config: Fields | Mapping[str, Any], source: str | None = None) -> ModelSpec:
     """From an HF ``config.json`` (as ``Fields``, or a dict and the file it came from)."""
     cfg = _as_fields(config, source)
     model_type = cfg.str("model_type")
     rules = ARCHITECTURES.get(model_type)
     if rules is None:
-        raise PlanError(f"key 'model_type': model_type {model_type!r} is not supported by the "
-                        f"planner (it knows "
-                        f"{', '.join(sorted(ARCHITECTURES))}); write shard_info.json by hand, "
-                        "or register shard functions for it", source=cfg.file)
+        raise PlanError(
+            f"key 'model_type': model_type {model_type!r} is not supported by the "
+            f"planner (it knows "
+            f"{', '.join(sorted(ARCHITECTURES))}); write shard_info.json by hand, "
+            "or register shard functions for it",
+            source=cfg.file,
+        )
     if rules.sizes_under:
         sizes = cfg.sub(rules.sizes_under, optional=True)
-        cfg = sizes if sizes is not None else Fields({}, file=cfg.file_label,
-                                                     path=rules.sizes_under)
+        cfg = (
+            sizes if sizes is not None else Fields({}, file=cfg.file_label, path=rules.sizes_under)
+        )
     return _hf_spec(cfg, model_type, "num_hidden_layers", rules)
 
 
-def spec_from_gguf(kv: Union[Fields, Mapping[str, Any]],
-                   source: Optional[str] = None) -> ModelSpec:
+def spec_from_gguf(kv: Fields | Mapping[str, Any], source: str | None = None) -> ModelSpec:
     """From GGUF key-values (``llama.attention.head_count`` ...).
 
     ``vocab_size`` is 0 when the file has no ``<arch>.vocab_size``: it is then a hint only, and
@@ -207,23 +270,37 @@ def spec_from_gguf(kv: Union[Fields, Mapping[str, Any]],
     top = _as_fields(kv, source)
     arch = top.str("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise PlanError(f"GGUF architecture {arch!r} (key 'general.architecture') is not "
-                        f"supported by the planner (it knows {', '.join(GGUF_ARCHITECTURES)})",
-                        source=top.file)
+        raise PlanError(
+            f"GGUF architecture {arch!r} (key 'general.architecture') is not "
+            f"supported by the planner (it knows {', '.join(GGUF_ARCHITECTURES)})",
+            source=top.file,
+        )
     cfg = Fields(top.raw, file=top.file, prefix=f"{arch}.")
     heads = cfg.int("attention.head_count", min=1, max=MAX_HEADS)
     hidden = cfg.int("embedding_length", min=1, max=MAX_WIDTH)
     n_kv = _kv_heads(cfg, "attention.head_count_kv", "attention.head_count", heads)
-    head_dim, head_dim_key = _head_dim(cfg, "attention.key_length", "embedding_length", hidden,
-                                       "attention.head_count", heads, nullable=False)
+    head_dim, head_dim_key = _head_dim(
+        cfg,
+        "attention.key_length",
+        "embedding_length",
+        hidden,
+        "attention.head_count",
+        heads,
+        nullable=False,
+    )
     # judged after the shapes are checked (llama.check_shapes): a wrong key_length is then
     # named as what disagrees with the tensors, not as an unsupported model
     value_dim = cfg.int("attention.value_length", min=1, max=MAX_HEAD_DIM, default=0)
-    keys = {"hidden_size": "embedding_length", "num_heads": "attention.head_count",
-            "num_kv_heads": "attention.head_count_kv", "num_layers": "block_count",
-            "intermediate_size": "feed_forward_length", "vocab_size": "vocab_size",
-            "moe_intermediate_size": "expert_feed_forward_length",
-            "shared_expert_intermediate_size": "expert_shared_feed_forward_length"}
+    keys = {
+        "hidden_size": "embedding_length",
+        "num_heads": "attention.head_count",
+        "num_kv_heads": "attention.head_count_kv",
+        "num_layers": "block_count",
+        "intermediate_size": "feed_forward_length",
+        "vocab_size": "vocab_size",
+        "moe_intermediate_size": "expert_feed_forward_length",
+        "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
+    }
     keys = {attr: repr(cfg.name(key)) for attr, key in keys.items()}
     keys["head_dim"] = head_dim_key
     keys["value_head_dim"] = repr(cfg.name("attention.value_length"))
@@ -231,26 +308,35 @@ def spec_from_gguf(kv: Union[Fields, Mapping[str, Any]],
         keys["num_kv_heads"] += f" (absent, so {keys['num_heads']})"
     size = dict(min=1, max=MAX_WIDTH, default=0)
     return ModelSpec(
-        architecture=arch, num_layers=cfg.int("block_count", min=1, max=MAX_LAYERS),
-        hidden_size=hidden, num_heads=heads, num_kv_heads=n_kv, head_dim=head_dim,
+        architecture=arch,
+        num_layers=cfg.int("block_count", min=1, max=MAX_LAYERS),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
         intermediate_size=cfg.int("feed_forward_length", **size),
         vocab_size=cfg.int("vocab_size", **size),
         moe_intermediate_size=cfg.int("expert_feed_forward_length", **size),
         shared_expert_intermediate_size=cfg.int("expert_shared_feed_forward_length", **size),
-        value_head_dim=value_dim, rules=GGUF_ARCHITECTURES[arch], file=cfg.file,
-        keys=keys)
+        value_head_dim=value_dim,
+        rules=GGUF_ARCHITECTURES[arch],
+        file=cfg.file,
+        keys=keys,
+    )
 
 
-def spec_from_mlc(config: Union[Fields, Mapping[str, Any]],
-                  source: Optional[str] = None) -> ModelSpec:
+def spec_from_mlc(config: Fields | Mapping[str, Any], source: str | None = None) -> ModelSpec:
     """From MLC's ``mlc-chat-config.json`` (its ``model_config`` holds HF-style sizes)."""
     top = _as_fields(config, source)
     model = top.sub("model_config")
-    model_type = (model.str("model_type") if model.has("model_type", nullable=True)
-                  else top.str("model_type"))
+    model_type = (
+        model.str("model_type") if model.has("model_type", nullable=True) else top.str("model_type")
+    )
     if model_type not in MLC_ARCHITECTURES:
-        raise PlanError(f"key 'model_type': MLC model_type {model_type!r} is not supported by "
-                        f"the planner (it knows {', '.join(sorted(MLC_ARCHITECTURES))})",
-                        source=top.file)
+        raise PlanError(
+            f"key 'model_type': MLC model_type {model_type!r} is not supported by "
+            f"the planner (it knows {', '.join(sorted(MLC_ARCHITECTURES))})",
+            source=top.file,
+        )
     layers_key = "num_hidden_layers" if model.has("num_hidden_layers") else "num_layers"
     return _hf_spec(model, model_type, layers_key, MLC_ARCHITECTURES[model_type])

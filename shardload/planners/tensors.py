@@ -19,8 +19,9 @@ of one tensor at a time.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any
 
 from ..formats import Axis, Scheme, TensorAxes
 from .roles import Role
@@ -29,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..readers.base import Checkpoint, TensorMeta
     from .spec import ModelSpec
 
-__all__ = ["Tensor", "tensors", "role_axes", "Walk", "walk"]
+__all__ = ["Tensor", "Walk", "role_axes", "tensors", "walk"]
 
 #: an index component of a name (``.7.``): at most 9 digits, as naming.py reads expert indices
 _INDEX = re.compile(r"\.[0-9]{1,9}(?=\.)")
@@ -42,17 +43,23 @@ class Tensor:
     (None: it holds neither, so it is replicated)."""
 
     name: str
-    meta: "TensorMeta"
+    meta: TensorMeta
     module: str
     suffix: str
-    role: Optional[Role]
+    role: Role | None
     mlp: str
-    axes: Optional[TensorAxes]
-    fmt: Optional[Mapping[str, Any]]
+    axes: TensorAxes | None
+    fmt: Mapping[str, Any] | None
 
 
-def role_axes(scheme: Scheme, role: Role, name: str, meta: "TensorMeta",
-              fmt: Optional[Mapping[str, Any]], spec: "ModelSpec") -> Optional[TensorAxes]:
+def role_axes(
+    scheme: Scheme,
+    role: Role,
+    name: str,
+    meta: TensorMeta,
+    fmt: Mapping[str, Any] | None,
+    spec: ModelSpec,
+) -> TensorAxes | None:
     """Where N and K lie in a tensor of a layer with ``role``: as the architecture's own rule
     says; a vector role's ``weight`` is one vector along N (never quantized); anything else as
     its format stores it."""
@@ -60,12 +67,12 @@ def role_axes(scheme: Scheme, role: Role, name: str, meta: "TensorMeta",
     if rule is not None:
         return rule.axes
     suffix = name.rpartition(".")[2]
-    if role.vector:     # one vector over the heads' rows
+    if role.vector:  # one vector over the heads' rows
         return TensorAxes(Axis(0), None) if suffix == "weight" else None
     return scheme.format.axes(scheme, suffix, meta, fmt)
 
 
-def tensors(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme) -> Iterator[Tensor]:
+def tensors(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme) -> Iterator[Tensor]:
     """Every tensor of ``ckpt``, in storage order, each classified on its own (``walk``
     classifies each kind once)."""
     for name, meta in ckpt.metadata().items():
@@ -77,28 +84,36 @@ class Walk:
     first tensor of its kind (``walk``). ``rows()`` gives ``(meta, kind)`` pairs, the planner's
     fast path; iterating gives every tensor's own ``Tensor``."""
 
-    def __init__(self, metas: list["TensorMeta"], kinds: list[Tensor]):
+    def __init__(self, metas: list[TensorMeta], kinds: list[Tensor]):
         self.metas, self.kinds = metas, kinds
 
     def __len__(self) -> int:
         return len(self.metas)
 
-    def rows(self) -> Iterator[tuple["TensorMeta", Tensor]]:
+    def rows(self) -> Iterator[tuple[TensorMeta, Tensor]]:
         return zip(self.metas, self.kinds)
 
     @staticmethod
-    def tensor(meta: "TensorMeta", kind: Tensor) -> Tensor:
+    def tensor(meta: TensorMeta, kind: Tensor) -> Tensor:
         """The tensor ``meta`` classified as its ``kind``."""
         if meta is kind.meta:
             return kind
-        return Tensor(meta.name, meta, meta.name.rpartition(".")[0], kind.suffix, kind.role,
-                      kind.mlp, kind.axes, kind.fmt)
+        return Tensor(
+            meta.name,
+            meta,
+            meta.name.rpartition(".")[0],
+            kind.suffix,
+            kind.role,
+            kind.mlp,
+            kind.axes,
+            kind.fmt,
+        )
 
     def __iter__(self) -> Iterator[Tensor]:
         return (self.tensor(meta, kind) for meta, kind in self.rows())
 
 
-def walk(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme) -> Walk:
+def walk(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme) -> Walk:
     """Every tensor of ``ckpt`` with its kind (see the module docstring): ``tensors``'s
     classification, worked out once per kind."""
     by_key: dict[tuple, Tensor] = {}
@@ -107,8 +122,7 @@ def walk(ckpt: "Checkpoint", spec: "ModelSpec", scheme: Scheme) -> Walk:
     fmt_of = ckpt.tensor_format
     for meta, pattern in zip(metas, _patterns([meta.name for meta in metas])):
         fmt = fmt_of(meta.name)
-        key = (pattern, meta.shape, meta.dtype,
-               None if fmt is None else repr(sorted(fmt.items())))
+        key = (pattern, meta.shape, meta.dtype, None if fmt is None else repr(sorted(fmt.items())))
         kind = by_key.get(key)
         if kind is None:
             kind = by_key[key] = _classify(meta.name, meta, fmt, spec, scheme)
@@ -126,11 +140,20 @@ def _patterns(names: list[str]) -> list[str]:
     return out
 
 
-def _classify(name: str, meta: "TensorMeta", fmt: Optional[Mapping[str, Any]],
-              spec: "ModelSpec", scheme: Scheme) -> Tensor:
+def _classify(
+    name: str, meta: TensorMeta, fmt: Mapping[str, Any] | None, spec: ModelSpec, scheme: Scheme
+) -> Tensor:
     module, _, suffix = name.rpartition(".")
     role = spec.rules.role_of(name)
     if role is None:
         return Tensor(name, meta, module, suffix, None, "dense", None, None)
-    return Tensor(name, meta, module, suffix, role, spec.rules.naming.mlp_kind(module),
-                  role_axes(scheme, role, name, meta, fmt, spec), fmt)
+    return Tensor(
+        name,
+        meta,
+        module,
+        suffix,
+        role,
+        spec.rules.naming.mlp_kind(module),
+        role_axes(scheme, role, name, meta, fmt, spec),
+        fmt,
+    )

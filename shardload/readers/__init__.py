@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .base import Checkpoint, TensorMeta
 from .memory import ArrayCheckpoint
 
-__all__ = ["Checkpoint", "TensorMeta", "ArrayCheckpoint", "open_checkpoint", "as_checkpoint"]
+__all__ = ["ArrayCheckpoint", "Checkpoint", "TensorMeta", "as_checkpoint", "open_checkpoint"]
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -56,8 +57,10 @@ def open_local_checkpoint(path: str | os.PathLike) -> Checkpoint:
         from .gguf import open_gguf
 
         return open_gguf(path)
-    if os.path.isdir(path) and any(os.path.lexists(os.path.join(path, name))
-                                   for name in ("tensor-cache.json", "ndarray-cache.json")):
+    if os.path.isdir(path) and any(
+        os.path.lexists(os.path.join(path, name))
+        for name in ("tensor-cache.json", "ndarray-cache.json")
+    ):
         from .mlc import open_mlc
 
         return open_mlc(path)
@@ -74,5 +77,7 @@ def as_checkpoint(params: Any) -> Checkpoint:
         return open_checkpoint(params)
     if isinstance(params, Mapping):
         return ArrayCheckpoint(params)
-    raise TypeError("params must be a Checkpoint, a path, or a mapping of name -> numpy/torch "
-                    f"array, not {type(params).__name__}")
+    raise TypeError(
+        "params must be a Checkpoint, a path, or a mapping of name -> numpy/torch "
+        f"array, not {type(params).__name__}"
+    )

@@ -21,9 +21,10 @@ import contextvars
 import math
 import os
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import repeat
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING
 
 from .. import dtypes
 
@@ -38,8 +39,9 @@ MAX_INDEX_BYTES = 64 << 20
 
 #: copies out of a file larger than this are made in pieces, reporting progress between them
 COPY_CHUNK_BYTES = 64 << 20
-_copy_progress: "contextvars.ContextVar[Optional[Callable[[], None]]]" = contextvars.ContextVar(
-    "shardload_copy_progress", default=None)
+_copy_progress: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "shardload_copy_progress", default=None
+)
 
 
 @contextlib.contextmanager
@@ -58,7 +60,7 @@ def copy_progress(hook: Callable[[], None]) -> Iterator[None]:
         _copy_progress.reset(token)
 
 
-def copy_progress_hook() -> Optional[Callable[[], None]]:
+def copy_progress_hook() -> Callable[[], None] | None:
     """The hook a reader calls between the pieces of a long copy (``None`` outside
     ``copy_progress``)."""
     return _copy_progress.get()
@@ -76,8 +78,9 @@ class TensorMeta:
     dtype: str  # canonical name, see shardload.dtypes
 
     @classmethod
-    def many(cls, names: Iterable[str], shapes: Iterable[tuple[int, ...]],
-             dtypes: Iterable[str]) -> list["TensorMeta"]:
+    def many(
+        cls, names: Iterable[str], shapes: Iterable[tuple[int, ...]], dtypes: Iterable[str]
+    ) -> list[TensorMeta]:
         """``[TensorMeta(n, s, d) for n, s, d in zip(names, shapes, dtypes)]``, for a reader
         that has checked every field, in a few passes in C: a frozen dataclass's ``__init__``
         sets each field through ``object.__setattr__`` (about 1 us a tensor, 0.1 s of opening
@@ -107,7 +110,7 @@ class Checkpoint(abc.ABC):
     #: where the tensors come from (a path, or "<memory>"), for messages
     source: str = "<checkpoint>"
     #: a path ``open_checkpoint`` reopens this checkpoint from (in another process), or None
-    path: "str | None" = None
+    path: str | None = None
 
     def __init__(self) -> None:
         self.bytes_read = 0
@@ -120,7 +123,7 @@ class Checkpoint(abc.ABC):
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor as a CPU torch tensor that owns its memory."""
 
-    def read_array(self, name: str) -> "np.ndarray":
+    def read_array(self, name: str) -> np.ndarray:
         """The whole tensor as a numpy array that owns its memory, a dtype numpy lacks as its
         same-width integer (``dtypes.numpy_carrier``). For a planner looking at a few small
         tensors (GPTQ's ``g_idx``, compressed-tensors' ``weight_shape``): file readers copy
@@ -185,7 +188,7 @@ class Checkpoint(abc.ABC):
         name = self.sources()[index]["tensor"]
         return self.read(name).view(-1).view(torch.uint8)
 
-    def view(self, name: str) -> "torch.Tensor | None":
+    def view(self, name: str) -> torch.Tensor | None:
         """The tensor where it lies, not a copy: a view of a mapped file's pages, or ``None``
         where this reader has none to give (it then reads with ``read``).
 
@@ -228,7 +231,7 @@ class Checkpoint(abc.ABC):
         mapped files give its pages back (the loader calls it once every worker here has its
         piece)."""
 
-    def tensor_format(self, name: str) -> "dict | None":
+    def tensor_format(self, name: str) -> dict | None:
         """Format details a planner needs beyond shape and dtype, or ``None``.
 
         GGUF answers ``{"ggml_type": "Q4_1", "block_size": 32, "type_size": 20}`` for a
@@ -254,7 +257,7 @@ class Checkpoint(abc.ABC):
 
     #: ``(local folder, what it stands for)`` where this checkpoint's files were brought here
     #: from elsewhere (object storage: ``readers.objects``), for ``name_of``
-    named_as: "tuple[str, str] | None" = None
+    named_as: tuple[str, str] | None = None
 
     def name_of(self, path: str) -> str:
         """What messages call a local file of this checkpoint: its path, or, for a checkpoint
@@ -279,7 +282,7 @@ class Checkpoint(abc.ABC):
     def __len__(self) -> int:
         return len(self.metadata())
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -66,19 +66,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
-from gguf import GGUFValueType
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGUF_MAGIC,
+    GGMLQuantizationType,
+    GGUFValueType,
+)
 
 from .. import dtypes
+from ..dtypes import shape_problem
 from ..errors import FormatError, quote
 from ..files import MappedData, data_lexists, map_data
-from ..dtypes import shape_problem
 from ..limits import MAX_DIM
 from ..strict_json import gc_paused
 from .base import TensorMeta
 from .mapped import MappedCheckpoint, unmap
 
-__all__ = ["open_gguf", "GGUFCheckpoint", "CONFIG_MAX_ARRAY", "SUPPORTED_VERSIONS"]
+__all__ = ["CONFIG_MAX_ARRAY", "SUPPORTED_VERSIONS", "GGUFCheckpoint", "open_gguf"]
 
 #: arrays longer than this are left out of ``config``; ``field`` returns them
 CONFIG_MAX_ARRAY = 1024
@@ -89,19 +94,28 @@ _REDO = "re-download or re-convert the GGUF file"
 
 # ggml types stored as plain elements -> canonical dtype name; every other type is raw blocks
 _ELEMENT_TYPES: dict[GGMLQuantizationType, str] = {
-    GGMLQuantizationType.F32: "float32", GGMLQuantizationType.F16: "float16",
-    GGMLQuantizationType.BF16: "bfloat16", GGMLQuantizationType.F64: "float64",
-    GGMLQuantizationType.I8: "int8", GGMLQuantizationType.I16: "int16",
-    GGMLQuantizationType.I32: "int32", GGMLQuantizationType.I64: "int64",
+    GGMLQuantizationType.F32: "float32",
+    GGMLQuantizationType.F16: "float16",
+    GGMLQuantizationType.BF16: "bfloat16",
+    GGMLQuantizationType.F64: "float64",
+    GGMLQuantizationType.I8: "int8",
+    GGMLQuantizationType.I16: "int16",
+    GGMLQuantizationType.I32: "int32",
+    GGMLQuantizationType.I64: "int64",
 }
 
 # value type -> (struct format, numpy dtype) of one little-endian element
 _SCALARS: dict[int, tuple[str, str]] = {
-    GGUFValueType.UINT8: ("<B", "<u1"), GGUFValueType.INT8: ("<b", "<i1"),
-    GGUFValueType.UINT16: ("<H", "<u2"), GGUFValueType.INT16: ("<h", "<i2"),
-    GGUFValueType.UINT32: ("<I", "<u4"), GGUFValueType.INT32: ("<i", "<i4"),
-    GGUFValueType.FLOAT32: ("<f", "<f4"), GGUFValueType.BOOL: ("<B", "<u1"),
-    GGUFValueType.UINT64: ("<Q", "<u8"), GGUFValueType.INT64: ("<q", "<i8"),
+    GGUFValueType.UINT8: ("<B", "<u1"),
+    GGUFValueType.INT8: ("<b", "<i1"),
+    GGUFValueType.UINT16: ("<H", "<u2"),
+    GGUFValueType.INT16: ("<h", "<i2"),
+    GGUFValueType.UINT32: ("<I", "<u4"),
+    GGUFValueType.INT32: ("<i", "<i4"),
+    GGUFValueType.FLOAT32: ("<f", "<f4"),
+    GGUFValueType.BOOL: ("<B", "<u1"),
+    GGUFValueType.UINT64: ("<Q", "<u8"),
+    GGUFValueType.INT64: ("<q", "<i8"),
     GGUFValueType.FLOAT64: ("<d", "<f8"),
 }
 _U32 = struct.Struct("<I")
@@ -170,16 +184,19 @@ class _Parser:
         self.tensor: str | None = None
 
     def fail(self, msg: str, *, redo: bool = True) -> FormatError:
-        return FormatError(f"{msg}{'; ' + _REDO if redo else ''}", file=self.path,
-                           tensor=self.tensor)
+        return FormatError(
+            f"{msg}{'; ' + _REDO if redo else ''}", file=self.path, tensor=self.tensor
+        )
 
     def need(self, n: int, what: str) -> None:
         if n > self.avail - self.pos:
             if self.avail < self.size and n <= self.size - self.pos:
                 raise _NeedMore(self.pos + n)
-            raise self.fail(f"{what} in {self.where} (at byte {self.pos}, {n} bytes) runs past the "
-                            f"end of the {self.size}-byte file: the file is truncated or its "
-                            f"header is corrupt")
+            raise self.fail(
+                f"{what} in {self.where} (at byte {self.pos}, {n} bytes) runs past the "
+                f"end of the {self.size}-byte file: the file is truncated or its "
+                f"header is corrupt"
+            )
 
     def u32(self, what: str) -> int:
         self.need(4, what)
@@ -196,7 +213,7 @@ class _Parser:
     def string(self, what: str) -> str:
         n = self.u64(f"the length of {what}")
         self.need(n, f"{what} ({n} bytes long)")
-        raw = self.buf[self.pos:self.pos + n]
+        raw = self.buf[self.pos : self.pos + n]
         self.pos += n
         try:
             return str(raw, "utf-8")
@@ -217,7 +234,7 @@ class _Parser:
                 self.pos = pos
                 self.need(n, f"string {i} of {what} ({n} bytes long)")
             try:
-                str(buf[pos:pos + n], "utf-8")
+                str(buf[pos : pos + n], "utf-8")
             except UnicodeDecodeError as e:
                 raise self.fail(f"string {i} of {what} is not valid UTF-8 ({e})") from None
             pos += n
@@ -236,8 +253,9 @@ class _Parser:
             self.need(n, what)
             start = self.pos
             if vtype == GGUFValueType.BOOL and self.buf[start] > 1:
-                raise self.fail(f"{what} is a bool stored as {self.buf[start]}; a GGUF bool "
-                                f"is 0 or 1")
+                raise self.fail(
+                    f"{what} is a bool stored as {self.buf[start]}; a GGUF bool is 0 or 1"
+                )
             self.pos += n
             return _KV(key, vtype, start)
         if vtype == GGUFValueType.ARRAY:
@@ -255,45 +273,61 @@ class _Parser:
                     bad = int(flags.max()) > 1
                     del flags  # a view holds the mapping; do not keep it
                     if bad:
-                        raise self.fail(f"{what} is an array of bools holding a value other "
-                                        f"than 0 or 1")
+                        raise self.fail(
+                            f"{what} is an array of bools holding a value other than 0 or 1"
+                        )
                 self.pos += count * n
             elif subtype == GGUFValueType.ARRAY:
-                raise self.fail(f"{what} is an array of arrays; nested arrays are not part of "
-                                f"GGUF as llama.cpp reads it")
+                raise self.fail(
+                    f"{what} is an array of arrays; nested arrays are not part of "
+                    f"GGUF as llama.cpp reads it"
+                )
             else:
                 raise self.fail(f"{what} is an array of unknown value type {subtype}")
             return _KV(key, vtype, start, subtype, count)
-        raise self.fail(f"key {quote(key)} has unknown value type {vtype}; known: "
-                        f"{', '.join(t.name for t in GGUFValueType)}")
+        raise self.fail(
+            f"key {quote(key)} has unknown value type {vtype}; known: "
+            f"{', '.join(t.name for t in GGUFValueType)}"
+        )
 
     def header(self) -> _Header:
         if self.size < 24:
-            raise self.fail(f"file is {self.size} bytes, too short for the 24-byte GGUF header: "
-                            f"it is truncated or not a GGUF file")
+            raise self.fail(
+                f"file is {self.size} bytes, too short for the 24-byte GGUF header: "
+                f"it is truncated or not a GGUF file"
+            )
         if self.avail < 24:
             raise _NeedMore(24)
         magic, version = struct.unpack_from("<II", self.buf, 0)
         if magic != GGUF_MAGIC:
-            raise self.fail(f"magic is {bytes(self.buf[0:4])!r}, not b'GGUF': this is not a GGUF "
-                            f"file (or its start is corrupt)")
+            raise self.fail(
+                f"magic is {bytes(self.buf[0:4])!r}, not b'GGUF': this is not a GGUF "
+                f"file (or its start is corrupt)"
+            )
         if version & 0xFFFF == 0 and (version >> 24) in SUPPORTED_VERSIONS:
-            raise self.fail("file is a big-endian GGUF; shardload reads little-endian GGUF "
-                            "only. Convert it with gguf-py's gguf_convert_endian (little)",
-                            redo=False)
+            raise self.fail(
+                "file is a big-endian GGUF; shardload reads little-endian GGUF "
+                "only. Convert it with gguf-py's gguf_convert_endian (little)",
+                redo=False,
+            )
         if version not in SUPPORTED_VERSIONS:
-            raise self.fail(f"GGUF version {version} is not supported (shardload reads versions "
-                            f"{' and '.join(map(str, SUPPORTED_VERSIONS))}); re-convert the model "
-                            f"with a current llama.cpp", redo=False)
+            raise self.fail(
+                f"GGUF version {version} is not supported (shardload reads versions "
+                f"{' and '.join(map(str, SUPPORTED_VERSIONS))}); re-convert the model "
+                f"with a current llama.cpp",
+                redo=False,
+            )
         self.pos = 8
         n_tensors = self.u64("the tensor count")
         n_kv = self.u64("the key-value count")
         # Bound the counts by what the rest of the file could hold: a key-value is at least
         # 8 + 4 + 1 bytes, a tensor info at least 8 + 4 + 4 + 8.
         if n_kv * 13 + n_tensors * 24 > self.size - self.pos:
-            raise self.fail(f"header claims {n_kv} key-values and {n_tensors} tensors, more than "
-                            f"the {self.size}-byte file can hold: the header is corrupt or the "
-                            f"file is truncated")
+            raise self.fail(
+                f"header claims {n_kv} key-values and {n_tensors} tensors, more than "
+                f"the {self.size}-byte file can hold: the header is corrupt or the "
+                f"file is truncated"
+            )
 
         kvs: dict[str, _KV] = {}
         for i in range(n_kv):
@@ -318,8 +352,9 @@ class _Parser:
             names.add(name)
             n_dims = self.u32("the dimension count")
             if n_dims > GGML_MAX_DIMS:
-                raise self.fail(f"tensor has {n_dims} dimensions; GGUF tensors have at most "
-                                f"{GGML_MAX_DIMS}")
+                raise self.fail(
+                    f"tensor has {n_dims} dimensions; GGUF tensors have at most {GGML_MAX_DIMS}"
+                )
             ne = tuple(self.u64(f"dimension {d}") for d in range(n_dims))
             code = self.u32("the tensor type")
             offset = self.u64("the data offset")
@@ -330,8 +365,9 @@ class _Parser:
         kv = kvs.get("general.alignment")
         if kv is not None:
             if kv.vtype != GGUFValueType.UINT32:
-                raise self.fail(f"general.alignment is a {_type_name(kv.vtype)}; it must be a "
-                                f"UINT32")
+                raise self.fail(
+                    f"general.alignment is a {_type_name(kv.vtype)}; it must be a UINT32"
+                )
             (alignment,) = _U32.unpack_from(self.buf, kv.offset)
             if alignment == 0 or alignment & (alignment - 1):
                 raise self.fail(f"general.alignment is {alignment}; it must be a power of two")
@@ -352,10 +388,12 @@ class _Parser:
         del pad  # a view holds the mapping; do not keep it
         if nonzero.size:
             at = header_end + int(nonzero[0])
-            raise self.fail(f"the padding between the end of the header (byte {header_end}) and "
-                            f"the aligned data start (byte {data_start}) holds a non-zero byte at "
-                            f"byte {at}; writers pad with zeros, so the header is not as long as "
-                            f"it says: the tensor count ({n_tensors}) or a tensor info is wrong")
+            raise self.fail(
+                f"the padding between the end of the header (byte {header_end}) and "
+                f"the aligned data start (byte {data_start}) holds a non-zero byte at "
+                f"byte {at}; writers pad with zeros, so the header is not as long as "
+                f"it says: the tensor count ({n_tensors}) or a tensor info is wrong"
+            )
 
     def _ggml_type(self, code: int) -> GGMLQuantizationType:
         try:
@@ -363,9 +401,12 @@ class _Parser:
         except ValueError:
             ggml_type = None
         if ggml_type is None or ggml_type not in GGML_QUANT_SIZES:
-            raise self.fail(f"unknown ggml tensor type {code}; the gguf package (gguf-py) "
-                            f"installed knows {len(GGML_QUANT_SIZES)} types. If the file is from "
-                            f"a newer llama.cpp, upgrade the gguf package", redo=False)
+            raise self.fail(
+                f"unknown ggml tensor type {code}; the gguf package (gguf-py) "
+                f"installed knows {len(GGML_QUANT_SIZES)} types. If the file is from "
+                f"a newer llama.cpp, upgrade the gguf package",
+                redo=False,
+            )
         return ggml_type
 
 
@@ -373,32 +414,40 @@ def _check_tensors(path: Path, header: _Header, size: int) -> list[tuple[TensorM
     """(meta, begin, end) of each tensor, ``begin``/``end`` file offsets, in storage order."""
     placed = []
     for info in header.infos:
+
         def bad(msg: str, redo: bool = True) -> FormatError:
-            return FormatError(f"{msg}{'; ' + _REDO if redo else ''}", file=path,
-                               tensor=info.name)
+            return FormatError(f"{msg}{'; ' + _REDO if redo else ''}", file=path, tensor=info.name)
 
         block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
         kind = info.ggml_type.name
         if any(d > MAX_DIM for d in info.ne):
-            raise bad(f"ne {list(info.ne)} has a dimension beyond 2**53: a strict reader refuses "
-                      f"dims beyond 2**53")
+            raise bad(
+                f"ne {list(info.ne)} has a dimension beyond 2**53: a strict reader refuses "
+                f"dims beyond 2**53"
+            )
         if math.prod(max(d, 1) for d in info.ne) > _INT64_MAX:
             raise bad(f"dimensions {list(info.ne)} overflow 64-bit sizes")
         ne0 = info.ne[0] if info.ne else 1
         if ne0 % block_size:
-            raise bad(f"ne[0] (the row length) is {ne0}, not a multiple of the {kind} block size "
-                      f"{block_size}; the header is corrupt")
+            raise bad(
+                f"ne[0] (the row length) is {ne0}, not a multiple of the {kind} block size "
+                f"{block_size}; the header is corrupt"
+            )
         if info.offset % header.alignment:
-            raise bad(f"data offset {info.offset} is not a multiple of the file's alignment "
-                      f"{header.alignment} (llama.cpp refuses such files); the header is corrupt")
+            raise bad(
+                f"data offset {info.offset} is not a multiple of the file's alignment "
+                f"{header.alignment} (llama.cpp refuses such files); the header is corrupt"
+            )
         n_elements = math.prod(info.ne)
         nbytes = n_elements // block_size * type_size
         begin = header.data_start + info.offset
         end = begin + nbytes
         if end > size:
-            raise bad(f"data [{begin}, {end}) ({nbytes} bytes of {kind} at offset {info.offset} "
-                      f"from the data start {header.data_start}) runs past the end of the "
-                      f"{size}-byte file: the file is truncated or its header is corrupt")
+            raise bad(
+                f"data [{begin}, {end}) ({nbytes} bytes of {kind} at offset {info.offset} "
+                f"from the data start {header.data_start}) runs past the end of the "
+                f"{size}-byte file: the file is truncated or its header is corrupt"
+            )
         dtype = _ELEMENT_TYPES.get(info.ggml_type)
         np_ne = tuple(reversed(info.ne))
         if dtype is None:  # raw blocks: the row length in bytes
@@ -418,8 +467,9 @@ def _check_tensors(path: Path, header: _Header, size: int) -> list[tuple[TensorM
     return placed
 
 
-def _check_data_region(path: Path, header: _Header,
-                       placed: list[tuple[TensorMeta, int, int]], size: int) -> None:
+def _check_data_region(
+    path: Path, header: _Header, placed: list[tuple[TensorMeta, int, int]], size: int
+) -> None:
     """No overlaps, and no unclaimed run of ``alignment`` bytes or more: writers pad each
     tensor only up to the alignment. ``placed`` is in storage order."""
     align = header.alignment
@@ -428,31 +478,44 @@ def _check_data_region(path: Path, header: _Header,
         if end == begin:
             continue  # an empty range overlaps nothing and claims nothing
         if begin < cursor:
-            raise FormatError(f"data [{begin}, {end}) overlaps tensor {quote(prev)} (which ends "
-                              f"at {cursor}); every byte belongs to one tensor. The header is "
-                              f"corrupt; {_REDO}", file=path, tensor=meta.name)
+            raise FormatError(
+                f"data [{begin}, {end}) overlaps tensor {quote(prev)} (which ends "
+                f"at {cursor}); every byte belongs to one tensor. The header is "
+                f"corrupt; {_REDO}",
+                file=path,
+                tensor=meta.name,
+            )
         if begin - cursor >= align:
-            after = (f"after the end of tensor {quote(prev)}" if prev is not None
-                     else "after the data start")
-            raise FormatError(f"data [{begin}, {end}) starts {begin - cursor} bytes {after} (byte "
-                              f"{cursor}), leaving them unclaimed; writers pad only up to the "
-                              f"alignment ({align}), so the offsets or the tensor count are "
-                              f"wrong. The header is corrupt; {_REDO}", file=path,
-                              tensor=meta.name)
+            after = (
+                f"after the end of tensor {quote(prev)}"
+                if prev is not None
+                else "after the data start"
+            )
+            raise FormatError(
+                f"data [{begin}, {end}) starts {begin - cursor} bytes {after} (byte "
+                f"{cursor}), leaving them unclaimed; writers pad only up to the "
+                f"alignment ({align}), so the offsets or the tensor count are "
+                f"wrong. The header is corrupt; {_REDO}",
+                file=path,
+                tensor=meta.name,
+            )
         cursor, prev = end, meta.name
     if size - cursor >= align:
         last = f"the last tensor, {quote(prev)}," if prev is not None else "the data start"
-        raise FormatError(f"{size - cursor} bytes after {last} (which ends at byte {cursor}) "
-                          f"belong to no tensor; writers pad only up to the alignment ({align}), "
-                          f"so the tensor count is too small, or the file was appended to. The "
-                          f"header is corrupt; {_REDO}", file=path)
+        raise FormatError(
+            f"{size - cursor} bytes after {last} (which ends at byte {cursor}) "
+            f"belong to no tensor; writers pad only up to the alignment ({align}), "
+            f"so the tensor count is too small, or the file was appended to. The "
+            f"header is corrupt; {_REDO}",
+            file=path,
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # the checkpoint
 
 
-def open_gguf(path: str | os.PathLike) -> "GGUFCheckpoint":
+def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     """Open a ``.gguf`` file lazily. The header is validated before this returns
     (``FormatError`` otherwise); no tensor data is read.
 
@@ -471,8 +534,7 @@ def open_gguf(path: str | os.PathLike) -> "GGUFCheckpoint":
     mapped, size = data.map, data.size
     try:
         if size == 0:
-            raise FormatError(f"file is empty: it is truncated or not a GGUF file; {_REDO}",
-                              file=p)
+            raise FormatError(f"file is empty: it is truncated or not a GGUF file; {_REDO}", file=p)
         with gc_paused():  # see gc_paused: a header of many tensors must open in time linear in it
             header = _parse_header(p, data)
             tensors = _check_tensors(p, header, size)
@@ -501,10 +563,13 @@ def _parse_header(p: Path, data: MappedData) -> _Header:
             return _Parser(data.map, data.size, p, avail).header()
         except _NeedMore as more:
             if more.end > MAX_FETCHED_HEADER:
-                raise FormatError(f"the header reaches byte {more.end}, past the "
-                                  f"{MAX_FETCHED_HEADER}-byte limit on a header fetched from "
-                                  f"object storage: the header is corrupt or hostile (nothing "
-                                  f"past the limit was fetched)", file=p) from None
+                raise FormatError(
+                    f"the header reaches byte {more.end}, past the "
+                    f"{MAX_FETCHED_HEADER}-byte limit on a header fetched from "
+                    f"object storage: the header is corrupt or hostile (nothing "
+                    f"past the limit was fetched)",
+                    file=p,
+                ) from None
             avail = min(data.size, max(2 * avail, more.end))
 
 
@@ -519,13 +584,22 @@ class GGUFCheckpoint(MappedCheckpoint):
     ``field(key)`` decodes any key, the tokenizer arrays included; ``field_names()`` lists them.
     """
 
-    def __init__(self, source: str, mapped: mmap.mmap, header: _Header,
-                 tensors: list[tuple[TensorMeta, int, int]],
-                 stat: os.stat_result | None = None):
+    def __init__(
+        self,
+        source: str,
+        mapped: mmap.mmap,
+        header: _Header,
+        tensors: list[tuple[TensorMeta, int, int]],
+        stat: os.stat_result | None = None,
+    ):
         # tensor offsets count from the start of the file (header.data_start included)
-        super().__init__(source, [os.path.abspath(source)], [mapped],
-                         ((meta, 0, begin, end) for meta, begin, end in tensors),
-                         stats=[stat])
+        super().__init__(
+            source,
+            [os.path.abspath(source)],
+            [mapped],
+            ((meta, 0, begin, end) for meta, begin, end in tensors),
+            stats=[stat],
+        )
         self.path = os.path.abspath(source)
         self.version: int = header.version
         self.alignment: int = header.alignment
@@ -537,9 +611,13 @@ class GGUFCheckpoint(MappedCheckpoint):
         self._kvs = header.kvs
         infos = {info.name: info for info in header.infos}
         self._format: dict[str, tuple[str, int, int, tuple[int, ...]]] = {
-            meta.name: (infos[meta.name].ggml_type.name,
-                        *GGML_QUANT_SIZES[infos[meta.name].ggml_type], infos[meta.name].ne)
-            for meta, _, _ in tensors}
+            meta.name: (
+                infos[meta.name].ggml_type.name,
+                *GGML_QUANT_SIZES[infos[meta.name].ggml_type],
+                infos[meta.name].ne,
+            )
+            for meta, _, _ in tensors
+        }
         self._config: dict[str, Any] | None = None
 
     # -- metadata ------------------------------------------------------------------------------
@@ -554,8 +632,12 @@ class GGUFCheckpoint(MappedCheckpoint):
         """
         self.meta(name)
         ggml_type, block_size, type_size, ne = self._format[name]
-        return {"ggml_type": ggml_type, "block_size": block_size, "type_size": type_size,
-                "ne": list(ne)}
+        return {
+            "ggml_type": ggml_type,
+            "block_size": block_size,
+            "type_size": type_size,
+            "ne": list(ne),
+        }
 
     def field_names(self) -> list[str]:
         """Every key of the file's key-values, in file order."""
@@ -570,14 +652,18 @@ class GGUFCheckpoint(MappedCheckpoint):
         with self._lock:
             buf = self._bytes  # a view: it keeps the mapping alive while we decode
         if buf is None:
-            raise ValueError(f"{self.source}: checkpoint is closed; open it again to read key "
-                             f"{quote(key)}")
+            raise ValueError(
+                f"{self.source}: checkpoint is closed; open it again to read key {quote(key)}"
+            )
         self.check_unchanged(0)  # a decode reads the mapping too
         try:
             return _decode(buf, kv)
         except (UnicodeDecodeError, struct.error, ValueError) as e:  # the file changed under us
-            raise FormatError(f"key {quote(key)} cannot be decoded ({e}); do not modify a "
-                              f"checkpoint while it is open", file=self.path) from None
+            raise FormatError(
+                f"key {quote(key)} cannot be decoded ({e}); do not modify a "
+                f"checkpoint while it is open",
+                file=self.path,
+            ) from None
 
     @property
     def config(self) -> dict:
@@ -587,11 +673,15 @@ class GGUFCheckpoint(MappedCheckpoint):
             config, buf = self._config, self._bytes
         if config is None:
             if buf is None:
-                raise ValueError(f"{self.source}: checkpoint is closed; open it again to read "
-                                 f"its config")
+                raise ValueError(
+                    f"{self.source}: checkpoint is closed; open it again to read its config"
+                )
             self.check_unchanged(0)
-            config = {kv.key: _decode(buf, kv) for kv in self._kvs.values()
-                      if kv.count <= CONFIG_MAX_ARRAY}
+            config = {
+                kv.key: _decode(buf, kv)
+                for kv in self._kvs.values()
+                if kv.count <= CONFIG_MAX_ARRAY
+            }
             with self._lock:
                 if self._config is None:
                     self._config = config
@@ -637,6 +727,6 @@ def _strings(buf: np.ndarray, pos: int, count: int) -> list[str]:
         pos += 8
         if n > len(buf) - pos:
             raise ValueError(f"a string of {n} bytes at byte {pos} runs past the end of the file")
-        out.append(str(buf[pos:pos + n].tobytes(), "utf-8"))
+        out.append(str(buf[pos : pos + n].tobytes(), "utf-8"))
         pos += n
     return out

@@ -34,15 +34,16 @@ import operator
 import os
 import threading
 from array import array
+from collections.abc import Iterable
 from itertools import repeat
-from typing import TYPE_CHECKING, Iterable, Optional, Union
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import dtypes
 from ..errors import FormatError
-from . import base
 from ..files import data_at
+from . import base
 from .base import Checkpoint, TensorMeta
 
 if TYPE_CHECKING:  # pragma: no cover  (imported where used: planning needs no torch)
@@ -56,7 +57,7 @@ def identity(st: os.stat_result) -> Identity:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def unmap(m: Optional[mmap.mmap]) -> None:
+def unmap(m: mmap.mmap | None) -> None:
     """Close a mapping, unless a view of it is still alive (a read in flight in another
     thread): then dropping our reference is enough, it is unmapped when the last view goes."""
     if m is None:
@@ -83,13 +84,13 @@ def copy_blocks(dst: torch.Tensor, src: torch.Tensor) -> None:
     if row <= chunk:
         rows = chunk // row
         for a in range(0, outer, rows):
-            dst[a:a + rows].copy_(src[a:a + rows])
+            dst[a : a + rows].copy_(src[a : a + rows])
             hook()
         return
     cols = max(1, chunk // inner)
     for r in range(outer):
         for a in range(0, length, cols):
-            dst[r, a:a + cols].copy_(src[r, a:a + cols])
+            dst[r, a : a + cols].copy_(src[r, a : a + cols])
             hook()
 
 
@@ -102,7 +103,7 @@ class TensorTable:
     tuple of Python ints would take 64 bytes, and each offset over 256 another 32).
     """
 
-    __slots__ = ("meta", "pos", "file", "begin", "end")
+    __slots__ = ("begin", "end", "file", "meta", "pos")
 
     def __init__(self) -> None:
         self.meta: dict[str, TensorMeta] = {}
@@ -118,8 +119,7 @@ class TensorTable:
         self.begin.append(begin)
         self.end.append(end)
 
-    def extend(self, file: int, metas: dict[str, TensorMeta], begins: array,
-               ends: array) -> None:
+    def extend(self, file: int, metas: dict[str, TensorMeta], begins: array, ends: array) -> None:
         """Add a file's tensors, ``metas`` in storage order with their offsets; the first
         file's ``metas`` becomes the table's own (not copied: the caller lets go of it)."""
         start = len(self.begin)
@@ -145,11 +145,16 @@ class MappedCheckpoint(Checkpoint):
     valid (they own their memory).
     """
 
-    def __init__(self, source: str, files: list[str], maps: list[Optional[mmap.mmap]],
-                 tensors: Union[TensorTable, Iterable[tuple[TensorMeta, int, int, int]]],
-                 data_starts: Optional[list[int]] = None,
-                 stats: Optional[list[Optional[os.stat_result]]] = None,
-                 remote: Optional[list] = None):
+    def __init__(
+        self,
+        source: str,
+        files: list[str],
+        maps: list[mmap.mmap | None],
+        tensors: TensorTable | Iterable[tuple[TensorMeta, int, int, int]],
+        data_starts: list[int] | None = None,
+        stats: list[os.stat_result | None] | None = None,
+        remote: list | None = None,
+    ):
         super().__init__()
         self.source = source
         self.files = list(files)
@@ -159,13 +164,14 @@ class MappedCheckpoint(Checkpoint):
         self._closers: list = []
         self._data_starts = list(data_starts or [0] * len(maps))
         # absolute: a chdir in another thread must not make the check look at another file
-        self._idents: list[tuple[str, Optional[Identity]]] = [
+        self._idents: list[tuple[str, Identity | None]] = [
             (os.path.abspath(f), None if st is None else identity(st))
-            for f, st in zip(self.files, stats or [None] * len(self.files))]
+            for f, st in zip(self.files, stats or [None] * len(self.files))
+        ]
         # each file's data as a uint8 tensor, and its tensor data within it: made at the first
         # read (``_views``), so an open that only plans and validates needs no torch
-        self._files_data: Optional[list[torch.Tensor]] = None
-        self._data: Optional[list[torch.Tensor]] = None
+        self._files_data: list[torch.Tensor] | None = None
+        self._data: list[torch.Tensor] | None = None
         self._closed = False
         if not isinstance(tensors, TensorTable):
             table = TensorTable()
@@ -182,10 +188,11 @@ class MappedCheckpoint(Checkpoint):
     def _check_open(self, what: str) -> None:
         """A ``ValueError`` once the checkpoint is closed (reading ``what``, or " it")."""
         if self._closed:
-            raise ValueError(f"{self.source}: checkpoint is closed; open it again to read"
-                             f"{what or ' it'}")
+            raise ValueError(
+                f"{self.source}: checkpoint is closed; open it again to read{what or ' it'}"
+            )
 
-    def _views(self, what: str) -> tuple[list["torch.Tensor"], list["torch.Tensor"]]:
+    def _views(self, what: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each file's data as a uint8 tensor viewing its mapping, and the tensor data within
         it (after the header), made at the first read; the caller holds the lock. A closed
         checkpoint is a ``ValueError`` (reading ``what``)."""
@@ -197,10 +204,14 @@ class MappedCheckpoint(Checkpoint):
             # mmap.close() refuses (BufferError) while any view is alive; torch.frombuffer
             # holds none, and closing under it would leave tensors pointing at unmapped memory.
             self._files_data = [
-                torch.from_numpy(np.frombuffer(m, dtype=np.uint8)) if m is not None
-                else torch.empty(0, dtype=torch.uint8) for m in self._maps]
-            self._data = [whole[start:] for whole, start in
-                          zip(self._files_data, self._data_starts)]
+                torch.from_numpy(np.frombuffer(m, dtype=np.uint8))
+                if m is not None
+                else torch.empty(0, dtype=torch.uint8)
+                for m in self._maps
+            ]
+            self._data = [
+                whole[start:] for whole, start in zip(self._files_data, self._data_starts)
+            ]
         return self._files_data, self._data
 
     def _where(self, name: str) -> tuple[int, int, int]:
@@ -233,7 +244,7 @@ class MappedCheckpoint(Checkpoint):
 
     def locate_all(self, names: Iterable[str]) -> list[tuple[int, int]]:
         table, starts = self._table, self._data_starts
-        where = [table.pos[name] for name in names]   # a KeyError for a name not here
+        where = [table.pos[name] for name in names]  # a KeyError for a name not here
         files = [table.file[k] for k in where]
         return list(zip(files, [starts[i] + table.begin[k] for i, k in zip(files, where)]))
 
@@ -310,8 +321,9 @@ class MappedCheckpoint(Checkpoint):
 
     # -- reading
 
-    def _locate(self, name: str, slices: Optional[tuple[int, list]] = None
-                ) -> tuple[TensorMeta, torch.Tensor]:
+    def _locate(
+        self, name: str, slices: tuple[int, list] | None = None
+    ) -> tuple[TensorMeta, torch.Tensor]:
         """The tensor's metadata and a uint8 view of exactly its bytes, after checking that its
         file is still the one that was opened (it is about to be read). An object's bytes are
         fetched first: the whole tensor's, or with ``slices`` (``(dim, [(start, length)])``)
@@ -323,8 +335,9 @@ class MappedCheckpoint(Checkpoint):
         self._ready(meta, i, begin, end, slices)
         return meta, data[begin:end]
 
-    def _ready(self, meta: TensorMeta, i: int, begin: int, end: int,
-               slices: Optional[tuple[int, list]] = None) -> None:
+    def _ready(
+        self, meta: TensorMeta, i: int, begin: int, end: int, slices: tuple[int, list] | None = None
+    ) -> None:
         """Before bytes ``[begin, end)`` of file ``i``'s data are read: the file checked, and
         an object's bytes fetched (see ``_locate``)."""
         if end > begin:
@@ -353,7 +366,7 @@ class MappedCheckpoint(Checkpoint):
         self._count(end - begin)
         return raw.copy().view(carrier).reshape(meta.shape)
 
-    def check_unchanged(self, i: int, tensor: Optional[str] = None) -> None:
+    def check_unchanged(self, i: int, tensor: str | None = None) -> None:
         """Refuse to touch file ``i``'s mapping if the file is no longer what was mapped."""
         path, was = self._idents[i]
         if was is None:
@@ -361,21 +374,31 @@ class MappedCheckpoint(Checkpoint):
         try:
             st = os.stat(path)
         except OSError as exc:
-            raise FormatError(f"the file changed while loading (it can no longer be read: "
-                              f"{exc.strerror or exc}); do not modify a checkpoint while it is "
-                              f"loading", file=self.files[i], tensor=tensor) from None
+            raise FormatError(
+                f"the file changed while loading (it can no longer be read: "
+                f"{exc.strerror or exc}); do not modify a checkpoint while it is "
+                f"loading",
+                file=self.files[i],
+                tensor=tensor,
+            ) from None
         now = identity(st)
         if now == was:
             return
         if now[:2] != was[:2]:
-            how = (f"replaced by another file: inode {now[1]}, was {was[1]}; size {now[2]}, "
-                   f"was {was[2]}")
+            how = (
+                f"replaced by another file: inode {now[1]}, was {was[1]}; size {now[2]}, "
+                f"was {was[2]}"
+            )
         elif now[2] != was[2]:
             how = f"size {now[2]}, was {was[2]}"
         else:
             how = f"size {now[2]} unchanged, but it was written to: its modification time moved"
-        raise FormatError(f"the file changed while loading ({how}); do not modify a checkpoint "
-                          f"while it is loading", file=self.files[i], tensor=tensor)
+        raise FormatError(
+            f"the file changed while loading ({how}); do not modify a checkpoint "
+            f"while it is loading",
+            file=self.files[i],
+            tensor=tensor,
+        )
 
     def _count(self, n: int) -> None:
         with self._lock:  # += on an attribute is not atomic across threads
@@ -393,7 +416,7 @@ class MappedCheckpoint(Checkpoint):
         self._count(raw.numel())
         return out
 
-    def view(self, name: str) -> Optional[torch.Tensor]:
+    def view(self, name: str) -> torch.Tensor | None:
         """The tensor as a view of its file's private mapping (``Checkpoint.view``); ``None``
         where its offset is not aligned for its dtype (``read`` copies it as bytes), and for
         a tensor of an object in object storage: a view must hold the whole tensor's bytes,
@@ -422,14 +445,14 @@ class MappedCheckpoint(Checkpoint):
         meta = self.meta(name)
         dim, start, length = self._slice(name, meta, dim, start, length)
         shape = meta.shape
-        out = torch.empty(shape[:dim] + (length,) + shape[dim + 1:],
-                          dtype=dtypes.to_torch(meta.dtype))
+        out = torch.empty(
+            shape[:dim] + (length,) + shape[dim + 1 :], dtype=dtypes.to_torch(meta.dtype)
+        )
         _, raw = self._locate(name, (dim, [(start, length)]))
         self._copy_slice(meta, raw, dim, start, length, out, 0)
         return out
 
-    def read_ranges(self, name: str, dim: int,
-                    ranges: list[tuple[int, int]]) -> torch.Tensor:
+    def read_ranges(self, name: str, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
         """The slices ``[start, start + length)`` of ``dim``, concatenated along it, copied
         once into a new tensor: a worker's piece of a fused tensor, assembled in place."""
         import torch
@@ -438,7 +461,7 @@ class MappedCheckpoint(Checkpoint):
         checked = [self._slice(name, meta, dim, start, length) for start, length in ranges]
         dim = checked[0][0] if checked else dim % len(meta.shape)
         total = sum(length for _, _, length in checked)
-        shape = meta.shape[:dim] + (total,) + meta.shape[dim + 1:]
+        shape = meta.shape[:dim] + (total,) + meta.shape[dim + 1 :]
         out = torch.empty(shape, dtype=dtypes.to_torch(meta.dtype))
         # one check of the file for all the ranges
         _, raw = self._locate(name, (dim, [(start, length) for _, start, length in checked]))
@@ -452,22 +475,35 @@ class MappedCheckpoint(Checkpoint):
         dim, start, length = operator.index(dim), operator.index(start), operator.index(length)
         shape, ndim = meta.shape, len(meta.shape)
         if not -ndim <= dim < ndim:
-            raise IndexError(f"{self.source}: tensor {name!r} has shape {shape}; dim {dim} is "
-                             f"out of range")
+            raise IndexError(
+                f"{self.source}: tensor {name!r} has shape {shape}; dim {dim} is out of range"
+            )
         dim %= ndim
         size = shape[dim]
         if not -size <= start <= size:
-            raise IndexError(f"{self.source}: tensor {name!r} has size {size} in dim {dim}; "
-                             f"start {start} is out of range")
+            raise IndexError(
+                f"{self.source}: tensor {name!r} has size {size} in dim {dim}; "
+                f"start {start} is out of range"
+            )
         if start < 0:
             start += size
         if length < 0 or start + length > size:
-            raise ValueError(f"{self.source}: tensor {name!r} has size {size} in dim {dim}; "
-                             f"cannot take {length} elements from {start}")
+            raise ValueError(
+                f"{self.source}: tensor {name!r} has size {size} in dim {dim}; "
+                f"cannot take {length} elements from {start}"
+            )
         return dim, start, length
 
-    def _copy_slice(self, meta: TensorMeta, raw: torch.Tensor, dim: int, start: int,
-                    length: int, out: torch.Tensor, offset: int) -> None:
+    def _copy_slice(
+        self,
+        meta: TensorMeta,
+        raw: torch.Tensor,
+        dim: int,
+        start: int,
+        length: int,
+        out: torch.Tensor,
+        offset: int,
+    ) -> None:
         """Copy ``[start, start + length)`` of ``dim`` of the tensor whose bytes are ``raw`` to
         ``[offset, offset + length)`` of the same dim of ``out`` (contiguous, same dtype, same
         other dims)."""
@@ -478,12 +514,12 @@ class MappedCheckpoint(Checkpoint):
         # index of the dims before `dim`: strided uint8 views of the mapping and of `out`,
         # copied once.
         outer = math.prod(shape[:dim])
-        inner = math.prod(shape[dim + 1:]) * dtypes.itemsize(meta.dtype)
+        inner = math.prod(shape[dim + 1 :]) * dtypes.itemsize(meta.dtype)
         nbytes = outer * length * inner
         if nbytes:
-            src = raw.view(outer, shape[dim], inner)[:, start:start + length]
+            src = raw.view(outer, shape[dim], inner)[:, start : start + length]
             dst = out.view(-1).view(torch.uint8).view(outer, out.shape[dim], inner)
-            copy_blocks(dst[:, offset:offset + length], src)
+            copy_blocks(dst[:, offset : offset + length], src)
         self._count(nbytes)
 
     def release(self, name: str) -> None:
@@ -521,9 +557,11 @@ def open_sources(sources: list[dict], source: str = "<read plan>") -> MappedChec
         for spec in sources:
             path = spec.get("file")
             if not isinstance(path, str):
-                raise ValueError("a worker process can only read sources that are files; this "
-                                 f"one is {spec!r} (the loader writes in-memory tensors to a "
-                                 "file first)")
+                raise ValueError(
+                    "a worker process can only read sources that are files; this "
+                    f"one is {spec!r} (the loader writes in-memory tensors to a "
+                    "file first)"
+                )
             if spec.get("object") is not None:  # fetched by this process as it needs it
                 from ..sources.sparse import ObjectBytes
 
@@ -537,9 +575,12 @@ def open_sources(sources: list[dict], source: str = "<read plan>") -> MappedChec
             with f:
                 want = spec.get("identity")
                 if want is not None and list(identity(st)) != list(want):
-                    raise FormatError("the file changed between the controller opening it and "
-                                      "this worker mapping it; do not modify a checkpoint while "
-                                      "it is loading", file=path)
+                    raise FormatError(
+                        "the file changed between the controller opening it and "
+                        "this worker mapping it; do not modify a checkpoint while "
+                        "it is loading",
+                        file=path,
+                    )
                 m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if st.st_size else None
             files.append(path)
             maps.append(m)
@@ -556,7 +597,11 @@ def _slice_spans(meta: TensorMeta, base: int, dim: int, slices: list) -> list[tu
     """The ``[begin, end)`` bytes of the slices ``[start, start + length)`` of ``dim`` of a C-order
     tensor whose bytes start at ``base``: one run per slice per index of the dims before."""
     shape = meta.shape
-    inner = math.prod(shape[dim + 1:]) * dtypes.itemsize(meta.dtype)
+    inner = math.prod(shape[dim + 1 :]) * dtypes.itemsize(meta.dtype)
     row = shape[dim] * inner
-    return [(base + o * row + start * inner, base + o * row + (start + length) * inner)
-            for o in range(math.prod(shape[:dim])) for start, length in slices if length]
+    return [
+        (base + o * row + start * inner, base + o * row + (start + length) * inner)
+        for o in range(math.prod(shape[:dim]))
+        for start, length in slices
+        if length
+    ]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import dtypes
-from ..errors import FormatError
 from ..dtypes import shape_problem
+from ..errors import FormatError
 from .base import Checkpoint, TensorMeta
 
 if TYPE_CHECKING:  # pragma: no cover  (imported where used: planning needs no torch)
@@ -25,8 +26,9 @@ def _to_torch(name: str, value: Any) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(value))
     if hasattr(value, "__dlpack__"):
         return torch.from_dlpack(value)
-    raise TypeError(f"parameter {name!r}: expected a numpy array or torch tensor, "
-                    f"got {type(value).__name__}")
+    raise TypeError(
+        f"parameter {name!r}: expected a numpy array or torch tensor, got {type(value).__name__}"
+    )
 
 
 class ArrayCheckpoint(Checkpoint):

@@ -75,18 +75,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 from .. import dtypes, strict_json
-from ..errors import FormatError, quote
-from ..files import (MAX_SIDE_FILE_BYTES, check_member_name, data_lexists, map_data,
-                     read_json)
 from ..dtypes import shape_problem
+from ..errors import FormatError, quote
+from ..files import MAX_SIDE_FILE_BYTES, check_member_name, data_lexists, map_data, read_json
 from ..gc_pause import gc_paused
 from .base import MAX_INDEX_BYTES, TensorMeta
 from .mapped import MappedCheckpoint, unmap
 
-__all__ = ["open_mlc", "MLCCheckpoint", "INDEX_NAMES", "CONFIG_NAME", "MLC_DTYPES",
-           "MLC_FORMATS"]
+__all__ = [
+    "CONFIG_NAME",
+    "INDEX_NAMES",
+    "MLC_DTYPES",
+    "MLC_FORMATS",
+    "MLCCheckpoint",
+    "open_mlc",
+]
 
 #: index file names, preferred first (TVM renamed ndarray-cache.json to tensor-cache.json)
 INDEX_NAMES = ("tensor-cache.json", "ndarray-cache.json")
@@ -95,11 +99,23 @@ CONFIG_NAME = "mlc-chat-config.json"
 #: dtype spellings in a tensor cache -> canonical name. TVM's own names; the float8 ones in both
 #: the current spelling and the older ``e4m3_float8`` one.
 MLC_DTYPES: dict[str, str] = {
-    "bool": "bool", "int8": "int8", "uint8": "uint8", "int16": "int16", "uint16": "uint16",
-    "int32": "int32", "uint32": "uint32", "int64": "int64", "uint64": "uint64",
-    "float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
-    "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
-    "e4m3_float8": "float8_e4m3fn", "e5m2_float8": "float8_e5m2",
+    "bool": "bool",
+    "int8": "int8",
+    "uint8": "uint8",
+    "int16": "int16",
+    "uint16": "uint16",
+    "int32": "int32",
+    "uint32": "uint32",
+    "int64": "int64",
+    "uint64": "uint64",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    "float64": "float64",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
+    "e4m3_float8": "float8_e4m3fn",
+    "e5m2_float8": "float8_e5m2",
 }
 #: tensor record formats
 MLC_FORMATS = ("raw", "f32-to-bf16")
@@ -120,9 +136,11 @@ def _check_keys(obj: dict, keys: tuple[set, set], what: str, bad) -> None:
     extra = sorted(set(obj) - required - optional)
     if missing or extra:
         allowed = ", ".join(sorted(required)) + (
-            f" (and optionally {', '.join(sorted(optional))})" if optional else "")
-        problems = "; ".join(p for p in (missing and f"missing {missing}",
-                                         extra and f"unexpected {extra}") if p)
+            f" (and optionally {', '.join(sorted(optional))})" if optional else ""
+        )
+        problems = "; ".join(
+            p for p in (missing and f"missing {missing}", extra and f"unexpected {extra}") if p
+        )
         raise bad(f"{what} must have exactly the keys {allowed}; {problems}")
 
 
@@ -147,7 +165,7 @@ class _ShardSpec:
     path: Path
     nbytes: int
     records: list[_Record]
-    md5sum: "str | None"
+    md5sum: str | None
 
 
 def _find_index(folder: Path) -> Path:
@@ -156,8 +174,10 @@ def _find_index(folder: Path) -> Path:
         p = folder / name
         if os.path.lexists(p):
             return p
-    raise FormatError(f"folder holds neither {' nor '.join(INDEX_NAMES)}: not an MLC-LLM weight "
-                      f"folder", file=folder)
+    raise FormatError(
+        f"folder holds neither {' nor '.join(INDEX_NAMES)}: not an MLC-LLM weight folder",
+        file=folder,
+    )
 
 
 def _shard_path(index: Path, data_path: Any, where: str, label: str) -> Path:
@@ -165,13 +185,13 @@ def _shard_path(index: Path, data_path: Any, where: str, label: str) -> Path:
     the index's folder. It may be a symlink to anywhere: what it leads to is checked to be a
     regular file when it is opened."""
     if not isinstance(data_path, str):
-        raise FormatError(f"{where}: dataPath must be a string, got {quote(data_path)}",
-                          file=index)
+        raise FormatError(f"{where}: dataPath must be a string, got {quote(data_path)}", file=index)
     check_member_name(data_path, index=index, what=f"{label}: dataPath")
     path = index.parent / data_path
     if not data_lexists(path):
-        raise FormatError(f"shard file is missing: {index.name} lists it ({where}); {_REDO}",
-                          file=path)
+        raise FormatError(
+            f"shard file is missing: {index.name} lists it ({where}); {_REDO}", file=path
+        )
     return path
 
 
@@ -209,10 +229,14 @@ def _check_tensor(index: Path, where: str, rec: Any) -> _Record:
         raise bad(problem)
     meta = TensorMeta(name, tuple(shape), stored)
     if nbytes != meta.nbytes:
-        how = (f"{math.prod(shape)} elements of {dtype} stored as {stored}"
-               if stored != MLC_DTYPES[dtype] else f"shape {shape} of {dtype}")
-        raise bad(f"nbytes is {nbytes}, but {how} is {meta.nbytes} bytes: the index lies "
-                  f"about the size")
+        how = (
+            f"{math.prod(shape)} elements of {dtype} stored as {stored}"
+            if stored != MLC_DTYPES[dtype]
+            else f"shape {shape} of {dtype}"
+        )
+        raise bad(
+            f"nbytes is {nbytes}, but {how} is {meta.nbytes} bytes: the index lies about the size"
+        )
     return _Record(meta, offset, offset + nbytes, fmt)
 
 
@@ -220,15 +244,22 @@ def _check_layout(index: Path, where: str, records: list[_Record], size: int) ->
     """Bounds, then no overlaps among the non-empty tensors of one file (gaps are fine)."""
     for r in records:
         if r.end > size:
-            raise FormatError(f"{where}: byteOffset {r.begin} + nbytes {r.end - r.begin} = "
-                              f"{r.end} runs past the end of the {size}-byte shard file; the "
-                              f"index is corrupt; {_REDO}", file=index, tensor=r.meta.name)
+            raise FormatError(
+                f"{where}: byteOffset {r.begin} + nbytes {r.end - r.begin} = "
+                f"{r.end} runs past the end of the {size}-byte shard file; the "
+                f"index is corrupt; {_REDO}",
+                file=index,
+                tensor=r.meta.name,
+            )
     covered, owner = 0, None
     for r in sorted((r for r in records if r.end > r.begin), key=lambda r: (r.begin, r.end)):
         if r.begin < covered:
-            raise FormatError(f"{where}: bytes [{r.begin}, {r.end}) overlap tensor {quote(owner)} "
-                              f"(which ends at {covered}); the index is corrupt; {_REDO}",
-                              file=index, tensor=r.meta.name)
+            raise FormatError(
+                f"{where}: bytes [{r.begin}, {r.end}) overlap tensor {quote(owner)} "
+                f"(which ends at {covered}); the index is corrupt; {_REDO}",
+                file=index,
+                tensor=r.meta.name,
+            )
         covered, owner = r.end, r.meta.name
 
 
@@ -246,8 +277,7 @@ def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
         raise bad(f'"metadata" must be an object, got {type(metadata).__name__}')
     shard_records = doc["records"]
     if not isinstance(shard_records, list):
-        raise bad(f'"records" must be a list of shard records, got '
-                  f'{type(shard_records).__name__}')
+        raise bad(f'"records" must be a list of shard records, got {type(shard_records).__name__}')
 
     shards: list[_ShardSpec] = []
     # By name: check_member_name makes a name canonical (no "." or "" parts), and two names
@@ -266,8 +296,10 @@ def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
             raise sbad(f"must be an object, got {type(srec).__name__}")
         _check_keys(srec, _SHARD_KEYS, "a shard record", sbad)
         if srec["format"] != "raw-shard":
-            raise sbad(f'unknown shard format {quote(srec["format"], 50)}; shardload reads '
-                       f'"raw-shard" only')
+            raise sbad(
+                f"unknown shard format {quote(srec['format'], 50)}; shardload reads "
+                f'"raw-shard" only'
+            )
         nbytes = srec["nbytes"]
         if not _is_uint(nbytes):
             raise sbad(f"nbytes must be a non-negative integer, got {quote(nbytes, 50)}")
@@ -276,22 +308,27 @@ def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
             raise sbad(f"md5sum must be a string, got {quote(md5, 50)}")
         tensor_records = srec["records"]
         if not isinstance(tensor_records, list):
-            raise sbad(f'"records" must be a list of tensor records, got '
-                       f'{type(tensor_records).__name__}')
+            raise sbad(
+                f'"records" must be a list of tensor records, got {type(tensor_records).__name__}'
+            )
         records = [_check_tensor(index, where, rec) for rec in tensor_records]
         for r in records:
             if r.meta.name in seen_names:
-                raise FormatError(f"{where}: tensor is listed twice (also in "
-                                  f"{seen_names[r.meta.name]}); a name must be unique",
-                                  file=index, tensor=r.meta.name)
+                raise FormatError(
+                    f"{where}: tensor is listed twice (also in "
+                    f"{seen_names[r.meta.name]}); a name must be unique",
+                    file=index,
+                    tensor=r.meta.name,
+                )
             seen_names[r.meta.name] = where
         _check_layout(index, where, records, nbytes)
 
         path = _shard_path(index, srec["dataPath"], where, label)
         key = srec["dataPath"]
         if key in seen_files:
-            raise sbad(f"names the same file as {seen_files[key]}; each shard file may be "
-                       f"listed once")
+            raise sbad(
+                f"names the same file as {seen_files[key]}; each shard file may be listed once"
+            )
         seen_files[key] = where
         records.sort(key=lambda r: (r.begin, r.end))  # storage order; stable for empty tensors
         shards.append(_ShardSpec(path, nbytes, records, md5))
@@ -302,16 +339,18 @@ def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
 # mapping
 
 
-def _map_shard(index: Path, spec: _ShardSpec) -> "tuple[mmap.mmap | None, os.stat_result | None]":
+def _map_shard(index: Path, spec: _ShardSpec) -> tuple[mmap.mmap | None, os.stat_result | None]:
     """Map one shard file after checking its size; None for an empty file (mmap refuses those).
     Also returns its ``fstat`` as mapped (None for an object: ``files.map_data``)."""
     data = map_data(spec.path, "the shard file")
     if data.size != spec.nbytes:
         unmap(data.map)
         how = "truncated" if data.size < spec.nbytes else "longer than listed"
-        raise FormatError(f"shard file is {data.size} bytes, but {index.name} says {spec.nbytes} "
-                          f"(its nbytes): it is {how} (an interrupted download?); {_REDO}",
-                          file=spec.path)
+        raise FormatError(
+            f"shard file is {data.size} bytes, but {index.name} says {spec.nbytes} "
+            f"(its nbytes): it is {how} (an interrupted download?); {_REDO}",
+            file=spec.path,
+        )
     return data.map, data.stat
 
 
@@ -319,7 +358,7 @@ def _map_shard(index: Path, spec: _ShardSpec) -> "tuple[mmap.mmap | None, os.sta
 # the checkpoint
 
 
-def open_mlc(folder: str | os.PathLike) -> "MLCCheckpoint":
+def open_mlc(folder: str | os.PathLike) -> MLCCheckpoint:
     """Open an MLC-LLM weight folder lazily.
 
     The index is ``tensor-cache.json``, or ``ndarray-cache.json`` when there is no
@@ -330,8 +369,9 @@ def open_mlc(folder: str | os.PathLike) -> "MLCCheckpoint":
     if not p.exists():
         raise FormatError("no such file or folder", file=p)
     if not p.is_dir():
-        raise FormatError(f"an MLC-LLM checkpoint is a folder (with {INDEX_NAMES[0]}), not a "
-                          f"file", file=p)
+        raise FormatError(
+            f"an MLC-LLM checkpoint is a folder (with {INDEX_NAMES[0]}), not a file", file=p
+        )
     index = _find_index(p)
     with gc_paused():  # see gc_paused: an index of many tensors must open in time linear in it
         metadata, specs = _read_index(index)
@@ -341,10 +381,12 @@ def open_mlc(folder: str | os.PathLike) -> "MLCCheckpoint":
     if os.path.lexists(config_path):  # there by name: a dangling link or a FIFO is refused
         config = read_json(config_path, MAX_SIDE_FILE_BYTES, CONFIG_NAME)
         if not isinstance(config, dict):
-            raise FormatError(f"{CONFIG_NAME} must be a JSON object, got "
-                              f"{type(config).__name__}", file=config_path)
+            raise FormatError(
+                f"{CONFIG_NAME} must be a JSON object, got {type(config).__name__}",
+                file=config_path,
+            )
 
-    maps: list["mmap.mmap | None"] = []
+    maps: list[mmap.mmap | None] = []
     stats: list[os.stat_result] = []
     try:
         for spec in specs:
@@ -371,20 +413,31 @@ class MLCCheckpoint(MappedCheckpoint):
     ``metadata`` and ``md5sums`` each file's recorded ``md5sum`` (None where absent).
     """
 
-    def __init__(self, source: str, index: Path, specs: list[_ShardSpec],
-                 maps: list["mmap.mmap | None"], cache_metadata: dict[str, Any],
-                 chat_config: dict[str, Any],
-                 stats: "list[os.stat_result] | None" = None):
-        super().__init__(source, [str(s.path) for s in specs], maps,
-                         ((r.meta, i, r.begin, r.end) for i, spec in enumerate(specs)
-                          for r in spec.records), stats=stats)
+    def __init__(
+        self,
+        source: str,
+        index: Path,
+        specs: list[_ShardSpec],
+        maps: list[mmap.mmap | None],
+        cache_metadata: dict[str, Any],
+        chat_config: dict[str, Any],
+        stats: list[os.stat_result] | None = None,
+    ):
+        super().__init__(
+            source,
+            [str(s.path) for s in specs],
+            maps,
+            ((r.meta, i, r.begin, r.end) for i, spec in enumerate(specs) for r in spec.records),
+            stats=stats,
+        )
         self.path = os.path.abspath(source)
         self.index_file = str(index)
-        self.md5sums: dict[str, "str | None"] = {str(s.path): s.md5sum for s in specs}
+        self.md5sums: dict[str, str | None] = {str(s.path): s.md5sum for s in specs}
         self.cache_metadata: dict[str, Any] = cache_metadata
         self._chat_config = chat_config
-        self._format: dict[str, str] = {r.meta.name: r.format for spec in specs
-                                        for r in spec.records}
+        self._format: dict[str, str] = {
+            r.meta.name: r.format for spec in specs for r in spec.records
+        }
 
     # -- what is there
 

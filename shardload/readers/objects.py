@@ -39,13 +39,19 @@ import posixpath
 import shutil
 import tempfile
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import FormatError, StorageError
 from ..files import Files, MappedData, check_member_name, reading_from
 
-__all__ = ["open_object_checkpoint", "write_fetched_bytes", "ObjectFiles", "DATA_SUFFIXES",
-           "SIDE_FILE_BYTES", "SIDE_FILES_BYTES"]
+__all__ = [
+    "DATA_SUFFIXES",
+    "SIDE_FILES_BYTES",
+    "SIDE_FILE_BYTES",
+    "ObjectFiles",
+    "open_object_checkpoint",
+    "write_fetched_bytes",
+]
 
 #: objects holding tensor data, mapped sparsely and fetched by range (MLC's shards are .bin)
 DATA_SUFFIXES = (".safetensors", ".gguf", ".bin")
@@ -62,18 +68,17 @@ def _split(url) -> tuple[object, str]:
     key = url.key
     last = key.rsplit("/", 1)[-1]
     if last.endswith(FILE_SUFFIXES):
-        return type(url)(url.scheme, url.bucket, key[:len(key) - len(last)]), last
-    return type(url)(url.scheme, url.bucket,
-                     key if not key or key.endswith("/") else key + "/"), ""
+        return type(url)(url.scheme, url.bucket, key[: len(key) - len(last)]), last
+    return type(url)(url.scheme, url.bucket, key if not key or key.endswith("/") else key + "/"), ""
 
 
 def open_object_checkpoint(url: str, open_local: Callable):
     """The checkpoint at ``url`` (``s3://``, ``gs://``, ``az://``), opened as the module
     docstring says;
     ``open_local(path)`` opens the scratch folder (``readers.open_local_checkpoint``)."""
+    from ..sources.sparse import ObjectBytes
     from ..sources.store import default_client, each
     from ..sources.urls import ObjectUrl
-    from ..sources.sparse import ObjectBytes
 
     client = default_client()
     folder, name = _split(ObjectUrl.parse(url))
@@ -83,8 +88,12 @@ def open_object_checkpoint(url: str, open_local: Callable):
         client.head(folder.join(name))  # the error for what is there instead (no such key...)
         raise StorageError("no such object; check the path", url=url, usage=True)
     if not infos:
-        raise StorageError("no objects under this prefix; check the path (a folder URL "
-                           "stands for the objects directly under it)", url=url, usage=True)
+        raise StorageError(
+            "no objects under this prefix; check the path (a folder URL "
+            "stands for the objects directly under it)",
+            url=url,
+            usage=True,
+        )
 
     scratch = tempfile.mkdtemp(prefix="shardload-objects-")
     files = ObjectFiles(scratch)
@@ -143,8 +152,11 @@ class ObjectFiles(Files):
 
     def glob(self, folder, suffix: str) -> list[str]:
         folder = os.path.abspath(os.fspath(folder))
-        names = {os.path.basename(p) for p in self.objects
-                 if os.path.dirname(p) == folder and p.endswith(suffix)}
+        names = {
+            os.path.basename(p)
+            for p in self.objects
+            if os.path.dirname(p) == folder and p.endswith(suffix)
+        }
         return sorted(names.union(super().glob(folder, suffix)))
 
     def map_data(self, path, what: str, error) -> MappedData:

@@ -59,25 +59,40 @@ import os
 import struct
 from array import array
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from .. import dtypes, strict_json
-from ..errors import FormatError, quote
-from ..files import (MAX_SIDE_FILE_BYTES, MappedData, check_member_name, data_at,
-                     data_lexists, data_names, map_data, open_regular, read_json)
 from ..dtypes import shape_problem
+from ..errors import FormatError, quote
+from ..files import (
+    MAX_SIDE_FILE_BYTES,
+    MappedData,
+    check_member_name,
+    data_at,
+    data_lexists,
+    data_names,
+    map_data,
+    open_regular,
+    read_json,
+)
 from ..limits import MAX_DIM, MAX_NDIM
 from ..strict_json import gc_paused
 from .base import MAX_INDEX_BYTES, TensorMeta
 from .mapped import MappedCheckpoint, TensorTable, unmap
 from .safetensors_bulk import SHAPES_KEPT, parse_header
 
-__all__ = ["open_safetensors", "SafetensorsCheckpoint", "INDEX_NAME", "MAX_HEADER_SIZE",
-           "MAX_INDEX_BYTES"]
+__all__ = [
+    "INDEX_NAME",
+    "MAX_HEADER_SIZE",
+    "MAX_INDEX_BYTES",
+    "SafetensorsCheckpoint",
+    "open_safetensors",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_SIZE = 100_000_000  # the safetensors library's limit: headers are small, files are not
@@ -91,8 +106,9 @@ _REDO = "re-download or re-save the checkpoint"
 # strict JSON
 
 
-def _load_header(raw: bytearray, path: Path, data_len: int,
-                 shapes: dict) -> tuple[dict[str, Any], dict[str, TensorMeta], array, array]:
+def _load_header(
+    raw: bytearray, path: Path, data_len: int, shapes: dict
+) -> tuple[dict[str, Any], dict[str, TensorMeta], array, array]:
     """``(__metadata__ as found, tensors by name in header order, begins, ends)``: checked in
     bulk (``safetensors_bulk``), or where that does not accept the header, member by member
     through ``_entry_reader`` (``strict_json.loads_object``), which says what is wrong. Either
@@ -103,8 +119,9 @@ def _load_header(raw: bytearray, path: Path, data_len: int,
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise FormatError(f"header is not valid UTF-8 ({exc}); JSON files must be UTF-8; "
-                          f"{_REDO}", file=path) from None
+        raise FormatError(
+            f"header is not valid UTF-8 ({exc}); JSON files must be UTF-8; {_REDO}", file=path
+        ) from None
     finally:
         del raw[:]
     fast = parse_header(text, data_len, shapes)
@@ -112,11 +129,13 @@ def _load_header(raw: bytearray, path: Path, data_len: int,
         return fast
     begins, ends = array("q"), array("q")
     try:
-        tensors = strict_json.loads_object(text, _entry_reader(path, data_len, begins, ends,
-                                                               shapes))
+        tensors = strict_json.loads_object(
+            text, _entry_reader(path, data_len, begins, ends, shapes)
+        )
     except strict_json.NotAnObjectError as exc:
-        raise FormatError(f"header must be a JSON object, got {exc.type_name}; {_REDO}",
-                          file=path) from None
+        raise FormatError(
+            f"header must be a JSON object, got {exc.type_name}; {_REDO}", file=path
+        ) from None
     except ValueError as exc:  # includes json.JSONDecodeError
         raise FormatError(f"header is not valid JSON: {exc}; {_REDO}", file=path) from None
     # The library also takes "__metadata__": null; we want an object if the key is there.
@@ -133,8 +152,10 @@ def _read_small_json(path: Path) -> dict[str, Any] | None:
         return None
     obj = read_json(path, MAX_SIDE_FILE_BYTES, f"the config file {path.name}")
     if not isinstance(obj, dict):
-        raise FormatError(f"the config file {path.name} must hold a JSON object, got "
-                          f"{type(obj).__name__}", file=path)
+        raise FormatError(
+            f"the config file {path.name} must hold a JSON object, got {type(obj).__name__}",
+            file=path,
+        )
     return obj
 
 
@@ -158,8 +179,9 @@ class _Shard:
 
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 #: header dtype -> (canonical name, item size), looked up once per entry
-_DTYPES: dict[str, tuple[str, int]] = {code: (name, dtypes.itemsize(name))
-                                       for code, name in dtypes.SAFETENSORS.items()}
+_DTYPES: dict[str, tuple[str, int]] = {
+    code: (name, dtypes.itemsize(name)) for code, name in dtypes.SAFETENSORS.items()
+}
 
 
 def _is_uint(x: Any) -> bool:
@@ -168,16 +190,21 @@ def _is_uint(x: Any) -> bool:
 
 def _bad_name(path: Path, name: str) -> FormatError | None:
     if not name:
-        return FormatError(f"a header entry has an empty name; every tensor needs one; {_REDO}",
-                           file=path)
+        return FormatError(
+            f"a header entry has an empty name; every tensor needs one; {_REDO}", file=path
+        )
     if not strict_json.is_text(name):
-        return FormatError(f"header entry name {quote(name)} is not valid Unicode (a lone "
-                           f"surrogate escape); {_REDO}", file=path)
+        return FormatError(
+            f"header entry name {quote(name)} is not valid Unicode (a lone "
+            f"surrogate escape); {_REDO}",
+            file=path,
+        )
     return None
 
 
 def _entry_error(path: Path, name: str, entry: Any) -> FormatError:
     """What is wrong with an entry the fast check in ``_check_entries`` did not accept."""
+
     def bad(msg: str) -> FormatError:
         return FormatError(f"{msg}; {_REDO}", file=path, tensor=name)
 
@@ -187,8 +214,10 @@ def _entry_error(path: Path, name: str, entry: Any) -> FormatError:
         # The library ignores unknown keys; we refuse them, so a typo cannot go unnoticed.
         missing = sorted(_ENTRY_KEYS - set(entry))
         extra = [quote(k) for k in sorted(set(entry) - _ENTRY_KEYS)]
-        return bad(f"header entry must have exactly dtype, shape and data_offsets "
-                   f"(missing {missing}, unexpected [{', '.join(extra)}])")
+        return bad(
+            f"header entry must have exactly dtype, shape and data_offsets "
+            f"(missing {missing}, unexpected [{', '.join(extra)}])"
+        )
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in _DTYPES:
         return bad(f"unknown dtype {quote(dtype)}; shardload reads {', '.join(_DTYPES)}")
@@ -198,8 +227,9 @@ def _entry_error(path: Path, name: str, entry: Any) -> FormatError:
     if problem:
         return bad(problem)
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
-        return bad(f"data_offsets must be [begin, end], two non-negative integers, got "
-                   f"{quote(offsets)}")
+        return bad(
+            f"data_offsets must be [begin, end], two non-negative integers, got {quote(offsets)}"
+        )
     begin, end = offsets
     if begin > end:
         return bad(f"data_offsets [{begin}, {end}] end before they begin")
@@ -207,12 +237,15 @@ def _entry_error(path: Path, name: str, entry: Any) -> FormatError:
     for d in shape:
         numel *= d
     nbytes = numel * _DTYPES[dtype][1]
-    return bad(f"data_offsets [{begin}, {end}] span {end - begin} bytes, but shape {shape} of "
-               f"{dtype} needs {nbytes}: the header lies about the size")
+    return bad(
+        f"data_offsets [{begin}, {end}] span {end - begin} bytes, but shape {shape} of "
+        f"{dtype} needs {nbytes}: the header lies about the size"
+    )
 
 
-def _entry_reader(path: Path, data_len: int, begins: array, ends: array,
-                  shapes: dict) -> Callable[[str, Any], Any]:
+def _entry_reader(
+    path: Path, data_len: int, begins: array, ends: array, shapes: dict
+) -> Callable[[str, Any], Any]:
     """The ``convert`` for ``strict_json.loads_object``: each header entry, as it is parsed,
     checked and kept as a ``TensorMeta``, its offsets appended to ``begins`` and ``ends``;
     a ``FormatError`` saying what is wrong with a bad one. ``__metadata__`` is passed through
@@ -241,8 +274,13 @@ def _entry_reader(path: Path, data_len: int, begins: array, ends: array,
             raise _entry_error(path, name, entry)
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         spec = known.get(dtype) if type(dtype) is str else None
-        if spec is None or type(shape) is not list or len(shape) > max_ndim \
-                or type(offsets) is not list or len(offsets) != 2:
+        if (
+            spec is None
+            or type(shape) is not list
+            or len(shape) > max_ndim
+            or type(offsets) is not list
+            or len(offsets) != 2
+        ):
             raise _entry_error(path, name, entry)
         numel = 1
         for d in shape:
@@ -250,17 +288,25 @@ def _entry_reader(path: Path, data_len: int, begins: array, ends: array,
                 raise _entry_error(path, name, entry)
             numel *= d
         begin, end = offsets
-        if type(begin) is not int or type(end) is not int or not 0 <= begin <= end \
-                or end - begin != numel * spec[1]:
+        if (
+            type(begin) is not int
+            or type(end) is not int
+            or not 0 <= begin <= end
+            or end - begin != numel * spec[1]
+        ):
             raise _entry_error(path, name, entry)
         # A tensor holding bytes fits the file, so its size fits 64 bits; an empty one may
         # still hide dimensions whose product does not (one dimension alone always fits).
         if numel == 0 and len(shape) > 1 and shape_problem(shape, spec[1]):
             raise _entry_error(path, name, entry)
         if end > data_len:  # here, before the layout: a cut file should be called truncated
-            raise FormatError(f"data_offsets [{begin}, {end}] run past the end of the "
-                              f"{data_len}-byte data buffer: the file is truncated or the "
-                              f"header is wrong; {_REDO}", file=path, tensor=name)
+            raise FormatError(
+                f"data_offsets [{begin}, {end}] run past the end of the "
+                f"{data_len}-byte data buffer: the file is truncated or the "
+                f"header is wrong; {_REDO}",
+                file=path,
+                tensor=name,
+            )
         add_begin(begin)
         add_end(end)
         shape = tuple(shape)
@@ -281,34 +327,46 @@ def _tiled(begins: array, ends: array, data_len: int) -> bool:
     return begins[0] == 0 and ends[-1] == data_len and begins[1:] == ends[:-1]
 
 
-def _check_layout(path: Path, tensors: dict[str, TensorMeta], begins: array, ends: array,
-                  data_len: int) -> None:
+def _check_layout(
+    path: Path, tensors: dict[str, TensorMeta], begins: array, ends: array, data_len: int
+) -> None:
     """The tensors, in storage order and each inside the buffer (``_entry_reader``), must tile
     the data buffer exactly, as the safetensors library requires."""
     expected, prev = 0, None
     for name, begin, end in zip(tensors, begins, ends):
         if begin != expected:
             if begin < expected:
-                raise FormatError(f"data_offsets [{begin}, {end}] overlap tensor {quote(prev)} "
-                                  f"(which ends at {expected}); every byte belongs to one "
-                                  f"tensor. The header is corrupt; {_REDO}",
-                                  file=path, tensor=name)
-            after = (f"after tensor {quote(prev)}" if prev is not None
-                     else "at the start of the buffer")
-            raise FormatError(f"data_offsets [{begin}, {end}] leave a gap of {begin - expected} "
-                              f"unclaimed bytes {after}; tensors must cover the data buffer "
-                              f"exactly. The header is corrupt; {_REDO}", file=path,
-                              tensor=name)
+                raise FormatError(
+                    f"data_offsets [{begin}, {end}] overlap tensor {quote(prev)} "
+                    f"(which ends at {expected}); every byte belongs to one "
+                    f"tensor. The header is corrupt; {_REDO}",
+                    file=path,
+                    tensor=name,
+                )
+            after = (
+                f"after tensor {quote(prev)}" if prev is not None else "at the start of the buffer"
+            )
+            raise FormatError(
+                f"data_offsets [{begin}, {end}] leave a gap of {begin - expected} "
+                f"unclaimed bytes {after}; tensors must cover the data buffer "
+                f"exactly. The header is corrupt; {_REDO}",
+                file=path,
+                tensor=name,
+            )
         if end != begin:
             expected, prev = end, name
     if expected != data_len:
-        raise FormatError(f"{data_len - expected} trailing bytes after the last tensor (the "
-                          f"tensors end at {expected}, the data buffer at {data_len}); the file "
-                          f"is corrupt or was appended to; {_REDO}", file=path)
+        raise FormatError(
+            f"{data_len - expected} trailing bytes after the last tensor (the "
+            f"tensors end at {expected}, the data buffer at {data_len}); the file "
+            f"is corrupt or was appended to; {_REDO}",
+            file=path,
+        )
 
 
-def _storage_order(tensors: dict[str, TensorMeta], begins: array,
-                   ends: array) -> tuple[dict[str, TensorMeta], array, array]:
+def _storage_order(
+    tensors: dict[str, TensorMeta], begins: array, ends: array
+) -> tuple[dict[str, TensorMeta], array, array]:
     """The tensors sorted by (begin, end), ties in header order. Writers list tensors in
     storage order or close to it, so first check in one pass whether there is anything to do;
     a sort sorts the offsets (numpy: 8 bytes a tensor, not a tuple of Python ints each)."""
@@ -341,38 +399,52 @@ def _open_shard(path: Path, shapes: dict | None = None) -> _Shard:
 def _shard_of(path: Path, data: MappedData, shapes: dict) -> _Shard:
     size, mapped = data.size, data.map
     if size < 8:
-        raise FormatError(f"file is {size} bytes, too short for the 8-byte header length: it "
-                          f"is truncated or not a safetensors file; {_REDO}", file=path)
+        raise FormatError(
+            f"file is {size} bytes, too short for the 8-byte header length: it "
+            f"is truncated or not a safetensors file; {_REDO}",
+            file=path,
+        )
     data.need(0, 8)
     (n,) = struct.unpack_from("<Q", mapped, 0)
     if n == 0:
-        raise FormatError(f"header length is 0; a safetensors header is at least '{{}}'; "
-                          f"{_REDO}", file=path)
+        raise FormatError(
+            f"header length is 0; a safetensors header is at least '{{}}'; {_REDO}", file=path
+        )
     if n > MAX_HEADER_SIZE:
-        raise FormatError(f"header length {n} is over the {MAX_HEADER_SIZE}-byte limit: the "
-                          f"file is corrupt or not a safetensors file", file=path)
+        raise FormatError(
+            f"header length {n} is over the {MAX_HEADER_SIZE}-byte limit: the "
+            f"file is corrupt or not a safetensors file",
+            file=path,
+        )
     if 8 + n > size:
-        raise FormatError(f"header length {n} runs past the end of the {size}-byte file: the "
-                          f"file is truncated; {_REDO}", file=path)
+        raise FormatError(
+            f"header length {n} runs past the end of the {size}-byte file: the "
+            f"file is truncated; {_REDO}",
+            file=path,
+        )
     data.need(8, 8 + n)
     raw = bytearray(n)
     with memoryview(mapped) as view:  # released before the mapping may be closed
-        raw[:] = view[8:8 + n]
+        raw[:] = view[8 : 8 + n]
     if data.stat is not None:
         _drop_pages(mapped, 8 + n)  # the header's pages: its text is all that is kept
     data_start = 8 + n
     data_len = size - data_start
     # (Like the library, we accept whitespace around the JSON object.)
     metadata, tensors, begins, ends = _load_header(raw, path, data_len, shapes)
-    if not (isinstance(metadata, dict)
-            and all(isinstance(v, str) for v in metadata.values())):
-        raise FormatError(f"__metadata__ must be an object of string -> string, got "
-                          f"{quote(metadata)}; {_REDO}", file=path)
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise FormatError(
+            f"__metadata__ must be an object of string -> string, got {quote(metadata)}; {_REDO}",
+            file=path,
+        )
     for key, value in metadata.items():
         for text in (key, value):
             if not strict_json.is_text(text):
-                raise FormatError(f"__metadata__ holds {quote(text)}, which is not valid "
-                                  f"Unicode (a lone surrogate escape); {_REDO}", file=path)
+                raise FormatError(
+                    f"__metadata__ holds {quote(text)}, which is not valid "
+                    f"Unicode (a lone surrogate escape); {_REDO}",
+                    file=path,
+                )
     if not _tiled(begins, ends, data_len):  # the common case, checked in C; else say why
         tensors, begins, ends = _storage_order(tensors, begins, ends)
         _check_layout(path, tensors, begins, ends, data_len)
@@ -398,8 +470,9 @@ def _read_index(index: Path) -> tuple[dict[str, Any], dict[str, str]]:
         raise FormatError(f"index must be a JSON object, got {type(obj).__name__}", file=index)
     weight_map = obj.get("weight_map")
     if not (isinstance(weight_map, dict) and set(map(type, weight_map.values())) <= {str}):
-        raise FormatError('index needs a "weight_map" object of tensor name -> file name',
-                          file=index)
+        raise FormatError(
+            'index needs a "weight_map" object of tensor name -> file name', file=index
+        )
     metadata = obj.get("metadata", {})
     if not isinstance(metadata, dict):
         raise FormatError('index "metadata" must be an object', file=index)
@@ -418,31 +491,42 @@ def _shard_path(index: Path, file_name: str, weight_map: dict[str, str]) -> Path
     try:
         check_member_name(file_name, index=index, what="weight_map names file")
     except FormatError as e:
-        raise FormatError(e.reason, file=index,
-                          tensor=_first_listed(weight_map, file_name)) from None
+        raise FormatError(
+            e.reason, file=index, tensor=_first_listed(weight_map, file_name)
+        ) from None
     path = index.parent / file_name
     if not data_lexists(path):
-        raise FormatError(f"file is missing: {index.name} lists it (for tensor "
-                          f"{quote(_first_listed(weight_map, file_name))} and maybe others); "
-                          f"{_REDO}", file=path)
+        raise FormatError(
+            f"file is missing: {index.name} lists it (for tensor "
+            f"{quote(_first_listed(weight_map, file_name))} and maybe others); "
+            f"{_REDO}",
+            file=path,
+        )
     return path
 
 
-def _check_listed(index: Path, weight_map: dict[str, str], file_name: str,
-                  shard: _Shard) -> None:
+def _check_listed(index: Path, weight_map: dict[str, str], file_name: str, shard: _Shard) -> None:
     """The tensors the index puts in ``file_name`` are exactly those the file holds."""
     listed = [t for t, f in weight_map.items() if f == file_name]
     stored = shard.tensors
     for tensor in listed:
         if tensor not in stored:
-            raise FormatError(f"{index.name} puts this tensor in {quote(file_name)}, but the file "
-                              f"does not hold it; {_REDO}", file=shard.path, tensor=tensor)
+            raise FormatError(
+                f"{index.name} puts this tensor in {quote(file_name)}, but the file "
+                f"does not hold it; {_REDO}",
+                file=shard.path,
+                tensor=tensor,
+            )
     for tensor in sorted(set(stored) - set(listed)):  # (the names listed are all stored)
         other = weight_map.get(tensor)
-        why = (f"{index.name} puts it in {quote(other)}: a tensor name must be in one file "
-               f"only" if other is not None else f"{index.name} does not list it")
-        raise FormatError(f"tensor is stored in this file, but {why}; {_REDO}",
-                          file=shard.path, tensor=tensor)
+        why = (
+            f"{index.name} puts it in {quote(other)}: a tensor name must be in one file only"
+            if other is not None
+            else f"{index.name} does not list it"
+        )
+        raise FormatError(
+            f"tensor is stored in this file, but {why}; {_REDO}", file=shard.path, tensor=tensor
+        )
 
 
 def _fetch_headers(paths: list[Path]) -> dict[Path, BaseException]:
@@ -473,7 +557,7 @@ def _fetch_headers(paths: list[Path]) -> dict[Path, BaseException]:
     return {remote[k][0]: exc for k, exc in each(remote, fetch).items()}
 
 
-def _open_sharded(index: Path, source: str) -> "SafetensorsCheckpoint":
+def _open_sharded(index: Path, source: str) -> SafetensorsCheckpoint:
     index_metadata, weight_map = _read_index(index)
     # how many tensors the index puts in each file, the files in the order it first names them
     counts = Counter(weight_map.values())
@@ -493,8 +577,9 @@ def _open_sharded(index: Path, source: str) -> "SafetensorsCheckpoint":
             # The index lists exactly this file's tensors if it puts each of them here and
             # puts as many here as there are: counted in C, and said in words where not.
             stored = shard.tensors
-            if counts[file_name] != len(stored) \
-                    or list(map(weight_map.get, stored)).count(file_name) != len(stored):
+            if counts[file_name] != len(stored) or list(map(weight_map.get, stored)).count(
+                file_name
+            ) != len(stored):
                 _check_listed(index, weight_map, file_name, shard)
         return SafetensorsCheckpoint(source, shards, index_metadata)
     except BaseException:
@@ -507,7 +592,7 @@ def _open_sharded(index: Path, source: str) -> "SafetensorsCheckpoint":
 # the checkpoint
 
 
-def open_safetensors(path: str | os.PathLike) -> "SafetensorsCheckpoint":
+def open_safetensors(path: str | os.PathLike) -> SafetensorsCheckpoint:
     """Open a ``.safetensors`` file, a folder holding one, or an HF-sharded folder, lazily.
 
     A sharded folder is recognised by ``model.safetensors.index.json``; the index file's own path
@@ -517,7 +602,7 @@ def open_safetensors(path: str | os.PathLike) -> "SafetensorsCheckpoint":
         return _open(Path(path), str(path))
 
 
-def _open(p: Path, source: str) -> "SafetensorsCheckpoint":
+def _open(p: Path, source: str) -> SafetensorsCheckpoint:
     if not data_lexists(p):
         raise FormatError("no such file or folder", file=p)
     if p.is_dir():
@@ -529,16 +614,21 @@ def _open(p: Path, source: str) -> "SafetensorsCheckpoint":
         found = [p / name for name in data_names(p, ".safetensors")]
         if not found:
             ggufs = data_names(p, ".gguf")
-            hint = (f"; a GGUF checkpoint is one file: pass it ({p / ggufs[0]})" if ggufs
-                    else "")
-            raise FormatError(f"folder holds no checkpoint shardload reads: no *.safetensors "
-                              f"file or {INDEX_NAME} (Hugging Face), no tensor-cache.json (MLC), "
-                              f"and a GGUF checkpoint is a .gguf file{hint}", file=p)
+            hint = f"; a GGUF checkpoint is one file: pass it ({p / ggufs[0]})" if ggufs else ""
+            raise FormatError(
+                f"folder holds no checkpoint shardload reads: no *.safetensors "
+                f"file or {INDEX_NAME} (Hugging Face), no tensor-cache.json (MLC), "
+                f"and a GGUF checkpoint is a .gguf file{hint}",
+                file=p,
+            )
         if len(found) > 1:
             names = ", ".join(f.name for f in found[:5]) + (", ..." if len(found) > 5 else "")
-            raise FormatError(f"folder holds {len(found)} .safetensors files ({names}) but no "
-                              f"{INDEX_NAME} saying which tensor is in which; add the index, or "
-                              f"pass the one file to load", file=p)
+            raise FormatError(
+                f"folder holds {len(found)} .safetensors files ({names}) but no "
+                f"{INDEX_NAME} saying which tensor is in which; add the index, or "
+                f"pass the one file to load",
+                file=p,
+            )
         p = found[0]
     elif p.name.endswith(".index.json"):
         return _open_sharded(p, source)
@@ -569,14 +659,21 @@ class SafetensorsCheckpoint(MappedCheckpoint):
     ``index_metadata`` the index's ``metadata`` (empty without an index).
     """
 
-    def __init__(self, source: str, shards: list[_Shard],
-                 index_metadata: dict[str, Any] | None = None):
+    def __init__(
+        self, source: str, shards: list[_Shard], index_metadata: dict[str, Any] | None = None
+    ):
         table = TensorTable()
         for i, shard in enumerate(shards):
             table.extend(i, shard.tensors, shard.begins, shard.ends)
             shard.tensors = shard.begins = shard.ends = None  # type: ignore[assignment]
-        super().__init__(source, [str(s.path) for s in shards], [s.map for s in shards],
-                         table, [s.data_start for s in shards], [s.stat for s in shards])
+        super().__init__(
+            source,
+            [str(s.path) for s in shards],
+            [s.map for s in shards],
+            table,
+            [s.data_start for s in shards],
+            [s.stat for s in shards],
+        )
         self.path = os.path.abspath(source)
         self.file_metadata: dict[str, dict[str, str]] = {str(s.path): s.metadata for s in shards}
         self.index_metadata: dict[str, Any] = dict(index_metadata or {})

@@ -17,15 +17,15 @@ rules, never looser, and never words an error itself.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 from math import prod
 from operator import itemgetter, mul, sub
-from typing import Iterator, Optional
 
 from .. import dtypes, strict_json
 from ..limits import MAX_DIM, MAX_NDIM
 from .base import TensorMeta
 
-__all__ = ["parse_header", "PIECE_CHARS", "SHAPES_KEPT"]
+__all__ = ["PIECE_CHARS", "SHAPES_KEPT", "parse_header"]
 
 #: a header is parsed a piece of about this many characters at a time: the parsed JSON of a
 #: piece takes about 8 times its text, which must stay small beside the text itself
@@ -47,14 +47,15 @@ SHAPES_KEPT = 4096
 Header = tuple[dict, dict[str, TensorMeta], array, array]
 
 
-def parse_header(text: str, data_len: int,
-                 shapes: dict[tuple[int, ...], tuple[int, ...]]) -> Optional[Header]:
+def parse_header(
+    text: str, data_len: int, shapes: dict[tuple[int, ...], tuple[int, ...]]
+) -> Header | None:
     """``(__metadata__, tensors by name in header order, begins, ends)`` of a header that
     keeps every rule, its ``__metadata__`` an object of strings (``{}`` if it has none); or
     ``None``. ``shapes`` shares equal shape tuples between the files of a checkpoint."""
     if "true" in text or "false" in text:
         return None  # a JSON boolean is an int to arithmetic and to ==: see _entries
-    metadata: Optional[dict] = None
+    metadata: dict | None = None
     tensors: dict[str, TensorMeta] = {}
     begins, ends = array("q"), array("q")
     for piece in strict_json.object_pieces(text, PIECE_CHARS):
@@ -86,7 +87,7 @@ def parse_header(text: str, data_len: int,
     return metadata or {}, tensors, begins, ends
 
 
-def _strings(obj: dict, metadata: Optional[dict]) -> Iterator[str]:
+def _strings(obj: dict, metadata: dict | None) -> Iterator[str]:
     """The strings of a piece whose entries passed ``_entries``: names, and its
     ``__metadata__``'s (an entry's keys and dtype hold no colon)."""
     yield from obj
@@ -95,7 +96,7 @@ def _strings(obj: dict, metadata: Optional[dict]) -> Iterator[str]:
         yield from metadata.values()
 
 
-def _entries(obj: dict, data_len: int, shapes: dict) -> "tuple[list, list, array, array] | None":
+def _entries(obj: dict, data_len: int, shapes: dict) -> tuple[list, list, array, array] | None:
     """The entries of one piece (``__metadata__`` taken out) checked, each rule a pass over
     them all: ``(shape tuples, canonical dtypes, begins, ends)``; ``None``
     unless every entry keeps every rule of ``safetensors._entry_reader``. (No value in the
@@ -138,11 +139,15 @@ def _entries(obj: dict, data_len: int, shapes: dict) -> "tuple[list, list, array
     if len(shapes) >= SHAPES_KEPT:
         shapes.clear()
     shared = {shape: shapes.setdefault(shape, shape) for shape in numel_of}
-    return (list(map(shared.__getitem__, tuples)), list(map(_CANONICAL.__getitem__, dts)),
-            array("q", begins), array("q", ends))
+    return (
+        list(map(shared.__getitem__, tuples)),
+        list(map(_CANONICAL.__getitem__, dts)),
+        array("q", begins),
+        array("q", ends),
+    )
 
 
-def _numel(shape: tuple) -> Optional[int]:
+def _numel(shape: tuple) -> int | None:
     """The elements of a shape that keeps the rules (ints from 0 to ``MAX_DIM``, at most
     ``MAX_NDIM`` of them, and an empty one's other dims within 64-bit strides), else None."""
     if len(shape) > MAX_NDIM:

@@ -19,13 +19,21 @@ from ..modules import lazy_names
 
 # public name -> module that defines it
 _LAZY = {
-    "Session": "base", "Stopped": "base", "WorkerContext": "base", "resolve_devices": "base",
-    "SessionFunc": "functions", "get_session_func": "functions",
-    "list_session_funcs": "functions", "register_session_func": "functions",
+    "Session": "base",
+    "Stopped": "base",
+    "WorkerContext": "base",
+    "resolve_devices": "base",
+    "SessionFunc": "functions",
+    "get_session_func": "functions",
+    "list_session_funcs": "functions",
+    "register_session_func": "functions",
     "unregister_session_func": "functions",
-    "ProcessSession": "process", "ThreadedSession": "threaded",
+    "ProcessSession": "process",
+    "ThreadedSession": "threaded",
     "TorchDistributedSession": "torchdist",
-    "SessionKind": "kinds", "register_session_kind": "kinds", "session_kinds": "kinds",
+    "SessionKind": "kinds",
+    "register_session_kind": "kinds",
+    "session_kinds": "kinds",
     "open_session": "kinds",
     "Group": "groups",
 }
@@ -38,8 +46,13 @@ __getattr__, __dir__ = lazy_names(__name__, _LAZY, globals(), __all__)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .base import Session, Stopped, WorkerContext, resolve_devices
-    from .functions import (SessionFunc, get_session_func, list_session_funcs,
-                            register_session_func, unregister_session_func)
+    from .functions import (
+        SessionFunc,
+        get_session_func,
+        list_session_funcs,
+        register_session_func,
+        unregister_session_func,
+    )
     from .groups import Group
     from .kinds import SessionKind, open_session, register_session_kind, session_kinds
     from .process import ProcessSession

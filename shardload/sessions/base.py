@@ -10,21 +10,27 @@ from __future__ import annotations
 import abc
 import contextlib
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, ContextManager, Union
 
 import torch
 
-from ..errors import (DEVICE_CPU, SessionClosedError, Stopped,  # noqa: F401 (Stopped: here too)
-                      mention, quote)
+from ..errors import DEVICE_CPU, SessionClosedError, Stopped, mention, quote  # noqa: F401 (Stopped: here too)
 from ..limits import num_shards_problem
-from .watchdog import (DEFAULT, DEFAULT_TIMEOUT_S, TIMEOUT_ENV, check_timeout,  # noqa: F401
-                       default_timeout, session_timeout)
+from .watchdog import (  # noqa: F401
+    DEFAULT,
+    DEFAULT_TIMEOUT_S,
+    TIMEOUT_ENV,
+    check_timeout,
+    default_timeout,
+    session_timeout,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .groups import Group
 
-DeviceSpec = Union[str, torch.device, Sequence[Union[str, torch.device]]]
+DeviceSpec = Union[str, torch.device, Sequence[str | torch.device]]
 
 
 def resolve_devices(device: DeviceSpec, num_workers: int) -> list[torch.device]:
@@ -41,8 +47,9 @@ def resolve_devices(device: DeviceSpec, num_workers: int) -> list[torch.device]:
         raise ValueError(f"num_workers {problem}")
     if isinstance(device, (list, tuple)):
         if len(device) != num_workers:
-            raise ValueError(f"{len(device)} devices given for {num_workers} workers; give one "
-                             "per worker")
+            raise ValueError(
+                f"{len(device)} devices given for {num_workers} workers; give one per worker"
+            )
         devices = [_device(d) for d in device]
     else:
         dev = _device(device)
@@ -55,20 +62,23 @@ def resolve_devices(device: DeviceSpec, num_workers: int) -> list[torch.device]:
             available = torch.cuda.device_count() if torch.cuda.is_available() else 0
             index = d.index if d.index is not None else 0
             if index >= available:
-                raise mention(ValueError(
-                    f"device {d} asked for, but this machine has {available} CUDA device(s); "
-                    f"use {DEVICE_CPU.python}, or fewer workers, or a device list"), DEVICE_CPU)
+                raise mention(
+                    ValueError(
+                        f"device {d} asked for, but this machine has {available} CUDA device(s); "
+                        f"use {DEVICE_CPU.python}, or fewer workers, or a device list"
+                    ),
+                    DEVICE_CPU,
+                )
         elif d.type not in ("cpu", "meta") and not hasattr(torch, d.type):
             raise ValueError(f"unsupported device {d}")
     return devices
 
 
-def _device(spec: Union[str, torch.device]) -> torch.device:
+def _device(spec: str | torch.device) -> torch.device:
     try:
         return torch.device(spec)
-    except (RuntimeError, TypeError):   # torch's message lists every device type it knows
-        raise ValueError(f"{quote(spec)} is not a device: use 'cpu', 'cuda' or 'cuda:N'") \
-            from None
+    except (RuntimeError, TypeError):  # torch's message lists every device type it knows
+        raise ValueError(f"{quote(spec)} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from None
 
 
 class Heartbeats:
@@ -80,16 +90,16 @@ class Heartbeats:
     under the GIL, and a stale read only delays a verdict by one poll.
     """
 
-    def __init__(self, num_workers: int, watched: Optional[Sequence[int]] = None):
+    def __init__(self, num_workers: int, watched: Sequence[int] | None = None):
         now = time.monotonic()
         self.last = [now] * num_workers
-        self.where: list[Optional[str]] = [None] * num_workers
+        self.where: list[str | None] = [None] * num_workers
         watched = range(num_workers) if watched is None else watched
         self.pending = [False] * num_workers
         for i in watched:
             self.pending[i] = True
 
-    def beat(self, worker: int, where: Optional[str] = None) -> None:
+    def beat(self, worker: int, where: str | None = None) -> None:
         """Worker ``worker`` made progress; ``where`` (a parameter name) is what it is on now."""
         self.last[worker] = time.monotonic()
         if where is not None:
@@ -98,14 +108,17 @@ class Heartbeats:
     def done(self, worker: int) -> None:
         self.pending[worker] = False
 
-    def stalled(self, timeout: Optional[float]) -> list[int]:
+    def stalled(self, timeout: float | None) -> list[int]:
         """The watched workers without progress for over ``timeout`` seconds, the one stalled
         longest first; none when ``timeout`` is None."""
         if timeout is None:
             return []
         now = time.monotonic()
-        late = [(self.last[i], i) for i, p in enumerate(self.pending)
-                if p and now - self.last[i] > timeout]
+        late = [
+            (self.last[i], i)
+            for i, p in enumerate(self.pending)
+            if p and now - self.last[i] > timeout
+        ]
         return [i for _, i in sorted(late)]
 
     def describe(self, worker: int, timeout: float) -> str:
@@ -115,7 +128,7 @@ class Heartbeats:
         return f"no progress for {timeout:g} s{on} (the watchdog's timeout)"
 
 
-def _no_progress(nbytes: int = 0, where: Optional[str] = None) -> None:
+def _no_progress(nbytes: int = 0, where: str | None = None) -> None:
     pass
 
 
@@ -135,11 +148,11 @@ class WorkerContext:
     device: torch.device
     shards: dict[str, torch.Tensor] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
-    group: Optional["Group"] = field(default=None, repr=False)
-    _progress: Callable[[int, Optional[str]], None] = field(default=_no_progress, repr=False)
+    group: Group | None = field(default=None, repr=False)
+    _progress: Callable[[int, str | None], None] = field(default=_no_progress, repr=False)
     _stop: Callable[[], bool] = field(default=lambda: False, repr=False)
 
-    def progress(self, nbytes: int = 0, where: Optional[str] = None) -> None:
+    def progress(self, nbytes: int = 0, where: str | None = None) -> None:
         """Report progress: ``nbytes`` more done (for a progress bar), now working on ``where``
         (a parameter name, shown if this worker is later found stuck)."""
         self._progress(nbytes, where)
@@ -149,8 +162,7 @@ class WorkerContext:
         return self._stop()
 
     @contextlib.contextmanager
-    def hooks(self, progress: Callable[[int, Optional[str]], None],
-              stop: Callable[[], bool]):
+    def hooks(self, progress: Callable[[int, str | None], None], stop: Callable[[], bool]):
         """For a session: route ``progress``/``should_stop`` while a function runs."""
         self._progress, self._stop = progress, stop
         try:
@@ -171,8 +183,9 @@ def args_for(args: WorkerArgs, workers: Sequence[int]) -> dict[int, list]:
     if callable(args):
         return {w: list(args(w)) for w in workers}
     if len(args) != len(workers):
-        raise ValueError(f"{len(args)} sets of args for {len(workers)} workers; give one per "
-                         "worker run")
+        raise ValueError(
+            f"{len(args)} sets of args for {len(workers)} workers; give one per worker run"
+        )
     return {w: list(a) for w, a in zip(workers, args)}
 
 
@@ -187,7 +200,7 @@ class Session(abc.ABC):
     devices: list[torch.device]
     #: the watchdog: seconds a worker may go without progress before the session gives up on
     #: it (``WorkerError`` naming it and what it was on; the session is then closed), or None
-    timeout: Optional[float] = None
+    timeout: float | None = None
 
     @property
     def local_workers(self) -> list[int]:
@@ -215,9 +228,16 @@ class Session(abc.ABC):
         return not self.spmd or self.local_workers == [0]
 
     @abc.abstractmethod
-    def run(self, func_name: str, args: WorkerArgs, *, workers: Optional[Sequence[int]] = None,
-            context: str = "", timeout: Optional[float] = DEFAULT,
-            on_progress: Optional[ProgressCallback] = None) -> list[Any]:
+    def run(
+        self,
+        func_name: str,
+        args: WorkerArgs,
+        *,
+        workers: Sequence[int] | None = None,
+        context: str = "",
+        timeout: float | None = DEFAULT,
+        on_progress: ProgressCallback | None = None,
+    ) -> list[Any]:
         """Run the session function ``func_name(ctx, *args_i)`` on each worker ``i`` of
         ``workers`` (default: all), with its own ``args_i``; the results in that order.
 
@@ -264,7 +284,7 @@ class Session(abc.ABC):
         if type(worker) is not int or not 0 <= worker < self.num_workers:
             raise IndexError(f"worker {worker!r} out of range for {self.num_workers} workers")
 
-    def _workers(self, workers: Optional[Sequence[int]]) -> list[int]:
+    def _workers(self, workers: Sequence[int] | None) -> list[int]:
         if workers is None:
             return list(range(self.num_workers))
         workers = list(workers)

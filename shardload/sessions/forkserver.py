@@ -46,14 +46,20 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional
 
 from ..errors import ShardloadError
 
 #: the modules every worker needs, imported once in the server before any fork
-PRELOAD = ("numpy", "torch", "torch.distributed", "shardload.sessions.worker",
-           "shardload.sessions.protocol", "shardload.sessions.base",
-           "shardload.sessions.groups", "shardload.sessions.functions")
+PRELOAD = (
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "shardload.sessions.worker",
+    "shardload.sessions.protocol",
+    "shardload.sessions.base",
+    "shardload.sessions.groups",
+    "shardload.sessions.functions",
+)
 #: imported too when they import cleanly (the loader's worker side): a module being edited or
 #: broken must not stop workers from starting; a worker that needs it imports it and reports
 OPTIONAL_PRELOAD = ("shardload.pieces.load",)
@@ -70,35 +76,40 @@ class ForkServerError(ShardloadError):
     """The fork server could not start or fork a worker."""
 
     def __init__(self, message: str):
-        super().__init__(f"{message}; SHARDLOAD_WORKER_START=spawn (or ProcessSession("
-                         "start_method='spawn')) starts workers as fresh interpreters instead")
+        super().__init__(
+            f"{message}; SHARDLOAD_WORKER_START=spawn (or ProcessSession("
+            "start_method='spawn')) starts workers as fresh interpreters instead"
+        )
 
 
 # ---- the wire ------------------------------------------------------------------------------------
 
+
 def _send(sock: socket.socket, message: dict, fds: tuple[int, ...] = ()) -> None:
     data = json.dumps(message).encode()
     if len(data) > MAX_PACKET:
-        raise ForkServerError(f"a {message.get('op')!r} message of {len(data)} bytes is larger "
-                              f"than the fork server takes ({MAX_PACKET}); is the environment "
-                              "that large?")
+        raise ForkServerError(
+            f"a {message.get('op')!r} message of {len(data)} bytes is larger "
+            f"than the fork server takes ({MAX_PACKET}); is the environment "
+            "that large?"
+        )
     if fds:
         sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
     else:
         sock.sendall(data)
 
 
-def _recv(sock: socket.socket, *, block: bool = True,
-          size: int = MAX_PACKET) -> tuple[Optional[dict], list[int]]:
+def _recv(
+    sock: socket.socket, *, block: bool = True, size: int = MAX_PACKET
+) -> tuple[dict | None, list[int]]:
     """One packet of at most ``size`` bytes: ``(message, fds)``; ``(None, [])`` at EOF;
     ``BlockingIOError`` when not ``block`` and nothing is there."""
     fds = array.array("i")
     flags = getattr(socket, "MSG_CMSG_CLOEXEC", 0) | (0 if block else socket.MSG_DONTWAIT)
-    data, ancillary, msg_flags, _ = sock.recvmsg(size, socket.CMSG_LEN(16 * fds.itemsize),
-                                                 flags)
+    data, ancillary, msg_flags, _ = sock.recvmsg(size, socket.CMSG_LEN(16 * fds.itemsize), flags)
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     if not data:
         for fd in fds:
             os.close(fd)
@@ -112,6 +123,7 @@ def _recv(sock: socket.socket, *, block: bool = True,
 
 # ---- the controller's side -----------------------------------------------------------------------
 
+
 class ForkedProcess:
     """A worker forked by the server, with the parts of ``subprocess.Popen`` a session uses:
     ``pid``, ``poll()``, ``wait(timeout)``, ``send_signal(sig)``, ``returncode``.
@@ -120,13 +132,13 @@ class ForkedProcess:
     server died before telling it: the worker is then gone (re-parented workers exit on their
     own), but how it ended is not known."""
 
-    def __init__(self, server: "ForkServer", pid: int):
+    def __init__(self, server: ForkServer, pid: int):
         self.server = server
         self.pid = pid
-        self.returncode: Optional[int] = None
+        self.returncode: int | None = None
         self.status_known = True
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         if self.returncode is None:
             self.server.collect()
             code = self.server.exits.pop(self.pid, None)
@@ -136,7 +148,7 @@ class ForkedProcess:
                 self.returncode, self.status_known = 1, False
         return self.returncode
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             left = None if deadline is None else deadline - time.monotonic()
@@ -163,7 +175,7 @@ def _alive(pid: int) -> bool:
         except PermissionError:
             return True
         return True
-    return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
+    return stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
 class ForkServer:
@@ -175,7 +187,7 @@ class ForkServer:
         self.exits: dict[int, int] = {}
         self.dead = False
         self.ready = False
-        self.pid: Optional[int] = None
+        self.pid: int | None = None
         self.requests = 0  # fork requests sent; each reply names its request
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
@@ -185,16 +197,18 @@ class ForkServer:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", MODULE, str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                pass_fds=(theirs.fileno(),),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             theirs.close()
         # the server imports what the controller would: its import path, before any preload
-        _send(self.sock, {"op": "init", "sys_path": [p for p in sys.path
-                                                      if isinstance(p, str)]})
+        _send(self.sock, {"op": "init", "sys_path": [p for p in sys.path if isinstance(p, str)]})
 
     # -- messages
 
-    def _handle(self, message: dict) -> Optional[dict]:
+    def _handle(self, message: dict) -> dict | None:
         """Record an exit; anything else is a reply for the caller."""
         if message.get("op") == "exited":
             self.exits[int(message["pid"])] = int(message["returncode"])
@@ -233,7 +247,7 @@ class ForkServer:
         with self.lock:  # another thread may take the message; the caller polls again
             select.select([self.sock], [], [], timeout)
 
-    def _reply(self, timeout: float, what: str, request: Optional[int] = None) -> dict:
+    def _reply(self, timeout: float, what: str, request: int | None = None) -> dict:
         """The next message that is not an exit (nor the reply to an earlier ``request`` whose
         caller was interrupted: that worker's connection is closed, so it ends itself),
         within ``timeout`` seconds."""
@@ -242,12 +256,14 @@ class ForkServer:
             if self.proc.poll() is not None:
                 self.collect()
                 self._died()
-                raise ForkServerError(f"the worker fork server exited with code "
-                                      f"{self.proc.returncode} {what}")
+                raise ForkServerError(
+                    f"the worker fork server exited with code {self.proc.returncode} {what}"
+                )
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ForkServerError(f"the worker fork server did not answer {what} within "
-                                      f"{timeout:.0f} s")
+                raise ForkServerError(
+                    f"the worker fork server did not answer {what} within {timeout:.0f} s"
+                )
             ready, _, _ = select.select([self.sock], [], [], min(left, 0.1))
             if not ready:
                 continue
@@ -271,24 +287,35 @@ class ForkServer:
             reply = self._reply(timeout, "while starting (importing torch and shardload)")
             if reply.get("op") != "ready":
                 self.dead = True
-                raise ForkServerError(f"the worker fork server failed to start: "
-                                      f"{reply.get('message', reply)}")
+                raise ForkServerError(
+                    f"the worker fork server failed to start: {reply.get('message', reply)}"
+                )
             self.pid = int(reply["pid"])
             self.ready = True
 
-    def fork(self, conn_fd: int, env: dict[str, str], name: str,
-             timeout: float) -> ForkedProcess:
+    def fork(self, conn_fd: int, env: dict[str, str], name: str, timeout: float) -> ForkedProcess:
         """A worker serving the connection on ``conn_fd``, with ``env`` and this process's cwd,
         stdout and stderr."""
         self.wait_ready(timeout)
         with self.lock:
             self.requests += 1
-            _send(self.sock, {"op": "fork", "request": self.requests, "env": env,
-                              "cwd": os.getcwd(), "name": name}, (conn_fd, *_stdio()))
+            _send(
+                self.sock,
+                {
+                    "op": "fork",
+                    "request": self.requests,
+                    "env": env,
+                    "cwd": os.getcwd(),
+                    "name": name,
+                },
+                (conn_fd, *_stdio()),
+            )
             reply = self._reply(timeout, "while forking a worker", self.requests)
             if reply.get("op") != "forked":
-                raise ForkServerError(f"the worker fork server refused to fork a worker: "
-                                      f"{reply.get('message', reply)}")
+                raise ForkServerError(
+                    f"the worker fork server refused to fork a worker: "
+                    f"{reply.get('message', reply)}"
+                )
             pid = int(reply["pid"])
             # an exit taken in before this reply was an earlier worker's that had this pid
             self.exits.pop(pid, None)
@@ -326,7 +353,7 @@ def _stdio() -> tuple[int, int]:
     return fds[0], fds[1]
 
 
-_SERVER: Optional[ForkServer] = None
+_SERVER: ForkServer | None = None
 _SERVER_LOCK = threading.Lock()
 
 
@@ -360,13 +387,14 @@ def shutdown() -> None:
         server.close()
 
 
-def server_pid() -> Optional[int]:
+def server_pid() -> int | None:
     """The pid of this process's fork server once it is ready, else None."""
     server = _SERVER
     return server.pid if server is not None and not server.dead else None
 
 
 # ---- the server ----------------------------------------------------------------------------------
+
 
 def _preload() -> None:
     import importlib
@@ -387,11 +415,12 @@ def _serve(sock: socket.socket) -> None:
     message, _ = _recv(sock)
     if message is None:
         return
-    sys.path[:] = list(message.get("sys_path", [])) + [p for p in sys.path
-                                                        if p not in message.get("sys_path", [])]
+    sys.path[:] = list(message.get("sys_path", [])) + [
+        p for p in sys.path if p not in message.get("sys_path", [])
+    ]
     try:
         _preload()
-    except BaseException as exc:  # noqa: BLE001 - reported to the controller, then exit
+    except BaseException as exc:
         _send(sock, {"op": "failed", "message": f"{type(exc).__name__}: {exc}"[:4000]})
         raise
     import gc
@@ -440,12 +469,14 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
             return
         children.discard(pid)
         with contextlib.suppress(OSError):
-            _send(sock, {"op": "exited", "pid": pid,
-                         "returncode": os.waitstatus_to_exitcode(status)})
+            _send(
+                sock, {"op": "exited", "pid": pid, "returncode": os.waitstatus_to_exitcode(status)}
+            )
 
 
-def _fork(sock: socket.socket, message: dict, fds: list[int], children: set[int],
-          wake: tuple[int, int]) -> None:
+def _fork(
+    sock: socket.socket, message: dict, fds: list[int], children: set[int], wake: tuple[int, int]
+) -> None:
     import torch
 
     request = message.get("request")
@@ -554,8 +585,15 @@ def main(argv: list[str]) -> None:
         os._exit(code)  # skip torch's teardown: nothing here needs it
 
 
-__all__ = ["ForkServer", "ForkServerError", "ForkedProcess", "get_server", "prestart",
-           "shutdown", "server_pid"]
+__all__ = [
+    "ForkServer",
+    "ForkServerError",
+    "ForkedProcess",
+    "get_server",
+    "prestart",
+    "server_pid",
+    "shutdown",
+]
 
 
 if __name__ == "__main__":

@@ -12,14 +12,20 @@ The loader's own per-worker load is a session function like any other
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import UnknownSessionFunctionError
 from ..table import Table
 
-__all__ = ["SessionFunc", "register_session_func", "get_session_func", "list_session_funcs",
-           "unregister_session_func"]
+__all__ = [
+    "SessionFunc",
+    "get_session_func",
+    "list_session_funcs",
+    "register_session_func",
+    "unregister_session_func",
+]
 
 
 @dataclass(frozen=True)
@@ -32,12 +38,14 @@ class SessionFunc:
 
 
 #: the table: a function registered again (a re-imported module) is the same one
-_table: Table[SessionFunc] = Table("session function", UnknownSessionFunctionError,
-                                   same=lambda old, new: old.func is new.func)
+_table: Table[SessionFunc] = Table(
+    "session function", UnknownSessionFunctionError, same=lambda old, new: old.func is new.func
+)
 
 
-def register_session_func(name: str, func: Callable[..., Any] | None = None, *,
-                          override: bool = False):
+def register_session_func(
+    name: str, func: Callable[..., Any] | None = None, *, override: bool = False
+):
     """Register a function sessions can run on every worker with ``session.call(name, *args)``.
 
     It is called as ``func(ctx, *args)`` on each worker, where ``ctx`` is that worker's
@@ -76,4 +84,3 @@ def list_session_funcs() -> list[SessionFunc]:
 def unregister_session_func(name: str) -> None:
     """Remove ``name`` (tests and interactive sessions); nothing happens if it is unknown."""
     _table.remove(name)
-

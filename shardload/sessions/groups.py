@@ -23,11 +23,10 @@ token) to all, ``barrier`` waits for every worker. Each session supplies its own
 from __future__ import annotations
 
 import threading
-from typing import Optional
 
 import torch
 
-__all__ = ["Group", "ThreadGroup", "ThreadMember", "DistGroup", "NoGroup"]
+__all__ = ["DistGroup", "Group", "NoGroup", "ThreadGroup", "ThreadMember"]
 
 
 class Group:
@@ -54,10 +53,10 @@ class ThreadGroup:
 
     def __init__(self, size: int):
         self.size = size
-        self._slots: list[Optional[torch.Tensor]] = [None] * size
+        self._slots: list[torch.Tensor | None] = [None] * size
         self._barrier = threading.Barrier(size)
 
-    def member(self, rank: int) -> "ThreadMember":
+    def member(self, rank: int) -> ThreadMember:
         return ThreadMember(self, rank)
 
     def wait(self) -> None:
@@ -66,7 +65,7 @@ class ThreadGroup:
         try:
             self._barrier.wait()
         except threading.BrokenBarrierError:
-            raise Stopped() from None   # another worker failed: it is the one reported
+            raise Stopped() from None  # another worker failed: it is the one reported
 
     def abort(self) -> None:
         """Release every waiting worker (another worker failed, or the run was interrupted)."""
@@ -90,7 +89,7 @@ class ThreadMember(Group):
         total = g._slots[0].to(tensor.device, copy=True)
         for other in g._slots[1:]:
             total += other.to(tensor.device)
-        g.wait()          # nobody overwrites a slot another is still adding
+        g.wait()  # nobody overwrites a slot another is still adding
         tensor.copy_(total)
         return tensor
 

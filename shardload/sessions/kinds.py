@@ -15,8 +15,9 @@ saying what to do.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TYPE_CHECKING, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any
 
 from ..errors import SessionError, Setting
 from ..table import Table
@@ -25,8 +26,13 @@ from .watchdog import DEFAULT
 if TYPE_CHECKING:  # pragma: no cover
     from .base import Session
 
-__all__ = ["SessionKind", "register_session_kind", "unregister_session_kind", "session_kinds",
-           "open_session"]
+__all__ = [
+    "SessionKind",
+    "open_session",
+    "register_session_kind",
+    "session_kinds",
+    "unregister_session_kind",
+]
 
 Opener = Callable[..., "Session"]
 
@@ -44,16 +50,17 @@ def _unknown(name: str, known: list[str]) -> SessionError:
     return SessionError(f"unknown session kind {name!r}; the kinds are {kinds}")
 
 
-_KINDS: "Table[SessionKind]" = Table("session kind", _unknown)
+_KINDS: Table[SessionKind] = Table("session kind", _unknown)
 
 
-def register_session_kind(name: str, description: str, opener: Optional[Opener] = None, *,
-                          override: bool = False):
+def register_session_kind(
+    name: str, description: str, opener: Opener | None = None, *, override: bool = False
+):
     """Register how to open the session kind ``name``: ``opener(num_workers, *, device,
     plugins, timeout)`` returns an open ``Session``. Usable as a decorator."""
+
     def register(f: Opener) -> Opener:
-        _KINDS.add(SessionKind(name, description, f, getattr(f, "__module__", "") or ""),
-                   override)
+        _KINDS.add(SessionKind(name, description, f, getattr(f, "__module__", "") or ""), override)
         return f
 
     return register if opener is None else register(opener)
@@ -69,8 +76,15 @@ def session_kinds() -> list[SessionKind]:
     return _KINDS.entries()
 
 
-def open_session(kind: str, num_workers: int, *, device=None, plugins: Iterable[str] = (),
-                 timeout: Optional[float] = DEFAULT, **options: Any) -> "Session":
+def open_session(
+    kind: str,
+    num_workers: int,
+    *,
+    device=None,
+    plugins: Iterable[str] = (),
+    timeout: float | None = DEFAULT,
+    **options: Any,
+) -> Session:
     """A session of ``kind`` with ``num_workers`` workers; ``SessionError`` when it cannot be
     made as asked. ``device``: ``"cpu"``, ``"cuda"``, or one per worker (a list, or a
     comma-separated string); the kind's own default when None. ``timeout``: the watchdog (left
@@ -81,55 +95,64 @@ def open_session(kind: str, num_workers: int, *, device=None, plugins: Iterable[
         device = device.split(",")
     opener = _KINDS.get(kind).open
     try:
-        session = opener(num_workers, device=device, plugins=tuple(plugins), timeout=timeout,
-                         **options)
-    except TypeError as exc:   # an option this kind does not take
+        session = opener(
+            num_workers, device=device, plugins=tuple(plugins), timeout=timeout, **options
+        )
+    except TypeError as exc:  # an option this kind does not take
         if not options or "unexpected keyword" not in str(exc):
             raise
-        raise SessionError(f"a {kind} session takes no option "
-                           f"{', '.join(sorted(options))}") from None
-    except ValueError as exc:   # a device spec or a worker count the session refused
+        raise SessionError(
+            f"a {kind} session takes no option {', '.join(sorted(options))}"
+        ) from None
+    except ValueError as exc:  # a device spec or a worker count the session refused
         if isinstance(exc, SessionError):
             raise
         raise SessionError(str(exc), settings=getattr(exc, "settings", ())) from None
     if session.num_workers != num_workers:
         session.close()
         asked = Setting(f"num_workers={num_workers}", f"--shards {num_workers}")
-        raise SessionError(f"{asked.python} but this {kind} session has {session.num_workers} "
-                           "workers (a torchrun job has one per rank); they must be equal",
-                           settings=(asked,))
+        raise SessionError(
+            f"{asked.python} but this {kind} session has {session.num_workers} "
+            "workers (a torchrun job has one per rank); they must be equal",
+            settings=(asked,),
+        )
     return session
 
 
 @register_session_kind("thread", "threads of this process, the fastest on one host")
-def _open_threads(num_workers: int, *, device, plugins, timeout) -> "Session":
+def _open_threads(num_workers: int, *, device, plugins, timeout) -> Session:
     from ..modules import import_modules
     from .threaded import ThreadedSession
 
-    import_modules(plugins, "plugin")   # the workers share this process: its plugins are theirs
+    import_modules(plugins, "plugin")  # the workers share this process: its plugins are theirs
     return ThreadedSession(num_workers, device=device or "cpu", timeout=timeout)
 
 
-@register_session_kind("process", "worker processes of this machine, driven over pipes, so "
-                                  "that a shard function that crashes one is an error naming it")
-def _open_processes(num_workers: int, *, device, plugins, timeout) -> "Session":
+@register_session_kind(
+    "process",
+    "worker processes of this machine, driven over pipes, so "
+    "that a shard function that crashes one is an error naming it",
+)
+def _open_processes(num_workers: int, *, device, plugins, timeout) -> Session:
     from .process import ProcessSession
 
-    return ProcessSession(num_workers, device=device or "cpu", plugins=plugins,
-                          timeout=timeout)
+    return ProcessSession(num_workers, device=device or "cpu", plugins=plugins, timeout=timeout)
 
 
-@register_session_kind("torch", "the ranks of a torchrun job, one worker each, on one machine or "
-                                "many")
-def _open_torchrun(num_workers: int, *, device, plugins, timeout, group=None) -> "Session":
+@register_session_kind(
+    "torch", "the ranks of a torchrun job, one worker each, on one machine or many"
+)
+def _open_torchrun(num_workers: int, *, device, plugins, timeout, group=None) -> Session:
     from ..modules import import_modules
     from .torchdist import TorchDistributedSession, missing_env
 
     missing = missing_env() if group is None else []
     if missing:
-        raise SessionError(f"a torch session runs under torchrun, and {', '.join(missing)} "
-                           f"{'is' if len(missing) == 1 else 'are'} not set: start it as "
-                           f"`torchrun --nproc-per-node {num_workers} ...`, or use a thread or "
-                           "process session")
+        raise SessionError(
+            f"a torch session runs under torchrun, and {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set: start it as "
+            f"`torchrun --nproc-per-node {num_workers} ...`, or use a thread or "
+            "process session"
+        )
     import_modules(plugins, "plugin")
     return TorchDistributedSession(device=device, timeout=timeout, group=group)

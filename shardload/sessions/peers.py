@@ -26,10 +26,10 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
-__all__ = ["Peers", "Missing", "BEAT_S", "ROLL_CALL_S", "watch_peers", "name_ranks"]
+__all__ = ["BEAT_S", "ROLL_CALL_S", "Missing", "Peers", "name_ranks", "watch_peers"]
 
 #: how often a rank beats
 BEAT_S = 1.0
@@ -38,7 +38,7 @@ BEAT_S = 1.0
 ROLL_CALL_S = 3.0
 
 
-def watch_peers(token: str, rank: int, size: int, peer_timeout: float) -> Optional["Peers"]:
+def watch_peers(token: str, rank: int, size: int, peer_timeout: float) -> Peers | None:
     """This rank's ``Peers`` in the job's store; None where there is none to use (then a rank
     gone is the backend's error, unnamed, as before)."""
     try:
@@ -69,8 +69,7 @@ class Missing:
 
 def name_ranks(ranks: list[int]) -> str:
     """``rank 3``, ``ranks 2, 3``."""
-    return (f"rank {ranks[0]}" if len(ranks) == 1
-            else "ranks " + ", ".join(str(r) for r in ranks))
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
 
 
 class Peers:
@@ -80,13 +79,13 @@ class Peers:
     def __init__(self, store, token: str, rank: int, size: int, peer_timeout: float):
         self.rank, self.size, self.peer_timeout = rank, size, peer_timeout
         self._prefix = f"shardload/{token}"
-        self._store = store.clone()         # the main thread's connection
-        self._beating = store.clone()       # the thread's own: a store is not shared by threads
+        self._store = store.clone()  # the main thread's connection
+        self._beating = store.clone()  # the thread's own: a store is not shared by threads
         # a store that stops answering must not hold either up longer than a peer would
         self._store.set_timeout(datetime.timedelta(seconds=ROLL_CALL_S))
         self._beating.set_timeout(datetime.timedelta(seconds=peer_timeout))
         self._exchanges = 0  # reached by this rank: every rank makes the same (SPMD)
-        self._waiting: Optional[tuple[int, str, float]] = None  # (exchange, context, since)
+        self._waiting: tuple[int, str, float] | None = None  # (exchange, context, since)
         self._stop = threading.Event()
         self._store.add(self._beat_key(rank), 1)
         self._thread = threading.Thread(target=self._beat, name="shardload-peers", daemon=True)
@@ -108,8 +107,11 @@ class Peers:
 
     def arrived(self) -> set[int]:
         """The ranks that reached this rank's latest exchange."""
-        return {r for r in range(self.size)
-                if int(self._store.add(self._arrived_key(r), 0)) >= self._exchanges}
+        return {
+            r
+            for r in range(self.size)
+            if int(self._store.add(self._arrived_key(r), 0)) >= self._exchanges
+        }
 
     @contextlib.contextmanager
     def exchanging(self, context: str) -> Iterator[None]:
@@ -124,7 +126,7 @@ class Peers:
         finally:
             self._waiting = None
 
-    def gone(self) -> Optional[Missing]:
+    def gone(self) -> Missing | None:
         """After this rank's latest exchange broke: who is missing (``Missing``), found by
         watching the beats for ``ROLL_CALL_S``, less once every rank has beaten. None when the
         store cannot say (it went first)."""
@@ -141,12 +143,14 @@ class Peers:
                 now = self.beats(self._store)
                 alive |= {r for r in range(self.size) if now[r] != first[r]}
         except Exception:  # noqa: BLE001 - the store went while watching
-            return Missing([r for r in range(self.size) if r not in arrived | {self.rank}], [],
-                           True)
+            return Missing(
+                [r for r in range(self.size) if r not in arrived | {self.rank}], [], True
+            )
         silent = [r for r in range(self.size) if r not in alive]
         before = [r for r in silent if r not in arrived]
-        return Missing(before or silent, [r for r in silent if r in arrived] if before else [],
-                       False)
+        return Missing(
+            before or silent, [r for r in silent if r in arrived] if before else [], False
+        )
 
     def stop(self) -> None:
         self._stop.set()
@@ -182,30 +186,38 @@ class Peers:
                 if read_at == now:  # the store answers: the others read it at their next beat
                     with contextlib.suppress(Exception):
                         self._beating.set(self._verdict_key, verdict)
-            if self._waiting == waiting:       # the exchange may have ended meanwhile
+            if self._waiting == waiting:  # the exchange may have ended meanwhile
                 self._end(verdict, context)
 
-    def _verdict(self, seen: dict, since: float, read_at: float, now: float) -> Optional[str]:
+    def _verdict(self, seen: dict, since: float, read_at: float, now: float) -> str | None:
         """Why this rank gives up waiting: the ranks silent for ``peer_timeout``, or the store;
         None while every rank beats."""
         if now - read_at >= self.peer_timeout:
-            return (f"the job's store has not answered for {self.peer_timeout:g} s (the "
-                    "machine serving it, MASTER_ADDR: torchrun's --rdzv-endpoint, is lost or "
-                    "unreachable)")
-        silent = [r for r in range(self.size) if r != self.rank
-                  and now - seen.get(r, (None, since))[1] >= self.peer_timeout]
+            return (
+                f"the job's store has not answered for {self.peer_timeout:g} s (the "
+                "machine serving it, MASTER_ADDR: torchrun's --rdzv-endpoint, is lost or "
+                "unreachable)"
+            )
+        silent = [
+            r
+            for r in range(self.size)
+            if r != self.rank and now - seen.get(r, (None, since))[1] >= self.peer_timeout
+        ]
         if not silent:
             return None
-        return (f"{name_ranks(silent)} stopped answering: no heartbeat for "
-                f"{self.peer_timeout:g} s (its machine is lost or unreachable, or its process "
-                "stopped)")
+        return (
+            f"{name_ranks(silent)} stopped answering: no heartbeat for "
+            f"{self.peer_timeout:g} s (its machine is lost or unreachable, or its process "
+            "stopped)"
+        )
 
     def _end(self, why: str, context: str) -> None:
         """Say why, and end this rank. Not at once: the first rank to exit makes torchrun stop
         the others, and each waiting rank reads the verdict within a beat and says it first."""
         with contextlib.suppress(OSError, ValueError):
-            sys.stderr.write(f"shardload: rank {self.rank} failed {context}: {why}; "
-                             "ending this rank (exit 1)\n")
+            sys.stderr.write(
+                f"shardload: rank {self.rank} failed {context}: {why}; ending this rank (exit 1)\n"
+            )
             sys.stderr.flush()
         time.sleep(2 * BEAT_S)
         os._exit(1)

@@ -46,16 +46,27 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Iterable, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
 import torch
 
 from ..errors import ShardloadError, WorkerCrashedError, WorkerError, WorkerFailure
-from . import forkserver, protocol
-from .base import (DEFAULT, DeviceSpec, Heartbeats, ProgressCallback, Session, WorkerArgs,
-                   args_for, check_timeout, resolve_devices, session_timeout)
 from ..modules import import_modules, importable_module
+from . import forkserver, protocol
+from .base import (
+    DEFAULT,
+    DeviceSpec,
+    Heartbeats,
+    ProgressCallback,
+    Session,
+    WorkerArgs,
+    args_for,
+    check_timeout,
+    resolve_devices,
+    session_timeout,
+)
 from .functions import get_session_func
 
 #: seconds a worker gets to exit after ``shutdown`` before it is terminated, then killed
@@ -79,15 +90,19 @@ def default_start_method() -> str:
 
 def _check_start_method(method: Any, where: str = "start_method") -> str:
     if method not in START_METHODS:
-        raise ValueError(f"{where}={method!r}: the ways to start workers are "
-                         f"{', '.join(map(repr, START_METHODS))}")
+        raise ValueError(
+            f"{where}={method!r}: the ways to start workers are "
+            f"{', '.join(map(repr, START_METHODS))}"
+        )
     if method == "forkserver" and not sys.platform.startswith("linux"):
-        raise ValueError(f"{where}='forkserver' is for Linux (fork, file descriptors passed "
-                         "over unix sockets, /proc); use 'spawn'")
+        raise ValueError(
+            f"{where}='forkserver' is for Linux (fork, file descriptors passed "
+            "over unix sockets, /proc); use 'spawn'"
+        )
     return method
 
 
-def _signal_name(returncode: Optional[int]) -> Optional[str]:
+def _signal_name(returncode: int | None) -> str | None:
     if returncode is None or returncode >= 0:
         return None
     try:
@@ -96,8 +111,9 @@ def _signal_name(returncode: Optional[int]) -> Optional[str]:
         return f"signal {-returncode}"
 
 
-def _stop(procs: Sequence[Any], conns: Sequence[Connection],
-          grace: Sequence[float] = (GRACE_S,)) -> None:
+def _stop(
+    procs: Sequence[Any], conns: Sequence[Connection], grace: Sequence[float] = (GRACE_S,)
+) -> None:
     """Ask, then terminate, then kill. Safe to call twice, and at interpreter exit.
 
     ``grace[0]`` is how long workers get to exit when asked (a list, so the session can
@@ -127,7 +143,7 @@ def _stop(procs: Sequence[Any], conns: Sequence[Connection],
 
 
 #: open sessions, for the exit hook below
-_LIVE: "weakref.WeakSet[ProcessSession]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[ProcessSession] = weakref.WeakSet()
 _PID = os.getpid()
 
 
@@ -180,14 +196,22 @@ class ProcessSession(Session):
     ...     sharded.shard("w", 1)          # a copy fetched from worker 1
     """
 
-    def __init__(self, num_workers: int, device: DeviceSpec = "cpu",
-                 plugins: Iterable[str] = (), *, distributed: bool = True,
-                 start_timeout: float = 300.0, timeout: Optional[float] = _DEFAULT,
-                 start_method: Optional[str] = None):
+    def __init__(
+        self,
+        num_workers: int,
+        device: DeviceSpec = "cpu",
+        plugins: Iterable[str] = (),
+        *,
+        distributed: bool = True,
+        start_timeout: float = 300.0,
+        timeout: float | None = _DEFAULT,
+        start_method: str | None = None,
+    ):
         self.devices = resolve_devices(device, num_workers)
         self.num_workers = num_workers
-        self.start_method = (default_start_method() if start_method is None
-                             else _check_start_method(start_method))
+        self.start_method = (
+            default_start_method() if start_method is None else _check_start_method(start_method)
+        )
         self.timeout = session_timeout(timeout)
         # subprocess.Popen (spawn) or forkserver.ForkedProcess: the same few methods
         self._procs: list[Any] = []
@@ -217,8 +241,12 @@ class ProcessSession(Session):
 
             backend = group_backend(self.devices)
             self._store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-            dist = {"host": "127.0.0.1", "port": self._store.port, "backend": backend,
-                    "timeout_s": timeout}
+            dist = {
+                "host": "127.0.0.1",
+                "port": self._store.port,
+                "backend": backend,
+                "timeout_s": timeout,
+            }
         # N workers share this machine's cores: each gets its share of OpenMP threads, or their
         # spinning teams starve one another (the profile showed ~45% of worker time in libgomp
         # busy-waits at N=4 on 2 cores). A value the user set is left alone.
@@ -226,17 +254,27 @@ class ProcessSession(Session):
         deadline = time.monotonic() + timeout
         for i in range(self.num_workers):
             parent, child = socket.socketpair()
-            env = {"OMP_NUM_THREADS": threads, **os.environ, "SHARDLOAD_RANK": str(i),
-                   "SHARDLOAD_WORLD_SIZE": str(self.num_workers)}
+            env = {
+                "OMP_NUM_THREADS": threads,
+                **os.environ,
+                "SHARDLOAD_RANK": str(i),
+                "SHARDLOAD_WORLD_SIZE": str(self.num_workers),
+            }
             try:
                 if server is not None:
-                    proc = server.fork(child.fileno(), env, f"shardload-w{i}",
-                                       max(1.0, deadline - time.monotonic()))
+                    proc = server.fork(
+                        child.fileno(),
+                        env,
+                        f"shardload-w{i}",
+                        max(1.0, deadline - time.monotonic()),
+                    )
                 else:
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", "shardload.sessions.worker",
-                         str(child.fileno())],
-                        pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                        [sys.executable, "-m", "shardload.sessions.worker", str(child.fileno())],
+                        pass_fds=(child.fileno(),),
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                    )
             except BaseException:
                 parent.close()
                 raise
@@ -245,17 +283,31 @@ class ProcessSession(Session):
             self._procs.append(proc)
             self._conns.append(Connection(parent.detach()))
         for i, conn in enumerate(self._conns):
-            protocol.send(conn, {"op": "init", "rank": i, "world_size": self.num_workers,
-                                 "device": str(self.devices[i]), "plugins": plugins,
-                                 "sys_path": list(sys.path), "dist": dist})
-        self._gather(range(self.num_workers), "while starting", timeout=timeout,
-                     watchdog=None)
+            protocol.send(
+                conn,
+                {
+                    "op": "init",
+                    "rank": i,
+                    "world_size": self.num_workers,
+                    "device": str(self.devices[i]),
+                    "plugins": plugins,
+                    "sys_path": list(sys.path),
+                    "dist": dist,
+                },
+            )
+        self._gather(range(self.num_workers), "while starting", timeout=timeout, watchdog=None)
 
     # ---- 2. requests -----------------------------------------------------------------------------
 
-    def _gather(self, workers: Iterable[int], context: str, *, timeout: Optional[float] = None,
-                on_progress=None, watchdog: Optional[float] = _DEFAULT
-                ) -> dict[int, tuple[dict, Optional[torch.Tensor]]]:
+    def _gather(
+        self,
+        workers: Iterable[int],
+        context: str,
+        *,
+        timeout: float | None = None,
+        on_progress=None,
+        watchdog: float | None = _DEFAULT,
+    ) -> dict[int, tuple[dict, torch.Tensor | None]]:
         """Every listed worker's reply. ``WorkerError`` for failures (after all replied),
         ``WorkerCrashedError`` (the session closed) when one dies. ``timeout`` bounds the
         whole request; ``watchdog`` (default: the session's ``timeout``) is how long one
@@ -264,7 +316,7 @@ class ProcessSession(Session):
         watchdog = self.timeout if watchdog is _DEFAULT else watchdog
         pending = {self._conns[i]: i for i in workers}
         beats = Heartbeats(self.num_workers, workers)
-        replies: dict[int, tuple[dict, Optional[torch.Tensor]]] = {}
+        replies: dict[int, tuple[dict, torch.Tensor | None]] = {}
         failures: list[WorkerFailure] = []
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -277,8 +329,10 @@ class ProcessSession(Session):
                     except (EOFError, OSError):
                         self._crashed(i, context)
                     except protocol.ProtocolError as exc:  # alive, but out of step with us
-                        raise ShardloadError(f"worker {i} sent a malformed reply {context}: "
-                                             f"{exc}; the session is closed") from None
+                        raise ShardloadError(
+                            f"worker {i} sent a malformed reply {context}: "
+                            f"{exc}; the session is closed"
+                        ) from None
                     param = message.get("param")
                     beats.beat(i, param if isinstance(param, str) else None)
                     if "progress" in message:
@@ -290,23 +344,40 @@ class ProcessSession(Session):
                     if message.get("ok"):
                         replies[i] = (message, tensor)
                     elif not message.get("aborted"):
-                        failures.append(WorkerFailure(i, str(message.get("exc_type")),
-                                                      str(message.get("message")),
-                                                      str(message.get("traceback", ""))))
+                        failures.append(
+                            WorkerFailure(
+                                i,
+                                str(message.get("exc_type")),
+                                str(message.get("message")),
+                                str(message.get("traceback", "")),
+                            )
+                        )
                         self._abort_others(pending.values())
                 for i in list(pending.values()):
                     if self._procs[i].poll() is not None:
                         self._crashed(i, context)
                 if deadline is not None and time.monotonic() > deadline:
-                    raise ShardloadError(f"workers {sorted(pending.values())} did not answer "
-                                         f"{context} within {timeout:.0f} s")
+                    raise ShardloadError(
+                        f"workers {sorted(pending.values())} did not answer "
+                        f"{context} within {timeout:.0f} s"
+                    )
                 stalled = beats.stalled(watchdog)
                 if stalled:  # hung or stopped: nothing but a signal will end it
                     # failures already in come first: a worker that raised is often why
                     # another waits for ever (a collective)
-                    raise WorkerError(failures + [WorkerFailure(
-                        i, "TimeoutError", f"{beats.describe(i, watchdog)}; the session is "
-                        "closed and its workers stopped") for i in stalled], context)
+                    raise WorkerError(
+                        failures
+                        + [
+                            WorkerFailure(
+                                i,
+                                "TimeoutError",
+                                f"{beats.describe(i, watchdog)}; the session is "
+                                "closed and its workers stopped",
+                            )
+                            for i in stalled
+                        ],
+                        context,
+                    )
         except BaseException:
             # a crash, a timeout or Ctrl-C: the workers' state is unknown, so stop them all now
             self._grace[0] = 0.2
@@ -328,19 +399,23 @@ class ProcessSession(Session):
         code = proc.poll()
         if not getattr(proc, "status_known", True):  # its fork server died before saying
             code = None
-        raise WorkerCrashedError(i, exitcode=code, signal_name=_signal_name(code),
-                                 context=context)
+        raise WorkerCrashedError(i, exitcode=code, signal_name=_signal_name(code), context=context)
 
-    def _request(self, workers: Iterable[int], message, context: str,
-                 tensor: Optional[torch.Tensor] = None, **kwargs):
+    def _request(
+        self,
+        workers: Iterable[int],
+        message,
+        context: str,
+        tensor: torch.Tensor | None = None,
+        **kwargs,
+    ):
         """Send ``message`` (a dict, or ``message(i)`` giving worker i's) to each worker and
         gather the replies."""
         self._check_open()
         workers = list(workers)
         try:
             for i in workers:
-                protocol.send(self._conns[i], message(i) if callable(message) else message,
-                              tensor)
+                protocol.send(self._conns[i], message(i) if callable(message) else message, tensor)
         except OSError:
             # a worker that died before it was asked: as in _gather, the session is closed
             self._grace[0] = 0.2
@@ -362,47 +437,63 @@ class ProcessSession(Session):
         """
         if name in self._known:
             return
-        replies = self._request(range(self.num_workers),
-                                {"op": "ensure", "name": name, "module": importable_module(func)},
-                                "while registering functions")
+        replies = self._request(
+            range(self.num_workers),
+            {"op": "ensure", "name": name, "module": importable_module(func)},
+            "while registering functions",
+        )
         if any(message.get("missing") for message, _ in replies.values()):
             origin = getattr(func, "__module__", "?") + "." + getattr(func, "__qualname__", "?")
-            raise ShardloadError(f"session function {name!r} ({origin}) is registered in this "
-                                 "process only, so worker processes cannot run it: define it "
-                                 "at module level in an importable module")
+            raise ShardloadError(
+                f"session function {name!r} ({origin}) is registered in this "
+                "process only, so worker processes cannot run it: define it "
+                "at module level in an importable module"
+            )
         self._known.add(name)
 
     # ---- the Session API ------------------------------------------------------------------------
 
-    def run(self, func_name: str, args: WorkerArgs, *, workers: Optional[Sequence[int]] = None,
-            context: str = "", timeout: Optional[float] = _DEFAULT,
-            on_progress: Optional[ProgressCallback] = None) -> list[Any]:
+    def run(
+        self,
+        func_name: str,
+        args: WorkerArgs,
+        *,
+        workers: Sequence[int] | None = None,
+        context: str = "",
+        timeout: float | None = _DEFAULT,
+        on_progress: ProgressCallback | None = None,
+    ) -> list[Any]:
         self._check_open()
         workers = self._workers(workers)
         self._ensure_function(func_name, get_session_func(func_name).func)
         # refused here, clearly, rather than deep in a send
         per = {i: protocol.to_jsonable(a) for i, a in args_for(args, workers).items()}
         watchdog = self.timeout if timeout is _DEFAULT else check_timeout(timeout)
-        replies = self._request(workers, lambda i: {"op": "run", "func": func_name,
-                                                    "args": per[i]},
-                                context or f"in {func_name}", on_progress=on_progress,
-                                watchdog=watchdog)
+        replies = self._request(
+            workers,
+            lambda i: {"op": "run", "func": func_name, "args": per[i]},
+            context or f"in {func_name}",
+            on_progress=on_progress,
+            watchdog=watchdog,
+        )
         return [_result(*replies[i]) for i in workers]
 
     def set_value(self, worker: int, name: str, value: Any) -> None:
         self._check_worker(worker)
         if isinstance(value, torch.Tensor):
-            self._request([worker], {"op": "set", "name": name}, f"while setting {name!r}",
-                          tensor=value)
+            self._request(
+                [worker], {"op": "set", "name": name}, f"while setting {name!r}", tensor=value
+            )
         else:
-            self._request([worker], {"op": "set", "name": name,
-                                     "value": protocol.to_jsonable(value)},
-                          f"while setting {name!r}")
+            self._request(
+                [worker],
+                {"op": "set", "name": name, "value": protocol.to_jsonable(value)},
+                f"while setting {name!r}",
+            )
 
     def get_value(self, worker: int, name: str) -> Any:
         self._check_worker(worker)
-        replies = self._request([worker], {"op": "get", "name": name},
-                                f"while getting {name!r}")
+        replies = self._request([worker], {"op": "get", "name": name}, f"while getting {name!r}")
         return _result(*replies[worker])
 
     @property
@@ -424,5 +515,5 @@ class ProcessSession(Session):
         return f"ProcessSession(num_workers={self.num_workers}, {state})"
 
 
-def _result(message: dict, tensor: Optional[torch.Tensor]) -> Any:
+def _result(message: dict, tensor: torch.Tensor | None) -> Any:
     return tensor if tensor is not None else message.get("value")

@@ -12,7 +12,7 @@ import json
 import math
 from multiprocessing import BufferTooShort
 from multiprocessing.connection import Connection
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -30,26 +30,30 @@ class UnsendableError(ShardloadError, ValueError):
     ``ValueError`` from the json module. Also a ``ValueError``, as it was before."""
 
 
-def send(conn: Connection, message: dict, tensor: Optional[torch.Tensor] = None) -> None:
+def send(conn: Connection, message: dict, tensor: torch.Tensor | None = None) -> None:
     """Send ``message`` (JSON-able) and, if given, ``tensor``'s bytes."""
     if tensor is not None:
         tensor = tensor.detach().to("cpu").contiguous()
-        message = {**message, "tensor": {"dtype": dtypes.from_torch(tensor.dtype),
-                                         "shape": list(tensor.shape)}}
+        message = {
+            **message,
+            "tensor": {"dtype": dtypes.from_torch(tensor.dtype), "shape": list(tensor.shape)},
+        }
     try:
         data = json.dumps(message, allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
         what = message.get("op") or "reply"
-        raise UnsendableError(f"cannot send the {what!r} message to a worker process: it holds "
-                              f"a value strict JSON cannot carry ({exc}); only JSON values "
-                              "(finite numbers, no NaN or Infinity) and tensors travel between "
-                              "processes") from None
+        raise UnsendableError(
+            f"cannot send the {what!r} message to a worker process: it holds "
+            f"a value strict JSON cannot carry ({exc}); only JSON values "
+            "(finite numbers, no NaN or Infinity) and tensors travel between "
+            "processes"
+        ) from None
     conn.send_bytes(data)
     if tensor is not None:
         conn.send_bytes(_as_bytes(tensor))
 
 
-def recv(conn: Connection) -> tuple[dict, Optional[torch.Tensor]]:
+def recv(conn: Connection) -> tuple[dict, torch.Tensor | None]:
     """Receive one message and its tensor (an owned CPU tensor), if it carries one."""
     try:
         message = strict_json.loads(conn.recv_bytes())
@@ -94,10 +98,12 @@ def to_jsonable(value: Any) -> Any:
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{type(value).__name__} value cannot be sent between processes: "
-                         f"only JSON values (without NaN or Infinity) and torch tensors can "
-                         f"({exc})") from None
+        raise type(exc)(
+            f"{type(value).__name__} value cannot be sent between processes: "
+            f"only JSON values (without NaN or Infinity) and torch tensors can "
+            f"({exc})"
+        ) from None
     return value
 
 
-__all__ = ["send", "recv", "ProtocolError", "UnsendableError", "to_jsonable"]
+__all__ = ["ProtocolError", "UnsendableError", "recv", "send", "to_jsonable"]

@@ -20,14 +20,26 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from ..errors import ShardloadError, WorkerError, WorkerFailure, describe
-from .base import (DEFAULT, DeviceSpec, Heartbeats, ProgressCallback, Session, Stopped,
-                   WorkerArgs, WorkerContext, args_for, check_timeout, resolve_devices,
-                   session_timeout)
+from .base import (
+    DEFAULT,
+    DeviceSpec,
+    Heartbeats,
+    ProgressCallback,
+    Session,
+    Stopped,
+    WorkerArgs,
+    WorkerContext,
+    args_for,
+    check_timeout,
+    resolve_devices,
+    session_timeout,
+)
 from .functions import get_session_func
 from .groups import ThreadGroup
 from .protocol import to_jsonable
@@ -47,9 +59,10 @@ class _WorkerThread:
     """One worker: a daemon thread running the jobs put in its queue, ``None`` ending it."""
 
     def __init__(self, index: int):
-        self.jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._serve, name=f"{THREAD_PREFIX}{index}",
-                                       daemon=True)
+        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(
+            target=self._serve, name=f"{THREAD_PREFIX}{index}", daemon=True
+        )
         self.thread.start()
 
     def _serve(self) -> None:
@@ -70,8 +83,11 @@ def _stop_threads(jobs: list) -> None:
 def abandoned_threads() -> list[threading.Thread]:
     """Worker threads still alive although their session was closed (stuck in a shard
     function, or finishing one after Ctrl-C)."""
-    return [t for t in threading.enumerate()
-            if t.name.startswith(THREAD_PREFIX) and getattr(t, "_shardload_abandoned", False)]
+    return [
+        t
+        for t in threading.enumerate()
+        if t.name.startswith(THREAD_PREFIX) and getattr(t, "_shardload_abandoned", False)
+    ]
 
 
 class ThreadedSession(Session):
@@ -99,18 +115,21 @@ class ThreadedSession(Session):
     [10, 21]
     """
 
-    def __init__(self, num_workers: int, device: DeviceSpec = "cpu", *,
-                 timeout: Optional[float] = _DEFAULT):
+    def __init__(
+        self, num_workers: int, device: DeviceSpec = "cpu", *, timeout: float | None = _DEFAULT
+    ):
         self.devices = resolve_devices(device, num_workers)
         self.num_workers = num_workers
         self.timeout = session_timeout(timeout)
         self._group = ThreadGroup(num_workers)
-        self._contexts = [WorkerContext(i, num_workers, d, group=self._group.member(i))
-                          for i, d in enumerate(self.devices)]
+        self._contexts = [
+            WorkerContext(i, num_workers, d, group=self._group.member(i))
+            for i, d in enumerate(self.devices)
+        ]
         self._closed = False
         self._broken = False  # interrupted or timed out: threads may still be busy
         self._lock = threading.Lock()
-        self._beats: Optional[Heartbeats] = None
+        self._beats: Heartbeats | None = None
         # One thread per worker, so each worker is one consistent thread (a CUDA context and
         # stream per worker, as a process per GPU would have).
         self._threads: list[_WorkerThread] = []
@@ -126,15 +145,20 @@ class ThreadedSession(Session):
     def local_workers(self) -> list[int]:
         return list(range(self.num_workers))
 
-    def beat(self, worker: int, where: Optional[str] = None) -> None:
+    def beat(self, worker: int, where: str | None = None) -> None:
         """Worker ``worker`` made progress (while ``run_all`` waits: for the watchdog)."""
         beats = self._beats
         if beats is not None:
             beats.beat(worker, where)
 
-    def run_all(self, fn: Callable[[int], Any], *, context: str = "",
-                timeout: Optional[float] = _DEFAULT,
-                workers: Optional[Sequence[int]] = None) -> list[Any]:
+    def run_all(
+        self,
+        fn: Callable[[int], Any],
+        *,
+        context: str = "",
+        timeout: float | None = _DEFAULT,
+        workers: Sequence[int] | None = None,
+    ) -> list[Any]:
         """Run ``fn(i)`` on the thread of every worker ``i`` of ``workers`` (default: all);
         ``WorkerError`` naming each failed worker, the earliest failure first, once all have
         stopped.
@@ -145,7 +169,7 @@ class ThreadedSession(Session):
         self._check_open()
         workers = self._workers(workers)
         timeout = self.timeout if timeout is _DEFAULT else check_timeout(timeout)
-        results: "queue.SimpleQueue[tuple[int, bool, Any]]" = queue.SimpleQueue()
+        results: queue.SimpleQueue[tuple[int, bool, Any]] = queue.SimpleQueue()
         beats = self._beats = Heartbeats(self.num_workers, workers)
 
         def on_worker(i: int) -> None:
@@ -154,8 +178,19 @@ class ThreadedSession(Session):
                     torch.cuda.set_device(self.devices[i])
                 results.put((i, True, fn(i)))
             except BaseException as exc:  # reported to the caller, never lost in a thread
-                results.put((i, False, (time.monotonic(), WorkerFailure(
-                    i, type(exc).__name__, describe(exc), traceback.format_exc()), exc)))
+                results.put(
+                    (
+                        i,
+                        False,
+                        (
+                            time.monotonic(),
+                            WorkerFailure(
+                                i, type(exc).__name__, describe(exc), traceback.format_exc()
+                            ),
+                            exc,
+                        ),
+                    )
+                )
 
         outcomes: dict[int, tuple[bool, Any]] = {}
         try:
@@ -185,17 +220,24 @@ class ThreadedSession(Session):
             raise WorkerError([f[1] for f in failed], context) from failed[0][2]
         return [outcomes[i][1] for i in workers]
 
-    def run(self, func_name: str, args: WorkerArgs, *, workers: Optional[Sequence[int]] = None,
-            context: str = "", timeout: Optional[float] = _DEFAULT,
-            on_progress: Optional[ProgressCallback] = None) -> list[Any]:
+    def run(
+        self,
+        func_name: str,
+        args: WorkerArgs,
+        *,
+        workers: Sequence[int] | None = None,
+        context: str = "",
+        timeout: float | None = _DEFAULT,
+        on_progress: ProgressCallback | None = None,
+    ) -> list[Any]:
         func = get_session_func(func_name).func
         workers = self._workers(workers)
         # the same args and results a ProcessSession can carry, so code moves between them
         per = {i: to_jsonable(a) for i, a in args_for(args, workers).items()}
         stop = threading.Event()
-        self._group.mend()     # a failure in an earlier run broke its barrier
+        self._group.mend()  # a failure in an earlier run broke its barrier
 
-        def progress(i: int, nbytes: int, where: Optional[str]) -> None:
+        def progress(i: int, nbytes: int, where: str | None) -> None:
             self.beat(i, where)
             if nbytes and on_progress is not None:
                 on_progress(nbytes)
@@ -216,19 +258,22 @@ class ThreadedSession(Session):
             return result if isinstance(result, torch.Tensor) else to_jsonable(result)
 
         try:
-            results = self.run_all(on_worker, context=context or f"in {func_name}",
-                                   timeout=timeout, workers=workers)
+            results = self.run_all(
+                on_worker, context=context or f"in {func_name}", timeout=timeout, workers=workers
+            )
         except BaseException:
             stop.set()  # Ctrl-C or a stalled worker: the others stop at their next check
             self._group.abort()
             raise
         if any(r is _STOPPED for r in results):  # cannot happen without a failure reported
-            raise ShardloadError(f"a worker stopped {context or f'in {func_name}'} without a "
-                                 "failure to report")
+            raise ShardloadError(
+                f"a worker stopped {context or f'in {func_name}'} without a failure to report"
+            )
         return results
 
-    def _stalled(self, stalled: list[int], beats: Heartbeats, timeout: float,
-                 context: str, outcomes: dict) -> WorkerError:
+    def _stalled(
+        self, stalled: list[int], beats: Heartbeats, timeout: float, context: str, outcomes: dict
+    ) -> WorkerError:
         """The stalled workers' ``WorkerError``, after the failures already in: a worker that
         raised is often why another waits for ever (a barrier), so it is reported first."""
         earlier = sorted((v for ok, v in outcomes.values() if not ok), key=lambda f: f[0])
@@ -237,10 +282,15 @@ class ThreadedSession(Session):
         for i in stalled:
             frame = frames.get(self._threads[i].thread.ident)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-            failures.append(WorkerFailure(
-                i, "TimeoutError", f"{beats.describe(i, timeout)}; its thread is abandoned "
-                "(a thread cannot be stopped) and the session closed",
-                f"Stack of worker {i}'s thread:\n{stack}"))
+            failures.append(
+                WorkerFailure(
+                    i,
+                    "TimeoutError",
+                    f"{beats.describe(i, timeout)}; its thread is abandoned "
+                    "(a thread cannot be stopped) and the session closed",
+                    f"Stack of worker {i}'s thread:\n{stack}",
+                )
+            )
         return WorkerError(failures, context)
 
     def set_value(self, worker: int, name: str, value: Any) -> None:

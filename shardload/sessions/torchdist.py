@@ -18,15 +18,24 @@ import secrets
 import sys
 import threading
 import traceback
-from typing import Any, Iterator, Optional, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
 from .. import strict_json
-from ..errors import (ShardloadError, WorkerCrashedError, WorkerError, WorkerFailure,
-                      describe)
-from .base import (DEFAULT, Heartbeats, ProgressCallback, Session, WorkerArgs, WorkerContext,
-                   args_for, check_timeout, session_timeout)
+from ..errors import ShardloadError, WorkerCrashedError, WorkerError, WorkerFailure, describe
+from .base import (
+    DEFAULT,
+    Heartbeats,
+    ProgressCallback,
+    Session,
+    WorkerArgs,
+    WorkerContext,
+    args_for,
+    check_timeout,
+    session_timeout,
+)
 from .functions import get_session_func
 from .groups import DistGroup
 from .peers import Peers, name_ranks, watch_peers
@@ -44,15 +53,18 @@ def missing_env() -> list[str]:
     return [k for k in _ENV if k not in os.environ]
 
 
-def _watch(beats: Heartbeats, timeout: float, rank: int, stop: threading.Event,
-           context: str) -> None:
+def _watch(
+    beats: Heartbeats, timeout: float, rank: int, stop: threading.Event, context: str
+) -> None:
     """The watchdog of one rank: its main thread runs the work, so nothing can interrupt a
     stuck one; the rank says why on stderr and ends, and torchrun stops the job."""
     while not stop.wait(min(timeout / 4, 0.5)):
         if beats.stalled(timeout):
             with contextlib.suppress(OSError, ValueError):
-                sys.stderr.write(f"shardload: rank {rank} failed {context}: TimeoutError: "
-                                 f"{beats.describe(0, timeout)}; ending this rank (exit 1)\n")
+                sys.stderr.write(
+                    f"shardload: rank {rank} failed {context}: TimeoutError: "
+                    f"{beats.describe(0, timeout)}; ending this rank (exit 1)\n"
+                )
                 sys.stderr.flush()
             os._exit(1)
 
@@ -91,9 +103,15 @@ class TorchDistributedSession(Session):
     #: within seconds, as its connections close
     PEER_TIMEOUT = 60.0
 
-    def __init__(self, device: Union[str, torch.device, None] = None, *,
-                 backend: Optional[str] = None, timeout_s: float = 600.0,
-                 timeout: Optional[float] = DEFAULT, group=None):
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        *,
+        backend: str | None = None,
+        timeout_s: float = 600.0,
+        timeout: float | None = DEFAULT,
+        group=None,
+    ):
         import torch.distributed as dist
 
         self._dist = dist
@@ -107,8 +125,10 @@ class TorchDistributedSession(Session):
         self._owns_group = False
         self._group = group
         if group is not None and not dist.is_initialized():
-            raise ShardloadError("TorchDistributedSession(group=...) needs torch.distributed "
-                                 "initialised: the group belongs to a job that is running")
+            raise ShardloadError(
+                "TorchDistributedSession(group=...) needs torch.distributed "
+                "initialised: the group belongs to a job that is running"
+            )
         if not dist.is_initialized():
             missing = [k for k in _ENV if k not in os.environ]
             if missing:
@@ -116,26 +136,34 @@ class TorchDistributedSession(Session):
                     f"TorchDistributedSession needs a torch.distributed job, and "
                     f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: run "
                     "under torchrun (torchrun --nproc-per-node N ...), or initialise a process "
-                    "group first")
+                    "group first"
+                )
             backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
             self._owns_group = True
         self.rank = dist.get_rank(group)
         self.num_workers = dist.get_world_size(group)
         # collectives of small status messages run where the backend can: NCCL needs CUDA
-        self._comm_device = (self.device if dist.get_backend(group) == "nccl"
-                             else torch.device("cpu"))
-        self._ctx = WorkerContext(self.rank, self.num_workers, self.device,
-                                  group=DistGroup(self.rank, self.num_workers, group))
+        self._comm_device = (
+            self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        )
+        self._ctx = WorkerContext(
+            self.rank,
+            self.num_workers,
+            self.device,
+            group=DistGroup(self.rank, self.num_workers, group),
+        )
         self._closed = False
-        self._peers: Optional[Peers] = None
-        self._lost = False    # a rank is gone: no rank to meet at close
-        opened = self._all_gather({"device": str(self.device), "token": secrets.token_hex(8)},
-                                  "opening the session")
+        self._peers: Peers | None = None
+        self._lost = False  # a rank is gone: no rank to meet at close
+        opened = self._all_gather(
+            {"device": str(self.device), "token": secrets.token_hex(8)}, "opening the session"
+        )
         self.devices = [torch.device(o["device"]) for o in opened]
         if self.num_workers > 1:
-            self._peers = watch_peers(opened[0]["token"], self.rank, self.num_workers,
-                                      self.PEER_TIMEOUT)
+            self._peers = watch_peers(
+                opened[0]["token"], self.rank, self.num_workers, self.PEER_TIMEOUT
+            )
 
     # ---- agreeing on outcomes --------------------------------------------------------------------
 
@@ -146,14 +174,14 @@ class TorchDistributedSession(Session):
         try:
             with peers.exchanging(what) if peers else contextlib.nullcontext():
                 return self._gather_bytes(json.dumps(value).encode())
-        except Exception as exc:  # noqa: BLE001 - the backend's error, named if a rank is gone
+        except Exception as exc:
             named = self._who_went(what, exc) if peers else None
             if named is None:
                 raise
             self._lost = True
             raise named from exc
 
-    def _who_went(self, what: str, exc: Exception) -> Optional[ShardloadError]:
+    def _who_went(self, what: str, exc: Exception) -> ShardloadError | None:
         """The error saying which rank went, after the exchange broke with ``exc``; None where
         every rank is still there (the backend's own error stands)."""
         gone = self._peers.gone()
@@ -161,15 +189,20 @@ class TorchDistributedSession(Session):
             return ShardloadError(
                 f"{what}: the exchange between the ranks broke ({type(exc).__name__}) and the "
                 "job's store does not answer either: the machine serving it (MASTER_ADDR; "
-                "under torchrun, the --rdzv-endpoint's) is lost, or its launcher ended")
+                "under torchrun, the --rdzv-endpoint's) is lost, or its launcher ended"
+            )
         if not gone.first:
             return None
         if gone.store_lost:
-            how = ("it had not reached the exchange when it broke, and the job's store stopped "
-                   "answering too (the launcher or machine serving it ended; its log says why)")
+            how = (
+                "it had not reached the exchange when it broke, and the job's store stopped "
+                "answering too (the launcher or machine serving it ended; its log says why)"
+            )
         else:
-            how = ("its process ended or its machine was lost (its connections closed and its "
-                   "heartbeat stopped; its launcher's log says why)")
+            how = (
+                "its process ended or its machine was lost (its connections closed and its "
+                "heartbeat stopped; its launcher's log says why)"
+            )
         too = f"; {name_ranks(gone.first[1:])} too" if gone.first[1:] else ""
         then = f"; {name_ranks(gone.after)} ended after it" if gone.after else ""
         return WorkerCrashedError(gone.first[0], context=f"{what}: {how}{too}{then}")
@@ -183,13 +216,14 @@ class TorchDistributedSession(Session):
         longest = max(int(s.item()) for s in sizes)
         buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
         if data:
-            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
         bufs = [torch.empty_like(buf) for _ in range(self.num_workers)]
         self._dist.all_gather(bufs, buf, group=self._group)
-        return [strict_json.loads(bytes(b[:int(s.item())].cpu().numpy()))
-                for b, s in zip(bufs, sizes)]
+        return [
+            strict_json.loads(bytes(b[: int(s.item())].cpu().numpy())) for b, s in zip(bufs, sizes)
+        ]
 
-    def _outcome(self, status: dict, local: Optional[BaseException], what: str) -> list[dict]:
+    def _outcome(self, status: dict, local: BaseException | None, what: str) -> list[dict]:
         """Exchange every rank's status; raise this rank's own error, or ``WorkerError`` naming
         the ranks that failed; else every rank's status."""
         try:
@@ -198,8 +232,11 @@ class TorchDistributedSession(Session):
             if local is not None:  # this rank's own failure is its answer, the rest context
                 raise local
             raise
-        failures = [WorkerFailure(r, s["exc_type"], s["message"], s["traceback"])
-                    for r, s in enumerate(statuses) if not s["ok"]]
+        failures = [
+            WorkerFailure(r, s["exc_type"], s["message"], s["traceback"])
+            for r, s in enumerate(statuses)
+            if not s["ok"]
+        ]
         if local is not None:
             raise local
         if failures:
@@ -208,8 +245,12 @@ class TorchDistributedSession(Session):
 
     @staticmethod
     def _failed(exc: BaseException) -> dict:
-        return {"ok": False, "exc_type": type(exc).__name__, "message": describe(exc),
-                "traceback": traceback.format_exc()}
+        return {
+            "ok": False,
+            "exc_type": type(exc).__name__,
+            "message": describe(exc),
+            "traceback": traceback.format_exc(),
+        }
 
     @contextlib.contextmanager
     def collective(self, what: str) -> Iterator[None]:
@@ -217,7 +258,7 @@ class TorchDistributedSession(Session):
         raises (the failing ranks their own error, the others ``WorkerError`` naming them)."""
         self._check_open()
         status: dict[str, Any] = {"ok": True}
-        local: Optional[BaseException] = None
+        local: BaseException | None = None
         try:
             yield
         except BaseException as exc:
@@ -234,9 +275,16 @@ class TorchDistributedSession(Session):
     def spmd(self) -> bool:
         return True
 
-    def run(self, func_name: str, args: WorkerArgs, *, workers: Optional[Sequence[int]] = None,
-            context: str = "", timeout: Optional[float] = DEFAULT,
-            on_progress: Optional[ProgressCallback] = None) -> list[Any]:
+    def run(
+        self,
+        func_name: str,
+        args: WorkerArgs,
+        *,
+        workers: Sequence[int] | None = None,
+        context: str = "",
+        timeout: float | None = DEFAULT,
+        on_progress: ProgressCallback | None = None,
+    ) -> list[Any]:
         """Run the session function on this rank, the worker it is (every rank makes the same
         call: SPMD); the results of the ranks in ``workers`` in that order. JSON results are
         exchanged; a tensor result stays on its rank (the others see ``None`` in its place), as
@@ -247,24 +295,29 @@ class TorchDistributedSession(Session):
         context = context or f"in {func_name}"
         timeout = self.timeout if timeout is DEFAULT else check_timeout(timeout)
         status: dict[str, Any] = {"ok": True, "value": None}
-        local: Optional[BaseException] = None
+        local: BaseException | None = None
         value: Any = None
         if self.rank in workers:
             beats, stop = Heartbeats(1), threading.Event()
             if timeout is not None:
-                threading.Thread(target=_watch, args=(beats, timeout, self.rank, stop, context),
-                                 name="shardload-watchdog", daemon=True).start()
+                threading.Thread(
+                    target=_watch,
+                    args=(beats, timeout, self.rank, stop, context),
+                    name="shardload-watchdog",
+                    daemon=True,
+                ).start()
 
-            def progress(nbytes: int, where: Optional[str]) -> None:
+            def progress(nbytes: int, where: str | None) -> None:
                 beats.beat(0, where)
                 if nbytes and on_progress is not None:
                     on_progress(nbytes)
 
             try:
                 with self._ctx.hooks(progress, lambda: False):
-                    mine = args_for(args if not callable(args) else
-                                    (lambda w: args(w)), [self.rank] if callable(args)
-                                    else workers)[self.rank]
+                    mine = args_for(
+                        args if not callable(args) else (lambda w: args(w)),
+                        [self.rank] if callable(args) else workers,
+                    )[self.rank]
                     value = get_session_func(func_name).func(self._ctx, *mine)
                 if not isinstance(value, torch.Tensor):
                     status["value"] = value
@@ -318,5 +371,7 @@ class TorchDistributedSession(Session):
             pass
 
     def __repr__(self) -> str:
-        return (f"TorchDistributedSession(rank={self.rank}, num_workers={self.num_workers}, "
-                f"device={self.device})")
+        return (
+            f"TorchDistributedSession(rank={self.rank}, num_workers={self.num_workers}, "
+            f"device={self.device})"
+        )

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
-__all__ = ["DEFAULT", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "default_timeout", "session_timeout",
-           "check_timeout"]
+__all__ = [
+    "DEFAULT",
+    "DEFAULT_TIMEOUT_S",
+    "TIMEOUT_ENV",
+    "check_timeout",
+    "default_timeout",
+    "session_timeout",
+]
 
 #: an argument left out (``timeout=DEFAULT``: the default watchdog, or the session's)
 DEFAULT: Any = object()
@@ -23,7 +29,7 @@ DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "SHARDLOAD_TIMEOUT"
 
 
-def default_timeout() -> Optional[float]:
+def default_timeout() -> float | None:
     """The watchdog a session gets when it is given none: ``$SHARDLOAD_TIMEOUT`` if set (``0``
     or ``off``: no watchdog), else ``DEFAULT_TIMEOUT_S``.
 
@@ -38,17 +44,19 @@ def default_timeout() -> Optional[float]:
     try:
         return check_timeout(float(text))
     except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds: set a positive "
-                         "number, or 0 (or off) for no watchdog") from None
+        raise ValueError(
+            f"{TIMEOUT_ENV}={text!r} is not a number of seconds: set a positive "
+            "number, or 0 (or off) for no watchdog"
+        ) from None
 
 
-def session_timeout(timeout: Any) -> Optional[float]:
+def session_timeout(timeout: Any) -> float | None:
     """A session's watchdog from its ``timeout`` argument: left out (``DEFAULT``), the default
     watchdog (``default_timeout``); ``None``, none; else positive seconds."""
     return default_timeout() if timeout is DEFAULT else check_timeout(timeout)
 
 
-def check_timeout(timeout: Optional[float]) -> Optional[float]:
+def check_timeout(timeout: float | None) -> float | None:
     """``timeout`` as a float of seconds, or ``None`` (no watchdog); ``ValueError`` otherwise.
 
     >>> check_timeout(2)
@@ -56,8 +64,11 @@ def check_timeout(timeout: Optional[float]) -> Optional[float]:
     """
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None, got "
-                         f"{timeout!r}")
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     return float(timeout)

@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Optional
+from typing import Any
 
 # The controller decides what a Ctrl-C means; a terminal's SIGINT reaches the whole process
 # group, and N workers must not each print a KeyboardInterrupt traceback.
@@ -51,8 +51,15 @@ class Worker:
             except (EOFError, OSError):
                 return  # the controller closed the connection
             except protocol.ProtocolError as exc:
-                protocol.send(self.conn, {"ok": False, "exc_type": "ProtocolError",
-                                          "message": str(exc), "traceback": ""})
+                protocol.send(
+                    self.conn,
+                    {
+                        "ok": False,
+                        "exc_type": "ProtocolError",
+                        "message": str(exc),
+                        "traceback": "",
+                    },
+                )
                 continue
             op = message.get("op")
             if op == "abort":
@@ -68,9 +75,15 @@ class Worker:
             except BaseException as exc:
                 from ..errors import describe
 
-                protocol.send(self.conn, {"ok": False, "exc_type": type(exc).__name__,
-                                          "message": describe(exc),
-                                          "traceback": traceback.format_exc()})
+                protocol.send(
+                    self.conn,
+                    {
+                        "ok": False,
+                        "exc_type": type(exc).__name__,
+                        "message": describe(exc),
+                        "traceback": traceback.format_exc(),
+                    },
+                )
             if op == "shutdown":
                 return
         # a shutdown that arrived during a run ends the worker once the run has stopped
@@ -99,13 +112,21 @@ class Worker:
 
             timeout = datetime.timedelta(seconds=float(dist["timeout_s"]))
             store = td.TCPStore(dist["host"], int(dist["port"]), None, False, timeout=timeout)
-            td.init_process_group(dist["backend"], store=store, rank=self.ctx.rank,
-                                  world_size=self.ctx.world_size, timeout=timeout)
+            td.init_process_group(
+                dist["backend"],
+                store=store,
+                rank=self.ctx.rank,
+                world_size=self.ctx.world_size,
+                timeout=timeout,
+            )
             self.dist = True
             self.ctx.group = DistGroup(self.ctx.rank, self.ctx.world_size)
         else:
-            self.ctx.group = NoGroup(self.ctx.rank, self.ctx.world_size,
-                                     "its ProcessSession was opened with distributed=False")
+            self.ctx.group = NoGroup(
+                self.ctx.rank,
+                self.ctx.world_size,
+                "its ProcessSession was opened with distributed=False",
+            )
         return {"pid": os.getpid()}, None
 
     def _op_ensure(self, message: dict, _) -> tuple[dict, None]:
@@ -204,13 +225,12 @@ class _Progress:
         self.conn = conn
         self.lock = threading.Lock()
         self.pending = 0
-        self.current: Optional[str] = None
+        self.current: str | None = None
         self.changed = False
         self.stopped = threading.Event()
-        self.ticker = threading.Thread(target=self._tick, name="shardload-progress",
-                                       daemon=True)
+        self.ticker = threading.Thread(target=self._tick, name="shardload-progress", daemon=True)
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         self.ticker.start()
         return self
 
@@ -220,7 +240,7 @@ class _Progress:
         if exc[0] is None:
             self.flush()
 
-    def report(self, nbytes: int = 0, where: Optional[str] = None) -> None:
+    def report(self, nbytes: int = 0, where: str | None = None) -> None:
         """``ctx.progress``: ``nbytes`` more done, now on ``where``; the next tick tells the
         controller's watchdog this worker is alive."""
         with self.lock:
@@ -247,7 +267,7 @@ class _Progress:
         protocol.send(self.conn, message)
 
 
-def _as_reply(value: Any) -> tuple[dict, Optional[Any]]:
+def _as_reply(value: Any) -> tuple[dict, Any | None]:
     import torch
 
     if isinstance(value, torch.Tensor):

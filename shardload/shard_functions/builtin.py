@@ -13,7 +13,8 @@ registers them. This module imports nothing of the registry: the registry import
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .. import dtypes
 from ..errors import quote
@@ -53,11 +54,17 @@ def _workers(num_shards: int) -> int:
 
 def _check_output(rule, input: torch.Tensor, extra: tuple, output: torch.Tensor) -> None:
     """The loader allocates outputs from validated plans; a direct caller may not have."""
-    shape, dtype = rule(tuple(input.shape), dtypes.from_torch(input.dtype), *extra,
-                        num_shards=output.shape[0] if output.dim() else 0)
+    shape, dtype = rule(
+        tuple(input.shape),
+        dtypes.from_torch(input.dtype),
+        *extra,
+        num_shards=output.shape[0] if output.dim() else 0,
+    )
     if tuple(output.shape) != tuple(shape) or dtypes.from_torch(output.dtype) != dtype:
-        raise ValueError(f"output is {list(output.shape)} {dtypes.from_torch(output.dtype)}, "
-                         f"expected {list(shape)} {dtype}")
+        raise ValueError(
+            f"output is {list(output.shape)} {dtypes.from_torch(output.dtype)}, "
+            f"expected {list(shape)} {dtype}"
+        )
 
 
 def _stack_shape(in_shape: Shape, axis: int, size: int, num_shards: int) -> Shape:
@@ -68,14 +75,16 @@ def _stack_shape(in_shape: Shape, axis: int, size: int, num_shards: int) -> Shap
 
 # ---- shardload.split ---------------------------------------------------------------------------
 
+
 def split_ranges(in_shape: Shape, dim: int, num_shards: int) -> tuple[int, list[Ranges]]:
     """The split axis and, per worker, the range it keeps, for ``shardload.split``."""
     axis = _axis(dim, len(in_shape))
     num_shards = _workers(num_shards)
     size = in_shape[axis]
     if size % num_shards:
-        raise ValueError(f"dim {dim} has size {size}, which does not divide into "
-                         f"{num_shards} equal shards")
+        raise ValueError(
+            f"dim {dim} has size {size}, which does not divide into {num_shards} equal shards"
+        )
     piece = size // num_shards
     return axis, [[(i * piece, piece)] for i in range(num_shards)]
 
@@ -91,7 +100,7 @@ def split(input: torch.Tensor, dim: int, output: torch.Tensor) -> None:
     n = output.shape[0]
     axis = _axis(dim, input.dim())
     src, dst = dtypes.movable_view(input), dtypes.movable_view(output)
-    pre, post = src.shape[:axis], src.shape[axis + 1:]
+    pre, post = src.shape[:axis], src.shape[axis + 1 :]
     # [pre, N, piece, post] -> [N, pre, piece, post]: one strided copy, no temporaries.
     blocks = src.reshape(*pre, n, src.shape[axis] // n, *post).movedim(axis, 0)
     dst.copy_(blocks)
@@ -108,21 +117,26 @@ def _parse_segments(extra: Sequence[int]) -> list[tuple[int, int]]:
     if len(extra) == 0 or len(extra) % 2:
         raise ValueError("segments must be given as pairs: size_0, units_0, size_1, units_1, ...")
     if len(extra) > 2 * MAX_SEGMENTS:
-        raise ValueError(f"{len(extra) // 2} segments, more than the {MAX_SEGMENTS} a fused "
-                         "tensor may have")
-    pairs = [(_int(extra[k], f"segment {k // 2} size"), _int(extra[k + 1], f"segment {k // 2} units"))
-             for k in range(0, len(extra), 2)]
+        raise ValueError(
+            f"{len(extra) // 2} segments, more than the {MAX_SEGMENTS} a fused tensor may have"
+        )
+    pairs = [
+        (_int(extra[k], f"segment {k // 2} size"), _int(extra[k + 1], f"segment {k // 2} units"))
+        for k in range(0, len(extra), 2)
+    ]
     for k, (size, units) in enumerate(pairs):
         if size < 0 or units == 0:
             raise ValueError(f"segment {k}: size {size} must be >= 0 and units {units} non-zero")
         if size % abs(units):
-            raise ValueError(f"segment {k}: size {size} is not a whole number of its "
-                             f"{abs(units)} units")
+            raise ValueError(
+                f"segment {k}: size {size} is not a whole number of its {abs(units)} units"
+            )
     return pairs
 
 
-def _segment_layout(in_shape: Shape, dim: int, segments: Sequence[int],
-                    num_shards: int) -> tuple[int, int, list[tuple[int, int, int]]]:
+def _segment_layout(
+    in_shape: Shape, dim: int, segments: Sequence[int], num_shards: int
+) -> tuple[int, int, list[tuple[int, int, int]]]:
     """The axis, N, and per segment ``(start, length, replicas)``: worker i keeps ``length``
     elements from ``start + i * length`` (``replicas == 0``) or from
     ``start + (i // replicas) * length`` (replicated units)."""
@@ -131,29 +145,34 @@ def _segment_layout(in_shape: Shape, dim: int, segments: Sequence[int],
     pairs = _parse_segments(segments)
     total = sum(size for size, _ in pairs)
     if total != in_shape[axis]:
-        raise ValueError(f"segment sizes add up to {total}, but dim {dim} has size "
-                         f"{in_shape[axis]}")
+        raise ValueError(
+            f"segment sizes add up to {total}, but dim {dim} has size {in_shape[axis]}"
+        )
     layout = []
     start = 0
     for k, (size, signed_units) in enumerate(pairs):
         units, replicable = abs(signed_units), signed_units < 0
         if num_shards <= units or not replicable:
             if units % num_shards:
-                raise ValueError(f"segment {k} has {units} units, which do not divide among "
-                                 f"{num_shards} workers")
+                raise ValueError(
+                    f"segment {k} has {units} units, which do not divide among {num_shards} workers"
+                )
             layout.append((start, size // num_shards, 0))
         else:
             if num_shards % units:
-                raise ValueError(f"segment {k} has {units} units; replicating them to "
-                                 f"{num_shards} workers needs {num_shards} to be a multiple "
-                                 f"of {units}")
+                raise ValueError(
+                    f"segment {k} has {units} units; replicating them to "
+                    f"{num_shards} workers needs {num_shards} to be a multiple "
+                    f"of {units}"
+                )
             layout.append((start, size // units, num_shards // units))
         start += size
     return axis, num_shards, layout
 
 
-def segment_ranges(in_shape: Shape, dim: int, segments: Sequence[int],
-                   num_shards: int) -> tuple[int, list[Ranges]]:
+def segment_ranges(
+    in_shape: Shape, dim: int, segments: Sequence[int], num_shards: int
+) -> tuple[int, list[Ranges]]:
     """The split axis and, per worker, the ranges it keeps, for ``shardload.split_segments``.
 
     Segment ``k`` is ``size_k`` elements long along the axis and made of ``|units_k|`` equal
@@ -174,8 +193,9 @@ def segment_ranges(in_shape: Shape, dim: int, segments: Sequence[int],
 
 def _segments_rule(in_shape: Shape, in_dtype: str, dim: int, *segments: int, num_shards: int):
     axis, num_shards, layout = _segment_layout(in_shape, dim, segments, num_shards)
-    return _stack_shape(in_shape, axis, sum(length for _, length, _ in layout),
-                        num_shards), in_dtype
+    return _stack_shape(
+        in_shape, axis, sum(length for _, length, _ in layout), num_shards
+    ), in_dtype
 
 
 def split_segments(input: torch.Tensor, dim: int, *segments_and_output) -> None:
@@ -199,6 +219,7 @@ def split_segments(input: torch.Tensor, dim: int, *segments_and_output) -> None:
 
 # ---- shardload.replicate -----------------------------------------------------------------------
 
+
 def _replicate_rule(in_shape: Shape, in_dtype: str, *, num_shards: int):
     return (_workers(num_shards), *in_shape), in_dtype
 
@@ -206,8 +227,9 @@ def _replicate_rule(in_shape: Shape, in_dtype: str, *, num_shards: int):
 def replicate(input: torch.Tensor, output: torch.Tensor) -> None:
     """Give every worker the whole tensor (stacked N times along a new axis 0)."""
     _check_output(_replicate_rule, input, (), output)
-    dtypes.movable_view(output).copy_(dtypes.movable_view(input).unsqueeze(0).expand_as(
-        dtypes.movable_view(output)))
+    dtypes.movable_view(output).copy_(
+        dtypes.movable_view(input).unsqueeze(0).expand_as(dtypes.movable_view(output))
+    )
 
 
 # ---- shardload.split_rebase --------------------------------------------------------------------
@@ -248,18 +270,21 @@ def rebase(piece: torch.Tensor) -> torch.Tensor:
 
 # ---- shardload.constant ------------------------------------------------------------------------
 
+
 def _constant_rule(in_shape: Shape, in_dtype: str, *values: int, num_shards: int):
     if len(in_shape) != 1 or in_shape[0] != len(values):
-        raise ValueError(f"the input must be a vector of {len(values)} values, got shape "
-                         f"{list(in_shape)}")
+        raise ValueError(
+            f"the input must be a vector of {len(values)} values, got shape {list(in_shape)}"
+        )
     if in_dtype not in _INTEGER:
         raise ValueError(f"constant values are integers, the input is {in_dtype}")
     lo, hi = dtypes.INTEGER_RANGE[in_dtype]
     for k, v in enumerate(values):
         v = _int(v, f"constant value {k}")
         if not lo <= v <= hi:
-            raise ValueError(f"constant value {k} is {v}, which does not fit {in_dtype} "
-                             f"[{lo}, {hi}]")
+            raise ValueError(
+                f"constant value {k} is {v}, which does not fit {in_dtype} [{lo}, {hi}]"
+            )
     return (_workers(num_shards), len(values)), in_dtype
 
 
@@ -286,16 +311,20 @@ def constant(input: torch.Tensor, *values_and_output) -> None:
 
 # ---- shardload.repeat_segments -----------------------------------------------------------------
 
+
 def _repeat_rule(in_shape: Shape, in_dtype: str, *sizes: int, num_shards: int):
     sizes = tuple(_int(s, "a segment size") for s in sizes)
     if not sizes or any(s < 0 for s in sizes):
         raise ValueError("give one non-negative size per segment")
     if sum(sizes) > dtypes.MAX_DIM:
-        raise ValueError(f"the sizes add up to {sum(sizes)} rows, beyond the {dtypes.MAX_DIM} "
-                         "(2**53) any dim may have")
+        raise ValueError(
+            f"the sizes add up to {sum(sizes)} rows, beyond the {dtypes.MAX_DIM} "
+            "(2**53) any dim may have"
+        )
     if tuple(in_shape) not in ((len(sizes),), (len(sizes), 1)):
-        raise ValueError(f"the input must hold one value per segment ({len(sizes)}), got shape "
-                         f"{list(in_shape)}")
+        raise ValueError(
+            f"the input must hold one value per segment ({len(sizes)}), got shape {list(in_shape)}"
+        )
     _workers(num_shards)
     return (sum(sizes), 1), in_dtype
 
@@ -313,36 +342,41 @@ def repeat_segments(input: torch.Tensor, *sizes_and_output) -> None:
     *sizes, output = sizes_and_output
     _check_output(_repeat_rule, input, tuple(sizes), output)
     values = input.reshape(-1)
-    output.copy_(torch.repeat_interleave(values, torch.tensor([int(s) for s in sizes]))
-                 .reshape(-1, 1))
+    output.copy_(
+        torch.repeat_interleave(values, torch.tensor([int(s) for s in sizes])).reshape(-1, 1)
+    )
 
 
 # ---- shardload.take_units ----------------------------------------------------------------------
 
-def take_ranges(in_shape: Shape, dim: int, unit: int, indices: Sequence[int],
-                num_shards: int) -> tuple[int, int, list[list[int]]]:
+
+def take_ranges(
+    in_shape: Shape, dim: int, unit: int, indices: Sequence[int], num_shards: int
+) -> tuple[int, int, list[list[int]]]:
     """The axis, the unit length, and per worker the unit indices it takes (-1: a zero unit)."""
     axis = _axis(dim, len(in_shape))
     num_shards = _workers(num_shards)
     unit = _int(unit, "unit")
     if unit <= 0 or in_shape[axis] % unit:
-        raise ValueError(f"dim {dim} has size {in_shape[axis]}, not a whole number of units of "
-                         f"{unit}")
+        raise ValueError(
+            f"dim {dim} has size {in_shape[axis]}, not a whole number of units of {unit}"
+        )
     units = in_shape[axis] // unit
     indices = [_int(v, "a unit index") for v in indices]
     if not indices or len(indices) % num_shards:
-        raise ValueError(f"{len(indices)} unit indices do not give each of {num_shards} "
-                         "workers the same number")
+        raise ValueError(
+            f"{len(indices)} unit indices do not give each of {num_shards} workers the same number"
+        )
     bad = [v for v in indices if not -1 <= v < units]
     if bad:
-        raise ValueError(f"unit index {bad[0]} is out of range for {units} units (-1 is a zero "
-                         "unit)")
+        raise ValueError(
+            f"unit index {bad[0]} is out of range for {units} units (-1 is a zero unit)"
+        )
     per = len(indices) // num_shards
-    return axis, unit, [indices[i * per:(i + 1) * per] for i in range(num_shards)]
+    return axis, unit, [indices[i * per : (i + 1) * per] for i in range(num_shards)]
 
 
-def _take_rule(in_shape: Shape, in_dtype: str, dim: int, unit: int, *indices: int,
-               num_shards: int):
+def _take_rule(in_shape: Shape, in_dtype: str, dim: int, unit: int, *indices: int, num_shards: int):
     axis, unit, per_worker = take_ranges(in_shape, dim, unit, indices, num_shards)
     return _stack_shape(in_shape, axis, len(per_worker[0]) * unit, num_shards), in_dtype
 
@@ -356,8 +390,7 @@ def take_units(input: torch.Tensor, dim: int, unit: int, *indices_and_output) ->
     """
     *indices, output = indices_and_output
     _check_output(_take_rule, input, (dim, unit, *indices), output)
-    axis, unit, per_worker = take_ranges(tuple(input.shape), dim, unit, indices,
-                                         output.shape[0])
+    axis, unit, per_worker = take_ranges(tuple(input.shape), dim, unit, indices, output.shape[0])
     src, dst = dtypes.movable_view(input), dtypes.movable_view(output)
     dst.zero_()
     for i, wanted in enumerate(per_worker):
@@ -368,8 +401,10 @@ def take_units(input: torch.Tensor, dim: int, unit: int, *indices_and_output) ->
 
 # ---- shardload.take_units_fill -----------------------------------------------------------------
 
-def _take_fill_rule(in_shape: Shape, in_dtype: str, dim: int, unit: int, fill: int,
-                    *indices: int, num_shards: int):
+
+def _take_fill_rule(
+    in_shape: Shape, in_dtype: str, dim: int, unit: int, fill: int, *indices: int, num_shards: int
+):
     _fill_value(fill, in_dtype)
     return _take_rule(in_shape, in_dtype, dim, unit, *indices, num_shards=num_shards)
 
@@ -382,15 +417,17 @@ def _fill_value(fill: int, dtype: str) -> int:
     return fill
 
 
-def _fill_zero_units(piece: torch.Tensor, axis: int, unit: int, units: Sequence[int],
-                     fill: int) -> None:
+def _fill_zero_units(
+    piece: torch.Tensor, axis: int, unit: int, units: Sequence[int], fill: int
+) -> None:
     for j, u in enumerate(units):
         if u < 0:
             piece.narrow(axis, j * unit, unit).fill_(fill)
 
 
-def take_units_fill(input: torch.Tensor, dim: int, unit: int, fill: int,
-                    *indices_and_output) -> None:
+def take_units_fill(
+    input: torch.Tensor, dim: int, unit: int, fill: int, *indices_and_output
+) -> None:
     """As ``take_units``, with every element of a zero unit ``fill`` instead of 0.
 
     Extra args: ``dim, unit, fill, i_0_0, ...``. For the codes of a row-parallel layer quantized
@@ -409,14 +446,16 @@ def take_units_fill(input: torch.Tensor, dim: int, unit: int, fill: int,
 
 # ---- shardload.replicate_padded ----------------------------------------------------------------
 
-def _replicate_padded_rule(in_shape: Shape, in_dtype: str, dim: int, size: int, *,
-                           num_shards: int):
+
+def _replicate_padded_rule(in_shape: Shape, in_dtype: str, dim: int, size: int, *, num_shards: int):
     axis = _axis(dim, len(in_shape))
     size = _int(size, "size")
     if not in_shape[axis] <= size <= dtypes.MAX_DIM:
-        raise ValueError(f"dim {dim} has size {in_shape[axis]}: padding it to {size} would "
-                         "drop elements" if size < in_shape[axis] else
-                         f"size {size} is beyond the {dtypes.MAX_DIM} (2**53) any dim may have")
+        raise ValueError(
+            f"dim {dim} has size {in_shape[axis]}: padding it to {size} would drop elements"
+            if size < in_shape[axis]
+            else f"size {size} is beyond the {dtypes.MAX_DIM} (2**53) any dim may have"
+        )
     return _stack_shape(in_shape, axis, size, num_shards), in_dtype
 
 
@@ -433,13 +472,22 @@ def replicate_padded(input: torch.Tensor, dim: int, size: int, output: torch.Ten
     dst = dtypes.movable_view(output)
     dst.zero_()
     dst.narrow(axis + 1, 0, input.shape[axis]).copy_(
-        dtypes.movable_view(input).unsqueeze(0).expand(output.shape[0], *input.shape))
+        dtypes.movable_view(input).unsqueeze(0).expand(output.shape[0], *input.shape)
+    )
 
 
 # ---- shardload.take_g_idx ----------------------------------------------------------------------
 
-def _g_idx_args(in_shape: Shape, in_dtype: str, unit: int, group: int, zero_group: int,
-                indices: Sequence[int], num_shards: int):
+
+def _g_idx_args(
+    in_shape: Shape,
+    in_dtype: str,
+    unit: int,
+    group: int,
+    zero_group: int,
+    indices: Sequence[int],
+    num_shards: int,
+):
     if len(in_shape) != 1 or in_dtype not in _INTEGER:
         raise ValueError(f"a g_idx is a vector of integers, got {list(in_shape)} {in_dtype}")
     group, zero_group = _int(group, "group"), _int(zero_group, "zero_group")
@@ -451,20 +499,29 @@ def _g_idx_args(in_shape: Shape, in_dtype: str, unit: int, group: int, zero_grou
     return unit, group, zero_group, per_worker
 
 
-def _take_g_idx_rule(in_shape: Shape, in_dtype: str, unit: int, group: int, zero_group: int,
-                     *indices: int, num_shards: int):
-    unit, _, _, per_worker = _g_idx_args(in_shape, in_dtype, unit, group, zero_group, indices,
-                                         num_shards)
+def _take_g_idx_rule(
+    in_shape: Shape,
+    in_dtype: str,
+    unit: int,
+    group: int,
+    zero_group: int,
+    *indices: int,
+    num_shards: int,
+):
+    unit, _, _, per_worker = _g_idx_args(
+        in_shape, in_dtype, unit, group, zero_group, indices, num_shards
+    )
     return (len(per_worker), len(per_worker[0]) * unit), in_dtype
 
 
-def _renumber(piece: torch.Tensor, units: Sequence[int], unit: int, group: int,
-              zero_group: int) -> None:
+def _renumber(
+    piece: torch.Tensor, units: Sequence[int], unit: int, group: int, zero_group: int
+) -> None:
     """One worker's g_idx after its units were taken (zero units read as zeros): see
     ``take_g_idx``."""
     import torch
 
-    if zero_group < 0:       # groups in storage order, the worker's own
+    if zero_group < 0:  # groups in storage order, the worker's own
         local = torch.arange(piece.numel(), dtype=torch.int64) // group
         piece.copy_(local.to(piece.dtype))
         return
@@ -476,8 +533,9 @@ def _renumber(piece: torch.Tensor, units: Sequence[int], unit: int, group: int,
             padded += unit
 
 
-def take_g_idx(input: torch.Tensor, unit: int, group: int, zero_group: int,
-               *indices_and_output) -> None:
+def take_g_idx(
+    input: torch.Tensor, unit: int, group: int, zero_group: int, *indices_and_output
+) -> None:
     """Each worker's ``g_idx`` (a row's quantization group) for its units of the input rows,
     some of them zero units, under zero-padding of a row-parallel layer.
 
@@ -496,8 +554,14 @@ def take_g_idx(input: torch.Tensor, unit: int, group: int, zero_group: int,
     *indices, output = indices_and_output
     _check_output(_take_g_idx_rule, input, (unit, group, zero_group, *indices), output)
     unit, group, zero_group, per_worker = _g_idx_args(
-        tuple(input.shape), dtypes.from_torch(input.dtype), unit, group, zero_group, indices,
-        output.shape[0])
+        tuple(input.shape),
+        dtypes.from_torch(input.dtype),
+        unit,
+        group,
+        zero_group,
+        indices,
+        output.shape[0],
+    )
     take_units(input, 0, unit, *indices, output)
     for i, units in enumerate(per_worker):
         _renumber(output[i], units, unit, group, zero_group)
@@ -505,64 +569,100 @@ def take_g_idx(input: torch.Tensor, unit: int, group: int, zero_group: int,
 
 # ---- what each worker's piece is, for reading only its bytes -----------------------------------
 
-def _split_selection(in_shape: Shape, in_dtype: str, dim: int, *, num_shards: int,
-                     index: int) -> Selection:
+
+def _split_selection(
+    in_shape: Shape, in_dtype: str, dim: int, *, num_shards: int, index: int
+) -> Selection:
     axis, ranges = split_ranges(in_shape, dim, num_shards)
     return Selection(axis, tuple(ranges[index]))
 
 
-def _segments_selection(in_shape: Shape, in_dtype: str, dim: int, *segments: int,
-                        num_shards: int, index: int) -> Selection:
+def _segments_selection(
+    in_shape: Shape, in_dtype: str, dim: int, *segments: int, num_shards: int, index: int
+) -> Selection:
     axis, num_shards, layout = _segment_layout(in_shape, dim, segments, num_shards)
-    return Selection(axis, tuple((start + ((index // replicas) if replicas else index) * length,
-                                  length) for start, length, replicas in layout))
+    return Selection(
+        axis,
+        tuple(
+            (start + ((index // replicas) if replicas else index) * length, length)
+            for start, length, replicas in layout
+        ),
+    )
 
 
-def _replicate_selection(in_shape: Shape, in_dtype: str, *, num_shards: int,
-                         index: int) -> Selection:
+def _replicate_selection(
+    in_shape: Shape, in_dtype: str, *, num_shards: int, index: int
+) -> Selection:
     return Selection.whole()
 
 
-def _take_selection(in_shape: Shape, in_dtype: str, dim: int, unit: int, *indices: int,
-                    num_shards: int, index: int) -> Selection:
+def _take_selection(
+    in_shape: Shape, in_dtype: str, dim: int, unit: int, *indices: int, num_shards: int, index: int
+) -> Selection:
     axis, unit, per_worker = take_ranges(in_shape, dim, unit, indices, num_shards)
-    return Selection(axis, tuple((None if u < 0 else u * unit, unit)
-                                 for u in per_worker[index]))
+    return Selection(axis, tuple((None if u < 0 else u * unit, unit) for u in per_worker[index]))
 
 
-def _take_fill_selection(in_shape: Shape, in_dtype: str, dim: int, unit: int, fill: int,
-                         *indices: int, num_shards: int, index: int) -> Selection:
-    return _take_selection(in_shape, in_dtype, dim, unit, *indices, num_shards=num_shards,
-                           index=index)
+def _take_fill_selection(
+    in_shape: Shape,
+    in_dtype: str,
+    dim: int,
+    unit: int,
+    fill: int,
+    *indices: int,
+    num_shards: int,
+    index: int,
+) -> Selection:
+    return _take_selection(
+        in_shape, in_dtype, dim, unit, *indices, num_shards=num_shards, index=index
+    )
 
 
-def _take_fill_fixup(piece: torch.Tensor, dim: int, unit: int, fill: int, *indices: int,
-                     num_shards: int, index: int) -> None:
+def _take_fill_fixup(
+    piece: torch.Tensor, dim: int, unit: int, fill: int, *indices: int, num_shards: int, index: int
+) -> None:
     # the ranges rule checked these args against the stored tensor before anything was read
     per = len(indices) // num_shards
-    _fill_zero_units(piece, _axis(dim, piece.dim()), unit, indices[index * per:(index + 1) * per],
-                     fill)
+    _fill_zero_units(
+        piece, _axis(dim, piece.dim()), unit, indices[index * per : (index + 1) * per], fill
+    )
 
 
-def _replicate_padded_selection(in_shape: Shape, in_dtype: str, dim: int, size: int, *,
-                                num_shards: int, index: int) -> Selection:
+def _replicate_padded_selection(
+    in_shape: Shape, in_dtype: str, dim: int, size: int, *, num_shards: int, index: int
+) -> Selection:
     axis = _axis(dim, len(in_shape))
     return Selection(axis, ((0, in_shape[axis]), (None, _int(size, "size") - in_shape[axis])))
 
 
-def _take_g_idx_selection(in_shape: Shape, in_dtype: str, unit: int, group: int,
-                          zero_group: int, *indices: int, num_shards: int,
-                          index: int) -> Selection:
-    unit, _, _, per_worker = _g_idx_args(in_shape, in_dtype, unit, group, zero_group, indices,
-                                         num_shards)
+def _take_g_idx_selection(
+    in_shape: Shape,
+    in_dtype: str,
+    unit: int,
+    group: int,
+    zero_group: int,
+    *indices: int,
+    num_shards: int,
+    index: int,
+) -> Selection:
+    unit, _, _, per_worker = _g_idx_args(
+        in_shape, in_dtype, unit, group, zero_group, indices, num_shards
+    )
     return Selection(0, tuple((None if u < 0 else u * unit, unit) for u in per_worker[index]))
 
 
-def _take_g_idx_fixup(piece: torch.Tensor, unit: int, group: int, zero_group: int,
-                      *indices: int, num_shards: int, index: int) -> None:
+def _take_g_idx_fixup(
+    piece: torch.Tensor,
+    unit: int,
+    group: int,
+    zero_group: int,
+    *indices: int,
+    num_shards: int,
+    index: int,
+) -> None:
     # the ranges rule checked these args against the stored g_idx before anything was read
     per = len(indices) // num_shards
-    _renumber(piece, indices[index * per:(index + 1) * per], unit, group, zero_group)
+    _renumber(piece, indices[index * per : (index + 1) * per], unit, group, zero_group)
 
 
 def _rebase_fixup(piece: torch.Tensor, dim: int, *, num_shards: int, index: int) -> None:
@@ -572,21 +672,39 @@ def _rebase_fixup(piece: torch.Tensor, dim: int, *, num_shards: int, index: int)
 #: (name, function, rules) of every built-in, registered by ``shardload.registry``
 BUILTINS = [
     ("shardload.split", split, dict(shape_rule=_split_rule, ranges=_split_selection)),
-    ("shardload.split_segments", split_segments,
-     dict(shape_rule=_segments_rule, ranges=_segments_selection)),
-    ("shardload.replicate", replicate,
-     dict(shape_rule=_replicate_rule, ranges=_replicate_selection)),
-    ("shardload.split_rebase", split_rebase,
-     dict(shape_rule=_split_rebase_rule, ranges=_split_selection, fixup=_rebase_fixup)),
+    (
+        "shardload.split_segments",
+        split_segments,
+        dict(shape_rule=_segments_rule, ranges=_segments_selection),
+    ),
+    (
+        "shardload.replicate",
+        replicate,
+        dict(shape_rule=_replicate_rule, ranges=_replicate_selection),
+    ),
+    (
+        "shardload.split_rebase",
+        split_rebase,
+        dict(shape_rule=_split_rebase_rule, ranges=_split_selection, fixup=_rebase_fixup),
+    ),
     # a piece made of values, not of the input's elements: computed (it is a few integers)
     ("shardload.constant", constant, dict(shape_rule=_constant_rule)),
     # a piece larger than the input: computed (per-part scales, a handful of numbers)
     ("shardload.repeat_segments", repeat_segments, dict(shape_rule=_repeat_rule)),
     ("shardload.take_units", take_units, dict(shape_rule=_take_rule, ranges=_take_selection)),
-    ("shardload.take_units_fill", take_units_fill,
-     dict(shape_rule=_take_fill_rule, ranges=_take_fill_selection, fixup=_take_fill_fixup)),
-    ("shardload.replicate_padded", replicate_padded,
-     dict(shape_rule=_replicate_padded_rule, ranges=_replicate_padded_selection)),
-    ("shardload.take_g_idx", take_g_idx,
-     dict(shape_rule=_take_g_idx_rule, ranges=_take_g_idx_selection, fixup=_take_g_idx_fixup)),
+    (
+        "shardload.take_units_fill",
+        take_units_fill,
+        dict(shape_rule=_take_fill_rule, ranges=_take_fill_selection, fixup=_take_fill_fixup),
+    ),
+    (
+        "shardload.replicate_padded",
+        replicate_padded,
+        dict(shape_rule=_replicate_padded_rule, ranges=_replicate_padded_selection),
+    ),
+    (
+        "shardload.take_g_idx",
+        take_g_idx,
+        dict(shape_rule=_take_g_idx_rule, ranges=_take_g_idx_selection, fixup=_take_g_idx_fixup),
+    ),
 ]

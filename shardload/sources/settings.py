@@ -70,16 +70,37 @@ __all__ = [
 
 #: the client settings obstore reads from the environment, as ``<PREFIX><KEY>`` (upper case):
 #: ``AWS_ALLOW_HTTP``, ``GOOGLE_PROXY_URL``, ``AZURE_TIMEOUT``...
-CLIENT_OPTIONS = ("allow_http", "allow_invalid_certificates", "connect_timeout",
-                  "default_content_type", "http1_only", "http2_keep_alive_interval",
-                  "http2_keep_alive_timeout", "http2_keep_alive_while_idle",
-                  "http2_max_frame_size", "http2_only", "pool_idle_timeout",
-                  "pool_max_idle_per_host", "proxy_url", "proxy_ca_certificate",
-                  "proxy_excludes", "randomize_addresses", "read_timeout", "timeout",
-                  "user_agent")
-_BOOLEAN_OPTIONS = frozenset({"allow_http", "allow_invalid_certificates", "http1_only",
-                              "http2_only", "http2_keep_alive_while_idle",
-                              "randomize_addresses"})
+CLIENT_OPTIONS = (
+    "allow_http",
+    "allow_invalid_certificates",
+    "connect_timeout",
+    "default_content_type",
+    "http1_only",
+    "http2_keep_alive_interval",
+    "http2_keep_alive_timeout",
+    "http2_keep_alive_while_idle",
+    "http2_max_frame_size",
+    "http2_only",
+    "pool_idle_timeout",
+    "pool_max_idle_per_host",
+    "proxy_url",
+    "proxy_ca_certificate",
+    "proxy_excludes",
+    "randomize_addresses",
+    "read_timeout",
+    "timeout",
+    "user_agent",
+)
+_BOOLEAN_OPTIONS = frozenset(
+    {
+        "allow_http",
+        "allow_invalid_certificates",
+        "http1_only",
+        "http2_only",
+        "http2_keep_alive_while_idle",
+        "randomize_addresses",
+    }
+)
 #: the words the library takes for a boolean
 _TRUE = frozenset({"1", "true", "on", "yes", "y"})
 _FALSE = frozenset({"0", "false", "off", "no", "n"})
@@ -87,28 +108,39 @@ _FALSE = frozenset({"0", "false", "off", "no", "n"})
 #: Azure's connection string, and Azurite's well-known account (public: Microsoft documents it)
 CONNECTION_STRING = "AZURE_STORAGE_CONNECTION_STRING"
 DEVSTORE_ACCOUNT = "devstoreaccount1"
-DEVSTORE_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
-                "KBHBeksoGMGw==")
+DEVSTORE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
 DEVSTORE_ENDPOINT = f"http://127.0.0.1:10000/{DEVSTORE_ACCOUNT}"
 #: the Google SDKs' emulator setting
 EMULATOR_HOST = "STORAGE_EMULATOR_HOST"
 
 _AZ_ACCOUNT_VARIABLES = ("AZURE_STORAGE_ACCOUNT_NAME",)
-_AZ_KEY_VARIABLES = ("AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_ACCESS_KEY",
-                     "AZURE_STORAGE_MASTER_KEY")
+_AZ_KEY_VARIABLES = (
+    "AZURE_STORAGE_ACCOUNT_KEY",
+    "AZURE_STORAGE_ACCESS_KEY",
+    "AZURE_STORAGE_MASTER_KEY",
+)
 _AZ_ENDPOINT_VARIABLES = ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT")
 #: obstore's Azure variables that make a credential of their own: any one set, the connection
 #: string's key or SAS is not used
-_AZ_CREDENTIAL_VARIABLES = (*_AZ_KEY_VARIABLES, "AZURE_STORAGE_SAS_KEY",
-                            "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_TOKEN",
-                            "AZURE_STORAGE_CLIENT_SECRET", "AZURE_CLIENT_SECRET",
-                            "AZURE_FEDERATED_TOKEN_FILE", "AZURE_USE_AZURE_CLI",
-                            "AZURE_SKIP_SIGNATURE")
+_AZ_CREDENTIAL_VARIABLES = (
+    *_AZ_KEY_VARIABLES,
+    "AZURE_STORAGE_SAS_KEY",
+    "AZURE_STORAGE_SAS_TOKEN",
+    "AZURE_STORAGE_TOKEN",
+    "AZURE_STORAGE_CLIENT_SECRET",
+    "AZURE_CLIENT_SECRET",
+    "AZURE_FEDERATED_TOKEN_FILE",
+    "AZURE_USE_AZURE_CLI",
+    "AZURE_SKIP_SIGNATURE",
+)
 _GCS_ACCOUNT_FILES = ("GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_PATH")
 _GCS_ACCOUNT_KEY = "GOOGLE_SERVICE_ACCOUNT_KEY"
 
 
 # ------------------------------------------------------------------------------ what comes out
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -191,6 +223,7 @@ class Cloud:
 
 # ------------------------------------------------------------------------------ small readers
 
+
 def _value(environ: Mapping[str, str], name: str) -> str | None:
     """A variable's value, stripped; None where it is unset or empty."""
     text = (environ.get(name) or "").strip()
@@ -201,8 +234,9 @@ def _first_set(environ: Mapping[str, str], names: tuple) -> str | None:
     return next((n for n in names if _value(environ, n) is not None), None)
 
 
-def _flag(environ: Mapping[str, str], name: str,
-          refuse: Callable[[str], StorageError]) -> bool | None:
+def _flag(
+    environ: Mapping[str, str], name: str, refuse: Callable[[str], StorageError]
+) -> bool | None:
     """A boolean variable as the library reads it; None where unset."""
     text = _value(environ, name)
     if text is None:
@@ -240,22 +274,30 @@ def _is_http_url(text: str) -> bool:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
         return False
-    return parts.scheme.lower() in ("http", "https") and bool(parts.hostname) and \
-        not any(c.isspace() or ord(c) < 32 for c in text)
+    return (
+        parts.scheme.lower() in ("http", "https")
+        and bool(parts.hostname)
+        and not any(c.isspace() or ord(c) < 32 for c in text)
+    )
 
 
 def _check_endpoint(endpoint: Endpoint, refuse: Callable[[str], StorageError]) -> None:
     if _is_http_url(endpoint.url.strip()):
         return
     if endpoint.detail:
-        raise refuse(f"{endpoint.source} is not an http:// or https:// URL with a host; "
-                     "correct it (http://HOST:PORT)")
-    raise refuse(f"the endpoint setting {endpoint.variable} is not an http:// or https:// URL "
-                 "with a host; set it to the endpoint's URL (http://HOST:PORT), or unset it "
-                 "for the service's own")
+        raise refuse(
+            f"{endpoint.source} is not an http:// or https:// URL with a host; "
+            "correct it (http://HOST:PORT)"
+        )
+    raise refuse(
+        f"the endpoint setting {endpoint.variable} is not an http:// or https:// URL "
+        "with a host; set it to the endpoint's URL (http://HOST:PORT), or unset it "
+        "for the service's own"
+    )
 
 
 # ------------------------------------------------------------------------------------ S3
+
 
 def _s3(environ: Mapping[str, str], refuse: Callable[[str], StorageError]) -> _Own:
     """boto's endpoint variables in boto's order. The library itself prefers
@@ -270,6 +312,7 @@ def _s3(environ: Mapping[str, str], refuse: Callable[[str], StorageError]) -> _O
 
 
 # ------------------------------------------------------------------------------------ GCS
+
 
 def _service_account_base_url(environ: Mapping[str, str], name: str) -> str | None:
     """The ``gcs_base_url`` of the service account ``name`` gives (a file's path; for
@@ -305,11 +348,15 @@ def _gcs(environ: Mapping[str, str], refuse: Callable[[str], StorageError]) -> _
     config: dict[str, Any] = {"base_url": emulator.rstrip("/")}
     if _value(environ, "GOOGLE_SKIP_SIGNATURE") is None:
         config["skip_signature"] = True
-    return _Own(config, Endpoint(emulator, EMULATOR_HOST),
-                f"{EMULATOR_HOST} (requests to an emulator are not signed)")
+    return _Own(
+        config,
+        Endpoint(emulator, EMULATOR_HOST),
+        f"{EMULATOR_HOST} (requests to an emulator are not signed)",
+    )
 
 
 # ------------------------------------------------------------------------------------ Azure
+
 
 def parse_connection_string(text: str) -> dict[str, str]:
     """An Azure connection string's ``KEY=VALUE`` pairs (separated by ``;``), the keys upper
@@ -331,8 +378,9 @@ def parse_connection_string(text: str) -> dict[str, str]:
     for i, part in enumerate(parts, 1):
         key, sep, value = part.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"is not KEY=VALUE pairs separated by ';' (part {i} of "
-                             f"{len(parts)} has no KEY=)")
+            raise ValueError(
+                f"is not KEY=VALUE pairs separated by ';' (part {i} of {len(parts)} has no KEY=)"
+            )
         fields[key.strip().upper()] = value.strip()
     return fields
 
@@ -377,30 +425,36 @@ def connection_string_settings(fields: Mapping[str, str]) -> ConnectionSettings:
     'https://acct.blob.core.windows.net'
     """
     if (fields.get("USEDEVELOPMENTSTORAGE") or "").lower() == "true":
-        return ConnectionSettings(DEVSTORE_ACCOUNT, DEVSTORE_KEY, None, DEVSTORE_ENDPOINT,
-                                  "UseDevelopmentStorage=true")
+        return ConnectionSettings(
+            DEVSTORE_ACCOUNT, DEVSTORE_KEY, None, DEVSTORE_ENDPOINT, "UseDevelopmentStorage=true"
+        )
     account = fields.get("ACCOUNTNAME") or None
     endpoint, where = fields.get("BLOBENDPOINT") or None, "the BlobEndpoint"
     if endpoint is None:
         if fields.get("BLOBSECONDARYENDPOINT"):
-            raise ValueError("names only a secondary endpoint (BlobSecondaryEndpoint); add "
-                             "BlobEndpoint=...")
+            raise ValueError(
+                "names only a secondary endpoint (BlobSecondaryEndpoint); add BlobEndpoint=..."
+            )
         if account is None:
-            raise ValueError("names neither an account (AccountName=...) nor an endpoint "
-                             "(BlobEndpoint=...)")
+            raise ValueError(
+                "names neither an account (AccountName=...) nor an endpoint (BlobEndpoint=...)"
+            )
         protocol, suffix = fields.get("DEFAULTENDPOINTSPROTOCOL"), fields.get("ENDPOINTSUFFIX")
         if protocol and suffix:
             if protocol.lower() not in ("http", "https"):
-                raise ValueError("has a DefaultEndpointsProtocol that is neither http nor "
-                                 "https")
+                raise ValueError("has a DefaultEndpointsProtocol that is neither http nor https")
             endpoint = f"{protocol.lower()}://{account}.blob.{suffix}"
             where = "the AccountName and EndpointSuffix"
         else:
             endpoint = f"https://{account}.blob.{suffix or 'core.windows.net'}"
             where = "the AccountName"
-    return ConnectionSettings(account or _account_in(endpoint), fields.get("ACCOUNTKEY") or None,
-                              (fields.get("SHAREDACCESSSIGNATURE") or "").lstrip("?") or None,
-                              endpoint, where)
+    return ConnectionSettings(
+        account or _account_in(endpoint),
+        fields.get("ACCOUNTKEY") or None,
+        (fields.get("SHAREDACCESSSIGNATURE") or "").lstrip("?") or None,
+        endpoint,
+        where,
+    )
 
 
 def _is_base64(text: str) -> bool:
@@ -423,19 +477,24 @@ def _azure(environ: Mapping[str, str], refuse: Callable[[str], StorageError]) ->
     if name is not None:
         endpoint = Endpoint(_value(environ, name), name)
     elif emulator:
-        endpoint = Endpoint(_value(environ, "AZURITE_BLOB_STORAGE_URL") or
-                            "http://127.0.0.1:10000", "AZURE_STORAGE_USE_EMULATOR")
+        endpoint = Endpoint(
+            _value(environ, "AZURITE_BLOB_STORAGE_URL") or "http://127.0.0.1:10000",
+            "AZURE_STORAGE_USE_EMULATOR",
+        )
     text = _value(environ, CONNECTION_STRING)
     if text is not None:
         try:
             conn = connection_string_settings(parse_connection_string(text))
         except ValueError as exc:
-            raise refuse(f"{CONNECTION_STRING} {exc}; set it as the Azure portal or Azurite's "
-                         "documentation gives it (AccountName=...;AccountKey=...;"
-                         "BlobEndpoint=...), or to UseDevelopmentStorage=true") from None
+            raise refuse(
+                f"{CONNECTION_STRING} {exc}; set it as the Azure portal or Azurite's "
+                "documentation gives it (AccountName=...;AccountKey=...;"
+                "BlobEndpoint=...), or to UseDevelopmentStorage=true"
+            ) from None
         if endpoint is None:
-            endpoint = Endpoint(conn.endpoint, CONNECTION_STRING,
-                                f"{conn.endpoint_field} in {CONNECTION_STRING}")
+            endpoint = Endpoint(
+                conn.endpoint, CONNECTION_STRING, f"{conn.endpoint_field} in {CONNECTION_STRING}"
+            )
             config["endpoint"] = conn.endpoint
         if _first_set(environ, _AZ_ACCOUNT_VARIABLES) is None:
             if conn.account is None:
@@ -444,20 +503,26 @@ def _azure(environ: Mapping[str, str], refuse: Callable[[str], StorageError]) ->
         if _first_set(environ, _AZ_CREDENTIAL_VARIABLES) is None:
             if conn.key is not None:
                 if not _is_base64(conn.key):
-                    raise refuse(f"the AccountKey in {CONNECTION_STRING} is not base64; copy "
-                                 "the account's key again")
+                    raise refuse(
+                        f"the AccountKey in {CONNECTION_STRING} is not base64; copy "
+                        "the account's key again"
+                    )
                 config["account_key"] = conn.key
             elif conn.sas is not None:
                 config["sas_key"] = conn.sas
             else:
-                raise refuse(f"{CONNECTION_STRING} holds no key: add the account's key "
-                             "(AccountKey=...) or a shared access signature "
-                             "(SharedAccessSignature=...)")
+                raise refuse(
+                    f"{CONNECTION_STRING} holds no key: add the account's key "
+                    "(AccountKey=...) or a shared access signature "
+                    "(SharedAccessSignature=...)"
+                )
             credentials = f"{CONNECTION_STRING} (its AccountKey or SharedAccessSignature)"
     elif _first_set(environ, _AZ_ACCOUNT_VARIABLES) is None and not emulator:
-        raise refuse(f"no Azure storage account is set; set {CONNECTION_STRING} (Azurite: "
-                     "UseDevelopmentStorage=true), or AZURE_STORAGE_ACCOUNT_NAME with "
-                     "AZURE_STORAGE_ACCOUNT_KEY")
+        raise refuse(
+            f"no Azure storage account is set; set {CONNECTION_STRING} (Azurite: "
+            "UseDevelopmentStorage=true), or AZURE_STORAGE_ACCOUNT_NAME with "
+            "AZURE_STORAGE_ACCOUNT_KEY"
+        )
     key_name = _first_set(environ, _AZ_KEY_VARIABLES)
     if key_name is not None and not _is_base64(_value(environ, key_name)):
         raise refuse(f"{key_name} is not base64; copy the account's key again")
@@ -467,21 +532,41 @@ def _azure(environ: Mapping[str, str], refuse: Callable[[str], StorageError]) ->
 # ------------------------------------------------------------------------------------ the table
 
 #: one row per scheme
-CLOUDS: dict[str, Cloud] = {c.scheme: c for c in (
-    Cloud("s3", "AWS_", "the default AWS endpoint",
-          "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN) or AWS_PROFILE",
-          _s3),
-    Cloud("gs", "GOOGLE_", "the default Google Cloud endpoint",
-          f"GOOGLE_APPLICATION_CREDENTIALS or GOOGLE_SERVICE_ACCOUNT ({EMULATOR_HOST} for an "
-          "emulator)", _gcs),
-    Cloud("az", "AZURE_", "the default Azure endpoint",
-          f"{CONNECTION_STRING}, or AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY "
-          "(or a SAS or Entra ID token)", _azure),
-)}
+CLOUDS: dict[str, Cloud] = {
+    c.scheme: c
+    for c in (
+        Cloud(
+            "s3",
+            "AWS_",
+            "the default AWS endpoint",
+            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN) or AWS_PROFILE",
+            _s3,
+        ),
+        Cloud(
+            "gs",
+            "GOOGLE_",
+            "the default Google Cloud endpoint",
+            f"GOOGLE_APPLICATION_CREDENTIALS or GOOGLE_SERVICE_ACCOUNT ({EMULATOR_HOST} for an "
+            "emulator)",
+            _gcs,
+        ),
+        Cloud(
+            "az",
+            "AZURE_",
+            "the default Azure endpoint",
+            f"{CONNECTION_STRING}, or AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY "
+            "(or a SAS or Entra ID token)",
+            _azure,
+        ),
+    )
+}
 
 
-def store_settings(loc: ObjectUrl, environ: Mapping[str, str] | None = None,
-                   client_defaults: Mapping[str, Any] | None = None) -> StoreSettings:
+def store_settings(
+    loc: ObjectUrl,
+    environ: Mapping[str, str] | None = None,
+    client_defaults: Mapping[str, Any] | None = None,
+) -> StoreSettings:
     """The arguments of ``from_url`` for ``loc``'s bucket, from ``environ`` (default: this
     process's): the cloud's own settings translated (``CLOUDS``), plain HTTP allowed for an
     explicit ``http://`` endpoint, and the environment's client settings carried over onto
@@ -509,12 +594,15 @@ def store_settings(loc: ObjectUrl, environ: Mapping[str, str] | None = None,
     allow_name = cloud.prefix + "ALLOW_HTTP"
     if own.endpoint is not None and own.endpoint.plain_http:
         if _flag(environ, allow_name, refuse) is False:
-            raise refuse(f"{own.endpoint.source} gives an http:// endpoint, and {allow_name} "
-                         f"forbids plain HTTP; unset {allow_name}, or give an https:// "
-                         "endpoint")
+            raise refuse(
+                f"{own.endpoint.source} gives an http:// endpoint, and {allow_name} "
+                f"forbids plain HTTP; unset {allow_name}, or give an https:// "
+                "endpoint"
+            )
         options["allow_http"] = "true"
-    return StoreSettings(loc.scheme, own.config, options, own.endpoint,
-                         own.credentials or cloud.credentials, carried)
+    return StoreSettings(
+        loc.scheme, own.config, options, own.endpoint, own.credentials or cloud.credentials, carried
+    )
 
 
 def default_settings(scheme: str) -> StoreSettings:

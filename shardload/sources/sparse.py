@@ -31,12 +31,18 @@ import bisect
 import mmap
 import os
 import threading
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 from .store import ObjectClient, ObjectInfo, coalesce, default_client
 
-__all__ = ["ObjectBytes", "Spans", "MAP_NORESERVE", "memory_file", "memory_file_path",
-           "map_memory_file"]
+__all__ = [
+    "MAP_NORESERVE",
+    "ObjectBytes",
+    "Spans",
+    "map_memory_file",
+    "memory_file",
+    "memory_file_path",
+]
 
 #: Linux's MAP_NORESERVE (Python's mmap module does not name it before 3.13): without it, the
 #: kernel's default overcommit heuristic refuses a mapping larger than memory and swap
@@ -139,7 +145,7 @@ def memory_file_path(fd: int) -> str:
     return f"/proc/{os.getpid()}/fd/{fd}"
 
 
-def map_memory_file(path: object, size: int) -> Optional[mmap.mmap]:
+def map_memory_file(path: object, size: int) -> mmap.mmap | None:
     """Another process's memory file (``memory_file_path``), mapped shared here, if it is one
     of ``size`` bytes; None where it cannot be opened as that (the caller then does without)."""
     if not isinstance(path, str) or not path.startswith("/proc/") or size <= 0:
@@ -161,8 +167,12 @@ def map_memory_file(path: object, size: int) -> Optional[mmap.mmap]:
 class ObjectBytes:
     """One object's bytes in this process (see the module docstring). Thread-safe."""
 
-    def __init__(self, info: ObjectInfo, client: Optional[ObjectClient] = None,
-                 _shared: Optional[tuple[int, bool]] = None):
+    def __init__(
+        self,
+        info: ObjectInfo,
+        client: ObjectClient | None = None,
+        _shared: tuple[int, bool] | None = None,
+    ):
         self.info = info
         self.size = info.size
         self._client = client
@@ -170,8 +180,9 @@ class ObjectBytes:
         self._fd, self._borrowed = _shared if _shared is not None else (-1, False)
         if _shared is None:
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
-            self.map: Optional[mmap.mmap] = mmap.mmap(-1, info.size, flags=flags) \
-                if info.size else None
+            self.map: mmap.mmap | None = (
+                mmap.mmap(-1, info.size, flags=flags) if info.size else None
+            )
         else:
             self.map = None  # set by the constructor that made the memory file
         self._have = Spans()
@@ -188,22 +199,29 @@ class ObjectBytes:
 
     def spec(self) -> dict:
         """What another process needs to fetch the same object's bytes (JSON)."""
-        return {"url": self.info.url, "size": self.info.size, "etag": self.info.etag,
-                "last_modified": self.info.last_modified}
+        return {
+            "url": self.info.url,
+            "size": self.info.size,
+            "etag": self.info.etag,
+            "last_modified": self.info.last_modified,
+        }
 
     @classmethod
-    def from_spec(cls, spec: dict) -> "ObjectBytes":
+    def from_spec(cls, spec: dict) -> ObjectBytes:
         """The object of ``spec()``; of ``shared_spec()``, the loader's memory file mapped
         (or, where it cannot be opened, an object of this process's own: ``borrowed`` says
         which)."""
-        info = ObjectInfo(url=str(spec["url"]), size=int(spec["size"]), etag=str(spec["etag"]),
-                          last_modified=str(spec["last_modified"]))
+        info = ObjectInfo(
+            url=str(spec["url"]),
+            size=int(spec["size"]),
+            etag=str(spec["etag"]),
+            last_modified=str(spec["last_modified"]),
+        )
         shared = spec.get("shared")
         return (cls._borrow(info, shared) if isinstance(shared, str) else None) or cls(info)
 
     @classmethod
-    def in_shared_memory(cls, info: ObjectInfo, client: Optional[ObjectClient] = None
-                         ) -> "ObjectBytes":
+    def in_shared_memory(cls, info: ObjectInfo, client: ObjectClient | None = None) -> ObjectBytes:
         """The object's bytes in a memory file that worker processes map too (module
         docstring, 4), handed over as ``shared_spec()``."""
         if not info.size:
@@ -226,7 +244,7 @@ class ObjectBytes:
         return {**self.spec(), "shared": memory_file_path(self._fd)}
 
     @classmethod
-    def _borrow(cls, info: ObjectInfo, path: str) -> Optional["ObjectBytes"]:
+    def _borrow(cls, info: ObjectInfo, path: str) -> ObjectBytes | None:
         """The loader's memory file mapped here; None where it cannot be opened as that."""
         mapped = map_memory_file(path, info.size)
         if mapped is None:
@@ -235,13 +253,19 @@ class ObjectBytes:
         obj.map = mapped
         return obj
 
-    def need(self, begin: int, end: int, alive: Optional[Callable[[], None]] = None, *,
-             small: bool = False) -> int:
+    def need(
+        self, begin: int, end: int, alive: Callable[[], None] | None = None, *, small: bool = False
+    ) -> int:
         """Make bytes ``[begin, end)`` present (fetching what is missing)."""
         return self.need_spans([(begin, end)], alive, small=small)
 
-    def need_spans(self, spans: Iterable[tuple[int, int]],
-                   alive: Optional[Callable[[], None]] = None, *, small: bool = False) -> int:
+    def need_spans(
+        self,
+        spans: Iterable[tuple[int, int]],
+        alive: Callable[[], None] | None = None,
+        *,
+        small: bool = False,
+    ) -> int:
         """Make every span present: fetch the parts nobody has or is fetching, wait for the
         parts another thread is fetching. ``alive()`` is called while waiting. Returns the
         bytes this call fetched. ``small``: a header an open waits for (``ObjectClient.fetch``:
@@ -256,7 +280,8 @@ class ObjectBytes:
                 # the gaps the client will read through are claimed too, so that another
                 # thread needing bytes in them waits for them rather than fetching them again
                 mine = self._fetching.missing(
-                    coalesce(self._fetching.missing(missing), self.client.max_gap))
+                    coalesce(self._fetching.missing(missing), self.client.max_gap)
+                )
                 if not mine:  # all of it is on its way, in other threads
                     self._cond.wait(WAIT_POLL_S)
                     if alive is not None:
@@ -268,8 +293,11 @@ class ObjectBytes:
             try:
                 with memoryview(self.map) as into:  # each GET lands in place
                     fetch = self.client.fetch
-                    n = (fetch(self.info, mine, into=into, small=True) if small
-                         else fetch(self.info, mine, into=into))
+                    n = (
+                        fetch(self.info, mine, into=into, small=True)
+                        if small
+                        else fetch(self.info, mine, into=into)
+                    )
                 ok = True
             finally:
                 with self._cond:
@@ -303,8 +331,11 @@ class ObjectBytes:
         with self._cond:
             if not self._borrowed:  # a borrowed file keeps its pages: only this view drops
                 self._have.remove(first, last)
-            advice = (mmap.MADV_REMOVE if self._fd >= 0 and hasattr(mmap, "MADV_REMOVE")
-                      else mmap.MADV_DONTNEED)
+            advice = (
+                mmap.MADV_REMOVE
+                if self._fd >= 0 and hasattr(mmap, "MADV_REMOVE")
+                else mmap.MADV_DONTNEED
+            )
             try:
                 self.map.madvise(advice, first, last - first)
             except (OSError, ValueError):

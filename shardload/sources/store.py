@@ -39,10 +39,11 @@ import re
 import socket
 import threading
 import weakref
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, Union
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from ..errors import FormatError, StorageError, quote
@@ -50,17 +51,17 @@ from .settings import StoreSettings, default_settings, store_settings
 from .urls import ObjectUrl, as_url
 
 __all__ = [
-    "DEFAULT_CONCURRENCY",
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_CONCURRENCY",
     "DEFAULT_RETRIES",
-    "MAX_GAP",
     "MAX_FOLDER_OBJECTS",
-    "ObjectInfo",
+    "MAX_GAP",
+    "OPEN_CONCURRENCY",
     "ObjectClient",
+    "ObjectInfo",
     "coalesce",
     "default_client",
     "each",
-    "OPEN_CONCURRENCY",
     "settings_from_env",
 ]
 
@@ -98,25 +99,53 @@ MAX_RETRIES = 20
 
 #: the library's words for a few causes, recognised (never repeated) to say them our way
 _STATUS = re.compile(r"status code: (\d{3})|Server returned non-2xx status code: (\d{3})")
-_CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-                     "AuthenticationFailed", "InvalidAuthenticationInfo", "invalid_grant")
-_CONNECT_WORDS = ("error sending request", "Connection refused", "tcp connect error",
-                  "dns error", "failed to lookup address", "client error (Connect)")
+_CREDENTIAL_CODES = (
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "AuthenticationFailed",
+    "InvalidAuthenticationInfo",
+    "invalid_grant",
+)
+_CONNECT_WORDS = (
+    "error sending request",
+    "Connection refused",
+    "tcp connect error",
+    "dns error",
+    "failed to lookup address",
+    "client error (Connect)",
+)
 _NO_BUCKET_WORDS = ("NoSuchBucket", "ContainerNotFound", "The specified bucket does not exist")
 _TIMEOUT_WORDS = ("operation timed out", "timed out", "deadline has elapsed", "kind: Timeout")
-_NO_CREDENTIAL_WORDS = ("Error getting credentials", "Missing credentials",
-                        "No credentials", "Failed to load credentials", "Missing account name",
-                        "Missing SAS key", "Missing service account")
+_NO_CREDENTIAL_WORDS = (
+    "Error getting credentials",
+    "Missing credentials",
+    "No credentials",
+    "Failed to load credentials",
+    "Missing account name",
+    "Missing SAS key",
+    "Missing service account",
+)
 #: where the library asks for credentials when none are set (instance metadata: EC2, Azure
 #: managed identity, GCE; ECS container credentials), and the variables that move it: a
 #: failure there is no credentials, whatever its status, not the storage endpoint's
-_METADATA_HOSTS = ("169.254.169.254", "169.254.170.2", "[fd00:ec2::254]",
-                   "metadata.google.internal")
-_METADATA_ENV = ("AWS_METADATA_ENDPOINT", "AZURE_MSI_ENDPOINT", "AZURE_IDENTITY_ENDPOINT",
-                 "IDENTITY_ENDPOINT", "MSI_ENDPOINT")
+_METADATA_HOSTS = (
+    "169.254.169.254",
+    "169.254.170.2",
+    "[fd00:ec2::254]",
+    "metadata.google.internal",
+)
+_METADATA_ENV = (
+    "AWS_METADATA_ENDPOINT",
+    "AZURE_MSI_ENDPOINT",
+    "AZURE_IDENTITY_ENDPOINT",
+    "IDENTITY_ENDPOINT",
+    "MSI_ENDPOINT",
+)
 
 
 # ------------------------------------------------------------------------------------ objects
+
 
 def _iso(value: Any) -> str:
     """A Last-Modified time as ISO text in UTC, to the second: services say it to the second
@@ -150,8 +179,12 @@ class ObjectInfo:
 def _info(url: str, meta: Any) -> ObjectInfo:
     size = meta.get("size") if isinstance(meta, dict) else None
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise StorageError("the service's answer has no valid object size; the endpoint does "
-                           "not speak its storage API as expected", url=url, usage=False)
+        raise StorageError(
+            "the service's answer has no valid object size; the endpoint does "
+            "not speak its storage API as expected",
+            url=url,
+            usage=False,
+        )
     return ObjectInfo(url, size, _etag(meta.get("e_tag")), _iso(meta.get("last_modified")))
 
 
@@ -171,6 +204,7 @@ def _etag(value: Any) -> str:
 
 # ------------------------------------------------------------------------------------ coalesce
 
+
 def _check_span(span: Any) -> tuple[int, int]:
     try:
         begin, end = span
@@ -182,8 +216,9 @@ def _check_span(span: Any) -> tuple[int, int]:
     return begin, end
 
 
-def coalesce(spans: Iterable[Sequence[int]], max_gap: int = MAX_GAP,
-             small_gap: Optional[int] = None) -> list[tuple[int, int]]:
+def coalesce(
+    spans: Iterable[Sequence[int]], max_gap: int = MAX_GAP, small_gap: int | None = None
+) -> list[tuple[int, int]]:
     """``[begin, end)`` byte spans sorted, overlapping and adjacent ones merged, empty ones
     dropped, and two runs of wanted bytes joined across the gap between them when the gap is
     at most ``small_gap`` (default ``SMALL_GAP``, 64 KiB), or at most ``max_gap`` (1 MiB) and
@@ -206,7 +241,7 @@ def coalesce(spans: Iterable[Sequence[int]], max_gap: int = MAX_GAP,
         raise ValueError(f"max_gap is a whole number of bytes >= 0, not {quote(max_gap)}")
     small = min(max_gap, SMALL_GAP if small_gap is None else small_gap)
     checked = sorted(s for s in map(_check_span, spans) if s[1] > s[0])
-    runs: list[tuple[int, int]] = []   # maximal runs of wanted bytes
+    runs: list[tuple[int, int]] = []  # maximal runs of wanted bytes
     for begin, end in checked:
         if runs and begin <= runs[-1][1]:
             if end > runs[-1][1]:
@@ -230,6 +265,7 @@ def _pieces(spans: Iterable[tuple[int, int]], chunk: int) -> list[tuple[int, int
 
 # ------------------------------------------------------------------------------------- errors
 
+
 class _Stopped(Exception):
     """Another piece failed: this one stops without an error of its own."""
 
@@ -244,9 +280,12 @@ def _obstore(loc: ObjectUrl) -> Any:
     try:
         import obstore
     except ImportError:
-        raise StorageError(f"reading {loc.scheme}:// URLs needs obstore, which is not "
-                           'installed; pip install "shardload[objects]"', url=str(loc),
-                           usage=True) from None
+        raise StorageError(
+            f"reading {loc.scheme}:// URLs needs obstore, which is not "
+            'installed; pip install "shardload[objects]"',
+            url=str(loc),
+            usage=True,
+        ) from None
     return obstore
 
 
@@ -254,8 +293,9 @@ def _obstore(loc: ObjectUrl) -> Any:
 #: endpoint would not tell whether the client can reach it
 _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 #: the resolver's answers that a host name has no address (not a failure to ask)
-_NO_SUCH_HOST = tuple(getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODATA")
-                      if hasattr(socket, n))
+_NO_SUCH_HOST = tuple(
+    getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, n)
+)
 
 
 def _check_answers(settings: StoreSettings, loc: ObjectUrl, timeout: float) -> None:
@@ -264,30 +304,40 @@ def _check_answers(settings: StoreSettings, loc: ObjectUrl, timeout: float) -> N
     retry such a request for seconds, and no retry cures a wrong setting. Anything else (a
     timeout, a network that is down) is left to the library and its retries."""
     endpoint = settings.endpoint
-    if endpoint is None or "proxy_url" in settings.client_options or any(
-            os.environ.get(n) or os.environ.get(n.lower()) for n in _PROXY_VARIABLES):
+    if (
+        endpoint is None
+        or "proxy_url" in settings.client_options
+        or any(os.environ.get(n) or os.environ.get(n.lower()) for n in _PROXY_VARIABLES)
+    ):
         return
     parts = urlsplit(endpoint.url.strip())
     port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
     try:
         socket.create_connection((parts.hostname, port), timeout=timeout).close()
     except ConnectionRefusedError:
-        raise StorageError(f"could not connect to the endpoint {endpoint.shown} that "
-                           f"{endpoint.source} gives: the connection was refused (nothing "
-                           f"listens there); start the server, or correct {endpoint.variable}",
-                           url=str(loc), usage=False) from None
+        raise StorageError(
+            f"could not connect to the endpoint {endpoint.shown} that "
+            f"{endpoint.source} gives: the connection was refused (nothing "
+            f"listens there); start the server, or correct {endpoint.variable}",
+            url=str(loc),
+            usage=False,
+        ) from None
     except socket.gaierror as exc:
         if exc.errno not in _NO_SUCH_HOST:
             return  # a name server that did not answer: the library tries again
-        raise StorageError(f"the endpoint {endpoint.shown} that {endpoint.source} gives names "
-                           f"a host that has no address; correct {endpoint.variable}",
-                           url=str(loc), usage=True) from None
+        raise StorageError(
+            f"the endpoint {endpoint.shown} that {endpoint.source} gives names "
+            f"a host that has no address; correct {endpoint.variable}",
+            url=str(loc),
+            usage=True,
+        ) from None
     except OSError:
         return
 
 
-def _bad_client_setting(settings: StoreSettings, loc: ObjectUrl,
-                        from_url: Callable[..., Any]) -> Optional[str]:
+def _bad_client_setting(
+    settings: StoreSettings, loc: ObjectUrl, from_url: Callable[..., Any]
+) -> str | None:
     """The environment's client setting the library refused (``AWS_TIMEOUT=soon``), found by
     making a store with each alone; None where none of them is."""
     for option, name in settings.carried.items():
@@ -312,7 +362,7 @@ def _from_metadata_service(text: str) -> bool:
     return any(f"//{host}/" in text or f"//{host}:" in text for host in hosts)
 
 
-def _library_error(exc: BaseException) -> Optional[str]:
+def _library_error(exc: BaseException) -> str | None:
     """The kind of an error a call of the library raised (its class name; it raises Python's
     own ``FileNotFoundError`` for a missing object), or None for any other exception."""
     module = type(exc).__module__ or ""
@@ -324,12 +374,16 @@ def _library_error(exc: BaseException) -> Optional[str]:
 # ------------------------------------------------------------------------------------- client
 
 #: every client, so that a forked child makes its own stores and locks
-_CLIENTS: "weakref.WeakSet[ObjectClient]" = weakref.WeakSet()
+_CLIENTS: weakref.WeakSet[ObjectClient] = weakref.WeakSet()
 
 
-def _whole(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
-            high is not None and value > high):
+def _whole(name: str, value: Any, low: int, high: int | None = None) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
         bound = f"from {low} to {high}" if high is not None else f">= {low}"
         raise ValueError(f"{name} is a whole number {bound}, not {quote(value)}")
     return value
@@ -355,12 +409,19 @@ class ObjectClient:
     ``backoff_cap``), and a body dropped mid-transfer is resumed as often.
     """
 
-    def __init__(self, *, concurrency: int = DEFAULT_CONCURRENCY,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, retries: int = DEFAULT_RETRIES,
-                 max_gap: int = MAX_GAP, backoff: float = BACKOFF_BASE,
-                 backoff_cap: float = BACKOFF_CAP, connect_timeout: float = CONNECT_TIMEOUT,
-                 request_timeout: float = REQUEST_TIMEOUT,
-                 max_folder_objects: int = MAX_FOLDER_OBJECTS):
+    def __init__(
+        self,
+        *,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        retries: int = DEFAULT_RETRIES,
+        max_gap: int = MAX_GAP,
+        backoff: float = BACKOFF_BASE,
+        backoff_cap: float = BACKOFF_CAP,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        request_timeout: float = REQUEST_TIMEOUT,
+        max_folder_objects: int = MAX_FOLDER_OBJECTS,
+    ):
         self.concurrency = _whole("concurrency", concurrency, 1, MAX_CONCURRENCY)
         self.chunk_bytes = _whole("chunk_bytes", chunk_bytes, 1)
         self.retries = _whole("retries", retries, 0, MAX_RETRIES)
@@ -374,15 +435,17 @@ class ObjectClient:
         _CLIENTS.add(self)
 
     def __repr__(self) -> str:
-        return (f"ObjectClient(concurrency={self.concurrency}, chunk_bytes={self.chunk_bytes}, "
-                f"retries={self.retries})")
+        return (
+            f"ObjectClient(concurrency={self.concurrency}, chunk_bytes={self.chunk_bytes}, "
+            f"retries={self.retries})"
+        )
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
         # GETs in flight in this process, whichever fetch they serve (the workers of a
         # ThreadedSession fetch at once): at most `concurrency`, so memory stays chunk x that
         self._in_flight = threading.BoundedSemaphore(self.concurrency)
-        self._stores: dict[str, Any] = {}   # the parent's: dropped, never used here
+        self._stores: dict[str, Any] = {}  # the parent's: dropped, never used here
         self._settings: dict[str, StoreSettings] = {}
         self._pid = os.getpid()
 
@@ -396,7 +459,10 @@ class ObjectClient:
                 f"this process was forked from one that had read object storage (pid "
                 f"{_USED_IN}), and the object-store library's runtime does not survive a fork; "
                 "start the process fresh instead (multiprocessing's 'spawn' or 'forkserver', "
-                "or VLLM_WORKER_MULTIPROC_METHOD=spawn)", url=str(loc), usage=True)
+                "or VLLM_WORKER_MULTIPROC_METHOD=spawn)",
+                url=str(loc),
+                usage=True,
+            )
         store = self._stores.get(loc.root)
         if store is not None:
             return store
@@ -412,30 +478,47 @@ class ObjectClient:
 
         # the environment's settings, each cloud's own translated (sources.settings); ours
         # are the timeouts, where the environment sets none
-        settings = store_settings(loc, client_defaults={
-            "connect_timeout": timedelta(seconds=self.connect_timeout),
-            "timeout": timedelta(seconds=self.request_timeout)})
+        settings = store_settings(
+            loc,
+            client_defaults={
+                "connect_timeout": timedelta(seconds=self.connect_timeout),
+                "timeout": timedelta(seconds=self.request_timeout),
+            },
+        )
         _check_answers(settings, loc, self.connect_timeout)
-        retry = {"max_retries": self.retries,
-                 "backoff": {"init_backoff": timedelta(seconds=self.backoff),
-                             "max_backoff": timedelta(seconds=max(self.backoff,
-                                                                  self.backoff_cap)),
-                             "base": 2.0},
-                 "retry_timeout": timedelta(seconds=self.request_timeout * (self.retries + 1))}
+        retry = {
+            "max_retries": self.retries,
+            "backoff": {
+                "init_backoff": timedelta(seconds=self.backoff),
+                "max_backoff": timedelta(seconds=max(self.backoff, self.backoff_cap)),
+                "base": 2.0,
+            },
+            "retry_timeout": timedelta(seconds=self.request_timeout * (self.retries + 1)),
+        }
         try:
-            store = from_url(loc.root, config=settings.config or None,
-                             client_options=settings.client_options, retry_config=retry)
+            store = from_url(
+                loc.root,
+                config=settings.config or None,
+                client_options=settings.client_options,
+                retry_config=retry,
+            )
         except Exception as exc:
             if _library_error(exc) is None and not isinstance(exc, ValueError):
                 raise
             name = _bad_client_setting(settings, loc, from_url)
             if name is not None:
-                raise StorageError(f"{name} is not a value the client takes; correct it, or "
-                                   "unset it", url=str(loc), usage=True) from None
-            raise StorageError(f"the {loc.service} client could not be configured "
-                               f"({type(exc).__name__}); check the environment "
-                               f"({settings.credentials}, and the endpoint)",
-                               url=str(loc), usage=True) from None
+                raise StorageError(
+                    f"{name} is not a value the client takes; correct it, or unset it",
+                    url=str(loc),
+                    usage=True,
+                ) from None
+            raise StorageError(
+                f"the {loc.service} client could not be configured "
+                f"({type(exc).__name__}); check the environment "
+                f"({settings.credentials}, and the endpoint)",
+                url=str(loc),
+                usage=True,
+            ) from None
         self._settings[loc.root] = settings
         return store
 
@@ -445,8 +528,13 @@ class ObjectClient:
 
     # -- judging failures ---------------------------------------------------------------------
 
-    def _error(self, exc: BaseException, loc: ObjectUrl, action: str,
-               byte_range: Optional[tuple[int, int]] = None) -> BaseException:
+    def _error(
+        self,
+        exc: BaseException,
+        loc: ObjectUrl,
+        action: str,
+        byte_range: tuple[int, int] | None = None,
+    ) -> BaseException:
         """The error to raise for the library's ``exc`` (``_Changed`` mid-load); a foreign
         exception is returned as it is (a bug: raised unchanged). ``action`` is ``read``,
         ``list`` or ``get`` (a ranged GET of an object seen before)."""
@@ -465,56 +553,85 @@ class ObjectClient:
             # no credentials are set, and the cloud's metadata service (where the library looks
             # last) gave none: off the cloud it is not there, or it refuses (HTTP 403, 404)
             how = f"HTTP {status}" if status else "it did not answer"
-            return usage(f"no {service} credentials found: none are set, and the cloud's "
-                         f"instance metadata service gave none ({how}); set "
-                         f"{settings.credentials}")
+            return usage(
+                f"no {service} credentials found: none are set, and the cloud's "
+                f"instance metadata service gave none ({how}); set "
+                f"{settings.credentials}"
+            )
         if kind == "PreconditionError" or (action == "get" and status == 416):
             return _Changed()
         if kind == "NotFoundError" or status == 404:
-            if action == "get":   # it was there when seen: it is gone since
+            if action == "get":  # it was there when seen: it is gone since
                 return _Changed()
             # a listing finds no object missing, only a bucket
-            if action == "list" or any(w in text for w in _NO_BUCKET_WORDS) or (
-                    action == "read" and not self._bucket_exists(loc)):
+            if (
+                action == "list"
+                or any(w in text for w in _NO_BUCKET_WORDS)
+                or (action == "read" and not self._bucket_exists(loc))
+            ):
                 word = "container" if scheme == "az" else "bucket"
-                return usage(f"no such {loc.service} {word} {quote(loc.bucket)} at "
-                             f"{settings.where}; check its name, and the endpoint if it is "
-                             "not the service's own")
-            return usage("no such object; check the path, or list the folder it should be in "
-                         f"({loc.folder})")
+                return usage(
+                    f"no such {loc.service} {word} {quote(loc.bucket)} at "
+                    f"{settings.where}; check its name, and the endpoint if it is "
+                    "not the service's own"
+                )
+            return usage(
+                f"no such object; check the path, or list the folder it should be in ({loc.folder})"
+            )
         if kind == "UnauthenticatedError" or any(c in text for c in _CREDENTIAL_CODES):
-            return usage(f"the {service} credentials in use were refused; check "
-                         f"{settings.credentials}")
+            return usage(
+                f"the {service} credentials in use were refused; check {settings.credentials}"
+            )
         if kind == "PermissionDeniedError" or status == 403:
             verb = "list" if action == "list" else "read"
-            return usage(f"access denied; the credentials in use may not {verb} it; check "
-                         f"{settings.credentials}")
+            return usage(
+                f"access denied; the credentials in use may not {verb} it; check "
+                f"{settings.credentials}"
+            )
         if any(w in text for w in _NO_CREDENTIAL_WORDS):
             return usage(f"no {service} credentials found; set {settings.credentials}")
         tries = f"{self.retries + 1} attempt{'s' if self.retries else ''}"
         if status >= 500 or status == 429:
-            return StorageError(f"the storage service failed {tries} (last: HTTP {status}); it "
-                                "is failing or overloaded: try again later, or allow more "
-                                f"retries ({RETRIES_ENV})", url=url, byte_range=byte_range,
-                                usage=False)
+            return StorageError(
+                f"the storage service failed {tries} (last: HTTP {status}); it "
+                "is failing or overloaded: try again later, or allow more "
+                f"retries ({RETRIES_ENV})",
+                url=url,
+                byte_range=byte_range,
+                usage=False,
+            )
         if any(w in text for w in _TIMEOUT_WORDS):
             limit = settings.carried.get("timeout")
             limit = f"the time {limit} sets" if limit else f"{self.request_timeout:g} s"
-            return StorageError(f"the transfer timed out {tries} (a GET must finish within "
-                                f"{limit}); the network or the endpoint {settings.where} is "
-                                "failing: try again later", url=url, byte_range=byte_range,
-                                usage=False)
+            return StorageError(
+                f"the transfer timed out {tries} (a GET must finish within "
+                f"{limit}); the network or the endpoint {settings.where} is "
+                "failing: try again later",
+                url=url,
+                byte_range=byte_range,
+                usage=False,
+            )
         if any(w in text for w in _CONNECT_WORDS):
-            return StorageError(f"could not connect to the endpoint {settings.where} "
-                                f"({tries}); check {settings.check}",
-                                url=url, byte_range=byte_range, usage=False)
+            return StorageError(
+                f"could not connect to the endpoint {settings.where} "
+                f"({tries}); check {settings.check}",
+                url=url,
+                byte_range=byte_range,
+                usage=False,
+            )
         if 400 <= status < 500:
-            return usage(f"the service refused the request (HTTP {status}); check the URL and "
-                         f"the endpoint ({settings.where})")
-        return StorageError(f"the {service} request failed ({kind}"
-                            f"{f', HTTP {status}' if status else ''}, {tries}); check the "
-                            f"endpoint ({settings.where}) and the network", url=url,
-                            byte_range=byte_range, usage=False)
+            return usage(
+                f"the service refused the request (HTTP {status}); check the URL and "
+                f"the endpoint ({settings.where})"
+            )
+        return StorageError(
+            f"the {service} request failed ({kind}"
+            f"{f', HTTP {status}' if status else ''}, {tries}); check the "
+            f"endpoint ({settings.where}) and the network",
+            url=url,
+            byte_range=byte_range,
+            usage=False,
+        )
 
     def _bucket_exists(self, loc: ObjectUrl) -> bool:
         """Whether the bucket answers a listing (a 404 on HEAD has no body to say whether the
@@ -522,11 +639,15 @@ class ObjectClient:
         import obstore
 
         try:
-            next(iter(obstore.list(self._store(loc), prefix=loc.folder.key or None,
-                                   chunk_size=1)), None)
+            next(
+                iter(obstore.list(self._store(loc), prefix=loc.folder.key or None, chunk_size=1)),
+                None,
+            )
         except Exception as exc:  # noqa: BLE001 - only a clear "no such bucket" says missing
-            return not (_library_error(exc) == "NotFoundError" or
-                        any(w in str(exc) for w in _NO_BUCKET_WORDS))
+            return not (
+                _library_error(exc) == "NotFoundError"
+                or any(w in str(exc) for w in _NO_BUCKET_WORDS)
+            )
         return True
 
     def _call(self, loc: ObjectUrl, action: str, request: Callable[[Any], Any]) -> Any:
@@ -539,8 +660,11 @@ class ObjectClient:
             if error is exc:
                 raise
             if isinstance(error, _Changed):
-                error = StorageError("the service refused the request (a failed "
-                                     "precondition); check the URL", url=str(loc), usage=True)
+                error = StorageError(
+                    "the service refused the request (a failed precondition); check the URL",
+                    url=str(loc),
+                    usage=True,
+                )
             raise error from None
 
     def _changed(self, info: ObjectInfo, loc: ObjectUrl) -> FormatError:
@@ -548,8 +672,7 @@ class ObjectClient:
         try:
             now = self.head(loc)
         except StorageError as exc:
-            how = (f"it can no longer be read: {exc.reason.split(';')[0]}; "
-                   f"was ETag {info.etag}")
+            how = f"it can no longer be read: {exc.reason.split(';')[0]}; was ETag {info.etag}"
         else:
             if now.etag != info.etag:
                 how = f"ETag now {now.etag}, was {info.etag}"
@@ -561,13 +684,16 @@ class ObjectClient:
 
     # -- public: metadata ---------------------------------------------------------------------
 
-    def head(self, url: Union[str, ObjectUrl]) -> ObjectInfo:
+    def head(self, url: str | ObjectUrl) -> ObjectInfo:
         """The object's size and identity (a HEAD request)."""
         loc = as_url(url)
         obstore = _obstore(loc)
         if loc.is_folder:
-            raise StorageError("names a folder (a key prefix), not an object; name an object "
-                               "in it, or list it", url=str(loc), usage=True)
+            raise StorageError(
+                "names a folder (a key prefix), not an object; name an object in it, or list it",
+                url=str(loc),
+                usage=True,
+            )
         return _info(str(loc), self._call(loc, "read", lambda s: obstore.head(s, loc.key)))
 
     def check_unchanged(self, info: ObjectInfo) -> None:
@@ -579,25 +705,30 @@ class ObjectClient:
         if now.size != info.size:
             raise _changed_error(info, f"size now {now.size}, was {info.size}")
 
-    def list_folder(self, url: Union[str, ObjectUrl]) -> list[ObjectInfo]:
+    def list_folder(self, url: str | ObjectUrl) -> list[ObjectInfo]:
         """The objects directly under a folder prefix (``s3://b/dir/``; ``s3://b/dir`` is taken
         as ``dir/``), sorted by key, not those in sub-folders. A folder with more than
         ``max_folder_objects`` entries (objects and sub-folders) is refused."""
         loc = as_url(url)
         obstore = _obstore(loc)
         folder = ObjectUrl(loc.scheme, loc.bucket, loc.prefix)
-        listing = self._call(folder, "list", lambda s: obstore.list_with_delimiter(
-            s, prefix=folder.key or None))
+        listing = self._call(
+            folder, "list", lambda s: obstore.list_with_delimiter(s, prefix=folder.key or None)
+        )
         objects = listing.get("objects") or []
         if len(objects) + len(listing.get("common_prefixes") or ()) > self.max_folder_objects:
-            raise StorageError(f"holds more than {self.max_folder_objects} entries directly "
-                               "under it; point at the checkpoint's own folder, not a bucket "
-                               "or a folder of many", url=str(folder), usage=True)
+            raise StorageError(
+                f"holds more than {self.max_folder_objects} entries directly "
+                "under it; point at the checkpoint's own folder, not a bucket "
+                "or a folder of many",
+                url=str(folder),
+                usage=True,
+            )
         out = []
         for meta in objects:
             key = meta.get("path")
             if not isinstance(key, str) or key.endswith("/") or key + "/" == folder.key:
-                continue   # a "folder" marker object (the library drops its "/")
+                continue  # a "folder" marker object (the library drops its "/")
             out.append(_info(f"{loc.root}/{key}", meta))
         out.sort(key=lambda i: i.url)
         return out
@@ -625,7 +756,7 @@ class ObjectClient:
 
         def work(piece: tuple[int, int], stop: threading.Event, scratch: dict) -> None:
             b, e = piece
-            self._get_range(info, loc, b, view[b - begin:e - begin], stop)
+            self._get_range(info, loc, b, view[b - begin : e - begin], stop)
 
         self._run(_pieces([(begin, begin + n)], self.chunk_bytes), work)
 
@@ -637,8 +768,9 @@ class ObjectClient:
         self.get_into(info, begin, buf)
         return bytes(buf)
 
-    def read_capped(self, url: Union[str, ObjectUrl], max_bytes: int,
-                    refuse: Callable[[int], BaseException]) -> bytes:
+    def read_capped(
+        self, url: str | ObjectUrl, max_bytes: int, refuse: Callable[[int], BaseException]
+    ) -> bytes:
         """A small object whole (a plan, a config), its size checked before a byte of it is
         fetched: over ``max_bytes``, ``refuse(size)`` is raised."""
         info = self.head(url)
@@ -646,9 +778,15 @@ class ObjectClient:
             raise refuse(info.size)
         return self.get_bytes(info, 0, info.size)
 
-    def fetch(self, info: ObjectInfo, spans: Iterable[Sequence[int]],
-              write: Optional[Callable[[int, memoryview], None]] = None, *,
-              into: Optional[memoryview] = None, small: bool = False) -> int:
+    def fetch(
+        self,
+        info: ObjectInfo,
+        spans: Iterable[Sequence[int]],
+        write: Callable[[int, memoryview], None] | None = None,
+        *,
+        into: memoryview | None = None,
+        small: bool = False,
+    ) -> int:
         """Read the ``[begin, end)`` byte ``spans`` of the object, into ``into`` (a writable
         view of the whole object's bytes: each GET lands where its bytes belong, no copy, no
         buffer) or through ``write``.
@@ -689,7 +827,7 @@ class ObjectClient:
             buf = scratch.get("buf")
             if buf is None:
                 buf = scratch["buf"] = memoryview(bytearray(capacity))
-            view = buf[:e - b]
+            view = buf[: e - b]
             with self._in_flight:
                 self._get_range(info, loc, b, view, stop)
                 if stop.is_set():
@@ -701,8 +839,11 @@ class ObjectClient:
 
     # -- the machinery ------------------------------------------------------------------------
 
-    def _run(self, pieces: list[tuple[int, int]],
-             work: Callable[[tuple[int, int], threading.Event, dict], None]) -> None:
+    def _run(
+        self,
+        pieces: list[tuple[int, int]],
+        work: Callable[[tuple[int, int], threading.Event, dict], None],
+    ) -> None:
         """``work(piece, stop, scratch)`` for every piece, on up to ``concurrency`` threads
         (``scratch``: a dict per thread). The first failure sets ``stop``, the others end at
         their next check, and it is raised once every thread has ended."""
@@ -735,8 +876,10 @@ class ObjectClient:
                     stop.set()
                     return
 
-        threads = [threading.Thread(target=worker, name=f"shardload-get-{i}", daemon=True)
-                   for i in range(min(self.concurrency, len(pieces)))]
+        threads = [
+            threading.Thread(target=worker, name=f"shardload-get-{i}", daemon=True)
+            for i in range(min(self.concurrency, len(pieces)))
+        ]
         for t in threads:
             t.start()
         try:
@@ -750,8 +893,9 @@ class ObjectClient:
         if errors:
             raise errors[0]
 
-    def _get_range(self, info: ObjectInfo, loc: ObjectUrl, begin: int, view: memoryview,
-                   stop: threading.Event) -> None:
+    def _get_range(
+        self, info: ObjectInfo, loc: ObjectUrl, begin: int, view: memoryview, stop: threading.Event
+    ) -> None:
         """Fill ``view`` with bytes ``[begin, begin + len(view))``: one ranged GET (which the
         library retries), and, where its body breaks off, GETs of the bytes not yet
         received, up to ``retries`` of them."""
@@ -770,8 +914,7 @@ class ObjectClient:
                 error = self._error(exc, loc, "get", (lo, hi))
                 if error is exc:
                     raise
-                raise (self._changed(info, loc) if isinstance(error, _Changed) else error) \
-                    from None
+                raise (self._changed(info, loc) if isinstance(error, _Changed) else error) from None
             self._check_answer(result, info, lo, hi)
             try:
                 for chunk in result.stream(min_chunk_size=1 << 20):
@@ -779,13 +922,17 @@ class ObjectClient:
                         raise _Stopped()
                     part = memoryview(chunk)
                     k = min(len(part), n - got)
-                    view[got:got + k] = part[:k]
+                    view[got : got + k] = part[:k]
                     got += k
                     if k < len(part):
-                        raise StorageError(f"the service answered more than the {hi - lo} "
-                                           "bytes asked for; the endpoint does not serve "
-                                           "ranged GETs correctly", url=info.url,
-                                           byte_range=(lo, hi), usage=False)
+                        raise StorageError(
+                            f"the service answered more than the {hi - lo} "
+                            "bytes asked for; the endpoint does not serve "
+                            "ranged GETs correctly",
+                            url=info.url,
+                            byte_range=(lo, hi),
+                            usage=False,
+                        )
             except (StorageError, _Stopped):
                 raise
             except Exception as exc:
@@ -797,11 +944,15 @@ class ObjectClient:
             resumed += 1
             if resumed > self.retries:
                 where = self._settings_of(loc).where
-                raise StorageError(f"the transfer broke off {resumed} times (the connection "
-                                   "dropped mid-response); the network or the endpoint "
-                                   f"{where} is failing: try again later, or "
-                                   f"allow more retries ({RETRIES_ENV})", url=info.url,
-                                   byte_range=(begin, begin + n), usage=False)
+                raise StorageError(
+                    f"the transfer broke off {resumed} times (the connection "
+                    "dropped mid-response); the network or the endpoint "
+                    f"{where} is failing: try again later, or "
+                    f"allow more retries ({RETRIES_ENV})",
+                    url=info.url,
+                    byte_range=(begin, begin + n),
+                    usage=False,
+                )
 
     def _check_answer(self, result: Any, info: ObjectInfo, lo: int, hi: int) -> None:
         """The GET's answer is the bytes asked for, of the object that was seen."""
@@ -814,16 +965,22 @@ class ObjectClient:
             raise _changed_error(info, f"size now {size}, was {info.size}")
         first, last = result.range
         if (first, last) != (lo, hi):
-            raise StorageError(f"the service answered bytes [{first}, {last}) to a request "
-                               f"for [{lo}, {hi}); the endpoint does not serve ranged GETs "
-                               "correctly", url=info.url, byte_range=(lo, hi), usage=False)
+            raise StorageError(
+                f"the service answered bytes [{first}, {last}) to a request "
+                f"for [{lo}, {hi}); the endpoint does not serve ranged GETs "
+                "correctly",
+                url=info.url,
+                byte_range=(lo, hi),
+                usage=False,
+            )
 
 
 T = TypeVar("T")
 
 
-def each(items: Sequence[T], work: Callable[[T], None],
-         threads: Optional[int] = None) -> dict[int, BaseException]:
+def each(
+    items: Sequence[T], work: Callable[[T], None], threads: int | None = None
+) -> dict[int, BaseException]:
     """``work(item)`` for every item, on up to ``threads`` threads (``OPEN_CONCURRENCY``; the
     items started in their order), for the small requests of an open: each waits a round
     trip, and a checkpoint of 200 files would wait 200 of them in turn (``threads=1``: what
@@ -861,8 +1018,10 @@ def each(items: Sequence[T], work: Callable[[T], None],
                     failed[k] = exc
                 stop.set()
 
-    pool = [threading.Thread(target=worker, name=f"shardload-open-{i}", daemon=True)
-            for i in range(min(threads, len(items)))]
+    pool = [
+        threading.Thread(target=worker, name=f"shardload-open-{i}", daemon=True)
+        for i in range(min(threads, len(items)))
+    ]
     for t in pool:
         t.start()
     try:
@@ -877,20 +1036,32 @@ def each(items: Sequence[T], work: Callable[[T], None],
 
 
 def _changed_error(info: ObjectInfo, how: str) -> FormatError:
-    return FormatError(f"the object changed while loading ({how}); do not replace a checkpoint "
-                       "while it is loading", file=info.url)
+    return FormatError(
+        f"the object changed while loading ({how}); do not replace a checkpoint "
+        "while it is loading",
+        file=info.url,
+    )
 
 
 def _check_within(info: ObjectInfo, begin: int, end: int) -> None:
     if end > info.size:
-        raise ValueError(f"bytes [{begin}, {end}) are outside {info.url}, which has "
-                         f"{info.size} bytes")
+        raise ValueError(
+            f"bytes [{begin}, {end}) are outside {info.url}, which has {info.size} bytes"
+        )
 
 
 # -------------------------------------------------------------------------------- the default
 
-def _env_number(environ: Any, name: str, default: Any, parse: Callable[[str], Any],
-                low: float, high: float, what: str) -> Any:
+
+def _env_number(
+    environ: Any,
+    name: str,
+    default: Any,
+    parse: Callable[[str], Any],
+    low: float,
+    high: float,
+    what: str,
+) -> Any:
     text = (environ.get(name) or "").strip()
     if not text:
         return default
@@ -899,8 +1070,10 @@ def _env_number(environ: Any, name: str, default: Any, parse: Callable[[str], An
     except ValueError:
         value = None
     if value is None or not low <= value <= high:
-        raise ValueError(f"{name}={text!r} is not {what} from {low:g} to {high:g}; set one, or "
-                         f"unset it for the default ({default})")
+        raise ValueError(
+            f"{name}={text!r} is not {what} from {low:g} to {high:g}; set one, or "
+            f"unset it for the default ({default})"
+        )
     return value
 
 
@@ -914,16 +1087,33 @@ def settings_from_env(environ: Any = None) -> dict:
     524288
     """
     environ = os.environ if environ is None else environ
-    chunk_mb = _env_number(environ, CHUNK_MB_ENV, DEFAULT_CHUNK_BYTES >> 20, _positive_float,
-                           1 / 1024, MAX_CHUNK_MB, "a number of MiB")
+    chunk_mb = _env_number(
+        environ,
+        CHUNK_MB_ENV,
+        DEFAULT_CHUNK_BYTES >> 20,
+        _positive_float,
+        1 / 1024,
+        MAX_CHUNK_MB,
+        "a number of MiB",
+    )
     return {
-        "concurrency": _env_number(environ, CONCURRENCY_ENV, DEFAULT_CONCURRENCY, int, 1,
-                                   MAX_CONCURRENCY, "a whole number"),
+        "concurrency": _env_number(
+            environ, CONCURRENCY_ENV, DEFAULT_CONCURRENCY, int, 1, MAX_CONCURRENCY, "a whole number"
+        ),
         "chunk_bytes": int(chunk_mb * (1 << 20)),
-        "retries": _env_number(environ, RETRIES_ENV, DEFAULT_RETRIES, int, 0, MAX_RETRIES,
-                               "a whole number"),
-        "max_gap": _env_number(environ, MAX_GAP_KB_ENV, MAX_GAP >> 10, int, 0,
-                               MAX_CHUNK_MB << 10, "a whole number of KiB") << 10,
+        "retries": _env_number(
+            environ, RETRIES_ENV, DEFAULT_RETRIES, int, 0, MAX_RETRIES, "a whole number"
+        ),
+        "max_gap": _env_number(
+            environ,
+            MAX_GAP_KB_ENV,
+            MAX_GAP >> 10,
+            int,
+            0,
+            MAX_CHUNK_MB << 10,
+            "a whole number of KiB",
+        )
+        << 10,
     }
 
 
@@ -934,11 +1124,11 @@ def _positive_float(text: str) -> float:
     return value
 
 
-_DEFAULT: Optional[ObjectClient] = None
+_DEFAULT: ObjectClient | None = None
 _DEFAULT_LOCK = threading.Lock()
 #: the process that first made a store of the library: its runtime lives there, and only
 #: there (a child forked from it inherits this value, and is refused: ``ObjectClient``)
-_USED_IN: Optional[int] = None
+_USED_IN: int | None = None
 
 
 def _mark_used() -> None:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
 
 from ..errors import StorageError, quote
 
-__all__ = ["SCHEMES", "ObjectUrl", "as_url", "MAX_KEY_BYTES"]
+__all__ = ["MAX_KEY_BYTES", "SCHEMES", "ObjectUrl", "as_url"]
 
 #: an object's key (GCS: object name; Azure: blob name) in UTF-8 bytes, at most: S3's and GCS's
 #: limit (Azure allows 1024 characters)
@@ -38,7 +38,7 @@ _S3_RESERVED_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
 _S3_RESERVED_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3")
 
 
-def _chars_problem(name: str, what: str, chars: re.Pattern, allowed: str) -> Optional[str]:
+def _chars_problem(name: str, what: str, chars: re.Pattern, allowed: str) -> str | None:
     if not chars.fullmatch(name):
         bad = next(c for c in name if not chars.fullmatch(c))
         return f"the {what} name {quote(name, 70)} holds {quote(bad)}: only {allowed} are allowed"
@@ -47,7 +47,7 @@ def _chars_problem(name: str, what: str, chars: re.Pattern, allowed: str) -> Opt
     return None
 
 
-def _length_problem(name: str, what: str, low: int, high: int) -> Optional[str]:
+def _length_problem(name: str, what: str, low: int, high: int) -> str | None:
     if not name:
         return f"the {what} name is empty"
     if not low <= len(name) <= high:
@@ -55,10 +55,11 @@ def _length_problem(name: str, what: str, low: int, high: int) -> Optional[str]:
     return None
 
 
-def _s3_bucket_problem(bucket: str) -> Optional[str]:
+def _s3_bucket_problem(bucket: str) -> str | None:
     """AWS's general-purpose bucket rules."""
-    problem = (_length_problem(bucket, "bucket", 3, 63) or
-               _chars_problem(bucket, "bucket", _S3_CHARS, "lowercase letters, digits, '.' and '-'"))
+    problem = _length_problem(bucket, "bucket", 3, 63) or _chars_problem(
+        bucket, "bucket", _S3_CHARS, "lowercase letters, digits, '.' and '-'"
+    )
     if problem:
         return problem
     name = quote(bucket, 70)
@@ -75,41 +76,54 @@ def _s3_bucket_problem(bucket: str) -> Optional[str]:
     return None
 
 
-def _gcs_bucket_problem(bucket: str) -> Optional[str]:
+def _gcs_bucket_problem(bucket: str) -> str | None:
     """Google Cloud Storage's bucket rules (3 to 63 characters, 222 with dots)."""
-    return (_length_problem(bucket, "bucket", 3, 222 if "." in bucket else 63) or
-            _chars_problem(bucket, "bucket", _GCS_CHARS,
-                           "lowercase letters, digits, '.', '_' and '-'") or
-            (f"the bucket name {quote(bucket, 70)} starts with the reserved prefix 'goog'"
-             if bucket.startswith("goog") else None))
+    return (
+        _length_problem(bucket, "bucket", 3, 222 if "." in bucket else 63)
+        or _chars_problem(
+            bucket, "bucket", _GCS_CHARS, "lowercase letters, digits, '.', '_' and '-'"
+        )
+        or (
+            f"the bucket name {quote(bucket, 70)} starts with the reserved prefix 'goog'"
+            if bucket.startswith("goog")
+            else None
+        )
+    )
 
 
-def _azure_container_problem(container: str) -> Optional[str]:
+def _azure_container_problem(container: str) -> str | None:
     """Azure Blob Storage's container rules."""
-    return (_length_problem(container, "container", 3, 63) or
-            _chars_problem(container, "container", _AZ_CHARS,
-                           "lowercase letters, digits and '-'") or
-            (f"the container name {quote(container, 70)} has two adjacent dashes"
-             if "--" in container else None))
+    return (
+        _length_problem(container, "container", 3, 63)
+        or _chars_problem(container, "container", _AZ_CHARS, "lowercase letters, digits and '-'")
+        or (
+            f"the container name {quote(container, 70)} has two adjacent dashes"
+            if "--" in container
+            else None
+        )
+    )
 
 
 @dataclass(frozen=True)
 class _Scheme:
     name: str
     service: str
-    bucket_word: str                                  # what the service calls a bucket
-    bucket_problem: Callable[[str], Optional[str]]
+    bucket_word: str  # what the service calls a bucket
+    bucket_problem: Callable[[str], str | None]
 
 
 #: the object storage schemes, and how each names its buckets
-SCHEMES: dict[str, _Scheme] = {s.name: s for s in (
-    _Scheme("s3", "S3", "bucket", _s3_bucket_problem),
-    _Scheme("gs", "Google Cloud Storage", "bucket", _gcs_bucket_problem),
-    _Scheme("az", "Azure Blob Storage", "container", _azure_container_problem),
-)}
+SCHEMES: dict[str, _Scheme] = {
+    s.name: s
+    for s in (
+        _Scheme("s3", "S3", "bucket", _s3_bucket_problem),
+        _Scheme("gs", "Google Cloud Storage", "bucket", _gcs_bucket_problem),
+        _Scheme("az", "Azure Blob Storage", "container", _azure_container_problem),
+    )
+}
 
 
-def _key_problem(key: str) -> Optional[str]:
+def _key_problem(key: str) -> str | None:
     """Why ``key`` is not a key shardload accepts (valid UTF-8, at most ``MAX_KEY_BYTES``
     bytes, no control character), or None."""
     try:
@@ -134,7 +148,7 @@ class ObjectUrl:
     key: str
 
     @classmethod
-    def parse(cls, url: str) -> "ObjectUrl":
+    def parse(cls, url: str) -> ObjectUrl:
         """``url`` split into scheme, bucket and key, checked strictly; a bad URL is a
         ``StorageError`` (``usage=True``) saying what is wrong."""
         if not isinstance(url, str):
@@ -142,8 +156,9 @@ class ObjectUrl:
         scheme, sep, rest = url.partition("://")
 
         def bad(why: str, form: str = "SCHEME://BUCKET/KEY") -> StorageError:
-            return StorageError(f"not a valid object storage URL: {why}; write it as {form}",
-                                url=url, usage=True)
+            return StorageError(
+                f"not a valid object storage URL: {why}; write it as {form}", url=url, usage=True
+            )
 
         if not sep or scheme not in SCHEMES:
             names = ", ".join(f"{s}://" for s in SCHEMES)
@@ -176,14 +191,14 @@ class ObjectUrl:
         return self.key if self.is_folder else self.key + "/"
 
     @property
-    def folder(self) -> "ObjectUrl":
+    def folder(self) -> ObjectUrl:
         """The folder this object is in (a folder prefix is its own folder)."""
         if self.is_folder:
             return self
         head, _, _ = self.key.rpartition("/")
         return ObjectUrl(self.scheme, self.bucket, head + "/" if head else "")
 
-    def join(self, name: str) -> "ObjectUrl":
+    def join(self, name: str) -> ObjectUrl:
         """The object ``name`` (a relative path, ``/``-separated) in this folder (a key not
         ending in ``/`` is taken as a folder too). ``.`` and empty components are dropped, as a
         path library would normalise them, since in object storage ``./x`` would be another
@@ -192,13 +207,17 @@ class ObjectUrl:
             raise ValueError(f"a member name is a non-empty str, not {quote(name)}")
         parts = [p for p in name.split("/") if p not in ("", ".")]
         if not parts or ".." in parts or name.startswith("/"):
-            raise StorageError(f"cannot name {quote(name)} in this folder: only plain relative "
-                               "paths inside it may be joined", url=str(self), usage=True)
+            raise StorageError(
+                f"cannot name {quote(name)} in this folder: only plain relative "
+                "paths inside it may be joined",
+                url=str(self),
+                usage=True,
+            )
         return ObjectUrl.parse(f"{self.root}/{self.prefix}{'/'.join(parts)}")
 
     def __str__(self) -> str:
         return f"{self.root}/{self.key}"
 
 
-def as_url(url: Union[str, ObjectUrl]) -> ObjectUrl:
+def as_url(url: str | ObjectUrl) -> ObjectUrl:
     return url if isinstance(url, ObjectUrl) else ObjectUrl.parse(url)

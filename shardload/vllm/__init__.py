@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["register", "vllm_overrides", "LOAD_FORMAT"]
+__all__ = ["LOAD_FORMAT", "register", "vllm_overrides"]
 
 #: the name of the load format
 LOAD_FORMAT = "shardload"
@@ -41,12 +41,13 @@ def register() -> None:
     from .preflight import install
 
     register_model_loader(LOAD_FORMAT)(ShardloadModelLoader)
-    install(LOAD_FORMAT)   # the padded model's --hf-overrides asked for before vLLM refuses N
+    install(LOAD_FORMAT)  # the padded model's --hf-overrides asked for before vLLM refuses N
     _registered = True
 
 
-def vllm_overrides(checkpoint: Any, tensor_parallel_size: int, shard_info: Any = None, *,
-                   experts: str = "tp") -> dict:
+def vllm_overrides(
+    checkpoint: Any, tensor_parallel_size: int, shard_info: Any = None, *, experts: str = "tp"
+) -> dict:
     """``padding.vllm_overrides``: the ``hf_overrides`` for N (``{}`` where none are needed;
     ``experts="ep"`` under ``--enable-expert-parallel``)."""
     from .padding import vllm_overrides as overrides

@@ -34,12 +34,12 @@ requantization) itself. ``load_weights`` here, on every tensor-parallel rank:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
-import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -59,7 +59,7 @@ from .stages import stage_of
 from .standins import StandIns, stand_in_reads
 from .verify import poison, verified_load
 
-__all__ = ["ShardloadModelLoader", "STATS_PREFIX"]
+__all__ = ["STATS_PREFIX", "ShardloadModelLoader"]
 
 # under "vllm", so the lines go where and as vLLM's own do
 logger = init_logger("vllm.shardload")
@@ -85,7 +85,7 @@ def _vllm_places_whole_experts(model: nn.Module, model_config: ModelConfig) -> b
         return bool(config.parallel_config.enable_expert_parallel)
     experts = model_config.get_num_experts()
     for name, p in model.named_parameters():
-        if name.rsplit(".", 1)[-1].startswith("w13_"):    # vLLM's fused MoE weights
+        if name.rsplit(".", 1)[-1].startswith("w13_"):  # vLLM's fused MoE weights
             return p.shape[0] < experts
     return False
 
@@ -101,8 +101,9 @@ class ShardloadModelLoader(BaseModelLoader):
         """vLLM's default loader, for the checks of its own that a load through shardload runs
         too. Made without shardload's options, which its constructor would refuse as
         unexpected."""
-        return DefaultModelLoader(dataclasses.replace(self.load_config,
-                                                      model_loader_extra_config={}))
+        return DefaultModelLoader(
+            dataclasses.replace(self.load_config, model_loader_extra_config={})
+        )
 
     def _folder(self, model_config: ModelConfig) -> str:
         """The checkpoint to open: the ``checkpoint`` option (a local path or an object storage
@@ -116,22 +117,28 @@ class ShardloadModelLoader(BaseModelLoader):
             # GGUF in vLLM is an out-of-tree plugin whose loader renames GGUF tensors to
             # vLLM's names and whose kernels are CUDA-only: the stand-ins would have to repeat
             # that renaming, untested on any machine here (docs/vllm.md, "What stays refused")
-            raise ShardloadError(f"--load-format shardload reads Hugging Face (safetensors) "
-                                 f"checkpoints, and {path} is a file: load a GGUF with vLLM's "
-                                 "GGUF plugin (pip install vllm-gguf-plugin; --load-format "
-                                 "gguf)")
+            raise ShardloadError(
+                f"--load-format shardload reads Hugging Face (safetensors) "
+                f"checkpoints, and {path} is a file: load a GGUF with vLLM's "
+                "GGUF plugin (pip install vllm-gguf-plugin; --load-format "
+                "gguf)"
+            )
         if os.path.isdir(path):
             return path
         from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
 
-        return download_weights_from_hf(path, self.load_config.download_dir, _ALLOW,
-                                        model_config.revision,
-                                        ignore_patterns=self.load_config.ignore_patterns)
+        return download_weights_from_hf(
+            path,
+            self.load_config.download_dir,
+            _ALLOW,
+            model_config.revision,
+            ignore_patterns=self.load_config.ignore_patterns,
+        )
 
     def download_model(self, model_config: ModelConfig) -> None:
         self._folder(model_config)
 
-    def _read(self, model: nn.Module, model_config: ModelConfig, verify: bool) -> "_RankRead":
+    def _read(self, model: nn.Module, model_config: ModelConfig, verify: bool) -> _RankRead:
         """Steps 2 to 4 on this rank: its stand-ins, in storage order."""
         from vllm.distributed import get_tp_group
 
@@ -140,13 +147,14 @@ class ShardloadModelLoader(BaseModelLoader):
         tp = get_tp_group()
         rank, n = tp.rank_in_group, tp.world_size
         whole_experts = _vllm_places_whole_experts(model, model_config)
-        stage = stage_of(model)        # under pipeline parallelism: what this stage holds
-        ckpt = open_checkpoint(self._folder(model_config))                           # 2.
+        stage = stage_of(model)  # under pipeline parallelism: what this stage holds
+        ckpt = open_checkpoint(self._folder(model_config))  # 2.
         made: dict[int, StandIns] = {}
         # the workers are vLLM's own tensor-parallel ranks: a torch session over its group
-        with open_session("torch", n, device="cpu", timeout=opts.timeout,
-                          group=tp.cpu_group) as sess:
-            with sess.collective("planning the load"):                              # 3.
+        with open_session(
+            "torch", n, device="cpu", timeout=opts.timeout, group=tp.cpu_group
+        ) as sess:
+            with sess.collective("planning the load"):  # 3.
                 planner = {"experts": "ep"} if whole_experts and opts.plan is None else {}
                 # rank 0 plans; the other ranks receive its plan and validate it
                 job = plan_once(sess, ckpt, opts.plan, what="planning the load", **planner)
@@ -160,32 +168,49 @@ class ShardloadModelLoader(BaseModelLoader):
             view = None if verify else ckpt.view
 
             def reads(plan):
-                if stage is not None:      # only the tensors of this stage's modules
+                if stage is not None:  # only the tensors of this stage's modules
                     plan = stage.restrict(plan)
                 made[plan.rank] = stand_in_reads(plan, validated, ckpt, view)
                 return made[plan.rank].plan
 
-            sharded = load_validated(ckpt, validated, sess, progress=False,          # 4.
-                                     staging=opts.staging, reads=reads)
+            sharded = load_validated(
+                ckpt,
+                validated,
+                sess,
+                progress=False,  # 4.
+                staging=opts.staging,
+                reads=reads,
+            )
         ins = made[rank]
-        tensors = {name: ins.views[name] if name in ins.views else sharded.shard(name, rank)
-                   for name in ins.order}
+        tensors = {
+            name: ins.views[name] if name in ins.views else sharded.shard(name, rank)
+            for name in ins.order
+        }
         # bytes read: by shardload into stand-ins, and by vLLM's narrowing out of the views
-        line = {"rank": rank, "num_shards": n, "plan": resolved.origin,
-                "source": resolved.source,
-                "bytes_read": sharded.stats.bytes_read_per_worker[rank] + ins.viewed,
-                "bytes_read_in_place": ins.viewed,
-                "bytes_kept": ins.kept, "bytes_replicated": ins.replicated,
-                "tensors": len(tensors), "padded_tensors": len(ins.padded),
-                "plan_seconds": round(planned - start, 4), "plan_from": job.plan_from,
-                "read_seconds": round(time.perf_counter() - start, 4),
-                "verified": verify, "experts": "ep" if whole_experts else "tp"}
+        line = {
+            "rank": rank,
+            "num_shards": n,
+            "plan": resolved.origin,
+            "source": resolved.source,
+            "bytes_read": sharded.stats.bytes_read_per_worker[rank] + ins.viewed,
+            "bytes_read_in_place": ins.viewed,
+            "bytes_kept": ins.kept,
+            "bytes_replicated": ins.replicated,
+            "tensors": len(tensors),
+            "padded_tensors": len(ins.padded),
+            "plan_seconds": round(planned - start, 4),
+            "plan_from": job.plan_from,
+            "read_seconds": round(time.perf_counter() - start, 4),
+            "verified": verify,
+            "experts": "ep" if whole_experts else "tp",
+        }
         if stage is not None:
             line.update(stage.describe())
         return _RankRead(ckpt, ins, tensors, line, start)
 
-    def get_all_weights(self, model_config: ModelConfig, model: nn.Module
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    def get_all_weights(
+        self, model_config: ModelConfig, model: nn.Module
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's stand-ins as ``(name, tensor)``, for vLLM's in-place reload
         (``reload_weights``: new weights in a running engine), which hands them to the model's
         ``load_weights`` and processes them again. ``verify`` takes two loads of its own, so
@@ -197,11 +222,11 @@ class ShardloadModelLoader(BaseModelLoader):
             read.done(reload=True)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        opts = self.options                                                          # 1.
+        opts = self.options  # 1.
         read = self._read(model, model_config, opts.verify)
         ins, tensors, rank = read.ins, read.tensors, read.line["rank"]
 
-        def hand(bad=None) -> set:                                                   # 5.
+        def hand(bad=None) -> set:  # 5.
             if bad is not None:
                 for name, t in tensors.items():
                     poison(t, ins.mine[name], bad)
@@ -210,8 +235,9 @@ class ShardloadModelLoader(BaseModelLoader):
         unwritten: list[str] = []
         if opts.verify:
             loaded: set = set()
-            unwritten = verified_load(dict(model.named_parameters()),
-                                      lambda bad: loaded.update(hand(bad) or ()), rank)
+            unwritten = verified_load(
+                dict(model.named_parameters()), lambda bad: loaded.update(hand(bad) or ()), rank
+            )
             loaded = loaded or None
         else:
             loaded = hand()
@@ -220,7 +246,7 @@ class ShardloadModelLoader(BaseModelLoader):
             self._default_loader().track_weights_loading(model, set(loaded))
         if unwritten:
             read.line["not_in_checkpoint"] = unwritten
-        read.done(reload=False)                                                      # 6.
+        read.done(reload=False)  # 6.
 
 
 @dataclass
@@ -240,7 +266,8 @@ class _RankRead:
         seconds = time.perf_counter() - self.start
         self.line.update(seconds=round(seconds, 4), reload=reload)
         logger.info("%s%s", STATS_PREFIX, json.dumps(self.line))
-        logger.info("%s took %.2f seconds", "Reloading weights" if reload else
-                    "Loading weights", seconds)
+        logger.info(
+            "%s took %.2f seconds", "Reloading weights" if reload else "Loading weights", seconds
+        )
         self.tensors.clear()
         self.ckpt.close()

@@ -8,26 +8,26 @@ ignored, so every key is checked here and an unknown one refused, naming the key
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from ..errors import ShardloadError
 from ..staging import Staging
 
-__all__ = ["LoaderOptions", "OPTIONS", "OptionsError"]
+__all__ = ["OPTIONS", "LoaderOptions", "OptionsError"]
 
 #: key -> what it does (the refusal of an unknown key lists them)
 OPTIONS = {
     "plan": "path of a shard_info.json to use (default: the one beside the checkpoint, else "
-            "one planned from its config)",
+    "one planned from its config)",
     "verify": "poison what this rank does not read and fail naming any vLLM parameter it "
-              "reaches (two loads; for tests and first runs)",
-    "staging": "false, true, or {\"buffers\": B, \"buffer_mib\": M}: the staged pipeline to the "
-               "device; buffers is how many pieces are in flight at once (default: "
-               "shardload's choice for the device)",
+    "reaches (two loads; for tests and first runs)",
+    "staging": 'false, true, or {"buffers": B, "buffer_mib": M}: the staged pipeline to the '
+    "device; buffers is how many pieces are in flight at once (default: "
+    "shardload's choice for the device)",
     "timeout": "seconds without progress before a rank's load fails (default: none)",
     "checkpoint": "where the weights are, when not in vLLM's model folder: a local path or an "
-                  "object storage URL (s3://, gs:// or az://bucket/folder/; vLLM's model is "
-                  "then a local folder with the config and tokenizer)",
+    "object storage URL (s3://, gs:// or az://bucket/folder/; vLLM's model is "
+    "then a local folder with the config and tokenizer)",
 }
 
 
@@ -39,14 +39,14 @@ class OptionsError(ShardloadError, ValueError):
 class LoaderOptions:
     """The options of one load (``OPTIONS`` says what each does)."""
 
-    plan: Optional[str] = None
+    plan: str | None = None
     verify: bool = False
     staging: Any = None
-    timeout: Optional[float] = None
-    checkpoint: Optional[str] = None
+    timeout: float | None = None
+    checkpoint: str | None = None
 
     @classmethod
-    def from_extra_config(cls, extra: Any) -> "LoaderOptions":
+    def from_extra_config(cls, extra: Any) -> LoaderOptions:
         """``extra`` (vLLM's ``model_loader_extra_config``) as options, or ``OptionsError``.
 
         >>> LoaderOptions.from_extra_config({"verify": True}).verify
@@ -55,26 +55,33 @@ class LoaderOptions:
         if extra is None:
             return cls()
         if not isinstance(extra, dict):
-            raise OptionsError(f"model_loader_extra_config for --load-format shardload must be "
-                               f"a JSON object, not {type(extra).__name__}")
+            raise OptionsError(
+                f"model_loader_extra_config for --load-format shardload must be "
+                f"a JSON object, not {type(extra).__name__}"
+            )
         unknown = sorted(set(extra) - set(OPTIONS))
         if unknown:
             known = "; ".join(f"{k}: {v}" for k, v in OPTIONS.items())
-            raise OptionsError(f"--load-format shardload has no option "
-                               f"{', '.join(map(repr, unknown))}; its options are {known}")
+            raise OptionsError(
+                f"--load-format shardload has no option "
+                f"{', '.join(map(repr, unknown))}; its options are {known}"
+            )
         plan = extra.get("plan")
         if plan is not None and not isinstance(plan, str):
             raise OptionsError(f"plan must be a path (a string), not {plan!r}")
         checkpoint = extra.get("checkpoint")
         if checkpoint is not None and (not isinstance(checkpoint, str) or not checkpoint):
-            raise OptionsError("checkpoint must be a path or an s3://, gs:// or az:// URL "
-                               f"(a string), not {checkpoint!r}")
+            raise OptionsError(
+                "checkpoint must be a path or an s3://, gs:// or az:// URL "
+                f"(a string), not {checkpoint!r}"
+            )
         verify = extra.get("verify", False)
         if not isinstance(verify, bool):
             raise OptionsError(f"verify must be true or false, not {verify!r}")
         timeout = extra.get("timeout")
-        if timeout is not None and (isinstance(timeout, bool) or
-                                    not isinstance(timeout, (int, float)) or not timeout > 0):
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+        ):
             raise OptionsError(f"timeout must be a number of seconds above 0, not {timeout!r}")
         return cls(plan, verify, _staging(extra.get("staging")), timeout, checkpoint)
 
@@ -85,11 +92,13 @@ def _staging(value: Any) -> Any:
     if isinstance(value, dict):
         keys = set(value) - {"buffers", "buffer_mib"}
         if keys:
-            raise OptionsError(f"staging takes buffers and buffer_mib, not "
-                               f"{', '.join(sorted(keys))}")
+            raise OptionsError(
+                f"staging takes buffers and buffer_mib, not {', '.join(sorted(keys))}"
+            )
         try:
             return Staging(**value)
         except (TypeError, ValueError) as exc:
             raise OptionsError(f"staging {value!r}: {exc}") from None
-    raise OptionsError(f"staging must be true, false or {{\"buffers\": B, \"buffer_mib\": M}}, "
-                       f"not {value!r}")
+    raise OptionsError(
+        f'staging must be true, false or {{"buffers": B, "buffer_mib": M}}, not {value!r}'
+    )

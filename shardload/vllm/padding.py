@@ -21,7 +21,7 @@ its own (Qwen2-MoE's ``shared_expert_intermediate_size``) pad as they do without
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError
 from ..geometry import MLP_SIZES, worker_share
@@ -29,8 +29,13 @@ from ..geometry import MLP_SIZES, worker_share
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan import ValidatedPlan
 
-__all__ = ["vllm_overrides", "validated_for_vllm", "check_built", "vllm_layout_problem",
-           "working_sizes"]
+__all__ = [
+    "check_built",
+    "validated_for_vllm",
+    "vllm_layout_problem",
+    "vllm_overrides",
+    "working_sizes",
+]
 
 #: the sizes the padded model's config states, under transformers' names
 _HEAD_SIZES = ("num_attention_heads", "num_key_value_heads", "head_dim")
@@ -40,7 +45,7 @@ _HEAD_SIZES = ("num_attention_heads", "num_key_value_heads", "head_dim")
 _HEAD_DIM_FROM_HIDDEN = {"qwen2", "qwen2_moe"}
 
 
-def vllm_layout_problem(validated) -> Optional[str]:
+def vllm_layout_problem(validated) -> str | None:
     """Why vLLM's model cannot hold this padded plan's layout, or None if it can."""
     padding = validated.plan.metadata.get("tensor_parallel")
     if padding is None:
@@ -48,14 +53,19 @@ def vllm_layout_problem(validated) -> Optional[str]:
     n = validated.num_shards
     shares = [worker_share(validated, i) for i in range(n)]
     if any(s.sizes != shares[0].sizes for s in shares):
-        counts = sorted({(s.sizes["num_attention_heads"], s.sizes["num_key_value_heads"])
-                         for s in shares})
-        return (f"its ranks hold different numbers of heads ({', '.join(f'{q} query / {k} KV' for q, k in counts)}), "
-                "and vLLM's attention has one shape on every rank")
+        counts = sorted(
+            {(s.sizes["num_attention_heads"], s.sizes["num_key_value_heads"]) for s in shares}
+        )
+        return (
+            f"its ranks hold different numbers of heads ({', '.join(f'{q} query / {k} KV' for q, k in counts)}), "
+            "and vLLM's attention has one shape on every rank"
+        )
     uneven = next((s for s in shares if s.kv_map is not None), None)
     if uneven is not None:
-        return (f"rank {uneven.rank}'s query heads read KV heads {uneven.kv_map}, not vLLM's "
-                f"regular h // (query heads / KV heads)")
+        return (
+            f"rank {uneven.rank}'s query heads read KV heads {uneven.kv_map}, not vLLM's "
+            f"regular h // (query heads / KV heads)"
+        )
     kv_heads = padding["kv_heads"]
     # fewer (padded) KV heads than ranks: vLLM gives each to N / K ranks in turn
     replicas = _replicas(kv_heads)
@@ -63,19 +73,27 @@ def vllm_layout_problem(validated) -> Optional[str]:
     for rank, heads in enumerate(kv_heads):
         for h in heads:
             if h >= 0 and h in seen and seen[h] // replicas != rank // replicas:
-                return (f"KV head {h} is on ranks {seen[h]} and {rank}; vLLM shares KV heads "
-                        "between ranks only when there are fewer KV heads than ranks, each "
-                        "with the ranks next to it")
+                return (
+                    f"KV head {h} is on ranks {seen[h]} and {rank}; vLLM shares KV heads "
+                    "between ranks only when there are fewer KV heads than ranks, each "
+                    "with the ranks next to it"
+                )
             seen.setdefault(h, rank)
     record = shares[0].record
-    heads_padded = n * shares[0].sizes["num_attention_heads"] != record["sizes"][
-        "num_attention_heads"]
+    heads_padded = (
+        n * shares[0].sizes["num_attention_heads"] != record["sizes"]["num_attention_heads"]
+    )
     if heads_padded and record.get("architecture") in _HEAD_DIM_FROM_HIDDEN:
-        return (f"vLLM's {record['architecture']} model takes head_dim as hidden_size / "
-                "attention heads, so padded heads would change it")
+        return (
+            f"vLLM's {record['architecture']} model takes head_dim as hidden_size / "
+            "attention heads, so padded heads would change it"
+        )
     if record.get("projection_norms"):
-        return ("its norms span whole projections (" + ", ".join(record["projection_norms"]) +
-                "), which vLLM's model cannot pad")
+        return (
+            "its norms span whole projections ("
+            + ", ".join(record["projection_norms"])
+            + "), which vLLM's model cannot pad"
+        )
     if record.get("mla"):
         return "vLLM's latent attention is not padded"
     if validated.plan.metadata.get("experts"):
@@ -83,9 +101,11 @@ def vllm_layout_problem(validated) -> Optional[str]:
         padded = {int(w) for w in padding.get("mlp_blocks", {})}
         own = {record["sizes"].get(a) for a in MLP_SIZES if a != "moe_intermediate_size"}
         if whole in padded and whole not in own:
-            return (f"under expert parallelism its shared experts pad from {whole} rows, the "
-                    "width vLLM builds them from (moe_intermediate_size), which the routed "
-                    "experts, whole on their ranks, keep")
+            return (
+                f"under expert parallelism its shared experts pad from {whole} rows, the "
+                "width vLLM builds them from (moe_intermediate_size), which the routed "
+                "experts, whole on their ranks, keep"
+            )
     return None
 
 
@@ -118,16 +138,21 @@ def padded_sizes(validated) -> dict[str, int]:
     n = validated.num_shards
     share = worker_share(validated, 0)
     local, whole = share.sizes, share.record["sizes"]
-    sizes = {"num_attention_heads": n * local["num_attention_heads"],
-             "num_key_value_heads": n * local["num_key_value_heads"],
-             "head_dim": local["head_dim"]}
+    sizes = {
+        "num_attention_heads": n * local["num_attention_heads"],
+        "num_key_value_heads": n * local["num_key_value_heads"],
+        "head_dim": local["head_dim"],
+    }
     padded_widths = validated.plan.metadata["tensor_parallel"].get("mlp_blocks", {})
     whole_experts = bool(validated.plan.metadata.get("experts"))
-    for attr in MLP_SIZES:    # only the widths padding changed (of an MLP some tensor has)
+    for attr in MLP_SIZES:  # only the widths padding changed (of an MLP some tensor has)
         if whole_experts and attr == "moe_intermediate_size":
-            continue          # expert parallelism: routed experts whole, their width kept
-        if (attr in local and n * local[attr] != whole.get(attr)
-                and str(whole.get(attr)) in padded_widths):
+            continue  # expert parallelism: routed experts whole, their width kept
+        if (
+            attr in local
+            and n * local[attr] != whole.get(attr)
+            and str(whole.get(attr)) in padded_widths
+        ):
             sizes[attr] = n * local[attr]
     return sizes
 
@@ -138,9 +163,10 @@ def overrides_for(validated) -> dict[str, Any]:
     ``PlanError``."""
     problem = vllm_layout_problem(validated)
     if problem is not None:
-        raise PlanError("vLLM cannot run shardload's zero-padded plan for "
-                        f"N={validated.num_shards}: "
-                        f"{problem}", source=validated.plan.source)
+        raise PlanError(
+            f"vLLM cannot run shardload's zero-padded plan for N={validated.num_shards}: {problem}",
+            source=validated.plan.source,
+        )
     sizes = padded_sizes(validated)
     if not sizes:
         return {}
@@ -173,12 +199,12 @@ def describe_working(checkpoint, up_to: int = 8, experts: str = "tp") -> str:
     works = working_sizes(checkpoint, up_to, experts)
     if not works:
         return f"no N from 1 to {up_to} works"
-    return "N that work: " + ", ".join(f"{n} (padded)" if padded else str(n)
-                                       for n, padded in works)
+    return "N that work: " + ", ".join(f"{n} (padded)" if padded else str(n) for n, padded in works)
 
 
-def vllm_overrides(checkpoint: Any, tensor_parallel_size: int, shard_info: Any = None, *,
-                   experts: str = "tp") -> dict[str, Any]:
+def vllm_overrides(
+    checkpoint: Any, tensor_parallel_size: int, shard_info: Any = None, *, experts: str = "tp"
+) -> dict[str, Any]:
     """The ``hf_overrides`` vLLM needs to run ``checkpoint`` at ``tensor_parallel_size`` with
     shardload (``experts="ep"``: under ``--enable-expert-parallel``): {} where N divides the
     model, the padded sizes where shardload's exact padding is a layout vLLM holds, else
@@ -187,12 +213,14 @@ def vllm_overrides(checkpoint: Any, tensor_parallel_size: int, shard_info: Any =
     >>> vllm_overrides("SmolLM2-135M/", 4)                                   # doctest: +SKIP
     {'num_attention_heads': 12, 'num_key_value_heads': 4, 'head_dim': 64}
     """
-    return overrides_for(validated_for_vllm(checkpoint, tensor_parallel_size, shard_info,
-                                            experts=experts))
+    return overrides_for(
+        validated_for_vllm(checkpoint, tensor_parallel_size, shard_info, experts=experts)
+    )
 
 
-def validated_for_vllm(checkpoint: Any, tensor_parallel_size: int, shard_info: Any = None, *,
-                       experts: str = "tp") -> "ValidatedPlan":
+def validated_for_vllm(
+    checkpoint: Any, tensor_parallel_size: int, shard_info: Any = None, *, experts: str = "tp"
+) -> ValidatedPlan:
     """The plan shardload loads into vLLM at N (the front door's; with ``experts``, as the
     loader plans under vLLM's expert parallelism), validated, where vLLM's model can hold its
     layout; else ``PlanError`` naming the N that work."""
@@ -203,16 +231,20 @@ def validated_for_vllm(checkpoint: Any, tensor_parallel_size: int, shard_info: A
     planner = {"experts": experts} if experts != "tp" else {}
     try:
         validated = resolve_plan(ckpt, tensor_parallel_size, shard_info, **planner).validated
-        overrides_for(validated)            # refuses a layout vLLM cannot hold
+        overrides_for(validated)  # refuses a layout vLLM cannot hold
         return validated
     except PlanError as exc:
         # the planner's own list (the N its unpadded plan fits) gives way to vLLM's
         reason = exc.reason.split(". N that work", 1)[0].rstrip(".")
-        raise PlanError(f"{reason}; {describe_working(ckpt, experts=experts)}",
-                        source=exc.source, param=exc.param, step=exc.step) from None
+        raise PlanError(
+            f"{reason}; {describe_working(ckpt, experts=experts)}",
+            source=exc.source,
+            param=exc.param,
+            step=exc.step,
+        ) from None
 
 
-def check_built(validated: "ValidatedPlan", hf_config: Any) -> None:
+def check_built(validated: ValidatedPlan, hf_config: Any) -> None:
     """The model vLLM builds (``hf_config``: its text config, ``hf_overrides`` applied) must be
     the one the plan loads: the padded one for a padded plan, the checkpoint's own otherwise;
     else ``PlanError`` with the exact flag to start vLLM with. Run before vLLM's own checks
@@ -230,6 +262,10 @@ def check_built(validated: "ValidatedPlan", hf_config: Any) -> None:
         f"vLLM at tensor-parallel size {validated.num_shards} builds the model with "
         f"{', '.join(f'{k}={built[k]}' for k in wrong)}, but shardload's plan loads "
         f"{', '.join(f'{k}={v}' for k, v in wrong.items())}, its zero-padded model: "
-        + (f"add --hf-overrides '{json.dumps(overrides)}'" if overrides else
-           "start vLLM without --hf-overrides of these sizes"),
-        source=validated.plan.source)
+        + (
+            f"add --hf-overrides '{json.dumps(overrides)}'"
+            if overrides
+            else "start vLLM without --hf-overrides of these sizes"
+        ),
+        source=validated.plan.source,
+    )

@@ -50,8 +50,9 @@ def preflight(config: Any, load_format: str = "shardload") -> None:
     try:
         validated = validated_for_vllm(checkpoint, n, experts=experts)
     except PlanError as exc:
-        raise PlanError(f"shardload cannot serve {checkpoint} at tensor-parallel size {n}: "
-                        f"{exc.reason}") from None
+        raise PlanError(
+            f"shardload cannot serve {checkpoint} at tensor-parallel size {n}: {exc.reason}"
+        ) from None
     check_built(validated, model.hf_text_config)
 
 
@@ -68,5 +69,5 @@ def install(load_format: str) -> None:
         preflight(self, load_format)
         return original(self, *args, **kwargs)
 
-    __post_init__._shardload_preflight = True          # type: ignore[attr-defined]
+    __post_init__._shardload_preflight = True  # type: ignore[attr-defined]
     VllmConfig.__post_init__ = __post_init__

@@ -27,15 +27,16 @@ multimodal model's tower left out, with or without pipeline parallelism) is not 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from ..readplan import ReadPlan
 
-__all__ = ["Stage", "stage_of", "placeholders", "layer_range"]
+__all__ = ["Stage", "layer_range", "placeholders", "stage_of"]
 
 
 @dataclass(frozen=True)
@@ -48,21 +49,21 @@ class Stage:
     rank: int
     size: int
     missing: tuple[str, ...]
-    layers: Optional[tuple[int, int]] = None
-    rename: Optional[Callable[[str], Optional[str]]] = None
+    layers: tuple[int, int] | None = None
+    rename: Callable[[str], str | None] | None = None
 
     def holds(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` is under a module this stage's model holds.
         A name the mapper drops (vLLM ignores it) is judged as it is written."""
         if self.rename is not None:
             name = self.rename(name) or name
-        return not name.startswith(self.missing)     # one call over every prefix
+        return not name.startswith(self.missing)  # one call over every prefix
 
     def names(self, names: Iterable[str]) -> list[str]:
         """Of ``names``, those this stage holds, in their order."""
         return [name for name in names if self.holds(name)]
 
-    def restrict(self, plan: "ReadPlan") -> "ReadPlan":
+    def restrict(self, plan: ReadPlan) -> ReadPlan:
         """``plan`` (one worker's read plan) with only the pieces of the tensors this stage
         holds: nothing else is read, kept or counted."""
         held = self.names(p.name for p in plan.pieces)
@@ -73,19 +74,21 @@ class Stage:
 
     def describe(self) -> dict:
         """The stage in the statistics line: ``pp_rank``, ``pp_size`` and the held layers."""
-        return {"pp_rank": self.rank, "pp_size": self.size,
-                "layers": list(self.layers) if self.layers is not None else None}
+        return {
+            "pp_rank": self.rank,
+            "pp_size": self.size,
+            "layers": list(self.layers) if self.layers is not None else None,
+        }
 
 
-def placeholders(modules: Iterable[tuple[str, Any]], kinds: tuple[type, ...]
-                 ) -> tuple[str, ...]:
+def placeholders(modules: Iterable[tuple[str, Any]], kinds: tuple[type, ...]) -> tuple[str, ...]:
     """The prefixes (``name.``) of the modules among ``modules`` (``named_modules()``) that are
     placeholders (instances of ``kinds``); the trailing dot keeps ``model.layers.1.`` from
     matching ``model.layers.11``."""
     return tuple(name + "." for name, module in modules if isinstance(module, kinds))
 
 
-def layer_range(model: "nn.Module", kinds: tuple[type, ...]) -> Optional[tuple[int, int]]:
+def layer_range(model: nn.Module, kinds: tuple[type, ...]) -> tuple[int, int] | None:
     """The decoder layers ``[start, end)`` the model holds: the ``start_layer`` and ``end_layer``
     vLLM's models keep (``make_layers``), else the members of the first list of layers that
     has placeholders which are not; None where neither says."""
@@ -104,7 +107,7 @@ def layer_range(model: "nn.Module", kinds: tuple[type, ...]) -> Optional[tuple[i
     return None
 
 
-def stage_of(model: "nn.Module") -> Optional[Stage]:
+def stage_of(model: nn.Module) -> Stage | None:
     """This process's stage of vLLM's pipeline and what its ``model`` holds; None without
     pipeline parallelism (one stage holds everything: nothing changes)."""
     from vllm.distributed import get_pp_group
@@ -116,5 +119,10 @@ def stage_of(model: "nn.Module") -> Optional[Stage]:
     kinds = (PPMissingLayer,)
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     rename = getattr(mapper, "map_name", None) if mapper is not None else None
-    return Stage(pp.rank_in_group, pp.world_size, placeholders(model.named_modules(), kinds),
-                 layer_range(model, kinds), rename)
+    return Stage(
+        pp.rank_in_group,
+        pp.world_size,
+        placeholders(model.named_modules(), kinds),
+        layer_range(model, kinds),
+        rename,
+    )

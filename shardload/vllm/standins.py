@@ -31,8 +31,9 @@ rest of the tensor are never touched. (``verify`` needs stand-ins it can poison,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 from .. import dtypes
 from ..errors import PlanError
@@ -71,41 +72,73 @@ class StandIns:
     kept: int
     replicated: int
     padded: tuple[str, ...]
-    views: dict[str, "torch.Tensor"] = field(default_factory=dict)
+    views: dict[str, torch.Tensor] = field(default_factory=dict)
     viewed: int = 0
     order: tuple[str, ...] = ()
 
 
-def _in_place(piece: PieceRead, shape: tuple[int, ...], dtype: str, begin: int
-              ) -> tuple[PieceRead, tuple[Block, ...]]:
-    runs = tuple(Run(r.source, r.offset, r.nbytes, r.count, r.stride, r.offset - begin,
-                     r.stride if r.count > 1 else 0) for r in piece.runs)
+def _in_place(
+    piece: PieceRead, shape: tuple[int, ...], dtype: str, begin: int
+) -> tuple[PieceRead, tuple[Block, ...]]:
+    runs = tuple(
+        Run(
+            r.source,
+            r.offset,
+            r.nbytes,
+            r.count,
+            r.stride,
+            r.offset - begin,
+            r.stride if r.count > 1 else 0,
+        )
+        for r in piece.runs
+    )
     blocks = tuple(Block(r.dst_offset, r.nbytes, r.count, r.dst_stride) for r in runs)
     return PieceRead(piece.name, shape, dtype, runs, shared=piece.shared), blocks
 
 
-def _padded(piece: PieceRead, shape: tuple[int, ...], plan: ReadPlan, source: str
-            ) -> tuple[PieceRead, tuple[Block, ...]]:
+def _padded(
+    piece: PieceRead, shape: tuple[int, ...], plan: ReadPlan, source: str
+) -> tuple[PieceRead, tuple[Block, ...]]:
     axes = [d for d, (a, b) in enumerate(zip(piece.shape, shape)) if a != b]
     if len(axes) != 1 or len(piece.shape) != len(shape):
-        raise PlanError(f"the padded piece {list(piece.shape)} of a tensor of shape "
-                        f"{list(shape)} is not one chunk along one axis, so vLLM cannot narrow "
-                        "it from a padded whole", source=source, param=piece.name)
+        raise PlanError(
+            f"the padded piece {list(piece.shape)} of a tensor of shape "
+            f"{list(shape)} is not one chunk along one axis, so vLLM cannot narrow "
+            "it from a padded whole",
+            source=source,
+            param=piece.name,
+        )
     axis, n, rank = axes[0], plan.num_shards, plan.rank
-    inner = math.prod(piece.shape[axis + 1:]) * dtypes.itemsize(piece.dtype)
+    inner = math.prod(piece.shape[axis + 1 :]) * dtypes.itemsize(piece.dtype)
     outer = math.prod(piece.shape[:axis])
-    chunk = piece.shape[axis] * inner               # one worker's bytes per outer row
-    row = n * chunk                                 # the padded whole's bytes per outer row
+    chunk = piece.shape[axis] * inner  # one worker's bytes per outer row
+    row = n * chunk  # the padded whole's bytes per outer row
     runs = []
     for r in piece.runs:
         at = r.dst_offset % chunk if chunk else 0
-        if at + r.nbytes > chunk or (r.count > 1 and r.dst_stride != chunk) or \
-                (r.count == 1 and outer > 1 and r.nbytes > chunk):
-            raise PlanError("a padded piece's read crosses a row of the padded whole, which "
-                            "shardload cannot place for vLLM", source=source, param=piece.name)
+        if (
+            at + r.nbytes > chunk
+            or (r.count > 1 and r.dst_stride != chunk)
+            or (r.count == 1 and outer > 1 and r.nbytes > chunk)
+        ):
+            raise PlanError(
+                "a padded piece's read crosses a row of the padded whole, which "
+                "shardload cannot place for vLLM",
+                source=source,
+                param=piece.name,
+            )
         first_row = r.dst_offset // chunk if chunk else 0
-        runs.append(Run(r.source, r.offset, r.nbytes, r.count, r.stride,
-                        first_row * row + rank * chunk + at, row if r.count > 1 else 0))
+        runs.append(
+            Run(
+                r.source,
+                r.offset,
+                r.nbytes,
+                r.count,
+                r.stride,
+                first_row * row + rank * chunk + at,
+                row if r.count > 1 else 0,
+            )
+        )
     whole = list(piece.shape)
     whole[axis] *= n
     blocks = (Block(rank * chunk, chunk, outer, row if outer > 1 else 0),)
@@ -120,9 +153,12 @@ def _padded_whole(piece: tuple[int, ...], shape: tuple[int, ...], n: int) -> boo
     return len(piece) == len(shape) and len(axes) == 1 and piece[axes[0]] * n != shape[axes[0]]
 
 
-def stand_in_reads(plan: ReadPlan, validated: "ValidatedPlan", ckpt: "Checkpoint",
-                   view: Optional[Callable[[str], Optional["torch.Tensor"]]] = None
-                   ) -> StandIns:
+def stand_in_reads(
+    plan: ReadPlan,
+    validated: ValidatedPlan,
+    ckpt: Checkpoint,
+    view: Callable[[str], torch.Tensor | None] | None = None,
+) -> StandIns:
     """``plan`` (one worker's read plan) as reads of full-shape stand-ins (the module
     docstring); with ``view`` (``Checkpoint.view``), a read piece whose stored tensor it gives
     in place is that view instead of a read.
@@ -139,12 +175,14 @@ def stand_in_reads(plan: ReadPlan, validated: "ValidatedPlan", ckpt: "Checkpoint
     for piece in plan.pieces:
         meta = validated.params[piece.name].meta
         if piece.chain is not None:
-            whole = PieceRead(piece.name, tuple(piece.chain.shape), piece.chain.dtype,
-                              piece.runs)
-            made, blocks = whole, tuple(Block(r.dst_offset, r.nbytes, r.count, r.dst_stride)
-                                        for r in piece.runs)
-        elif piece.zeros or (padded_plan and
-                             _padded_whole(piece.shape, tuple(meta.shape), plan.num_shards)):
+            whole = PieceRead(piece.name, tuple(piece.chain.shape), piece.chain.dtype, piece.runs)
+            made, blocks = (
+                whole,
+                tuple(Block(r.dst_offset, r.nbytes, r.count, r.dst_stride) for r in piece.runs),
+            )
+        elif piece.zeros or (
+            padded_plan and _padded_whole(piece.shape, tuple(meta.shape), plan.num_shards)
+        ):
             made, blocks = _padded(piece, tuple(meta.shape), plan, source)
             padded.append(piece.name)
         else:
@@ -158,8 +196,14 @@ def stand_in_reads(plan: ReadPlan, validated: "ValidatedPlan", ckpt: "Checkpoint
         pieces.append(made)
         mine[piece.name] = blocks
     kept = sum(p.nbytes for p in plan.pieces)
-    replicated = sum(p.nbytes for p in plan.pieces
-                     if validated.params[p.name].replicated)
-    return StandIns(ReadPlan(plan.rank, plan.num_shards, plan.sources, tuple(pieces)), mine,
-                    kept, replicated, tuple(padded), views, viewed,
-                    tuple(p.name for p in plan.pieces))
+    replicated = sum(p.nbytes for p in plan.pieces if validated.params[p.name].replicated)
+    return StandIns(
+        ReadPlan(plan.rank, plan.num_shards, plan.sources, tuple(pieces)),
+        mine,
+        kept,
+        replicated,
+        tuple(padded),
+        views,
+        viewed,
+        tuple(p.name for p in plan.pieces),
+    )

@@ -17,14 +17,14 @@ The cost is two loads and a copy of the model, so it is an option, for tests and
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from ..errors import ShardloadError
 from .standins import Block
 
-__all__ = ["poison", "verified_load", "VerifyError"]
+__all__ = ["VerifyError", "poison", "verified_load"]
 
 #: (parameter pattern, poison pattern) of each of the two loads
 PATTERNS = ((0x3C, 0x5A), (0xC3, 0xA5))
@@ -48,8 +48,9 @@ def poison(tensor: torch.Tensor, mine: Iterable[Block], value: int) -> None:
     data[outside] = value
 
 
-def verified_load(params: dict[str, torch.Tensor], load: Callable[[int], None],
-                  rank: int) -> list[str]:
+def verified_load(
+    params: dict[str, torch.Tensor], load: Callable[[int], None], rank: int
+) -> list[str]:
     """Run ``load(poison_value)`` twice as the module docstring says; the names of parameters
     vLLM never wrote (restored). Raises ``VerifyError`` naming every poisoned parameter."""
     original = {name: p.detach().clone() for name, p in params.items()}
@@ -74,11 +75,12 @@ def verified_load(params: dict[str, torch.Tensor], load: Callable[[int], None],
             unwritten.append(name)
             p.data.copy_(original[name])
         else:  # partly written: the rest keeps its pattern, which no checkpoint gave it
-            poisoned.append(f"{name} ({int(untouched.sum())} of {a.numel()} bytes never "
-                            "written)")
+            poisoned.append(f"{name} ({int(untouched.sum())} of {a.numel()} bytes never written)")
     if poisoned:
         raise VerifyError(
             f"verify failed on rank {rank}: {len(poisoned)} vLLM parameter(s) hold bytes this "
             f"rank did not read, so shardload's plan is not the slice vLLM narrows: "
-            + "; ".join(poisoned[:8]) + (" ..." if len(poisoned) > 8 else ""))
+            + "; ".join(poisoned[:8])
+            + (" ..." if len(poisoned) > 8 else "")
+        )
     return unwritten

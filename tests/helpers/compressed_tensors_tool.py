@@ -9,8 +9,12 @@ import torch
 import transformers
 from compressed_tensors.compressors import BaseCompressor, ModelCompressor
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
-                                             apply_quantization_config, preset_name_to_scheme)
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationConfig,
+    apply_quantization_config,
+    preset_name_to_scheme,
+)
 from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
@@ -24,9 +28,12 @@ def compress_w4a16(folder: Path, config, symmetric: bool, group: int = 32):
     model = transformers.AutoModelForCausalLM.from_config(config)
     scheme = preset_name_to_scheme("W4A16" if symmetric else "W4A16_ASYM", ["Linear"])
     scheme.weights.group_size = group
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
-                                                        ignore=["lm_head"],
-                                                        format="pack-quantized"))
+    apply_quantization_config(
+        model,
+        QuantizationConfig(
+            config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized"
+        ),
+    )
     for module in model.modules():
         if hasattr(module, "weight_scale"):
             groups = module.weight.detach().reshape(module.weight.shape[0], -1, group)
@@ -47,13 +54,17 @@ def dequant(t: dict[str, torch.Tensor], prefix: str, args) -> torch.Tensor:
     codes = unpack_from_int32(t[f"{prefix}.weight_packed"], args.num_bits, shape)
     zero = t.get(f"{prefix}.weight_zero_point")
     if zero is not None:  # asymmetric: zero points are packed along the output rows
-        zero = unpack_from_int32(zero, args.num_bits,
-                                 torch.Size([shape[0], t[f"{prefix}.weight_scale"].shape[1]]),
-                                 packed_dim=0)
+        zero = unpack_from_int32(
+            zero,
+            args.num_bits,
+            torch.Size([shape[0], t[f"{prefix}.weight_scale"].shape[1]]),
+            packed_dim=0,
+        )
     return dequantize(codes, t[f"{prefix}.weight_scale"], zero, args=args, dtype=torch.float32)
 
 
 # ---- any preset: W8A8 int8, NVFP4, MXFP4, FP8 block ----------------------------------------------
+
 
 def _calibrate(module, args) -> None:
     """Min/max weight qparams for ``module`` computed with the library's own
@@ -63,7 +74,7 @@ def _calibrate(module, args) -> None:
     rows = weight.shape[0]
     if args.strategy == "channel":
         lo, hi = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
-    elif args.strategy == "block":    # one scale per [bn, bk] block of W
+    elif args.strategy == "block":  # one scale per [bn, bk] block of W
         bn, bk = args.block_structure
         # a last partial block (rows or columns not a multiple of the block) is padded with
         # zeros: the scheme is symmetric, so its scale (the largest magnitude) is unchanged
@@ -85,8 +96,7 @@ def _calibrate(module, args) -> None:
     if hasattr(module, "input_scale"):
         module.input_scale.data.fill_(0.02)
     if hasattr(module, "input_global_scale"):
-        module.input_global_scale.data.copy_(generate_gparam(torch.tensor(-3.0),
-                                                             torch.tensor(3.0)))
+        module.input_global_scale.data.copy_(generate_gparam(torch.tensor(-3.0), torch.tensor(3.0)))
 
 
 def compress_preset(folder: Path, config, preset: str, *, static_input: bool = False):
@@ -100,10 +110,12 @@ def compress_preset(folder: Path, config, preset: str, *, static_input: bool = F
     model = transformers.AutoModelForCausalLM.from_config(config)
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if static_input:
-        scheme.input_activations = QuantizationArgs(num_bits=8, type="int", strategy="tensor",
-                                                    symmetric=True, dynamic=False)
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
-                                                        ignore=["lm_head"]))
+        scheme.input_activations = QuantizationArgs(
+            num_bits=8, type="int", strategy="tensor", symmetric=True, dynamic=False
+        )
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    )
     for module in model.modules():
         if hasattr(module, "weight_scale"):
             _calibrate(module, module.quantization_scheme.weights)
@@ -119,5 +131,5 @@ def decompress(t: dict[str, torch.Tensor], prefix: str, scheme, fmt: str) -> tor
     """The weight of one (possibly sharded) layer as the library's own decompressor for
     ``fmt`` gives it back (unpacking, scale decoding and dequantization, all its own)."""
     compressor = BaseCompressor.get_value_from_registry(fmt)
-    own = {k[len(prefix) + 1:]: v for k, v in t.items() if k.startswith(prefix + ".")}
+    own = {k[len(prefix) + 1 :]: v for k, v in t.items() if k.startswith(prefix + ".")}
     return compressor.decompress(own, scheme)["weight"].float()

@@ -31,9 +31,10 @@ PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 2, 198, 1, 520, 9531, 198
 
 
 def tensor_parallel(sess, out: str) -> None:
+    from tp_llama import TensorParallelLlama  # examples/tp_llama.py
+
     from helpers.real_models import smollm2_gguf
     from shardload import ThreadedSession
-    from tp_llama import TensorParallelLlama  # examples/tp_llama.py
 
     path = smollm2_gguf()
     with TensorParallelLlama(path, sess) as model:
@@ -41,8 +42,10 @@ def tensor_parallel(sess, out: str) -> None:
     if sess.rank == 0:
         with ThreadedSession(1) as one, TensorParallelLlama(path, one) as reference:
             expected = reference.logits(PROMPT)
-        save_file({"logits": logits.contiguous(), "reference": expected.contiguous()},
-                  os.path.join(out, "tp.safetensors"))
+        save_file(
+            {"logits": logits.contiguous(), "reference": expected.contiguous()},
+            os.path.join(out, "tp.safetensors"),
+        )
 
 
 def main(mode: str, out: str) -> None:
@@ -54,8 +57,13 @@ def main(mode: str, out: str) -> None:
             from shardload import Staging
 
             staging = Staging(buffers=2, buffer_mib=0.01) if mode == "staged" else None
-            result = load_sharded(EXAMPLE, os.path.join(EXAMPLE, "shard_info.json"), sess,
-                                  progress=False, staging=staging)
+            result = load_sharded(
+                EXAMPLE,
+                os.path.join(EXAMPLE, "shard_info.json"),
+                sess,
+                progress=False,
+                staging=staging,
+            )
             save_file(result.worker(sess.rank), os.path.join(out, f"rank{sess.rank}.safetensors"))
             with open(os.path.join(out, f"rank{sess.rank}.json"), "w") as f:
                 json.dump({"stats": result.stats.as_dict(), "rank": sess.rank}, f)
@@ -65,8 +73,11 @@ def main(mode: str, out: str) -> None:
         try:
             load_sharded(EXAMPLE, plan, sess, progress=False)
         except Exception as exc:
-            outcome = {"raised": type(exc).__name__, "message": str(exc),
-                       "workers": list(getattr(exc, "workers", ()))}
+            outcome = {
+                "raised": type(exc).__name__,
+                "message": str(exc),
+                "workers": list(getattr(exc, "workers", ())),
+            }
         with open(os.path.join(out, f"rank{sess.rank}.json"), "w") as f:
             json.dump(outcome, f)
 

@@ -9,7 +9,7 @@ import pytest
 
 from devtools.environments import ENVIRONMENTS, environment
 
-__all__ = ["require", "ENVIRONMENTS"]
+__all__ = ["ENVIRONMENTS", "require"]
 
 
 def require(name: str) -> str:

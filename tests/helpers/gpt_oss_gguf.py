@@ -16,15 +16,17 @@ ARCH = "gpt-oss"
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
 EXPERTS, INTER, LAYERS, VOCAB, CONTEXT = 4, 96, 2, 96, 256
 Q, KV = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-BLOCK, BLOCK_BYTES = gguf.GGML_QUANT_SIZES[T.MXFP4]           # 32 elements in 17 bytes
-GROUPS = INTER // BLOCK                                       # the experts' 96 rows: 3 blocks
+BLOCK, BLOCK_BYTES = gguf.GGML_QUANT_SIZES[T.MXFP4]  # 32 elements in 17 bytes
+GROUPS = INTER // BLOCK  # the experts' 96 rows: 3 blocks
 
 # how each tensor splits under tensor parallelism: q / kv (rows in whole query / KV heads), o
 # (columns in whole query heads), sinks (one per query head), exp_rows (dim 1 of [E, inter,
 # ...]), exp_k (dim 2 of [E, hidden, inter]), rep (replicated)
-TOP = {"TOKEN_EMBD": [("weight", (VOCAB, HIDDEN), T.F16, "rep")],
-       "OUTPUT_NORM": [("weight", (HIDDEN,), T.F32, "rep")],
-       "OUTPUT": [("weight", (VOCAB, HIDDEN), T.F16, "rep")]}
+TOP = {
+    "TOKEN_EMBD": [("weight", (VOCAB, HIDDEN), T.F16, "rep")],
+    "OUTPUT_NORM": [("weight", (HIDDEN,), T.F32, "rep")],
+    "OUTPUT": [("weight", (VOCAB, HIDDEN), T.F16, "rep")],
+}
 BLOCK_TENSORS = {
     "ATTN_NORM": [("weight", (HIDDEN,), T.F32, "rep")],
     "ATTN_POST_NORM": [("weight", (HIDDEN,), T.F32, "rep")],
@@ -34,14 +36,22 @@ BLOCK_TENSORS = {
     # the bias is added once, after the row-parallel sum
     "ATTN_OUT": [("weight", (HIDDEN, Q), T.F16, "o"), ("bias", (HIDDEN,), T.F32, "rep")],
     "ATTN_SINKS": [("weight", (HEADS,), T.F32, "sinks")],
-    "FFN_GATE_INP": [("weight", (EXPERTS, HIDDEN), T.F32, "rep"),
-                     ("bias", (EXPERTS,), T.F32, "rep")],
-    "FFN_GATE_EXP": [("weight", (EXPERTS, INTER, HIDDEN), T.MXFP4, "exp_rows"),
-                     ("bias", (EXPERTS, INTER), T.F32, "exp_rows")],
-    "FFN_UP_EXP": [("weight", (EXPERTS, INTER, HIDDEN), T.MXFP4, "exp_rows"),
-                   ("bias", (EXPERTS, INTER), T.F32, "exp_rows")],
-    "FFN_DOWN_EXP": [("weight", (EXPERTS, HIDDEN, INTER), T.MXFP4, "exp_k"),
-                     ("bias", (EXPERTS, HIDDEN), T.F32, "rep")],
+    "FFN_GATE_INP": [
+        ("weight", (EXPERTS, HIDDEN), T.F32, "rep"),
+        ("bias", (EXPERTS,), T.F32, "rep"),
+    ],
+    "FFN_GATE_EXP": [
+        ("weight", (EXPERTS, INTER, HIDDEN), T.MXFP4, "exp_rows"),
+        ("bias", (EXPERTS, INTER), T.F32, "exp_rows"),
+    ],
+    "FFN_UP_EXP": [
+        ("weight", (EXPERTS, INTER, HIDDEN), T.MXFP4, "exp_rows"),
+        ("bias", (EXPERTS, INTER), T.F32, "exp_rows"),
+    ],
+    "FFN_DOWN_EXP": [
+        ("weight", (EXPERTS, HIDDEN, INTER), T.MXFP4, "exp_k"),
+        ("bias", (EXPERTS, HIDDEN), T.F32, "rep"),
+    ],
 }
 EXP_KINDS = ("FFN_GATE_EXP", "FFN_UP_EXP", "FFN_DOWN_EXP")
 
@@ -74,7 +84,7 @@ def write_gpt_oss(path: str) -> None:
     writer.add_block_count(LAYERS)
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(INTER)          # gpt-oss's intermediate_size: the experts'
+    writer.add_feed_forward_length(INTER)  # gpt-oss's intermediate_size: the experts'
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_freq_base(150000.0)

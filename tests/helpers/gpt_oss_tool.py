@@ -40,20 +40,33 @@ from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 # as in openai/gpt-oss-20b's config.json
-QUANTIZATION_CONFIG = {"quant_method": "mxfp4",
-                       "modules_to_not_convert": ["model.layers.*.self_attn",
-                                                  "model.layers.*.mlp.router",
-                                                  "model.embed_tokens", "lm_head"]}
+QUANTIZATION_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
 SCHEME = preset_name_to_scheme("MXFP4A16", ["Linear"])
 
 
 def tiny_config(**overrides) -> transformers.GptOssConfig:
     """A tiny gpt-oss config; ``hidden_size`` and ``intermediate_size`` must be multiples of
     32 (the MXFP4 group)."""
-    kwargs = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=96,
-                  num_local_experts=4, num_experts_per_tok=2,
-                  layer_types=["sliding_attention", "full_attention"])
+    kwargs = dict(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     kwargs.update(overrides)
     return transformers.GptOssConfig(**kwargs)
 
@@ -69,8 +82,11 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     compressor = BaseCompressor.get_value_from_registry("mxfp4-pack-quantized")
     packed = compressor.compress({"weight": flat, "weight_scale": scale}, SCHEME)
     back = compressor.decompress(dict(packed), SCHEME)["weight"].float()
-    return (packed["weight_packed"].reshape(e, rows, k // 32, 16),
-            packed["weight_scale"].reshape(e, rows, k // 32), back.reshape(e, rows, k))
+    return (
+        packed["weight_packed"].reshape(e, rows, k // 32, 16),
+        packed["weight_scale"].reshape(e, rows, k // 32),
+        back.reshape(e, rows, k),
+    )
 
 
 def write_gpt_oss_mxfp4(folder, config, seed: int = 0) -> None:
@@ -108,4 +124,5 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def load_with_transformers(folder):
     """The checkpoint as transformers loads it on CPU: experts dequantized, float32."""
     return transformers.AutoModelForCausalLM.from_pretrained(
-        folder, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32)
+        folder, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+    )

@@ -20,9 +20,9 @@ def unpack_4bit(words: np.ndarray, axis: int) -> np.ndarray:
 
 def dequantize(qweight, qzeros, scales, g_idx) -> np.ndarray:
     """HF-layout float32 weight [N, K]."""
-    q = unpack_4bit(np.asarray(qweight), axis=0)                 # [K, N]
-    z = (unpack_4bit(np.asarray(qzeros), axis=1) + 1) & 0xF      # [K/G, N]; v1 stores z - 1
+    q = unpack_4bit(np.asarray(qweight), axis=0)  # [K, N]
+    z = (unpack_4bit(np.asarray(qzeros), axis=1) + 1) & 0xF  # [K/G, N]; v1 stores z - 1
     g = np.asarray(g_idx).astype(np.int64)
     s = np.asarray(scales).astype(np.float32)
-    w = s[g] * (q - z[g]).astype(np.float32)                     # [K, N]
+    w = s[g] * (q - z[g]).astype(np.float32)  # [K, N]
     return w.T

@@ -37,17 +37,38 @@ def tool_python() -> str:
     return require("quant")
 
 
-def quantize(source: Path, out: Path, *, bits: int = 4, group: int = 32, desc_act: bool = False,
-             sym: bool = True, samples: int = 16) -> None:
+def quantize(
+    source: Path,
+    out: Path,
+    *,
+    bits: int = 4,
+    group: int = 32,
+    desc_act: bool = False,
+    sym: bool = True,
+    samples: int = 16,
+) -> None:
     """``source`` quantized by GPTQModel into ``out`` (made by the caller, empty)."""
-    cmd = [tool_python(), os.path.abspath(__file__), str(source), str(out), "--bits", str(bits),
-           "--group", str(group), "--samples", str(samples)]
+    cmd = [
+        tool_python(),
+        os.path.abspath(__file__),
+        str(source),
+        str(out),
+        "--bits",
+        str(bits),
+        "--group",
+        str(group),
+        "--samples",
+        str(samples),
+    ]
     cmd += ["--desc-act"] if desc_act else []
     cmd += [] if sym else ["--asym"]
     # GPTQModel sizes its CPU pool at half the cores, and wants 2 workers in it
-    env = {**os.environ, "GPTQMODEL_CPU_WORKERS": os.environ.get("GPTQMODEL_CPU_WORKERS", "2"),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    with tempfile.TemporaryDirectory() as cwd:     # GPTQModel writes logs/ where it runs
+    env = {
+        **os.environ,
+        "GPTQMODEL_CPU_WORKERS": os.environ.get("GPTQMODEL_CPU_WORKERS", "2"),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    with tempfile.TemporaryDirectory() as cwd:  # GPTQModel writes logs/ where it runs
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=cwd)
     if proc.returncode != 0:
         raise RuntimeError(f"GPTQModel failed on {source}:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -76,14 +97,19 @@ def _main() -> None:
             source = Path(tmp) / "source"
             shutil.copytree(args.source, source)
             char_tokenizer().save_pretrained(source)
-        config = QuantizeConfig(bits=args.bits, group_size=args.group, desc_act=args.desc_act,
-                                sym=not args.asym)
+        config = QuantizeConfig(
+            bits=args.bits, group_size=args.group, desc_act=args.desc_act, sym=not args.asym
+        )
         model = GPTQModel.load(str(source), config, device="cpu")
         vocab = model.model.config.vocab_size
         generator = torch.Generator().manual_seed(0)
-        calibration = [{"input_ids": torch.randint(0, vocab, (1, 64), generator=generator),
-                        "attention_mask": torch.ones(1, 64, dtype=torch.long)}
-                       for _ in range(args.samples)]
+        calibration = [
+            {
+                "input_ids": torch.randint(0, vocab, (1, 64), generator=generator),
+                "attention_mask": torch.ones(1, 64, dtype=torch.long),
+            }
+            for _ in range(args.samples)
+        ]
         model.quantize(calibration, batch_size=1)
         model.save(str(args.out))
     if not had_tokenizer:

@@ -16,7 +16,7 @@ def rounds(ctx, count: int) -> list:
     ``round % size``, then a barrier: every worker's results."""
     out = []
     for r in range(count):
-        total = ctx.group.all_reduce(torch.tensor([10.0 ** ctx.rank + r]))
+        total = ctx.group.all_reduce(torch.tensor([10.0**ctx.rank + r]))
         sent = ctx.group.broadcast(torch.tensor([100.0 * ctx.rank + r]), src=r % ctx.world_size)
         out.append([total.item(), sent.item()])
     ctx.group.barrier()

@@ -24,14 +24,19 @@ def main(ckpt: str, out: str) -> None:
         with load_tp_model(ckpt, session) as model:
             logits = model(PROMPT)
             greedy = model.generate(PROMPT, max_new_tokens=16)
-            sampled = model.generate(PROMPT, max_new_tokens=16, do_sample=True, seed=7,
-                                     temperature=0.8, top_k=20)
-        record = {"rank": session.rank, "logits": logits.tolist(), "greedy": greedy.tolist(),
-                  "sampled": sampled.tolist()}
+            sampled = model.generate(
+                PROMPT, max_new_tokens=16, do_sample=True, seed=7, temperature=0.8, top_k=20
+            )
+        record = {
+            "rank": session.rank,
+            "logits": logits.tolist(),
+            "greedy": greedy.tolist(),
+            "sampled": sampled.tolist(),
+        }
     with open(os.path.join(out, f"rank{record['rank']}.json"), "w") as f:
         json.dump(record, f)
 
 
 if __name__ == "__main__":
-    torch.manual_seed(1234 + int(os.environ.get("RANK", "0")))   # ranks' own RNGs differ
+    torch.manual_seed(1234 + int(os.environ.get("RANK", "0")))  # ranks' own RNGs differ
     main(sys.argv[1], sys.argv[2])

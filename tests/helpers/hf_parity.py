@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import torch
 
-PROMPT = [[3, 17, 42, 5, 88, 11, 60, 29]]      # token ids < 96, every tiny vocabulary
+PROMPT = [[3, 17, 42, 5, 88, 11, 60, 29]]  # token ids < 96, every tiny vocabulary
 NEW_TOKENS = 16
-TOLERANCE = 1e-3      # max |TP - reference| / max |reference|, float32
+TOLERANCE = 1e-3  # max |TP - reference| / max |reference|, float32
 
 #: the quantized checkpoints: sizes where every N of 1..4 plans (one head = one 32-group of
 #: o_proj's inputs; 256 MLP rows), as tests/test_formats_compressed_tensors.py has them, with 2
 #: layers
-QUANT_SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
+QUANT_SIZES = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+)
 
 
 def randomise(model) -> None:

@@ -25,8 +25,9 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -35,8 +36,16 @@ try:  # torch is optional here: it is how bfloat16 / float8 arrays are passed in
 except ImportError:  # pragma: no cover
     torch = None
 
-__all__ = ["write_mlc_folder", "quantize_q4f16_1", "dequantize_q4f16_1", "pack_int4",
-           "unpack_int4", "f32_to_bf16_bits", "GROUP_SIZE", "MAX_INT"]
+__all__ = [
+    "GROUP_SIZE",
+    "MAX_INT",
+    "dequantize_q4f16_1",
+    "f32_to_bf16_bits",
+    "pack_int4",
+    "quantize_q4f16_1",
+    "unpack_int4",
+    "write_mlc_folder",
+]
 
 GROUP_SIZE = 32  # q4f16_1 group size along K
 MAX_INT = 7  # 2 ** (4 - 1) - 1: the zero point, and the largest |code - zero|
@@ -59,14 +68,14 @@ def pack_int4(codes: np.ndarray) -> np.ndarray:
     if codes.size and (codes.min() < 0 or codes.max() > 15):
         raise ValueError("codes must lie in [0, 15]")
     c = codes.astype(np.uint32).reshape(*codes.shape[:-1], -1, CODES_PER_WORD)
-    shifts = (4 * np.arange(CODES_PER_WORD, dtype=np.uint32))
+    shifts = 4 * np.arange(CODES_PER_WORD, dtype=np.uint32)
     return np.bitwise_or.reduce(c << shifts, axis=-1).astype(np.uint32)
 
 
 def unpack_int4(words: np.ndarray) -> np.ndarray:
     """Unpack uint32 words ``[..., W]`` into 4-bit codes ``[..., 8W]`` (uint8), LSB first."""
     w = np.asarray(words).astype(np.uint32)
-    shifts = (4 * np.arange(CODES_PER_WORD, dtype=np.uint32))
+    shifts = 4 * np.arange(CODES_PER_WORD, dtype=np.uint32)
     codes = (w[..., None] >> shifts) & np.uint32(0xF)
     return codes.reshape(*w.shape[:-1], -1).astype(np.uint8)
 
@@ -91,7 +100,7 @@ def quantize_q4f16_1(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     padded = np.zeros((*w.shape[:-1], groups * GROUP_SIZE), np.float16)
     padded[..., :k] = w16
     g = padded.reshape(*w.shape[:-1], groups, GROUP_SIZE)
-    max_abs = np.abs(g).max(axis=-1)                                      # float16, exact
+    max_abs = np.abs(g).max(axis=-1)  # float16, exact
     scale = (max_abs / np.float16(MAX_INT)).astype(np.float16)
     with np.errstate(divide="ignore", invalid="ignore"):
         x = (g / scale[..., None]).astype(np.float16) + np.float16(MAX_INT)
@@ -102,8 +111,9 @@ def quantize_q4f16_1(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return pack_int4(codes), scale
 
 
-def dequantize_q4f16_1(q_weight: np.ndarray, q_scale: np.ndarray, k: int | None = None
-                       ) -> np.ndarray:
+def dequantize_q4f16_1(
+    q_weight: np.ndarray, q_scale: np.ndarray, k: int | None = None
+) -> np.ndarray:
     """``(code - 7) * scale`` as float32 ``[..., K]``; ``K = 8 * words`` unless ``k`` is given.
 
     ``q_weight`` uint32 ``[..., W]`` (W a multiple of 4: whole groups) and ``q_scale``
@@ -113,11 +123,13 @@ def dequantize_q4f16_1(q_weight: np.ndarray, q_scale: np.ndarray, k: int | None 
     q_weight, q_scale = np.asarray(q_weight), np.asarray(q_scale)
     words = q_weight.shape[-1]
     if words % WORDS_PER_GROUP:
-        raise ValueError(f"q_weight has {words} words per row, not whole groups of "
-                         f"{WORDS_PER_GROUP}")
+        raise ValueError(
+            f"q_weight has {words} words per row, not whole groups of {WORDS_PER_GROUP}"
+        )
     if q_scale.shape != (*q_weight.shape[:-1], words // WORDS_PER_GROUP):
-        raise ValueError(f"q_scale shape {q_scale.shape} does not match q_weight shape "
-                         f"{q_weight.shape}")
+        raise ValueError(
+            f"q_scale shape {q_scale.shape} does not match q_weight shape {q_weight.shape}"
+        )
     codes = unpack_int4(q_weight).astype(np.float32) - np.float32(MAX_INT)
     scale = np.repeat(q_scale.astype(np.float32), GROUP_SIZE, axis=-1)
     out = codes * scale
@@ -128,10 +140,20 @@ def dequantize_q4f16_1(q_weight: np.ndarray, q_scale: np.ndarray, k: int | None 
 # the folder writer
 
 # dtype spellings TVM writes
-_NUMPY_NAMES = {"bool": "bool", "int8": "int8", "uint8": "uint8", "int16": "int16",
-                "uint16": "uint16", "int32": "int32", "uint32": "uint32", "int64": "int64",
-                "uint64": "uint64", "float16": "float16", "float32": "float32",
-                "float64": "float64"}
+_NUMPY_NAMES = {
+    "bool": "bool",
+    "int8": "int8",
+    "uint8": "uint8",
+    "int16": "int16",
+    "uint16": "uint16",
+    "int32": "int32",
+    "uint32": "uint32",
+    "int64": "int64",
+    "uint64": "uint64",
+    "float16": "float16",
+    "float32": "float32",
+    "float64": "float64",
+}
 _TORCH_VIEW = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 
 
@@ -167,11 +189,18 @@ def _as_bytes(name: str, value: Any, encode_format: str) -> tuple[str, list[int]
     return dtype, list(arr.shape), arr.astype(arr.dtype.newbyteorder("<")).tobytes()
 
 
-def write_mlc_folder(folder: str | os.PathLike, tensors: Mapping[str, Any], *,
-                     shard_bytes: int = 1 << 20, config: dict | None = None, align: int = 1,
-                     pad_byte: int = 0, encode_format: str = "raw",
-                     index_name: str = "tensor-cache.json", metadata: dict | None = None
-                     ) -> Path:
+def write_mlc_folder(
+    folder: str | os.PathLike,
+    tensors: Mapping[str, Any],
+    *,
+    shard_bytes: int = 1 << 20,
+    config: dict | None = None,
+    align: int = 1,
+    pad_byte: int = 0,
+    encode_format: str = "raw",
+    index_name: str = "tensor-cache.json",
+    metadata: dict | None = None,
+) -> Path:
     """Write ``tensors`` (name -> numpy array or torch tensor) as an MLC-LLM weight folder.
 
     Tensors go, in the dict's order, into ``params_shard_0.bin``, ``params_shard_1.bin``, ...:
@@ -208,8 +237,15 @@ def write_mlc_folder(folder: str | os.PathLike, tensors: Mapping[str, Any], *,
             return
         path = f"params_shard_{len(shards)}.bin"
         (folder / path).write_bytes(bytes(data))
-        shards.append({"dataPath": path, "format": "raw-shard", "nbytes": len(data),
-                       "records": records, "md5sum": hashlib.md5(data).hexdigest()})
+        shards.append(
+            {
+                "dataPath": path,
+                "format": "raw-shard",
+                "nbytes": len(data),
+                "records": records,
+                "md5sum": hashlib.md5(data).hexdigest(),
+            }
+        )
         data, records = bytearray(), []
 
     for name, value in tensors.items():
@@ -221,8 +257,16 @@ def write_mlc_folder(folder: str | os.PathLike, tensors: Mapping[str, Any], *,
             offset = 0
         data += bytes([pad_byte]) * (offset - len(data))
         data += raw
-        records.append({"name": name, "shape": shape, "dtype": dtype, "format": encode_format,
-                        "nbytes": len(raw), "byteOffset": offset})
+        records.append(
+            {
+                "name": name,
+                "shape": shape,
+                "dtype": dtype,
+                "format": encode_format,
+                "nbytes": len(raw),
+                "byteOffset": offset,
+            }
+        )
     commit()
 
     if metadata is None:

@@ -10,18 +10,34 @@ import transformers
 
 HEADS, KV_HEADS, HIDDEN, INTER, VOCAB = 4, 2, 64, 128, 96
 EXPERTS, MOE_INTER = 4, 32
-DENSE = dict(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
-             num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB)
+DENSE = dict(
+    hidden_size=HIDDEN,
+    intermediate_size=INTER,
+    num_hidden_layers=1,
+    num_attention_heads=HEADS,
+    num_key_value_heads=KV_HEADS,
+    vocab_size=VOCAB,
+)
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**DENSE),
-    "phi3": lambda: transformers.Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                            **DENSE),
+    "phi3": lambda: transformers.Phi3Config(
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, **DENSE
+    ),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        hidden_size=HIDDEN, intermediate_size=INTER, moe_intermediate_size=MOE_INTER,
-        num_experts=EXPERTS, num_experts_per_tok=2, num_hidden_layers=2,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=16,
-        vocab_size=VOCAB, decoder_sparse_step=1),
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        moe_intermediate_size=MOE_INTER,
+        num_experts=EXPERTS,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=16,
+        vocab_size=VOCAB,
+        decoder_sparse_step=1,
+    ),
     # heads of 8 elements: each 16-element group of o_proj's K holds two of them
     "llama_narrow_heads": lambda: transformers.LlamaConfig(
-        **{**DENSE, "hidden_size": 32, "intermediate_size": 64}),
+        **{**DENSE, "hidden_size": 32, "intermediate_size": 64}
+    ),
 }

@@ -38,8 +38,10 @@ from .real_models import cache_dir
 
 #: what ``write_modelopt_nvfp4`` does, in words; part of the cache key: change it whenever the
 #: function changes what it writes, so that cached exports are made again
-RECIPE = ("NVFP4_DEFAULT_CFG; torch.manual_seed(0) model; calibrated on 4x32 token ids "
-          "(seed 1); export_hf_checkpoint")
+RECIPE = (
+    "NVFP4_DEFAULT_CFG; torch.manual_seed(0) model; calibrated on 4x32 token ids "
+    "(seed 1); export_hf_checkpoint"
+)
 #: NVFP4's group along K (one E4M3 scale per 16 weights): the only one it has
 NVFP4_GROUP = 16
 
@@ -54,10 +56,12 @@ def _import_quiet():
     this transformers is newer than those ModelOpt was tested with (known: see the module
     docstring), and its modules use ``torch.jit.script``, which torch deprecates."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"transformers .* is not tested with",
-                                category=UserWarning)
-        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script",
-                                category=DeprecationWarning)
+        warnings.filterwarnings(
+            "ignore", message=r"transformers .* is not tested with", category=UserWarning
+        )
+        warnings.filterwarnings(
+            "ignore", message=r"`torch\.jit\.script", category=DeprecationWarning
+        )
         import modelopt.torch.quantization as mtq
         from modelopt.torch.export import export_hf_checkpoint
         from modelopt.torch.quantization.qtensor import NVFP4QTensor
@@ -73,8 +77,9 @@ def write_modelopt_nvfp4(folder: Path, config) -> None:
 
     config = copy.deepcopy(config)
     if not config.architectures:  # the export's model-type checks iterate over it
-        config.architectures = [transformers.AutoModelForCausalLM._model_mapping[type(config)]
-                                .__name__]
+        config.architectures = [
+            transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__
+        ]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -96,8 +101,9 @@ def cache_key(config) -> str:
 
 
 def _complete(folder: Path) -> bool:
-    return all((folder / f).is_file() for f in ("config.json", "hf_quant_config.json",
-                                                 "model.safetensors"))
+    return all(
+        (folder / f).is_file() for f in ("config.json", "hf_quant_config.json", "model.safetensors")
+    )
 
 
 def cached_modelopt_nvfp4(name: str, config) -> Path:
@@ -120,8 +126,10 @@ def cached_modelopt_nvfp4(name: str, config) -> Path:
         try:
             write_modelopt_nvfp4(tmp, config)
             if not _complete(tmp):
-                raise RuntimeError(f"ModelOpt's export to {tmp} lacks config.json, "
-                                   "hf_quant_config.json or model.safetensors")
+                raise RuntimeError(
+                    f"ModelOpt's export to {tmp} lacks config.json, "
+                    "hf_quant_config.json or model.safetensors"
+                )
             os.chmod(tmp, 0o755)  # mkdtemp makes it 0700: other users of the cache may read it
             for f in tmp.iterdir():
                 os.chmod(f, 0o644)
@@ -132,8 +140,9 @@ def cached_modelopt_nvfp4(name: str, config) -> Path:
     return target
 
 
-def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor,
-               weight_scale_2: torch.Tensor) -> torch.Tensor:
+def dequantize(
+    weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor
+) -> torch.Tensor:
     """ModelOpt's own ``NVFP4QTensor.dequantize`` of one exported (possibly sharded) linear:
     packed uint8 ``weight`` [..., K/2], fp8 ``weight_scale`` [..., K/16], scalar
     ``weight_scale_2``; returns float32 [..., K]. Shapes that do not agree (a scale per other
@@ -141,19 +150,31 @@ def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor,
     _, _, NVFP4QTensor = _import_quiet()
 
     shape = torch.Size([*weight.shape[:-1], weight.shape[-1] * 2])
-    if (weight.dtype != torch.uint8 or weight_scale.dtype != torch.float8_e4m3fn
-            or weight_scale.shape != torch.Size([*shape[:-1], shape[-1] // NVFP4_GROUP])
-            or shape[-1] % NVFP4_GROUP or weight_scale_2.numel() != 1):
-        raise ValueError(f"not one NVFP4 linear: weight {weight.dtype} {list(weight.shape)}, "
-                         f"weight_scale {weight_scale.dtype} {list(weight_scale.shape)}, "
-                         f"weight_scale_2 {list(weight_scale_2.shape)}")
+    if (
+        weight.dtype != torch.uint8
+        or weight_scale.dtype != torch.float8_e4m3fn
+        or weight_scale.shape != torch.Size([*shape[:-1], shape[-1] // NVFP4_GROUP])
+        or shape[-1] % NVFP4_GROUP
+        or weight_scale_2.numel() != 1
+    ):
+        raise ValueError(
+            f"not one NVFP4 linear: weight {weight.dtype} {list(weight.shape)}, "
+            f"weight_scale {weight_scale.dtype} {list(weight_scale.shape)}, "
+            f"weight_scale_2 {list(weight_scale_2.shape)}"
+        )
     return NVFP4QTensor(shape, torch.float32, weight).dequantize(
-        dtype=torch.float32, scale=weight_scale, double_scale=weight_scale_2,
-        block_sizes={-1: NVFP4_GROUP})
+        dtype=torch.float32,
+        scale=weight_scale,
+        double_scale=weight_scale_2,
+        block_sizes={-1: NVFP4_GROUP},
+    )
 
 
 def dequantize_module(tensors, module: str) -> torch.Tensor:
     """``dequantize`` of the module ``module`` (``model.layers.0.mlp.down_proj``) in
     ``tensors`` (a mapping of name -> tensor: a checkpoint's, or one worker's)."""
-    return dequantize(tensors[f"{module}.weight"], tensors[f"{module}.weight_scale"],
-                      tensors[f"{module}.weight_scale_2"])
+    return dequantize(
+        tensors[f"{module}.weight"],
+        tensors[f"{module}.weight_scale"],
+        tensors[f"{module}.weight_scale_2"],
+    )

@@ -9,18 +9,37 @@ from __future__ import annotations
 import transformers
 
 HEADS, KV_HEADS, HIDDEN, VOCAB, EXPERTS = 4, 2, 64, 96, 4
-COMMON = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
-              num_key_value_heads=KV_HEADS, vocab_size=VOCAB, num_experts_per_tok=2)
+COMMON = dict(
+    hidden_size=HIDDEN,
+    num_hidden_layers=2,
+    num_attention_heads=HEADS,
+    num_key_value_heads=KV_HEADS,
+    vocab_size=VOCAB,
+    num_experts_per_tok=2,
+)
 
 CONFIGS = {
-    "mixtral": lambda: transformers.MixtralConfig(intermediate_size=96,
-                                                  num_local_experts=EXPERTS, **COMMON),
+    "mixtral": lambda: transformers.MixtralConfig(
+        intermediate_size=96, num_local_experts=EXPERTS, **COMMON
+    ),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        num_experts=EXPERTS, decoder_sparse_step=1, mlp_only_layers=[1], **COMMON),
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=EXPERTS,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        **COMMON,
+    ),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        intermediate_size=128, moe_intermediate_size=32, head_dim=24, num_experts=EXPERTS,
-        decoder_sparse_step=1, mlp_only_layers=[1], **COMMON),
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        head_dim=24,
+        num_experts=EXPERTS,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        **COMMON,
+    ),
 }
 
 

@@ -56,8 +56,10 @@ def split_or_fail(input, dim, output):
             # the lost machine never comes back: a process ends it once the others have
             # given up on it, so that its launcher exits at once, not after torchrun's 30 s
             # between its SIGTERM (pending while stopped) and SIGKILL
-            subprocess.Popen(["sh", "-c", f"sleep {LOST_FOR_S}; kill -KILL {os.getpid()}"],
-                             start_new_session=True)  # out of reach of its launcher
+            subprocess.Popen(
+                ["sh", "-c", f"sleep {LOST_FOR_S}; kill -KILL {os.getpid()}"],
+                start_new_session=True,
+            )  # out of reach of its launcher
             os.kill(os.getpid(), signal.SIGSTOP)
         os._exit(1)
     output[...] = np.stack(np.split(input, output.shape[0], axis=dim))
@@ -68,22 +70,33 @@ def main(mode: str, out: str, arg: str) -> int:
     if mode == "freeze":
         TorchDistributedSession.PEER_TIMEOUT = PEER_TIMEOUT_S
     with TorchDistributedSession() as sess:
-        report = {"launcher": os.environ["SHARDLOAD_TEST_NODE"],
-                  "group_rank": os.environ["GROUP_RANK"], "local_rank": os.environ["LOCAL_RANK"],
-                  "rank": sess.rank, "world_size": sess.num_workers, "device": str(sess.device)}
+        report = {
+            "launcher": os.environ["SHARDLOAD_TEST_NODE"],
+            "group_rank": os.environ["GROUP_RANK"],
+            "local_rank": os.environ["LOCAL_RANK"],
+            "rank": sess.rank,
+            "world_size": sess.num_workers,
+            "device": str(sess.device),
+        }
         try:
             if mode == "load":
                 result = load_sharded(arg, None, sess, progress=False)
-                save_file(result.worker(sess.rank),
-                          os.path.join(out, f"rank{sess.rank}.safetensors"))
+                save_file(
+                    result.worker(sess.rank), os.path.join(out, f"rank{sess.rank}.safetensors")
+                )
                 report["stats"] = result.stats.as_dict()
             else:
-                plan = {f"p{k}": split_entry("tests.multinode.split_or_fail" if k == 1
-                                             else "tests.faults.split") for k in range(3)}
+                plan = {
+                    f"p{k}": split_entry(
+                        "tests.multinode.split_or_fail" if k == 1 else "tests.faults.split"
+                    )
+                    for k in range(3)
+                }
                 load_sharded(params(3), plan, sess, progress=False)
         except Exception as exc:
-            report.update(raised=type(exc).__name__, message=str(exc),
-                          worker=getattr(exc, "worker", None))
+            report.update(
+                raised=type(exc).__name__, message=str(exc), worker=getattr(exc, "worker", None)
+            )
         with open(os.path.join(out, f"rank{sess.rank}.json"), "w") as f:
             json.dump(report, f)
     return 1 if "raised" in report else 0

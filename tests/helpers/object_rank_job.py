@@ -49,11 +49,16 @@ def main(url: str, folder: str, out: str) -> None:
         peak = max(peak, _pss())
         mine = remote.worker(sess.rank)
         local = load_sharded(folder, None, sess, progress=False).worker(sess.rank)
-        equal = mine.keys() == local.keys() and all(torch.equal(mine[k], local[k])
-                                                    for k in mine)
+        equal = mine.keys() == local.keys() and all(torch.equal(mine[k], local[k]) for k in mine)
         with open(os.path.join(out, f"rank{sess.rank}.json"), "w") as f:
-            json.dump({"kept": sum(t.numel() * t.element_size() for t in mine.values()),
-                       "grew": peak - base, "equal": equal}, f)
+            json.dump(
+                {
+                    "kept": sum(t.numel() * t.element_size() for t in mine.values()),
+                    "grew": peak - base,
+                    "equal": equal,
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

@@ -19,19 +19,27 @@ from __future__ import annotations
 import os
 import sys
 import types
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 import devtools.objectservers as _impl
-from devtools.objectservers import *  # noqa: F401,F403 - the tests' names
+from devtools.objectservers import *  # noqa: F403 - the tests' names
 from devtools.objectservers import SCHEMES, is_cloud_setting, set_missing
 
-__all__ = [*_impl.__all__, "use_env", "scheme_params", "SCHEME_PARAMS",  # noqa: PLE0604
-           "servers_on_demand", "add_latency"]
+__all__ = [
+    *_impl.__all__,
+    "use_env",
+    "scheme_params",
+    "SCHEME_PARAMS",
+    "servers_on_demand",
+    "add_latency",
+]
 # every other name too (SEND_PART, _SETPRIV, ...): what a test reads there, it reads here
-globals().update({k: v for k, v in vars(_impl).items()
-                  if not k.startswith("__") and k not in globals()})
+globals().update(
+    {k: v for k, v in vars(_impl).items() if not k.startswith("__") and k not in globals()}
+)
 
 
 def _skip_or_fail(what: str) -> None:
@@ -44,12 +52,15 @@ def _skip_or_fail(what: str) -> None:
 
 set_missing(_skip_or_fail)
 
+
 def scheme_params(*schemes: str, marks: tuple = ()) -> list:
     """``schemes`` (default: all) as test parameters with ``marks``, ``az`` marked ``azurite``
     too: its emulator is made by ``scripts/azurite.sh``, and without it those tests skip
     before they start."""
-    return [pytest.param(s, marks=[*marks, *([pytest.mark.azurite] if s == "az" else [])],
-                         id=s) for s in schemes or SCHEMES]
+    return [
+        pytest.param(s, marks=[*marks, *([pytest.mark.azurite] if s == "az" else [])], id=s)
+        for s in schemes or SCHEMES
+    ]
 
 
 SCHEME_PARAMS = scheme_params()
@@ -119,8 +130,10 @@ def add_latency(server: Any, seconds: float) -> list:
     the proxy's own (``Fault``), for requests that name an object and for those that name none
     (a listing). A request takes the first rule that matches it, so a rule added before these
     (an error for one key) still takes its requests; ``clear_faults`` ends the latency."""
-    return [server.inject("delay", seconds=seconds, times=None, method=None, key=key)
-            for key in (None, "")]
+    return [
+        server.inject("delay", seconds=seconds, times=None, method=None, key=key)
+        for key in (None, "")
+    ]
 
 
 class _Glue(types.ModuleType):

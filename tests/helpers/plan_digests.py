@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import tempfile
-from typing import Iterable
+from collections.abc import Iterable
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.path.join(REPO, "tests", "data", "plan_digests.json")
@@ -60,8 +60,10 @@ def digests(folder: str, ns: Iterable[int]) -> dict[str, object]:
                 out[str(n)] = "refused"
                 continue
             validated = info.bind(n).validate(metadata)
-            out[str(n)] = {"plan": _plan_digest(info.to_dict()),
-                           "reads": _reads_digest(build_read_plans(validated, ckpt))}
+            out[str(n)] = {
+                "plan": _plan_digest(info.to_dict()),
+                "reads": _reads_digest(build_read_plans(validated, ckpt)),
+            }
     return out
 
 
@@ -94,8 +96,12 @@ def main(argv: list[str]) -> int:
         print(f"wrote {DATA}")
         return 0
     want = recorded()
-    differ = [(name, n) for name in names for n in map(str, N_ALL)
-              if got[name].get(n) != want.get(name, {}).get(n)]
+    differ = [
+        (name, n)
+        for name in names
+        for n in map(str, N_ALL)
+        if got[name].get(n) != want.get(name, {}).get(n)
+    ]
     for name, n in differ:
         print(f"{name} N={n}: {want.get(name, {}).get(n)} -> {got[name].get(n)}")
     return 1 if differ else 0

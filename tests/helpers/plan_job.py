@@ -34,12 +34,11 @@ def counted(*args, **kwargs):
     return _plan_decision(*args, **kwargs)
 
 
-decision.plan_decision = counted   # resolve_plan looks it up when it plans
+decision.plan_decision = counted  # resolve_plan looks it up when it plans
 
 
 def digest(validated) -> str:
-    return hashlib.sha256(json.dumps(validated.plan.to_dict(), sort_keys=True).encode()
-                          ).hexdigest()
+    return hashlib.sha256(json.dumps(validated.plan.to_dict(), sort_keys=True).encode()).hexdigest()
 
 
 def main(mode: str, ckpt: str, out: str) -> None:
@@ -51,14 +50,20 @@ def main(mode: str, ckpt: str, out: str) -> None:
             resolved = job.resolved
             summary = resolved.decision and str(resolved.decision.summary)
             report["plan_once"] = {
-                "from": job.plan_from, "digest": digest(resolved.validated),
-                "origin": resolved.origin, "source": resolved.source, "note": resolved.note,
-                "kind": resolved.decision and resolved.decision.kind, "summary": summary,
+                "from": job.plan_from,
+                "digest": digest(resolved.validated),
+                "origin": resolved.origin,
+                "source": resolved.source,
+                "note": resolved.note,
+                "kind": resolved.decision and resolved.decision.kind,
+                "summary": summary,
                 "valid": resolved.decision and list(resolved.decision.valid),
-                "planner_calls": calls}
+                "planner_calls": calls,
+            }
             result = load_sharded(ckpt, None, sess, progress=False)
-            report.update(planner_calls=calls, digest=digest(result.plan),
-                          stats=result.stats.as_dict())
+            report.update(
+                planner_calls=calls, digest=digest(result.plan), stats=result.stats.as_dict()
+            )
             save_file(result.worker(sess.rank), os.path.join(out, f"rank{sess.rank}.safetensors"))
         else:
             try:

@@ -93,8 +93,11 @@ def rank(ctx):
 
 @register_session_func("tests.process.env")
 def env(ctx):
-    return {"pid": os.getpid(), "rank": os.environ.get("SHARDLOAD_RANK"),
-            "world_size": os.environ.get("SHARDLOAD_WORLD_SIZE")}
+    return {
+        "pid": os.getpid(),
+        "rank": os.environ.get("SHARDLOAD_RANK"),
+        "world_size": os.environ.get("SHARDLOAD_WORLD_SIZE"),
+    }
 
 
 @register_session_func("tests.process.tensor")
@@ -108,8 +111,11 @@ def all_reduce(ctx):
 
     value = torch.tensor([ctx.rank + 1], dtype=torch.int64)
     dist.all_reduce(value)
-    return {"sum": int(value.item()), "backend": str(dist.get_backend()),
-            "world_size": dist.get_world_size()}
+    return {
+        "sum": int(value.item()),
+        "backend": str(dist.get_backend()),
+        "world_size": dist.get_world_size(),
+    }
 
 
 @register_session_func("tests.process.read_value")

@@ -30,7 +30,7 @@ def proc_stat(pid: int):
         text = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    fields = text[text.rindex(")") + 2:].split()
+    fields = text[text.rindex(")") + 2 :].split()
     return fields[0], int(fields[1])
 
 
@@ -127,6 +127,7 @@ def own_session(num_workers: int = 2, **kwargs):
 
 # ---- data and plans ------------------------------------------------------------------------------
 
+
 def step_entry(func: str, out_shape: list, dtype: str, *extra) -> list:
     return [[func, [out_shape, dtype], *extra]]
 
@@ -137,9 +138,11 @@ def split_entry(func: str, rows: int, cols: int, dtype: str) -> list:
 
 
 def sample_arrays() -> dict[str, np.ndarray]:
-    return {"w": np.arange(48, dtype=np.float32).reshape(4, 12),
-            "o": (np.arange(32, dtype=np.float16) / 4).reshape(4, 8),
-            "b": np.arange(6, dtype=np.int32) - 3}
+    return {
+        "w": np.arange(48, dtype=np.float32).reshape(4, 12),
+        "o": (np.arange(32, dtype=np.float16) / 4).reshape(4, 8),
+        "b": np.arange(6, dtype=np.int32) - 3,
+    }
 
 
 MIXED_PLAN = {  # a built-in split, an opaque chain (split along dim 1), and "b" replicated
@@ -149,8 +152,11 @@ MIXED_PLAN = {  # a built-in split, an opaque chain (split along dim 1), and "b"
 
 
 def expected_shards(arrays: dict[str, np.ndarray], i: int, n: int) -> dict[str, np.ndarray]:
-    return {"w": np.split(arrays["w"], n, axis=0)[i], "o": np.split(arrays["o"], n, axis=1)[i],
-            "b": arrays["b"]}
+    return {
+        "w": np.split(arrays["w"], n, axis=0)[i],
+        "o": np.split(arrays["o"], n, axis=1)[i],
+        "b": arrays["b"],
+    }
 
 
 def assert_shards(result, arrays, n: int) -> None:

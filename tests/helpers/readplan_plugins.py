@@ -32,8 +32,9 @@ def _negate(piece, *, num_shards, index):
     piece.neg_()
 
 
-@register_shard_func("tests.readplan.blocks_reversed", shape_rule=_rule, ranges=_ranges,
-                     fixup=_negate)
+@register_shard_func(
+    "tests.readplan.blocks_reversed", shape_rule=_rule, ranges=_ranges, fixup=_negate
+)
 def blocks_reversed(input, output):
     """Worker i: the i-th row block, rows reversed, negated."""
     n = output.shape[0]

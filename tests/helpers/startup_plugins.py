@@ -20,9 +20,15 @@ from shardload import register_session_func
 
 @register_session_func("tests.startup.seen")
 def seen(ctx, name):
-    return {"pid": os.getpid(), "ppid": os.getppid(), "value": os.environ.get(name),
-            "cwd": os.getcwd(), "threads": torch.get_num_threads(),
-            "random": float(np.random.random()), "tasks": len(os.listdir("/proc/self/task"))}
+    return {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "value": os.environ.get(name),
+        "cwd": os.getcwd(),
+        "threads": torch.get_num_threads(),
+        "random": float(np.random.random()),
+        "tasks": len(os.listdir("/proc/self/task")),
+    }
 
 
 @register_session_func("tests.startup.say")

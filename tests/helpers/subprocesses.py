@@ -32,12 +32,29 @@ def torchrun(*args: str, timeout: float = 120, nproc: int = 2):
     import subprocess
     import sys
 
-    env = subprocess_env({k: v for k, v in os.environ.items()
-                          if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                       "MASTER_PORT")})
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", str(nproc), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO, env=env)
+    env = subprocess_env(
+        {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        }
+    )
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+    )
 
 
 #: the rank variables an enclosing job would pass on (a test run under torchrun): never to a job
@@ -48,8 +65,9 @@ JOB_VARIABLE = "SHARDLOAD_TEST_JOB"
 NODE_VARIABLE = "SHARDLOAD_TEST_NODE"
 
 
-def torchrun_nodes(*args: str, nodes: int = 2, nproc: int = 2, timeout: float = 120,
-                   env: dict | None = None) -> list:
+def torchrun_nodes(
+    *args: str, nodes: int = 2, nproc: int = 2, timeout: float = 120, env: dict | None = None
+) -> list:
     """One job of ``nodes`` torchrun launchers of ``nproc`` ranks each, as ``nodes`` machines
     would start it (``--nnodes``, c10d rendezvous at a free port of 127.0.0.1), run from the
     checkout with the tests' ``PYTHONPATH`` over ``env`` (default: this process's environment);
@@ -75,8 +93,10 @@ def torchrun_nodes(*args: str, nodes: int = 2, nproc: int = 2, timeout: float = 
 
     job = uuid.uuid4().hex
     scratch = tempfile.mkdtemp(prefix="shardload-job-")
-    base = subprocess_env({k: v for k, v in (os.environ if env is None else env).items()
-                           if k not in RANK_VARIABLES}, **{JOB_VARIABLE: job, "TMPDIR": scratch})
+    base = subprocess_env(
+        {k: v for k, v in (os.environ if env is None else env).items() if k not in RANK_VARIABLES},
+        **{JOB_VARIABLE: job, "TMPDIR": scratch},
+    )
     port = free_port()
     launchers = []
     try:
@@ -85,12 +105,30 @@ def torchrun_nodes(*args: str, nodes: int = 2, nproc: int = 2, timeout: float = 
                 _wait_until_listening(port, launchers[0][0], timeout)
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             proc = subprocess.Popen(
-                [*_dies_with_this_process(), sys.executable, "-m", "torch.distributed.run",
-                 "--nnodes", str(nodes), "--nproc-per-node", str(nproc),
-                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                 "--rdzv-id", f"shardload-{job}",
-                 *args], cwd=REPO, env={**base, NODE_VARIABLE: str(node)},
-                stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+                [
+                    *_dies_with_this_process(),
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    str(nodes),
+                    "--nproc-per-node",
+                    str(nproc),
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    f"127.0.0.1:{port}",
+                    "--rdzv-id",
+                    f"shardload-{job}",
+                    *args,
+                ],
+                cwd=REPO,
+                env={**base, NODE_VARIABLE: str(node)},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
             launchers.append((proc, out, err))
         deadline = time.monotonic() + timeout
         for proc, _, _ in launchers:
@@ -102,8 +140,9 @@ def torchrun_nodes(*args: str, nodes: int = 2, nproc: int = 2, timeout: float = 
         for proc, out, err in launchers:
             out.seek(0)
             err.seek(0)
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(),
-                                                       err.read()))
+            results.append(
+                subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+            )
         return results
     finally:
         for proc, out, err in launchers:
@@ -129,8 +168,10 @@ def _wait_until_listening(port: int, proc, timeout: float) -> None:
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
             with contextlib.suppress(OSError), open(table) as f:
                 # local address (hex ip:port), remote address, state (0A: listening)
-                if any(row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port
-                       for row in (line.split() for line in f.readlines()[1:])):
+                if any(
+                    row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port
+                    for row in (line.split() for line in f.readlines()[1:])
+                ):
                     return
         time.sleep(0.05)
 
@@ -171,16 +212,24 @@ def kill_job(job: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def interrupt_once_started(args: list[str], started, env: dict, cwd: str = REPO
-                           ) -> tuple[int, str, str, float]:
+def interrupt_once_started(
+    args: list[str], started, env: dict, cwd: str = REPO
+) -> tuple[int, str, str, float]:
     """Run ``args``, wait until the file ``started`` exists (a plugin creates it when the load
     is under way), send one SIGINT, and return (exit code, stdout, stderr, seconds from the
     signal to the exit). The child is killed if it outlives the wait."""
     import subprocess
     import time
 
-    proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    proc = subprocess.Popen(
+        args,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
+    )
     try:
         deadline = time.monotonic() + 30
         while not os.path.exists(started):

@@ -15,5 +15,6 @@ def char_tokenizer():
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tokenizer.decoder = decoders.Fuse()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>",
-                                                pad_token="<pad>")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>"
+    )

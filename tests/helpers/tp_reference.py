@@ -16,9 +16,15 @@ def rows_of(n: int, i: int, size: int, units: int, replicable: bool) -> slice:
 
 def take(w: np.ndarray, units: list[int], size: int, axis: int) -> np.ndarray:
     """The units (of ``size`` rows/columns along ``axis``) a worker holds; -1 is zeros."""
-    return np.concatenate([np.take(w, range(u * size, (u + 1) * size), axis=axis) if u >= 0
-                           else np.zeros_like(np.take(w, range(size), axis=axis))
-                           for u in units], axis=axis)
+    return np.concatenate(
+        [
+            np.take(w, range(u * size, (u + 1) * size), axis=axis)
+            if u >= 0
+            else np.zeros_like(np.take(w, range(size), axis=axis))
+            for u in units
+        ],
+        axis=axis,
+    )
 
 
 def padded_heads(num_heads: int, num_kv_heads: int, n: int) -> tuple[list, list]:
@@ -34,9 +40,14 @@ def padded_heads(num_heads: int, num_kv_heads: int, n: int) -> tuple[list, list]
     group = num_heads // num_kv_heads
     total = num_heads
     while True:
-        fits = [k for k in range(num_kv_heads, total + 1)
-                if total % n == 0 and total % k == 0 and total // k >= group
-                and (k % n == 0 or n % k == 0)]
+        fits = [
+            k
+            for k in range(num_kv_heads, total + 1)
+            if total % n == 0
+            and total % k == 0
+            and total // k >= group
+            and (k % n == 0 or n % k == 0)
+        ]
         if fits:
             kv_total = fits[0]
             break
@@ -48,16 +59,16 @@ def padded_heads(num_heads: int, num_kv_heads: int, n: int) -> tuple[list, list]
         width = max(1, *(len(k) for k in kv))
         return q, [k + [-1] * (width - len(k)) for k in kv]
     per_group = total // kv_total
-    order = []                                       # padded query heads, in order
+    order = []  # padded query heads, in order
     for j in range(kv_total):
         real = list(range(j * group, (j + 1) * group)) if j < num_kv_heads else []
         order += real + [-1] * (per_group - len(real))
     per = total // n
-    q = [order[r * per:(r + 1) * per] for r in range(n)]
+    q = [order[r * per : (r + 1) * per] for r in range(n)]
     kv_slots = [h if h < num_kv_heads else -1 for h in range(kv_total)]
     if kv_total >= n:
         width = kv_total // n
-        kv = [kv_slots[r * width:(r + 1) * width] for r in range(n)]
+        kv = [kv_slots[r * width : (r + 1) * width] for r in range(n)]
     else:
         kv = [[kv_slots[r * kv_total // n]] for r in range(n)]
     return q, kv
@@ -119,4 +130,5 @@ def padded_head_runs(num_heads: int, num_kv_heads: int, n: int, run: int) -> tup
 
     def unfold(heads):
         return [h * run + j if h >= 0 else -1 for h in heads for j in range(run)]
+
     return [unfold(w) for w in q], [unfold(w) for w in kv]

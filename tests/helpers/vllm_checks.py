@@ -10,24 +10,33 @@ from helpers.subprocesses import subprocess_env
 from helpers.vllm_engine import launch
 
 
-def run_engine(model: str, tp: int, *args: str, timeout: float = 600,
-               env: dict | None = None) -> tuple[dict, list, str]:
+def run_engine(
+    model: str, tp: int, *args: str, timeout: float = 600, env: dict | None = None
+) -> tuple[dict, list, str]:
     """One engine (devtools/vllm_engine.py): its report, the shardload statistics lines
     (by rank), and its whole output (for failures); ``env``: variables to add to its
     environment."""
-    report, stats, log = launch(model, "--tp", str(tp), *args, timeout=timeout, cwd=REPO,
-                                env=subprocess_env(VLLM_CPU_KVCACHE_SPACE="1", **(env or {})))
+    report, stats, log = launch(
+        model,
+        "--tp",
+        str(tp),
+        *args,
+        timeout=timeout,
+        cwd=REPO,
+        env=subprocess_env(VLLM_CPU_KVCACHE_SPACE="1", **(env or {})),
+    )
     return report, sorted(stats, key=lambda s: s["rank"]), log
 
 
-def check_same_as_default(report: dict, stats: list, log: str, tp: int,
-                          verified: bool = True) -> None:
+def check_same_as_default(
+    report: dict, stats: list, log: str, tp: int, verified: bool = True
+) -> None:
     """shardload's load (verified: read into poisoned stand-ins) equals vLLM's default
     loader's, and so does shardload's in-place reload where the engine made one (views of the
     mapped file, nothing read into stand-ins but padded tensors)."""
     assert "outputs" in report, log[-6000:]
-    assert report["outputs"] == report["default_outputs"]   # tokens and top-5 logprobs, exactly
-    assert report["digests"] == report["default_digests"]   # every parameter, bitwise
+    assert report["outputs"] == report["default_outputs"]  # tokens and top-5 logprobs, exactly
+    assert report["digests"] == report["default_digests"]  # every parameter, bitwise
     first = [s for s in stats if not s["reload"]]
     assert [s["rank"] for s in first] == list(range(tp))
     assert all(s["verified"] == verified for s in first)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["MODELS", "path", "root", "main", "GROUP", "AWQ_ORDER"]
+__all__ = ["AWQ_ORDER", "GROUP", "MODELS", "main", "path", "root"]
 
 _DONE = ".complete"
 GROUP = 32
@@ -44,36 +44,41 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 MODELS: dict[str, str] = {
     "llama_bf16": "LlamaForCausalLM, hidden 256, 8 heads, 2 KV heads (head_dim 32), "
-                  "intermediate 512; bf16",
+    "intermediate 512; bf16",
     "llama9_bf16": "LlamaForCausalLM with SmolLM2-135M's attention shape: hidden 576, 9 heads, "
-                   "3 KV heads (head_dim 64), intermediate 1536; bf16",
+    "3 KV heads (head_dim 64), intermediate 1536; bf16",
     "qwen2_moe_bf16": "Qwen2MoeForCausalLM, hidden 256, 8 heads, 2 KV heads, 8 experts top-2 "
-                      "(moe_intermediate 128), shared expert 256, intermediate 512; bf16",
+    "(moe_intermediate 128), shared expert 256, intermediate 512; bf16",
     "llama_w8a8": "llama_bf16 by compressed-tensors preset W8A8 (int-quantized: int8 weights "
-                  "per channel, dynamic per-token int8 activations); lm_head unquantized",
+    "per channel, dynamic per-token int8 activations); lm_head unquantized",
     "llama_w4a16": "llama_bf16 by compressed-tensors W4A16 (pack-quantized: symmetric int4 "
-                   "weights in groups of 32); lm_head unquantized",
+    "weights in groups of 32); lm_head unquantized",
     "llama_gptq": "llama_bf16 in GPTQ v1 layout: 4-bit symmetric, group 32, desc_act false, "
-                  "round-to-nearest; fp16",
+    "round-to-nearest; fp16",
     "llama_awq": "llama_bf16 in AWQ GEMM layout: 4-bit with zero points, group 32, "
-                 "round-to-nearest; fp16",
+    "round-to-nearest; fp16",
     # an MLP of 5 groups of 32: no TP > 1 splits it into whole groups of 32 rows per rank
     "llama160_bf16": "llama_bf16's shape but intermediate 160 (5 groups of 32); bf16",
     "llama160_gptq": "llama160_bf16 in GPTQ v1 layout as llama_gptq (trivial g_idx); fp16",
     "llama160_gptqmodel": "llama160_bf16 quantized by GPTQModel: 4-bit symmetric, group 32, "
-                          "desc_act false (a trivial g_idx); bf16 elsewhere",
+    "desc_act false (a trivial g_idx); bf16 elsewhere",
     "llama160_gptqmodel_act": "llama160_bf16 quantized by GPTQModel with act-order (desc_act "
-                              "true: a g_idx that permutes the groups); bf16 elsewhere",
+    "true: a g_idx that permutes the groups); bf16 elsewhere",
     "llama160_w4a16": "llama160_bf16's config by compressed-tensors W4A16 (symmetric int4, "
-                      "groups of 32), as llama_w4a16",
+    "groups of 32), as llama_w4a16",
     "qwen2_moe576_bf16": "Qwen2MoeForCausalLM, hidden 384, 12 heads, 3 KV heads, 8 experts "
-                         "top-2 (moe_intermediate 128), shared expert 256, vocabulary 576 "
-                         "(vLLM's 64-row padding then divides by 3): at TP=3 the experts of "
-                         "128 rows and the shared expert of 256 pad, the heads do not; bf16",
+    "top-2 (moe_intermediate 128), shared expert 256, vocabulary 576 "
+    "(vLLM's 64-row padding then divides by 3): at TP=3 the experts of "
+    "128 rows and the shared expert of 256 pad, the heads do not; bf16",
 }
 
-_COMMON = dict(vocab_size=512, num_hidden_layers=2, max_position_embeddings=256,
-               tie_word_embeddings=False, dtype="bfloat16")
+_COMMON = dict(
+    vocab_size=512,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    dtype="bfloat16",
+)
 
 
 def root() -> Path:
@@ -93,15 +98,15 @@ def path(name: str) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
     try:
-        tmp.chmod(0o755)                                     # mkdtemp's is 0700
+        tmp.chmod(0o755)  # mkdtemp's is 0700
         _MAKERS[name](tmp)
         (tmp / _DONE).write_text(MODELS[name] + "\n")
         if folder.exists() and not (folder / _DONE).exists():
-            shutil.rmtree(folder, ignore_errors=True)        # a partial one, of older code
+            shutil.rmtree(folder, ignore_errors=True)  # a partial one, of older code
         try:
             os.replace(tmp, folder)
         except OSError:
-            if not (folder / _DONE).exists():                # not another process's, made meanwhile
+            if not (folder / _DONE).exists():  # not another process's, made meanwhile
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -110,30 +115,49 @@ def path(name: str) -> Path:
 
 # ---- configs -------------------------------------------------------------------------------------
 
+
 def _llama_config(hidden=256, heads=8, kv=2, head_dim=32, inter=512):
     import transformers
 
-    return transformers.LlamaConfig(hidden_size=hidden, num_attention_heads=heads,
-                                    num_key_value_heads=kv, head_dim=head_dim,
-                                    intermediate_size=inter, **_COMMON)
+    return transformers.LlamaConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        intermediate_size=inter,
+        **_COMMON,
+    )
 
 
 def _qwen2_moe_config(**sizes):
     import transformers
 
-    return transformers.Qwen2MoeConfig(**{**dict(
-        hidden_size=256, num_attention_heads=8, num_key_value_heads=2, intermediate_size=512,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
-        shared_expert_intermediate_size=256, **_COMMON), **sizes})
+    return transformers.Qwen2MoeConfig(
+        **{
+            **dict(
+                hidden_size=256,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                intermediate_size=512,
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=128,
+                shared_expert_intermediate_size=256,
+                **_COMMON,
+            ),
+            **sizes,
+        }
+    )
 
 
 # ---- bf16: transformers' own random initialisation -----------------------------------------------
+
 
 def _random(config, folder: Path) -> None:
     import torch
     import transformers
 
-    torch.manual_seed(0)    # compressed_tensors_tool seeds the same way: the same weights
+    torch.manual_seed(0)  # compressed_tensors_tool seeds the same way: the same weights
     model = transformers.AutoModelForCausalLM.from_config(config)
     assert model.dtype == torch.bfloat16, model.dtype
     model.save_pretrained(folder)
@@ -156,11 +180,16 @@ def _make_qwen2_moe_bf16(folder: Path) -> None:
 
 
 def _make_qwen2_moe576_bf16(folder: Path) -> None:
-    _random(_qwen2_moe_config(vocab_size=576, hidden_size=384, num_attention_heads=12,
-                              num_key_value_heads=3), folder)
+    _random(
+        _qwen2_moe_config(
+            vocab_size=576, hidden_size=384, num_attention_heads=12, num_key_value_heads=3
+        ),
+        folder,
+    )
 
 
 # ---- compressed-tensors, by the library itself ---------------------------------------------------
+
 
 def _make_llama_w8a8(folder: Path) -> None:
     from helpers.compressed_tensors_tool import compress_preset
@@ -183,8 +212,15 @@ def _make_llama160_w4a16(folder: Path) -> None:
 
 # ---- GPTQ and AWQ, from the formats' definitions -------------------------------------------------
 
-_LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_LINEAR = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def _pack(codes: np.ndarray, axis: int, order=tuple(range(8))) -> np.ndarray:
@@ -207,15 +243,17 @@ def quantize_gptq_sym(w: np.ndarray) -> dict[str, np.ndarray]:
     """GPTQ v1, 4-bit symmetric (AutoGPTQ's quantizer): scale = 2*max|w|/15 per group and
     column, zero 8, q = clamp(round(w/scale) + 8, 0, 15); qzeros store zero - 1 = 7."""
     g = _groups(w)
-    amax = np.abs(g).max(axis=1)                                      # [K/G, N]
+    amax = np.abs(g).max(axis=1)  # [K/G, N]
     scale = np.where(amax == 0, 1.0, 2 * amax / 15).astype(np.float16)
     s = scale.astype(np.float32)[:, None, :]
-    q = np.clip(np.round(g / s) + 8, 0, 15).reshape(-1, g.shape[2])   # [K, N]
+    q = np.clip(np.round(g / s) + 8, 0, 15).reshape(-1, g.shape[2])  # [K, N]
     k, n = q.shape
-    return {"qweight": _pack(q, 0),                                   # [K/8, N]
-            "qzeros": _pack(np.full((k // GROUP, n), 8 - 1), 1),      # [K/G, N/8]
-            "scales": scale,                                          # [K/G, N]
-            "g_idx": (np.arange(k) // GROUP).astype(np.int32)}        # [K]
+    return {
+        "qweight": _pack(q, 0),  # [K/8, N]
+        "qzeros": _pack(np.full((k // GROUP, n), 8 - 1), 1),  # [K/G, N/8]
+        "scales": scale,  # [K/G, N]
+        "g_idx": (np.arange(k) // GROUP).astype(np.int32),
+    }  # [K]
 
 
 def quantize_awq(w: np.ndarray) -> dict[str, np.ndarray]:
@@ -223,18 +261,21 @@ def quantize_awq(w: np.ndarray) -> dict[str, np.ndarray]:
     zero = clamp(round(-min/scale), 0, 15), q = clamp(round(w/scale) + zero, 0, 15); codes and
     zeros packed along N in AWQ's interleaved order, zeros stored as they are."""
     g = _groups(w)
-    lo, hi = g.min(axis=1), g.max(axis=1)                             # [K/G, N]
+    lo, hi = g.min(axis=1), g.max(axis=1)  # [K/G, N]
     scale = (np.maximum(hi - lo, 1e-5) / 15).astype(np.float16)
     s = scale.astype(np.float32)
     zero = np.clip(np.round(-lo / s), 0, 15)
     q = np.clip(np.round(g / s[:, None, :]) + zero[:, None, :], 0, 15).reshape(-1, g.shape[2])
-    return {"qweight": _pack(q, 1, AWQ_ORDER),                        # [K, N/8]
-            "qzeros": _pack(zero, 1, AWQ_ORDER),                      # [K/G, N/8]
-            "scales": scale}                                          # [K/G, N]
+    return {
+        "qweight": _pack(q, 1, AWQ_ORDER),  # [K, N/8]
+        "qzeros": _pack(zero, 1, AWQ_ORDER),  # [K/G, N/8]
+        "scales": scale,
+    }  # [K/G, N]
 
 
-def _quantized_llama(folder: Path, quantize, quant_config: dict, extra_files: dict,
-                     source: str = "llama_bf16") -> None:
+def _quantized_llama(
+    folder: Path, quantize, quant_config: dict, extra_files: dict, source: str = "llama_bf16"
+) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -260,16 +301,31 @@ def _quantized_llama(folder: Path, quantize, quant_config: dict, extra_files: di
 
 
 def _make_llama_gptq(folder: Path) -> None:
-    quant = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
-             "sym": True, "checkpoint_format": "gptq"}
-    _quantized_llama(folder, quantize_gptq_sym, quant,
-                     {"quantize_config.json": {k: v for k, v in quant.items()
-                                               if k != "quant_method"}})
+    quant = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": GROUP,
+        "desc_act": False,
+        "sym": True,
+        "checkpoint_format": "gptq",
+    }
+    _quantized_llama(
+        folder,
+        quantize_gptq_sym,
+        quant,
+        {"quantize_config.json": {k: v for k, v in quant.items() if k != "quant_method"}},
+    )
 
 
 def _make_llama160_gptq(folder: Path) -> None:
-    quant = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
-             "sym": True, "checkpoint_format": "gptq"}
+    quant = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": GROUP,
+        "desc_act": False,
+        "sym": True,
+        "checkpoint_format": "gptq",
+    }
     _quantized_llama(folder, quantize_gptq_sym, quant, {}, source="llama160_bf16")
 
 
@@ -280,8 +336,14 @@ def _make_llama160_gptqmodel(folder: Path, desc_act: bool = False) -> None:
 
 
 def _make_llama_awq(folder: Path) -> None:
-    quant = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
-             "version": "gemm", "modules_to_not_convert": None}
+    quant = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": GROUP,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
     _quantized_llama(folder, quantize_awq, quant, {})
 
 

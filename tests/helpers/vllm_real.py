@@ -14,9 +14,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import quantized_smollm2   # examples/quantized_smollm2.py
+import quantized_smollm2  # examples/quantized_smollm2.py
 
-__all__ = ["smollm2_hf", "smollm2_quantized", "smollm2_gptqmodel", "PROMPT"]
+__all__ = ["PROMPT", "smollm2_gptqmodel", "smollm2_hf", "smollm2_quantized"]
 
 PROMPT = "The capital of France is"
 _DONE = ".complete"
@@ -41,7 +41,7 @@ def smollm2_gptqmodel() -> Path:
     folder = quantized_smollm2.folder("gptqmodel")
     if (folder / _DONE).exists():
         return folder
-    tool_python()   # skips (or fails under CI) before anything is made, where it is missing
+    tool_python()  # skips (or fails under CI) before anything is made, where it is missing
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:

@@ -11,7 +11,13 @@ _TORCH = {"bfloat16": torch.bfloat16}
 
 def dtype_name(dtype) -> str:
     """Normalise ``"bf16"``, ``torch.bfloat16``, ``np.float16``... to ``"bfloat16"``, ``"float16"``, ``"float32"``."""
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    aliases = {
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "fp32": "float32",
+        "float": "float32",
+    }
     if isinstance(dtype, torch.dtype):
         name = str(dtype).removeprefix("torch.")
     elif isinstance(dtype, str):

@@ -27,7 +27,14 @@ import numpy as np
 from ._bits import pack_bits, unpack_bits
 from ._dtypes import round_up_scale, to_f32, to_int
 
-__all__ = ["AWQ_ORDER", "AWQ_REVERSE_ORDER", "pack_awq", "unpack_awq", "quantize_awq", "dequantize_awq"]
+__all__ = [
+    "AWQ_ORDER",
+    "AWQ_REVERSE_ORDER",
+    "dequantize_awq",
+    "pack_awq",
+    "quantize_awq",
+    "unpack_awq",
+]
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -78,7 +85,9 @@ def quantize_awq(w, group_size: int = 128, *, bits: int = 4) -> dict:
     span = np.maximum(xmax - xmin, 1e-5)
     s16, s = round_up_scale(span / maxq, "float16")  # [ng, N]
     z = np.round(-xmin / s).astype(np.int64)
-    codes = np.clip(np.round(x / s[:, None, :]) + z[:, None, :], 0, maxq).astype(np.int64).reshape(k, n)
+    codes = (
+        np.clip(np.round(x / s[:, None, :]) + z[:, None, :], 0, maxq).astype(np.int64).reshape(k, n)
+    )
     return {"qweight": pack_awq(codes), "qzeros": pack_awq(z), "scales": s16}
 
 

@@ -44,13 +44,13 @@ from ._bits import pack_bits, unpack_bits
 from ._dtypes import eps, round_up_scale, to_f32, to_int
 
 __all__ = [
-    "pack_int32",
-    "unpack_int32",
-    "quantize_pack_quantized",
-    "dequantize_pack_quantized",
-    "quantize_fp8",
-    "dequantize_fp8",
     "FP8_MAX",
+    "dequantize_fp8",
+    "dequantize_pack_quantized",
+    "pack_int32",
+    "quantize_fp8",
+    "quantize_pack_quantized",
+    "unpack_int32",
 ]
 
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -132,7 +132,9 @@ def quantize_pack_quantized(
     return out
 
 
-def dequantize_pack_quantized(tensors, num_bits: int = 4, *, group_size: int | None = None) -> np.ndarray:
+def dequantize_pack_quantized(
+    tensors, num_bits: int = 4, *, group_size: int | None = None
+) -> np.ndarray:
     """pack-quantized tensors -> float32 ``W [N, K]``.
 
     Symmetric iff there is no ``weight_zero_point``.  ``G`` defaults to ``K / weight_scale.shape[1]``
@@ -163,7 +165,9 @@ def dequantize_pack_quantized(tensors, num_bits: int = 4, *, group_size: int | N
         elif zp_raw.shape == (n, ng):  # compressed-tensors < 0.10: unpacked, signed
             zp = zp_raw.astype(np.int64)
         else:
-            raise ValueError(f"weight_zero_point shape {zp_raw.shape} fits neither packed nor unpacked form")
+            raise ValueError(
+                f"weight_zero_point shape {zp_raw.shape} fits neither packed nor unpacked form"
+            )
     cols = np.arange(k) // g
     w = (q - zp[:, cols]).astype(np.float32) * s[:, cols]
     return np.ascontiguousarray(w)
@@ -228,7 +232,9 @@ def _infer_fp8_strategy(scale_shape, n: int) -> str:
     raise ValueError(f"cannot tell group from block for weight_scale {scale_shape}: pass strategy")
 
 
-def dequantize_fp8(tensors, strategy: str | None = None, *, block_size=(128, 128), group_size: int | None = None) -> np.ndarray:
+def dequantize_fp8(
+    tensors, strategy: str | None = None, *, block_size=(128, 128), group_size: int | None = None
+) -> np.ndarray:
     """FP8 tensors -> float32 ``W = weight.float() * scale`` broadcast per strategy.
 
     ``strategy`` is inferred for tensor (scale ``[1]`` or ``[]``) and channel (``[N, 1]``); group
@@ -239,7 +245,9 @@ def dequantize_fp8(tensors, strategy: str | None = None, *, block_size=(128, 128
         raise TypeError("weight must be a torch float8_e4m3fn tensor")
     wf = to_f32(weight)
     n, k = wf.shape
-    s = to_f32(tensors["weight_scale"] if "weight_scale" in tensors else tensors["weight_scale_inv"])
+    s = to_f32(
+        tensors["weight_scale"] if "weight_scale" in tensors else tensors["weight_scale_inv"]
+    )
     strategy = strategy or _infer_fp8_strategy(tuple(s.shape), n)
     if strategy == "tensor":
         if s.size != 1:

@@ -47,14 +47,14 @@ from ._dtypes import round_up_scale, to_f32, to_int
 
 __all__ = [
     "BITS",
-    "quantize_gptq",
-    "dequantize_gptq",
-    "pack_qweight",
-    "unpack_qweight",
-    "pack_qzeros",
-    "unpack_qzeros",
     "act_order_g_idx",
+    "dequantize_gptq",
     "normalize_version",
+    "pack_qweight",
+    "pack_qzeros",
+    "quantize_gptq",
+    "unpack_qweight",
+    "unpack_qzeros",
 ]
 
 BITS = (2, 3, 4, 8)
@@ -84,7 +84,9 @@ def pack_qweight(codes, bits: int) -> np.ndarray:
     _check_bits(bits)
     codes = np.asarray(codes)
     if codes.shape[0] % _pack_unit(bits):
-        raise ValueError(f"K={codes.shape[0]} is not a multiple of {_pack_unit(bits)} for {bits}-bit GPTQ")
+        raise ValueError(
+            f"K={codes.shape[0]} is not a multiple of {_pack_unit(bits)} for {bits}-bit GPTQ"
+        )
     return pack_bits(codes, bits, axis=0)
 
 
@@ -103,7 +105,9 @@ def pack_qzeros(zeros, bits: int, version=1) -> np.ndarray:
     _check_bits(bits)
     zeros = np.asarray(zeros, dtype=np.int64)
     if zeros.shape[1] % _pack_unit(bits):
-        raise ValueError(f"N={zeros.shape[1]} is not a multiple of {_pack_unit(bits)} for {bits}-bit GPTQ qzeros")
+        raise ValueError(
+            f"N={zeros.shape[1]} is not a multiple of {_pack_unit(bits)} for {bits}-bit GPTQ qzeros"
+        )
     if normalize_version(version) == 1:
         zeros = (zeros - 1) % (1 << bits)
     return pack_bits(zeros, bits, axis=1)
@@ -131,7 +135,9 @@ def act_order_g_idx(perm, group_size: int) -> np.ndarray:
     return g_idx
 
 
-def quantize_gptq(w, bits: int = 4, group_size: int = 128, *, sym: bool = True, version=1, perm=None) -> dict:
+def quantize_gptq(
+    w, bits: int = 4, group_size: int = 128, *, sym: bool = True, version=1, perm=None
+) -> dict:
     """Round-to-nearest GPTQ quantization of ``w [N, K]`` into the checkpoint tensors.
 
     ``perm`` (a permutation of ``range(K)``) turns on act-order: groups are formed from
@@ -148,7 +154,9 @@ def quantize_gptq(w, bits: int = 4, group_size: int = 128, *, sym: bool = True, 
     g = k if group_size == -1 else int(group_size)
     if g <= 0:
         raise ValueError(f"bad group size {group_size}")
-    g_idx = (np.arange(k) // g).astype(np.int32) if perm is None else act_order_g_idx(perm, group_size)
+    g_idx = (
+        (np.arange(k) // g).astype(np.int32) if perm is None else act_order_g_idx(perm, group_size)
+    )
     n_groups = math.ceil(k / g)
     maxq = (1 << bits) - 1
 
@@ -168,7 +176,11 @@ def quantize_gptq(w, bits: int = 4, group_size: int = 128, *, sym: bool = True, 
         xmin = np.where(dead, -1.0, xmin)
         xmax = np.where(dead, 1.0, xmax)
         s16, s = round_up_scale((xmax - xmin) / maxq, "float16")
-        z = np.full(n, (maxq + 1) // 2, dtype=np.int64) if sym else np.round(-xmin / s).astype(np.int64)
+        z = (
+            np.full(n, (maxq + 1) // 2, dtype=np.int64)
+            if sym
+            else np.round(-xmin / s).astype(np.int64)
+        )
         codes[rows] = np.clip(np.round(x / s) + z, 0, maxq).astype(np.int64)
         scales[gi] = s16
         zeros[gi] = z
