@@ -639,7 +639,7 @@ def test_formats_import_nothing_heavy_until_they_dequantize():
     # the format table is read by the planners and the CLI's help: torch is imported by the
     # numeric helpers (packing.py) alone, numpy and gguf-py only inside a dequantization
     folder = Path(formats.__file__).parent
-    light = {"__future__", "typing", "dataclasses", "re", "threading", ""}
+    light = {"__future__", "typing", "dataclasses", "re", "threading", "collections", ""}
     for path in sorted(folder.glob("*.py")):
         tree = ast.parse(path.read_text())
         top, inner = set(), set()
