@@ -29,9 +29,9 @@ the server sent, wall time, and the peak host memory of the loader's whole proce
    overlaps fetching and copying completely takes, ``fetch + local`` one that does them in turn.
    ``--link-mbps`` sends the server's answers through one link of that bandwidth (the proxy
    paces them), as from a cloud: the fetch waits on the link, not on the cores.
-   Every measured load runs, from the go to the loader's answer: the wall time; the bytes the server sent
-   for the safetensors file (counted at the proxy, per key) and its GETs; the memory of the
-   loader's process tree (the loader and all its descendants), sampled here every
+   Every measured load runs, from the go to the loader's answer: the wall time; the bytes the
+   server sent for the safetensors file (counted at the proxy, per key) and its GETs; the memory
+   of the loader's process tree (the loader and all its descendants), sampled here every
    ``--sample-ms`` (``TreeSampler``): the peak of the summed ``RssAnon + RssShmem`` of
    ``/proc/<pid>/status``, and the peak of the summed ``Pss_Anon + Pss_Shmem`` of
    ``/proc/<pid>/smaps_rollup``; and the bytes the workers keep (their tensors, summed).

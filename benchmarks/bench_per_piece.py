@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -110,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                 pieces = {}
                 for method in harness.rotated(list(samples), r):
                     fn = (
-                        (lambda: run_shardload(folder, session))
+                        functools.partial(run_shardload, folder, session)
                         if method.startswith("shard")
-                        else (lambda: run_load_file(folder, n))
+                        else functools.partial(run_load_file, folder, n)
                     )
                     wall, cpu, pieces[method] = timed(fn)
                     samples[method].append((wall, cpu))

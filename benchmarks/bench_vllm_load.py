@@ -180,26 +180,31 @@ def main() -> None:
             rows.append({"cold": cold, "warm": warm})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     base = {(r["cold"]["tp"]): r for r in rows if r["cold"]["format"] == "auto"}
+    version = subprocess.run(
+        [python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
+    )
     print(
         f"checkpoint: {ckpt.name}, {size / 1e9:.2f} GB; machine: {machine()}; "
-        f"vLLM {subprocess.run([python, '-c', 'import vllm; print(vllm.__version__)'], capture_output=True, text=True).stdout.strip()}"
+        f"vLLM {version.stdout.strip()}"
     )
     print()
     print(
-        "| load format | TP | cold: load s | × auto | read (page cache after) | warm: load s | × auto | shardload bytes read per rank |"
+        "| load format | TP | cold: load s | × auto | read (page cache after) | warm: load s "
+        "| × auto | shardload bytes read per rank |"
     )
     print("|---|---|---|---|---|---|---|---|")
+
+    def ratio(x, key):
+        """``x``'s load time against the auto format's at the same TP."""
+        b = base.get(x["cold"]["tp"])
+        ref = b and b[key]["load_s"]
+        return f"{x[key]['load_s'] / ref:.2f}" if x[key]["ok"] and ref else "-"
+
+    def secs(x):
+        return f"{x['load_s']:.2f}" if x["ok"] else f"n/a: {x.get('error', '')[:80]}"
+
     for r in rows:
         c, w = r["cold"], r["warm"]
-        b = base.get(c["tp"])
-
-        def ratio(x, key):
-            ref = b and b[key]["load_s"]
-            return f"{x[key]['load_s'] / ref:.2f}" if x[key]["ok"] and ref else "-"
-
-        def secs(x):
-            return f"{x['load_s']:.2f}" if x["ok"] else f"n/a: {x.get('error', '')[:80]}"
-
         per_rank = (
             ", ".join(f"{n / 1e9:.2f} GB" for n in c["shardload_bytes_read"])
             if c["shardload_bytes_read"]

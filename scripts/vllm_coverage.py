@@ -537,47 +537,52 @@ def _groups(k: int, group: int) -> int:
     return 1 if group == -1 else -(-k // group)
 
 
-def gptq(l: Linear, q: dict) -> Iterator:
+def gptq(linear: Linear, q: dict) -> Iterator:
     """AutoGPTQ: qweight int32 [K*b/32, N], qzeros [K/G, N*b/32], scales fp16 [K/G, N], g_idx
     [K] (each row's group: trivial ``k // G`` without act-order, all 0 with one group)."""
     bits, g = q["bits"], q["group_size"]
-    yield (l.name + ".qweight", [l.k * bits // 32, l.n], "I32")
-    yield (l.name + ".qzeros", [_groups(l.k, g), l.n * bits // 32], "I32")
-    yield (l.name + ".scales", [_groups(l.k, g), l.n], "F16")
-    rows = np.arange(l.k, dtype=np.int32)
-    yield (l.name + ".g_idx", [l.k], "I32", rows // g if g != -1 else rows * 0)
+    yield (linear.name + ".qweight", [linear.k * bits // 32, linear.n], "I32")
+    yield (linear.name + ".qzeros", [_groups(linear.k, g), linear.n * bits // 32], "I32")
+    yield (linear.name + ".scales", [_groups(linear.k, g), linear.n], "F16")
+    rows = np.arange(linear.k, dtype=np.int32)
+    yield (linear.name + ".g_idx", [linear.k], "I32", rows // g if g != -1 else rows * 0)
 
 
-def awq(l: Linear, q: dict) -> Iterator:
+def awq(linear: Linear, q: dict) -> Iterator:
     """AutoAWQ GEMM: qweight int32 [K, N/8], qzeros [K/G, N/8], scales fp16 [K/G, N]."""
     g = q["group_size"]
-    yield (l.name + ".qweight", [l.k, l.n // 8], "I32")
-    yield (l.name + ".qzeros", [_groups(l.k, g), l.n // 8], "I32")
-    yield (l.name + ".scales", [_groups(l.k, g), l.n], "F16")
+    yield (linear.name + ".qweight", [linear.k, linear.n // 8], "I32")
+    yield (linear.name + ".qzeros", [_groups(linear.k, g), linear.n // 8], "I32")
+    yield (linear.name + ".scales", [_groups(linear.k, g), linear.n], "F16")
 
 
-def fp8_block(l: Linear, q: dict) -> Iterator:
+def fp8_block(linear: Linear, q: dict) -> Iterator:
     """HF / DeepSeek FP8: weight e4m3 [N, K], weight_scale_inv fp32 per block."""
     bn, bk = q["weight_block_size"]
-    yield (l.name + ".weight", [l.n, l.k], "F8_E4M3")
-    yield (l.name + ".weight_scale_inv", [-(-l.n // bn), -(-l.k // bk)], "F32")
+    yield (linear.name + ".weight", [linear.n, linear.k], "F8_E4M3")
+    yield (linear.name + ".weight_scale_inv", [-(-linear.n // bn), -(-linear.k // bk)], "F32")
 
 
-def compressed_tensors(l: Linear, q: dict) -> Iterator:
+def compressed_tensors(linear: Linear, q: dict) -> Iterator:
     """float-quantized (FP8 per channel) or pack-quantized (int4 in int32 words, per group)."""
     w = q["config_groups"]["group_0"]["weights"]
     if q["format"] == "float-quantized":
-        yield (l.name + ".weight", [l.n, l.k], "F8_E4M3")
-        yield (l.name + ".weight_scale", [l.n, 1], "BF16")
+        yield (linear.name + ".weight", [linear.n, linear.k], "F8_E4M3")
+        yield (linear.name + ".weight_scale", [linear.n, 1], "BF16")
         return
     pack = 32 // w["num_bits"]
-    yield (l.name + ".weight_packed", [l.n, l.k // pack], "I32")
-    yield (l.name + ".weight_scale", [l.n, _groups(l.k, w["group_size"])], "BF16")
-    yield (l.name + ".weight_shape", [2], "I64", np.array([l.n, l.k], dtype=np.int64))
+    yield (linear.name + ".weight_packed", [linear.n, linear.k // pack], "I32")
+    yield (linear.name + ".weight_scale", [linear.n, _groups(linear.k, w["group_size"])], "BF16")
+    yield (
+        linear.name + ".weight_shape",
+        [2],
+        "I64",
+        np.array([linear.n, linear.k], dtype=np.int64),
+    )
 
 
-def unquantized(l: Linear, q: dict) -> Iterator:
-    yield (l.name + ".weight", [l.n, l.k], "act")
+def unquantized(linear: Linear, q: dict) -> Iterator:
+    yield (linear.name + ".weight", [linear.n, linear.k], "act")
 
 
 FORMATS = {

@@ -40,8 +40,9 @@ GGUF keys carry the architecture as a prefix: ``Fields(kv, file=path, prefix="ll
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 from .errors import FormatError, quote
 
@@ -69,7 +70,7 @@ MAX_STRING = 1024
 _MISSING: Any = object()
 _ABSENT: Any = object()
 
-FileLabel = Union[str, Callable[[], str]]
+FileLabel = str | Callable[[], str]
 
 
 def describe_value(value: Any) -> str:
@@ -226,7 +227,7 @@ class Fields:
         choices: Iterable[str] | None = None,
         default: Any = _MISSING,
         nullable: bool = False,
-        max_len: int = MAX_STRING,
+        max_len: builtins.int = MAX_STRING,
     ) -> Any:
         """A string of at most ``max_len`` characters, or one of ``choices``."""
         choices = None if choices is None else tuple(choices)
@@ -244,7 +245,7 @@ class Fields:
             raise self.refuse(key, value, allowed)
         return value
 
-    def bool(self, key: str, *, default: Any = _MISSING, nullable: bool = False) -> Any:
+    def bool(self, key: builtins.str, *, default: Any = _MISSING, nullable: bool = False) -> Any:
         """``true`` or ``false`` (not 0, 1 or ``"yes"``)."""
         value = self._get(key, default, nullable, "true or false")
         if value is _ABSENT:
@@ -254,7 +255,12 @@ class Fields:
         return value
 
     def one_of(
-        self, key: str, choices: Sequence[Any], *, default: Any = _MISSING, nullable: bool = False
+        self,
+        key: builtins.str,
+        choices: Sequence[Any],
+        *,
+        default: Any = _MISSING,
+        nullable: builtins.bool = False,
     ) -> Any:
         """One of ``choices``, compared by type and value (``True`` is not ``1``)."""
         allowed = "one of " + ", ".join(
@@ -270,13 +276,13 @@ class Fields:
 
     def int_list(
         self,
-        key: str,
+        key: builtins.str,
         *,
-        length: int | None = None,
-        min: int | None = None,
-        max: int | None = None,
+        length: builtins.int | None = None,
+        min: builtins.int | None = None,
+        max: builtins.int | None = None,
         default: Any = _MISSING,
-        nullable: bool = False,
+        nullable: builtins.bool = False,
     ) -> Any:
         """A list of integers (each as ``int`` checks them), of exactly ``length`` items."""
         rule = _int_rule(min, max, None, ())
@@ -300,7 +306,7 @@ class Fields:
         return list(value)
 
     def sub(
-        self, key: str, *, optional: bool = False, file: FileLabel | None = None
+        self, key: builtins.str, *, optional: builtins.bool = False, file: FileLabel | None = None
     ) -> Fields | None:
         """The object under ``key`` as ``Fields`` (its keys named ``key.inner``). With
         ``optional``, an absent or null ``key`` gives ``None``; an int, string or list is
@@ -315,5 +321,5 @@ class Fields:
             raise self.refuse(key, value, "an object")
         return Fields(value, file=file or self._file, path=self.name(key))
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> builtins.str:
         return f"Fields({self.path or '<top>'!s}, prefix={self.prefix!r}, {len(self._data)} keys)"

@@ -34,6 +34,7 @@ The copies never look at the bytes: what lands where is the read plan's (``readp
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
@@ -158,7 +159,7 @@ class StagingStats:
         return dict(self.__dict__)
 
 
-# ---- links: the ordered copy engines ---------------------------------------------------------------
+# ---- links: the ordered copy engines -------------------------------------------------------------
 
 
 class _CudaLink:
@@ -168,7 +169,7 @@ class _CudaLink:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def enqueue(self, op: Callable[[], None], what: str) -> None:
+    def enqueue(self, op: Callable[[], object], what: str) -> None:
         with torch.cuda.stream(self.stream):
             try:
                 op()  # launches asynchronous copies or kernels on the stream
@@ -239,7 +240,7 @@ class _HostLink:
             error, self._error = self._error, None
             raise error
 
-    def enqueue(self, op: Callable[[], None], what: str) -> None:
+    def enqueue(self, op: Callable[[], object], what: str) -> None:
         self._raise()
         self._queue.put((op, what))
 
@@ -268,7 +269,7 @@ class _HostLink:
         self._thread.join()
 
 
-# ---- the pipeline ------------------------------------------------------------------------------------
+# ---- the pipeline --------------------------------------------------------------------------------
 
 
 def _items(run: Run, limit: int) -> Iterator[Run]:
@@ -326,7 +327,9 @@ class Pipeline:
                 "pinned=None"
             )
         self.stats = StagingStats(staging.buffers, staging.buffer_bytes, pinned)
-        self._link = _CudaLink(device) if device.type == "cuda" else _HostLink(str(device))
+        self._link: _CudaLink | _HostLink | None = (
+            _CudaLink(device) if device.type == "cuda" else _HostLink(str(device))
+        )
         try:
             self._ring = [
                 torch.empty(staging.buffer_bytes, dtype=torch.uint8, pin_memory=pinned)
@@ -339,12 +342,18 @@ class Pipeline:
         self._current = 0
         self._used = 0
 
+    @property
+    def _open_link(self) -> _CudaLink | _HostLink:
+        if self._link is None:
+            raise ShardloadError("the staging pipeline is closed")
+        return self._link
+
     # -- the ring
 
     def _seal(self) -> None:
         """The current buffer is done: mark it, move on to the next."""
         if self._used:
-            self._pending[self._current] = self._link.marker()
+            self._pending[self._current] = self._open_link.marker()
             self.stats.seals += 1
             self._current = (self._current + 1) % len(self._ring)
             self._used = 0
@@ -358,7 +367,7 @@ class Pipeline:
             marker, self._pending[self._current] = self._pending[self._current], None
             start = time.perf_counter()
             self._waiting()
-            self._link.wait(marker, self._stop)
+            self._open_link.wait(marker, self._stop)
             self.stats.waits += 1
             self.stats.wait_seconds += time.perf_counter() - start
         buf = self._ring[self._current][self._used : self._used + nbytes]
@@ -384,7 +393,7 @@ class Pipeline:
         out = (torch.zeros if zeros else torch.empty)(
             tuple(shape), dtype=dtypes.to_torch(dtype), device=self.device
         )
-        self._link.after_allocation()
+        self._open_link.after_allocation()
         flat = out.view(-1).view(torch.uint8) if out.dim() else out.reshape(1).view(torch.uint8)
         limit = self.staging.buffer_bytes
         what = f"parameter {name!r}: copying to {self.device}"
@@ -407,23 +416,25 @@ class Pipeline:
                     if item.count == 1 or item.dst_stride == item.nbytes
                     else _blocks(flat, item.dst_offset, item.nbytes, item.count, item.dst_stride)
                 )
-                self._link.enqueue(lambda d=dst, s=staged: d.copy_(s, non_blocking=True), what)
+                self._open_link.enqueue(
+                    functools.partial(dst.copy_, staged, non_blocking=True), what
+                )
                 self.stats.items += 1
                 self.stats.bytes_staged += total
         if fixup is not None:
-            self._link.enqueue(lambda: fixup(out), f"parameter {name!r}, its fixup")
+            self._open_link.enqueue(lambda: fixup(out), f"parameter {name!r}, its fixup")
         return out
 
     def fence(self) -> None:
         """Make everything queued so far visible to work the worker issues next (a chain's
         steps, another worker's device-to-device copy)."""
-        self._link.fence()
+        self._open_link.fence()
 
     def finish(self) -> None:
         """Wait until every queued copy (and, on CUDA, the worker's stream) is done; raise the
         link's failure if it had one. The pipeline stays usable."""
         self._seal()
-        self._link.drain()
+        self._open_link.drain()
 
     def close(self) -> None:
         """Stop the link and drop the ring (idempotent)."""

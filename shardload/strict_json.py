@@ -261,8 +261,17 @@ _SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace, and only it
 # from the end of a member's value to just inside the next key's opening quote
 _NEXT_KEY = re.compile(r'[ \t\n\r]*,[ \t\n\r]*"')
 _COLON = re.compile(r"[ \t\n\r]*:[ \t\n\r]*")
-_SCAN = _DECODER.scan_once
-_scanstring = json.decoder.scanstring
+
+
+def _skip_space(text: str, i: int = 0) -> int:
+    """The index of the first character at or after ``i`` that is not JSON whitespace."""
+    m = _SPACE.match(text, i)
+    return m.end() if m else i  # ``*`` matches the empty string too: ``m`` is never None
+
+
+# json's C scanners: public in the module, but typeshed does not declare them
+_SCAN = _DECODER.scan_once  # type: ignore[attr-defined]  # set by JSONDecoder.__init__
+_scanstring = json.decoder.scanstring  # type: ignore[attr-defined]  # see above
 #: a document that is not an object is parsed whole only up to this size, to say what is wrong
 #: with it (it may not be JSON at all); a larger one is named by its first character
 _NOT_OBJECT_PARSED_CHARS = 1 << 20
@@ -304,13 +313,12 @@ def loads_object(
     {'a': 3, 'b': 3}
     """
     text = _text(text)
-    space = _SPACE.match
-    i = space(text).end()
+    i = _skip_space(text)
     if text[i : i + 1] != "{":
         raise _not_object(text, i)
     surrogates = _has_surrogate_escape(text)  # a rare escape: checked member by member only then
     out: dict[str, Any] = {}
-    i = space(text, i + 1).end()
+    i = _skip_space(text, i + 1)
     first = text[i : i + 1]
     if first == "}":
         return _end(text, i + 1, out)
@@ -327,7 +335,7 @@ def loads_object(
                 c = colon(text, i)
                 if c is None:
                     raise json.JSONDecodeError(
-                        "Expecting ':' delimiter", text, space(text, i).end()
+                        "Expecting ':' delimiter", text, _skip_space(text, i)
                     )
                 try:
                     value, i = scan(text, c.end())
@@ -347,18 +355,18 @@ def loads_object(
     except RecursionError:
         raise ValueError("nested too deeply") from None
     # after the last member: the object's end, or what is wrong instead
-    i = space(text, i).end()
+    i = _skip_space(text, i)
     if text[i : i + 1] == "}":
         return _end(text, i + 1, out)
     if text[i : i + 1] == ",":
         raise json.JSONDecodeError(
-            "Expecting property name enclosed in double quotes", text, space(text, i + 1).end()
+            "Expecting property name enclosed in double quotes", text, _skip_space(text, i + 1)
         )
     raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
 
 
 def _end(text: str, i: int, out: dict[str, Any]) -> dict[str, Any]:
-    i = _SPACE.match(text, i).end()
+    i = _skip_space(text, i)
     if i != len(text):
         raise json.JSONDecodeError("Extra data", text, i)
     return out

@@ -77,13 +77,13 @@ def _regular_sizes(num_heads: int, num_kv_heads: int, num_shards: int) -> tuple[
     while d * d <= n:
         candidates.update(k for k in (d, n // d) if n % d == 0 and k >= num_kv_heads)
         d += 1
-    best = None
-    for kv in sorted(candidates):
+
+    def padded(kv: int) -> tuple[int, int]:
         step = n // math.gcd(kv, n)  # kv * g is a multiple of N iff step divides g
-        g = -(-group // step) * step
-        if best is None or kv * g < best[0] * best[1]:
-            best = (kv, g)
-    return best
+        return kv, -(-group // step) * step
+
+    # the first of the fewest query heads in all: the fewest KV heads among them
+    return min(map(padded, sorted(candidates)), key=lambda sizes: sizes[0] * sizes[1])
 
 
 def head_layout(

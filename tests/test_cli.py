@@ -931,7 +931,8 @@ def test_shards_that_is_not_a_number_of_workers_says_what_shards_takes(given):
         ),
         (
             ["load", "--shards", 2, "--staging-buffers", 1, EXAMPLE],
-            "Error: --staging-buffers: 1 is not in the range 2<=x<=64 (see 'shardload load --help')",
+            "Error: --staging-buffers: 1 is not in the range 2<=x<=64 "
+            "(see 'shardload load --help')",
         ),
     ],
 )

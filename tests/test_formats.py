@@ -1,5 +1,6 @@
-"""``shardload.formats``' dequantization: every format's dequantization against an oracle that shares none of its
-code, on what the producing tool itself writes wherever the tool is installed here.
+"""``shardload.formats``' dequantization: every format's dequantization against an oracle that
+shares none of its code, on what the producing tool itself writes wherever the tool is installed
+here.
 
 Oracles: compressed-tensors' own compressors and decompressors (pack-quantized, int-quantized,
 float-quantized, nvfp4, mxfp4), ModelOpt's ``NVFP4QTensor``, transformers'

@@ -271,7 +271,7 @@ def test_cli_plans_and_loads(checkpoint, tmp_path):
     assert result.exit_code == 2 and "blocks of 32" in result.output, result.output
 
 
-# ---- reading the configs ---------------------------------------------------------------------------
+# ---- reading the configs -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""The reference codecs in tests/helpers/quant_refs: real quantizers, bit layouts pinned by hand-worked words,
-and the sharding property shardload relies on, checked bit-exactly in pure numpy.
+"""The reference codecs in tests/helpers/quant_refs: real quantizers, bit layouts pinned by
+hand-worked words, and the sharding property shardload relies on, checked bit-exactly in pure
+numpy.
 
 Sharding property: slicing the *stored* tensors in their own units (packed words, groups, blocks)
 gives exactly the slice of the dequantized matrix, ``deq(shard(Q)) == shard(deq(Q))``.
@@ -35,14 +36,14 @@ def rand_w(n: int, k: int, seed: int) -> np.ndarray:
 
 
 def bounds(total: int, unit: int, tp: int) -> list[tuple[int, int]]:
-    """Split [0, total) into <= tp pieces whose cuts are multiples of unit, as evenly as the units allow
-    (uneven when they do not divide); the last piece ends at total, possibly mid-unit."""
+    """Split [0, total) into <= tp pieces whose cuts are multiples of unit, as evenly as the units
+    allow (uneven when they do not divide); the last piece ends at total, possibly mid-unit."""
     units = math.ceil(total / unit)
     tp = min(tp, units)
     sizes = [units // tp + (r < units % tp) for r in range(tp)]
     cuts = [0, *itertools.accumulate(s * unit for s in sizes)]
     cuts[-1] = total
-    return list(zip(cuts[:-1], cuts[1:]))
+    return list(itertools.pairwise(cuts))
 
 
 def splits(total: int, unit: int) -> list[list[tuple[int, int]]]:
@@ -94,8 +95,8 @@ S8 = np.array(
 
 def _gptq4_hand():
     """8x8 weight, one group, asymmetric.  Input row k of output column n has code q[k, n]:
-    even columns A = [1,2,3,4,5,6,0,15], odd columns B = [15,14,13,12,0,8,9,10] (each has 0 and 15, so a
-    min/max quantizer recovers the scale and zero point exactly)."""
+    even columns A = [1,2,3,4,5,6,0,15], odd columns B = [15,14,13,12,0,8,9,10] (each has 0 and
+    15, so a min/max quantizer recovers the scale and zero point exactly)."""
     a = [1, 2, 3, 4, 5, 6, 0, 15]
     b = [15, 14, 13, 12, 0, 8, 9, 10]
     q = np.array([a if n % 2 == 0 else b for n in range(8)]).T  # [K, N]
@@ -107,7 +108,8 @@ def _gptq4_hand():
 def test_gptq_4bit_hand_words():
     q, z, w = _gptq4_hand()
     # qweight: column n is one word, code k at bits 4k (LSB first):
-    #   A -> nibbles 1,2,3,4,5,6,0,F from the bottom -> 0xF0654321;  B -> F,E,D,C,0,8,9,A -> 0xA980CDEF
+    #   A -> nibbles 1,2,3,4,5,6,0,F from the bottom -> 0xF0654321;
+    #   B -> F,E,D,C,0,8,9,A -> 0xA980CDEF
     qweight = u32([[0xF0654321, 0xA980CDEF] * 4])
     # qzeros: one word for the 8 columns, column n at bits 4n.
     #   v1 stores z-1 mod 16 = [2,15,4,7,0,14,6,1] (z=0 wraps to 0xF) -> 0x16E074F2
@@ -135,12 +137,13 @@ def test_gptq_4bit_hand_words():
 
 
 def test_gptq_3bit_hand_words():
-    """32x32 weight, one group: code q[k, n] = k % 8 in every column; z[n] = n % 8; s[n] = 2**-(n % 4).
+    """32x32 weight, one group: code q[k, n] = k % 8 in every column; z[n] = n % 8;
+    s[n] = 2**-(n % 4).
 
-    Codes 0..7 make a 24-bit run, octal 76543210 = 0xFAC688; 32 codes = that run 4 times = the 96-bit
-    number FAC688FAC688FAC688FAC688, whose words (w0 least significant) are 0x88FAC688, 0xC688FAC6,
-    0xFAC688FA.  Check w0's top byte by AutoGPTQ's rule: code 9 (=1) at bits 27..29 -> bit 27; code 10
-    (=2) keeps its low two bits at 30..31 -> bit 31; so 0x88.
+    Codes 0..7 make a 24-bit run, octal 76543210 = 0xFAC688; 32 codes = that run 4 times = the
+    96-bit number FAC688FAC688FAC688FAC688, whose words (w0 least significant) are 0x88FAC688,
+    0xC688FAC6, 0xFAC688FA.  Check w0's top byte by AutoGPTQ's rule: code 9 (=1) at bits 27..29
+    -> bit 27; code 10 (=2) keeps its low two bits at 30..31 -> bit 31; so 0x88.
     v1 zero points (z-1) % 8 = 7,0,1,...,6: octal 65432107 = 0xD63447 -> D63447D6 3447D634 47D63447.
     """
     n_ = k_ = 32
@@ -177,7 +180,8 @@ def test_gptq_symmetric_zero_words(bits, v1_word, v2_word):
 
 
 def test_gptq_v1_zero_point_zero_wraps_per_field():
-    """An all-positive column has z = 0 (asymmetric): v1 stores the all-ones field, its neighbours intact."""
+    """An all-positive column has z = 0 (asymmetric): v1 stores the all-ones field, its
+    neighbours intact."""
     w = rand_w(8, 16, seed=5)
     w[1] = np.abs(w[1]) + 0.1
     t = gptq.quantize_gptq(w, bits=4, group_size=-1, sym=False, version=1)
@@ -192,7 +196,8 @@ def test_gptq_v1_zero_point_zero_wraps_per_field():
 
 
 def test_gptq_agrees_with_the_older_4bit_reference():
-    """tests/helpers/gptq_reference.py (4-bit v1) decodes the same tensors to the same matrix, wrap included."""
+    """tests/helpers/gptq_reference.py (4-bit v1) decodes the same tensors to the same matrix,
+    wrap included."""
     from helpers.gptq_reference import dequantize as old_dequantize
 
     w = rand_w(32, 64, seed=9)
@@ -339,7 +344,8 @@ def test_gptq_sharding_is_exact(cfg):
 
 
 def test_gptq_act_order_needs_replicated_scales():
-    """Control: the no-act-order rule (slice scales by group, rebase g_idx) is wrong for act-order."""
+    """Control: the no-act-order rule (slice scales by group, rebase g_idx) is wrong for
+    act-order."""
     _, t = _gptq_case(4, 32, False, 1, True)
     full = gptq.dequantize_gptq(t, 4, 1)
     wrong = 0
@@ -475,8 +481,8 @@ def test_awq_quantizer_and_sharding(g):
 
 
 def test_ct_pack_quantized_hand_words():
-    """8x16 weight, 4 bit, asymmetric, one group of 16.  Signed code q[n, k] = (k + n) % 16 - 8, stored
-    q + 8 = (k + n) % 16 packed along K:
+    """8x16 weight, 4 bit, asymmetric, one group of 16.  Signed code q[n, k] = (k + n) % 16 - 8,
+    stored q + 8 = (k + n) % 16 packed along K:
       row 0: 0x76543210 0xFEDCBA98    row 1: 0x87654321 0x0FEDCBA9    row 7: 0xEDCBA987 0x6543210F
     Zero points zp = [-8,-1,0,7,3,-3,5,-5], stored zp + 8 = 0,7,8,F,B,5,D,3 packed along N (dim 0):
     one word 0x3D5BF870, shape [N/8, 1]."""
@@ -562,8 +568,9 @@ def _ct_id(c):
 
 
 def _ct_slice(t, n0, n1, k0, k1, nb, g):
-    """Slice pack-quantized tensors to rows [n0, n1) and columns [k0, k1): weight_packed by rows and
-    words, scale and zero point by groups (channel: replicated along K), zero point rows by words."""
+    """Slice pack-quantized tensors to rows [n0, n1) and columns [k0, k1): weight_packed by rows
+    and words, scale and zero point by groups (channel: replicated along K), zero point rows by
+    words."""
     pf = 32 // nb
     out = {
         "weight_packed": t["weight_packed"][n0:n1, k0 // pf : math.ceil(k1 / pf)],

@@ -1095,7 +1095,7 @@ def test_fused_qkv_strict(n, q_heads, kv_heads):
     check_segments_round_trip(to_bits(out), to_bits(x), 0, segs, n)
     q_parts = [out[i][:q_rows, 0].tolist() for i in range(n)]
     # q is split: the workers' pieces are disjoint and cover q in order
-    assert sum(q_parts, []) == list(range(q_heads * head))
+    assert [row for part in q_parts for row in part] == list(range(q_heads * head))
     for i in range(n):
         assert out[i][:, 0].tolist() == expected_qkv_rows(i, n, q_heads, -kv_heads, head)
         k_part = out[i][q_rows : q_rows + kv_rows, 0].tolist()

@@ -234,10 +234,11 @@ def test_a_failure_on_the_link_surfaces_on_the_worker_and_stops_the_link():
     assert not wait_for_no_link_threads()
 
 
-# ---- loads: every session, every N, against numpy -------------------------------------------------
+# ---- loads: every session, every N, against numpy ------------------------------------------------
 
 
-def _checkpoint(tmp_path, rng=np.random.default_rng(0)):
+def _checkpoint(tmp_path):
+    rng = np.random.default_rng(0)  # the same arrays for every test, whichever ran before
     arrays = {
         "rows": rng.standard_normal((24, 10)).astype(np.float16),
         "cols": rng.integers(-(2**31), 2**31, (6, 48), dtype=np.int64).astype(np.int32),
@@ -340,7 +341,7 @@ def test_the_planners_real_plan_loads_the_same_staged_and_direct(session):
     assert staged.stats.bytes_per_worker == direct.stats.bytes_per_worker
 
 
-# ---- failures and Ctrl-C ----------------------------------------------------------------------------
+# ---- failures and Ctrl-C -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -400,7 +401,7 @@ def test_ctrl_c_stops_a_staged_load_and_its_links(tmp_path, sigint_raises):
     assert not wait_for_no_link_threads()
 
 
-# ---- CUDA: wherever it exists ---------------------------------------------------------------------
+# ---- CUDA: wherever it exists --------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -466,7 +467,7 @@ def test_cuda_a_large_tensor_goes_through_a_small_ring():
     assert stats["seals"] >= 16 and stats["waits"] >= 14
 
 
-# ---- the command line -------------------------------------------------------------------------------
+# ---- the command line ----------------------------------------------------------------------------
 
 
 def test_cli_load_stages_when_asked_and_reports_each_ring():
@@ -511,7 +512,7 @@ def test_cli_refuses_a_ring_too_large():
     assert "at most 4096 MiB" in result.output
 
 
-# ---- mapped pages go back in batches ----------------------------------------------------------------
+# ---- mapped pages go back in batches -------------------------------------------------------------
 
 
 class _Recorder:
@@ -601,7 +602,7 @@ def test_a_threaded_load_gives_the_checkpoints_pages_back(tmp_path):
     assert torch.equal(kept.shard("x", 1), again.shard("x", 1))
 
 
-# ---- the file is asked for ahead of the copies -----------------------------------------------------
+# ---- the file is asked for ahead of the copies ---------------------------------------------------
 
 
 class _Prefetches:
@@ -670,7 +671,7 @@ def test_a_threaded_load_asks_for_its_file_ahead(tmp_path, monkeypatch):
             assert any(b <= begin and end <= e for _, b, e in asked), name
 
 
-# ---- a file the real tools wrote --------------------------------------------------------------------
+# ---- a file the real tools wrote -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("n", [3, 4])

@@ -62,8 +62,9 @@ def bench_cuda(
 ) -> dict:
     """shardload-thread and the CUDA peers with worker i on cuda:(i mod device count), at
     every N of ``shards`` (with ``plans[n]``); every piece checked against shardload's (on the
-    device, all of them), shardload's own checked against a CPU load of the same plan. ``after_each_n`` gets
-    the section so far once each N is done (so a run cut short keeps what it measured).
+    device, all of them), shardload's own checked against a CPU load of the same plan.
+    ``after_each_n`` gets the section so far once each N is done (so a run cut short keeps what
+    it measured).
 
     ``dry_run_on_cpu``: the same code with every worker on the CPU and no bandwidth figure (how
     this section is exercised on a machine without CUDA: ``--cuda-stand-in``; not a

@@ -70,7 +70,7 @@ def machine() -> None:
             version = "not installed"
         try:
             where = "imports from " + os.path.dirname(importlib.import_module(module).__file__)
-        except Exception as exc:  # a broken install raises anything
+        except Exception as exc:  # noqa: BLE001 - a broken install raises anything
             where = f"does not import: {type(exc).__name__}: {exc}"
         print(f"{dist} {version}; {where}")
 

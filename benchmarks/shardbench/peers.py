@@ -314,7 +314,7 @@ def unavailable(peer: str, device: str = "cpu", file: str | None = None) -> str 
     module, pip_name = PEERS[peer].module, PEERS[peer].pip_name
     try:
         importlib.import_module(module)
-    except Exception as exc:  # ImportError, or a broken install raising anything else
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken install's anything
         return f"does not import ({type(exc).__name__}: {exc}); pip install {pip_name}"
     if peer == "instanttensor" and file is not None:
         import instanttensor
@@ -323,7 +323,7 @@ def unavailable(peer: str, device: str = "cpu", file: str | None = None) -> str 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 instanttensor.safe_open(file, framework="pt", device=device, load_now=False)
-        except Exception as exc:  # never entered, so nothing was opened
+        except Exception as exc:  # noqa: BLE001 - its refusal, of any type (nothing was opened)
             return f"refuses device {device!r}: {type(exc).__name__}: {exc}"
     if peer == "fastsafetensors" and device.startswith("cuda"):
         try:

@@ -280,7 +280,7 @@ def run(args: argparse.Namespace, bench: Bench | None = None) -> int:
                 ctargets = cuda_targets(cuda)
                 report["targets"] = checks + ctargets
                 print_cuda(cuda, ctargets)
-            except Exception as exc:  # a report, never a failure of the CPU benchmark
+            except Exception as exc:  # noqa: BLE001 - reported: never fails the CPU benchmark
                 import traceback
 
                 traceback.print_exc()

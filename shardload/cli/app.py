@@ -87,9 +87,10 @@ def _usage_line(exc: click.UsageError) -> str:
     message = message.strip().rstrip(".")
     if message[:1].isupper() and message[1:2].islower():  # "No such option" -> "no such option"
         message = message[0].lower() + message[1:]
-    names, ctx = [], exc.ctx
+    names: list[str] = []
+    ctx = exc.ctx
     while ctx is not None and ctx.parent is not None:  # the command's, under any program name
-        names.append(ctx.info_name)
+        names.append(ctx.info_name or "")
         ctx = ctx.parent
     return f"{message} (see '{' '.join(['shardload', *reversed(names)])} --help')"
 
@@ -252,7 +253,9 @@ class Group(click.Group):
         try:
             return self._invoke_mapped(ctx)
         except click.ClickException as exc:
-            exc.as_json = bool(ctx.meta.get(JSON_KEY))  # read by main(), which shows it
+            # read by main(), which shows it: the flag travels with the exception, which
+            # click's class does not declare
+            exc.as_json = bool(ctx.meta.get(JSON_KEY))  # type: ignore[attr-defined]
             raise
 
     def _invoke_mapped(self, ctx: click.Context) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import TypedDict
 
 import click
 
@@ -18,6 +19,18 @@ from .options import (
     shards_option,
 )
 from .tables import human, table
+
+
+class _WorkerReport(TypedDict):
+    """One worker's part of the report (an item of ``workers`` under ``--json``)."""
+
+    index: int
+    device: str
+    tensors: int
+    bytes: int
+    bytes_read: int
+    staging: dict | None  # its staging pipeline's counters, where it staged
+    planning: dict | None  # under torchrun: how this rank came by its plan
 
 
 @click.command(cls=Command)
@@ -140,15 +153,15 @@ def load(
     if getattr(session, "rank", 0) != 0:
         return  # under torchrun, rank 0 speaks for all
     stats = result.stats
-    workers = [
+    workers: list[_WorkerReport] = [
         {
             "index": i,
             "device": str(result.devices[i]),
             "tensors": stats.tensors_per_worker[i],
             "bytes": stats.bytes_per_worker[i],
             "bytes_read": stats.bytes_read_per_worker[i],
-            "staging": (stats.staging_per_worker or [None] * num_shards)[i],
-            "planning": (planning or [None] * num_shards)[i],
+            "staging": stats.staging_per_worker[i] if stats.staging_per_worker else None,
+            "planning": planning[i] if planning else None,
         }
         for i in range(num_shards)
     ]

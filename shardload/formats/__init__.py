@@ -140,7 +140,7 @@ def dequantize_module(
     parts = {name: torch.as_tensor(t) for name, t in parts.items()}
     if _is_dense(parts):
         return get_format("none").dequantize(parts, Scheme("none"), dtype)
-    scheme = Scheme(method, bits, group_size, block=tuple(block), gptq_version=gptq_version)
+    scheme = Scheme(method, bits, group_size, block=(block[0], block[1]), gptq_version=gptq_version)
     return fmt.dequantize(parts, scheme, dtype, ggml_types)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import cast
 
 import torch
 
@@ -151,7 +152,8 @@ class _SplitNorm(torch.nn.Module):
 
     def __init__(self, norm: torch.nn.Module, split: dict, group):
         super().__init__()
-        self.weight = norm.weight
+        # a Parameter (``Module.__getattr__`` is typed as giving a tensor or a module)
+        self.weight = cast(torch.nn.Parameter, norm.weight)
         self.eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
         self.width = split["width"]
         self.head_dim = split["head_dim"]

@@ -28,7 +28,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -65,18 +66,21 @@ def config_dict(ckpt) -> dict[str, Any]:
     config: dict[str, Any] = {
         "tie_word_embeddings": "output.weight" not in ckpt.metadata() or arch in _ALWAYS_TIED
     }
-    for key, value in (
+    for key, default in (
         GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type) or GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}
     ).items():
-        config.setdefault(key, value)
+        config.setdefault(key, default)
+    # GGUF key -> config key, per architecture (None: a key transformers drops); transformers
+    # builds the table from literals, which its types leave as ``dict[str, object]``
+    renames = cast("Mapping[str, Mapping[str, str | None]]", GGUF_CONFIG_MAPPING)
     for key, value in fields.items():
         prefix, _, rest = key.replace(arch, model_type).partition(".")
         if isinstance(value, list) and len(value) == 1:
             value = value[0]  # transformers reads a one-item array as its item
         if isinstance(value, str) and arch in value:
             value = value.replace(arch, model_type)
-        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest, -1)
-        if renamed is not None and renamed != -1:
+        renamed = renames.get(prefix, {}).get(rest)  # None: absent, or dropped
+        if renamed is not None:
             config[renamed] = value
     if config["model_type"] == "gemma3":
         config["model_type"] = "gemma3_text"  # a GGUF holds Gemma 3's text model only

@@ -79,7 +79,7 @@ def open_for_text(ckpt: str) -> TextCheckpoint:
             # scratch folder, a GGUF's header (its vocabulary) into a sparse file there
             opened = open_checkpoint(ckpt)
             write_fetched_bytes(opened)
-            source = opened.path
+            source = opened.path or ckpt  # its scratch folder (a local reader's path)
         tokenizer = text.tokenizer(source)
     except ValueError as exc:
         if opened is not None:

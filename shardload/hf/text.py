@@ -55,7 +55,10 @@ def _gguf_tokenizer_class(path: str):
     if getattr(config, "tokenizer_class", None):
         return None
     chosen = TOKENIZER_MAPPING.get(type(config), TokenizersBackend) or TokenizersBackend
-    return None if chosen.__name__ == "MistralCommonBackend" else chosen
+    # transformers 5 maps a config to one tokenizer class; the type its auto mappings share
+    # also allows the (slow, fast) pairs of the model mappings
+    name = chosen.__name__  # type: ignore[union-attr]
+    return None if name == "MistralCommonBackend" else chosen
 
 
 def _first_line(text: str, limit: int = 160) -> str:

@@ -131,9 +131,9 @@ def _expand_kv(
     """Give each local query head its own copy of the KV head it uses (``kv_map[h]``, a local
     KV index), where zero-padding made the pattern irregular for transformers' repeat_kv."""
     rows = torch.cat([torch.arange(k * head_dim, (k + 1) * head_dim) for k in kv_map])
-    kv_modules = set(kv_modules)
+    expanded = set(kv_modules)
     for name in list(dense):
-        if name.rpartition(".")[0] in kv_modules:
+        if name.rpartition(".")[0] in expanded:
             dense[name] = dense[name].index_select(0, rows).contiguous()
 
 

@@ -13,8 +13,8 @@ registers them. This module imports nothing of the registry: the registry import
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypedDict
 
 from .. import dtypes
 from ..errors import quote
@@ -669,42 +669,50 @@ def _rebase_fixup(piece: torch.Tensor, dim: int, *, num_shards: int, index: int)
     piece.copy_(rebase(piece))
 
 
+class Rules(TypedDict, total=False):
+    """A built-in's rules: the keyword arguments ``registry.register_shard_func`` takes."""
+
+    shape_rule: Callable[..., tuple[Sequence[int], str]]
+    ranges: Callable[..., Selection]
+    fixup: Callable[..., None]
+
+
 #: (name, function, rules) of every built-in, registered by ``shardload.registry``
-BUILTINS = [
-    ("shardload.split", split, dict(shape_rule=_split_rule, ranges=_split_selection)),
+BUILTINS: list[tuple[str, Callable[..., object], Rules]] = [
+    ("shardload.split", split, Rules(shape_rule=_split_rule, ranges=_split_selection)),
     (
         "shardload.split_segments",
         split_segments,
-        dict(shape_rule=_segments_rule, ranges=_segments_selection),
+        Rules(shape_rule=_segments_rule, ranges=_segments_selection),
     ),
     (
         "shardload.replicate",
         replicate,
-        dict(shape_rule=_replicate_rule, ranges=_replicate_selection),
+        Rules(shape_rule=_replicate_rule, ranges=_replicate_selection),
     ),
     (
         "shardload.split_rebase",
         split_rebase,
-        dict(shape_rule=_split_rebase_rule, ranges=_split_selection, fixup=_rebase_fixup),
+        Rules(shape_rule=_split_rebase_rule, ranges=_split_selection, fixup=_rebase_fixup),
     ),
     # a piece made of values, not of the input's elements: computed (it is a few integers)
-    ("shardload.constant", constant, dict(shape_rule=_constant_rule)),
+    ("shardload.constant", constant, Rules(shape_rule=_constant_rule)),
     # a piece larger than the input: computed (per-part scales, a handful of numbers)
-    ("shardload.repeat_segments", repeat_segments, dict(shape_rule=_repeat_rule)),
-    ("shardload.take_units", take_units, dict(shape_rule=_take_rule, ranges=_take_selection)),
+    ("shardload.repeat_segments", repeat_segments, Rules(shape_rule=_repeat_rule)),
+    ("shardload.take_units", take_units, Rules(shape_rule=_take_rule, ranges=_take_selection)),
     (
         "shardload.take_units_fill",
         take_units_fill,
-        dict(shape_rule=_take_fill_rule, ranges=_take_fill_selection, fixup=_take_fill_fixup),
+        Rules(shape_rule=_take_fill_rule, ranges=_take_fill_selection, fixup=_take_fill_fixup),
     ),
     (
         "shardload.replicate_padded",
         replicate_padded,
-        dict(shape_rule=_replicate_padded_rule, ranges=_replicate_padded_selection),
+        Rules(shape_rule=_replicate_padded_rule, ranges=_replicate_padded_selection),
     ),
     (
         "shardload.take_g_idx",
         take_g_idx,
-        dict(shape_rule=_take_g_idx_rule, ranges=_take_g_idx_selection, fixup=_take_g_idx_fixup),
+        Rules(shape_rule=_take_g_idx_rule, ranges=_take_g_idx_selection, fixup=_take_g_idx_fixup),
     ),
 ]

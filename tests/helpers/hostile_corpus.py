@@ -514,7 +514,7 @@ def _build_huge_index(d: Path) -> Target:
 case("index-1.6GB", "resource bombs", _build_huge_index, mentions=("limit",), time_s=10, mem_mb=256)
 
 
-# ==== HF configs: the planner's input (the example checkpoint, no plan) ============================
+# ==== HF configs: the planner's input (the example checkpoint, no plan) ===========================
 
 
 def _hf(
@@ -721,7 +721,7 @@ for cid, block in [("len-1", [128]), ("zero", [0, 128]), ("strings", ["128", "12
     )
 
 
-# ==== GGUF: written by gguf-py, metadata and header patched ========================================
+# ==== GGUF: written by gguf-py, metadata and header patched =======================================
 
 G_HEADS, G_KV, G_HEAD_DIM, G_HIDDEN, G_FFN, G_VOCAB = 4, 2, 32, 64, 128, 32
 
@@ -1197,7 +1197,7 @@ for what in ("many-args", "many-dims", "missing-names", "huge-name", "over-cap")
     )
 
 
-# ==== the Hugging Face hub cache ===================================================================
+# ==== the Hugging Face hub cache ==================================================================
 
 
 def hub_cache(d: Path, files: dict[str, bytes], revision: str = "a" * 40) -> Path:

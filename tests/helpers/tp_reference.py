@@ -76,8 +76,9 @@ def padded_heads(num_heads: int, num_kv_heads: int, n: int) -> tuple[list, list]
 
 def padded_head_runs(num_heads: int, num_kv_heads: int, n: int, run: int) -> tuple[list, list]:
     """``padded_heads`` for heads that only ``run`` at a time fill whole storage blocks
-    (DeepSeek-V3's 192-row heads in 128-row FP8 blocks: two heads, three blocks): the layout of
-    heads ``run`` times as wide, each unfolded into its ``run`` heads, zero ones into zeros."""
+    (DeepSeek-V3's 192-row heads in 128-row FP8 blocks: two heads, three blocks) or groups
+    (heads narrower than a quantization group): the layout of heads ``run`` times as wide, each
+    unfolded into its ``run`` heads (``r*run .. r*run + run - 1``), zero ones into zeros."""
     wide_q, wide_kv = padded_heads(num_heads // run, num_kv_heads // run, n)
 
     def unfold(heads):
@@ -120,15 +121,3 @@ def expert_slots(num_experts: int, n: int) -> list[list[int]]:
     counts = [num_experts // n + (r < num_experts % n) for r in range(n)]
     starts = [sum(counts[:r]) for r in range(n)]
     return [list(range(s, s + c)) + [-1] * (max(counts) - c) for s, c in zip(starts, counts)]
-
-
-def padded_head_runs(num_heads: int, num_kv_heads: int, n: int, run: int) -> tuple[list, list]:
-    """``padded_heads`` for heads narrower than a quantization group or block: the heads go in
-    aligned runs of ``run`` (heads ``r*run .. r*run + run - 1``, or ``run`` zero heads), laid
-    out as ``padded_heads`` lays out heads ``run`` times as wide."""
-    q, kv = padded_heads(num_heads // run, num_kv_heads // run, n)
-
-    def unfold(heads):
-        return [h * run + j if h >= 0 else -1 for h in heads for j in range(run)]
-
-    return [unfold(w) for w in q], [unfold(w) for w in kv]

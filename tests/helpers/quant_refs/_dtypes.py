@@ -10,7 +10,8 @@ _TORCH = {"bfloat16": torch.bfloat16}
 
 
 def dtype_name(dtype) -> str:
-    """Normalise ``"bf16"``, ``torch.bfloat16``, ``np.float16``... to ``"bfloat16"``, ``"float16"``, ``"float32"``."""
+    """Normalise ``"bf16"``, ``torch.bfloat16``, ``np.float16``... to ``"bfloat16"``,
+    ``"float16"``, ``"float32"``."""
     aliases = {
         "bf16": "bfloat16",
         "fp16": "float16",

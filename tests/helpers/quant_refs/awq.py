@@ -12,9 +12,10 @@ No ``g_idx``: row ``k`` belongs to group ``k // G``.  Nibble ``i`` (bits ``4i..4
 ``c`` holds column ``8c + AWQ_ORDER[i]`` with ``AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]``; reading
 the nibbles back in column order takes nibble ``AWQ_REVERSE_ORDER[j]`` for column ``8c + j``,
 ``AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]``.  Sources: AutoAWQ
-``awq/modules/linear/gemm.py`` ``WQLinear_GEMM.from_linear`` (``order_map = [0, 2, 4, 6, 1, 3, 5, 7]``,
-``qweight[:, col] |= intweight[:, col*8 + order_map[i]] << (i*4)``; same loop for ``qzeros`` with
-no offset) and ``awq/utils/packing_utils.py`` (``AWQ_ORDER``, ``AWQ_REVERSE_ORDER``,
+``awq/modules/linear/gemm.py`` ``WQLinear_GEMM.from_linear``
+(``order_map = [0, 2, 4, 6, 1, 3, 5, 7]``,
+``qweight[:, col] |= intweight[:, col*8 + order_map[i]] << (i*4)``; same loop for ``qzeros``
+with no offset) and ``awq/utils/packing_utils.py`` (``AWQ_ORDER``, ``AWQ_REVERSE_ORDER``,
 ``dequantize_gemm``: ``(iweight - izeros) * scales`` with both repeated ``G`` times along K).
 
 Dequantization: ``W[n, k] = scales[k//G, n] * (q[k, n] - z[k//G, n])``.
@@ -43,7 +44,8 @@ _PF = 8
 
 
 def pack_awq(codes) -> np.ndarray:
-    """Codes ``[R, N]`` (0..15) -> int32 ``[R, N/8]``, nibble ``i`` of word ``c`` = column ``8c + AWQ_ORDER[i]``."""
+    """Codes ``[R, N]`` (0..15) -> int32 ``[R, N/8]``, nibble ``i`` of word ``c`` = column
+    ``8c + AWQ_ORDER[i]``."""
     codes = np.asarray(codes, dtype=np.int64)
     r, n = codes.shape
     if n % _PF:

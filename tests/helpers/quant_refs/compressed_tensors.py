@@ -1,15 +1,18 @@
-"""compressed-tensors (llm-compressor) checkpoints: ``pack-quantized`` int4/int8 and ``float-quantized`` FP8.
+"""compressed-tensors (llm-compressor) checkpoints: ``pack-quantized`` int4/int8 and
+``float-quantized`` FP8.
 
 pack-quantized, for ``W [N, K]``, ``b`` = ``num_bits`` in {4, 8}, ``pf = 32/b``:
 
-=====================  ====================  ====================  ===============================
-``weight_packed``      ``[N, ceil(K/pf)]``   int32                 ``q + 2**(b-1)`` packed along K
-``weight_scale``       ``[N, K/G]`` (group)  model dtype (bf16,    ``[N, 1]`` for channel
-                                             fp16 or fp32)
-``weight_zero_point``  ``[ceil(N/pf), K/G]`` int32                 asymmetric only; ``zp + 2**(b-1)``
-                                                                   packed along **N** (dim 0)
-``weight_shape``       ``[2] = [N, K]``      int64
-=====================  ====================  ====================  ===============================
+=====================  =====================  ==============  ================================
+``weight_packed``      ``[N, ceil(K/pf)]``    int32           ``q + 2**(b-1)`` packed along K
+``weight_scale``       ``[N, K/G]`` (group)   model dtype     ``[N, 1]`` for channel
+                                              (bf16, fp16
+                                              or fp32)
+``weight_zero_point``  ``[ceil(N/pf), K/G]``  int32           asymmetric only;
+                                                              ``zp + 2**(b-1)`` packed along
+                                                              **N** (dim 0)
+``weight_shape``       ``[2] = [N, K]``       int64
+=====================  =====================  ==============  ================================
 
 Codes ``q`` and zero points ``zp`` are signed, in ``[-2**(b-1), 2**(b-1) - 1]``; packing adds
 ``2**(b-1)`` and lays them LSB first (``pack_to_int32`` / ``unpack_from_int32``,
@@ -17,16 +20,17 @@ Codes ``q`` and zero points ``zp`` are signed, in ``[-2**(b-1), 2**(b-1) - 1]``;
 ``quantized_compressors/pack_quantized.py`` before the refactor; a ragged last word is
 zero-padded).  The compressor packs the zero point with ``packed_dim=0`` when the weights are
 asymmetric and the strategy is group or channel (``PACK_ZP_STRATS``), and drops it when
-symmetric.  Releases up to 0.9.3 stored the zero point unpacked, int8 ``[N, K/G]``; 0.9.4 is the
-first wheel whose ``compress_weight`` packs it with ``packed_dim=0``.  This module writes the packed
-form and ``dequantize_pack_quantized`` also reads the unpacked one.
+symmetric.  Releases up to 0.9.3 stored the zero point unpacked, int8 ``[N, K/G]``; 0.9.4 is
+the first wheel whose ``compress_weight`` packs it with ``packed_dim=0``.  This module writes the
+packed form and ``dequantize_pack_quantized`` also reads the unpacked one.
 
 Dequantization: ``W = (q - zp) * scale``, scale and zp repeated ``G`` times along K.
 Scale/zero point (``quantization/utils/helpers.py calculate_qparams``): range includes 0;
-symmetric ``scale = amax / ((qmax - qmin) / 2)``; asymmetric ``scale = (max - min) / (qmax - qmin)``,
-``zp = round(qmin - min / scale)``; ``q = clamp(round(x / scale + zp), qmin, qmax)``.  Scale shapes
-from ``lifecycle/initialize.py``: tensor ``(1,)``, channel ``(N, 1)``, group ``(N, ceil(K/G))``,
-block ``(ceil(N/bn), ceil(K/bk))``; scale dtype = the weight's dtype.
+symmetric ``scale = amax / ((qmax - qmin) / 2)``; asymmetric
+``scale = (max - min) / (qmax - qmin)``, ``zp = round(qmin - min / scale)``;
+``q = clamp(round(x / scale + zp), qmin, qmax)``.  Scale shapes from ``lifecycle/initialize.py``:
+tensor ``(1,)``, channel ``(N, 1)``, group ``(N, ceil(K/G))``, block ``(ceil(N/bn), ceil(K/bk))``;
+scale dtype = the weight's dtype.
 
 float-quantized FP8: ``weight`` float8_e4m3fn ``[N, K]``; ``weight_scale`` tensor ``[1]`` (older
 checkpoints: ``[]``), channel ``[N, 1]``, group ``[N, K/G]`` or block ``[ceil(N/bn), ceil(K/bk)]``
@@ -62,7 +66,8 @@ def _check_bits(num_bits: int) -> None:
 
 
 def pack_int32(values, num_bits: int, axis: int = 1) -> np.ndarray:
-    """Signed codes (``-2**(b-1) <= v < 2**(b-1)``) -> int32 words along ``axis``, offset by ``2**(b-1)``."""
+    """Signed codes (``-2**(b-1) <= v < 2**(b-1)``) -> int32 words along ``axis``, offset by
+    ``2**(b-1)``."""
     _check_bits(num_bits)
     v = np.asarray(values, dtype=np.int64) + (1 << (num_bits - 1))
     return pack_bits(v, num_bits, axis=axis)
@@ -137,8 +142,9 @@ def dequantize_pack_quantized(
 ) -> np.ndarray:
     """pack-quantized tensors -> float32 ``W [N, K]``.
 
-    Symmetric iff there is no ``weight_zero_point``.  ``G`` defaults to ``K / weight_scale.shape[1]``
-    (channel strategy: one group); pass ``group_size`` when that does not divide.
+    Symmetric iff there is no ``weight_zero_point``.  ``G`` defaults to
+    ``K / weight_scale.shape[1]`` (channel strategy: one group); pass ``group_size`` when that
+    does not divide.
     """
     _check_bits(num_bits)
     n, k = (int(v) for v in to_int(tensors["weight_shape"]))
@@ -201,7 +207,8 @@ def quantize_fp8(
     group_size: int | None = None,
     scale_dtype="float32",
 ) -> dict:
-    """Quantize ``w [N, K]`` to float8_e4m3fn with ``scale = amax / 448`` per tensor/channel/group/block.
+    """Quantize ``w [N, K]`` to float8_e4m3fn with ``scale = amax / 448`` per
+    tensor/channel/group/block.
 
     Returns ``weight`` (torch float8_e4m3fn) and ``weight_scale`` (numpy float32/float16 or torch
     bfloat16) shaped ``[1]``, ``[N, 1]``, ``[N, ceil(K/G)]`` or ``[ceil(N/bn), ceil(K/bk)]``.

@@ -98,7 +98,8 @@ def unpack_qweight(qweight, bits: int) -> np.ndarray:
 
 
 def pack_qzeros(zeros, bits: int, version=1) -> np.ndarray:
-    """Zero points ``z [ng, N]`` (``0 <= z < 2**b``) -> ``qzeros [ng, N*b/32]`` int32 (packed along N).
+    """Zero points ``z [ng, N]`` (``0 <= z < 2**b``) -> ``qzeros [ng, N*b/32]`` int32 (packed
+    along N).
 
     v1 stores ``(z - 1) mod 2**b`` per field; v2 stores ``z``.
     """
@@ -114,7 +115,8 @@ def pack_qzeros(zeros, bits: int, version=1) -> np.ndarray:
 
 
 def unpack_qzeros(qzeros, bits: int, version=1) -> np.ndarray:
-    """``qzeros [ng, N*b/32]`` -> the zero points ``z [ng, N]`` the kernels use (v1: field + 1, mod 2**b)."""
+    """``qzeros [ng, N*b/32]`` -> the zero points ``z [ng, N]`` the kernels use (v1: field + 1,
+    mod 2**b)."""
     _check_bits(bits)
     qzeros = to_int(qzeros)
     fields = unpack_bits(qzeros, bits, axis=1, count=qzeros.shape[1] * 32 // bits)
@@ -124,7 +126,8 @@ def unpack_qzeros(qzeros, bits: int, version=1) -> np.ndarray:
 
 
 def act_order_g_idx(perm, group_size: int) -> np.ndarray:
-    """``g_idx`` for a GPTQ run that quantized input rows in the order ``perm``: ``g_idx[perm[i]] = i // G``."""
+    """``g_idx`` for a GPTQ run that quantized input rows in the order ``perm``:
+    ``g_idx[perm[i]] = i // G``."""
     perm = np.asarray(perm, dtype=np.int64)
     k = perm.shape[0]
     if not np.array_equal(np.sort(perm), np.arange(k)):
