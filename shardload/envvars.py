@@ -55,8 +55,9 @@ def env_number(
     # NaN compares false both ways, so it is refused here too
     if value is None or not low <= value <= high:
         turn_off = f", {' or '.join(sorted(off))} for none" if off else ""
+        span = f"of at least {low:g}" if high == float("inf") else f"from {low:g} to {high:g}"
         raise ValueError(
-            f"{name}={text!r} is not {what} from {low:g} to {high:g}; set one{turn_off}, or "
+            f"{name}={text!r} is not {what} {span}; set one{turn_off}, or "
             f"unset it for the default ({default})"
         )
     return value  # type: ignore[return-value]

@@ -71,11 +71,11 @@ class SharedOutputs:
                 waiting()
                 self._cond.wait(0.1)
             owner = cell is None
-            if owner:
+            if cell is None:
                 cell = self._cells[name] = _Cell()
         if owner:
             try:
-                cell.value = compute()
+                value = cell.value = compute()
             except BaseException:
                 cell.failed = True
                 raise
@@ -83,13 +83,13 @@ class SharedOutputs:
                 with self._cond:
                     cell.ready = True
                     self._cond.notify_all()
-            return cell.value, True
+            return value, True
         with self._cond:
             while not cell.ready:
                 self._check_stop()
                 waiting()
                 self._cond.wait(0.1)
-        if cell.failed:
+        if cell.failed or cell.value is None:  # (no value: it failed)
             raise Stopped()  # the owner reports the failure; this worker stops quietly
         return cell.value, False
 

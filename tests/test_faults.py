@@ -333,8 +333,8 @@ def test_a_bad_default_watchdog_is_bad_usage(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr
     assert _lines(proc.stderr) == [
-        "Error: SHARDLOAD_TIMEOUT='-3' is not a number of seconds: "
-        "set a positive number, or 0 (or off) for no watchdog"
+        "Error: SHARDLOAD_TIMEOUT='-3' is not a number of seconds of at least 0.001; set one, "
+        "0 or none or off for none, or unset it for the default (600.0)"
     ]
 
 

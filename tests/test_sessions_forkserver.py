@@ -63,7 +63,8 @@ def test_the_default_is_the_fork_server(monkeypatch):
     monkeypatch.setenv(START_ENV, "spawn")
     assert default_start_method() == "spawn"
     monkeypatch.setenv(START_ENV, "fork")
-    with pytest.raises(ValueError, match="SHARDLOAD_WORKER_START='fork'"):
+    message = "SHARDLOAD_WORKER_START='fork' is not one of 'forkserver', 'spawn'"
+    with pytest.raises(ValueError, match=message):
         default_start_method()
     with pytest.raises(ValueError, match="start_method='threads'"):
         ProcessSession(1, start_method="threads")

@@ -12,7 +12,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ContextManager, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,7 +30,7 @@ from .watchdog import (  # noqa: F401
 if TYPE_CHECKING:  # pragma: no cover
     from .groups import Group
 
-DeviceSpec = Union[str, torch.device, Sequence[str | torch.device]]
+DeviceSpec = str | torch.device | Sequence[str | torch.device]
 
 
 def resolve_devices(device: DeviceSpec, num_workers: int) -> list[torch.device]:
@@ -45,18 +45,18 @@ def resolve_devices(device: DeviceSpec, num_workers: int) -> list[torch.device]:
     problem = num_shards_problem(num_workers)
     if problem is not None:
         raise ValueError(f"num_workers {problem}")
-    if isinstance(device, (list, tuple)):
-        if len(device) != num_workers:
-            raise ValueError(
-                f"{len(device)} devices given for {num_workers} workers; give one per worker"
-            )
-        devices = [_device(d) for d in device]
-    else:
+    if isinstance(device, (str, torch.device)):
         dev = _device(device)
         if dev.type == "cuda" and dev.index is None:
             devices = [torch.device("cuda", i) for i in range(num_workers)]
         else:
             devices = [dev] * num_workers
+    else:
+        if len(device) != num_workers:
+            raise ValueError(
+                f"{len(device)} devices given for {num_workers} workers; give one per worker"
+            )
+        devices = [_device(d) for d in device]
     for d in devices:
         if d.type == "cuda":
             available = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -174,7 +174,7 @@ class WorkerContext:
 #: per-worker arguments: one sequence of positional args per worker run (in the order of
 #: ``workers``), or a function of the worker's index giving them (called only for the workers
 #: that run here)
-WorkerArgs = Union[Sequence[Sequence[Any]], Callable[[int], Sequence[Any]]]
+WorkerArgs = Sequence[Sequence[Any]] | Callable[[int], Sequence[Any]]
 ProgressCallback = Callable[[int], None]
 
 
@@ -253,7 +253,7 @@ class Session(abc.ABC):
         worker order. Args and results are JSON values or torch tensors."""
         return self.run(func_name, lambda i: args, context=f"in {func_name}")
 
-    def collective(self, what: str) -> ContextManager[None]:
+    def collective(self, what: str) -> contextlib.AbstractContextManager[None]:
         """A context in which a failure on any worker is reported on every worker.
 
         Only a session whose workers run the caller's code themselves (torch.distributed)
@@ -294,7 +294,7 @@ class Session(abc.ABC):
             raise ValueError(f"workers {workers} name a worker twice")
         return workers
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a session with nothing to stop keeps this one
         """Stop the workers. Idempotent."""
 
     def __enter__(self):

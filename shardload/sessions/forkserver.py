@@ -208,18 +208,31 @@ class ForkServer:
 
     # -- messages
 
-    def _handle(self, message: dict) -> dict | None:
-        """Record an exit; anything else is a reply for the caller."""
-        if message.get("op") == "exited":
-            self.exits[int(message["pid"])] = int(message["returncode"])
-            return None
-        return message
-
     def _died(self) -> None:
         self.dead = True
         # its socket closed as it exits: reap it (the exit completes within moments)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=1.0)
+
+    def _take(self, *, block: bool) -> dict | None:
+        """Take in one message (the caller holds the lock): an exit is recorded, the end of the
+        socket marks the server dead; returns any other message, a reply for a caller, else
+        None. ``BlockingIOError`` when not ``block`` and nothing is waiting."""
+        try:
+            message, fds = _recv(self.sock, block=block, size=REPLY_PACKET)
+        except BlockingIOError:
+            raise
+        except OSError:
+            message, fds = None, []
+        for fd in fds:
+            os.close(fd)
+        if message is None:
+            self._died()
+            return None
+        if message.get("op") == "exited":
+            self.exits[int(message["pid"])] = int(message["returncode"])
+            return None
+        return message
 
     def collect(self) -> None:
         """Take in every message waiting (exits), without blocking."""
@@ -228,17 +241,9 @@ class ForkServer:
         with self.lock:
             while not self.dead:
                 try:
-                    message, fds = _recv(self.sock, block=False, size=REPLY_PACKET)
+                    self._take(block=False)
                 except BlockingIOError:
                     return
-                except OSError:
-                    message, fds = None, []
-                for fd in fds:
-                    os.close(fd)
-                if message is None:
-                    self._died()
-                    return
-                self._handle(message)
 
     def wait_readable(self, timeout: float) -> None:
         if self.dead:
@@ -267,16 +272,7 @@ class ForkServer:
             ready, _, _ = select.select([self.sock], [], [], min(left, 0.1))
             if not ready:
                 continue
-            try:
-                message, fds = _recv(self.sock, size=REPLY_PACKET)
-            except OSError:
-                message, fds = None, []
-            for fd in fds:
-                os.close(fd)
-            if message is None:
-                self._died()
-                continue  # the next turn reports its exit code
-            reply = self._handle(message)
+            reply = self._take(block=True)  # at the server's end, the next turn reports it
             if reply is not None and reply.get("request") == request:
                 return reply
 
@@ -431,16 +427,17 @@ def _serve(sock: socket.socket) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through wake_w
     children: set[int] = set()
+    sock_fd = sock.fileno()  # select by descriptors: one type of thing to watch
     _send(sock, {"op": "ready", "pid": os.getpid()})
     try:
         while os.getppid() == parent:
-            ready, _, _ = select.select([sock, wake_r], [], [], WATCH_S)
+            ready, _, _ = select.select([sock_fd, wake_r], [], [], WATCH_S)
             if wake_r in ready:
                 with contextlib.suppress(OSError):
                     while os.read(wake_r, 512):
                         pass
             _reap(sock, children)
-            if sock in ready:
+            if sock_fd in ready:
                 message, fds = _recv(sock)
                 if message is None:
                     return  # the controller closed its end, or died

@@ -23,6 +23,7 @@ token) to all, ``barrier`` waits for every worker. Each session supplies its own
 from __future__ import annotations
 
 import threading
+from typing import NoReturn
 
 import torch
 
@@ -59,6 +60,13 @@ class ThreadGroup:
     def member(self, rank: int) -> ThreadMember:
         return ThreadMember(self, rank)
 
+    def slot(self, rank: int) -> torch.Tensor:
+        """What worker ``rank`` put in its slot before the barrier all just passed."""
+        tensor = self._slots[rank]
+        if tensor is None:  # every worker fills its slot before the barrier
+            raise RuntimeError(f"worker {rank} reached the barrier with its slot empty")
+        return tensor
+
     def wait(self) -> None:
         from .base import Stopped
 
@@ -86,9 +94,9 @@ class ThreadMember(Group):
         g = self._group
         g._slots[self.rank] = tensor.clone()
         g.wait()
-        total = g._slots[0].to(tensor.device, copy=True)
-        for other in g._slots[1:]:
-            total += other.to(tensor.device)
+        total = g.slot(0).to(tensor.device, copy=True)
+        for other in range(1, g.size):
+            total += g.slot(other).to(tensor.device)
         g.wait()  # nobody overwrites a slot another is still adding
         tensor.copy_(total)
         return tensor
@@ -98,7 +106,7 @@ class ThreadMember(Group):
         if self.rank == src:
             g._slots[src] = tensor.clone()
         g.wait()
-        tensor.copy_(g._slots[src].to(tensor.device))
+        tensor.copy_(g.slot(src).to(tensor.device))
         g.wait()
         return tensor
 
@@ -138,7 +146,7 @@ class NoGroup(Group):
     def __init__(self, rank: int, size: int, why: str):
         self.rank, self.size, self._why = rank, size, why
 
-    def _refuse(self):
+    def _refuse(self) -> NoReturn:
         from ..errors import ShardloadError
 
         raise ShardloadError(f"worker {self.rank} has no collectives: {self._why}")

@@ -48,10 +48,11 @@ import time
 import weakref
 from collections.abc import Iterable, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from ..envvars import env_choice
 from ..errors import ShardloadError, WorkerCrashedError, WorkerError, WorkerFailure
 from ..modules import import_modules, importable_module
 from . import forkserver, protocol
@@ -69,6 +70,9 @@ from .base import (
 )
 from .functions import get_session_func
 
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
 #: seconds a worker gets to exit after ``shutdown`` before it is terminated, then killed
 GRACE_S = 3.0
 #: seconds between the controller's checks for dead and stalled workers while it waits
@@ -82,10 +86,9 @@ START_METHODS = ("forkserver", "spawn")
 
 def default_start_method() -> str:
     """``$SHARDLOAD_WORKER_START`` if set, else ``"forkserver"`` on Linux, else ``"spawn"``."""
-    chosen = os.environ.get(START_ENV, "")
-    if chosen:
-        return _check_start_method(chosen, START_ENV)
-    return "forkserver" if sys.platform.startswith("linux") else "spawn"
+    default = "forkserver" if sys.platform.startswith("linux") else "spawn"
+    # then checked as an argument is: forkserver is for Linux only
+    return _check_start_method(env_choice(START_ENV, default, START_METHODS), START_ENV)
 
 
 def _check_start_method(method: Any, where: str = "start_method") -> str:
@@ -186,8 +189,9 @@ class ProcessSession(Session):
     answered) before the session gives up on it: ``WorkerError`` naming it and its parameter,
     and the session closed (its workers asked to exit, then terminated, then killed). Left
     out, the default watchdog (``DEFAULT_TIMEOUT_S``, 10 minutes, or ``$SHARDLOAD_TIMEOUT``);
-    ``None``, no watchdog. ``start_timeout`` bounds starting the workers. ``start_method``: ``"forkserver"`` (fork
-    each worker from an interpreter that has imported torch once: the default on Linux) or
+    ``None``, no watchdog. ``start_timeout`` bounds starting the workers. ``start_method``:
+    ``"forkserver"`` (fork each worker from an interpreter that has imported torch once: the
+    default on Linux) or
     ``"spawn"`` (a fresh interpreter per worker); default ``$SHARDLOAD_WORKER_START``, see the
     module's docstring.
 
@@ -214,10 +218,10 @@ class ProcessSession(Session):
         )
         self.timeout = session_timeout(timeout)
         # subprocess.Popen (spawn) or forkserver.ForkedProcess: the same few methods
-        self._procs: list[Any] = []
+        self._procs: list[subprocess.Popen[bytes] | forkserver.ForkedProcess] = []
         self._conns: list[Connection] = []
         self._closed = False
-        self._store = None
+        self._store: TCPStore | None = None  # the workers' rendezvous, if distributed
         self._grace = [GRACE_S]
         self._known: set[str] = set()  # session functions the workers are known to have
         # The backstop: runs at garbage collection or interpreter exit if close() never did.
@@ -240,10 +244,10 @@ class ProcessSession(Session):
             from torch.distributed import TCPStore
 
             backend = group_backend(self.devices)
-            self._store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+            store = self._store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
             dist = {
                 "host": "127.0.0.1",
-                "port": self._store.port,
+                "port": store.port,
                 "backend": backend,
                 "timeout_s": timeout,
             }
@@ -260,6 +264,7 @@ class ProcessSession(Session):
                 "SHARDLOAD_RANK": str(i),
                 "SHARDLOAD_WORLD_SIZE": str(self.num_workers),
             }
+            proc: subprocess.Popen[bytes] | forkserver.ForkedProcess
             try:
                 if server is not None:
                     proc = server.fork(
@@ -321,7 +326,8 @@ class ProcessSession(Session):
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while pending:
-                ready = wait(list(pending), timeout=POLL_S)
+                # wait() hands back the objects it was given: connections
+                ready = cast(list[Connection], wait(list(pending), timeout=POLL_S))
                 for conn in ready:
                     i = pending[conn]
                     try:
@@ -362,7 +368,8 @@ class ProcessSession(Session):
                         f"{context} within {timeout:.0f} s"
                     )
                 stalled = beats.stalled(watchdog)
-                if stalled:  # hung or stopped: nothing but a signal will end it
+                # hung or stopped: nothing but a signal will end it
+                if stalled and watchdog is not None:
                     # failures already in come first: a worker that raised is often why
                     # another waits for ever (a collective)
                     raise WorkerError(

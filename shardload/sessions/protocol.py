@@ -89,7 +89,7 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         return memoryview(b"")
     flat = tensor.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 def to_jsonable(value: Any) -> Any:

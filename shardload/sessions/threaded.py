@@ -14,6 +14,7 @@ caller with it, and nothing can report it. ``ProcessSession`` isolates such func
 
 from __future__ import annotations
 
+import functools
 import queue
 import sys
 import threading
@@ -97,8 +98,9 @@ class ThreadedSession(Session):
     ``timeout``: seconds a worker may go without progress (a parameter loaded, a call
     answered) before the session gives up on it: ``WorkerError`` naming the worker and its
     parameter, the other workers stopped, the session closed. Left out, the default watchdog
-    (``DEFAULT_TIMEOUT_S``, 10 minutes, or ``$SHARDLOAD_TIMEOUT``); ``None``, no watchdog. A stuck thread cannot be killed;
-    it is abandoned (a daemon thread: the interpreter can still exit).
+    (``DEFAULT_TIMEOUT_S``, 10 minutes, or ``$SHARDLOAD_TIMEOUT``); ``None``, no watchdog. A
+    stuck thread cannot be killed; it is abandoned (a daemon thread: the interpreter can still
+    exit).
 
     Threads share this process: a shard function that calls ``os._exit`` or crashes the
     interpreter ends the caller too. ``ProcessSession`` isolates untrusted shard functions.
@@ -177,7 +179,7 @@ class ThreadedSession(Session):
                 if self.devices[i].type == "cuda":
                     torch.cuda.set_device(self.devices[i])
                 results.put((i, True, fn(i)))
-            except BaseException as exc:  # reported to the caller, never lost in a thread
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller, never lost
                 results.put(
                     (
                         i,
@@ -196,14 +198,14 @@ class ThreadedSession(Session):
         try:
             # queued inside the try: a Ctrl-C between two puts still closes the session
             for i in workers:
-                self._threads[i].jobs.put(lambda i=i: on_worker(i))
+                self._threads[i].jobs.put(functools.partial(on_worker, i))
             while len(outcomes) < len(workers):
                 try:
                     i, ok, value = results.get(timeout=POLL_S)
                 except queue.Empty:
                     stalled = beats.stalled(timeout)
-                    if stalled:
-                        raise self._stalled(stalled, beats, timeout, context, outcomes)
+                    if stalled and timeout is not None:
+                        raise self._stalled(stalled, beats, timeout, context, outcomes) from None
                     continue
                 outcomes[i] = (ok, value)
                 beats.done(i)
@@ -280,7 +282,8 @@ class ThreadedSession(Session):
         frames = sys._current_frames()  # where each stuck thread is: its "remote" traceback
         failures = [f[1] for f in earlier]
         for i in stalled:
-            frame = frames.get(self._threads[i].thread.ident)
+            ident = self._threads[i].thread.ident  # None: never started
+            frame = frames.get(ident) if ident is not None else None
             stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
             failures.append(
                 WorkerFailure(

@@ -175,16 +175,16 @@ class TorchDistributedSession(Session):
             with peers.exchanging(what) if peers else contextlib.nullcontext():
                 return self._gather_bytes(json.dumps(value).encode())
         except Exception as exc:
-            named = self._who_went(what, exc) if peers else None
+            named = self._who_went(peers, what, exc) if peers else None
             if named is None:
                 raise
             self._lost = True
             raise named from exc
 
-    def _who_went(self, what: str, exc: Exception) -> ShardloadError | None:
-        """The error saying which rank went, after the exchange broke with ``exc``; None where
-        every rank is still there (the backend's own error stands)."""
-        gone = self._peers.gone()
+    def _who_went(self, peers: Peers, what: str, exc: Exception) -> ShardloadError | None:
+        """The error saying which rank went (``peers`` watched them), after the exchange broke
+        with ``exc``; None where every rank is still there (the backend's own error stands)."""
+        gone = peers.gone()
         if gone is None or (gone.store_lost and not gone.first):
             return ShardloadError(
                 f"{what}: the exchange between the ranks broke ({type(exc).__name__}) and the "
@@ -230,7 +230,7 @@ class TorchDistributedSession(Session):
             statuses = self._all_gather(status, what)
         except Exception:
             if local is not None:  # this rank's own failure is its answer, the rest context
-                raise local
+                raise local  # noqa: B904 - its own cause kept; the exchange's error its context
             raise
         failures = [
             WorkerFailure(r, s["exc_type"], s["message"], s["traceback"])
@@ -261,7 +261,7 @@ class TorchDistributedSession(Session):
         local: BaseException | None = None
         try:
             yield
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - every rank hears of it, then it is raised
             local, status = exc, self._failed(exc)
         self._outcome(status, local, what)
 
@@ -321,7 +321,7 @@ class TorchDistributedSession(Session):
                     value = get_session_func(func_name).func(self._ctx, *mine)
                 if not isinstance(value, torch.Tensor):
                     status["value"] = value
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - every rank hears of it, then it is raised
                 local, status = exc, self._failed(exc)
             finally:
                 stop.set()

@@ -5,8 +5,9 @@ importing torch."""
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
+
+from ..envvars import env_number
 
 __all__ = [
     "DEFAULT",
@@ -27,6 +28,9 @@ DEFAULT: Any = object()
 #: default. ``SHARDLOAD_TIMEOUT`` (seconds; ``0`` or ``off``: none) changes it for a process.
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "SHARDLOAD_TIMEOUT"
+#: the least watchdog ``$SHARDLOAD_TIMEOUT`` may set (any positive number would do; a float
+#: range needs a bound)
+_SMALLEST_S = 1e-3
 
 
 def default_timeout() -> float | None:
@@ -36,18 +40,16 @@ def default_timeout() -> float | None:
     >>> default_timeout()                                    # doctest: +SKIP
     600.0
     """
-    text = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT_S
-    if text.lower() in ("0", "off", "none"):
-        return None
-    try:
-        return check_timeout(float(text))
-    except ValueError:
-        raise ValueError(
-            f"{TIMEOUT_ENV}={text!r} is not a number of seconds: set a positive "
-            "number, or 0 (or off) for no watchdog"
-        ) from None
+    seconds = env_number(
+        TIMEOUT_ENV,
+        DEFAULT_TIMEOUT_S,
+        parse=float,
+        low=_SMALLEST_S,
+        high=math.inf,
+        what="a number of seconds",
+        off=("0", "off", "none"),
+    )
+    return check_timeout(seconds)  # refuses inf too
 
 
 def session_timeout(timeout: Any) -> float | None:

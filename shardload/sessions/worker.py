@@ -16,7 +16,10 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .base import WorkerContext
 
 # The controller decides what a Ctrl-C means; a terminal's SIGINT reaches the whole process
 # group, and N workers must not each print a KeyboardInterrupt traceback.
@@ -38,9 +41,16 @@ class Worker:
 
     def __init__(self, conn: Connection):
         self.conn = conn
-        self.ctx = None
+        self._ctx: WorkerContext | None = None
         self.dist = False
         self.exit_requested = False
+
+    @property
+    def ctx(self) -> WorkerContext:
+        """The worker's context, from the controller's ``init`` (its first request)."""
+        if self._ctx is None:
+            raise ValueError("a request before the worker was initialised (no 'init' yet)")
+        return self._ctx
 
     def serve(self) -> None:
         from . import protocol
@@ -72,7 +82,7 @@ class Worker:
                 protocol.send(self.conn, {"ok": True, **reply}, out)
             except _Aborted:
                 protocol.send(self.conn, {"ok": False, "aborted": True})
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - the controller reports it
                 from ..errors import describe
 
                 protocol.send(
@@ -102,7 +112,7 @@ class Worker:
         device = torch.device(message["device"])
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self.ctx = WorkerContext(message["rank"], message["world_size"], device)
+        ctx = self._ctx = WorkerContext(message["rank"], message["world_size"], device)
         import_modules(message["plugins"])
         dist = message.get("dist")
         if dist:
@@ -115,16 +125,16 @@ class Worker:
             td.init_process_group(
                 dist["backend"],
                 store=store,
-                rank=self.ctx.rank,
-                world_size=self.ctx.world_size,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
                 timeout=timeout,
             )
             self.dist = True
-            self.ctx.group = DistGroup(self.ctx.rank, self.ctx.world_size)
+            ctx.group = DistGroup(ctx.rank, ctx.world_size)
         else:
-            self.ctx.group = NoGroup(
-                self.ctx.rank,
-                self.ctx.world_size,
+            ctx.group = NoGroup(
+                ctx.rank,
+                ctx.world_size,
                 "its ProcessSession was opened with distributed=False",
             )
         return {"pid": os.getpid()}, None
