@@ -20,10 +20,11 @@ Two rules, applied by every reader, the plan loader and every config reader:
 Small side files (indexes, configs, plans) are read with a stated cap (``read_capped``), so a
 1.6 GB "index" is refused before it is read.
 
-A data file (a safetensors file, a GGUF, an MLC shard) is found (``data_lexists``,
-``data_names``) and mapped (``map_data``) through the ``Files`` in force: the file's own pages,
-or, while a checkpoint in object storage opens (``reading_from(readers.objects.ObjectFiles)``),
-an object's sparse mapping, whose bytes the reader asks for (``need``) before it parses them.
+A data file (a safetensors file, a GGUF, an MLC shard) is found (``Files.lexists``,
+``Files.glob``) and mapped (``Files.map_data``) through the ``Files`` its reader's open
+function is handed: this machine's (``LOCAL_FILES``: the file's own pages), or, for a
+checkpoint in object storage, ``readers.objects.ObjectFiles`` (an object's sparse mapping,
+whose bytes the reader asks for, ``need``, before it parses them).
 
 >>> check_member_name("model-00001-of-00002.safetensors", index="model.safetensors.index.json")
 >>> check_member_name("../etc/passwd", index="i.json")
@@ -34,8 +35,6 @@ shardload.errors.FormatError: i.json: names file '../etc/passwd', which has a '.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import errno
 import mmap
 import os
@@ -55,16 +54,11 @@ __all__ = [
     "Files",
     "MappedData",
     "check_member_name",
-    "data_at",
-    "data_lexists",
-    "data_names",
     "kind_of",
-    "map_data",
     "open_regular",
     "parse_json",
     "read_capped",
     "read_json",
-    "reading_from",
     "regular_file",
 ]
 
@@ -85,7 +79,7 @@ def check_member_name(name: object, *, index: PathLike, what: str = "names file"
         return FormatError(
             f"{what} {quote(name)}, which {why}; a checkpoint may only name "
             f"files by plain relative paths inside its own folder",
-            file=index,
+            file=str(index),
         )
 
     if not isinstance(name, str):
@@ -145,7 +139,7 @@ def _os_error(exc: OSError, what: str, error: ErrorFactory) -> Exception:
 
 
 def _format_error(path: PathLike) -> ErrorFactory:
-    return lambda msg: FormatError(msg, file=path)
+    return lambda msg: FormatError(msg, file=str(path))
 
 
 def regular_file(
@@ -256,15 +250,19 @@ class MappedData:
     map: mmap.mmap | None
     size: int
     stat: os.stat_result | None
-    need: Callable[[int, int], None]
+    need: Callable[[int, int], object]
     remote: Any = None
 
 
 class Files:
     """Where readers find a checkpoint's data files: this machine's file system. A checkpoint in
     object storage is read through another (``readers.objects.ObjectFiles``), made for its open
-    alone and in force only while it opens (``reading_from``): nothing is registered for the
-    process, and no file stands in for an object."""
+    alone and handed to the reader's open function: nothing is registered for the process, and
+    no file stands in for an object.
+
+    >>> LOCAL_FILES.lexists("/no/such/file")
+    False
+    """
 
     def lexists(self, path: PathLike) -> bool:
         """Whether a file of that name is there (by name: a dangling link is there)."""
@@ -285,54 +283,21 @@ class Files:
         (``sources.sparse.ObjectBytes``), or None for a file."""
         return None
 
-    def map_data(self, path: PathLike, what: str, error: ErrorFactory | None) -> MappedData:
+    def map_data(
+        self, path: PathLike, what: str = "the file", error: ErrorFactory | None = None
+    ) -> MappedData:
+        """The bytes of the data file at ``path``: a private copy-on-write mapping of the
+        regular file (``open_regular``; ACCESS_COPY: torch sees a writable buffer, and no write
+        through a tensor can reach the file)."""
         return _map_file(path, what, error)
 
 
+#: this machine's file system: where readers find data files unless handed others
 LOCAL_FILES = Files()
-_FILES: contextvars.ContextVar[Files] = contextvars.ContextVar(
-    "shardload_files", default=LOCAL_FILES
-)
-
-
-@contextlib.contextmanager
-def reading_from(files: Files):
-    """Readers opening a checkpoint in this block (this thread) find its data files in
-    ``files``."""
-    token = _FILES.set(files)
-    try:
-        yield files
-    finally:
-        _FILES.reset(token)
-
-
-def data_lexists(path: PathLike) -> bool:
-    """Whether the data file ``path`` is there (``Files.lexists`` of the files in force)."""
-    return _FILES.get().lexists(path)
-
-
-def data_names(folder: PathLike, suffix: str) -> list[str]:
-    """The data files in ``folder`` ending in ``suffix`` (``Files.glob``), sorted."""
-    return _FILES.get().glob(folder, suffix)
-
-
-def data_at(path: PathLike) -> Any:
-    """The object holding data file ``path``'s bytes where one does, else None."""
-    return _FILES.get().remote(path)
 
 
 def _nothing_to_fetch(begin: int, end: int) -> None:
     pass
-
-
-def map_data(
-    path: PathLike, what: str = "the file", error: ErrorFactory | None = None
-) -> MappedData:
-    """The bytes of the data file at ``path``, from the files in force (``reading_from``): a
-    private copy-on-write mapping of the regular file (``open_regular``; ACCESS_COPY: torch
-    sees a writable buffer, and no write through a tensor can reach the file), or an object's
-    sparse mapping."""
-    return _FILES.get().map_data(path, what, error)
 
 
 def _map_file(path: PathLike, what: str, error: ErrorFactory | None) -> MappedData:

@@ -27,7 +27,6 @@ Every kept piece owns its memory. Sessions know nothing of any of this: they run
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import tempfile
@@ -43,9 +42,9 @@ import torch
 from .errors import DEVICE_CUDA, PLUGINS, PlanError, SessionClosedError, ShardloadError, mention
 from .gc_pause import gc_paused
 from .modules import importable_module
-from .pieces import FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, local_load, wire
+from .pieces import FETCH_PIECE, LOAD_PIECES, RELEASE_LOADS, LoadRequest, local_load
 from .pieces.chains import cupy_missing
-from .pieces.stream import ObjectStream, stream_units
+from .pieces.stream import streams_for_load
 from .plan import ParamPlan, Plan, ShardInfo, ValidatedPlan
 from .readers import Checkpoint, as_checkpoint
 from .readplan import ReadPlan, build_read_plans, worker_functions
@@ -266,9 +265,9 @@ def _plugin_modules(chains: list[ParamPlan], remote: bool, source: str | None) -
                 )
                 raise mention(
                     PlanError(
-                        f"function {func.name!r} ({origin}) is registered in this process only, so "
-                        "worker processes cannot run it: define it at module level in an importable "
-                        f"module and pass that module as a plugin ({PLUGINS.python})",
+                        f"function {func.name!r} ({origin}) is registered in this process only, "
+                        "so worker processes cannot run it: define it at module level in an "
+                        f"importable module and pass that module as a plugin ({PLUGINS.python})",
                         source=source,
                         param=param.name,
                         step=step.index,
@@ -301,41 +300,6 @@ def _readable_elsewhere(ckpt: Checkpoint, remote: bool):
             yield spilled
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _object_streams(
-    source: Checkpoint, plans: dict[int, ReadPlan], here: set, stack: contextlib.ExitStack
-) -> tuple[dict[int, ReadPlan], list, dict]:
-    """The streams that fetch the bytes the workers read of objects in object storage
-    (``pieces.stream``): one for the workers in this process, into the checkpoint's own
-    mapping of each object, and one for those in other processes, into memory files they map;
-    each fetches the union of its workers' spans once, in their order, within the window.
-    Returns the read plans (those of other processes naming the memory files), the streams
-    (not started), and each worker's side: a ``Consumer`` here, a spec for the others."""
-    objects = source.object_bytes()
-    if not objects:
-        return plans, [], {}
-    streams, sides = [], {}
-    groups = ([i for i in plans if i in here], [i for i in plans if i not in here])
-    for shared, ranks in enumerate(groups):
-        if not ranks:
-            continue
-        into = objects
-        if shared:
-            sources, into = source.with_objects(objects)
-            stack.callback(lambda files=into: [f.close() for f in files.values()])
-            plans = {
-                i: dataclasses.replace(plan, sources=tuple(sources)) if i in ranks else plan
-                for i, plan in plans.items()
-            }
-        stream = ObjectStream(
-            into, stream_units([plans[i] for i in ranks]), len(ranks), shared=bool(shared)
-        )
-        stack.callback(stream.close)
-        streams.append(stream)
-        for slot, i in enumerate(ranks):
-            sides[i] = stream.spec(slot, plans[i]) if shared else stream.consumer(slot, plans[i])
-    return plans, streams, sides
 
 
 def _fetch_bar(
@@ -430,6 +394,36 @@ def _fetcher(session: Session, token: str, local: dict[int, dict[str, torch.Tens
     return fetch
 
 
+def _load_requests(
+    token: str,
+    plans: dict[int, ReadPlan],
+    here: set[int],
+    sides: dict[int, Any],
+    modules: list[str],
+    staged: Staging | None,
+) -> Callable[[int], list[dict]]:
+    """``load_pieces``'s arguments for each worker, as ``Session.run`` takes them: its
+    ``LoadRequest`` as JSON. A worker here takes its read plan and its side of the stream of
+    object bytes from the load itself (``LocalLoad``); one in another process gets both on the
+    wire. Made for every worker at once, before the load is timed (a large plan's JSON takes
+    long to make)."""
+    requests = {
+        i: LoadRequest(
+            token,
+            None if i in here else plan,
+            None if i in here else sides.get(i),
+            tuple(modules),
+            staged,
+        ).to_json()
+        for i, plan in plans.items()
+    }
+
+    def args(i: int) -> list[dict]:
+        return [requests[i]]
+
+    return args
+
+
 # ---- the entry point ---------------------------------------------------------------------------
 
 
@@ -476,14 +470,13 @@ def load_validated(
             )
             if reads is not None:
                 plans = {i: reads(plan) for i, plan in plans.items()}
-            plans, streams, sides = _object_streams(source, plans, set(here), stack)
-            # what travels to each worker process (``pieces.wire``); those here take theirs as is
-            sent = {i: wire.encode(plan) for i, plan in plans.items() if i not in here}
+            plans, streams, sides = streams_for_load(source, plans, set(here), stack)
             _release_dropped(session)
         token, local = stack.enter_context(local_load(source, len(here), n))
         local.start(
             {i: plans[i] for i in here}, {i: side for i, side in sides.items() if i in here}
         )
+        requests = _load_requests(token, plans, set(here), sides, modules, staged)
         shown = progress if session.reports else False
         # the bar's total: only a bar has one (a sum over every piece of every worker)
         total = sum(plan.nbytes for plan in plans.values()) if shown is True else 0
@@ -497,15 +490,7 @@ def load_validated(
         try:
             replies = session.run(  # 4.
                 LOAD_PIECES,
-                lambda i: [
-                    {
-                        "load": token,
-                        "plan": sent.get(i),
-                        "stream": None if i in local.plans else sides.get(i),
-                        "modules": modules,
-                        "staging": staged and staged.to_json(),
-                    }
-                ],
+                requests,
                 context=f"while loading {ckpt.source}",
                 timeout=timeout,
                 on_progress=advance,

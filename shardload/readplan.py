@@ -84,7 +84,8 @@ class Run(NamedTuple):
     source: int
     offset: int
     nbytes: int
-    count: int = 1
+    # shadows tuple.count, which no code calls on a run
+    count: int = 1  # type: ignore[assignment]
     stride: int = 0
     dst_offset: int = 0
     dst_stride: int = 0
@@ -92,6 +93,56 @@ class Run(NamedTuple):
     @property
     def total(self) -> int:
         return self.nbytes * self.count
+
+    @property
+    def step(self) -> int:
+        """Bytes from one block's start to the next's in the source: ``stride``, or ``nbytes``
+        where it is 0 (blocks back to back, as for ``dst_stride``)."""
+        return self.stride or self.nbytes
+
+    @property
+    def dst_step(self) -> int:
+        """``step`` in the piece: ``dst_stride``, or ``nbytes`` where it is 0."""
+        return self.dst_stride or self.nbytes
+
+    @property
+    def end(self) -> int:
+        """One past the last source byte the run copies.
+
+        >>> Run(0, 10, 4, count=3, stride=8).end, Run(0, 10, 4, count=3).end
+        (30, 22)
+        """
+        return self.offset + (self.count - 1) * self.step + self.nbytes
+
+    @property
+    def dst_end(self) -> int:
+        """One past the last byte of the piece the run writes."""
+        return self.dst_offset + (self.count - 1) * self.dst_step + self.nbytes
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The source byte spans the run copies, ``[(begin, end), ...]``: one where its blocks
+        lie back to back, else one per block.
+
+        >>> Run(0, 10, 4, count=2, stride=8).spans(), Run(0, 10, 4, count=2).spans()
+        ([(10, 14), (18, 22)], [(10, 18)])
+        """
+        step = self.step
+        if self.count == 1 or step == self.nbytes:
+            return [(self.offset, self.end)]
+        return [(a, a + self.nbytes) for a in range(self.offset, self.end, step)]
+
+    def check(self, source_len: int, dst_len: int, name: str) -> None:
+        """Every byte the run touches lies inside its source (``source_len`` bytes) and its
+        piece (``dst_len``); a ``ShardloadError`` naming parameter ``name`` otherwise."""
+        if min(self.offset, self.nbytes, self.stride, self.dst_offset, self.dst_stride) < 0 or (
+            self.count < 1
+        ):
+            raise ShardloadError(f"parameter {name!r}: malformed read run {self}")
+        if self.end > source_len or self.dst_end > dst_len:
+            raise ShardloadError(
+                f"parameter {name!r}: read run {self} lies outside its source "
+                f"({source_len} bytes) or its piece ({dst_len} bytes)"
+            )
 
     def to_json(self) -> list[int]:
         return list(self)
@@ -197,7 +248,7 @@ class Kind(NamedTuple):
 
     shape: tuple[int, ...]
     dtype: str
-    tails: tuple[tuple[int, tuple[int, int, int, int, int]], ...]
+    tails: tuple[tuple[int, tuple[int, ...]], ...]  # each tail: five numbers
     zeros: bool
     fixup: Fixup | None
     chain: Chain | None
@@ -296,12 +347,12 @@ class Pieces(Sequence[PieceRead]):
             runs = tuple([new(Run, (source, begin + offset) + tail) for offset, tail in tails])
         return new(PieceRead, (name, shape, dtype, runs, zeros, fixup, chain, shared))
 
-    def __getitem__(self, j):  # type: ignore[override]
+    def __getitem__(self, j):
         if isinstance(j, slice):
             return tuple(self[k] for k in range(*j.indices(len(self))))
         return self._make(
             self.names[j],
-            self.kinds[self.kind[j]],  # type: ignore[arg-type]
+            self.kinds[self.kind[j]],
             self.source[j],
             self.begin[j],
         )
@@ -334,8 +385,8 @@ class Pieces(Sequence[PieceRead]):
             self.kind[start:stop], self.source[start:stop], self.begin[start:stop]
         ):
             for offset, (nbytes, count, stride, _, _) in kinds[k].tails:  # type: ignore[union-attr]
-                first = begin + offset
-                out.append((source, first, first + (count - 1) * stride + nbytes))
+                run = Run(source, begin + offset, nbytes, count, stride)
+                out.append((source, run.offset, run.end))
         return out
 
 
@@ -383,7 +434,7 @@ class ReadPlan:
             int(data["rank"]),
             int(data["num_shards"]),
             tuple(data["sources"]),
-            tuple(PieceRead.from_json(p) for p in data["pieces"]),
+            Pieces.of(PieceRead.from_json(p) for p in data["pieces"]),
         )
 
     def describe(self) -> list[str]:
@@ -401,21 +452,8 @@ class ReadPlan:
 
 
 def check_run(run: Run, source_len: int, dst_len: int, name: str) -> None:
-    """Every byte a run touches lies inside its source and its destination."""
-    if (
-        min(run.offset, run.nbytes, run.count, run.stride, run.dst_offset, run.dst_stride) < 0
-        or run.count < 1
-    ):
-        raise ShardloadError(f"parameter {name!r}: malformed read run {run}")
-    last = run.count - 1
-    if (
-        run.offset + last * run.stride + run.nbytes > source_len
-        or run.dst_offset + last * run.dst_stride + run.nbytes > dst_len
-    ):
-        raise ShardloadError(
-            f"parameter {name!r}: read run {run} lies outside its source "
-            f"({source_len} bytes) or its piece ({dst_len} bytes)"
-        )
+    """Every byte a run touches lies inside its source and its destination (``Run.check``)."""
+    run.check(source_len, dst_len, name)
 
 
 def _describe_run(run: Run, sources: Sequence[dict]) -> str:
@@ -424,7 +462,7 @@ def _describe_run(run: Run, sources: Sequence[dict]) -> str:
     base = where.rsplit("/", 1)[-1]
     if run.count == 1:
         return f"{base}[{run.offset}:{run.offset + run.nbytes}]"
-    return f"{base}[{run.offset}:+{run.nbytes} x{run.count} every {run.stride}]"
+    return f"{base}[{run.offset}:+{run.nbytes} x{run.count} every {run.step}]"
 
 
 # ---- building ----------------------------------------------------------------------------------
@@ -602,9 +640,9 @@ def _template(validated: ValidatedPlan, param: ParamPlan, rank: int) -> Kind | N
         )
     step = param.steps[0] if param.steps else None
     func = param.funcs[0] if param.funcs else None
-    fixup = (
-        Fixup(func.name, tuple(step.extra)) if func is not None and func.fixup is not None else None
-    )
+    fixup = None
+    if func is not None and step is not None and func.fixup is not None:
+        fixup = Fixup(func.name, tuple(step.extra))
     return Kind(
         param.piece_shape,
         param.piece_dtype,

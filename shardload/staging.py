@@ -39,7 +39,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -378,7 +378,7 @@ class Pipeline:
 
     def piece(
         self,
-        sources: Sequence[torch.Tensor],
+        sources: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],
         runs: Sequence[Run],
         shape,
         dtype: str,
@@ -387,9 +387,10 @@ class Pipeline:
         fixup: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """A new tensor of ``shape``/``dtype`` on the device, filled by ``runs`` from
-        ``sources`` (1-D uint8 tensors: the mapped files) through the ring, zeros elsewhere if
-        ``zeros``; ``fixup(tensor)`` runs on the link after its copies. The copies may still be
-        in flight when this returns: ``fence`` or ``finish`` before reading it."""
+        ``sources`` (1-D uint8 tensors by source index: the mapped files) through the ring,
+        zeros elsewhere if ``zeros``; ``fixup(tensor)`` runs on the link after its copies. The
+        copies may still be in flight when this returns: ``fence`` or ``finish`` before reading
+        it."""
         out = (torch.zeros if zeros else torch.empty)(
             tuple(shape), dtype=dtypes.to_torch(dtype), device=self.device
         )

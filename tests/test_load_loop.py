@@ -6,6 +6,7 @@ together are released and read ahead in one call.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
@@ -29,6 +30,7 @@ from shardload.pieces import load as loop
 from shardload.pieces import wire
 from shardload.pieces.load import read_host
 from shardload.pieces.reads import SPAN_GAP_BYTES, Readahead, SourceViews, piece_spans
+from shardload.pieces.request import LoadRequest
 from shardload.readplan import (
     Chain,
     Fixup,
@@ -39,6 +41,7 @@ from shardload.readplan import (
     Run,
     build_read_plans,
 )
+from shardload.staging import Staging
 
 # (name, stored tensor, its plan's steps at N): row splits (one run), column splits (strided
 # runs), dtypes numpy lacks (viewed by torch), a scalar, padding and a fixup (the general path)
@@ -130,9 +133,9 @@ def test_the_inline_read_gives_what_the_general_read_gives(tmp_path, n):
             views = SourceViews(ckpt)
             general = []
 
-            def by_general(j, piece):
+            def by_general(j, piece, general=general, views=views, rank=plan.rank):
                 general.append(piece.name)
-                return read_host(piece, views, n, plan.rank)
+                return read_host(piece, views, n, rank)
 
             kept: dict = {}
             read, nbytes = loop._read_all(plan.pieces, kept, _Books(), views, by_general, True)
@@ -160,7 +163,7 @@ def test_the_inline_read_refuses_what_check_run_refuses(tmp_path):
             "negative": Run(0, -16, 16),
             "strided outside": Run(0, size - 40, 8, 2, 40, 0, 8),
         }
-        for what, run in bad.items():
+        for run in bad.values():
             piece = PieceRead("x", (4,), "float32", (run,))
             with pytest.raises(ShardloadError, match="parameter 'x'.*(outside|malformed)"):
                 loop._read_all(
@@ -190,7 +193,7 @@ def test_batches_are_reported_as_the_books_define_them(tmp_path):
     starts = [j for j, _ in books.reports]
     at = [p.name for p in plan.pieces].index("t100")
     assert starts[0] == 0 and at in starts
-    assert all(b - a <= loop.BOOKS_PIECES for a, b in zip(starts, starts[1:]))
+    assert all(b - a <= loop.BOOKS_PIECES for a, b in itertools.pairwise(starts))
     assert books.flushed[0] == len(plan.pieces)
     assert sum(nbytes for _, nbytes in books.reports) + books.flushed[1] == plan.nbytes
     assert all(torch.equal(kept[k], torch.from_numpy(v)) for k, v in arrays.items())
@@ -327,6 +330,24 @@ def test_a_read_plan_whose_parts_do_not_fit_is_refused(breaks):
     breaks(data)
     with pytest.raises(ValueError):
         wire.decode(data)
+
+
+def test_a_load_request_crosses_the_wire_unchanged_or_is_refused():
+    plan = ReadPlan(
+        1, 2, ({"file": "/m.safetensors"},), (PieceRead("a", (2,), "int32", (Run(0, 0, 8),)),)
+    )
+    request = LoadRequest("7-0", plan, {"slot": 1}, ("my_plugin",), Staging(buffers=2))
+    data = strict_json.loads(json.dumps(request.to_json(), allow_nan=False))
+    assert LoadRequest.from_json(data) == request
+    assert LoadRequest.from_json(LoadRequest("7-0").to_json()) == LoadRequest("7-0")
+    for key, value, says in [
+        ("load", 7, "naming its load by 7"),
+        ("modules", "my_plugin", "modules are 'my_plugin'"),
+        ("stream", [1], "stream is \\[1\\]"),
+        ("extra", 1, "with keys"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            LoadRequest.from_json({**data, key: value})
 
 
 # ---- spans close together ------------------------------------------------------------------------

@@ -370,7 +370,7 @@ def test_a_ranges_rule_that_disagrees_with_its_function_is_a_plan_error():
     assert err.value.param == "x" and err.value.step == 0
 
 
-# ---- checkpoints the real tools wrote -------------------------------------------------------------
+# ---- checkpoints the real tools wrote ----------------------------------------------------------
 
 
 def test_the_published_smollm2_gguf_padded_at_4_reads_its_own_units(smollm2):
@@ -411,3 +411,27 @@ def test_a_transformers_checkpoint_reads_equal_compute(tmp_path, n):
     with open_checkpoint(str(tmp_path)) as ckpt:
         plan = plan_for(ckpt, num_shards=n).bind(n)
         check_reads_equal_compute(ckpt, plan, {k: ckpt.read(k) for k in ckpt.names()})
+
+
+# ---- a run's arithmetic --------------------------------------------------------------------
+
+
+def test_a_run_of_blocks_back_to_back_is_checked_over_all_of_them():
+    # stride 0 (or dst_stride 0) means blocks back to back, as the copies read it; the bounds
+    # check once read it as one block, so a run reaching past its source or piece passed it
+    # and failed later in numpy or torch, not as the parameter's error
+    from shardload.errors import ShardloadError
+    from shardload.readplan import Run, check_run
+
+    back_to_back = Run(0, 0, 8, count=2)
+    assert (back_to_back.step, back_to_back.end, back_to_back.spans()) == (8, 16, [(0, 16)])
+    assert back_to_back.dst_end == 16
+    check_run(back_to_back, 16, 16, "w")
+    for source_len, dst_len in ((8, 16), (16, 8)):
+        with pytest.raises(ShardloadError, match="parameter 'w'.*outside"):
+            check_run(back_to_back, source_len, dst_len, "w")
+    strided = Run(0, 4, 2, count=3, stride=6, dst_offset=1, dst_stride=3)
+    assert (strided.end, strided.dst_end) == (18, 9)
+    assert strided.spans() == [(4, 6), (10, 12), (16, 18)]
+    with pytest.raises(ShardloadError, match="malformed"):
+        check_run(Run(0, 0, 8, count=0), 16, 16, "w")

@@ -34,6 +34,7 @@ The modules, one concern each:
   way here, ``local_load``; chains computed once through ``shardload.shared_outputs``);
 * ``load``: the session functions (``load_pieces``, ``fetch_piece``, ``release_loads``) and
   the per-piece work (``read_piece``);
+* ``request``: what the loader asks of each worker (``LoadRequest``, sent as JSON);
 * ``wire``: a read plan as the loader sends it to a worker process (compact JSON: its kinds
   of piece, then names and offsets in flat lists).
 
@@ -62,6 +63,7 @@ from .reads import (
     read_runs,
     source_bytes_for,
 )
+from .request import LoadRequest
 from .sharing import MAX_SHARED, LocalLoad, local_load
 
 __all__ = [
@@ -69,6 +71,7 @@ __all__ = [
     "LOAD_PIECES",
     "MAX_SHARED",
     "RELEASE_LOADS",
+    "LoadRequest",
     "LocalLoad",
     "PageReleases",
     "load_pieces",

@@ -19,8 +19,9 @@ import contextlib
 import math
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,12 +30,11 @@ from .. import dtypes
 from ..errors import annotate
 from ..gc_pause import gc_paused
 from ..readers.base import COPY_CHUNK_BYTES, Checkpoint, copy_progress
-from ..readplan import Kind, PieceRead, Pieces
+from ..readplan import Chain, Kind, PieceRead, Pieces, ReadPlan, Run
 from ..registry import get_shard_func, load_plugins
 from ..sessions import Stopped, WorkerContext, register_session_func
 from ..shared_outputs import SharedOutputs
 from ..staging import Pipeline, Staging
-from . import wire
 from .chains import run_steps
 from .reads import (
     CHECK_INTERVAL_S,
@@ -49,8 +49,9 @@ from .reads import (
     read_runs,
     source_bytes_for,
 )
-from .sharing import local_for
-from .stream import worker_side
+from .request import LoadRequest
+from .sharing import LocalLoad, local_for
+from .stream import Consumer, worker_side
 
 __all__ = [
     "FETCH_PIECE",
@@ -82,6 +83,8 @@ def _fixup(piece: PieceRead, num_shards: int, rank: int) -> Callable[[torch.Tens
         return None
     fixup = piece.fixup
     fix = get_shard_func(fixup.func).fixup
+    if fix is None:  # the plan was validated against the registry: not seen in a load
+        raise ValueError(f"parameter {piece.name!r}: shard function {fixup.func} has no fixup")
 
     def apply(tensor: torch.Tensor) -> None:
         try:
@@ -104,6 +107,9 @@ def read_piece(source: Checkpoint, piece: PieceRead, num_shards: int, rank: int)
 
 #: ``wait(unit, name)``: wait until a unit of the load's stream of object bytes is fetched
 WaitForUnit = Callable[[int, str], None]
+#: a piece streamed in parts: its runs by unit of the stream (``Consumer.parts``), and the wait
+#: before each part
+Streamed = tuple[list[tuple[int, list[Run]]], WaitForUnit]
 
 
 def read_host(
@@ -112,30 +118,33 @@ def read_host(
     num_shards: int,
     rank: int,
     waiting: Callable[[], None] | None = None,
-    parts=None,
-    wait: WaitForUnit | None = None,
+    streamed: Streamed | None = None,
 ) -> tuple[torch.Tensor, int]:
     """The one read of a piece without a chain into host memory: a new tensor that owns its
     memory, filled by the piece's runs and fixed up; and the checkpoint bytes copied. A load
     reads most pieces this way, so it is kept to the fewest calls.
 
-    ``parts``: the piece's runs by unit of a stream of object bytes (``Consumer.parts``), each
-    copied once ``wait(unit, name)`` returns, so that the copy of the first parts overlaps the
-    fetch of the rest. ``waiting``: called while a large copy goes on (``copy_progress``)."""
+    ``streamed``: the piece's parts, each copied once ``wait(unit, name)`` returns, so that
+    the copy of the first parts overlaps the fetch of the rest. ``waiting``: called while a
+    large copy goes on (``copy_progress``)."""
     tensor, dst = new_piece(piece.shape, piece.dtype, piece.zeros)
-    if parts is not None:
+    watched = contextlib.nullcontext() if waiting is None else copy_progress(waiting)
+    if streamed is not None:
+        parts, wait = streamed
         nread = 0
-        with copy_progress(waiting):
+        with watched:
             for unit, runs in parts:
                 wait(unit, piece.name)
                 nread += copy_runs(dst, runs, views, piece.name)
     elif waiting is not None and piece.nbytes > COPY_CHUNK_BYTES:
-        with copy_progress(waiting):  # a long copy reports progress too
+        with watched:  # a long copy reports progress too
             nread = copy_runs(dst, piece.runs, views, piece.name)
     else:
         nread = copy_runs(dst, piece.runs, views, piece.name)
     if piece.fixup is not None:
-        _fixup(piece, num_shards, rank)(tensor)
+        fix = _fixup(piece, num_shards, rank)
+        if fix is not None:
+            fix(tensor)
     return tensor, nread
 
 
@@ -153,28 +162,31 @@ class _Worker:
     shared: SharedOutputs | None
     waiting: Callable[[], None]
     stopped: Callable[[], bool]
-    views: SourceViews | None = None
+    views: SourceViews
 
-    def fill(
+    def stage(
         self,
-        runs,
-        shape,
+        pipe: Pipeline,
+        runs: Sequence[Run],
+        shape: tuple[int, ...],
         dtype: str,
         zeros: bool,
         name: str,
         fixup: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
+        """A new tensor on the device filled by ``runs`` through ``pipe``."""
+        sources = source_bytes_for(self.source, runs)
+        return pipe.piece(sources, runs, shape, dtype, zeros, name, fixup)
+
+    def fill(
+        self, runs: Sequence[Run], shape: tuple[int, ...], dtype: str, name: str
+    ) -> torch.Tensor:
         """A new tensor on the device (staged) or on the host (direct), filled by ``runs``: a
         chain's input, or a replicated piece staged once for the workers of a process; the
         load counts the bytes read (``count_read``) once it is done."""
         if self.pipe is None:
-            tensor = read_runs(self.source, runs, shape, dtype, zeros, name, self.views)
-            if fixup is not None:
-                fixup(tensor)
-            return tensor
-        return self.pipe.piece(
-            source_bytes_for(self.source, runs), runs, shape, dtype, zeros, name, fixup
-        )
+            return read_runs(self.source, runs, shape, dtype, False, name, self.views)
+        return self.stage(self.pipe, runs, shape, dtype, False, name)
 
     def share(self, name: str, make: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, bool]:
         """``make()``'s tensor, made once by the first worker of this process to ask and
@@ -202,47 +214,46 @@ def _piece(w: _Worker, piece: PieceRead) -> tuple[torch.Tensor, int]:
     copied device-to-device to the other workers; a chain's input is staged once per process
     and its steps run on that worker's device.
     """
-    chain = piece.chain
-    if chain is None and w.pipe is None:
+    chain, pipe = piece.chain, w.pipe
+    if chain is not None:
+        return _computed(w, piece, chain)
+    if pipe is None:
         tensor, nread = read_host(piece, w.views, w.num_shards, w.rank, w.waiting)
         if w.device.type == "cpu":
             return tensor, nread  # read_host made it: new, owned, contiguous
         return _place(tensor, w.device, owned=True), nread
-    if chain is None and not (piece.shared and w.shared is not None):
-        tensor = w.pipe.piece(
-            source_bytes_for(w.source, piece.runs),
-            piece.runs,
-            piece.shape,
-            piece.dtype,
-            piece.zeros,
-            piece.name,
-            _fixup(piece, w.num_shards, w.rank),
-        )
+    if not (piece.shared and w.shared is not None):
+        fixup = _fixup(piece, w.num_shards, w.rank)
+        tensor = w.stage(pipe, piece.runs, piece.shape, piece.dtype, piece.zeros, piece.name, fixup)
         return _place(tensor, w.device, owned=True), piece.bytes_read
 
-    if chain is None:  # staged, replicated, shared by several workers of this process
+    # staged, replicated, shared by several workers of this process
+    def stage() -> torch.Tensor:
+        tensor = w.fill(piece.runs, piece.shape, piece.dtype, piece.name)
+        # the others copy from it next, from their own threads onto their own devices: it
+        # must have landed, not merely be ordered on this worker's streams
+        pipe.finish()
+        return tensor
 
-        def stage() -> torch.Tensor:
-            tensor = w.fill(piece.runs, piece.shape, piece.dtype, False, piece.name)
-            # the others copy from it next, from their own threads onto their own devices:
-            # it must have landed, not merely be ordered on this worker's streams
-            w.pipe.finish()
-            return tensor
+    whole, made = w.share(piece.name, stage)
+    if made:
+        return whole, piece.bytes_read
+    return _place(whole, w.device, owned=False), 0
 
-        whole, made = w.share(piece.name, stage)
-        return (
-            whole if made else _place(whole, w.device, owned=False)
-        ), piece.bytes_read if made else 0
+
+def _computed(w: _Worker, piece: PieceRead, chain: Chain) -> tuple[torch.Tensor, int]:
+    """The worker's piece of a chain's output, the chain run once per process (``share``)."""
 
     def compute() -> torch.Tensor:
-        x = w.fill(piece.runs, chain.shape, chain.dtype, False, piece.name)
-        if w.pipe is not None:
-            w.pipe.fence()  # the steps run on the device, after the input's copies
+        pipe = w.pipe
+        x = w.fill(piece.runs, chain.shape, chain.dtype, piece.name)
+        if pipe is not None:
+            pipe.fence()  # the steps run on the device, after the input's copies
         elif w.device.type != "cpu":
             x = x.to(w.device)
         out = run_steps(chain.runnable(), x, piece.name)
-        if w.pipe is not None and w.shared is not None:
-            w.pipe.finish()  # as for a shared replicated tensor: landed before it is shared
+        if pipe is not None and w.shared is not None:
+            pipe.finish()  # as for a shared replicated tensor: landed before it is shared
         return out
 
     full, computed = w.share(piece.name, compute)
@@ -260,27 +271,110 @@ BOOKS_PIECES = 64
 TURN_POLL_S = 0.05
 
 
+# ---- where a worker runs: in the loader's process, or in a process of its own -------------------
+
+
+class _Environment:
+    """What a worker's load takes from where it runs: its read plan, its source and side of the
+    load's stream of object bytes, the read-ahead, what it shares with the workers of its
+    process, its turns; where its finished pages and its pieces go."""
+
+    plan: ReadPlan
+    source: Checkpoint
+    consumer: Consumer | None
+    readahead: Readahead
+    #: the chains and replicated tensors shared by the workers of this process (None: alone)
+    shared: SharedOutputs | None = None
+    #: the turns of the workers of CPU devices here (``LocalLoad.turns``; None: no turns)
+    turns: queue.SimpleQueue[int] | None = None
+
+    def __init__(self, ctx: WorkerContext):
+        self.ctx = ctx
+
+    def stopped(self) -> bool:
+        """Whether the load is stopping (the session asked, or another worker failed)."""
+        return self.ctx.should_stop()
+
+    def settle(self, pieces: Pieces, first: int, upto: int) -> None:
+        """Pieces ``first`` to ``upto`` (not included) are done with: their pages may go."""
+        raise NotImplementedError
+
+    def keep(self, load: str, kept: dict[str, torch.Tensor]) -> None:
+        """The worker's pieces of load ``load``, for the loader to return."""
+        raise NotImplementedError
+
+    def done(self) -> None:
+        """The worker read every piece."""
+
+
+class _InLoaderProcess(_Environment):
+    """A worker in the loader's process: its read plan, checkpoint, side of the stream, read-ahead
+    and page releases are the load's own (``LocalLoad``), shared with the other workers here,
+    and its pieces are left there."""
+
+    def __init__(self, ctx: WorkerContext, local: LocalLoad, stack: contextlib.ExitStack):
+        super().__init__(ctx)
+        self._local = local
+        self.plan = local.plans[ctx.rank]  # as the loader made it (no JSON)
+        self.source = local.ckpt
+        self.consumer = local.consumers.get(self.plan.rank)
+        if self.consumer is None:  # no stream of the loader's (a torchrun rank): its own, if any
+            _, self.consumer = worker_side(self.plan, None, self.source, stack)
+        if self.consumer is not None:
+            stack.callback(self.consumer.finish)  # done, failed or stopped: the stream moves on
+        self.readahead = local.readahead
+        self.shared = local.shared if local.num_local > 1 else None
+        self.turns = local.turns if ctx.device.type == "cpu" else None
+
+    def stopped(self) -> bool:
+        return self.ctx.should_stop() or self._local.stopped.is_set()
+
+    def settle(self, pieces: Pieces, first: int, upto: int) -> None:
+        self._local.finished(self.plan.rank, pieces.names[upto - 1])
+
+    def keep(self, load: str, kept: dict[str, torch.Tensor]) -> None:
+        self._local.shards[self.plan.rank] = kept  # the loader returns them itself
+
+
+class _InOwnProcess(_Environment):
+    """A worker process: its read plan came on the wire; it maps the files the plan names,
+    reads ahead and releases pages for itself, and keeps its pieces until the loader says their
+    result was dropped (``release_loads``)."""
+
+    def __init__(self, ctx: WorkerContext, request: LoadRequest, stack: contextlib.ExitStack):
+        super().__init__(ctx)
+        if request.plan is None:
+            raise ValueError(f"load {request.load!r} is not under way in this process")
+        self.plan = request.plan
+        self.source, self.consumer = worker_side(self.plan, request.stream, None, stack)
+        if self.consumer is not None:
+            stack.callback(self.consumer.finish)  # done, failed or stopped: the stream moves on
+        self._releases = PageReleases(self.source, num_shards=self.plan.num_shards)
+        self.readahead = Readahead(self.source, piece_spans(self.plan))
+        stack.callback(self.readahead.start().close)
+
+    def settle(self, pieces: Pieces, first: int, upto: int) -> None:
+        self._releases.add_spans(pieces.spans(first, upto))
+
+    def keep(self, load: str, kept: dict[str, torch.Tensor]) -> None:
+        self.ctx.values.setdefault(LOAD_PIECES, {})[load] = kept
+
+    def done(self) -> None:
+        self._releases.flush()
+
+
 class _Books:
     """A worker's bookkeeping around its pieces, done in batches (``BOOKS_BYTES``), and its
-    turns (``LocalLoad.turns``): a worker of a CPU device reads a batch of plain pieces while
-    holding one. The load loop counts a batch itself; here it is settled (``report``,
+    turns (``_Environment.turns``): a worker of a CPU device reads a batch of plain pieces
+    while holding one. The load loop counts a batch itself; here it is settled (``report``,
     ``flush``): the batch's pieces are the plan's from the last one settled up to the one the
     loop is at."""
 
-    def __init__(
-        self,
-        ctx: WorkerContext,
-        readahead: Readahead,
-        local,
-        releases: PageReleases,
-        stopped: Callable[[], bool],
-        pieces: Pieces,
-    ):
-        self._ctx, self._readahead, self._local, self._releases = ctx, readahead, local, releases
-        self._stopped = stopped
-        self._pieces = pieces
+    def __init__(self, env: _Environment):
+        self._env = env
+        self._pieces = env.plan.pieces
         self._first = 0  # the first piece not yet settled
-        self._turns = local.turns if local is not None and ctx.device.type == "cpu" else None
+        self._turns = env.turns
         self._turn: int | None = None
 
     def take_turn(self) -> None:
@@ -292,12 +386,12 @@ class _Books:
                 self._turn = self._turns.get(timeout=TURN_POLL_S)
                 return
             except queue.Empty:
-                if self._stopped():
+                if self._env.stopped():
                     raise Stopped() from None
-                self._ctx.progress()
+                self._env.ctx.progress()
 
     def give_turn(self) -> None:
-        if self._turn is not None:
+        if self._turns is not None and self._turn is not None:
             self._turns.put(self._turn)
             self._turn = None
 
@@ -305,12 +399,12 @@ class _Books:
         """Before piece ``j`` is read, where a batch starts (or the piece is large): the
         pieces before it (``nbytes``) settled, and ``j`` named. Stops here if the load is
         stopping."""
-        if self._stopped():
+        if self._env.stopped():
             raise Stopped()
         self.flush(j, nbytes)
         name = self._pieces.names[j]
-        self._readahead.reached(name)
-        self._ctx.progress(where=name)
+        self._env.readahead.reached(name)
+        self._env.ctx.progress(where=name)
 
     def flush(self, upto: int, nbytes: int) -> None:
         """Settle the pieces finished before piece ``upto`` (``nbytes``) since the last
@@ -320,11 +414,8 @@ class _Books:
         if upto <= first:
             return
         self._first = upto
-        if self._local is not None:
-            self._local.finished(self._ctx.rank, self._pieces.names[upto - 1])
-        else:
-            self._releases.add_spans(self._pieces.spans(first, upto))
-        self._ctx.progress(nbytes=nbytes)
+        self._env.settle(self._pieces, first, upto)
+        self._env.ctx.progress(nbytes=nbytes)
 
 
 def _read_all(
@@ -350,8 +441,9 @@ def _read_all(
     A batch (``_Books``) ends after ``BOOKS_PIECES`` pieces or ``BOOKS_BYTES`` bytes, and
     before a piece of ``BOOKS_BYTES`` or more."""
     # what the loop needs of each kind of piece, worked out once: (nbytes, numpy dtype, torch
-    # view or None, item size, the one run's fields after its offset or None, its offset)
-    inline = [None if kind is None else _inline(kind, plain) for kind in pieces.kinds]
+    # view or None, item size, the one run's fields after its offset or None, its offset);
+    # nothing for a kind this worker holds no piece of (never looked up)
+    inline = [() if kind is None else _inline(kind, plain) for kind in pieces.kinds]
     entries, refresh = views.entries, views.refresh
     monotonic, from_numpy, ndarray, uint8 = time.monotonic, torch.from_numpy, np.ndarray, np.uint8
     kept_bytes = 0
@@ -438,135 +530,142 @@ def _inline(kind: Kind, plain: bool) -> tuple:
     return (nbytes, carrier, dtypes.to_torch(kind.dtype) if view else None, size, kind.shape, run)
 
 
-@register_session_func(LOAD_PIECES)
-def load_pieces(ctx: WorkerContext, request: dict) -> dict:
-    """Carry out ``request["plan"]`` (a ``ReadPlan`` as ``wire.encode`` writes it) on this
-    worker.
+#: ``Consumer.at`` or ``Consumer.reach``: ``wait(j_or_unit, alive, stopped)``
+_Wait = Callable[[int, Callable[[], None], Callable[[], bool]], None]
 
-    ``request["load"]`` names the load (``request["plan"]`` is None for a worker in the
-    loader's process: its plan is the load's own, ``LocalLoad.plans``); ``request["stream"]``
-    is its side of the load's stream of object bytes (``stream.ObjectStream.spec``), for a
-    worker process; ``request["modules"]`` lists plugin modules that define shard functions
-    the plan computes with; ``request["staging"]`` (a ``Staging`` as JSON, or
-    absent) sends the pieces through the staged pipeline. The pieces become ``ctx.shards`` (the
-    worker's model); a worker outside the loader's process keeps them for ``fetch_piece`` until
-    ``release_loads``. Returns statistics.
-    """
-    start = time.perf_counter()
-    local = local_for(request["load"])
-    # a worker in the loader's process takes its read plan as the loader made it (no JSON)
-    if request["plan"] is None and local is not None:
-        plan = local.plans[ctx.rank]
-    else:
-        with gc_paused():  # a tuple per piece and run, all kept
-            plan = wire.decode(request["plan"])
-    load_plugins(request.get("modules", ()))
-    source = local.ckpt if local is not None else None
-    staging = request.get("staging")
-    kept: dict[str, torch.Tensor] = {}
 
-    def stopped() -> bool:
-        return ctx.should_stop() or (local is not None and local.stopped.is_set())
+class _Run:
+    """One worker's load under way: the general path of a piece (``general``), and the waits
+    for the bytes of the load's stream of object bytes, each without a turn another worker
+    needs. ``where`` is what the worker reports while it waits or copies at length: the piece
+    it is on, as the watchdog names it."""
 
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(gc_paused())  # a piece is a tensor the collector would walk
-        if local is not None and plan.rank in local.consumers:
-            consumer = local.consumers[plan.rank]
-        else:
-            source, consumer = worker_side(plan, request.get("stream"), source, stack)
-        if consumer is not None:
-            stack.callback(consumer.finish)  # done, failed or stopped: the stream moves on
-        if local is not None:
-            releases, readahead = local.releases, local.readahead
-        else:
-            releases = PageReleases(source, num_shards=plan.num_shards)
-            readahead = Readahead(source, piece_spans(plan))
-            stack.callback(readahead.start().close)
-        current = [None]
-        waiting = lambda: ctx.progress(where=current[0])  # noqa: E731
-        pipe = None
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        env: _Environment,
+        staging: Staging | None,
+        stack: contextlib.ExitStack,
+    ):
+        self.ctx, self.env = ctx, env
+        self.where: str | None = None
+        self.pipe: Pipeline | None = None
         if staging is not None:
-            pipe = stack.enter_context(
-                Pipeline(ctx.device, Staging.from_json(staging), stopped, waiting)
+            self.pipe = stack.enter_context(
+                Pipeline(ctx.device, staging, env.stopped, self.waiting)
             )
-        shared = local.shared if local is not None and local.num_local > 1 else None
-        worker = _Worker(
-            source,
+        plan = env.plan
+        self.worker = _Worker(
+            env.source,
             plan.num_shards,
             plan.rank,
-            ctx.device,
-            pipe,
-            shared,
-            waiting,
-            stopped,
-            SourceViews(source),
+            self.ctx.device,
+            self.pipe,
+            env.shared,
+            self.waiting,
+            env.stopped,
+            SourceViews(env.source),
         )
-        books = _Books(ctx, readahead, local, releases, stopped, plan.pieces)
-        stack.callback(books.give_turn)
-        direct_cpu = pipe is None and ctx.device.type == "cpu"
-        views = worker.views
+        self.books = _Books(env)
+        stack.callback(self.books.give_turn)
+        self.direct_cpu = self.pipe is None and self.ctx.device.type == "cpu"
 
-        def wait_for_unit(unit: int, name: str) -> None:
-            """Before each part of a piece streamed in parts: past the units before it, and
-            its bytes fetched (waiting, if need be, without a turn another worker needs)."""
-            if consumer.fetched(unit):
-                consumer.reach(unit, waiting, stopped)
-                return
-            books.give_turn()
-            current[0] = f"{name} (waiting for its bytes from object storage)"
-            consumer.reach(unit, waiting, stopped)
-            current[0] = name
+    def waiting(self) -> None:
+        self.ctx.progress(where=self.where)
+
+    def _wait_for_bytes(self, name: str, ready: bool, wait: _Wait, at: int) -> None:
+        """``wait(at, ...)`` (``Consumer.at`` or ``reach``) for bytes of piece ``name`` from
+        object storage; where they are not there yet (not ``ready``), without the turn
+        (another worker may need it) and named as waiting for them."""
+        if ready:
+            wait(at, self.waiting, self.env.stopped)
+            return
+        self.books.give_turn()
+        self.where = f"{name} (waiting for its bytes from object storage)"
+        wait(at, self.waiting, self.env.stopped)
+        self.where = name
+
+    def wait_for_unit(self, unit: int, name: str) -> None:
+        """Before each part of a piece streamed in parts: past the units before it, and its
+        bytes fetched; then the turn again."""
+        consumer = self.env.consumer
+        if consumer is None:  # only a streamed piece has parts
+            return
+        self._wait_for_bytes(name, consumer.fetched(unit), consumer.reach, unit)
+        self.books.take_turn()
+
+    def general(self, j: int, piece: PieceRead) -> tuple[torch.Tensor, int]:
+        """Piece ``j`` by the general path: streamed, staged, computed, or read by
+        ``read_host``."""
+        self.where = piece.name
+        consumer, books = self.env.consumer, self.books
+        direct = self.direct_cpu and piece.chain is None
+        parts = consumer.parts(j, piece) if consumer is not None and direct else None
+        if consumer is not None and parts is None:
+            self._wait_for_bytes(piece.name, consumer.ready(j), consumer.at, j)
+        if direct:
+            # read straight into its own new tensor, holding a turn (no waiting on other
+            # workers while holding it)
             books.take_turn()
+            plan = self.env.plan
+            streamed = None if parts is None else (parts, self.wait_for_unit)
+            return read_host(
+                piece, self.worker.views, plan.num_shards, plan.rank, self.waiting, streamed
+            )
+        books.give_turn()
+        self.ctx.progress(where=piece.name)  # may wait on others or compute long: named
+        # a long copy or computation reports progress too, so it is not taken for a hang
+        with copy_progress(self.waiting):
+            return _piece(self.worker, piece)
 
-        def general(j: int, piece: PieceRead) -> tuple[torch.Tensor, int]:
-            """Piece ``j`` by the general path: streamed, staged, computed, or read by
-            ``read_host``."""
-            current[0] = piece.name
-            direct = direct_cpu and piece.chain is None
-            parts = consumer.parts(j, piece) if consumer is not None and direct else None
-            if consumer is not None and parts is None:
-                if not consumer.ready(j):
-                    books.give_turn()  # never wait for bytes holding a turn another needs
-                    current[0] = f"{piece.name} (waiting for its bytes from object storage)"
-                consumer.at(j, waiting, stopped)
-                current[0] = piece.name
-            if direct:
-                # read straight into its own new tensor, holding a turn (no waiting on other
-                # workers while holding it)
-                books.take_turn()
-                return read_host(
-                    piece, views, plan.num_shards, plan.rank, waiting, parts, wait_for_unit
-                )
-            books.give_turn()
-            ctx.progress(where=piece.name)  # may wait on others or compute long: named
-            # a long copy or computation reports progress too, so it is not taken for a hang
-            with copy_progress(waiting):
-                return _piece(worker, piece)
 
-        read, kept_bytes = _read_all(
-            plan.pieces, kept, books, views, general, plain=direct_cpu and consumer is None
+@register_session_func(LOAD_PIECES)
+def load_pieces(ctx: WorkerContext, request: dict) -> dict:
+    """Carry out the ``LoadRequest`` ``request`` (as JSON, ``LoadRequest.to_json``) on this
+    worker: its read plan, the load's own for a worker in the loader's process (``LocalLoad``),
+    else the one the request carries.
+
+    The pieces become ``ctx.shards`` (the worker's model); a worker outside the loader's
+    process keeps them for ``fetch_piece`` until ``release_loads``. Returns statistics.
+    """
+    start = time.perf_counter()
+    asked = LoadRequest.from_json(request)
+    load_plugins(asked.modules)
+    local = local_for(asked.load)
+    kept: dict[str, torch.Tensor] = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(gc_paused())  # a piece is a tensor the collector would walk
+        env: _Environment = (
+            _InOwnProcess(ctx, asked, stack)
+            if local is None
+            else _InLoaderProcess(ctx, local, stack)
         )
-        worker.views.check()  # no file changed under the load
-        count_read(source, nbytes=read)  # once: a count per piece contended for a lock
-        if pipe is not None:
-            pipe.finish()  # every copy landed before the load is reported done
-        if local is None:
-            releases.flush()
+        run = _Run(ctx, env, asked.staging, stack)
+        read, kept_bytes = _read_all(
+            env.plan.pieces,
+            kept,
+            run.books,
+            run.worker.views,
+            run.general,
+            plain=run.direct_cpu and env.consumer is None,
+        )
+        run.worker.views.check()  # no file changed under the load
+        count_read(env.source, nbytes=read)  # once: a count per piece contended for a lock
+        if run.pipe is not None:
+            run.pipe.finish()  # every copy landed before the load is reported done
+        env.done()
     ctx.shards = kept  # the latest load is the worker's model, for session functions
-    if local is not None:
-        local.shards[plan.rank] = kept  # the loader returns them itself
-    else:  # kept here until the loader says its result was dropped (release_loads)
-        ctx.values.setdefault(LOAD_PIECES, {})[request["load"]] = kept
-    reply = {
+    env.keep(asked.load, kept)
+    reply: dict[str, Any] = {
         "bytes": kept_bytes,
         "tensors": len(kept),
         "bytes_read": read,
         "seconds": time.perf_counter() - start,
     }
-    if consumer is not None:
-        reply["seconds_waiting_for_objects"] = consumer.waited
-    if pipe is not None:
-        reply["staging"] = pipe.stats.as_dict()
+    if env.consumer is not None:
+        reply["seconds_waiting_for_objects"] = env.consumer.waited
+    if run.pipe is not None:
+        reply["staging"] = run.pipe.stats.as_dict()
     return reply
 
 

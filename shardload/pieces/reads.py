@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import cast
 
 import numpy as np
 import torch
 
 from .. import dtypes
 from ..readers.base import Checkpoint
-from ..readplan import ReadPlan, Run, check_run
+from ..readplan import ReadPlan, Run
 
 __all__ = [
     "CHECK_INTERVAL_S",
@@ -69,12 +70,12 @@ def _copy_run(dst: torch.Tensor, src: torch.Tensor, run: Run) -> None:
     # as_strided counts offsets from the start of the storage, not of the view
     s = src.as_strided(
         (run.count, run.nbytes, 1),
-        (run.stride or run.nbytes, 1, 1),
+        (run.step, 1, 1),
         src.storage_offset() + run.offset,
     )
     d = dst.as_strided(
         (run.count, run.nbytes, 1),
-        (run.dst_stride or run.nbytes, 1, 1),
+        (run.dst_step, 1, 1),
         dst.storage_offset() + run.dst_offset,
     )
     copy_blocks(d, s)
@@ -122,7 +123,8 @@ def new_piece(shape, dtype: str, zeros: bool) -> tuple[torch.Tensor, np.ndarray]
     per call handed the GIL from thread to thread at every piece, which cost more than the
     pieces' own copies."""
     carrier, view = dtypes.numpy_carrier(dtype)
-    array = (np.zeros if zeros else np.empty)(shape, carrier)
+    # numpy_carrier's dtype is typed ``object`` in dtypes.py; it is a numpy dtype
+    array = (np.zeros if zeros else np.empty)(shape, cast("np.dtype", carrier))
     tensor = torch.from_numpy(array)
     if view:
         tensor = tensor.view(dtypes.to_torch(dtype))
@@ -134,9 +136,9 @@ def copy_runs(dst: np.ndarray, runs, views: SourceViews, name: str) -> int:
     the bounds of its source and of ``dst`` first; the bytes copied."""
     total = 0
     for run in runs:
-        total += run.nbytes * run.count
+        total += run.total
         src_t, src = views.get(run.source)
-        check_run(run, src.shape[0], dst.shape[0], name)
+        run.check(src.shape[0], dst.shape[0], name)
         if run.total > SMALL_RUN_BYTES:
             _copy_run(torch.from_numpy(dst), src_t, run)
         elif run.count == 1:
@@ -149,10 +151,8 @@ def copy_runs(dst: np.ndarray, runs, views: SourceViews, name: str) -> int:
                 np.uint8,
                 dst,
                 run.dst_offset,
-                (run.dst_stride or run.nbytes, 1),
-            )[...] = np.ndarray(
-                (run.count, run.nbytes), np.uint8, src, run.offset, (run.stride or run.nbytes, 1)
-            )
+                (run.dst_step, 1),
+            )[...] = np.ndarray((run.count, run.nbytes), np.uint8, src, run.offset, (run.step, 1))
     return total
 
 
@@ -370,7 +370,7 @@ def piece_spans(plan: ReadPlan) -> list[tuple[str, int, int, int]]:
         else (
             min(offset for offset, _ in kind.tails),
             max(
-                offset + (count - 1) * stride + nbytes
+                Run(0, offset, nbytes, count, stride).end
                 for offset, (nbytes, count, stride, _, _) in kind.tails
             ),
         )

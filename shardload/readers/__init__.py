@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ..files import LOCAL_FILES, Files
 from .base import Checkpoint, TensorMeta
 from .memory import ArrayCheckpoint
 
@@ -42,12 +43,13 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if is_object_url(path):
         from .objects import open_object_checkpoint
 
-        return open_object_checkpoint(path, open_local_checkpoint)
+        return open_object_checkpoint(os.fspath(path), open_local_checkpoint)
     return open_local_checkpoint(path)
 
 
-def open_local_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """``open_checkpoint`` of a path on this machine."""
+def open_local_checkpoint(path: str | os.PathLike, files: Files = LOCAL_FILES) -> Checkpoint:
+    """``open_checkpoint`` of a path on this machine, its data files found in ``files``
+    (``readers.objects`` hands the ``ObjectFiles`` of a checkpoint in object storage)."""
     from .hub_cache import resolve_snapshot
 
     path = resolve_snapshot(os.fspath(path))
@@ -56,17 +58,17 @@ def open_local_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if path.endswith(".gguf"):
         from .gguf import open_gguf
 
-        return open_gguf(path)
+        return open_gguf(path, files)
     if os.path.isdir(path) and any(
         os.path.lexists(os.path.join(path, name))
         for name in ("tensor-cache.json", "ndarray-cache.json")
     ):
         from .mlc import open_mlc
 
-        return open_mlc(path)
+        return open_mlc(path, files)
     from .safetensors import open_safetensors
 
-    return open_safetensors(path)
+    return open_safetensors(path, files)
 
 
 def as_checkpoint(params: Any) -> Checkpoint:

@@ -86,8 +86,9 @@ class TensorMeta:
         sets each field through ``object.__setattr__`` (about 1 us a tensor, 0.1 s of opening
         DeepSeek-V3's 92k); here each slot is set by its own descriptor, in a third of that."""
         made = list(map(object.__new__, repeat(cls, len(names := list(names)))))
-        for field, values in ((cls.name, names), (cls.shape, shapes), (cls.dtype, dtypes)):
-            deque(map(field.__set__, made, values), maxlen=0)  # type: ignore[attr-defined]
+        slots = vars(cls)  # each field's slot descriptor
+        for field, values in (("name", names), ("shape", shapes), ("dtype", dtypes)):
+            deque(map(slots[field].__set__, made, values), maxlen=0)
         return made
 
     @property
@@ -172,8 +173,7 @@ class Checkpoint(abc.ABC):
     def locate(self, name: str) -> tuple[int, int, int]:
         """``(source, begin, end)``: the tensor's bytes, in C order, within source ``source``."""
         meta = self.meta(name)
-        index = self._source_index().get(name)
-        return index, 0, meta.nbytes
+        return self._source_index()[name], 0, meta.nbytes
 
     def locate_all(self, names: Iterable[str]) -> list[tuple[int, int]]:
         """``(source, begin)`` of each tensor of ``names`` (``locate``'s first two, for a read
@@ -202,10 +202,10 @@ class Checkpoint(abc.ABC):
         """
         return None
 
-    def release_bytes(self, index: int, begin: int, end: int) -> None:
+    def release_bytes(self, index: int, begin: int, end: int) -> None:  # noqa: B027 - an optional hook
         """A hint that bytes ``[begin, end)`` of source ``index`` are not needed here soon."""
 
-    def prefetch_bytes(self, index: int, begin: int, end: int) -> None:
+    def prefetch_bytes(self, index: int, begin: int, end: int) -> None:  # noqa: B027 - an optional hook
         """A hint that bytes ``[begin, end)`` of source ``index`` will be read soon (a file's
         reader asks the kernel to start reading them into the page cache)."""
 
@@ -226,7 +226,7 @@ class Checkpoint(abc.ABC):
             cached = self._source_indices = {n: k for k, n in enumerate(self.metadata())}
         return cached
 
-    def release(self, name: str) -> None:
+    def release(self, name: str) -> None:  # noqa: B027 - an optional hook
         """A hint that this process will not read ``name`` again soon: readers backed by
         mapped files give its pages back (the loader calls it once every worker here has its
         piece)."""
@@ -270,7 +270,7 @@ class Checkpoint(abc.ABC):
             return remote if rel == "." else path
         return remote.rstrip("/") + "/" + rel.replace(os.sep, "/")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook
         """Release files and mappings. Tensors already returned stay valid."""
 
     def __contains__(self, name: object) -> bool:

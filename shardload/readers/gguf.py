@@ -63,7 +63,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from gguf import (
@@ -77,11 +77,14 @@ from gguf import (
 from .. import dtypes
 from ..dtypes import shape_problem
 from ..errors import FormatError, quote
-from ..files import MappedData, data_lexists, map_data
+from ..files import LOCAL_FILES, Files, MappedData
 from ..limits import MAX_DIM
 from ..strict_json import gc_paused
 from .base import TensorMeta
 from .mapped import MappedCheckpoint, unmap
+
+if TYPE_CHECKING:
+    from ..sources.sparse import ObjectBytes
 
 __all__ = ["CONFIG_MAX_ARRAY", "SUPPORTED_VERSIONS", "GGUFCheckpoint", "open_gguf"]
 
@@ -185,7 +188,7 @@ class _Parser:
 
     def fail(self, msg: str, *, redo: bool = True) -> FormatError:
         return FormatError(
-            f"{msg}{'; ' + _REDO if redo else ''}", file=self.path, tensor=self.tensor
+            f"{msg}{'; ' + _REDO if redo else ''}", file=str(self.path), tensor=self.tensor
         )
 
     def need(self, n: int, what: str) -> None:
@@ -415,8 +418,10 @@ def _check_tensors(path: Path, header: _Header, size: int) -> list[tuple[TensorM
     placed = []
     for info in header.infos:
 
-        def bad(msg: str, redo: bool = True) -> FormatError:
-            return FormatError(f"{msg}{'; ' + _REDO if redo else ''}", file=path, tensor=info.name)
+        def bad(msg: str, redo: bool = True, tensor: str = info.name) -> FormatError:
+            return FormatError(
+                f"{msg}{'; ' + _REDO if redo else ''}", file=str(path), tensor=tensor
+            )
 
         block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
         kind = info.ggml_type.name
@@ -482,7 +487,7 @@ def _check_data_region(
                 f"data [{begin}, {end}) overlaps tensor {quote(prev)} (which ends "
                 f"at {cursor}); every byte belongs to one tensor. The header is "
                 f"corrupt; {_REDO}",
-                file=path,
+                file=str(path),
                 tensor=meta.name,
             )
         if begin - cursor >= align:
@@ -496,7 +501,7 @@ def _check_data_region(
                 f"{cursor}), leaving them unclaimed; writers pad only up to the "
                 f"alignment ({align}), so the offsets or the tensor count are "
                 f"wrong. The header is corrupt; {_REDO}",
-                file=path,
+                file=str(path),
                 tensor=meta.name,
             )
         cursor, prev = end, meta.name
@@ -507,7 +512,7 @@ def _check_data_region(
             f"belong to no tensor; writers pad only up to the alignment ({align}), "
             f"so the tensor count is too small, or the file was appended to. The "
             f"header is corrupt; {_REDO}",
-            file=path,
+            file=str(path),
         )
 
 
@@ -515,8 +520,9 @@ def _check_data_region(
 # the checkpoint
 
 
-def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
-    """Open a ``.gguf`` file lazily. The header is validated before this returns
+def open_gguf(path: str | os.PathLike, files: Files = LOCAL_FILES) -> GGUFCheckpoint:
+    """Open a ``.gguf`` file lazily, found in ``files`` (this machine's, or a checkpoint's
+    in object storage). The header is validated before this returns
     (``FormatError`` otherwise); no tensor data is read.
 
     >>> ckpt = open_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")          # doctest: +SKIP
@@ -526,19 +532,21 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     {'ggml_type': 'Q4_1', 'block_size': 32, 'type_size': 20, 'ne': [576, 576]}
     """
     p = Path(path)
-    if not data_lexists(p):
-        raise FormatError("no such file", file=p)
+    if not files.lexists(p):
+        raise FormatError("no such file", file=str(p))
     if p.is_dir():
-        raise FormatError("not a file; pass the path of a .gguf file", file=p)
-    data = map_data(p, "the GGUF file")
+        raise FormatError("not a file; pass the path of a .gguf file", file=str(p))
+    data = files.map_data(p, "the GGUF file", None)
     mapped, size = data.map, data.size
     try:
-        if size == 0:
-            raise FormatError(f"file is empty: it is truncated or not a GGUF file; {_REDO}", file=p)
+        if size == 0 or mapped is None:  # (only an empty file has no mapping)
+            raise FormatError(
+                f"file is empty: it is truncated or not a GGUF file; {_REDO}", file=str(p)
+            )
         with gc_paused():  # see gc_paused: a header of many tensors must open in time linear in it
             header = _parse_header(p, data)
             tensors = _check_tensors(p, header, size)
-            return GGUFCheckpoint(str(path), mapped, header, tensors, data.stat)
+            return GGUFCheckpoint(str(path), mapped, header, tensors, data.stat, data.remote)
     except BaseException:
         unmap(mapped)
         raise
@@ -568,7 +576,7 @@ def _parse_header(p: Path, data: MappedData) -> _Header:
                     f"{MAX_FETCHED_HEADER}-byte limit on a header fetched from "
                     f"object storage: the header is corrupt or hostile (nothing "
                     f"past the limit was fetched)",
-                    file=p,
+                    file=str(p),
                 ) from None
             avail = min(data.size, max(2 * avail, more.end))
 
@@ -591,6 +599,7 @@ class GGUFCheckpoint(MappedCheckpoint):
         header: _Header,
         tensors: list[tuple[TensorMeta, int, int]],
         stat: os.stat_result | None = None,
+        remote: ObjectBytes | None = None,
     ):
         # tensor offsets count from the start of the file (header.data_start included)
         super().__init__(
@@ -599,6 +608,7 @@ class GGUFCheckpoint(MappedCheckpoint):
             [mapped],
             ((meta, 0, begin, end) for meta, begin, end in tensors),
             stats=[stat],
+            remote=[remote],
         )
         self.path = os.path.abspath(source)
         self.version: int = header.version
@@ -695,7 +705,7 @@ class GGUFCheckpoint(MappedCheckpoint):
         ``config`` (built now if it was not yet)."""
         try:
             if self._config is None and self._bytes is not None:
-                self.config
+                _ = self.config  # built while the bytes are still mapped
         except (ValueError, FormatError):
             pass  # closed by another thread meanwhile, or the file changed: no config then
         with self._lock:
@@ -710,20 +720,23 @@ def _decode(buf: np.ndarray, kv: _KV) -> Any:
     if kv.vtype == GGUFValueType.ARRAY:
         if kv.subtype == GGUFValueType.STRING:
             return _strings(buf, kv.offset, kv.count)
+        if kv.subtype is None:
+            raise ValueError(f"GGUF key {kv.key!r}: an array without an element type")
         _, np_type = _SCALARS[kv.subtype]
         values = np.frombuffer(buf, np_type, kv.count, kv.offset)
         if kv.subtype == GGUFValueType.BOOL:
             values = values.astype(bool)
         return values.tolist()
     fmt, _ = _SCALARS[kv.vtype]
-    (value,) = struct.unpack_from(fmt, buf, kv.offset)
+    # numpy's stubs do not declare ndarray's buffer protocol
+    (value,) = struct.unpack_from(fmt, buf, kv.offset)  # type: ignore[arg-type]
     return bool(value) if kv.vtype == GGUFValueType.BOOL else value
 
 
 def _strings(buf: np.ndarray, pos: int, count: int) -> list[str]:
     out, unpack = [], _U64.unpack_from
     for _ in range(count):
-        (n,) = unpack(buf, pos)
+        (n,) = unpack(buf, pos)  # type: ignore[arg-type]  # (as in _decode)
         pos += 8
         if n > len(buf) - pos:
             raise ValueError(f"a string of {n} bytes at byte {pos} runs past the end of the file")

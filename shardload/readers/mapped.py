@@ -36,18 +36,19 @@ import threading
 from array import array
 from collections.abc import Iterable
 from itertools import repeat
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from .. import dtypes
 from ..errors import FormatError
-from ..files import data_at
 from . import base
 from .base import Checkpoint, TensorMeta
 
 if TYPE_CHECKING:  # pragma: no cover  (imported where used: planning needs no torch)
     import torch
+
+    from ..sources.sparse import ObjectBytes
 
 #: what identifies a file's contents: (st_dev, st_ino, st_size, st_mtime_ns)
 Identity = tuple[int, int, int, int]
@@ -159,8 +160,8 @@ class MappedCheckpoint(Checkpoint):
         self.source = source
         self.files = list(files)
         self._maps = list(maps)
-        # each file's object bytes where an object holds it (``files.map_data``), else None
-        self._remote = list(remote) if remote is not None else [data_at(f) for f in self.files]
+        # each file's object bytes where an object holds it (``Files.map_data``), else None
+        self._remote = list(remote) if remote is not None else [None] * len(self.files)
         self._closers: list = []
         self._data_starts = list(data_starts or [0] * len(maps))
         # absolute: a chdir in another thread must not make the check look at another file
@@ -359,8 +360,8 @@ class MappedCheckpoint(Checkpoint):
             self._check_open(f" {name!r}")
             mapped = self._maps[i]
         self._ready(meta, i, begin, end)
-        carrier, _ = dtypes.numpy_carrier(meta.dtype)
-        if end == begin:
+        carrier = cast("np.dtype", dtypes.numpy_carrier(meta.dtype)[0])  # typed object there
+        if end == begin or mapped is None:  # (only an empty file has no mapping)
             return np.zeros(meta.shape, carrier)
         raw = np.frombuffer(mapped, np.uint8, end - begin, self._data_starts[i] + begin)
         self._count(end - begin)
@@ -552,7 +553,10 @@ def open_sources(sources: list[dict], source: str = "<read plan>") -> MappedChec
     """
     from ..files import open_regular
 
-    files, maps, stats, remotes = [], [], [], []
+    files: list[str] = []
+    maps: list[mmap.mmap | None] = []
+    stats: list[os.stat_result | None] = []
+    remotes: list[ObjectBytes | None] = []
     try:
         for spec in sources:
             path = spec.get("file")

@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import copy
 import math
-import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +77,14 @@ from typing import Any
 from .. import dtypes, strict_json
 from ..dtypes import shape_problem
 from ..errors import FormatError, quote
-from ..files import MAX_SIDE_FILE_BYTES, check_member_name, data_lexists, map_data, read_json
+from ..files import (
+    LOCAL_FILES,
+    MAX_SIDE_FILE_BYTES,
+    Files,
+    MappedData,
+    check_member_name,
+    read_json,
+)
 from ..gc_pause import gc_paused
 from .base import MAX_INDEX_BYTES, TensorMeta
 from .mapped import MappedCheckpoint, unmap
@@ -123,7 +129,10 @@ MLC_FORMATS = ("raw", "f32-to-bf16")
 _REDO = "re-run mlc_llm convert_weight or re-download the weights"
 _TOP_KEYS = ({"records"}, {"metadata"})  # (required, optional)
 _SHARD_KEYS = ({"dataPath", "format", "nbytes", "records"}, {"md5sum"})
-_TENSOR_KEYS = ({"name", "shape", "dtype", "format", "nbytes", "byteOffset"}, set())
+_TENSOR_KEYS: tuple[set[str], set[str]] = (
+    {"name", "shape", "dtype", "format", "nbytes", "byteOffset"},
+    set(),
+)
 
 
 def _is_uint(x: Any) -> bool:
@@ -176,21 +185,23 @@ def _find_index(folder: Path) -> Path:
             return p
     raise FormatError(
         f"folder holds neither {' nor '.join(INDEX_NAMES)}: not an MLC-LLM weight folder",
-        file=folder,
+        file=str(folder),
     )
 
 
-def _shard_path(index: Path, data_path: Any, where: str, label: str) -> Path:
+def _shard_path(index: Path, data_path: Any, where: str, label: str, files: Files) -> Path:
     """The file a shard record names, refused by name unless it is a plain relative path inside
     the index's folder. It may be a symlink to anywhere: what it leads to is checked to be a
     regular file when it is opened."""
     if not isinstance(data_path, str):
-        raise FormatError(f"{where}: dataPath must be a string, got {quote(data_path)}", file=index)
+        raise FormatError(
+            f"{where}: dataPath must be a string, got {quote(data_path)}", file=str(index)
+        )
     check_member_name(data_path, index=index, what=f"{label}: dataPath")
     path = index.parent / data_path
-    if not data_lexists(path):
+    if not files.lexists(path):
         raise FormatError(
-            f"shard file is missing: {index.name} lists it ({where}); {_REDO}", file=path
+            f"shard file is missing: {index.name} lists it ({where}); {_REDO}", file=str(path)
         )
     return path
 
@@ -200,7 +211,7 @@ def _check_tensor(index: Path, where: str, rec: Any) -> _Record:
     tensor = name if isinstance(name, str) and strict_json.is_text(name) else None
 
     def bad(msg: str) -> FormatError:
-        return FormatError(f"{where}: {msg}; {_REDO}", file=index, tensor=tensor)
+        return FormatError(f"{where}: {msg}; {_REDO}", file=str(index), tensor=tensor)
 
     if not isinstance(rec, dict):
         raise bad(f"tensor record must be an object, got {type(rec).__name__}")
@@ -248,7 +259,7 @@ def _check_layout(index: Path, where: str, records: list[_Record], size: int) ->
                 f"{where}: byteOffset {r.begin} + nbytes {r.end - r.begin} = "
                 f"{r.end} runs past the end of the {size}-byte shard file; the "
                 f"index is corrupt; {_REDO}",
-                file=index,
+                file=str(index),
                 tensor=r.meta.name,
             )
     covered, owner = 0, None
@@ -257,17 +268,17 @@ def _check_layout(index: Path, where: str, records: list[_Record], size: int) ->
             raise FormatError(
                 f"{where}: bytes [{r.begin}, {r.end}) overlap tensor {quote(owner)} "
                 f"(which ends at {covered}); the index is corrupt; {_REDO}",
-                file=index,
+                file=str(index),
                 tensor=r.meta.name,
             )
         covered, owner = r.end, r.meta.name
 
 
-def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
+def _read_index(index: Path, files: Files) -> tuple[dict[str, Any], list[_ShardSpec]]:
     doc = read_json(index, MAX_INDEX_BYTES, "index")
 
     def bad(msg: str) -> FormatError:
-        return FormatError(msg, file=index)
+        return FormatError(msg, file=str(index))
 
     if not isinstance(doc, dict):
         raise bad(f"index must be a JSON object, got {type(doc).__name__}")
@@ -290,7 +301,7 @@ def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
             where += f" ({quote(srec['dataPath'], 60)})"
 
         def sbad(msg: str, where=where) -> FormatError:
-            return FormatError(f"{where}: {msg}", file=index)
+            return FormatError(f"{where}: {msg}", file=str(index))
 
         if not isinstance(srec, dict):
             raise sbad(f"must be an object, got {type(srec).__name__}")
@@ -317,13 +328,13 @@ def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
                 raise FormatError(
                     f"{where}: tensor is listed twice (also in "
                     f"{seen_names[r.meta.name]}); a name must be unique",
-                    file=index,
+                    file=str(index),
                     tensor=r.meta.name,
                 )
             seen_names[r.meta.name] = where
         _check_layout(index, where, records, nbytes)
 
-        path = _shard_path(index, srec["dataPath"], where, label)
+        path = _shard_path(index, srec["dataPath"], where, label, files)
         key = srec["dataPath"]
         if key in seen_files:
             raise sbad(
@@ -339,27 +350,28 @@ def _read_index(index: Path) -> tuple[dict[str, Any], list[_ShardSpec]]:
 # mapping
 
 
-def _map_shard(index: Path, spec: _ShardSpec) -> tuple[mmap.mmap | None, os.stat_result | None]:
-    """Map one shard file after checking its size; None for an empty file (mmap refuses those).
-    Also returns its ``fstat`` as mapped (None for an object: ``files.map_data``)."""
-    data = map_data(spec.path, "the shard file")
+def _map_shard(index: Path, spec: _ShardSpec, files: Files) -> MappedData:
+    """Map one shard file of ``files`` after checking its size (``Files.map_data``: no
+    mapping for an empty file, no ``fstat`` for an object)."""
+    data = files.map_data(spec.path, "the shard file", None)
     if data.size != spec.nbytes:
         unmap(data.map)
         how = "truncated" if data.size < spec.nbytes else "longer than listed"
         raise FormatError(
             f"shard file is {data.size} bytes, but {index.name} says {spec.nbytes} "
             f"(its nbytes): it is {how} (an interrupted download?); {_REDO}",
-            file=spec.path,
+            file=str(spec.path),
         )
-    return data.map, data.stat
+    return data
 
 
 # ----------------------------------------------------------------------------------------------
 # the checkpoint
 
 
-def open_mlc(folder: str | os.PathLike) -> MLCCheckpoint:
-    """Open an MLC-LLM weight folder lazily.
+def open_mlc(folder: str | os.PathLike, files: Files = LOCAL_FILES) -> MLCCheckpoint:
+    """Open an MLC-LLM weight folder lazily, its shard files found in ``files`` (this
+    machine's, or a checkpoint's in object storage).
 
     The index is ``tensor-cache.json``, or ``ndarray-cache.json`` when there is no
     ``tensor-cache.json``. Everything is validated before this returns (``FormatError``
@@ -367,14 +379,14 @@ def open_mlc(folder: str | os.PathLike) -> MLCCheckpoint:
     """
     p = Path(folder)
     if not p.exists():
-        raise FormatError("no such file or folder", file=p)
+        raise FormatError("no such file or folder", file=str(p))
     if not p.is_dir():
         raise FormatError(
-            f"an MLC-LLM checkpoint is a folder (with {INDEX_NAMES[0]}), not a file", file=p
+            f"an MLC-LLM checkpoint is a folder (with {INDEX_NAMES[0]}), not a file", file=str(p)
         )
     index = _find_index(p)
     with gc_paused():  # see gc_paused: an index of many tensors must open in time linear in it
-        metadata, specs = _read_index(index)
+        metadata, specs = _read_index(index, files)
 
     config: dict[str, Any] = {}
     config_path = p / CONFIG_NAME
@@ -386,18 +398,15 @@ def open_mlc(folder: str | os.PathLike) -> MLCCheckpoint:
                 file=config_path,
             )
 
-    maps: list[mmap.mmap | None] = []
-    stats: list[os.stat_result] = []
+    mapped: list[MappedData] = []
     try:
         for spec in specs:
-            mapped, st = _map_shard(index, spec)
-            maps.append(mapped)
-            stats.append(st)
+            mapped.append(_map_shard(index, spec, files))
         with gc_paused():
-            return MLCCheckpoint(str(folder), index, specs, maps, metadata, config, stats)
+            return MLCCheckpoint(str(folder), index, specs, mapped, metadata, config)
     except BaseException:
-        for m in maps:
-            unmap(m)
+        for data in mapped:
+            unmap(data.map)
         raise
 
 
@@ -418,17 +427,17 @@ class MLCCheckpoint(MappedCheckpoint):
         source: str,
         index: Path,
         specs: list[_ShardSpec],
-        maps: list[mmap.mmap | None],
+        mapped: list[MappedData],
         cache_metadata: dict[str, Any],
         chat_config: dict[str, Any],
-        stats: list[os.stat_result] | None = None,
     ):
         super().__init__(
             source,
             [str(s.path) for s in specs],
-            maps,
+            [data.map for data in mapped],
             ((r.meta, i, r.begin, r.end) for i, spec in enumerate(specs) for r in spec.records),
-            stats=stats,
+            stats=[data.stat for data in mapped],
+            remote=[data.remote for data in mapped],
         )
         self.path = os.path.abspath(source)
         self.index_file = str(index)

@@ -14,8 +14,8 @@ Opening it (``open_object_checkpoint``):
    Each data file is an ``ObjectBytes`` (a sparse mapping of its size, filled by ranged GETs),
    in an ``ObjectFiles`` made for this open alone: no file stands in for it.
 3. **The readers open the scratch folder** as any checkpoint (safetensors, GGUF, MLC), with
-   the ``ObjectFiles`` in force (``files.reading_from``): they find the data files by name in
-   it and read each one's header out of its mapping (``files.map_data``), which fetches what
+   the ``ObjectFiles`` handed to their open functions: they find the data files by name in
+   it and read each one's header out of its mapping (``Files.map_data``), which fetches what
    the parse asks for, never more than the reader's caps allow (a header declared 100 GB long
    is refused from its length, before it is fetched). A reader of several files fetches their
    headers at once before it parses them in turn (``safetensors._fetch_headers``): 200 files
@@ -40,9 +40,14 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import FormatError, StorageError
-from ..files import Files, MappedData, check_member_name, reading_from
+from ..files import ErrorFactory, Files, MappedData, PathLike, check_member_name
+
+if TYPE_CHECKING:
+    from ..sources.sparse import ObjectBytes
+    from ..sources.urls import ObjectUrl
 
 __all__ = [
     "DATA_SUFFIXES",
@@ -63,7 +68,7 @@ SIDE_FILE_BYTES = 64 << 20
 SIDE_FILES_BYTES = 512 << 20
 
 
-def _split(url) -> tuple[object, str]:
+def _split(url: ObjectUrl) -> tuple[ObjectUrl, str]:
     """``(folder prefix URL, the one object's name or "")``."""
     key = url.key
     last = key.rsplit("/", 1)[-1]
@@ -75,7 +80,7 @@ def _split(url) -> tuple[object, str]:
 def open_object_checkpoint(url: str, open_local: Callable):
     """The checkpoint at ``url`` (``s3://``, ``gs://``, ``az://``), opened as the module
     docstring says;
-    ``open_local(path)`` opens the scratch folder (``readers.open_local_checkpoint``)."""
+    ``open_local(path, files)`` opens the scratch folder (``readers.open_local_checkpoint``)."""
     from ..sources.sparse import ObjectBytes
     from ..sources.store import default_client, each
     from ..sources.urls import ObjectUrl
@@ -119,8 +124,7 @@ def open_object_checkpoint(url: str, open_local: Callable):
         if failed:
             raise failed[min(failed)]
         path = os.path.join(scratch, name) if name else scratch
-        with reading_from(files):
-            ckpt = _translated(lambda: open_local(path), scratch, str(folder))
+        ckpt = _translated(lambda: open_local(path, files), scratch, str(folder))
     except BaseException:
         cleanup()
         raise
@@ -139,12 +143,12 @@ class ObjectFiles(Files):
 
     def __init__(self, scratch: str):
         self.scratch = scratch
-        self.objects: dict[str, object] = {}
+        self.objects: dict[str, ObjectBytes] = {}
 
-    def add(self, path: str, data) -> None:
+    def add(self, path: str, data: ObjectBytes) -> None:
         self.objects[os.path.abspath(path)] = data
 
-    def remote(self, path):
+    def remote(self, path: PathLike) -> ObjectBytes | None:
         return self.objects.get(os.path.abspath(os.fspath(path)))
 
     def lexists(self, path) -> bool:
@@ -159,7 +163,9 @@ class ObjectFiles(Files):
         }
         return sorted(names.union(super().glob(folder, suffix)))
 
-    def map_data(self, path, what: str, error) -> MappedData:
+    def map_data(
+        self, path: PathLike, what: str = "the file", error: ErrorFactory | None = None
+    ) -> MappedData:
         data = self.remote(path)
         if data is None:
             return super().map_data(path, what, error)

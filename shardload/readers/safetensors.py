@@ -62,7 +62,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -70,13 +70,11 @@ from .. import dtypes, strict_json
 from ..dtypes import shape_problem
 from ..errors import FormatError, quote
 from ..files import (
+    LOCAL_FILES,
     MAX_SIDE_FILE_BYTES,
+    Files,
     MappedData,
     check_member_name,
-    data_at,
-    data_lexists,
-    data_names,
-    map_data,
     open_regular,
     read_json,
 )
@@ -85,6 +83,9 @@ from ..strict_json import gc_paused
 from .base import MAX_INDEX_BYTES, TensorMeta
 from .mapped import MappedCheckpoint, TensorTable, unmap
 from .safetensors_bulk import SHAPES_KEPT, parse_header
+
+if TYPE_CHECKING:
+    from ..sources.sparse import ObjectBytes
 
 __all__ = [
     "INDEX_NAME",
@@ -120,7 +121,7 @@ def _load_header(
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FormatError(
-            f"header is not valid UTF-8 ({exc}); JSON files must be UTF-8; {_REDO}", file=path
+            f"header is not valid UTF-8 ({exc}); JSON files must be UTF-8; {_REDO}", file=str(path)
         ) from None
     finally:
         del raw[:]
@@ -134,10 +135,10 @@ def _load_header(
         )
     except strict_json.NotAnObjectError as exc:
         raise FormatError(
-            f"header must be a JSON object, got {exc.type_name}; {_REDO}", file=path
+            f"header must be a JSON object, got {exc.type_name}; {_REDO}", file=str(path)
         ) from None
     except ValueError as exc:  # includes json.JSONDecodeError
-        raise FormatError(f"header is not valid JSON: {exc}; {_REDO}", file=path) from None
+        raise FormatError(f"header is not valid JSON: {exc}; {_REDO}", file=str(path)) from None
     # The library also takes "__metadata__": null; we want an object if the key is there.
     return tensors.pop("__metadata__", {}), tensors, begins, ends
 
@@ -154,7 +155,7 @@ def _read_small_json(path: Path) -> dict[str, Any] | None:
     if not isinstance(obj, dict):
         raise FormatError(
             f"the config file {path.name} must hold a JSON object, got {type(obj).__name__}",
-            file=path,
+            file=str(path),
         )
     return obj
 
@@ -174,7 +175,8 @@ class _Shard:
     ends: array
     data_start: int  # 8 + N
     map: mmap.mmap
-    stat: os.stat_result  # as mapped: reads check the file is still this one
+    stat: os.stat_result | None  # as mapped (None for an object): reads check it is unchanged
+    remote: ObjectBytes | None  # the object holding the file's bytes, where one does
 
 
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
@@ -191,13 +193,13 @@ def _is_uint(x: Any) -> bool:
 def _bad_name(path: Path, name: str) -> FormatError | None:
     if not name:
         return FormatError(
-            f"a header entry has an empty name; every tensor needs one; {_REDO}", file=path
+            f"a header entry has an empty name; every tensor needs one; {_REDO}", file=str(path)
         )
     if not strict_json.is_text(name):
         return FormatError(
             f"header entry name {quote(name)} is not valid Unicode (a lone "
             f"surrogate escape); {_REDO}",
-            file=path,
+            file=str(path),
         )
     return None
 
@@ -206,7 +208,7 @@ def _entry_error(path: Path, name: str, entry: Any) -> FormatError:
     """What is wrong with an entry the fast check in ``_check_entries`` did not accept."""
 
     def bad(msg: str) -> FormatError:
-        return FormatError(f"{msg}; {_REDO}", file=path, tensor=name)
+        return FormatError(f"{msg}; {_REDO}", file=str(path), tensor=name)
 
     if not isinstance(entry, dict):
         return bad(f"header entry must be an object, got {type(entry).__name__}")
@@ -304,7 +306,7 @@ def _entry_reader(
                 f"data_offsets [{begin}, {end}] run past the end of the "
                 f"{data_len}-byte data buffer: the file is truncated or the "
                 f"header is wrong; {_REDO}",
-                file=path,
+                file=str(path),
                 tensor=name,
             )
         add_begin(begin)
@@ -340,7 +342,7 @@ def _check_layout(
                     f"data_offsets [{begin}, {end}] overlap tensor {quote(prev)} "
                     f"(which ends at {expected}); every byte belongs to one "
                     f"tensor. The header is corrupt; {_REDO}",
-                    file=path,
+                    file=str(path),
                     tensor=name,
                 )
             after = (
@@ -350,7 +352,7 @@ def _check_layout(
                 f"data_offsets [{begin}, {end}] leave a gap of {begin - expected} "
                 f"unclaimed bytes {after}; tensors must cover the data buffer "
                 f"exactly. The header is corrupt; {_REDO}",
-                file=path,
+                file=str(path),
                 tensor=name,
             )
         if end != begin:
@@ -360,7 +362,7 @@ def _check_layout(
             f"{data_len - expected} trailing bytes after the last tensor (the "
             f"tensors end at {expected}, the data buffer at {data_len}); the file "
             f"is corrupt or was appended to; {_REDO}",
-            file=path,
+            file=str(path),
         )
 
 
@@ -384,11 +386,11 @@ def _storage_order(
     return tensors, array("q", b[order].tobytes()), array("q", e[order].tobytes())
 
 
-def _open_shard(path: Path, shapes: dict | None = None) -> _Shard:
-    """Read, validate and map one file. Only the header is read; the data is mapped (or, for
-    an object, fetched as it is needed: ``files.map_data``). ``shapes`` shares equal shape
-    tuples between the files of a checkpoint."""
-    data = map_data(path, "the file")
+def _open_shard(path: Path, files: Files, shapes: dict | None = None) -> _Shard:
+    """Read, validate and map one file of ``files``. Only the header is read; the data is
+    mapped (or, for an object, fetched as it is needed: ``Files.map_data``). ``shapes`` shares
+    equal shape tuples between the files of a checkpoint."""
+    data = files.map_data(path, "the file", None)
     try:
         return _shard_of(path, data, {} if shapes is None else shapes)
     except BaseException:
@@ -398,29 +400,29 @@ def _open_shard(path: Path, shapes: dict | None = None) -> _Shard:
 
 def _shard_of(path: Path, data: MappedData, shapes: dict) -> _Shard:
     size, mapped = data.size, data.map
-    if size < 8:
+    if size < 8 or mapped is None:  # (only an empty file has no mapping)
         raise FormatError(
             f"file is {size} bytes, too short for the 8-byte header length: it "
             f"is truncated or not a safetensors file; {_REDO}",
-            file=path,
+            file=str(path),
         )
     data.need(0, 8)
     (n,) = struct.unpack_from("<Q", mapped, 0)
     if n == 0:
         raise FormatError(
-            f"header length is 0; a safetensors header is at least '{{}}'; {_REDO}", file=path
+            f"header length is 0; a safetensors header is at least '{{}}'; {_REDO}", file=str(path)
         )
     if n > MAX_HEADER_SIZE:
         raise FormatError(
             f"header length {n} is over the {MAX_HEADER_SIZE}-byte limit: the "
             f"file is corrupt or not a safetensors file",
-            file=path,
+            file=str(path),
         )
     if 8 + n > size:
         raise FormatError(
             f"header length {n} runs past the end of the {size}-byte file: the "
             f"file is truncated; {_REDO}",
-            file=path,
+            file=str(path),
         )
     data.need(8, 8 + n)
     raw = bytearray(n)
@@ -435,7 +437,7 @@ def _shard_of(path: Path, data: MappedData, shapes: dict) -> _Shard:
     if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise FormatError(
             f"__metadata__ must be an object of string -> string, got {quote(metadata)}; {_REDO}",
-            file=path,
+            file=str(path),
         )
     for key, value in metadata.items():
         for text in (key, value):
@@ -443,12 +445,12 @@ def _shard_of(path: Path, data: MappedData, shapes: dict) -> _Shard:
                 raise FormatError(
                     f"__metadata__ holds {quote(text)}, which is not valid "
                     f"Unicode (a lone surrogate escape); {_REDO}",
-                    file=path,
+                    file=str(path),
                 )
     if not _tiled(begins, ends, data_len):  # the common case, checked in C; else say why
         tensors, begins, ends = _storage_order(tensors, begins, ends)
         _check_layout(path, tensors, begins, ends, data_len)
-    return _Shard(path, metadata, tensors, begins, ends, data_start, mapped, data.stat)
+    return _Shard(path, metadata, tensors, begins, ends, data_start, mapped, data.stat, data.remote)
 
 
 def _drop_pages(mapped: mmap.mmap, end: int) -> None:
@@ -467,15 +469,15 @@ def _read_index(index: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """(metadata, weight_map) of an index file, checked to be the right shape."""
     obj = read_json(index, MAX_INDEX_BYTES, "the index", hint=f"; {_REDO}")
     if not isinstance(obj, dict):
-        raise FormatError(f"index must be a JSON object, got {type(obj).__name__}", file=index)
+        raise FormatError(f"index must be a JSON object, got {type(obj).__name__}", file=str(index))
     weight_map = obj.get("weight_map")
     if not (isinstance(weight_map, dict) and set(map(type, weight_map.values())) <= {str}):
         raise FormatError(
-            'index needs a "weight_map" object of tensor name -> file name', file=index
+            'index needs a "weight_map" object of tensor name -> file name', file=str(index)
         )
     metadata = obj.get("metadata", {})
     if not isinstance(metadata, dict):
-        raise FormatError('index "metadata" must be an object', file=index)
+        raise FormatError('index "metadata" must be an object', file=str(index))
     return metadata, weight_map
 
 
@@ -484,7 +486,7 @@ def _first_listed(weight_map: dict[str, str], file_name: str) -> str:
     return next(t for t, f in weight_map.items() if f == file_name)
 
 
-def _shard_path(index: Path, file_name: str, weight_map: dict[str, str]) -> Path:
+def _shard_path(index: Path, file_name: str, weight_map: dict[str, str], files: Files) -> Path:
     """The file an index entry names, refused by name unless it is a plain relative path inside
     the index's folder. The path may be a symlink to anywhere (the hub cache's blobs): what it
     leads to is checked to be a regular file when it is opened."""
@@ -492,15 +494,15 @@ def _shard_path(index: Path, file_name: str, weight_map: dict[str, str]) -> Path
         check_member_name(file_name, index=index, what="weight_map names file")
     except FormatError as e:
         raise FormatError(
-            e.reason, file=index, tensor=_first_listed(weight_map, file_name)
+            e.reason, file=str(index), tensor=_first_listed(weight_map, file_name)
         ) from None
     path = index.parent / file_name
-    if not data_lexists(path):
+    if not files.lexists(path):
         raise FormatError(
             f"file is missing: {index.name} lists it (for tensor "
             f"{quote(_first_listed(weight_map, file_name))} and maybe others); "
             f"{_REDO}",
-            file=path,
+            file=str(path),
         )
     return path
 
@@ -514,7 +516,7 @@ def _check_listed(index: Path, weight_map: dict[str, str], file_name: str, shard
             raise FormatError(
                 f"{index.name} puts this tensor in {quote(file_name)}, but the file "
                 f"does not hold it; {_REDO}",
-                file=shard.path,
+                file=str(shard.path),
                 tensor=tensor,
             )
     for tensor in sorted(set(stored) - set(listed)):  # (the names listed are all stored)
@@ -525,12 +527,14 @@ def _check_listed(index: Path, weight_map: dict[str, str], file_name: str, shard
             else f"{index.name} does not list it"
         )
         raise FormatError(
-            f"tensor is stored in this file, but {why}; {_REDO}", file=shard.path, tensor=tensor
+            f"tensor is stored in this file, but {why}; {_REDO}",
+            file=str(shard.path),
+            tensor=tensor,
         )
 
 
-def _fetch_headers(paths: list[Path]) -> dict[Path, BaseException]:
-    """Where the files are objects in object storage (``files.data_at``), each one's header
+def _fetch_headers(paths: list[Path], files: Files) -> dict[Path, BaseException]:
+    """Where the files are objects in object storage (``Files.remote``), each one's header
     fetched now, all of them at once (``sources.store.each``): opened in turn, 200 files
     would wait 400 round trips (the length, then the header). Each file's first GET asks for
     its first ``HEADER_GUESS`` bytes, as the Hugging Face hub's reader does: the header of a
@@ -539,7 +543,7 @@ def _fetch_headers(paths: list[Path]) -> dict[Path, BaseException]:
     when the file is opened). Returns what fetching failed with, by path, up to the first
     failure (each file after it is left to be fetched, if ever, when it is opened); opening
     in order raises it where it would have met it."""
-    remote = [(path, data) for path in paths if (data := data_at(path)) is not None]
+    remote = [(path, data) for path in paths if (data := files.remote(path)) is not None]
     if len(remote) < 2:
         return {}
     from ..sources.store import each
@@ -557,22 +561,22 @@ def _fetch_headers(paths: list[Path]) -> dict[Path, BaseException]:
     return {remote[k][0]: exc for k, exc in each(remote, fetch).items()}
 
 
-def _open_sharded(index: Path, source: str) -> SafetensorsCheckpoint:
+def _open_sharded(index: Path, source: str, files: Files) -> SafetensorsCheckpoint:
     index_metadata, weight_map = _read_index(index)
     # how many tensors the index puts in each file, the files in the order it first names them
     counts = Counter(weight_map.values())
     # every name is checked before any file is opened
-    paths = {fn: _shard_path(index, fn, weight_map) for fn in counts}
+    paths = {fn: _shard_path(index, fn, weight_map, files) for fn in counts}
 
     order = sorted(counts)  # HF numbers its shards, so name order is storage order
-    failed = _fetch_headers([paths[fn] for fn in order])
+    failed = _fetch_headers([paths[fn] for fn in order], files)
     shards: list[_Shard] = []
     shapes: dict = {}  # one tuple per distinct shape, for all the files
     try:
         for file_name in order:
             if paths[file_name] in failed:  # what opening it would have met
                 raise failed[paths[file_name]]
-            shard = _open_shard(paths[file_name], shapes)
+            shard = _open_shard(paths[file_name], files, shapes)
             shards.append(shard)
             # The index lists exactly this file's tensors if it puts each of them here and
             # puts as many here as there are: counted in C, and said in words where not.
@@ -592,34 +596,35 @@ def _open_sharded(index: Path, source: str) -> SafetensorsCheckpoint:
 # the checkpoint
 
 
-def open_safetensors(path: str | os.PathLike) -> SafetensorsCheckpoint:
-    """Open a ``.safetensors`` file, a folder holding one, or an HF-sharded folder, lazily.
+def open_safetensors(path: str | os.PathLike, files: Files = LOCAL_FILES) -> SafetensorsCheckpoint:
+    """Open a ``.safetensors`` file, a folder holding one, or an HF-sharded folder, lazily,
+    finding its data files in ``files`` (this machine's, or a checkpoint's in object storage).
 
     A sharded folder is recognised by ``model.safetensors.index.json``; the index file's own path
     is accepted too. Every header is validated before this returns (``FormatError`` otherwise).
     """
     with gc_paused():  # see gc_paused: a header of a million tensors must open in seconds
-        return _open(Path(path), str(path))
+        return _open(Path(path), str(path), files)
 
 
-def _open(p: Path, source: str) -> SafetensorsCheckpoint:
-    if not data_lexists(p):
-        raise FormatError("no such file or folder", file=p)
+def _open(p: Path, source: str, files: Files) -> SafetensorsCheckpoint:
+    if not files.lexists(p):
+        raise FormatError("no such file or folder", file=str(p))
     if p.is_dir():
         # By name, not by what the name leads to: an index that is a dangling link or a FIFO
         # is refused, not silently passed over for the folder's other files.
         if os.path.lexists(p / INDEX_NAME):
-            return _open_sharded(p / INDEX_NAME, source)
+            return _open_sharded(p / INDEX_NAME, source, files)
         # whatever they are: see _open_shard
-        found = [p / name for name in data_names(p, ".safetensors")]
+        found = [p / name for name in files.glob(p, ".safetensors")]
         if not found:
-            ggufs = data_names(p, ".gguf")
+            ggufs = files.glob(p, ".gguf")
             hint = f"; a GGUF checkpoint is one file: pass it ({p / ggufs[0]})" if ggufs else ""
             raise FormatError(
                 f"folder holds no checkpoint shardload reads: no *.safetensors "
                 f"file or {INDEX_NAME} (Hugging Face), no tensor-cache.json (MLC), "
                 f"and a GGUF checkpoint is a .gguf file{hint}",
-                file=p,
+                file=str(p),
             )
         if len(found) > 1:
             names = ", ".join(f.name for f in found[:5]) + (", ..." if len(found) > 5 else "")
@@ -627,17 +632,17 @@ def _open(p: Path, source: str) -> SafetensorsCheckpoint:
                 f"folder holds {len(found)} .safetensors files ({names}) but no "
                 f"{INDEX_NAME} saying which tensor is in which; add the index, or "
                 f"pass the one file to load",
-                file=p,
+                file=str(p),
             )
         p = found[0]
     elif p.name.endswith(".index.json"):
-        return _open_sharded(p, source)
+        return _open_sharded(p, source, files)
     elif p.suffix != ".safetensors":
         # what the path is comes first: "a FIFO" says more than "not a .safetensors file"
         f, _ = open_regular(p, "the checkpoint")
         f.close()
-        raise FormatError("not a .safetensors file, an index, or a folder of them", file=p)
-    shard = _open_shard(p)
+        raise FormatError("not a .safetensors file, an index, or a folder of them", file=str(p))
+    shard = _open_shard(p, files)
     try:
         return SafetensorsCheckpoint(source, [shard])
     except BaseException:
@@ -673,6 +678,7 @@ class SafetensorsCheckpoint(MappedCheckpoint):
             table,
             [s.data_start for s in shards],
             [s.stat for s in shards],
+            [s.remote for s in shards],
         )
         self.path = os.path.abspath(source)
         self.file_metadata: dict[str, dict[str, str]] = {str(s.path): s.metadata for s in shards}
@@ -685,7 +691,8 @@ class SafetensorsCheckpoint(MappedCheckpoint):
         ``hf_quant_config.json``'s ``quantization`` (NVIDIA ModelOpt) as its
         ``quantization_config`` when the config has none; ``{}`` without a config.json."""
         if self._config is None:
-            folder = Path(self.path if os.path.isdir(self.path) else os.path.dirname(self.path))
+            path = os.path.abspath(self.source) if self.path is None else self.path
+            folder = Path(path if os.path.isdir(path) else os.path.dirname(path))
             config = _read_small_json(folder / "config.json") or {}
             for side, method in QUANT_SIDE_FILES.items():
                 if "quantization_config" in config:

@@ -16,6 +16,7 @@ rules, never looser, and never words an error itself.
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Iterator
 from math import prod
@@ -76,7 +77,7 @@ def parse_header(
         if entries is None:
             return None
         members += 3 * len(obj)
-        if not strict_json.members_match(piece, members, lambda: _strings(obj, here)):
+        if not strict_json.members_match(piece, members, functools.partial(_strings, obj, here)):
             return None  # a key repeated in the piece
         had = len(tensors)
         tensors.update(zip(obj, TensorMeta.many(obj, entries[0], entries[1])))

@@ -230,8 +230,16 @@ def _value(environ: Mapping[str, str], name: str) -> str | None:
     return text or None
 
 
-def _first_set(environ: Mapping[str, str], names: tuple) -> str | None:
+def _first_set(environ: Mapping[str, str], names: tuple[str, ...]) -> str | None:
     return next((n for n in names if _value(environ, n) is not None), None)
+
+
+def _set_value(environ: Mapping[str, str], name: str) -> str:
+    """The value of a variable ``_first_set`` found set."""
+    text = _value(environ, name)
+    if text is None:
+        raise KeyError(name)
+    return text
 
 
 def _flag(
@@ -306,7 +314,7 @@ def _s3(environ: Mapping[str, str], refuse: Callable[[str], StorageError]) -> _O
     name = _first_set(environ, ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"))
     if name is None:
         return _Own({})
-    endpoint = Endpoint(_value(environ, name), name)
+    endpoint = Endpoint(_set_value(environ, name), name)
     config = {} if name == "AWS_ENDPOINT_URL_S3" else {"endpoint": endpoint.url}
     return _Own(config, endpoint)
 
@@ -335,8 +343,9 @@ def _gcs(environ: Mapping[str, str], refuse: Callable[[str], StorageError]) -> _
     """``STORAGE_EMULATOR_HOST`` as the Google SDKs take it: the base URL, and no credentials
     (the SDK talks to an emulator anonymously), unless obstore's own settings say
     otherwise."""
-    if _value(environ, "GOOGLE_BASE_URL") is not None:
-        return _Own({}, Endpoint(_value(environ, "GOOGLE_BASE_URL"), "GOOGLE_BASE_URL"))
+    base_url = _value(environ, "GOOGLE_BASE_URL")
+    if base_url is not None:
+        return _Own({}, Endpoint(base_url, "GOOGLE_BASE_URL"))
     for name in (*_GCS_ACCOUNT_FILES, _GCS_ACCOUNT_KEY):
         url = _service_account_base_url(environ, name)
         if url is not None:
@@ -475,7 +484,7 @@ def _azure(environ: Mapping[str, str], refuse: Callable[[str], StorageError]) ->
     name = _first_set(environ, _AZ_ENDPOINT_VARIABLES)
     emulator = _flag(environ, "AZURE_STORAGE_USE_EMULATOR", refuse)
     if name is not None:
-        endpoint = Endpoint(_value(environ, name), name)
+        endpoint = Endpoint(_set_value(environ, name), name)
     elif emulator:
         endpoint = Endpoint(
             _value(environ, "AZURITE_BLOB_STORAGE_URL") or "http://127.0.0.1:10000",
@@ -524,7 +533,7 @@ def _azure(environ: Mapping[str, str], refuse: Callable[[str], StorageError]) ->
             "AZURE_STORAGE_ACCOUNT_KEY"
         )
     key_name = _first_set(environ, _AZ_KEY_VARIABLES)
-    if key_name is not None and not _is_base64(_value(environ, key_name)):
+    if key_name is not None and not _is_base64(_set_value(environ, key_name)):
         raise refuse(f"{key_name} is not base64; copy the account's key again")
     return _Own(config, endpoint, credentials)
 

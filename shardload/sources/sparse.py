@@ -291,6 +291,8 @@ class ObjectBytes:
                     self._fetching.add(b, e)
             ok = False
             try:
+                if self.map is None:  # closed meanwhile (an empty object misses nothing)
+                    raise ValueError(f"{self.info.url}: its bytes were closed")
                 with memoryview(self.map) as into:  # each GET lands in place
                     fetch = self.client.fetch
                     n = (
