@@ -50,9 +50,9 @@ def env(server, monkeypatch):
     monkeypatch.setenv("SHARDLOAD_OBJECT_WINDOW_MB", str(WINDOW_MB))
     monkeypatch.setenv("SHARDLOAD_OBJECT_CHUNK_MB", "1")
     monkeypatch.setenv("SHARDLOAD_OBJECT_CONCURRENCY", "4")
-    monkeypatch.setattr(store, "_DEFAULT", None)
+    store.reset_default_client()
     yield server
-    store._DEFAULT = None
+    store.reset_default_client()
 
 
 def _checkpoint(server, tmp_path_factory, tensors: int) -> tuple[str, int]:
@@ -274,7 +274,7 @@ def test_a_fetch_that_fails_fails_the_load_with_its_own_line(env, small, kind, m
     from shardload import StorageError
 
     monkeypatch.setenv("SHARDLOAD_OBJECT_RETRIES", "1")
-    monkeypatch.setattr(store, "_DEFAULT", None)
+    store.reset_default_client()
     url, _ = small
     key = f"{url.split('/', 3)[3]}model.safetensors"
     with kind(2) as sess, open_checkpoint(url) as ckpt:
@@ -427,9 +427,9 @@ def test_a_large_tensor_streams_in_parts(env, kind, axis, tmp_path, monkeypatch)
     # runs when split by rows, strided ones by columns), through a window of a few parts, and
     # gets what the local load gets
 
-    from shardload.pieces import stream
+    from shardload.pieces import stream, units
 
-    monkeypatch.setattr(stream, "PART_BYTES", 256 << 10)
+    monkeypatch.setattr(units, "PART_BYTES", 256 << 10)
     monkeypatch.setenv("SHARDLOAD_OBJECT_WINDOW_MB", "1")
     made, reached = [], []
     init, reach = stream.ObjectStream.__init__, stream.Consumer.reach
@@ -477,3 +477,129 @@ def test_a_large_tensor_streams_in_parts(env, kind, axis, tmp_path, monkeypatch)
     assert env.bytes_sent(f"{prefix}/model.safetensors") <= os.path.getsize(
         tmp_path / "model.safetensors"
     )
+
+
+# ---- the fetch's threads, without a server ------------------------------------------------------
+
+
+class _FakeObject:
+    """An object's bytes as a stream fetches them: ``need_spans`` takes ``delay`` seconds and
+    fails from the ``fail_at``-th call on; the threads it ran on are recorded."""
+
+    class client:
+        max_gap = 0
+
+    borrowed = False
+
+    def __init__(self, delay: float = 0.0, fail_at: int | None = None):
+        self.delay, self.fail_at, self.calls, self.threads = delay, fail_at, 0, set()
+
+    def need_spans(self, spans):
+        self.calls += 1
+        self.threads.add(threading.current_thread())
+        time.sleep(self.delay)
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise OSError("the object store went away")
+        return sum(e - b for b, e in spans)
+
+    def release(self, begin, end):
+        pass
+
+
+def _stream_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """The stream threads alive that were not before (an earlier test's GET held up by its
+    server may still be ending)."""
+    return [t for t in set(threading.enumerate()) - before if t.name.startswith("shardload-stream")]
+
+
+def _one_worker_stream(obj, pieces: int = 40):
+    from shardload.pieces.stream import ObjectStream, stream_units
+    from shardload.readplan import PieceRead, ReadPlan, Run
+
+    plan = ReadPlan(
+        0,
+        1,
+        ({"object": {}},),
+        tuple(
+            PieceRead(f"p{k}", (64,), "uint8", (Run(0, 64 * k, 64),), False, None, None, False)
+            for k in range(pieces)
+        ),
+    )
+    # a batch of two pieces: twenty batches
+    stream = ObjectStream({0: obj}, stream_units([plan]), 1, window=4 * 128)
+    stream.batch_bytes = 128
+    return plan, stream
+
+
+def test_the_fetch_runs_its_batches_on_one_pool_and_joins_it_when_closed():
+    before = set(threading.enumerate())
+    obj = _FakeObject()
+    plan, stream = _one_worker_stream(obj)
+    consumer = stream.start().consumer(0, plan)
+    for j in range(len(plan.pieces)):
+        consumer.at(j, lambda: None, lambda: False)
+    consumer.finish()
+    stream.close()
+    assert obj.calls == 20 and len(obj.threads) <= 2  # IN_FLIGHT threads, not one per batch
+    assert not _stream_threads(before) and not stream.fetching
+
+
+def test_a_failed_or_interrupted_fetch_leaves_no_thread_behind():
+    from shardload.pieces.stream import StreamFailed
+
+    before = set(threading.enumerate())
+    obj = _FakeObject(fail_at=3)
+    plan, stream = _one_worker_stream(obj)
+    consumer = stream.start().consumer(0, plan)
+    with pytest.raises(OSError, match="went away"):
+        for j in range(len(plan.pieces)):
+            consumer.at(j, lambda: None, lambda: False)
+    assert isinstance(stream.error, OSError) and not isinstance(stream.error, StreamFailed)
+    stream.close()
+    assert not _stream_threads(before)
+    # closed with GETs in flight (Ctrl-C): the threads end with them, within the close's wait
+    obj = _FakeObject(delay=0.2)
+    plan, stream = _one_worker_stream(obj)
+    stream.start()
+    time.sleep(0.05)
+    stream.close()
+    assert not _stream_threads(before) and stream.control.words is None  # released, closed
+
+
+def test_the_window_is_read_by_the_projects_one_parser():
+    from shardload.pieces.stream import DEFAULT_WINDOW_BYTES, window_from_env
+
+    assert window_from_env({}) == DEFAULT_WINDOW_BYTES
+    assert window_from_env({"SHARDLOAD_OBJECT_WINDOW_MB": " 2 "}) == 2 << 20
+    for bad in ("0", "-1", "nan", "lots"):
+        with pytest.raises(ValueError) as info:
+            window_from_env({"SHARDLOAD_OBJECT_WINDOW_MB": bad})
+        assert str(info.value).startswith(
+            f"SHARDLOAD_OBJECT_WINDOW_MB={bad!r} is not a number of MiB from "
+        ), info.value
+        assert "unset it for the default (1024)" in str(info.value)
+
+
+def test_a_stream_spec_travels_as_json_and_is_checked_when_read_back():
+    import json
+
+    from shardload.pieces.stream import StreamSpec
+
+    spec = StreamSpec("/proc/1/fd/7", 3, 2, (0, -1, 1), (0, -1, 4), {2: (0, (16, 32, 48))})
+    wire = json.loads(json.dumps(spec.to_json()))
+    assert wire["cuts"] == {"2": [0, [16, 32, 48]]}
+    assert StreamSpec.from_json(wire, pieces=3) == spec
+    bad = {
+        "consumers": ({**wire, "consumers": 0}, "'consumers' is not a positive whole number"),
+        "slot": ({**wire, "slot": 3}, "'slot' is not a whole number below 3"),
+        "units": ({**wire, "units": [0, 1]}, "'units' is not a list of 3 whole numbers"),
+        "last": ({**wire, "last": [0, "1", 2]}, "'last' is not a list of whole numbers"),
+        "cut key": ({**wire, "cuts": {"3": [0, [1]]}}, "'cuts' is not keyed by piece numbers"),
+        "cut": ({**wire, "cuts": {"2": [0, 16]}}, "'cuts/2' is not \\[source, \\[offsets"),
+    }
+    for what, (data, message) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            StreamSpec.from_json(data, pieces=3)
+            pytest.fail(what)
+    with pytest.raises(ValueError, match="not an object"):
+        StreamSpec.from_json([1, 2], pieces=3)

@@ -5,6 +5,7 @@ and every read against a real S3 server (moto's, behind the counting, fault-inje
 from __future__ import annotations
 
 import doctest
+import itertools
 import json
 import os
 import random
@@ -29,6 +30,7 @@ from hypothesis import strategies as st
 from shardload import sources
 from shardload.errors import FormatError, StorageError
 from shardload.sources import store as storemod
+from shardload.sources import store_config, store_info, store_pool, store_spans
 from shardload.sources import urls as urlsmod
 from shardload.sources.store import MAX_GAP, ObjectClient, ObjectInfo, coalesce
 from shardload.sources.urls import ObjectUrl
@@ -210,7 +212,7 @@ def test_object_info_identity_is_json():
 
 
 def test_doctests():
-    for module in (storemod, urlsmod, sources):
+    for module in (storemod, store_config, store_info, store_pool, store_spans, urlsmod, sources):
         assert doctest.testmod(module).failed == 0
 
 
@@ -242,7 +244,7 @@ def test_coalesce_against_brute_force(raw, gap):
     assert merged == reference
     covered = {i for b, e in merged for i in range(b, e)}
     assert wanted <= covered  # every wanted byte is read
-    for (b0, e0), (b1, e1) in zip(merged, merged[1:]):
+    for (_, e0), (b1, _) in itertools.pairwise(merged):
         assert b1 - e0 > gap  # sorted, kept apart by > gap
     for b, e in merged:  # the bounded over-read rule:
         assert b in wanted and e - 1 in wanted  # no span grows at its ends,
@@ -265,7 +267,7 @@ def test_coalesce_reads_at_most_a_small_gap_or_a_quarter_more(raw, small, gap):
     covered = {i for b, e in merged for i in range(b, e)}
     assert wanted <= covered
     holes = []
-    for (_, e0), (b1, e1) in zip(runs, runs[1:]):
+    for (_, e0), (b1, e1) in itertools.pairwise(runs):
         read_through = e0 in covered
         ok = b1 - e0 <= min(small, gap) or (b1 - e0 <= gap and 4 * (b1 - e0) <= e1 - b1)
         assert read_through == ok  # exactly the rule's gaps
@@ -335,7 +337,6 @@ def test_head_list_and_identity(s3, bucket):
     assert client.list_folder(ObjectUrl.parse("s3://models/fold/")) == listed
     assert client.list_folder("s3://models/fold/sub/")[0].url == "s3://models/fold/sub/c.bin"
     assert client.list_folder("s3://models/nothing-here/") == []
-    client.check_unchanged(info)
 
 
 def test_list_and_cap(s3, bucket):
@@ -403,40 +404,19 @@ def test_fetch(s3, bucket, concurrency, chunk_bytes, max_gap):
     spans += [(0, 1), (len(data) - 1, len(data))]
     s3.reset_counts()
 
-    got = bytearray(len(data))
-    seen = np.zeros(len(data), dtype=bool)
-    buffers: set[int] = set()
-    lock = threading.Lock()
-
-    def write(offset, view):
-        assert isinstance(view, memoryview) and 0 < len(view) <= chunk_bytes
-        assert bytes(view) == data[offset : offset + len(view)]  # over-read included
-        with lock:
-            buffers.add(id(view.obj))
-            got[offset : offset + len(view)] = view
-            assert not seen[offset : offset + len(view)].any()  # each byte once
-            seen[offset : offset + len(view)] = True
-
-    n = client.fetch(info, spans, write)
-    merged = coalesce(spans, max_gap)
-    assert n == sum(e - b for b, e in merged)
-    for b, e in spans:
-        assert got[b:e] == data[b:e]
-    assert seen.sum() == n
-    assert s3.bytes_sent(key) == n  # the server sent no more
-    gets = s3.requests(key=key, method="GET")
-    assert len(gets) == len(storemod._pieces(merged, chunk_bytes))
-    assert len(buffers) <= concurrency  # bounded memory
-    # straight into the object's bytes: the same GETs, each landing in place
-    s3.reset_counts()
+    # straight into the object's bytes: each GET lands in place, over-read included
     whole = bytearray(len(data))
     with memoryview(whole) as into:
-        assert client.fetch(info, spans, into=into) == n
+        n = client.fetch(info, spans, into=into)
+    merged = coalesce(spans, max_gap)
+    assert n == sum(e - b for b, e in merged)
     for b, e in merged:
         assert whole[b:e] == data[b:e]
-    assert s3.bytes_sent(key) == n and len(s3.requests(key=key, method="GET")) == len(gets)
+    assert s3.bytes_sent(key) == n  # the server sent no more: each byte once
+    gets = s3.requests(key=key, method="GET")
+    assert len(gets) == len(store_spans.pieces(merged, chunk_bytes))
     with pytest.raises(TypeError):
-        client.fetch(info, spans)
+        client.fetch(info, spans)  # no into=
     with pytest.raises(ValueError):
         client.fetch(info, spans, into=memoryview(bytearray(len(data) - 1)))
 
@@ -445,28 +425,86 @@ def test_fetch_nothing(s3, bucket):
     put(s3, "fetch/empty.bin", 0)
     client = ObjectClient()
     info = client.head("s3://models/fetch/empty.bin")
-    assert client.fetch(info, [], lambda o, v: None) == 0
-    assert client.fetch(info, [(0, 0)], lambda o, v: None) == 0
+    into = memoryview(bytearray(0))
+    assert client.fetch(info, [], into=into) == 0
+    assert client.fetch(info, [(0, 0)], into=into) == 0
     assert s3.requests(method="GET") == []
     with pytest.raises(ValueError):
-        client.fetch(info, [(0, 1)], lambda o, v: None)
+        client.fetch(info, [(0, 1)], into=into)
 
 
-def test_fetch_write_failure_stops_the_rest(s3, bucket):
+def test_fetch_failure_stops_the_rest(s3, bucket):
     data = put(s3, "fetch/stop.bin", 200_000)
     client = ObjectClient(concurrency=4, chunk_bytes=1000)
     info = client.head("s3://models/fetch/stop.bin")
     s3.reset_counts()
-    calls = []
-
-    def write(offset, view):
-        calls.append(offset)
-        raise RuntimeError("disk full")
-
-    with pytest.raises(RuntimeError, match="disk full"):
-        client.fetch(info, [(0, len(data))], write)
+    s3.inject("error", key="fetch/stop.bin", status=403, code="AccessDenied", times=None)
+    exc = raises_within(
+        StorageError,
+        lambda: client.fetch(info, [(0, len(data))], into=memoryview(bytearray(len(data)))),
+    )
+    assert "access denied" in str(exc)
     assert len(s3.requests(method="GET")) <= 2 * 4  # 200 pieces: most never asked
-    assert len(calls) <= 4
+
+
+def test_get_into_honours_the_in_flight_limit(s3, bucket, monkeypatch):
+    """At most ``concurrency`` GETs in flight in the process, whatever the calls: four
+    threads reading at once through a client of two."""
+    import obstore
+
+    data = put(s3, "flight/x.bin", 40_000)
+    client = ObjectClient(concurrency=2, chunk_bytes=5000)
+    info = client.head("s3://models/flight/x.bin")
+    get, lock, now, most = obstore.get, threading.Lock(), [0], [0]
+
+    def counted_get(*args, **kwargs):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        try:
+            time.sleep(0.02)
+            return get(*args, **kwargs)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(obstore, "get", counted_get)
+    results = [b""] * 4
+    readers = [
+        threading.Thread(
+            target=lambda k=k: results.__setitem__(k, client.get_bytes(info, 0, len(data)))
+        )
+        for k in range(4)
+    ]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    assert results == [data] * 4
+    assert most[0] <= 2
+
+
+def test_one_pool_per_client(s3, bucket):
+    """The GETs run on the client's own long-lived threads: fetches reuse them."""
+    data = put(s3, "pool/x.bin", 50_000)
+    client = ObjectClient(concurrency=3, chunk_bytes=4000)
+    info = client.head("s3://models/pool/x.bin")
+
+    def gets() -> set:
+        return {t for t in threading.enumerate() if t.name.startswith("shardload-get")}
+
+    before = gets()
+    for _ in range(5):
+        whole = bytearray(len(data))
+        client.fetch(info, [(0, len(data))], into=memoryview(whole))
+        assert whole == data
+    mine = gets() - before
+    assert 0 < len(mine) <= 3  # the calling thread is one of the three
+    client.close()
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in mine) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(t.is_alive() for t in mine)
 
 
 # ------------------------------------------------------------------------------------ retries
@@ -506,7 +544,7 @@ def test_dropped_connections_in_fetch_resume(s3, bucket):
     s3.inject("drop", after_bytes=100, times=3)
     s3.reset_counts()
     got = bytearray(len(data))
-    n = client.fetch(info, [(0, len(data))], lambda o, v: got.__setitem__(slice(o, o + len(v)), v))
+    n = client.fetch(info, [(0, len(data))], into=memoryview(got))
     assert got == data and n == len(data) and s3.bytes_sent() == len(data)
 
 
@@ -629,7 +667,7 @@ def test_refused_credentials_never_echoed(s3, bucket):
     info = ObjectInfo("s3://models/secret/a.bin", 10, '"x"', "")
     for call in (
         lambda: client.get_bytes(info, 0, 10),
-        lambda: client.fetch(info, [(0, 10)], lambda o, v: None),
+        lambda: client.fetch(info, [(0, 10)], into=memoryview(bytearray(10))),
         lambda: client.list_folder("s3://models/secret/"),
     ):
         exc = raises_within(StorageError, call)
@@ -678,8 +716,7 @@ def test_object_replaced_between_head_and_get(s3, bucket):
     now = client.head("s3://models/changed/a.bin")
     for call in (
         lambda: client.get_bytes(info, 0, 100),
-        lambda: client.fetch(info, [(0, 100), (4000, 5000)], lambda o, v: None),
-        lambda: client.check_unchanged(info),
+        lambda: client.fetch(info, [(0, 100), (4000, 5000)], into=memoryview(bytearray(5000))),
     ):
         exc = raises_within(FormatError, call)
         assert exc.file == "s3://models/changed/a.bin"
@@ -742,13 +779,18 @@ def test_a_child_forked_after_reading_objects_is_refused_at_once(s3, bucket):
 
 
 def test_default_client_settings(monkeypatch):
-    monkeypatch.setattr(storemod, "_DEFAULT", None)
     monkeypatch.setenv("SHARDLOAD_OBJECT_CONCURRENCY", "3")
     monkeypatch.setenv("SHARDLOAD_OBJECT_CHUNK_MB", "0.25")
     monkeypatch.setenv("SHARDLOAD_OBJECT_RETRIES", "")  # empty: the default
-    client = storemod.default_client()
-    assert storemod.default_client() is client
-    assert (client.concurrency, client.chunk_bytes, client.retries) == (3, 256 << 10, 5)
+    with storemod.use_client() as client:
+        assert storemod.default_client() is client
+        assert (client.concurrency, client.chunk_bytes, client.retries) == (3, 256 << 10, 5)
+        own = ObjectClient(concurrency=2)
+        with storemod.use_client(own):
+            assert storemod.default_client() is own
+        assert storemod.default_client() is client
+    assert storemod.default_client() is not client
+    storemod.reset_default_client()
     assert storemod.settings_from_env({}) == {
         "concurrency": 8,
         "chunk_bytes": 8 << 20,
@@ -769,7 +811,6 @@ def test_default_client_settings(monkeypatch):
         with pytest.raises(ValueError) as info:
             storemod.settings_from_env({name: value})
         assert str(info.value).startswith(f"{name}={value!r} ")
-    monkeypatch.setattr(storemod, "_DEFAULT", None)
     monkeypatch.setenv("SHARDLOAD_OBJECT_RETRIES", "lots")
     with pytest.raises(ValueError, match="SHARDLOAD_OBJECT_RETRIES"):
         storemod.default_client()

@@ -26,7 +26,7 @@ import pytest
 
 import devtools.objectservers as _impl
 from devtools.objectservers import *  # noqa: F403 - the tests' names
-from devtools.objectservers import SCHEMES, is_cloud_setting, set_missing
+from devtools.objectservers import SCHEMES, is_cloud_setting, make_server, set_missing
 
 __all__ = [
     *_impl.__all__,
@@ -116,12 +116,12 @@ def serving(server: Any, monkeypatch: Any) -> Iterator[Any]:
     from shardload.sources import store
 
     use_env(monkeypatch, server.env())
-    monkeypatch.setattr(store, "_DEFAULT", None)
+    store.reset_default_client()
     server.clear_faults()
     server.reset_counts()
     yield server
     server.clear_faults()
-    store._DEFAULT = None
+    store.reset_default_client()
 
 
 def add_latency(server: Any, seconds: float) -> list:
