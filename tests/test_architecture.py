@@ -457,3 +457,164 @@ def test_planning_imports_no_torch():
                 todo.append(nxt)
     importing = sorted(m for m in seen if graph[m][1])
     assert not importing, f"modules the planning path imports that import torch: {importing}"
+
+
+# ---- errors are read as data, never as text ------------------------------------------------
+
+#: methods that read a text's contents (what a message-matching check calls)
+TEXT_READS = {
+    "split",
+    "rsplit",
+    "partition",
+    "rpartition",
+    "startswith",
+    "endswith",
+    "find",
+    "rfind",
+    "index",
+    "count",
+}
+
+
+def _own_errors() -> set[str]:
+    with open(os.path.join(PACKAGE, "errors.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+
+
+OWN_ERRORS = _own_errors()
+
+
+def _names(node: ast.AST | None) -> set[str]:
+    if node is None:
+        return set()
+    found = node.elts if isinstance(node, ast.Tuple) else [node]
+    return {n.id if isinstance(n, ast.Name) else getattr(n, "attr", "") for n in found}
+
+
+def _text_of(node: ast.AST, exc: str) -> bool:
+    """Whether ``node`` is the text of the caught exception ``exc``: ``str(exc)``,
+    ``exc.reason``, ``exc.args...``, ``f"{exc}"``."""
+    if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("str", "repr"):
+        return any(isinstance(a, ast.Name) and a.id == exc for a in node.args)
+    if isinstance(node, (ast.Attribute, ast.Subscript)):
+        base = node.value
+        while isinstance(base, (ast.Attribute, ast.Subscript)):
+            base = base.value
+        return isinstance(base, ast.Name) and base.id == exc
+    if isinstance(node, ast.JoinedStr):
+        return any(
+            isinstance(v, ast.FormattedValue)
+            and isinstance(v.value, ast.Name)
+            and v.value.id == exc
+            for v in node.values
+        )
+    return False
+
+
+def _error_text_matches(tree: ast.AST) -> list[str]:
+    """Where a handler of one of shardload's own errors reads the error's message to decide
+    something (splits it, searches it, compares it): the data should be on the error."""
+    problems = []
+    for handler in ast.walk(tree):
+        if not (
+            isinstance(handler, ast.ExceptHandler)
+            and handler.name
+            and _names(handler.type) & OWN_ERRORS
+        ):
+            continue
+        exc = handler.name
+        for node in ast.walk(handler):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in TEXT_READS
+                and _text_of(node.func.value, exc)
+            ):
+                problems.append(f"line {node.lineno}: {node.func.attr} on {exc}'s text")
+            elif isinstance(node, ast.Compare) and any(
+                _text_of(side, exc) for side in [node.left, *node.comparators]
+            ):
+                problems.append(f"line {node.lineno}: compares {exc}'s text")
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and getattr(node.func.value, "id", None) == "re"
+                and any(_text_of(a, exc) for a in node.args)
+            ):
+                problems.append(f"line {node.lineno}: re.{node.func.attr} on {exc}'s text")
+    return problems
+
+
+def _type_name_of(node: ast.AST, exc: str) -> str | None:
+    """``"__module__"`` for ``type(exc).__module__`` (likewise ``__name__``,
+    ``__qualname__``), else None."""
+    if (
+        isinstance(node, ast.Attribute)
+        and node.attr in ("__module__", "__name__", "__qualname__")
+        and isinstance(node.value, ast.Call)
+        and getattr(node.value.func, "id", None) == "type"
+        and any(isinstance(a, ast.Name) and a.id == exc for a in node.value.args)
+    ):
+        return node.attr
+    return None
+
+
+def _caught(tree: ast.AST):
+    """``(name, scope)`` for each exception a handler binds and each function parameter
+    annotated as an exception."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ExceptHandler) and node.name:
+            yield node.name, node
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for arg in node.args.args + node.args.kwonlyargs:
+                if "Exception" in ast.unparse(arg.annotation or ast.Constant(None)):
+                    yield arg.arg, node
+
+
+def _library_type_names(tree: ast.AST) -> list[str]:
+    """Where a caught exception's class is told by its module's name, or by its class's name
+    compared or searched, rather than by ``isinstance`` on the class the library exports
+    (naming the type in a message is fine)."""
+    problems = []
+    for exc, scope in _caught(tree):
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Attribute) and _type_name_of(node, exc) == "__module__":
+                problems.append(f"line {node.lineno}: type({exc}).__module__")
+            elif isinstance(node, ast.Compare) and any(
+                _type_name_of(side, exc) for side in [node.left, *node.comparators]
+            ):
+                problems.append(f"line {node.lineno}: compares type({exc})'s name")
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in TEXT_READS
+                and _type_name_of(node.func.value, exc) in ("__name__", "__qualname__")
+            ):
+                problems.append(f"line {node.lineno}: {node.func.attr} on type({exc})'s name")
+    return sorted(set(problems))
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_errors_are_read_as_data_not_text(module):
+    with open(MODULES[module], encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    assert not _error_text_matches(tree), module
+    assert not _library_type_names(tree), module
+
+
+def test_the_error_rules_catch_what_was_there_before():
+    # vllm/padding.py parsed the planner's own message; sources/store.py told obstore's
+    # errors by their module's name
+    old = ast.parse(
+        "try:\n    plan()\nexcept PlanError as exc:\n"
+        "    reason = exc.reason.split('. N that work', 1)[0]\n"
+        "try:\n    get()\nexcept (FormatError, StorageError) as e:\n"
+        "    if 'no such' in str(e): pass\n"
+        "def _error(exc: BaseException):\n    return type(exc).__module__.startswith('obs')\n"
+    )
+    assert _error_text_matches(old) == [
+        "line 4: split on exc's text",
+        "line 8: compares e's text",
+    ]
+    assert _library_type_names(old) == ["line 10: type(exc).__module__"]
