@@ -78,6 +78,28 @@ def _pipeline_buffers(worker) -> None:
     )
 
 
+def _failed_reload(llm, folder: str) -> dict:
+    """Reload in place with a plan beside the checkpoint that is not JSON, so the loader
+    fails while planning, then count each worker's mappings of the checkpoint's files and its
+    descriptors to them (``devtools.vllm_ext``), the error still held, as a caller that
+    reports it later holds it: ``{"error": ..., "before": ..., "after": ...}``, the counts
+    one per worker. What the loader opened must not wait for the error to be dropped."""
+    before = llm.collective_rpc("handles_under", args=(folder,))
+    plan = Path(folder) / "shard_info.json"
+    plan.write_text("{not json")
+    held = None
+    try:
+        llm.collective_rpc("reload_with_engines_loader")
+    # whatever vLLM's executor wraps the loader's error in: the failure asked for, kept
+    except Exception as exc:  # noqa: BLE001
+        held = exc
+    finally:
+        plan.unlink()
+    after = llm.collective_rpc("handles_under", args=(folder,))
+    error = None if held is None else f"{type(held).__name__}: {held}"
+    return {"error": error, "before": before, "after": after}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -102,6 +124,13 @@ def main() -> None:
         action="store_true",
         help="then reload the weights in place with the engine's own loader and "
         "generate again (with --digests: digests again)",
+    )
+    ap.add_argument(
+        "--fail-reload",
+        action="store_true",
+        help="then reload in place with a broken shard_info.json beside the checkpoint (MODEL "
+        "must be a folder of one's own), which the loader refuses, and count what each worker "
+        "still holds of the checkpoint's files",
     )
     ap.add_argument(
         "--digests",
@@ -148,7 +177,7 @@ def main() -> None:
     )
     if extra:
         kwargs["model_loader_extra_config"] = extra
-    if args.compare_default or args.digests or args.reload or args.time_loads:
+    if args.compare_default or args.digests or args.reload or args.time_loads or args.fail_reload:
         kwargs["worker_extension_cls"] = "devtools.vllm_ext.LoaderComparison"
     if args.hf_overrides:
         kwargs["hf_overrides"] = json.loads(args.hf_overrides)
@@ -196,9 +225,11 @@ def main() -> None:
         llm.collective_rpc("reload_with_engines_loader")
         report["reload_outputs"] = generate()
         report["reload_digests"] = llm.collective_rpc("param_digests")
+    if args.fail_reload:
+        report["failed_reload"] = _failed_reload(llm, args.model)
     with open(args.out, "w") as f:
         json.dump(report, f)
-    del llm
+    llm = None  # the engine shut down before the exit
     sys.exit(0)
 
 

@@ -1,17 +1,21 @@
-"""A vLLM worker extension for the tests and bench_vllm_load.py: digests of the model's parameters, and a reload of them
-by vLLM's own default loader in the same engine (so that only the loader differs); importing it
-times every loader's ``load_weights`` alike (for the benchmark).
+"""A vLLM worker extension for the tests and bench_vllm_load.py: digests of the model's
+parameters, and a reload of them by vLLM's own default loader in the same engine (so that only
+the loader differs); importing it times every loader's ``load_weights`` alike (for the
+benchmark).
 
 ``LLM(..., worker_extension_cls="devtools.vllm_ext.LoaderComparison")``, then
 ``llm.collective_rpc("param_digests")``, ``llm.collective_rpc("reload_with_default_loader")``
 and ``llm.collective_rpc("reload_with_engines_loader")`` (the engine's own load format again,
-through its ``get_all_weights``: for shardload, the stand-ins as views of the mapped file).
+through its ``get_all_weights``: for shardload, the stand-ins as views of the mapped file);
+``llm.collective_rpc("handles_under", args=(folder,))`` counts what a worker still holds of a
+checkpoint's files.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 
@@ -89,3 +93,20 @@ class LoaderComparison:
         """Reload every weight in place with the engine's own load format (vLLM's reload asks
         the loader for ``get_all_weights``)."""
         self.model_runner.reload_weights()
+
+    def handles_under(self, folder: str) -> dict:
+        """What this worker process holds of the files under ``folder``: its mappings of them
+        (``/proc/self/maps``) and its open descriptors to them (``/proc/self/fd``)."""
+        root = os.path.realpath(folder) + os.sep
+        with open("/proc/self/maps") as f:
+            # address, perms, offset, device, inode, then the path (of a file mapping)
+            paths = [line.split(maxsplit=5)[5:] for line in f]
+        maps = sum(1 for path in paths if path and path[0].startswith(root))
+        fds = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # the descriptor listdir itself used, closed since
+                continue
+            fds += target.startswith(root)
+        return {"maps": maps, "fds": fds}

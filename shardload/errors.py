@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 __all__ = [
     "FormatError",
@@ -26,6 +27,7 @@ __all__ = [
     "WorkerCrashedError",
     "WorkerError",
     "WorkerFailure",
+    "WorkingShards",
     "cli_text",
     "mention",
     "quote",
@@ -106,11 +108,28 @@ class ShardloadError(Exception):
     """Root of every error shardload raises on purpose."""
 
 
+class WorkingShards(Protocol):
+    """The N a plan works for, as a refusal carries them (``plan.ValidNumShards``)."""
+
+    def describe(self) -> str:
+        """``N that work (up to 64): 1, 2, 4``, or why they are not known."""
+        ...
+
+
 class PlanError(ShardloadError):
     """A ``shard_info.json`` plan is malformed or does not fit the checkpoint.
 
     ``source`` is the plan file (or ``None`` for an in-memory plan), ``param`` the parameter and
-    ``step`` the 0-based step index the problem is in, where they apply.
+    ``step`` the 0-based step index the problem is in, where they apply. A refusal of one N
+    carries the N that do work as data (``working``, else None) beside ``constraint``, what is
+    wrong without them; ``reason`` says both, as the message does:
+
+    >>> from shardload.plan import ValidNumShards
+    >>> err = PlanError("9 heads do not divide by 2", working=ValidNumShards([1, 3], tried=64))
+    >>> err.constraint, list(err.working)
+    ('9 heads do not divide by 2', [1, 3])
+    >>> err.reason
+    '9 heads do not divide by 2. N that work (up to 64): 1, 3'
     """
 
     def __init__(
@@ -120,14 +139,17 @@ class PlanError(ShardloadError):
         source: str | None = None,
         param: str | None = None,
         step: int | None = None,
+        working: WorkingShards | None = None,
     ):
         self.source = source
         self.param = param
         self.step = step
-        self.reason = message
+        self.constraint = message
+        self.working = working
+        self.reason = message if working is None else f"{message}. {working.describe()}"
         super().__init__(
             _located(
-                message,
+                self.reason,
                 source,
                 param and f"parameter {quote(param)}",
                 None if step is None else f"step {step}",
@@ -263,7 +285,8 @@ class StorageError(ShardloadError):
     was after (or None), and ``usage`` says whose move it is: True when the user must change
     something (a bad URL, a missing bucket or key, access denied, no or refused credentials,
     obstore not installed, a process forked after reading objects), False for transport
-    failures (an endpoint that does not answer, retries exhausted). The message is one line, ``"<url>: <what happened>; <what to do>"``,
+    failures (an endpoint that does not answer, retries exhausted). The message is one line,
+    ``"<url>: <what happened>; <what to do>"``,
     built from error codes, never from a server's raw text, so it never carries a credential.
     """
 

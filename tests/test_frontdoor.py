@@ -170,3 +170,20 @@ def test_sessions_open_by_kind():
             open_session("torch", 2)
     finally:
         os.environ.update(env)
+
+
+def test_a_refusal_sent_to_the_other_ranks_keeps_the_n_that_work():
+    # rank 0's refusal, as the other ranks of a shared plan raise it: the same message, and
+    # the N that work as data (with how far they were looked for), not only as its text
+    from shardload.errors import PlanError
+    from shardload.frontdoor import shared_plan
+    from shardload.plan import ValidNumShards
+
+    working = ValidNumShards([1, 3], tried=9, limit=64)
+    exc = PlanError("9 heads over 2 workers", source="<plan for x>", param="w", working=working)
+    sent = {"ok": False, "planning": True, "error": shared_plan._error_json(exc)}
+    status = json.loads(json.dumps(sent))
+    rebuilt = shared_plan._rebuilt(shared_plan._read_status(status), "planning the load")
+    assert isinstance(rebuilt, PlanError) and str(rebuilt) == str(exc)
+    assert rebuilt.constraint == exc.constraint and rebuilt.working == [1, 3]
+    assert (rebuilt.working.tried, rebuilt.working.limit) == (9, 64)

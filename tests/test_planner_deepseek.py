@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import shutil
 
 import pytest
@@ -78,6 +77,7 @@ from helpers.deepseek_configs import (
 )
 from helpers.deepseek_fp8_tool import DEEPSEEK_QUANT_CONFIG, dequantize, write_deepseek_fp8
 from helpers.loads import decided_load
+from helpers.planner_checks import check_padded_layout, expert_of
 from helpers.tp_reference import (
     expert_slots,
     layer_piece,
@@ -164,10 +164,6 @@ def is_routed(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def expert_of(name: str) -> int:
-    return int(re.search(r"\.experts\.([0-9]+)\.", name).group(1))
-
-
 def expected(name: str, w: torch.Tensor, n: int, i: int, padded: bool) -> torch.Tensor:
     """Worker i's tensor-parallel piece of the stored tensor ``name``."""
     split = split_of(name)
@@ -187,14 +183,10 @@ def read_bytes(name: str, w: torch.Tensor, n: int, i: int, padded: bool) -> int:
     return int(expected(name, torch.ones_like(w), n, i, padded).count_nonzero()) * w.element_size()
 
 
-def check_padded_layout(decision, n: int) -> None:
-    layout = decision.shard_info().metadata["tensor_parallel"]
-    assert layout["num_shards"] == n
-    assert (layout["q_heads"], layout["kv_heads"]) == padded_heads(HEADS, HEADS, n)
-    assert layout["mlp_block"] == 1
-    assert layout["mlp_blocks"] == {
-        str(size): padded_units(size, n) for size in (INTER, MOE_INTER * SHARED)
-    }
+def padded_layout(n: int) -> tuple:
+    """The rule's padded layout at N: (heads, MLP blocks by size), ``check_padded_layout``'s."""
+    sizes = (INTER, MOE_INTER * SHARED)
+    return padded_heads(HEADS, HEADS, n), {size: padded_units(size, n) for size in sizes}
 
 
 # ---- the checkpoints are what the rules above assume ---------------------------------------------
@@ -240,7 +232,7 @@ def check_tensor_parallel(folder, stored, n: int, session_class=ThreadedSession)
         assert decision.kind == ("padded" if padded else "unpadded"), n
         assert decision.shard_info().placement is None
         if padded:
-            check_padded_layout(decision, n)
+            check_padded_layout(decision, *padded_layout(n))
         else:
             assert "tensor_parallel" not in decision.shard_info().metadata
         assert sorted(sharded.names) == sorted(stored)
@@ -362,7 +354,9 @@ def test_mla_attention_forward_sums_to_whole(request, version, n):
             heads = piece[prefix + "o_proj.weight"].shape[1] // V_DIM
             part = run_attention(
                 version,
-                attention_module(version, config, heads, lambda m: piece[f"{prefix}{m}.weight"]),
+                attention_module(
+                    version, config, heads, lambda m, piece=piece: piece[f"{prefix}{m}.weight"]
+                ),
                 x,
                 position_embeddings,
                 mask,
@@ -442,7 +436,7 @@ def test_moe_block_forward_sums_to_whole_at_2_workers(request, version, experts)
         slots = expert_slots(EXPERTS, n) if experts == "ep" else [range(EXPERTS)] * n
         got = torch.zeros_like(want)
         for i in range(n):
-            routed_i, shared_i = moe_weights(lambda k: sharded.shard(k, i), slots[i])
+            routed_i, shared_i = moe_weights(lambda k, i=i: sharded.shard(k, i), slots[i])
             router_i = {k: sharded.shard(MOE + "gate." + k, i) for k in router}
             with torch.no_grad():
                 got += moe_module(version, config, routed_i, shared_i, router_i)(x)
@@ -594,7 +588,7 @@ def test_fp8_attention_forward_sums_to_whole_at_4_workers(fp8):
         got = torch.zeros_like(want)
         for i in range(n):
             module = attention_module(
-                "v3", config, FP8_HEADS // n, weights(lambda k: sharded.shard(k, i))
+                "v3", config, FP8_HEADS // n, weights(lambda k, i=i: sharded.shard(k, i))
             )
             got += run_attention("v3", module, x, position_embeddings, mask)
     assert want.abs().max() > 1e-3
@@ -697,7 +691,7 @@ def check_expert_parallel(folder, stored, n: int, session_class=ThreadedSession)
         padded = HEADS % n != 0  # 4 heads over 3 or 8: attention and MLPs padded as in TP
         assert decision.kind == ("padded" if padded else "unpadded"), n
         if padded:
-            check_padded_layout(decision, n)
+            check_padded_layout(decision, *padded_layout(n))
         routed = [k for k in stored if is_routed(k)]
         assert len(routed) == 3 * EXPERTS
         assert info.placement is not None and info.placement.num_shards == n

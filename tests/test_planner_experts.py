@@ -68,6 +68,7 @@ from gguf.quants import dequantize, quantize
 from helpers.cli_runs import run_cli
 from helpers.moe_configs import COMMON, CONFIGS, EXPERTS, HEADS, HIDDEN, KV_HEADS, VOCAB, mlp_sizes  # noqa: F401
 from helpers.paths import EXAMPLE
+from helpers.planner_checks import split_of
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
 from safetensors.torch import load_file, save_file
 
@@ -475,7 +476,7 @@ def moe_model(tmp_path_factory):
     return get
 
 
-def expert_of(name: str, arch: str):
+def routed_expert(name: str, arch: str):
     """(layer, expert) of a routed expert's tensor, or None."""
     block, projections = EXPERT_MODULES[arch]
     parts = name.split(".")  # model.layers.L.<block>.experts.E.<proj>.weight
@@ -483,22 +484,6 @@ def expert_of(name: str, arch: str):
         assert parts[6] in projections, name
         return int(parts[2]), int(parts[5])
     return None
-
-
-def split_of(name: str, config):
-    """(axis, rows, units, replicable, kind) of a non-expert tensor's TP split; None:
-    replicated (norms, per-head q/k norms, routers, shared_expert_gate, embeddings)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // HEADS
-    module = name.rsplit(".", 2)[-2]
-    if module in ("q_proj", "o_proj"):
-        return (1 if module == "o_proj" else 0), HEADS * head_dim, HEADS, False, "q"
-    if module in ("k_proj", "v_proj"):
-        return 0, KV_HEADS * head_dim, KV_HEADS, True, "kv"
-    if module not in ("gate_proj", "up_proj", "down_proj"):
-        return None
-    kind = "shared_expert" if ".shared_expert." in name else "dense"
-    size = mlp_sizes(config)[kind]
-    return (1 if module == "down_proj" else 0), size, size, False, kind
 
 
 def tp_piece(name, w, n, i, config, padded) -> tuple[torch.Tensor, int]:
@@ -525,7 +510,7 @@ def tp_piece(name, w, n, i, config, padded) -> tuple[torch.Tensor, int]:
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_ep_places_whole_experts_on_their_workers(moe_model, arch):
     folder, config, dense = moe_model(arch)
-    experts = {name: e for name in dense if (e := expert_of(name, arch)) is not None}
+    experts = {name: e for name in dense if (e := routed_expert(name, arch)) is not None}
     layers = {layer for layer, _ in experts.values()}
     assert len(experts) == 3 * EXPERTS * len(layers) and experts  # 3 projections each
     for n in SHARDS:
@@ -627,7 +612,7 @@ def test_ep_needs_no_padding_for_an_n_only_the_experts_break(tmp_path):
     assert {
         k: v
         for k, v in symbolic.items()
-        if not k.startswith("__") and expert_of(k, "qwen3_moe") is None
+        if not k.startswith("__") and routed_expert(k, "qwen3_moe") is None
     } == {k: v for k, v in info.to_dict().items() if not k.startswith("__")}
 
 
@@ -789,7 +774,7 @@ def test_cli_plan_ep_then_load_and_validate_with_it(moe_model, tmp_path):
     result = run_cli("plan", "--shards", n, "--experts", "ep", folder)
     written = json.loads(ok(result))
     owners = owner(EXPERTS, n)
-    experts = {name: ex[1] for name in dense if (ex := expert_of(name, "mixtral")) is not None}
+    experts = {name: ex[1] for name in dense if (ex := routed_expert(name, "mixtral")) is not None}
     assert written["__placement__"] == {
         "num_shards": n,
         "params": {name: [owners[e]] for name, e in experts.items()},

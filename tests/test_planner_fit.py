@@ -11,6 +11,8 @@ for every N (``valid_num_shards``).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -31,12 +33,15 @@ from helpers.quantized_models import (
     pack_quantized,
     write_model,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import shardload.planners as planners
 from shardload import PlanError, ThreadedSession, load_sharded, open_checkpoint
 from shardload import plan as plan_module
 from shardload.cli import cli
 from shardload.planners import plan_decision, plan_for, valid_num_shards
+from shardload.planners.decision import PlanKind
 from shardload.planners.fit import Constraint, Constraints
 
 NS = range(1, 13)
@@ -56,7 +61,8 @@ def decisions(ckpt, **kwargs) -> dict[str, list[int]]:
 @pytest.mark.parametrize(
     "geometry, fmt, unpadded, refused",
     [
-        # 8 query heads, 2 KV heads, MLP 512: N divides the heads, or is a multiple of the 2 KV heads
+        # 8 query heads, 2 KV heads, MLP 512: N divides the heads, or is a multiple of the 2 KV
+        # heads
         (GQA, PLAIN[0], [1, 2, 4, 8], []),
         (GQA, awq(32), [1, 2, 4, 8], []),
         (GQA, gptq(4, 32), [1, 2, 4, 8], []),  # g_idx: zero rows in zero-scaled groups of their own
@@ -107,8 +113,18 @@ def test_what_each_decision_holds(tmp_path):
         with pytest.raises(PlanError) as err:
             refused.shard_info()
         assert err.value is refused.error
+        # the refusal carries the N that work as data, beside its constraint
+        assert refused.error.working is refused.valid
+        assert str(refused.error).endswith(
+            f"{refused.error.constraint}. {refused.valid.describe()}"
+        )
         symbolic = plan_decision(ckpt)
-        assert symbolic.kind == "symbolic" and symbolic.num_shards is None
+        assert symbolic.kind is PlanKind.SYMBOLIC and symbolic.num_shards is None
+        # each outcome is its word, in text and JSON as in comparisons
+        kinds = [unpadded.kind, padded.kind, refused.kind, symbolic.kind]
+        assert kinds == ["unpadded", "padded", "refused", "symbolic"]
+        assert [f"{k}" for k in kinds] == [str(k) for k in kinds] == kinds
+        assert json.dumps(kinds) == '["unpadded", "padded", "refused", "symbolic"]'
 
 
 def test_gguf_k_quants_and_mlc(tmp_path):
@@ -144,10 +160,6 @@ def test_constraints_allow_exactly_the_n_that_validate(tmp_path, fmt):
             truth = valid_num_shards(decision.shard_info(), ckpt)  # binds and validates each N
             assert list(decision.valid) == list(truth), (fmt.name, geometry)
             assert decision.valid.complete
-
-
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st
 
 
 @st.composite
@@ -248,7 +260,7 @@ def test_refused_with_padding_impossible_validates_nothing(tmp_path, counted):
     assert counted == {"bind": 0, "validate": 0}
 
 
-# ---- refusals name the constraint -----------------------------------------------------------------
+# ---- refusals name the constraint ----------------------------------------------------------------
 
 
 def refusal(folder, n, **kwargs) -> PlanError:
@@ -323,7 +335,7 @@ def test_num_shards_is_checked_first(tmp_path):
             plan_decision(folder, n)
 
 
-# ---- shardload plan: one call, its refusal printed ------------------------------------------------
+# ---- shardload plan: one call, its refusal printed -----------------------------------------------
 
 
 def test_cli_plan_calls_the_planner_once(tmp_path, monkeypatch):
@@ -368,7 +380,7 @@ def test_cli_plan_prints_the_refusal(tmp_path):
     assert result.exit_code == 2 and "do not divide among 2 workers" in result.stderr
 
 
-# ---- the constraint itself -------------------------------------------------------------------------
+# ---- the constraint itself -----------------------------------------------------------------------
 
 
 def test_constraint_rules():

@@ -47,6 +47,7 @@ from helpers.gpt_oss_tool import (
     write_gpt_oss_mxfp4,
 )
 from helpers.loads import decided_load
+from helpers.planner_checks import check_padded_layout
 from helpers.tp_reference import expert_slots, padded_heads, padded_units, rows_of, take
 from safetensors.torch import load_file
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
@@ -162,12 +163,11 @@ def check_every_piece(sharded, stored: dict, n: int, unit_of, slots=None) -> int
     return changed
 
 
-def check_padded_layout(decision, n: int, inter: int, block: int) -> None:
-    layout = decision.shard_info().metadata["tensor_parallel"]
-    assert layout["num_shards"] == n and layout["head_dim"] == HEAD_DIM
-    assert (layout["q_heads"], layout["kv_heads"]) == padded_heads(HEADS, KV_HEADS, n)
-    assert layout["mlp_block"] == block
-    assert layout["mlp_blocks"] == {str(inter): padded_units(inter // block, n)}
+def check_layout(decision, n: int, inter: int, block: int) -> None:
+    """The padded plan's record at N: the rule's heads and ``inter``'s ``block``-row blocks."""
+    heads = padded_heads(HEADS, KV_HEADS, n)
+    blocks = {inter: padded_units(inter // block, n)}
+    check_padded_layout(decision, heads, blocks, block=block, head_dim=HEAD_DIM)
 
 
 def expert_names(stored: dict) -> list[str]:
@@ -195,11 +195,14 @@ def test_bf16_tensor_parallel_every_piece(bf16):
             padded = HEADS % n != 0
             assert decision.kind == ("padded" if padded else "unpadded"), n
             if padded:
-                check_padded_layout(decision, n, BF16_INTER, 1)
+                check_layout(decision, n, BF16_INTER, 1)
             else:
                 assert "tensor_parallel" not in decision.shard_info().metadata
             changed = check_every_piece(
-                sharded, stored, n, lambda i: units_of(n, i, BF16_INTER, padded, 1)
+                sharded,
+                stored,
+                n,
+                lambda i, n=n, padded=padded: units_of(n, i, BF16_INTER, padded, 1),
             )
             if n > 1:  # per layer: q/k/v weight+bias, o weight, sinks, gate_up w+bias, down
                 assert changed >= n * LAYERS * 10
@@ -235,8 +238,8 @@ def test_mxfp4_tensor_parallel_bytes_and_dequantized(mxfp4):
             padded = n != 1
             assert decision.kind == ("padded" if padded else "unpadded"), n
             if padded:
-                check_padded_layout(decision, n, MXFP4_INTER, GROUP)
-            unit_of = lambda i: units_of(n, i, MXFP4_INTER, padded, GROUP)  # noqa: E731
+                check_layout(decision, n, MXFP4_INTER, GROUP)
+            unit_of = lambda i, n=n, padded=padded: units_of(n, i, MXFP4_INTER, padded, GROUP)  # noqa: E731
             check_every_piece(sharded, stored, n, unit_of)
             for i in range(n):
                 _, _, mlp, rows = unit_of(i)
@@ -363,7 +366,7 @@ def test_experts_forward_sums_to_whole(request, which, n):
             got = torch.zeros_like(want)
             for i in range(n):
                 weights = expert_weights(
-                    lambda leaf: sharded.shard(prefix + "experts." + leaf, i), which == "mxfp4"
+                    lambda leaf, i=i: sharded.shard(prefix + "experts." + leaf, i), which == "mxfp4"
                 )
                 if i:
                     weights["down_proj_bias"] = torch.zeros_like(weights["down_proj_bias"])

@@ -36,6 +36,7 @@ from click.testing import CliRunner
 from helpers.loads import load_decision
 from helpers.modelopt_configs import CONFIGS, EXPERTS, HEADS, HIDDEN, INTER, MOE_INTER, VOCAB
 from helpers.modelopt_tool import cached_modelopt_nvfp4, dequantize_module
+from helpers.planner_checks import check_padded_layout, expert_of
 from helpers.tp_reference import expert_slots, layer_piece, padded_head_runs, padded_units, rows_of
 from safetensors.torch import load_file
 
@@ -116,11 +117,6 @@ def balanced(experts: int, n: int) -> list[list[int]]:
     return [[e for e in held if e >= 0] for held in expert_slots(experts, n)]
 
 
-def expert_of(module: str):
-    parts = module.split(".")
-    return int(parts[parts.index("experts") + 1]) if "experts" in parts else None
-
-
 def check_every_worker(folder, config, decision, sharded, owners=None, vocab_parallel=False) -> int:
     """Every worker's every tensor against ModelOpt's dequantization and the rules; ``owners``
     (expert -> worker) for expert parallelism. Returns the quantized modules checked."""
@@ -159,16 +155,14 @@ def check_every_worker(folder, config, decision, sharded, owners=None, vocab_par
     return len(modules)
 
 
-def check_padded_layout(decision, config, mlp_sizes) -> None:
+def check_layout(decision, config, mlp_sizes) -> None:
     """The padded plan's record of each worker's heads and MLP blocks: the rule's."""
     n = decision.num_shards
-    layout = decision.shard_info().metadata["tensor_parallel"]
-    assert (layout["q_heads"], layout["kv_heads"]) == padded_head_runs(
+    heads = padded_head_runs(
         config.num_attention_heads, config.num_key_value_heads, n, heads_per_run(config)
     )
-    if mlp_sizes:
-        assert layout["mlp_block"] == GROUP
-    assert layout["mlp_blocks"] == {str(s): padded_units(s // GROUP, n) for s in mlp_sizes}
+    blocks = {size: padded_units(size // GROUP, n) for size in mlp_sizes}
+    check_padded_layout(decision, heads, blocks, block=GROUP)
 
 
 def dense_shape(module: str, config) -> tuple[int, int]:
@@ -247,7 +241,7 @@ def test_every_worker_dequantizes_to_its_slice(arch):
         assert decision.kind == kind, n
         assert "modelopt-nvfp4 4-bit group 16" in str(decision.summary)
         if kind == "padded":
-            check_padded_layout(decision, config, [INTER])
+            check_layout(decision, config, [INTER])
         else:
             assert "tensor_parallel" not in decision.shard_info().metadata
         sharded = load_decision(folder, decision)
@@ -280,7 +274,7 @@ def test_qwen3_moe_experts_split_like_an_mlp_of_32_rows():
         decision = plan_decision(str(folder), n)
         assert decision.kind == kind, n
         if kind == "padded":
-            check_padded_layout(decision, config, [MOE_INTER])
+            check_layout(decision, config, [MOE_INTER])
             assert decision.shard_info().metadata["tensor_parallel"]["mlp_blocks"] == {
                 "32": [[0], [1], [-1], [-1]]
             }
@@ -318,7 +312,7 @@ def test_qwen3_moe_expert_parallel_places_whole_experts(n, processes):
     }
     assert len(plan.placement.params) == 2 * EXPERTS * 3 * len(NVFP4_TENSORS)
     if decision.kind == "padded":  # the attention's heads; no MLP is split
-        check_padded_layout(decision, config, [])
+        check_layout(decision, config, [])
     if not processes:
         sharded = load_decision(folder, decision)
         assert check_every_worker(folder, config, decision, sharded, owners) == 2 * (
@@ -348,7 +342,7 @@ def test_heads_narrower_than_a_group_pad_in_pairs():
     for n in (3, 4):
         decision = plan_decision(str(folder), n)
         assert decision.kind == "padded", n
-        check_padded_layout(decision, config, [config.intermediate_size])
+        check_layout(decision, config, [config.intermediate_size])
         assert check_every_worker(folder, config, decision, load_decision(folder, decision)) == 7
         refused = plan_decision(str(folder), n, pad=False)
         assert refused.kind == "refused" and refused.validated is None, n

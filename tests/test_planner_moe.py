@@ -27,6 +27,7 @@ import torch
 import transformers
 from helpers.loads import plan_and_load
 from helpers.moe_configs import CONFIGS, EXPERTS, HEADS, HIDDEN, KV_HEADS, mlp_sizes
+from helpers.planner_checks import split_of
 from helpers.tp_reference import padded_heads, padded_units, rows_of, take
 from safetensors.torch import load_file, save_file
 
@@ -49,27 +50,6 @@ def save_model(folder: Path, arch: str):
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return config
-
-
-def split_of(name: str, config):
-    """(axis, rows, units, replicable, kind) of a tensor's split, or None: replicated."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // HEADS
-    module = name.rsplit(".", 2)[-2]
-    if module in ("q_proj", "o_proj"):
-        return (1 if module == "o_proj" else 0), HEADS * head_dim, HEADS, False, "q"
-    if module in ("k_proj", "v_proj"):
-        return 0, KV_HEADS * head_dim, KV_HEADS, True, "kv"
-    if module not in ("gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"):
-        return None  # norms (q/k norms per head), routers, shared_expert_gate, embeddings
-    kind = (
-        "experts"
-        if ".experts." in name
-        else "shared_expert"
-        if ".shared_expert." in name
-        else "dense"
-    )
-    size = mlp_sizes(config)[kind]
-    return (1 if module in ("down_proj", "w2") else 0), size, size, False, kind
 
 
 def expected(name, w, n, i, config, padded=None):

@@ -212,6 +212,28 @@ def test_overrides_refuse_a_layout_vllm_cannot_hold_naming_the_n_that_work(tmp_p
     assert str(err.value).count("N that work") == 1
 
 
+def test_a_refusal_without_the_n_that_work_computed_names_vllms_n_once(tmp_path, monkeypatch):
+    # a hand-written symbolic plan too large to validate for each N: its refusal cannot list
+    # the N that work, and vLLM's refusal names its own list, once, after the constraint
+    import shardload.plan.shards as shards
+    from shardload.planners import plan_for
+    from shardload.vllm.padding import validated_for_vllm
+
+    ckpt = open_checkpoint(str(_llama_folder(tmp_path, heads=9, kv=3, hidden=36, inter=36)))
+    plan = plan_for(ckpt)
+    monkeypatch.setattr(shards, "MAX_VALIDATION_WORK", 1)
+    with pytest.raises(PlanError) as err:
+        validated_for_vllm(ckpt, 7, plan)
+    text = str(err.value)
+    assert "not computed" not in text and text.count("N that work") == 1, text
+    assert "equal shards; N that work: 1, 2 (padded), 3, 4 (padded)," in text, text
+    # the plan's own refusal: the N that work as data, beside the constraint
+    with pytest.raises(PlanError, match="the N that work were not computed") as given:
+        shards.check_plan_fits(plan, ckpt, 2)
+    assert given.value.working is not None and given.value.working.tried == 0
+    assert "not computed" not in given.value.constraint
+
+
 def test_verify_passes_a_true_narrowing_and_names_the_parameter_poison_reaches():
     full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
     from shardload.vllm.standins import Block
@@ -221,7 +243,7 @@ def test_verify_passes_a_true_narrowing_and_names_the_parameter_poison_reaches()
     for offset_rows, name in [(0, None), (1, "layer.weight")]:
         params = {"layer.weight": torch.empty(4, 4), "made.from.config": torch.ones(2)}
 
-        def load(bad, offset_rows=offset_rows):
+        def load(bad, offset_rows=offset_rows, params=params):
             poison(standin, mine, bad)
             params["layer.weight"].copy_(standin[offset_rows : offset_rows + 4])
 

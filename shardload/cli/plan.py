@@ -102,7 +102,7 @@ def plan(
         fits += f" (tried N up to {valid.tried} only)"
     scope = (
         f"for N={num_shards} only; unpadded plans fit N in {fits}"
-        if decision.kind == "padded"
+        if decision.kind is planner_decision.PlanKind.PADDED
         else f"valid for N in {fits}"
     )
     if experts == "ep":

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import EXPERTS_EP, PlanError, Setting, mention, quote
 from ..plan import Plan, ShardInfo, ValidatedPlan, check_plan_fits, valid_num_shards
 from ..readers import Checkpoint
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..planners.decision import PlanDecision
 
 __all__ = [
     "PLAN_FILE",
@@ -134,9 +137,10 @@ def resolve_plan(
     """
     if shard_info is REPLICATE:
         _no_planner_options(experts, vocab_parallel, pad, "REPLICATE")
-        plan = ShardInfo.from_dict({}, source="<every tensor replicated>")
+        source = "<every tensor replicated>"
+        plan = ShardInfo.from_dict({}, source=source)
         return ResolvedPlan(
-            plan.bind(num_shards).validate(checkpoint.metadata()), "replicate", plan.source
+            plan.bind(num_shards).validate(checkpoint.metadata()), "replicate", source
         )
     origin = "given"
     if shard_info is None:
@@ -161,8 +165,7 @@ def resolve_plan(
     decision = plan_decision(
         checkpoint, num_shards, vocab_parallel=vocab_parallel, pad=pad, experts=experts
     )
-    info = decision.shard_info()
-    return ResolvedPlan(decision.validated, "planned", info.source, decision)
+    return _planned(decision)
 
 
 def _padded_instead(
@@ -172,7 +175,7 @@ def _padded_instead(
     planner's own symbolic plan (it records the model) and does not fit N; else None (the
     refusal of the plan beside stands)."""
     from ..geometry import MODEL_KEY
-    from ..planners.decision import plan_decision
+    from ..planners.decision import PlanKind, plan_decision
 
     if not beside.is_symbolic or MODEL_KEY not in beside.metadata:
         return None
@@ -180,14 +183,23 @@ def _padded_instead(
         decision = plan_decision(checkpoint, num_shards)
     except PlanError:
         return None
-    if decision.kind != "padded":
+    if decision.kind is not PlanKind.PADDED:
         return None
     fits = valid_num_shards(beside, checkpoint).describe()
     note = (
         f"{beside.source} does not fit {num_shards} workers ({fits}): using the planner's "
         f"zero-padded plan for {num_shards} instead"
     )
-    return ResolvedPlan(decision.validated, "planned", decision.shard_info().source, decision, note)
+    return _planned(decision, note)
+
+
+def _planned(decision: PlanDecision, note: str = "") -> ResolvedPlan:
+    """The planner's plan for N as the load uses it; its refusal raised."""
+    info = decision.shard_info()  # raises a refusal
+    # a decision for an N that is not refused holds its plan validated, and the planner names
+    # its plans (``<plan for CKPT>``)
+    assert decision.validated is not None and info.source is not None
+    return ResolvedPlan(decision.validated, "planned", info.source, decision, note)
 
 
 def planned_fits(checkpoint: Checkpoint) -> list[int]:

@@ -53,6 +53,7 @@ from ..errors import (
 )
 from ..gc_pause import gc_paused
 from ..plan import MAX_PLAN_BYTES, Placement, ShardInfo, ValidatedPlan, ValidNumShards
+from ..planners.decision import PlanKind
 from ..readers import Checkpoint, as_checkpoint
 from ..sessions import Session
 from ..sessions.functions import register_session_func
@@ -85,11 +86,11 @@ def _status(ctx, value: Any) -> Any:
 def _share(ctx, data: torch.Tensor | None, size: int) -> torch.Tensor:
     """Rank 0's ``data`` (``size`` bytes, uint8) on every rank, in one broadcast over the
     session's group; on the worker's device, as NCCL needs."""
-    buf = (
-        data.to(ctx.device)
-        if ctx.rank == 0
-        else torch.empty(size, dtype=torch.uint8, device=ctx.device)
-    )
+    if ctx.rank == 0:
+        assert data is not None  # rank 0 sends its plan; the others receive into buf
+        buf = data.to(ctx.device)
+    else:
+        buf = torch.empty(size, dtype=torch.uint8, device=ctx.device)
     ctx.group.broadcast(buf, src=0)
     ctx.progress()
     return buf.cpu()
@@ -100,7 +101,7 @@ class DecisionSummary:
     """The planner's decision as rank 0 made it, for the ranks that received its plan: what a
     ``PlanDecision`` says for people, not the planner's objects (``summary`` is its text)."""
 
-    kind: str
+    kind: PlanKind
     num_shards: int | None
     summary: str
     valid: ValidNumShards
@@ -138,8 +139,8 @@ def plan_once(
     """``params`` opened (``as_checkpoint``) and its plan for the session's workers, by the
     front door's policy: resolved on rank 0 alone and received by the others where the
     session's workers each run this (``Session.spmd``), else resolved here. Call it inside
-    ``session.collective(what)`` (``plan_job`` does); every worker must call it (``what`` names the step in a
-    ``WorkerError``)."""
+    ``session.collective(what)`` (``plan_job`` does); every worker must call it (``what`` names
+    the step in a ``WorkerError``)."""
     start = time.perf_counter()
     if not session.spmd or session.num_workers == 1:
         ckpt = as_checkpoint(params)
@@ -180,7 +181,9 @@ def planning_per_worker(session: Session, job: JobPlan) -> list[dict] | None:
 def _plan_and_send(
     session: Session, params: Any, shard_info: Any, experts: str, what: str, start: float
 ) -> JobPlan:
-    ckpt = resolved = failed = None
+    ckpt: Checkpoint | None = None
+    resolved: ResolvedPlan | None = None
+    failed: BaseException | None = None
     planning, data = False, b""
     try:
         ckpt = as_checkpoint(params)
@@ -194,6 +197,7 @@ def _plan_and_send(
     if failed is not None:
         status = {"ok": False, "planning": planning, "error": _error_json(failed)}
     else:
+        assert resolved is not None  # (resolved where nothing failed)
         status = {"ok": True, "shared": shard_info is None, **_resolved_json(resolved, data)}
     # what is not JSON (a path object as an error's source) as its text: a status that failed
     # to encode would leave rank 0 out of the exchange the others wait in
@@ -205,10 +209,11 @@ def _plan_and_send(
             session.run(_SHARE, lambda w: [buf, len(data)], context=what)
     except BaseException:
         if failed is not None:  # its own failure is rank 0's answer; the exchange's is context
-            raise failed
+            raise failed  # noqa: B904 - the exchange's failure stays its __context__
         raise
     if failed is not None:
         raise failed
+    assert ckpt is not None and resolved is not None  # (both made where nothing failed)
     return JobPlan(ckpt, resolved, PLANNED, time.perf_counter() - start, work)
 
 
@@ -284,12 +289,10 @@ def _resolved_json(resolved: ResolvedPlan, data: bytes) -> dict:
         None
         if decision is None
         else {
-            "kind": decision.kind,
+            "kind": decision.kind.value,
             "num_shards": decision.num_shards,
             "summary": str(decision.summary),
-            "valid": list(decision.valid),
-            "tried": decision.valid.tried,
-            "limit": decision.valid.limit,
+            **_working_json(decision.valid),
         }
     )
     return {
@@ -305,7 +308,7 @@ def _resolved_json(resolved: ResolvedPlan, data: bytes) -> dict:
 #: the errors rank 0 sends field by field, so each rank raises the same one (message included);
 #: any other ``ShardloadError`` is rebuilt from its message as a ``ShardloadError``
 _FIELDS = {
-    PlanError: ("reason", "source", "param", "step"),
+    PlanError: ("constraint", "source", "param", "step", "working"),
     FormatError: ("reason", "file", "tensor"),
     StorageError: ("reason", "url", "byte_range", "usage"),
     SessionError: (),
@@ -322,7 +325,9 @@ def _error_json(exc: BaseException) -> dict:
         "message": describe(exc),
         "traceback": "".join(traceback.format_exception(exc)),
         "kind": kind and kind.__name__,
-        "fields": {f: getattr(exc, f) for f in _FIELDS.get(kind, ())},
+        "fields": {
+            f: _field_json(getattr(exc, f)) for f in (_FIELDS.get(kind, ()) if kind else ())
+        },
         "settings": [[s.python, s.cli] for s in getattr(exc, "settings", ())],
     }
 
@@ -348,6 +353,7 @@ def _receive(
         )
     if own is not None:
         raise own
+    assert ckpt is not None  # (opened where nothing was raised)
     received = time.perf_counter()
     if shard_info is None and not status["ok"]:
         raise _rebuilt(status, what)
@@ -414,19 +420,37 @@ def _read_status(status: Any) -> dict:
     return status
 
 
+def _working_json(working: ValidNumShards) -> dict:
+    return {"valid": list(working), "tried": working.tried, "limit": working.limit}
+
+
+def _field_json(value: Any) -> Any:
+    """An error's field as JSON: the N that work (a refusal's ``working``) with how far they
+    were looked for."""
+    return _working_json(value) if isinstance(value, ValidNumShards) else value
+
+
+def _working(value: dict) -> ValidNumShards:
+    valid = _check(value, "valid", list)
+    if not all(type(n) is int for n in valid):
+        raise _malformed("valid")
+    return ValidNumShards(
+        valid, tried=_check(value, "tried", int), limit=_check(value, "limit", int)
+    )
+
+
 def _decision(summary: dict | None) -> DecisionSummary | None:
     if summary is None:
         return None
-    valid = _check(summary, "valid", list)
-    if not all(type(n) is int for n in valid):
-        raise _malformed("valid")
+    try:
+        kind = PlanKind(_check(summary, "kind", str))
+    except ValueError:
+        raise _malformed("kind") from None
     return DecisionSummary(
-        _check(summary, "kind", str),
+        kind,
         _check(summary, "num_shards", int, type(None)),
         _check(summary, "summary", str),
-        ValidNumShards(
-            valid, tried=_check(summary, "tried", int), limit=_check(summary, "limit", int)
-        ),
+        _working(summary),
     )
 
 
@@ -440,11 +464,13 @@ def _rebuilt(status: dict, what: str) -> BaseException:
         return WorkerError([WorkerFailure(0, error["type"], message, error["traceback"])], what)
     try:
         if kind == "PlanError":
+            working = fields["working"]
             exc: ShardloadError = PlanError(
-                fields["reason"],
+                fields["constraint"],
                 source=fields["source"],
                 param=fields["param"],
                 step=fields["step"],
+                working=None if working is None else _working(working),
             )
         elif kind == "FormatError":
             exc = FormatError(fields["reason"], file=fields["file"], tensor=fields["tensor"])

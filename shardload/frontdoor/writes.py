@@ -64,6 +64,7 @@ def write_atomic(path: str, text: str) -> None:
         return
     folder = os.path.dirname(real)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(real)}.", suffix=".tmp", dir=folder)
+    replaced = False
     try:
         try:
             _write_all(fd, text.encode())
@@ -76,10 +77,10 @@ def write_atomic(path: str, text: str) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, real)
-        tmp = None
+        replaced = True
         _fsync_folder(folder)
     finally:
-        if tmp is not None:
+        if not replaced:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
 

@@ -323,15 +323,17 @@ class ShardInfo:
         if is_object_url(path):
             from ..sources.store import default_client
 
+            url = os.fsdecode(path)  # (an object URL is a string)
+
             def too_big(size: int) -> PlanError:
                 return PlanError(
                     f"the plan is {size} bytes, over the {limits.MAX_PLAN_BYTES}"
                     f"-byte limit for a plan",
-                    source=source or path,
+                    source=source or url,
                 )
 
-            text = default_client().read_capped(path, limits.MAX_PLAN_BYTES, too_big)
-            return cls.loads(text, source=source or path)
+            text = default_client().read_capped(url, limits.MAX_PLAN_BYTES, too_big)
+            return cls.loads(text, source=source or url)
         path = os.fsdecode(path)
         source = path if source is None else source
         text = files.read_capped(
@@ -376,7 +378,8 @@ class ShardInfo:
         if self.is_symbolic:
             return None
         ns = {steps[-1].out_shape[0] for steps in self.chains() if steps and steps[-1].out_shape}
-        return ns.pop() if len(ns) == 1 else None
+        n = ns.pop() if len(ns) == 1 else None
+        return n if isinstance(n, int) else None  # (not symbolic: no dim is an expression)
 
     def to_dict(self) -> dict:
         """The plan in ``shard_info.json`` form, expressions kept."""

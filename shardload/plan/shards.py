@@ -84,10 +84,10 @@ def _refuse(info: ShardInfo, ckpt: Checkpoint, num_shards: int, exc: PlanError):
     if not valid and valid.complete:
         raise exc  # no N fits: the problem is not the number of workers
     error = PlanError(
-        f"{ckpt.source} cannot be split over {num_shards} workers: "
-        f"{exc.reason.rstrip('.')}. {valid.describe()}",
+        f"{ckpt.source} cannot be split over {num_shards} workers: {exc.constraint.rstrip('.')}",
         source=info.source,
         param=exc.param,
+        working=valid,
     )
     raise mention(error, *getattr(exc, "settings", ())) from None
 

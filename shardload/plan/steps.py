@@ -10,14 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from .. import dtypes
 from .placement import Placement
 
 __all__ = ["METADATA_KEY", "RawStep", "Scalar", "Step", "plan_json", "step_json"]
 
-Scalar = Union[int, float, bool, None, str]
+Scalar = int | float | bool | None | str
 
 #: the reserved key for information about the plan itself (not a parameter)
 METADATA_KEY = "__metadata__"

@@ -20,10 +20,10 @@ is checked once for each input it meets.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 from .. import dtypes
 from ..errors import PlanError, UnknownShardFunctionError, quote
@@ -116,6 +116,14 @@ def _validate(plan: Plan, metadata: Mapping[str, TensorMeta]) -> dict[str, Param
     return out
 
 
+class _Where(TypedDict):
+    """Where a step's problem is, as ``PlanError`` takes it."""
+
+    source: str | None
+    param: str
+    step: int
+
+
 def _check_step(
     plan: Plan,
     name: str,
@@ -130,7 +138,7 @@ def _check_step(
     """One step against its input: the function exists, takes the args, and its shape rule
     agrees with the declared output, which stays within the growth limit."""
     n = plan.num_shards
-    where = dict(source=plan.source, param=name, step=step.index)
+    where: _Where = {"source": plan.source, "param": name, "step": step.index}
     func = found.get(step.func)
     if func is None:
         try:
@@ -164,7 +172,7 @@ def _check_step(
 
 
 def _apply_rule(
-    func, shape: tuple, dtype: str, step: Step, n: int, where: dict
+    func, shape: tuple, dtype: str, step: Step, n: int, where: _Where
 ) -> tuple[tuple[int, ...], str]:
     """``func``'s shape rule applied to the step; its refusal as a ``PlanError``."""
     try:
@@ -181,7 +189,7 @@ def _apply_rule(
 _NOT_NUMPY = {"bfloat16", "float8_e4m3fn", "float8_e5m2"}
 
 
-def _check_array_dtypes(func, in_dtype: str, out_dtype: str, where: dict) -> None:
+def _check_array_dtypes(func, in_dtype: str, out_dtype: str, where: _Where) -> None:
     if func.array == "numpy" and (in_dtype in _NOT_NUMPY or out_dtype in _NOT_NUMPY):
         raise PlanError(
             f"{func.name} takes numpy arrays, and numpy has no "
@@ -287,7 +295,7 @@ class ValidatedPlan:
         return max(self.bytes_per_worker(w) for w in range(self.num_shards))
 
 
-def _piece_bytes(params: Iterator[ParamPlan]) -> int:
+def _piece_bytes(params: Iterable[ParamPlan]) -> int:
     """The bytes of the pieces of ``params``, each kind of piece sized once: parameters with the
     same steps share one tuple of them (``ShardInfo.from_dict``), replicated ones their shape."""
     sizes: dict[Any, int] = {}

@@ -22,12 +22,13 @@ records for integrations). Which N any plan fits, by validating it, is the plan'
 from __future__ import annotations
 
 from ..plan import MAX_SHARDS_TRIED, MAX_VALIDATION_WORK, ValidNumShards, valid_num_shards
-from .decision import PlanDecision, PlanSummary, plan_decision, plan_for
+from .decision import PlanDecision, PlanKind, PlanSummary, plan_decision, plan_for
 
 __all__ = [
     "MAX_SHARDS_TRIED",
     "MAX_VALIDATION_WORK",
     "PlanDecision",
+    "PlanKind",
     "PlanSummary",
     "ValidNumShards",
     "plan_decision",

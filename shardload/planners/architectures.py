@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 from ..formats import Axis, TensorAxes
 from .naming import GGUF, HF, NamingScheme
@@ -239,9 +240,9 @@ class GGUFArchitecture(Architecture):
 
     The names are gguf-py's (``MODEL_TENSORS[arch]``, ``TensorNameMap``); what each holds
     (fused, whole-projection norms) is not in gguf-py, so it is written here from llama.cpp's
-    converter and loader, and ``tests/test_planner_gguf_architectures.py`` checks every tensor gguf-py
-    lists for each architecture has the role it should. llama.cpp's converter permutes the q/k
-    rows (rotary pairs) of ``LlamaModel``-derived architectures (llama, granite) within each
+    converter and loader, and ``tests/test_planner_gguf_architectures.py`` checks every tensor
+    gguf-py lists for each architecture has the role it should. llama.cpp's converter permutes
+    the q/k rows (rotary pairs) of ``LlamaModel``-derived architectures (llama, granite) within each
     head, and stores gemma2, gemma3, phi3 and olmo2 rows as HF has them: head-aligned splits
     take the same rows either way.
     """
@@ -302,7 +303,9 @@ MLC_ARCHITECTURES: dict[str, Architecture] = {
 
 def architecture_tables() -> dict[str, dict[str, Architecture]]:
     """The three tables, by the kind of checkpoint they are for (for help text and docs)."""
-    return {"hf": ARCHITECTURES, "gguf": GGUF_ARCHITECTURES, "mlc": MLC_ARCHITECTURES}
+    # the GGUF table holds GGUFArchitecture rows: register_architecture puts them there
+    gguf = cast(dict[str, Architecture], GGUF_ARCHITECTURES)
+    return {"hf": ARCHITECTURES, "gguf": gguf, "mlc": MLC_ARCHITECTURES}
 
 
 def register_architecture(

@@ -96,18 +96,19 @@ def check_shapes(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, walked: Walk
 
 def _check_tensor(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, t: Tensor) -> None:
     """One tensor's shape (and stored ``weight_shape``) against the metadata's sizes."""
-    (n_out, n_why), (k_in, k_why) = t.role.extents(spec, t.mlp)
+    role, axes = t.split()
+    (n_out, n_why), (k_in, k_why) = role.extents(spec, t.mlp)
 
     def refuse(message: str) -> FormatError:
         return FormatError(message, file=spec.file or None, tensor=t.name)
 
-    if t.role.vector and t.suffix == "weight" and len(t.meta.shape) != 1:
+    if role.vector and t.suffix == "weight" and len(t.meta.shape) != 1:
         raise refuse(
             f"has shape {list(t.meta.shape)}: a {spec.architecture} "
             f"{t.module.rpartition('.')[2]} weight is one vector over "
-            f"{t.role.vector} {n_out} rows ({n_why}), so it must be [{n_out}]"
+            f"{role.vector} {n_out} rows ({n_why}), so it must be [{n_out}]"
         )
-    if t.axes.special == "shape":
+    if axes.special == "shape":
         values = [int(v) for v in ckpt.read_array(t.name).reshape(-1).tolist()]
         if values != [n_out, k_in] and n_out and k_in:
             raise refuse(
@@ -117,8 +118,8 @@ def _check_tensor(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, t: Tensor) 
             )
         return
     for axis, size, why, what in (
-        (t.axes.n, n_out, n_why, "output features"),
-        (t.axes.k, k_in, k_why, "input features"),
+        (axes.n, n_out, n_why, "output features"),
+        (axes.k, k_in, k_why, "input features"),
     ):
         if axis is None or not size:
             continue  # not held by this tensor, or a size the metadata lacks
@@ -133,7 +134,7 @@ def _check_tensor(ckpt: Checkpoint, spec: ModelSpec, scheme: Scheme, t: Tensor) 
                 f"{want}, not {found}{_DISAGREE}"
             )
     group = scheme.group_size
-    if t.axes.grouped and t.axes.k is not None and group > 0 and k_in and k_in % group:
+    if axes.grouped and axes.k is not None and group > 0 and k_in and k_in % group:
         raise refuse(
             f"is quantized in groups of {scheme.explain('group_size')}, which do "
             f"not tile the layer's {k_in} input features ({k_why}); the group size "

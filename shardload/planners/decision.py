@@ -1,21 +1,23 @@
 """The planner's decision for one N: the plan as it is, a zero-padded plan for N, or a refusal.
 
 ``plan_decision`` classifies the checkpoint's tensors once (``tensors.walk``: role, MLP kind,
-axes, each kind of tensor once) and plans them symbolic in ``num_shards``, recording which N each tensor group allows
-(``fit.Constraint``). For a given N it decides from those constraints alone: every one allows N
-(``"unpadded"``); or, where zero-padding is exact, the padded plan for N alone (``"padded"``:
-the same tensors stepped again, since padding changes their steps); or a refusal naming the
-constraint N breaks and the N that work (``"refused"``). The plan it returns for N is
-validated once, as a safety check, and kept for the load.
+axes, each kind of tensor once) and plans them symbolic in ``num_shards``, recording which N
+each tensor group allows (``fit.Constraint``). For a given N it decides from those constraints
+alone: every one allows N (``"unpadded"``); or, where zero-padding is exact, the padded plan for
+N alone (``"padded"``: the same tensors stepped again, since padding changes their steps); or a
+refusal naming the constraint N breaks and the N that work (``"refused"``). The plan it returns
+for N is validated once, as a safety check, and kept for the load. ``PlanKind`` names the
+outcomes (a ``str`` enum: each is its word in JSON and text).
 
 >>> decision = plan_decision("examples/tiny_llama_q4", 3)                # doctest: +SKIP
->>> decision.kind, list(decision.valid)
-('padded', [1, 2, 4, 8])
+>>> decision.kind is PlanKind.PADDED, list(decision.valid)
+(True, [1, 2, 4, 8])
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from ..errors import EXPERTS_TP, PlanError, mention
 from ..formats import Scheme
@@ -29,12 +31,32 @@ from .decoder import ActOrder, Planned, plan_decoder
 from .experts import MODES, ExpertParallel
 from .fit import Constraint
 from .kinds import detect
-from .padding import Padding, padding_layout
+from .padding import CannotPad, Padding, padding_layout
 from .record import model_record
 from .spec import ModelSpec
 from .tensors import Walk, walk
 
-__all__ = ["PlanDecision", "PlanSummary", "plan_decision", "plan_for"]
+__all__ = ["PlanDecision", "PlanKind", "PlanSummary", "plan_decision", "plan_for"]
+
+
+class PlanKind(str, Enum):
+    """What the planner decided for N (``PlanDecision.kind``); equal to its word, and written
+    as it (``str``, ``format``, JSON)."""
+
+    #: the plan, symbolic in num_shards, fits N as it is
+    UNPADDED = "unpadded"
+    #: a plan for N alone that zero-pads query heads, KV heads and MLP blocks
+    PADDED = "padded"
+    #: N breaks a constraint padding cannot lift (``PlanDecision.error`` says which)
+    REFUSED = "refused"
+    #: no N was asked: the plan, symbolic in num_shards
+    SYMBOLIC = "symbolic"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 @dataclass(frozen=True)
@@ -76,15 +98,13 @@ class PlanSummary:
 class PlanDecision:
     """What the planner decided for one N, in one pass (``plan_decision``).
 
-    ``kind``: ``"unpadded"`` (the plan, symbolic in num_shards, fits N as it is),
-    ``"padded"`` (a plan for N alone that zero-pads query heads, KV heads and MLP blocks),
-    ``"refused"`` (``error`` names the constraint N breaks and the N that work), or
-    ``"symbolic"`` when no N was asked. ``valid``: the N (up to ``MAX_SHARDS_TRIED``) the
-    unpadded plan fits, from the same constraints.
+    ``kind``: a ``PlanKind`` (``REFUSED``: ``error`` names the constraint N breaks and
+    carries the N that work). ``valid``: the N (up to ``MAX_SHARDS_TRIED``) the unpadded plan
+    fits, from the same constraints.
     """
 
     num_shards: int | None
-    kind: str
+    kind: PlanKind
     summary: PlanSummary
     valid: ValidNumShards
     info: ShardInfo | None = None
@@ -125,7 +145,7 @@ def plan_decision(
     worker whole experts (``experts.py``), for the one ``num_shards`` it needs.
 
     >>> plan_decision("examples/tiny_llama_q4", 4).kind                    # doctest: +SKIP
-    'unpadded'
+    <PlanKind.UNPADDED: 'unpadded'>
     """
     if experts not in MODES:
         raise PlanError(f"experts must be one of {', '.join(map(repr, MODES))}, got {experts!r}")
@@ -154,7 +174,7 @@ def _decide(
     # the assignment of experts depends on N alone, so a padded plan for N reuses it
     ep = (
         None
-        if experts == "tp"
+        if experts == "tp" or num_shards is None  # (plan_decision asks N of "ep")
         else ExpertParallel(num_shards, spec.rules.naming.count_experts(ckpt.metadata()))
     )
     planned = plan_decoder(
@@ -178,33 +198,36 @@ def _decide(
     if num_shards is None:
         return PlanDecision(
             None,
-            "symbolic",
+            PlanKind.SYMBOLIC,
             _summary(planned, spec, scheme, experts),
             valid,
             _plan_info(planned.steps, record, ep, source),
         )
     broken = constraints.broken(num_shards)
     if not broken:
-        decided = "unpadded"
+        decided = PlanKind.UNPADDED
     else:
         padding = _padding(
             ckpt, spec, scheme, walked, act_order, num_shards, broken, pad, ep is not None
         )
-        if not isinstance(padding, Padding):
-            first, why = padding
-            reason = first.why_not(num_shards)
-            if why:
-                reason += f"; and zero-padding cannot help: {why}"
+        if isinstance(padding, PaddingRefused):
+            reason = padding.constraint.why_not(num_shards)
+            if padding.why:
+                reason += f"; and zero-padding cannot help: {padding.why}"
             error = PlanError(
-                f"{ckpt.source} cannot be split over {num_shards} workers: "
-                f"{reason}. {valid.describe()}",
+                f"{ckpt.source} cannot be split over {num_shards} workers: {reason}",
                 source=source,
-                param=first.tensor,
+                param=padding.constraint.tensor,
+                working=valid,
             )
             return PlanDecision(
-                num_shards, "refused", _summary(planned, spec, scheme, experts), valid, error=error
+                num_shards,
+                PlanKind.REFUSED,
+                _summary(planned, spec, scheme, experts),
+                valid,
+                error=error,
             )
-        decided = "padded"
+        decided = PlanKind.PADDED
         planned = plan_decoder(
             ckpt,
             spec,
@@ -224,7 +247,7 @@ def _decide(
     return PlanDecision(
         num_shards,
         decided,
-        _summary(planned, spec, scheme, experts, padded=decided == "padded"),
+        _summary(planned, spec, scheme, experts, padded=decided is PlanKind.PADDED),
         valid,
         info,
         validated=validated,
@@ -295,19 +318,30 @@ def _padding(
     broken: list[Constraint],
     pad: bool,
     whole_experts: bool = False,
-) -> Padding | tuple[Constraint, str]:
+) -> Padding | PaddingRefused:
     """For an N that breaks the ``broken`` constraints: the zero-padded layout that lifts them,
-    or the constraint to name in the refusal and why padding cannot help ("" when ``pad`` is
-    off)."""
+    or the constraint to name in the refusal and why padding cannot help."""
     if not pad:
-        return broken[0], ""
+        return PaddingRefused(broken[0])
     unpaddable = [c for c in broken if not c.paddable]
     if unpaddable:
-        return unpaddable[0], (
+        return PaddingRefused(
+            unpaddable[0],
             "the vocabulary is split evenly, never padded (split embeddings "
-            "and lm_head only for an N that divides it)"
+            "and lm_head only for an N that divides it)",
         )
-    padding = padding_layout(
-        ckpt, spec, scheme, num_shards, walked, act_order, whole_experts=whole_experts
-    )
-    return (broken[0], padding.reason) if isinstance(padding, PlanError) else padding
+    try:
+        return padding_layout(
+            ckpt, spec, scheme, num_shards, walked, act_order, whole_experts=whole_experts
+        )
+    except CannotPad as exc:
+        return PaddingRefused(broken[0], str(exc))
+
+
+@dataclass(frozen=True)
+class PaddingRefused:
+    """Why N gets no zero-padded plan: the broken ``constraint`` the refusal names, and why
+    padding cannot help (``why``; "" when padding is off)."""
+
+    constraint: Constraint
+    why: str = ""

@@ -251,10 +251,10 @@ def _decided_by(kind: Tensor, padding: Padding | None) -> str:
     """What decides the steps of a tensor of ``kind``: the kind alone (``"kind"``); also its
     module (``"module"``: its rows reordered, a padded row-parallel layer's fill); or its own
     data (``"tensor"``: compressed-tensors' ``weight_shape``, stepped for each tensor)."""
-    axes = kind.axes
+    role, axes = kind.split()
     if axes.special == "shape":
         return "tensor"
-    if kind.role.column or not (
+    if role.column or not (
         axes.special == "g_idx" or axes.act_order or (padding is not None and padding.fills)
     ):
         return "kind"
@@ -263,7 +263,7 @@ def _decided_by(kind: Tensor, padding: Padding | None) -> str:
 
 def _module_key(kind: Tensor, name: str, act_order: ActOrder, padding: Padding | None) -> tuple:
     """The key of the steps of tensor ``name`` of a kind its module decides too."""
-    axes = kind.axes
+    _, axes = kind.split()
     module = name.rpartition(".")[0]
     reorders = (axes.special == "g_idx" or axes.act_order) and act_order(module)
     fill = padding.fills.get(module) if padding is not None and not axes.special else None
@@ -281,25 +281,24 @@ def _steps(
 ) -> list | None:
     """The steps of one tensor (None: replicated); the split it makes noted in
     ``constraints``."""
-    if padding is not None and t.role.paddable:
+    role, axes = t.split()
+    if padding is not None and role.paddable:
         reorders = (
-            not t.role.column
-            and (t.axes.special == "g_idx" or t.axes.act_order)
-            and act_order(t.module)
+            not role.column and (axes.special == "g_idx" or axes.act_order) and act_order(t.module)
         )
         step = padded_step(
-            t, t.axes, spec, padding, ckpt, group_size=scheme.group_size, act_order=reorders
+            t, axes, spec, padding, ckpt, group_size=scheme.group_size, act_order=reorders
         )
     else:
-        segments = t.role.segments(spec, t.mlp, t.module)
+        segments = role.segments(spec, t.mlp, t.module)
         group = _TensorGroup(
             t.name,
-            t.role.labels(spec, t.mlp, t.module),
-            t.role.paddable,
+            role.labels(spec, t.mlp, t.module),
+            role.paddable,
             held(scheme, t.fmt),
             constraints,
         )
-        step = _tensor_step(ckpt, t, t.axes, segments, act_order, group)
+        step = _tensor_step(ckpt, t, axes, segments, act_order, group)
     if step is None:
         return None
     return step if isinstance(step[0], list) else [step]
@@ -314,7 +313,7 @@ def _tensor_step(
     group: _TensorGroup,
 ) -> list | None:
     """The step for one tensor; the split it makes is noted in ``group``'s constraints."""
-    split_n, meta = t.role.column, t.meta
+    split_n, meta = t.split()[0].column, t.meta
     if axes.special == "shape":
         return _shape_step(ckpt, t, segments)  # a constant: any N
     if axes.special == "g_idx":
@@ -410,5 +409,5 @@ def _shape_step(ckpt: Checkpoint, t: Tensor, segments: Segments) -> list:
     """compressed-tensors' ``weight_shape`` [N, K]: each worker's own shape, as expressions."""
     n_out, k_in = (int(v) for v in ckpt.read_array(t.name).tolist())
     per_worker = _per_worker(segments)
-    values = [per_worker, k_in] if t.role.column else [n_out, per_worker]
+    values = [per_worker, k_in] if t.split()[0].column else [n_out, per_worker]
     return step_json("shardload.constant", ["num_shards", 2], t.meta.dtype, values)

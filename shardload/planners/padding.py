@@ -9,8 +9,9 @@ whole heads fills whole storage blocks with, an MLP that is not a whole number o
 per-part scales of a fused layer, rows of a per-channel row-parallel layer whose columns do not
 share one zero code (asymmetric zero points). Where they share one that is not 0 (symmetric
 GPTQ's 2^(b-1), compressed-tensors' offset), the padded rows are filled with it
-(``shardload.take_units_fill``): the column's scale then multiplies zeros. Heads that straddle blocks (DeepSeek-V3's 192-row query heads in 128-row FP8
-blocks) pad in runs that fill whole blocks (two heads, three blocks): ``together``.
+(``shardload.take_units_fill``): the column's scale then multiplies zeros. Heads that straddle
+blocks (DeepSeek-V3's 192-row query heads in 128-row FP8 blocks) pad in runs that fill whole
+blocks (two heads, three blocks): ``together``.
 Rows of a layer with a ``g_idx`` (GPTQ, compressed-tensors act-order) pad in whole zero-scaled
 groups of their own (``padded_step``), heads narrower than a group in runs that fill whole
 groups. With act-order every worker holds all the layer's group scales plus zero groups for its
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import PlanError
+from ..errors import ShardloadError
 from ..formats import Scheme, TensorAxes
 from ..plan import step_json
 from ..tp_layout import MAX_LAYOUT, HeadLayout, head_layout, unit_layout
@@ -33,10 +34,17 @@ from .roles import mlp_size
 from .tensors import Tensor, Walk
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from ..readers.base import Checkpoint
     from .spec import ModelSpec
 
-__all__ = ["Padding", "padded_step", "padding_layout"]
+__all__ = ["CannotPad", "Padding", "padded_step", "padding_layout"]
+
+
+class CannotPad(ShardloadError):
+    """Zero-padding cannot be exact for this checkpoint at this N, or cannot be held; the
+    message says why (``padding_layout``). The planner words it into its refusal of N."""
 
 
 @dataclass(frozen=True)
@@ -89,22 +97,25 @@ def padding_layout(
     act_order: Callable[[str], bool],
     *,
     whole_experts: bool = False,
-) -> Padding | PlanError:
-    """The zero-padded layout for N workers, or (returned, not raised) the ``PlanError`` saying
-    why zero-padding cannot be exact for this checkpoint, or cannot be held: every tensor of
+) -> Padding:
+    """The zero-padded layout for N workers, else ``CannotPad`` saying why zero-padding cannot
+    be exact for this checkpoint, or cannot be held: every tensor of
     ``walked`` (``tensors.walk``) that ``padded_step`` would pad is judged here, before a
     padded plan is written (``act_order(module)``: its rows are reordered; with
     ``whole_experts``, expert parallelism, routed experts are not split, so not padded)."""
     if type(num_shards) is not int or not 1 <= num_shards <= MAX_LAYOUT:
-        return PlanError(
+        raise CannotPad(
             f"cannot zero-pad for num_shards={num_shards!r}: a padded plan lists "
-            f"every worker's heads, for at most {MAX_LAYOUT} workers",
-            source=spec.file or None,
+            f"every worker's heads, for at most {MAX_LAYOUT} workers"
         )
     naming = spec.rules.naming
     mlp_unit, sizes, together, fills = 1, set(), 1, {}
     modules: dict[str, set[str]] = {}
     act_order_scales: dict[str, str] = {}  # role kind -> a row-parallel act-order tensor
+
+    def reader(module: str) -> Callable[[str], torch.Tensor]:
+        """A reader of ``module``'s parts (its ``weight_zero_point``, ...) by suffix."""
+        return lambda part: ckpt.read(f"{module}.{part}")
 
     def parts_of(module: str) -> set[str]:
         if not modules:  # once, and only for a layer that asks
@@ -115,24 +126,21 @@ def padding_layout(
 
     judged: set[int] = set()  # kinds judged already, where the module decides nothing
     for meta, kind in walked.rows():
-        if kind.axes is None or not kind.role.paddable:  # the vocabulary is never padded
+        role, axes = kind.role, kind.axes  # the tensor's, as its kind's
+        if role is None or axes is None or not role.paddable:  # the vocabulary is never padded
             continue
-        by_module = not kind.role.column and (
-            kind.axes.act_order or (kind.axes.grouped and kind.axes.k is None)
-        )
+        by_module = not role.column and (axes.act_order or (axes.grouped and axes.k is None))
         if not by_module and not whole_experts:
             if id(kind) in judged:
                 continue
             judged.add(id(kind))
         t = walked.tensor(meta, kind)
-        if whole_experts and t.role.kind == "mlp" and naming.expert_kind(t.name, t.module):
+        if whole_experts and role.kind == "mlp" and naming.expert_kind(t.name, t.module):
             continue
-        if not t.role.column and t.axes.grouped and t.axes.k is None and t.module not in fills:
-            fill = scheme.format.zero_weight_fill(
-                scheme, parts_of(t.module), lambda part: ckpt.read(f"{t.module}.{part}")
-            )
+        if not role.column and axes.grouped and axes.k is None and t.module not in fills:
+            fill = scheme.format.zero_weight_fill(scheme, parts_of(t.module), reader(t.module))
             if fill is None:
-                return PlanError(
+                raise CannotPad(
                     f"{t.name}: a row-parallel layer quantized per channel "
                     f"({scheme.describe()}) keeps one scale for real and padded "
                     "rows, and no one stored element is a zero weight in every "
@@ -140,24 +148,24 @@ def padding_layout(
                     "straddling words), so padded rows would not be zeros"
                 )
             fills[t.module] = fill
-        if not t.role.column and t.axes.act_order and act_order(t.module):
-            act_order_scales.setdefault(t.role.kind, t.name)
-        axis = t.axes.n if t.role.column else t.axes.k
+        if not role.column and axes.act_order and act_order(t.module):
+            act_order_scales.setdefault(role.kind, t.name)
+        axis = axes.n if role.column else axes.k
         if axis is None:
             if (
-                t.role.column
-                and t.axes.special not in ("shape", "g_idx")
+                role.column
+                and axes.special not in ("shape", "g_idx")
                 and t.meta.numel > 1
                 and len(t.meta.shape) <= 1
             ):
-                return PlanError(f"{t.name}: per-part scales of a fused layer cannot be padded yet")
+                raise CannotPad(f"{t.name}: per-part scales of a fused layer cannot be padded yet")
             continue
-        if t.role.kind == "heads":
-            width = t.role.head_width(spec)
+        if role.kind == "heads":
+            width = role.head_width(spec)
             run = math.lcm(width, axis.elems) // width  # the fewest heads in whole blocks
             together = math.lcm(together, run)
             if spec.num_heads % together or spec.num_kv_heads % together:
-                return PlanError(
+                raise CannotPad(
                     f"{t.name}: its {width}-element heads fill whole "
                     f"{axis.elems}-element blocks only {together} at a time, and "
                     f"{spec.num_heads} query and {spec.num_kv_heads} KV heads are "
@@ -169,9 +177,7 @@ def padding_layout(
     mlp = {}
     for size in sizes:
         if size % mlp_unit:
-            return PlanError(
-                f"an MLP of {size} rows is not a whole number of {mlp_unit}-row blocks"
-            )
+            raise CannotPad(f"an MLP of {size} rows is not a whole number of {mlp_unit}-row blocks")
         mlp[size] = unit_layout(size // mlp_unit, num_shards)
     heads = head_layout(spec.num_heads, spec.num_kv_heads, num_shards, together=together)
     # (units held by all workers, the model's, what they are), by role kind
@@ -186,13 +192,13 @@ def padding_layout(
             for size, blocks in mlp.items()
         ],
     }
-    for kind, name in act_order_scales.items():
-        for held, real, what in padded.get(kind, []):
+    for role_kind, name in act_order_scales.items():
+        for held, real, what in padded.get(role_kind, []):
             if held > 2 * real:
                 # every worker holds every group's scales plus zero groups for the padded
                 # rows (replicate_padded): N times the padded layer's, which the plan's own
                 # bound refuses past twice N times the stored tensor
-                return PlanError(
+                raise CannotPad(
                     f"{name}: act-order keeps every group's scales on every "
                     f"worker, and {real} {what} zero-padded to {held} over "
                     f"{num_shards} workers would more than double them on each"
@@ -220,7 +226,9 @@ def padded_step(
     counts its own groups; with act-order every worker holds every real group plus zero groups
     appended (``shardload.replicate_padded``), and its zero rows point at those
     (``shardload.take_g_idx``). A zero scale dequantizes any code to exactly 0."""
-    n, role, split_n = padding.num_shards, t.role, t.role.column
+    role = t.role
+    assert role is not None, "a padded tensor has a role"  # padding_layout judged it so
+    n, split_n = padding.num_shards, role.column
     if axes.special == "shape":
         unit, units = role.padded_units(spec, padding, t.mlp, t.module, 0)
         n_out, k_in = (int(v) for v in ckpt.read_array(t.name).tolist())

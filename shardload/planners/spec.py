@@ -306,7 +306,10 @@ def spec_from_gguf(kv: Fields | Mapping[str, Any], source: str | None = None) ->
     keys["value_head_dim"] = repr(cfg.name("attention.value_length"))
     if not cfg.has("attention.head_count_kv"):
         keys["num_kv_heads"] += f" (absent, so {keys['num_heads']})"
-    size = dict(min=1, max=MAX_WIDTH, default=0)
+
+    def size(key: str) -> int:  # a width, 0 where the model has none
+        return cfg.int(key, min=1, max=MAX_WIDTH, default=0)
+
     return ModelSpec(
         architecture=arch,
         num_layers=cfg.int("block_count", min=1, max=MAX_LAYERS),
@@ -314,10 +317,10 @@ def spec_from_gguf(kv: Fields | Mapping[str, Any], source: str | None = None) ->
         num_heads=heads,
         num_kv_heads=n_kv,
         head_dim=head_dim,
-        intermediate_size=cfg.int("feed_forward_length", **size),
-        vocab_size=cfg.int("vocab_size", **size),
-        moe_intermediate_size=cfg.int("expert_feed_forward_length", **size),
-        shared_expert_intermediate_size=cfg.int("expert_shared_feed_forward_length", **size),
+        intermediate_size=size("feed_forward_length"),
+        vocab_size=size("vocab_size"),
+        moe_intermediate_size=size("expert_feed_forward_length"),
+        shared_expert_intermediate_size=size("expert_shared_feed_forward_length"),
         value_head_dim=value_dim,
         rules=GGUF_ARCHITECTURES[arch],
         file=cfg.file,
@@ -329,6 +332,7 @@ def spec_from_mlc(config: Fields | Mapping[str, Any], source: str | None = None)
     """From MLC's ``mlc-chat-config.json`` (its ``model_config`` holds HF-style sizes)."""
     top = _as_fields(config, source)
     model = top.sub("model_config")
+    assert model is not None  # sub() gives None only where optional
     model_type = (
         model.str("model_type") if model.has("model_type", nullable=True) else top.str("model_type")
     )

@@ -51,6 +51,13 @@ class Tensor:
     axes: TensorAxes | None
     fmt: Mapping[str, Any] | None
 
+    def split(self) -> tuple[Role, TensorAxes]:
+        """The role and axes of a tensor the planner splits (neither is None); ``ValueError``
+        for a replicated one, which the planner's passes over split tensors never see."""
+        if self.role is None or self.axes is None:
+            raise ValueError(f"{self.name} is replicated: it has no role and axes to split by")
+        return self.role, self.axes
+
 
 def role_axes(
     scheme: Scheme,

@@ -5,9 +5,9 @@ the loader's ``load_weights``, then runs ``process_weights_after_loading`` (Marl
 requantization) itself. ``load_weights`` here, on every tensor-parallel rank:
 
 1. **options**: ``model_loader_extra_config`` checked strictly (``options.py``);
-2. **checkpoint**: the ``checkpoint`` option (a path, or an ``s3://``, ``gs://`` or ``az://`` URL of which each rank
-   fetches only its read plan's byte ranges), else the model folder, or vLLM's own download of
-   a hub model;
+2. **checkpoint**: the ``checkpoint`` option (a path, or an ``s3://``, ``gs://`` or ``az://``
+   URL of which each rank fetches only its read plan's byte ranges), else the model folder, or
+   vLLM's own download of a hub model;
 3. **plan** for (N, rank) through the front door (``resolve_plan``: the ``plan`` option, else
    ``shard_info.json`` beside the checkpoint, else one made from its config; expert-parallel
    when vLLM places whole experts per rank; without the option, made on rank 0 alone and
@@ -38,8 +38,9 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -55,7 +56,7 @@ from ..loader import load_validated
 from ..readers import Checkpoint, open_checkpoint
 from .options import LoaderOptions
 from .padding import check_built
-from .stages import stage_of
+from .stages import Stage, stage_of
 from .standins import StandIns, stand_in_reads
 from .verify import poison, verified_load
 
@@ -69,6 +70,13 @@ STATS_PREFIX = "shardload load: "
 
 #: what a checkpoint folder vLLM downloads for shardload must hold
 _ALLOW = ["*.safetensors", "*.json", "*.gguf", "*.model", "*.txt"]
+
+
+class _LoadsWeights(Protocol):
+    """A vLLM model: its ``load_weights`` takes ``(name, tensor)`` pairs and says which
+    parameters it loaded (or None)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str] | None: ...
 
 
 def _vllm_places_whole_experts(model: nn.Module, model_config: ModelConfig) -> bool:
@@ -139,16 +147,35 @@ class ShardloadModelLoader(BaseModelLoader):
         self._folder(model_config)
 
     def _read(self, model: nn.Module, model_config: ModelConfig, verify: bool) -> _RankRead:
-        """Steps 2 to 4 on this rank: its stand-ins, in storage order."""
-        from vllm.distributed import get_tp_group
-
+        """Steps 2 to 4 on this rank: its stand-ins, in storage order. The checkpoint it opens
+        is closed here if they fail, else by the caller (``_RankRead.close``)."""
         start = time.perf_counter()
-        opts = self.options
-        tp = get_tp_group()
-        rank, n = tp.rank_in_group, tp.world_size
         whole_experts = _vllm_places_whole_experts(model, model_config)
         stage = stage_of(model)  # under pipeline parallelism: what this stage holds
         ckpt = open_checkpoint(self._folder(model_config))  # 2.
+        try:
+            return self._read_from(ckpt, model_config, verify, whole_experts, stage, start)
+        except BaseException:
+            # closed here, not when the error is dropped: an engine that reloads weights
+            # keeps running, and a caller may hold the error (and so this frame) for long
+            ckpt.close()
+            raise
+
+    def _read_from(
+        self,
+        ckpt: Checkpoint,
+        model_config: ModelConfig,
+        verify: bool,
+        whole_experts: bool,
+        stage: Stage | None,
+        start: float,
+    ) -> _RankRead:
+        """Steps 3 and 4 on this rank, from the checkpoint ``_read`` opened."""
+        from vllm.distributed import get_tp_group
+
+        opts = self.options
+        tp = get_tp_group()
+        rank, n = tp.rank_in_group, tp.world_size
         made: dict[int, StandIns] = {}
         # the workers are vLLM's own tensor-parallel ranks: a torch session over its group
         with open_session(
@@ -218,27 +245,39 @@ class ShardloadModelLoader(BaseModelLoader):
         read = self._read(model, model_config, verify=False)
         try:
             yield from read.tensors.items()
+            read.log(reload=True)
         finally:
-            read.done(reload=True)
+            read.close()
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         opts = self.options  # 1.
         read = self._read(model, model_config, opts.verify)
+        try:
+            self._hand(model, model_config, read)
+            read.log(reload=False)  # 6.
+        finally:
+            read.close()
+
+    def _hand(self, model: nn.Module, model_config: ModelConfig, read: _RankRead) -> None:
+        """Step 5: the stand-ins to the model's own ``load_weights`` (with ``verify``, twice,
+        poisoned), then vLLM's check that every parameter was loaded."""
+        opts = self.options
         ins, tensors, rank = read.ins, read.tensors, read.line["rank"]
 
-        def hand(bad=None) -> set:  # 5.
+        def hand(bad: int | None = None) -> set[str] | None:  # 5.
             if bad is not None:
                 for name, t in tensors.items():
                     poison(t, ins.mine[name], bad)
-            return model.load_weights(iter(tensors.items()))
+            return cast(_LoadsWeights, model).load_weights(iter(tensors.items()))
 
         unwritten: list[str] = []
+        loaded: set[str] | None
         if opts.verify:
-            loaded: set = set()
+            seen: set[str] = set()
             unwritten = verified_load(
-                dict(model.named_parameters()), lambda bad: loaded.update(hand(bad) or ()), rank
+                dict(model.named_parameters()), lambda bad: seen.update(hand(bad) or ()), rank
             )
-            loaded = loaded or None
+            loaded = seen or None
         else:
             loaded = hand()
         if model_config.quantization is None and loaded is not None:
@@ -246,7 +285,6 @@ class ShardloadModelLoader(BaseModelLoader):
             self._default_loader().track_weights_loading(model, set(loaded))
         if unwritten:
             read.line["not_in_checkpoint"] = unwritten
-        read.done(reload=False)  # 6.
 
 
 @dataclass
@@ -260,14 +298,18 @@ class _RankRead:
     line: dict
     start: float
 
-    def done(self, reload: bool) -> None:
-        """Log the rank's statistics and vLLM's "Loading weights took" line; let go of the
-        stand-ins and the checkpoint (views keep their pages mapped until vLLM drops them)."""
+    def log(self, reload: bool) -> None:
+        """Log the rank's statistics and vLLM's "Loading weights took" line (of a load that
+        succeeded)."""
         seconds = time.perf_counter() - self.start
         self.line.update(seconds=round(seconds, 4), reload=reload)
         logger.info("%s%s", STATS_PREFIX, json.dumps(self.line))
         logger.info(
             "%s took %.2f seconds", "Reloading weights" if reload else "Loading weights", seconds
         )
+
+    def close(self) -> None:
+        """Let go of the stand-ins and the checkpoint, whether the load succeeded or not
+        (views keep their pages mapped until vLLM drops them)."""
         self.tensors.clear()
         self.ckpt.close()

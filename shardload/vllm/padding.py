@@ -57,7 +57,8 @@ def vllm_layout_problem(validated) -> str | None:
             {(s.sizes["num_attention_heads"], s.sizes["num_key_value_heads"]) for s in shares}
         )
         return (
-            f"its ranks hold different numbers of heads ({', '.join(f'{q} query / {k} KV' for q, k in counts)}), "
+            f"its ranks hold different numbers of heads "
+            f"({', '.join(f'{q} query / {k} KV' for q, k in counts)}), "
             "and vLLM's attention has one shape on every rank"
         )
     uneven = next((s for s in shares if s.kv_map is not None), None)
@@ -228,16 +229,14 @@ def validated_for_vllm(
     from ..readers import as_checkpoint
 
     ckpt = as_checkpoint(checkpoint)
-    planner = {"experts": experts} if experts != "tp" else {}
     try:
-        validated = resolve_plan(ckpt, tensor_parallel_size, shard_info, **planner).validated
+        validated = resolve_plan(ckpt, tensor_parallel_size, shard_info, experts=experts).validated
         overrides_for(validated)  # refuses a layout vLLM cannot hold
         return validated
     except PlanError as exc:
-        # the planner's own list (the N its unpadded plan fits) gives way to vLLM's
-        reason = exc.reason.split(". N that work", 1)[0].rstrip(".")
+        # the N that work for shardload alone (exc.working) give way to vLLM's
         raise PlanError(
-            f"{reason}; {describe_working(ckpt, experts=experts)}",
+            f"{exc.constraint.rstrip('.')}; {describe_working(ckpt, experts=experts)}",
             source=exc.source,
             param=exc.param,
             step=exc.step,

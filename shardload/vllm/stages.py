@@ -66,11 +66,13 @@ class Stage:
     def restrict(self, plan: ReadPlan) -> ReadPlan:
         """``plan`` (one worker's read plan) with only the pieces of the tensors this stage
         holds: nothing else is read, kept or counted."""
+        from ..readplan import Pieces
+
         held = self.names(p.name for p in plan.pieces)
         if len(held) == len(plan.pieces):
             return plan
         keep = set(held)
-        return dataclasses.replace(plan, pieces=tuple(p for p in plan.pieces if p.name in keep))
+        return dataclasses.replace(plan, pieces=Pieces.of(p for p in plan.pieces if p.name in keep))
 
     def describe(self) -> dict:
         """The stage in the statistics line: ``pp_rank``, ``pp_size`` and the held layers."""

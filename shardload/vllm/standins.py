@@ -1,4 +1,5 @@
-"""Stand-ins: the full-shape tensors vLLM's weight loaders narrow from, holding only this rank's bytes.
+"""Stand-ins: the full-shape tensors vLLM's weight loaders narrow from, holding only this
+rank's bytes.
 
 vLLM's contract is "full Hugging Face tensor in": each parameter's ``weight_loader`` takes the
 whole logical tensor and narrows its rank's slice. A stand-in is a tensor of that whole shape in
@@ -13,8 +14,9 @@ Each worker's read plan (``readplan.ReadPlan``) becomes a read plan of stand-ins
   run landing at the place it was read from (a split's fixup, such as a rebase of GPTQ's
   ``g_idx``, is dropped: vLLM narrows the raw tensor itself);
 * a piece of a **padded** tensor (the plan zero-pads heads or MLP blocks for an N the model does
-  not divide; on every rank, whether its own piece has zeros or not): the padded whole, ``N`` pieces long along the split axis, this rank's piece at chunk ``rank``
-  and the rest zeros; vLLM's model is then the padded one (``padding.vllm_overrides``);
+  not divide; on every rank, whether its own piece has zeros or not): the padded whole, ``N``
+  pieces long along the split axis, this rank's piece at chunk ``rank`` and the rest zeros;
+  vLLM's model is then the padded one (``padding.vllm_overrides``);
 * a **computed** piece (a chain of shard functions): the whole stored tensor, as read for the
   chain; vLLM narrows it.
 
@@ -37,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from .. import dtypes
 from ..errors import PlanError
-from ..readplan import PieceRead, ReadPlan, Run
+from ..readplan import PieceRead, Pieces, ReadPlan, Run
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -97,7 +99,7 @@ def _in_place(
 
 
 def _padded(
-    piece: PieceRead, shape: tuple[int, ...], plan: ReadPlan, source: str
+    piece: PieceRead, shape: tuple[int, ...], plan: ReadPlan, source: str | None
 ) -> tuple[PieceRead, tuple[Block, ...]]:
     axes = [d for d, (a, b) in enumerate(zip(piece.shape, shape)) if a != b]
     if len(axes) != 1 or len(piece.shape) != len(shape):
@@ -198,7 +200,7 @@ def stand_in_reads(
     kept = sum(p.nbytes for p in plan.pieces)
     replicated = sum(p.nbytes for p in plan.pieces if validated.params[p.name].replicated)
     return StandIns(
-        ReadPlan(plan.rank, plan.num_shards, plan.sources, tuple(pieces)),
+        ReadPlan(plan.rank, plan.num_shards, plan.sources, Pieces.of(pieces)),
         mine,
         kept,
         replicated,
