@@ -157,7 +157,7 @@ def test_plan_over_the_cap_is_refused_before_reading(tmp_path):
     )
 
 
-# ---- 2. JSON must be UTF-8, finite, valid Unicode -------------------------------------------------
+# ---- 2. JSON must be UTF-8, finite, valid Unicode ------------------------------------------------
 
 PLAN_TEXT = json.dumps({"w": [SPLIT]})
 
@@ -437,7 +437,7 @@ def test_did_you_mean_in_a_big_checkpoint_is_quick():
     assert "did you mean" not in str(err)
 
 
-# ---- 4. chained growth and impossible shapes ------------------------------------------------------
+# ---- 4. chained growth and impossible shapes -----------------------------------------------------
 
 
 def replicate_chain(k: int) -> list:
@@ -550,7 +550,7 @@ def test_shapes_no_tensor_can_have_are_refused_at_bind(shape, phrase):
     refused(lambda: info.bind(2), phrase=phrase, source="p.json", param="w", step=0)
 
 
-# ---- 5. the number of workers -----------------------------------------------------------------------
+# ---- 5. the number of workers --------------------------------------------------------------------
 
 
 def test_num_shards_is_capped():
@@ -569,7 +569,7 @@ def test_num_shards_is_capped():
     refused(lambda: Plan(MAX_NUM_SHARDS + 1, {}), phrase="more than the 4096")
 
 
-# ---- 6. names and values are quoted, never echoed whole ----------------------------------------------
+# ---- 6. names and values are quoted, never echoed whole ------------------------------------------
 
 
 def test_a_50mb_parameter_name_is_cut_in_the_message():
@@ -647,7 +647,7 @@ def test_plain_integer_plan_for_many_ns_names_a_few():
     assert "num_shards=1, 2, 3, 4" in str(err)
 
 
-# ---- 7. built-in shape rules: values and args out of range ---------------------------------------------
+# ---- 7. built-in shape rules: values and args out of range ---------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,8 @@ from helpers.quantized_models import (
     write_model,
 )
 from helpers.tp_reference import padded_head_runs, padded_units, rows_of, take
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from shardload import PlanError, ThreadedSession, load_sharded, open_checkpoint
@@ -124,7 +126,7 @@ def _as_numpy(t: torch.Tensor):
     return t.numpy()
 
 
-# ---- the proofs ------------------------------------------------------------------------------------
+# ---- the proofs ----------------------------------------------------------------------------------
 
 
 def _format_geometry_cases():
@@ -195,7 +197,7 @@ def test_process_session_gives_the_same_shards(tmp_path):
     check_shards(model, shards, 4)
 
 
-# ---- plans and refusals ----------------------------------------------------------------------------
+# ---- plans and refusals --------------------------------------------------------------------------
 
 
 def test_plan_is_symbolic_and_names_the_valid_n(tmp_path):
@@ -392,9 +394,6 @@ def test_qwen_biases_and_per_head_norms(tmp_path):
 
 # ---- random geometries ---------------------------------------------------------------------------
 
-from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
-from hypothesis import strategies as st
-
 
 @st.composite
 def gptq_models(draw):
@@ -507,6 +506,8 @@ def narrow_head_models(draw):
     config = fmt.quant_config
     group = config.get("group_size") or config["config_groups"]["group_0"]["weights"]["group_size"]
     assume(heads * head_dim % group == 0)  # quantizers (ours, GPTQ's) need whole groups
+    # and packed rows: a 3-bit GPTQ packs 32 output rows together
+    assume(kv_heads * head_dim % fmt.n_align == 0)
     return Geometry(
         hidden=512, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter, vocab=32
     ), fmt

@@ -1,6 +1,6 @@
-"""The architectures beyond Llama the planner knows (``planners.architectures.ARCHITECTURES``): Gemma 2,
-Gemma 3 (text, and multimodal with its language model under ``text_config``), Phi-3 / Phi-4,
-OLMo-2 and Granite, each as transformers saves it.
+"""The architectures beyond Llama the planner knows (``planners.architectures.ARCHITECTURES``):
+Gemma 2, Gemma 3 (text, and multimodal with its language model under ``text_config``),
+Phi-3 / Phi-4, OLMo-2 and Granite, each as transformers saves it.
 
 Each test saves a tiny random model with transformers (``save_pretrained`` of a config of
 ``helpers.architecture_configs``), plans and loads it

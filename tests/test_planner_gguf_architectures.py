@@ -1,5 +1,6 @@
-"""GGUF checkpoints of the architectures beyond Llama (``planners.architectures.GGUF_ARCHITECTURES``):
-gemma2, gemma3, phi3, olmo2 and granite, as llama.cpp names their tensors.
+"""GGUF checkpoints of the architectures beyond Llama
+(``planners.architectures.GGUF_ARCHITECTURES``): gemma2, gemma3, phi3, olmo2 and granite, as
+llama.cpp names their tensors.
 
 Each test model is written with gguf-py's own ``GGUFWriter``; its tensor names are not written
 here but mapped from the Hugging Face names by gguf-py's ``TensorNameMap`` for the architecture

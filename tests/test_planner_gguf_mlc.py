@@ -21,7 +21,7 @@ from shardload import ProcessSession, ThreadedSession, load_sharded, open_checkp
 from shardload.cli import cli
 from shardload.planners import plan_for, valid_num_shards
 
-# ---- GGUF ------------------------------------------------------------------------------------------
+# ---- GGUF ----------------------------------------------------------------------------------------
 
 
 def check_gguf_shards(path: str, n: int, session=ThreadedSession) -> int:
@@ -113,7 +113,7 @@ def test_gguf_on_processes(tmp_path):
     check_gguf_shards(path, 4, session=ProcessSession)
 
 
-# ---- the real model --------------------------------------------------------------------------------
+# ---- the real model ------------------------------------------------------------------------------
 
 
 def test_real_model_valid_n(smollm2):
@@ -150,7 +150,7 @@ def test_embedded_example_plan_passes_shardload_validate():
         assert result.exit_code == 0 and result.output.startswith("ok:"), result.output
 
 
-# ---- MLC -------------------------------------------------------------------------------------------
+# ---- MLC -----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
@@ -163,7 +163,7 @@ def test_mlc_q4f16_1_fused_layers(tmp_path, n):
             result = load_sharded(ckpt, info, sess, progress=False)
     for i in range(n):
 
-        def deq(module):
+        def deq(module, i=i):
             prefix = f"model.layers.0.{module}."
             return dequantize_q4f16_1(
                 result.shard(prefix + "q_weight", i).numpy(),
@@ -194,7 +194,7 @@ def test_mlc_kn_layout_is_refused(tmp_path):
         plan_for(tmp_path)
 
 
-# ---- zero padding: any N ---------------------------------------------------------------------------
+# ---- zero padding: any N -------------------------------------------------------------------------
 
 
 def check_padded_gguf(path: str, n: int) -> dict:

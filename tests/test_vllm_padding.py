@@ -162,7 +162,7 @@ def test_under_expert_parallelism_only_the_shared_expert_pads():
         assert s["tensors"] == len(names) - sum(1 for e in expert if e not in held[rank])
     report, stats, log = engine(model, 3, "--ep", "--tokens", "0", "--load-format", "shardload")
     assert report.get("returncode", 0) != 0 and not stats
-    line = next(l for l in reversed(log.splitlines()) if "PlanError" in l)
+    line = next(s for s in reversed(log.splitlines()) if "PlanError" in s)
     assert json.loads(line.split("add --hf-overrides ", 1)[1].strip("'")) == overrides
 
 
@@ -174,7 +174,7 @@ def test_without_the_overrides_vllm_is_told_the_one_flag_to_add():
     model = str(vllm_models.path("llama160_gptqmodel"))
     report, stats, log = engine(model, 2, "--load-format", "shardload")
     assert report.get("returncode", 0) != 0 and not stats
-    line = next(l for l in reversed(log.splitlines()) if "PlanError" in l)
+    line = next(s for s in reversed(log.splitlines()) if "PlanError" in s)
     flag = line.split("add --hf-overrides ", 1)[1]
     assert json.loads(flag.strip("'")) == {
         "num_attention_heads": 8,

@@ -18,9 +18,9 @@ saved by ``save_pretrained``; the quantized ones are ``llama_bf16``'s weights:
   itself (``helpers.gptqmodel_tool``, in the environment ``scripts/quant-tools-env.sh`` makes),
   as the GPTQ checkpoints people serve are: a trivial ``g_idx``, and act-order.
 
-Deterministic (fixed seeds; GPTQModel's calibration data are seeded random token ids) and atomic: each is made in a temporary folder
-beside its final one, marked complete, then renamed into place; a folder with the marker is
-reused as it is.
+Deterministic (fixed seeds; GPTQModel's calibration data are seeded random token ids) and
+atomic: each is made in a temporary folder beside its final one, marked complete, then renamed
+into place; a folder with the marker is reused as it is.
 """
 
 from __future__ import annotations
