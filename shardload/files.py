@@ -244,7 +244,8 @@ class MappedData:
     ``stat``: the file's ``fstat`` as mapped (its identity), None for an object (whose identity
     its every read checks). ``need(begin, end)``: make those bytes present before reading them
     (nothing to do for a file; ranged GETs for an object). ``remote``: the object's bytes
-    (``sources.sparse.ObjectBytes``), or None for a file.
+    (``sources.sparse.ObjectBytes``), or None for a file. What a reader parses its header
+    from; its checkpoint then reads through a ``sources.bytesource.ByteSource`` made of it.
     """
 
     map: mmap.mmap | None

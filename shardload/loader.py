@@ -284,7 +284,9 @@ def _readable_elsewhere(ckpt: Checkpoint, remote: bool):
     """``ckpt``, or, when workers in other processes must read an in-memory checkpoint, the
     same tensors written to a temporary safetensors file (in RAM where there is /dev/shm) and
     opened from there; the file is removed afterwards."""
-    if not remote or all("file" in src for src in ckpt.sources()):
+    from .sources.specs import FileSource
+
+    if not remote or all(isinstance(src, FileSource) for src in ckpt.sources()):
         yield ckpt
         return
     from safetensors.torch import save_file

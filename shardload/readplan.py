@@ -52,6 +52,7 @@ from . import dtypes
 from .errors import PlanError, ShardloadError, quote
 from .gc_pause import gc_paused
 from .selection import Selection
+from .sources.specs import SourceSpec, source_from_json
 
 if TYPE_CHECKING:  # pragma: no cover  (a worker process carries out read plans without them)
     from .plan import ParamPlan, ValidatedPlan
@@ -69,6 +70,7 @@ __all__ = [
     "check_run",
     "is_read",
     "read_plan_for",
+    "sources_from_json",
     "worker_functions",
 ]
 
@@ -392,12 +394,12 @@ class Pieces(Sequence[PieceRead]):
 
 @dataclass(frozen=True)
 class ReadPlan:
-    """Everything worker ``rank`` of ``num_shards`` reads: the byte sources (files) and, in
-    storage order, its piece of every parameter."""
+    """Everything worker ``rank`` of ``num_shards`` reads: the byte sources (``sources.specs``:
+    files, or tensors held in memory) and, in storage order, its piece of every parameter."""
 
     rank: int
     num_shards: int
-    sources: tuple[dict, ...]
+    sources: tuple[SourceSpec, ...]
     #: a ``Pieces`` (any sequence of ``PieceRead`` given is turned into one)
     pieces: Pieces
 
@@ -424,7 +426,7 @@ class ReadPlan:
         return {
             "rank": self.rank,
             "num_shards": self.num_shards,
-            "sources": list(self.sources),
+            "sources": [source.to_json() for source in self.sources],
             "pieces": [p.to_json() for p in self.pieces],
         }
 
@@ -433,7 +435,7 @@ class ReadPlan:
         return cls(
             int(data["rank"]),
             int(data["num_shards"]),
-            tuple(data["sources"]),
+            sources_from_json(data["sources"]),
             Pieces.of(PieceRead.from_json(p) for p in data["pieces"]),
         )
 
@@ -456,10 +458,16 @@ def check_run(run: Run, source_len: int, dst_len: int, name: str) -> None:
     run.check(source_len, dst_len, name)
 
 
-def _describe_run(run: Run, sources: Sequence[dict]) -> str:
-    src = sources[run.source]
-    where = src.get("file") or f"tensor {src.get('tensor')}"
-    base = where.rsplit("/", 1)[-1]
+def sources_from_json(data: object) -> tuple[SourceSpec, ...]:
+    """A read plan's ``sources`` as ``to_json`` wrote them (``sources.specs``); a
+    ``ValueError`` naming the source and field that is not what it must be."""
+    if not isinstance(data, list):
+        raise ValueError(f"a read plan's sources are not a list: {type(data).__name__}")
+    return tuple(source_from_json(source, k) for k, source in enumerate(data))
+
+
+def _describe_run(run: Run, sources: Sequence[SourceSpec]) -> str:
+    base = sources[run.source].describe()
     if run.count == 1:
         return f"{base}[{run.offset}:{run.offset + run.nbytes}]"
     return f"{base}[{run.offset}:+{run.nbytes} x{run.count} every {run.step}]"

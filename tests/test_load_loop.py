@@ -41,6 +41,7 @@ from shardload.readplan import (
     Run,
     build_read_plans,
 )
+from shardload.sources.specs import FileSource
 from shardload.staging import Staging
 
 # (name, stored tensor, its plan's steps at N): row splits (one run), column splits (strided
@@ -270,7 +271,7 @@ _pieces = st.builds(
 )
 def test_read_plans_cross_the_wire_unchanged(pieces):
     plan = ReadPlan(
-        1, 4, ({"file": "/m-1.safetensors"}, {"file": "/m-2.safetensors"}), tuple(pieces)
+        1, 4, (FileSource("/m-1.safetensors"), FileSource("/m-2.safetensors")), tuple(pieces)
     )
     data = strict_json.loads(json.dumps(wire.encode(plan), allow_nan=False))
     assert wire.decode(data) == plan
@@ -297,7 +298,7 @@ def test_a_piece_whose_runs_lie_in_two_sources_is_refused():
         ReadPlan(
             0,
             1,
-            ({"file": "/a"}, {"file": "/b"}),
+            (FileSource("/a"), FileSource("/b")),
             (PieceRead("w", (4,), "int32", (Run(0, 0, 8), Run(1, 0, 8))),),
         )
 
@@ -320,7 +321,7 @@ def test_a_read_plan_whose_parts_do_not_fit_is_refused(breaks):
     plan = ReadPlan(
         0,
         2,
-        ({"file": "/m.safetensors"},),
+        (FileSource("/m.safetensors"),),
         (
             PieceRead("a", (2,), "int32", (Run(0, 0, 8),)),
             PieceRead("b", (2,), "int32", (Run(0, 8, 4), Run(0, 16, 4))),
@@ -334,7 +335,7 @@ def test_a_read_plan_whose_parts_do_not_fit_is_refused(breaks):
 
 def test_a_load_request_crosses_the_wire_unchanged_or_is_refused():
     plan = ReadPlan(
-        1, 2, ({"file": "/m.safetensors"},), (PieceRead("a", (2,), "int32", (Run(0, 0, 8),)),)
+        1, 2, (FileSource("/m.safetensors"),), (PieceRead("a", (2,), "int32", (Run(0, 0, 8),)),)
     )
     request = LoadRequest("7-0", plan, {"slot": 1}, ("my_plugin",), Staging(buffers=2))
     data = strict_json.loads(json.dumps(request.to_json(), allow_nan=False))
@@ -385,7 +386,7 @@ def test_piece_spans_are_the_extents_of_each_piece_s_runs(tmp_path):
         ReadPlan(
             0,
             2,
-            ({"file": "/m.safetensors"}, {"file": "/n.safetensors"}),
+            (FileSource("/m.safetensors"), FileSource("/n.safetensors")),
             (
                 PieceRead("qkv", (6,), "int32", (Run(1, 96, 8), Run(1, 16, 8, 2, 40, 8, 8))),
                 PieceRead("pad", (2,), "int32", (), zeros=True),

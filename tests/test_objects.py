@@ -169,10 +169,12 @@ def test_a_worker_that_cannot_map_the_fetched_bytes_fetches_its_own(server, tiny
     # the memory file is reached through /proc/<pid>/fd; where a worker cannot open it, it
     # fetches its own spans (in a process of its own, from the environment it was given), and
     # its pieces are the same
+    import dataclasses
+
     from shardload.sources import sparse
 
     def unreachable(self):  # a memory file no worker can open
-        return {**self.spec(), "shared": "/proc/self/fd/999999"}
+        return dataclasses.replace(self.spec(), shared="/proc/self/fd/999999")
 
     monkeypatch.setattr(sparse.ObjectBytes, "shared_spec", unreachable)
     monkeypatch.setenv("SHARDLOAD_OBJECT_MAX_GAP_KB", "0")

@@ -29,6 +29,10 @@ from safetensors.numpy import save_file
 
 from shardload import ProcessSession, ThreadedSession, load_sharded, open_checkpoint
 from shardload.sources import store
+from shardload.sources.specs import FileSource, ObjectSpec
+
+#: a read plan's source that is an object (what the stream planning looks at)
+_OBJECT_SOURCE = FileSource("/m.safetensors", None, ObjectSpec("s3://b/m.safetensors", 0, "e", "t"))
 
 BUCKET = "memory"
 MIB = 1 << 20
@@ -328,7 +332,7 @@ def test_the_stream_takes_every_workers_order():
         return ReadPlan(
             rank,
             2,
-            ({"object": {}},),
+            (_OBJECT_SOURCE,),
             tuple(PieceRead(n, (1,), "uint8", run, False, None, None, False) for n in names),
         )
 
@@ -519,7 +523,7 @@ def _one_worker_stream(obj, pieces: int = 40):
     plan = ReadPlan(
         0,
         1,
-        ({"object": {}},),
+        (_OBJECT_SOURCE,),
         tuple(
             PieceRead(f"p{k}", (64,), "uint8", (Run(0, 64 * k, 64),), False, None, None, False)
             for k in range(pieces)

@@ -55,14 +55,17 @@ def f32(shape: list, begin: int, end: int) -> dict:
 def library_loads(path: Path) -> bool:
     try:
         load_file(str(path))
-    except Exception:  # the library raises its own SafetensorError
+    except Exception:  # noqa: BLE001 - the library raises its own SafetensorError
         return False
     return True
 
 
 def sample_tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g)
+
+    def r(*s: int) -> torch.Tensor:
+        return torch.randn(*s, generator=g)
+
     return {
         "f16": r(3, 5).half(),
         "bf16": r(4, 2, 3).bfloat16(),
@@ -262,7 +265,7 @@ def test_concurrent_reads_count_every_byte(sample_file: Path) -> None:
                     for name, want in expected.items():
                         assert same(ckpt.read(name), want)
                     assert same(ckpt.read_narrow("i32", 1, 1, 2), expected["i32"][:, 1:3])
-            except BaseException as e:  # pragma: no cover - reported below
+            except BaseException as e:  # noqa: BLE001  # pragma: no cover - reported below
                 errors.append(e)
 
         threads = [threading.Thread(target=work) for _ in range(8)]
@@ -733,3 +736,28 @@ def test_read_ranges_concatenates_slices_with_one_copy(tmp_path):
             want = torch.cat([x.narrow(dim, s, n) for s, n in ranges], dim=dim)
             assert torch.equal(got, want) and got.is_contiguous()
             assert ckpt.bytes_read - before == want.numel() * 4
+
+
+def test_a_checkpoint_reads_through_one_byte_source_per_file(tmp_path):
+    """Each file is a ``ByteSource`` the checkpoint asks (``sources.bytesource``): its spec is
+    the read plans' source, another process reaches the same bytes from it, and it refuses a
+    file changed since it was mapped."""
+    from shardload.readers.mapped import open_sources
+    from shardload.sources.bytesource import MappedFile, fetched_objects
+    from shardload.sources.specs import FileSource
+
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.arange(6, dtype=torch.float32)}, str(path))
+    with open_safetensors(path) as ckpt:
+        (source,) = ckpt.byte_sources
+        assert isinstance(source, MappedFile) and source.viewable
+        assert ckpt.sources() == [source.spec()] and isinstance(source.spec(), FileSource)
+        assert fetched_objects(ckpt.byte_sources) == {}
+        _, begin, end = ckpt.locate("w")
+        with open_sources(ckpt.sources()) as elsewhere:
+            assert bytes(elsewhere.source_bytes(0)[begin:end].numpy()) == bytes(
+                ckpt.read("w").numpy()
+            )
+        os.utime(path, ns=(1, 1))
+        with pytest.raises(FormatError, match="changed while loading"):
+            source.check_unchanged("w")

@@ -211,7 +211,69 @@ def test_read_plans_travel_as_json_unchanged(tmp_path):
         )
         for rp in build_read_plans(plan.validate(ckpt.metadata()), ckpt):
             assert ReadPlan.from_json(rp.to_json()) == rp
-            assert rp.sources[0]["file"].endswith("m.safetensors")
+            assert rp.sources[0].path.endswith("m.safetensors")
+
+
+_OBJECT = {
+    "url": "s3://b/m.safetensors",
+    "size": 128,
+    "etag": '"e"',
+    "last_modified": "2026-01-01T00:00:00Z",
+    "shared": "/proc/1/fd/5",
+}
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        {"file": "/m.safetensors", "identity": [1, 2, 3, 4]},
+        {"file": "/m.safetensors", "identity": None, "object": _OBJECT},
+        {"tensor": "w"},
+    ],
+)
+def test_a_read_plans_sources_are_typed_and_travel_as_the_same_json(source):
+    from shardload.pieces import wire
+    from shardload.sources.specs import FileSource, TensorSource
+
+    data = {"rank": 0, "num_shards": 1, "sources": [source], "pieces": []}
+    plan = ReadPlan.from_json(data)
+    assert isinstance(plan.sources[0], FileSource if "file" in source else TensorSource)
+    assert plan.to_json() == data
+    assert wire.encode(plan)["sources"] == [source]
+    assert wire.decode(wire.encode(plan)) == plan
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("m.safetensors", "source 0 is not an object: str"),
+        ({"path": "/m"}, "source 0 names neither a 'file' nor a 'tensor'"),
+        ({"file": 5}, "source 0: 'file' is not a path"),
+        ({"file": "/m", "identity": [1, 2]}, "'identity' is not null or a list of 4 whole"),
+        ({"file": "/m", "identity": None, "object": []}, "'object' is not an object"),
+        ({"file": "/m", "object": {**_OBJECT, "size": "128"}}, "'object/size' is not a whole"),
+        ({"file": "/m", "object": {**_OBJECT, "etag": None}}, "'object/etag' is not a string"),
+        ({"file": "/m", "object": {**_OBJECT, "shared": 5}}, "'object/shared' is not a path"),
+        ({"file": "/m", "mode": "w"}, "'mode' is not a field of a file source"),
+        ({"tensor": ["w"]}, "'tensor' is not a string"),
+    ],
+)
+def test_a_read_plans_malformed_source_is_refused_naming_its_field(source, message):
+    # they were taken as they came, and failed later, far from the plan (a KeyError in the
+    # worker, a path of 5 opened)
+    from shardload.pieces import wire
+
+    data = {"rank": 0, "num_shards": 1, "sources": [{"file": "/ok"}, source], "pieces": []}
+    message = message.replace("source 0", "source 1")
+    with pytest.raises(ValueError, match="a read plan's source 1") as refused:
+        ReadPlan.from_json(data)
+    assert message in str(refused.value)
+    compact = {
+        **wire.encode(ReadPlan.from_json({**data, "sources": []})),
+        "sources": data["sources"],
+    }
+    with pytest.raises(ValueError, match="a read plan's source 1"):
+        wire.decode(compact)
 
 
 # ---- the planner's zero-padded plans -------------------------------------------------------------

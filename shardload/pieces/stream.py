@@ -42,7 +42,9 @@ from ..errors import ShardloadError
 from ..readers.base import Checkpoint
 from ..readplan import PieceRead, ReadPlan, Run
 from ..sessions import Stopped
+from ..sources.bytesource import fetched_objects, objects_in_shared_memory
 from ..sources.sparse import ObjectBytes
+from ..sources.specs import FileSource
 from .counters import (
     BYTES,
     CLOSED,
@@ -290,7 +292,7 @@ def streams_for_load(
     plans (those of other processes naming the memory files), the streams (not started; closed
     by ``stack``), and each worker's side: a ``Consumer`` here, a ``StreamSpec``'s JSON for
     the others."""
-    objects = source.object_bytes()
+    objects = fetched_objects(source.byte_sources)
     if not objects:
         return plans, [], {}
     streams: list[ObjectStream] = []
@@ -301,7 +303,7 @@ def streams_for_load(
             continue
         into = objects
         if shared:
-            sources, into = source.with_objects(objects)
+            sources, into = objects_in_shared_memory(source.sources(), objects)
             stack.callback(_close_all, into)
             plans = {
                 i: dataclasses.replace(plan, sources=tuple(sources)) if i in ranks else plan
@@ -345,11 +347,13 @@ def worker_side(
             if consumer is not None:
                 stack.callback(consumer.control.close)
                 return source, consumer
-            if any(obj.borrowed for obj in source.object_bytes().values()):
+            if any(obj.borrowed for obj in fetched_objects(source.byte_sources).values()):
                 # the loader's memory files without its counters: objects of its own
-                source = open_sources([_unshared(s) for s in plan.sources])
+                source = open_sources(
+                    [s.unshared() if isinstance(s, FileSource) else s for s in plan.sources]
+                )
                 stack.callback(source.close)
-    objects = source.object_bytes()
+    objects = fetched_objects(source.byte_sources)
     if not objects:
         return source, None
     own = ObjectStream(objects, stream_units([plan]), 1)
@@ -359,14 +363,6 @@ def worker_side(
     return source, consumer
 
 
-def _unshared(spec: dict) -> dict:
-    """A source spec without the loader's memory file (its object fetched here)."""
-    obj = spec.get("object")
-    if isinstance(obj, dict) and "shared" in obj:
-        return {**spec, "object": {k: v for k, v in obj.items() if k != "shared"}}
-    return spec
-
-
 def attach_consumer(spec: StreamSpec, source: Checkpoint) -> Consumer | None:
     """A worker process's side of the loader's stream, where it can map the counters and
     every object's memory file; None where it cannot (it then streams for itself, and is
@@ -374,7 +370,7 @@ def attach_consumer(spec: StreamSpec, source: Checkpoint) -> Consumer | None:
     control = Control.attach(spec.control, spec.consumers)
     if control is None:
         return None
-    if not all(obj.borrowed for obj in source.object_bytes().values()):
+    if not all(obj.borrowed for obj in fetched_objects(source.byte_sources).values()):
         control.set_position(spec.slot, DONE)
         control.close()
         return None

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..readplan import PieceRead, ReadPlan, Run
+from ..sources.specs import FileSource
 
 __all__ = [
     "PART_BYTES",
@@ -41,7 +42,11 @@ UnitSpans = dict[int, list[tuple[int, int]]]
 
 def object_sources(plan: ReadPlan) -> set[int]:
     """The indices of ``plan``'s sources that are objects in object storage."""
-    return {k for k, spec in enumerate(plan.sources) if spec.get("object") is not None}
+    return {
+        k
+        for k, spec in enumerate(plan.sources)
+        if isinstance(spec, FileSource) and spec.object is not None
+    }
 
 
 def _merged_order(plans: list[ReadPlan]) -> list[str]:

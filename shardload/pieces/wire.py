@@ -21,7 +21,7 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
-from ..readplan import Kind, PieceRead, Pieces, ReadPlan
+from ..readplan import Kind, PieceRead, Pieces, ReadPlan, sources_from_json
 
 __all__ = ["decode", "encode"]
 
@@ -32,7 +32,7 @@ def encode(plan: ReadPlan) -> dict:
     return {
         "rank": plan.rank,
         "num_shards": plan.num_shards,
-        "sources": list(plan.sources),
+        "sources": [source.to_json() for source in plan.sources],
         "kinds": [_kind_json(kind) for kind in pieces.kinds],
         "names": list(pieces.names),
         "kind": list(pieces.kind),
@@ -81,4 +81,5 @@ def decode(data: dict[str, Any]) -> ReadPlan:
         raise ValueError(
             f"a read plan of {len(names)} names whose kinds are not among its {len(held)}"
         )
-    return ReadPlan(int(data["rank"]), int(data["num_shards"]), tuple(data["sources"]), pieces)
+    sources = sources_from_json(data["sources"])
+    return ReadPlan(int(data["rank"]), int(data["num_shards"]), sources, pieces)

@@ -21,16 +21,19 @@ import contextvars
 import math
 import os
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import TYPE_CHECKING
 
 from .. import dtypes
+from ..sources.specs import SourceSpec, TensorSource
 
 if TYPE_CHECKING:  # pragma: no cover  (imported where used: planning needs no torch)
     import numpy as np
     import torch
+
+    from ..sources.bytesource import ByteSource
 
 #: cap on an index file's size (the shape limits every reader applies are ``limits.MAX_DIM``
 #: and ``limits.MAX_NDIM``, checked by ``dtypes.shape_problem``)
@@ -165,10 +168,15 @@ class Checkpoint(abc.ABC):
     # its own source, read whole; file-backed readers name their files instead, which another
     # process can map (``readers.mapped.open_sources``).
 
-    def sources(self) -> list[dict]:
-        """The byte sources ``locate`` refers to, by index: ``{"file": path, "identity": [...]}``
-        for a file any process may map, ``{"tensor": name}`` for bytes held only here."""
-        return [{"tensor": name} for name in self.metadata()]
+    #: the bytes of each file ``locate`` refers to, by index (``sources.bytesource``): what a
+    #: load asks of them (a stream picks the objects among them); none for tensors held here
+    byte_sources: Sequence[ByteSource] = ()
+
+    def sources(self) -> list[SourceSpec]:
+        """The byte sources ``locate`` refers to, by index (``sources.specs``): a
+        ``FileSource`` for a file any process may map, a ``TensorSource`` for bytes held only
+        here."""
+        return [TensorSource(name) for name in self.metadata()]
 
     def locate(self, name: str) -> tuple[int, int, int]:
         """``(source, begin, end)``: the tensor's bytes, in C order, within source ``source``."""
@@ -185,8 +193,7 @@ class Checkpoint(abc.ABC):
         was opened (a changed file is a ``FormatError``)."""
         import torch
 
-        name = self.sources()[index]["tensor"]
-        return self.read(name).view(-1).view(torch.uint8)
+        return self.read(self.names()[index]).view(-1).view(torch.uint8)
 
     def view(self, name: str) -> torch.Tensor | None:
         """The tensor where it lies, not a copy: a view of a mapped file's pages, or ``None``
@@ -208,17 +215,6 @@ class Checkpoint(abc.ABC):
     def prefetch_bytes(self, index: int, begin: int, end: int) -> None:  # noqa: B027 - an optional hook
         """A hint that bytes ``[begin, end)`` of source ``index`` will be read soon (a file's
         reader asks the kernel to start reading them into the page cache)."""
-
-    def object_bytes(self) -> dict:
-        """``{source index: ObjectBytes}`` for the sources that are objects in object storage
-        (``sources.sparse``), fetched by a load's stream (``pieces.stream``); none here."""
-        return {}
-
-    def with_objects(self, objects: dict) -> tuple[list[dict], dict]:
-        """``sources()`` for worker processes, with the object sources ``objects`` (indices)
-        given as memory files they map, which a load's stream fills; and those files by
-        index (``ObjectBytes``: the caller closes them)."""
-        return self.sources(), {}
 
     def _source_index(self) -> dict[str, int]:
         cached = getattr(self, "_source_indices", None)

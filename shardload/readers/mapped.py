@@ -5,6 +5,9 @@ each tensor's metadata and byte range. From then on a read is a bounds-checked c
 mapping: ``read`` copies a whole tensor once, ``read_narrow`` / ``read_ranges`` copy only the
 bytes of a slice. Nothing here trusts anything it was not given by a validating reader.
 
+Each file is read through its ``ByteSource`` (``sources.bytesource``: a local file's mapping,
+or an object's bytes fetched as they are asked for), which the checks below live in.
+
 A file that changes while it is loading. Reading a mapped page that lies past the end of a file
 truncated after it was mapped raises SIGBUS, which kills the process without a word. So each
 file's identity is recorded when it is opened (device, inode, size, modification time, from
@@ -34,7 +37,7 @@ import operator
 import os
 import threading
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING, cast
 
@@ -42,6 +45,8 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import FormatError
+from ..sources.bytesource import ByteSource, MappedFile, byte_source, identity, unmap
+from ..sources.specs import FileSource, SourceSpec
 from . import base
 from .base import Checkpoint, TensorMeta
 
@@ -50,23 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover  (imported where used: planning needs no t
 
     from ..sources.sparse import ObjectBytes
 
-#: what identifies a file's contents: (st_dev, st_ino, st_size, st_mtime_ns)
-Identity = tuple[int, int, int, int]
-
-
-def identity(st: os.stat_result) -> Identity:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def unmap(m: mmap.mmap | None) -> None:
-    """Close a mapping, unless a view of it is still alive (a read in flight in another
-    thread): then dropping our reference is enough, it is unmapped when the last view goes."""
-    if m is None:
-        return
-    try:
-        m.close()
-    except BufferError:
-        pass
+__all__ = ["MappedCheckpoint", "TensorTable", "copy_blocks", "open_sources", "unmap"]
 
 
 def copy_blocks(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -141,9 +130,12 @@ class MappedCheckpoint(Checkpoint):
     into file ``file_index``'s data, which starts at ``data_starts[file_index]`` (0 by
     default).
     ``stats`` holds each file's ``fstat`` as it was mapped; a read refuses a file that no longer
-    matches it (see the module docstring). Reads are thread-safe; ``bytes_read`` counts every
-    byte copied out. After ``close()`` reads raise ``ValueError``; tensors already returned stay
-    valid (they own their memory).
+    matches it (see the module docstring); ``remote``, the object holding a file's bytes where
+    one does (``files.MappedData.remote``). Each file becomes a ``ByteSource``
+    (``byte_sources``, by index: ``sources.bytesource``; given made, in place of ``maps``,
+    ``stats`` and ``remote``, by ``open_sources``), which every read asks. Reads are
+    thread-safe; ``bytes_read`` counts every byte copied out. After ``close()`` reads raise
+    ``ValueError``; tensors already returned stay valid (they own their memory).
     """
 
     def __init__(
@@ -153,22 +145,25 @@ class MappedCheckpoint(Checkpoint):
         maps: list[mmap.mmap | None],
         tensors: TensorTable | Iterable[tuple[TensorMeta, int, int, int]],
         data_starts: list[int] | None = None,
-        stats: list[os.stat_result | None] | None = None,
-        remote: list | None = None,
+        stats: Sequence[os.stat_result | None] | None = None,
+        remote: Sequence[ObjectBytes | None] | None = None,
+        *,
+        byte_sources: Sequence[ByteSource] | None = None,
     ):
         super().__init__()
         self.source = source
         self.files = list(files)
-        self._maps = list(maps)
-        # each file's object bytes where an object holds it (``Files.map_data``), else None
-        self._remote = list(remote) if remote is not None else [None] * len(self.files)
-        self._closers: list = []
-        self._data_starts = list(data_starts or [0] * len(maps))
-        # absolute: a chdir in another thread must not make the check look at another file
-        self._idents: list[tuple[str, Identity | None]] = [
-            (os.path.abspath(f), None if st is None else identity(st))
-            for f, st in zip(self.files, stats or [None] * len(self.files))
-        ]
+        none: list[None] = [None] * len(self.files)
+        self.byte_sources: list[ByteSource] = (
+            list(byte_sources)
+            if byte_sources is not None
+            else [
+                byte_source(path, m, st, data)
+                for path, m, st, data in zip(self.files, maps, stats or none, remote or none)
+            ]
+        )
+        self._closers: list[Callable[[], object]] = []
+        self._data_starts = list(data_starts or [0] * len(self.files))
         # each file's data as a uint8 tensor, and its tensor data within it: made at the first
         # read (``_views``), so an open that only plans and validates needs no torch
         self._files_data: list[torch.Tensor] | None = None
@@ -206,9 +201,9 @@ class MappedCheckpoint(Checkpoint):
             # holds none, and closing under it would leave tensors pointing at unmapped memory.
             self._files_data = [
                 torch.from_numpy(np.frombuffer(m, dtype=np.uint8))
-                if m is not None
+                if (m := source.map) is not None
                 else torch.empty(0, dtype=torch.uint8)
-                for m in self._maps
+                for source in self.byte_sources
             ]
             self._data = [
                 whole[start:] for whole, start in zip(self._files_data, self._data_starts)
@@ -229,14 +224,8 @@ class MappedCheckpoint(Checkpoint):
 
     # -- byte sources: this checkpoint's files, for read plans
 
-    def sources(self) -> list[dict]:
-        out = []
-        for (path, ident), remote in zip(self._idents, self._remote):
-            spec = {"file": path, "identity": None if ident is None else list(ident)}
-            if remote is not None:
-                spec["object"] = remote.spec()
-            out.append(spec)
-        return out
+    def sources(self) -> list[SourceSpec]:
+        return [source.spec() for source in self.byte_sources]
 
     def locate(self, name: str) -> tuple[int, int, int]:
         self.meta(name)
@@ -258,63 +247,20 @@ class MappedCheckpoint(Checkpoint):
         return data
 
     def release_bytes(self, index: int, begin: int, end: int) -> None:
-        """Give this process's mapping of the file's pages ``[begin, end)`` back (see
-        ``release``); only memory accounting suffers where it cannot. An object's pages are
-        the load's stream's to release (``pieces.stream``), never a worker's: another worker
-        may still need them."""
-        if index < len(self._remote) and self._remote[index] is not None:
-            return
-        self._advise(index, begin, end, "MADV_DONTNEED")
+        """Give this process's pages of the source's bytes ``[begin, end)`` back where it
+        can (``ByteSource.release``: see ``release``); only memory accounting suffers where it
+        cannot."""
+        self.byte_sources[index].release(begin, end)
 
-    def object_bytes(self) -> dict:
-        """``{source index: ObjectBytes}`` of the sources that are objects in object
-        storage (``sources.sparse``): what a load's stream fetches into."""
-        return {k: remote for k, remote in enumerate(self._remote) if remote is not None}
-
-    def with_objects(self, objects: dict) -> tuple[list[dict], dict]:
-        """``Checkpoint.with_objects``: for each object source, a new memory file
-        (``ObjectBytes.in_shared_memory``) that the load's stream fills and the worker
-        processes map; the read plans' sources naming them, and the files by index (the
-        caller closes them)."""
-        from ..sources.sparse import ObjectBytes
-
-        sources = self.sources()
-        made: dict = {}
-        try:
-            for index in objects:
-                remote = self._remote[index]
-                made[index] = shared = ObjectBytes.in_shared_memory(remote.info, remote.client)
-                sources[index] = {**sources[index], "object": shared.shared_spec()}
-        except BaseException:
-            for shared in made.values():
-                shared.close()
-            raise
-        return sources, made
-
-    def on_close(self, callback) -> None:
+    def on_close(self, callback: Callable[[], object]) -> None:
         """Call ``callback()`` when this checkpoint is closed, after its mappings."""
         self._closers.append(callback)
 
     def prefetch_bytes(self, index: int, begin: int, end: int) -> None:
-        """Ask the kernel to read the file's pages ``[begin, end)`` ahead (``MADV_WILLNEED``):
-        from a cold page cache the faults of a copy out of a mapping read a little at a time,
-        where this starts large sequential reads; pages already cached cost a look-up."""
-        self._advise(index, begin, end, "MADV_WILLNEED")
-
-    def _advise(self, index: int, begin: int, end: int, advice: str) -> None:
-        """``madvise(advice)`` on the pages of file ``index`` holding ``[begin, end)``: a hint,
-        so a closed mapping or a platform without it is no error."""
-        with self._lock:
-            m = self._maps[index] if index < len(self._maps) else None
-            if index < len(self._remote) and self._remote[index] is not None:
-                return  # an object's bytes are fetched when needed, never faulted in
-        if m is None or end <= begin or not hasattr(mmap, advice):
-            return
-        first = begin // mmap.PAGESIZE * mmap.PAGESIZE
-        try:
-            m.madvise(getattr(mmap, advice), first, min(end, len(m)) - first)
-        except (OSError, ValueError):
-            pass  # closed meanwhile, or unsupported
+        """Ask for the source's bytes ``[begin, end)`` ahead (``ByteSource.prefetch``: a
+        file's pages read ahead by the kernel, ``MADV_WILLNEED``): from a cold page cache the
+        faults of a copy out of a mapping read a little at a time."""
+        self.byte_sources[index].prefetch(begin, end)
 
     def count_read(self, nbytes: int) -> None:
         """Add ``nbytes`` to ``bytes_read`` (a read plan copied them out of a source)."""
@@ -339,17 +285,16 @@ class MappedCheckpoint(Checkpoint):
     def _ready(
         self, meta: TensorMeta, i: int, begin: int, end: int, slices: tuple[int, list] | None = None
     ) -> None:
-        """Before bytes ``[begin, end)`` of file ``i``'s data are read: the file checked, and
-        an object's bytes fetched (see ``_locate``)."""
+        """Before bytes ``[begin, end)`` of file ``i``'s data are read: the source checked,
+        and asked for them (see ``_locate``)."""
         if end > begin:
-            self.check_unchanged(i, meta.name)
-            remote = self._remote[i]
-            if remote is not None:
-                base = self._data_starts[i] + begin
-                if slices is None:
-                    remote.need(base, base + end - begin)
-                else:
-                    remote.need_spans(_slice_spans(meta, base, *slices))
+            source = self.byte_sources[i]
+            source.check_unchanged(meta.name)
+            base = self._data_starts[i] + begin
+            if slices is None:
+                source.need(base, base + end - begin)
+            else:
+                source.need_spans(_slice_spans(meta, base, *slices))
 
     def read_array(self, name: str) -> np.ndarray:
         """The whole tensor as a new numpy array, copied by numpy out of the mapping (no
@@ -358,7 +303,7 @@ class MappedCheckpoint(Checkpoint):
         i, begin, end = self._where(name)
         with self._lock:
             self._check_open(f" {name!r}")
-            mapped = self._maps[i]
+            mapped = self.byte_sources[i].map
         self._ready(meta, i, begin, end)
         carrier = cast("np.dtype", dtypes.numpy_carrier(meta.dtype)[0])  # typed object there
         if end == begin or mapped is None:  # (only an empty file has no mapping)
@@ -369,37 +314,7 @@ class MappedCheckpoint(Checkpoint):
 
     def check_unchanged(self, i: int, tensor: str | None = None) -> None:
         """Refuse to touch file ``i``'s mapping if the file is no longer what was mapped."""
-        path, was = self._idents[i]
-        if was is None:
-            return
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise FormatError(
-                f"the file changed while loading (it can no longer be read: "
-                f"{exc.strerror or exc}); do not modify a checkpoint while it is "
-                f"loading",
-                file=self.files[i],
-                tensor=tensor,
-            ) from None
-        now = identity(st)
-        if now == was:
-            return
-        if now[:2] != was[:2]:
-            how = (
-                f"replaced by another file: inode {now[1]}, was {was[1]}; size {now[2]}, "
-                f"was {was[2]}"
-            )
-        elif now[2] != was[2]:
-            how = f"size {now[2]}, was {was[2]}"
-        else:
-            how = f"size {now[2]} unchanged, but it was written to: its modification time moved"
-        raise FormatError(
-            f"the file changed while loading ({how}); do not modify a checkpoint "
-            f"while it is loading",
-            file=self.files[i],
-            tensor=tensor,
-        )
+        self.byte_sources[i].check_unchanged(tensor)
 
     def _count(self, n: int) -> None:
         with self._lock:  # += on an attribute is not atomic across threads
@@ -419,13 +334,13 @@ class MappedCheckpoint(Checkpoint):
 
     def view(self, name: str) -> torch.Tensor | None:
         """The tensor as a view of its file's private mapping (``Checkpoint.view``); ``None``
-        where its offset is not aligned for its dtype (``read`` copies it as bytes), and for
-        a tensor of an object in object storage: a view must hold the whole tensor's bytes,
-        which would fetch all of it where a read fetches only the bytes it asks for."""
+        where its offset is not aligned for its dtype (``read`` copies it as bytes), and where
+        its source is not ``viewable`` (an object in object storage: a view must hold the whole
+        tensor's bytes, which would fetch all of it where a read fetches only those asked)."""
         import torch
 
         i, _, _ = self._where(name)
-        if self._remote[i] is not None:
+        if not self.byte_sources[i].viewable:
             return None
         meta, raw = self._locate(name)
         torch_dtype = dtypes.to_torch(meta.dtype)
@@ -536,76 +451,71 @@ class MappedCheckpoint(Checkpoint):
             # drop our views first: they hold buffer exports on the maps
             self._data = self._files_data = None
             self._closed = True
-            maps, self._maps = self._maps, []
-        for m in maps:
-            unmap(m)
+        for source in self.byte_sources:
+            source.close()
         closers, self._closers = self._closers, []
         for callback in closers:
             callback()
 
 
-def open_sources(sources: list[dict], source: str = "<read plan>") -> MappedCheckpoint:
+def open_sources(sources: Sequence[SourceSpec], source: str = "<read plan>") -> MappedCheckpoint:
     """Map the files a read plan names, in another process than the one that opened them.
 
     Each must still be the file the controller opened: the same device, inode, size and
     modification time (``identity``); a file changed since is a ``FormatError``, before any byte
-    is read. The result serves ``source_bytes`` / ``release_bytes``; it holds no tensors.
+    is read. An object's bytes are fetched by this process as it needs them, or mapped from the
+    loader's memory file (``ObjectBytes.from_spec``). The result serves ``source_bytes`` /
+    ``release_bytes``; it holds no tensors.
     """
-    from ..files import open_regular
-
-    files: list[str] = []
-    maps: list[mmap.mmap | None] = []
-    stats: list[os.stat_result | None] = []
-    remotes: list[ObjectBytes | None] = []
+    opened: list[ByteSource] = []
     try:
         for spec in sources:
-            path = spec.get("file")
-            if not isinstance(path, str):
+            if not isinstance(spec, FileSource):
                 raise ValueError(
                     "a worker process can only read sources that are files; this "
-                    f"one is {spec!r} (the loader writes in-memory tensors to a "
+                    f"one is {spec.to_json()!r} (the loader writes in-memory tensors to a "
                     "file first)"
                 )
-            if spec.get("object") is not None:  # fetched by this process as it needs it
-                from ..sources.sparse import ObjectBytes
-
-                remote = ObjectBytes.from_spec(spec["object"])
-                files.append(path)
-                maps.append(remote.map)
-                stats.append(None)
-                remotes.append(remote)
-                continue
-            f, st = open_regular(path, "the checkpoint file")
-            with f:
-                want = spec.get("identity")
-                if want is not None and list(identity(st)) != list(want):
-                    raise FormatError(
-                        "the file changed between the controller opening it and "
-                        "this worker mapping it; do not modify a checkpoint while "
-                        "it is loading",
-                        file=path,
-                    )
-                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if st.st_size else None
-            files.append(path)
-            maps.append(m)
-            stats.append(st)
-            remotes.append(None)
+            opened.append(_open_source(spec))
     except BaseException:
-        for m in maps:
-            unmap(m)
+        for done in opened:
+            done.close()
         raise
-    return MappedCheckpoint(source, files, maps, (), stats=stats, remote=remotes)
+    return MappedCheckpoint(source, [s.path for s in opened], [], (), byte_sources=opened)
 
 
-def _slice_spans(meta: TensorMeta, base: int, dim: int, slices: list) -> list[tuple[int, int]]:
+def _open_source(spec: FileSource) -> ByteSource:
+    """The bytes ``spec`` names, reached from this process (``open_sources``)."""
+    from ..files import open_regular
+
+    if spec.object is not None:
+        from ..sources.sparse import ObjectBytes
+
+        return byte_source(spec.path, None, None, ObjectBytes.from_spec(spec.object))
+    f, st = open_regular(spec.path, "the checkpoint file")
+    with f:
+        if spec.identity is not None and identity(st) != spec.identity:
+            raise FormatError(
+                "the file changed between the controller opening it and this worker "
+                "mapping it; do not modify a checkpoint while it is loading",
+                file=spec.path,
+            )
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if st.st_size else None
+    return MappedFile(spec.path, m, st)
+
+
+def _slice_spans(
+    meta: TensorMeta, base: int, dim: int, slices: list[tuple[int, int]]
+) -> Iterator[tuple[int, int]]:
     """The ``[begin, end)`` bytes of the slices ``[start, start + length)`` of ``dim`` of a C-order
-    tensor whose bytes start at ``base``: one run per slice per index of the dims before."""
+    tensor whose bytes start at ``base``: one run per slice per index of the dims before. A
+    generator: a source with nothing to fetch never makes them."""
     shape = meta.shape
     inner = math.prod(shape[dim + 1 :]) * dtypes.itemsize(meta.dtype)
     row = shape[dim] * inner
-    return [
+    return (
         (base + o * row + start * inner, base + o * row + (start + length) * inner)
         for o in range(math.prod(shape[:dim]))
         for start, length in slices
         if length
-    ]
+    )

@@ -71,8 +71,7 @@ class ArrayCheckpoint(Checkpoint):
         """The stored tensor's own bytes (no copy when it is a contiguous CPU tensor)."""
         import torch
 
-        name = self.sources()[index]["tensor"]
-        tensor = self._tensors[name].detach()
+        tensor = self._tensors[self.names()[index]].detach()
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             tensor = tensor.to("cpu").contiguous()
         return tensor.reshape(-1).view(torch.uint8)

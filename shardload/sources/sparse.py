@@ -28,11 +28,13 @@ them.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable
 
+from .specs import ObjectSpec
 from .store import ObjectClient, ObjectInfo, coalesce, default_client
 
 __all__ = [
@@ -197,28 +199,21 @@ class ObjectBytes:
             self._client = default_client()
         return self._client
 
-    def spec(self) -> dict:
-        """What another process needs to fetch the same object's bytes (JSON)."""
-        return {
-            "url": self.info.url,
-            "size": self.info.size,
-            "etag": self.info.etag,
-            "last_modified": self.info.last_modified,
-        }
+    def spec(self) -> ObjectSpec:
+        """What another process needs to fetch the same object's bytes."""
+        info = self.info
+        return ObjectSpec(info.url, info.size, info.etag, info.last_modified)
 
     @classmethod
-    def from_spec(cls, spec: dict) -> ObjectBytes:
+    def from_spec(cls, spec: ObjectSpec) -> ObjectBytes:
         """The object of ``spec()``; of ``shared_spec()``, the loader's memory file mapped
         (or, where it cannot be opened, an object of this process's own: ``borrowed`` says
         which)."""
         info = ObjectInfo(
-            url=str(spec["url"]),
-            size=int(spec["size"]),
-            etag=str(spec["etag"]),
-            last_modified=str(spec["last_modified"]),
+            url=spec.url, size=spec.size, etag=spec.etag, last_modified=spec.last_modified
         )
-        shared = spec.get("shared")
-        return (cls._borrow(info, shared) if isinstance(shared, str) else None) or cls(info)
+        shared = spec.shared
+        return (cls._borrow(info, shared) if shared is not None else None) or cls(info)
 
     @classmethod
     def in_shared_memory(cls, info: ObjectInfo, client: ObjectClient | None = None) -> ObjectBytes:
@@ -236,12 +231,12 @@ class ObjectBytes:
         """Whether these bytes are another process's memory file, mapped here."""
         return self._borrowed
 
-    def shared_spec(self) -> dict:
+    def shared_spec(self) -> ObjectSpec:
         """``spec()`` and where this process's memory file is: what a worker process maps
         (``from_spec``)."""
         if self._fd < 0 or self._borrowed:
             return self.spec()
-        return {**self.spec(), "shared": memory_file_path(self._fd)}
+        return dataclasses.replace(self.spec(), shared=memory_file_path(self._fd))
 
     @classmethod
     def _borrow(cls, info: ObjectInfo, path: str) -> ObjectBytes | None:

@@ -37,7 +37,7 @@ def _plan_digest(plan_file: dict) -> str:
 def _reads_digest(read_plans) -> str:
     h = hashlib.sha256()
     for rp in read_plans:
-        files = [os.path.basename(s.get("file", "")) for s in rp.sources]
+        files = [os.path.basename(getattr(s, "path", "")) for s in rp.sources]
         h.update(repr((rp.rank, rp.num_shards, files)).encode())
         for piece in rp.pieces:
             h.update(repr(tuple(piece)).encode())
