@@ -1,4 +1,5 @@
-"""Every hostile input gets the documented answer: the mutation corpus ``helpers/hostile_corpus.py``.
+"""Every hostile input gets the documented answer: the mutation corpus
+``helpers/hostile_corpus.py``.
 
 Each case is run through ``shardload validate``, ``inspect`` and ``load`` (click's CliRunner, in
 this process) and through the Python API, and must answer as documented:

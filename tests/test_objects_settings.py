@@ -36,6 +36,7 @@ from helpers.subprocesses import subprocess_env
 from shardload import StorageError, ThreadedSession, load_sharded
 from shardload.sources import settings as settingsmod
 from shardload.sources import store as store_module
+from shardload.sources import store_config
 from shardload.sources.store import ObjectClient
 from shardload.sources.urls import ObjectUrl
 
@@ -77,7 +78,7 @@ def _clean(monkeypatch, env: dict) -> None:
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(name.lower(), raising=False)
-    monkeypatch.setattr(store_module, "_DEFAULT", None)
+    store_module.reset_default_client()
 
 
 @pytest.fixture
@@ -97,7 +98,7 @@ def at(servers):
 def setenv(monkeypatch):
     """``setenv(env)``: ``env`` this process's only cloud settings (``_clean``)."""
     yield lambda env: _clean(monkeypatch, env)
-    store_module._DEFAULT = None
+    store_module.reset_default_client()
 
 
 def url(scheme: str) -> str:
@@ -701,11 +702,11 @@ def test_behind_a_proxy_the_endpoint_is_not_tried_directly(monkeypatch):
         _clean(monkeypatch, {})
         for name, value in proxy.items():
             monkeypatch.setenv(name, value)
-        store_module._check_answers(settingsmod.store_settings(loc, env), loc, 1.0)
-    store_module._check_answers(
+        store_config.check_answers(settingsmod.store_settings(loc, env), loc, 1.0)
+    store_config.check_answers(
         settingsmod.store_settings(loc, {**env, "AWS_PROXY_URL": "http://p:3128"}), loc, 1.0
     )
     assert tried == []
     _clean(monkeypatch, {})
-    store_module._check_answers(settingsmod.store_settings(loc, env), loc, 1.0)
+    store_config.check_answers(settingsmod.store_settings(loc, env), loc, 1.0)
     assert tried == [("127.0.0.1", 9)]

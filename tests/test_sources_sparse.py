@@ -5,6 +5,7 @@ test_objects.py)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
@@ -37,7 +38,7 @@ def test_spans_follow_a_set_of_positions():
             assert _positions(spans) == ref
             pairs = list(spans)
             # sorted, disjoint and never touching: one span per run of positions
-            assert all(e1 < b2 for (_, e1), (b2, _) in zip(pairs, pairs[1:]))
+            assert all(e1 < b2 for (_, e1), (b2, _) in itertools.pairwise(pairs))
             assert all(b < e for b, e in pairs)
         want = merged((b, b + rng.randrange(0, 10)) for b in rng.sample(range(70), 6))
         missing = spans.missing(want)

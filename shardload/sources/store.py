@@ -58,7 +58,6 @@ from .store_config import (
     MAX_RETRIES,
     REQUEST_TIMEOUT,
     RETRIES_ENV,
-    check_answers,
     make_store,
     require_obstore,
     seconds_arg,
@@ -101,8 +100,6 @@ __all__ = [
 OPEN_CONCURRENCY = 32
 #: a folder listing holding more entries than this is refused: a checkpoint is not a bucket
 MAX_FOLDER_OBJECTS = 100_000
-#: for tests/test_objects_settings.py, which calls it by its old name here
-_check_answers = check_answers
 
 # ------------------------------------------------------------------------------------- client
 
