@@ -14,6 +14,7 @@ from .errors import quote
 from .limits import INT64_MAX, MAX_DIM, MAX_NDIM
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
     import torch
 
 # canonical name -> bytes per element
@@ -170,7 +171,7 @@ def from_numpy(dtype) -> str:
         raise ValueError(f"numpy dtype {name!r} has no shardload equivalent") from None
 
 
-def numpy_carrier(name: str) -> tuple[object, bool]:
+def numpy_carrier(name: str) -> tuple[np.dtype, bool]:
     """The numpy dtype a tensor of dtype ``name`` is made as, and whether torch must view it as
     ``name`` afterwards: numpy's own dtype where it has one, else a same-width integer
     (bfloat16 as int16, float8 as uint8).
@@ -210,7 +211,7 @@ _NUMPY_OWN = frozenset(
         "float64",
     }
 )
-_NUMPY: dict[str, tuple[object, bool]] = {}
+_NUMPY: dict[str, tuple[np.dtype, bool]] = {}
 
 
 def movable_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,9 @@ Two rules, applied by every reader, the plan loader and every config reader:
 Small side files (indexes, configs, plans) are read with a stated cap (``read_capped``), so a
 1.6 GB "index" is refused before it is read.
 
-A data file (a safetensors file, a GGUF, an MLC shard) is found (``Files.lexists``,
-``Files.glob``) and mapped (``Files.map_data``) through the ``Files`` its reader's open
-function is handed: this machine's (``LOCAL_FILES``: the file's own pages), or, for a
-checkpoint in object storage, ``readers.objects.ObjectFiles`` (an object's sparse mapping,
-whose bytes the reader asks for, ``need``, before it parses them).
+A data file (a safetensors file, a GGUF, an MLC shard) is found and mapped through a
+``sources.bytesource.Files`` (this machine's, or a checkpoint's in object storage), with
+``open_regular``.
 
 >>> check_member_name("model-00001-of-00002.safetensors", index="model.safetensors.index.json")
 >>> check_member_name("../etc/passwd", index="i.json")
@@ -36,24 +34,20 @@ shardload.errors.FormatError: i.json: names file '../etc/passwd', which has a '.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import stat
 import unicodedata
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, BinaryIO, Union
 
 from . import strict_json
 from .errors import FormatError, quote
 
 __all__ = [
-    "LOCAL_FILES",
     "MAX_MEMBER_NAME",
     "MAX_SIDE_FILE_BYTES",
-    "Files",
-    "MappedData",
     "check_member_name",
+    "format_error",
     "kind_of",
     "open_regular",
     "parse_json",
@@ -138,7 +132,8 @@ def _os_error(exc: OSError, what: str, error: ErrorFactory) -> Exception:
     return error(f"cannot read {what}: {exc.strerror or exc}")
 
 
-def _format_error(path: PathLike) -> ErrorFactory:
+def format_error(path: PathLike) -> ErrorFactory:
+    """The default refusal: a ``FormatError`` naming ``path``."""
     return lambda msg: FormatError(msg, file=str(path))
 
 
@@ -146,7 +141,7 @@ def regular_file(
     path: PathLike, what: str = "the file", error: ErrorFactory | None = None
 ) -> os.stat_result:
     """``os.stat(path)`` (symlinks followed), refused unless it is a regular file."""
-    error = error or _format_error(path)
+    error = error or format_error(path)
     try:
         st = os.stat(path)
     except OSError as exc:
@@ -167,7 +162,7 @@ def open_regular(
     between is still refused, and opening with ``O_NONBLOCK`` means even that race cannot block.
     Returns the open binary file and its ``fstat``.
     """
-    error = error or _format_error(path)
+    error = error or format_error(path)
     regular_file(path, what, error)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -190,7 +185,7 @@ def read_capped(
 ) -> bytes:
     """The bytes of a small regular file, refused (with the cap in the message) if it is larger
     than ``max_bytes``. Never reads more than ``max_bytes + 1`` bytes."""
-    error = error or _format_error(path)
+    error = error or format_error(path)
     f, st = open_regular(path, what, error)
     with f:
         if st.st_size > max_bytes:
@@ -230,87 +225,5 @@ def read_json(
     """A small JSON side file (an index, a config): a regular file of at most ``max_bytes``,
     strict UTF-8 JSON; every refusal ``error(message)`` (a ``FormatError`` naming ``path`` by
     default)."""
-    error = error or _format_error(path)
+    error = error or format_error(path)
     return parse_json(read_capped(path, max_bytes, what, error), what, error, hint)
-
-
-# ---- data files: mapped, whether a file or an object holds them --------------------------------
-
-
-@dataclass
-class MappedData:
-    """A data file's bytes as a mapping (None for an empty file) of ``size`` bytes.
-
-    ``stat``: the file's ``fstat`` as mapped (its identity), None for an object (whose identity
-    its every read checks). ``need(begin, end)``: make those bytes present before reading them
-    (nothing to do for a file; ranged GETs for an object). ``remote``: the object's bytes
-    (``sources.sparse.ObjectBytes``), or None for a file. What a reader parses its header
-    from; its checkpoint then reads through a ``sources.bytesource.ByteSource`` made of it.
-    """
-
-    map: mmap.mmap | None
-    size: int
-    stat: os.stat_result | None
-    need: Callable[[int, int], object]
-    remote: Any = None
-
-
-class Files:
-    """Where readers find a checkpoint's data files: this machine's file system. A checkpoint in
-    object storage is read through another (``readers.objects.ObjectFiles``), made for its open
-    alone and handed to the reader's open function: nothing is registered for the process, and
-    no file stands in for an object.
-
-    >>> LOCAL_FILES.lexists("/no/such/file")
-    False
-    """
-
-    def lexists(self, path: PathLike) -> bool:
-        """Whether a file of that name is there (by name: a dangling link is there)."""
-        return os.path.lexists(path)
-
-    def glob(self, folder: PathLike, suffix: str) -> list[str]:
-        """The names in ``folder`` ending in ``suffix``, sorted (as ``glob("*" + suffix)``:
-        hidden names left out)."""
-        try:
-            return sorted(
-                n for n in os.listdir(folder) if n.endswith(suffix) and not n.startswith(".")
-            )
-        except OSError:
-            return []
-
-    def remote(self, path: PathLike) -> Any:
-        """The object in object storage holding ``path``'s bytes
-        (``sources.sparse.ObjectBytes``), or None for a file."""
-        return None
-
-    def map_data(
-        self, path: PathLike, what: str = "the file", error: ErrorFactory | None = None
-    ) -> MappedData:
-        """The bytes of the data file at ``path``: a private copy-on-write mapping of the
-        regular file (``open_regular``; ACCESS_COPY: torch sees a writable buffer, and no write
-        through a tensor can reach the file)."""
-        return _map_file(path, what, error)
-
-
-#: this machine's file system: where readers find data files unless handed others
-LOCAL_FILES = Files()
-
-
-def _nothing_to_fetch(begin: int, end: int) -> None:
-    pass
-
-
-def _map_file(path: PathLike, what: str, error: ErrorFactory | None) -> MappedData:
-    error = error or _format_error(path)
-    f, st = open_regular(path, what, error)
-    with f:
-        # the mapping holds its own handle on the file, so the file object can be closed
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if st.st_size else None
-    if mapped is not None and len(mapped) != st.st_size:
-        mapped.close()
-        raise error(
-            f"{what} changed size while being opened; do not modify a checkpoint "
-            f"while it is loading"
-        )
-    return MappedData(mapped, st.st_size, st, _nothing_to_fetch)

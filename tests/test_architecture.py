@@ -618,3 +618,40 @@ def test_the_error_rules_catch_what_was_there_before():
         "line 8: compares e's text",
     ]
     assert _library_type_names(old) == ["line 10: type(exc).__module__"]
+
+
+# ---- object storage is one layer -------------------------------------------------------------
+
+#: what of sources/ a reader may import: the interface its bytes are read through
+SOURCES_INTERFACE = {"shardload.sources", "shardload.sources.bytesource", "shardload.sources.specs"}
+#: the one reader that is a bridge: it lists a folder of objects and hands the readers its files
+OBJECT_BRIDGE = "shardload.readers.objects"
+
+
+def _reader_reaches_inside_sources(module: str, imported: set[str]) -> list[str]:
+    if module == OBJECT_BRIDGE:
+        return []
+    return sorted(
+        m
+        for m in imported
+        if (m == "shardload.sources" or m.startswith("shardload.sources."))
+        and m not in SOURCES_INTERFACE
+    )
+
+
+@pytest.mark.parametrize(
+    "module",
+    sorted(m for m in GRAPH if m.startswith("shardload.readers") or m == "shardload.files"),
+)
+def test_readers_see_byte_sources_not_object_storage(module):
+    # a reader reads bytes through a ByteSource; which store, client or object holds them is
+    # the source layer's business (readers/objects.py opens a folder of objects for them)
+    assert not _reader_reaches_inside_sources(module, GRAPH[module]), module
+
+
+def test_the_reader_rule_catches_what_readers_did_before():
+    # readers/safetensors.py fetched headers with the store's `each`, gguf.py knew ObjectBytes
+    assert _reader_reaches_inside_sources(
+        "shardload.readers.safetensors",
+        {"shardload.sources.store", "shardload.sources.sparse", "shardload.sources.bytesource"},
+    ) == ["shardload.sources.sparse", "shardload.sources.store"]

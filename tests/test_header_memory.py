@@ -275,4 +275,4 @@ def test_storage_order_from_any_header_order(tmp_path):
     with open_checkpoint(path) as ckpt:
         assert list(ckpt.metadata()) == want
         assert ckpt.read("b300").item() == 300 % 256
-        assert ckpt.byte_range("b599")[1:] == (8 + len(raw) + 599, 8 + len(raw) + 600)
+        assert ckpt.locate("b599")[1:] == (8 + len(raw) + 599, 8 + len(raw) + 600)

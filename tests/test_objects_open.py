@@ -98,7 +98,7 @@ def opened(path: str):
     with open_checkpoint(path) as ckpt:
         return (
             list(ckpt.metadata().items()),
-            [ckpt.byte_range(name)[1:] for name in ckpt.metadata()],
+            [ckpt.locate(name)[1:] for name in ckpt.metadata()],
             sorted(os.path.basename(f) for f in ckpt.file_metadata),
             [ckpt.file_metadata[f] for f in sorted(ckpt.file_metadata)],
             ckpt.index_metadata,

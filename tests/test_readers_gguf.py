@@ -152,7 +152,7 @@ def test_names_shapes_dtypes_and_formats(ckpt, written):
             assert (meta.shape, meta.dtype) == (shape[:-1] + (row_bytes,), "uint8"), name
             assert meta.shape == arr.shape == _ref(reader, name).data.shape
         assert meta.nbytes == _ref(reader, name).data.nbytes
-        _, begin, end = ckpt.byte_range(name)
+        _, begin, end = ckpt.locate(name)
         assert begin == _ref(reader, name).data_offset and end - begin == meta.nbytes
     fmt = ckpt.tensor_format("blk.1.q4_1.weight")
     fmt["ne"].append(9)  # a copy: changing it changes nothing
@@ -168,7 +168,7 @@ def test_names_shapes_dtypes_and_formats(ckpt, written):
 def test_read_is_gguf_py_bytes_exactly_and_counts(ckpt, written):
     _, tensors, reader = written
     total = 0
-    for name, (qtype, arr, _) in tensors.items():
+    for name, (_qtype, arr, _) in tensors.items():
         got = ckpt.read(name)
         meta = ckpt.meta(name)
         assert tuple(got.shape) == meta.shape and str(got.dtype) == f"torch.{meta.dtype}"
@@ -187,7 +187,7 @@ def test_read_is_gguf_py_bytes_exactly_and_counts(ckpt, written):
 @pytest.mark.parametrize("qtype", BLOCK_TYPES + [T.BF16, T.F16], ids=lambda t: t.name)
 def test_dequantized_read_equals_gguf_dequantize(ckpt, written, qtype):
     _, tensors, reader = written
-    for name, (t, arr, shape) in tensors.items():
+    for name, (t, _arr, shape) in tensors.items():
         if t != qtype:
             continue
         got = ckpt.read(name)
@@ -309,7 +309,7 @@ def test_concurrent_reads_count_every_byte(written):
                     got = c.read(name)
                     raw = got.view(torch.uint8) if got.dtype == torch.bfloat16 else got
                     assert raw.numpy().tobytes() == _ref(reader, name).data.tobytes()
-            except BaseException as e:  # pragma: no cover - reported below
+            except BaseException as e:  # noqa: BLE001  # pragma: no cover - reported below
                 errors.append(e)
 
         threads = [threading.Thread(target=work, args=(k,)) for k in range(len(names))]
@@ -772,4 +772,4 @@ def test_corrupt_headers_are_refused_or_read_safely(fuzz_dir, data):
             assert c.read(name).numel() * dtypes.itemsize(meta.dtype) == meta.nbytes
         for key in c.field_names():
             c.field(key)
-        c.config
+        _ = c.config

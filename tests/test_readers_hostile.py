@@ -192,7 +192,7 @@ def test_safetensors_config_files(tmp_path, kind, config):
     replace_with(folder / config, kind)
     with open_checkpoint(folder) as ckpt:  # config files are read when asked for
         with pytest.raises(FormatError) as info:
-            ckpt.config
+            _ = ckpt.config
     assert_refused(info, folder / config, f"the config file {config} " + KINDS[kind][1])
 
 
@@ -267,7 +267,7 @@ def test_unreadable_config_json(tmp_path, deny):
     (folder / "config.json").write_text("{}")
     deny(folder / "config.json")
     with open_checkpoint(folder) as ckpt, pytest.raises(FormatError) as info:
-        ckpt.config
+        _ = ckpt.config
     assert_refused(
         info, folder / "config.json", "cannot read the config file config.json: permission denied"
     )
@@ -301,7 +301,7 @@ def test_config_json_must_be_a_utf8_object(tmp_path, case):
     data, fragment = BAD_JSON[case]
     (folder / "config.json").write_bytes(data)
     with open_checkpoint(folder) as ckpt, pytest.raises(FormatError) as info:
-        ckpt.config
+        _ = ckpt.config
     assert_refused(info, folder / "config.json", fragment)
 
 
@@ -347,7 +347,7 @@ def test_oversized_json_is_refused_unread(tmp_path, name, cap):
         f.truncate(cap + 1)  # sparse: costs nothing to make, would cost RAM to read
     with pytest.raises(FormatError) as info:
         ckpt = open_checkpoint(folder)
-        ckpt.config
+        _ = ckpt.config
     assert_refused(info, folder / name, f"is {cap + 1} bytes, over the {cap}-byte limit")
 
 

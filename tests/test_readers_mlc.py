@@ -127,8 +127,9 @@ def test_round_trip_many_dtypes(sample_folder: Path) -> None:
             assert config["tensor_cache_metadata"] == doc["metadata"]
             config["quantization"] = "changed"  # a copy: the checkpoint's stays as it was
             assert ckpt.config["quantization"] == "q4f16_1"
-            # byte_range points at the tensor's bytes in its shard file
-            file, begin, end = ckpt.byte_range("u32")
+            # locate points at the tensor's bytes in its shard file
+            index, begin, end = ckpt.locate("u32")
+            file = ckpt.files[index]
             raw = Path(file).read_bytes()[begin:end]
             assert raw == tensors["u32"].astype("<u4").tobytes()
             assert ckpt.md5sums[file] is not None
@@ -282,7 +283,7 @@ def test_unaligned_offsets(tmp_path: Path) -> None:
     }
     write_mlc_folder(tmp_path, tensors)
     with open_mlc(tmp_path) as ckpt:
-        assert ckpt.byte_range("f64")[1] == 3
+        assert ckpt.locate("f64")[1] == 3
         for name, value in tensors.items():
             assert same(ckpt.read(name), to_torch(value))
         assert same(ckpt.read_narrow("f64", 0, 2, 3), torch.from_numpy(tensors["f64"][2:5]))
@@ -374,7 +375,7 @@ def test_concurrent_reads_count_every_byte(sample_folder: Path) -> None:
                     for name, want in expected.items():
                         assert same(ckpt.read(name), want)
                     assert same(ckpt.read_narrow("i32", 1, 1, 2), expected["i32"][:, 1:3])
-            except BaseException as e:  # pragma: no cover - reported below
+            except BaseException as e:  # noqa: BLE001  # pragma: no cover - reported below
                 errors.append(e)
 
         threads = [threading.Thread(target=work) for _ in range(8)]
@@ -787,12 +788,18 @@ def test_not_an_mlc_folder(tmp_path: Path) -> None:
 def test_a_failed_open_leaves_no_mapping_behind(tmp_path: Path, monkeypatch) -> None:
     folder = base_folder(tmp_path / "m")
     resize("params_shard_1.bin", -1)(folder)
-    from shardload.readers import mlc
+    from shardload.sources.bytesource import MappedFile
 
     closed: list = []
-    real_unmap = mlc.unmap
-    monkeypatch.setattr(mlc, "unmap", lambda m: (closed.append(m), real_unmap(m)))
+    real_close = MappedFile.close
+
+    def close(source: MappedFile) -> None:
+        mapping = source.map
+        real_close(source)
+        closed.append(mapping)
+
+    monkeypatch.setattr(MappedFile, "close", close)
     with pytest.raises(FormatError, match="truncated"):
         open_mlc(folder)
-    # shard 0 was mapped, then unmapped (and the truncated shard, mapped to be sized)
-    assert closed and all(m is None or m.closed for m in closed)
+    # shard 0 was mapped, then unmapped, and the truncated shard, mapped to be sized
+    assert len(closed) == 2 and all(m is None or m.closed for m in closed)

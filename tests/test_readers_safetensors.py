@@ -118,7 +118,7 @@ def test_round_trip_against_library(sample_file: Path) -> None:
             assert ckpt.index_metadata == {}
 
 
-def test_metadata_in_storage_order_and_byte_range(tmp_path: Path) -> None:
+def test_metadata_in_storage_order_and_locate(tmp_path: Path) -> None:
     # header order b, a; storage order a, b
     path = raw_file(
         tmp_path / "m.safetensors",
@@ -127,7 +127,7 @@ def test_metadata_in_storage_order_and_byte_range(tmp_path: Path) -> None:
     )
     with open_safetensors(path) as ckpt:
         assert list(ckpt.metadata()) == ["a", "b"]
-        _, start, end = ckpt.byte_range("b")
+        _, start, end = ckpt.locate("b")
         assert path.read_bytes()[start:end] == struct.pack("<f", 3)
         with pytest.raises(KeyError, match="no tensor named"):
             ckpt.read("c")
@@ -343,7 +343,7 @@ def test_view_of_a_tensor_not_aligned_for_its_dtype_is_none(tmp_path: Path) -> N
     path = raw_file(tmp_path / "odd.safetensors", header, data)
     with open_safetensors(path) as ckpt:
         assert ckpt.view("u").tolist() == [1, 2, 3]
-        _, begin, _ = ckpt.byte_range("f")
+        _, begin, _ = ckpt.locate("f")
         assert begin % 4 and ckpt.view("f") is None  # read() copies it as bytes instead
 
 

@@ -274,7 +274,7 @@ def test_a_checkpoint_opens_the_same_either_way(tmp_path, monkeypatch):
         with open_checkpoint(tmp_path) as ckpt:
             return (
                 list(ckpt.metadata().items()),
-                [ckpt.byte_range(n) for n in ckpt.metadata()],
+                [ckpt.locate(n) for n in ckpt.metadata()],
                 ckpt.file_metadata,
                 ckpt.index_metadata,
             )

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import cast
 
 import numpy as np
 import torch
@@ -123,8 +122,7 @@ def new_piece(shape, dtype: str, zeros: bool) -> tuple[torch.Tensor, np.ndarray]
     per call handed the GIL from thread to thread at every piece, which cost more than the
     pieces' own copies."""
     carrier, view = dtypes.numpy_carrier(dtype)
-    # numpy_carrier's dtype is typed ``object`` in dtypes.py; it is a numpy dtype
-    array = (np.zeros if zeros else np.empty)(shape, cast("np.dtype", carrier))
+    array = (np.zeros if zeros else np.empty)(shape, carrier)
     tensor = torch.from_numpy(array)
     if view:
         tensor = tensor.view(dtypes.to_torch(dtype))

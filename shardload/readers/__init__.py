@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..files import LOCAL_FILES, Files
+from ..sources.bytesource import LOCAL_FILES, Files
 from .base import Checkpoint, TensorMeta
 from .memory import ArrayCheckpoint
 

@@ -58,12 +58,11 @@ checkpoint has them open: a file that changes is refused before the next tensor 
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from gguf import (
@@ -77,14 +76,11 @@ from gguf import (
 from .. import dtypes
 from ..dtypes import shape_problem
 from ..errors import FormatError, quote
-from ..files import LOCAL_FILES, Files, MappedData
 from ..limits import MAX_DIM
+from ..sources.bytesource import LOCAL_FILES, ByteSource, Files
 from ..strict_json import gc_paused
 from .base import TensorMeta
-from .mapped import MappedCheckpoint, unmap
-
-if TYPE_CHECKING:
-    from ..sources.sparse import ObjectBytes
+from .mapped import MappedCheckpoint
 
 __all__ = ["CONFIG_MAX_ARRAY", "SUPPORTED_VERSIONS", "GGUFCheckpoint", "open_gguf"]
 
@@ -536,19 +532,22 @@ def open_gguf(path: str | os.PathLike, files: Files = LOCAL_FILES) -> GGUFCheckp
         raise FormatError("no such file", file=str(p))
     if p.is_dir():
         raise FormatError("not a file; pass the path of a .gguf file", file=str(p))
-    data = files.map_data(p, "the GGUF file", None)
-    mapped, size = data.map, data.size
+    # the source under its absolute path (what a read's refusal names), opening refusals
+    # naming the path as given
+    data = files.map_data(
+        os.path.abspath(p), "the GGUF file", lambda msg: FormatError(msg, file=str(p))
+    )
     try:
-        if size == 0 or mapped is None:  # (only an empty file has no mapping)
+        if data.size == 0 or data.map is None:  # (only an empty file has no mapping)
             raise FormatError(
                 f"file is empty: it is truncated or not a GGUF file; {_REDO}", file=str(p)
             )
         with gc_paused():  # see gc_paused: a header of many tensors must open in time linear in it
             header = _parse_header(p, data)
-            tensors = _check_tensors(p, header, size)
-            return GGUFCheckpoint(str(path), mapped, header, tensors, data.stat, data.remote)
+            tensors = _check_tensors(p, header, data.size)
+            return GGUFCheckpoint(str(path), data, header, tensors)
     except BaseException:
-        unmap(mapped)
+        data.close()
         raise
 
 
@@ -559,10 +558,11 @@ FIRST_HEADER_FETCH = 1 << 20
 MAX_FETCHED_HEADER = 512 << 20
 
 
-def _parse_header(p: Path, data: MappedData) -> _Header:
-    """The validated header; for an object, parsed again on a longer prefix each time the
-    parse reaches past what was fetched (a parse is milliseconds, a GET a round trip)."""
-    if data.remote is None:
+def _parse_header(p: Path, data: ByteSource) -> _Header:
+    """The validated header; for an object (a source whose bytes are fetched as asked for, not
+    ``viewable``), parsed again on a longer prefix each time the parse reaches past what was
+    fetched (a parse is milliseconds, a GET a round trip)."""
+    if data.viewable:
         return _Parser(data.map, data.size, p).header()
     avail = min(data.size, FIRST_HEADER_FETCH)
     while True:
@@ -595,21 +595,12 @@ class GGUFCheckpoint(MappedCheckpoint):
     def __init__(
         self,
         source: str,
-        mapped: mmap.mmap,
+        data: ByteSource,
         header: _Header,
         tensors: list[tuple[TensorMeta, int, int]],
-        stat: os.stat_result | None = None,
-        remote: ObjectBytes | None = None,
     ):
         # tensor offsets count from the start of the file (header.data_start included)
-        super().__init__(
-            source,
-            [os.path.abspath(source)],
-            [mapped],
-            ((meta, 0, begin, end) for meta, begin, end in tensors),
-            stats=[stat],
-            remote=[remote],
-        )
+        super().__init__(source, [data], ((meta, 0, begin, end) for meta, begin, end in tensors))
         self.path = os.path.abspath(source)
         self.version: int = header.version
         self.alignment: int = header.alignment
@@ -617,6 +608,8 @@ class GGUFCheckpoint(MappedCheckpoint):
         self.data_offset: int = header.data_start
         # the whole file as numpy bytes, for decoding key-values on demand; a view through
         # numpy, so it keeps the mapping alive while a decode is in flight
+        mapped = data.map
+        assert mapped is not None, "open_gguf refuses an empty file, the one without a mapping"
         self._bytes: np.ndarray | None = np.frombuffer(mapped, dtype=np.uint8)
         self._kvs = header.kvs
         infos = {info.name: info for info in header.infos}

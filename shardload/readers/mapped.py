@@ -32,20 +32,17 @@ user can avoid.
 from __future__ import annotations
 
 import math
-import mmap
 import operator
-import os
 import threading
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import dtypes
-from ..errors import FormatError
-from ..sources.bytesource import ByteSource, MappedFile, byte_source, identity, unmap
+from ..sources.bytesource import ByteSource, open_spec
 from ..sources.specs import FileSource, SourceSpec
 from . import base
 from .base import Checkpoint, TensorMeta
@@ -53,9 +50,7 @@ from .base import Checkpoint, TensorMeta
 if TYPE_CHECKING:  # pragma: no cover  (imported where used: planning needs no torch)
     import torch
 
-    from ..sources.sparse import ObjectBytes
-
-__all__ = ["MappedCheckpoint", "TensorTable", "copy_blocks", "open_sources", "unmap"]
+__all__ = ["MappedCheckpoint", "TensorTable", "copy_blocks", "open_sources"]
 
 
 def copy_blocks(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -126,42 +121,26 @@ class TensorTable:
 class MappedCheckpoint(Checkpoint):
     """Tensors at known byte ranges of memory-mapped files.
 
-    ``tensors`` is a ``TensorTable``, or yields ``(meta, file_index, begin, end)`` with offsets
-    into file ``file_index``'s data, which starts at ``data_starts[file_index]`` (0 by
-    default).
-    ``stats`` holds each file's ``fstat`` as it was mapped; a read refuses a file that no longer
-    matches it (see the module docstring); ``remote``, the object holding a file's bytes where
-    one does (``files.MappedData.remote``). Each file becomes a ``ByteSource``
-    (``byte_sources``, by index: ``sources.bytesource``; given made, in place of ``maps``,
-    ``stats`` and ``remote``, by ``open_sources``), which every read asks. Reads are
-    thread-safe; ``bytes_read`` counts every byte copied out. After ``close()`` reads raise
-    ``ValueError``; tensors already returned stay valid (they own their memory).
+    Each file is a ``ByteSource`` (``byte_sources``: ``sources.bytesource``, made by the
+    reader's ``Files.map_data``, or by ``open_sources``), which every read asks; ``files`` are
+    their paths. ``tensors`` is a ``TensorTable``, or yields ``(meta, file_index, begin, end)``
+    with offsets into file ``file_index``'s data, which starts at ``data_starts[file_index]``
+    (0 by default). Reads are thread-safe; ``bytes_read`` counts every byte copied out. After
+    ``close()`` reads raise ``ValueError``; tensors already returned stay valid (they own
+    their memory).
     """
 
     def __init__(
         self,
         source: str,
-        files: list[str],
-        maps: list[mmap.mmap | None],
+        byte_sources: Sequence[ByteSource],
         tensors: TensorTable | Iterable[tuple[TensorMeta, int, int, int]],
         data_starts: list[int] | None = None,
-        stats: Sequence[os.stat_result | None] | None = None,
-        remote: Sequence[ObjectBytes | None] | None = None,
-        *,
-        byte_sources: Sequence[ByteSource] | None = None,
     ):
         super().__init__()
         self.source = source
-        self.files = list(files)
-        none: list[None] = [None] * len(self.files)
-        self.byte_sources: list[ByteSource] = (
-            list(byte_sources)
-            if byte_sources is not None
-            else [
-                byte_source(path, m, st, data)
-                for path, m, st, data in zip(self.files, maps, stats or none, remote or none)
-            ]
-        )
+        self.byte_sources: list[ByteSource] = list(byte_sources)
+        self.files = [s.path for s in self.byte_sources]
         self._closers: list[Callable[[], object]] = []
         self._data_starts = list(data_starts or [0] * len(self.files))
         # each file's data as a uint8 tensor, and its tensor data within it: made at the first
@@ -215,12 +194,6 @@ class MappedCheckpoint(Checkpoint):
         table = self._table
         k = table.pos[name]
         return table.file[k], table.begin[k], table.end[k]
-
-    def byte_range(self, name: str) -> tuple[str, int, int]:
-        """``(file, start, end)``: where the tensor's bytes lie, as offsets into the file."""
-        self.meta(name)
-        i, begin, end = self._where(name)
-        return self.files[i], self._data_starts[i] + begin, self._data_starts[i] + end
 
     # -- byte sources: this checkpoint's files, for read plans
 
@@ -305,7 +278,7 @@ class MappedCheckpoint(Checkpoint):
             self._check_open(f" {name!r}")
             mapped = self.byte_sources[i].map
         self._ready(meta, i, begin, end)
-        carrier = cast("np.dtype", dtypes.numpy_carrier(meta.dtype)[0])  # typed object there
+        carrier = dtypes.numpy_carrier(meta.dtype)[0]
         if end == begin or mapped is None:  # (only an empty file has no mapping)
             return np.zeros(meta.shape, carrier)
         raw = np.frombuffer(mapped, np.uint8, end - begin, self._data_starts[i] + begin)
@@ -461,11 +434,10 @@ class MappedCheckpoint(Checkpoint):
 def open_sources(sources: Sequence[SourceSpec], source: str = "<read plan>") -> MappedCheckpoint:
     """Map the files a read plan names, in another process than the one that opened them.
 
-    Each must still be the file the controller opened: the same device, inode, size and
-    modification time (``identity``); a file changed since is a ``FormatError``, before any byte
-    is read. An object's bytes are fetched by this process as it needs them, or mapped from the
-    loader's memory file (``ObjectBytes.from_spec``). The result serves ``source_bytes`` /
-    ``release_bytes``; it holds no tensors.
+    Each is reached as ``sources.bytesource.open_spec`` says: a file must still be the one
+    the controller opened (a ``FormatError`` before any byte is read); an object's bytes are
+    fetched here, or mapped from the loader's memory file. The result serves
+    ``source_bytes`` / ``release_bytes``; it holds no tensors.
     """
     opened: list[ByteSource] = []
     try:
@@ -476,32 +448,12 @@ def open_sources(sources: Sequence[SourceSpec], source: str = "<read plan>") -> 
                     f"one is {spec.to_json()!r} (the loader writes in-memory tensors to a "
                     "file first)"
                 )
-            opened.append(_open_source(spec))
+            opened.append(open_spec(spec))
     except BaseException:
         for done in opened:
             done.close()
         raise
-    return MappedCheckpoint(source, [s.path for s in opened], [], (), byte_sources=opened)
-
-
-def _open_source(spec: FileSource) -> ByteSource:
-    """The bytes ``spec`` names, reached from this process (``open_sources``)."""
-    from ..files import open_regular
-
-    if spec.object is not None:
-        from ..sources.sparse import ObjectBytes
-
-        return byte_source(spec.path, None, None, ObjectBytes.from_spec(spec.object))
-    f, st = open_regular(spec.path, "the checkpoint file")
-    with f:
-        if spec.identity is not None and identity(st) != spec.identity:
-            raise FormatError(
-                "the file changed between the controller opening it and this worker "
-                "mapping it; do not modify a checkpoint while it is loading",
-                file=spec.path,
-            )
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if st.st_size else None
-    return MappedFile(spec.path, m, st)
+    return MappedCheckpoint(source, opened, ())
 
 
 def _slice_spans(

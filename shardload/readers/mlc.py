@@ -77,17 +77,11 @@ from typing import Any
 from .. import dtypes, strict_json
 from ..dtypes import shape_problem
 from ..errors import FormatError, quote
-from ..files import (
-    LOCAL_FILES,
-    MAX_SIDE_FILE_BYTES,
-    Files,
-    MappedData,
-    check_member_name,
-    read_json,
-)
+from ..files import MAX_SIDE_FILE_BYTES, check_member_name, read_json
 from ..gc_pause import gc_paused
+from ..sources.bytesource import LOCAL_FILES, ByteSource, Files
 from .base import MAX_INDEX_BYTES, TensorMeta
-from .mapped import MappedCheckpoint, unmap
+from .mapped import MappedCheckpoint
 
 __all__ = [
     "CONFIG_NAME",
@@ -350,12 +344,12 @@ def _read_index(index: Path, files: Files) -> tuple[dict[str, Any], list[_ShardS
 # mapping
 
 
-def _map_shard(index: Path, spec: _ShardSpec, files: Files) -> MappedData:
+def _map_shard(index: Path, spec: _ShardSpec, files: Files) -> ByteSource:
     """Map one shard file of ``files`` after checking its size (``Files.map_data``: no
     mapping for an empty file, no ``fstat`` for an object)."""
     data = files.map_data(spec.path, "the shard file", None)
     if data.size != spec.nbytes:
-        unmap(data.map)
+        data.close()
         how = "truncated" if data.size < spec.nbytes else "longer than listed"
         raise FormatError(
             f"shard file is {data.size} bytes, but {index.name} says {spec.nbytes} "
@@ -398,7 +392,7 @@ def open_mlc(folder: str | os.PathLike, files: Files = LOCAL_FILES) -> MLCCheckp
                 file=config_path,
             )
 
-    mapped: list[MappedData] = []
+    mapped: list[ByteSource] = []
     try:
         for spec in specs:
             mapped.append(_map_shard(index, spec, files))
@@ -406,7 +400,7 @@ def open_mlc(folder: str | os.PathLike, files: Files = LOCAL_FILES) -> MLCCheckp
             return MLCCheckpoint(str(folder), index, specs, mapped, metadata, config)
     except BaseException:
         for data in mapped:
-            unmap(data.map)
+            data.close()
         raise
 
 
@@ -427,17 +421,14 @@ class MLCCheckpoint(MappedCheckpoint):
         source: str,
         index: Path,
         specs: list[_ShardSpec],
-        mapped: list[MappedData],
+        mapped: list[ByteSource],
         cache_metadata: dict[str, Any],
         chat_config: dict[str, Any],
     ):
         super().__init__(
             source,
-            [str(s.path) for s in specs],
-            [data.map for data in mapped],
+            mapped,
             ((r.meta, i, r.begin, r.end) for i, spec in enumerate(specs) for r in spec.records),
-            stats=[data.stat for data in mapped],
-            remote=[data.remote for data in mapped],
         )
         self.path = os.path.abspath(source)
         self.index_file = str(index)

@@ -43,7 +43,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..errors import FormatError, StorageError
-from ..files import ErrorFactory, Files, MappedData, PathLike, check_member_name
+from ..files import ErrorFactory, PathLike, check_member_name
+from ..sources.bytesource import ByteSource, FetchedObject, Files
 
 if TYPE_CHECKING:
     from ..sources.sparse import ObjectBytes
@@ -138,8 +139,8 @@ def open_object_checkpoint(url: str, open_local: Callable):
 
 class ObjectFiles(Files):
     """The data files of one checkpoint in object storage, by the path each would have in its
-    scratch folder (``files.Files``): found by name, mapped as their objects' bytes. The
-    scratch folder's real files (the side files) are found as files."""
+    scratch folder (``sources.bytesource.Files``): found by name, mapped as their objects'
+    bytes. The scratch folder's real files (the side files) are found as files."""
 
     def __init__(self, scratch: str):
         self.scratch = scratch
@@ -148,11 +149,12 @@ class ObjectFiles(Files):
     def add(self, path: str, data: ObjectBytes) -> None:
         self.objects[os.path.abspath(path)] = data
 
-    def remote(self, path: PathLike) -> ObjectBytes | None:
-        return self.objects.get(os.path.abspath(os.fspath(path)))
+    def remote(self, path: PathLike) -> ByteSource | None:
+        data = self.objects.get(os.path.abspath(os.fspath(path)))
+        return None if data is None else FetchedObject(os.fspath(path), data)
 
     def lexists(self, path) -> bool:
-        return self.remote(path) is not None or os.path.lexists(path)
+        return os.path.abspath(os.fspath(path)) in self.objects or os.path.lexists(path)
 
     def glob(self, folder, suffix: str) -> list[str]:
         folder = os.path.abspath(os.fspath(folder))
@@ -165,11 +167,11 @@ class ObjectFiles(Files):
 
     def map_data(
         self, path: PathLike, what: str = "the file", error: ErrorFactory | None = None
-    ) -> MappedData:
+    ) -> ByteSource:
         data = self.remote(path)
         if data is None:
             return super().map_data(path, what, error)
-        return MappedData(data.map, data.size, None, data.need, data)
+        return data
 
     def close(self) -> None:
         objects, self.objects = self.objects, {}

@@ -54,7 +54,6 @@ a checkpoint has it open is refused before the next tensor is copied (see ``mapp
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 from array import array
@@ -62,30 +61,20 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .. import dtypes, strict_json
 from ..dtypes import shape_problem
 from ..errors import FormatError, quote
-from ..files import (
-    LOCAL_FILES,
-    MAX_SIDE_FILE_BYTES,
-    Files,
-    MappedData,
-    check_member_name,
-    open_regular,
-    read_json,
-)
+from ..files import MAX_SIDE_FILE_BYTES, check_member_name, open_regular, read_json
 from ..limits import MAX_DIM, MAX_NDIM
+from ..sources.bytesource import LOCAL_FILES, ByteSource, Files, fetch_each
 from ..strict_json import gc_paused
 from .base import MAX_INDEX_BYTES, TensorMeta
-from .mapped import MappedCheckpoint, TensorTable, unmap
+from .mapped import MappedCheckpoint, TensorTable
 from .safetensors_bulk import SHAPES_KEPT, parse_header
-
-if TYPE_CHECKING:
-    from ..sources.sparse import ObjectBytes
 
 __all__ = [
     "INDEX_NAME",
@@ -174,9 +163,7 @@ class _Shard:
     begins: array  # each tensor's offsets into the data buffer, in the order of `tensors`
     ends: array
     data_start: int  # 8 + N
-    map: mmap.mmap
-    stat: os.stat_result | None  # as mapped (None for an object): reads check it is unchanged
-    remote: ObjectBytes | None  # the object holding the file's bytes, where one does
+    source: ByteSource  # the file's bytes: its mapping, or an object's
 
 
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
@@ -394,11 +381,11 @@ def _open_shard(path: Path, files: Files, shapes: dict | None = None) -> _Shard:
     try:
         return _shard_of(path, data, {} if shapes is None else shapes)
     except BaseException:
-        unmap(data.map)
+        data.close()
         raise
 
 
-def _shard_of(path: Path, data: MappedData, shapes: dict) -> _Shard:
+def _shard_of(path: Path, data: ByteSource, shapes: dict) -> _Shard:
     size, mapped = data.size, data.map
     if size < 8 or mapped is None:  # (only an empty file has no mapping)
         raise FormatError(
@@ -428,8 +415,7 @@ def _shard_of(path: Path, data: MappedData, shapes: dict) -> _Shard:
     raw = bytearray(n)
     with memoryview(mapped) as view:  # released before the mapping may be closed
         raw[:] = view[8 : 8 + n]
-    if data.stat is not None:
-        _drop_pages(mapped, 8 + n)  # the header's pages: its text is all that is kept
+    data.release(0, 8 + n)  # the header's pages: its text is all that is kept
     data_start = 8 + n
     data_len = size - data_start
     # (Like the library, we accept whitespace around the JSON object.)
@@ -450,15 +436,7 @@ def _shard_of(path: Path, data: MappedData, shapes: dict) -> _Shard:
     if not _tiled(begins, ends, data_len):  # the common case, checked in C; else say why
         tensors, begins, ends = _storage_order(tensors, begins, ends)
         _check_layout(path, tensors, begins, ends, data_len)
-    return _Shard(path, metadata, tensors, begins, ends, data_start, mapped, data.stat, data.remote)
-
-
-def _drop_pages(mapped: mmap.mmap, end: int) -> None:
-    """Hand back this process's mapping of bytes ``[0, end)`` (they stay in the page cache)."""
-    try:
-        mapped.madvise(mmap.MADV_DONTNEED, 0, min(end, len(mapped)))
-    except (AttributeError, OSError, ValueError):
-        pass
+    return _Shard(path, metadata, tensors, begins, ends, data_start, data)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -535,7 +513,7 @@ def _check_listed(index: Path, weight_map: dict[str, str], file_name: str, shard
 
 def _fetch_headers(paths: list[Path], files: Files) -> dict[Path, BaseException]:
     """Where the files are objects in object storage (``Files.remote``), each one's header
-    fetched now, all of them at once (``sources.store.each``): opened in turn, 200 files
+    fetched now, all of them at once (``sources.bytesource.fetch_each``): opened in turn, 200 files
     would wait 400 round trips (the length, then the header). Each file's first GET asks for
     its first ``HEADER_GUESS`` bytes, as the Hugging Face hub's reader does: the header of a
     file of a large checkpoint lies within, so one round trip fetches it; a longer header's
@@ -546,19 +524,18 @@ def _fetch_headers(paths: list[Path], files: Files) -> dict[Path, BaseException]
     remote = [(path, data) for path in paths if (data := files.remote(path)) is not None]
     if len(remote) < 2:
         return {}
-    from ..sources.store import each
 
-    def fetch(item: tuple) -> None:
-        _, data = item
+    def fetch(data: ByteSource) -> None:
         first = min(data.size, HEADER_GUESS)
-        if first < 8:
+        if first < 8 or data.map is None:
             return
         data.need(0, first, small=True)
         (n,) = struct.unpack_from("<Q", data.map, 0)
         if 0 < n <= MAX_HEADER_SIZE and first < 8 + n <= data.size:
             data.need(first, 8 + n, small=True)
 
-    return {remote[k][0]: exc for k, exc in each(remote, fetch).items()}
+    failed = fetch_each([data for _, data in remote], fetch)
+    return {remote[k][0]: exc for k, exc in failed.items()}
 
 
 def _open_sharded(index: Path, source: str, files: Files) -> SafetensorsCheckpoint:
@@ -588,7 +565,7 @@ def _open_sharded(index: Path, source: str, files: Files) -> SafetensorsCheckpoi
         return SafetensorsCheckpoint(source, shards, index_metadata)
     except BaseException:
         for shard in shards:
-            unmap(shard.map)
+            shard.source.close()
         raise
 
 
@@ -646,7 +623,7 @@ def _open(p: Path, source: str, files: Files) -> SafetensorsCheckpoint:
     try:
         return SafetensorsCheckpoint(source, [shard])
     except BaseException:
-        unmap(shard.map)
+        shard.source.close()
         raise
 
 
@@ -671,15 +648,7 @@ class SafetensorsCheckpoint(MappedCheckpoint):
         for i, shard in enumerate(shards):
             table.extend(i, shard.tensors, shard.begins, shard.ends)
             shard.tensors = shard.begins = shard.ends = None  # type: ignore[assignment]
-        super().__init__(
-            source,
-            [str(s.path) for s in shards],
-            [s.map for s in shards],
-            table,
-            [s.data_start for s in shards],
-            [s.stat for s in shards],
-            [s.remote for s in shards],
-        )
+        super().__init__(source, [s.source for s in shards], table, [s.data_start for s in shards])
         self.path = os.path.abspath(source)
         self.file_metadata: dict[str, dict[str, str]] = {str(s.path): s.metadata for s in shards}
         self.index_metadata: dict[str, Any] = dict(index_metadata or {})

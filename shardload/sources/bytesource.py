@@ -1,23 +1,28 @@
 """One data file's bytes as a reader and a load see them, whether a local file or an object in
 object storage holds them: ``ByteSource``.
 
-A ``MappedCheckpoint`` holds one per file and asks it, never which kind it is:
+A reader finds and maps its data files through the ``Files`` its open function is handed:
+this machine's (``LOCAL_FILES``), or a checkpoint's in object storage
+(``readers.objects.ObjectFiles``): ``Files.map_data`` makes a reader's sources (``open_spec``
+another process's). A ``MappedCheckpoint`` holds one per file and asks it, never which kind
+it is:
 
 1. **Map**: ``map`` is the bytes (``None`` for an empty source), ``size`` how many.
 2. **Need**: ``need(begin, end)`` / ``need_spans`` before reading bytes (nothing for a file:
-   its pages fault in; ranged GETs for an object), ``prefetch`` as a hint.
+   its pages fault in; ranged GETs for an object), ``prefetch`` as a hint; ``fetch_each`` asks
+   several sources at once (an open's headers: each a round trip).
 3. **Check**: ``check_unchanged`` before touching the mapping (a file's identity; an object's
    ETag is checked on every GET instead).
 4. **Release**: ``release(begin, end)`` when done with bytes (a file's pages given back; an
    object's are the load's stream's to give back).
 5. **Reach**: ``spec()``, what another process needs to reach the same bytes
-   (``sources.specs.FileSource``); ``close()``.
+   (``sources.specs.FileSource``), which ``open_spec`` reaches there; ``close()``.
 
 ``MappedFile`` is a local file's private copy-on-write mapping with its ``fstat`` identity;
 ``FetchedObject`` an object's sparse mapping (``sources.sparse.ObjectBytes``).
 
->>> source = MappedFile("m.safetensors", mapping, os.fstat(fd))   # doctest: +SKIP
->>> source.check_unchanged(); bytes(source.map[:8])                # doctest: +SKIP
+>>> source = LOCAL_FILES.map_data("m.safetensors")                 # doctest: +SKIP
+>>> source.need(0, 8); source.check_unchanged(); bytes(source.map[:8])  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -25,26 +30,32 @@ from __future__ import annotations
 import abc
 import mmap
 import os
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from ..errors import FormatError
+from ..files import ErrorFactory, PathLike, format_error, open_regular
 from .specs import FileSource, SourceSpec
 
 if TYPE_CHECKING:  # pragma: no cover  (the object client is imported only where one is used)
     from .sparse import ObjectBytes
 
 __all__ = [
+    "LOCAL_FILES",
     "ByteSource",
     "FetchedObject",
+    "Files",
     "Identity",
     "MappedFile",
-    "byte_source",
+    "fetch_each",
     "fetched_objects",
     "identity",
     "objects_in_shared_memory",
+    "open_spec",
     "unmap",
 ]
+
+S = TypeVar("S", bound="ByteSource")
 
 #: what identifies a file's contents: (st_dev, st_ino, st_size, st_mtime_ns)
 Identity = tuple[int, int, int, int]
@@ -79,8 +90,11 @@ class ByteSource(abc.ABC):
     def map(self) -> mmap.mmap | None:
         """The bytes, mapped (None for an empty source, or once closed)."""
 
-    def need(self, begin: int, end: int) -> None:  # noqa: B027 - nothing to fetch by default
-        """Make bytes ``[begin, end)`` present before they are read."""
+    def need(  # noqa: B027 - nothing to fetch by default
+        self, begin: int, end: int, *, small: bool = False
+    ) -> None:
+        """Make bytes ``[begin, end)`` present before they are read. ``small``: a header an
+        open waits for, not one of the reads that pace a load."""
 
     def need_spans(self, spans: Iterable[tuple[int, int]]) -> None:  # noqa: B027 - as need
         """Make every ``[begin, end)`` of ``spans`` present (not consumed where there is
@@ -105,7 +119,7 @@ class ByteSource(abc.ABC):
 
 
 class MappedFile(ByteSource):
-    """A local file's private copy-on-write mapping (``files.Files.map_data``), and its
+    """A local file's private copy-on-write mapping (``Files.map_data``), and its
     identity as mapped (``stat``; None: not checked)."""
 
     def __init__(self, path: str, mapped: mmap.mmap | None, stat: os.stat_result | None):
@@ -199,8 +213,8 @@ class FetchedObject(ByteSource):
     def map(self) -> mmap.mmap | None:
         return self.data.map
 
-    def need(self, begin: int, end: int) -> None:
-        self.data.need(begin, end)
+    def need(self, begin: int, end: int, *, small: bool = False) -> None:
+        self.data.need(begin, end, small=small)
 
     def need_spans(self, spans: Iterable[tuple[int, int]]) -> None:
         self.data.need_spans(spans)
@@ -212,12 +226,41 @@ class FetchedObject(ByteSource):
         self.data.close()
 
 
-def byte_source(
-    path: str, mapped: mmap.mmap | None, stat: os.stat_result | None, data: ObjectBytes | None
-) -> ByteSource:
-    """The source of what a reader mapped (``files.MappedData``): the object's bytes where an
-    object holds the file (``data``), else the file's mapping."""
-    return MappedFile(path, mapped, stat) if data is None else FetchedObject(path, data)
+def fetch_each(sources: Sequence[S], fetch: Callable[[S], None]) -> dict[int, BaseException]:
+    """``fetch(source)`` for every one of ``sources`` at once, on the open's threads
+    (``sources.store.each``): each of an open's small reads waits a round trip, and 200 in
+    turn would wait 200. Returns the failures by index; after the first, nothing further
+    starts (the earliest failure is the one a loop in order would have met).
+
+    >>> fetch_each([], lambda source: source.need(0, 8, small=True))
+    {}
+    """
+    if not sources:
+        return {}
+    from .store import each  # the object client's module: imported only where one is used
+
+    return each(sources, fetch)
+
+
+def open_spec(spec: FileSource) -> ByteSource:
+    """The bytes ``spec`` names, reached from this process: the file mapped again, refused
+    (``FormatError``) unless it is still the file the controller opened (``identity``); an
+    object's bytes fetched here as needed, or mapped from the loader's memory file
+    (``ObjectBytes.from_spec``)."""
+    if spec.object is not None:
+        from .sparse import ObjectBytes  # the object client's module, as in fetch_each
+
+        return FetchedObject(spec.path, ObjectBytes.from_spec(spec.object))
+    f, st = open_regular(spec.path, "the checkpoint file")
+    with f:
+        if spec.identity is not None and identity(st) != spec.identity:
+            raise FormatError(
+                "the file changed between the controller opening it and this worker "
+                "mapping it; do not modify a checkpoint while it is loading",
+                file=spec.path,
+            )
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if st.st_size else None
+    return MappedFile(spec.path, m, st)
 
 
 def fetched_objects(sources: Sequence[ByteSource]) -> dict[int, ObjectBytes]:
@@ -246,3 +289,57 @@ def objects_in_shared_memory(
             shared.close()
         raise
     return out, made
+
+
+class Files:
+    """Where readers find a checkpoint's data files and map them (``map_data``): this
+    machine's file system. A checkpoint in object storage is read through another
+    (``readers.objects.ObjectFiles``), made for its open alone and handed to the reader's open
+    function: nothing is registered for the process, and no file stands in for an object.
+
+    >>> LOCAL_FILES.lexists("/no/such/file")
+    False
+    """
+
+    def lexists(self, path: PathLike) -> bool:
+        """Whether a file of that name is there (by name: a dangling link is there)."""
+        return os.path.lexists(path)
+
+    def glob(self, folder: PathLike, suffix: str) -> list[str]:
+        """The names in ``folder`` ending in ``suffix``, sorted (as ``glob("*" + suffix)``:
+        hidden names left out)."""
+        try:
+            return sorted(
+                n for n in os.listdir(folder) if n.endswith(suffix) and not n.startswith(".")
+            )
+        except OSError:
+            return []
+
+    def remote(self, path: PathLike) -> ByteSource | None:
+        """The source of ``path``'s bytes where they are fetched over the network as they are
+        asked for (an object in object storage): worth asking for ahead, several at once
+        (``fetch_each``). None for a file."""
+        return None
+
+    def map_data(
+        self, path: PathLike, what: str = "the file", error: ErrorFactory | None = None
+    ) -> ByteSource:
+        """The bytes of the data file at ``path``: a private copy-on-write mapping of the
+        regular file (``files.open_regular``; ACCESS_COPY: torch sees a writable buffer, and no
+        write through a tensor can reach the file), with its identity as mapped."""
+        error = error or format_error(path)
+        f, st = open_regular(path, what, error)
+        with f:
+            # the mapping holds its own handle on the file, so the file object can be closed
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if st.st_size else None
+        if mapped is not None and len(mapped) != st.st_size:
+            mapped.close()
+            raise error(
+                f"{what} changed size while being opened; do not modify a checkpoint "
+                f"while it is loading"
+            )
+        return MappedFile(os.fspath(path), mapped, st)
+
+
+#: this machine's file system: where readers find data files unless handed others
+LOCAL_FILES = Files()
