@@ -711,6 +711,22 @@ def test_replaced_while_open(tmp_path):
     )
 
 
+def test_a_file_replaced_after_its_reads_is_found_by_confirm_unchanged(tmp_path):
+    # what an engine taking new weights asks once every read is done, before it lets go of
+    # the old ones: nothing is read here, every file is checked
+    path, tensors = _safetensors(tmp_path)
+    with open_checkpoint(path) as ckpt:
+        for name in tensors:
+            ckpt.read(name)
+        ckpt.confirm_unchanged()
+        other = tmp_path / "new.safetensors"
+        save_file({k: v + 1 for k, v in tensors.items()}, str(other))
+        os.replace(other, path)
+        with pytest.raises(FormatError) as info_:
+            ckpt.confirm_unchanged()
+    assert_refused(info_, path, "the file changed while loading (replaced by another file")
+
+
 def test_rewritten_in_place_while_open(tmp_path):
     path, _ = _safetensors(tmp_path)
     with open_checkpoint(path) as ckpt:

@@ -266,6 +266,11 @@ class Checkpoint(abc.ABC):
             return remote if rel == "." else path
         return remote.rstrip("/") + "/" + rel.replace(os.sep, "/")
 
+    def confirm_unchanged(self) -> None:  # noqa: B027 - an optional hook
+        """A ``FormatError`` if a file of the checkpoint is no longer the one opened: each read
+        checks its file before it starts, this checks them all once a job's reads are done (an
+        engine that takes new weights asks before it lets go of its old ones)."""
+
     def close(self) -> None:  # noqa: B027 - an optional hook
         """Release files and mappings. Tensors already returned stay valid."""
 

@@ -285,6 +285,10 @@ class MappedCheckpoint(Checkpoint):
         self._count(end - begin)
         return raw.copy().view(carrier).reshape(meta.shape)
 
+    def confirm_unchanged(self) -> None:
+        for source in self.byte_sources:
+            source.check_unchanged()
+
     def check_unchanged(self, i: int, tensor: str | None = None) -> None:
         """Refuse to touch file ``i``'s mapping if the file is no longer what was mapped."""
         self.byte_sources[i].check_unchanged(tensor)
