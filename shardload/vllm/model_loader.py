@@ -29,7 +29,9 @@ requantization) itself. ``load_weights`` here, on every tensor-parallel rank:
    layers it holds), and vLLM's "Loading weights took" line.
 
 ``get_all_weights`` gives the stand-ins of steps 2 to 4 to vLLM's in-place reload
-(``LLM.collective_rpc("reload_weights")``: new weights in a running engine).
+(``LLM.collective_rpc("reload_weights")``: new weights in a running engine), and ``read_rank``,
+the same steps, to the weight-transfer backend's refits (``refit.py``), which read every
+stand-in into memory and add checks of their own.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from .stages import Stage, stage_of
 from .standins import StandIns, stand_in_reads
 from .verify import poison, verified_load
 
-__all__ = ["STATS_PREFIX", "ShardloadModelLoader"]
+__all__ = ["STATS_PREFIX", "RankRead", "ReadChecks", "ShardloadModelLoader"]
 
 # under "vllm", so the lines go where and as vLLM's own do
 logger = init_logger("vllm.shardload")
@@ -101,9 +103,13 @@ def _vllm_places_whole_experts(model: nn.Module, model_config: ModelConfig) -> b
 class ShardloadModelLoader(BaseModelLoader):
     """``--load-format shardload``: the steps are in the module docstring."""
 
-    def __init__(self, load_config: LoadConfig):
+    def __init__(self, load_config: LoadConfig, options: LoaderOptions | None = None):
         super().__init__(load_config)
-        self.options = LoaderOptions.from_extra_config(load_config.model_loader_extra_config)
+        # ``options``: given by a caller of ``read_rank`` that is not vLLM (a refit names its
+        # checkpoint), else the engine's own
+        self.options = options or LoaderOptions.from_extra_config(
+            load_config.model_loader_extra_config
+        )
 
     def _default_loader(self) -> DefaultModelLoader:
         """vLLM's default loader, for the checks of its own that a load through shardload runs
@@ -146,15 +152,35 @@ class ShardloadModelLoader(BaseModelLoader):
     def download_model(self, model_config: ModelConfig) -> None:
         self._folder(model_config)
 
-    def _read(self, model: nn.Module, model_config: ModelConfig, verify: bool) -> _RankRead:
+    def read_rank(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        *,
+        verify: bool = False,
+        in_place: bool = True,
+        checks: ReadChecks | None = None,
+    ) -> RankRead:
         """Steps 2 to 4 on this rank: its stand-ins, in storage order. The checkpoint it opens
-        is closed here if they fail, else by the caller (``_RankRead.close``)."""
+        is closed here if they fail, else by the caller (``RankRead.close``).
+
+        ``in_place=False``: every stand-in read into this process's memory, none a view of
+        the mapped file, so that the checkpoint may change once this returns; ``checks``:
+        the caller's own, run on every rank as one collective (a rank that refuses fails
+        them all) before planning and after the reads (``ReadChecks``)."""
         start = time.perf_counter()
         whole_experts = _vllm_places_whole_experts(model, model_config)
         stage = stage_of(model)  # under pipeline parallelism: what this stage holds
         ckpt = open_checkpoint(self._folder(model_config))  # 2.
         try:
-            return self._read_from(ckpt, model_config, verify, whole_experts, stage, start)
+            return self._read_from(
+                ckpt,
+                model_config,
+                _ReadMode(verify, in_place and not verify, checks),
+                whole_experts,
+                stage,
+                start,
+            )
         except BaseException:
             # closed here, not when the error is dropped: an engine that reloads weights
             # keeps running, and a caller may hold the error (and so this frame) for long
@@ -165,12 +191,12 @@ class ShardloadModelLoader(BaseModelLoader):
         self,
         ckpt: Checkpoint,
         model_config: ModelConfig,
-        verify: bool,
+        mode: _ReadMode,
         whole_experts: bool,
         stage: Stage | None,
         start: float,
-    ) -> _RankRead:
-        """Steps 3 and 4 on this rank, from the checkpoint ``_read`` opened."""
+    ) -> RankRead:
+        """Steps 3 and 4 on this rank, from the checkpoint ``read_rank`` opened."""
         from vllm.distributed import get_tp_group
 
         opts = self.options
@@ -182,6 +208,8 @@ class ShardloadModelLoader(BaseModelLoader):
             "torch", n, device="cpu", timeout=opts.timeout, group=tp.cpu_group
         ) as sess:
             with sess.collective("planning the load"):  # 3.
+                if mode.checks is not None:
+                    mode.checks.opened(ckpt)
                 planner = {"experts": "ep"} if whole_experts and opts.plan is None else {}
                 # rank 0 plans; the other ranks receive its plan and validate it
                 job = plan_once(sess, ckpt, opts.plan, what="planning the load", **planner)
@@ -192,7 +220,7 @@ class ShardloadModelLoader(BaseModelLoader):
 
             # verify poisons the stand-ins, so it reads them all; else read pieces are
             # views of the mapped checkpoint, which vLLM's narrowing copies from (standins.py)
-            view = None if verify else ckpt.view
+            view = ckpt.view if mode.in_place else None
 
             def reads(plan):
                 if stage is not None:  # only the tensors of this stage's modules
@@ -208,6 +236,9 @@ class ShardloadModelLoader(BaseModelLoader):
                 staging=opts.staging,
                 reads=reads,
             )
+            if mode.checks is not None:
+                with sess.collective("checking what was read"):
+                    mode.checks.read(ckpt)
         ins = made[rank]
         tensors = {
             name: ins.views[name] if name in ins.views else sharded.shard(name, rank)
@@ -228,12 +259,12 @@ class ShardloadModelLoader(BaseModelLoader):
             "plan_seconds": round(planned - start, 4),
             "plan_from": job.plan_from,
             "read_seconds": round(time.perf_counter() - start, 4),
-            "verified": verify,
+            "verified": mode.verify,
             "experts": "ep" if whole_experts else "tp",
         }
         if stage is not None:
             line.update(stage.describe())
-        return _RankRead(ckpt, ins, tensors, line, start)
+        return RankRead(ckpt, ins, tensors, line, start)
 
     def get_all_weights(
         self, model_config: ModelConfig, model: nn.Module
@@ -242,7 +273,7 @@ class ShardloadModelLoader(BaseModelLoader):
         (``reload_weights``: new weights in a running engine), which hands them to the model's
         ``load_weights`` and processes them again. ``verify`` takes two loads of its own, so
         a reload does not verify."""
-        read = self._read(model, model_config, verify=False)
+        read = self.read_rank(model, model_config)
         try:
             yield from read.tensors.items()
             read.log(reload=True)
@@ -251,14 +282,14 @@ class ShardloadModelLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         opts = self.options  # 1.
-        read = self._read(model, model_config, opts.verify)
+        read = self.read_rank(model, model_config, verify=opts.verify)
         try:
             self._hand(model, model_config, read)
             read.log(reload=False)  # 6.
         finally:
             read.close()
 
-    def _hand(self, model: nn.Module, model_config: ModelConfig, read: _RankRead) -> None:
+    def _hand(self, model: nn.Module, model_config: ModelConfig, read: RankRead) -> None:
         """Step 5: the stand-ins to the model's own ``load_weights`` (with ``verify``, twice,
         poisoned), then vLLM's check that every parameter was loaded."""
         opts = self.options
@@ -287,8 +318,28 @@ class ShardloadModelLoader(BaseModelLoader):
             read.line["not_in_checkpoint"] = unwritten
 
 
+class ReadChecks(Protocol):
+    """A caller's own checks of the checkpoint ``read_rank`` reads, on every rank."""
+
+    def opened(self, ckpt: Checkpoint) -> None:
+        """Once the checkpoint is open, before it is planned (or read)."""
+
+    def read(self, ckpt: Checkpoint) -> None:
+        """Once this rank's reads are done."""
+
+
+@dataclass(frozen=True)
+class _ReadMode:
+    """How ``read_rank`` reads: verified (poisoned stand-ins), in place (views of the mapped
+    file where it can), with a caller's checks."""
+
+    verify: bool
+    in_place: bool
+    checks: ReadChecks | None
+
+
 @dataclass
-class _RankRead:
+class RankRead:
     """One rank's stand-ins (by name, in storage order), what they came from, and its
     statistics line so far."""
 
