@@ -1,4 +1,6 @@
-"""shardload as vLLM's load format: ``vllm serve MODEL --load-format shardload -tp N``.
+"""shardload as vLLM's load format (``vllm serve MODEL --load-format shardload -tp N``) and
+weight-transfer backend (``WeightTransferConfig(backend="shardload")``: refits from a checkpoint,
+``refit.py``).
 
 Installed with the ``vllm`` extra, shardload registers its loader through vLLM's plugin entry
 point (``vllm.general_plugins``), in every vLLM process (the API server, the engine core, each
@@ -42,7 +44,22 @@ def register() -> None:
 
     register_model_loader(LOAD_FORMAT)(ShardloadModelLoader)
     install(LOAD_FORMAT)  # the padded model's --hf-overrides asked for before vLLM refuses N
+    _register_weight_transfer()
     _registered = True
+
+
+def _register_weight_transfer() -> None:
+    """The weight-transfer backend ``shardload`` (``refit.py``), imported by vLLM only when an
+    engine asks for it; a vLLM without the weight-transfer API has none to register."""
+    try:
+        from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    except ImportError:  # vLLM before its weight-transfer API (0.32 has it)
+        return
+    from .refit import BACKEND
+
+    WeightTransferEngineFactory.register_engine(
+        BACKEND, "shardload.vllm.refit", "ShardloadWeightTransferEngine"
+    )
 
 
 def vllm_overrides(
