@@ -193,14 +193,27 @@ class Fault:
     #: called (in the proxy's thread) before the request is answered: a test's own action at
     #: that moment, such as replacing the object a resumed GET asks for
     before: Callable[[], Any] | None = field(default=None, repr=False)
+    #: only requests for a range that starts at this byte or later (None: any request), such
+    #: as the reads of a file's data past its header
+    from_byte: int | None = None
     hits: int = 0
 
-    def matches(self, method: str, key: str) -> bool:
+    def matches(self, method: str, key: str, range_: str | None = None) -> bool:
         if self.times is not None and self.times <= 0:
             return False
         if self.method is not None and self.method != method:
             return False
+        if self.from_byte is not None and _range_start(range_) < self.from_byte:
+            return False
         return bool(key) if self.key is None else self.key == key
+
+
+def _range_start(header: str | None) -> int:
+    """The first byte a ``Range: bytes=A-B`` header asks for (0: none, or another form)."""
+    if header is None or not header.startswith("bytes="):
+        return 0
+    first = header[len("bytes=") :].split("-", 1)[0]
+    return int(first) if first.isdigit() else 0
 
 
 @dataclass
@@ -323,7 +336,7 @@ class _Handler(BaseHTTPRequestHandler):
             path=parts.path,
             headers=dict(self.headers.items()),
         )
-        fault = owner._match(self.command, route.key)
+        fault = owner._match(self.command, route.key, entry.range)
         entry.fault = fault.kind if fault else None
         if fault is not None and fault.seconds:
             time.sleep(fault.seconds)
@@ -853,10 +866,10 @@ class ObjectServer:
         with self._lock:
             self._faults.clear()
 
-    def _match(self, method: str, key: str) -> Fault | None:
+    def _match(self, method: str, key: str, range_: str | None = None) -> Fault | None:
         with self._lock:
             for fault in self._faults:
-                if fault.matches(method, key):
+                if fault.matches(method, key, range_):
                     fault.hits += 1
                     if fault.times is not None:
                         fault.times -= 1

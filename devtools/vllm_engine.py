@@ -7,7 +7,8 @@ Greedy tokens and the top-5 logprobs of each generated token, for a fixed prompt
 (the tiny test models have no tokenizer) or of text (``--text``, for real models), and, for
 ``--load-format shardload``, each rank's statistics line from vLLM's log. One engine start per
 call: the tests call it once per (checkpoint, N, loader). ``--pp P``: P pipeline stages, each
-of ``--tp`` ranks.
+of ``--tp`` ranks. ``--refits JSON``: then refits through vLLM's weight-transfer API with
+shardload's backend, each followed by a generation (and ``--digests``).
 
 On the caller's side (its Python, no vLLM imported): ``launch`` runs this script with vLLM's
 python (the tests find it with ``tests/helpers/vllm_engine.vllm_python``, the benchmark with
@@ -22,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 PROMPTS = [[1, 5, 9, 13, 200, 7], [3, 100, 42]]
@@ -100,6 +102,34 @@ def _failed_reload(llm, folder: str) -> dict:
     return {"error": error, "before": before, "after": after}
 
 
+def _refits(llm, steps: list, generate, digests: bool) -> list:
+    """Each step of ``--refits`` through vLLM's weight-transfer API (the ``shardload``
+    backend): ``{"update_info": {...}}`` (and ``"init_info"`` to initialise the backend first),
+    then what the engine generates, with the refit's error (None: it took the weights) and,
+    with ``--digests``, every parameter's digest. A refused refit must leave the engine as it
+    was, so each step generates whatever the refit did."""
+    out = []
+    for step in steps:
+        error = None
+        start = time.perf_counter()
+        try:
+            if "init_info" in step:
+                llm.init_weight_transfer_engine({"init_info": step["init_info"]})
+            llm.start_weight_update()
+            llm.update_weights({"update_info": step["update_info"]})
+            llm.finish_weight_update(weight_version=step.get("version"))
+        # whatever vLLM's executor wraps the backend's refusal in: the step's outcome
+        except Exception as exc:  # noqa: BLE001
+            error = f"{type(exc).__name__}: {exc}"
+        seconds = time.perf_counter() - start
+        llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        done = {"error": error, "seconds": seconds, "outputs": generate()}
+        if digests:
+            done["digests"] = llm.collective_rpc("param_digests")
+        out.append(done)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -143,6 +173,13 @@ def main() -> None:
         help="each worker prints how long its loader's load_weights took "
         "(devtools.vllm_ext.TIMING_PREFIX), whatever the load format",
     )
+    ap.add_argument(
+        "--refits",
+        default=None,
+        help="JSON list of refits through vLLM's weight-transfer API with the shardload "
+        'backend, each {"update_info": {...}} (optionally "init_info"), after the first '
+        "generation; each reports its error, outputs (and --digests)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -177,6 +214,10 @@ def main() -> None:
     )
     if extra:
         kwargs["model_loader_extra_config"] = extra
+    if args.refits is not None:
+        from vllm.config import WeightTransferConfig
+
+        kwargs["weight_transfer_config"] = WeightTransferConfig(backend="shardload")
     if args.compare_default or args.digests or args.reload or args.time_loads or args.fail_reload:
         kwargs["worker_extension_cls"] = "devtools.vllm_ext.LoaderComparison"
     if args.hf_overrides:
@@ -227,6 +268,8 @@ def main() -> None:
         report["reload_digests"] = llm.collective_rpc("param_digests")
     if args.fail_reload:
         report["failed_reload"] = _failed_reload(llm, args.model)
+    if args.refits is not None:
+        report["refits"] = _refits(llm, json.loads(args.refits), generate, args.digests)
     with open(args.out, "w") as f:
         json.dump(report, f)
     llm = None  # the engine shut down before the exit
