@@ -1,5 +1,6 @@
 """``--load-format shardload`` on the formats only vLLM's GPU kernels run: FP8 (per-tensor and
-block), NVFP4 and MXFP4 (compressed-tensors, written by the library itself). A GGUF is refused
+block), NVFP4 and MXFP4 (compressed-tensors, written by the library itself), and refits of FP8
+(as ``test_vllm_refit.py`` on the CPU). A GGUF is refused
 (docs/vllm.md, "What stays refused"). Run by ``benchmarks/gpu_check.sh`` on a machine with CUDA
 and vLLM; skipped elsewhere. Each case is one engine, compared with vLLM's default loader in
 that engine (and shardload's own reload), as in ``test_vllm.py``.
@@ -71,3 +72,28 @@ def test_padded_blocks_give_tp1s_tokens_on_two_gpus(tmp_path_factory, preset):
     )
     assert "outputs" in padded, log[-6000:]
     assert [o["tokens"] for o in padded["outputs"]] == [o["tokens"] for o in one["outputs"]]
+
+
+@pytest.mark.parametrize("preset", ["FP8", "FP8_BLOCK"])
+def test_an_fp8_refit_is_a_fresh_engine_on_the_gpu(tmp_path_factory, preset):
+    """Through vLLM's weight-transfer API with shardload's backend (test_vllm_refit.py on the
+    CPU): an engine started on a second checkpoint refits to the first and back, then answers
+    and holds every parameter as a fresh engine on it, vLLM's FP8 processing run again."""
+    import json
+
+    import transformers
+    from helpers.compressed_tensors_tool import compress_preset
+    from helpers.vllm_models import path
+
+    config = transformers.AutoConfig.from_pretrained(str(path("llama_bf16")))
+    first, second = (tmp_path_factory.mktemp(f"{preset.lower()}_{s}") for s in ("0", "1"))
+    compress_preset(first, config, preset, seed=0)
+    compress_preset(second, config, preset, seed=1)
+    steps = [{"update_info": {"checkpoint": str(c)}} for c in (first, second)]
+    report, stats, log = run_engine(str(second), 1, "--digests", "--refits", json.dumps(steps))
+    assert "refits" in report, log[-6000:]
+    one, two = report["refits"]
+    assert one["error"] is None and two["error"] is None, (one["error"], two["error"])
+    assert one["digests"] != report["digests"]
+    assert two["outputs"] == report["outputs"]
+    assert two["digests"] == report["digests"]

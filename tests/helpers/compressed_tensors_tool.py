@@ -19,12 +19,12 @@ from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
 
-def compress_w4a16(folder: Path, config, symmetric: bool, group: int = 32):
-    """A random model of ``config`` compressed to pack-quantized int4 in groups of ``group`` by
-    compressed-tensors and saved to ``folder``; the scales are min/max ones computed with its
-    own ``calculate_qparams`` (what an observer would give). Returns the library's
-    quantization args."""
-    torch.manual_seed(0)
+def compress_w4a16(folder: Path, config, symmetric: bool, group: int = 32, *, seed: int = 0):
+    """A random model of ``config`` (torch's seed ``seed``) compressed to pack-quantized int4 in
+    groups of ``group`` by compressed-tensors and saved to ``folder``; the scales are min/max
+    ones computed with its own ``calculate_qparams`` (what an observer would give). Returns the
+    library's quantization args."""
+    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     scheme = preset_name_to_scheme("W4A16" if symmetric else "W4A16_ASYM", ["Linear"])
     scheme.weights.group_size = group
@@ -99,14 +99,17 @@ def _calibrate(module, args) -> None:
         module.input_global_scale.data.copy_(generate_gparam(torch.tensor(-3.0), torch.tensor(3.0)))
 
 
-def compress_preset(folder: Path, config, preset: str, *, static_input: bool = False):
-    """A random model of ``config`` quantized with the compressed-tensors preset ``preset``
-    (``W8A8``, ``NVFP4A16``, ``NVFP4``, ``MXFP4A16``, ``MXFP4``, ...), calibrated with the
-    library's own qparam functions (``_calibrate``), compressed by its ``ModelCompressor`` in
-    the format it picks for the preset and saved to ``folder`` with transformers.
+def compress_preset(
+    folder: Path, config, preset: str, *, static_input: bool = False, seed: int = 0
+):
+    """A random model of ``config`` (torch's seed ``seed``) quantized with the
+    compressed-tensors preset ``preset`` (``W8A8``, ``NVFP4A16``, ``NVFP4``, ``MXFP4A16``,
+    ``MXFP4``, ...), calibrated with the library's own qparam functions (``_calibrate``),
+    compressed by its ``ModelCompressor`` in the format it picks for the preset and saved to
+    ``folder`` with transformers.
     ``static_input``: a static per-tensor activation scale (``input_scale``) instead of the
     preset's dynamic one. Returns the library's quantization scheme and the format name."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if static_input:

@@ -66,6 +66,14 @@ MODELS: dict[str, str] = {
     "true: a g_idx that permutes the groups); bf16 elsewhere",
     "llama160_w4a16": "llama160_bf16's config by compressed-tensors W4A16 (symmetric int4, "
     "groups of 32), as llama_w4a16",
+    # a second checkpoint of the same model, for refits: another seed, as a step of training
+    # gives other weights of the same tensors
+    "llama_bf16_seed1": "llama_bf16's config, torch seed 1; bf16",
+    "llama9_bf16_seed1": "llama9_bf16's config, torch seed 1; bf16",
+    "llama_w8a8_seed1": "llama_w8a8 from torch seed 1",
+    "llama_w4a16_seed1": "llama_w4a16 from torch seed 1",
+    "llama_gptq_seed1": "llama_gptq of llama_bf16_seed1's weights",
+    "llama_awq_seed1": "llama_awq of llama_bf16_seed1's weights",
     "qwen2_moe576_bf16": "Qwen2MoeForCausalLM, hidden 384, 12 heads, 3 KV heads, 8 experts "
     "top-2 (moe_intermediate 128), shared expert 256, vocabulary 576 "
     "(vLLM's 64-row padding then divides by 3): at TP=3 the experts of "
@@ -153,11 +161,11 @@ def _qwen2_moe_config(**sizes):
 # ---- bf16: transformers' own random initialisation -----------------------------------------------
 
 
-def _random(config, folder: Path) -> None:
+def _random(config, folder: Path, seed: int = 0) -> None:
     import torch
     import transformers
 
-    torch.manual_seed(0)  # compressed_tensors_tool seeds the same way: the same weights
+    torch.manual_seed(seed)  # compressed_tensors_tool seeds the same way: the same weights
     model = transformers.AutoModelForCausalLM.from_config(config)
     assert model.dtype == torch.bfloat16, model.dtype
     model.save_pretrained(folder)
@@ -167,8 +175,12 @@ def _make_llama_bf16(folder: Path) -> None:
     _random(_llama_config(), folder)
 
 
+def _llama9_config():
+    return _llama_config(hidden=576, heads=9, kv=3, head_dim=64, inter=1536)
+
+
 def _make_llama9_bf16(folder: Path) -> None:
-    _random(_llama_config(hidden=576, heads=9, kv=3, head_dim=64, inter=1536), folder)
+    _random(_llama9_config(), folder)
 
 
 def _make_llama160_bf16(folder: Path) -> None:
@@ -191,17 +203,17 @@ def _make_qwen2_moe576_bf16(folder: Path) -> None:
 # ---- compressed-tensors, by the library itself ---------------------------------------------------
 
 
-def _make_llama_w8a8(folder: Path) -> None:
+def _make_llama_w8a8(folder: Path, seed: int = 0) -> None:
     from helpers.compressed_tensors_tool import compress_preset
 
-    _scheme, fmt = compress_preset(folder, _llama_config(), "W8A8")
+    _scheme, fmt = compress_preset(folder, _llama_config(), "W8A8", seed=seed)
     assert fmt == "int-quantized", fmt
 
 
-def _make_llama_w4a16(folder: Path) -> None:
+def _make_llama_w4a16(folder: Path, seed: int = 0) -> None:
     from helpers.compressed_tensors_tool import compress_w4a16
 
-    compress_w4a16(folder, _llama_config(), symmetric=True, group=GROUP)
+    compress_w4a16(folder, _llama_config(), symmetric=True, group=GROUP, seed=seed)
 
 
 def _make_llama160_w4a16(folder: Path) -> None:
@@ -300,7 +312,7 @@ def _quantized_llama(
         shutil.copy(source / "generation_config.json", folder / "generation_config.json")
 
 
-def _make_llama_gptq(folder: Path) -> None:
+def _make_llama_gptq(folder: Path, source: str = "llama_bf16") -> None:
     quant = {
         "quant_method": "gptq",
         "bits": 4,
@@ -314,6 +326,7 @@ def _make_llama_gptq(folder: Path) -> None:
         quantize_gptq_sym,
         quant,
         {"quantize_config.json": {k: v for k, v in quant.items() if k != "quant_method"}},
+        source=source,
     )
 
 
@@ -335,7 +348,7 @@ def _make_llama160_gptqmodel(folder: Path, desc_act: bool = False) -> None:
     quantize(path("llama160_bf16"), folder, bits=4, group=GROUP, desc_act=desc_act)
 
 
-def _make_llama_awq(folder: Path) -> None:
+def _make_llama_awq(folder: Path, source: str = "llama_bf16") -> None:
     quant = {
         "quant_method": "awq",
         "bits": 4,
@@ -344,7 +357,7 @@ def _make_llama_awq(folder: Path) -> None:
         "version": "gemm",
         "modules_to_not_convert": None,
     }
-    _quantized_llama(folder, quantize_awq, quant, {})
+    _quantized_llama(folder, quantize_awq, quant, {}, source=source)
 
 
 _MAKERS = {
@@ -361,6 +374,12 @@ _MAKERS = {
     "llama160_gptqmodel_act": lambda folder: _make_llama160_gptqmodel(folder, desc_act=True),
     "llama160_w4a16": _make_llama160_w4a16,
     "qwen2_moe576_bf16": _make_qwen2_moe576_bf16,
+    "llama_bf16_seed1": lambda folder: _random(_llama_config(), folder, seed=1),
+    "llama9_bf16_seed1": lambda folder: _random(_llama9_config(), folder, seed=1),
+    "llama_w8a8_seed1": lambda folder: _make_llama_w8a8(folder, seed=1),
+    "llama_w4a16_seed1": lambda folder: _make_llama_w4a16(folder, seed=1),
+    "llama_gptq_seed1": lambda folder: _make_llama_gptq(folder, source="llama_bf16_seed1"),
+    "llama_awq_seed1": lambda folder: _make_llama_awq(folder, source="llama_bf16_seed1"),
 }
 assert _MAKERS.keys() == MODELS.keys()
 
