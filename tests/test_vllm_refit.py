@@ -323,3 +323,116 @@ def test_a_quantized_refit_is_a_fresh_engine_loaded_by_vllms_own_loader(name, tp
     assert report["default_digests"] == report["digests"]
     theirs = [o["tokens"] for o in report["default_outputs"]]
     assert [o["tokens"] for o in two["outputs"]] == theirs
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.extended
+def test_refits_through_the_api_server_and_a_refused_one_in_between(tmp_path):
+    """vLLM's OpenAI server (its RL routes, under ``VLLM_SERVER_DEV_MODE=1``), TP=2, as an RL
+    framework drives it over HTTP: refit, a refused refit, refit back; the completions are the
+    fresh server's again, and the refused one is a 500 with the one-line reason."""
+    import os
+    import signal
+    import subprocess
+    import time
+    import urllib.error
+    import urllib.request
+
+    from helpers.paths import REPO
+    from helpers.subprocesses import subprocess_env
+    from helpers.vllm_engine import vllm_python
+
+    from devtools.objectservers import free_port
+
+    first, second = vllm_models.path("llama_bf16"), vllm_models.path("llama_bf16_seed1")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "wb")  # closed below, with the server
+    server = subprocess.Popen(
+        [
+            vllm_python(),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(second),
+            "-tp",
+            "2",
+            "--port",
+            str(port),
+            "--enforce-eager",
+            "--max-model-len",
+            "128",
+            "--skip-tokenizer-init",
+            "--weight-transfer-config",
+            json.dumps({"backend": "shardload"}),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=subprocess_env(
+            VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1"
+        ),
+        start_new_session=True,  # its engine and workers stopped with it, as a group
+    )
+
+    def post(route: str, body: dict | None = None) -> tuple[int, dict]:
+        data = json.dumps(body or {}).encode()
+        request = urllib.request.Request(
+            url + route, data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=300) as answer:
+                return answer.status, json.loads(answer.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    def complete() -> list:
+        status, answer = post(
+            "/v1/completions",
+            {
+                "model": str(second),
+                "prompt": [1, 5, 9, 13, 200, 7],
+                "max_tokens": 6,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
+        )
+        assert status == 200, answer
+        return answer["choices"][0]["token_ids"]
+
+    def refit(checkpoint: str) -> tuple[int, dict]:
+        assert post("/start_weight_update")[0] == 200
+        status, answer = post("/update_weights", {"update_info": {"checkpoint": checkpoint}})
+        if status == 200:
+            assert post("/finish_weight_update", {"weight_version": checkpoint})[0] == 200
+            assert post("/reset_prefix_cache")[0] == 200
+        return status, answer
+
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-6000:]
+            assert time.monotonic() < deadline, "the server did not start in 300 s"
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5).close()
+                break
+            except OSError:
+                time.sleep(2)
+        fresh = complete()
+        assert refit(str(first))[0] == 200
+        other = complete()
+        status, answer = refit(str(tmp_path / "not-written-yet"))
+        message = answer["error"]["message"]
+        assert status == 500 and "refused, the engine keeps its weights" in message, answer
+        assert complete() == other
+        assert refit(str(second))[0] == 200
+        assert complete() == fresh != other
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
