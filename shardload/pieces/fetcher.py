@@ -2,9 +2,8 @@
 
 Lifecycle (``ObjectFetch``):
 
-1. **Start.** One scheduling thread and one pool of ``IN_FLIGHT`` batch threads
-   (``_BatchPool``) start, and live as long as the fetch: they end when it is done, has
-   failed, or is closed.
+1. **Start.** One scheduling thread and one executor of ``IN_FLIGHT`` batch threads start,
+   and live as long as the fetch: they end when it is done, has failed, or is closed.
 2. **Fetch.** The scheduler hands the units to the pool in order, in batches of about
    ``batch_bytes`` (each a coalesced, concurrent set of GETs: ``ObjectBytes.need_spans``;
    ``IN_FLIGHT`` batches at once, settled in order), while the bytes held, from the first unit
@@ -14,9 +13,9 @@ Lifecycle (``ObjectFetch``):
    ``ObjectBytes.release``), except the bytes a held unit still needs.
 4. **Fail.** A batch that fails sets the state to ``FAILED``: waiting workers stop, and the
    loader raises the batch's own error (``error``).
-5. **Close.** The scheduler and the pool stop and are joined (a GET in flight is waited for at
-   most ``CLOSE_WAIT_S``: a load stopped by its watchdog, or Ctrl-C, ends now); every byte
-   still held is released.
+5. **Close.** The scheduler and the executor stop and are joined (a GET in flight is waited
+   for at most ``CLOSE_WAIT_S``: a load stopped by its watchdog, or Ctrl-C, ends now); every
+   byte still held is released, by ``close``, or, past that wait, by the last batch to end.
 
 >>> fetch = ObjectFetch(objects, unit_spans, Control(2, shared=False))  # doctest: +SKIP
 >>> fetch.start(); ...; fetch.close()                                 # doctest: +SKIP
@@ -25,10 +24,10 @@ Lifecycle (``ObjectFetch``):
 from __future__ import annotations
 
 import collections
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from ..envvars import env_number
 from ..sources.sparse import ObjectBytes, Spans, merged
@@ -102,49 +101,6 @@ class _Batch:
         self.done = threading.Event()
 
 
-class _BatchPool:
-    """``size`` long-lived threads that run the batches handed to them, in the order handed;
-    ``close`` stops and joins them."""
-
-    def __init__(self, size: int, run: Callable[[_Batch], None], ended: Callable[[], None]):
-        self._tasks: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
-        self._run, self._ended = run, ended
-        self._shut = False
-        self.threads = [
-            threading.Thread(target=self._serve, name="shardload-stream-batch", daemon=True)
-            for _ in range(size)
-        ]
-        for thread in self.threads:
-            thread.start()
-
-    def submit(self, batch: _Batch) -> None:
-        self._tasks.put(batch)
-
-    def _serve(self) -> None:
-        try:
-            while (batch := self._tasks.get()) is not None:
-                self._run(batch)
-        finally:
-            self._ended()
-
-    def shutdown(self) -> None:
-        """Stop every thread once the batches handed to it are done (once: more is harmless)."""
-        if not self._shut:
-            self._shut = True
-            for _ in self.threads:
-                self._tasks.put(None)
-
-    def close(self, deadline: float) -> None:
-        """``shutdown``, and wait for the threads until ``deadline`` (``time.monotonic``)."""
-        self.shutdown()
-        for thread in self.threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-    @property
-    def alive(self) -> bool:
-        return any(thread.is_alive() for thread in self.threads)
-
-
 class ObjectFetch:
     """The fetch of a load's object bytes (module docstring). ``objects``: ``{source index:
     ObjectBytes}`` it fetches into; ``spans``: each unit's byte spans by source
@@ -173,12 +129,13 @@ class ObjectFetch:
         self.fetched = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pool: _BatchPool | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._batches: list[Future[None]] = []  # every batch handed to the pool
         self._lock = threading.Lock()
         self._held: list[tuple[int, int, int]] = []  # batches held: (first unit, end, bytes)
         self._held_bytes = 0
         self._fetched_to = 0
-        self._running = 0  # threads started and not yet ended
+        self._running = 0  # the scheduler, and the batches handed to the pool, not yet ended
         self._finished = False
 
     @property
@@ -187,8 +144,8 @@ class ObjectFetch:
 
     def start(self) -> ObjectFetch:
         if self._thread is None:
-            self._running = 1 + IN_FLIGHT
-            self._pool = _BatchPool(IN_FLIGHT, self._fetch_batch, self._ended)
+            self._running = 1
+            self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="shardload-stream-batch")
             self._thread = threading.Thread(target=self._run, name="shardload-stream", daemon=True)
             self._thread.start()
         return self
@@ -202,7 +159,10 @@ class ObjectFetch:
         if self._thread is not None:
             self._thread.join(CLOSE_WAIT_S)
         if self._pool is not None:
-            self._pool.close(deadline)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            late = wait(self._batches, max(0.0, deadline - time.monotonic())).not_done
+            if not late:  # every batch ended: the threads are idle, joined at once
+                self._pool.shutdown(wait=True)
         words = self.control.words
         if words is not None and words[STATE] == RUNNING:
             words[STATE] = CLOSED
@@ -215,10 +175,10 @@ class ObjectFetch:
     def fetching(self) -> bool:
         """Whether a thread of this fetch still runs."""
         running = self._thread is not None and self._thread.is_alive()
-        return running or (self._pool is not None and self._pool.alive)
+        return running or not all(batch.done() for batch in self._batches)
 
-    def _ended(self) -> None:
-        """A thread of this fetch ends: the last, once closed, releases what is held."""
+    def _ended(self, _batch: Future[None] | None = None) -> None:
+        """The scheduler or a batch ends: the last, once closed, releases what is held."""
         with self._lock:
             self._running -= 1
             last = self._running == 0
@@ -244,8 +204,8 @@ class ObjectFetch:
                 self.error = exc
                 self.control.set(STATE, FAILED)
         finally:
-            if self._pool is not None:  # nothing more to hand it: its threads end now
-                self._pool.shutdown()
+            if self._pool is not None:  # nothing more to hand it: its threads end when idle
+                self._pool.shutdown(wait=False)
             self._ended()
 
     def _settle(self, pending: collections.deque[_Batch]) -> bool:
@@ -301,7 +261,7 @@ class ObjectFetch:
             if k < count and len(pending) < IN_FLIGHT:
                 batch = self._next_batch(k, low)
                 if batch is not None:
-                    self._pool.submit(batch)
+                    self._hand(batch)
                     pending.append(batch)
                     k = batch.end
                     pause = POLL_S
@@ -316,6 +276,19 @@ class ObjectFetch:
                 pause = min(POLL_MAX_S, pause * 2)
 
     # -- the batch threads
+
+    def _hand(self, batch: _Batch) -> None:
+        """``batch`` to the pool, counted until it ends (``_ended``)."""
+        assert self._pool is not None  # started
+        with self._lock:
+            self._running += 1
+        try:
+            future = self._pool.submit(self._fetch_batch, batch)
+        except BaseException:  # closed meanwhile: the pool takes no more
+            self._ended()
+            raise
+        self._batches.append(future)
+        future.add_done_callback(self._ended)
 
     def _fetch_batch(self, batch: _Batch) -> None:
         try:
