@@ -144,7 +144,11 @@ class ShardloadWeightTransferEngine(WeightTransferEngine):
                 with sess.collective("refitting"):
                     self.receive_weights(self.parse_update_info(update_info))
         except Exception as exc:
-            self._refit = None
+            refit, self._refit = self._refit, None
+            if refit is not None and refit.applied:
+                # this rank took the weights, another failed to: its layers are not left half
+                # done (the error says to refit again)
+                self._finalize()
             if world.rank_in_group == world.world_size - 1 or not self._worker.end_update(self):
                 raise RefitError(_one_line(exc)) from exc
             return
@@ -207,15 +211,19 @@ class ShardloadWeightTransferEngine(WeightTransferEngine):
             raise
 
     def finish_weight_update(self) -> None:  # 3.
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         refit, self._refit = self._refit, None
         if refit is None or refit.read is None:  # started, but nothing taken
             return
-        finalize_layerwise_reload(self.model, self.model_config)
+        self._finalize()
         if refit.signature is not None:
             self.serves = refit.signature
         refit.log()
+
+    def _finalize(self) -> None:
+        """vLLM's end of a layerwise reload: the layers it defers (attention) processed."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
         self._refit = None
