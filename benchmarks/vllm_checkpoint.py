@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 NAME = "llama_1p5gb_w8a8"
@@ -63,35 +64,43 @@ def compress_w8a8(folder: Path, config) -> None:
     compressor.update_config(folder)
 
 
-def make() -> Path:
-    out = folder()
+def made_once(out: Path, write: Callable[[Path], None]) -> Path:
+    """Folder ``out``, written by ``write(folder)`` the first time: into a temporary folder
+    beside it, marked complete, then renamed into place (never seen half-written)."""
     if (out / ".complete").exists():
         return out
-    import transformers
-
-    # 1.35 B int8 weights + 2 x 65.5 M bf16 embedding rows: ~1.6 GB on disk
-    config = transformers.LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=26,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=128,
-        vocab_size=32000,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-    )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        compress_w8a8(tmp, config)
+        write(tmp)
         (tmp / ".complete").write_text("")
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def make() -> Path:
+    def write(tmp: Path) -> None:
+        import transformers
+
+        # 1.35 B int8 weights + 2 x 65.5 M bf16 embedding rows: ~1.6 GB on disk
+        config = transformers.LlamaConfig(
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=26,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=128,
+            vocab_size=32000,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            torch_dtype="bfloat16",
+        )
+        compress_w8a8(tmp, config)
+
+    return made_once(folder(), write)
 
 
 if __name__ == "__main__":
