@@ -8,7 +8,8 @@ benchmark).
 and ``llm.collective_rpc("reload_with_engines_loader")`` (the engine's own load format again,
 through its ``get_all_weights``: for shardload, the stand-ins as views of the mapped file);
 ``llm.collective_rpc("handles_under", args=(folder,))`` counts what a worker still holds of a
-checkpoint's files.
+checkpoint's files; ``llm.collective_rpc("fail_next_load_after", args=(n,))`` makes the model's
+next ``load_weights`` fail after ``n`` weights.
 """
 
 from __future__ import annotations
@@ -93,6 +94,24 @@ class LoaderComparison:
         """Reload every weight in place with the engine's own load format (vLLM's reload asks
         the loader for ``get_all_weights``)."""
         self.model_runner.reload_weights()
+
+    def fail_next_load_after(self, count: int) -> None:
+        """The model's next ``load_weights`` takes ``count`` weights, then fails (a loader of
+        vLLM's failing midway), once."""
+        model = self.model_runner.get_model()
+        real = model.load_weights
+
+        def failing(weights):
+            def first():
+                for i, item in enumerate(weights):
+                    if i == count:
+                        raise RuntimeError(f"injected failure after {count} weight(s)")
+                    yield item
+
+            del model.load_weights  # once: the class's own again
+            return real(first())
+
+        model.load_weights = failing
 
     def handles_under(self, folder: str) -> dict:
         """What this worker process holds of the files under ``folder``: its mappings of them

@@ -279,6 +279,34 @@ def test_a_refit_at_a_padded_tp_is_the_padded_fresh_engine():
     assert len(refits) == 2 * 2 and all(s["padded_tensors"] > 0 for s in refits)
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_refit_vllms_loader_fails_midway_leaves_the_layers_it_did_not_reach():
+    """Past the checks, vLLM's own ``load_weights`` fails after the first weight (injected):
+    the layer that weight completed is new, every other parameter is as it was (none left on
+    vLLM's meta device), the engine still generates, and a refit after it is a fresh engine
+    again."""
+    first, second = vllm_models.path("llama_bf16"), vllm_models.path("llama_bf16_seed1")
+    steps = [
+        {"fail_after": 1, "update_info": {"checkpoint": str(first)}},
+        {"update_info": {"checkpoint": str(second)}},
+    ]
+    report, stats, log = run_engine(str(second), 1, "--digests", "--refits", json.dumps(steps))
+    assert "refits" in report, log[-6000:]
+    failed, again = report["refits"]
+    error = failed["error"]
+    assert error is not None and "failed in vLLM's load_weights" in error, error
+    assert "injected failure after 1 weight(s)" in error and "\n" not in error, error
+    before, after = report["digests"][0], failed["digests"][0]
+    changed = {name for name in before if before[name] != after[name]}
+    with safe_open(str(first / "model.safetensors"), "pt") as f:
+        taken = next(iter(f.keys()))  # the first weight in storage order, the one handed
+    assert changed == {taken}, (taken, changed)
+    assert all(len(o["tokens"]) == 8 for o in failed["outputs"])
+    assert again["error"] is None and again["digests"] == report["digests"]
+    assert again["outputs"] == report["outputs"]
+
+
 #: W8A8_RELOAD: vLLM's CPU int8 kernel (oneDNN) keeps, outside the layer's parameters, a
 #: handle that points at the weight scales of the layer it processed; vLLM's layerwise reload
 #: processes a temporary copy of the layer, copies its parameters back and frees the copy, so
