@@ -143,8 +143,9 @@ def _truncated(src: Path, dst: Path) -> str:
 @pytest.mark.vllm
 def test_a_refit_at_tp2_is_a_fresh_engine_and_a_refused_one_changes_nothing(tmp_path, monkeypatch):
     """TP=2, bf16: from a local folder and from the S3 emulator (each rank fetching only its
-    read plan's bytes), and seven refits refused on every rank, each in one line (an init_info
-    refused, then six checkpoints)."""
+    read plan's bytes); seven refits refused on every rank, each in one line (an init_info
+    refused, then six checkpoints); and one whose vLLM loader fails midway (injected by
+    ``devtools.vllm_ext``), which leaves the layers it did not reach as they were."""
     from helpers import objectservers
 
     first, second = vllm_models.path("llama_bf16"), vllm_models.path("llama_bf16_seed1")
@@ -189,6 +190,8 @@ def test_a_refit_at_tp2_is_a_fresh_engine_and_a_refused_one_changes_nothing(tmp_
                 "init_info": {"checkpoint": server.url("run", "step-{step}/")},
                 "update_info": {"step": "replaced"},
             },
+            # past the checks, vLLM's own load_weights fails after the first weight
+            {"fail_after": 1, "update_info": {"checkpoint": str(first)}},
             {"update_info": {"checkpoint": str(first)}},  # local
             {"update_info": {"checkpoint": str(second)}},
             {"update_info": {"step": 1}},  # S3, through the template
@@ -205,7 +208,8 @@ def test_a_refit_at_tp2_is_a_fresh_engine_and_a_refused_one_changes_nothing(tmp_
         sent = server.bytes_sent("step-2/model.safetensors")
     assert "refits" in report, log[-6000:]
     fresh, digests = report["outputs"], report["digests"]
-    refused, (local1, local2, s3_1, s3_2) = report["refits"][:7], report["refits"][7:]
+    refused, midway = report["refits"][:7], report["refits"][7]
+    local1, local2, s3_1, s3_2 = report["refits"][8:]
     says = [
         "init_info has no 'checkpont'; it takes checkpoint",
         f"{TENSOR}: missing",
@@ -222,6 +226,16 @@ def test_a_refit_at_tp2_is_a_fresh_engine_and_a_refused_one_changes_nothing(tmp_
         assert i == 0 or "refused, the engine keeps its weights" in error, error
         assert done["outputs"] == fresh and done["digests"] == digests
     assert replaced.hits == 1
+    # the layer of the one weight vLLM took is new, every other parameter as it was (none
+    # left on vLLM's meta device): the engine still generates
+    error = midway["error"]
+    assert error is not None and "failed in vLLM's load_weights" in error, error
+    assert "injected failure after 1 weight(s)" in error and "\n" not in error, error
+    with safe_open(str(first / "model.safetensors"), "pt") as f:
+        taken = next(iter(f.keys()))  # the first weight in storage order, the one handed
+    for before, after in zip(digests, midway["digests"], strict=True):
+        assert {name for name in before if before[name] != after[name]} == {taken}
+    assert all(len(o["tokens"]) == 8 for o in midway["outputs"])
     # the first checkpoint's weights are other weights; the second's, a fresh engine's
     for one in (local1, s3_1):
         assert one["error"] is None, one["error"]
@@ -277,34 +291,6 @@ def test_a_refit_at_a_padded_tp_is_the_padded_fresh_engine():
     assert two["digests"] == report["digests"]
     refits = [s for s in stats if s.get("refit")]
     assert len(refits) == 2 * 2 and all(s["padded_tensors"] > 0 for s in refits)
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_a_refit_vllms_loader_fails_midway_leaves_the_layers_it_did_not_reach():
-    """Past the checks, vLLM's own ``load_weights`` fails after the first weight (injected):
-    the layer that weight completed is new, every other parameter is as it was (none left on
-    vLLM's meta device), the engine still generates, and a refit after it is a fresh engine
-    again."""
-    first, second = vllm_models.path("llama_bf16"), vllm_models.path("llama_bf16_seed1")
-    steps = [
-        {"fail_after": 1, "update_info": {"checkpoint": str(first)}},
-        {"update_info": {"checkpoint": str(second)}},
-    ]
-    report, stats, log = run_engine(str(second), 1, "--digests", "--refits", json.dumps(steps))
-    assert "refits" in report, log[-6000:]
-    failed, again = report["refits"]
-    error = failed["error"]
-    assert error is not None and "failed in vLLM's load_weights" in error, error
-    assert "injected failure after 1 weight(s)" in error and "\n" not in error, error
-    before, after = report["digests"][0], failed["digests"][0]
-    changed = {name for name in before if before[name] != after[name]}
-    with safe_open(str(first / "model.safetensors"), "pt") as f:
-        taken = next(iter(f.keys()))  # the first weight in storage order, the one handed
-    assert changed == {taken}, (taken, changed)
-    assert all(len(o["tokens"]) == 8 for o in failed["outputs"])
-    assert again["error"] is None and again["digests"] == report["digests"]
-    assert again["outputs"] == report["outputs"]
 
 
 #: W8A8_RELOAD: vLLM's CPU int8 kernel (oneDNN) keeps, outside the layer's parameters, a
