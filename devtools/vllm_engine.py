@@ -105,7 +105,8 @@ def _failed_reload(llm, folder: str) -> dict:
 def _refits(llm, steps: list, generate, digests: bool) -> list:
     """Each step of ``--refits`` through vLLM's weight-transfer API (the ``shardload``
     backend): ``{"update_info": {...}}`` (and ``"init_info"`` to initialise the backend first,
-    ``"fail_after": n`` to make vLLM's loader fail after n weights, with ``--digests``),
+    ``"fail_after": n`` to make vLLM's loader fail after n weights, ``"poison": true`` to
+    fill every parameter with a byte no load writes first; both with ``--digests``),
     then what the engine generates, with the refit's error (None: it took the weights) and,
     with ``--digests``, every parameter's digest. A refused refit must leave the engine as it
     was, so each step generates whatever the refit did."""
@@ -114,6 +115,8 @@ def _refits(llm, steps: list, generate, digests: bool) -> list:
         error = None
         start = time.perf_counter()
         try:
+            if step.get("poison"):  # a parameter the refit leaves shows (devtools.vllm_ext)
+                llm.collective_rpc("poison_params")
             if "fail_after" in step:  # vLLM's loader fails midway (devtools.vllm_ext)
                 llm.collective_rpc("fail_next_load_after", args=(step["fail_after"],))
             if "init_info" in step:

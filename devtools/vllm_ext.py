@@ -9,7 +9,8 @@ and ``llm.collective_rpc("reload_with_engines_loader")`` (the engine's own load 
 through its ``get_all_weights``: for shardload, the stand-ins as views of the mapped file);
 ``llm.collective_rpc("handles_under", args=(folder,))`` counts what a worker still holds of a
 checkpoint's files; ``llm.collective_rpc("fail_next_load_after", args=(n,))`` makes the model's
-next ``load_weights`` fail after ``n`` weights.
+next ``load_weights`` fail after ``n`` weights; ``llm.collective_rpc("poison_params")`` fills
+every parameter with a byte no load writes.
 """
 
 from __future__ import annotations
@@ -94,6 +95,17 @@ class LoaderComparison:
         """Reload every weight in place with the engine's own load format (vLLM's reload asks
         the loader for ``get_all_weights``)."""
         self.model_runner.reload_weights()
+
+    def poison_params(self) -> None:
+        """Every byte of every parameter set to 0xA5, so that one a later load does not write
+        shows in ``param_digests``."""
+        import torch
+
+        model = self.model_runner.get_model()
+        for p in model.parameters():
+            poison = torch.empty_like(p.data, memory_format=torch.contiguous_format)
+            poison.view(-1).view(torch.uint8).fill_(0xA5)
+            p.data.copy_(poison)  # (whatever its strides)
 
     def fail_next_load_after(self, count: int) -> None:
         """The model's next ``load_weights`` takes ``count`` weights, then fails (a loader of

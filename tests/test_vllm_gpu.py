@@ -89,7 +89,10 @@ def test_an_fp8_refit_is_a_fresh_engine_on_the_gpu(tmp_path_factory, preset):
     first, second = (tmp_path_factory.mktemp(f"{preset.lower()}_{s}") for s in ("0", "1"))
     compress_preset(first, config, preset, seed=0)
     compress_preset(second, config, preset, seed=1)
-    steps = [{"update_info": {"checkpoint": str(c)}} for c in (first, second)]
+    steps = [
+        {"update_info": {"checkpoint": str(first)}},
+        {"poison": True, "update_info": {"checkpoint": str(second)}},  # none left unwritten
+    ]
     report, stats, log = run_engine(str(second), 1, "--digests", "--refits", json.dumps(steps))
     assert "refits" in report, log[-6000:]
     one, two = report["refits"]

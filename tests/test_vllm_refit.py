@@ -193,9 +193,10 @@ def test_a_refit_at_tp2_is_a_fresh_engine_and_a_refused_one_changes_nothing(tmp_
             # past the checks, vLLM's own load_weights fails after the first weight
             {"fail_after": 1, "update_info": {"checkpoint": str(first)}},
             {"update_info": {"checkpoint": str(first)}},  # local
-            {"update_info": {"checkpoint": str(second)}},
+            # every parameter poisoned first: one the refit does not write shows in its digest
+            {"poison": True, "update_info": {"checkpoint": str(second)}},
             {"update_info": {"step": 1}},  # S3, through the template
-            {"update_info": {"step": 2}},
+            {"poison": True, "update_info": {"step": 2}},
         ]
         report, stats, log = run_engine(
             str(second),
@@ -271,7 +272,11 @@ def test_a_refit_at_a_padded_tp_is_the_padded_fresh_engine():
     first, second = vllm_models.path("llama9_bf16"), vllm_models.path("llama9_bf16_seed1")
     overrides = vllm_overrides(str(second), 2)
     assert overrides == {"num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64}
-    steps = [{"update_info": {"checkpoint": str(c)}} for c in (first, second)]
+    # every parameter poisoned before the refit back: one the refit does not write shows
+    steps = [
+        {"update_info": {"checkpoint": str(first)}},
+        {"poison": True, "update_info": {"checkpoint": str(second)}},
+    ]
     report, stats, log = run_engine(
         str(second),
         2,
@@ -319,7 +324,11 @@ def test_a_quantized_refit_is_a_fresh_engine_loaded_by_vllms_own_loader(name, tp
     first, second = vllm_models.path(name), vllm_models.path(f"{name}_seed1")
     tokens = ("--tokens", "0") if name != "llama_w8a8" and int4_kernel_missing() else ()
     default = ("--compare-default",) if name == "llama_w8a8" else ()
-    steps = [{"update_info": {"checkpoint": str(c)}} for c in (first, second)]
+    # every parameter poisoned before the refit back: one the refit does not write shows
+    steps = [
+        {"update_info": {"checkpoint": str(first)}},
+        {"poison": True, "update_info": {"checkpoint": str(second)}},
+    ]
     report, stats, log = run_engine(
         str(second), tp, "--digests", "--refits", json.dumps(steps), *tokens, *default
     )
