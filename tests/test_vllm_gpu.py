@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.vllm_checks import check_same_as_default, run_engine
+from helpers.vllm_checks import check_same_as_default, refit_there_and_back, run_engine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,7 +79,6 @@ def test_an_fp8_refit_is_a_fresh_engine_on_the_gpu(tmp_path_factory, preset):
     """Through vLLM's weight-transfer API with shardload's backend (test_vllm_refit.py on the
     CPU): an engine started on a second checkpoint refits to the first and back, then answers
     and holds every parameter as a fresh engine on it, vLLM's FP8 processing run again."""
-    import json
 
     import transformers
     from helpers.compressed_tensors_tool import compress_preset
@@ -89,14 +88,5 @@ def test_an_fp8_refit_is_a_fresh_engine_on_the_gpu(tmp_path_factory, preset):
     first, second = (tmp_path_factory.mktemp(f"{preset.lower()}_{s}") for s in ("0", "1"))
     compress_preset(first, config, preset, seed=0)
     compress_preset(second, config, preset, seed=1)
-    steps = [
-        {"update_info": {"checkpoint": str(first)}},
-        {"poison": True, "update_info": {"checkpoint": str(second)}},  # none left unwritten
-    ]
-    report, stats, log = run_engine(str(second), 1, "--digests", "--refits", json.dumps(steps))
-    assert "refits" in report, log[-6000:]
-    one, two = report["refits"]
-    assert one["error"] is None and two["error"] is None, (one["error"], two["error"])
-    assert one["digests"] != report["digests"]
-    assert two["outputs"] == report["outputs"]
-    assert two["digests"] == report["digests"]
+    report, _, back = refit_there_and_back(str(first), str(second), 1)
+    assert back["outputs"] == report["outputs"]

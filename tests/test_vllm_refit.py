@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import vllm_models
-from helpers.vllm_checks import run_engine
+from helpers.vllm_checks import refit_there_and_back, run_engine
 from helpers.vllm_engine import int4_kernel_missing
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -272,30 +272,17 @@ def test_a_refit_at_a_padded_tp_is_the_padded_fresh_engine():
     first, second = vllm_models.path("llama9_bf16"), vllm_models.path("llama9_bf16_seed1")
     overrides = vllm_overrides(str(second), 2)
     assert overrides == {"num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64}
-    # every parameter poisoned before the refit back: one the refit does not write shows
-    steps = [
-        {"update_info": {"checkpoint": str(first)}},
-        {"poison": True, "update_info": {"checkpoint": str(second)}},
-    ]
-    report, stats, log = run_engine(
+    report, refits, back = refit_there_and_back(
+        str(first),
         str(second),
         2,
         "--load-format",
         "shardload",
         "--hf-overrides",
         json.dumps(overrides),
-        "--digests",
-        "--refits",
-        json.dumps(steps),
     )
-    assert "refits" in report, log[-6000:]
-    one, two = report["refits"]
-    assert one["error"] is None and two["error"] is None, (one["error"], two["error"])
-    assert one["digests"] != report["digests"]
-    assert two["outputs"] == report["outputs"]
-    assert two["digests"] == report["digests"]
-    refits = [s for s in stats if s.get("refit")]
-    assert len(refits) == 2 * 2 and all(s["padded_tensors"] > 0 for s in refits)
+    assert back["outputs"] == report["outputs"]
+    assert all(s["padded_tensors"] > 0 for s in refits)
 
 
 #: W8A8_RELOAD: vLLM's CPU int8 kernel (oneDNN) keeps, outside the layer's parameters, a
@@ -324,28 +311,15 @@ def test_a_quantized_refit_is_a_fresh_engine_loaded_by_vllms_own_loader(name, tp
     first, second = vllm_models.path(name), vllm_models.path(f"{name}_seed1")
     tokens = ("--tokens", "0") if name != "llama_w8a8" and int4_kernel_missing() else ()
     default = ("--compare-default",) if name == "llama_w8a8" else ()
-    # every parameter poisoned before the refit back: one the refit does not write shows
-    steps = [
-        {"update_info": {"checkpoint": str(first)}},
-        {"poison": True, "update_info": {"checkpoint": str(second)}},
-    ]
-    report, stats, log = run_engine(
-        str(second), tp, "--digests", "--refits", json.dumps(steps), *tokens, *default
-    )
-    assert "refits" in report, log[-6000:]
-    one, two = report["refits"]
-    assert one["error"] is None and two["error"] is None, (one["error"], two["error"])
-    assert one["digests"] != report["digests"]
-    assert two["digests"] == report["digests"]  # vLLM's processed parameters, bitwise
-    assert len([s for s in stats if s.get("refit")]) == 2 * tp
+    report, _, back = refit_there_and_back(str(first), str(second), tp, *tokens, *default)
     if name != "llama_w8a8":
-        assert two["outputs"] == report["outputs"]
+        assert back["outputs"] == report["outputs"]
         return
     # W8A8_RELOAD: vLLM's own in-place reload, in the same engine, loads every parameter
     # bitwise and then generates what the refit generates (NaN logprobs, so tokens compared)
     assert report["default_digests"] == report["digests"]
     theirs = [o["tokens"] for o in report["default_outputs"]]
-    assert [o["tokens"] for o in two["outputs"]] == theirs
+    assert [o["tokens"] for o in back["outputs"]] == theirs
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import ShardloadError
 from ..staging import Staging
 
-__all__ = ["OPTIONS", "LoaderOptions", "OptionsError"]
+__all__ = ["OPTIONS", "LoaderOptions", "OptionsError", "unknown_keys"]
 
 #: key -> what it does (the refusal of an unknown key lists them)
 OPTIONS = {
@@ -59,12 +59,10 @@ class LoaderOptions:
                 f"model_loader_extra_config for --load-format shardload must be "
                 f"a JSON object, not {type(extra).__name__}"
             )
-        unknown = sorted(set(extra) - set(OPTIONS))
-        if unknown:
-            known = "; ".join(f"{k}: {v}" for k, v in OPTIONS.items())
+        unknown = unknown_keys(extra, OPTIONS)
+        if unknown is not None:
             raise OptionsError(
-                f"--load-format shardload has no option "
-                f"{', '.join(map(repr, unknown))}; its options are {known}"
+                f"--load-format shardload has no option {unknown[0]}; its options are {unknown[1]}"
             )
         plan = extra.get("plan")
         if plan is not None and not isinstance(plan, str):
@@ -84,6 +82,19 @@ class LoaderOptions:
         ):
             raise OptionsError(f"timeout must be a number of seconds above 0, not {timeout!r}")
         return cls(plan, verify, _staging(extra.get("staging")), timeout, checkpoint)
+
+
+def unknown_keys(given: dict, known: dict[str, str]) -> tuple[str, str] | None:
+    """The keys of ``given`` not in ``known``, quoted, and ``known`` described (``key: what
+    it does``), for a refusal that names both; None where every key is known.
+
+    >>> unknown_keys({"verfy": 1}, {"verify": "check"})
+    ("'verfy'", 'verify: check')
+    """
+    unknown = sorted(set(given) - set(known))
+    if not unknown:
+        return None
+    return ", ".join(map(repr, unknown)), "; ".join(f"{k}: {v}" for k, v in known.items())
 
 
 def _staging(value: Any) -> Any:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ShardloadError
-from .options import LoaderOptions, OptionsError
+from .options import LoaderOptions, OptionsError, unknown_keys
 
 __all__ = ["INIT", "UPDATE", "RefitError", "RefitInit", "RefitUpdate", "parse_init", "parse_update"]
 
@@ -87,12 +87,11 @@ def fill(template: str, step: int | str) -> str:
 def _known(info: Any, allowed: dict[str, str], what: str) -> dict[str, Any]:
     if not isinstance(info, dict):
         raise RefitError(f"the shardload weight-transfer backend's {what} is a dict, not {info!r}")
-    unknown = sorted(set(info) - set(allowed))
-    if unknown:
-        known = "; ".join(f"{k}: {v}" for k, v in allowed.items())
+    unknown = unknown_keys(info, allowed)
+    if unknown is not None:
         raise RefitError(
-            f"the shardload weight-transfer backend's {what} has no "
-            f"{', '.join(map(repr, unknown))}; it takes {known}"
+            f"the shardload weight-transfer backend's {what} has no {unknown[0]}; "
+            f"it takes {unknown[1]}"
         )
     return info
 

@@ -1,9 +1,11 @@
 """One vLLM engine per case, on the tests' side (``helpers.vllm_engine`` runs in vLLM's own
 environment): ``run_engine`` starts it on a checkpoint and gives its report and each rank's
 statistics line; ``check_same_as_default`` asserts that shardload's load equals vLLM's default
-loader's in that engine."""
+loader's in that engine; ``refit_there_and_back``, that a refit equals a fresh engine."""
 
 from __future__ import annotations
+
+import json
 
 from helpers.paths import REPO
 from helpers.subprocesses import subprocess_env
@@ -48,3 +50,26 @@ def check_same_as_default(
         assert all(not s["verified"] and s["bytes_read_in_place"] > 0 for s in again)
     for s in stats:
         assert s["bytes_read"] <= 1.05 * s["bytes_kept"]
+
+
+def refit_there_and_back(first: str, second: str, tp: int, *args: str) -> tuple[dict, list, dict]:
+    """An engine started on checkpoint ``second`` (the fresh reference) refits to ``first``,
+    then, every parameter poisoned first (one the refit does not write would show), back to
+    ``second``, through vLLM's weight-transfer API with shardload's backend
+    (``devtools/vllm_engine.py --refits``). Asserts that both refits took their weights, the
+    first other weights, the second every parameter bitwise the fresh engine's, each rank
+    logging a line per refit; gives the report, the refits' statistics lines and the refit
+    back (its ``outputs`` to compare where the format generates)."""
+    steps = [
+        {"update_info": {"checkpoint": first}},
+        {"poison": True, "update_info": {"checkpoint": second}},
+    ]
+    report, stats, log = run_engine(second, tp, "--digests", "--refits", json.dumps(steps), *args)
+    assert "refits" in report, log[-6000:]
+    one, two = report["refits"]
+    assert one["error"] is None and two["error"] is None, (one["error"], two["error"])
+    assert one["digests"] != report["digests"]
+    assert two["digests"] == report["digests"]  # vLLM's processed parameters, bitwise
+    refits = [s for s in stats if s.get("refit")]
+    assert len(refits) == 2 * tp
+    return report, refits, two
