@@ -84,38 +84,52 @@ class TensorTable:
     hands ``MappedCheckpoint``.
 
     Compact, because a header may list a million tensors: per tensor one ``TensorMeta``, one
-    entry in each of two dicts, an index and 20 bytes of arrays (a ``(file, begin, end)``
-    tuple of Python ints would take 64 bytes, and each offset over 256 another 32).
+    dict entry and 20 bytes of arrays (a ``(file, begin, end)`` tuple of Python ints would take
+    64 bytes, and each offset over 256 another 32). The name -> index dict that reads need is
+    made at the first read (``index``): opening, planning and ``inspect`` never read, and it
+    is a fifth of what they hold.
     """
 
-    __slots__ = ("begin", "end", "file", "meta", "pos")
+    __slots__ = ("_index", "begin", "end", "file", "meta")
 
     def __init__(self) -> None:
         self.meta: dict[str, TensorMeta] = {}
-        self.pos: dict[str, int] = {}  # name -> index into the arrays
+        self._index: dict[str, int] | None = None
         self.file = array("I")
         self.begin = array("q")  # offsets into the file's data
         self.end = array("q")
 
     def add(self, meta: TensorMeta, file: int, begin: int, end: int) -> None:
-        self.pos[meta.name] = len(self.begin)
+        if meta.name in self.meta:  # readers refuse these with the file's name first
+            raise ValueError(f"tensor {meta.name!r} added twice")
         self.meta[meta.name] = meta
         self.file.append(file)
         self.begin.append(begin)
         self.end.append(end)
+        self._index = None
 
     def extend(self, file: int, metas: dict[str, TensorMeta], begins: array, ends: array) -> None:
         """Add a file's tensors, ``metas`` in storage order with their offsets; the first
         file's ``metas`` becomes the table's own (not copied: the caller lets go of it)."""
-        start = len(self.begin)
         if self.meta:
+            if not self.meta.keys().isdisjoint(metas):
+                twice = next(name for name in metas if name in self.meta)
+                raise ValueError(f"tensor {twice!r} added twice")
             self.meta.update(metas)
         else:
             self.meta = metas
-        self.pos.update(zip(metas, range(start, start + len(metas))))
         self.file.extend(repeat(file, len(metas)))
         self.begin.extend(begins)
         self.end.extend(ends)
+        self._index = None
+
+    def index(self, name: str) -> int:
+        """Where ``name``'s offsets are in the arrays; a ``KeyError`` for a name not here."""
+        index = self._index
+        if index is None:
+            # the dict keeps insertion order, which is the arrays' order: no name is added twice
+            index = self._index = dict(zip(self.meta, range(len(self.begin))))
+        return index[name]
 
 
 class MappedCheckpoint(Checkpoint):
@@ -192,7 +206,7 @@ class MappedCheckpoint(Checkpoint):
     def _where(self, name: str) -> tuple[int, int, int]:
         """``(file index, begin, end)`` of a tensor known to be here."""
         table = self._table
-        k = table.pos[name]
+        k = table.index(name)
         return table.file[k], table.begin[k], table.end[k]
 
     # -- byte sources: this checkpoint's files, for read plans
@@ -207,7 +221,7 @@ class MappedCheckpoint(Checkpoint):
 
     def locate_all(self, names: Iterable[str]) -> list[tuple[int, int]]:
         table, starts = self._table, self._data_starts
-        where = [table.pos[name] for name in names]  # a KeyError for a name not here
+        where = list(map(table.index, names))  # a KeyError for a name not here
         files = [table.file[k] for k in where]
         return list(zip(files, [starts[i] + table.begin[k] for i, k in zip(files, where)]))
 
