@@ -49,7 +49,7 @@ def env_number(
     if text.lower() in off:
         return None
     try:
-        value: float | None = parse(text)
+        value: T | None = parse(text)
     except ValueError:
         value = None
     # NaN compares false both ways, so it is refused here too
@@ -60,7 +60,7 @@ def env_number(
             f"{name}={text!r} is not {what} {span}; set one{turn_off}, or "
             f"unset it for the default ({default})"
         )
-    return value  # type: ignore[return-value]
+    return value
 
 
 def env_choice(

@@ -80,6 +80,7 @@ class Setting:
 
 def mention(exc: BaseException, *settings: Setting) -> BaseException:
     """Record that ``exc``'s message names ``settings`` (in their Python form); returns ``exc``."""
+    # any exception may carry them (an OSError the CLI words for the user), not only ours
     exc.settings = (*getattr(exc, "settings", ()), *settings)  # type: ignore[attr-defined]
     return exc
 

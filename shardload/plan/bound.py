@@ -122,7 +122,7 @@ def _bind_step(
     values: dict[str, int],
     exprs: Expressions,
 ) -> Step:
-    if raw.symbolic_shape:  # type: ignore[attr-defined]
+    if raw.symbolic_shape:
         shape = _evaluate(source, raw.out_shape, "out_shape[{}]", n, values, name, index, exprs)
     else:
         shape = raw.out_shape
@@ -147,7 +147,7 @@ def _bind_step(
             problem = f"out_shape {brief(shape)} {raw.dtype} for num_shards={n}: {why}"
     if problem:
         raise PlanError(problem, source=source, param=name, step=index)
-    if raw.symbolic_extra:  # type: ignore[attr-defined]
+    if raw.symbolic_extra:
         extra = _evaluate(source, raw.extra, "extra arg {}", n, values, name, index, exprs)
     else:
         extra = raw.extra

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import dtypes
@@ -55,15 +55,18 @@ class RawStep:
     out_shape: tuple[int | str, ...]
     dtype: str
     extra: tuple[Scalar, ...]
+    #: whether ``out_shape`` / ``extra`` hold expressions: computed once (C-speed scans), since
+    #: binding asks for every step
+    symbolic_shape: bool = field(init=False, repr=False, compare=False)
+    symbolic_extra: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # computed once (C-speed scans): bind and is_symbolic ask for every step
         object.__setattr__(self, "symbolic_shape", str in map(type, self.out_shape))
         object.__setattr__(self, "symbolic_extra", str in map(type, self.extra))
 
     @property
     def is_symbolic(self) -> bool:
-        return self.symbolic_shape or self.symbolic_extra  # type: ignore[attr-defined]
+        return self.symbolic_shape or self.symbolic_extra
 
     def to_json(self) -> list:
         return step_json(self.func, self.out_shape, self.dtype, self.extra)

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -329,8 +330,6 @@ def _engine_signature(vllm_config) -> Signature | None:
     if load_config.load_format == BACKEND:
         where = LoaderOptions.from_extra_config(load_config.model_loader_extra_config).checkpoint
     if where is None:
-        import os
-
         where = model_config.model
         if not os.path.isdir(where):
             where = _cached_hub_folder(model_config, load_config)
