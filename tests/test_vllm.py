@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -37,6 +38,7 @@ from shardload.errors import PlanError
 from shardload.frontdoor import resolve_plan
 from shardload.pieces.reads import read_runs
 from shardload.readplan import read_plan_for
+from shardload.vllm.holding import Holding, holds_even_rows
 from shardload.vllm.options import LoaderOptions, OptionsError
 from shardload.vllm.padding import vllm_overrides
 from shardload.vllm.standins import stand_in_reads
@@ -112,20 +114,80 @@ def _llama_folder(tmp_path: Path, heads=8, kv=2, head_dim=4, hidden=16, inter=32
     return tmp_path
 
 
+def _vllm_vocab_rows(vocab: int, n: int, rank: int) -> tuple[int, int]:
+    """The checkpoint rows vLLM's ``VocabParallelEmbedding`` keeps on ``rank``, written from its
+    definition: the vocabulary padded to a multiple of 64, cut in N equal parts, the padding
+    dropped."""
+    padded = -(-vocab // 64) * 64
+    per = padded // n
+    return min(rank * per, vocab), min((rank + 1) * per, vocab)
+
+
 def _vllm_narrow(full: torch.Tensor, name: str, n: int, rank: int) -> torch.Tensor:
     """What vLLM's weight loaders keep of a full tensor, written from their rule: column-parallel
-    layers narrow dim 0, row-parallel ones dim 1, into N equal chunks; the rest whole."""
+    layers narrow dim 0, row-parallel ones dim 1, into N equal chunks; the embeddings and
+    lm_head their vocabulary rows; the rest whole."""
     if any(k in name for k in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
         return full.chunk(n, 0)[rank]
     if any(k in name for k in ("o_proj", "down_proj")):
         return full.chunk(n, 1)[rank]
+    if any(k in name for k in ("embed_tokens", "lm_head")):
+        begin, end = _vllm_vocab_rows(full.shape[0], n, rank)
+        return full[begin:end]
     return full
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_stand_ins_hold_each_ranks_bytes_where_vllm_narrows_them(tmp_path, n):
+def _vllm_embedding(vocab: int, n: int, rank: int, added: int = 0) -> SimpleNamespace:
+    """A ``VocabParallelEmbedding``'s attributes as vLLM sets them (its definition), for
+    ``holds_even_rows``."""
+    org_padded = -(-vocab // 64) * 64
+    begin, end = _vllm_vocab_rows(vocab, n, rank)
+    return SimpleNamespace(
+        org_vocab_size=vocab,
+        num_added_embeddings=added,
+        num_embeddings_padded=-(-(org_padded + added) // 64) * 64,
+        tp_size=n,
+        tp_rank=rank,
+        shard_indices=SimpleNamespace(org_vocab_start_index=begin, org_vocab_end_index=end),
+    )
+
+
+@pytest.mark.parametrize(
+    "vocab, n, added, even",
+    [
+        (512, 2, 0, True),
+        (128256, 8, 0, True),  # Llama 3
+        (151936, 4, 0, True),  # Qwen2.5
+        (50257, 2, 0, False),  # GPT-2's: padded to 50304, rank 1 keeps fewer rows
+        (49152, 2, 64, False),  # added tokens
+        (32001, 2, 0, False),  # a token added to Llama 2's in the checkpoint: padded to 32064
+    ],
+)
+def test_the_vocabulary_is_split_where_vllm_keeps_equal_parts(vocab, n, added, even):
+    """Each rank's answer agrees with vLLM's rows written independently: equal parts exactly
+    where the planner's even split is what vLLM keeps."""
+    answers = [holds_even_rows(_vllm_embedding(vocab, n, r, added), n) for r in range(n)]
+    assert answers == [even] * n
+    parts = {_vllm_vocab_rows(vocab, n, r)[1] - _vllm_vocab_rows(vocab, n, r)[0] for r in range(n)}
+    assert (parts == {vocab // n} and added == 0) is even
+
+
+def test_a_plan_made_from_the_config_follows_how_vllm_holds_the_model():
+    split, experts = Holding(False, True), Holding(True, True)
+    assert split.planner_options(False, None) == {"vocab_parallel": True}
+    assert experts.planner_options(False, None) == {"experts": "ep", "vocab_parallel": True}
+    # a plan beside the checkpoint is used as it is: no split asked of it (whole experts are,
+    # and refused there, naming the flag); a plan given is asked nothing
+    assert split.planner_options(False, "shard_info.json") == {}
+    assert experts.planner_options(False, "shard_info.json") == {"experts": "ep"}
+    assert experts.planner_options(True, None) == {}
+    assert Holding(False, False).planner_options(False, None) == {}
+
+
+@pytest.mark.parametrize("n, vocab_parallel", [(2, False), (4, False), (2, True), (4, True)])
+def test_stand_ins_hold_each_ranks_bytes_where_vllm_narrows_them(tmp_path, n, vocab_parallel):
     ckpt = open_checkpoint(str(_llama_folder(tmp_path)))
-    validated = resolve_plan(ckpt, n).validated
+    validated = resolve_plan(ckpt, n, vocab_parallel=vocab_parallel).validated
     for rank in range(n):
         ins = stand_in_reads(read_plan_for(validated, ckpt, rank), validated, ckpt)
         for piece in ins.plan.pieces:
@@ -285,12 +347,18 @@ def _case(*values, extended: bool = False, marks=()):
     return pytest.param(*values, marks=marks)
 
 
-def _header_bytes(model: str) -> tuple[int, int]:
-    """(all tensor bytes, bytes of the tensors every rank holds whole) of a bf16 Llama, counted
-    from the safetensors header by name, independently of shardload's plan."""
+def _header_bytes(model: str, tp: int) -> tuple[int, int]:
+    """(all tensor bytes, bytes of the tensors every rank holds whole) of a bf16 Llama at
+    ``tp``, counted from the safetensors header by name, independently of shardload's plan.
+    The embeddings and lm_head are split where vLLM's rule splits the vocabulary evenly: padded
+    to a multiple of 64, cut in ``tp`` equal parts."""
     from safetensors import safe_open
 
-    whole = ("embed_tokens", "lm_head", "norm")
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    padded = -(-vocab // 64) * 64
+    vocab_split = tp > 1 and padded == vocab and vocab % tp == 0
+    whole = ("norm",) if vocab_split else ("embed_tokens", "lm_head", "norm")
     total = replicated = 0
     with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
         for name in f.keys():
@@ -344,8 +412,10 @@ def test_shardload_loads_what_vllms_default_loader_loads(name, tp):
         "planned" if s["rank"] == 0 else "rank 0" for s in stats
     ]
     if name == "llama_bf16":  # an independent count: each rank reads 1/N of what is split
-        total, replicated = _header_bytes(str(models().path(name)))
+        total, replicated = _header_bytes(str(models().path(name)), tp)
         for s in stats:
+            # the 512-row vocabulary is split at TP=2, as vLLM splits it (verify proved it)
+            assert s["vocab_parallel"] is (tp == 2)
             assert s["bytes_replicated"] == replicated
             assert s["bytes_read"] - replicated == (total - replicated) // tp
 

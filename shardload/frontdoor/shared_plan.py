@@ -97,6 +97,19 @@ def _share(ctx, data: torch.Tensor | None, size: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class _Choices:
+    """The planner's options that ``plan_once`` is given, for the rank that resolves."""
+
+    experts: str
+    vocab_parallel: bool
+
+    def resolve(self, ckpt: Checkpoint, num_shards: int, shard_info: Any) -> ResolvedPlan:
+        return resolve_plan(
+            ckpt, num_shards, shard_info, experts=self.experts, vocab_parallel=self.vocab_parallel
+        )
+
+
+@dataclass(frozen=True)
 class DecisionSummary:
     """The planner's decision as rank 0 made it, for the ranks that received its plan: what a
     ``PlanDecision`` says for people, not the planner's objects (``summary`` is its text)."""
@@ -134,22 +147,25 @@ def plan_once(
     shard_info: Any = None,
     *,
     experts: str = "tp",
+    vocab_parallel: bool = False,
     what: str = "planning the load",
 ) -> JobPlan:
     """``params`` opened (``as_checkpoint``) and its plan for the session's workers, by the
     front door's policy: resolved on rank 0 alone and received by the others where the
     session's workers each run this (``Session.spmd``), else resolved here. Call it inside
     ``session.collective(what)`` (``plan_job`` does); every worker must call it (``what`` names
-    the step in a ``WorkerError``)."""
+    the step in a ``WorkerError``). ``experts`` and ``vocab_parallel`` go to the planner
+    (``resolve_plan``)."""
     start = time.perf_counter()
+    choices = _Choices(experts, vocab_parallel)
     if not session.spmd or session.num_workers == 1:
         ckpt = as_checkpoint(params)
-        resolved = resolve_plan(ckpt, session.num_workers, shard_info, experts=experts)
+        resolved = choices.resolve(ckpt, session.num_workers, shard_info)
         took = time.perf_counter() - start
         return JobPlan(ckpt, resolved, PLANNED, took, took)
     if session.local_workers == [0]:
-        return _plan_and_send(session, params, shard_info, experts, what, start)
-    return _receive(session, params, shard_info, experts, what, start)
+        return _plan_and_send(session, params, shard_info, choices, what, start)
+    return _receive(session, params, shard_info, choices, what, start)
 
 
 def plan_job(
@@ -179,7 +195,7 @@ def planning_per_worker(session: Session, job: JobPlan) -> list[dict] | None:
 
 
 def _plan_and_send(
-    session: Session, params: Any, shard_info: Any, experts: str, what: str, start: float
+    session: Session, params: Any, shard_info: Any, choices: _Choices, what: str, start: float
 ) -> JobPlan:
     ckpt: Checkpoint | None = None
     resolved: ResolvedPlan | None = None
@@ -188,7 +204,7 @@ def _plan_and_send(
     try:
         ckpt = as_checkpoint(params)
         planning = True
-        resolved = resolve_plan(ckpt, session.num_workers, shard_info, experts=experts)
+        resolved = choices.resolve(ckpt, session.num_workers, shard_info)
         if shard_info is None:
             data = _plan_bytes(resolved.validated)
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it, then it is raised
@@ -336,7 +352,7 @@ def _error_json(exc: BaseException) -> dict:
 
 
 def _receive(
-    session: Session, params: Any, shard_info: Any, experts: str, what: str, start: float
+    session: Session, params: Any, shard_info: Any, choices: _Choices, what: str, start: float
 ) -> JobPlan:
     rank, ckpt, own = session.local_workers[0], None, None
     try:
@@ -370,7 +386,7 @@ def _receive(
         )
         plan_from = FROM_RANK_0
     else:  # a plan of its own (or rank 0 had one): resolved here, as without sharing
-        resolved = resolve_plan(ckpt, session.num_workers, shard_info, experts=experts)
+        resolved = choices.resolve(ckpt, session.num_workers, shard_info)
         plan_from = PLANNED
     done = time.perf_counter()
     return JobPlan(ckpt, resolved, plan_from, done - start, done - received)

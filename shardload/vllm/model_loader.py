@@ -12,8 +12,9 @@ requantization) itself. ``load_weights`` here, on every tensor-parallel rank:
    ``shard_info.json`` beside the checkpoint, else one made from its config; expert-parallel
    when vLLM places whole experts per rank; without the option, made on rank 0 alone and
    received by the other ranks over vLLM's group, ``frontdoor.plan_once``, each validating it
-   against its own checkpoint), and checked against the sizes vLLM built the model with (a
-   padded plan needs the padded model: ``padding.py``);
+   against its own checkpoint), the embeddings and ``lm_head`` split by vocabulary rows where
+   vLLM splits them as the planner does (``holding.py``), and checked against the sizes vLLM
+   built the model with (a padded plan needs the padded model: ``padding.py``);
 4. **stand-ins**, full-shape tensors of which vLLM narrows this rank's bytes (``standins.py``):
    a tensor stored as vLLM takes it is a view of the mapped file, not read at all (vLLM's
    narrowing copies this rank's bytes out of it, one copy); a zero-padded tensor or a
@@ -53,9 +54,10 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ..errors import ShardloadError
-from ..frontdoor import open_session, plan_once
+from ..frontdoor import open_session, plan_beside, plan_once
 from ..loader import load_validated
 from ..readers import Checkpoint, open_checkpoint
+from .holding import Holding
 from .options import LoaderOptions
 from .padding import check_built
 from .stages import Stage, stage_of
@@ -79,25 +81,6 @@ class _LoadsWeights(Protocol):
     parameters it loaded (or None)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str] | None: ...
-
-
-def _vllm_places_whole_experts(model: nn.Module, model_config: ModelConfig) -> bool:
-    """Whether vLLM places whole experts per rank (``--enable-expert-parallel``): its
-    parallel config says so on a first load; vLLM's in-place reload sets no current config,
-    and there the model it built says so (its fused MoE layers hold fewer experts than the
-    model has)."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    if not model_config.is_moe:
-        return False
-    config = get_current_vllm_config_or_none()
-    if config is not None:
-        return bool(config.parallel_config.enable_expert_parallel)
-    experts = model_config.get_num_experts()
-    for name, p in model.named_parameters():
-        if name.rsplit(".", 1)[-1].startswith("w13_"):  # vLLM's fused MoE weights
-            return p.shape[0] < experts
-    return False
 
 
 class ShardloadModelLoader(BaseModelLoader):
@@ -169,7 +152,7 @@ class ShardloadModelLoader(BaseModelLoader):
         the caller's own, run on every rank as one collective (a rank that refuses fails
         them all) before planning and after the reads (``ReadChecks``)."""
         start = time.perf_counter()
-        whole_experts = _vllm_places_whole_experts(model, model_config)
+        holding = Holding.of(model, model_config)
         stage = stage_of(model)  # under pipeline parallelism: what this stage holds
         ckpt = open_checkpoint(self._folder(model_config))  # 2.
         try:
@@ -177,7 +160,7 @@ class ShardloadModelLoader(BaseModelLoader):
                 ckpt,
                 model_config,
                 _ReadMode(verify, in_place and not verify, checks),
-                whole_experts,
+                holding,
                 stage,
                 start,
             )
@@ -192,7 +175,7 @@ class ShardloadModelLoader(BaseModelLoader):
         ckpt: Checkpoint,
         model_config: ModelConfig,
         mode: _ReadMode,
-        whole_experts: bool,
+        holding: Holding,
         stage: Stage | None,
         start: float,
     ) -> RankRead:
@@ -210,9 +193,9 @@ class ShardloadModelLoader(BaseModelLoader):
             with sess.collective("planning the load"):  # 3.
                 if mode.checks is not None:
                     mode.checks.opened(ckpt)
-                planner = {"experts": "ep"} if whole_experts and opts.plan is None else {}
                 # rank 0 plans; the other ranks receive its plan and validate it
-                job = plan_once(sess, ckpt, opts.plan, what="planning the load", **planner)
+                choices = holding.planner_options(opts.plan is not None, plan_beside(ckpt))
+                job = plan_once(sess, ckpt, opts.plan, what="planning the load", **choices)
                 resolved = job.resolved
                 validated = resolved.validated
                 check_built(validated, model_config.hf_text_config)
@@ -260,7 +243,8 @@ class ShardloadModelLoader(BaseModelLoader):
             "plan_from": job.plan_from,
             "read_seconds": round(time.perf_counter() - start, 4),
             "verified": mode.verify,
-            "experts": "ep" if whole_experts else "tp",
+            "experts": "ep" if holding.whole_experts else "tp",
+            "vocab_parallel": choices.get("vocab_parallel", False),
         }
         if stage is not None:
             line.update(stage.describe())
