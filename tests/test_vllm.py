@@ -509,6 +509,10 @@ def test_shardload_loads_a_moe_as_vllms_default_loader_does(tp):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+# -m extended: by default tests/test_vllm_padding.py's expert-parallel engine (TP=3) checks each
+# rank's experts, verify on, which proves them what vLLM's narrowing takes; this adds vLLM's own
+# loader's parameters and the in-place views, at TP=2
+@pytest.mark.extended
 def test_under_expert_parallelism_each_rank_reads_only_its_experts():
     """vLLM places experts 0-3 on rank 0 and 4-7 on rank 1; shardload's ranks read only
     those. (vLLM's CPU MoE kernels crash generating under expert parallelism, with its own
