@@ -114,13 +114,23 @@ def _llama_folder(tmp_path: Path, heads=8, kv=2, head_dim=4, hidden=16, inter=32
     return tmp_path
 
 
+def _padded64(size: int) -> int:
+    return -(-size // 64) * 64
+
+
 def _vllm_vocab_rows(vocab: int, n: int, rank: int) -> tuple[int, int]:
     """The checkpoint rows vLLM's ``VocabParallelEmbedding`` keeps on ``rank``, written from its
     definition: the vocabulary padded to a multiple of 64, cut in N equal parts, the padding
     dropped."""
-    padded = -(-vocab // 64) * 64
-    per = padded // n
+    per = _padded64(vocab) // n
     return min(rank * per, vocab), min((rank + 1) * per, vocab)
+
+
+def _vllm_parts_are_equal(vocab: int, n: int) -> bool:
+    """Whether the N parts ``_vllm_vocab_rows`` gives are all ``vocab / N`` rows."""
+    return {end - begin for begin, end in (_vllm_vocab_rows(vocab, n, r) for r in range(n))} == {
+        vocab / n
+    }
 
 
 def _vllm_narrow(full: torch.Tensor, name: str, n: int, rank: int) -> torch.Tensor:
@@ -140,12 +150,12 @@ def _vllm_narrow(full: torch.Tensor, name: str, n: int, rank: int) -> torch.Tens
 def _vllm_embedding(vocab: int, n: int, rank: int, added: int = 0) -> SimpleNamespace:
     """A ``VocabParallelEmbedding``'s attributes as vLLM sets them (its definition), for
     ``holds_even_rows``."""
-    org_padded = -(-vocab // 64) * 64
+    org_padded = _padded64(vocab)
     begin, end = _vllm_vocab_rows(vocab, n, rank)
     return SimpleNamespace(
         org_vocab_size=vocab,
         num_added_embeddings=added,
-        num_embeddings_padded=-(-(org_padded + added) // 64) * 64,
+        num_embeddings_padded=_padded64(org_padded + added),
         tp_size=n,
         tp_rank=rank,
         shard_indices=SimpleNamespace(org_vocab_start_index=begin, org_vocab_end_index=end),
@@ -168,8 +178,7 @@ def test_the_vocabulary_is_split_where_vllm_keeps_equal_parts(vocab, n, added, e
     where the planner's even split is what vLLM keeps."""
     answers = [holds_even_rows(_vllm_embedding(vocab, n, r, added), n) for r in range(n)]
     assert answers == [even] * n
-    parts = {_vllm_vocab_rows(vocab, n, r)[1] - _vllm_vocab_rows(vocab, n, r)[0] for r in range(n)}
-    assert (parts == {vocab // n} and added == 0) is even
+    assert (_vllm_parts_are_equal(vocab, n) and added == 0) is even
 
 
 def test_a_plan_made_from_the_config_follows_how_vllm_holds_the_model():
@@ -356,8 +365,7 @@ def _header_bytes(model: str, tp: int) -> tuple[int, int]:
 
     with open(os.path.join(model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    padded = -(-vocab // 64) * 64
-    vocab_split = tp > 1 and padded == vocab and vocab % tp == 0
+    vocab_split = tp > 1 and _vllm_parts_are_equal(vocab, tp)
     whole = ("norm",) if vocab_split else ("embed_tokens", "lm_head", "norm")
     total = replicated = 0
     with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:

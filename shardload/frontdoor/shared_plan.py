@@ -29,9 +29,11 @@ processes) exchange nothing.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +71,9 @@ __all__ = [
     "planning_per_worker",
 ]
 
+#: ``resolve_plan`` with the planner's options given to ``plan_once``
+_Resolve = Callable[[Checkpoint, int, Any], ResolvedPlan]
+
 #: ``JobPlan.plan_from``: this rank resolved its plan itself, or received rank 0's
 PLANNED, FROM_RANK_0 = "planned", "rank 0"
 
@@ -94,19 +99,6 @@ def _share(ctx, data: torch.Tensor | None, size: int) -> torch.Tensor:
     ctx.group.broadcast(buf, src=0)
     ctx.progress()
     return buf.cpu()
-
-
-@dataclass(frozen=True)
-class _Choices:
-    """The planner's options that ``plan_once`` is given, for the rank that resolves."""
-
-    experts: str
-    vocab_parallel: bool
-
-    def resolve(self, ckpt: Checkpoint, num_shards: int, shard_info: Any) -> ResolvedPlan:
-        return resolve_plan(
-            ckpt, num_shards, shard_info, experts=self.experts, vocab_parallel=self.vocab_parallel
-        )
 
 
 @dataclass(frozen=True)
@@ -157,15 +149,16 @@ def plan_once(
     the step in a ``WorkerError``). ``experts`` and ``vocab_parallel`` go to the planner
     (``resolve_plan``)."""
     start = time.perf_counter()
-    choices = _Choices(experts, vocab_parallel)
+    # the planner's options, for whichever rank resolves the plan
+    resolve = functools.partial(resolve_plan, experts=experts, vocab_parallel=vocab_parallel)
     if not session.spmd or session.num_workers == 1:
         ckpt = as_checkpoint(params)
-        resolved = choices.resolve(ckpt, session.num_workers, shard_info)
+        resolved = resolve(ckpt, session.num_workers, shard_info)
         took = time.perf_counter() - start
         return JobPlan(ckpt, resolved, PLANNED, took, took)
     if session.local_workers == [0]:
-        return _plan_and_send(session, params, shard_info, choices, what, start)
-    return _receive(session, params, shard_info, choices, what, start)
+        return _plan_and_send(session, params, shard_info, resolve, what, start)
+    return _receive(session, params, shard_info, resolve, what, start)
 
 
 def plan_job(
@@ -195,7 +188,7 @@ def planning_per_worker(session: Session, job: JobPlan) -> list[dict] | None:
 
 
 def _plan_and_send(
-    session: Session, params: Any, shard_info: Any, choices: _Choices, what: str, start: float
+    session: Session, params: Any, shard_info: Any, resolve: _Resolve, what: str, start: float
 ) -> JobPlan:
     ckpt: Checkpoint | None = None
     resolved: ResolvedPlan | None = None
@@ -204,7 +197,7 @@ def _plan_and_send(
     try:
         ckpt = as_checkpoint(params)
         planning = True
-        resolved = choices.resolve(ckpt, session.num_workers, shard_info)
+        resolved = resolve(ckpt, session.num_workers, shard_info)
         if shard_info is None:
             data = _plan_bytes(resolved.validated)
     except BaseException as exc:  # noqa: BLE001 - every rank must hear of it, then it is raised
@@ -352,7 +345,7 @@ def _error_json(exc: BaseException) -> dict:
 
 
 def _receive(
-    session: Session, params: Any, shard_info: Any, choices: _Choices, what: str, start: float
+    session: Session, params: Any, shard_info: Any, resolve: _Resolve, what: str, start: float
 ) -> JobPlan:
     rank, ckpt, own = session.local_workers[0], None, None
     try:
@@ -386,7 +379,7 @@ def _receive(
         )
         plan_from = FROM_RANK_0
     else:  # a plan of its own (or rank 0 had one): resolved here, as without sharing
-        resolved = choices.resolve(ckpt, session.num_workers, shard_info)
+        resolved = resolve(ckpt, session.num_workers, shard_info)
         plan_from = PLANNED
     done = time.perf_counter()
     return JobPlan(ckpt, resolved, plan_from, done - start, done - received)

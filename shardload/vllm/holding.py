@@ -50,7 +50,7 @@ class Holding:
             vocab_split_matches(model, get_tp_group().world_size),
         )
 
-    def planner_options(self, plan_given: bool, beside: object) -> dict[str, Any]:
+    def planner_options(self, plan_given: bool, beside: str | None) -> dict[str, Any]:
         """``plan_once``'s planner options: none for a plan given, and no vocabulary split
         where a plan lies beside the checkpoint (``beside``, else None), which is used as it
         is (whole experts are asked for there too: the front door refuses, naming the flag,
